@@ -1,0 +1,308 @@
+//! The run's configuration: TOML file, then `PIPELINE_*` environment variables, then `--set`.
+//!
+//! Layering (later wins), all merged by figment:
+//! 1. the TOML file given on the command line;
+//! 2. environment variables `PIPELINE_<PATH>` with `__` between path parts, e.g.
+//!    `PIPELINE_STAGES__SAMPLER__QUEUE=100` sets `stages.sampler.queue` (keys are lower-cased);
+//! 3. `--set key.path=value` arguments; the value is read as TOML (`100`, `1.5`, `true`,
+//!    `"text"`, `[1, 2]`), and as a plain string if it is not valid TOML.
+//!
+//! Top-level tables: `[run]` (this file), `[data]`, `[model]`, `[train]` and `[stages.NAME]`.
+//! Stage tables are kept raw here and checked by [`crate::graph`] against the implementation
+//! each one names.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use figment::providers::{Env, Format, Toml};
+use figment::value::{Dict, Map, Value};
+use figment::{Figment, Metadata, Profile, Provider};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::error::ConfigErrors;
+
+/// `[run]`: how the run is executed and measured.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    /// Name of the run; the run directory is `<out_dir>/<name>-<UTC time>`. Empty: the config
+    /// file's stem.
+    pub name: String,
+    /// Seed of every random choice in the run (stages derive their own from it and their name).
+    pub seed: u64,
+    /// Folder under which run directories are made (unless `--out` names one).
+    pub out_dir: PathBuf,
+    /// Where the model runs: "cpu", or "cuda:N" in a binary built with the `cuda` feature.
+    pub device: String,
+    /// Items each stage handles before its histograms start: counted, but kept out of the
+    /// steady-state summary.
+    pub warmup_items: u64,
+    /// Take timings (histograms, busy fractions); false keeps only item counts.
+    pub instrument: bool,
+    /// After Ctrl-C or a stop request, how long (ms) in-flight items may drain before every stage
+    /// is stopped where it stands.
+    pub drain_timeout_ms: u64,
+    /// How often (µs) the length of every channel is sampled for its mean occupancy.
+    pub sample_interval_us: u64,
+    /// The stage whose input-bound fraction the verdict reports. Empty: the graph's sink.
+    pub focus: String,
+    /// Stop gracefully after this many seconds, as Ctrl-C would (0: no limit).
+    pub max_seconds: f64,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            seed: 0,
+            out_dir: PathBuf::from("runs"),
+            device: "cpu".into(),
+            warmup_items: 20,
+            instrument: true,
+            drain_timeout_ms: 10_000,
+            sample_interval_us: 1_000,
+            focus: String::new(),
+            max_seconds: 0.0,
+        }
+    }
+}
+
+/// `[data]`: the token shards and tokenizer the data stages read.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// Glob of the training shards, e.g. "data/golf_en_sp1024/fineweb_train_*.bin".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub train: Option<String>,
+    /// Glob of the validation shards.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val: Option<String>,
+    /// Path of the sentencepiece model the shards were made with.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<PathBuf>,
+}
+
+/// The whole config as resolved.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// `[run]`.
+    #[serde(default)]
+    pub run: RunConfig,
+    /// `[data]`.
+    #[serde(default)]
+    pub data: DataConfig,
+    /// `[model]`: read by the step executor.
+    #[serde(default, skip_serializing_if = "toml::Table::is_empty")]
+    pub model: toml::Table,
+    /// `[train]`: read by the step executor.
+    #[serde(default, skip_serializing_if = "toml::Table::is_empty")]
+    pub train: toml::Table,
+    /// `[stages.NAME]`, raw until the graph builder resolves them.
+    #[serde(default, skip_serializing)]
+    pub stages: BTreeMap<String, Dict>,
+}
+
+/// A config loaded from its layers, with the figment kept to say where each value came from.
+pub struct Loaded {
+    /// The merged layers.
+    pub figment: Figment,
+    /// The typed top-level config.
+    pub config: Config,
+    /// The TOML file it was loaded from.
+    pub path: PathBuf,
+}
+
+impl Loaded {
+    /// Names the file, environment variable or `--set` argument that supplied `key` (dotted
+    /// path); the config file when nothing more precise is known.
+    pub fn origin_of(&self, key: &str) -> String {
+        let mut probe = key;
+        loop {
+            if let Some(md) = self.figment.find_metadata(probe) {
+                let parts: Vec<&str> = probe.split('.').collect();
+                return describe_origin(md, &parts, &self.path);
+            }
+            match probe.rfind('.') {
+                Some(i) => probe = &probe[..i],
+                None => return self.path.display().to_string(),
+            }
+        }
+    }
+}
+
+fn describe_origin(md: &Metadata, path: &[&str], file: &Path) -> String {
+    match &md.source {
+        Some(figment::Source::File(p)) => relative(p).display().to_string(),
+        Some(figment::Source::Custom(s)) => s.clone(),
+        _ if md.name.contains("environment") => format!("environment variable {}", md.interpolate(&Profile::Default, path)),
+        _ => file.display().to_string(),
+    }
+}
+
+/// Shortens an absolute path to one relative to the working directory when possible.
+fn relative(p: &Path) -> PathBuf {
+    std::env::current_dir().ok().and_then(|cwd| p.strip_prefix(&cwd).ok().map(Path::to_path_buf)).unwrap_or_else(|| p.to_path_buf())
+}
+
+/// A `--set key.path=value` argument as a figment provider.
+struct SetArg {
+    raw: String,
+    key: String,
+    value: Value,
+}
+
+impl SetArg {
+    fn parse(raw: &str) -> Result<Self, String> {
+        let (key, value) = raw.split_once('=').ok_or_else(|| format!("`--set {raw}`: expected key.path=value"))?;
+        let key = key.trim();
+        if key.is_empty() || key.split('.').any(str::is_empty) {
+            return Err(format!("`--set {raw}`: the key must be a dotted path such as stages.sampler.queue"));
+        }
+        let value = value.trim();
+        let parsed = toml::from_str::<toml::Table>(&format!("v = {value}"))
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .unwrap_or_else(|| toml::Value::String(value.to_string()));
+        let value = Value::serialize(parsed).map_err(|e| format!("`--set {raw}`: {e}"))?;
+        Ok(Self { raw: raw.to_string(), key: key.to_string(), value })
+    }
+}
+
+impl Provider for SetArg {
+    fn metadata(&self) -> Metadata {
+        Metadata::named("--set argument").source(figment::Source::Custom(format!("--set {}", self.raw)))
+    }
+    fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
+        let nested = figment::util::nest(&self.key, self.value.clone());
+        let dict = nested.into_dict().ok_or_else(|| figment::Error::from("--set produced no table".to_string()))?;
+        Ok(Profile::Default.collect(dict))
+    }
+}
+
+/// Loads `path`, then the environment, then `sets`, into a [`Loaded`] config.
+pub fn load(path: &Path, sets: &[String]) -> Result<Loaded, ConfigErrors> {
+    load_with_env(path, sets, true)
+}
+
+/// As [`load`], optionally ignoring the environment (tests, benches).
+pub fn load_with_env(path: &Path, sets: &[String], use_env: bool) -> Result<Loaded, ConfigErrors> {
+    let mut errors = ConfigErrors::default();
+    let shown = path.display().to_string();
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) => {
+            errors.push(shown, None, format!("cannot read the config file: {e}"));
+            return Err(errors);
+        }
+    };
+    if let Err(e) = toml::from_str::<toml::Table>(&text) {
+        errors.push(shown, None, format!("not valid TOML: {}", e.to_string().trim_end()));
+        return Err(errors);
+    }
+    let mut figment = Figment::from(Toml::file_exact(path));
+    if use_env {
+        figment = figment.merge(Env::prefixed("PIPELINE_").split("__"));
+    }
+    for raw in sets {
+        match SetArg::parse(raw) {
+            Ok(set) => figment = figment.merge(set),
+            Err(msg) => errors.push("command line", None, msg),
+        }
+    }
+    errors.clone().into_result()?;
+    let config: Config = match figment.extract() {
+        Ok(c) => c,
+        Err(e) => {
+            let loaded = Loaded { figment, config: Config::default(), path: path.to_path_buf() };
+            push_figment_error(&mut errors, &loaded, None, e);
+            return Err(errors);
+        }
+    };
+    Ok(Loaded { figment, config, path: path.to_path_buf() })
+}
+
+/// Turns a figment error (possibly several) into issues; `prefix` is prepended to each key path
+/// (used for stage parameters, which are deserialised from a sub-table).
+pub fn push_figment_error(errors: &mut ConfigErrors, loaded: &Loaded, prefix: Option<&str>, err: figment::Error) {
+    for e in err {
+        let mut parts: Vec<String> = prefix.map(|p| p.split('.').map(String::from).collect()).unwrap_or_default();
+        parts.extend(e.path.iter().cloned());
+        // Unknown fields are reported at the parent path by serde; name the field itself.
+        if let figment::error::Kind::UnknownField(field, _) = &e.kind {
+            if parts.last() != Some(field) {
+                parts.push(field.clone());
+            }
+        }
+        let key = parts.join(".");
+        let origin = loaded.origin_of(&key);
+        let message = describe_kind(&e.kind);
+        errors.push(origin, if key.is_empty() { None } else { Some(key) }, message);
+    }
+}
+
+fn describe_kind(kind: &figment::error::Kind) -> String {
+    use figment::error::Kind;
+    match kind {
+        Kind::UnknownField(f, expected) => {
+            if expected.is_empty() {
+                format!("unknown key `{f}`; this table takes no keys")
+            } else {
+                format!("unknown key `{f}`; expected one of: {}", expected.join(", "))
+            }
+        }
+        Kind::MissingField(f) => format!("missing required key `{f}`"),
+        Kind::InvalidType(actual, expected) => format!("wrong type: found {actual}, expected {expected}"),
+        Kind::InvalidValue(actual, expected) => format!("invalid value: found {actual}, expected {expected}"),
+        Kind::UnknownVariant(v, expected) => format!("unknown value `{v}`; expected one of: {}", expected.join(", ")),
+        other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &Path, text: &str) -> PathBuf {
+        let p = dir.join("c.toml");
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    fn tmpdir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("pipeline-config-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn set_overrides_file_and_parses_toml_values() {
+        let d = tmpdir("set");
+        let p = write(&d, "[run]\nseed = 1\n[stages.a]\nkind = \"drain\"\n");
+        let l = load_with_env(&p, &["run.seed=7".into(), "run.name=abc".into(), "stages.a.queue=5".into()], false).unwrap();
+        assert_eq!(l.config.run.seed, 7);
+        assert_eq!(l.config.run.name, "abc");
+        assert_eq!(l.config.stages["a"]["queue"].to_u128(), Some(5));
+        assert_eq!(l.origin_of("run.seed"), "--set run.seed=7");
+    }
+
+    #[test]
+    fn unknown_run_key_names_file_and_key() {
+        let d = tmpdir("unknown");
+        let p = write(&d, "[run]\nseedd = 1\n");
+        let e = load_with_env(&p, &[], false).err().unwrap();
+        assert_eq!(e.0.len(), 1);
+        assert_eq!(e.0[0].key.as_deref(), Some("run.seedd"));
+        assert!(e.0[0].message.contains("unknown key `seedd`"), "{}", e);
+        assert!(e.0[0].origin.ends_with("c.toml"), "{}", e);
+    }
+
+    #[test]
+    fn bad_set_argument_is_an_error() {
+        let d = tmpdir("badset");
+        let p = write(&d, "");
+        assert!(load_with_env(&p, &["noequals".into()], false).is_err());
+        assert!(load_with_env(&p, &["a..b=1".into()], false).is_err());
+    }
+}

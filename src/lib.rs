@@ -1,0 +1,37 @@
+//! `pipeline`: GPT training as a declarative graph of stages.
+//!
+//! A config (`pipelines/*.toml`) names stages (`[stages.NAME] kind, impl, inputs, queue`); the
+//! runtime runs each on its own thread, joins them with bounded flume channels, measures every
+//! stage and channel with latency histograms, and writes a report that names the bottleneck.
+//!
+//! Module map:
+//! - [`config`]: layered config (TOML, `PIPELINE_*` environment, `--set`);
+//! - [`graph`]: checks stage tables against the registry and orders them into a [`graph::Plan`];
+//! - [`stage`]: the `Source` / `Transform` / `Sink` contract and registry entries;
+//! - [`channel`]: instrumented ports on bounded channels (private hot path);
+//! - [`runtime`]: threads, stop and abort, occupancy sampling;
+//! - [`report`], [`verdict`]: `report.json`, the text table, the bottleneck verdict;
+//! - [`run`]: `pipeline run` as a library call;
+//! - [`stages`]: the stage implementations (the top-level `stages/` folder).
+
+pub mod catalog;
+pub mod clock;
+pub mod config;
+pub mod control;
+pub mod error;
+pub mod graph;
+pub mod inject;
+pub mod message;
+pub mod metrics;
+pub mod registry;
+pub mod report;
+pub mod run;
+pub mod rundir;
+pub mod runtime;
+pub mod stage;
+pub mod verdict;
+
+mod channel;
+
+#[path = "../stages/mod.rs"]
+pub mod stages;

@@ -1,0 +1,178 @@
+//! The `pipeline` command line: `run`, `validate`, `report`, `stages`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+
+use pipeline::config;
+use pipeline::control::Control;
+use pipeline::graph;
+use pipeline::report::Report;
+use pipeline::run::{self, RunError};
+
+/// GPT training as a declarative graph of measured stages.
+#[derive(Parser)]
+#[command(name = "pipeline", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a pipeline and write its run directory (config.toml, report.json).
+    Run {
+        /// The pipeline config (TOML).
+        config: PathBuf,
+        /// Run directory (default: <[run] out_dir>/<name>-<UTC time>).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Override a config value: --set stages.mid.delay_us=2000 (repeatable; read as TOML).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+        /// Print only errors and the final report, no progress lines.
+        #[arg(long, short)]
+        quiet: bool,
+    },
+    /// Check a pipeline config without running it (exit 2 on any problem).
+    Validate {
+        /// The pipeline config (TOML).
+        config: PathBuf,
+        /// Override a config value, as for `run`.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+    },
+    /// Print the bottleneck report of a finished run.
+    Report {
+        /// The run directory (holding report.json).
+        run_dir: PathBuf,
+        /// Print report.json instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List stage kinds, their implementations and parameters.
+    Stages {
+        /// Print as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let code = match cli.command {
+        Command::Run { config, out, sets, quiet } => cmd_run(config, out, sets, quiet),
+        Command::Validate { config, sets } => cmd_validate(config, sets),
+        Command::Report { run_dir, json } => cmd_report(run_dir, json),
+        Command::Stages { json } => cmd_stages(json),
+    };
+    ExitCode::from(code as u8)
+}
+
+fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool) -> i32 {
+    // Install the handler first, so a Ctrl-C at any moment still ends in a written report.
+    let control = Arc::new(Control::new());
+    let handler_control = control.clone();
+    let handler = ctrlc::set_handler(move || {
+        let again = handler_control.stopping();
+        handler_control.interrupt();
+        if again {
+            eprintln!("pipeline: second Ctrl-C: stopping every stage now");
+        } else {
+            eprintln!("pipeline: Ctrl-C: draining in-flight items, then flushing (Ctrl-C again to stop at once)");
+        }
+    });
+    if let Err(e) = handler {
+        eprintln!("error: cannot install the Ctrl-C handler: {e}");
+        return 1;
+    }
+    let loaded = match config::load(&path, &sets) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
+    let result = run::run(&loaded, out.as_deref(), control, |dir| {
+        if !quiet {
+            eprintln!("pipeline: run directory {}", dir.display());
+        }
+    });
+    match result {
+        Ok(outcome) => {
+            println!("{}", outcome.report.render());
+            if let Some(e) = &outcome.report.run.error {
+                eprintln!("error: {e}");
+            }
+            outcome.report.run.exit_code
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+fn cmd_validate(path: PathBuf, sets: Vec<String>) -> i32 {
+    let result = config::load(&path, &sets).map_err(RunError::from).and_then(|loaded| {
+        let plan = graph::plan(&loaded)?;
+        run::check_device(&loaded)?;
+        graph::check_resources(&plan, &loaded)?;
+        Ok(plan)
+    });
+    match result {
+        Ok(plan) => {
+            let names: Vec<String> = plan
+                .stages
+                .iter()
+                .map(|s| format!("{} ({}/{})", s.name, s.factory.kind(), s.factory.name()))
+                .collect();
+            println!("{}: ok, {} stages: {}", path.display(), plan.stages.len(), names.join(" -> "));
+            0
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            2
+        }
+    }
+}
+
+fn cmd_report(run_dir: PathBuf, json: bool) -> i32 {
+    match Report::load(&run_dir) {
+        Ok(r) if json => match serde_json::to_string_pretty(&r) {
+            Ok(s) => {
+                println!("{s}");
+                0
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                1
+            }
+        },
+        Ok(r) => {
+            print!("{}", r.render());
+            0
+        }
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            1
+        }
+    }
+}
+
+fn cmd_stages(json: bool) -> i32 {
+    if json {
+        match serde_json::to_string_pretty(&pipeline::catalog::catalog()) {
+            Ok(s) => println!("{s}"),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return 1;
+            }
+        }
+    } else {
+        print!("{}", pipeline::catalog::render());
+    }
+    0
+}

@@ -1,0 +1,110 @@
+//! `pipeline run` as a library call: plan, make the run directory, write the resolved config,
+//! execute, write the report.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::config::Loaded;
+use crate::control::Control;
+use crate::error::ConfigErrors;
+use crate::graph::{self, Plan};
+use crate::report::{self, Report, ReportMeta};
+use crate::rundir;
+use crate::runtime::{self, BuildError};
+
+/// Why a run could not produce a report.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The config is wrong (exit code 2).
+    #[error("{0}")]
+    Config(#[from] ConfigErrors),
+    /// A stage could not be built (exit code 1).
+    #[error("{0}")]
+    Build(#[from] BuildError),
+    /// The run directory or its files could not be written (exit code 1).
+    #[error("{0:#}")]
+    Io(#[from] anyhow::Error),
+}
+
+impl RunError {
+    /// The process exit code for this error.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            RunError::Config(_) => 2,
+            _ => 1,
+        }
+    }
+}
+
+/// A finished run.
+pub struct RunOutcome {
+    /// Its report (also in `run_dir/report.json`).
+    pub report: Report,
+    /// Its run directory.
+    pub run_dir: PathBuf,
+}
+
+/// The run's name: `[run] name`, else the config file's stem.
+pub fn run_name(loaded: &Loaded) -> String {
+    let n = &loaded.config.run.name;
+    if !n.is_empty() {
+        return n.clone();
+    }
+    loaded.path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into())
+}
+
+/// Checks the device names something this binary can run on.
+pub fn check_device(loaded: &Loaded) -> Result<(), ConfigErrors> {
+    let dev = loaded.config.run.device.as_str();
+    let mut errors = ConfigErrors::default();
+    if dev != "cpu" {
+        let msg = if dev.starts_with("cuda") {
+            format!("device `{dev}` needs a binary built with the `cuda` feature (see scripts/build-cuda.sh); this one runs on \"cpu\" only")
+        } else {
+            format!("unknown device `{dev}`; expected \"cpu\" or \"cuda:N\"")
+        };
+        errors.push(loaded.origin_of("run.device"), Some("run.device".into()), msg);
+    }
+    errors.into_result()
+}
+
+/// Runs `loaded` to the end. `on_start` is called with the run directory once it exists.
+pub fn run(loaded: &Loaded, out: Option<&Path>, control: Arc<Control>, on_start: impl FnOnce(&Path)) -> Result<RunOutcome, RunError> {
+    let plan: Plan = graph::plan(loaded)?;
+    check_device(loaded)?;
+    let name = run_name(loaded);
+    let run_dir = rundir::create(out, &loaded.config.run.out_dir, &name)?;
+    write_resolved_config(loaded, &plan, &run_dir)?;
+    on_start(&run_dir);
+    let started = rundir::now_rfc3339();
+    let result = runtime::execute(&plan, &loaded.config, Some(&run_dir), control)?;
+    let meta = ReportMeta {
+        name: &name,
+        config_path: &loaded.path,
+        run_dir: &run_dir,
+        started,
+        warmup_items: loaded.config.run.warmup_items,
+        instrument: loaded.config.run.instrument,
+    };
+    let report = report::build(&plan, &result, &meta);
+    let json = serde_json::to_vec_pretty(&report).map_err(anyhow::Error::from)?;
+    rundir::write_atomic(&run_dir.join("report.json"), &json)?;
+    Ok(RunOutcome { report, run_dir })
+}
+
+/// Writes `RUN_DIR/config.toml`: every layer merged and every default filled in, so the run can
+/// be repeated with `pipeline run RUN_DIR/config.toml`.
+fn write_resolved_config(loaded: &Loaded, plan: &Plan, run_dir: &Path) -> anyhow::Result<()> {
+    let mut cfg = loaded.config.clone();
+    if cfg.run.name.is_empty() {
+        cfg.run.name = run_name(loaded);
+    }
+    let mut table = toml::Table::try_from(&cfg)?;
+    table.insert("stages".into(), toml::Value::Table(plan.stage_tables()));
+    let text = format!(
+        "# Resolved config of this run: file, environment and --set merged, defaults filled in.\n# Repeat the run with: pipeline run {}\n\n{}",
+        run_dir.join("config.toml").display(),
+        toml::to_string_pretty(&table)?
+    );
+    rundir::write_atomic(&run_dir.join("config.toml"), text.as_bytes())
+}
