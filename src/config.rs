@@ -283,7 +283,7 @@ mod tests {
         let l = load_with_env(&p, &["run.seed=7".into(), "run.name=abc".into(), "stages.a.queue=5".into()], false).unwrap();
         assert_eq!(l.config.run.seed, 7);
         assert_eq!(l.config.run.name, "abc");
-        assert_eq!(l.config.stages["a"]["queue"].to_u128(), Some(5));
+        assert_eq!(l.config.stages["a"]["queue"].to_i128(), Some(5));
         assert_eq!(l.origin_of("run.seed"), "--set run.seed=7");
     }
 
