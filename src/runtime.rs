@@ -221,7 +221,6 @@ pub fn execute(plan: &Plan, config: &Config, run_dir: Option<&Path>, control: Ar
                 let i = d.index;
                 results[i] = Some(d);
                 remaining -= 1;
-                continue;
             }
             Err(flume::RecvTimeoutError::Timeout) => {}
             Err(flume::RecvTimeoutError::Disconnected) => break,
