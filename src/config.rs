@@ -120,15 +120,48 @@ impl Loaded {
     pub fn origin_of(&self, key: &str) -> String {
         let mut probe = key;
         loop {
-            if let Some(md) = self.figment.find_metadata(probe) {
-                let parts: Vec<&str> = probe.split('.').collect();
-                return describe_origin(md, &parts, &self.path);
+            if let Ok(value) = self.figment.find_value(probe) {
+                return match value {
+                    // A table: blame the file unless every value in it came from one override.
+                    Value::Dict(..) => self.table_origin(probe, &value),
+                    _ => self.leaf_origin(probe),
+                };
             }
             match probe.rfind('.') {
                 Some(i) => probe = &probe[..i],
-                None => return self.path.display().to_string(),
+                None => return self.file_name(),
             }
         }
+    }
+
+    fn file_name(&self) -> String {
+        relative(&self.path).display().to_string()
+    }
+
+    fn leaf_origin(&self, key: &str) -> String {
+        match self.figment.find_metadata(key) {
+            Some(md) => describe_origin(md, &key.split('.').collect::<Vec<_>>(), &self.path),
+            None => self.file_name(),
+        }
+    }
+
+    fn table_origin(&self, key: &str, value: &Value) -> String {
+        let mut leaves = Vec::new();
+        collect_leaves(key, value, &mut leaves);
+        let origins: Vec<String> = leaves.iter().map(|k| self.leaf_origin(k)).collect();
+        let file = self.file_name();
+        if origins.is_empty() || origins.contains(&file) { file } else { origins[0].clone() }
+    }
+}
+
+fn collect_leaves(prefix: &str, value: &Value, out: &mut Vec<String>) {
+    match value {
+        Value::Dict(_, d) => {
+            for (k, v) in d {
+                collect_leaves(&format!("{prefix}.{k}"), v, out);
+            }
+        }
+        _ => out.push(prefix.to_string()),
     }
 }
 
@@ -136,7 +169,10 @@ fn describe_origin(md: &Metadata, path: &[&str], file: &Path) -> String {
     match &md.source {
         Some(figment::Source::File(p)) => relative(p).display().to_string(),
         Some(figment::Source::Custom(s)) => s.clone(),
-        _ if md.name.contains("environment") => format!("environment variable {}", md.interpolate(&Profile::Default, path)),
+        _ if md.name.contains("environment") => {
+            let var: Vec<String> = path.iter().map(|p| p.to_uppercase()).collect();
+            format!("environment variable PIPELINE_{}", var.join("__"))
+        }
         _ => file.display().to_string(),
     }
 }
@@ -230,14 +266,18 @@ pub fn push_figment_error(errors: &mut ConfigErrors, loaded: &Loaded, prefix: Op
         let mut parts: Vec<String> = prefix.map(|p| p.split('.').map(String::from).collect()).unwrap_or_default();
         parts.extend(e.path.iter().cloned());
         // Unknown fields are reported at the parent path by serde; name the field itself.
-        if let figment::error::Kind::UnknownField(field, _) = &e.kind {
-            if parts.last() != Some(field) {
-                parts.push(field.clone());
-            }
+        match &e.kind {
+            figment::error::Kind::UnknownField(field, _) if parts.last() != Some(field) => parts.push(field.clone()),
+            figment::error::Kind::MissingField(field) if parts.last().map(String::as_str) != Some(field.as_ref()) => parts.push(field.to_string()),
+            _ => {}
         }
+        let top_level = parts.len() == 1;
         let key = parts.join(".");
         let origin = loaded.origin_of(&key);
-        let message = describe_kind(&e.kind);
+        let mut message = describe_kind(&e.kind);
+        if top_level {
+            message = message.replacen("unknown key", "unknown top-level table or key", 1);
+        }
         errors.push(origin, if key.is_empty() { None } else { Some(key) }, message);
     }
 }
@@ -253,10 +293,21 @@ fn describe_kind(kind: &figment::error::Kind) -> String {
             }
         }
         Kind::MissingField(f) => format!("missing required key `{f}`"),
-        Kind::InvalidType(actual, expected) => format!("wrong type: found {actual}, expected {expected}"),
-        Kind::InvalidValue(actual, expected) => format!("invalid value: found {actual}, expected {expected}"),
+        Kind::InvalidType(actual, expected) => format!("wrong type: found {actual}, expected {}", plain_type(expected)),
+        Kind::InvalidValue(actual, expected) => format!("invalid value: found {actual}, expected {}", plain_type(expected)),
         Kind::UnknownVariant(v, expected) => format!("unknown value `{v}`; expected one of: {}", expected.join(", ")),
         other => other.to_string(),
+    }
+}
+
+/// Serde's Rust type names in words a config author reads.
+fn plain_type(expected: &str) -> String {
+    match expected {
+        "i8" | "i16" | "i32" | "i64" | "i128" | "isize" => "an integer".into(),
+        "u8" | "u16" | "u32" | "u64" | "u128" | "usize" => "a non-negative integer".into(),
+        "f32" | "f64" => "a number".into(),
+        "a boolean" | "bool" => "true or false".into(),
+        other => other.into(),
     }
 }
 

@@ -2,7 +2,8 @@
 //!
 //! Field meanings (durations in µs unless the name says otherwise; "steady" means after each
 //! stage's first `[run] warmup_items` items):
-//! - `stages.NAME.busy_fraction`: steady service time / steady wall time of that stage;
+//! - `stages.NAME.busy_fraction`: steady service time / time from that stage's warm-up end to
+//!   the end of the run;
 //! - `stages.NAME.service_us`: time per item inside the stage's own code (less time blocked on a
 //!   full output channel);
 //! - `channels."A->B".send_blocked_us`: per item, time A waited for room in B's channel;
@@ -103,7 +104,7 @@ pub struct StageReport {
     pub service_us: Summary,
     /// Steady items per second.
     pub throughput_per_s: f64,
-    /// Steady window length (s).
+    /// Steady window length (s): from this stage's warm-up end to the end of the run.
     pub steady_s: f64,
     /// "finished", "failed", "panicked" or "hung".
     pub state: String,
@@ -180,8 +181,10 @@ pub fn build(plan: &Plan, result: &RunResult, meta: &ReportMeta) -> Report {
     for (i, (s, r)) in plan.stages.iter().zip(&result.stages).enumerate() {
         let (items_in, items_out, service, busy, steady_s) = match &r.env {
             Some(env) => {
+                // The window runs to the end of the whole run, not of this stage: a stage that
+                // finished early (a source whose items sit in a deep queue) was idle since.
                 let steady_start = env.steady_start.unwrap_or(env.start);
-                let steady_s = clock.seconds(steady_start, r.end);
+                let steady_s = clock.seconds(steady_start, result.end.max(r.end));
                 let busy = if steady_s > 0.0 { (env.service.sum_ns() as f64 * 1e-9 / steady_s).min(1.0) } else { 0.0 };
                 (env.items_in, env.items_out, env.service.summary(), busy, steady_s)
             }
