@@ -71,7 +71,11 @@ pub fn catalog() -> Vec<ImplDoc> {
     for kind in registry::kinds() {
         for f in registry::impls(kind) {
             let schema = serde_json::to_value(f.schema()).unwrap_or_default();
-            let required: Vec<&str> = schema.get("required").and_then(|r| r.as_array()).map(|r| r.iter().filter_map(|x| x.as_str()).collect()).unwrap_or_default();
+            let required: Vec<&str> = schema
+                .get("required")
+                .and_then(|r| r.as_array())
+                .map(|r| r.iter().filter_map(|x| x.as_str()).collect())
+                .unwrap_or_default();
             let mut params = Vec::new();
             if let Some(props) = schema.get("properties").and_then(|p| p.as_object()) {
                 for (name, prop) in props {
@@ -111,6 +115,9 @@ pub fn render() -> String {
             let _ = writeln!(o, "      {:<14} {:<18} {:<10} {}", p.name, p.ty, default, p.doc);
         }
     }
-    let _ = writeln!(o, "\nEvery stage table also takes: kind, impl (default: the kind's first), inputs = [\"stage\", ...] (not for sources), queue = N (capacity of the channel feeding the stage, default 2).");
+    let _ = writeln!(
+        o,
+        "\nEvery stage table also takes: kind, impl (default: the kind's first), inputs = [\"stage\", ...] (not for sources), queue = N (capacity of the channel feeding the stage, default 2)."
+    );
     o
 }

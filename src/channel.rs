@@ -119,13 +119,7 @@ impl<T: Clone + Send + 'static> OutPort<T> {
 }
 
 #[inline]
-fn send_one<T>(
-    tx: &Sender<Envelope<T>>,
-    env: Envelope<T>,
-    meter: &mut Meter,
-    st: &mut EdgeOutStats,
-    ctl: &Control,
-) -> Result<(), Stopped> {
+fn send_one<T>(tx: &Sender<Envelope<T>>, env: Envelope<T>, meter: &mut Meter, st: &mut EdgeOutStats, ctl: &Control) -> Result<(), Stopped> {
     match tx.try_send(env) {
         Ok(()) => {
             if meter.recording {
@@ -215,6 +209,9 @@ impl<T: Send + 'static> InPort<T> {
     }
 }
 
+/// Reports a channel's length without keeping it open (`None` once every sender is gone).
+pub(crate) type Probe = Box<dyn Fn() -> Option<usize> + Send>;
+
 /// A freshly made channel before wiring: the builder hands out senders and the receiver as
 /// `Box<dyn Any>`, and keeps a weak probe for occupancy sampling.
 pub(crate) struct TypedChannel<T> {
@@ -239,7 +236,7 @@ impl<T: Send + 'static> TypedChannel<T> {
         self.rx.take().map(|rx| Box::new(rx) as Box<dyn Any + Send>)
     }
     /// Reports the queue length without keeping the channel open.
-    pub fn probe(&self) -> Box<dyn Fn() -> Option<usize> + Send> {
+    pub fn probe(&self) -> Probe {
         let weak = self.tx.downgrade();
         Box::new(move || weak.upgrade().map(|tx| tx.len()))
     }

@@ -49,6 +49,10 @@ pub struct RunConfig {
     pub focus: String,
     /// Stop gracefully after this many seconds, as Ctrl-C would (0: no limit).
     pub max_seconds: f64,
+    /// Number of ranks (processes, one per GPU) training together.
+    pub world_size: usize,
+    /// This process's rank, below `world_size`.
+    pub rank: usize,
 }
 
 impl Default for RunConfig {
@@ -64,6 +68,8 @@ impl Default for RunConfig {
             sample_interval_us: 1_000,
             focus: String::new(),
             max_seconds: 0.0,
+            world_size: 1,
+            rank: 0,
         }
     }
 }
@@ -83,6 +89,24 @@ pub struct DataConfig {
     pub tokenizer: Option<PathBuf>,
 }
 
+/// `[train]`: the shape of a training step (and, with the executor, its schedule).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Tokens per optimizer step over all ranks (the global batch).
+    pub batch_tokens: usize,
+    /// Micro-batches per step on each rank; 0 means 8 / world_size, as the challenge scripts do.
+    pub grad_accum_steps: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self { seq_len: 1024, batch_tokens: 524_288, grad_accum_steps: 0 }
+    }
+}
+
 /// The whole config as resolved.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -96,9 +120,9 @@ pub struct Config {
     /// `[model]`: read by the step executor.
     #[serde(default, skip_serializing_if = "toml::Table::is_empty")]
     pub model: toml::Table,
-    /// `[train]`: read by the step executor.
-    #[serde(default, skip_serializing_if = "toml::Table::is_empty")]
-    pub train: toml::Table,
+    /// `[train]`.
+    #[serde(default)]
+    pub train: TrainConfig,
     /// `[stages.NAME]`, raw until the graph builder resolves them.
     #[serde(default, skip_serializing)]
     pub stages: BTreeMap<String, Dict>,
@@ -268,7 +292,9 @@ pub fn push_figment_error(errors: &mut ConfigErrors, loaded: &Loaded, prefix: Op
         // Unknown fields are reported at the parent path by serde; name the field itself.
         match &e.kind {
             figment::error::Kind::UnknownField(field, _) if parts.last() != Some(field) => parts.push(field.clone()),
-            figment::error::Kind::MissingField(field) if parts.last().map(String::as_str) != Some(field.as_ref()) => parts.push(field.to_string()),
+            figment::error::Kind::MissingField(field) if parts.last().map(String::as_str) != Some(field.as_ref()) => {
+                parts.push(field.to_string())
+            }
             _ => {}
         }
         let top_level = parts.len() == 1;

@@ -116,16 +116,37 @@ pub fn plan(loaded: &Loaded) -> Result<Plan, ConfigErrors> {
         let key = |k: &str| Some(format!("stages.{}.{k}", d.name));
         let role = d.factory.role();
         if role == Role::Source && !d.inputs.is_empty() {
-            errors.push(loaded.origin_of(&format!("stages.{}.inputs", d.name)), key("inputs"), format!("stage `{}` is a source ({}/{}) and takes no inputs", d.name, d.factory.kind(), d.factory.name()));
+            errors.push(
+                loaded.origin_of(&format!("stages.{}.inputs", d.name)),
+                key("inputs"),
+                format!("stage `{}` is a source ({}/{}) and takes no inputs", d.name, d.factory.kind(), d.factory.name()),
+            );
         }
         if role != Role::Source && d.inputs.is_empty() {
-            errors.push(loaded.origin_of(&format!("stages.{}", d.name)), key("inputs"), format!("stage `{}` ({}/{}) needs `inputs = [\"...\"]` naming the stages that feed it", d.name, d.factory.kind(), d.factory.name()));
+            errors.push(
+                loaded.origin_of(&format!("stages.{}", d.name)),
+                key("inputs"),
+                format!(
+                    "stage `{}` ({}/{}) needs `inputs = [\"...\"]` naming the stages that feed it",
+                    d.name,
+                    d.factory.kind(),
+                    d.factory.name()
+                ),
+            );
         }
         for (i, inp) in d.inputs.iter().enumerate() {
             if d.inputs[..i].contains(inp) {
-                errors.push(loaded.origin_of(&format!("stages.{}.inputs", d.name)), key("inputs"), format!("input `{inp}` is listed twice"));
+                errors.push(
+                    loaded.origin_of(&format!("stages.{}.inputs", d.name)),
+                    key("inputs"),
+                    format!("input `{inp}` is listed twice"),
+                );
             } else if inp == &d.name {
-                errors.push(loaded.origin_of(&format!("stages.{}.inputs", d.name)), key("inputs"), format!("stage `{}` cannot feed itself", d.name));
+                errors.push(
+                    loaded.origin_of(&format!("stages.{}.inputs", d.name)),
+                    key("inputs"),
+                    format!("stage `{}` cannot feed itself", d.name),
+                );
             } else if !names.contains(&inp.as_str()) {
                 errors.push(
                     loaded.origin_of(&format!("stages.{}.inputs", d.name)),
@@ -243,7 +264,11 @@ fn draft_stage(loaded: &Loaded, name: &str, table: &Dict, errors: &mut ConfigErr
     let kinds = registry::kinds();
     let impls = registry::impls(&head.kind);
     if impls.is_empty() {
-        errors.push(loaded.origin_of(&format!("{base}.kind")), Some(format!("{base}.kind")), format!("unknown stage kind `{}`; known kinds: {}", head.kind, kinds.join(", ")));
+        errors.push(
+            loaded.origin_of(&format!("{base}.kind")),
+            Some(format!("{base}.kind")),
+            format!("unknown stage kind `{}`; known kinds: {}", head.kind, kinds.join(", ")),
+        );
         return None;
     }
     let factory = match &head.imp {
@@ -264,11 +289,19 @@ fn draft_stage(loaded: &Loaded, name: &str, table: &Dict, errors: &mut ConfigErr
     let queue = match head.queue {
         None => DEFAULT_QUEUE,
         Some(q) if factory.role() == Role::Source => {
-            errors.push(loaded.origin_of(&format!("{base}.queue")), Some(format!("{base}.queue")), format!("stage `{name}` is a source and has no input channel; remove `queue` (it was {q})"));
+            errors.push(
+                loaded.origin_of(&format!("{base}.queue")),
+                Some(format!("{base}.queue")),
+                format!("stage `{name}` is a source and has no input channel; remove `queue` (it was {q})"),
+            );
             return None;
         }
         Some(q) if q < 1 => {
-            errors.push(loaded.origin_of(&format!("{base}.queue")), Some(format!("{base}.queue")), format!("queue must be at least 1 (it is the capacity of the channel feeding `{name}`); found {q}"));
+            errors.push(
+                loaded.origin_of(&format!("{base}.queue")),
+                Some(format!("{base}.queue")),
+                format!("queue must be at least 1 (it is the capacity of the channel feeding `{name}`); found {q}"),
+            );
             return None;
         }
         Some(q) => q as usize,
@@ -297,7 +330,8 @@ fn topo_order(drafts: &[Draft], idx: &BTreeMap<String, usize>) -> Result<Vec<usi
             outs[idx[inp]].push(i);
         }
     }
-    let mut ready: std::collections::BTreeSet<(String, usize)> = (0..n).filter(|&i| indeg[i] == 0).map(|i| (drafts[i].name.clone(), i)).collect();
+    let mut ready: std::collections::BTreeSet<(String, usize)> =
+        (0..n).filter(|&i| indeg[i] == 0).map(|i| (drafts[i].name.clone(), i)).collect();
     let mut order = Vec::with_capacity(n);
     while let Some(first) = ready.pop_first() {
         let i = first.1;

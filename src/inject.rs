@@ -91,7 +91,7 @@ impl Pace {
         while Instant::now() < deadline {
             std::hint::spin_loop();
             spins = spins.wrapping_add(1);
-            if spins % 1024 == 0 && ctx.aborted() {
+            if spins.is_multiple_of(1024) && ctx.aborted() {
                 return false;
             }
         }

@@ -14,6 +14,7 @@
 //! - [`run`]: `pipeline run` as a library call;
 //! - [`stages`]: the stage implementations (the top-level `stages/` folder).
 
+pub mod batch;
 pub mod catalog;
 pub mod clock;
 pub mod config;
@@ -23,12 +24,16 @@ pub mod graph;
 pub mod inject;
 pub mod message;
 pub mod metrics;
+pub mod pool;
+pub mod prepare;
 pub mod registry;
 pub mod report;
 pub mod run;
 pub mod rundir;
 pub mod runtime;
+pub mod shard;
 pub mod stage;
+pub mod tokenizer;
 pub mod verdict;
 
 mod channel;

@@ -52,11 +52,47 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Data preparation.
+    Data {
+        #[command(subcommand)]
+        command: DataCommand,
+    },
     /// List stage kinds, their implementations and parameters.
     Stages {
         /// Print as JSON.
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum DataCommand {
+    /// Tokenize text into challenge-format train and val shards plus manifest.json.
+    ///
+    /// Inputs: .jsonl (one object per line with a string field `text`) or text files, where two
+    /// or more consecutive blank lines separate documents. The first documents are the val split.
+    Prepare {
+        /// The sentencepiece model (.model).
+        #[arg(long)]
+        tokenizer: PathBuf,
+        /// Input files (.jsonl or text), in order.
+        #[arg(long = "input", required = true, num_args = 1..)]
+        inputs: Vec<PathBuf>,
+        /// Output folder for the shards and manifest.json.
+        #[arg(long)]
+        out: PathBuf,
+        /// The first N documents are the val split.
+        #[arg(long, conflicts_with = "val_frac")]
+        val_docs: Option<usize>,
+        /// The first fraction F of the documents are the val split (default 0.05).
+        #[arg(long)]
+        val_frac: Option<f64>,
+        /// Tokens per shard (the challenge uses 100,000,000).
+        #[arg(long, default_value_t = 100_000_000)]
+        shard_tokens: usize,
+        /// Replace shards already in the output folder.
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -67,6 +103,13 @@ fn main() -> ExitCode {
         Command::Validate { config, sets } => cmd_validate(config, sets),
         Command::Report { run_dir, json } => cmd_report(run_dir, json),
         Command::Stages { json } => cmd_stages(json),
+        Command::Data { command: DataCommand::Prepare { tokenizer, inputs, out, val_docs, val_frac, shard_tokens, force } } => {
+            let val = match (val_docs, val_frac) {
+                (Some(n), _) => pipeline::prepare::ValSplit::Docs(n),
+                (None, f) => pipeline::prepare::ValSplit::Frac(f.unwrap_or(0.05)),
+            };
+            cmd_prepare(pipeline::prepare::PrepareOptions { tokenizer, inputs, out, val, shard_tokens, force })
+        }
     };
     ExitCode::from(code as u8)
 }
@@ -124,11 +167,8 @@ fn cmd_validate(path: PathBuf, sets: Vec<String>) -> i32 {
     });
     match result {
         Ok(plan) => {
-            let names: Vec<String> = plan
-                .stages
-                .iter()
-                .map(|s| format!("{} ({}/{})", s.name, s.factory.kind(), s.factory.name()))
-                .collect();
+            let names: Vec<String> =
+                plan.stages.iter().map(|s| format!("{} ({}/{})", s.name, s.factory.kind(), s.factory.name())).collect();
             println!("{}: ok, {} stages: {}", path.display(), plan.stages.len(), names.join(" -> "));
             0
         }
@@ -153,6 +193,32 @@ fn cmd_report(run_dir: PathBuf, json: bool) -> i32 {
         },
         Ok(r) => {
             print!("{}", r.render());
+            0
+        }
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            1
+        }
+    }
+}
+
+fn cmd_prepare(opts: pipeline::prepare::PrepareOptions) -> i32 {
+    let t = std::time::Instant::now();
+    match pipeline::prepare::prepare(&opts) {
+        Ok(m) => {
+            println!(
+                "{}: val {} docs, {} tokens in {} shard(s); train {} docs, {} tokens in {} shard(s); tokenizer {} ({} pieces); {:.1} s",
+                opts.out.display(),
+                m.val.docs,
+                m.val.tokens,
+                m.val.shards.len(),
+                m.train.docs,
+                m.train.tokens,
+                m.train.shards.len(),
+                opts.tokenizer.display(),
+                m.tokenizer["vocab_size"],
+                t.elapsed().as_secs_f64()
+            );
             0
         }
         Err(e) => {

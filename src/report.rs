@@ -336,7 +336,18 @@ impl Report {
                 state
             );
             for (k, h) in &s.extra_us {
-                let _ = writeln!(o, "{:<14} {:<20} {:>9} {:>6} {:>10.1} {:>10.1} {:>10.1} {:>10.1}", "", format!("  {k}"), h.count, "", h.p50, h.p90, h.p99, h.max);
+                let _ = writeln!(
+                    o,
+                    "{:<14} {:<20} {:>9} {:>6} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+                    "",
+                    format!("  {k}"),
+                    h.count,
+                    "",
+                    h.p50,
+                    h.p90,
+                    h.p99,
+                    h.max
+                );
             }
         }
         let _ = writeln!(o);

@@ -59,7 +59,9 @@ pub fn check_device(loaded: &Loaded) -> Result<(), ConfigErrors> {
     let mut errors = ConfigErrors::default();
     if dev != "cpu" {
         let msg = if dev.starts_with("cuda") {
-            format!("device `{dev}` needs a binary built with the `cuda` feature (see scripts/build-cuda.sh); this one runs on \"cpu\" only")
+            format!(
+                "device `{dev}` needs a binary built with the `cuda` feature (see scripts/build-cuda.sh); this one runs on \"cpu\" only"
+            )
         } else {
             format!("unknown device `{dev}`; expected \"cpu\" or \"cuda:N\"")
         };

@@ -144,7 +144,7 @@ pub fn execute(plan: &Plan, config: &Config, run_dir: Option<&Path>, control: Ar
 
     // One input channel per consuming stage; senders for each edge; probes for sampling.
     let mut channels: Vec<Option<Box<dyn ErasedChannelHandle>>> = plan.stages.iter().map(|s| s.factory.input_channel(s.queue)).collect();
-    let probes: Vec<Option<Box<dyn Fn() -> Option<usize> + Send>>> = channels.iter().map(|c| c.as_ref().map(|c| c.probe())).collect();
+    let probes: Vec<Option<crate::channel::Probe>> = channels.iter().map(|c| c.as_ref().map(|c| c.probe())).collect();
     let mut wirings: Vec<Wiring> = Vec::with_capacity(plan.stages.len());
     for (i, s) in plan.stages.iter().enumerate() {
         let input = channels[i].as_mut().and_then(|c| c.take_receiver());
@@ -189,7 +189,13 @@ pub fn execute(plan: &Plan, config: &Config, run_dir: Option<&Path>, control: Ar
                 // Could not start a thread: stop what already runs and report it as this stage's failure.
                 control.fail();
                 let env = StageEnv::new(clock.clone(), control.clone(), false, 0, s.inputs.len(), s.consumers.len());
-                let _ = done_tx.send(Done { index: i, state: StageState::Failed(format!("cannot start its thread: {e}")), env, extra: BTreeMap::new(), end: clock.now() });
+                let _ = done_tx.send(Done {
+                    index: i,
+                    state: StageState::Failed(format!("cannot start its thread: {e}")),
+                    env,
+                    extra: BTreeMap::new(),
+                    end: clock.now(),
+                });
             }
         }
     }
@@ -213,10 +219,10 @@ pub fn execute(plan: &Plan, config: &Config, run_dir: Option<&Path>, control: Ar
         let wait = next_sample.saturating_duration_since(now);
         match done_rx.recv_timeout(wait) {
             Ok(d) => {
-                if failure.is_none() {
-                    if let StageState::Failed(m) | StageState::Panicked(m) = &d.state {
-                        failure = Some((plan.stages[d.index].name.clone(), m.clone()));
-                    }
+                if failure.is_none()
+                    && let StageState::Failed(m) | StageState::Panicked(m) = &d.state
+                {
+                    failure = Some((plan.stages[d.index].name.clone(), m.clone()));
                 }
                 let i = d.index;
                 results[i] = Some(d);
@@ -228,39 +234,44 @@ pub fn execute(plan: &Plan, config: &Config, run_dir: Option<&Path>, control: Ar
         let now = Instant::now();
         if now >= next_sample {
             for (i, (p, o)) in probes.iter().zip(occupancy.iter_mut()).enumerate() {
-                if let (Some(p), Some(o)) = (p, o.as_mut()) {
-                    if let Some(len) = p() {
-                        o.samples += 1;
-                        o.sum += len as u64;
-                        o.empty += (len == 0) as u64;
-                        o.full += (len >= plan.stages[i].queue) as u64;
-                    }
+                if let (Some(p), Some(o)) = (p, o.as_mut())
+                    && let Some(len) = p()
+                {
+                    o.samples += 1;
+                    o.sum += len as u64;
+                    o.empty += (len == 0) as u64;
+                    o.full += (len >= plan.stages[i].queue) as u64;
                 }
             }
             next_sample = now + interval;
         }
-        if let Some(limit) = max_run {
-            if !control.stopping() && now.duration_since(started_at) >= limit {
-                notes.push(format!("stopped after max_seconds = {}", run.max_seconds));
-                control.request_stop();
-            }
+        if let Some(limit) = max_run
+            && !control.stopping()
+            && now.duration_since(started_at) >= limit
+        {
+            notes.push(format!("stopped after max_seconds = {}", run.max_seconds));
+            control.request_stop();
         }
         if control.stopping() && stop_seen.is_none() {
             stop_seen = Some(now);
         }
-        if let Some(t) = stop_seen {
-            if !control.aborting() && now.duration_since(t) >= drain_timeout {
-                notes.push(format!("in-flight items did not drain within drain_timeout_ms = {}; stages were stopped where they stood", run.drain_timeout_ms));
-                control.abort();
-            }
+        if let Some(t) = stop_seen
+            && !control.aborting()
+            && now.duration_since(t) >= drain_timeout
+        {
+            notes.push(format!(
+                "in-flight items did not drain within drain_timeout_ms = {}; stages were stopped where they stood",
+                run.drain_timeout_ms
+            ));
+            control.abort();
         }
         if control.aborting() && abort_seen.is_none() {
             abort_seen = Some(now);
         }
-        if let Some(t) = abort_seen {
-            if now.duration_since(t) >= ABORT_GRACE {
-                break;
-            }
+        if let Some(t) = abort_seen
+            && now.duration_since(t) >= ABORT_GRACE
+        {
+            break;
         }
     }
     let end = clock.now();

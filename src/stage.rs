@@ -215,7 +215,13 @@ pub trait Transform: Sized + Send + 'static {
     /// Handles one item, emitting any number of outputs. Its duration, less time blocked on a
     /// full output channel, is the stage's service time.
     fn process(&mut self, item: Self::In, out: &mut Emitter<'_, Self::Out>, ctx: &mut Ctx) -> anyhow::Result<()>;
-    /// Called once after the loop; may emit final items.
+    /// Called repeatedly after the input has ended, like a source's `next`, until it returns
+    /// `None` or the graph stops: for stages that take their setup from upstream (a sampler
+    /// receives shards, then produces batches). Each call is timed as one item. Default: none.
+    fn produce(&mut self, _ctx: &mut Ctx) -> anyhow::Result<Option<Self::Out>> {
+        Ok(None)
+    }
+    /// Called once after the loop (and `produce`); may emit final items.
     fn flush(&mut self, _out: &mut Emitter<'_, Self::Out>, _ctx: &mut Ctx) -> anyhow::Result<()> {
         Ok(())
     }
@@ -298,6 +304,7 @@ pub trait StageFactory: Sync {
     /// JSON schema of its parameters (doc comments, types, defaults).
     fn schema(&self) -> schemars::Schema;
     /// Parses raw parameters and returns them with every default filled in.
+    #[allow(clippy::result_large_err)] // figment's error carries the key path and source we report
     fn resolve(&self, raw: &figment::value::Value) -> Result<toml::Table, figment::Error>;
     /// Runs the implementation's `check` on resolved parameters.
     fn check(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<()>;
@@ -331,6 +338,7 @@ impl<T: Send + 'static> ErasedChannelHandle for TypedChannel<T> {
     }
 }
 
+#[allow(clippy::result_large_err)]
 fn resolve_params<P: Params>(raw: &figment::value::Value) -> Result<toml::Table, figment::Error> {
     let typed: P = raw.deserialize()?;
     let value = toml::Value::try_from(&typed).map_err(|e| figment::Error::from(format!("cannot re-serialise parameters: {e}")))?;
@@ -373,6 +381,12 @@ macro_rules! factory_common {
 
 /// Registry entry for a [`Source`].
 pub struct SourceImpl<S>(PhantomData<fn() -> S>);
+impl<S> Default for SourceImpl<S> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl<S> SourceImpl<S> {
     /// The entry (usable in a `static`).
     pub const fn new() -> Self {
@@ -401,6 +415,12 @@ impl<S: Source> StageFactory for SourceImpl<S> {
 
 /// Registry entry for a [`Transform`].
 pub struct TransformImpl<T>(PhantomData<fn() -> T>);
+impl<T> Default for TransformImpl<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl<T> TransformImpl<T> {
     /// The entry (usable in a `static`).
     pub const fn new() -> Self {
@@ -429,6 +449,12 @@ impl<T: Transform> StageFactory for TransformImpl<T> {
 
 /// Registry entry for a [`Sink`].
 pub struct SinkImpl<K>(PhantomData<fn() -> K>);
+impl<K> Default for SinkImpl<K> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl<K> SinkImpl<K> {
     /// The entry (usable in a `static`).
     pub const fn new() -> Self {
@@ -590,6 +616,21 @@ impl<T: Transform> Runnable for TransformRun<T> {
                 break;
             }
             env.check_warmup(env.items_in);
+        }
+        // Input ended: keep producing, as a source would, while the graph runs.
+        let mut produced = 0u64;
+        while !control.stopping() {
+            let start = env.meter.last;
+            env.meter.blocked_ns = 0;
+            let Some(item) = self.0.produce(ctx).or_else(|e| if e.is::<Stopped>() { Ok(None) } else { Err(e) })? else { break };
+            let end = env.meter.now();
+            env.record_service(start, end);
+            if out.send_stamped(item, end, &mut env.meter, &mut env.outputs, &control).is_err() {
+                break;
+            }
+            env.items_out += 1;
+            produced += 1;
+            env.check_warmup(produced);
         }
         let mut em = Emitter { port: &mut out, meter: &mut env.meter, stats: &mut env.outputs, control: &control, pending: None };
         let r = self.0.flush(&mut em, ctx);

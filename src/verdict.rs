@@ -76,11 +76,13 @@ pub fn judge(plan: &Plan, stages: &BTreeMap<String, StageReport>, channels: &BTr
     let input_bound = channels.values().filter(|c| &c.to == focus).map(|c| c.recv_blocked_fraction).fold(0.0, f64::max);
     let class = classify(input_bound).to_string();
 
-    let mut ranked: Vec<(&String, &StageReport)> = component(plan, plan.focus).into_iter().map(|i| &plan.stages[i].name).filter_map(|n| stages.get_key_value(n)).collect();
+    let mut ranked: Vec<(&String, &StageReport)> =
+        component(plan, plan.focus).into_iter().map(|i| &plan.stages[i].name).filter_map(|n| stages.get_key_value(n)).collect();
     ranked.sort_by(|a, b| b.1.busy_fraction.total_cmp(&a.1.busy_fraction).then(a.0.cmp(b.0)));
 
     let focus_items = fs.items.max(1) as f64;
-    let demand: BTreeMap<String, f64> = ranked.iter().map(|(n, s)| ((*n).clone(), s.service_us.mean * 1e-3 * s.items as f64 / focus_items)).collect();
+    let demand: BTreeMap<String, f64> =
+        ranked.iter().map(|(n, s)| ((*n).clone(), s.service_us.mean * 1e-3 * s.items as f64 / focus_items)).collect();
     let throughput = fs.throughput_per_s;
     let Some(&(bn, bs)) = ranked.first() else {
         return Verdict { focus: focus.clone(), input_bound_fraction: input_bound, class, ..Default::default() };
@@ -113,14 +115,16 @@ pub fn judge(plan: &Plan, stages: &BTreeMap<String, StageReport>, channels: &BTr
             throughput
         )
     };
-    if bs.busy_fraction >= SATURATED {
-        if let (Some(n), Some(p)) = (&next, predicted) {
-            let gain = if throughput > 0.0 { format!(" ({:.1}x)", p / throughput) } else { String::new() };
-            text.push_str(&format!(" If `{bn}` took no time, `{n}` would bind next at about {p:.1} items/s{gain}."));
-        }
+    if bs.busy_fraction >= SATURATED
+        && let (Some(n), Some(p)) = (&next, predicted)
+    {
+        let gain = if throughput > 0.0 { format!(" ({:.1}x)", p / throughput) } else { String::new() };
+        text.push_str(&format!(" If `{bn}` took no time, `{n}` would bind next at about {p:.1} items/s{gain}."));
     }
     if input_bound >= 0.05 && bs.busy_fraction < 0.8 {
-        text.push_str(&format!(" No upstream stage is saturated, so `{focus}`'s waits come from jitter: a deeper queue in front of it can absorb them."));
+        text.push_str(&format!(
+            " No upstream stage is saturated, so `{focus}`'s waits come from jitter: a deeper queue in front of it can absorb them."
+        ));
     }
     Verdict {
         bottleneck: Some(bn.clone()),

@@ -12,7 +12,11 @@ use crate::stage::{SinkImpl, SourceImpl, StageFactory, TransformImpl};
 
 pub mod delay;
 pub mod drain;
+pub mod pin;
+pub mod shard_reader;
 pub mod synthetic;
+pub mod upload;
+pub mod window_sampler;
 
 /// Every stage implementation, in the order `pipeline stages` lists them.
 pub static REGISTRY: &[&dyn StageFactory] = &[
@@ -20,4 +24,11 @@ pub static REGISTRY: &[&dyn StageFactory] = &[
     &TransformImpl::<delay::Sleep>::new(),
     &TransformImpl::<delay::Spin>::new(),
     &SinkImpl::<drain::Count>::new(),
+    &SinkImpl::<drain::Batches>::new(),
+    &SourceImpl::<shard_reader::Mmap>::new(),
+    &SourceImpl::<shard_reader::Pread>::new(),
+    &TransformImpl::<window_sampler::Shuffled>::new(),
+    &TransformImpl::<window_sampler::Sequential>::new(),
+    &TransformImpl::<pin::Pageable>::new(),
+    &TransformImpl::<upload::Cpu>::new(),
 ];

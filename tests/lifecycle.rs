@@ -154,7 +154,8 @@ fn ctrl_c_at_random_moments_never_hangs_and_always_reports() {
 fn drain_timeout_turns_a_stuck_drain_into_an_abort() {
     let out = scratch("drain-timeout");
     // The sink takes 5 s per item: the drain cannot finish within 300 ms.
-    let (mut child, _lines) = start_endless(&out, &["stages.sink.delay_us=5000000", "run.drain_timeout_ms=300", "stages.source.delay_us=0"]);
+    let (mut child, _lines) =
+        start_endless(&out, &["stages.sink.delay_us=5000000", "run.drain_timeout_ms=300", "stages.source.delay_us=0"]);
     std::thread::sleep(Duration::from_millis(200));
     sigint(&child);
     let status = wait_or_kill(&mut child, Duration::from_secs(20), "stuck drain");
@@ -168,7 +169,8 @@ fn drain_timeout_turns_a_stuck_drain_into_an_abort() {
 #[test]
 fn second_ctrl_c_aborts_at_once() {
     let out = scratch("ctrlc-twice");
-    let (mut child, _lines) = start_endless(&out, &["stages.sink.delay_us=5000000", "run.drain_timeout_ms=60000", "stages.source.delay_us=0"]);
+    let (mut child, _lines) =
+        start_endless(&out, &["stages.sink.delay_us=5000000", "run.drain_timeout_ms=60000", "stages.source.delay_us=0"]);
     std::thread::sleep(Duration::from_millis(200));
     sigint(&child);
     std::thread::sleep(Duration::from_millis(200));

@@ -85,7 +85,11 @@ fn validate(name: &str, config: Option<&str>, args: &[&str], env: &[(&str, &str)
     cmd.envs(env.iter().copied());
     let out = cmd.output().expect("run pipeline validate");
     let _ = std::fs::remove_dir_all(&dir);
-    Outcome { code: out.status.code(), stdout: String::from_utf8_lossy(&out.stdout).into(), stderr: String::from_utf8_lossy(&out.stderr).into() }
+    Outcome {
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into(),
+        stderr: String::from_utf8_lossy(&out.stderr).into(),
+    }
 }
 
 /// Exit 2, no panic, and stderr holds `origin`, the key path in backticks (if any) and
@@ -141,7 +145,12 @@ fn unknown_run_key() {
 #[test]
 fn unknown_top_level_table() {
     let cfg = format!("{BASE}\n[bogus]\nx = 1\n");
-    rejects("unknown-table", &cfg, Some("bogus"), "unknown top-level table or key `bogus`; expected one of: run, data, model, train, stages");
+    rejects(
+        "unknown-table",
+        &cfg,
+        Some("bogus"),
+        "unknown top-level table or key `bogus`; expected one of: run, data, model, train, stages",
+    );
 }
 
 #[test]
