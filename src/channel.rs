@@ -41,8 +41,8 @@ pub(crate) struct Meter {
     pub recording: bool,
     /// The thread's most recent clock reading.
     pub last: u64,
-    /// Time blocked in sends since the last reset (subtracted from service time).
-    pub blocked_ns: u64,
+    /// Ticks blocked in sends since the last reset (subtracted from service time).
+    pub blocked: u64,
 }
 
 impl Meter {
@@ -56,25 +56,36 @@ impl Meter {
 }
 
 /// Producer-side statistics of one edge.
-#[derive(Default)]
 pub(crate) struct EdgeOutStats {
     pub items: u64,
     pub send_blocked: Hist,
 }
 
+impl EdgeOutStats {
+    /// Stats for one edge, histogram in clock ticks.
+    pub fn new(ns_per_tick: f64) -> Self {
+        Self { items: 0, send_blocked: Hist::in_units(ns_per_tick) }
+    }
+}
+
 /// Consumer-side statistics of a stage's input channel.
-#[derive(Default)]
 pub(crate) struct InStats {
     pub items: Vec<u64>,
     pub residence: Vec<Hist>,
     pub recv_blocked: Hist,
-    /// Time spent waiting for the end of input after the last item (not an item's wait).
-    pub tail_wait_ns: u64,
+    /// Ticks spent waiting for the end of input after the last item (not an item's wait).
+    pub tail_wait: u64,
 }
 
 impl InStats {
-    pub fn new(edges: usize) -> Self {
-        Self { items: vec![0; edges], residence: (0..edges).map(|_| Hist::new()).collect(), ..Default::default() }
+    /// Stats for a channel fed by `edges` producers, histograms in clock ticks.
+    pub fn new(edges: usize, ns_per_tick: f64) -> Self {
+        Self {
+            items: vec![0; edges],
+            residence: (0..edges).map(|_| Hist::in_units(ns_per_tick)).collect(),
+            recv_blocked: Hist::in_units(ns_per_tick),
+            tail_wait: 0,
+        }
     }
 }
 
@@ -139,10 +150,10 @@ fn send_one<T>(tx: &Sender<Envelope<T>>, env: Envelope<T>, meter: &mut Meter, st
                 }
             }
             let t1 = meter.now();
-            let ns = meter.clock.nanos(t0, t1);
-            meter.blocked_ns += ns;
+            let ticks = t1.saturating_sub(t0);
+            meter.blocked += ticks;
             if meter.recording {
-                st.send_blocked.record(ns);
+                st.send_blocked.record(ticks);
             }
         }
         Err(TrySendError::Disconnected(_)) => return Err(Stopped),
@@ -171,7 +182,7 @@ impl<T: Send + 'static> InPort<T> {
                 stats.items[edge] += 1;
                 if meter.recording {
                     stats.recv_blocked.record_zero();
-                    stats.residence[edge].record(meter.clock.nanos(env.sent, meter.last));
+                    stats.residence[edge].record(meter.last.saturating_sub(env.sent));
                 }
                 Some(env.item)
             }
@@ -193,15 +204,15 @@ impl<T: Send + 'static> InPort<T> {
                     let edge = env.edge as usize;
                     stats.items[edge] += 1;
                     if meter.recording {
-                        stats.recv_blocked.record(meter.clock.nanos(t0, t1));
-                        stats.residence[edge].record(meter.clock.nanos(env.sent, t1));
+                        stats.recv_blocked.record(t1.saturating_sub(t0));
+                        stats.residence[edge].record(t1.saturating_sub(env.sent));
                     }
                     return Some(env.item);
                 }
                 Err(RecvTimeoutError::Timeout) => continue,
                 Err(RecvTimeoutError::Disconnected) => {
                     let t1 = meter.now();
-                    stats.tail_wait_ns += meter.clock.nanos(t0, t1);
+                    stats.tail_wait += t1.saturating_sub(t0);
                     return None;
                 }
             }

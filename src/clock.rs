@@ -9,6 +9,7 @@
 #[derive(Clone, Debug)]
 pub struct Clock {
     inner: quanta::Clock,
+    ns_per_tick: f64,
 }
 
 impl Default for Clock {
@@ -20,7 +21,9 @@ impl Default for Clock {
 impl Clock {
     /// Creates a calibrated clock. Calibration happens once per process inside `quanta`.
     pub fn new() -> Self {
-        Self { inner: quanta::Clock::new() }
+        let inner = quanta::Clock::new();
+        let ns_per_tick = inner.delta_as_nanos(0, 1 << 40) as f64 / (1u64 << 40) as f64;
+        Self { inner, ns_per_tick }
     }
 
     /// Reads the clock: an opaque tick count, comparable only with ticks of a clone of this clock.
@@ -33,6 +36,11 @@ impl Clock {
     #[inline]
     pub fn nanos(&self, start: u64, end: u64) -> u64 {
         if end <= start { 0 } else { self.inner.delta_as_nanos(start, end) }
+    }
+
+    /// Nanoseconds per tick: histograms record raw tick counts and scale them when summarised.
+    pub fn ns_per_tick(&self) -> f64 {
+        self.ns_per_tick
     }
 
     /// Seconds from `start` to `end` as a float (zero when `end` is not after `start`).
@@ -54,5 +62,7 @@ mod tests {
         let ns = clock.nanos(a, b);
         assert!(ns >= 19_000_000, "20 ms sleep measured as {ns} ns");
         assert_eq!(clock.nanos(b, a), 0, "reversed interval must be zero, not wrap");
+        let scaled = (b - a) as f64 * clock.ns_per_tick();
+        assert!((scaled - ns as f64).abs() < 0.01 * ns as f64, "tick scale {scaled} vs {ns}");
     }
 }

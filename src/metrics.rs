@@ -1,22 +1,26 @@
 //! Latency histograms and their summaries.
 //!
-//! [`Hist`] records durations in nanoseconds into an `hdrhistogram` (1 ns to 1 hour, 3
-//! significant digits). Zero-length events (an item that was already waiting, a send that did
-//! not block) are the common case on the hot path, so they are only counted, and folded into
-//! the histogram when it is summarised. [`Summary`] is what reports carry: microseconds.
+//! [`Hist`] records durations into an `hdrhistogram` (3 significant digits) in a unit of its
+//! own: nanoseconds, or raw clock ticks on the hot path, where converting each value would cost
+//! more than recording it; the unit is scaled away when the histogram is summarised. Zero-length
+//! events (an item that was already waiting, a send that did not block) are the common case on
+//! the hot path, so they are only counted, and folded into the histogram when it is summarised.
+//! [`Summary`] is what reports carry: microseconds.
 
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
-/// Highest trackable value: one hour in nanoseconds. Larger values are clamped.
-const MAX_NS: u64 = 3_600_000_000_000;
+/// Highest trackable value in units (2^44: over an hour in ticks of a 4 GHz clock). Larger
+/// values are clamped.
+const MAX_UNITS: u64 = 1 << 44;
 
-/// A duration histogram in nanoseconds with an exact running sum.
+/// A duration histogram with an exact running sum.
 #[derive(Clone, Debug)]
 pub struct Hist {
     hist: Histogram<u64>,
     zeros: u64,
-    sum_ns: u128,
+    sum: u128,
+    ns_per_unit: f64,
 }
 
 impl Default for Hist {
@@ -26,20 +30,25 @@ impl Default for Hist {
 }
 
 impl Hist {
-    /// An empty histogram.
+    /// An empty histogram of nanoseconds.
     pub fn new() -> Self {
-        let hist = Histogram::new_with_bounds(1, MAX_NS, 3).expect("static histogram bounds are valid");
-        Self { hist, zeros: 0, sum_ns: 0 }
+        Self::in_units(1.0)
     }
 
-    /// Records one duration.
+    /// An empty histogram of a unit worth `ns_per_unit` nanoseconds (clock ticks on the hot path).
+    pub fn in_units(ns_per_unit: f64) -> Self {
+        let hist = Histogram::new_with_bounds(1, MAX_UNITS, 3).expect("static histogram bounds are valid");
+        Self { hist, zeros: 0, sum: 0, ns_per_unit }
+    }
+
+    /// Records one duration, in the histogram's unit.
     #[inline]
-    pub fn record(&mut self, ns: u64) {
-        if ns == 0 {
+    pub fn record(&mut self, units: u64) {
+        if units == 0 {
             self.zeros += 1;
         } else {
-            self.hist.saturating_record(ns.min(MAX_NS));
-            self.sum_ns += ns as u128;
+            self.hist.saturating_record(units.min(MAX_UNITS));
+            self.sum += units as u128;
         }
     }
 
@@ -54,17 +63,18 @@ impl Hist {
         self.hist.len() + self.zeros
     }
 
-    /// Exact sum of the recorded durations in nanoseconds.
-    pub fn sum_ns(&self) -> u128 {
-        self.sum_ns
+    /// Sum of the recorded durations in nanoseconds.
+    pub fn sum_ns(&self) -> f64 {
+        self.sum as f64 * self.ns_per_unit
     }
 
     /// Adds another histogram's events to this one.
     pub fn merge(&mut self, other: &Hist) {
         // Both histograms have the same fixed bounds, so `add` cannot fail.
+        debug_assert_eq!(self.ns_per_unit, other.ns_per_unit, "merging histograms of different units");
         let _ = self.hist.add(&other.hist);
         self.zeros += other.zeros;
-        self.sum_ns += other.sum_ns;
+        self.sum += other.sum;
     }
 
     /// Percentiles, mean, max and total in microseconds.
@@ -77,15 +87,15 @@ impl Hist {
         if self.zeros > 0 {
             let _ = h.record_n(0, self.zeros);
         }
-        let us = |ns: u64| ns as f64 / 1e3;
+        let us = |units: u64| units as f64 * self.ns_per_unit / 1e3;
         Summary {
             count,
-            mean: self.sum_ns as f64 / count as f64 / 1e3,
+            mean: self.sum_ns() / count as f64 / 1e3,
             p50: us(h.value_at_quantile(0.50)),
             p90: us(h.value_at_quantile(0.90)),
             p99: us(h.value_at_quantile(0.99)),
             max: us(h.max()),
-            total_ms: self.sum_ns as f64 / 1e6,
+            total_ms: self.sum_ns() / 1e6,
         }
     }
 }
@@ -155,5 +165,15 @@ mod tests {
         b.record(u64::MAX); // clamped, never panics
         a.merge(&b);
         assert_eq!(a.count(), 3);
+    }
+
+    #[test]
+    fn units_are_scaled_in_summaries() {
+        let mut h = Hist::in_units(0.5); // e.g. a 2 GHz clock's ticks
+        h.record(2000); // 1 µs
+        h.record(4000); // 2 µs
+        let s = h.summary();
+        assert!((s.mean - 1.5).abs() < 1e-9 && (s.max - 2.0).abs() < 0.01, "{s:?}");
+        assert!((h.sum_ns() - 3000.0).abs() < 1e-9);
     }
 }

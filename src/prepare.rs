@@ -110,7 +110,9 @@ pub fn split_txt(text: &str) -> Vec<String> {
 
 /// Reads the documents of one input file.
 pub fn read_documents(path: &Path) -> anyhow::Result<Vec<String>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read as UTF-8 text", path.display()))?;
+    let bytes = std::fs::read(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    let text = String::from_utf8(bytes)
+        .map_err(|e| anyhow::anyhow!("{}: not UTF-8 text (invalid byte at offset {})", path.display(), e.utf8_error().valid_up_to()))?;
     if path.extension().is_some_and(|e| e == "jsonl") {
         let mut docs = Vec::new();
         for (i, line) in text.lines().enumerate() {
@@ -188,7 +190,30 @@ pub fn prepare(opts: &PrepareOptions) -> anyhow::Result<Manifest> {
     if let ValSplit::Frac(f) = opts.val {
         anyhow::ensure!((0.0..1.0).contains(&f), "--val-frac must be at least 0 and below 1; found {f}");
     }
+    if let ValSplit::Docs(0) = opts.val {
+        anyhow::bail!("--val-docs must be at least 1; found 0");
+    }
+    anyhow::ensure!(!opts.out.is_file(), "--out {} is a file, not a folder", opts.out.display());
     let tok = Tokenizer::load(&opts.tokenizer)?;
+
+    // Read every input before touching the output folder, so a bad input leaves it as it was.
+    let mut docs: Vec<String> = Vec::new();
+    let mut inputs = Vec::new();
+    for path in &opts.inputs {
+        let d = read_documents(path)?;
+        inputs.push(serde_json::json!({ "path": path.display().to_string(), "sha256": sha256_file(path)?, "docs": d.len() }));
+        docs.extend(d);
+    }
+    let names = opts.inputs.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ");
+    anyhow::ensure!(docs.len() >= 2, "{names} hold {} document(s); a val and a train split need at least 2", docs.len());
+    let n_val = match opts.val {
+        ValSplit::Docs(n) => {
+            anyhow::ensure!(n < docs.len(), "--val-docs {n} takes all {} documents; at least one must be left for training", docs.len());
+            n
+        }
+        ValSplit::Frac(f) => ((docs.len() as f64 * f).ceil() as usize).clamp(1, docs.len() - 1),
+    };
+
     std::fs::create_dir_all(&opts.out).with_context(|| format!("cannot create {}", opts.out.display()))?;
     let existing: Vec<PathBuf> = std::fs::read_dir(&opts.out)?
         .filter_map(|e| e.ok())
@@ -201,24 +226,6 @@ pub fn prepare(opts: &PrepareOptions) -> anyhow::Result<Manifest> {
             std::fs::remove_file(&p).with_context(|| format!("cannot remove {}", p.display()))?;
         }
     }
-
-    let mut docs: Vec<String> = Vec::new();
-    let mut inputs = Vec::new();
-    for path in &opts.inputs {
-        let d = read_documents(path)?;
-        inputs.push(serde_json::json!({ "path": path.display().to_string(), "sha256": sha256_file(path)?, "docs": d.len() }));
-        docs.extend(d);
-    }
-    anyhow::ensure!(docs.len() >= 2, "the inputs hold {} document(s); a val and a train split need at least 2", docs.len());
-    let n_val = match opts.val {
-        ValSplit::Docs(n) => n,
-        ValSplit::Frac(f) => ((docs.len() as f64 * f).ceil() as usize).max(1),
-    };
-    anyhow::ensure!(
-        n_val >= 1 && n_val < docs.len(),
-        "the validation split takes {n_val} of {} documents; it must leave at least one for training",
-        docs.len()
-    );
 
     let mut val = SplitWriter::new(&opts.out, "val", opts.shard_tokens);
     let mut train = SplitWriter::new(&opts.out, "train", opts.shard_tokens);

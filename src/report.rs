@@ -92,7 +92,8 @@ pub struct StageReport {
     pub role: String,
     /// Stages feeding it.
     pub inputs: Vec<String>,
-    /// Items handled: produced by a source, received by any other stage.
+    /// Items handled: produced by a source, received by a sink, the larger of the two for a
+    /// transform.
     pub items: u64,
     /// Items received.
     pub items_in: u64,
@@ -185,14 +186,19 @@ pub fn build(plan: &Plan, result: &RunResult, meta: &ReportMeta) -> Report {
                 // finished early (a source whose items sit in a deep queue) was idle since.
                 let steady_start = env.steady_start.unwrap_or(env.start);
                 let steady_s = clock.seconds(steady_start, result.end.max(r.end));
-                let busy = if steady_s > 0.0 { (env.service.sum_ns() as f64 * 1e-9 / steady_s).min(1.0) } else { 0.0 };
+                let busy = if steady_s > 0.0 { (env.service.sum_ns() * 1e-9 / steady_s).min(1.0) } else { 0.0 };
                 (env.items_in, env.items_out, env.service.summary(), busy, steady_s)
             }
             None => (0, 0, Summary::default(), 0.0, 0.0),
         };
         steady[i] = steady_s;
         let role = s.factory.role();
-        let items = if role == crate::stage::Role::Source { items_out } else { items_in };
+        let items = match role {
+            crate::stage::Role::Source => items_out,
+            crate::stage::Role::Sink => items_in,
+            // A transform that produces after its input ends (a sampler) is judged by its output.
+            crate::stage::Role::Transform => items_in.max(items_out),
+        };
         let error = match &r.state {
             StageState::Failed(m) | StageState::Panicked(m) => Some(m.clone()),
             _ => None,
@@ -223,13 +229,14 @@ pub fn build(plan: &Plan, result: &RunResult, meta: &ReportMeta) -> Report {
         let cons_env = result.stages[c].env.as_ref();
         let occ = result.occupancy[c].clone().unwrap_or_default();
         let recv = cons_env.map(|e| e.input.recv_blocked.clone()).unwrap_or_default();
-        let recv_total_s = (recv.sum_ns() as f64 + cons_env.map(|e| e.input.tail_wait_ns as f64).unwrap_or(0.0)) * 1e-9;
+        let recv_total_s = (recv.sum_ns() + cons_env.map(|e| e.input.tail_wait as f64 * clock.ns_per_tick()).unwrap_or(0.0)) * 1e-9;
         for (edge, &p) in s.inputs.iter().enumerate() {
             let prod_env = result.stages[p].env.as_ref();
             let out_pos = plan.stages[p].consumers.iter().position(|&x| x == c).unwrap_or(0);
             let send = prod_env.and_then(|e| e.outputs.get(out_pos)).map(|o| o.send_blocked.clone()).unwrap_or_default();
             let items = cons_env.and_then(|e| e.input.items.get(edge).copied()).unwrap_or(0);
-            let residence = cons_env.and_then(|e| e.input.residence.get(edge)).cloned().unwrap_or_else(Hist::new);
+            let residence =
+                cons_env.and_then(|e| e.input.residence.get(edge)).cloned().unwrap_or_else(|| Hist::in_units(clock.ns_per_tick()));
             let res = residence.summary();
             let edge_rate = if steady[c] > 0.0 { res.count as f64 / steady[c] } else { 0.0 };
             let frac = |total_s: f64, window: f64| if window > 0.0 { (total_s / window).min(1.0) } else { 0.0 };
@@ -242,7 +249,7 @@ pub fn build(plan: &Plan, result: &RunResult, meta: &ReportMeta) -> Report {
                     to: s.name.clone(),
                     capacity: s.queue,
                     items,
-                    send_blocked_fraction: frac(send.sum_ns() as f64 * 1e-9, steady[p]),
+                    send_blocked_fraction: frac(send.sum_ns() * 1e-9, steady[p]),
                     send_blocked_us: send.summary(),
                     recv_blocked_fraction: frac(recv_total_s, steady[c]),
                     recv_blocked_us: recv.summary(),
@@ -313,9 +320,11 @@ impl Report {
             let _ = writeln!(o, "note: {n}");
         }
         let _ = writeln!(o);
+        let nw = r.stage_order.iter().map(|n| n.len()).max().unwrap_or(0).max(14);
+        let kw = self.stages.values().map(|s| s.kind.len() + s.imp.len() + 1).max().unwrap_or(0).max(20);
         let _ = writeln!(
             o,
-            "{:<14} {:<20} {:>9} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            "{:<nw$} {:<kw$} {:>9} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10}",
             "stage", "kind/impl", "items", "busy", "p50 µs", "p90 µs", "p99 µs", "max µs", "items/s"
         );
         for name in &r.stage_order {
@@ -323,7 +332,7 @@ impl Report {
             let state = if s.state == "finished" { String::new() } else { format!("  [{}]", s.state) };
             let _ = writeln!(
                 o,
-                "{:<14} {:<20} {:>9} {:>5.1}% {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}{}",
+                "{:<nw$} {:<kw$} {:>9} {:>5.1}% {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}{}",
                 name,
                 format!("{}/{}", s.kind, s.imp),
                 s.items,

@@ -79,7 +79,21 @@ pub fn run(loaded: &Loaded, out: Option<&Path>, control: Arc<Control>, on_start:
     write_resolved_config(loaded, &plan, &run_dir)?;
     on_start(&run_dir);
     let started = rundir::now_rfc3339();
-    let result = runtime::execute(&plan, &loaded.config, Some(&run_dir), control)?;
+    let result = match runtime::execute(&plan, &loaded.config, Some(&run_dir), control) {
+        Ok(r) => r,
+        Err(e) => {
+            // Nothing ran: leave no run directory behind, and report it as the config problem it is.
+            let _ = std::fs::remove_dir_all(&run_dir);
+            let mut errors = ConfigErrors::default();
+            let key = format!("stages.{}", e.stage);
+            errors.push(
+                loaded.origin_of(&key),
+                Some(key),
+                format!("stage `{}` ({}/{}) could not be built: {}", e.stage, e.kind, e.imp, e.message),
+            );
+            return Err(RunError::Config(errors));
+        }
+    };
     let meta = ReportMeta {
         name: &name,
         config_path: &loaded.path,

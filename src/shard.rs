@@ -33,12 +33,20 @@ const MIN_RELEASE_BYTES: u64 = 1 << 20;
 #[derive(Debug, thiserror::Error)]
 pub enum ShardError {
     /// The file could not be opened or read.
-    #[error("{}: cannot read: {source}", path.display())]
+    #[error("{}: cannot read: {error}", path.display())]
     Io {
         /// The shard.
         path: PathBuf,
         /// The I/O error.
-        source: std::io::Error,
+        error: std::io::Error,
+    },
+    /// A symbolic link whose target does not exist.
+    #[error("{}: is a symbolic link to {}, which does not exist", path.display(), target.display())]
+    DanglingLink {
+        /// The link.
+        path: PathBuf,
+        /// Where it points.
+        target: PathBuf,
     },
     /// A directory where a shard file was expected.
     #[error("{}: is a directory, not a shard file", path.display())]
@@ -159,7 +167,7 @@ impl std::fmt::Debug for ShardFile {
 
 /// Reads and checks the header of `path`; returns the token count.
 pub fn read_header(path: &Path) -> Result<(File, u64), ShardError> {
-    let io = |source| ShardError::Io { path: path.to_path_buf(), source };
+    let io = |source| ShardError::Io { path: path.to_path_buf(), error: source };
     let meta = std::fs::metadata(path).map_err(io)?;
     if meta.is_dir() {
         return Err(ShardError::IsDirectory { path: path.to_path_buf() });
@@ -203,7 +211,7 @@ impl ShardFile {
                 // show wrong tokens (as with any reader), never unsound memory: shards are
                 // written to a temporary name and renamed into place.
                 let map = unsafe { memmap2::MmapOptions::new().map(&file) }
-                    .map_err(|source| ShardError::Io { path: path.to_path_buf(), source })?;
+                    .map_err(|source| ShardError::Io { path: path.to_path_buf(), error: source })?;
                 let _ = map.advise(memmap2::Advice::Random);
                 Access::Mmap(map)
             }
@@ -274,7 +282,7 @@ impl ShardFile {
             }
             Access::Pread(file) => {
                 let buf = &mut scratch[..len];
-                read_at(file, HEADER_BYTES + 2 * start, buf).map_err(|source| ShardError::Io { path: self.path.clone(), source })?;
+                read_at(file, HEADER_BYTES + 2 * start, buf).map_err(|source| ShardError::Io { path: self.path.clone(), error: source })?;
                 Ok(f(buf))
             }
         }
@@ -286,7 +294,7 @@ impl ShardFile {
         self.check_range(start, len)?;
         match &self.access {
             Access::Pread(file) => {
-                read_at(file, HEADER_BYTES + 2 * start, out).map_err(|source| ShardError::Io { path: self.path.clone(), source })
+                read_at(file, HEADER_BYTES + 2 * start, out).map_err(|source| ShardError::Io { path: self.path.clone(), error: source })
             }
             Access::Mmap(_) => {
                 let mut tmp = Vec::new();

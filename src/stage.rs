@@ -263,11 +263,13 @@ pub struct Emitter<'a, T: Message> {
     stats: &'a mut [EdgeOutStats],
     control: &'a Control,
     pending: Option<T>,
+    emitted: u64,
 }
 
 impl<T: Message> Emitter<'_, T> {
     /// Emits one item. Fails with [`Stopped`] when the graph is aborting.
     pub fn emit(&mut self, item: T) -> Result<(), Stopped> {
+        self.emitted += 1;
         if let Some(prev) = self.pending.replace(item) {
             self.port.send(prev, self.meter, self.stats, self.control)?;
         }
@@ -511,17 +513,18 @@ pub struct StageEnv {
 impl StageEnv {
     pub(crate) fn new(clock: Clock, control: Arc<Control>, instrument: bool, warmup: u64, in_edges: usize, out_edges: usize) -> Self {
         let start = clock.now();
+        let tick = clock.ns_per_tick();
         let mut env = Self {
-            meter: Meter { clock, instrument, recording: false, last: start, blocked_ns: 0 },
+            meter: Meter { clock, instrument, recording: false, last: start, blocked: 0 },
             control,
             warmup,
             items_in: 0,
             items_out: 0,
-            service: Hist::new(),
+            service: Hist::in_units(tick),
             start,
             steady_start: None,
-            input: InStats::new(in_edges),
-            outputs: (0..out_edges).map(|_| EdgeOutStats::default()).collect(),
+            input: InStats::new(in_edges, tick),
+            outputs: (0..out_edges).map(|_| EdgeOutStats::new(tick)).collect(),
         };
         env.check_warmup(0);
         env
@@ -539,8 +542,7 @@ impl StageEnv {
     #[inline]
     fn record_service(&mut self, start: u64, end: u64) {
         if self.meter.recording {
-            let ns = self.meter.clock.nanos(start, end).saturating_sub(self.meter.blocked_ns);
-            self.service.record(ns);
+            self.service.record(end.saturating_sub(start).saturating_sub(self.meter.blocked));
         }
     }
 }
@@ -572,7 +574,7 @@ impl<S: Source> Runnable for SourceRun<S> {
         let control = env.control.clone();
         while !control.stopping() {
             let start = env.meter.last;
-            env.meter.blocked_ns = 0;
+            env.meter.blocked = 0;
             let Some(item) = self.0.next(ctx)? else { break };
             let end = env.meter.now();
             env.record_service(start, end);
@@ -597,14 +599,13 @@ impl<T: Transform> Runnable for TransformRun<T> {
         while let Some(item) = inp.recv(&mut env.meter, &mut env.input, &control) {
             env.items_in += 1;
             let start = env.meter.last;
-            env.meter.blocked_ns = 0;
-            let before = env.outputs.iter().map(|s| s.items).sum::<u64>();
-            let mut em = Emitter { port: &mut out, meter: &mut env.meter, stats: &mut env.outputs, control: &control, pending: None };
+            env.meter.blocked = 0;
+            let mut em =
+                Emitter { port: &mut out, meter: &mut env.meter, stats: &mut env.outputs, control: &control, pending: None, emitted: 0 };
             let r = self.0.process(item, &mut em, ctx);
             let end = em.meter.now();
             let sent = r.is_ok() && em.finish(end).is_ok();
-            let after = env.outputs.iter().map(|s| s.items).sum::<u64>();
-            env.items_out += (after - before) / env.outputs.len().max(1) as u64;
+            env.items_out += em.emitted;
             env.record_service(start, end);
             if let Err(e) = r {
                 if e.is::<Stopped>() {
@@ -621,7 +622,7 @@ impl<T: Transform> Runnable for TransformRun<T> {
         let mut produced = 0u64;
         while !control.stopping() {
             let start = env.meter.last;
-            env.meter.blocked_ns = 0;
+            env.meter.blocked = 0;
             let Some(item) = self.0.produce(ctx).or_else(|e| if e.is::<Stopped>() { Ok(None) } else { Err(e) })? else { break };
             let end = env.meter.now();
             env.record_service(start, end);
@@ -632,10 +633,12 @@ impl<T: Transform> Runnable for TransformRun<T> {
             produced += 1;
             env.check_warmup(produced);
         }
-        let mut em = Emitter { port: &mut out, meter: &mut env.meter, stats: &mut env.outputs, control: &control, pending: None };
+        let mut em =
+            Emitter { port: &mut out, meter: &mut env.meter, stats: &mut env.outputs, control: &control, pending: None, emitted: 0 };
         let r = self.0.flush(&mut em, ctx);
         let end = em.meter.now();
         let _ = em.finish(end);
+        env.items_out += em.emitted;
         quiet_stop(r)
     }
 }
@@ -650,7 +653,7 @@ impl<K: Sink> Runnable for SinkRun<K> {
         while let Some(item) = inp.recv(&mut env.meter, &mut env.input, &control) {
             env.items_in += 1;
             let start = env.meter.last;
-            env.meter.blocked_ns = 0;
+            env.meter.blocked = 0;
             let r = self.0.consume(item, ctx);
             let end = env.meter.now();
             env.record_service(start, end);

@@ -109,6 +109,9 @@ impl Sink for Batches {
     }
 
     fn consume(&mut self, b: crate::batch::DeviceBatch, ctx: &mut Ctx) -> anyhow::Result<()> {
+        if self.stop_after_steps > 0 && self.steps >= self.stop_after_steps {
+            return Ok(()); // batches still in flight after the stop request are not part of the run
+        }
         let s = b.meta.shape;
         anyhow::ensure!(
             b.x.dims() == [s.rows, s.seq_len] && b.y.dims() == [s.rows, s.seq_len],

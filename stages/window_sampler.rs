@@ -545,6 +545,9 @@ macro_rules! sampler_impl {
             fn check(p: &SamplerParams, ctx: &BuildCtx) -> anyhow::Result<()> {
                 WindowStage::check(p)?;
                 BatchShape::from_config(ctx.config)?;
+                if p.check_tokens {
+                    crate::tokenizer::vocab_size_of_config(ctx.config)?;
+                }
                 Ok(())
             }
             fn build(p: SamplerParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
