@@ -395,6 +395,17 @@ impl Report {
             v.input_bound_fraction * 100.0
         );
         let _ = writeln!(o, "  {}", v.explanation);
+        if let Some(d) = self.sections.get("data") {
+            let _ = writeln!(
+                o,
+                "data: {} micro-batches ({} steps), {} tokens, {} tokens/s; rolling fingerprint {}",
+                d["micro_batches"],
+                d["steps"],
+                d["tokens"],
+                d["tokens_per_s"].as_f64().map(|t| format!("{:.0}", t)).unwrap_or_else(|| "-".into()),
+                d["rolling_fingerprint"].as_str().unwrap_or("-")
+            );
+        }
         if !self.train.is_empty() {
             let _ = writeln!(o);
             let _ = writeln!(o, "train: {}", serde_json::Value::Object(self.train.clone()));

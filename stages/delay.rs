@@ -51,46 +51,31 @@ impl Delay {
     }
 }
 
-/// `delay/sleep`.
-pub struct Sleep(Delay);
+macro_rules! delay_impl {
+    ($ty:ident, $name:literal, $spin:expr, $doc:literal) => {
+        #[doc = $doc]
+        pub struct $ty(Delay);
 
-impl Transform for Sleep {
-    const KIND: &'static str = "delay";
-    const IMPL: &'static str = "sleep";
-    const DOC: &'static str = "Passes items on after sleeping delay_us (+/- jitter_us) each: off-CPU slowdown.";
-    type Params = DelayParams;
-    type In = Blob;
-    type Out = Blob;
+        impl Transform for $ty {
+            const KIND: &'static str = "delay";
+            const IMPL: &'static str = $name;
+            const DOC: &'static str = $doc;
+            type Params = DelayParams;
+            type In = Blob;
+            type Out = Blob;
 
-    fn check(p: &DelayParams, _ctx: &BuildCtx) -> anyhow::Result<()> {
-        Pace::check(p.delay_us, p.jitter_us)
-    }
-    fn build(p: DelayParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
-        Ok(Self(Delay::new(p, false, ctx)?))
-    }
-    fn process(&mut self, item: Blob, out: &mut Emitter<'_, Blob>, ctx: &mut Ctx) -> anyhow::Result<()> {
-        self.0.pass(item, out, ctx)
-    }
+            fn check(p: &DelayParams, _ctx: &BuildCtx) -> anyhow::Result<()> {
+                Pace::check(p.delay_us, p.jitter_us)
+            }
+            fn build(p: DelayParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
+                Ok(Self(Delay::new(p, $spin, ctx)?))
+            }
+            fn process(&mut self, item: Blob, out: &mut Emitter<'_, Blob>, ctx: &mut Ctx) -> anyhow::Result<()> {
+                self.0.pass(item, out, ctx)
+            }
+        }
+    };
 }
 
-/// `delay/spin`.
-pub struct Spin(Delay);
-
-impl Transform for Spin {
-    const KIND: &'static str = "delay";
-    const IMPL: &'static str = "spin";
-    const DOC: &'static str = "Passes items on after busy-waiting delay_us (+/- jitter_us) each: on-CPU slowdown.";
-    type Params = DelayParams;
-    type In = Blob;
-    type Out = Blob;
-
-    fn check(p: &DelayParams, _ctx: &BuildCtx) -> anyhow::Result<()> {
-        Pace::check(p.delay_us, p.jitter_us)
-    }
-    fn build(p: DelayParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
-        Ok(Self(Delay::new(p, true, ctx)?))
-    }
-    fn process(&mut self, item: Blob, out: &mut Emitter<'_, Blob>, ctx: &mut Ctx) -> anyhow::Result<()> {
-        self.0.pass(item, out, ctx)
-    }
-}
+delay_impl!(Sleep, "sleep", false, "Passes items on after sleeping delay_us (+/- jitter_us) each: off-CPU slowdown.");
+delay_impl!(Spin, "spin", true, "Passes items on after busy-waiting delay_us (+/- jitter_us) each: on-CPU slowdown.");

@@ -84,6 +84,8 @@ pub struct Batches {
     tokens: u64,
     steps: u64,
     last: Option<crate::batch::BatchMeta>,
+    first_at: Option<std::time::Instant>,
+    last_at: Option<std::time::Instant>,
 }
 
 impl Sink for Batches {
@@ -105,7 +107,7 @@ impl Sink for Batches {
             }
             _ => (None, None),
         };
-        Ok(Self { stop_after_steps: p.stop_after_steps, order, order_path, batches: 0, tokens: 0, steps: 0, last: None })
+        Ok(Self { stop_after_steps: p.stop_after_steps, order, order_path, batches: 0, tokens: 0, steps: 0, last: None, first_at: None, last_at: None })
     }
 
     fn consume(&mut self, b: crate::batch::DeviceBatch, ctx: &mut Ctx) -> anyhow::Result<()> {
@@ -121,6 +123,9 @@ impl Sink for Batches {
             s.rows,
             s.seq_len
         );
+        let now = std::time::Instant::now();
+        self.first_at.get_or_insert(now);
+        self.last_at = Some(now);
         self.batches += 1;
         self.tokens += s.tokens() as u64;
         if let Some(f) = self.order.as_mut() {
@@ -144,12 +149,18 @@ impl Sink for Batches {
             std::io::Write::flush(&mut f)?;
         }
         let last = self.last.as_ref();
+        // Rate between the first and the last batch: (n - 1) batches' worth of tokens per span.
+        let per_s = match (self.first_at, self.last_at, self.last.as_ref()) {
+            (Some(a), Some(b), Some(m)) if self.batches > 1 && b > a => Some((self.batches - 1) as f64 * m.shape.tokens() as f64 / (b - a).as_secs_f64()),
+            _ => None,
+        };
         ctx.publish(
             "data",
             serde_json::json!({
                 "micro_batches": self.batches,
                 "steps": self.steps,
                 "tokens": self.tokens,
+                "tokens_per_s": per_s,
                 "last_step": last.map(|m| m.step),
                 "rolling_fingerprint": last.map(|m| format!("{:016x}", m.rolling)),
                 "loader_state": last.map(|m| serde_json::to_value(&*m.state).unwrap_or_default()),

@@ -88,44 +88,40 @@ fn files_len(files: &[(usize, PathBuf)]) -> u64 {
     files.len().max(1) as u64
 }
 
-/// `shard_reader/mmap`.
-pub struct Mmap(Reader);
+macro_rules! reader_impl {
+    ($ty:ident, $name:literal, $mode:expr, $doc:literal) => {
+        #[doc = $doc]
+        pub struct $ty(Reader);
 
-impl Source for Mmap {
-    const KIND: &'static str = "shard_reader";
-    const IMPL: &'static str = "mmap";
-    const DOC: &'static str = "Checks and memory-maps each shard of [data] train/val (memmap2); pages are released as they are read.";
-    type Params = ReaderParams;
-    type Out = Shard;
+        impl Source for $ty {
+            const KIND: &'static str = "shard_reader";
+            const IMPL: &'static str = $name;
+            const DOC: &'static str = $doc;
+            type Params = ReaderParams;
+            type Out = Shard;
 
-    fn check(p: &ReaderParams, ctx: &BuildCtx) -> anyhow::Result<()> {
-        Reader::check(p, ctx)
-    }
-    fn build(p: ReaderParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
-        Ok(Self(Reader::build(AccessMode::Mmap, p, ctx)?))
-    }
-    fn next(&mut self, _ctx: &mut Ctx) -> anyhow::Result<Option<Shard>> {
-        self.0.next()
-    }
+            fn check(p: &ReaderParams, ctx: &BuildCtx) -> anyhow::Result<()> {
+                Reader::check(p, ctx)
+            }
+            fn build(p: ReaderParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
+                Ok(Self(Reader::build($mode, p, ctx)?))
+            }
+            fn next(&mut self, _ctx: &mut Ctx) -> anyhow::Result<Option<Shard>> {
+                self.0.next()
+            }
+        }
+    };
 }
 
-/// `shard_reader/pread`.
-pub struct Pread(Reader);
-
-impl Source for Pread {
-    const KIND: &'static str = "shard_reader";
-    const IMPL: &'static str = "pread";
-    const DOC: &'static str = "Checks each shard of [data] train/val and reads windows with positioned reads; nothing is mapped.";
-    type Params = ReaderParams;
-    type Out = Shard;
-
-    fn check(p: &ReaderParams, ctx: &BuildCtx) -> anyhow::Result<()> {
-        Reader::check(p, ctx)
-    }
-    fn build(p: ReaderParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
-        Ok(Self(Reader::build(AccessMode::Pread, p, ctx)?))
-    }
-    fn next(&mut self, _ctx: &mut Ctx) -> anyhow::Result<Option<Shard>> {
-        self.0.next()
-    }
-}
+reader_impl!(
+    Mmap,
+    "mmap",
+    AccessMode::Mmap,
+    "Checks and memory-maps each shard of [data] train/val (memmap2); pages are released as they are read."
+);
+reader_impl!(
+    Pread,
+    "pread",
+    AccessMode::Pread,
+    "Checks each shard of [data] train/val and reads windows with positioned reads; nothing is mapped."
+);
