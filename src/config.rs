@@ -117,9 +117,9 @@ pub struct Config {
     /// `[data]`.
     #[serde(default)]
     pub data: DataConfig,
-    /// `[model]`: read by the step executor.
-    #[serde(default, skip_serializing_if = "toml::Table::is_empty")]
-    pub model: toml::Table,
+    /// `[model]`: the GPT's shape.
+    #[serde(default)]
+    pub model: crate::model::ModelConfig,
     /// `[train]`.
     #[serde(default)]
     pub train: TrainConfig,

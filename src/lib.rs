@@ -15,6 +15,7 @@
 //! - [`stages`]: the stage implementations (the top-level `stages/` folder).
 
 pub mod batch;
+pub mod bpb;
 pub mod catalog;
 pub mod clock;
 pub mod config;
@@ -24,6 +25,8 @@ pub mod graph;
 pub mod inject;
 pub mod message;
 pub mod metrics;
+pub mod model;
+pub mod optim;
 pub mod pool;
 pub mod prepare;
 pub mod registry;

@@ -107,7 +107,17 @@ impl Sink for Batches {
             }
             _ => (None, None),
         };
-        Ok(Self { stop_after_steps: p.stop_after_steps, order, order_path, batches: 0, tokens: 0, steps: 0, last: None, first_at: None, last_at: None })
+        Ok(Self {
+            stop_after_steps: p.stop_after_steps,
+            order,
+            order_path,
+            batches: 0,
+            tokens: 0,
+            steps: 0,
+            last: None,
+            first_at: None,
+            last_at: None,
+        })
     }
 
     fn consume(&mut self, b: crate::batch::DeviceBatch, ctx: &mut Ctx) -> anyhow::Result<()> {
@@ -151,7 +161,9 @@ impl Sink for Batches {
         let last = self.last.as_ref();
         // Rate between the first and the last batch: (n - 1) batches' worth of tokens per span.
         let per_s = match (self.first_at, self.last_at, self.last.as_ref()) {
-            (Some(a), Some(b), Some(m)) if self.batches > 1 && b > a => Some((self.batches - 1) as f64 * m.shape.tokens() as f64 / (b - a).as_secs_f64()),
+            (Some(a), Some(b), Some(m)) if self.batches > 1 && b > a => {
+                Some((self.batches - 1) as f64 * m.shape.tokens() as f64 / (b - a).as_secs_f64())
+            }
             _ => None,
         };
         ctx.publish(

@@ -1,0 +1,100 @@
+//! `[model]`: the shape of the GPT.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// `[model]`: sizes and switches of the baseline GPT (defaults: the challenge's baseline).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// Vocabulary size (must match the tokenizer).
+    pub vocab_size: usize,
+    /// Transformer blocks; the first half are U-Net encoders, the rest decoders.
+    pub num_layers: usize,
+    /// Width of the residual stream.
+    pub model_dim: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (grouped-query attention); must divide `num_heads`.
+    pub num_kv_heads: usize,
+    /// MLP hidden width as a multiple of `model_dim`.
+    pub mlp_mult: usize,
+    /// Use the token embedding as the output head.
+    pub tie_embeddings: bool,
+    /// RoPE base.
+    pub rope_base: f64,
+    /// Logits are squashed to `softcap * tanh(z / softcap)`.
+    pub logit_softcap: f64,
+    /// Initial value of every query head's learned gain.
+    pub qk_gain_init: f64,
+    /// Standard deviation of the tied embedding's normal initialisation.
+    pub tied_embed_init_std: f64,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            vocab_size: 1024,
+            num_layers: 9,
+            model_dim: 512,
+            num_heads: 8,
+            num_kv_heads: 4,
+            mlp_mult: 2,
+            tie_embeddings: true,
+            rope_base: 10_000.0,
+            logit_softcap: 30.0,
+            qk_gain_init: 1.5,
+            tied_embed_init_std: 0.005,
+        }
+    }
+}
+
+impl ModelConfig {
+    /// Checks the sizes fit together; errors name the `model.*` keys.
+    pub fn check(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.vocab_size >= 2, "`model.vocab_size` must be at least 2");
+        anyhow::ensure!(self.num_layers >= 1, "`model.num_layers` must be at least 1");
+        anyhow::ensure!(self.num_heads >= 1 && self.num_kv_heads >= 1, "`model.num_heads` and `model.num_kv_heads` must be at least 1");
+        anyhow::ensure!(
+            self.model_dim.is_multiple_of(self.num_heads),
+            "`model.model_dim` ({}) must be divisible by `model.num_heads` ({})",
+            self.model_dim,
+            self.num_heads
+        );
+        anyhow::ensure!(
+            self.num_heads.is_multiple_of(self.num_kv_heads),
+            "`model.num_heads` ({}) must be divisible by `model.num_kv_heads` ({})",
+            self.num_heads,
+            self.num_kv_heads
+        );
+        anyhow::ensure!(
+            self.head_dim().is_multiple_of(2),
+            "head dim `model.model_dim / model.num_heads` = {} must be even for RoPE",
+            self.head_dim()
+        );
+        anyhow::ensure!(self.mlp_mult >= 1, "`model.mlp_mult` must be at least 1");
+        anyhow::ensure!(self.logit_softcap > 0.0, "`model.logit_softcap` must be positive");
+        anyhow::ensure!(self.rope_base > 0.0, "`model.rope_base` must be positive");
+        Ok(())
+    }
+
+    /// Width of one head.
+    pub fn head_dim(&self) -> usize {
+        self.model_dim / self.num_heads
+    }
+
+    /// Width of the key and value projections.
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim()
+    }
+
+    /// Encoder blocks (`num_layers / 2`).
+    pub fn encoder_layers(&self) -> usize {
+        self.num_layers / 2
+    }
+
+    /// Learned skip vectors (`min(encoders, decoders)`).
+    pub fn skip_count(&self) -> usize {
+        self.encoder_layers().min(self.num_layers - self.encoder_layers())
+    }
+}

@@ -1,0 +1,318 @@
+//! The GPT: parameters, initialisation, forward pass.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+
+use super::ModelConfig;
+use super::ops::{causal_attention, causal_mask, cross_entropy_rows, rms_norm, rope, rope_tables, softcap};
+
+/// Which optimizer group a parameter belongs to (as the challenge script splits them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ParamGroup {
+    /// 2-D block matrices: Muon at `matrix_lr`.
+    Matrix,
+    /// The token embedding: Adam at `tied_embed_lr` (or `embed_lr` when untied).
+    Embedding,
+    /// Vectors, scalars and control tensors (`q_gain`, `attn_scale`, `mlp_scale`, `resid_mix`,
+    /// `skip_weights`): Adam at `scalar_lr`.
+    Scalar,
+    /// The untied output head: Adam at `head_lr`.
+    Head,
+}
+
+/// Names that mark a block tensor as a control tensor (Adam, fp32), as in the challenge script.
+const CONTROL_PATTERNS: [&str; 5] = ["attn_scale", "mlp_scale", "resid_mix", "q_gain", "skip_weight"];
+
+/// The baseline GPT.
+pub struct Gpt {
+    cfg: ModelConfig,
+    params: Vec<(String, Var, ParamGroup)>,
+    index: HashMap<String, usize>,
+    device: Device,
+    dtype: DType,
+}
+
+/// Host-side initial values, so that a seed gives the same weights on every device.
+struct Init(fastrand::Rng);
+
+impl Init {
+    fn uniform(&mut self, n: usize, bound: f64) -> Vec<f64> {
+        (0..n).map(|_| (self.0.f64() * 2.0 - 1.0) * bound).collect()
+    }
+    fn normal(&mut self, n: usize, std: f64) -> Vec<f64> {
+        (0..n)
+            .map(|_| {
+                // Box-Muller; 1 - u keeps the logarithm finite.
+                let (u, v) = (1.0 - self.0.f64(), self.0.f64());
+                std * (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+            })
+            .collect()
+    }
+}
+
+impl Gpt {
+    /// A freshly initialised model (spec 3.4): tied embedding N(0, tied_embed_init_std^2);
+    /// attention output and MLP down projections (and an untied head) zero; other matrices
+    /// U(-1/sqrt(fan_in), 1/sqrt(fan_in)); q_gain = qk_gain_init, scales 1, resid_mix [1; 0],
+    /// skip weights 1.
+    pub fn new(cfg: &ModelConfig, seed: u64, dtype: DType, device: &Device) -> anyhow::Result<Self> {
+        cfg.check()?;
+        let (v, d, kvd, hidden) = (cfg.vocab_size, cfg.model_dim, cfg.kv_dim(), cfg.mlp_mult * cfg.model_dim);
+        let mut init = Init(fastrand::Rng::with_seed(seed));
+        let mut specs: Vec<(String, Vec<usize>, Vec<f64>)> = Vec::new();
+        let emb = if cfg.tie_embeddings { init.normal(v * d, cfg.tied_embed_init_std) } else { init.uniform(v * d, 1.0) };
+        specs.push(("tok_emb.weight".into(), vec![v, d], emb));
+        specs.push(("skip_weights".into(), vec![cfg.skip_count(), d], vec![1.0; cfg.skip_count() * d]));
+        let kaiming = |init: &mut Init, out: usize, inp: usize| init.uniform(out * inp, 1.0 / (inp as f64).sqrt());
+        for i in 0..cfg.num_layers {
+            let p = |s: &str| format!("blocks.{i}.{s}");
+            specs.push((p("attn.c_q.weight"), vec![d, d], kaiming(&mut init, d, d)));
+            specs.push((p("attn.c_k.weight"), vec![kvd, d], kaiming(&mut init, kvd, d)));
+            specs.push((p("attn.c_v.weight"), vec![kvd, d], kaiming(&mut init, kvd, d)));
+            specs.push((p("attn.proj.weight"), vec![d, d], vec![0.0; d * d]));
+            specs.push((p("attn.q_gain"), vec![cfg.num_heads], vec![cfg.qk_gain_init; cfg.num_heads]));
+            specs.push((p("mlp.fc.weight"), vec![hidden, d], kaiming(&mut init, hidden, d)));
+            specs.push((p("mlp.proj.weight"), vec![d, hidden], vec![0.0; d * hidden]));
+            specs.push((p("attn_scale"), vec![d], vec![1.0; d]));
+            specs.push((p("mlp_scale"), vec![d], vec![1.0; d]));
+            let mut mix = vec![1.0; d];
+            mix.extend(vec![0.0; d]);
+            specs.push((p("resid_mix"), vec![2, d], mix));
+        }
+        if !cfg.tie_embeddings {
+            specs.push(("lm_head.weight".into(), vec![v, d], vec![0.0; v * d]));
+        }
+        let mut params = Vec::with_capacity(specs.len());
+        for (name, shape, values) in specs {
+            let t = Tensor::from_vec(values, shape.as_slice(), &Device::Cpu)?.to_dtype(dtype)?.to_device(device)?;
+            let group = group_of(&name, shape.len());
+            params.push((name, Var::from_tensor(&t)?, group));
+        }
+        let index = params.iter().enumerate().map(|(i, (n, _, _))| (n.clone(), i)).collect();
+        Ok(Self { cfg: cfg.clone(), params, index, device: device.clone(), dtype })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// Every parameter with its PyTorch `state_dict` name and optimizer group.
+    pub fn params(&self) -> &[(String, Var, ParamGroup)] {
+        &self.params
+    }
+
+    /// The parameter called `name`.
+    pub fn param(&self, name: &str) -> Option<&Var> {
+        self.index.get(name).map(|&i| &self.params[i].1)
+    }
+
+    /// Number of scalar parameters.
+    pub fn param_count(&self) -> usize {
+        self.params.iter().map(|(_, v, _)| v.elem_count()).sum()
+    }
+
+    /// The parameters as named tensors (the PyTorch `state_dict`).
+    pub fn state_dict(&self) -> Vec<(String, Tensor)> {
+        self.params.iter().map(|(n, v, _)| (n.clone(), v.as_tensor().clone())).collect()
+    }
+
+    /// Replaces every parameter from `tensors`; errors name a missing tensor or a shape that
+    /// differs from this model's.
+    pub fn load_state(&mut self, tensors: &HashMap<String, Tensor>) -> anyhow::Result<()> {
+        for (name, var, _) in &self.params {
+            let t = tensors.get(name).ok_or_else(|| anyhow::anyhow!("tensor `{name}` is missing"))?;
+            anyhow::ensure!(t.dims() == var.dims(), "tensor `{name}` has shape {:?}, this model's is {:?}", t.dims(), var.dims());
+            // A copy: a tensor sharing the variable's own storage cannot be set into it.
+            var.set(&t.to_dtype(self.dtype)?.to_device(&self.device)?.copy()?)?;
+        }
+        if let Some(extra) = tensors.keys().find(|k| !self.index.contains_key(*k)) {
+            anyhow::bail!("tensor `{extra}` is not a parameter of this model");
+        }
+        Ok(())
+    }
+
+    fn p(&self, name: &str) -> &Tensor {
+        self.params[self.index[name]].1.as_tensor()
+    }
+
+    /// Soft-capped logits `(B*T, V)` for input ids `x` of shape `(B, T)` (u32).
+    pub fn logits(&self, x: &Tensor) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let (b, t) = x.dims2()?;
+        let d = cfg.model_dim;
+        let emb = self.p("tok_emb.weight");
+        let mut h = rms_norm(&emb.index_select(&x.flatten_all()?, 0)?.reshape((b, t, d))?)?;
+        let x0 = h.clone();
+        let (cos, sin) = rope_tables(t, cfg.head_dim(), cfg.rope_base, self.dtype, &self.device)?;
+        let mask = causal_mask(t, self.dtype, &self.device)?;
+        let enc = cfg.encoder_layers();
+        let mut skips = Vec::with_capacity(enc);
+        for i in 0..enc {
+            h = self.block(i, &h, &x0, &cos, &sin, &mask)?;
+            skips.push(h.clone());
+        }
+        let skip_w = self.p("skip_weights");
+        for j in 0..cfg.num_layers - enc {
+            if let Some(s) = skips.pop() {
+                h = (h + s.broadcast_mul(&skip_w.get(j)?)?)?;
+            }
+            h = self.block(enc + j, &h, &x0, &cos, &sin, &mask)?;
+        }
+        let h = rms_norm(&h)?.reshape((b * t, d))?;
+        let head = if cfg.tie_embeddings { emb } else { self.p("lm_head.weight") };
+        softcap(&h.matmul(&head.t()?)?, cfg.logit_softcap)
+    }
+
+    /// Per-position cross-entropy `(B*T,)` of targets `y` `(B, T)` given inputs `x`.
+    pub fn token_losses(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
+        let logits = self.logits(x)?;
+        let logits = if self.dtype == DType::F64 { logits } else { logits.to_dtype(DType::F32)? };
+        cross_entropy_rows(&logits, &y.flatten_all()?)
+    }
+
+    /// Mean cross-entropy over all positions (what training minimises).
+    pub fn loss(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
+        self.token_losses(x, y)?.mean_all()
+    }
+
+    fn block(&self, i: usize, h: &Tensor, x0: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let p = |s: &str| self.p(&format!("blocks.{i}.{s}"));
+        let mix = p("resid_mix");
+        let u = (h.broadcast_mul(&mix.get(0)?)? + x0.broadcast_mul(&mix.get(1)?)?)?;
+        let a = self.attention(i, &rms_norm(&u)?, cos, sin, mask)?;
+        let u = (u + a.broadcast_mul(p("attn_scale"))?)?;
+        let m = self.mlp(i, &rms_norm(&u)?)?;
+        u + m.broadcast_mul(p("mlp_scale"))?
+    }
+
+    fn attention(&self, i: usize, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let (b, t, d) = x.dims3()?;
+        let (h, kvh, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim());
+        let p = |s: &str| self.p(&format!("blocks.{i}.attn.{s}"));
+        let heads = |w: &Tensor, n: usize| -> Result<Tensor> { linear(x, w)?.reshape((b, t, n, hd))?.transpose(1, 2) };
+        let q = rope(&rms_norm(&heads(p("c_q.weight"), h)?)?, cos, sin)?;
+        let k = rope(&rms_norm(&heads(p("c_k.weight"), kvh)?)?, cos, sin)?;
+        let v = heads(p("c_v.weight"), kvh)?;
+        let q = q.broadcast_mul(&p("q_gain").reshape((1, h, 1, 1))?)?;
+        let y = causal_attention(&q, &k, &v, mask)?.transpose(1, 2)?.reshape((b, t, d))?;
+        linear(&y, p("proj.weight"))
+    }
+
+    fn mlp(&self, i: usize, x: &Tensor) -> Result<Tensor> {
+        let up = linear(x, self.p(&format!("blocks.{i}.mlp.fc.weight")))?.relu()?.sqr()?;
+        linear(&up, self.p(&format!("blocks.{i}.mlp.proj.weight")))
+    }
+}
+
+/// `x W^T` for `x` of shape `(B, T, in)` and `W` of shape `(out, in)`.
+fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (b, t, inp) = x.dims3()?;
+    let out = w.dim(0)?;
+    x.reshape((b * t, inp))?.matmul(&w.t()?)?.reshape((b, t, out))
+}
+
+fn group_of(name: &str, ndim: usize) -> ParamGroup {
+    if name == "tok_emb.weight" {
+        ParamGroup::Embedding
+    } else if name == "lm_head.weight" {
+        ParamGroup::Head
+    } else if name.starts_with("blocks.") && ndim == 2 && !CONTROL_PATTERNS.iter().any(|c| name.contains(c)) {
+        ParamGroup::Matrix
+    } else {
+        ParamGroup::Scalar
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> ModelConfig {
+        ModelConfig { vocab_size: 16, num_layers: 3, model_dim: 8, num_heads: 2, num_kv_heads: 1, mlp_mult: 2, ..ModelConfig::default() }
+    }
+
+    #[test]
+    fn baseline_has_the_challenge_parameter_count_and_names() {
+        let m = Gpt::new(&ModelConfig::default(), 1337, DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(m.param_count(), 17_059_912, "model_params of the baseline log");
+        assert_eq!(m.params().len(), 2 + 9 * 10);
+        let shape = |n: &str| m.param(n).unwrap().dims().to_vec();
+        assert_eq!(shape("tok_emb.weight"), [1024, 512]);
+        assert_eq!(shape("blocks.8.attn.c_k.weight"), [256, 512]);
+        assert_eq!(shape("blocks.0.mlp.fc.weight"), [1024, 512]);
+        assert_eq!(shape("skip_weights"), [4, 512]);
+        let groups = |g: ParamGroup| m.params().iter().filter(|(_, _, x)| *x == g).count();
+        assert_eq!((groups(ParamGroup::Matrix), groups(ParamGroup::Embedding), groups(ParamGroup::Scalar)), (54, 1, 37));
+    }
+
+    #[test]
+    fn initial_loss_is_about_ln_vocab_and_seeded_init_repeats() {
+        let cfg = tiny();
+        let a = Gpt::new(&cfg, 5, DType::F64, &Device::Cpu).unwrap();
+        let b = Gpt::new(&cfg, 5, DType::F64, &Device::Cpu).unwrap();
+        let x = Tensor::from_vec((0..24u32).map(|i| i % 16).collect::<Vec<_>>(), (2, 12), &Device::Cpu).unwrap();
+        let y = Tensor::from_vec((0..24u32).map(|i| (i * 7 + 3) % 16).collect::<Vec<_>>(), (2, 12), &Device::Cpu).unwrap();
+        let la = a.loss(&x, &y).unwrap().to_scalar::<f64>().unwrap();
+        let lb = b.loss(&x, &y).unwrap().to_scalar::<f64>().unwrap();
+        assert_eq!(la.to_bits(), lb.to_bits());
+        assert!((la - 16f64.ln()).abs() < 0.01, "loss at init {la}, ln 16 = {}", 16f64.ln());
+    }
+
+    #[test]
+    fn load_state_names_the_bad_tensor() {
+        let mut m = Gpt::new(&tiny(), 0, DType::F32, &Device::Cpu).unwrap();
+        let mut sd: HashMap<String, Tensor> = m.state_dict().into_iter().collect();
+        sd.insert("blocks.0.attn.c_q.weight".into(), Tensor::zeros((3, 3), DType::F32, &Device::Cpu).unwrap());
+        let e = m.load_state(&sd).unwrap_err().to_string();
+        assert!(e.contains("blocks.0.attn.c_q.weight") && e.contains("[3, 3]"), "{e}");
+        sd.remove("blocks.0.attn.c_q.weight");
+        assert!(m.load_state(&sd).unwrap_err().to_string().contains("`blocks.0.attn.c_q.weight` is missing"));
+    }
+
+    /// Central finite differences of the whole tiny model (in float64, all parameters made
+    /// non-trivial first) against candle's backward pass.
+    #[test]
+    fn gradients_match_finite_differences() {
+        let cfg = ModelConfig { tie_embeddings: false, ..tiny() };
+        let m = Gpt::new(&cfg, 9, DType::F64, &Device::Cpu).unwrap();
+        let mut rng = fastrand::Rng::with_seed(11);
+        for (_, v, _) in m.params() {
+            let n = v.elem_count();
+            let vals: Vec<f64> = (0..n).map(|_| rng.f64() * 0.8 - 0.4).collect();
+            v.set(&Tensor::from_vec(vals, v.dims(), &Device::Cpu).unwrap()).unwrap();
+        }
+        let x = Tensor::from_vec((0..10u32).map(|i| (i * 5 + 1) % 16).collect::<Vec<_>>(), (2, 5), &Device::Cpu).unwrap();
+        let y = Tensor::from_vec((0..10u32).map(|i| (i * 3 + 2) % 16).collect::<Vec<_>>(), (2, 5), &Device::Cpu).unwrap();
+        let grads = m.loss(&x, &y).unwrap().backward().unwrap();
+        let eps = 1e-6;
+        let mut checked = 0;
+        for (name, var, _) in m.params() {
+            let g = grads
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("no gradient for {name}"))
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f64>()
+                .unwrap();
+            let base: Vec<f64> = var.flatten_all().unwrap().to_vec1().unwrap();
+            // A few coordinates per tensor keep the test fast.
+            for idx in [0, base.len() / 2, base.len() - 1] {
+                let eval = |delta: f64| {
+                    let mut v = base.clone();
+                    v[idx] += delta;
+                    var.set(&Tensor::from_vec(v, var.dims(), &Device::Cpu).unwrap()).unwrap();
+                    m.loss(&x, &y).unwrap().to_scalar::<f64>().unwrap()
+                };
+                let fd = (eval(eps) - eval(-eps)) / (2.0 * eps);
+                var.set(&Tensor::from_vec(base.clone(), var.dims(), &Device::Cpu).unwrap()).unwrap();
+                let tol = 1e-6 + 1e-4 * fd.abs().max(g[idx].abs());
+                assert!((fd - g[idx]).abs() < tol, "{name}[{idx}]: finite difference {fd}, backward {}", g[idx]);
+                checked += 1;
+            }
+        }
+        assert!(checked >= 3 * m.params().len());
+    }
+}

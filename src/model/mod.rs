@@ -1,0 +1,15 @@
+//! The challenge's baseline GPT (record `2026-03-17_NaiveBaseline`, spec section 3) in
+//! candle, on any candle device and float dtype.
+//!
+//! - [`ModelConfig`]: the `[model]` table; the baseline's values are the defaults.
+//! - [`ops`]: the building blocks (RMS norm without weights, RoPE, causal GQA attention, logit
+//!   soft-cap, cross-entropy), each small enough to test against a float64 reference.
+//! - [`Gpt`]: parameters named exactly as the PyTorch script's `GPT.state_dict()`, the spec's
+//!   initialisation, and the forward pass to logits, mean loss or per-token losses.
+
+mod config;
+mod gpt;
+pub mod ops;
+
+pub use config::ModelConfig;
+pub use gpt::{Gpt, ParamGroup};
