@@ -73,7 +73,12 @@ impl BatchShape {
             t.grad_accum_steps
         };
         anyhow::ensure!(t.seq_len >= 1, "`train.seq_len` must be at least 1");
-        let per_micro = world * micro;
+        let per_micro = world.checked_mul(micro).filter(|&p| p.checked_mul(t.seq_len).is_some()).ok_or_else(|| {
+            anyhow::anyhow!(
+                "`run.world_size` ({world}) x `train.grad_accum_steps` ({micro}) x `train.seq_len` ({}) is too large",
+                t.seq_len
+            )
+        })?;
         anyhow::ensure!(
             t.batch_tokens.is_multiple_of(per_micro)
                 && (t.batch_tokens / per_micro).is_multiple_of(t.seq_len)
@@ -255,5 +260,11 @@ mod tests {
         c.train.batch_tokens = 1000;
         let e = BatchShape::from_config(&c).unwrap_err().to_string();
         assert!(e.contains("train.batch_tokens"), "{e}");
+        c.run.world_size = 4;
+        c.run.rank = 0;
+        c.train.grad_accum_steps = 1 << 62;
+        c.train.batch_tokens = 0;
+        let e = BatchShape::from_config(&c).unwrap_err().to_string();
+        assert!(e.contains("too large"), "{e}");
     }
 }

@@ -51,7 +51,9 @@ impl Control {
 
     /// What a Ctrl-C does: the first one stops gracefully, a second one aborts.
     pub fn interrupt(&self) {
-        if self.interrupted.swap(true, Ordering::SeqCst) {
+        // Already stopping (a first Ctrl-C, max_seconds, a stage's request): stop at once.
+        let already = self.stopping();
+        if self.interrupted.swap(true, Ordering::SeqCst) || already {
             self.abort();
         } else {
             self.request_stop();
@@ -104,6 +106,14 @@ mod tests {
         c.interrupt();
         assert!(c.stopping() && !c.aborting());
         assert_eq!(c.reason(), StopReason::Interrupted);
+        c.interrupt();
+        assert!(c.aborting());
+    }
+
+    #[test]
+    fn interrupt_during_a_requested_stop_aborts() {
+        let c = Control::new();
+        c.request_stop();
         c.interrupt();
         assert!(c.aborting());
     }

@@ -58,8 +58,8 @@ impl Pace {
     /// Checks the two durations (finite, not negative).
     pub fn check(delay_us: f64, jitter_us: f64) -> anyhow::Result<()> {
         for (name, v) in [("delay_us", delay_us), ("jitter_us", jitter_us)] {
-            if !v.is_finite() || v < 0.0 {
-                anyhow::bail!("`{name}` must be a finite number of microseconds, 0 or more; found {v}");
+            if !v.is_finite() || !(0.0..=1e12).contains(&v) {
+                anyhow::bail!("`{name}` must be a number of microseconds from 0 to 1e12 (about 11 days); found {v}");
             }
         }
         Ok(())
@@ -79,12 +79,21 @@ impl Pace {
 
     /// Waits one drawn duration; false if the graph aborted meanwhile.
     pub fn wait(&mut self, ctx: &Ctx) -> bool {
+        self.wait_inner(ctx, false)
+    }
+
+    /// As [`Pace::wait`], but also ends early on a graceful stop (for sources).
+    pub fn wait_unless_stopping(&mut self, ctx: &Ctx) -> bool {
+        self.wait_inner(ctx, true)
+    }
+
+    fn wait_inner(&mut self, ctx: &Ctx, source: bool) -> bool {
         let d = self.draw();
         if d.is_zero() {
             return true;
         }
         if !self.spin {
-            return ctx.sleep(d);
+            return if source { ctx.sleep_unless_stopping(d) } else { ctx.sleep(d) };
         }
         let deadline = Instant::now() + d;
         let mut spins = 0u32;

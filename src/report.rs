@@ -253,7 +253,9 @@ pub fn build(plan: &Plan, result: &RunResult, meta: &ReportMeta) -> Report {
                     send_blocked_us: send.summary(),
                     recv_blocked_fraction: frac(recv_total_s, steady[c]),
                     recv_blocked_us: recv.summary(),
-                    littles_law_occupancy: edge_rate * res.mean * 1e-6,
+                    // Residence counts the producer's blocked send, during which the item is not
+                    // in the queue: take it out before comparing with sampled occupancy.
+                    littles_law_occupancy: edge_rate * (res.mean - send.summary().mean).max(0.0) * 1e-6,
                     residence_us: res,
                     mean_occupancy: occ.sum as f64 / samples,
                     empty_fraction: occ.empty as f64 / samples,

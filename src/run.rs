@@ -53,10 +53,18 @@ pub fn run_name(loaded: &Loaded) -> String {
     loaded.path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into())
 }
 
-/// Checks the device names something this binary can run on.
+/// Checks `[run]`: the device names something this binary can run on, and times are sane.
 pub fn check_device(loaded: &Loaded) -> Result<(), ConfigErrors> {
     let dev = loaded.config.run.device.as_str();
     let mut errors = ConfigErrors::default();
+    let max = loaded.config.run.max_seconds;
+    if !max.is_finite() || !(0.0..=1e9).contains(&max) {
+        errors.push(
+            loaded.origin_of("run.max_seconds"),
+            Some("run.max_seconds".into()),
+            format!("must be a number of seconds from 0 (no limit) to 1e9; found {max}"),
+        );
+    }
     if dev != "cpu" {
         let msg = if dev.starts_with("cuda") {
             format!(

@@ -184,7 +184,7 @@ pub fn execute(plan: &Plan, config: &Config, run_dir: Option<&Path>, control: Ar
             let _ = t_done.send(Done { index: i, state, env, extra, end: t_clock.now() });
         });
         match spawned {
-            Ok(h) => handles.push(h),
+            Ok(h) => handles.push((i, h)),
             Err(e) => {
                 // Could not start a thread: stop what already runs and report it as this stage's failure.
                 control.fail();
@@ -276,7 +276,7 @@ pub fn execute(plan: &Plan, config: &Config, run_dir: Option<&Path>, control: Ar
     }
     let end = clock.now();
     let stop_ms = abort_seen.map(|t| t.elapsed().as_secs_f64() * 1e3);
-    for (i, h) in handles.into_iter().enumerate() {
+    for (i, h) in handles {
         if results.get(i).is_some_and(Option::is_some) {
             let _ = h.join();
         }

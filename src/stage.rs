@@ -128,9 +128,19 @@ impl Ctx {
 
     /// Sleeps for `d`, waking early if the graph aborts; returns false if it did.
     pub fn sleep(&self, d: Duration) -> bool {
+        self.sleep_while(d, || self.control.aborting())
+    }
+
+    /// Sleeps for `d`, waking early if the graph stops or aborts; returns false if it did. What a
+    /// source pacing itself uses, so that a graceful stop ends it at once.
+    pub fn sleep_unless_stopping(&self, d: Duration) -> bool {
+        self.sleep_while(d, || self.control.stopping())
+    }
+
+    fn sleep_while(&self, d: Duration, wake: impl Fn() -> bool) -> bool {
         let deadline = Instant::now() + d;
         loop {
-            if self.control.aborting() {
+            if wake() {
                 return false;
             }
             let now = Instant::now();
@@ -575,7 +585,7 @@ impl<S: Source> Runnable for SourceRun<S> {
         while !control.stopping() {
             let start = env.meter.last;
             env.meter.blocked = 0;
-            let Some(item) = self.0.next(ctx)? else { break };
+            let Some(item) = self.0.next(ctx).or_else(|e| if e.is::<Stopped>() { Ok(None) } else { Err(e) })? else { break };
             let end = env.meter.now();
             env.record_service(start, end);
             if out.send_stamped(item, end, &mut env.meter, &mut env.outputs, &control).is_err() {
@@ -604,8 +614,11 @@ impl<T: Transform> Runnable for TransformRun<T> {
                 Emitter { port: &mut out, meter: &mut env.meter, stats: &mut env.outputs, control: &control, pending: None, emitted: 0 };
             let r = self.0.process(item, &mut em, ctx);
             let end = em.meter.now();
+            // Time blocked during the call is subtracted; the final send happens after `end`.
+            let blocked_in_call = em.meter.blocked;
             let sent = r.is_ok() && em.finish(end).is_ok();
             env.items_out += em.emitted;
+            env.meter.blocked = blocked_in_call;
             env.record_service(start, end);
             if let Err(e) = r {
                 if e.is::<Stopped>() {

@@ -58,8 +58,8 @@ impl Source for Blobs {
 
     fn check(p: &BlobsParams, _ctx: &BuildCtx) -> anyhow::Result<()> {
         Pace::check(p.delay_us, p.jitter_us)?;
-        if !p.rate_per_s.is_finite() || p.rate_per_s < 0.0 {
-            anyhow::bail!("`rate_per_s` must be 0 (as fast as possible) or a positive number; found {}", p.rate_per_s);
+        if !p.rate_per_s.is_finite() || p.rate_per_s < 0.0 || (p.rate_per_s > 0.0 && p.rate_per_s < 1e-6) {
+            anyhow::bail!("`rate_per_s` must be 0 (as fast as possible) or at least 0.000001 items per second; found {}", p.rate_per_s);
         }
         Ok(())
     }
@@ -84,12 +84,12 @@ impl Source for Blobs {
         if let Some(period) = self.period {
             let due = *self.due.get_or_insert_with(Instant::now);
             let now = Instant::now();
-            if due > now && !ctx.sleep(due - now) {
+            if due > now && !ctx.sleep_unless_stopping(due - now) {
                 return Ok(None);
             }
             self.due = Some(due + period);
         }
-        if !self.pace.wait(ctx) {
+        if !self.pace.wait_unless_stopping(ctx) {
             return Ok(None);
         }
         self.fault.tick()?;

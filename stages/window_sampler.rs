@@ -490,6 +490,11 @@ impl WindowStage {
         anyhow::ensure!(!self.shards.is_empty(), "no shards arrived from the reader");
         self.shards.sort_by_key(|s| s.index);
         let shards = std::mem::take(&mut self.shards);
+        if self.order == Order::Sequential && shards.iter().enumerate().any(|(i, s)| s.index != i) {
+            anyhow::bail!(
+                "the sequential sampler streams every shard, but the reader sent only some (set `rank_shards = false` on the reader)"
+            );
+        }
         let sampler: Box<dyn Sampler> = match self.order {
             Order::Sequential => Box::new(SequentialSampler::new(shards, self.shape, self.vocab, None)?),
             Order::Shuffled => Box::new(ShuffledSampler::new(shards, self.shape, self.vocab, self.seed, self.params.workers, None)?),

@@ -205,6 +205,23 @@ fn max_seconds_ends_an_endless_run() {
 }
 
 #[test]
+fn a_rate_limited_source_stops_at_once_on_a_graceful_stop() {
+    let out = scratch("slow-rate");
+    // One item every 10 s: the source must not finish its sleep after max_seconds stops the run.
+    let t = Instant::now();
+    let o = run(
+        &synthetic_toml(),
+        &out,
+        &["stages.source.count=0", "stages.source.rate_per_s=0.1", "run.max_seconds=0.5", "run.drain_timeout_ms=5000"],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let r = report(&out);
+    assert!(r.run.notes.iter().all(|n| !n.contains("did not drain")), "{:?}", r.run.notes);
+    assert!(t.elapsed() < Duration::from_secs(4), "took {:?}", t.elapsed());
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
 fn resolved_config_repeats_the_run() {
     let out = scratch("resolved");
     let o = run(&synthetic_toml(), &out, &["stages.source.count=30", "stages.mid.queue=7"]);

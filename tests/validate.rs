@@ -257,16 +257,35 @@ fn cuda_device_on_cpu_build() {
 #[test]
 fn negative_delay_caught_by_stage_check() {
     let cfg = edit("stages.mid", "delay_us = 0", "delay_us = -5");
-    rejects("negative-delay", &cfg, Some("stages.mid"), "`delay_us` must be a finite number of microseconds, 0 or more; found -5");
+    rejects(
+        "negative-delay",
+        &cfg,
+        Some("stages.mid"),
+        "`delay_us` must be a number of microseconds from 0 to 1e12 (about 11 days); found -5",
+    );
 }
 
 #[test]
 fn stage_level_error_names_the_file_not_an_unrelated_override() {
     let cfg = edit("stages.mid", "delay_us = 0", "delay_us = -5");
     let out = validate("blame", Some(&cfg), &["--set", "stages.mid.queue=3"], &[("PIPELINE_STAGES__MID__JITTER_US", "1")]);
-    assert_rejected(&out, "blame.toml", Some("stages.mid"), "`delay_us` must be a finite number");
+    assert_rejected(&out, "blame.toml", Some("stages.mid"), "`delay_us` must be a number of microseconds");
     assert!(!out.stderr.contains("--set"), "blamed the --set argument:\n{}", out.stderr);
     assert!(!out.stderr.contains("environment"), "blamed the environment:\n{}", out.stderr);
+}
+
+#[test]
+fn out_of_range_numbers_are_config_errors_not_panics() {
+    for (name, set, key) in [
+        ("inf-seconds", "run.max_seconds=inf", "run.max_seconds"),
+        ("huge-seconds", "run.max_seconds=1e20", "run.max_seconds"),
+        ("tiny-rate", "stages.source.rate_per_s=1e-30", "stages.source"),
+        ("huge-delay", "stages.mid.delay_us=1e300", "stages.mid"),
+    ] {
+        let out = validate(name, Some(BASE), &["--set", set], &[]);
+        assert_eq!(out.code, Some(2), "{set}: {}", out.stderr);
+        assert!(!out.stderr.contains("panicked") && out.stderr.contains(key), "{set}: {}", out.stderr);
+    }
 }
 
 #[test]

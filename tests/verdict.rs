@@ -29,6 +29,18 @@ fn check(depth: usize, slow: &str) {
     let want = if slow == "sink" { "not input-bound" } else { "highly input-bound" };
     assert_eq!(v.class, want, "depth {depth}, slow {slow}: input-bound {:.3}\n{}", v.input_bound_fraction, r.render());
     assert!(r.stages[slow].busy_fraction > 0.8, "{}", r.render());
+    // Every other stage sleeps ~0.2 ms per item: its service time must show that, even when a
+    // slow consumer keeps it blocked on its output (blocked time is not service time).
+    for other in ["source", "mid", "post", "sink"].into_iter().filter(|s| *s != slow) {
+        let s = &r.stages[other];
+        assert!(
+            s.service_us.p50 > 150.0 && s.busy_fraction > 0.03,
+            "depth {depth}: `{other}` service p50 {} µs, busy {}\n{}",
+            s.service_us.p50,
+            s.busy_fraction,
+            r.render()
+        );
+    }
     // Every channel reports the configured capacity, and every item arrived.
     for c in r.channels.values() {
         assert_eq!(c.capacity, depth);

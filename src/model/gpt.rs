@@ -124,11 +124,15 @@ impl Gpt {
         for (name, var, _) in &self.params {
             let t = tensors.get(name).ok_or_else(|| anyhow::anyhow!("tensor `{name}` is missing"))?;
             anyhow::ensure!(t.dims() == var.dims(), "tensor `{name}` has shape {:?}, this model's is {:?}", t.dims(), var.dims());
-            // A copy: a tensor sharing the variable's own storage cannot be set into it.
-            var.set(&t.to_dtype(self.dtype)?.to_device(&self.device)?.copy()?)?;
         }
         if let Some(extra) = tensors.keys().find(|k| !self.index.contains_key(*k)) {
             anyhow::bail!("tensor `{extra}` is not a parameter of this model");
+        }
+        // Everything checked: nothing changes unless everything fits.
+        for (name, var, _) in &self.params {
+            let t = &tensors[name];
+            // A copy: a tensor sharing the variable's own storage cannot be set into it.
+            var.set(&t.to_dtype(self.dtype)?.to_device(&self.device)?.copy()?)?;
         }
         Ok(())
     }
