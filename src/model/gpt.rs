@@ -52,7 +52,8 @@ impl Init {
 }
 
 impl Gpt {
-    /// A freshly initialised model (spec 3.4): tied embedding N(0, tied_embed_init_std^2);
+    /// A freshly initialised model (spec 3.4): embedding N(0, tied_embed_init_std^2) when tied,
+    /// N(0, 1) (PyTorch's `nn.Embedding` default) when not;
     /// attention output and MLP down projections (and an untied head) zero; other matrices
     /// U(-1/sqrt(fan_in), 1/sqrt(fan_in)); q_gain = qk_gain_init, scales 1, resid_mix [1; 0],
     /// skip weights 1.
@@ -61,7 +62,8 @@ impl Gpt {
         let (v, d, kvd, hidden) = (cfg.vocab_size, cfg.model_dim, cfg.kv_dim(), cfg.mlp_mult * cfg.model_dim);
         let mut init = Init(fastrand::Rng::with_seed(seed));
         let mut specs: Vec<(String, Vec<usize>, Vec<f64>)> = Vec::new();
-        let emb = if cfg.tie_embeddings { init.normal(v * d, cfg.tied_embed_init_std) } else { init.uniform(v * d, 1.0) };
+        // Tied: N(0, tied_embed_init_std^2); untied: nn.Embedding's default N(0, 1).
+        let emb = init.normal(v * d, if cfg.tie_embeddings { cfg.tied_embed_init_std } else { 1.0 });
         specs.push(("tok_emb.weight".into(), vec![v, d], emb));
         specs.push(("skip_weights".into(), vec![cfg.skip_count(), d], vec![1.0; cfg.skip_count() * d]));
         let kaiming = |init: &mut Init, out: usize, inp: usize| init.uniform(out * inp, 1.0 / (inp as f64).sqrt());
