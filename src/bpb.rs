@@ -234,8 +234,7 @@ mod tests {
     use std::path::PathBuf;
     use std::sync::Arc;
 
-    use prost::Message;
-    use sentencepiece_model::{ModelProto, ModelType, NormalizerSpec, SentencePiece, SentencePieceModel, TrainerSpec, Type};
+    use sentencepiece_model::SentencePieceModel;
 
     use super::*;
     use crate::tokenizer::Tokenizer;
@@ -254,49 +253,16 @@ mod tests {
         4 + u32::from(b)
     }
 
-    /// A tiny BPE model like tests/prepare.rs builds: specials, 256 byte pieces, [`NORMAL`],
-    /// then one unused piece (`<unused>`, last id); identity normaliser, no dummy prefix.
-    /// `with_space` keeps the bare `▁` piece.
-    fn model_proto(with_space: bool) -> ModelProto {
-        let piece =
-            |text: &str, kind: Type, score: f32| SentencePiece { piece: Some(text.into()), score: Some(score), r#type: Some(kind as i32) };
-        let mut pieces = vec![
-            piece("<pad>", Type::Control, 0.0),
-            piece("<s>", Type::Control, 0.0),
-            piece("</s>", Type::Control, 0.0),
-            piece("<unk>", Type::Unknown, 0.0),
-        ];
-        pieces.extend((0..=255u8).map(|b| piece(&format!("<0x{b:02X}>"), Type::Byte, 0.0)));
-        for (i, p) in NORMAL.iter().enumerate() {
-            // Without the bare `▁`, a placeholder keeps the other ids where they are.
-            let p = if *p == "▁" && !with_space { "zz" } else { p };
-            pieces.push(piece(p, Type::Normal, -(i as f32)));
-        }
-        pieces.push(piece("<unused>", Type::Unused, 0.0));
-        ModelProto {
-            pieces,
-            trainer_spec: Some(TrainerSpec {
-                model_type: Some(ModelType::Bpe as i32),
-                byte_fallback: Some(true),
-                unk_id: Some(3),
-                bos_id: Some(1),
-                eos_id: Some(2),
-                pad_id: Some(0),
-                ..Default::default()
-            }),
-            normalizer_spec: Some(NormalizerSpec {
-                name: Some("identity".into()),
-                add_dummy_prefix: Some(false),
-                remove_extra_whitespaces: Some(false),
-                escape_whitespaces: Some(true),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }
+    /// The tiny model: [`NORMAL`] after the specials and byte pieces, then one unused piece
+    /// (`<unused>`, last id). `with_space` keeps the bare `▁` piece; without it a placeholder
+    /// keeps the other ids where they are.
+    fn model_bytes(with_space: bool) -> Vec<u8> {
+        let normal: Vec<&str> = NORMAL.iter().map(|p| if *p == "▁" && !with_space { "zz" } else { p }).collect();
+        crate::tokenizer::build_bpe_model(&normal, &["<unused>"])
     }
 
     fn parsed(with_space: bool) -> SentencePieceModel {
-        SentencePieceModel::from_slice(model_proto(with_space).encode_to_vec()).unwrap()
+        SentencePieceModel::from_slice(model_bytes(with_space)).unwrap()
     }
 
     /// Writes the tiny model to a temp file (removed on drop) and loads the tokenizer.
@@ -308,7 +274,7 @@ mod tests {
     impl TinyModel {
         fn new(tag: &str, with_space: bool) -> Self {
             let path = std::env::temp_dir().join(format!("pipeline-bpb-{tag}-{}.model", std::process::id()));
-            std::fs::write(&path, model_proto(with_space).encode_to_vec()).unwrap();
+            std::fs::write(&path, model_bytes(with_space)).unwrap();
             let tok = Tokenizer::load(&path).unwrap();
             Self { path, tok }
         }

@@ -95,6 +95,48 @@ impl Tokenizer {
     }
 }
 
+/// Builds a small sentencepiece BPE model (the `.model` protobuf): `<pad> <s> </s>` (control,
+/// ids 0-2), `<unk>` (3), the 256 byte-fallback pieces `<0x00>..<0xFF>` (4-259), then `normal`
+/// pieces in merge order (best first), then `unused` pieces; identity normaliser, no dummy
+/// prefix, whitespace escaped to U+2581. For tests and examples that need a real model without
+/// training one.
+pub fn build_bpe_model(normal: &[&str], unused: &[&str]) -> Vec<u8> {
+    use prost::Message;
+    use sentencepiece_model::{ModelProto, ModelType, NormalizerSpec, SentencePiece, TrainerSpec, Type};
+    let piece =
+        |text: &str, kind: Type, score: f32| SentencePiece { piece: Some(text.into()), score: Some(score), r#type: Some(kind as i32) };
+    let mut pieces = vec![
+        piece("<pad>", Type::Control, 0.0),
+        piece("<s>", Type::Control, 0.0),
+        piece("</s>", Type::Control, 0.0),
+        piece("<unk>", Type::Unknown, 0.0),
+    ];
+    pieces.extend((0..=255u8).map(|b| piece(&format!("<0x{b:02X}>"), Type::Byte, 0.0)));
+    pieces.extend(normal.iter().enumerate().map(|(i, p)| piece(p, Type::Normal, -(i as f32))));
+    pieces.extend(unused.iter().map(|p| piece(p, Type::Unused, 0.0)));
+    ModelProto {
+        pieces,
+        trainer_spec: Some(TrainerSpec {
+            model_type: Some(ModelType::Bpe as i32),
+            byte_fallback: Some(true),
+            unk_id: Some(3),
+            bos_id: Some(1),
+            eos_id: Some(2),
+            pad_id: Some(0),
+            ..Default::default()
+        }),
+        normalizer_spec: Some(NormalizerSpec {
+            name: Some("identity".into()),
+            add_dummy_prefix: Some(false),
+            remove_extra_whitespaces: Some(false),
+            escape_whitespaces: Some(true),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+    .encode_to_vec()
+}
+
 /// Lower-case hex of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()

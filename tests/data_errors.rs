@@ -13,8 +13,6 @@ use std::process::Output;
 
 use common::{bin, scratch, text};
 use pipeline::shard::{MAGIC, VERSION, write_raw, write_shard};
-use prost::Message;
-use sentencepiece_model::{ModelProto, ModelType, SentencePiece, TrainerSpec, Type};
 
 /// Tokens per healthy shard.
 const SHARD_TOKENS: usize = 3000;
@@ -147,24 +145,7 @@ write_order = true
 
 /// A BPE model of [`VOCAB`] pieces: `<pad> <s> </s> <unk>` and the 256 byte pieces.
 fn write_model(path: &Path) {
-    let piece = |text: String, kind: Type| SentencePiece { piece: Some(text), score: Some(0.0), r#type: Some(kind as i32) };
-    let mut pieces: Vec<SentencePiece> =
-        [("<pad>", Type::Control), ("<s>", Type::Control), ("</s>", Type::Control), ("<unk>", Type::Unknown)]
-            .into_iter()
-            .map(|(t, k)| piece(t.into(), k))
-            .collect();
-    pieces.extend((0..=255u8).map(|b| piece(format!("<0x{b:02X}>"), Type::Byte)));
-    let trainer = TrainerSpec {
-        model_type: Some(ModelType::Bpe as i32),
-        byte_fallback: Some(true),
-        unk_id: Some(3),
-        bos_id: Some(1),
-        eos_id: Some(2),
-        pad_id: Some(0),
-        ..Default::default()
-    };
-    let model = ModelProto { pieces, trainer_spec: Some(trainer), ..Default::default() };
-    std::fs::write(path, model.encode_to_vec()).unwrap();
+    std::fs::write(path, pipeline::tokenizer::build_bpe_model(&[], &[])).unwrap();
 }
 
 fn stderr(o: &Output) -> String {

@@ -11,8 +11,6 @@ use std::process::Output;
 use common::{bin, scratch, text};
 use pipeline::shard::{AccessMode, ShardFile};
 use pipeline::tokenizer::Tokenizer;
-use prost::Message;
-use sentencepiece_model::{ModelProto, ModelType, NormalizerSpec, SentencePiece, TrainerSpec, Type};
 
 const BOS: u16 = 1;
 const EOS: u16 = 2;
@@ -20,38 +18,8 @@ const EOS: u16 = 2;
 /// Writes a tiny BPE sentencepiece model: `<pad> <s> </s> <unk>`, the byte pieces
 /// `<0x00>..<0xFF>` (ids 4..259), then a few merges; identity normaliser, no dummy prefix.
 fn write_model(path: &Path) {
-    let piece =
-        |text: &str, kind: Type, score: f32| SentencePiece { piece: Some(text.into()), score: Some(score), r#type: Some(kind as i32) };
-    let mut pieces = vec![
-        piece("<pad>", Type::Control, 0.0),
-        piece("<s>", Type::Control, 0.0),
-        piece("</s>", Type::Control, 0.0),
-        piece("<unk>", Type::Unknown, 0.0),
-    ];
-    pieces.extend((0..=255u8).map(|b| piece(&format!("<0x{b:02X}>"), Type::Byte, 0.0)));
     let normal = ["▁the", "▁th", "▁t", "th", "he", "▁", "e", "t", "h", "a", "o", "n", "s"];
-    pieces.extend(normal.iter().enumerate().map(|(i, p)| piece(p, Type::Normal, -(i as f32))));
-    let model = ModelProto {
-        pieces,
-        trainer_spec: Some(TrainerSpec {
-            model_type: Some(ModelType::Bpe as i32),
-            byte_fallback: Some(true),
-            unk_id: Some(3),
-            bos_id: Some(1),
-            eos_id: Some(2),
-            pad_id: Some(0),
-            ..Default::default()
-        }),
-        normalizer_spec: Some(NormalizerSpec {
-            name: Some("identity".into()),
-            add_dummy_prefix: Some(false),
-            remove_extra_whitespaces: Some(false),
-            escape_whitespaces: Some(true),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    std::fs::write(path, model.encode_to_vec()).unwrap();
+    std::fs::write(path, pipeline::tokenizer::build_bpe_model(&normal, &[])).unwrap();
 }
 
 /// A scratch directory, removed when the test passes, kept for a look when it fails.
