@@ -161,7 +161,7 @@ fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool) 
 fn cmd_validate(path: PathBuf, sets: Vec<String>) -> i32 {
     let result = config::load(&path, &sets).map_err(RunError::from).and_then(|loaded| {
         let plan = graph::plan(&loaded)?;
-        run::check_device(&loaded)?;
+        run::check_run_table(&loaded)?;
         graph::check_resources(&plan, &loaded)?;
         Ok(plan)
     });

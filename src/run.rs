@@ -54,7 +54,7 @@ pub fn run_name(loaded: &Loaded) -> String {
 }
 
 /// Checks `[run]`: the device names something this binary can run on, and times are sane.
-pub fn check_device(loaded: &Loaded) -> Result<(), ConfigErrors> {
+pub fn check_run_table(loaded: &Loaded) -> Result<(), ConfigErrors> {
     let dev = loaded.config.run.device.as_str();
     let mut errors = ConfigErrors::default();
     let max = loaded.config.run.max_seconds;
@@ -81,7 +81,7 @@ pub fn check_device(loaded: &Loaded) -> Result<(), ConfigErrors> {
 /// Runs `loaded` to the end. `on_start` is called with the run directory once it exists.
 pub fn run(loaded: &Loaded, out: Option<&Path>, control: Arc<Control>, on_start: impl FnOnce(&Path)) -> Result<RunOutcome, RunError> {
     let plan: Plan = graph::plan(loaded)?;
-    check_device(loaded)?;
+    check_run_table(loaded)?;
     let name = run_name(loaded);
     let run_dir = rundir::create(out, &loaded.config.run.out_dir, &name)?;
     write_resolved_config(loaded, &plan, &run_dir)?;

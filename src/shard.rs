@@ -227,28 +227,20 @@ impl ShardFile {
 
     /// Opens `(index, path)` pairs as one set sharing [`MMAP_RESIDENT_BUDGET`].
     pub fn open_set(files: &[(usize, &Path)], mode: AccessMode) -> Result<Vec<std::sync::Arc<ShardFile>>, ShardError> {
-        let share = (MMAP_RESIDENT_BUDGET / files.len().max(1) as u64).max(MIN_RELEASE_BYTES);
         files
             .iter()
             .map(|&(i, p)| {
                 let mut f = Self::open(p, i, mode)?;
-                f.release_bytes = share;
+                f.share_budget_with(files.len());
                 Ok(std::sync::Arc::new(f))
             })
             .collect()
     }
 
-    /// Sets how many bytes this shard reads through its map before dropping its pages.
-    pub fn set_release_bytes(&mut self, bytes: u64) {
-        self.release_bytes = bytes.max(MIN_RELEASE_BYTES);
-    }
-
-    /// How the tokens are read.
-    pub fn mode(&self) -> AccessMode {
-        match self.access {
-            Access::Mmap(_) => AccessMode::Mmap,
-            Access::Pread(_) => AccessMode::Pread,
-        }
+    /// Makes this shard one of `set_size` shards sharing [`MMAP_RESIDENT_BUDGET`]: it drops its
+    /// pages after reading its share (at least 1 MiB, which bounds the `madvise` rate).
+    pub fn share_budget_with(&mut self, set_size: usize) {
+        self.release_bytes = (MMAP_RESIDENT_BUDGET / set_size.max(1) as u64).max(MIN_RELEASE_BYTES);
     }
 
     fn check_range(&self, start: u64, len: usize) -> Result<(), ShardError> {

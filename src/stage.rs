@@ -581,21 +581,36 @@ struct SourceRun<S>(S);
 impl<S: Source> Runnable for SourceRun<S> {
     fn run(mut self: Box<Self>, wiring: Wiring, env: &mut StageEnv, ctx: &mut Ctx) -> anyhow::Result<()> {
         let mut out = OutPort::<S::Out>::from_erased(wiring.outputs).ok_or_else(|| wiring_error(ctx.name()))?;
-        let control = env.control.clone();
-        while !control.stopping() {
-            let start = env.meter.last;
-            env.meter.blocked = 0;
-            let Some(item) = self.0.next(ctx).or_else(|e| if e.is::<Stopped>() { Ok(None) } else { Err(e) })? else { break };
-            let end = env.meter.now();
-            env.record_service(start, end);
-            if out.send_stamped(item, end, &mut env.meter, &mut env.outputs, &control).is_err() {
-                break;
-            }
-            env.items_out += 1;
-            env.check_warmup(env.items_out);
-        }
+        produce_items(env, &mut out, ctx, |ctx| self.0.next(ctx))?;
         quiet_stop(self.0.flush(ctx))
     }
+}
+
+/// The producing loop of a source, and of a transform once its input has ended: call `next`,
+/// time it as one item, send what it returns, until it returns `None`, the graph stops, or the
+/// consumers are gone. [`Stopped`] from `next` ends the loop quietly.
+fn produce_items<T: Message>(
+    env: &mut StageEnv,
+    out: &mut OutPort<T>,
+    ctx: &mut Ctx,
+    mut next: impl FnMut(&mut Ctx) -> anyhow::Result<Option<T>>,
+) -> anyhow::Result<()> {
+    let control = env.control.clone();
+    let mut produced = 0u64;
+    while !control.stopping() {
+        let start = env.meter.last;
+        env.meter.blocked = 0;
+        let Some(item) = next(ctx).or_else(|e| if e.is::<Stopped>() { Ok(None) } else { Err(e) })? else { break };
+        let end = env.meter.now();
+        env.record_service(start, end);
+        if out.send_stamped(item, end, &mut env.meter, &mut env.outputs, &control).is_err() {
+            break;
+        }
+        env.items_out += 1;
+        produced += 1;
+        env.check_warmup(produced);
+    }
+    Ok(())
 }
 
 struct TransformRun<T>(T);
@@ -632,20 +647,7 @@ impl<T: Transform> Runnable for TransformRun<T> {
             env.check_warmup(env.items_in);
         }
         // Input ended: keep producing, as a source would, while the graph runs.
-        let mut produced = 0u64;
-        while !control.stopping() {
-            let start = env.meter.last;
-            env.meter.blocked = 0;
-            let Some(item) = self.0.produce(ctx).or_else(|e| if e.is::<Stopped>() { Ok(None) } else { Err(e) })? else { break };
-            let end = env.meter.now();
-            env.record_service(start, end);
-            if out.send_stamped(item, end, &mut env.meter, &mut env.outputs, &control).is_err() {
-                break;
-            }
-            env.items_out += 1;
-            produced += 1;
-            env.check_warmup(produced);
-        }
+        produce_items(env, &mut out, ctx, |ctx| self.0.produce(ctx))?;
         let mut em =
             Emitter { port: &mut out, meter: &mut env.meter, stats: &mut env.outputs, control: &control, pending: None, emitted: 0 };
         let r = self.0.flush(&mut em, ctx);

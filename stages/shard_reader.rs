@@ -56,7 +56,6 @@ pub struct Reader {
     mode: AccessMode,
     files: Vec<(usize, PathBuf)>,
     next: usize,
-    release_bytes: u64,
 }
 
 impl Reader {
@@ -64,8 +63,7 @@ impl Reader {
         let (world, rank) = (ctx.config.run.world_size.max(1), ctx.config.run.rank);
         let files: Vec<(usize, PathBuf)> =
             files_of(&p, ctx)?.into_iter().enumerate().filter(|(i, _)| !p.rank_shards || i % world == rank).collect();
-        let release_bytes = crate::shard::MMAP_RESIDENT_BUDGET / files_len(&files);
-        Ok(Self { mode, files, next: 0, release_bytes })
+        Ok(Self { mode, files, next: 0 })
     }
 
     fn check(p: &ReaderParams, ctx: &BuildCtx) -> anyhow::Result<()> {
@@ -79,13 +77,9 @@ impl Reader {
         let Some((index, path)) = self.files.get(self.next) else { return Ok(None) };
         self.next += 1;
         let mut file = ShardFile::open(path, *index, self.mode)?;
-        file.set_release_bytes(self.release_bytes);
+        file.share_budget_with(self.files.len());
         Ok(Some(Shard(Arc::new(file))))
     }
-}
-
-fn files_len(files: &[(usize, PathBuf)]) -> u64 {
-    files.len().max(1) as u64
 }
 
 macro_rules! reader_impl {
