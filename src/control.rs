@@ -36,6 +36,7 @@ pub struct Control {
     state: AtomicU8,
     interrupted: AtomicBool,
     failed: AtomicBool,
+    finishing: std::sync::atomic::AtomicUsize,
 }
 
 impl Control {
@@ -81,6 +82,22 @@ impl Control {
     #[inline]
     pub fn aborting(&self) -> bool {
         self.state.load(Ordering::Relaxed) == ABORTING
+    }
+
+    /// Marks a stage as doing its closing work (a final validation, a last checkpoint): while
+    /// any stage is, the drain timeout is held off. An abort (second Ctrl-C) still stops it.
+    pub fn begin_finishing(&self) {
+        self.finishing.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Ends what [`Control::begin_finishing`] began.
+    pub fn end_finishing(&self) {
+        self.finishing.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// True while some stage is doing its closing work.
+    pub fn finishing(&self) -> bool {
+        self.finishing.load(Ordering::SeqCst) > 0
     }
 
     /// The reason the run is ending (or would end now).

@@ -252,7 +252,8 @@ pub fn execute(plan: &Plan, config: &Config, run_dir: Option<&Path>, control: Ar
             notes.push(format!("stopped after max_seconds = {}", run.max_seconds));
             control.request_stop();
         }
-        if control.stopping() && stop_seen.is_none() {
+        if control.stopping() && (stop_seen.is_none() || control.finishing()) {
+            // A stage doing its closing work restarts the drain clock.
             stop_seen = Some(now);
         }
         if let Some(t) = stop_seen

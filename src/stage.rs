@@ -121,6 +121,22 @@ impl Ctx {
         self.control.request_stop();
     }
 
+    /// Runs `f`, the stage's closing work (a final validation, saving weights), with the drain
+    /// timeout held off: `[run] drain_timeout_ms` bounds how long in-flight items may take to
+    /// drain, not how long a final evaluation may take. An abort still applies: `f` should check
+    /// [`Ctx::aborted`] in its loops.
+    pub fn finishing<R>(&self, f: impl FnOnce() -> R) -> R {
+        struct Guard<'a>(&'a Control);
+        impl Drop for Guard<'_> {
+            fn drop(&mut self) {
+                self.0.end_finishing();
+            }
+        }
+        self.control.begin_finishing();
+        let _guard = Guard(&self.control);
+        f()
+    }
+
     /// Why the graph is ending; meaningful in `flush`.
     pub fn stop_reason(&self) -> StopReason {
         self.control.reason()
