@@ -225,6 +225,8 @@ pub struct DeviceBatch {
     pub x: candle_core::Tensor,
     /// Targets, `(rows, seq_len)`, u32.
     pub y: candle_core::Tensor,
+    /// How long the host-to-device copy took (ns), for the executor's time breakdown.
+    pub upload_ns: u64,
 }
 
 impl Message for DeviceBatch {

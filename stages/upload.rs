@@ -32,13 +32,15 @@ impl Transform for Cpu {
         Ok(Self)
     }
     fn process(&mut self, batch: PinnedBatch, out: &mut Emitter<'_, DeviceBatch>, _ctx: &mut Ctx) -> anyhow::Result<()> {
+        let t0 = std::time::Instant::now();
         let shape = batch.meta.shape;
         let n = shape.tokens();
         let x = Tensor::from_slice(&batch.buf[..n], (shape.rows, shape.seq_len), &Device::Cpu)?;
         let y = Tensor::from_slice(&batch.buf[n..2 * n], (shape.rows, shape.seq_len), &Device::Cpu)?;
         let meta = batch.meta.clone();
         drop(batch); // the staging buffer goes back to its pool now
-        out.emit(DeviceBatch { meta, x, y })?;
+        let upload_ns = t0.elapsed().as_nanos() as u64;
+        out.emit(DeviceBatch { meta, x, y, upload_ns })?;
         Ok(())
     }
 }

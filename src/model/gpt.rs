@@ -31,6 +31,8 @@ pub struct Gpt {
     index: HashMap<String, usize>,
     device: Device,
     dtype: DType,
+    /// Forward passes read detached parameters (no autograd graph): set during evaluation.
+    detached: std::cell::Cell<bool>,
 }
 
 /// Host-side initial values, so that a seed gives the same weights on every device.
@@ -92,7 +94,7 @@ impl Gpt {
             params.push((name, Var::from_tensor(&t)?, group));
         }
         let index = params.iter().enumerate().map(|(i, (n, _, _))| (n.clone(), i)).collect();
-        Ok(Self { cfg: cfg.clone(), params, index, device: device.clone(), dtype })
+        Ok(Self { cfg: cfg.clone(), params, index, device: device.clone(), dtype, detached: std::cell::Cell::new(false) })
     }
 
     /// The configuration.
@@ -139,8 +141,33 @@ impl Gpt {
         Ok(())
     }
 
-    fn p(&self, name: &str) -> &Tensor {
-        self.params[self.index[name]].1.as_tensor()
+    fn p(&self, name: &str) -> Tensor {
+        let t = self.params[self.index[name]].1.as_tensor();
+        if self.detached.get() { t.detach() } else { t.clone() }
+    }
+
+    /// Per-position cross-entropy like [`Gpt::token_losses`], without building an autograd
+    /// graph (evaluation).
+    pub fn eval_token_losses(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
+        struct Reset<'a>(&'a std::cell::Cell<bool>);
+        impl Drop for Reset<'_> {
+            fn drop(&mut self) {
+                self.0.set(false);
+            }
+        }
+        self.detached.set(true);
+        let _reset = Reset(&self.detached);
+        self.token_losses(x, y)
+    }
+
+    /// The device the parameters live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The dtype of the parameters.
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// Soft-capped logits `(B*T, V)` for input ids `x` of shape `(B, T)` (u32).
@@ -188,9 +215,9 @@ impl Gpt {
         let mix = p("resid_mix");
         let u = (h.broadcast_mul(&mix.get(0)?)? + x0.broadcast_mul(&mix.get(1)?)?)?;
         let a = self.attention(i, &rms_norm(&u)?, cos, sin, mask)?;
-        let u = (u + a.broadcast_mul(p("attn_scale"))?)?;
+        let u = (u + a.broadcast_mul(&p("attn_scale"))?)?;
         let m = self.mlp(i, &rms_norm(&u)?)?;
-        u + m.broadcast_mul(p("mlp_scale"))?
+        u + m.broadcast_mul(&p("mlp_scale"))?
     }
 
     fn attention(&self, i: usize, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor) -> Result<Tensor> {
@@ -199,17 +226,17 @@ impl Gpt {
         let (h, kvh, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim());
         let p = |s: &str| self.p(&format!("blocks.{i}.attn.{s}"));
         let heads = |w: &Tensor, n: usize| -> Result<Tensor> { linear(x, w)?.reshape((b, t, n, hd))?.transpose(1, 2) };
-        let q = rope(&rms_norm(&heads(p("c_q.weight"), h)?)?, cos, sin)?;
-        let k = rope(&rms_norm(&heads(p("c_k.weight"), kvh)?)?, cos, sin)?;
-        let v = heads(p("c_v.weight"), kvh)?;
+        let q = rope(&rms_norm(&heads(&p("c_q.weight"), h)?)?, cos, sin)?;
+        let k = rope(&rms_norm(&heads(&p("c_k.weight"), kvh)?)?, cos, sin)?;
+        let v = heads(&p("c_v.weight"), kvh)?;
         let q = q.broadcast_mul(&p("q_gain").reshape((1, h, 1, 1))?)?;
         let y = causal_attention(&q, &k, &v, mask)?.transpose(1, 2)?.reshape((b, t, d))?;
-        linear(&y, p("proj.weight"))
+        linear(&y, &p("proj.weight"))
     }
 
     fn mlp(&self, i: usize, x: &Tensor) -> Result<Tensor> {
-        let up = linear(x, self.p(&format!("blocks.{i}.mlp.fc.weight")))?.relu()?.sqr()?;
-        linear(&up, self.p(&format!("blocks.{i}.mlp.proj.weight")))
+        let up = linear(x, &self.p(&format!("blocks.{i}.mlp.fc.weight")))?.relu()?.sqr()?;
+        linear(&up, &self.p(&format!("blocks.{i}.mlp.proj.weight")))
     }
 }
 

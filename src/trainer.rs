@@ -1,0 +1,288 @@
+//! One optimizer step of the baseline, as `train_gpt.py` takes it (spec 3.6 to 3.8): for each of
+//! the step's micro-batches a forward pass and `backward(loss / A)`, gradients summed over the
+//! micro-batches; optional clipping of the global gradient norm; the Muon momentum warm-up and
+//! the LR multiplier applied to every group's base LR; then Muon on the block matrices and Adam
+//! on the embedding, the control tensors and an untied head.
+//!
+//! The trainer knows nothing of channels or threads: the `step_executor` stage feeds it
+//! micro-batches and decides when to validate and stop.
+
+use std::time::{Duration, Instant};
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+
+use crate::config::TrainConfig;
+use crate::model::{Gpt, ParamGroup};
+use crate::optim::{Adam, Muon, lr_multiplier, momentum_at};
+
+/// What one micro-batch cost.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MicroTimes {
+    /// Forward pass (loss included).
+    pub forward: Duration,
+    /// Backward pass and gradient accumulation.
+    pub backward: Duration,
+}
+
+/// The outcome of an optimizer step.
+#[derive(Clone, Copy, Debug)]
+pub struct StepOutcome {
+    /// Mean of the micro-batches' losses (what the script logs as `train_loss`).
+    pub train_loss: f64,
+    /// The LR multiplier used.
+    pub lr_mul: f64,
+    /// Muon momentum used.
+    pub momentum: f64,
+    /// Global gradient norm before clipping (computed only when clipping is on).
+    pub grad_norm: Option<f64>,
+    /// Time of the optimizer update (clipping included).
+    pub optimizer: Duration,
+}
+
+/// The model with its optimizers and the step in progress.
+pub struct Trainer {
+    model: Gpt,
+    muon: Muon,
+    adams: Vec<Adam>,
+    cfg: TrainConfig,
+    micro_steps: usize,
+    /// Gradients summed over this step's micro-batches so far (parameters only).
+    grads: GradStore,
+    micro_done: usize,
+    loss_sum: f64,
+    step: u64,
+}
+
+impl Trainer {
+    /// Groups `model`'s parameters as the script does: block matrices to Muon at `matrix_lr`;
+    /// the embedding to Adam at `tied_embed_lr` (tied) or `embed_lr`; control tensors and skip
+    /// weights to Adam at `scalar_lr`; an untied head to Adam at `head_lr`.
+    pub fn new(model: Gpt, cfg: &TrainConfig, micro_steps: usize) -> anyhow::Result<Self> {
+        anyhow::ensure!(micro_steps >= 1, "a step needs at least one micro-batch");
+        let group = |g: ParamGroup| -> Vec<(String, Var)> {
+            model.params().iter().filter(|(_, _, x)| *x == g).map(|(n, v, _)| (n.clone(), v.clone())).collect()
+        };
+        let betas = (cfg.beta1, cfg.beta2);
+        let embed_lr = if model.config().tie_embeddings { cfg.tied_embed_lr } else { cfg.embed_lr };
+        let muon = Muon::new(group(ParamGroup::Matrix), cfg.matrix_lr, cfg.muon_momentum, cfg.muon_backend_steps)?.with_prefix("muon");
+        let mut adams = vec![
+            Adam::new(group(ParamGroup::Embedding), embed_lr, betas, cfg.adam_eps)?.with_prefix("adam_embed"),
+            Adam::new(group(ParamGroup::Scalar), cfg.scalar_lr, betas, cfg.adam_eps)?.with_prefix("adam_scalar"),
+        ];
+        let head = group(ParamGroup::Head);
+        if !head.is_empty() {
+            adams.push(Adam::new(head, cfg.head_lr, betas, cfg.adam_eps)?.with_prefix("adam_head"));
+        }
+        Ok(Self {
+            model,
+            muon,
+            adams,
+            cfg: cfg.clone(),
+            micro_steps,
+            grads: GradStore::default(),
+            micro_done: 0,
+            loss_sum: 0.0,
+            step: 0,
+        })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Gpt {
+        &self.model
+    }
+
+    /// Mutable model (to load weights before training).
+    pub fn model_mut(&mut self) -> &mut Gpt {
+        &mut self.model
+    }
+
+    /// Optimizer steps taken.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Micro-batches of the current step taken so far.
+    pub fn micro_done(&self) -> usize {
+        self.micro_done
+    }
+
+    /// Micro-batches per step.
+    pub fn micro_steps(&self) -> usize {
+        self.micro_steps
+    }
+
+    /// Forward and backward of one micro-batch (`x`, `y`: `(rows, seq_len)` u32), adding
+    /// `∇(loss / A)` to the step's gradients.
+    pub fn micro_step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<MicroTimes> {
+        anyhow::ensure!(self.micro_done < self.micro_steps, "micro-batch {} of a {}-micro-batch step", self.micro_done, self.micro_steps);
+        let t0 = Instant::now();
+        let loss = self.model.loss(x, y)?;
+        let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        anyhow::ensure!(value.is_finite(), "the training loss is {value} at step {} micro-batch {}", self.step + 1, self.micro_done);
+        let t1 = Instant::now();
+        let mut store = (loss / self.micro_steps as f64)?.backward()?;
+        for (_, var, _) in self.model.params() {
+            // Only the parameters' gradients are kept; the activations' go with `store`.
+            if let Some(g) = store.remove(var.as_tensor()) {
+                let sum = match self.grads.remove(var.as_tensor()) {
+                    Some(prev) => (prev + g)?,
+                    None => g,
+                };
+                self.grads.insert(var.as_tensor(), sum);
+            }
+        }
+        drop(store);
+        self.loss_sum += value;
+        self.micro_done += 1;
+        Ok(MicroTimes { forward: t1 - t0, backward: t1.elapsed() })
+    }
+
+    /// Ends the step once all its micro-batches are in: clips, sets the schedule and steps every
+    /// optimizer. `elapsed_ms` is the training time before this step (validation excluded), for
+    /// the wall-clock warm-down.
+    pub fn finish_step(&mut self, elapsed_ms: f64) -> anyhow::Result<StepOutcome> {
+        anyhow::ensure!(self.micro_done == self.micro_steps, "step ended after {} of {} micro-batches", self.micro_done, self.micro_steps);
+        let t0 = Instant::now();
+        let c = &self.cfg;
+        let lr_mul = lr_multiplier(self.step, c.iterations, c.warmdown_iters, elapsed_ms, c.max_wallclock_seconds * 1e3);
+        let momentum = momentum_at(self.step, c.muon_momentum_warmup_steps, c.muon_momentum_warmup_start, c.muon_momentum);
+        let grad_norm = if c.grad_clip_norm > 0.0 { Some(self.clip(c.grad_clip_norm)?) } else { None };
+        self.muon.step(&self.grads, self.muon.base_lr() * lr_mul, momentum)?;
+        for adam in &mut self.adams {
+            adam.step(&self.grads, adam.base_lr() * lr_mul)?;
+        }
+        let outcome = StepOutcome {
+            train_loss: self.loss_sum / self.micro_steps as f64,
+            lr_mul,
+            momentum,
+            grad_norm,
+            optimizer: t0.elapsed(),
+        };
+        self.grads = GradStore::default();
+        self.micro_done = 0;
+        self.loss_sum = 0.0;
+        self.step += 1;
+        Ok(outcome)
+    }
+
+    /// Drops the micro-batches of an unfinished step (the run ended inside it).
+    pub fn discard_partial_step(&mut self) -> usize {
+        let n = self.micro_done;
+        self.grads = GradStore::default();
+        self.micro_done = 0;
+        self.loss_sum = 0.0;
+        n
+    }
+
+    /// `torch.nn.utils.clip_grad_norm_`: scales every gradient by `max / (norm + 1e-6)` when the
+    /// global norm exceeds `max`; returns the norm before clipping.
+    fn clip(&mut self, max: f64) -> anyhow::Result<f64> {
+        let mut sq = 0.0f64;
+        for (_, var, _) in self.model.params() {
+            if let Some(g) = self.grads.get(var.as_tensor()) {
+                sq += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+            }
+        }
+        let norm = sq.sqrt();
+        let coef = max / (norm + 1e-6);
+        if coef < 1.0 {
+            for (_, var, _) in self.model.params() {
+                if let Some(g) = self.grads.remove(var.as_tensor()) {
+                    self.grads.insert(var.as_tensor(), (g * coef)?);
+                }
+            }
+        }
+        Ok(norm)
+    }
+
+    /// Every optimizer's state as named tensors (`muon.*`, `adam_embed.*`, `adam_scalar.*`,
+    /// `adam_head.*`).
+    pub fn optimizer_state(&self) -> Vec<(String, Tensor)> {
+        let mut v = self.muon.state_tensors();
+        for a in &self.adams {
+            v.extend(a.state_tensors());
+        }
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+    use crate::model::ModelConfig;
+
+    fn tiny() -> ModelConfig {
+        ModelConfig { vocab_size: 16, num_layers: 2, model_dim: 8, num_heads: 2, num_kv_heads: 1, ..ModelConfig::default() }
+    }
+
+    fn batch(seed: u64, rows: usize, t: usize) -> (Tensor, Tensor) {
+        let mut r = fastrand::Rng::with_seed(seed);
+        let v: Vec<u32> = (0..rows * (t + 1)).map(|_| r.u32(0..16)).collect();
+        let x: Vec<u32> = (0..rows).flat_map(|i| v[i * (t + 1)..i * (t + 1) + t].to_vec()).collect();
+        let y: Vec<u32> = (0..rows).flat_map(|i| v[i * (t + 1) + 1..(i + 1) * (t + 1)].to_vec()).collect();
+        (Tensor::from_vec(x, (rows, t), &Device::Cpu).unwrap(), Tensor::from_vec(y, (rows, t), &Device::Cpu).unwrap())
+    }
+
+    fn params(t: &Trainer) -> Vec<Vec<f64>> {
+        t.model().params().iter().map(|(_, v, _)| v.flatten_all().unwrap().to_vec1::<f64>().unwrap()).collect()
+    }
+
+    /// Two micro-batches of 2 rows accumulate to the same update as one micro-batch of 4 rows
+    /// (the mean loss over equal-sized micro-batches is the mean over their union).
+    #[test]
+    fn accumulation_equals_one_big_batch() {
+        let cfg = TrainConfig { max_wallclock_seconds: 0.0, ..TrainConfig::default() };
+        let mk = || Trainer::new(Gpt::new(&tiny(), 1, DType::F64, &Device::Cpu).unwrap(), &cfg, 1).unwrap();
+        let (x, y) = batch(2, 4, 6);
+        let mut one = mk();
+        one.micro_step(&x, &y).unwrap();
+        let a = one.finish_step(0.0).unwrap();
+        let mut two = Trainer::new(Gpt::new(&tiny(), 1, DType::F64, &Device::Cpu).unwrap(), &cfg, 2).unwrap();
+        two.micro_step(&x.narrow(0, 0, 2).unwrap(), &y.narrow(0, 0, 2).unwrap()).unwrap();
+        two.micro_step(&x.narrow(0, 2, 2).unwrap(), &y.narrow(0, 2, 2).unwrap()).unwrap();
+        let b = two.finish_step(0.0).unwrap();
+        assert!((a.train_loss - b.train_loss).abs() < 1e-12);
+        for (p, q) in params(&one).iter().zip(params(&two).iter()) {
+            for (u, v) in p.iter().zip(q) {
+                assert!((u - v).abs() < 1e-9, "{u} vs {v}");
+            }
+        }
+        assert_eq!((two.step(), two.micro_done()), (1, 0));
+    }
+
+    #[test]
+    fn clipping_bounds_the_update_and_reports_the_norm() {
+        let cfg = TrainConfig { max_wallclock_seconds: 0.0, grad_clip_norm: 1e-3, ..TrainConfig::default() };
+        let mut t = Trainer::new(Gpt::new(&tiny(), 1, DType::F64, &Device::Cpu).unwrap(), &cfg, 1).unwrap();
+        let (x, y) = batch(3, 2, 5);
+        t.micro_step(&x, &y).unwrap();
+        let mut sq = 0.0;
+        for (_, v, _) in t.model().params() {
+            if let Some(g) = t.grads.get(v.as_tensor()) {
+                sq += g.sqr().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap();
+            }
+        }
+        t.clip(1e-3).unwrap();
+        let mut after = 0.0;
+        for (_, v, _) in t.model().params() {
+            if let Some(g) = t.grads.get(v.as_tensor()) {
+                after += g.sqr().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap();
+            }
+        }
+        assert!(sq.sqrt() > 1e-3, "the test needs a gradient larger than the clip");
+        assert!((after.sqrt() - 1e-3).abs() < 1e-6, "clipped norm {}", after.sqrt());
+    }
+
+    #[test]
+    fn a_step_needs_all_its_micro_batches() {
+        let cfg = TrainConfig::default();
+        let mut t = Trainer::new(Gpt::new(&tiny(), 1, DType::F32, &Device::Cpu).unwrap(), &cfg, 2).unwrap();
+        let (x, y) = batch(4, 1, 4);
+        t.micro_step(&x, &y).unwrap();
+        assert!(t.finish_step(0.0).unwrap_err().to_string().contains("1 of 2"));
+        assert_eq!(t.discard_partial_step(), 1);
+    }
+}
