@@ -37,7 +37,11 @@ pub mod runtime;
 pub mod shard;
 pub mod stage;
 pub mod tokenizer;
+pub mod validation;
+pub mod trainer;
+pub mod trainlog;
 pub mod verdict;
+pub mod weights;
 
 mod channel;
 

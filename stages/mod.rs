@@ -14,6 +14,7 @@ pub mod delay;
 pub mod drain;
 pub mod pin;
 pub mod shard_reader;
+pub mod step_executor;
 pub mod synthetic;
 pub mod upload;
 pub mod window_sampler;
@@ -31,4 +32,5 @@ pub static REGISTRY: &[&dyn StageFactory] = &[
     &TransformImpl::<window_sampler::Sequential>::new(),
     &TransformImpl::<pin::Pageable>::new(),
     &TransformImpl::<upload::Cpu>::new(),
+    &SinkImpl::<step_executor::Candle>::new(),
 ];

@@ -1,0 +1,486 @@
+//! Kind `step_executor`: trains the GPT on the micro-batches it receives.
+//!
+//! - `candle`: the challenge's baseline model and optimizers ([`crate::model`],
+//!   [`crate::trainer`]) on candle-core (CPU here; CUDA in a `cuda` build). Each optimizer step
+//!   takes `grad_accum_steps` micro-batches; validation runs at step 0, every
+//!   `train.val_every` steps and after the last step; the run ends at `train.iterations` or
+//!   at the `train.max_wallclock_seconds` cap (the step crossing it is the last, and the final
+//!   validation still runs), when the executor asks the graph to stop. Logs use the challenge
+//!   script's formats ([`crate::trainlog`]); the report gets a `train` section; the final
+//!   weights go to `RUN_DIR/final_model.safetensors` with the script's `state_dict` names.
+//!
+//! If the graph stops first: after Ctrl-C the weights are saved without a final validation
+//! (so the process ends promptly); when the input ends or `run.max_seconds` passes, the final
+//! validation runs too. A step left half-accumulated is dropped, and said so.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use candle_core::{DType, Device};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::batch::{BatchShape, DeviceBatch};
+use crate::bpb::BpbAccumulator;
+use crate::config::{Config, TrainConfig};
+use crate::control::StopReason;
+use crate::model::Gpt;
+use crate::stage::{BuildCtx, Ctx, Sink};
+use crate::trainer::Trainer;
+use crate::trainlog::{Phases, TrainLog, train_line, val_line};
+use crate::validation::Validator;
+
+/// Floating-point type of the parameters and activations.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// 32-bit floats (the CPU default).
+    #[default]
+    F32,
+    /// bfloat16 (for GPUs; slow on CPU).
+    Bf16,
+    /// 64-bit floats (for checks).
+    F64,
+}
+
+impl Precision {
+    fn dtype(self) -> DType {
+        match self {
+            Precision::F32 => DType::F32,
+            Precision::Bf16 => DType::BF16,
+            Precision::F64 => DType::F64,
+        }
+    }
+}
+
+/// Parameters of `step_executor/candle`.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct CandleParams {
+    /// Parameter and activation type: "f32", "bf16" or "f64".
+    pub dtype: Precision,
+    /// Show a progress bar when stdout is a terminal (log lines print above it).
+    pub progress: bool,
+}
+
+impl Default for CandleParams {
+    fn default() -> Self {
+        Self { dtype: Precision::F32, progress: true }
+    }
+}
+
+/// Why training ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum Ending {
+    Iterations,
+    WallclockCap,
+    InputEnded,
+    Interrupted,
+}
+
+/// One validation's result.
+#[derive(Clone, Debug, Serialize)]
+struct ValPoint {
+    step: u64,
+    val_loss: f64,
+    val_bpb: f64,
+    train_time_ms: f64,
+}
+
+/// `step_executor/candle`.
+pub struct Candle {
+    trainer: Trainer,
+    validator: Validator,
+    log: TrainLog,
+    cfg: TrainConfig,
+    shape: BatchShape,
+    vocab: u32,
+    unigram_bpb: Option<f64>,
+    weights_path: Option<std::path::PathBuf>,
+    started: bool,
+    done: bool,
+    /// Training time before `mark` (validation excluded).
+    train_before_mark: Duration,
+    /// When the running stretch of training time began; `None` while paused.
+    mark: Option<Instant>,
+    /// Training time when the current step's first micro-batch arrived.
+    step_start_ms: f64,
+    idle_since: Option<Instant>,
+    window: Phases,
+    window_steps: u64,
+    total: Phases,
+    last_loss: f64,
+    vals: Vec<ValPoint>,
+    last_val: Option<BpbAccumulator>,
+    ending: Option<Ending>,
+    dropped_micro: usize,
+}
+
+impl Sink for Candle {
+    const KIND: &'static str = "step_executor";
+    const IMPL: &'static str = "candle";
+    const DOC: &'static str = "Trains the challenge's baseline GPT (Muon + Adam) on device micro-batches; validates, logs, saves weights.";
+    type Params = CandleParams;
+    type In = DeviceBatch;
+
+    fn check(_p: &CandleParams, ctx: &BuildCtx) -> anyhow::Result<()> {
+        let c = ctx.config;
+        c.model.check()?;
+        device_of(c)?;
+        BatchShape::from_config(c)?;
+        check_train(&c.train)?;
+        anyhow::ensure!(c.data.val.is_some(), "`data.val` is not set: the step executor validates on the validation shards");
+        anyhow::ensure!(c.data.tokenizer.is_some(), "`data.tokenizer` is not set: val_bpb counts bytes with the sentencepiece model");
+        Ok(())
+    }
+
+    fn build(p: CandleParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
+        Self::check(&p, ctx)?;
+        let c = ctx.config;
+        let shape = BatchShape::from_config(c)?;
+        let device = device_of(c)?;
+        let validator = Validator::load(c, shape.micro_steps)?;
+        let mut model = Gpt::new(&c.model, c.run.seed, p.dtype.dtype(), &device)?;
+        if let Some(path) = &c.train.init_weights {
+            let tensors = crate::weights::load(path, None).context("`train.init_weights`")?;
+            model.load_state(&tensors).with_context(|| format!("`train.init_weights` = {} does not fit `[model]`", path.display()))?;
+        }
+        let trainer = Trainer::new(model, &c.train, shape.micro_steps)?;
+        let unigram_bpb = match &c.data.train {
+            Some(glob) => Some(validator.unigram_bpb(glob, c.model.vocab_size)?),
+            None => None,
+        };
+        let mut log = TrainLog::new(ctx.run_dir, c.train.iterations, p.progress)?;
+        startup_lines(&mut log, c, &trainer, &validator, shape, unigram_bpb);
+        Ok(Self {
+            trainer,
+            validator,
+            log,
+            cfg: c.train.clone(),
+            shape,
+            vocab: c.model.vocab_size as u32,
+            unigram_bpb,
+            weights_path: (c.train.save_weights).then(|| ctx.run_dir.map(|d| d.join("final_model.safetensors"))).flatten(),
+            started: false,
+            done: false,
+            train_before_mark: Duration::ZERO,
+            mark: None,
+            step_start_ms: 0.0,
+            idle_since: None,
+            window: Phases::default(),
+            window_steps: 0,
+            total: Phases::default(),
+            last_loss: f64::NAN,
+            vals: Vec::new(),
+            last_val: None,
+            ending: None,
+            dropped_micro: 0,
+        })
+    }
+
+    fn consume(&mut self, b: DeviceBatch, ctx: &mut Ctx) -> anyhow::Result<()> {
+        let arrived = Instant::now();
+        if self.done {
+            return Ok(()); // batches still in flight after the last step are not part of the run
+        }
+        if !self.started {
+            self.started = true;
+            if self.cfg.val_every > 0 {
+                self.validate(ctx)?;
+            }
+            self.mark = Some(Instant::now());
+        } else if let Some(t) = self.idle_since {
+            self.window.data_wait += arrived - t;
+        }
+        self.check_batch(&b)?;
+        if self.trainer.micro_done() == 0 {
+            self.step_start_ms = self.train_ms();
+        }
+        let times = self.trainer.micro_step(&b.x, &b.y).with_context(|| format!("training step {}", self.trainer.step() + 1))?;
+        drop(b.x);
+        self.window.h2d += Duration::from_nanos(b.upload_ns);
+        self.window.forward += times.forward;
+        self.window.backward += times.backward;
+        if self.trainer.micro_done() == self.trainer.micro_steps() {
+            self.end_step(ctx)?;
+        }
+        self.idle_since = Some(Instant::now());
+        Ok(())
+    }
+
+    fn flush(&mut self, ctx: &mut Ctx) -> anyhow::Result<()> {
+        if self.done || !self.started {
+            self.publish(ctx);
+            self.log.finish();
+            return Ok(());
+        }
+        self.dropped_micro = self.trainer.discard_partial_step();
+        if self.dropped_micro > 0 {
+            self.log.line(&format!(
+                "note: the input ended inside step {}; its {} micro-batch(es) were dropped",
+                self.trainer.step() + 1,
+                self.dropped_micro
+            ));
+        }
+        self.pause();
+        let step = self.trainer.step();
+        match ctx.stop_reason() {
+            StopReason::Interrupted => {
+                self.ending = Some(Ending::Interrupted);
+                self.log.line(&format!(
+                    "stopping_early: interrupted train_time:{:.0}ms step:{step}/{}",
+                    self.train_ms(),
+                    self.cfg.iterations
+                ));
+                self.save_weights()?;
+            }
+            StopReason::Completed => {
+                self.ending = Some(Ending::InputEnded);
+                ctx.finishing(|| self.finish(ctx))?;
+            }
+            StopReason::Failed => {}
+        }
+        self.done = true;
+        self.publish(ctx);
+        self.log.finish();
+        Ok(())
+    }
+}
+
+impl Candle {
+    fn check_batch(&self, b: &DeviceBatch) -> anyhow::Result<()> {
+        let s = self.shape;
+        anyhow::ensure!(
+            b.x.dims() == [s.rows, s.seq_len] && b.y.dims() == [s.rows, s.seq_len],
+            "micro-batch shapes {:?} / {:?}, expected ({}, {}) from `[train]`",
+            b.x.dims(),
+            b.y.dims(),
+            s.rows,
+            s.seq_len
+        );
+        anyhow::ensure!(
+            b.meta.micro as usize == self.trainer.micro_done(),
+            "micro-batches out of order: got micro-batch {} of step {}, expected micro-batch {}",
+            b.meta.micro,
+            b.meta.step,
+            self.trainer.micro_done()
+        );
+        let max = b.x.max_all()?.to_scalar::<u32>()?.max(b.y.max_all()?.to_scalar::<u32>()?);
+        anyhow::ensure!(
+            max < self.vocab,
+            "token id {max} in step {} is not below `model.vocab_size` = {} (shards made with another tokenizer?)",
+            b.meta.step,
+            self.vocab
+        );
+        Ok(())
+    }
+
+    /// Training time so far, ms.
+    fn train_ms(&self) -> f64 {
+        let running = self.mark.map(|m| m.elapsed()).unwrap_or_default();
+        (self.train_before_mark + running).as_secs_f64() * 1e3
+    }
+
+    fn pause(&mut self) {
+        if let Some(m) = self.mark.take() {
+            self.train_before_mark += m.elapsed();
+        }
+    }
+
+    fn end_step(&mut self, ctx: &mut Ctx) -> anyhow::Result<()> {
+        let out = self.trainer.finish_step(self.step_start_ms)?;
+        self.window.optimizer += out.optimizer;
+        self.window_steps += 1;
+        self.last_loss = out.train_loss;
+        let (step, total) = (self.trainer.step(), self.cfg.iterations);
+        let train_ms = self.train_ms();
+        let cap_ms = self.cfg.max_wallclock_seconds * 1e3;
+        let capped = cap_ms > 0.0 && train_ms >= cap_ms;
+        let last = step >= total || capped;
+        if step <= 10 || (self.cfg.log_every > 0 && step.is_multiple_of(self.cfg.log_every)) || last {
+            self.log.line(&train_line(step, total, out.train_loss, train_ms));
+        }
+        self.log.progress(step, out.train_loss, train_ms / step as f64);
+        if last {
+            self.ending = Some(if step >= total { Ending::Iterations } else { Ending::WallclockCap });
+            self.pause();
+            ctx.finishing(|| self.finish(ctx))?;
+            if capped && step < total {
+                self.log.line(&format!("stopping_early: wallclock_cap train_time:{train_ms:.0}ms step:{step}/{total}"));
+            }
+            self.done = true;
+            ctx.request_stop();
+        } else if self.cfg.val_every > 0 && step.is_multiple_of(self.cfg.val_every) {
+            self.validate(ctx)?;
+        }
+        if self.cfg.timing_every > 0 && (step.is_multiple_of(self.cfg.timing_every) || last) {
+            self.log.line(&self.window.line(step, total, self.window_steps));
+            self.total.add(&self.window);
+            self.window = Phases::default();
+            self.window_steps = 0;
+        }
+        Ok(())
+    }
+
+    /// A validation pass, with the training clock paused.
+    fn validate(&mut self, ctx: &Ctx) -> anyhow::Result<()> {
+        self.pause();
+        let t0 = Instant::now();
+        let acc = self.validator.run(self.trainer.model(), || !ctx.aborted()).context("validation")?;
+        self.window.validation += t0.elapsed();
+        let step = self.trainer.step();
+        let train_ms = self.train_ms();
+        self.log.line(&val_line(step, self.cfg.iterations, acc.val_loss(), acc.val_bpb(), train_ms));
+        self.vals.push(ValPoint { step, val_loss: acc.val_loss(), val_bpb: acc.val_bpb(), train_time_ms: train_ms });
+        self.last_val = Some(acc);
+        if self.started && !self.done {
+            self.mark = Some(Instant::now());
+        }
+        Ok(())
+    }
+
+    /// Final validation (unless the last step was just validated) and the weights.
+    fn finish(&mut self, ctx: &Ctx) -> anyhow::Result<()> {
+        let step = self.trainer.step();
+        if self.vals.last().is_none_or(|v| v.step != step) {
+            self.done = true; // keeps the clock paused
+            self.validate(ctx)?;
+        }
+        if let (Some(acc), Some(u)) = (&self.last_val, self.unigram_bpb) {
+            self.log.line(&format!(
+                "final val_loss:{:.4} val_bpb:{:.4} unigram_bpb:{u:.4} ({} val tokens, {} bytes)",
+                acc.val_loss(),
+                acc.val_bpb(),
+                acc.tokens(),
+                acc.bytes()
+            ));
+        }
+        if let Some(kb) = peak_rss_kib() {
+            self.log.line(&format!("peak memory (process RSS): {} MiB", kb / 1024));
+        }
+        self.save_weights()
+    }
+
+    fn save_weights(&mut self) -> anyhow::Result<()> {
+        if let Some(path) = &self.weights_path {
+            crate::weights::save(path, &self.trainer.model().state_dict())?;
+            self.log.line(&format!("saved weights: {} (step {})", path.display(), self.trainer.step()));
+        }
+        Ok(())
+    }
+
+    fn publish(&mut self, ctx: &Ctx) {
+        self.total.add(&self.window);
+        self.window = Phases::default();
+        let steps = self.trainer.step();
+        let train_ms = self.train_ms();
+        let tokens = steps * (self.shape.tokens() * self.shape.micro_steps * self.shape.world_size) as u64;
+        let per_step = self.total.per(steps);
+        let busy = per_step.data_wait + per_step.h2d + per_step.forward + per_step.backward + per_step.optimizer;
+        let share = |x: f64| if busy > 0.0 { (1000.0 * x / busy).round() / 10.0 } else { 0.0 };
+        let last = self.last_val.as_ref();
+        let val_time_ms = self.total.validation.as_secs_f64() * 1e3;
+        ctx.publish(
+            "train",
+            serde_json::json!({
+                "steps": steps,
+                "iterations": self.cfg.iterations,
+                "ended_by": self.ending,
+                "tokens": tokens,
+                "tokens_per_s": if train_ms > 0.0 { tokens as f64 / (train_ms / 1e3) } else { 0.0 },
+                "train_time_ms": train_ms,
+                "step_avg_ms": if steps > 0 { train_ms / steps as f64 } else { 0.0 },
+                "train_loss": self.last_loss,
+                "val_loss": last.map(|a| a.val_loss()),
+                "val_bpb": last.map(|a| a.val_bpb()),
+                "val_tokens": last.map(|a| a.tokens()),
+                "val_bytes": last.map(|a| a.bytes()),
+                "val_split_tokens": self.validator.split_targets(),
+                "unigram_bpb": self.unigram_bpb,
+                "val_time_ms": val_time_ms,
+                "validations": self.vals,
+                "model_params": self.trainer.model().param_count(),
+                "timing_ms_per_step": per_step,
+                "timing_share_pct": {
+                    "data_wait": share(per_step.data_wait),
+                    "h2d": share(per_step.h2d),
+                    "forward": share(per_step.forward),
+                    "backward": share(per_step.backward),
+                    "optimizer": share(per_step.optimizer),
+                },
+                "dropped_micro_batches": self.dropped_micro,
+                "weights": self.weights_path.as_ref().filter(|p| p.exists()).map(|p| p.display().to_string()),
+            }),
+        );
+    }
+}
+
+fn check_train(t: &TrainConfig) -> anyhow::Result<()> {
+    anyhow::ensure!(t.iterations >= 1, "`train.iterations` must be at least 1");
+    anyhow::ensure!(t.max_wallclock_seconds >= 0.0, "`train.max_wallclock_seconds` must not be negative");
+    anyhow::ensure!(t.grad_clip_norm >= 0.0, "`train.grad_clip_norm` must not be negative");
+    anyhow::ensure!(t.muon_backend_steps >= 1, "`train.muon_backend_steps` must be at least 1");
+    anyhow::ensure!((0.0..1.0).contains(&t.beta1) && (0.0..1.0).contains(&t.beta2), "`train.beta1` and `train.beta2` must be in [0, 1)");
+    for (k, v) in [("matrix_lr", t.matrix_lr), ("scalar_lr", t.scalar_lr), ("tied_embed_lr", t.tied_embed_lr), ("embed_lr", t.embed_lr), ("head_lr", t.head_lr)] {
+        anyhow::ensure!(v >= 0.0 && v.is_finite(), "`train.{k}` must be a non-negative number");
+    }
+    Ok(())
+}
+
+fn device_of(c: &Config) -> anyhow::Result<Device> {
+    anyhow::ensure!(
+        c.run.world_size == 1,
+        "`run.world_size` = {}: training on several ranks needs the `cuda` build (NCCL); this executor trains one rank",
+        c.run.world_size
+    );
+    match c.run.device.as_str() {
+        "cpu" => Ok(Device::Cpu),
+        d if d.starts_with("cuda") => {
+            anyhow::bail!("`run.device` = {d:?}: this binary was built without CUDA support (build with `--features cuda`)")
+        }
+        d => anyhow::bail!("`run.device` = {d:?} is not a device: use \"cpu\" or \"cuda:N\""),
+    }
+}
+
+fn startup_lines(log: &mut TrainLog, c: &Config, trainer: &Trainer, v: &Validator, shape: BatchShape, unigram: Option<f64>) {
+    let t = &c.train;
+    let m = &c.model;
+    let tok = c.data.tokenizer.as_deref().map(|p| p.display().to_string()).unwrap_or_default();
+    log.line(&format!("val_bpb:enabled tokenizer_kind=sentencepiece tokenizer_path={tok}"));
+    if let Some(g) = &c.data.train {
+        let n = crate::shard::glob_sorted(g).map(|v| v.len()).unwrap_or(0);
+        let dir = std::path::Path::new(g).parent().and_then(|p| p.file_name()).map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        log.line(&format!("train_loader:dataset:{dir} train_shards:{n}"));
+    }
+    let cap = if v.targets() < v.split_targets() {
+        format!(" scored:{} (train.val_max_tokens = {})", v.targets(), t.val_max_tokens)
+    } else {
+        String::new()
+    };
+    log.line(&format!("val_loader:shards pattern={} tokens:{}{cap}", v.pattern(), v.split_targets()));
+    log.line(&format!("model_params:{}", trainer.model().param_count()));
+    log.line(&format!("world_size:{} grad_accum_steps:{}", shape.world_size, shape.micro_steps));
+    log.line(&format!("attention_mode:gqa num_heads:{} num_kv_heads:{}", m.num_heads, m.num_kv_heads));
+    let (embed_lr, head_lr) = if m.tie_embeddings { (t.tied_embed_lr, 0.0) } else { (t.embed_lr, t.head_lr) };
+    log.line(&format!(
+        "tie_embeddings:{} embed_lr:{embed_lr} head_lr:{head_lr} matrix_lr:{} scalar_lr:{}",
+        if m.tie_embeddings { "True" } else { "False" },
+        t.matrix_lr,
+        t.scalar_lr
+    ));
+    log.line(&format!(
+        "train_batch_tokens:{} train_seq_len:{} iterations:{} warmup_steps:0 max_wallclock_seconds:{:.3}",
+        t.batch_tokens, t.seq_len, t.iterations, t.max_wallclock_seconds
+    ));
+    log.line(&format!("seed:{}", c.run.seed));
+    if let Some(u) = unigram {
+        log.line(&format!("val_unigram_bpb:{u:.4} (token frequencies of the training shards: the bar to beat)"));
+    }
+}
+
+/// Peak resident set size of this process (Linux `VmHWM`), KiB.
+fn peak_rss_kib() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    s.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()
+}
