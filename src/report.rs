@@ -410,8 +410,46 @@ impl Report {
         }
         if !self.train.is_empty() {
             let _ = writeln!(o);
-            let _ = writeln!(o, "train: {}", serde_json::Value::Object(self.train.clone()));
+            write_train(&mut o, &self.train);
         }
         o
+    }
+}
+
+/// The `train` section as a few lines: steps and speed, the final validation against the
+/// unigram bar, the per-step time of each phase, the weights file.
+fn write_train(o: &mut String, t: &serde_json::Map<String, serde_json::Value>) {
+    use std::fmt::Write;
+    let f = |k: &str| t.get(k).and_then(|v| v.as_f64());
+    let num = |k: &str, digits: usize| f(k).map(|x| format!("{x:.digits$}")).unwrap_or_else(|| "-".into());
+    let _ = writeln!(
+        o,
+        "train: {} steps (ended by {}) in {:.1} s of training, {} tokens/s, step_avg {} ms",
+        t.get("steps").and_then(|v| v.as_u64()).unwrap_or(0),
+        t.get("ended_by").and_then(|v| v.as_str()).unwrap_or("-").replace('_', " "),
+        f("train_time_ms").unwrap_or(0.0) / 1e3,
+        num("tokens_per_s", 0),
+        num("step_avg_ms", 2),
+    );
+    if f("val_bpb").is_some() {
+        let _ = writeln!(
+            o,
+            "  final val_loss {} val_bpb {} over {} tokens ({} bytes); unigram bpb {}",
+            num("val_loss", 4),
+            num("val_bpb", 4),
+            t.get("val_tokens").and_then(|v| v.as_u64()).unwrap_or(0),
+            t.get("val_bytes").and_then(|v| v.as_u64()).unwrap_or(0),
+            num("unigram_bpb", 4),
+        );
+    }
+    if let (Some(ms), Some(pct)) = (t.get("timing_ms_per_step"), t.get("timing_share_pct")) {
+        let parts: Vec<String> = ["data_wait", "h2d", "forward", "backward", "optimizer"]
+            .iter()
+            .map(|k| format!("{k} {:.2} ms ({:.0}%)", ms[k].as_f64().unwrap_or(0.0), pct[k].as_f64().unwrap_or(0.0)))
+            .collect();
+        let _ = writeln!(o, "  per step: {}; validation {:.1} s in all", parts.join(", "), f("val_time_ms").unwrap_or(0.0) / 1e3);
+    }
+    if let Some(w) = t.get("weights").and_then(|v| v.as_str()) {
+        let _ = writeln!(o, "  weights: {w}");
     }
 }

@@ -127,7 +127,8 @@ impl Sink for Candle {
     fn check(_p: &CandleParams, ctx: &BuildCtx) -> anyhow::Result<()> {
         let c = ctx.config;
         c.model.check()?;
-        device_of(c)?;
+        parse_device(&c.run.device)?;
+        single_rank(c)?;
         BatchShape::from_config(c)?;
         check_train(&c.train)?;
         anyhow::ensure!(c.data.val.is_some(), "`data.val` is not set: the step executor validates on the validation shards");
@@ -428,18 +429,40 @@ fn check_train(t: &TrainConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn device_of(c: &Config) -> anyhow::Result<Device> {
+/// What `run.device` names.
+enum DeviceName {
+    Cpu,
+    Cuda(usize),
+}
+
+/// Parses `run.device` ("cpu", "cuda", "cuda:N") without opening anything.
+fn parse_device(d: &str) -> anyhow::Result<DeviceName> {
+    match d {
+        "cpu" => Ok(DeviceName::Cpu),
+        "cuda" => Ok(DeviceName::Cuda(0)),
+        _ => match d.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => Ok(DeviceName::Cuda(n)),
+            _ => anyhow::bail!("`run.device` = {d:?} is not a device: use \"cpu\" or \"cuda:N\""),
+        },
+    }
+}
+
+fn single_rank(c: &Config) -> anyhow::Result<()> {
     anyhow::ensure!(
         c.run.world_size == 1,
         "`run.world_size` = {}: training on several ranks needs the `cuda` build (NCCL); this executor trains one rank",
         c.run.world_size
     );
-    match c.run.device.as_str() {
-        "cpu" => Ok(Device::Cpu),
-        d if d.starts_with("cuda") => {
-            anyhow::bail!("`run.device` = {d:?}: this binary was built without CUDA support (build with `--features cuda`)")
+    Ok(())
+}
+
+/// Opens the device `run.device` names.
+fn device_of(c: &Config) -> anyhow::Result<Device> {
+    match parse_device(&c.run.device)? {
+        DeviceName::Cpu => Ok(Device::Cpu),
+        DeviceName::Cuda(n) => {
+            anyhow::bail!("`run.device` = \"cuda:{n}\": this binary was built without CUDA support (build with `--features cuda`)")
         }
-        d => anyhow::bail!("`run.device` = {d:?} is not a device: use \"cpu\" or \"cuda:N\""),
     }
 }
 
