@@ -109,14 +109,16 @@ impl Validator {
         &self.tables
     }
 
-    /// Scores this rank's sequences with `model`; `keep_going` is asked between batches (false
-    /// ends the pass early with an error).
-    pub fn run(&self, model: &Gpt, keep_going: impl Fn() -> bool) -> anyhow::Result<BpbAccumulator> {
+    /// Scores this rank's sequences with `model`; `keep_going` is asked between batches: false
+    /// cuts the pass short and gives `None` (a partial score is no score).
+    pub fn run(&self, model: &Gpt, keep_going: impl Fn() -> bool) -> anyhow::Result<Option<BpbAccumulator>> {
         let mut acc = BpbAccumulator::new(self.tables.clone());
         let t = self.seq_len;
         let mut s = self.first;
         while s < self.end {
-            anyhow::ensure!(keep_going(), "validation stopped by an abort");
+            if !keep_going() {
+                return Ok(None);
+            }
             let rows = self.batch_rows.min(self.end - s);
             let x = &self.tokens[s * t..(s + rows) * t];
             let y = &self.tokens[s * t + 1..(s + rows) * t + 1];
@@ -126,7 +128,7 @@ impl Validator {
             acc.add(x, y, &nll);
             s += rows;
         }
-        Ok(acc)
+        Ok(Some(acc))
     }
 
     /// Unigram bits per byte of the scored targets (all ranks' share), with add-one smoothed

@@ -132,7 +132,11 @@ impl Sink for Candle {
         BatchShape::from_config(c)?;
         check_train(&c.train)?;
         anyhow::ensure!(c.data.val.is_some(), "`data.val` is not set: the step executor validates on the validation shards");
-        anyhow::ensure!(c.data.tokenizer.is_some(), "`data.tokenizer` is not set: val_bpb counts bytes with the sentencepiece model");
+        let tok = c.data.tokenizer.as_deref().context("`data.tokenizer` is not set: val_bpb counts bytes with the sentencepiece model")?;
+        crate::validation::load_tables(tok, c.model.vocab_size)?;
+        if let Some(w) = &c.train.init_weights {
+            anyhow::ensure!(w.is_file(), "`train.init_weights` = {} is not a file", w.display());
+        }
         Ok(())
     }
 
@@ -182,13 +186,15 @@ impl Sink for Candle {
 
     fn consume(&mut self, b: DeviceBatch, ctx: &mut Ctx) -> anyhow::Result<()> {
         let arrived = Instant::now();
-        if self.done {
-            return Ok(()); // batches still in flight after the last step are not part of the run
+        if self.done || ctx.stopping() {
+            // Batches still in flight after the last step, or after a stop (Ctrl-C, max_seconds),
+            // are not part of the run: the step they would complete is dropped in `flush`.
+            return Ok(());
         }
         if !self.started {
             self.started = true;
             if self.cfg.val_every > 0 {
-                self.validate(ctx)?;
+                self.validate(ctx, false)?;
             }
             self.mark = Some(Instant::now());
         } else if let Some(t) = self.idle_since {
@@ -271,7 +277,7 @@ impl Candle {
         anyhow::ensure!(
             max < self.vocab,
             "token id {max} in step {} is not below `model.vocab_size` = {} (shards made with another tokenizer?)",
-            b.meta.step,
+            b.meta.step + 1,
             self.vocab
         );
         Ok(())
@@ -313,7 +319,7 @@ impl Candle {
             self.done = true;
             ctx.request_stop();
         } else if self.cfg.val_every > 0 && step.is_multiple_of(self.cfg.val_every) {
-            self.validate(ctx)?;
+            self.validate(ctx, false)?;
         }
         if self.cfg.timing_every > 0 && (step.is_multiple_of(self.cfg.timing_every) || last) {
             self.log.line(&self.window.line(step, total, self.window_steps));
@@ -324,14 +330,24 @@ impl Candle {
         Ok(())
     }
 
-    /// A validation pass, with the training clock paused.
-    fn validate(&mut self, ctx: &Ctx) -> anyhow::Result<()> {
+    /// A validation pass, with the training clock paused. A routine one (`final_pass` false)
+    /// gives way to a stop (Ctrl-C, `run.max_seconds`): the stop's own path saves the weights
+    /// and, unless interrupted, validates in full. The final one gives way only to an abort.
+    fn validate(&mut self, ctx: &Ctx, final_pass: bool) -> anyhow::Result<()> {
         self.pause();
         let t0 = Instant::now();
-        let acc = self.validator.run(self.trainer.model(), || !ctx.aborted()).context("validation")?;
+        let keep_going = || if final_pass { !ctx.aborted() } else { !ctx.stopping() };
+        let acc = self.validator.run(self.trainer.model(), keep_going).context("validation")?;
         self.window.validation += t0.elapsed();
         let step = self.trainer.step();
         let train_ms = self.train_ms();
+        let Some(acc) = acc else {
+            self.log.line(&format!("note: the validation at step {step} was cut short by the stop and is not reported"));
+            if self.started && !self.done {
+                self.mark = Some(Instant::now());
+            }
+            return Ok(());
+        };
         self.log.line(&val_line(step, self.cfg.iterations, acc.val_loss(), acc.val_bpb(), train_ms));
         self.vals.push(ValPoint { step, val_loss: acc.val_loss(), val_bpb: acc.val_bpb(), train_time_ms: train_ms });
         self.last_val = Some(acc);
@@ -346,7 +362,7 @@ impl Candle {
         let step = self.trainer.step();
         if self.vals.last().is_none_or(|v| v.step != step) {
             self.done = true; // keeps the clock paused
-            self.validate(ctx)?;
+            self.validate(ctx, true)?;
         }
         if let (Some(acc), Some(u)) = (&self.last_val, self.unigram_bpb) {
             self.log.line(&format!(
@@ -423,7 +439,13 @@ fn check_train(t: &TrainConfig) -> anyhow::Result<()> {
     anyhow::ensure!(t.grad_clip_norm >= 0.0, "`train.grad_clip_norm` must not be negative");
     anyhow::ensure!(t.muon_backend_steps >= 1, "`train.muon_backend_steps` must be at least 1");
     anyhow::ensure!((0.0..1.0).contains(&t.beta1) && (0.0..1.0).contains(&t.beta2), "`train.beta1` and `train.beta2` must be in [0, 1)");
-    for (k, v) in [("matrix_lr", t.matrix_lr), ("scalar_lr", t.scalar_lr), ("tied_embed_lr", t.tied_embed_lr), ("embed_lr", t.embed_lr), ("head_lr", t.head_lr)] {
+    for (k, v) in [
+        ("matrix_lr", t.matrix_lr),
+        ("scalar_lr", t.scalar_lr),
+        ("tied_embed_lr", t.tied_embed_lr),
+        ("embed_lr", t.embed_lr),
+        ("head_lr", t.head_lr),
+    ] {
         anyhow::ensure!(v >= 0.0 && v.is_finite(), "`train.{k}` must be a non-negative number");
     }
     Ok(())
@@ -473,7 +495,8 @@ fn startup_lines(log: &mut TrainLog, c: &Config, trainer: &Trainer, v: &Validato
     log.line(&format!("val_bpb:enabled tokenizer_kind=sentencepiece tokenizer_path={tok}"));
     if let Some(g) = &c.data.train {
         let n = crate::shard::glob_sorted(g).map(|v| v.len()).unwrap_or(0);
-        let dir = std::path::Path::new(g).parent().and_then(|p| p.file_name()).map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let dir =
+            std::path::Path::new(g).parent().and_then(|p| p.file_name()).map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         log.line(&format!("train_loader:dataset:{dir} train_shards:{n}"));
     }
     let cap = if v.targets() < v.split_targets() {

@@ -1,0 +1,771 @@
+//! `step_executor/candle` through the real binary: a tiny GPT trained on real English text (the
+//! repository's README and module docs, tokenized here with a small BPE sentencepiece model and
+//! written as challenge-format shards). Checks that validation loss falls, that a seed repeats a
+//! run bit for bit, the challenge's log line formats, the saved weights (PyTorch `state_dict`
+//! names and shapes, and a save/load round trip through `train.init_weights`), the ways a run
+//! stops (iterations, wall-clock cap, end of input, Ctrl-C), and one test per kind of bad input,
+//! each of which must exit non-zero without a panic and name the key or file at fault.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use common::{bin, report, scratch, text};
+use pipeline::shard::write_shard;
+use pipeline::tokenizer::Tokenizer;
+use serde_json::Value;
+
+/// Pieces after the byte pieces, best merge first: common English pairs and words, each one
+/// reachable by merging two earlier pieces, then single letters.
+const PIECES: &[&str] = &[
+    "▁t", "he", "▁the", "in", "er", "an", "on", "re", "▁a", "at", "en", "or", "es", "ed", "is", "it", "ar", "al", "st", "le", "ou", "▁s",
+    "▁w", "▁o", "▁c", "▁f", "▁p", "▁b", "▁m", "▁i", "▁d", "ing", "▁of", "▁to", "▁an", "▁and", "▁in", "▁is", "ion", "ch", "th", "▁th", "▁",
+    "e", "t", "a", "o", "i", "n", "s", "r", "h", "l", "d", "c", "u", "m", "f", "p", "g", "w", "y", "b", "v", "k",
+];
+
+/// A scratch directory, removed when the test passes, kept for a look when it fails.
+struct Dir(PathBuf);
+
+impl std::ops::Deref for Dir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// Shards and tokenizer made from the repository's prose.
+struct Corpus {
+    dir: Dir,
+    tokenizer: PathBuf,
+    vocab: usize,
+}
+
+impl Corpus {
+    fn train_glob(&self) -> String {
+        self.dir.join("shards/fineweb_train_*.bin").display().to_string()
+    }
+    fn val_glob(&self) -> String {
+        self.dir.join("shards/fineweb_val_*.bin").display().to_string()
+    }
+}
+
+/// The documents: README.md paragraphs and the `//!` doc block of every `src/*.rs`.
+fn documents() -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let mut docs: Vec<String> = readme.split("\n\n").map(str::trim).filter(|p| p.len() > 40).map(String::from).collect();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(root.join("src"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "rs"))
+        .collect();
+    files.sort();
+    for f in files {
+        let src = std::fs::read_to_string(&f).unwrap();
+        let doc: Vec<&str> = src.lines().filter_map(|l| l.strip_prefix("//!")).map(str::trim).collect();
+        let doc = doc.join("\n");
+        if doc.len() > 40 {
+            docs.push(doc);
+        }
+    }
+    assert!(docs.len() >= 50, "only {} documents of prose", docs.len());
+    docs
+}
+
+/// Builds the tokenizer and the shards in a fresh scratch directory: every tenth document goes
+/// to the val shard, the rest to the train shard, each one starting with BOS.
+fn corpus(name: &str) -> Corpus {
+    corpus_with(name, 1)
+}
+
+/// As [`corpus`], with the val documents written `val_copies` times (a longer validation).
+fn corpus_with(name: &str, val_copies: usize) -> Corpus {
+    let dir = Dir(scratch(&format!("train-{name}")));
+    let tokenizer = dir.join("tiny.model");
+    std::fs::write(&tokenizer, pipeline::tokenizer::build_bpe_model(PIECES, &[])).unwrap();
+    let tok = Tokenizer::load(&tokenizer).unwrap();
+    assert_eq!(tok.bos, 1);
+    let (mut train, mut val) = (Vec::new(), Vec::new());
+    for (i, d) in documents().iter().enumerate() {
+        let ids = tok.encode_document(d).unwrap();
+        if i % 10 == 5 { val.extend(ids) } else { train.extend(ids) }
+    }
+    let merged = train.iter().filter(|&&t| t >= 260).count();
+    assert!(merged * 5 > train.len(), "the merges are hardly used: {merged} of {} tokens", train.len());
+    std::fs::create_dir_all(dir.join("shards")).unwrap();
+    write_shard(&dir.join("shards/fineweb_train_000000.bin"), &train).unwrap();
+    write_shard(&dir.join("shards/fineweb_val_000000.bin"), &val.repeat(val_copies)).unwrap();
+    Corpus { vocab: tok.vocab_size, tokenizer, dir }
+}
+
+/// All tokens of one shard.
+fn shard_tokens(path: &Path) -> Vec<u16> {
+    let f = pipeline::shard::ShardFile::open(path, 0, pipeline::shard::AccessMode::Pread).unwrap_or_else(|e| panic!("{e}"));
+    let mut out = vec![0u16; f.tokens as usize];
+    f.read(0, &mut out).unwrap();
+    out
+}
+
+/// UTF-8 bytes that target `tok` stands for after `prev`, by the challenge's rules: control and
+/// unknown pieces 0, byte pieces 1, normal pieces their text with `▁` as a space, except that a
+/// leading `▁` after a control or unknown piece counts nothing.
+fn target_bytes(prev: u16, tok: u16) -> u64 {
+    match tok {
+        0..=3 => 0,
+        4..=259 => 1,
+        _ => {
+            let piece = PIECES[tok as usize - 260];
+            match piece.strip_prefix('▁') {
+                Some(rest) => rest.len() as u64 + u64::from(prev >= 4),
+                None => piece.len() as u64,
+            }
+        }
+    }
+}
+
+/// A TOML string literal.
+fn lit(s: impl AsRef<str>) -> String {
+    toml::Value::String(s.as_ref().to_string()).to_string()
+}
+
+/// Writes `NAME.toml`: the demo graph (pipelines/demo.toml) with a tiny model on `c`, 50 steps
+/// with exact step counts (no wall-clock cap, no warm-down); `data_val` false leaves `data.val`
+/// out.
+fn config_with(c: &Corpus, name: &str, data_val: bool) -> PathBuf {
+    let val = if data_val { format!("val = {}\n", lit(c.val_glob())) } else { String::new() };
+    let toml = format!(
+        r#"[run]
+name = "train-test"
+seed = 1337
+warmup_items = 2
+
+[data]
+train = {train}
+{val}tokenizer = {tok}
+
+[model]
+vocab_size = {vocab}
+num_layers = 2
+model_dim = 32
+num_heads = 2
+num_kv_heads = 1
+
+[train]
+seq_len = 32
+batch_tokens = 256
+grad_accum_steps = 1
+iterations = 50
+warmdown_iters = 0
+max_wallclock_seconds = 0
+val_every = 25
+val_batch_tokens = 1024
+log_every = 10
+timing_every = 25
+
+[stages.reader]
+kind = "shard_reader"
+impl = "mmap"
+split = "train"
+
+[stages.sampler]
+kind = "window_sampler"
+impl = "shuffled"
+inputs = ["reader"]
+
+[stages.pin]
+kind = "pin"
+impl = "pageable"
+inputs = ["sampler"]
+
+[stages.upload]
+kind = "upload"
+impl = "cpu"
+inputs = ["pin"]
+
+[stages.train]
+kind = "step_executor"
+impl = "candle"
+inputs = ["upload"]
+"#,
+        train = lit(c.train_glob()),
+        tok = lit(c.tokenizer.display().to_string()),
+        vocab = c.vocab,
+    );
+    let path = c.dir.join(format!("{name}.toml"));
+    std::fs::write(&path, toml).unwrap();
+    path
+}
+
+fn config(c: &Corpus) -> PathBuf {
+    config_with(c, "train", true)
+}
+
+/// Runs the binary with a generous limit (a hang fails the test instead of the whole suite).
+fn run_limited(config: &Path, out: &Path, sets: &[&str]) -> Output {
+    let mut c = bin();
+    c.arg("run").arg(config).arg("--out").arg(out).arg("-q");
+    for s in sets {
+        c.arg("--set").arg(s);
+    }
+    let mut child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("the binary runs");
+    // Drain the pipes on threads so a chatty child never blocks on a full pipe.
+    let mut so = child.stdout.take().unwrap();
+    let mut se = child.stderr.take().unwrap();
+    let ho = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        std::io::Read::read_to_end(&mut so, &mut v).unwrap();
+        v
+    });
+    let he = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        std::io::Read::read_to_end(&mut se, &mut v).unwrap();
+        v
+    });
+    let status = wait_or_kill(&mut child, Duration::from_secs(120), &format!("pipeline run {}", config.display()));
+    Output { status, stdout: ho.join().unwrap(), stderr: he.join().unwrap() }
+}
+
+/// Waits for `child` to exit, killing it (and failing) if it takes longer than `limit`.
+fn wait_or_kill(child: &mut Child, limit: Duration, what: &str) -> ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if t.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what}: still running after {limit:?}: hung");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A run that must succeed; returns its `train` report section.
+fn train_ok(config: &Path, out: &Path, sets: &[&str]) -> (serde_json::Map<String, Value>, Output) {
+    let o = run_limited(config, out, sets);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let r = report(out);
+    assert_eq!(r.run.status, "completed", "{}", text(&o));
+    (r.train, o)
+}
+
+fn f(t: &serde_json::Map<String, Value>, key: &str) -> f64 {
+    t[key].as_f64().unwrap_or_else(|| panic!("train.{key} is not a number: {:?}", t.get(key)))
+}
+
+fn u(t: &serde_json::Map<String, Value>, key: &str) -> u64 {
+    t[key].as_u64().unwrap_or_else(|| panic!("train.{key} is not an integer: {:?}", t.get(key)))
+}
+
+/// `validations` as (step, val_loss, val_bpb).
+fn validations(t: &serde_json::Map<String, Value>) -> Vec<(u64, f64, f64)> {
+    t["validations"]
+        .as_array()
+        .expect("train.validations")
+        .iter()
+        .map(|v| (v["step"].as_u64().unwrap(), v["val_loss"].as_f64().unwrap(), v["val_bpb"].as_f64().unwrap()))
+        .collect()
+}
+
+fn train_log(out: &Path) -> String {
+    std::fs::read_to_string(out.join("train.log")).unwrap_or_else(|e| panic!("{}/train.log: {e}", out.display()))
+}
+
+/// Non-zero exit, no panic, and stderr holds every fragment.
+fn assert_fails(o: &Output, fragments: &[&str]) {
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "expected a failure\n{}", text(o));
+    assert!(!err.contains("panicked"), "panic\n{}", text(o));
+    for f in fragments {
+        assert!(err.contains(f), "`{f}` not in stderr\n{}", text(o));
+    }
+}
+
+fn validate(config: &Path, sets: &[&str]) -> Output {
+    let mut c = bin();
+    c.arg("validate").arg(config);
+    for s in sets {
+        c.arg("--set").arg(s);
+    }
+    c.output().expect("the binary runs")
+}
+
+// ---- log line parsers (the challenge's regular expressions, by hand) ----
+
+fn digits(s: &str) -> bool {
+    !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// `\d+\.\d{places}`.
+fn fixed(s: &str, places: usize) -> bool {
+    s.split_once('.').is_some_and(|(a, b)| digits(a) && b.len() == places && digits(b))
+}
+
+/// `step:\d+/\d+` → (step, total).
+fn step_field(s: &str) -> Option<(u64, u64)> {
+    let (n, m) = s.strip_prefix("step:")?.split_once('/')?;
+    (digits(n) && digits(m)).then(|| (n.parse().unwrap(), m.parse().unwrap()))
+}
+
+/// `train_time:\d+ms step_avg:\d+\.\d{2}ms`.
+fn time_fields(time: &str, avg: &str) -> bool {
+    time.strip_prefix("train_time:").and_then(|t| t.strip_suffix("ms")).is_some_and(digits)
+        && avg.strip_prefix("step_avg:").and_then(|t| t.strip_suffix("ms")).is_some_and(|t| fixed(t, 2))
+}
+
+/// `^step:\d+/\d+ train_loss:\d+\.\d{4} train_time:\d+ms step_avg:\d+\.\d{2}ms$` → (step, total, loss).
+fn parse_train_line(l: &str) -> Option<(u64, u64, f64)> {
+    let p: Vec<&str> = l.split(' ').collect();
+    let [step, loss, time, avg] = p.as_slice() else { return None };
+    let (n, m) = step_field(step)?;
+    let loss = loss.strip_prefix("train_loss:").filter(|x| fixed(x, 4))?;
+    time_fields(time, avg).then(|| (n, m, loss.parse().unwrap()))
+}
+
+/// `^step:\d+/\d+ val_loss:\d+\.\d{4} val_bpb:\d+\.\d{4} train_time:\d+ms step_avg:\d+\.\d{2}ms$`
+/// → (step, total, val_loss, val_bpb).
+fn parse_val_line(l: &str) -> Option<(u64, u64, f64, f64)> {
+    let p: Vec<&str> = l.split(' ').collect();
+    let [step, loss, bpb, time, avg] = p.as_slice() else { return None };
+    let (n, m) = step_field(step)?;
+    let loss = loss.strip_prefix("val_loss:").filter(|x| fixed(x, 4))?;
+    let bpb = bpb.strip_prefix("val_bpb:").filter(|x| fixed(x, 4))?;
+    time_fields(time, avg).then(|| (n, m, loss.parse().unwrap(), bpb.parse().unwrap()))
+}
+
+/// `timing step:N/M steps:K data_wait:Xms h2d:Xms forward:Xms backward:Xms optimizer:Xms val:Xms`
+/// → the phase fields in ms.
+fn parse_timing_line(l: &str) -> Option<HashMap<String, f64>> {
+    let mut p = l.strip_prefix("timing ")?.split(' ');
+    step_field(p.next()?)?;
+    p.next()?.strip_prefix("steps:").filter(|k| digits(k))?;
+    let mut fields = HashMap::new();
+    for kv in p {
+        let (k, v) = kv.split_once(':')?;
+        let v = v.strip_suffix("ms").filter(|v| fixed(v, 2))?;
+        fields.insert(k.to_string(), v.parse().unwrap());
+    }
+    ["data_wait", "h2d", "forward", "backward", "optimizer", "val"].iter().all(|k| fields.contains_key(*k)).then_some(fields)
+}
+
+// ---- tests ----
+
+/// 50 steps on real text: the step-0 validation scores the untrained model near ln(vocab), and
+/// the step-50 validation is clearly lower.
+#[test]
+fn val_loss_falls_on_real_text() {
+    let c = corpus("falls");
+    let out = c.dir.join("run");
+    let (t, o) = train_ok(&config(&c), &out, &[]);
+    assert_eq!(u(&t, "steps"), 50, "{}", text(&o));
+    assert_eq!(t["ended_by"], "iterations");
+    let v = validations(&t);
+    assert_eq!(v.iter().map(|x| x.0).collect::<Vec<_>>(), [0, 25, 50], "{}", text(&o));
+    let ln_v = (c.vocab as f64).ln();
+    assert!((v[0].1 - ln_v).abs() < 0.1, "step-0 val_loss {} vs ln({}) = {ln_v}", v[0].1, c.vocab);
+    assert!(v[2].1 < v[0].1 - 0.3, "val_loss did not fall: {v:?}");
+    assert!(v[2].1 < v[1].1, "val_loss rose from step 25 to 50: {v:?}");
+    assert_eq!(f(&t, "val_loss").to_bits(), v[2].1.to_bits(), "the report's val_loss is the last validation's");
+    assert_eq!(f(&t, "val_bpb").to_bits(), v[2].2.to_bits());
+    // bpb = loss / ln 2 * tokens / bytes for every validation.
+    let ratio = u(&t, "val_tokens") as f64 / u(&t, "val_bytes") as f64;
+    for (step, loss, bpb) in &v {
+        let want = loss / std::f64::consts::LN_2 * ratio;
+        assert!((bpb - want).abs() < 1e-6 * want, "step {step}: val_bpb {bpb}, expected {want}");
+    }
+    // The scored stream, its bytes and the unigram bar, recomputed from the shards.
+    let val = shard_tokens(&c.dir.join("shards/fineweb_val_000000.bin"));
+    let n = (val.len() - 1) / 32 * 32;
+    assert_eq!(u(&t, "val_tokens"), n as u64);
+    let bytes: u64 = (0..n).map(|i| target_bytes(val[i], val[i + 1])).sum();
+    assert_eq!(u(&t, "val_bytes"), bytes);
+    let mut counts = vec![0u64; c.vocab];
+    for tok in shard_tokens(&c.dir.join("shards/fineweb_train_000000.bin")) {
+        counts[tok as usize] += 1;
+    }
+    let total = (counts.iter().sum::<u64>() + c.vocab as u64) as f64;
+    let bits: f64 = val[1..=n].iter().map(|&y| total.log2() - ((counts[y as usize] + 1) as f64).log2()).sum();
+    let want = bits / bytes as f64;
+    assert!((f(&t, "unigram_bpb") - want).abs() < 1e-9 * want, "unigram_bpb {} vs {want}", f(&t, "unigram_bpb"));
+    // The unigram bar (~4.6 here) is beaten by ~0.7 bits per byte after 50 steps with any seed.
+    let unigram = f(&t, "unigram_bpb");
+    assert!(unigram > 0.0 && unigram < v[0].2, "unigram_bpb {unigram} should beat the untrained model's {}", v[0].2);
+    assert!(v[2].2 < unigram, "final val_bpb {} is not below unigram_bpb {unigram}", v[2].2);
+    let log = train_log(&out);
+    assert!(log.lines().any(|l| l.starts_with(&format!("val_unigram_bpb:{unigram:.4} "))), "{log}");
+    let loss = f(&t, "train_loss");
+    assert!(loss.is_finite() && loss < ln_v, "train_loss {loss}");
+}
+
+/// The same seed repeats a run bit for bit (losses and weights); another seed does not.
+#[test]
+fn a_seed_repeats_a_run_bit_for_bit() {
+    let c = corpus("determinism");
+    let cfg = config(&c);
+    let sets = ["train.iterations=6", "train.val_every=2"];
+    let (a, _) = train_ok(&cfg, &c.dir.join("a"), &sets);
+    // The number of threads copying rows into micro-batches must not matter either.
+    let (b, _) = train_ok(&cfg, &c.dir.join("b"), &[sets[0], sets[1], "stages.sampler.workers=2"]);
+    let (other, _) = train_ok(&cfg, &c.dir.join("other"), &[sets[0], sets[1], "run.seed=7"]);
+    assert_eq!(f(&a, "train_loss").to_bits(), f(&b, "train_loss").to_bits());
+    let (va, vb) = (validations(&a), validations(&b));
+    assert_eq!(va.len(), 4);
+    assert_eq!(va.len(), vb.len());
+    for (x, y) in va.iter().zip(&vb) {
+        assert_eq!((x.0, x.1.to_bits(), x.2.to_bits()), (y.0, y.1.to_bits(), y.2.to_bits()), "validation at step {}", x.0);
+    }
+    let w = |d: &str| std::fs::read(c.dir.join(d).join("final_model.safetensors")).unwrap();
+    assert!(w("a") == w("b"), "the weights differ between two runs with the same seed");
+    assert!(w("a") != w("other"), "another seed gave the same weights");
+    assert_ne!(f(&a, "train_loss").to_bits(), f(&other, "train_loss").to_bits());
+    assert_ne!(validations(&other)[0].1.to_bits(), va[0].1.to_bits(), "another seed, same initial val_loss");
+}
+
+/// train.log and stdout hold the challenge script's lines.
+#[test]
+fn logs_have_the_challenge_formats() {
+    let c = corpus("log");
+    let out = c.dir.join("run");
+    let (t, o) = train_ok(&config(&c), &out, &["train.iterations=12", "train.val_every=6", "train.timing_every=6"]);
+    let log = train_log(&out);
+    let lines: Vec<&str> = log.lines().collect();
+    let train: Vec<(u64, u64, f64)> = lines.iter().filter_map(|l| parse_train_line(l)).collect();
+    let val: Vec<(u64, u64, f64, f64)> = lines.iter().filter_map(|l| parse_val_line(l)).collect();
+    // Steps 1 to 10, then every log_every = 10, and the last.
+    assert_eq!(train.iter().map(|x| x.0).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12], "{log}");
+    assert!(train.iter().all(|x| x.1 == 12), "{log}");
+    assert_eq!(val.iter().map(|x| x.0).collect::<Vec<_>>(), [0, 6, 12], "{log}");
+    let last = train.last().unwrap();
+    assert!((last.2 - f(&t, "train_loss")).abs() <= 5e-5, "logged {} vs reported {}", last.2, f(&t, "train_loss"));
+    for ((_, _, loss, bpb), (_, l, b)) in val.iter().zip(validations(&t)) {
+        assert!((loss - l).abs() <= 5e-5 && (bpb - b).abs() <= 5e-5, "logged {loss} {bpb} vs reported {l} {b}");
+    }
+    // Lines that start like these must match them exactly.
+    for l in &lines {
+        if l.starts_with("step:") {
+            assert!(parse_train_line(l).is_some() || parse_val_line(l).is_some(), "malformed step line: {l:?}");
+        }
+    }
+    let params = u(&t, "model_params");
+    assert!(lines.contains(&format!("model_params:{params}").as_str()), "{log}");
+    assert!(lines.contains(&"world_size:1 grad_accum_steps:1"), "{log}");
+    let timing: Vec<_> = lines.iter().filter(|l| l.starts_with("timing ")).collect();
+    assert_eq!(timing.len(), 2, "{log}");
+    for l in timing {
+        let p = parse_timing_line(l).unwrap_or_else(|| panic!("malformed timing line: {l:?}"));
+        assert!(p["forward"] > 0.0 && p["backward"] > 0.0 && p["optimizer"] > 0.0, "{l}");
+    }
+    // stdout (not a terminal) holds the same lines in the same order.
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let mut rest = stdout.lines();
+    for l in &lines {
+        assert!(rest.any(|s| s == *l), "train.log line {l:?} not on stdout (in order)\n{}", text(&o));
+    }
+    let per_step = t["timing_ms_per_step"].as_object().expect("train.timing_ms_per_step");
+    for k in ["data_wait", "h2d", "forward", "backward", "optimizer", "validation"] {
+        assert!(per_step[k].as_f64().is_some_and(|x| x >= 0.0), "timing_ms_per_step.{k}: {per_step:?}");
+    }
+    assert!(per_step["forward"].as_f64().unwrap() > 0.0, "{per_step:?}");
+    let grad2 = c.dir.join("accum");
+    let (t2, _) = train_ok(&config(&c), &grad2, &["train.iterations=2", "train.grad_accum_steps=2"]);
+    assert_eq!(u(&t2, "tokens"), 2 * 256, "two micro-batches of 4 rows per step");
+    assert!(train_log(&grad2).lines().any(|l| l == "world_size:1 grad_accum_steps:2"), "{}", train_log(&grad2));
+}
+
+/// Expected `state_dict` names and shapes of the baseline for the test model.
+fn expected_tensors(vocab: usize) -> Vec<(String, Vec<usize>)> {
+    let (d, kv, hidden) = (32, 16, 64);
+    let mut v = vec![("tok_emb.weight".to_string(), vec![vocab, d]), ("skip_weights".into(), vec![1, d])];
+    for i in 0..2 {
+        let p = |s: &str| format!("blocks.{i}.{s}");
+        v.extend([
+            (p("attn.c_q.weight"), vec![d, d]),
+            (p("attn.c_k.weight"), vec![kv, d]),
+            (p("attn.c_v.weight"), vec![kv, d]),
+            (p("attn.proj.weight"), vec![d, d]),
+            (p("attn.q_gain"), vec![2]),
+            (p("mlp.fc.weight"), vec![hidden, d]),
+            (p("mlp.proj.weight"), vec![d, hidden]),
+            (p("attn_scale"), vec![d]),
+            (p("mlp_scale"), vec![d]),
+            (p("resid_mix"), vec![2, d]),
+        ]);
+    }
+    v.sort();
+    v
+}
+
+/// The saved weights carry the PyTorch names and shapes, and loading them back scores the
+/// validation split exactly as the run that saved them did.
+#[test]
+fn weights_have_the_state_dict_names_and_load_back() {
+    let c = corpus("weights");
+    let cfg = config(&c);
+    let first = c.dir.join("first");
+    let (t, o) = train_ok(&cfg, &first, &["train.iterations=4", "train.val_every=2"]);
+    let path = first.join("final_model.safetensors");
+    assert_eq!(t["weights"].as_str(), Some(path.display().to_string().as_str()), "{}", text(&o));
+    let tensors = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let mut got: Vec<(String, Vec<usize>)> = tensors.iter().map(|(n, t)| (n.clone(), t.dims().to_vec())).collect();
+    got.sort();
+    assert_eq!(got, expected_tensors(c.vocab));
+    let count: usize = tensors.values().map(Tensor::elem_count).sum();
+    assert_eq!(count as u64, u(&t, "model_params"));
+    for (n, t) in &tensors {
+        assert_eq!(t.dtype(), candle_core::DType::F32, "{n}");
+    }
+    // The zero-initialised projections have trained.
+    let proj: Vec<f32> = tensors["blocks.0.attn.proj.weight"].flatten_all().unwrap().to_vec1().unwrap();
+    assert!(proj.iter().any(|&x| x != 0.0), "attn.proj never moved from its zero init");
+
+    let second = c.dir.join("second");
+    let init = format!("train.init_weights={}", lit(path.display().to_string()));
+    let (t2, o2) = train_ok(&cfg, &second, &[&init, "train.iterations=1", "train.val_every=1", "run.seed=99"]);
+    let v2 = validations(&t2);
+    assert_eq!(v2[0].0, 0, "{}", text(&o2));
+    assert_eq!(
+        v2[0].1.to_bits(),
+        f(&t, "val_loss").to_bits(),
+        "step-0 val_loss from the loaded weights {} vs the saving run's final {}",
+        v2[0].1,
+        f(&t, "val_loss")
+    );
+    assert_eq!(v2[0].2.to_bits(), f(&t, "val_bpb").to_bits());
+}
+
+/// `train.iterations` ends a run after exactly that many steps.
+#[test]
+fn iterations_end_the_run() {
+    let c = corpus("iterations");
+    let out = c.dir.join("run");
+    let (t, o) = train_ok(&config(&c), &out, &["train.iterations=3", "train.val_every=0"]);
+    assert_eq!(u(&t, "steps"), 3, "{}", text(&o));
+    assert_eq!(t["ended_by"], "iterations");
+    assert_eq!(u(&t, "tokens"), 3 * 256);
+    assert_eq!(validations(&t).iter().map(|v| v.0).collect::<Vec<_>>(), [3], "val_every = 0: only the final validation");
+    assert!(!train_log(&out).contains("stopping_early"));
+    assert!(out.join("final_model.safetensors").exists());
+}
+
+/// A tiny wall-clock cap ends a long run early, with a final validation at the last step.
+#[test]
+fn wallclock_cap_ends_the_run() {
+    let c = corpus("wallclock");
+    let out = c.dir.join("run");
+    let (t, o) = train_ok(&config(&c), &out, &["train.iterations=100000", "train.max_wallclock_seconds=0.5", "train.val_every=0"]);
+    assert_eq!(t["ended_by"], "wallclock_cap", "{}", text(&o));
+    let steps = u(&t, "steps");
+    assert!((1..100000).contains(&steps), "steps {steps}");
+    assert!(f(&t, "train_time_ms") >= 500.0, "stopped before the cap: {} ms", f(&t, "train_time_ms"));
+    let log = train_log(&out);
+    assert!(log.lines().any(|l| l.starts_with("stopping_early: wallclock_cap ")), "{log}");
+    let v = validations(&t);
+    assert_eq!(v.last().map(|v| v.0), Some(steps), "final validation at the last step: {v:?}");
+    assert!(log.lines().filter_map(parse_val_line).any(|x| x.0 == steps), "{log}");
+}
+
+/// Starts `pipeline run` on `c`'s config with `sets`, output discarded.
+fn spawn_run(c: &Corpus, out: &Path, sets: &[&str]) -> Child {
+    let mut cmd = bin();
+    cmd.arg("run").arg(config(c)).arg("--out").arg(out).arg("-q");
+    for s in sets {
+        cmd.arg("--set").arg(s);
+    }
+    cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap()
+}
+
+/// Waits until train.log has a line for which `pred` holds (failing after 60 s or if the child
+/// ends first).
+fn wait_for_line(child: &mut Child, out: &Path, pred: impl Fn(&str) -> bool) {
+    let t0 = Instant::now();
+    while !std::fs::read_to_string(out.join("train.log")).is_ok_and(|l| l.lines().any(&pred)) {
+        if t0.elapsed() > Duration::from_secs(60) || child.try_wait().unwrap().is_some() {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the awaited line never came: {:?}", std::fs::read_to_string(out.join("train.log")));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn sigint(child: &Child) {
+    let ok = std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(ok.success());
+}
+
+/// After Ctrl-C: exit 130, status and `ended_by` "interrupted", a `stopping_early: interrupted`
+/// line, and saved weights that load and match the steps taken; returns the steps.
+fn assert_interrupted(child: &mut Child, c: &Corpus, out: &Path) -> u64 {
+    let status = wait_or_kill(child, Duration::from_secs(60), "interrupted training");
+    let log = std::fs::read_to_string(out.join("train.log")).unwrap_or_default();
+    assert_eq!(status.code(), Some(130), "{log}");
+    let r = report(out);
+    assert_eq!(r.run.status, "interrupted", "{:?}", r.run.error);
+    assert_eq!(r.train.get("ended_by"), Some(&Value::from("interrupted")), "{log}");
+    let steps = u(&r.train, "steps");
+    assert!(log.lines().any(|l| l.starts_with("stopping_early: interrupted")), "{log}");
+    let path = out.join("final_model.safetensors");
+    let w = pipeline::weights::load(&path, None).unwrap();
+    assert_eq!(w.len(), expected_tensors(c.vocab).len());
+    let saved = format!("saved weights: {} (step {steps})", path.display());
+    assert!(log.lines().any(|l| l == saved), "no `{saved}` line\n{log}");
+    steps
+}
+
+/// Ctrl-C during training: exit 130, a report saying so, and weights that load.
+#[test]
+fn ctrl_c_saves_the_weights_and_reports_interrupted() {
+    let c = corpus("ctrlc");
+    let out = c.dir.join("run");
+    let mut child = spawn_run(&c, &out, &["train.iterations=100000", "train.val_every=0"]);
+    wait_for_line(&mut child, &out, |l| parse_train_line(l).is_some());
+    std::thread::sleep(Duration::from_millis(200));
+    sigint(&child);
+    let steps = assert_interrupted(&mut child, &c, &out);
+    assert!((1..100000).contains(&steps), "steps {steps}");
+}
+
+/// Ctrl-C while a periodic validation runs (longer than `run.drain_timeout_ms`): the run must
+/// still end as interrupted with its trained weights saved, as after Ctrl-C during a step.
+#[test]
+fn ctrl_c_during_validation_still_saves_the_weights() {
+    // 8 copies of the val documents: a validation takes seconds in a debug build.
+    let c = corpus_with("ctrlc-val", 8);
+    let out = c.dir.join("run");
+    let mut child = spawn_run(&c, &out, &["train.iterations=100000", "train.val_every=2", "run.drain_timeout_ms=500"]);
+    // The step-2 train line is logged just before the step-2 validation starts.
+    wait_for_line(&mut child, &out, |l| parse_train_line(l).is_some_and(|x| x.0 == 2));
+    sigint(&child);
+    let steps = assert_interrupted(&mut child, &c, &out);
+    assert!(steps >= 2, "steps {steps}");
+}
+
+/// When the input ends first (the sampler's `max_steps`), the run ends there, validated and saved.
+#[test]
+fn input_end_ends_the_run() {
+    let c = corpus("input-end");
+    let out = c.dir.join("run");
+    let (t, o) = train_ok(&config(&c), &out, &["stages.sampler.max_steps=3", "train.val_every=0"]);
+    assert_eq!(u(&t, "steps"), 3, "{}", text(&o));
+    assert_eq!(t["ended_by"], "input_ended");
+    assert_eq!(u(&t, "dropped_micro_batches"), 0);
+    assert_eq!(validations(&t).iter().map(|v| v.0).collect::<Vec<_>>(), [3], "final validation");
+    assert!(out.join("final_model.safetensors").exists());
+}
+
+// ---- bad input ----
+
+#[test]
+fn tokenizer_vocab_differs_from_model_vocab_size() {
+    let c = corpus("bad-vocab");
+    let vocab = format!("model.vocab_size={}", c.vocab + 8);
+    let o = run_limited(&config(&c), &c.dir.join("run"), &[&vocab]);
+    assert_fails(&o, &["`model.vocab_size`", &c.tokenizer.display().to_string()]);
+}
+
+/// `pipeline validate` ("lists every problem") should reject what `run` rejects as a config
+/// error (exit 2) before training: here a tokenizer whose size differs from `model.vocab_size`.
+#[test]
+fn validate_rejects_a_vocab_mismatch() {
+    let c = corpus("validate-vocab");
+    let vocab = format!("model.vocab_size={}", c.vocab + 8);
+    let o = validate(&config(&c), &[&vocab]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_fails(&o, &["`model.vocab_size`", &c.tokenizer.display().to_string()]);
+}
+
+/// As above, for `train.init_weights` naming a file that does not exist.
+#[test]
+fn validate_rejects_missing_init_weights() {
+    let c = corpus("validate-init");
+    let missing = c.dir.join("absent.safetensors");
+    let init = format!("train.init_weights={}", lit(missing.display().to_string()));
+    let o = validate(&config(&c), &[&init]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_fails(&o, &["absent.safetensors"]);
+}
+
+#[test]
+fn data_val_unset() {
+    let c = corpus("no-val");
+    let cfg = config_with(&c, "noval", false);
+    let o = validate(&cfg, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_fails(&o, &["`data.val`"]);
+    let o = run_limited(&cfg, &c.dir.join("run"), &[]);
+    assert_fails(&o, &["`data.val`"]);
+}
+
+#[test]
+fn cuda_device_in_a_cpu_build() {
+    let c = corpus("cuda");
+    let o = run_limited(&config(&c), &c.dir.join("run"), &["run.device=\"cuda:0\""]);
+    assert_fails(&o, &["`run.device`"]);
+}
+
+#[test]
+fn init_weights_not_safetensors() {
+    let c = corpus("bad-weights");
+    let cfg = config(&c);
+    let first = c.dir.join("first");
+    train_ok(&cfg, &first, &["train.iterations=1", "train.val_every=0"]);
+    let bytes = std::fs::read(first.join("final_model.safetensors")).unwrap();
+    let cut = c.dir.join("cut.safetensors");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    let junk = c.dir.join("junk.safetensors");
+    std::fs::write(&junk, "these are not weights\n").unwrap();
+    for p in [&cut, &junk] {
+        let init = format!("train.init_weights={}", lit(p.display().to_string()));
+        let o = run_limited(&cfg, &c.dir.join("run"), &[&init]);
+        assert_fails(&o, &[&p.display().to_string()]);
+    }
+}
+
+#[test]
+fn init_weights_of_another_shape() {
+    let c = corpus("shape");
+    let cfg = config(&c);
+    let first = c.dir.join("first");
+    train_ok(&cfg, &first, &["train.iterations=1", "train.val_every=0", "model.model_dim=16"]);
+    let init = format!("train.init_weights={}", lit(first.join("final_model.safetensors").display().to_string()));
+    let o = run_limited(&cfg, &c.dir.join("run"), &[&init]);
+    assert_fails(&o, &["final_model.safetensors", "tensor `"]);
+}
+
+#[test]
+fn train_token_beyond_the_vocabulary() {
+    let c = corpus("bad-token");
+    // Every 7th training token is out of range, so the first micro-batch holds one.
+    let train = c.dir.join("shards/fineweb_train_000000.bin");
+    let mut tokens = shard_tokens(&train);
+    for t in tokens.iter_mut().step_by(7) {
+        *t = c.vocab as u16 + 3;
+    }
+    write_shard(&train, &tokens).unwrap();
+    let o = run_limited(&config(&c), &c.dir.join("run"), &["stages.sampler.check_tokens=false"]);
+    assert_fails(&o, &["`model.vocab_size`", &format!("token id {}", c.vocab + 3)]);
+}
+
+#[test]
+fn typo_in_train_table() {
+    let c = corpus("typo");
+    let cfg = config_with(&c, "typo", true);
+    let fixed = std::fs::read_to_string(&cfg).unwrap().replace("iterations = 50", "iteratons = 50");
+    std::fs::write(&cfg, fixed).unwrap();
+    let o = validate(&cfg, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_fails(&o, &["iteratons"]);
+}
