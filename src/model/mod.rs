@@ -4,10 +4,14 @@
 //! - [`ModelConfig`]: the `[model]` table; the baseline's values are the defaults.
 //! - [`ops`]: the building blocks (RMS norm without weights, RoPE, causal GQA attention, logit
 //!   soft-cap, cross-entropy), each small enough to test against a float64 reference.
+//! - [`fused`]: the same RMS norm, causal attention and soft-capped cross-entropy as fused,
+//!   multi-threaded CPU ops with their own backward passes (the model uses them; they fall back
+//!   to [`ops`] on other devices), tested against [`ops`].
 //! - [`Gpt`]: parameters named exactly as the PyTorch script's `GPT.state_dict()`, the spec's
 //!   initialisation, and the forward pass to logits, mean loss or per-token losses.
 
 mod config;
+pub mod fused;
 mod gpt;
 pub mod ops;
 
