@@ -5,7 +5,8 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 use super::ModelConfig;
-use super::ops::{causal_attention, causal_mask, cross_entropy_rows, rms_norm, rope, rope_tables, softcap};
+use super::fused::{causal_attention, rms_norm, softcap_cross_entropy};
+use super::ops::{rope, rope_tables, softcap};
 
 /// Which optimizer group a parameter belongs to (as the challenge script splits them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -172,6 +173,11 @@ impl Gpt {
 
     /// Soft-capped logits `(B*T, V)` for input ids `x` of shape `(B, T)` (u32).
     pub fn logits(&self, x: &Tensor) -> Result<Tensor> {
+        softcap(&self.raw_logits(x)?, self.cfg.logit_softcap)
+    }
+
+    /// Logits before the soft-cap, `(B*T, V)`.
+    fn raw_logits(&self, x: &Tensor) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (b, t) = x.dims2()?;
         let d = cfg.model_dim;
@@ -179,11 +185,10 @@ impl Gpt {
         let mut h = rms_norm(&emb.index_select(&x.flatten_all()?, 0)?.reshape((b, t, d))?)?;
         let x0 = h.clone();
         let (cos, sin) = rope_tables(t, cfg.head_dim(), cfg.rope_base, self.dtype, &self.device)?;
-        let mask = causal_mask(t, self.dtype, &self.device)?;
         let enc = cfg.encoder_layers();
         let mut skips = Vec::with_capacity(enc);
         for i in 0..enc {
-            h = self.block(i, &h, &x0, &cos, &sin, &mask)?;
+            h = self.block(i, &h, &x0, &cos, &sin)?;
             skips.push(h.clone());
         }
         let skip_w = self.p("skip_weights");
@@ -191,18 +196,19 @@ impl Gpt {
             if let Some(s) = skips.pop() {
                 h = (h + s.broadcast_mul(&skip_w.get(j)?)?)?;
             }
-            h = self.block(enc + j, &h, &x0, &cos, &sin, &mask)?;
+            h = self.block(enc + j, &h, &x0, &cos, &sin)?;
         }
         let h = rms_norm(&h)?.reshape((b * t, d))?;
         let head = if cfg.tie_embeddings { emb } else { self.p("lm_head.weight") };
-        softcap(&h.matmul(&head.t()?)?, cfg.logit_softcap)
+        h.matmul(&head.t()?)
     }
 
     /// Per-position cross-entropy `(B*T,)` of targets `y` `(B, T)` given inputs `x`.
     pub fn token_losses(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
-        let logits = self.logits(x)?;
+        let logits = self.raw_logits(x)?;
+        // Cross-entropy on float32 logits, as the script does (float64 stays float64 for checks).
         let logits = if self.dtype == DType::F64 { logits } else { logits.to_dtype(DType::F32)? };
-        cross_entropy_rows(&logits, &y.flatten_all()?)
+        softcap_cross_entropy(&logits, &y.flatten_all()?, self.cfg.logit_softcap)
     }
 
     /// Mean cross-entropy over all positions (what training minimises).
@@ -210,17 +216,17 @@ impl Gpt {
         self.token_losses(x, y)?.mean_all()
     }
 
-    fn block(&self, i: usize, h: &Tensor, x0: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    fn block(&self, i: usize, h: &Tensor, x0: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let p = |s: &str| self.p(&format!("blocks.{i}.{s}"));
         let mix = p("resid_mix");
         let u = (h.broadcast_mul(&mix.get(0)?)? + x0.broadcast_mul(&mix.get(1)?)?)?;
-        let a = self.attention(i, &rms_norm(&u)?, cos, sin, mask)?;
+        let a = self.attention(i, &rms_norm(&u)?, cos, sin)?;
         let u = (u + a.broadcast_mul(&p("attn_scale"))?)?;
         let m = self.mlp(i, &rms_norm(&u)?)?;
         u + m.broadcast_mul(&p("mlp_scale"))?
     }
 
-    fn attention(&self, i: usize, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    fn attention(&self, i: usize, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (b, t, d) = x.dims3()?;
         let (h, kvh, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim());
@@ -230,7 +236,7 @@ impl Gpt {
         let k = rope(&rms_norm(&heads(&p("c_k.weight"), kvh)?)?, cos, sin)?;
         let v = heads(&p("c_v.weight"), kvh)?;
         let q = q.broadcast_mul(&p("q_gain").reshape((1, h, 1, 1))?)?;
-        let y = causal_attention(&q, &k, &v, mask)?.transpose(1, 2)?.reshape((b, t, d))?;
+        let y = causal_attention(&q, &k, &v)?.transpose(1, 2)?.reshape((b, t, d))?;
         linear(&y, &p("proj.weight"))
     }
 
