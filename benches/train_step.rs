@@ -16,6 +16,9 @@ use pipeline::config::TrainConfig;
 use pipeline::model::{Gpt, ModelConfig};
 use pipeline::trainer::Trainer;
 
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn demo_model() -> Gpt {
     let cfg = ModelConfig { vocab_size: 1024, num_layers: 4, model_dim: 128, num_heads: 4, num_kv_heads: 2, ..ModelConfig::default() };
     Gpt::new(&cfg, 0, DType::F32, &Device::Cpu).expect("demo model builds")
