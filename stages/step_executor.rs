@@ -37,7 +37,7 @@ pub enum Precision {
     /// 32-bit floats (the CPU default).
     #[default]
     F32,
-    /// bfloat16 (for GPUs; slow on CPU).
+    /// bfloat16 (GPUs only).
     Bf16,
     /// 64-bit floats (for checks).
     F64,
@@ -124,10 +124,12 @@ impl Sink for Candle {
     type Params = CandleParams;
     type In = DeviceBatch;
 
-    fn check(_p: &CandleParams, ctx: &BuildCtx) -> anyhow::Result<()> {
+    fn check(p: &CandleParams, ctx: &BuildCtx) -> anyhow::Result<()> {
         let c = ctx.config;
         c.model.check()?;
-        parse_device(&c.run.device)?;
+        if matches!(parse_device(&c.run.device)?, DeviceName::Cpu) && p.dtype == Precision::Bf16 {
+            anyhow::bail!("`dtype` = \"bf16\" is for GPUs: on `run.device` = \"cpu\" use \"f32\" (or \"f64\" for checks)");
+        }
         single_rank(c)?;
         BatchShape::from_config(c)?;
         check_train(&c.train)?;

@@ -717,6 +717,13 @@ fn cuda_device_in_a_cpu_build() {
 }
 
 #[test]
+fn bf16_on_the_cpu_is_refused() {
+    let c = corpus("bf16");
+    let o = run_limited(&config(&c), &c.dir.join("run"), &["stages.train.dtype=\"bf16\""]);
+    assert_fails(&o, &["`dtype`", "bf16"]);
+}
+
+#[test]
 fn init_weights_not_safetensors() {
     let c = corpus("bad-weights");
     let cfg = config(&c);
