@@ -74,17 +74,7 @@ impl Trainer {
         if !head.is_empty() {
             adams.push(Adam::new(head, cfg.head_lr, betas, cfg.adam_eps)?.with_prefix("adam_head"));
         }
-        Ok(Self {
-            model,
-            muon,
-            adams,
-            cfg: cfg.clone(),
-            micro_steps,
-            grads: GradStore::default(),
-            micro_done: 0,
-            loss_sum: 0.0,
-            step: 0,
-        })
+        Ok(Self { model, muon, adams, cfg: cfg.clone(), micro_steps, grads: GradStore::default(), micro_done: 0, loss_sum: 0.0, step: 0 })
     }
 
     /// The model.
@@ -152,13 +142,8 @@ impl Trainer {
         for adam in &mut self.adams {
             adam.step(&self.grads, adam.base_lr() * lr_mul)?;
         }
-        let outcome = StepOutcome {
-            train_loss: self.loss_sum / self.micro_steps as f64,
-            lr_mul,
-            momentum,
-            grad_norm,
-            optimizer: t0.elapsed(),
-        };
+        let outcome =
+            StepOutcome { train_loss: self.loss_sum / self.micro_steps as f64, lr_mul, momentum, grad_norm, optimizer: t0.elapsed() };
         self.grads = GradStore::default();
         self.micro_done = 0;
         self.loss_sum = 0.0;

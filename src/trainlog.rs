@@ -171,10 +171,7 @@ mod tests {
     #[test]
     fn lines_have_the_challenge_format() {
         assert_eq!(train_line(10, 20000, 2.71234, 435.4), "step:10/20000 train_loss:2.7123 train_time:435ms step_avg:43.54ms");
-        assert_eq!(
-            val_line(0, 20000, 6.93571, 4.10661, 0.0),
-            "step:0/20000 val_loss:6.9357 val_bpb:4.1066 train_time:0ms step_avg:0.00ms"
-        );
+        assert_eq!(val_line(0, 20000, 6.93571, 4.10661, 0.0), "step:0/20000 val_loss:6.9357 val_bpb:4.1066 train_time:0ms step_avg:0.00ms");
         let p = Phases { forward: Duration::from_millis(30), backward: Duration::from_millis(60), ..Phases::default() };
         let l = p.line(200, 1000, 3);
         assert!(l.starts_with("timing step:200/1000 steps:3 data_wait:0.00ms h2d:0.00ms forward:10.00ms backward:20.00ms"), "{l}");
