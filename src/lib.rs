@@ -29,6 +29,7 @@ pub mod model;
 pub mod optim;
 pub mod pool;
 pub mod prepare;
+pub mod quant;
 pub mod registry;
 pub mod report;
 pub mod run;
@@ -37,9 +38,9 @@ pub mod runtime;
 pub mod shard;
 pub mod stage;
 pub mod tokenizer;
-pub mod validation;
 pub mod trainer;
 pub mod trainlog;
+pub mod validation;
 pub mod verdict;
 pub mod weights;
 
