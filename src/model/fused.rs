@@ -179,6 +179,12 @@ macro_rules! multiversion {
     };
 }
 
+// The ops of the rest of a block, on token-major matrices (they use the kernels and helpers
+// above).
+#[path = "fused_block.rs"]
+mod block;
+pub use block::{causal_attention_tokens, qk_norm_rope, relu_sq, resid_mix, scale_add};
+
 fn check_float(op: &str, dtype: DType) -> Result<()> {
     match dtype {
         DType::F32 | DType::F64 => Ok(()),
@@ -809,6 +815,19 @@ multiversion! {
 }
 
 fn attn_bwd<T: Real>(q: &Tensor, k: &Tensor, v: &Tensor, o: &Tensor, go: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    let (dq, dk, dv) = attn_bwd_vecs::<T>(q, k, v, o, go)?;
+    let AttnDims { b, h, kh, t, d } = AttnDims::new(q.shape(), k.shape(), v.shape())?;
+    let dq = Tensor::from_vec(dq, (b, h, t, d), &Device::Cpu)?;
+    let dk = Tensor::from_vec(dk, (b, kh, t, d), &Device::Cpu)?;
+    let dv = Tensor::from_vec(dv, (b, kh, t, d), &Device::Cpu)?;
+    Ok((dq, dk, dv))
+}
+
+/// The gradients `(dq, dk, dv)` of [`attn_bwd`] as row-major `(B, H, T, D)`, `(B, K, T, D)`,
+/// `(B, K, T, D)` vectors.
+type AttnGrads<T> = (Vec<T>, Vec<T>, Vec<T>);
+
+fn attn_bwd_vecs<T: Real>(q: &Tensor, k: &Tensor, v: &Tensor, o: &Tensor, go: &Tensor) -> Result<AttnGrads<T>> {
     let go = unit_last(go)?;
     let dims = AttnDims::new(q.shape(), k.shape(), v.shape())?;
     let AttnDims { b, h, kh, t, d } = dims;
@@ -841,9 +860,6 @@ fn attn_bwd<T: Real>(q: &Tensor, k: &Tensor, v: &Tensor, o: &Tensor, go: &Tensor
             attn_bwd_group(&x, scale, dq, dk, dv);
         });
     }
-    let dq = Tensor::from_vec(dq, (b, h, t, d), &Device::Cpu)?;
-    let dk = Tensor::from_vec(dk, (b, kh, t, d), &Device::Cpu)?;
-    let dv = Tensor::from_vec(dv, (b, kh, t, d), &Device::Cpu)?;
     Ok((dq, dk, dv))
 }
 
@@ -892,22 +908,22 @@ mod tests {
 
     use super::*;
 
-    fn rand(rng: &mut fastrand::Rng, shape: &[usize], scale: f64, dtype: DType) -> Tensor {
+    pub(super) fn rand(rng: &mut fastrand::Rng, shape: &[usize], scale: f64, dtype: DType) -> Tensor {
         let n = shape.iter().product();
         let v: Vec<f64> = (0..n).map(|_| (rng.f64() * 2.0 - 1.0) * scale).collect();
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
     }
 
-    fn targets(rng: &mut fastrand::Rng, n: usize, v: usize) -> Tensor {
+    pub(super) fn targets(rng: &mut fastrand::Rng, n: usize, v: usize) -> Tensor {
         Tensor::from_vec((0..n).map(|_| rng.u32(0..v as u32)).collect::<Vec<_>>(), n, &Device::Cpu).unwrap()
     }
 
-    fn flat(t: &Tensor) -> Vec<f64> {
+    pub(super) fn flat(t: &Tensor) -> Vec<f64> {
         t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap()
     }
 
     /// Asserts `|got - want| <= tol * (1 + |want|)` elementwise (and equal shapes).
-    fn assert_close(got: &Tensor, want: &Tensor, tol: f64, what: &str) {
+    pub(super) fn assert_close(got: &Tensor, want: &Tensor, tol: f64, what: &str) {
         assert_eq!(got.dims(), want.dims(), "{what}: shapes");
         let (g, w) = (flat(got), flat(want));
         let mut worst = (0.0f64, 0usize);
@@ -924,12 +940,12 @@ mod tests {
     /// The loss whose gradients are compared: a random weighting of every output element, or
     /// a plain sum (whose gradient reaches the op as a stride-0 broadcast).
     #[derive(Clone, Copy)]
-    enum Loss {
+    pub(super) enum Loss {
         Weighted,
         Sum,
     }
 
-    fn loss_of(out: &Tensor, loss: Loss, seed: u64) -> Tensor {
+    pub(super) fn loss_of(out: &Tensor, loss: Loss, seed: u64) -> Tensor {
         match loss {
             Loss::Weighted => {
                 let w = rand(&mut fastrand::Rng::with_seed(seed), out.dims(), 1.0, out.dtype());
@@ -940,14 +956,14 @@ mod tests {
     }
 
     /// Gradients of `loss(f(inputs))` with respect to each input.
-    fn grads(f: &dyn Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor], loss: Loss) -> Vec<Tensor> {
+    pub(super) fn grads(f: &dyn Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor], loss: Loss) -> Vec<Tensor> {
         let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
         let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
         let g = loss_of(&f(&ts).unwrap(), loss, 99).backward().unwrap();
         vars.iter().map(|v| g.get(v.as_tensor()).expect("a gradient for every input").clone()).collect()
     }
 
-    fn check_grads(
+    pub(super) fn check_grads(
         fused: &dyn Fn(&[Tensor]) -> Result<Tensor>,
         reference: &dyn Fn(&[Tensor]) -> Result<Tensor>,
         inputs: &[Tensor],
@@ -963,7 +979,7 @@ mod tests {
 
     /// Central finite differences of the weighted loss against the backward pass, for every
     /// element of every (f64) input.
-    fn check_finite_differences(f: &dyn Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor], what: &str) {
+    pub(super) fn check_finite_differences(f: &dyn Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor], what: &str) {
         let analytic: Vec<Vec<f64>> = grads(f, inputs, Loss::Weighted).iter().map(flat).collect();
         let eval = |ins: &[Tensor]| loss_of(&f(ins).unwrap(), Loss::Weighted, 99).to_scalar::<f64>().unwrap();
         let eps = 1e-6;

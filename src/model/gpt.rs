@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 use super::ModelConfig;
-use super::fused::{causal_attention, rms_norm, softcap_cross_entropy};
-use super::ops::{rope, rope_tables, softcap};
+use super::fused::{causal_attention_tokens, qk_norm_rope, relu_sq, resid_mix, rms_norm, scale_add, softcap_cross_entropy};
+use super::ops::{rope_tables, softcap};
 
 /// Which optimizer group a parameter belongs to (as the challenge script splits them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -177,28 +177,31 @@ impl Gpt {
     }
 
     /// Logits before the soft-cap, `(B*T, V)`.
+    ///
+    /// The residual stream and every projection stay `(B*T, C)` matrices (token-major, heads side
+    /// by side), so that no reshape or transpose enters the autograd graph; on the CPU the
+    /// per-channel scales, the residual mix, QK norm with RoPE, attention and relu² are fused ops.
     fn raw_logits(&self, x: &Tensor) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (b, t) = x.dims2()?;
-        let d = cfg.model_dim;
         let emb = self.p("tok_emb.weight");
-        let mut h = rms_norm(&emb.index_select(&x.flatten_all()?, 0)?.reshape((b, t, d))?)?;
+        let mut h = rms_norm(&emb.index_select(&x.flatten_all()?, 0)?)?;
         let x0 = h.clone();
         let (cos, sin) = rope_tables(t, cfg.head_dim(), cfg.rope_base, self.dtype, &self.device)?;
         let enc = cfg.encoder_layers();
         let mut skips = Vec::with_capacity(enc);
         for i in 0..enc {
-            h = self.block(i, &h, &x0, &cos, &sin)?;
+            h = self.block(i, &h, &x0, b, &cos, &sin)?;
             skips.push(h.clone());
         }
         let skip_w = self.p("skip_weights");
         for j in 0..cfg.num_layers - enc {
             if let Some(s) = skips.pop() {
-                h = (h + s.broadcast_mul(&skip_w.get(j)?)?)?;
+                h = scale_add(&h, &s, &skip_w.get(j)?)?;
             }
-            h = self.block(enc + j, &h, &x0, &cos, &sin)?;
+            h = self.block(enc + j, &h, &x0, b, &cos, &sin)?;
         }
-        let h = rms_norm(&h)?.reshape((b * t, d))?;
+        let h = rms_norm(&h)?;
         let head = if cfg.tie_embeddings { emb } else { self.p("lm_head.weight") };
         h.matmul(&head.t()?)
     }
@@ -216,41 +219,38 @@ impl Gpt {
         self.token_losses(x, y)?.mean_all()
     }
 
-    fn block(&self, i: usize, h: &Tensor, x0: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    /// One block on the `(B*T, D)` stream `h` (`b` batch rows).
+    fn block(&self, i: usize, h: &Tensor, x0: &Tensor, b: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let p = |s: &str| self.p(&format!("blocks.{i}.{s}"));
-        let mix = p("resid_mix");
-        let u = (h.broadcast_mul(&mix.get(0)?)? + x0.broadcast_mul(&mix.get(1)?)?)?;
-        let a = self.attention(i, &rms_norm(&u)?, cos, sin)?;
-        let u = (u + a.broadcast_mul(&p("attn_scale"))?)?;
+        let u = resid_mix(h, x0, &p("resid_mix"))?;
+        let a = self.attention(i, &rms_norm(&u)?, b, cos, sin)?;
+        let u = scale_add(&u, &a, &p("attn_scale"))?;
         let m = self.mlp(i, &rms_norm(&u)?)?;
-        u + m.broadcast_mul(&p("mlp_scale"))?
+        scale_add(&u, &m, &p("mlp_scale"))
     }
 
-    fn attention(&self, i: usize, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    /// Causal GQA self-attention of the `(B*T, D)` input `x`: per-head RMS norm, RoPE and the
+    /// query gain on q and k, then the output projection.
+    fn attention(&self, i: usize, x: &Tensor, b: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let cfg = &self.cfg;
-        let (b, t, d) = x.dims3()?;
-        let (h, kvh, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim());
+        let (h, kvh) = (cfg.num_heads, cfg.num_kv_heads);
         let p = |s: &str| self.p(&format!("blocks.{i}.attn.{s}"));
-        let heads = |w: &Tensor, n: usize| -> Result<Tensor> { linear(x, w)?.reshape((b, t, n, hd))?.transpose(1, 2) };
-        let q = rope(&rms_norm(&heads(&p("c_q.weight"), h)?)?, cos, sin)?;
-        let k = rope(&rms_norm(&heads(&p("c_k.weight"), kvh)?)?, cos, sin)?;
-        let v = heads(&p("c_v.weight"), kvh)?;
-        let q = q.broadcast_mul(&p("q_gain").reshape((1, h, 1, 1))?)?;
-        let y = causal_attention(&q, &k, &v)?.transpose(1, 2)?.reshape((b, t, d))?;
+        let q = qk_norm_rope(&linear(x, &p("c_q.weight"))?, Some(&p("q_gain")), cos, sin, h)?;
+        let k = qk_norm_rope(&linear(x, &p("c_k.weight"))?, None, cos, sin, kvh)?;
+        let v = linear(x, &p("c_v.weight"))?;
+        let y = causal_attention_tokens(&q, &k, &v, b, h, kvh)?;
         linear(&y, &p("proj.weight"))
     }
 
     fn mlp(&self, i: usize, x: &Tensor) -> Result<Tensor> {
-        let up = linear(x, &self.p(&format!("blocks.{i}.mlp.fc.weight")))?.relu()?.sqr()?;
+        let up = relu_sq(&linear(x, &self.p(&format!("blocks.{i}.mlp.fc.weight")))?)?;
         linear(&up, &self.p(&format!("blocks.{i}.mlp.proj.weight")))
     }
 }
 
-/// `x W^T` for `x` of shape `(B, T, in)` and `W` of shape `(out, in)`.
+/// `x W^T` for `x` of shape `(N, in)` and `W` of shape `(out, in)`.
 fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let (b, t, inp) = x.dims3()?;
-    let out = w.dim(0)?;
-    x.reshape((b * t, inp))?.matmul(&w.t()?)?.reshape((b, t, out))
+    x.matmul(&w.t()?)
 }
 
 fn group_of(name: &str, ndim: usize) -> ParamGroup {
