@@ -82,25 +82,32 @@ pub const NS5_EPS: f64 = 1e-7;
 ///
 /// When `g` is not 2-D, or on a candle error.
 pub fn newton_schulz5(g: &Tensor, steps: usize) -> Result<Tensor> {
-    let (rows, cols) = match *g.dims() {
-        [r, c] => (r, c),
-        ref d => bail!("newton_schulz5 expects a 2-D matrix, got shape {d:?}"),
-    };
+    if g.rank() != 2 {
+        bail!("newton_schulz5 expects a 2-D matrix, got shape {:?}", g.dims());
+    }
+    newton_schulz5_stack(&g.unsqueeze(0)?, steps)?.squeeze(0)
+}
+
+/// [`newton_schulz5`] of each matrix of a `(K, rows, cols)` stack at once: every candle op runs
+/// on the whole stack (batched matrix products), so a group of same-shaped parameters costs the
+/// op count of one.
+fn newton_schulz5_stack(g: &Tensor, steps: usize) -> Result<Tensor> {
+    let (_, rows, cols) = g.dims3()?;
     let (a, b, c) = NS5_COEFFS;
     let g = g.detach();
-    let norm = g.sqr()?.sum_all()?.sqrt()?.affine(1.0, NS5_EPS)?;
+    let norm = g.sqr()?.sum_keepdim((1, 2))?.sqrt()?.affine(1.0, NS5_EPS)?;
     let mut x = g.broadcast_div(&norm)?;
     let transposed = rows > cols;
     if transposed {
-        x = x.t()?.contiguous()?;
+        x = x.transpose(1, 2)?.contiguous()?;
     }
     for _ in 0..steps {
-        let gram = x.matmul(&x.t()?)?;
+        let gram = x.matmul(&x.transpose(1, 2)?)?;
         let poly = (gram.affine(b, 0.0)? + gram.matmul(&gram)?.affine(c, 0.0)?)?;
         x = (x.affine(a, 0.0)? + poly.matmul(&x)?)?;
     }
     if transposed {
-        x = x.t()?.contiguous()?;
+        x = x.transpose(1, 2)?.contiguous()?;
     }
     Ok(x)
 }
@@ -255,7 +262,12 @@ impl Muon {
     /// On a candle error (for instance a gradient whose shape differs from its parameter's).
     pub fn step(&mut self, grads: &GradStore, lr: f64, momentum: f64) -> Result<()> {
         self.momentum = momentum;
-        for ((name, var), buf) in self.params.iter().zip(self.buffers.iter_mut()) {
+        // Momentum and Nesterov per parameter; then the orthogonalization and the update per
+        // group of same-shaped parameters, as one stack (far fewer, larger candle ops).
+        // (shape, [(parameter index, U, new momentum buffer)]).
+        type Group = (Vec<usize>, Vec<(usize, Tensor, Tensor)>);
+        let mut groups: Vec<Group> = Vec::new();
+        for (i, ((name, var), buf)) in self.params.iter().zip(&self.buffers).enumerate() {
             let Some(g) = grads.get(var.as_tensor()) else {
                 continue;
             };
@@ -265,13 +277,21 @@ impl Muon {
             let g = g.detach().to_dtype(var.dtype())?;
             let new_buf = (buf.affine(momentum, 0.0)? + &g)?;
             let u = if self.nesterov { (&g + new_buf.affine(momentum, 0.0)?)? } else { new_buf.clone() };
-            let o = newton_schulz5(&u, self.backend_steps)?;
-            let (rows, cols) = o.dims2()?;
-            let scale = (rows as f64 / cols as f64).max(1.0).sqrt();
-            let o = o.affine(scale, 0.0)?;
-            let updated = (var.as_detached_tensor() - o.affine(lr, 0.0)?)?;
-            var.set(&updated)?;
-            *buf = new_buf;
+            match groups.iter_mut().find(|(dims, _)| dims == var.dims()) {
+                Some((_, members)) => members.push((i, u, new_buf)),
+                None => groups.push((var.dims().to_vec(), vec![(i, u, new_buf)])),
+            }
+        }
+        for (dims, members) in groups {
+            let us: Vec<&Tensor> = members.iter().map(|(_, u, _)| u).collect();
+            let o = newton_schulz5_stack(&Tensor::stack(&us, 0)?, self.backend_steps)?;
+            let scale = (dims[0] as f64 / dims[1] as f64).max(1.0).sqrt();
+            let step = o.affine(scale, 0.0)?.affine(lr, 0.0)?;
+            for (j, (i, _, new_buf)) in members.into_iter().enumerate() {
+                let var = &self.params[i].1;
+                var.set(&(var.as_detached_tensor() - step.get(j)?)?)?;
+                self.buffers[i] = new_buf;
+            }
         }
         Ok(())
     }
