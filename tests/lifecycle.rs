@@ -8,23 +8,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{bin, report, run, scratch, synthetic_toml, text};
-
-/// Waits for `child` to exit, killing it (and failing) if it takes longer than `limit`.
-fn wait_or_kill(child: &mut Child, limit: Duration, what: &str) -> std::process::ExitStatus {
-    let t = Instant::now();
-    loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            return s;
-        }
-        if t.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{what}: still running after {limit:?}: hung");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
+use common::{bin, report, run, scratch, synthetic_toml, text, wait_or_kill};
 
 fn failing(stage: &str, mode: &str) {
     let out = scratch(&format!("fail-{stage}-{mode}"));

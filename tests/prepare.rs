@@ -8,7 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use common::{bin, scratch, text};
+use common::{Dir, bin, scratch, text};
 use pipeline::shard::{AccessMode, ShardFile};
 use pipeline::tokenizer::Tokenizer;
 
@@ -20,24 +20,6 @@ const EOS: u16 = 2;
 fn write_model(path: &Path) {
     let normal = ["▁the", "▁th", "▁t", "th", "he", "▁", "e", "t", "h", "a", "o", "n", "s"];
     std::fs::write(path, pipeline::tokenizer::build_bpe_model(&normal, &[])).unwrap();
-}
-
-/// A scratch directory, removed when the test passes, kept for a look when it fails.
-struct Dir(PathBuf);
-
-impl std::ops::Deref for Dir {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
 }
 
 /// A scratch directory holding `tiny.model`; returns (directory, model path).

@@ -49,3 +49,37 @@ pub fn report(out: &Path) -> Report {
 pub fn text(o: &Output) -> String {
     format!("--- stdout\n{}\n--- stderr\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
+
+/// A scratch directory, removed when the test passes, kept for a look when it fails.
+pub struct Dir(pub PathBuf);
+
+impl std::ops::Deref for Dir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// Waits for `child` to exit, killing it (and failing) if it takes longer than `limit`.
+pub fn wait_or_kill(child: &mut std::process::Child, limit: std::time::Duration, what: &str) -> std::process::ExitStatus {
+    let t = std::time::Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if t.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what}: still running after {limit:?}: hung");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
