@@ -14,6 +14,7 @@
 //! - [`run`]: `pipeline run` as a library call;
 //! - [`stages`]: the stage implementations (the top-level `stages/` folder).
 
+pub mod artifact;
 pub mod batch;
 pub mod bpb;
 pub mod catalog;

@@ -63,6 +63,31 @@ enum Command {
         #[command(subcommand)]
         command: DataCommand,
     },
+    /// Quantize a weights file into the challenge's compressed artifact, report its size against
+    /// the 16,000,000-byte cap, and score the round trip on the validation split.
+    Artifact {
+        /// The weights (safetensors, e.g. RUN_DIR/final_model.safetensors).
+        weights: PathBuf,
+        /// The config the weights were trained with ([model], [data] val and tokenizer, [train]
+        /// seq_len and val_* keys), e.g. RUN_DIR/config.toml.
+        #[arg(long)]
+        config: PathBuf,
+        /// Override a config value, as for `run`.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+        /// Bits per quantized weight (8 as the baseline; 6 as the later records).
+        #[arg(long, default_value_t = 8)]
+        bits: u8,
+        /// Compressor: zlib (the baseline's), zstd or brotli.
+        #[arg(long, default_value = "zlib")]
+        codec: pipeline::quant::Codec,
+        /// Compression level (default: zlib 9, zstd 22, brotli 11).
+        #[arg(long)]
+        level: Option<i32>,
+        /// Where to write the artifact (default: beside the weights, <stem>.int<bits>.<codec>.pgqz).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// List stage kinds, their implementations and parameters.
     Stages {
         /// Print as JSON.
@@ -109,6 +134,9 @@ fn main() -> ExitCode {
         Command::Validate { config, sets } => cmd_validate(config, sets),
         Command::Report { run_dir, json } => cmd_report(run_dir, json),
         Command::Stages { json } => cmd_stages(json),
+        Command::Artifact { weights, config, sets, bits, codec, level, out } => {
+            cmd_artifact(weights, config, sets, bits, codec, level, out)
+        }
         Command::Data { command: DataCommand::Prepare { tokenizer, inputs, out, val_docs, val_frac, shard_tokens, force } } => {
             let val = match (val_docs, val_frac) {
                 (Some(n), _) => pipeline::prepare::ValSplit::Docs(n),
@@ -181,6 +209,33 @@ fn cmd_validate(path: PathBuf, sets: Vec<String>) -> i32 {
         Err(e) => {
             eprintln!("error: {e}");
             2
+        }
+    }
+}
+
+fn cmd_artifact(
+    weights: PathBuf,
+    path: PathBuf,
+    sets: Vec<String>,
+    bits: u8,
+    codec: pipeline::quant::Codec,
+    level: Option<i32>,
+    out: Option<PathBuf>,
+) -> i32 {
+    let loaded = match config::load(&path, &sets) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
+    let q = pipeline::quant::QuantConfig { bits, codec, level };
+    let out = out.unwrap_or_else(|| pipeline::artifact::default_path(&weights, &q));
+    match pipeline::artifact::build(&loaded.config, &weights, &q, &out, |l| println!("{l}")) {
+        Ok(_) => 0,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            1
         }
     }
 }

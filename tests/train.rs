@@ -4,17 +4,18 @@
 //! run bit for bit, the challenge's log line formats, the saved weights (PyTorch `state_dict`
 //! names and shapes, and a save/load round trip through `train.init_weights`), the ways a run
 //! stops (iterations, wall-clock cap, end of input, Ctrl-C), and one test per kind of bad input,
-//! each of which must exit non-zero without a panic and name the key or file at fault.
+//! each of which must exit non-zero without a panic and name the key or file at fault; and
+//! `pipeline artifact` (quantize, compress, round-trip score) on the trained weights.
 
 mod common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ExitStatus, Output, Stdio};
+use std::process::{Child, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use common::{bin, report, scratch, text};
+use common::{Dir, bin, report, scratch, text, wait_or_kill};
 use pipeline::shard::write_shard;
 use pipeline::tokenizer::Tokenizer;
 use serde_json::Value;
@@ -26,24 +27,6 @@ const PIECES: &[&str] = &[
     "▁w", "▁o", "▁c", "▁f", "▁p", "▁b", "▁m", "▁i", "▁d", "ing", "▁of", "▁to", "▁an", "▁and", "▁in", "▁is", "ion", "ch", "th", "▁th", "▁",
     "e", "t", "a", "o", "i", "n", "s", "r", "h", "l", "d", "c", "u", "m", "f", "p", "g", "w", "y", "b", "v", "k",
 ];
-
-/// A scratch directory, removed when the test passes, kept for a look when it fails.
-struct Dir(PathBuf);
-
-impl std::ops::Deref for Dir {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
 
 /// Shards and tokenizer made from the repository's prose.
 struct Corpus {
@@ -235,22 +218,6 @@ fn run_limited(config: &Path, out: &Path, sets: &[&str]) -> Output {
     });
     let status = wait_or_kill(&mut child, Duration::from_secs(120), &format!("pipeline run {}", config.display()));
     Output { status, stdout: ho.join().unwrap(), stderr: he.join().unwrap() }
-}
-
-/// Waits for `child` to exit, killing it (and failing) if it takes longer than `limit`.
-fn wait_or_kill(child: &mut Child, limit: Duration, what: &str) -> ExitStatus {
-    let t = Instant::now();
-    loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            return s;
-        }
-        if t.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{what}: still running after {limit:?}: hung");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// A run that must succeed; returns its `train` report section.
@@ -775,4 +742,49 @@ fn typo_in_train_table() {
     let o = validate(&cfg, &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_fails(&o, &["iteratons"]);
+}
+
+/// Runs `pipeline artifact WEIGHTS --config CONFIG` plus `args`.
+fn artifact(weights: &Path, config: &Path, args: &[&str]) -> Output {
+    bin().arg("artifact").arg(weights).arg("--config").arg(config).args(args).output().expect("the binary runs")
+}
+
+#[test]
+fn artifact_round_trip_scores_the_dequantized_weights() {
+    let c = corpus("artifact");
+    let cfg = config(&c);
+    let out = c.dir.join("run");
+    let (t, _) = train_ok(&cfg, &out, &["train.iterations=20", "train.val_every=0"]);
+    let weights = out.join("final_model.safetensors");
+    for (bits, codec) in [("8", "zlib"), ("6", "zstd"), ("8", "brotli")] {
+        let o = artifact(&weights, &out.join("config.toml"), &["--bits", bits, "--codec", codec]);
+        let s = text(&o);
+        assert!(o.status.success(), "{s}");
+        let file = out.join(format!("final_model.int{bits}.{codec}.pgqz"));
+        let size = std::fs::metadata(&file).unwrap().len();
+        assert!(s.contains(&format!("Serialized model int{bits}+{codec}: {size} bytes")), "{s}");
+        // The pre-quantization score is the run's own final validation.
+        assert!(s.contains(&format!("pre-quantization val_loss:{:.4} val_bpb:{:.4}", f(&t, "val_loss"), f(&t, "val_bpb"))), "{s}");
+        let exact = s.lines().find(|l| l.starts_with(&format!("final_int{bits}_{codec}_roundtrip_exact "))).expect("exact line");
+        let bpb: f64 = exact.split("val_bpb:").nth(1).unwrap().trim().parse().unwrap();
+        assert!((bpb - f(&t, "val_bpb")).abs() < 0.1, "round trip {bpb} vs {}", f(&t, "val_bpb"));
+        assert!(bpb != f(&t, "val_bpb"), "quantization changed nothing: the round trip did not use the artifact?");
+    }
+}
+
+#[test]
+fn artifact_bad_inputs_are_named() {
+    let c = corpus("artifact-bad");
+    let cfg = config(&c);
+    let out = c.dir.join("run");
+    train_ok(&cfg, &out, &["train.iterations=1", "train.val_every=0"]);
+    let weights = out.join("final_model.safetensors");
+    let o = artifact(&weights, &out.join("config.toml"), &["--set", "model.num_layers=3"]);
+    assert_fails(&o, &["blocks.2"]);
+    let cut = c.dir.join("cut.safetensors");
+    let bytes = std::fs::read(&weights).unwrap();
+    std::fs::write(&cut, &bytes[..bytes.len() / 3]).unwrap();
+    assert_fails(&artifact(&cut, &out.join("config.toml"), &[]), &["cut.safetensors"]);
+    let o = artifact(&weights, &out.join("config.toml"), &["--bits", "9"]);
+    assert!(!o.status.success() && !text(&o).contains("panicked"), "{}", text(&o));
 }

@@ -1,0 +1,103 @@
+//! `pipeline artifact`: the challenge's post-training step (spec 3.10) on a weights file.
+//! Quantize (per-row int8, or fewer bits), compress (zlib, zstd or brotli), write the artifact
+//! atomically, report its size against the 16,000,000-byte cap, then read it back, dequantize,
+//! and score the validation split again: the round-trip val_bpb is the challenge's score.
+//!
+//! Log lines follow the script's (the `_exact` line is the official score):
+//! `Serialized model int8+zlib: N bytes (payload:P raw:R payload_ratio:X.XXx)`,
+//! `final_int8_zlib_roundtrip val_loss:X val_bpb:Y eval_time:Tms` and
+//! `final_int8_zlib_roundtrip_exact val_loss:X val_bpb:Y` (8 decimals).
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::Context;
+use candle_core::{DType, Device};
+use serde::Serialize;
+
+use crate::batch::BatchShape;
+use crate::config::Config;
+use crate::model::Gpt;
+use crate::quant::{ARTIFACT_CAP_BYTES, ArtifactStats, QuantConfig, from_bytes, quantize};
+use crate::validation::Validator;
+
+/// What `pipeline artifact` measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct ArtifactReport {
+    /// The artifact file.
+    pub path: PathBuf,
+    /// Its sizes.
+    pub stats: ArtifactStats,
+    /// Bytes of the weights as float tensors.
+    pub raw_bytes: u64,
+    /// Whether the artifact alone fits the cap (code bytes not included).
+    pub fits_cap: bool,
+    /// val_loss / val_bpb of the weights before quantization.
+    pub before: (f64, f64),
+    /// val_loss / val_bpb after the round trip.
+    pub after: (f64, f64),
+    /// Scored validation tokens.
+    pub val_tokens: u64,
+    /// Round-trip evaluation time, ms.
+    pub eval_ms: f64,
+}
+
+/// The default artifact path: beside the weights, `<stem>.int<bits>.<codec>.pgqz`.
+pub fn default_path(weights: &Path, q: &QuantConfig) -> PathBuf {
+    let stem = weights.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    weights.with_file_name(format!("{stem}.int{}.{}.pgqz", q.bits, q.codec))
+}
+
+/// Quantizes `weights` (a safetensors file of the `[model]` in `config`) into `out`, then
+/// scores the round trip; `log` receives the lines.
+pub fn build(config: &Config, weights: &Path, q: &QuantConfig, out: &Path, mut log: impl FnMut(&str)) -> anyhow::Result<ArtifactReport> {
+    q.check()?;
+    let shape = BatchShape::from_config(config)?;
+    let validator = Validator::load(config, shape.micro_steps)?;
+    let mut model = Gpt::new(&config.model, config.run.seed, DType::F32, &Device::Cpu)?;
+    let tensors = crate::weights::load(weights, Some(DType::F32))?;
+    model.load_state(&tensors).with_context(|| format!("{} does not fit `[model]`", weights.display()))?;
+    let raw_bytes: u64 = model.state_dict().iter().map(|(_, t)| (t.elem_count() * t.dtype().size_in_bytes()) as u64).sum();
+    let score = |m: &Gpt| -> anyhow::Result<crate::bpb::BpbAccumulator> { validator.run(m, || true)?.context("validation did not finish") };
+    let before = score(&model)?;
+    let label = format!("int{}+{}", q.bits, q.codec);
+    let quantized = quantize(&model.state_dict(), q)?;
+    let artifact = quantized.compress(q.codec, q.level)?;
+    crate::rundir::write_atomic(out, &artifact.bytes)?;
+    let s = artifact.stats;
+    log(&format!(
+        "Serialized model {label}: {} bytes (payload:{} raw:{raw_bytes} payload_ratio:{:.2}x)",
+        s.compressed_bytes,
+        s.payload_bytes,
+        raw_bytes as f64 / s.payload_bytes.max(1) as f64
+    ));
+    let fits = s.compressed_bytes <= ARTIFACT_CAP_BYTES;
+    log(&format!(
+        "artifact {}: {} bytes of the {ARTIFACT_CAP_BYTES}-byte cap ({}; the code's bytes are not counted here)",
+        out.display(),
+        s.compressed_bytes,
+        if fits { "fits" } else { "OVER THE CAP" }
+    ));
+    // The round trip reads the file back, as the challenge's evaluation does.
+    let t0 = Instant::now();
+    let bytes = std::fs::read(out).with_context(|| format!("cannot read back {}", out.display()))?;
+    let restored = from_bytes(&bytes).with_context(|| format!("cannot read the artifact {}", out.display()))?;
+    let state: std::collections::HashMap<_, _> = restored.dequantize(Some(DType::F32), &Device::Cpu)?.into_iter().collect();
+    model.load_state(&state)?;
+    let after = score(&model)?;
+    let eval_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let tag = format!("final_int{}_{}_roundtrip", q.bits, q.codec);
+    log(&format!("pre-quantization val_loss:{:.4} val_bpb:{:.4}", before.val_loss(), before.val_bpb()));
+    log(&format!("{tag} val_loss:{:.4} val_bpb:{:.4} eval_time:{eval_ms:.0}ms", after.val_loss(), after.val_bpb()));
+    log(&format!("{tag}_exact val_loss:{:.8} val_bpb:{:.8}", after.val_loss(), after.val_bpb()));
+    Ok(ArtifactReport {
+        path: out.to_path_buf(),
+        stats: s,
+        raw_bytes,
+        fits_cap: fits,
+        before: (before.val_loss(), before.val_bpb()),
+        after: (after.val_loss(), after.val_bpb()),
+        val_tokens: after.tokens(),
+        eval_ms,
+    })
+}
