@@ -49,11 +49,33 @@ pub fn default_path(weights: &Path, q: &QuantConfig) -> PathBuf {
 }
 
 /// Quantizes `weights` (a safetensors file of the `[model]` in `config`) into `out`, then
-/// scores the round trip; `log` receives the lines.
-pub fn build(config: &Config, weights: &Path, q: &QuantConfig, out: &Path, mut log: impl FnMut(&str)) -> anyhow::Result<ArtifactReport> {
+/// scores the round trip on one process over the whole validation split, or its first
+/// `val_max_tokens` targets when that is not 0 (said in the log); `log` receives the lines.
+pub fn build(
+    config: &Config,
+    weights: &Path,
+    q: &QuantConfig,
+    out: &Path,
+    val_max_tokens: usize,
+    mut log: impl FnMut(&str),
+) -> anyhow::Result<ArtifactReport> {
     q.check()?;
+    // The score is the whole split's, on this one process, whatever the training run capped.
+    let mut config = config.clone();
+    config.train.val_max_tokens = val_max_tokens;
+    config.run.world_size = 1;
+    config.run.rank = 0;
+    config.train.grad_accum_steps = config.train.grad_accum_steps.max(1);
+    let config = &config;
     let shape = BatchShape::from_config(config)?;
     let validator = Validator::load(config, shape.micro_steps)?;
+    if validator.targets() < validator.split_targets() {
+        log(&format!(
+            "note: scoring the first {} of the {} validation targets (--val-max-tokens); the challenge scores them all",
+            validator.targets(),
+            validator.split_targets()
+        ));
+    }
     let mut model = Gpt::new(&config.model, config.run.seed, DType::F32, &Device::Cpu)?;
     let tensors = crate::weights::load(weights, Some(DType::F32))?;
     model.load_state(&tensors).with_context(|| format!("{} does not fit `[model]`", weights.display()))?;
@@ -79,11 +101,11 @@ pub fn build(config: &Config, weights: &Path, q: &QuantConfig, out: &Path, mut l
         if fits { "fits" } else { "OVER THE CAP" }
     ));
     // The round trip reads the file back, as the challenge's evaluation does.
-    let t0 = Instant::now();
     let bytes = std::fs::read(out).with_context(|| format!("cannot read back {}", out.display()))?;
     let restored = from_bytes(&bytes).with_context(|| format!("cannot read the artifact {}", out.display()))?;
     let state: std::collections::HashMap<_, _> = restored.dequantize(Some(DType::F32), &Device::Cpu)?.into_iter().collect();
     model.load_state(&state)?;
+    let t0 = Instant::now();
     let after = score(&model)?;
     let eval_ms = t0.elapsed().as_secs_f64() * 1e3;
     let tag = format!("final_int{}_{}_roundtrip", q.bits, q.codec);

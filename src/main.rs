@@ -87,6 +87,9 @@ enum Command {
         /// Where to write the artifact (default: beside the weights, <stem>.int<bits>.<codec>.pgqz).
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Score only the first N validation targets (0: the whole split, the challenge's rule).
+        #[arg(long, default_value_t = 0)]
+        val_max_tokens: usize,
     },
     /// List stage kinds, their implementations and parameters.
     Stages {
@@ -134,8 +137,8 @@ fn main() -> ExitCode {
         Command::Validate { config, sets } => cmd_validate(config, sets),
         Command::Report { run_dir, json } => cmd_report(run_dir, json),
         Command::Stages { json } => cmd_stages(json),
-        Command::Artifact { weights, config, sets, bits, codec, level, out } => {
-            cmd_artifact(weights, config, sets, bits, codec, level, out)
+        Command::Artifact { weights, config, sets, bits, codec, level, out, val_max_tokens } => {
+            cmd_artifact(weights, config, sets, pipeline::quant::QuantConfig { bits, codec, level }, out, val_max_tokens)
         }
         Command::Data { command: DataCommand::Prepare { tokenizer, inputs, out, val_docs, val_frac, shard_tokens, force } } => {
             let val = match (val_docs, val_frac) {
@@ -217,10 +220,9 @@ fn cmd_artifact(
     weights: PathBuf,
     path: PathBuf,
     sets: Vec<String>,
-    bits: u8,
-    codec: pipeline::quant::Codec,
-    level: Option<i32>,
+    q: pipeline::quant::QuantConfig,
     out: Option<PathBuf>,
+    val_max_tokens: usize,
 ) -> i32 {
     let loaded = match config::load(&path, &sets) {
         Ok(l) => l,
@@ -229,9 +231,8 @@ fn cmd_artifact(
             return 2;
         }
     };
-    let q = pipeline::quant::QuantConfig { bits, codec, level };
     let out = out.unwrap_or_else(|| pipeline::artifact::default_path(&weights, &q));
-    match pipeline::artifact::build(&loaded.config, &weights, &q, &out, |l| println!("{l}")) {
+    match pipeline::artifact::build(&loaded.config, &weights, &q, &out, val_max_tokens, |l| println!("{l}")) {
         Ok(_) => 0,
         Err(e) => {
             eprintln!("error: {e:#}");

@@ -445,7 +445,11 @@ fn write_train(o: &mut String, t: &serde_json::Map<String, serde_json::Value>) {
     if let (Some(ms), Some(pct)) = (t.get("timing_ms_per_step"), t.get("timing_share_pct")) {
         let parts: Vec<String> = ["data_wait", "h2d", "forward", "backward", "optimizer"]
             .iter()
-            .map(|k| format!("{k} {:.2} ms ({:.0}%)", ms[k].as_f64().unwrap_or(0.0), pct[k].as_f64().unwrap_or(0.0)))
+            .map(|k| match pct.get(k).and_then(|v| v.as_f64()) {
+                Some(p) => format!("{k} {:.2} ms ({p:.0}%)", ms[k].as_f64().unwrap_or(0.0)),
+                // H2D overlaps the executor (another thread): a time, not a share.
+                None => format!("{k} {:.2} ms (overlapped)", ms[k].as_f64().unwrap_or(0.0)),
+            })
             .collect();
         let _ = writeln!(o, "  per step: {}; validation {:.1} s in all", parts.join(", "), f("val_time_ms").unwrap_or(0.0) / 1e3);
     }

@@ -77,6 +77,7 @@ enum Ending {
     WallclockCap,
     InputEnded,
     Interrupted,
+    Failed,
 }
 
 /// One validation's result.
@@ -115,6 +116,8 @@ pub struct Candle {
     last_val: Option<BpbAccumulator>,
     ending: Option<Ending>,
     dropped_micro: usize,
+    /// The step whose weights were last saved.
+    saved_at: Option<u64>,
 }
 
 impl Sink for Candle {
@@ -183,10 +186,27 @@ impl Sink for Candle {
             last_val: None,
             ending: None,
             dropped_micro: 0,
+            saved_at: None,
         })
     }
 
     fn consume(&mut self, b: DeviceBatch, ctx: &mut Ctx) -> anyhow::Result<()> {
+        let result = self.take(b, ctx);
+        if result.is_err() {
+            // The runtime skips `flush` after an error: keep what training made now.
+            self.on_failure(ctx);
+        }
+        result
+    }
+
+    fn flush(&mut self, ctx: &mut Ctx) -> anyhow::Result<()> {
+        self.close(ctx)
+    }
+}
+
+impl Candle {
+    /// One micro-batch (what `consume` does, errors left to it).
+    fn take(&mut self, b: DeviceBatch, ctx: &mut Ctx) -> anyhow::Result<()> {
         let arrived = Instant::now();
         if self.done || ctx.stopping() {
             // Batches still in flight after the last step, or after a stop (Ctrl-C, max_seconds),
@@ -218,7 +238,8 @@ impl Sink for Candle {
         Ok(())
     }
 
-    fn flush(&mut self, ctx: &mut Ctx) -> anyhow::Result<()> {
+    /// After the input ended or the graph stopped.
+    fn close(&mut self, ctx: &mut Ctx) -> anyhow::Result<()> {
         if self.done || !self.started {
             self.publish(ctx);
             self.log.finish();
@@ -242,22 +263,51 @@ impl Sink for Candle {
                     self.train_ms(),
                     self.cfg.iterations
                 ));
-                self.save_weights()?;
+                ctx.finishing(|| self.save_weights())?;
             }
             StopReason::Completed => {
                 self.ending = Some(Ending::InputEnded);
-                ctx.finishing(|| self.finish(ctx))?;
+                ctx.finishing(|| -> anyhow::Result<()> {
+                    self.final_validation(ctx)?;
+                    self.wrap_up()
+                })?;
             }
-            StopReason::Failed => {}
+            StopReason::Failed => {
+                self.on_failure(ctx);
+                return Ok(());
+            }
         }
         self.done = true;
         self.publish(ctx);
         self.log.finish();
         Ok(())
     }
-}
 
-impl Candle {
+    /// Another stage failed, or this one did: saves the weights of the last finished step when
+    /// every parameter is finite (a failure an hour in must not lose the hour), and publishes
+    /// the `train` section. Its own errors are logged, not raised: the first error is the story.
+    fn on_failure(&mut self, ctx: &Ctx) {
+        if self.done && self.ending == Some(Ending::Failed) {
+            return;
+        }
+        self.pause();
+        self.ending = Some(Ending::Failed);
+        self.done = true;
+        self.trainer.discard_partial_step();
+        if self.started {
+            let finite = self.trainer.model().params().iter().all(|(_, v, _)| {
+                v.as_tensor().to_dtype(DType::F64).and_then(|t| t.sum_all()).and_then(|t| t.to_scalar::<f64>()).is_ok_and(f64::is_finite)
+            });
+            if !finite {
+                self.log.line("note: the run failed with non-finite weights; they were not saved");
+            } else if let Err(e) = self.save_weights() {
+                self.log.line(&format!("note: the run failed and its weights could not be saved either: {e:#}"));
+            }
+        }
+        self.publish(ctx);
+        self.log.finish();
+    }
+
     fn check_batch(&self, b: &DeviceBatch) -> anyhow::Result<()> {
         let s = self.shape;
         anyhow::ensure!(
@@ -307,17 +357,21 @@ impl Candle {
         let cap_ms = self.cfg.max_wallclock_seconds * 1e3;
         let capped = cap_ms > 0.0 && train_ms >= cap_ms;
         let last = step >= total || capped;
-        if step <= 10 || (self.cfg.log_every > 0 && step.is_multiple_of(self.cfg.log_every)) || last {
+        // As the script: no train lines at all when log_every is 0.
+        if self.cfg.log_every > 0 && (step <= 10 || step.is_multiple_of(self.cfg.log_every) || last) {
             self.log.line(&train_line(step, total, out.train_loss, train_ms));
         }
         self.log.progress(step, out.train_loss, train_ms / step as f64);
         if last {
             self.ending = Some(if step >= total { Ending::Iterations } else { Ending::WallclockCap });
             self.pause();
-            ctx.finishing(|| self.finish(ctx))?;
-            if capped && step < total {
-                self.log.line(&format!("stopping_early: wallclock_cap train_time:{train_ms:.0}ms step:{step}/{total}"));
-            }
+            ctx.finishing(|| -> anyhow::Result<()> {
+                self.final_validation(ctx)?;
+                if capped && step < total {
+                    self.log.line(&format!("stopping_early: wallclock_cap train_time:{train_ms:.0}ms step:{step}/{total}"));
+                }
+                self.wrap_up()
+            })?;
             self.done = true;
             ctx.request_stop();
         } else if self.cfg.val_every > 0 && step.is_multiple_of(self.cfg.val_every) {
@@ -359,13 +413,20 @@ impl Candle {
         Ok(())
     }
 
-    /// Final validation (unless the last step was just validated) and the weights.
-    fn finish(&mut self, ctx: &Ctx) -> anyhow::Result<()> {
+    /// The final validation, unless the last step was just validated. The weights are saved
+    /// first, so that a validation that fails (out of memory, say) does not take them along.
+    fn final_validation(&mut self, ctx: &Ctx) -> anyhow::Result<()> {
         let step = self.trainer.step();
+        self.save_weights()?;
         if self.vals.last().is_none_or(|v| v.step != step) {
             self.done = true; // keeps the clock paused
             self.validate(ctx, true)?;
         }
+        Ok(())
+    }
+
+    /// The closing lines, and the weights unless `final_validation` saved them already.
+    fn wrap_up(&mut self) -> anyhow::Result<()> {
         if let (Some(acc), Some(u)) = (&self.last_val, self.unigram_bpb) {
             self.log.line(&format!(
                 "final val_loss:{:.4} val_bpb:{:.4} unigram_bpb:{u:.4} ({} val tokens, {} bytes)",
@@ -378,12 +439,16 @@ impl Candle {
         if let Some(kb) = peak_rss_kib() {
             self.log.line(&format!("peak memory (process RSS): {} MiB", kb / 1024));
         }
-        self.save_weights()
+        if self.saved_at != Some(self.trainer.step()) {
+            self.save_weights()?;
+        }
+        Ok(())
     }
 
     fn save_weights(&mut self) -> anyhow::Result<()> {
         if let Some(path) = &self.weights_path {
             crate::weights::save(path, &self.trainer.model().state_dict())?;
+            self.saved_at = Some(self.trainer.step());
             self.log.line(&format!("saved weights: {} (step {})", path.display(), self.trainer.step()));
         }
         Ok(())
@@ -396,7 +461,9 @@ impl Candle {
         let train_ms = self.train_ms();
         let tokens = steps * (self.shape.tokens() * self.shape.micro_steps * self.shape.world_size) as u64;
         let per_step = self.total.per(steps);
-        let busy = per_step.data_wait + per_step.h2d + per_step.forward + per_step.backward + per_step.optimizer;
+        // H2D is timed on the upload stage's thread and overlaps the executor's time: it is
+        // reported, but not part of the executor's shares.
+        let busy = per_step.data_wait + per_step.forward + per_step.backward + per_step.optimizer;
         let share = |x: f64| if busy > 0.0 { (1000.0 * x / busy).round() / 10.0 } else { 0.0 };
         let last = self.last_val.as_ref();
         let val_time_ms = self.total.validation.as_secs_f64() * 1e3;
@@ -423,7 +490,6 @@ impl Candle {
                 "timing_ms_per_step": per_step,
                 "timing_share_pct": {
                     "data_wait": share(per_step.data_wait),
-                    "h2d": share(per_step.h2d),
                     "forward": share(per_step.forward),
                     "backward": share(per_step.backward),
                     "optimizer": share(per_step.optimizer),

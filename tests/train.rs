@@ -733,6 +733,33 @@ fn train_token_beyond_the_vocabulary() {
     assert_fails(&o, &["`model.vocab_size`", &format!("token id {}", c.vocab + 3)]);
 }
 
+/// A failure after some steps keeps what training made: the weights of the last finished
+/// step are saved and the report's `train` section says how far it got.
+#[test]
+fn a_failure_mid_run_keeps_the_weights_and_the_train_report() {
+    let c = corpus("late-failure");
+    // The sequential stream reads the train shard in order: the first 3 steps (8 rows x 32
+    // tokens, plus one) are clean, then every 7th token is out of range.
+    let train = c.dir.join("shards/fineweb_train_000000.bin");
+    let mut tokens = shard_tokens(&train);
+    for t in tokens.iter_mut().skip(3 * 257 + 5).step_by(7) {
+        *t = c.vocab as u16 + 3;
+    }
+    write_shard(&train, &tokens).unwrap();
+    let out = c.dir.join("run");
+    let o =
+        run_limited(&config(&c), &out, &["stages.sampler.impl=\"sequential\"", "stages.sampler.check_tokens=false", "train.val_every=0"]);
+    assert_fails(&o, &["`model.vocab_size`"]);
+    assert_eq!(o.status.code(), Some(1));
+    let t = report(&out).train;
+    assert_eq!(t["ended_by"], "failed", "{t:?}");
+    let steps = u(&t, "steps");
+    assert!((1..=3).contains(&steps), "failed after {steps} steps");
+    let w = pipeline::weights::load(&out.join("final_model.safetensors"), None).expect("the weights were saved");
+    assert!(w.contains_key("tok_emb.weight"));
+    assert!(train_log(&out).contains(&format!("saved weights: {}", out.join("final_model.safetensors").display())));
+}
+
 #[test]
 fn typo_in_train_table() {
     let c = corpus("typo");
