@@ -8,7 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use common::{Dir, bin, scratch, text};
+use common::{Dir, assert_fails, bin, scratch, text};
 use pipeline::shard::{AccessMode, ShardFile};
 use pipeline::tokenizer::Tokenizer;
 
@@ -36,16 +36,6 @@ fn prepare(model: &Path, out: &Path, inputs: &[&Path], args: &[&str]) -> Output 
     c.args(["data", "prepare", "--tokenizer"]).arg(model).arg("--out").arg(out).arg("--input");
     c.args(inputs).args(args);
     c.output().expect("the binary runs")
-}
-
-/// Non-zero exit, no panic, and stderr holds every fragment.
-fn assert_fails(o: &Output, fragments: &[&str]) {
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success(), "expected a failure\n{}", text(o));
-    assert!(!err.contains("panicked"), "panic\n{}", text(o));
-    for f in fragments {
-        assert!(err.contains(f), "`{f}` not in stderr\n{}", text(o));
-    }
 }
 
 fn assert_ok(o: &Output) {

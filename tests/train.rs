@@ -15,7 +15,7 @@ use std::process::{Child, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use common::{Dir, bin, report, scratch, text, wait_or_kill};
+use common::{Dir, assert_fails, bin, report, scratch, text, wait_or_kill};
 use pipeline::shard::write_shard;
 use pipeline::tokenizer::Tokenizer;
 use serde_json::Value;
@@ -249,16 +249,6 @@ fn validations(t: &serde_json::Map<String, Value>) -> Vec<(u64, f64, f64)> {
 
 fn train_log(out: &Path) -> String {
     std::fs::read_to_string(out.join("train.log")).unwrap_or_else(|e| panic!("{}/train.log: {e}", out.display()))
-}
-
-/// Non-zero exit, no panic, and stderr holds every fragment.
-fn assert_fails(o: &Output, fragments: &[&str]) {
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success(), "expected a failure\n{}", text(o));
-    assert!(!err.contains("panicked"), "panic\n{}", text(o));
-    for f in fragments {
-        assert!(err.contains(f), "`{f}` not in stderr\n{}", text(o));
-    }
 }
 
 fn validate(config: &Path, sets: &[&str]) -> Output {

@@ -83,3 +83,13 @@ pub fn wait_or_kill(child: &mut std::process::Child, limit: std::time::Duration,
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
 }
+
+/// Non-zero exit, no panic, and stderr holds every fragment.
+pub fn assert_fails(o: &Output, fragments: &[&str]) {
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "expected a failure\n{}", text(o));
+    assert!(!err.contains("panicked"), "panic\n{}", text(o));
+    for f in fragments {
+        assert!(err.contains(f), "`{f}` not in stderr\n{}", text(o));
+    }
+}
