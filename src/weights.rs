@@ -7,36 +7,21 @@
 //! old file in place and an error naming the path.
 
 use std::collections::HashMap;
-use std::fs;
 use std::path::Path;
 
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor};
 
-/// Writes `tensors` (name, tensor) to `path` as safetensors, atomically. Tensors are stored in
-/// their own dtype, moved to the CPU first.
+/// Writes `tensors` (name, tensor) to `path` as safetensors, atomically
+/// ([`crate::rundir::write_atomic`]). Tensors are stored in their own dtype, moved to the CPU
+/// first.
 pub fn save(path: &Path, tensors: &[(String, Tensor)]) -> anyhow::Result<()> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let result = (|| -> anyhow::Result<()> {
-        let mut map = HashMap::with_capacity(tensors.len());
-        for (n, t) in tensors {
-            map.insert(n.clone(), t.to_device(&Device::Cpu)?);
-        }
-        candle_core::safetensors::save(&map, &tmp)?;
-        fs::File::open(&tmp)?.sync_all()?;
-        fs::rename(&tmp, path)?;
-        if let Ok(d) = fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    })();
-    if let Err(e) = result {
-        let _ = fs::remove_file(&tmp);
-        return Err(e).with_context(|| format!("cannot write weights to {}", path.display()));
-    }
-    Ok(())
+    let bytes = (|| -> anyhow::Result<Vec<u8>> {
+        let cpu = tensors.iter().map(|(n, t)| Ok((n.as_str(), t.to_device(&Device::Cpu)?))).collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(safetensors::serialize(cpu, None)?)
+    })()
+    .with_context(|| format!("cannot write weights to {}", path.display()))?;
+    crate::rundir::write_atomic(path, &bytes).context("cannot write weights")
 }
 
 /// Reads every tensor of the safetensors file at `path` onto the CPU, converted to `dtype`
@@ -56,6 +41,8 @@ pub fn load(path: &Path, dtype: Option<DType>) -> anyhow::Result<HashMap<String,
 
 #[cfg(test)]
 mod tests {
+    use std::fs;
+
     use super::*;
     use crate::model::{Gpt, ModelConfig};
 
