@@ -65,7 +65,6 @@ pub fn build(
     config.train.val_max_tokens = val_max_tokens;
     config.run.world_size = 1;
     config.run.rank = 0;
-    config.train.grad_accum_steps = config.train.grad_accum_steps.max(1);
     let config = &config;
     let shape = BatchShape::from_config(config)?;
     let validator = Validator::load(config, shape.micro_steps)?;

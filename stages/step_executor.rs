@@ -227,7 +227,6 @@ impl Candle {
             self.step_start_ms = self.train_ms();
         }
         let times = self.trainer.micro_step(&b.x, &b.y).with_context(|| format!("training step {}", self.trainer.step() + 1))?;
-        drop(b.x);
         self.window.h2d += Duration::from_nanos(b.upload_ns);
         self.window.forward += times.forward;
         self.window.backward += times.backward;
