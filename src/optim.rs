@@ -478,6 +478,131 @@ impl Adam {
     }
 }
 
+/// `torch.optim.SGD` with momentum, no dampening, no Nesterov and no weight decay: the optimizer
+/// of score-first test-time training (spec §4.7, `TTT_MOMENTUM = 0.9`).
+///
+/// For every parameter with gradient `g`, at learning rate `lr` and momentum `μ`:
+///
+/// ```text
+/// buf ← g                 (first step of this parameter: torch clones the gradient)
+/// buf ← μ·buf + g         (later steps)
+/// p   ← p − lr·buf        (with μ = 0 no buffer is kept: p ← p − lr·g)
+/// ```
+///
+/// The buffers live as long as the optimizer, so one `Sgd` created once carries its momentum
+/// from step to step (across TTT chunks). Computed in the parameter's dtype.
+#[derive(Debug)]
+pub struct Sgd {
+    params: Vec<(String, Var)>,
+    /// `None` until the parameter's first step (torch creates the buffer lazily).
+    buffers: Vec<Option<Tensor>>,
+    momentum: f64,
+    prefix: String,
+}
+
+impl Sgd {
+    /// Builds the optimizer over named parameters of any shape with momentum `μ` (the record:
+    /// 0.9). The state prefix is `sgd`.
+    ///
+    /// # Errors
+    ///
+    /// When two parameters share a name, or `momentum` is not a finite number `≥ 0`.
+    pub fn new(params: Vec<(String, Var)>, momentum: f64) -> Result<Self> {
+        if !(momentum.is_finite() && momentum >= 0.0) {
+            bail!("SGD momentum must be a finite number >= 0, got {momentum}");
+        }
+        let mut seen = HashSet::new();
+        for (name, _) in &params {
+            if !seen.insert(name.as_str()) {
+                bail!("SGD parameter name {name} appears twice");
+            }
+        }
+        let buffers = vec![None; params.len()];
+        Ok(Self { params, buffers, momentum, prefix: "sgd".to_string() })
+    }
+
+    /// Replaces the state-name prefix (default `sgd`).
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The named parameters, in construction order.
+    pub fn params(&self) -> &[(String, Var)] {
+        &self.params
+    }
+
+    /// The momentum `μ`.
+    pub fn momentum(&self) -> f64 {
+        self.momentum
+    }
+
+    /// One step at learning rate `lr`: `buf ← μ·buf + g` (`buf ← g` at a parameter's first step),
+    /// `p ← p − lr·buf`.
+    ///
+    /// A parameter whose gradient is missing from `grads` is skipped: neither it nor its buffer
+    /// changes, as torch skips `p.grad is None`.
+    ///
+    /// # Errors
+    ///
+    /// On a candle error (for instance a gradient whose shape differs from its parameter's).
+    pub fn step(&mut self, grads: &GradStore, lr: f64) -> Result<()> {
+        for ((name, var), buf) in self.params.iter().zip(self.buffers.iter_mut()) {
+            let Some(g) = grads.get(var.as_tensor()) else {
+                continue;
+            };
+            if g.dims() != var.dims() {
+                bail!("SGD: gradient of {name} has shape {:?}, parameter has {:?}", g.dims(), var.dims());
+            }
+            let g = g.detach().to_dtype(var.dtype())?;
+            let direction = if self.momentum == 0.0 {
+                g
+            } else {
+                let new_buf = match buf.take() {
+                    Some(b) => (b.affine(self.momentum, 0.0)? + &g)?,
+                    None => g,
+                };
+                *buf = Some(new_buf.clone());
+                new_buf
+            };
+            var.set(&(var.as_detached_tensor() - direction.affine(lr, 0.0)?)?)?;
+        }
+        Ok(())
+    }
+
+    /// The optimizer state as named tensors: `{prefix}.{param}.momentum_buffer` for every
+    /// parameter that has a buffer (as torch's state holds none before a parameter's first step).
+    pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
+        self.params
+            .iter()
+            .zip(&self.buffers)
+            .filter_map(|((name, _), buf)| buf.as_ref().map(|b| (state_name(&self.prefix, name, "momentum_buffer"), b.clone())))
+            .collect()
+    }
+
+    /// Loads the state written by [`Sgd::state_tensors`]. A missing buffer means the parameter
+    /// has not been stepped yet (its buffer starts from the next gradient); a present one must
+    /// have the parameter's shape and is converted to its dtype and device. Tensors under other
+    /// prefixes are ignored; an unknown tensor under this prefix is an error. Nothing is changed
+    /// on error.
+    ///
+    /// # Errors
+    ///
+    /// Naming the tensor: wrong shape or unexpected.
+    pub fn load_state_tensors(&mut self, tensors: &HashMap<String, Tensor>) -> anyhow::Result<()> {
+        let mut expected = HashSet::new();
+        let mut loaded = Vec::with_capacity(self.params.len());
+        for (name, var) in &self.params {
+            let key = state_name(&self.prefix, name, "momentum_buffer");
+            loaded.push(if tensors.contains_key(&key) { Some(take_state(tensors, &key, var.as_tensor())?) } else { None });
+            expected.insert(key);
+        }
+        reject_unexpected(tensors, &self.prefix, &expected)?;
+        self.buffers = loaded;
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     //! Every optimizer result is compared with an independent f64 reference written with plain
@@ -918,5 +1043,117 @@ mod tests {
         float_step.insert("adam_scalar.step".to_string(), Tensor::new(&[7.0f32], &Device::Cpu).unwrap());
         second.load_state_tensors(&float_step).unwrap();
         assert_eq!(second.steps_taken(), 7);
+    }
+
+    // ---------- SGD ----------
+
+    fn grads_f64(var: &Var, g: &[f64]) -> GradStore {
+        let mut store = GradStore::default();
+        store.insert(var.as_tensor(), Tensor::from_slice(g, var.dims(), var.device()).unwrap());
+        store
+    }
+
+    /// Three steps worked by hand (μ = 0.9, lr = 0.1), torch's rule: the first step copies the
+    /// gradient into the buffer (no `μ·0`), later ones take `μ·buf + g`, then `p −= lr·buf`.
+    #[test]
+    fn sgd_three_steps_by_hand() {
+        let p = Var::from_slice(&[1.0f64, -2.0], 2, &Device::Cpu).unwrap();
+        let mut sgd = Sgd::new(vec![("p".to_string(), p.clone())], 0.9).unwrap();
+        assert!(sgd.state_tensors().is_empty(), "no buffer before the first step");
+        // Step 1: buf = g = [0.5, 1];                     p = [1 − 0.05, −2 − 0.1]     = [0.95, −2.1]
+        // Step 2: buf = 0.9·[0.5, 1] + [−1, 0] = [−0.55, 0.9];  p = [0.95 + 0.055, −2.1 − 0.09] = [1.005, −2.19]
+        // Step 3 (lr 0.2): buf = 0.9·[−0.55, 0.9] + [2, −0.5] = [1.505, 0.31];
+        //                  p = [1.005 − 0.301, −2.19 − 0.062] = [0.704, −2.252]
+        // (gradient, lr, buffer after, parameter after).
+        type Step<'a> = (&'a [f64], f64, [f64; 2], [f64; 2]);
+        let steps: [Step; 3] = [
+            (&[0.5, 1.0], 0.1, [0.5, 1.0], [0.95, -2.1]),
+            (&[-1.0, 0.0], 0.1, [-0.55, 0.9], [1.005, -2.19]),
+            (&[2.0, -0.5], 0.2, [1.505, 0.31], [0.704, -2.252]),
+        ];
+        for (i, (g, lr, buf, want)) in steps.into_iter().enumerate() {
+            sgd.step(&grads_f64(&p, g), lr).unwrap();
+            assert!(max_abs_diff(&flat(p.as_tensor()), &want) < 1e-12, "step {i}: {:?} vs {want:?}", flat(p.as_tensor()));
+            let state = sgd.state_tensors();
+            assert_eq!(state[0].0, "sgd.p.momentum_buffer");
+            assert!(max_abs_diff(&flat(&state[0].1), &buf) < 1e-12, "step {i}: buffer {:?} vs {buf:?}", flat(&state[0].1));
+        }
+    }
+
+    #[test]
+    fn sgd_without_momentum_is_plain_gradient_descent_and_skips_missing_gradients() {
+        let w = Var::from_slice(&[1.0f32, 2.0, 3.0], 3, &Device::Cpu).unwrap();
+        let unused = Var::from_slice(&[4.0f32, 5.0], 2, &Device::Cpu).unwrap();
+        let mut sgd = Sgd::new(vec![("w".to_string(), w.clone()), ("unused".to_string(), unused.clone())], 0.0).unwrap();
+        for _ in 0..2 {
+            // loss = sum(w² · c) → grad = 2·w·c.
+            let c = Tensor::from_slice(&[1.0f32, -0.5, 0.25], 3, &Device::Cpu).unwrap();
+            let before = flat(w.as_tensor());
+            let grads = (w.as_tensor().sqr().unwrap() * &c).unwrap().sum_all().unwrap().backward().unwrap();
+            assert!(grads.get(unused.as_tensor()).is_none());
+            sgd.step(&grads, 0.1).unwrap();
+            let want: Vec<f64> = before.iter().zip([1.0, -0.5, 0.25]).map(|(p, c)| p - 0.1 * 2.0 * p * c).collect();
+            assert!(max_abs_diff(&flat(w.as_tensor()), &want) < 1e-6);
+        }
+        assert_eq!(flat(unused.as_tensor()), vec![4.0, 5.0]);
+        assert!(sgd.state_tensors().is_empty(), "μ = 0 keeps no buffer");
+    }
+
+    #[test]
+    fn sgd_rejects_bad_construction_and_gradient_shapes() {
+        let a = Var::zeros(2, DType::F32, &Device::Cpu).unwrap();
+        let err = Sgd::new(vec![("a".to_string(), a.clone()), ("a".to_string(), a.clone())], 0.9).unwrap_err();
+        assert!(err.to_string().contains("appears twice"), "{err}");
+        assert!(Sgd::new(vec![("a".to_string(), a.clone())], -0.1).is_err());
+        assert!(Sgd::new(vec![("a".to_string(), a.clone())], f64::NAN).is_err());
+        let mut sgd = Sgd::new(vec![("a".to_string(), a.clone())], 0.9).unwrap();
+        let mut bad = GradStore::default();
+        bad.insert(a.as_tensor(), Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap());
+        let err = sgd.step(&bad, 0.1).unwrap_err().to_string();
+        assert!(err.contains("gradient of a"), "{err}");
+    }
+
+    #[test]
+    fn sgd_state_round_trip() {
+        let mut rng = fastrand::Rng::with_seed(41);
+        let a = Var::from_slice(&random_f32(&mut rng, 6), (2, 3), &Device::Cpu).unwrap();
+        let b = Var::from_slice(&random_f32(&mut rng, 4), 4, &Device::Cpu).unwrap();
+        let params = |a: &Var, b: &Var| vec![("a".to_string(), a.clone()), ("b".to_string(), b.clone())];
+        let mut first = Sgd::new(params(&a, &b), 0.9).unwrap();
+        // Only `a` has been stepped: only its buffer is saved.
+        for _ in 0..2 {
+            first.step(&grads_for(&a, &random_f32(&mut rng, 6)), 0.05).unwrap();
+        }
+        let saved: HashMap<String, Tensor> = first.state_tensors().into_iter().collect();
+        assert_eq!(saved.keys().collect::<Vec<_>>(), ["sgd.a.momentum_buffer"]);
+
+        let (a2, b2) = (clone_var(&a), clone_var(&b));
+        let mut second = Sgd::new(params(&a2, &b2), 0.9).unwrap();
+        second.load_state_tensors(&saved).unwrap();
+        let (ga, gb) = (random_f32(&mut rng, 6), random_f32(&mut rng, 4));
+        for (opt, a, b) in [(&mut first, &a, &b), (&mut second, &a2, &b2)] {
+            let mut g = grads_for(a, &ga);
+            g.insert(b.as_tensor(), Tensor::from_slice(&gb, 4, &Device::Cpu).unwrap());
+            opt.step(&g, 0.03).unwrap();
+        }
+        assert_eq!(flat(a.as_tensor()), flat(a2.as_tensor()));
+        assert_eq!(flat(b.as_tensor()), flat(b2.as_tensor()));
+        assert_eq!(second.state_tensors().len(), 2);
+
+        // A wrong shape and an unknown tensor are errors naming them; nothing changes.
+        let before = second.state_tensors();
+        let mut bad = saved.clone();
+        bad.insert("sgd.b.momentum_buffer".to_string(), Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap());
+        let err = second.load_state_tensors(&bad).unwrap_err().to_string();
+        assert!(err.contains("sgd.b.momentum_buffer"), "{err}");
+        let mut extra = saved;
+        extra.insert("sgd.c.momentum_buffer".to_string(), Tensor::zeros(1, DType::F32, &Device::Cpu).unwrap());
+        let err = second.load_state_tensors(&extra).unwrap_err().to_string();
+        assert!(err.contains("sgd.c.momentum_buffer"), "{err}");
+        let after = second.state_tensors();
+        assert_eq!(before.len(), after.len());
+        for ((_, x), (_, y)) in before.iter().zip(&after) {
+            assert_eq!(flat(x), flat(y));
+        }
     }
 }
