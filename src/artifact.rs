@@ -9,10 +9,10 @@
 //! `final_int8_zlib_roundtrip_exact val_loss:X val_bpb:Y` (8 decimals).
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
 use crate::batch::BatchShape;
@@ -40,6 +40,63 @@ pub struct ArtifactReport {
     pub val_tokens: u64,
     /// Round-trip evaluation time, ms.
     pub eval_ms: f64,
+}
+
+/// An artifact written and read back.
+pub struct Written {
+    /// Its sizes.
+    pub stats: ArtifactStats,
+    /// Bytes of the weights as float tensors.
+    pub raw_bytes: u64,
+    /// The weights dequantized from the file as read back (f32, CPU).
+    pub restored: Vec<(String, Tensor)>,
+    /// Quantizing and compressing.
+    pub quantize: Duration,
+    /// Writing the file (atomically).
+    pub write: Duration,
+    /// Reading it back and dequantizing.
+    pub restore: Duration,
+}
+
+/// Quantizes `state`, compresses it, writes the artifact atomically to `out`, then reads the
+/// file back and dequantizes it, as the challenge's evaluation does.
+pub fn write_and_restore(state: &[(String, Tensor)], q: &QuantConfig, out: &Path) -> anyhow::Result<Written> {
+    q.check()?;
+    let raw_bytes: u64 = state.iter().map(|(_, t)| (t.elem_count() * t.dtype().size_in_bytes()) as u64).sum();
+    let t0 = Instant::now();
+    let artifact = quantize(state, q)?.compress(q.codec, q.level)?;
+    let quantize_time = t0.elapsed();
+    let t1 = Instant::now();
+    crate::rundir::write_atomic(out, &artifact.bytes)?;
+    let write = t1.elapsed();
+    let t2 = Instant::now();
+    let bytes = std::fs::read(out).with_context(|| format!("cannot read back {}", out.display()))?;
+    let restored = from_bytes(&bytes).with_context(|| format!("cannot read the artifact {}", out.display()))?;
+    let restored = restored.dequantize(Some(DType::F32), &Device::Cpu)?;
+    Ok(Written { stats: artifact.stats, raw_bytes, restored, quantize: quantize_time, write, restore: t2.elapsed() })
+}
+
+/// The size lines of the log: the script's `Serialized model ...` line and the cap check.
+pub fn size_lines(q: &QuantConfig, out: &Path, w: &Written) -> [String; 2] {
+    let s = &w.stats;
+    let fits = s.compressed_bytes <= ARTIFACT_CAP_BYTES;
+    [
+        format!(
+            "Serialized model int{}+{}: {} bytes (payload:{} raw:{} payload_ratio:{:.2}x)",
+            q.bits,
+            q.codec,
+            s.compressed_bytes,
+            s.payload_bytes,
+            w.raw_bytes,
+            w.raw_bytes as f64 / s.payload_bytes.max(1) as f64
+        ),
+        format!(
+            "artifact {}: {} bytes of the {ARTIFACT_CAP_BYTES}-byte cap ({}; the code's bytes are not counted here)",
+            out.display(),
+            s.compressed_bytes,
+            if fits { "fits" } else { "OVER THE CAP" }
+        ),
+    ]
 }
 
 /// The default artifact path: beside the weights, `<stem>.int<bits>.<codec>.pgqz`.
@@ -78,31 +135,15 @@ pub fn build(
     let mut model = Gpt::new(&config.model, config.run.seed, DType::F32, &Device::Cpu)?;
     let tensors = crate::weights::load(weights, Some(DType::F32))?;
     model.load_state(&tensors).with_context(|| format!("{} does not fit `[model]`", weights.display()))?;
-    let raw_bytes: u64 = model.state_dict().iter().map(|(_, t)| (t.elem_count() * t.dtype().size_in_bytes()) as u64).sum();
     let score = |m: &Gpt| -> anyhow::Result<crate::bpb::BpbAccumulator> { validator.run(m, || true)?.context("validation did not finish") };
     let before = score(&model)?;
-    let label = format!("int{}+{}", q.bits, q.codec);
-    let quantized = quantize(&model.state_dict(), q)?;
-    let artifact = quantized.compress(q.codec, q.level)?;
-    crate::rundir::write_atomic(out, &artifact.bytes)?;
-    let s = artifact.stats;
-    log(&format!(
-        "Serialized model {label}: {} bytes (payload:{} raw:{raw_bytes} payload_ratio:{:.2}x)",
-        s.compressed_bytes,
-        s.payload_bytes,
-        raw_bytes as f64 / s.payload_bytes.max(1) as f64
-    ));
+    let written = write_and_restore(&model.state_dict(), q, out)?;
+    for l in size_lines(q, out, &written) {
+        log(&l);
+    }
+    let (s, raw_bytes) = (written.stats, written.raw_bytes);
     let fits = s.compressed_bytes <= ARTIFACT_CAP_BYTES;
-    log(&format!(
-        "artifact {}: {} bytes of the {ARTIFACT_CAP_BYTES}-byte cap ({}; the code's bytes are not counted here)",
-        out.display(),
-        s.compressed_bytes,
-        if fits { "fits" } else { "OVER THE CAP" }
-    ));
-    // The round trip reads the file back, as the challenge's evaluation does.
-    let bytes = std::fs::read(out).with_context(|| format!("cannot read back {}", out.display()))?;
-    let restored = from_bytes(&bytes).with_context(|| format!("cannot read the artifact {}", out.display()))?;
-    let state: std::collections::HashMap<_, _> = restored.dequantize(Some(DType::F32), &Device::Cpu)?.into_iter().collect();
+    let state: std::collections::HashMap<_, _> = written.restored.into_iter().collect();
     model.load_state(&state)?;
     let t0 = Instant::now();
     let after = score(&model)?;

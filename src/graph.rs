@@ -201,7 +201,7 @@ pub fn plan(loaded: &Loaded) -> Result<Plan, ConfigErrors> {
         }
     }
     for (i, d) in drafts.iter().enumerate() {
-        if d.factory.role() != Role::Sink && consumers[i].is_empty() {
+        if d.factory.role() != Role::Sink && !d.factory.output_optional() && consumers[i].is_empty() {
             errors.push(
                 loaded.origin_of(&format!("stages.{}", d.name)),
                 Some(format!("stages.{}", d.name)),
@@ -366,7 +366,11 @@ fn choose_focus(plan: &Plan, wanted: &str) -> Result<usize, String> {
     if !wanted.is_empty() {
         return plan.index(wanted).ok_or_else(|| format!("`{wanted}` names no stage"));
     }
-    // The sink with the longest path from a source; the last stage if there is no sink.
+    // A training graph is about its step executor (the stages after it evaluate and save);
+    // otherwise the sink with the longest path from a source, or the last stage if none.
+    if let Some(i) = plan.stages.iter().position(|s| s.factory.kind() == "step_executor") {
+        return Ok(i);
+    }
     let mut depth = vec![0usize; plan.stages.len()];
     for (i, s) in plan.stages.iter().enumerate() {
         depth[i] = s.inputs.iter().map(|&j| depth[j] + 1).max().unwrap_or(0);
@@ -379,7 +383,7 @@ fn choose_focus(plan: &Plan, wanted: &str) -> Result<usize, String> {
 pub fn check_resources(plan: &Plan, loaded: &Loaded) -> Result<(), ConfigErrors> {
     let mut errors = ConfigErrors::default();
     for s in &plan.stages {
-        let ctx = BuildCtx { stage: &s.name, config: &loaded.config, run_dir: None };
+        let ctx = BuildCtx { stage: &s.name, config: &loaded.config, run_dir: None, consumers: s.consumers.len(), resume: None };
         if let Err(e) = s.factory.check(&s.params, &ctx) {
             errors.push(loaded.origin_of(&format!("stages.{}", s.name)), Some(format!("stages.{}", s.name)), format!("{e:#}"));
         }

@@ -41,6 +41,10 @@ enum Command {
         /// Print only errors and the final report, no progress lines.
         #[arg(long, short)]
         quiet: bool,
+        /// Continue a run from a checkpoint: a run directory (its newest checkpoint) or a
+        /// checkpoint file. The run goes on in that run directory unless --out names another.
+        #[arg(long, value_name = "RUN_DIR|CHECKPOINT")]
+        resume: Option<PathBuf>,
     },
     /// Check a pipeline config without running it (exit 2 on any problem).
     Validate {
@@ -133,7 +137,7 @@ enum DataCommand {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let code = match cli.command {
-        Command::Run { config, out, sets, quiet } => cmd_run(config, out, sets, quiet),
+        Command::Run { config, out, sets, quiet, resume } => cmd_run(config, out, sets, quiet, resume),
         Command::Validate { config, sets } => cmd_validate(config, sets),
         Command::Report { run_dir, json } => cmd_report(run_dir, json),
         Command::Stages { json } => cmd_stages(json),
@@ -151,7 +155,7 @@ fn main() -> ExitCode {
     ExitCode::from(code as u8)
 }
 
-fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool) -> i32 {
+fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool, resume: Option<PathBuf>) -> i32 {
     // Install the handler first, so a Ctrl-C at any moment still ends in a written report.
     let control = Arc::new(Control::new());
     let handler_control = control.clone();
@@ -175,7 +179,7 @@ fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool) 
             return 2;
         }
     };
-    let result = run::run(&loaded, out.as_deref(), control, |dir| {
+    let result = run::run(&loaded, out.as_deref(), resume.as_deref(), control, |dir| {
         if !quiet {
             eprintln!("pipeline: run directory {}", dir.display());
         }

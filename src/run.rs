@@ -79,19 +79,35 @@ pub fn check_run_table(loaded: &Loaded) -> Result<(), ConfigErrors> {
 }
 
 /// Runs `loaded` to the end. `on_start` is called with the run directory once it exists.
-pub fn run(loaded: &Loaded, out: Option<&Path>, control: Arc<Control>, on_start: impl FnOnce(&Path)) -> Result<RunOutcome, RunError> {
+///
+/// With `resume` (a run directory or a checkpoint file), the stages restore their state from
+/// the checkpoint and the run continues in the checkpoint's run directory, or in `out`.
+pub fn run(
+    loaded: &Loaded,
+    out: Option<&Path>,
+    resume: Option<&Path>,
+    control: Arc<Control>,
+    on_start: impl FnOnce(&Path),
+) -> Result<RunOutcome, RunError> {
     let plan: Plan = graph::plan(loaded)?;
     check_run_table(loaded)?;
     let name = run_name(loaded);
-    let run_dir = rundir::create(out, &loaded.config.run.out_dir, &name)?;
+    let checkpoint = resume.map(crate::checkpoint::resolve).transpose()?;
+    let (run_dir, fresh) = match (&checkpoint, out) {
+        (Some(c), None) => (run_dir_of(&c.path)?, false),
+        _ => (rundir::create(out, &loaded.config.run.out_dir, &name)?, true),
+    };
     write_resolved_config(loaded, &plan, &run_dir)?;
     on_start(&run_dir);
     let started = rundir::now_rfc3339();
-    let result = match runtime::execute(&plan, &loaded.config, Some(&run_dir), control) {
+    let result = match runtime::execute(&plan, &loaded.config, Some(&run_dir), checkpoint.as_ref(), control) {
         Ok(r) => r,
         Err(e) => {
-            // Nothing ran: leave no run directory behind, and report it as the config problem it is.
-            let _ = std::fs::remove_dir_all(&run_dir);
+            // Nothing ran: leave no new run directory behind, and report it as the config
+            // problem it is.
+            if fresh {
+                let _ = std::fs::remove_dir_all(&run_dir);
+            }
             let mut errors = ConfigErrors::default();
             let key = format!("stages.{}", e.stage);
             errors.push(
@@ -114,6 +130,19 @@ pub fn run(loaded: &Loaded, out: Option<&Path>, control: Arc<Control>, on_start:
     let json = serde_json::to_vec_pretty(&report).map_err(anyhow::Error::from)?;
     rundir::write_atomic(&run_dir.join("report.json"), &json)?;
     Ok(RunOutcome { report, run_dir })
+}
+
+/// The run directory a checkpoint file belongs to (`RUN_DIR/checkpoints/step_N.safetensors`).
+fn run_dir_of(checkpoint: &Path) -> anyhow::Result<PathBuf> {
+    let dir = checkpoint.parent().filter(|d| d.file_name().is_some_and(|n| n == crate::checkpoint::DIR));
+    match dir.and_then(Path::parent) {
+        Some(run_dir) if run_dir.is_dir() => Ok(run_dir.to_path_buf()),
+        _ => anyhow::bail!(
+            "{} is not in a run directory's `{}/` folder: name the run directory to continue in with --out",
+            checkpoint.display(),
+            crate::checkpoint::DIR
+        ),
+    }
 }
 
 /// Writes `RUN_DIR/config.toml`: every layer merged and every default filled in, so the run can

@@ -125,14 +125,20 @@ struct Done {
 
 /// Builds every stage, then runs the graph to the end. `control` is shared with whoever may
 /// interrupt the run (the Ctrl-C handler).
-pub fn execute(plan: &Plan, config: &Config, run_dir: Option<&Path>, control: Arc<Control>) -> Result<RunResult, BuildError> {
+pub fn execute(
+    plan: &Plan,
+    config: &Config,
+    run_dir: Option<&Path>,
+    resume: Option<&crate::checkpoint::Checkpoint>,
+    control: Arc<Control>,
+) -> Result<RunResult, BuildError> {
     let run = &config.run;
     let clock = Clock::new();
 
     // Build all stages first: a stage that cannot be built means nothing runs.
     let mut runnables: Vec<Option<Box<dyn Runnable>>> = Vec::with_capacity(plan.stages.len());
     for s in &plan.stages {
-        let ctx = BuildCtx { stage: &s.name, config, run_dir };
+        let ctx = BuildCtx { stage: &s.name, config, run_dir, consumers: s.consumers.len(), resume };
         let r = s.factory.instantiate(&s.params, &ctx).map_err(|e| BuildError {
             stage: s.name.clone(),
             kind: s.factory.kind().into(),

@@ -72,6 +72,12 @@ pub struct BuildCtx<'a> {
     pub config: &'a Config,
     /// The run directory, when building for a run (absent under `pipeline validate`).
     pub run_dir: Option<&'a Path>,
+    /// How many stages read this stage's output (0 for a sink, or a transform whose output is
+    /// optional and unused: it may skip making it).
+    pub consumers: usize,
+    /// The checkpoint a resumed run continues from (`pipeline run --resume`): stages with state
+    /// (sampler, executor, averager, checkpointer) restore theirs from it.
+    pub resume: Option<&'a crate::checkpoint::Checkpoint>,
 }
 
 impl BuildCtx<'_> {
@@ -125,16 +131,16 @@ impl Ctx {
     /// timeout held off: `[run] drain_timeout_ms` bounds how long in-flight items may take to
     /// drain, not how long a final evaluation may take. An abort still applies: `f` should check
     /// [`Ctx::aborted`] in its loops.
-    pub fn finishing<R>(&self, f: impl FnOnce() -> R) -> R {
-        struct Guard<'a>(&'a Control);
-        impl Drop for Guard<'_> {
+    pub fn finishing<R>(&mut self, f: impl FnOnce(&mut Ctx) -> R) -> R {
+        struct Guard(Arc<Control>);
+        impl Drop for Guard {
             fn drop(&mut self) {
                 self.0.end_finishing();
             }
         }
         self.control.begin_finishing();
-        let _guard = Guard(&self.control);
-        f()
+        let _guard = Guard(self.control.clone());
+        f(self)
     }
 
     /// Why the graph is ending; meaningful in `flush`.
@@ -232,6 +238,9 @@ pub trait Transform: Sized + Send + 'static {
     type In: Message;
     /// What it produces.
     type Out: Message;
+    /// True when nothing has to read the output (a step executor's snapshots serve optional
+    /// stages after training): the graph then accepts the stage without consumers.
+    const OUTPUT_OPTIONAL: bool = false;
     /// Builds the stage.
     fn build(params: Self::Params, ctx: &BuildCtx) -> anyhow::Result<Self>;
     /// See [`Source::check`].
@@ -329,6 +338,10 @@ pub trait StageFactory: Sync {
     fn input(&self) -> Option<MsgType>;
     /// The message type it produces (none for a sink).
     fn output(&self) -> Option<MsgType>;
+    /// True when the graph may leave its output unread ([`Transform::OUTPUT_OPTIONAL`]).
+    fn output_optional(&self) -> bool {
+        false
+    }
     /// JSON schema of its parameters (doc comments, types, defaults).
     fn schema(&self) -> schemars::Schema;
     /// Parses raw parameters and returns them with every default filled in.
@@ -466,6 +479,9 @@ impl<T: Transform> StageFactory for TransformImpl<T> {
     }
     fn output(&self) -> Option<MsgType> {
         Some(MsgType::of::<T::Out>())
+    }
+    fn output_optional(&self) -> bool {
+        T::OUTPUT_OPTIONAL
     }
     fn instantiate(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Box<dyn Runnable>> {
         Ok(Box::new(TransformRun(T::build(typed_params(params)?, ctx)?)))

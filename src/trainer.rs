@@ -190,6 +190,19 @@ impl Trainer {
         }
         v
     }
+
+    /// Continues from a checkpoint: `step` steps taken, optimizer state from `optimizer` (the
+    /// names [`Trainer::optimizer_state`] gives). Errors name the tensor that is missing or
+    /// does not fit; the model's weights are loaded separately.
+    pub fn restore(&mut self, step: u64, optimizer: &std::collections::HashMap<String, Tensor>) -> anyhow::Result<()> {
+        self.muon.load_state_tensors(optimizer)?;
+        for a in &mut self.adams {
+            a.load_state_tensors(optimizer)?;
+        }
+        self.step = step;
+        self.discard_partial_step();
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -24,14 +24,12 @@ pub struct TrainLog {
 }
 
 impl TrainLog {
-    /// A log writing `RUN_DIR/train.log` when `run_dir` is given; with a progress bar of
-    /// `total_steps` when stdout is a terminal and `progress` is true.
-    pub fn new(run_dir: Option<&Path>, total_steps: u64, progress: bool) -> anyhow::Result<Self> {
+    /// A log writing `RUN_DIR/train.log` when `run_dir` is given (appending to it when
+    /// `append`, as a resumed run does); with a progress bar of `total_steps` when stdout is a
+    /// terminal and `progress` is true.
+    pub fn new(run_dir: Option<&Path>, total_steps: u64, progress: bool, append: bool) -> anyhow::Result<Self> {
         let file = match run_dir {
-            Some(d) => {
-                let p = d.join("train.log");
-                Some(BufWriter::new(File::create(&p).with_context(|| format!("cannot create {}", p.display()))?))
-            }
+            Some(d) => Some(BufWriter::new(open_log(&d.join("train.log"), append)?)),
             None => None,
         };
         let bar = (progress && std::io::stdout().is_terminal()).then(|| {
@@ -72,6 +70,82 @@ impl TrainLog {
         }
         if let Some(f) = self.file.as_mut() {
             let _ = f.flush();
+        }
+    }
+}
+
+/// Opens `path` for writing, truncated or appended to.
+fn open_log(path: &Path, append: bool) -> anyhow::Result<File> {
+    let mut o = std::fs::OpenOptions::new();
+    if append {
+        o.append(true).create(true);
+    } else {
+        o.write(true).create(true).truncate(true);
+    }
+    o.open(path).with_context(|| format!("cannot open {}", path.display()))
+}
+
+/// Log lines of the stages after training (averaging, artifact, evaluation): stdout and the
+/// end of `RUN_DIR/train.log`, which they open only when they have something to say (the
+/// executor writes the file first).
+pub struct StageLog {
+    path: Option<std::path::PathBuf>,
+}
+
+impl StageLog {
+    /// A log appending to `RUN_DIR/train.log` when `run_dir` is given.
+    pub fn new(run_dir: Option<&Path>) -> Self {
+        Self { path: run_dir.map(|d| d.join("train.log")) }
+    }
+
+    /// Logs one line.
+    pub fn line(&self, s: &str) {
+        println!("{s}");
+        if let Some(p) = &self.path {
+            // As for the training log: stdout still has the line if the file cannot take it.
+            if let Ok(mut f) = open_log(p, true) {
+                let _ = writeln!(f, "{s}");
+            }
+        }
+    }
+}
+
+/// `RUN_DIR/steps.tsv`: one row per optimizer step (step, train loss, LR multiplier, training
+/// time, rolling data fingerprint), for plotting and for checking that a resumed run saw the
+/// same data at every step. Losses are written with full precision (they round-trip).
+pub struct StepTable {
+    file: Option<BufWriter<File>>,
+}
+
+/// The header of `steps.tsv`.
+pub const STEP_TABLE_HEADER: &str = "step\ttrain_loss\tlr_mul\ttrain_time_ms\tdata_fingerprint";
+
+impl StepTable {
+    /// A table at `RUN_DIR/steps.tsv`; a resumed run (`resumed_at` = the checkpoint's step)
+    /// keeps the rows up to that step and drops later ones (steps the interrupted process took
+    /// after its last checkpoint, which the resumed run takes again).
+    pub fn new(run_dir: Option<&Path>, resumed_at: Option<u64>) -> anyhow::Result<Self> {
+        let Some(dir) = run_dir else { return Ok(Self { file: None }) };
+        let path = dir.join("steps.tsv");
+        let mut kept = String::from(STEP_TABLE_HEADER);
+        kept.push('\n');
+        if let Some(at) = resumed_at {
+            let old = std::fs::read_to_string(&path).unwrap_or_default();
+            for row in old.lines().skip(1) {
+                if row.split('\t').next().and_then(|s| s.parse::<u64>().ok()).is_some_and(|s| s <= at) {
+                    kept.push_str(row);
+                    kept.push('\n');
+                }
+            }
+        }
+        crate::rundir::write_atomic(&path, kept.as_bytes())?;
+        Ok(Self { file: Some(BufWriter::new(open_log(&path, true)?)) })
+    }
+
+    /// Appends the row of `step`.
+    pub fn row(&mut self, step: u64, train_loss: f64, lr_mul: f64, train_ms: f64, fingerprint: u64) {
+        if let Some(f) = self.file.as_mut() {
+            let _ = writeln!(f, "{step}\t{train_loss}\t{lr_mul}\t{train_ms:.1}\t{fingerprint:016x}").and_then(|_| f.flush());
         }
     }
 }

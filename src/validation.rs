@@ -89,6 +89,11 @@ impl Validator {
         })
     }
 
+    /// The scored stream: `targets() + 1` tokens (inputs, then the last target).
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
     /// Targets scored by a full pass over all ranks.
     pub fn targets(&self) -> usize {
         self.tokens.len() - 1

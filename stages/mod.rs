@@ -10,12 +10,16 @@
 
 use crate::stage::{SinkImpl, SourceImpl, StageFactory, TransformImpl};
 
+pub mod artifact;
+pub mod checkpoint;
 pub mod delay;
 pub mod drain;
+pub mod ema_swa;
 pub mod pin;
 pub mod shard_reader;
 pub mod step_executor;
 pub mod synthetic;
+pub mod ttt_eval;
 pub mod upload;
 pub mod window_sampler;
 
@@ -32,5 +36,12 @@ pub static REGISTRY: &[&dyn StageFactory] = &[
     &TransformImpl::<window_sampler::Sequential>::new(),
     &TransformImpl::<pin::Pageable>::new(),
     &TransformImpl::<upload::Cpu>::new(),
-    &SinkImpl::<step_executor::Candle>::new(),
+    &TransformImpl::<step_executor::Candle>::new(),
+    &TransformImpl::<ema_swa::Ema>::new(),
+    &TransformImpl::<ema_swa::Swa>::new(),
+    &TransformImpl::<ema_swa::Passthrough>::new(),
+    &TransformImpl::<checkpoint::Atomic>::new(),
+    &TransformImpl::<artifact::Quantize>::new(),
+    &SinkImpl::<ttt_eval::ScoreFirst>::new(),
+    &SinkImpl::<ttt_eval::Sliding>::new(),
 ];

@@ -12,22 +12,35 @@
 //! If the graph stops first: after Ctrl-C the weights are saved without a final validation
 //! (so the process ends promptly); when the input ends or `run.max_seconds` passes, the final
 //! validation runs too. A step left half-accumulated is dropped, and said so.
+//!
+//! Output: a [`TrainSnapshot`] before the first step, after every step and at the end, for the
+//! stages after training (weight averaging, checkpoints, artifact, evaluation). The executor
+//! pays for one copy of the parameters per snapshot (histogram `snapshot`); with no stage
+//! after it, it makes none. Every step also gets a row in `RUN_DIR/steps.tsv`.
+//!
+//! Resuming (`pipeline run --resume`): the weights, optimizer state, step, training time and
+//! validation history come from the checkpoint; the batch geometry and the training data must
+//! be those the checkpoint was made with.
 
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use candle_core::{DType, Device};
+use candle_core::DType;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::batch::{BatchShape, DeviceBatch};
+use std::sync::Arc;
+
+use crate::batch::{BatchShape, DeviceBatch, LoaderState};
 use crate::bpb::BpbAccumulator;
+use crate::checkpoint::Checkpoint;
 use crate::config::{Config, TrainConfig};
 use crate::control::StopReason;
 use crate::model::Gpt;
-use crate::stage::{BuildCtx, Ctx, Sink};
+use crate::snapshot::{Ending, Moment, TrainSnapshot, TrainerState};
+use crate::stage::{BuildCtx, Ctx, Emitter, Transform};
 use crate::trainer::Trainer;
-use crate::trainlog::{Phases, TrainLog, train_line, val_line};
+use crate::trainlog::{Phases, StepTable, TrainLog, train_line, val_line};
 use crate::validation::Validator;
 
 /// Floating-point type of the parameters and activations.
@@ -69,19 +82,8 @@ impl Default for CandleParams {
     }
 }
 
-/// Why training ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-enum Ending {
-    Iterations,
-    WallclockCap,
-    InputEnded,
-    Interrupted,
-    Failed,
-}
-
 /// One validation's result.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 struct ValPoint {
     step: u64,
     val_loss: f64,
@@ -118,19 +120,38 @@ pub struct Candle {
     dropped_micro: usize,
     /// The step whose weights were last saved.
     saved_at: Option<u64>,
+    /// Whether any stage reads the snapshots.
+    emit: bool,
+    /// The sampler's state after the last micro-batch taken, and the rolling fingerprint.
+    loader: Option<Arc<LoaderState>>,
+    rolling: u64,
+    /// The last step's LR multiplier.
+    lr_mul: f64,
+    steps: StepTable,
+    /// Fingerprint of the training data files (checked on resume).
+    data: String,
+    /// The step this process started from (0 unless resumed).
+    resumed_from: u64,
+    /// Loader state and rolling fingerprint after the current step's latest micro-batch.
+    step_loader: Option<(Arc<LoaderState>, u64)>,
+    /// The last snapshot's copy of the parameters, with its step.
+    last_weights: Option<(u64, crate::snapshot::Tensors)>,
 }
 
-impl Sink for Candle {
+impl Transform for Candle {
     const KIND: &'static str = "step_executor";
     const IMPL: &'static str = "candle";
-    const DOC: &'static str = "Trains the challenge's baseline GPT (Muon + Adam) on device micro-batches; validates, logs, saves weights.";
+    const DOC: &'static str =
+        "Trains the challenge's baseline GPT (Muon + Adam) on device micro-batches; validates, logs, saves weights; emits snapshots.";
     type Params = CandleParams;
     type In = DeviceBatch;
+    type Out = TrainSnapshot;
+    const OUTPUT_OPTIONAL: bool = true;
 
     fn check(p: &CandleParams, ctx: &BuildCtx) -> anyhow::Result<()> {
         let c = ctx.config;
         c.model.check()?;
-        if matches!(parse_device(&c.run.device)?, DeviceName::Cpu) && p.dtype == Precision::Bf16 {
+        if matches!(crate::device::parse(&c.run.device)?, crate::device::DeviceName::Cpu) && p.dtype == Precision::Bf16 {
             anyhow::bail!("`dtype` = \"bf16\" is for GPUs: on `run.device` = \"cpu\" use \"f32\" (or \"f64\" for checks)");
         }
         single_rank(c)?;
@@ -149,20 +170,40 @@ impl Sink for Candle {
         Self::check(&p, ctx)?;
         let c = ctx.config;
         let shape = BatchShape::from_config(c)?;
-        let device = device_of(c)?;
+        let device = crate::device::open(c)?;
         let validator = Validator::load(c, shape.micro_steps)?;
         let mut model = Gpt::new(&c.model, c.run.seed, p.dtype.dtype(), &device)?;
         if let Some(path) = &c.train.init_weights {
             let tensors = crate::weights::load(path, None).context("`train.init_weights`")?;
             model.load_state(&tensors).with_context(|| format!("`train.init_weights` = {} does not fit `[model]`", path.display()))?;
         }
-        let trainer = Trainer::new(model, &c.train, shape.micro_steps)?;
+        let mut trainer = Trainer::new(model, &c.train, shape.micro_steps)?;
+        let data = data_fingerprint(c)?;
+        let history = match ctx.resume {
+            Some(ck) => Some(resume(&mut trainer, ck, shape, &data)?),
+            None => None,
+        };
         let unigram_bpb = match &c.data.train {
             Some(glob) => Some(validator.unigram_bpb(glob, c.model.vocab_size)?),
             None => None,
         };
-        let mut log = TrainLog::new(ctx.run_dir, c.train.iterations, p.progress)?;
+        let mut log = TrainLog::new(ctx.run_dir, c.train.iterations, p.progress, ctx.resume.is_some())?;
+        if let Some(ck) = ctx.resume {
+            log.line(&format!(
+                "resume: {} step:{} train_time:{:.0}ms data_fingerprint:{:016x}",
+                ck.path.display(),
+                ck.meta.step,
+                ck.meta.train_ms,
+                ck.meta.rolling
+            ));
+        }
         startup_lines(&mut log, c, &trainer, &validator, shape, unigram_bpb);
+        let resumed_from = trainer.step();
+        let steps = StepTable::new(ctx.run_dir, ctx.resume.map(|ck| ck.meta.step))?;
+        let (train_ms, vals, last_loss, rolling) = match (ctx.resume, history) {
+            (Some(ck), Some(h)) => (ck.meta.train_ms, h.validations, ck.meta.train_loss, ck.meta.rolling),
+            _ => (0.0, Vec::new(), f64::NAN, crate::batch::FINGERPRINT_SEED),
+        };
         Ok(Self {
             trainer,
             validator,
@@ -174,24 +215,33 @@ impl Sink for Candle {
             weights_path: (c.train.save_weights).then(|| ctx.run_dir.map(|d| d.join("final_model.safetensors"))).flatten(),
             started: false,
             done: false,
-            train_before_mark: Duration::ZERO,
+            train_before_mark: Duration::from_secs_f64(train_ms / 1e3),
             mark: None,
             step_start_ms: 0.0,
             idle_since: None,
             window: Phases::default(),
             window_steps: 0,
             total: Phases::default(),
-            last_loss: f64::NAN,
-            vals: Vec::new(),
+            last_loss,
+            vals,
             last_val: None,
             ending: None,
             dropped_micro: 0,
             saved_at: None,
+            emit: ctx.consumers > 0,
+            loader: ctx.resume.and_then(|ck| ck.meta.loader.clone()).map(Arc::new),
+            rolling,
+            lr_mul: 1.0,
+            steps,
+            data,
+            resumed_from,
+            step_loader: None,
+            last_weights: None,
         })
     }
 
-    fn consume(&mut self, b: DeviceBatch, ctx: &mut Ctx) -> anyhow::Result<()> {
-        let result = self.take(b, ctx);
+    fn process(&mut self, b: DeviceBatch, out: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
+        let result = self.take(b, out, ctx);
         if result.is_err() {
             // The runtime skips `flush` after an error: keep what training made now.
             self.on_failure(ctx);
@@ -199,14 +249,63 @@ impl Sink for Candle {
         result
     }
 
-    fn flush(&mut self, ctx: &mut Ctx) -> anyhow::Result<()> {
-        self.close(ctx)
+    fn flush(&mut self, out: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
+        self.close(out, ctx)
+    }
+}
+
+/// What the executor keeps in a checkpoint besides the tensors.
+#[derive(Serialize, Deserialize)]
+struct History {
+    /// The batch geometry the loader state belongs to.
+    shape: BatchShape,
+    /// Validations so far.
+    validations: Vec<ValPoint>,
+}
+
+/// Restores `trainer` from `ck`, after checking that the run continues with the same batch
+/// geometry and training data; returns the validation history.
+fn resume(trainer: &mut Trainer, ck: &Checkpoint, shape: BatchShape, data: &str) -> anyhow::Result<History> {
+    let what = || format!("cannot resume from {}", ck.path.display());
+    let history: History = serde_json::from_value(ck.meta.extra.clone())
+        .with_context(|| format!("{}: it holds no step-executor state (made by another version?)", what()))?;
+    let (a, b) = (history.shape, shape);
+    anyhow::ensure!(
+        (a.seq_len, a.rows, a.micro_steps, a.world_size, a.rank) == (b.seq_len, b.rows, b.micro_steps, b.world_size, b.rank),
+        "{}: it was made with seq_len {}, {} rows x {} micro-batches on {} rank(s); `[train]`/`[run]` now give seq_len {}, {} rows x {} micro-batches on {} rank(s) (`train.seq_len`, `train.batch_tokens`, `train.grad_accum_steps`, `run.world_size` must not change)",
+        what(),
+        a.seq_len,
+        a.rows,
+        a.micro_steps,
+        a.world_size,
+        b.seq_len,
+        b.rows,
+        b.micro_steps,
+        b.world_size
+    );
+    anyhow::ensure!(
+        ck.meta.data == data,
+        "{}: the training shards (`data.train`) differ from those it was trained on (data fingerprint {} now, {} then)",
+        what(),
+        data,
+        ck.meta.data
+    );
+    trainer.model_mut().load_state(&ck.section("model.")).with_context(|| format!("{}: the weights do not fit `[model]`", what()))?;
+    trainer.restore(ck.meta.step, &ck.section("optim.")).with_context(|| format!("{}: the optimizer state does not fit", what()))?;
+    Ok(history)
+}
+
+/// Fingerprint of the `data.train` files (names and sizes).
+fn data_fingerprint(c: &Config) -> anyhow::Result<String> {
+    match &c.data.train {
+        Some(glob) => crate::checkpoint::data_fingerprint(&crate::shard::glob_sorted(glob).context("`data.train`")?),
+        None => Ok(String::new()),
     }
 }
 
 impl Candle {
-    /// One micro-batch (what `consume` does, errors left to it).
-    fn take(&mut self, b: DeviceBatch, ctx: &mut Ctx) -> anyhow::Result<()> {
+    /// One micro-batch (what `process` does, errors left to it).
+    fn take(&mut self, b: DeviceBatch, out: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
         let arrived = Instant::now();
         if self.done || ctx.stopping() {
             // Batches still in flight after the last step, or after a stop (Ctrl-C, max_seconds),
@@ -215,9 +314,10 @@ impl Candle {
         }
         if !self.started {
             self.started = true;
-            if self.cfg.val_every > 0 {
+            if self.cfg.val_every > 0 && self.trainer.step() == 0 {
                 self.validate(ctx, false)?;
             }
+            self.send(Moment::Start, out, ctx)?;
             self.mark = Some(Instant::now());
         } else if let Some(t) = self.idle_since {
             self.window.data_wait += arrived - t;
@@ -230,15 +330,60 @@ impl Candle {
         self.window.h2d += Duration::from_nanos(b.upload_ns);
         self.window.forward += times.forward;
         self.window.backward += times.backward;
+        self.step_loader = Some((b.meta.state.clone(), b.meta.rolling));
         if self.trainer.micro_done() == self.trainer.micro_steps() {
-            self.end_step(ctx)?;
+            self.end_step(out, ctx)?;
         }
         self.idle_since = Some(Instant::now());
         Ok(())
     }
 
+    /// Emits a snapshot (when a stage reads them), timing the copy of the parameters.
+    fn send(&mut self, moment: Moment, out: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
+        if !self.emit {
+            return Ok(());
+        }
+        let step = self.trainer.step();
+        let weights = match &self.last_weights {
+            Some((s, w)) if *s == step => w.clone(),
+            _ => {
+                let t0 = Instant::now();
+                let mut copied = Vec::with_capacity(self.trainer.model().params().len());
+                for (name, t) in self.trainer.model().state_dict() {
+                    // A copy: the optimizers update the parameters in place.
+                    copied.push((name, t.copy()?));
+                }
+                ctx.record("snapshot", t0.elapsed().as_nanos() as u64);
+                let w = Arc::new(copied);
+                self.last_weights = Some((step, w.clone()));
+                w
+            }
+        };
+        let history = serde_json::to_value(History { shape: self.shape, validations: self.vals.clone() })?;
+        let state = TrainerState {
+            optimizer: Arc::new(self.trainer.optimizer_state()),
+            loader: self.loader.clone(),
+            rolling: self.rolling,
+            history,
+            data: self.data.clone(),
+        };
+        let snap = TrainSnapshot {
+            step,
+            moment,
+            train_ms: self.train_ms(),
+            train_loss: self.last_loss,
+            lr_mul: self.lr_mul,
+            weights,
+            state: Arc::new(state),
+            averager: None,
+            eval: None,
+        };
+        out.emit(snap)?;
+        Ok(())
+    }
+
     /// After the input ended or the graph stopped.
-    fn close(&mut self, ctx: &mut Ctx) -> anyhow::Result<()> {
+    fn close(&mut self, out: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
         if self.done || !self.started {
             self.publish(ctx);
             self.log.finish();
@@ -262,14 +407,16 @@ impl Candle {
                     self.train_ms(),
                     self.cfg.iterations
                 ));
-                ctx.finishing(|| self.save_weights())?;
+                ctx.finishing(|_| self.save_weights())?;
+                self.send(Moment::Final(Ending::Interrupted), out, ctx)?;
             }
             StopReason::Completed => {
                 self.ending = Some(Ending::InputEnded);
-                ctx.finishing(|| -> anyhow::Result<()> {
+                ctx.finishing(|ctx| -> anyhow::Result<()> {
                     self.final_validation(ctx)?;
                     self.wrap_up()
                 })?;
+                self.send(Moment::Final(Ending::InputEnded), out, ctx)?;
             }
             StopReason::Failed => {
                 self.on_failure(ctx);
@@ -346,13 +493,20 @@ impl Candle {
         }
     }
 
-    fn end_step(&mut self, ctx: &mut Ctx) -> anyhow::Result<()> {
+    fn end_step(&mut self, emitter: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
         let out = self.trainer.finish_step(self.step_start_ms)?;
         self.window.optimizer += out.optimizer;
         self.window_steps += 1;
         self.last_loss = out.train_loss;
+        self.lr_mul = out.lr_mul;
+        if let Some((state, rolling)) = self.step_loader.take() {
+            self.loader = Some(state);
+            self.rolling = rolling;
+        }
         let (step, total) = (self.trainer.step(), self.cfg.iterations);
         let train_ms = self.train_ms();
+        self.steps.row(step, out.train_loss, out.lr_mul, train_ms, self.rolling);
+        self.send(Moment::Step, emitter, ctx)?;
         let cap_ms = self.cfg.max_wallclock_seconds * 1e3;
         let capped = cap_ms > 0.0 && train_ms >= cap_ms;
         let last = step >= total || capped;
@@ -362,9 +516,10 @@ impl Candle {
         }
         self.log.progress(step, out.train_loss, train_ms / step as f64);
         if last {
-            self.ending = Some(if step >= total { Ending::Iterations } else { Ending::WallclockCap });
+            let ending = if step >= total { Ending::Iterations } else { Ending::WallclockCap };
+            self.ending = Some(ending);
             self.pause();
-            ctx.finishing(|| -> anyhow::Result<()> {
+            ctx.finishing(|ctx| -> anyhow::Result<()> {
                 self.final_validation(ctx)?;
                 if capped && step < total {
                     self.log.line(&format!("stopping_early: wallclock_cap train_time:{train_ms:.0}ms step:{step}/{total}"));
@@ -372,6 +527,8 @@ impl Candle {
                 self.wrap_up()
             })?;
             self.done = true;
+            self.log.finish();
+            self.send(Moment::Final(ending), emitter, ctx)?;
             ctx.request_stop();
         } else if self.cfg.val_every > 0 && step.is_multiple_of(self.cfg.val_every) {
             self.validate(ctx, false)?;
@@ -494,6 +651,7 @@ impl Candle {
                     "optimizer": share(per_step.optimizer),
                 },
                 "dropped_micro_batches": self.dropped_micro,
+                "resumed_from_step": (self.resumed_from > 0).then_some(self.resumed_from),
                 "weights": self.weights_path.as_ref().filter(|p| p.exists()).map(|p| p.display().to_string()),
             }),
         );
@@ -518,24 +676,6 @@ fn check_train(t: &TrainConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// What `run.device` names.
-enum DeviceName {
-    Cpu,
-    Cuda(usize),
-}
-
-/// Parses `run.device` ("cpu", "cuda", "cuda:N") without opening anything.
-fn parse_device(d: &str) -> anyhow::Result<DeviceName> {
-    match d {
-        "cpu" => Ok(DeviceName::Cpu),
-        "cuda" => Ok(DeviceName::Cuda(0)),
-        _ => match d.strip_prefix("cuda:").map(str::parse::<usize>) {
-            Some(Ok(n)) => Ok(DeviceName::Cuda(n)),
-            _ => anyhow::bail!("`run.device` = {d:?} is not a device: use \"cpu\" or \"cuda:N\""),
-        },
-    }
-}
-
 fn single_rank(c: &Config) -> anyhow::Result<()> {
     anyhow::ensure!(
         c.run.world_size == 1,
@@ -543,16 +683,6 @@ fn single_rank(c: &Config) -> anyhow::Result<()> {
         c.run.world_size
     );
     Ok(())
-}
-
-/// Opens the device `run.device` names.
-fn device_of(c: &Config) -> anyhow::Result<Device> {
-    match parse_device(&c.run.device)? {
-        DeviceName::Cpu => Ok(Device::Cpu),
-        DeviceName::Cuda(n) => {
-            anyhow::bail!("`run.device` = \"cuda:{n}\": this binary was built without CUDA support (build with `--features cuda`)")
-        }
-    }
 }
 
 fn startup_lines(log: &mut TrainLog, c: &Config, trainer: &Trainer, v: &Validator, shape: BatchShape, unigram: Option<f64>) {

@@ -469,6 +469,8 @@ pub struct WindowStage {
     shards: Vec<Arc<ShardFile>>,
     sampler: Option<Box<dyn Sampler>>,
     pool: Option<Pool<TokenBuf>>,
+    /// Where a resumed run's sampler continues.
+    resume: Option<LoaderState>,
 }
 
 impl WindowStage {
@@ -476,7 +478,8 @@ impl WindowStage {
         Self::check(&params)?;
         let shape = BatchShape::from_config(ctx.config)?;
         let vocab = if params.check_tokens { crate::tokenizer::vocab_size_of_config(ctx.config)? } else { None };
-        Ok(Self { order, params, shape, seed: ctx.config.run.seed, vocab, shards: Vec::new(), sampler: None, pool: None })
+        let resume = ctx.resume.and_then(|c| c.meta.loader.clone());
+        Ok(Self { order, params, shape, seed: ctx.config.run.seed, vocab, shards: Vec::new(), sampler: None, pool: None, resume })
     }
 
     fn check(p: &SamplerParams) -> anyhow::Result<()> {
@@ -496,8 +499,10 @@ impl WindowStage {
             );
         }
         let sampler: Box<dyn Sampler> = match self.order {
-            Order::Sequential => Box::new(SequentialSampler::new(shards, self.shape, self.vocab, None)?),
-            Order::Shuffled => Box::new(ShuffledSampler::new(shards, self.shape, self.vocab, self.seed, self.params.workers, None)?),
+            Order::Sequential => Box::new(SequentialSampler::new(shards, self.shape, self.vocab, self.resume.as_ref())?),
+            Order::Shuffled => {
+                Box::new(ShuffledSampler::new(shards, self.shape, self.vocab, self.seed, self.params.workers, self.resume.as_ref())?)
+            }
         };
         let tokens = 2 * self.shape.tokens();
         self.pool = Some(Pool::new(self.params.buffers, || vec![0u32; tokens]));

@@ -6,6 +6,8 @@ use std::process::{Command, Output};
 
 use pipeline::report::Report;
 
+pub mod tiny;
+
 /// The `pipeline` binary under test.
 pub fn bin() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_pipeline"));

@@ -1,0 +1,278 @@
+//! Kind `ttt_eval`: the records' final evaluation (spec 2.5, 4.6, 4.7), after training, on the
+//! weights the stages before it hand on (quantized and restored after an `artifact` stage,
+//! averaged after an `ema_swa` stage, else the last step's).
+//!
+//! - `sliding`: sliding-window evaluation: windows of `seq_len` tokens every `stride` tokens,
+//!   each target scored once, only a window's new targets, each with at least
+//!   `seq_len - stride` tokens of context.
+//! - `score_first`: the sliding-window score, then legal score-first test-time training: the
+//!   validation stream is cut into chunks of `chunk_tokens`; each chunk is scored completely
+//!   (final scores) before SGD trains on it, so no target is ever scored by weights that saw
+//!   it ([`crate::ttt`] has the rules and the tests that prove them).
+//!
+//! Both score the validation split as training scored it (`train.val_max_tokens`) and log in
+//! the records' format, `<label>_sliding_window val_loss:… val_bpb:… eval_time:…ms` and
+//! `<label>_ttt …`. Histograms: `sliding` (the whole pass), `chunk_score` and `chunk_train`
+//! (per TTT chunk). Snapshots of steps, and a run ended by Ctrl-C, are not evaluated.
+
+use std::time::{Duration, Instant};
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::batch::BatchShape;
+use crate::snapshot::TrainSnapshot;
+use crate::stage::{BuildCtx, Ctx, Sink};
+use crate::trainlog::StageLog;
+use crate::ttt::{SlidingConfig, TttConfig, TttEvent, score_first_ttt, sliding_eval};
+use crate::validation::Validator;
+
+/// Parameters of `ttt_eval/sliding`.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct SlidingParams {
+    /// Window length in tokens (0: `train.seq_len`; the records use 2048).
+    pub seq_len: usize,
+    /// Tokens between window starts: each window scores its last `stride` targets (64 in the
+    /// records).
+    pub stride: usize,
+    /// Windows per forward pass (32 in the records).
+    pub batch_windows: usize,
+}
+
+impl Default for SlidingParams {
+    fn default() -> Self {
+        Self { seq_len: 0, stride: 64, batch_windows: 32 }
+    }
+}
+
+/// Parameters of `ttt_eval/score_first`.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScoreFirstParams {
+    /// Window length in tokens (0: `train.seq_len`; the records use 2048).
+    pub seq_len: usize,
+    /// Tokens between window starts (64 in the records).
+    pub stride: usize,
+    /// Windows per forward pass (32 in the records).
+    pub batch_windows: usize,
+    /// Tokens per TTT chunk (32768 in the records): scored, then trained on.
+    pub chunk_tokens: usize,
+    /// Peak SGD learning rate, cosine-decayed to 0 over the chunks (0.005).
+    pub lr: f64,
+    /// SGD momentum (0.9; no Nesterov, no weight decay).
+    pub momentum: f64,
+    /// Passes over each chunk's tokens (3).
+    pub epochs: usize,
+    /// Sequences per SGD step (32).
+    pub batch_seqs: usize,
+    /// Global gradient-norm clip per SGD step (1.0; 0 turns it off).
+    pub grad_clip: f64,
+    /// Also log the sliding-window score before TTT (the records' `quantized_sliding_window`).
+    pub sliding_first: bool,
+}
+
+impl Default for ScoreFirstParams {
+    fn default() -> Self {
+        Self {
+            seq_len: 0,
+            stride: 64,
+            batch_windows: 32,
+            chunk_tokens: 32768,
+            lr: 0.005,
+            momentum: 0.9,
+            epochs: 3,
+            batch_seqs: 32,
+            grad_clip: 1.0,
+            sliding_first: true,
+        }
+    }
+}
+
+impl ScoreFirstParams {
+    fn ttt(&self, train_seq_len: usize) -> TttConfig {
+        TttConfig {
+            sliding: sliding_cfg(self.seq_len, self.stride, self.batch_windows, train_seq_len),
+            chunk_tokens: self.chunk_tokens,
+            lr: self.lr,
+            momentum: self.momentum,
+            epochs: self.epochs,
+            batch_seqs: self.batch_seqs,
+            grad_clip: self.grad_clip,
+        }
+    }
+}
+
+fn sliding_cfg(seq_len: usize, stride: usize, batch_windows: usize, train_seq_len: usize) -> SlidingConfig {
+    SlidingConfig { seq_len: if seq_len == 0 { train_seq_len } else { seq_len }, stride, batch_windows }
+}
+
+/// What both implementations share: the validation stream, the log, the config.
+struct Evaluator {
+    validator: Validator,
+    config: crate::config::Config,
+    log: StageLog,
+    done: bool,
+}
+
+impl Evaluator {
+    fn new(ctx: &BuildCtx) -> anyhow::Result<Self> {
+        anyhow::ensure!(ctx.config.data.val.is_some(), "`data.val` is not set: this stage scores the validation shards");
+        let shape = BatchShape::from_config(ctx.config)?;
+        Ok(Self {
+            validator: Validator::load(ctx.config, shape.micro_steps)?,
+            config: ctx.config.clone(),
+            log: StageLog::new(ctx.run_dir),
+            done: false,
+        })
+    }
+
+    /// The sliding-window pass; logs and returns its section.
+    fn sliding(&mut self, snap: &TrainSnapshot, cfg: &SlidingConfig, ctx: &mut Ctx) -> anyhow::Result<Option<serde_json::Value>> {
+        let (label, weights) = snap.eval_weights();
+        let model = crate::stages::artifact::model_from(&self.config, weights)?;
+        let t0 = Instant::now();
+        let tables = self.validator.tables().clone();
+        let Some(acc) = sliding_eval(&model, self.validator.tokens(), tables, cfg, || !ctx.aborted())? else { return Ok(None) };
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        ctx.record("sliding", t0.elapsed().as_nanos() as u64);
+        self.log.line(&format!("{label}_sliding_window val_loss:{:.8} val_bpb:{:.8} eval_time:{ms:.0}ms", acc.val_loss(), acc.val_bpb()));
+        Ok(Some(serde_json::json!({
+            "val_loss": acc.val_loss(),
+            "val_bpb": acc.val_bpb(),
+            "val_tokens": acc.tokens(),
+            "val_bytes": acc.bytes(),
+            "eval_ms": ms,
+            "seq_len": cfg.seq_len,
+            "stride": cfg.stride,
+        })))
+    }
+
+    /// Score-first TTT; logs and returns its section.
+    fn ttt(&mut self, snap: &TrainSnapshot, cfg: &TttConfig, ctx: &mut Ctx) -> anyhow::Result<Option<serde_json::Value>> {
+        let (label, weights) = snap.eval_weights();
+        let model = crate::stages::artifact::model_from(&self.config, weights)?;
+        let t0 = Instant::now();
+        let tables = self.validator.tables().clone();
+        let mut times: Vec<(&'static str, Duration)> = Vec::new();
+        let aborted = || ctx.aborted();
+        let outcome = score_first_ttt(
+            &model,
+            self.validator.tokens(),
+            tables,
+            cfg,
+            |e| match e {
+                TttEvent::Scored { elapsed, .. } => times.push(("chunk_score", *elapsed)),
+                TttEvent::Trained { elapsed, .. } => times.push(("chunk_train", *elapsed)),
+            },
+            || !aborted(),
+        )?;
+        for (k, d) in times {
+            ctx.record(k, d.as_nanos() as u64);
+        }
+        let Some(o) = outcome else { return Ok(None) };
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let acc = &o.acc;
+        self.log.line(&format!("{label}_ttt val_loss:{:.8} val_bpb:{:.8} eval_time:{ms:.0}ms", acc.val_loss(), acc.val_bpb()));
+        Ok(Some(serde_json::json!({
+            "val_loss": acc.val_loss(),
+            "val_bpb": acc.val_bpb(),
+            "val_tokens": acc.tokens(),
+            "val_bytes": acc.bytes(),
+            "eval_ms": ms,
+            "chunks": o.chunks,
+            "chunk_tokens": cfg.chunk_tokens,
+            "lr": cfg.lr,
+            "epochs": cfg.epochs,
+        })))
+    }
+
+    /// Runs `f` on the final snapshot of a run that ended normally, once.
+    fn on_final(
+        &mut self,
+        snap: TrainSnapshot,
+        ctx: &mut Ctx,
+        f: impl FnOnce(&mut Self, &TrainSnapshot, &mut Ctx) -> anyhow::Result<serde_json::Value>,
+    ) -> anyhow::Result<()> {
+        if self.done || !snap.is_final_for_eval() {
+            return Ok(());
+        }
+        self.done = true;
+        let mut section = ctx.finishing(|ctx| f(self, &snap, ctx))?;
+        section["weights"] = serde_json::json!(snap.eval_weights().0);
+        section["step"] = serde_json::json!(snap.step);
+        ctx.publish("eval", section);
+        Ok(())
+    }
+}
+
+/// `ttt_eval/sliding`.
+pub struct Sliding {
+    cfg: SlidingConfig,
+    ev: Evaluator,
+}
+
+impl Sink for Sliding {
+    const KIND: &'static str = "ttt_eval";
+    const IMPL: &'static str = "sliding";
+    const DOC: &'static str = "Sliding-window evaluation of the final weights (window seq_len, stride; each target scored once).";
+    type Params = SlidingParams;
+    type In = TrainSnapshot;
+
+    fn check(p: &SlidingParams, ctx: &BuildCtx) -> anyhow::Result<()> {
+        let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, ctx.config.train.seq_len);
+        TttConfig { sliding: cfg, ..ScoreFirstParams::default().ttt(ctx.config.train.seq_len) }.check()
+    }
+
+    fn build(p: SlidingParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
+        Self::check(&p, ctx)?;
+        let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, ctx.config.train.seq_len);
+        Ok(Self { cfg, ev: Evaluator::new(ctx)? })
+    }
+
+    fn consume(&mut self, snap: TrainSnapshot, ctx: &mut Ctx) -> anyhow::Result<()> {
+        let cfg = self.cfg;
+        self.ev.on_final(snap, ctx, |ev, snap, ctx| {
+            let sliding = ev.sliding(snap, &cfg, ctx)?;
+            Ok(serde_json::json!({ "sliding": sliding }))
+        })
+    }
+}
+
+/// `ttt_eval/score_first`.
+pub struct ScoreFirst {
+    p: ScoreFirstParams,
+    cfg: TttConfig,
+    ev: Evaluator,
+}
+
+impl Sink for ScoreFirst {
+    const KIND: &'static str = "ttt_eval";
+    const IMPL: &'static str = "score_first";
+    const DOC: &'static str =
+        "Legal score-first TTT on the final weights: each validation chunk scored before SGD trains on it; sliding-window score too.";
+    type Params = ScoreFirstParams;
+    type In = TrainSnapshot;
+
+    fn check(p: &ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<()> {
+        p.ttt(ctx.config.train.seq_len).check()
+    }
+
+    fn build(p: ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
+        Self::check(&p, ctx)?;
+        Ok(Self { cfg: p.ttt(ctx.config.train.seq_len), p, ev: Evaluator::new(ctx)? })
+    }
+
+    fn consume(&mut self, snap: TrainSnapshot, ctx: &mut Ctx) -> anyhow::Result<()> {
+        let (cfg, sliding_first) = (self.cfg.clone(), self.p.sliding_first);
+        self.ev.on_final(snap, ctx, |ev, snap, ctx| {
+            let sliding = if sliding_first { ev.sliding(snap, &cfg.sliding, ctx)? } else { None };
+            let ttt = ev.ttt(snap, &cfg, ctx)?;
+            let gain = match (&sliding, &ttt) {
+                (Some(s), Some(t)) => Some(s["val_bpb"].as_f64().unwrap_or(f64::NAN) - t["val_bpb"].as_f64().unwrap_or(f64::NAN)),
+                _ => None,
+            };
+            Ok(serde_json::json!({ "sliding": sliding, "ttt": ttt, "ttt_gain_bpb": gain }))
+        })
+    }
+}

@@ -1,0 +1,297 @@
+//! A tiny GPT training setup on real English text, shared by the training tests: the
+//! repository's README and module docs tokenized with a small BPE sentencepiece model and
+//! written as challenge-format shards, a config of the demo graph with a tiny model, and
+//! helpers to run the binary on it.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use pipeline::shard::write_shard;
+use pipeline::tokenizer::Tokenizer;
+use serde_json::Value;
+
+use super::{Dir, bin, report, scratch, text, wait_or_kill};
+
+/// Pieces after the byte pieces, best merge first: common English pairs and words, each one
+/// reachable by merging two earlier pieces, then single letters.
+pub const PIECES: &[&str] = &[
+    "▁t", "he", "▁the", "in", "er", "an", "on", "re", "▁a", "at", "en", "or", "es", "ed", "is", "it", "ar", "al", "st", "le", "ou", "▁s",
+    "▁w", "▁o", "▁c", "▁f", "▁p", "▁b", "▁m", "▁i", "▁d", "ing", "▁of", "▁to", "▁an", "▁and", "▁in", "▁is", "ion", "ch", "th", "▁th", "▁",
+    "e", "t", "a", "o", "i", "n", "s", "r", "h", "l", "d", "c", "u", "m", "f", "p", "g", "w", "y", "b", "v", "k",
+];
+
+/// Shards and tokenizer made from the repository's prose.
+pub struct Corpus {
+    pub dir: Dir,
+    pub tokenizer: PathBuf,
+    pub vocab: usize,
+}
+
+impl Corpus {
+    pub fn train_glob(&self) -> String {
+        self.dir.join("shards/fineweb_train_*.bin").display().to_string()
+    }
+    pub fn val_glob(&self) -> String {
+        self.dir.join("shards/fineweb_val_*.bin").display().to_string()
+    }
+}
+
+/// The documents: README.md paragraphs and the `//!` doc block of every `src/*.rs`.
+pub fn documents() -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let mut docs: Vec<String> = readme.split("\n\n").map(str::trim).filter(|p| p.len() > 40).map(String::from).collect();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(root.join("src"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "rs"))
+        .collect();
+    files.sort();
+    for f in files {
+        let src = std::fs::read_to_string(&f).unwrap();
+        let doc: Vec<&str> = src.lines().filter_map(|l| l.strip_prefix("//!")).map(str::trim).collect();
+        let doc = doc.join("\n");
+        if doc.len() > 40 {
+            docs.push(doc);
+        }
+    }
+    assert!(docs.len() >= 50, "only {} documents of prose", docs.len());
+    docs
+}
+
+/// Builds the tokenizer and the shards in a fresh scratch directory: every tenth document goes
+/// to the val shard, the rest to the train shard, each one starting with BOS.
+pub fn corpus(name: &str) -> Corpus {
+    corpus_with(name, 1)
+}
+
+/// As [`corpus`], with the val documents written `val_copies` times (a longer validation).
+pub fn corpus_with(name: &str, val_copies: usize) -> Corpus {
+    let dir = Dir(scratch(&format!("train-{name}")));
+    let tokenizer = dir.join("tiny.model");
+    std::fs::write(&tokenizer, pipeline::tokenizer::build_bpe_model(PIECES, &[])).unwrap();
+    let tok = Tokenizer::load(&tokenizer).unwrap();
+    assert_eq!(tok.bos, 1);
+    let (mut train, mut val) = (Vec::new(), Vec::new());
+    for (i, d) in documents().iter().enumerate() {
+        let ids = tok.encode_document(d).unwrap();
+        if i % 10 == 5 { val.extend(ids) } else { train.extend(ids) }
+    }
+    let merged = train.iter().filter(|&&t| t >= 260).count();
+    assert!(merged * 5 > train.len(), "the merges are hardly used: {merged} of {} tokens", train.len());
+    std::fs::create_dir_all(dir.join("shards")).unwrap();
+    write_shard(&dir.join("shards/fineweb_train_000000.bin"), &train).unwrap();
+    write_shard(&dir.join("shards/fineweb_val_000000.bin"), &val.repeat(val_copies)).unwrap();
+    Corpus { vocab: tok.vocab_size, tokenizer, dir }
+}
+
+/// All tokens of one shard.
+pub fn shard_tokens(path: &Path) -> Vec<u16> {
+    let f = pipeline::shard::ShardFile::open(path, 0, pipeline::shard::AccessMode::Pread).unwrap_or_else(|e| panic!("{e}"));
+    let mut out = vec![0u16; f.tokens as usize];
+    f.read(0, &mut out).unwrap();
+    out
+}
+
+/// UTF-8 bytes that target `tok` stands for after `prev`, by the challenge's rules: control and
+/// unknown pieces 0, byte pieces 1, normal pieces their text with `▁` as a space, except that a
+/// leading `▁` after a control or unknown piece counts nothing.
+pub fn target_bytes(prev: u16, tok: u16) -> u64 {
+    match tok {
+        0..=3 => 0,
+        4..=259 => 1,
+        _ => {
+            let piece = PIECES[tok as usize - 260];
+            match piece.strip_prefix('▁') {
+                Some(rest) => rest.len() as u64 + u64::from(prev >= 4),
+                None => piece.len() as u64,
+            }
+        }
+    }
+}
+
+/// A TOML string literal.
+pub fn lit(s: impl AsRef<str>) -> String {
+    toml::Value::String(s.as_ref().to_string()).to_string()
+}
+
+/// Writes `NAME.toml`: the demo graph (pipelines/demo.toml) with a tiny model on `c`, 50 steps
+/// with exact step counts (no wall-clock cap, no warm-down); `data_val` false leaves `data.val`
+/// out.
+pub fn config_with(c: &Corpus, name: &str, data_val: bool) -> PathBuf {
+    let val = if data_val { format!("val = {}\n", lit(c.val_glob())) } else { String::new() };
+    let toml = format!(
+        r#"[run]
+name = "train-test"
+seed = 1337
+warmup_items = 2
+
+[data]
+train = {train}
+{val}tokenizer = {tok}
+
+[model]
+vocab_size = {vocab}
+num_layers = 2
+model_dim = 32
+num_heads = 2
+num_kv_heads = 1
+
+[train]
+seq_len = 32
+batch_tokens = 256
+grad_accum_steps = 1
+iterations = 50
+warmdown_iters = 0
+max_wallclock_seconds = 0
+val_every = 25
+val_batch_tokens = 1024
+log_every = 10
+timing_every = 25
+
+[stages.reader]
+kind = "shard_reader"
+impl = "mmap"
+split = "train"
+
+[stages.sampler]
+kind = "window_sampler"
+impl = "shuffled"
+inputs = ["reader"]
+
+[stages.pin]
+kind = "pin"
+impl = "pageable"
+inputs = ["sampler"]
+
+[stages.upload]
+kind = "upload"
+impl = "cpu"
+inputs = ["pin"]
+
+[stages.train]
+kind = "step_executor"
+impl = "candle"
+inputs = ["upload"]
+"#,
+        train = lit(c.train_glob()),
+        tok = lit(c.tokenizer.display().to_string()),
+        vocab = c.vocab,
+    );
+    let path = c.dir.join(format!("{name}.toml"));
+    std::fs::write(&path, toml).unwrap();
+    path
+}
+
+pub fn config(c: &Corpus) -> PathBuf {
+    config_with(c, "train", true)
+}
+
+/// Runs the binary with a generous limit (a hang fails the test instead of the whole suite).
+pub fn run_limited(config: &Path, out: &Path, sets: &[&str]) -> Output {
+    let mut c = bin();
+    c.arg("run").arg(config).arg("--out").arg(out).arg("-q");
+    for s in sets {
+        c.arg("--set").arg(s);
+    }
+    let mut child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("the binary runs");
+    // Drain the pipes on threads so a chatty child never blocks on a full pipe.
+    let mut so = child.stdout.take().unwrap();
+    let mut se = child.stderr.take().unwrap();
+    let ho = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        std::io::Read::read_to_end(&mut so, &mut v).unwrap();
+        v
+    });
+    let he = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        std::io::Read::read_to_end(&mut se, &mut v).unwrap();
+        v
+    });
+    let status = wait_or_kill(&mut child, Duration::from_secs(120), &format!("pipeline run {}", config.display()));
+    Output { status, stdout: ho.join().unwrap(), stderr: he.join().unwrap() }
+}
+
+/// A run that must succeed; returns its `train` report section.
+pub fn train_ok(config: &Path, out: &Path, sets: &[&str]) -> (serde_json::Map<String, Value>, Output) {
+    let o = run_limited(config, out, sets);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let r = report(out);
+    assert_eq!(r.run.status, "completed", "{}", text(&o));
+    (r.train, o)
+}
+
+pub fn f(t: &serde_json::Map<String, Value>, key: &str) -> f64 {
+    t[key].as_f64().unwrap_or_else(|| panic!("train.{key} is not a number: {:?}", t.get(key)))
+}
+
+pub fn u(t: &serde_json::Map<String, Value>, key: &str) -> u64 {
+    t[key].as_u64().unwrap_or_else(|| panic!("train.{key} is not an integer: {:?}", t.get(key)))
+}
+
+/// Starts `pipeline run` on `c`'s config with `sets`, output discarded.
+pub fn spawn_run(c: &Corpus, out: &Path, sets: &[&str]) -> Child {
+    let mut cmd = bin();
+    cmd.arg("run").arg(config(c)).arg("--out").arg(out).arg("-q");
+    for s in sets {
+        cmd.arg("--set").arg(s);
+    }
+    cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap()
+}
+
+/// Waits until train.log has a line for which `pred` holds (failing after 60 s or if the child
+/// ends first).
+pub fn wait_for_line(child: &mut Child, out: &Path, pred: impl Fn(&str) -> bool) {
+    let t0 = Instant::now();
+    while !std::fs::read_to_string(out.join("train.log")).is_ok_and(|l| l.lines().any(&pred)) {
+        if t0.elapsed() > Duration::from_secs(60) || child.try_wait().unwrap().is_some() {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the awaited line never came: {:?}", std::fs::read_to_string(out.join("train.log")));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+pub fn sigint(child: &Child) {
+    let ok = std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(ok.success());
+}
+
+/// As [`config_with`] (with `data.val`), followed by `extra` (more stage tables).
+pub fn config_plus(c: &Corpus, name: &str, extra: &str) -> PathBuf {
+    let path = config_with(c, name, true);
+    let mut text = std::fs::read_to_string(&path).unwrap();
+    text.push('\n');
+    text.push_str(extra);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Runs `pipeline run CONFIG ARGS... -q` (no `--out` added) with a time limit.
+pub fn run_args(config: &Path, args: &[&str]) -> Output {
+    let mut c = bin();
+    c.arg("run").arg(config).arg("-q").args(args);
+    let child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("the binary runs");
+    finish(child, config)
+}
+
+/// Collects a child's output, killing it after 180 s.
+pub fn finish(mut child: Child, config: &Path) -> Output {
+    let mut so = child.stdout.take().unwrap();
+    let mut se = child.stderr.take().unwrap();
+    let ho = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        std::io::Read::read_to_end(&mut so, &mut v).unwrap();
+        v
+    });
+    let he = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        std::io::Read::read_to_end(&mut se, &mut v).unwrap();
+        v
+    });
+    let status = wait_or_kill(&mut child, Duration::from_secs(180), &format!("pipeline run {}", config.display()));
+    Output { status, stdout: ho.join().unwrap(), stderr: he.join().unwrap() }
+}
