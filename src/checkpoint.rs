@@ -192,7 +192,8 @@ pub fn write(dir: &Path, step: u64, bytes: &[u8]) -> anyhow::Result<PathBuf> {
     let path = dir.join(file_name(step));
     fs::create_dir_all(dir)
         .with_context(|| format!("cannot write checkpoint {}: cannot create the folder {}", path.display(), dir.display()))?;
-    crate::rundir::write_atomic(&path, bytes).with_context(|| format!("cannot write checkpoint {}", path.display()))?;
+    // write_atomic's error names the path already.
+    crate::rundir::write_atomic(&path, bytes)?;
     Ok(path)
 }
 

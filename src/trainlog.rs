@@ -74,15 +74,14 @@ impl TrainLog {
     }
 }
 
-/// Opens `path` for writing, truncated or appended to.
+/// Opens `path` for appending, emptied first unless `append`. Always in append mode: other
+/// stages append lines to the same file ([`StageLog`]), and a writer with its own file position
+/// would overwrite them.
 fn open_log(path: &Path, append: bool) -> anyhow::Result<File> {
-    let mut o = std::fs::OpenOptions::new();
-    if append {
-        o.append(true).create(true);
-    } else {
-        o.write(true).create(true).truncate(true);
+    if !append {
+        File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
     }
-    o.open(path).with_context(|| format!("cannot open {}", path.display()))
+    std::fs::OpenOptions::new().append(true).create(true).open(path).with_context(|| format!("cannot open {}", path.display()))
 }
 
 /// Log lines of the stages after training (averaging, artifact, evaluation): stdout and the

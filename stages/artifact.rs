@@ -76,6 +76,7 @@ impl Transform for Quantize {
     type Params = QuantizeParams;
     type In = TrainSnapshot;
     type Out = TrainSnapshot;
+    const OUTPUT_OPTIONAL: bool = true;
 
     fn check(p: &QuantizeParams, ctx: &BuildCtx) -> anyhow::Result<()> {
         p.quant().check()?;

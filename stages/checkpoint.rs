@@ -98,6 +98,7 @@ impl Transform for Atomic {
     type Params = AtomicParams;
     type In = TrainSnapshot;
     type Out = TrainSnapshot;
+    const OUTPUT_OPTIONAL: bool = true;
 
     fn check(p: &AtomicParams, _ctx: &BuildCtx) -> anyhow::Result<()> {
         anyhow::ensure!(p.keep >= 1, "`keep` must be at least 1");

@@ -243,6 +243,7 @@ impl Transform for Ema {
     type Params = EmaParams;
     type In = TrainSnapshot;
     type Out = TrainSnapshot;
+    const OUTPUT_OPTIONAL: bool = true;
 
     fn check(p: &EmaParams, _ctx: &BuildCtx) -> anyhow::Result<()> {
         anyhow::ensure!(p.decay > 0.0 && p.decay < 1.0, "`decay` must be in (0, 1); found {}", p.decay);
@@ -269,6 +270,7 @@ impl Transform for Swa {
     type Params = SwaParams;
     type In = TrainSnapshot;
     type Out = TrainSnapshot;
+    const OUTPUT_OPTIONAL: bool = true;
 
     fn check(p: &SwaParams, _ctx: &BuildCtx) -> anyhow::Result<()> {
         anyhow::ensure!(p.every >= 1, "`every` must be at least 1");
@@ -302,6 +304,7 @@ impl Transform for Passthrough {
     type Params = NoneParams;
     type In = TrainSnapshot;
     type Out = TrainSnapshot;
+    const OUTPUT_OPTIONAL: bool = true;
 
     fn build(_p: NoneParams, _ctx: &BuildCtx) -> anyhow::Result<Self> {
         Ok(Self)

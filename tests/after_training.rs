@@ -159,6 +159,7 @@ fn stages_after_training_report_and_log() {
     let log = log_of(&out);
     for prefix in [
         "ema:applying EMA weights",
+        "checkpoint: step:5 ",
         "checkpoint: step:30 ",
         "Serialized model int8+zlib: ",
         "pre-quantization post-ema val_loss:",

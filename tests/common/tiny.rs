@@ -196,22 +196,8 @@ pub fn run_limited(config: &Path, out: &Path, sets: &[&str]) -> Output {
     for s in sets {
         c.arg("--set").arg(s);
     }
-    let mut child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("the binary runs");
-    // Drain the pipes on threads so a chatty child never blocks on a full pipe.
-    let mut so = child.stdout.take().unwrap();
-    let mut se = child.stderr.take().unwrap();
-    let ho = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        std::io::Read::read_to_end(&mut so, &mut v).unwrap();
-        v
-    });
-    let he = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        std::io::Read::read_to_end(&mut se, &mut v).unwrap();
-        v
-    });
-    let status = wait_or_kill(&mut child, Duration::from_secs(120), &format!("pipeline run {}", config.display()));
-    Output { status, stdout: ho.join().unwrap(), stderr: he.join().unwrap() }
+    let child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("the binary runs");
+    finish(child, config)
 }
 
 /// A run that must succeed; returns its `train` report section.
@@ -244,6 +230,11 @@ pub fn spawn_run(c: &Corpus, out: &Path, sets: &[&str]) -> Child {
 /// Waits until train.log has a line for which `pred` holds (failing after 60 s or if the child
 /// ends first).
 pub fn wait_for_line(child: &mut Child, out: &Path, pred: impl Fn(&str) -> bool) {
+    wait_for_line_every(child, out, Duration::from_millis(10), pred)
+}
+
+/// As [`wait_for_line`], polling every `every`.
+pub fn wait_for_line_every(child: &mut Child, out: &Path, every: Duration, pred: impl Fn(&str) -> bool) {
     let t0 = Instant::now();
     while !std::fs::read_to_string(out.join("train.log")).is_ok_and(|l| l.lines().any(&pred)) {
         if t0.elapsed() > Duration::from_secs(60) || child.try_wait().unwrap().is_some() {
@@ -251,7 +242,7 @@ pub fn wait_for_line(child: &mut Child, out: &Path, pred: impl Fn(&str) -> bool)
             let _ = child.wait();
             panic!("the awaited line never came: {:?}", std::fs::read_to_string(out.join("train.log")));
         }
-        std::thread::sleep(Duration::from_millis(10));
+        std::thread::sleep(every);
     }
 }
 
@@ -278,7 +269,8 @@ pub fn run_args(config: &Path, args: &[&str]) -> Output {
     finish(child, config)
 }
 
-/// Collects a child's output, killing it after 180 s.
+/// Collects a child's output (draining the pipes on threads, so a chatty child never blocks
+/// on a full pipe), killing it after 180 s: a hang fails the test instead of the whole suite.
 pub fn finish(mut child: Child, config: &Path) -> Output {
     let mut so = child.stdout.take().unwrap();
     let mut se = child.stderr.take().unwrap();
