@@ -148,9 +148,11 @@ impl Averager {
             return Ok(false);
         }
         let next: Vec<(String, Tensor)> = match (&self.avg, self.rule) {
-            (None, _) => {
-                snap.weights.iter().map(|(n, w)| Ok((n.clone(), w.to_dtype(DType::F32)?.copy()?))).collect::<anyhow::Result<_>>()?
-            }
+            (None, _) => snap
+                .weights
+                .iter()
+                .map(|(n, w)| Ok((n.clone(), w.detach().to_dtype(DType::F32)?.copy()?)))
+                .collect::<anyhow::Result<_>>()?,
             (Some(avg), rule) => {
                 // avg ← a·avg + b·w: EMA a = decay; SWA the running mean a = n/(n+1).
                 let (a, b) = match rule {
@@ -177,7 +179,9 @@ impl Averager {
                         m.dims(),
                         w.dims()
                     );
-                    out.push((name.clone(), (m.affine(a, 0.0)? + w.to_dtype(DType::F32)?.affine(b, 0.0)?)?));
+                    // Detached: an average that recorded its op would hold the previous one alive, and
+                    // so on back to the first step.
+                    out.push((name.clone(), (m.affine(a, 0.0)? + w.detach().to_dtype(DType::F32)?.affine(b, 0.0)?)?.detach()));
                 }
                 out
             }
@@ -313,5 +317,80 @@ impl Transform for Passthrough {
     fn process(&mut self, snap: TrainSnapshot, out: &mut Emitter<'_, TrainSnapshot>, _ctx: &mut Ctx) -> anyhow::Result<()> {
         out.emit(snap)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use candle_core::{Device, Tensor, Var};
+
+    use super::*;
+    use crate::snapshot::TrainerState;
+
+    fn snap(step: u64, w: Tensor) -> TrainSnapshot {
+        let state = TrainerState {
+            optimizer: Arc::new(Vec::new()),
+            loader: None,
+            rolling: 0,
+            history: serde_json::Value::Null,
+            data: String::new(),
+        };
+        TrainSnapshot {
+            step,
+            moment: if step == 0 { Moment::Start } else { Moment::Step },
+            train_ms: 0.0,
+            train_loss: f64::NAN,
+            lr_mul: 0.1,
+            weights: Arc::new(vec![("w".into(), w)]),
+            state: Arc::new(state),
+            averager: None,
+            eval: None,
+        }
+    }
+
+    fn averager(rule: Rule) -> Averager {
+        Averager { rule, avg: None, count: 0, last_step: None, eval: true, log: StageLog::new(None), stage: "avg".into() }
+    }
+
+    fn value(a: &Averager) -> Vec<f32> {
+        a.avg.as_ref().unwrap()[0].1.to_vec1::<f32>().unwrap()
+    }
+
+    /// EMA by hand, and no autograd history: weights that come from a variable (as a careless
+    /// snapshot would) must not make every average hold the previous one.
+    #[test]
+    fn ema_matches_the_formula_and_keeps_no_history() {
+        let var = Var::from_tensor(&Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap()).unwrap();
+        let mut a = averager(Rule::Ema { decay: 0.9, start_step: 0 });
+        assert!(a.fold(&snap(0, var.as_tensor().copy().unwrap())).unwrap());
+        for step in 1..=3u64 {
+            var.set(&Tensor::new(&[step as f32 + 1.0, 0.0], &Device::Cpu).unwrap()).unwrap();
+            assert!(a.fold(&snap(step, var.as_tensor().copy().unwrap())).unwrap());
+            assert!(!a.avg.as_ref().unwrap()[0].1.track_op(), "the average records its op at step {step}");
+        }
+        // avg0 = [1, 2]; then w = [2, 0], [3, 0], [4, 0].
+        let mut want = [1f64, 2.0];
+        for w in [2.0, 3.0, 4.0] {
+            want = [0.9 * want[0] + 0.1 * w, 0.9 * want[1]];
+        }
+        let got = value(&a);
+        assert!((got[0] as f64 - want[0]).abs() < 1e-5 && (got[1] as f64 - want[1]).abs() < 1e-5, "{got:?} vs {want:?}");
+        assert_eq!(a.count, 4);
+        // The final snapshot repeats the last step: not folded twice.
+        assert!(!a.fold(&snap(3, var.as_tensor().copy().unwrap())).unwrap());
+    }
+
+    /// SWA is the plain mean of the snapshots its rule takes.
+    #[test]
+    fn swa_is_the_mean_of_the_taken_steps() {
+        let mut a = averager(Rule::Swa { every: 2, start_lr_mul: 0.5 });
+        for step in 1..=6u64 {
+            let taken = a.fold(&snap(step, Tensor::new(&[step as f32], &Device::Cpu).unwrap())).unwrap();
+            assert_eq!(taken, step % 2 == 0, "step {step}");
+        }
+        assert_eq!(a.count, 3);
+        assert!((value(&a)[0] - 4.0).abs() < 1e-6, "mean of 2, 4, 6: {:?}", value(&a));
     }
 }

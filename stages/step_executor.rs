@@ -350,8 +350,10 @@ impl Candle {
                 let t0 = Instant::now();
                 let mut copied = Vec::with_capacity(self.trainer.model().params().len());
                 for (name, t) in self.trainer.model().state_dict() {
-                    // A copy: the optimizers update the parameters in place.
-                    copied.push((name, t.copy()?));
+                    // A copy (the optimizers update the parameters in place), detached: a copy of
+                    // a variable would record the op, and every average made from it would
+                    // chain to the previous one, holding all of them alive.
+                    copied.push((name, t.detach().copy()?));
                 }
                 ctx.record("snapshot", t0.elapsed().as_nanos() as u64);
                 let w = Arc::new(copied);
