@@ -25,12 +25,50 @@ pub fn parse(d: &str) -> anyhow::Result<DeviceName> {
     }
 }
 
-/// Opens the device `run.device` names.
+/// True when this binary was built with the `cuda` feature.
+pub const CUDA_BUILD: bool = cfg!(feature = "cuda");
+
+/// Opens the device `run.device` names. A CUDA device in a CPU-only build, or on a machine
+/// without a driver or the CUDA libraries, is an error naming the key and what is missing.
 pub fn open(c: &Config) -> anyhow::Result<Device> {
     match parse(&c.run.device)? {
         DeviceName::Cpu => Ok(Device::Cpu),
-        DeviceName::Cuda(n) => {
-            anyhow::bail!("`run.device` = \"cuda:{n}\": this binary was built without CUDA support (build with `--features cuda`)")
-        }
+        DeviceName::Cuda(n) => open_cuda(n),
     }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(n: usize) -> anyhow::Result<Device> {
+    anyhow::bail!("`run.device` = \"cuda:{n}\": this binary was built without CUDA support (build it with scripts/build-cuda.sh)")
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(n: usize) -> anyhow::Result<Device> {
+    use candle_core::cuda_backend::cudarc;
+    // cudarc loads each library with dlopen on first use and panics if it is missing: look
+    // for every library candle's CUDA backend opens before touching any of them.
+    // SAFETY: these only try to dlopen the library (and close it again); no CUDA call is made.
+    let libs = [
+        ("libcuda.so.1 (the NVIDIA driver)", unsafe { cudarc::driver::sys::is_culib_present() }),
+        ("libcublas.so.13", unsafe { cudarc::cublas::sys::is_culib_present() }),
+        ("libcublasLt.so.13", unsafe { cudarc::cublaslt::sys::is_culib_present() }),
+        ("libcurand.so.10", unsafe { cudarc::curand::sys::is_culib_present() }),
+        ("libnvrtc.so.13", unsafe { cudarc::nvrtc::sys::is_culib_present() }),
+    ];
+    let missing: Vec<&str> = libs.iter().filter(|(_, present)| !present).map(|(name, _)| *name).collect();
+    anyhow::ensure!(
+        missing.is_empty(),
+        "`run.device` = \"cuda:{n}\": cannot load {} on this machine; install the driver / a CUDA 13 runtime (PyTorch cu13 ships the libraries: add its nvidia/cu13/lib to LD_LIBRARY_PATH), or use \"cpu\"",
+        missing.join(", ")
+    );
+    // One candle device per GPU for the whole process: tensors made by the uploader and the
+    // executor must share it (candle refuses to mix two devices opened on the same GPU).
+    static OPEN: std::sync::Mutex<Vec<(usize, Device)>> = std::sync::Mutex::new(Vec::new());
+    let mut open = OPEN.lock().map_err(|_| anyhow::anyhow!("the device table is poisoned"))?;
+    if let Some((_, d)) = open.iter().find(|(i, _)| *i == n) {
+        return Ok(d.clone());
+    }
+    let d = Device::new_cuda(n).map_err(|e| anyhow::anyhow!("`run.device` = \"cuda:{n}\": cannot open the GPU: {e}"))?;
+    open.push((n, d.clone()));
+    Ok(d)
 }

@@ -65,7 +65,8 @@ pub fn check_run_table(loaded: &Loaded) -> Result<(), ConfigErrors> {
             format!("must be a number of seconds from 0 (no limit) to 1e9; found {max}"),
         );
     }
-    if dev != "cpu" {
+    let cuda_ok = crate::device::CUDA_BUILD && matches!(crate::device::parse(dev), Ok(crate::device::DeviceName::Cuda(_)));
+    if dev != "cpu" && !cuda_ok {
         let msg = if dev.starts_with("cuda") {
             format!(
                 "device `{dev}` needs a binary built with the `cuda` feature (see scripts/build-cuda.sh); this one runs on \"cpu\" only"

@@ -51,6 +51,8 @@ pub struct Trainer {
     grads: GradStore,
     micro_done: usize,
     loss_sum: f64,
+    /// The step's summed loss on the device (GPU runs; the CPU sums on the host).
+    loss_dev: Option<Tensor>,
     step: u64,
 }
 
@@ -74,7 +76,18 @@ impl Trainer {
         if !head.is_empty() {
             adams.push(Adam::new(head, cfg.head_lr, betas, cfg.adam_eps)?.with_prefix("adam_head"));
         }
-        Ok(Self { model, muon, adams, cfg: cfg.clone(), micro_steps, grads: GradStore::default(), micro_done: 0, loss_sum: 0.0, step: 0 })
+        Ok(Self {
+            model,
+            muon,
+            adams,
+            cfg: cfg.clone(),
+            micro_steps,
+            grads: GradStore::default(),
+            micro_done: 0,
+            loss_sum: 0.0,
+            loss_dev: None,
+            step: 0,
+        })
     }
 
     /// The model.
@@ -108,8 +121,19 @@ impl Trainer {
         anyhow::ensure!(self.micro_done < self.micro_steps, "micro-batch {} of a {}-micro-batch step", self.micro_done, self.micro_steps);
         let t0 = Instant::now();
         let loss = self.model.loss(x, y)?;
-        let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        anyhow::ensure!(value.is_finite(), "the training loss is {value} at step {} micro-batch {}", self.step + 1, self.micro_done);
+        if self.model.device().is_cpu() {
+            // On the host reading the value costs nothing: check every micro-batch.
+            let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            anyhow::ensure!(value.is_finite(), "the training loss is {value} at step {} micro-batch {}", self.step + 1, self.micro_done);
+            self.loss_sum += value;
+        } else {
+            // On a GPU a read is a host synchronisation: sum on the device, read once per step.
+            let l = loss.detach().to_dtype(DType::F32)?;
+            self.loss_dev = Some(match self.loss_dev.take() {
+                Some(acc) => (acc + l)?,
+                None => l,
+            });
+        }
         let t1 = Instant::now();
         let mut store = (loss / self.micro_steps as f64)?.backward()?;
         for (_, var, _) in self.model.params() {
@@ -123,7 +147,6 @@ impl Trainer {
             }
         }
         drop(store);
-        self.loss_sum += value;
         self.micro_done += 1;
         Ok(MicroTimes { forward: t1 - t0, backward: t1.elapsed() })
     }
@@ -134,6 +157,11 @@ impl Trainer {
     pub fn finish_step(&mut self, elapsed_ms: f64) -> anyhow::Result<StepOutcome> {
         anyhow::ensure!(self.micro_done == self.micro_steps, "step ended after {} of {} micro-batches", self.micro_done, self.micro_steps);
         let t0 = Instant::now();
+        if let Some(acc) = self.loss_dev.take() {
+            let sum = acc.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            anyhow::ensure!(sum.is_finite(), "the training loss is {sum} at step {}", self.step + 1);
+            self.loss_sum = sum;
+        }
         let c = &self.cfg;
         let lr_mul = lr_multiplier(self.step, c.iterations, c.warmdown_iters, elapsed_ms, c.max_wallclock_seconds * 1e3);
         let momentum = momentum_at(self.step, c.muon_momentum_warmup_steps, c.muon_momentum_warmup_start, c.muon_momentum);
@@ -157,6 +185,7 @@ impl Trainer {
         self.grads = GradStore::default();
         self.micro_done = 0;
         self.loss_sum = 0.0;
+        self.loss_dev = None;
         n
     }
 

@@ -36,6 +36,7 @@ pub static REGISTRY: &[&dyn StageFactory] = &[
     &TransformImpl::<window_sampler::Sequential>::new(),
     &TransformImpl::<pin::Pageable>::new(),
     &TransformImpl::<upload::Cpu>::new(),
+    &TransformImpl::<upload::OnDevice>::new(),
     &TransformImpl::<step_executor::Candle>::new(),
     &TransformImpl::<ema_swa::Ema>::new(),
     &TransformImpl::<ema_swa::Swa>::new(),

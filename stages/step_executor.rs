@@ -473,6 +473,11 @@ impl Candle {
             b.meta.step,
             self.trainer.micro_done()
         );
+        if !b.x.device().is_cpu() {
+            // A read on a GPU is a host synchronisation per micro-batch; the sampler checks token
+            // ids against the tokenizer (`check_tokens`) before they get here.
+            return Ok(());
+        }
         let max = b.x.max_all()?.to_scalar::<u32>()?.max(b.y.max_all()?.to_scalar::<u32>()?);
         anyhow::ensure!(
             max < self.vocab,

@@ -167,8 +167,12 @@ fn a_seed_repeats_a_run_bit_for_bit() {
     for (x, y) in va.iter().zip(&vb) {
         assert_eq!((x.0, x.1.to_bits(), x.2.to_bits()), (y.0, y.1.to_bits(), y.2.to_bits()), "validation at step {}", x.0);
     }
+    // Nor the upload implementation: `sync` onto `run.device` = "cpu" is the `cpu` upload.
+    let (s, _) = train_ok(&cfg, &c.dir.join("sync"), &[sets[0], sets[1], "stages.upload.impl=\"sync\""]);
+    assert_eq!(f(&a, "train_loss").to_bits(), f(&s, "train_loss").to_bits());
     let w = |d: &str| std::fs::read(c.dir.join(d).join("final_model.safetensors")).unwrap();
     assert!(w("a") == w("b"), "the weights differ between two runs with the same seed");
+    assert!(w("a") == w("sync"), "the weights differ between the cpu and sync uploads");
     assert!(w("a") != w("other"), "another seed gave the same weights");
     assert_ne!(f(&a, "train_loss").to_bits(), f(&other, "train_loss").to_bits());
     assert_ne!(validations(&other)[0].1.to_bits(), va[0].1.to_bits(), "another seed, same initial val_loss");

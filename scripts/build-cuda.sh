@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Builds the GPU binary (`--features cuda`) on a machine without a GPU or a CUDA install.
+#
+#   scripts/build-cuda.sh            # release build for H100/H200 (sm_90a), stripped; prints its path
+#   scripts/build-cuda.sh --check    # `cargo check --features cuda` only (what CI runs)
+#
+# What it does:
+# 1. installs the pinned CUDA 13.0 compiler wheels from PyPI into a cache
+#    ($CUDA_PIP, default ~/.cache/pipeline-cuda13; ~104 MB download, once);
+# 2. prepares candle-core for dynamic loading of the CUDA libraries: a copy of the registry's
+#    candle-core 0.11.1 in target/cuda-patch/ with one word changed ("dynamic-linking" ->
+#    "dynamic-loading", upstream huggingface/candle#3900), used through `--config patch...`
+#    for this build only (nothing of it is committed; Cargo.lock is restored afterwards);
+# 3. builds with CUDA_COMPUTE_CAP (default 90: H100/H200; 80 for a portable build) and the
+#    static CUDA runtime (build.rs), so the binary starts on machines without CUDA.
+#
+# On the GPU machine the binary needs only the driver (libcuda.so.1) and cuBLAS/cuRAND/NVRTC,
+# which it loads with dlopen: a PyTorch cu13 install provides them (see scripts/gpu-check.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+mode=build
+case "${1:-}" in
+  --check) mode=check ;;
+  "") ;;
+  *) echo "usage: $0 [--check]" >&2; exit 2 ;;
+esac
+
+CUDA_PIP=${CUDA_PIP:-$HOME/.cache/pipeline-cuda13}
+if [[ ! -x "$CUDA_PIP/nvidia/cu13/bin/nvcc" ]]; then
+  echo "== installing the CUDA 13.0 compiler wheels into $CUDA_PIP" >&2
+  python3 -m pip install --quiet --no-deps --target "$CUDA_PIP" \
+    nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 \
+    nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85
+fi
+export CUDA_ROOT=$CUDA_PIP/nvidia/cu13
+export PATH=$CUDA_ROOT/bin:$PATH
+export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
+export CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-$(nproc)}
+nvcc --version | tail -1 >&2
+
+# candle-core as the registry has it, made to load CUDA with dlopen.
+cargo fetch --locked >/dev/null
+src=$(find "${CARGO_HOME:-$HOME/.cargo}/registry/src" -maxdepth 1 -mindepth 1 -type d -exec test -d {}/candle-core-0.11.1 \; -print -quit)
+[[ -n "$src" ]] || { echo "error: candle-core 0.11.1 is not in the cargo registry after cargo fetch" >&2; exit 1; }
+patch=$PWD/target/cuda-patch/candle-core
+if [[ ! -f "$patch/.prepared" ]]; then
+  rm -rf "$patch"
+  mkdir -p "$(dirname "$patch")"
+  cp -r "$src/candle-core-0.11.1" "$patch"
+  grep -q '"dynamic-linking",' "$patch/Cargo.toml" || { echo "error: candle-core's Cargo.toml no longer names dynamic-linking" >&2; exit 1; }
+  sed -i 's/"dynamic-linking",/"dynamic-loading",/' "$patch/Cargo.toml"
+  touch "$patch/.prepared"
+fi
+
+# The patch changes candle-core's lock entry: keep the committed Cargo.lock as it is.
+cp Cargo.lock target/cuda-patch/Cargo.lock.orig
+trap 'cp target/cuda-patch/Cargo.lock.orig Cargo.lock' EXIT
+args=(--features cuda --config "patch.crates-io.candle-core.path=\"$patch\"")
+
+if [[ $mode == check ]]; then
+  echo "== cargo check --features cuda (CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP)" >&2
+  cargo check "${args[@]}" --all-targets
+  exit 0
+fi
+
+echo "== cargo build --release --features cuda (CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP)" >&2
+CARGO_TARGET_DIR=target/cuda cargo build --release "${args[@]}"
+bin=target/cuda/release/pipeline
+strip "$bin"
+echo "$PWD/$bin"
