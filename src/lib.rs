@@ -30,6 +30,7 @@ pub mod message;
 pub mod metrics;
 pub mod model;
 pub mod optim;
+pub mod parity;
 pub mod pool;
 pub mod prepare;
 pub mod quant;

@@ -95,6 +95,22 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         val_max_tokens: usize,
     },
+    /// Compare a device with the CPU: a small seeded GPT's loss and gradients on one batch,
+    /// against f64 on the CPU (exit 1 beyond the dtype's tolerance).
+    Parity {
+        /// The device: "cpu" or "cuda:N".
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Parameter dtype on the device: f32 or bf16.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// Seed of the weights and the batch.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// List stage kinds, their implementations and parameters.
     Stages {
         /// Print as JSON.
@@ -141,6 +157,7 @@ fn main() -> ExitCode {
         Command::Validate { config, sets } => cmd_validate(config, sets),
         Command::Report { run_dir, json } => cmd_report(run_dir, json),
         Command::Stages { json } => cmd_stages(json),
+        Command::Parity { device, dtype, seed, json } => cmd_parity(&device, &dtype, seed, json),
         Command::Artifact { weights, config, sets, bits, codec, level, out, val_max_tokens } => {
             cmd_artifact(weights, config, sets, pipeline::quant::QuantConfig { bits, codec, level }, out, val_max_tokens)
         }
@@ -195,6 +212,38 @@ fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool, 
         Err(e) => {
             eprintln!("error: {e}");
             e.exit_code()
+        }
+    }
+}
+
+fn cmd_parity(device: &str, dtype: &str, seed: u64, json: bool) -> i32 {
+    let dtype = match dtype {
+        "f32" => candle_core::DType::F32,
+        "bf16" => candle_core::DType::BF16,
+        other => {
+            eprintln!("error: --dtype {other:?}: use f32 or bf16");
+            return 2;
+        }
+    };
+    let mut config = pipeline::config::Config::default();
+    config.run.device = device.to_string();
+    let result = pipeline::device::open(&config).and_then(|d| pipeline::parity::run(&d, device, dtype, seed));
+    match result {
+        Ok(r) => {
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
+            } else {
+                println!("parity {} {} vs cpu f64: loss {:.6} vs {:.6}", r.device, r.dtype, r.loss.0, r.loss.1);
+                for c in &r.compared {
+                    println!("  {:<32} rel_err {:.3e}", c.name, c.rel_err);
+                }
+                println!("max rel_err {:.3e} (tolerance {:.0e}): {}", r.max_rel_err, r.tolerance, if r.ok { "ok" } else { "FAILED" });
+            }
+            if r.ok { 0 } else { 1 }
+        }
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            1
         }
     }
 }

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU check, run on the GPU machine from a binary built by scripts/build-cuda.sh (no Rust
+# needed there) and a few challenge-format shards:
+#
+#   scripts/gpu-check.sh BIN DATA_DIR TOKENIZER [OUT_DIR]
+#     BIN        the cuda `pipeline` binary
+#     DATA_DIR   fineweb_train_*.bin and fineweb_val_*.bin shards (SP1024: the baseline's vocabulary)
+#     TOKENIZER  the matching sentencepiece model (e.g. fineweb_1024_bpe.model)
+#
+# (a) parity: a small seeded GPT's loss and gradients on cuda:0 (f32, then bf16) against the CPU
+#     in f64 (`pipeline parity`; exit 1 beyond tolerance);
+# (b) throughput: the baseline model (pipelines/baseline.toml: 524,288 tokens per step, seq
+#     1024) for STEPS steps (default 30), printing ms/step and tokens/s from the report;
+# (c) ablation: the same training for the same wall time (ABLATION_S, default 60 s) at prefetch
+#     depth 2 and 100, side by side, with the executor's input-wait share at p99.
+# Everything it prints also lands in OUT_DIR (default gpu-check-out) with each run's report.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${1:?usage: $0 BIN DATA_DIR TOKENIZER [OUT_DIR]}
+DATA=${2:?usage: $0 BIN DATA_DIR TOKENIZER [OUT_DIR]}
+TOK=${3:?usage: $0 BIN DATA_DIR TOKENIZER [OUT_DIR]}
+OUT=${4:-gpu-check-out}
+STEPS=${STEPS:-30}
+ABLATION_S=${ABLATION_S:-60}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/gpu-check.log") 2>&1
+
+# cuBLAS, cuRAND and NVRTC come from a PyTorch cu13 install (the driver supplies libcuda).
+if libdir=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' 2>/dev/null) && [[ -d "$libdir" ]]; then
+  export LD_LIBRARY_PATH="$libdir:${LD_LIBRARY_PATH:-}"
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+
+echo "== (a) parity: cuda:0 vs cpu f64"
+status=0
+"$BIN" parity --device cuda:0 --dtype f32 || status=1
+"$BIN" parity --device cuda:0 --dtype bf16 || status=1
+
+common=(--set "data.train=\"$DATA/fineweb_train_*.bin\"" --set "data.val=\"$DATA/fineweb_val_*.bin\""
+        --set "data.tokenizer=\"$TOK\"" --set train.val_every=0 --set train.val_max_tokens=65536
+        --set train.max_wallclock_seconds=0 --set train.log_every=10 -q)
+summary() { # RUN_DIR LABEL
+  python3 - "$1" "$2" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1] + "/report.json"))
+t = r.get("train", {})
+ch = r.get("channels", {}).get("upload->train", {})
+print(f"{sys.argv[2]:<28} steps {t.get('steps')}  step_avg {t.get('step_avg_ms', 0):.1f} ms  "
+      f"tokens/s {t.get('tokens_per_s', 0):,.0f}  data_wait {t.get('timing_share_pct', {}).get('data_wait')}%  "
+      f"recv-blocked p99 {ch.get('recv_blocked_us', {}).get('p99', 'n/a')} us")
+PY
+}
+
+echo "== (b) throughput: baseline model, 524,288 tokens/step, seq 1024, $STEPS steps"
+"$BIN" run pipelines/baseline.toml --out "$OUT/throughput" "${common[@]}" --set train.iterations="$STEPS" || status=1
+summary "$OUT/throughput" "baseline bf16" || status=1
+
+echo "== (c) ablation: prefetch depth, same wall time ($ABLATION_S s each)"
+for depth in 2 100; do
+  "$BIN" run pipelines/baseline.toml --out "$OUT/depth-$depth" "${common[@]}" --set train.iterations=100000 \
+    --set run.max_seconds="$ABLATION_S" --set stages.pin.queue="$depth" --set stages.upload.queue="$depth" \
+    --set stages.train.queue="$depth" || status=1
+  summary "$OUT/depth-$depth" "pageable + sync, depth $depth" || status=1
+done
+echo "(pinned + stream uploads: not implemented yet; see the README's GPU section)"
+exit $status
