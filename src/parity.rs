@@ -54,8 +54,11 @@ fn toy() -> ModelConfig {
     ModelConfig { vocab_size: 256, num_layers: 2, model_dim: 64, num_heads: 4, num_kv_heads: 2, ..ModelConfig::default() }
 }
 
-/// Loss and named gradients (as f64 host vectors) of `model` on `x`, `y`.
-fn loss_and_grads(model: &Gpt, x: &Tensor, y: &Tensor) -> anyhow::Result<(f64, Vec<(String, Vec<f64>)>)> {
+/// Named values as f64 host vectors.
+type Named = Vec<(String, Vec<f64>)>;
+
+/// Loss and named gradients of `model` on `x`, `y`.
+fn loss_and_grads(model: &Gpt, x: &Tensor, y: &Tensor) -> anyhow::Result<(f64, Named)> {
     let loss = model.loss(x, y)?;
     let grads = loss.backward()?;
     let mut out = Vec::new();
