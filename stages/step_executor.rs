@@ -43,25 +43,27 @@ use crate::trainer::Trainer;
 use crate::trainlog::{Phases, StepTable, TrainLog, train_line, val_line};
 use crate::validation::Validator;
 
-/// Floating-point type of the parameters and activations.
+/// Floating-point types of the training.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
-    /// 32-bit floats (the CPU default).
+    /// 32-bit floats throughout (the CPU default).
     #[default]
     F32,
-    /// bfloat16 (GPUs only).
+    /// The challenge's mixed precision (GPUs only): f32 master weights and optimizer state,
+    /// bf16 matmuls, f32 elsewhere.
     Bf16,
     /// 64-bit floats (for checks).
     F64,
 }
 
 impl Precision {
-    fn dtype(self) -> DType {
+    /// The parameters' dtype and the matmuls'.
+    pub fn dtypes(self) -> (DType, DType) {
         match self {
-            Precision::F32 => DType::F32,
-            Precision::Bf16 => DType::BF16,
-            Precision::F64 => DType::F64,
+            Precision::F32 => (DType::F32, DType::F32),
+            Precision::Bf16 => (DType::F32, DType::BF16),
+            Precision::F64 => (DType::F64, DType::F64),
         }
     }
 }
@@ -172,7 +174,8 @@ impl Transform for Candle {
         let shape = BatchShape::from_config(c)?;
         let device = crate::device::open(c)?;
         let validator = Validator::load(c, shape.micro_steps)?;
-        let mut model = Gpt::new(&c.model, c.run.seed, p.dtype.dtype(), &device)?;
+        let (param_dtype, matmul_dtype) = p.dtype.dtypes();
+        let mut model = Gpt::new(&c.model, c.run.seed, param_dtype, &device)?.with_matmul_dtype(matmul_dtype);
         if let Some(path) = &c.train.init_weights {
             let tensors = crate::weights::load(path, None).context("`train.init_weights`")?;
             model.load_state(&tensors).with_context(|| format!("`train.init_weights` = {} does not fit `[model]`", path.display()))?;

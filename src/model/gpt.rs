@@ -32,6 +32,8 @@ pub struct Gpt {
     index: HashMap<String, usize>,
     device: Device,
     dtype: DType,
+    /// Matmuls in this dtype when set (the records' bf16 matmuls over f32 master weights).
+    matmul_dtype: Option<DType>,
     /// Forward passes read detached parameters (no autograd graph): set during evaluation.
     detached: std::cell::Cell<bool>,
 }
@@ -95,7 +97,37 @@ impl Gpt {
             params.push((name, Var::from_tensor(&t)?, group));
         }
         let index = params.iter().enumerate().map(|(i, (n, _, _))| (n.clone(), i)).collect();
-        Ok(Self { cfg: cfg.clone(), params, index, device: device.clone(), dtype, detached: std::cell::Cell::new(false) })
+        Ok(Self {
+            cfg: cfg.clone(),
+            params,
+            index,
+            device: device.clone(),
+            dtype,
+            matmul_dtype: None,
+            detached: std::cell::Cell::new(false),
+        })
+    }
+
+    /// Runs every matmul (projections, MLP, output head) in `dtype`, casting inputs and weights
+    /// to it and the product back: with f32 parameters and `BF16`, the challenge's mixed
+    /// precision (f32 master weights and optimizer state, bf16 matmuls, f32 everywhere else).
+    /// Gradients flow back through the casts in f32.
+    pub fn with_matmul_dtype(mut self, dtype: DType) -> Self {
+        self.matmul_dtype = (dtype != self.dtype).then_some(dtype);
+        self
+    }
+
+    /// The matmul dtype (the parameters' unless [`Gpt::with_matmul_dtype`] set another).
+    pub fn matmul_dtype(&self) -> DType {
+        self.matmul_dtype.unwrap_or(self.dtype)
+    }
+
+    /// `x W^T` for `x` of shape `(N, in)` and `W` of shape `(out, in)`, in the matmul dtype.
+    fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        match self.matmul_dtype {
+            None => x.matmul(&w.t()?),
+            Some(md) => x.to_dtype(md)?.matmul(&w.to_dtype(md)?.t()?)?.to_dtype(self.dtype),
+        }
     }
 
     /// The configuration.
@@ -203,7 +235,7 @@ impl Gpt {
         }
         let h = rms_norm(&h)?;
         let head = if cfg.tie_embeddings { emb } else { self.p("lm_head.weight") };
-        h.matmul(&head.t()?)
+        self.linear(&h, &head)
     }
 
     /// Per-position cross-entropy `(B*T,)` of targets `y` `(B, T)` given inputs `x`.
@@ -235,22 +267,17 @@ impl Gpt {
         let cfg = &self.cfg;
         let (h, kvh) = (cfg.num_heads, cfg.num_kv_heads);
         let p = |s: &str| self.p(&format!("blocks.{i}.attn.{s}"));
-        let q = qk_norm_rope(&linear(x, &p("c_q.weight"))?, Some(&p("q_gain")), cos, sin, h)?;
-        let k = qk_norm_rope(&linear(x, &p("c_k.weight"))?, None, cos, sin, kvh)?;
-        let v = linear(x, &p("c_v.weight"))?;
+        let q = qk_norm_rope(&self.linear(x, &p("c_q.weight"))?, Some(&p("q_gain")), cos, sin, h)?;
+        let k = qk_norm_rope(&self.linear(x, &p("c_k.weight"))?, None, cos, sin, kvh)?;
+        let v = self.linear(x, &p("c_v.weight"))?;
         let y = causal_attention_tokens(&q, &k, &v, b, h, kvh)?;
-        linear(&y, &p("proj.weight"))
+        self.linear(&y, &p("proj.weight"))
     }
 
     fn mlp(&self, i: usize, x: &Tensor) -> Result<Tensor> {
-        let up = relu_sq(&linear(x, &self.p(&format!("blocks.{i}.mlp.fc.weight")))?)?;
-        linear(&up, &self.p(&format!("blocks.{i}.mlp.proj.weight")))
+        let up = relu_sq(&self.linear(x, &self.p(&format!("blocks.{i}.mlp.fc.weight")))?)?;
+        self.linear(&up, &self.p(&format!("blocks.{i}.mlp.proj.weight")))
     }
-}
-
-/// `x W^T` for `x` of shape `(N, in)` and `W` of shape `(out, in)`.
-fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    x.matmul(&w.t()?)
 }
 
 fn group_of(name: &str, ndim: usize) -> ParamGroup {
