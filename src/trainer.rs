@@ -67,7 +67,11 @@ impl Trainer {
         };
         let betas = (cfg.beta1, cfg.beta2);
         let embed_lr = if model.config().tie_embeddings { cfg.tied_embed_lr } else { cfg.embed_lr };
-        let muon = Muon::new(group(ParamGroup::Matrix), cfg.matrix_lr, cfg.muon_momentum, cfg.muon_backend_steps)?.with_prefix("muon");
+        let mut muon = Muon::new(group(ParamGroup::Matrix), cfg.matrix_lr, cfg.muon_momentum, cfg.muon_backend_steps)?.with_prefix("muon");
+        if model.matmul_dtype() != model.dtype() {
+            // Mixed precision: Newton-Schulz in the matmul dtype, as the record does in bf16.
+            muon = muon.with_ns_dtype(model.matmul_dtype());
+        }
         let mut adams = vec![
             Adam::new(group(ParamGroup::Embedding), embed_lr, betas, cfg.adam_eps)?.with_prefix("adam_embed"),
             Adam::new(group(ParamGroup::Scalar), cfg.scalar_lr, betas, cfg.adam_eps)?.with_prefix("adam_scalar"),
@@ -311,5 +315,24 @@ mod tests {
         t.micro_step(&x, &y).unwrap();
         assert!(t.finish_step(0.0).unwrap_err().to_string().contains("1 of 2"));
         assert_eq!(t.discard_partial_step(), 1);
+    }
+
+    /// Mixed precision (bf16 matmuls over f32 weights) trains: the loss falls over a few steps
+    /// on one batch, and parameters and optimizer state stay f32.
+    #[test]
+    fn mixed_precision_keeps_f32_state_and_learns() {
+        let cfg = TrainConfig { max_wallclock_seconds: 0.0, ..TrainConfig::default() };
+        let model = Gpt::new(&tiny(), 1, DType::F32, &Device::Cpu).unwrap().with_matmul_dtype(DType::BF16);
+        assert_eq!(model.matmul_dtype(), DType::BF16);
+        let mut t = Trainer::new(model, &cfg, 1).unwrap();
+        let (x, y) = batch(5, 4, 8);
+        let mut losses = Vec::new();
+        for _ in 0..8 {
+            t.micro_step(&x, &y).unwrap();
+            losses.push(t.finish_step(0.0).unwrap().train_loss);
+        }
+        assert!(losses[7] < losses[0] - 0.1, "{losses:?}");
+        assert!(t.model().params().iter().all(|(_, v, _)| v.dtype() == DType::F32));
+        assert!(t.optimizer_state().iter().filter(|(n, _)| !n.ends_with(".step")).all(|(_, v)| v.dtype() == DType::F32));
     }
 }
