@@ -11,8 +11,9 @@
 #     in f64 (`pipeline parity`; exit 1 beyond tolerance);
 # (b) throughput: the baseline model (pipelines/baseline.toml: 524,288 tokens per step, seq
 #     1024) for STEPS steps (default 30), printing ms/step and tokens/s from the report;
-# (c) ablation: the same training for the same wall time (ABLATION_S, default 60 s) at prefetch
-#     depth 2 and 100, side by side, with the executor's input-wait share at p99.
+# (c) ablation: the same training for the same wall time (ABLATION_S, default 60 s each):
+#     prefetch depth 2 vs 100, pinned vs pageable staging, stream vs sync upload, side by side
+#     with the executor's data-wait share and its input channel's recv-blocked p99.
 # Everything it prints also lands in OUT_DIR (default gpu-check-out) with each run's report.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,12 +56,16 @@ echo "== (b) throughput: baseline model, 524,288 tokens/step, seq 1024, $STEPS s
 "$BIN" run pipelines/baseline.toml --out "$OUT/throughput" "${common[@]}" --set train.iterations="$STEPS" || status=1
 summary "$OUT/throughput" "baseline bf16" || status=1
 
-echo "== (c) ablation: prefetch depth, same wall time ($ABLATION_S s each)"
-for depth in 2 100; do
-  "$BIN" run pipelines/baseline.toml --out "$OUT/depth-$depth" "${common[@]}" --set train.iterations=100000 \
-    --set run.max_seconds="$ABLATION_S" --set stages.pin.queue="$depth" --set stages.upload.queue="$depth" \
-    --set stages.train.queue="$depth" || status=1
-  summary "$OUT/depth-$depth" "pageable + sync, depth $depth" || status=1
-done
-echo "(pinned + stream uploads: not implemented yet; see the README's GPU section)"
+echo "== (c) ablation: same wall time ($ABLATION_S s each), side by side"
+ablate() { # LABEL PIN UPLOAD DEPTH
+  "$BIN" run pipelines/baseline.toml --out "$OUT/ablation-$1" "${common[@]}" --set train.iterations=100000 \
+    --set run.max_seconds="$ABLATION_S" --set stages.pin.impl="\"$2\"" --set stages.upload.impl="\"$3\"" \
+    --set stages.pin.queue="$4" --set stages.upload.queue="$4" --set stages.train.queue="$4" || status=1
+  summary "$OUT/ablation-$1" "$2 + $3, depth $4" || status=1
+}
+ablate pinned-stream-2 pinned stream 2
+ablate pinned-stream-100 pinned stream 100
+ablate pageable-sync-2 pageable sync 2
+ablate pinned-sync-2 pinned sync 2
+ablate pageable-sync-100 pageable sync 100
 exit $status

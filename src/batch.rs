@@ -203,13 +203,13 @@ impl Message for TokenBatch {
     const NAME: &'static str = "TokenBatch";
 }
 
-/// A micro-batch copied into a staging buffer (page-locked in CUDA builds), ready to upload.
+/// A micro-batch copied into a staging buffer (page-locked with `pin/pinned`), ready to upload.
 #[derive(Clone)]
 pub struct PinnedBatch {
     /// Provenance.
     pub meta: BatchMeta,
     /// The staging buffer (x then y); returns to the pin stage's pool when dropped.
-    pub buf: Arc<Pooled<TokenBuf>>,
+    pub buf: Arc<Pooled<crate::staging::Staging>>,
 }
 
 impl Message for PinnedBatch {

@@ -22,6 +22,8 @@ pub mod checkpoint;
 pub mod clock;
 pub mod config;
 pub mod control;
+#[cfg(feature = "cuda")]
+pub mod cuda_copy;
 pub mod device;
 pub mod error;
 pub mod graph;
@@ -42,6 +44,7 @@ pub mod runtime;
 pub mod shard;
 pub mod snapshot;
 pub mod stage;
+pub mod staging;
 pub mod tokenizer;
 pub mod trainer;
 pub mod trainlog;

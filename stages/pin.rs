@@ -1,9 +1,10 @@
 //! Kind `pin`: copies each micro-batch into a staging buffer from a bounded pool, the buffer an
 //! upload to the device reads from.
 //!
-//! - `pageable`: plain host memory. The `pinned` implementation (page-locked memory from the
-//!   CUDA driver, which lets copies to the GPU run asynchronously) comes with the `cuda` build
-//!   and plugs in here with the same pool.
+//! - `pageable`: plain host memory.
+//! - `pinned`: page-locked memory from the CUDA driver (`cuda` build, `run.device` = "cuda:N"),
+//!   which lets `upload/stream` copy to the GPU asynchronously. A buffer back in the pool is
+//!   written again only after its last copy completed (its CUDA event).
 //!
 //! The pool holds `buffers` staging buffers made at build time; a buffer goes back to the pool
 //! when the last holder of the batch drops it (after the upload's copy). When all are in use
@@ -14,9 +15,10 @@ use std::sync::Arc;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::batch::{BatchShape, PinnedBatch, TokenBatch, TokenBuf};
+use crate::batch::{BatchShape, PinnedBatch, TokenBatch};
 use crate::pool::Pool;
 use crate::stage::{BuildCtx, Ctx, Emitter, Transform};
+use crate::staging::Staging;
 
 /// Parameters of `pin/pageable`.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -34,7 +36,7 @@ impl Default for PinParams {
 
 /// `pin/pageable`.
 pub struct Pageable {
-    pool: Pool<TokenBuf>,
+    pool: Pool<Staging>,
 }
 
 impl Pageable {
@@ -60,16 +62,70 @@ impl Transform for Pageable {
     fn build(p: PinParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&p, ctx)?;
         let tokens = 2 * BatchShape::from_config(ctx.config)?.tokens();
-        Ok(Self { pool: Pool::new(p.buffers, || vec![0u32; tokens]) })
+        Ok(Self { pool: Pool::new(p.buffers, || Staging::Host(vec![0u32; tokens])) })
     }
     fn process(&mut self, batch: TokenBatch, out: &mut Emitter<'_, PinnedBatch>, ctx: &mut Ctx) -> anyhow::Result<()> {
-        let n = 2 * batch.meta.shape.tokens();
-        let mut buf = self.pool.take(Some(ctx))?;
-        anyhow::ensure!(buf.len() >= n, "micro-batch of {n} tokens does not fit the {}-token staging buffers", buf.len());
-        buf[..n].copy_from_slice(&batch.buf[..n]);
-        let meta = batch.meta.clone();
-        drop(batch); // the sampler's buffer goes back to its pool now
-        out.emit(PinnedBatch { meta, buf: Arc::new(buf) })?;
+        stage(&self.pool, batch, out, ctx)
+    }
+}
+
+/// Copies `batch` into a buffer of `pool` and emits it.
+fn stage(pool: &Pool<Staging>, batch: TokenBatch, out: &mut Emitter<'_, PinnedBatch>, ctx: &mut Ctx) -> anyhow::Result<()> {
+    let n = 2 * batch.meta.shape.tokens();
+    let mut buf = pool.take(Some(ctx))?;
+    let dst = buf.as_mut_slice()?;
+    anyhow::ensure!(dst.len() >= n, "micro-batch of {n} tokens does not fit the {}-token staging buffers", dst.len());
+    dst[..n].copy_from_slice(&batch.buf[..n]);
+    let meta = batch.meta.clone();
+    drop(batch); // the sampler's buffer goes back to its pool now
+    out.emit(PinnedBatch { meta, buf: Arc::new(buf) })?;
+    Ok(())
+}
+
+/// `pin/pinned`.
+pub struct Pinned {
+    pool: Pool<Staging>,
+}
+
+impl Transform for Pinned {
+    const KIND: &'static str = "pin";
+    const IMPL: &'static str = "pinned";
+    const DOC: &'static str =
+        "Copies each micro-batch into page-locked (pinned) buffers from a fixed pool, for asynchronous copies to the GPU (cuda build).";
+    type Params = PinParams;
+    type In = TokenBatch;
+    type Out = PinnedBatch;
+
+    fn check(p: &PinParams, ctx: &BuildCtx) -> anyhow::Result<()> {
+        Pageable::check(p, ctx)?;
+        anyhow::ensure!(
+            crate::device::CUDA_BUILD,
+            "`pin/pinned` allocates page-locked memory through CUDA: this binary was built without the `cuda` feature (scripts/build-cuda.sh); use `impl = \"pageable\"`"
+        );
+        anyhow::ensure!(
+            matches!(crate::device::parse(&ctx.config.run.device)?, crate::device::DeviceName::Cuda(_)),
+            "`pin/pinned` is for GPU runs: `run.device` = {:?}; use `impl = \"pageable\"` on the CPU",
+            ctx.config.run.device
+        );
         Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn build(p: PinParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
+        Self::check(&p, ctx)?;
+        let tokens = 2 * BatchShape::from_config(ctx.config)?.tokens();
+        let device = crate::device::open(ctx.config)?;
+        let mut made = crate::cuda_copy::pinned_buffers(&device, p.buffers, tokens)?;
+        Ok(Self { pool: Pool::new(p.buffers, || Staging::Pinned(made.pop().expect("one buffer per pool slot"))) })
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn build(p: PinParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
+        Self::check(&p, ctx)?;
+        anyhow::bail!("`pin/pinned` needs the `cuda` build")
+    }
+
+    fn process(&mut self, batch: TokenBatch, out: &mut Emitter<'_, PinnedBatch>, ctx: &mut Ctx) -> anyhow::Result<()> {
+        stage(&self.pool, batch, out, ctx)
     }
 }

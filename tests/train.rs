@@ -431,6 +431,17 @@ fn cuda_device_in_a_cpu_build() {
     assert_fails(&o, &["`run.device`"]);
 }
 
+/// The GPU's page-locked buffers and copy stream are refused with a clear message in a CPU
+/// build (and on a CPU device in a cuda build).
+#[test]
+fn pinned_and_stream_uploads_need_a_gpu() {
+    let c = corpus("pinned");
+    let o = run_limited(&config(&c), &c.dir.join("pinned"), &["stages.pin.impl=\"pinned\""]);
+    assert_fails(&o, &["pin/pinned", "pageable"]);
+    let o = run_limited(&config(&c), &c.dir.join("stream"), &["stages.upload.impl=\"stream\""]);
+    assert_fails(&o, &["upload/stream"]);
+}
+
 #[test]
 fn bf16_on_the_cpu_is_refused() {
     let c = corpus("bf16");
