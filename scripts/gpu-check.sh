@@ -14,7 +14,11 @@
 # (c) ablation: the same training for the same wall time (ABLATION_S, default 60 s each):
 #     prefetch depth 2 vs 100, pinned vs pageable staging, stream vs sync upload, side by side
 #     with the executor's data-wait share and its input channel's recv-blocked p99.
-# Everything it prints also lands in OUT_DIR (default gpu-check-out) with each run's report.
+# Its summary lines land in OUT_DIR/gpu-check.log (default OUT_DIR gpu-check-out), each run's
+# output and report beside them.
+#
+# SMOKE=1 runs the same plumbing on the CPU with a tiny model (DEVICE=cpu, pageable + sync, 10 s
+# ablations): a check of this script before spending GPU time, not a measurement.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:?usage: $0 BIN DATA_DIR TOKENIZER [OUT_DIR]}
@@ -23,6 +27,16 @@ TOK=${3:?usage: $0 BIN DATA_DIR TOKENIZER [OUT_DIR]}
 OUT=${4:-gpu-check-out}
 STEPS=${STEPS:-30}
 ABLATION_S=${ABLATION_S:-60}
+SMOKE=${SMOKE:-0}
+DEVICE=cuda:0
+PINNED=pinned STREAM=stream
+extra=()
+if [[ $SMOKE == 1 ]]; then
+  DEVICE=cpu PINNED=pageable STREAM=sync STEPS=3 ABLATION_S=10
+  extra=(--set run.device='"cpu"' --set stages.train.dtype='"f32"' --set model.num_layers=2 --set model.model_dim=64
+         --set model.num_heads=4 --set model.num_kv_heads=2 --set train.batch_tokens=8192 --set train.seq_len=256
+         --set train.val_batch_tokens=8192 --set train.val_max_tokens=8192 --set stages.eval.stride=256)
+fi
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu-check.log") 2>&1
 
@@ -30,16 +44,16 @@ exec > >(tee "$OUT/gpu-check.log") 2>&1
 if libdir=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' 2>/dev/null) && [[ -d "$libdir" ]]; then
   export LD_LIBRARY_PATH="$libdir:${LD_LIBRARY_PATH:-}"
 fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "(no nvidia-smi)"
 
-echo "== (a) parity: cuda:0 vs cpu f64"
+echo "== (a) parity: $DEVICE vs cpu f64"
 status=0
-"$BIN" parity --device cuda:0 --dtype f32 || status=1
-"$BIN" parity --device cuda:0 --dtype bf16 || status=1
+"$BIN" parity --device "$DEVICE" --dtype f32 || status=1
+"$BIN" parity --device "$DEVICE" --dtype bf16 || status=1
 
 common=(--set "data.train=\"$DATA/fineweb_train_*.bin\"" --set "data.val=\"$DATA/fineweb_val_*.bin\""
         --set "data.tokenizer=\"$TOK\"" --set train.val_every=0 --set train.val_max_tokens=65536
-        --set train.max_wallclock_seconds=0 --set train.log_every=10 -q)
+        --set train.max_wallclock_seconds=0 --set train.log_every=10 -q "${extra[@]}")
 summary() { # RUN_DIR LABEL
   python3 - "$1" "$2" <<'PY'
 import json, sys
@@ -48,24 +62,27 @@ t = r.get("train", {})
 ch = r.get("channels", {}).get("upload->train", {})
 print(f"{sys.argv[2]:<28} steps {t.get('steps')}  step_avg {t.get('step_avg_ms', 0):.1f} ms  "
       f"tokens/s {t.get('tokens_per_s', 0):,.0f}  data_wait {t.get('timing_share_pct', {}).get('data_wait')}%  "
-      f"recv-blocked p99 {ch.get('recv_blocked_us', {}).get('p99', 'n/a')} us")
+      f"recv-blocked p99 {float(ch.get('recv_blocked_us', {}).get('p99', float('nan'))):.1f} us")
 PY
 }
 
 echo "== (b) throughput: baseline model, 524,288 tokens/step, seq 1024, $STEPS steps"
-"$BIN" run pipelines/baseline.toml --out "$OUT/throughput" "${common[@]}" --set train.iterations="$STEPS" || status=1
+"$BIN" run pipelines/baseline.toml --out "$OUT/throughput" "${common[@]}" --set train.iterations="$STEPS" \
+  --set stages.pin.impl="\"$PINNED\"" --set stages.upload.impl="\"$STREAM\"" > "$OUT/throughput.out" || status=1
 summary "$OUT/throughput" "baseline bf16" || status=1
 
 echo "== (c) ablation: same wall time ($ABLATION_S s each), side by side"
 ablate() { # LABEL PIN UPLOAD DEPTH
+  # The sampler's and pin stage's buffer pools bound the batches in flight too: size them to the depth.
   "$BIN" run pipelines/baseline.toml --out "$OUT/ablation-$1" "${common[@]}" --set train.iterations=100000 \
     --set run.max_seconds="$ABLATION_S" --set stages.pin.impl="\"$2\"" --set stages.upload.impl="\"$3\"" \
-    --set stages.pin.queue="$4" --set stages.upload.queue="$4" --set stages.train.queue="$4" || status=1
+    --set stages.pin.queue="$4" --set stages.upload.queue="$4" --set stages.train.queue="$4" \
+    --set stages.sampler.buffers=$(($4 + 4)) --set stages.pin.buffers=$(($4 + 4)) > "$OUT/ablation-$1.out" || status=1
   summary "$OUT/ablation-$1" "$2 + $3, depth $4" || status=1
 }
-ablate pinned-stream-2 pinned stream 2
-ablate pinned-stream-100 pinned stream 100
+ablate pinned-stream-2 "$PINNED" "$STREAM" 2
+ablate pinned-stream-100 "$PINNED" "$STREAM" 100
 ablate pageable-sync-2 pageable sync 2
-ablate pinned-sync-2 pinned sync 2
+ablate pinned-sync-2 "$PINNED" sync 2
 ablate pageable-sync-100 pageable sync 100
 exit $status
