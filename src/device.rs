@@ -28,6 +28,21 @@ pub fn parse(d: &str) -> anyhow::Result<DeviceName> {
 /// True when this binary was built with the `cuda` feature.
 pub const CUDA_BUILD: bool = cfg!(feature = "cuda");
 
+/// Checks that a GPU-only stage implementation (`what`, e.g. "`pin/pinned`") can run: a `cuda`
+/// build and a CUDA `run.device`; the errors name `instead`, the implementation to use.
+pub fn require_gpu(c: &Config, what: &str, instead: &str) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        CUDA_BUILD,
+        "{what} needs CUDA: this binary was built without the `cuda` feature (scripts/build-cuda.sh); use {instead}"
+    );
+    anyhow::ensure!(
+        matches!(parse(&c.run.device)?, DeviceName::Cuda(_)),
+        "{what} is for GPU runs: `run.device` = {:?}; use {instead} on the CPU",
+        c.run.device
+    );
+    Ok(())
+}
+
 /// Opens the device `run.device` names. A CUDA device in a CPU-only build, or on a machine
 /// without a driver or the CUDA libraries, is an error naming the key and what is missing.
 pub fn open(c: &Config) -> anyhow::Result<Device> {

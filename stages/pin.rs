@@ -98,15 +98,7 @@ impl Transform for Pinned {
 
     fn check(p: &PinParams, ctx: &BuildCtx) -> anyhow::Result<()> {
         Pageable::check(p, ctx)?;
-        anyhow::ensure!(
-            crate::device::CUDA_BUILD,
-            "`pin/pinned` allocates page-locked memory through CUDA: this binary was built without the `cuda` feature (scripts/build-cuda.sh); use `impl = \"pageable\"`"
-        );
-        anyhow::ensure!(
-            matches!(crate::device::parse(&ctx.config.run.device)?, crate::device::DeviceName::Cuda(_)),
-            "`pin/pinned` is for GPU runs: `run.device` = {:?}; use `impl = \"pageable\"` on the CPU",
-            ctx.config.run.device
-        );
+        crate::device::require_gpu(ctx.config, "`pin/pinned` (page-locked memory)", "`impl = \"pageable\"`")?;
         Ok(())
     }
 

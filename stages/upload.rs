@@ -131,15 +131,7 @@ impl Transform for CopyStream {
     type Out = DeviceBatch;
 
     fn check(_p: &StreamParams, ctx: &BuildCtx) -> anyhow::Result<()> {
-        anyhow::ensure!(
-            crate::device::CUDA_BUILD,
-            "`upload/stream` copies on a CUDA stream: this binary was built without the `cuda` feature (scripts/build-cuda.sh); use `impl = \"cpu\"` or `\"sync\"`"
-        );
-        anyhow::ensure!(
-            matches!(crate::device::parse(&ctx.config.run.device)?, crate::device::DeviceName::Cuda(_)),
-            "`upload/stream` is for GPU runs: `run.device` = {:?}; use `impl = \"cpu\"` on the CPU",
-            ctx.config.run.device
-        );
+        crate::device::require_gpu(ctx.config, "`upload/stream` (a CUDA copy stream)", "`impl = \"cpu\"` or `\"sync\"`")?;
         Ok(())
     }
 
