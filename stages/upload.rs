@@ -36,18 +36,34 @@ impl Transform for Cpu {
         Ok(Self)
     }
     fn process(&mut self, batch: PinnedBatch, out: &mut Emitter<'_, DeviceBatch>, _ctx: &mut Ctx) -> anyhow::Result<()> {
-        let t0 = std::time::Instant::now();
-        let shape = batch.meta.shape;
-        let n = shape.tokens();
-        let buf = batch.buf.as_slice()?;
-        let x = Tensor::from_slice(&buf[..n], (shape.rows, shape.seq_len), &Device::Cpu)?;
-        let y = Tensor::from_slice(&buf[n..2 * n], (shape.rows, shape.seq_len), &Device::Cpu)?;
-        let meta = batch.meta.clone();
-        drop(batch); // the staging buffer goes back to its pool now
-        let upload_ns = t0.elapsed().as_nanos() as u64;
-        out.emit(DeviceBatch { meta, x, y, upload_ns })?;
+        out.emit(copy_to(batch, &Device::Cpu)?)?;
         Ok(())
     }
+}
+
+/// `x`, `y` of `batch` as tensors on `device`, made with one copy each out of the staging
+/// buffer, which goes back to its pool once they exist.
+fn copy_to(batch: PinnedBatch, device: &Device) -> anyhow::Result<DeviceBatch> {
+    let t0 = std::time::Instant::now();
+    let shape = batch.meta.shape;
+    let n = shape.tokens();
+    let buf = batch.buf.as_slice()?;
+    let x = Tensor::from_slice(&buf[..n], (shape.rows, shape.seq_len), device)?;
+    let y = Tensor::from_slice(&buf[n..2 * n], (shape.rows, shape.seq_len), device)?;
+    Ok(DeviceBatch { meta: batch.meta.clone(), x, y, upload_ns: t0.elapsed().as_nanos() as u64 })
+}
+
+/// `x`, `y` of `batch` copied from its page-locked buffer by `copier` (the copy's device time,
+/// from CUDA events, is `upload_ns` and the `copy_event` histogram). The buffer may go back to
+/// its pool at once: its next writer waits for this copy's event.
+#[cfg(feature = "cuda")]
+fn copy_pinned(copier: &crate::cuda_copy::Copier, batch: PinnedBatch, ctx: &mut Ctx) -> anyhow::Result<DeviceBatch> {
+    let crate::staging::Staging::Pinned(src) = &**batch.buf else {
+        anyhow::bail!("a CUDA copy stream copies from page-locked buffers: use `pin/pinned` before it");
+    };
+    let (x, y, upload_ns) = copier.copy(src, batch.meta.shape)?;
+    ctx.record("copy_event", upload_ns);
+    Ok(DeviceBatch { meta: batch.meta.clone(), x, y, upload_ns })
 }
 
 /// Parameters of `upload/sync` (none).
@@ -85,27 +101,16 @@ impl Transform for OnDevice {
             copier,
         })
     }
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     fn process(&mut self, batch: PinnedBatch, out: &mut Emitter<'_, DeviceBatch>, ctx: &mut Ctx) -> anyhow::Result<()> {
-        let t0 = std::time::Instant::now();
-        let shape = batch.meta.shape;
         #[cfg(feature = "cuda")]
-        if let (Some(c), crate::staging::Staging::Pinned(src)) = (&self.copier, &**batch.buf) {
-            let (x, y, upload_ns) = c.copy(src, shape)?;
-            ctx.record("copy_event", upload_ns);
-            let meta = batch.meta.clone();
-            drop(batch);
-            out.emit(DeviceBatch { meta, x, y, upload_ns })?;
+        if let Some(c) = &self.copier
+            && batch.buf.is_pinned()
+        {
+            out.emit(copy_pinned(c, batch, ctx)?)?;
             return Ok(());
         }
-        let n = shape.tokens();
-        let buf = batch.buf.as_slice()?;
-        let x = Tensor::from_slice(&buf[..n], (shape.rows, shape.seq_len), &self.device)?;
-        let y = Tensor::from_slice(&buf[n..2 * n], (shape.rows, shape.seq_len), &self.device)?;
-        let meta = batch.meta.clone();
-        drop(batch); // the copy is done: the staging buffer goes back to its pool now
-        let upload_ns = t0.elapsed().as_nanos() as u64;
-        let _ = &ctx;
-        out.emit(DeviceBatch { meta, x, y, upload_ns })?;
+        out.emit(copy_to(batch, &self.device)?)?;
         Ok(())
     }
 }
@@ -149,15 +154,7 @@ impl Transform for CopyStream {
 
     #[cfg(feature = "cuda")]
     fn process(&mut self, batch: PinnedBatch, out: &mut Emitter<'_, DeviceBatch>, ctx: &mut Ctx) -> anyhow::Result<()> {
-        let crate::staging::Staging::Pinned(src) = &**batch.buf else {
-            anyhow::bail!("`upload/stream` copies from page-locked buffers: use `pin/pinned` before it");
-        };
-        let (x, y, upload_ns) = self.copier.copy(src, batch.meta.shape)?;
-        ctx.record("copy_event", upload_ns);
-        let meta = batch.meta.clone();
-        // The buffer may go back to the pool now: its next writer waits for this copy's event.
-        drop(batch);
-        out.emit(DeviceBatch { meta, x, y, upload_ns })?;
+        out.emit(copy_pinned(&self.copier, batch, ctx)?)?;
         Ok(())
     }
 
