@@ -155,7 +155,6 @@ impl Transform for Atomic {
         if is_final {
             // The run ends here: wait for the last write, however long (Ctrl-C included).
             ctx.finishing(|ctx| self.collect(ctx, true))?;
-            self.publish(ctx);
         }
         Ok(())
     }

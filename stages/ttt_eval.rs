@@ -21,6 +21,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::batch::BatchShape;
+use crate::bpb::BpbAccumulator;
 use crate::snapshot::TrainSnapshot;
 use crate::stage::{BuildCtx, Ctx, Sink};
 use crate::trainlog::StageLog;
@@ -134,18 +135,25 @@ impl Evaluator {
         let t0 = Instant::now();
         let tables = self.validator.tables().clone();
         let Some(acc) = sliding_eval(&model, self.validator.tokens(), tables, cfg, || !ctx.aborted())? else { return Ok(None) };
-        let ms = t0.elapsed().as_secs_f64() * 1e3;
         ctx.record("sliding", t0.elapsed().as_nanos() as u64);
-        self.log.line(&format!("{label}_sliding_window val_loss:{:.8} val_bpb:{:.8} eval_time:{ms:.0}ms", acc.val_loss(), acc.val_bpb()));
-        Ok(Some(serde_json::json!({
+        let mut section = self.scored(&format!("{label}_sliding_window"), &acc, t0);
+        section["seq_len"] = serde_json::json!(cfg.seq_len);
+        section["stride"] = serde_json::json!(cfg.stride);
+        Ok(Some(section))
+    }
+
+    /// Logs a score in the records' format (`<name> val_loss:%.8f val_bpb:%.8f
+    /// eval_time:%.0fms`, timed from `t0`) and returns it as a report section.
+    fn scored(&self, name: &str, acc: &BpbAccumulator, t0: Instant) -> serde_json::Value {
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        self.log.line(&format!("{name} val_loss:{:.8} val_bpb:{:.8} eval_time:{ms:.0}ms", acc.val_loss(), acc.val_bpb()));
+        serde_json::json!({
             "val_loss": acc.val_loss(),
             "val_bpb": acc.val_bpb(),
             "val_tokens": acc.tokens(),
             "val_bytes": acc.bytes(),
             "eval_ms": ms,
-            "seq_len": cfg.seq_len,
-            "stride": cfg.stride,
-        })))
+        })
     }
 
     /// Score-first TTT; logs and returns its section.
@@ -171,20 +179,12 @@ impl Evaluator {
             ctx.record(k, d.as_nanos() as u64);
         }
         let Some(o) = outcome else { return Ok(None) };
-        let ms = t0.elapsed().as_secs_f64() * 1e3;
-        let acc = &o.acc;
-        self.log.line(&format!("{label}_ttt val_loss:{:.8} val_bpb:{:.8} eval_time:{ms:.0}ms", acc.val_loss(), acc.val_bpb()));
-        Ok(Some(serde_json::json!({
-            "val_loss": acc.val_loss(),
-            "val_bpb": acc.val_bpb(),
-            "val_tokens": acc.tokens(),
-            "val_bytes": acc.bytes(),
-            "eval_ms": ms,
-            "chunks": o.chunks,
-            "chunk_tokens": cfg.chunk_tokens,
-            "lr": cfg.lr,
-            "epochs": cfg.epochs,
-        })))
+        let mut section = self.scored(&format!("{label}_ttt"), &o.acc, t0);
+        section["chunks"] = serde_json::json!(o.chunks);
+        section["chunk_tokens"] = serde_json::json!(cfg.chunk_tokens);
+        section["lr"] = serde_json::json!(cfg.lr);
+        section["epochs"] = serde_json::json!(cfg.epochs);
+        Ok(Some(section))
     }
 
     /// Runs `f` on the final snapshot of a run that ended normally, once.
