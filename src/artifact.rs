@@ -163,3 +163,12 @@ pub fn build(
         eval_ms,
     })
 }
+
+/// A model of `[model]` on the run's device holding `weights` (f32).
+pub fn model_from(config: &Config, weights: &[(String, Tensor)]) -> anyhow::Result<Gpt> {
+    let device = crate::device::open(config)?;
+    let mut model = Gpt::new(&config.model, config.run.seed, DType::F32, &device)?;
+    let state: std::collections::HashMap<_, _> = weights.iter().cloned().collect();
+    model.load_state(&state).context("the weights do not fit `[model]`")?;
+    Ok(model)
+}

@@ -17,14 +17,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use candle_core::DType;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::artifact::{size_lines, write_and_restore};
 use crate::batch::BatchShape;
 use crate::bpb::BpbAccumulator;
-use crate::model::Gpt;
 use crate::quant::{ARTIFACT_CAP_BYTES, Codec, QuantConfig};
 use crate::snapshot::{EvalWeights, TrainSnapshot};
 use crate::stage::{BuildCtx, Ctx, Emitter, Transform};
@@ -166,18 +164,9 @@ impl Quantize {
     /// Scores `weights` with a model of `[model]` on the run's device.
     fn score(&self, v: &Validator, weights: &[(String, candle_core::Tensor)], ctx: &mut Ctx) -> anyhow::Result<Option<BpbAccumulator>> {
         let t0 = Instant::now();
-        let model = model_from(&self.config, weights)?;
+        let model = crate::artifact::model_from(&self.config, weights)?;
         let acc = v.run(&model, || !ctx.aborted())?;
         ctx.record("eval", t0.elapsed().as_nanos() as u64);
         Ok(acc)
     }
-}
-
-/// A model of `[model]` on the run's device holding `weights` (f32).
-pub fn model_from(config: &crate::config::Config, weights: &[(String, candle_core::Tensor)]) -> anyhow::Result<Gpt> {
-    let device = crate::device::open(config)?;
-    let mut model = Gpt::new(&config.model, config.run.seed, DType::F32, &device)?;
-    let state: std::collections::HashMap<_, _> = weights.iter().cloned().collect();
-    model.load_state(&state).context("the weights do not fit `[model]`")?;
-    Ok(model)
 }

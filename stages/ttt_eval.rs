@@ -131,7 +131,7 @@ impl Evaluator {
     /// The sliding-window pass; logs and returns its section.
     fn sliding(&mut self, snap: &TrainSnapshot, cfg: &SlidingConfig, ctx: &mut Ctx) -> anyhow::Result<Option<serde_json::Value>> {
         let (label, weights) = snap.eval_weights();
-        let model = crate::stages::artifact::model_from(&self.config, weights)?;
+        let model = crate::artifact::model_from(&self.config, weights)?;
         let t0 = Instant::now();
         let tables = self.validator.tables().clone();
         let Some(acc) = sliding_eval(&model, self.validator.tokens(), tables, cfg, || !ctx.aborted())? else { return Ok(None) };
@@ -159,7 +159,7 @@ impl Evaluator {
     /// Score-first TTT; logs and returns its section.
     fn ttt(&mut self, snap: &TrainSnapshot, cfg: &TttConfig, ctx: &mut Ctx) -> anyhow::Result<Option<serde_json::Value>> {
         let (label, weights) = snap.eval_weights();
-        let model = crate::stages::artifact::model_from(&self.config, weights)?;
+        let model = crate::artifact::model_from(&self.config, weights)?;
         let t0 = Instant::now();
         let tables = self.validator.tables().clone();
         let mut times: Vec<(&'static str, Duration)> = Vec::new();
