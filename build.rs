@@ -1,14 +1,25 @@
-//! Build script: only for `--features cuda`. candle's kernels ask the linker for the shared
-//! CUDA runtime (`-lcudart`); pointing that name at the static runtime of the CUDA tree
-//! (`CUDA_ROOT`, set by scripts/build-cuda.sh) keeps the GPU binary free of a libcudart
-//! dependency, so it starts on machines without CUDA and runs CPU configs there.
+//! Build script: only for `--features cuda`.
+//!
+//! 1. Compiles `kernels/*.cu` (the fused ops' GPU kernels) to PTX in `OUT_DIR` with nvcc
+//!    (`$CUDA_ROOT/bin/nvcc`, else `nvcc` on the PATH) for `CUDA_COMPUTE_CAP` (default 90);
+//!    src/model/gpu_kernels.rs embeds it and the driver loads it at first use.
+//! 2. candle's kernels ask the linker for the shared CUDA runtime (`-lcudart`); pointing that
+//!    name at the static runtime of the CUDA tree (`CUDA_ROOT`, set by scripts/build-cuda.sh)
+//!    keeps the GPU binary free of a libcudart dependency, so it starts on machines without
+//!    CUDA and runs CPU configs there.
+
+use std::path::PathBuf;
+use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-env-changed=CUDA_ROOT");
+    println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=kernels");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
+    compile_kernels();
     let Some(root) = std::env::var_os("CUDA_ROOT") else {
         println!("cargo:warning=CUDA_ROOT is not set: the binary will need libcudart.so at run time (use scripts/build-cuda.sh)");
         return;
@@ -24,4 +35,32 @@ fn main() {
     // A linker script named like the shared library: `-lcudart` then links the static one.
     std::fs::write(out.join("libcudart.so"), format!("INPUT({})\n", lib.display())).expect("OUT_DIR is writable");
     println!("cargo:rustc-link-search=native={}", out.display());
+}
+
+/// `kernels/NAME.cu` -> `$OUT_DIR/NAME.ptx` for every kernel file.
+fn compile_kernels() {
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let nvcc = std::env::var_os("CUDA_ROOT").map(|r| PathBuf::from(r).join("bin").join("nvcc")).filter(|p| p.is_file());
+    let nvcc = nvcc.unwrap_or_else(|| PathBuf::from("nvcc"));
+    let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
+    let cap: String = cap.chars().filter(|c| c.is_ascii_digit()).collect();
+    let mut files: Vec<PathBuf> = std::fs::read_dir("kernels")
+        .expect("kernels/ exists")
+        .map(|e| e.expect("kernels/ is readable").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+        .collect();
+    files.sort();
+    for cu in files {
+        println!("cargo:rerun-if-changed={}", cu.display());
+        let ptx = out.join(cu.with_extension("ptx").file_name().expect("a file name"));
+        let status = Command::new(&nvcc)
+            .args(["--ptx", "-O3", "-std=c++17", &format!("-arch=compute_{cap}"), "-o"])
+            .arg(&ptx)
+            .arg(&cu)
+            .status()
+            .unwrap_or_else(|e| {
+                panic!("cannot run {} to compile {}: {e} (build with scripts/build-cuda.sh)", nvcc.display(), cu.display())
+            });
+        assert!(status.success(), "{} failed on {}", nvcc.display(), cu.display());
+    }
 }

@@ -112,6 +112,9 @@ pub fn run(device: &Device, device_name: &str, dtype: DType, seed: u64) -> anyho
     for ((name, g), (_, r)) in dev_grads.iter().zip(&ref_grads) {
         compared.push(Compared { name: name.clone(), rel_err: rel_err(g, r) });
     }
+    if !device.is_cpu() {
+        compared.extend(kernel_checks(device, dtype, seed)?);
+    }
     let max_rel_err = compared.iter().map(|c| c.rel_err).fold(0.0, f64::max);
     let tol = tolerance(dtype);
     Ok(ParityReport {
@@ -123,6 +126,69 @@ pub fn run(device: &Device, device_name: &str, dtype: DType, seed: u64) -> anyho
         max_rel_err,
         tolerance: tol,
     })
+}
+
+/// [`crate::model::norm_rope::norm_rope`] of `x` `(N, heads * D)` with RoPE tables for
+/// sequences of `t`.
+fn norm_rope_case(x: &Tensor, t: usize, heads: usize) -> candle_core::Result<Tensor> {
+    let d = x.dim(1)? / heads;
+    let (cos, sin) = crate::model::ops::rope_tables(t, d, 10_000.0, x.dtype(), x.device())?;
+    crate::model::norm_rope::norm_rope(x, &Tensor::cat(&[&cos, &sin], 1)?, heads)
+}
+
+/// A device op and the shape of the random input it is checked on.
+type KernelCase = (&'static str, Vec<usize>, fn(&Tensor) -> candle_core::Result<Tensor>);
+
+/// The device's own kernels against their CPU references in f64, on random inputs of awkward
+/// sizes (rows not a multiple of a block, lengths not a multiple of a warp): each op's output
+/// and the gradient of its input under a random output gradient, as `kernel <op> <shape>
+/// out|grad`.
+pub fn kernel_checks(device: &Device, dtype: DType, seed: u64) -> anyhow::Result<Vec<Compared>> {
+    use crate::model::{causal_softmax::causal_softmax, fused};
+    let cases: Vec<KernelCase> = vec![
+        ("causal_softmax", vec![2, 3, 128, 128], |x| causal_softmax(x, 0.125)),
+        ("causal_softmax", vec![1, 2, 1000, 1000], |x| causal_softmax(x, 0.3)),
+        ("rms_norm", vec![1000, 512], fused::rms_norm),
+        ("rms_norm", vec![37, 3, 70], fused::rms_norm),
+        ("relu_sq", vec![333, 1024], fused::relu_sq),
+        ("norm_rope", vec![3 * 100, 4 * 64], |x| norm_rope_case(x, 100, 4)),
+        ("norm_rope", vec![2 * 9, 3 * 6], |x| norm_rope_case(x, 9, 3)),
+        // The per-channel parameters are rows of x itself, so that their gradients are checked too.
+        ("scale_add", vec![257, 96], |x| fused::scale_add(&(x * 0.5)?, x, &x.get(0)?)),
+        ("scale_cols", vec![100, 64], |x| fused::scale_cols(x, &x.get(3)?)),
+        ("embedding", vec![50, 512], |w| {
+            crate::model::embedding::embedding(
+                w,
+                &Tensor::from_vec((0..3000u32).map(|i| (i * 7919) % 49).collect::<Vec<u32>>(), 3000, w.device())?,
+            )
+        }),
+        ("resid_mix", vec![130, 512], |x| fused::resid_mix(x, &((x * 0.3)? + 0.1)?, &x.narrow(0, 0, 2)?)),
+    ];
+    let kernel_dtype = if dtype == DType::F64 { DType::F32 } else { dtype };
+    let mut rng = fastrand::Rng::with_seed(seed ^ 0xcafe);
+    let mut out = Vec::new();
+    for (name, shape, op) in cases {
+        let n: usize = shape.iter().product();
+        let x = Tensor::from_vec((0..n).map(|_| rng.f64() * 4.0 - 2.0).collect::<Vec<f64>>(), shape.as_slice(), &Device::Cpu)?;
+        let g_seed = rng.u64(..);
+        let run = |d: &Device, dt: DType| -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
+            let x = candle_core::Var::from_tensor(&x.to_dtype(dt)?.to_device(d)?)?;
+            let y = op(x.as_tensor())?;
+            // The same output gradient on both sides, of the output's shape.
+            let mut grng = fastrand::Rng::with_seed(g_seed);
+            let g = Tensor::from_vec((0..y.elem_count()).map(|_| grng.f64() * 2.0 - 1.0).collect::<Vec<f64>>(), y.shape(), &Device::Cpu)?;
+            let grads = (&y * g.to_dtype(dt)?.to_device(d)?)?.sum_all()?.backward()?;
+            let dx = grads.get(x.as_tensor()).ok_or_else(|| anyhow::anyhow!("{name}: no gradient"))?;
+            let host =
+                |t: &Tensor| -> anyhow::Result<Vec<f64>> { Ok(t.to_dtype(DType::F64)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?) };
+            Ok((host(&y)?, host(dx)?))
+        };
+        let (want_y, want_dx) = run(&Device::Cpu, DType::F64)?;
+        let (got_y, got_dx) = run(device, kernel_dtype)?;
+        out.push(Compared { name: format!("kernel {name} {shape:?} out"), rel_err: rel_err(&got_y, &want_y) });
+        out.push(Compared { name: format!("kernel {name} {shape:?} grad"), rel_err: rel_err(&got_dx, &want_dx) });
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -138,6 +204,15 @@ mod tests {
         assert_eq!(r.compared.len(), 1 + Gpt::new(&toy(), 3, DType::F32, &Device::Cpu).unwrap().params().len());
         assert!(r.compared.iter().all(|c| c.rel_err > 0.0), "f32 cannot equal f64 exactly: {r:?}");
         assert!(r.max_rel_err > tolerance(DType::F64), "{}", r.max_rel_err);
+    }
+
+    /// The kernel checks' plumbing on the CPU (where the ops run their CPU references): f32
+    /// against f64 is close but not exact, for every case.
+    #[test]
+    fn kernel_checks_compare_outputs_and_gradients() {
+        let r = kernel_checks(&Device::Cpu, DType::F32, 1).unwrap();
+        assert_eq!(r.len(), 22);
+        assert!(r.iter().all(|c| c.rel_err > 0.0 && c.rel_err < 1e-5), "{r:?}");
     }
 
     /// The mixed precision (bf16 matmuls over f32 weights) runs on the CPU too: within the bf16

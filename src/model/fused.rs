@@ -51,6 +51,10 @@ pub fn softcap_cross_entropy(logits: &Tensor, targets: &Tensor, cap: f64) -> Res
 /// `eps = ops::rms_eps(dtype)`, as [`ops::rms_norm`]. Any layout whose last dimension is
 /// contiguous (such as `(B, T, H, D)` transposed to `(B, H, T, D)`) is read without a copy.
 pub fn rms_norm(x: &Tensor) -> Result<Tensor> {
+    if x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::BF16) && x.rank() > 0 {
+        // The GPU kernel reads contiguous rows.
+        return x.contiguous()?.apply_op1(RmsNorm);
+    }
     if !x.device().is_cpu() {
         return ops::rms_norm(x);
     }
@@ -68,6 +72,9 @@ pub fn rms_norm(x: &Tensor) -> Result<Tensor> {
 /// Inputs whose last dimension is contiguous are read in place (no copy for transposed heads).
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let t = AttnDims::new(q.shape(), k.shape(), v.shape())?.t;
+    if q.device().is_cuda() && matches!(q.dtype(), DType::F32 | DType::BF16) {
+        return gpu_attention(q, k, v);
+    }
     if !q.device().is_cpu() {
         return ops::causal_attention(q, k, v, &ops::causal_mask(t, q.dtype(), q.device())?);
     }
@@ -76,6 +83,25 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         bail!("causal_attention: dtypes differ: q {:?}, k {:?}, v {:?}", q.dtype(), k.dtype(), v.dtype());
     }
     unit_last(q)?.apply_op3(&unit_last(k)?, &unit_last(v)?, CausalAttention)
+}
+
+/// Attention on a GPU: the two score products on cuBLAS (candle's `matmul`, in the inputs'
+/// dtype, so bf16 under mixed precision as PyTorch's autocast does) around the one-kernel
+/// [`causal_softmax`](super::causal_softmax::causal_softmax). The `(B, H, T, T)` scores and
+/// probabilities are materialised (kept for the backward pass), which bounds the micro-batch.
+fn gpu_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let (b, h, t, d) = q.dims4()?;
+    let kv = k.dim(1)?;
+    let expand = |x: &Tensor| -> Result<Tensor> {
+        if kv == h {
+            return x.contiguous();
+        }
+        x.unsqueeze(2)?.broadcast_as((b, kv, h / kv, t, d))?.reshape((b, h, t, d))
+    };
+    let (k, v) = (expand(k)?, expand(v)?);
+    let scores = q.contiguous()?.matmul(&k.t()?.contiguous()?)?;
+    let probs = super::causal_softmax::causal_softmax(&scores, 1.0 / (d as f64).sqrt())?;
+    probs.matmul(&v)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -183,7 +209,7 @@ macro_rules! multiversion {
 // above).
 #[path = "fused_block.rs"]
 mod block;
-pub use block::{causal_attention_tokens, qk_norm_rope, relu_sq, resid_mix, scale_add};
+pub use block::{causal_attention_tokens, qk_norm_rope, relu_sq, resid_mix, scale_add, scale_cols};
 
 fn check_float(op: &str, dtype: DType) -> Result<()> {
     match dtype {
@@ -640,13 +666,72 @@ impl CustomOp1 for RmsNorm {
         Ok((out, l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let d = l.dims().last().copied().unwrap_or(0);
+        let out = super::gpu_kernels::rows_op("rms_norm_fwd", &[(s, l)], d, ops::rms_eps(s.dtype()) as f32)?;
+        Ok((out, l.shape().clone()))
+    }
+
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        if !x.device().is_cpu() {
+            return Ok(Some(x.contiguous()?.apply_op2_no_bwd(&grad.contiguous()?, &RmsNormBwd)?));
+        }
         let dx = match x.dtype() {
             DType::F32 => rms_bwd::<f32>(x, grad)?,
             DType::F64 => rms_bwd::<f64>(x, grad)?,
             dt => bail!("rms_norm: unsupported dtype {dt:?}"),
         };
         Ok(Some(dx))
+    }
+}
+
+/// `(x, grad) -> dx` of [`RmsNorm`] where the forward pass ran on a GPU (on the CPU,
+/// [`RmsNorm`]'s backward pass computes it directly); its CPU implementation is the reference
+/// for the GPU kernel.
+struct RmsNormBwd;
+
+impl CustomOp2 for RmsNormBwd {
+    fn name(&self) -> &'static str {
+        "fused-rms-norm-bwd"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, gs: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
+        if xl.dims() != gl.dims() {
+            bail!("rms_norm backward: gradient {:?} for input {:?}", gl.shape(), xl.shape());
+        }
+        let (xrows, grows) = (row_offsets(xl)?, row_offsets(gl)?);
+        let d = xl.dims().last().copied().unwrap_or(0);
+        fn run<T: Real>(x: &[T], g: &[T], xrows: &[usize], grows: &[usize], d: usize) -> Vec<T> {
+            let (xr, gr) = (Rows { data: x, offsets: xrows, len: d }, Rows { data: g, offsets: grows, len: d });
+            let mut out = vec![T::from_f64(0.0); xrows.len() * d];
+            if d > 0 {
+                out.par_chunks_mut(RMS_ROWS * d).enumerate().for_each(|(c, out)| {
+                    let rows = c * RMS_ROWS..c * RMS_ROWS + out.len() / d;
+                    rms_bwd_rows(xr.sub(rows.clone()), gr.sub(rows), out);
+                });
+            }
+            out
+        }
+        let out = match (xs, gs) {
+            (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(run(x, g, &xrows, &grows, d)),
+            (CpuStorage::F64(x), CpuStorage::F64(g)) => CpuStorage::F64(run(x, g, &xrows, &grows, d)),
+            _ => bail!("rms_norm backward: unsupported dtypes {:?}, {:?}", xs.dtype(), gs.dtype()),
+        };
+        Ok((out, xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let d = xl.dims().last().copied().unwrap_or(0);
+        let out = super::gpu_kernels::rows_op("rms_norm_bwd", &[(xs, xl), (gs, gl)], d, ops::rms_eps(xs.dtype()) as f32)?;
+        Ok((out, xl.shape().clone()))
     }
 }
 
@@ -1074,6 +1159,35 @@ mod tests {
         let fused = |x: &[Tensor]| rms_norm(&x[0].transpose(1, 2)?);
         let reference = |x: &[Tensor]| ops::rms_norm(&x[0].transpose(1, 2)?);
         check_grads(&fused, &reference, &[x], "rms_norm");
+    }
+
+    /// The backward op a GPU forward pass hands its gradient to (its CPU implementation is the
+    /// GPU kernel's reference) gives the CPU backward pass's gradient.
+    #[test]
+    fn rms_norm_backward_op_matches_autograd() {
+        let mut rng = fastrand::Rng::with_seed(9);
+        for dtype in [DType::F64, DType::F32] {
+            let x = candle_core::Var::from_tensor(&rand(&mut rng, &[5, 3, 9], 2.0, dtype)).unwrap();
+            let g = rand(&mut rng, &[5, 3, 9], 1.0, dtype);
+            let want = (rms_norm(x.as_tensor()).unwrap() * &g).unwrap().sum_all().unwrap().backward().unwrap();
+            let got = x.as_tensor().apply_op2_no_bwd(&g, &RmsNormBwd).unwrap();
+            for (a, b) in flat(&got).iter().zip(flat(want.get(x.as_tensor()).unwrap())) {
+                assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "{dtype:?}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// Likewise for relu²'s backward op.
+    #[test]
+    fn relu_sq_backward_op_matches_autograd() {
+        let mut rng = fastrand::Rng::with_seed(10);
+        for dtype in [DType::F64, DType::F32] {
+            let x = candle_core::Var::from_tensor(&rand(&mut rng, &[4, 33], 2.0, dtype)).unwrap();
+            let g = rand(&mut rng, &[4, 33], 1.0, dtype);
+            let want = (relu_sq(x.as_tensor()).unwrap() * &g).unwrap().sum_all().unwrap().backward().unwrap();
+            let got = x.as_tensor().apply_op2_no_bwd(&g, &block::ReluSqBwd).unwrap();
+            assert_eq!(flat(&got), flat(want.get(x.as_tensor()).unwrap()), "{dtype:?}");
+        }
     }
 
     #[test]

@@ -34,10 +34,13 @@ const ROWS: usize = 64;
 /// `base + x * s` for `base` and `x` of the same shape `(.., C)` and a per-channel `s` of shape
 /// `(C,)`: `base + x.broadcast_mul(s)`.
 pub fn scale_add(base: &Tensor, x: &Tensor, s: &Tensor) -> Result<Tensor> {
-    if !base.device().is_cpu() {
+    let on_gpu = gpu_kernel_dtype(base);
+    if !base.device().is_cpu() && !on_gpu {
         return base + x.broadcast_mul(s)?;
     }
-    check_float("scale_add", base.dtype())?;
+    if !on_gpu {
+        check_float("scale_add", base.dtype())?;
+    }
     same_dtypes("scale_add", &[base, x, s])?;
     let c = last_dim(base)?;
     if x.dims() != base.dims() || s.dims() != [c] {
@@ -49,10 +52,13 @@ pub fn scale_add(base: &Tensor, x: &Tensor, s: &Tensor) -> Result<Tensor> {
 /// The residual mix `h * mix[0] + x0 * mix[1]` for `h` and `x0` of the same shape `(.., C)` and
 /// `mix` of shape `(2, C)`.
 pub fn resid_mix(h: &Tensor, x0: &Tensor, mix: &Tensor) -> Result<Tensor> {
-    if !h.device().is_cpu() {
+    let on_gpu = gpu_kernel_dtype(h);
+    if !h.device().is_cpu() && !on_gpu {
         return h.broadcast_mul(&mix.get(0)?)? + x0.broadcast_mul(&mix.get(1)?)?;
     }
-    check_float("resid_mix", h.dtype())?;
+    if !on_gpu {
+        check_float("resid_mix", h.dtype())?;
+    }
     same_dtypes("resid_mix", &[h, x0, mix])?;
     let c = last_dim(h)?;
     if x0.dims() != h.dims() || mix.dims() != [2, c] {
@@ -63,6 +69,9 @@ pub fn resid_mix(h: &Tensor, x0: &Tensor, mix: &Tensor) -> Result<Tensor> {
 
 /// `relu(x)^2`, elementwise: `x.relu().sqr()`.
 pub fn relu_sq(x: &Tensor) -> Result<Tensor> {
+    if x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::BF16) && x.rank() > 0 {
+        return x.contiguous()?.apply_op1(ReluSq);
+    }
     if !x.device().is_cpu() {
         return x.relu()?.sqr();
     }
@@ -86,10 +95,22 @@ pub fn qk_norm_rope(x: &Tensor, gain: Option<&Tensor>, cos: &Tensor, sin: &Tenso
     {
         bail!("qk_norm_rope: gain {:?} for {heads} heads", g.shape());
     }
+    if x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::BF16) {
+        let table = Tensor::cat(&[cos, sin], 1)?;
+        let y = super::super::norm_rope::norm_rope(x, &table, heads)?;
+        return match gain {
+            // The gain per channel (each head's repeated over its D channels).
+            Some(g) => scale_cols(&y, &g.reshape((heads, 1))?.broadcast_as((heads, 2 * half))?.reshape(width)?),
+            None => Ok(y),
+        };
+    }
     if !x.device().is_cpu() {
         let d = 2 * half;
-        let xh = x.reshape((n / t, t, heads, d))?.transpose(1, 2)?;
-        let mut y = ops::rope(&ops::rms_norm(&xh)?, cos, sin)?;
+        // The norm is per (token, head) row: on the token-major rows, before the transpose (on
+        // a GPU that is the fused norm's one kernel each way).
+        let xn = super::rms_norm(&x.reshape((n, heads, d))?)?;
+        let xh = xn.reshape((n / t, t, heads, d))?.transpose(1, 2)?;
+        let mut y = ops::rope(&xh, cos, sin)?;
         if let Some(g) = gain {
             y = y.broadcast_mul(&g.reshape((1, heads, 1, 1))?)?;
         }
@@ -207,6 +228,77 @@ macro_rules! float_dispatch {
     };
 }
 
+/// Whether `x` is on a GPU in a dtype the GPU kernels take (`f32`, `bf16`).
+fn gpu_kernel_dtype(x: &Tensor) -> bool {
+    x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::BF16)
+}
+
+/// `x * s` for `x` `(.., C)` and `s` `(C,)`: the per-channel scale of a gradient in the GPU
+/// backward passes of [`ScaleAdd`] and [`ResidMix`]. The CPU implementation is the kernel's
+/// reference.
+struct ScaleCols;
+
+impl CustomOp2 for ScaleCols {
+    fn name(&self) -> &'static str {
+        "scale-cols"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ss: &CpuStorage, sl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let out = float_dispatch!(xs.dtype(), "scale_cols", |T| {
+            let (x, sc) = (elems::<T>(xs, xl)?, elems::<T>(ss, sl)?);
+            let c = sc.len().max(1);
+            wrap(x.chunks(c).flat_map(|row| row.iter().zip(sc).map(|(&a, &b)| a * b)).collect::<Vec<T>>())
+        });
+        Ok((out, xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let c = sl.shape().elem_count();
+        Ok((super::super::gpu_kernels::rows_op_with("scale_cols", &[(xs, xl)], &[(ss, sl)], c, 0.0, &[])?, xl.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, s: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        Ok((Some(grad.apply_op2_no_bwd(s, &ScaleCols)?), Some(column_dot(&grad, x)?)))
+    }
+}
+
+/// `x * s` for `x` `(.., C)` and `s` `(C,)`, differentiable in both: one kernel each way on a
+/// GPU, where candle's broadcasting multiply reduces the gradient of `s` with a few blocks only.
+pub fn scale_cols(x: &Tensor, s: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op2(&s.contiguous()?, ScaleCols)
+}
+
+/// `sum over rows of (a * b)` for `a`, `b` `(.., C)`: the per-channel gradient on a GPU.
+fn column_dot(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let c = last_dim(a)?;
+    (a * b)?.reshape(((), c))?.sum(0)
+}
+
+/// The GPU backward pass of [`ScaleAdd`]: `(dbase, dx, ds)`.
+fn scale_add_bwd_gpu(x: &Tensor, s: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    let grad = grad.contiguous()?;
+    let dx = grad.apply_op2_no_bwd(s, &ScaleCols)?;
+    let ds = column_dot(&grad, x)?;
+    Ok((grad, dx, ds))
+}
+
+/// The GPU backward pass of [`ResidMix`]: `(dh, dx0, dmix)`.
+fn resid_mix_bwd_gpu(h: &Tensor, x0: &Tensor, mix: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    let grad = grad.contiguous()?;
+    let dh = grad.apply_op2_no_bwd(&mix.get(0)?, &ScaleCols)?;
+    let dx0 = grad.apply_op2_no_bwd(&mix.get(1)?, &ScaleCols)?;
+    let dmix = Tensor::stack(&[column_dot(&grad, h)?, column_dot(&grad, x0)?], 0)?;
+    Ok((dh, dx0, dmix))
+}
+
 // ---------------------------------------------------------------------------------------------
 // base + x * s.
 
@@ -291,6 +383,20 @@ impl CustomOp3 for ScaleAdd {
         Ok((out, l1.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let c = l3.shape().elem_count();
+        Ok((super::super::gpu_kernels::rows_op_with("scale_add", &[(s1, l1), (s2, l2)], &[(s3, l3)], c, 0.0, &[])?, l1.shape().clone()))
+    }
+
     fn bwd(
         &self,
         _base: &Tensor,
@@ -299,6 +405,10 @@ impl CustomOp3 for ScaleAdd {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        if !x.device().is_cpu() {
+            let (dbase, dx, ds) = scale_add_bwd_gpu(x, s, grad)?;
+            return Ok((Some(dbase), Some(dx), Some(ds)));
+        }
         let (dx, ds) = float_dispatch!(x.dtype(), "scale_add", |T| scale_add_bwd::<T>(x, s, grad)?);
         Ok((Some(grad.clone()), Some(dx), Some(ds)))
     }
@@ -399,6 +509,20 @@ impl CustomOp3 for ResidMix {
         Ok((out, l1.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let c = l3.shape().elem_count() / 2;
+        Ok((super::super::gpu_kernels::rows_op_with("resid_mix", &[(s1, l1), (s2, l2)], &[(s3, l3)], c, 0.0, &[])?, l1.shape().clone()))
+    }
+
     fn bwd(
         &self,
         h: &Tensor,
@@ -407,6 +531,10 @@ impl CustomOp3 for ResidMix {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        if !h.device().is_cpu() {
+            let (dh, dx0, dm) = resid_mix_bwd_gpu(h, x0, mix, grad)?;
+            return Ok((Some(dh), Some(dx0), Some(dm)));
+        }
         let (dh, dx0, dm) = float_dispatch!(h.dtype(), "resid_mix", |T| mix_bwd::<T>(h, x0, mix, grad)?);
         Ok((Some(dh), Some(dx0), Some(dm)))
     }
@@ -474,8 +602,52 @@ impl CustomOp1 for ReluSq {
         Ok((out, l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let d = l.dims().last().copied().unwrap_or(1);
+        Ok((super::super::gpu_kernels::rows_op("relu_sq_fwd", &[(s, l)], d, 0.0)?, l.shape().clone()))
+    }
+
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        if !x.device().is_cpu() {
+            return Ok(Some(x.apply_op2_no_bwd(&grad.contiguous()?, &ReluSqBwd)?));
+        }
         Ok(Some(float_dispatch!(x.dtype(), "relu_sq", |T| relu_sq_bwd::<T>(x, grad)?)))
+    }
+}
+
+/// `(x, grad) -> 2 relu(x) grad` where [`ReluSq`] ran on a GPU; its CPU implementation is the
+/// GPU kernel's reference.
+pub(super) struct ReluSqBwd;
+
+impl CustomOp2 for ReluSqBwd {
+    fn name(&self) -> &'static str {
+        "fused-relu-sq-bwd"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, gs: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
+        if xl.dims() != gl.dims() || xs.dtype() != gs.dtype() {
+            bail!("relu_sq backward: gradient {:?} for x {:?}", gl.shape(), xl.shape());
+        }
+        let out = float_dispatch!(xs.dtype(), "relu_sq", |T| {
+            let (x, g) = (elems::<T>(xs, xl)?, elems::<T>(gs, gl)?);
+            let mut out = vec![<T as candle_core::WithDType>::from_f64(0.0); x.len()];
+            out.par_chunks_mut(ELEMS).zip(x.par_chunks(ELEMS)).zip(g.par_chunks(ELEMS)).for_each(|((o, x), g)| relu_sq_bwd_block(x, g, o));
+            wrap(out)
+        });
+        Ok((out, xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let d = xl.dims().last().copied().unwrap_or(1);
+        Ok((super::super::gpu_kernels::rows_op("relu_sq_bwd", &[(xs, xl), (gs, gl)], d, 0.0)?, xl.shape().clone()))
     }
 }
 

@@ -217,7 +217,7 @@ impl Gpt {
         let cfg = &self.cfg;
         let (b, t) = x.dims2()?;
         let emb = self.p("tok_emb.weight");
-        let mut h = rms_norm(&emb.index_select(&x.flatten_all()?, 0)?)?;
+        let mut h = rms_norm(&super::embedding::embedding(&emb, &x.flatten_all()?)?)?;
         let x0 = h.clone();
         let (cos, sin) = rope_tables(t, cfg.head_dim(), cfg.rope_base, self.dtype, &self.device)?;
         let enc = cfg.encoder_layers();
@@ -270,6 +270,12 @@ impl Gpt {
         let q = qk_norm_rope(&self.linear(x, &p("c_q.weight"))?, Some(&p("q_gain")), cos, sin, h)?;
         let k = qk_norm_rope(&self.linear(x, &p("c_k.weight"))?, None, cos, sin, kvh)?;
         let v = self.linear(x, &p("c_v.weight"))?;
+        // On a GPU the score products run in the matmul dtype (bf16 under mixed precision, as
+        // PyTorch's autocast runs SDPA); the CPU's fused attention keeps the parameters' dtype.
+        let (q, k, v) = match self.matmul_dtype {
+            Some(md) if !self.device.is_cpu() => (q.to_dtype(md)?, k.to_dtype(md)?, v.to_dtype(md)?),
+            _ => (q, k, v),
+        };
         let y = causal_attention_tokens(&q, &k, &v, b, h, kvh)?;
         self.linear(&y, &p("proj.weight"))
     }

@@ -10,9 +10,14 @@
 //! - [`Gpt`]: parameters named exactly as the PyTorch script's `GPT.state_dict()`, the spec's
 //!   initialisation, and the forward pass to logits, mean loss or per-token losses.
 
+pub mod causal_softmax;
 mod config;
+pub mod embedding;
 pub mod fused;
 mod gpt;
+#[cfg(feature = "cuda")]
+mod gpu_kernels;
+pub mod norm_rope;
 pub mod ops;
 
 pub use config::ModelConfig;

@@ -1,0 +1,294 @@
+// The GPU kernels of the model's fused ops (see src/model/gpu_kernels.rs for the launches and
+// src/model/causal_softmax.rs, src/model/fused.rs for the CPU references they are checked
+// against). Every kernel gives one warp to one row: the rows here are short (a head's 64
+// values, a token's 512 channels, a query's 1024 keys), so a warp reads a row with coalesced
+// loads, reduces it with shuffles and writes it once; blocks hold 8 rows.
+//
+// Arithmetic is in float32 whatever the storage type (float32 or bfloat16).
+#include <cuda_bf16.h>
+#include <math_constants.h>
+
+namespace {
+
+__device__ __forceinline__ float load(const float* p, long i) { return p[i]; }
+__device__ __forceinline__ float load(const __nv_bfloat16* p, long i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void store(float* p, long i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(__nv_bfloat16* p, long i, float v) { p[i] = __float2bfloat16(v); }
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// The row this warp owns, or -1 past the end.
+__device__ __forceinline__ long warp_row(long rows) {
+    long r = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    return r < rows ? r : -1;
+}
+
+// p[r, j] = exp(scale * s[r, j] - m) / z over the keys j <= i of row r's query position
+// i = r % t (m the row's maximum, z its sum); 0 for the future keys j > i.
+template <typename T>
+__device__ void causal_softmax_fwd(const T* s, T* p, long rows, int t, float scale) {
+    long r = warp_row(rows);
+    if (r < 0) return;
+    int lane = threadIdx.x & 31, i = (int)(r % t);
+    const T* sr = s + r * t;
+    T* pr = p + r * t;
+    float m = -CUDART_INF_F;
+    for (int j = lane; j <= i; j += 32) m = fmaxf(m, scale * load(sr, j));
+    m = warp_max(m);
+    float z = 0.f;
+    for (int j = lane; j <= i; j += 32) z += __expf(scale * load(sr, j) - m);
+    float inv = 1.f / warp_sum(z);
+    for (int j = lane; j < t; j += 32) store(pr, j, j <= i ? __expf(scale * load(sr, j) - m) * inv : 0.f);
+}
+
+// ds[r, j] = scale * p[r, j] * (g[r, j] - sum_k p[r, k] g[r, k]): the gradient of the scores
+// given the probabilities p and their gradient g (0 for the future keys, where p is 0).
+template <typename T>
+__device__ void causal_softmax_bwd(const T* p, const T* g, T* ds, long rows, int t, float scale) {
+    long r = warp_row(rows);
+    if (r < 0) return;
+    int lane = threadIdx.x & 31, i = (int)(r % t);
+    const T* pr = p + r * t;
+    const T* gr = g + r * t;
+    T* dr = ds + r * t;
+    float dot = 0.f;
+    for (int j = lane; j <= i; j += 32) dot += load(pr, j) * load(gr, j);
+    dot = warp_sum(dot);
+    for (int j = lane; j < t; j += 32) store(dr, j, j <= i ? scale * load(pr, j) * (load(gr, j) - dot) : 0.f);
+}
+
+// y = x / sqrt(mean(x^2) + eps) over rows of d.
+template <typename T>
+__device__ void rms_norm_fwd(const T* x, T* y, long rows, int d, float eps) {
+    long r = warp_row(rows);
+    if (r < 0) return;
+    int lane = threadIdx.x & 31;
+    const T* xr = x + r * d;
+    T* yr = y + r * d;
+    float ss = 0.f;
+    for (int j = lane; j < d; j += 32) {
+        float v = load(xr, j);
+        ss += v * v;
+    }
+    float inv = rsqrtf(warp_sum(ss) / d + eps);
+    for (int j = lane; j < d; j += 32) store(yr, j, load(xr, j) * inv);
+}
+
+// dx = g / rms - x * sum(g * x) / (d * rms^3).
+template <typename T>
+__device__ void rms_norm_bwd(const T* x, const T* g, T* dx, long rows, int d, float eps) {
+    long r = warp_row(rows);
+    if (r < 0) return;
+    int lane = threadIdx.x & 31;
+    const T* xr = x + r * d;
+    const T* gr = g + r * d;
+    T* dr = dx + r * d;
+    float ss = 0.f, xg = 0.f;
+    for (int j = lane; j < d; j += 32) {
+        float v = load(xr, j);
+        ss += v * v;
+        xg += v * load(gr, j);
+    }
+    ss = warp_sum(ss);
+    xg = warp_sum(xg);
+    float inv = rsqrtf(ss / d + eps);
+    float c = xg / d * inv * inv * inv;
+    for (int j = lane; j < d; j += 32) store(dr, j, load(gr, j) * inv - load(xr, j) * c);
+}
+
+// relu(x)^2 and its gradient 2 relu(x) g, elementwise (rows only for the launch geometry).
+template <typename T>
+__device__ void relu_sq_fwd(const T* x, T* y, long rows, int d, float) {
+    long r = warp_row(rows);
+    if (r < 0) return;
+    for (int j = threadIdx.x & 31; j < d; j += 32) {
+        float v = fmaxf(load(x, r * d + j), 0.f);
+        store(y, r * d + j, v * v);
+    }
+}
+
+template <typename T>
+__device__ void relu_sq_bwd(const T* x, const T* g, T* dx, long rows, int d, float) {
+    long r = warp_row(rows);
+    if (r < 0) return;
+    for (int j = threadIdx.x & 31; j < d; j += 32) {
+        float v = fmaxf(load(x, r * d + j), 0.f);
+        store(dx, r * d + j, 2.f * v * load(g, r * d + j));
+    }
+}
+
+// Per-head RMS norm then RoPE on token-major rows: row r is head (r % heads) of token
+// n = r / heads, at position p = n % seq; `table` is (seq, d) = [cos | sin] of (seq, d/2) each.
+// With y = x / rms: out[i] = y[i] cos + y[i+h] sin, out[i+h] = y[i+h] cos - y[i] sin.
+template <typename T>
+__device__ void norm_rope_fwd(const T* x, const T* table, T* out, long rows, int d, float eps, int heads, int seq) {
+    long r = warp_row(rows);
+    if (r < 0) return;
+    int lane = threadIdx.x & 31, half = d / 2;
+    const T* xr = x + r * d;
+    const T* tr = table + (long)((r / heads) % seq) * d;
+    T* orow = out + r * d;
+    float ss = 0.f;
+    for (int j = lane; j < d; j += 32) {
+        float v = load(xr, j);
+        ss += v * v;
+    }
+    float inv = rsqrtf(warp_sum(ss) / d + eps);
+    for (int i = lane; i < half; i += 32) {
+        float y1 = load(xr, i) * inv, y2 = load(xr, i + half) * inv;
+        float c = load(tr, i), s = load(tr, half + i);
+        store(orow, i, y1 * c + y2 * s);
+        store(orow, i + half, y2 * c - y1 * s);
+    }
+}
+
+// The gradient of norm_rope_fwd: rotate g back (dy1 = g1 cos - g2 sin, dy2 = g1 sin + g2 cos),
+// then the RMS norm's backward pass dx = dy / rms - x sum(x dy) / (d rms^3).
+template <typename T>
+__device__ void norm_rope_bwd(const T* x, const T* g, const T* table, T* dx, long rows, int d, float eps, int heads,
+                              int seq) {
+    long r = warp_row(rows);
+    if (r < 0) return;
+    int lane = threadIdx.x & 31, half = d / 2;
+    const T* xr = x + r * d;
+    const T* gr = g + r * d;
+    const T* tr = table + (long)((r / heads) % seq) * d;
+    T* dr = dx + r * d;
+    float ss = 0.f, xdy = 0.f;
+    for (int i = lane; i < half; i += 32) {
+        float x1 = load(xr, i), x2 = load(xr, i + half);
+        float g1 = load(gr, i), g2 = load(gr, i + half);
+        float c = load(tr, i), s = load(tr, half + i);
+        ss += x1 * x1 + x2 * x2;
+        xdy += x1 * (g1 * c - g2 * s) + x2 * (g1 * s + g2 * c);
+    }
+    ss = warp_sum(ss);
+    xdy = warp_sum(xdy);
+    float inv = rsqrtf(ss / d + eps);
+    float k = xdy / d * inv * inv * inv;
+    for (int i = lane; i < half; i += 32) {
+        float x1 = load(xr, i), x2 = load(xr, i + half);
+        float g1 = load(gr, i), g2 = load(gr, i + half);
+        float c = load(tr, i), s = load(tr, half + i);
+        store(dr, i, (g1 * c - g2 * s) * inv - x1 * k);
+        store(dr, i + half, (g1 * s + g2 * c) * inv - x2 * k);
+    }
+}
+
+// Per-channel scales on rows of d channels (s, mix: the extra inputs, of d and 2 d values):
+// x * s, base + x * s, and the residual mix h * mix[0] + x0 * mix[1].
+template <typename T>
+__device__ void scale_cols(const T* x, const T* sc, T* y, long rows, int d, float) {
+    long r = warp_row(rows);
+    if (r < 0) return;
+    for (int j = threadIdx.x & 31; j < d; j += 32) store(y, r * d + j, load(x, r * d + j) * load(sc, j));
+}
+
+template <typename T>
+__device__ void scale_add(const T* base, const T* x, const T* sc, T* y, long rows, int d, float) {
+    long r = warp_row(rows);
+    if (r < 0) return;
+    for (int j = threadIdx.x & 31; j < d; j += 32)
+        store(y, r * d + j, load(base, r * d + j) + load(x, r * d + j) * load(sc, j));
+}
+
+template <typename T>
+__device__ void resid_mix(const T* h, const T* x0, const T* mix, T* y, long rows, int d, float) {
+    long r = warp_row(rows);
+    if (r < 0) return;
+    for (int j = threadIdx.x & 31; j < d; j += 32)
+        store(y, r * d + j, load(h, r * d + j) * load(mix, j) + load(x0, r * d + j) * load(mix, d + j));
+}
+
+// The gradient of an embedding lookup: dw[v, j] = sum of g[i, j] over the tokens i with
+// ids[i] == v, in token order (deterministic, no atomics). Block (v, y) owns vocabulary row v,
+// channels y * blockDim.x + tid; each warp finds the matching tokens 32 at a time with a ballot.
+template <typename T>
+__device__ void embedding_bwd(const unsigned* ids, const T* g, T* dw, long n, int c) {
+    unsigned v = blockIdx.x;
+    int j = blockIdx.y * blockDim.x + threadIdx.x, lane = threadIdx.x & 31;
+    float acc = 0.f;
+    for (long base = 0; base < n; base += 32) {
+        long i = base + lane;
+        unsigned id = i < n ? ids[i] : 0xffffffffu;
+        unsigned mask = __ballot_sync(0xffffffffu, id == v);
+        while (mask) {
+            int b = __ffs(mask) - 1;
+            mask &= mask - 1;
+            if (j < c) acc += load(g, (base + b) * c + j);
+        }
+    }
+    if (j < c) store(dw, (long)v * c + j, acc);
+}
+
+}  // namespace
+
+#define FOR_TYPES(X) X(f32, float) X(bf16, __nv_bfloat16)
+
+#define SOFTMAX(name, T)                                                                                   \
+    extern "C" __global__ void causal_softmax_fwd_##name(const T* s, T* p, long rows, int t, float scale) { \
+        causal_softmax_fwd<T>(s, p, rows, t, scale);                                                       \
+    }                                                                                                      \
+    extern "C" __global__ void causal_softmax_bwd_##name(const T* p, const T* g, T* ds, long rows, int t,  \
+                                                         float scale) {                                    \
+        causal_softmax_bwd<T>(p, g, ds, rows, t, scale);                                                   \
+    }
+FOR_TYPES(SOFTMAX)
+
+#define RMS(name, T)                                                                                       \
+    extern "C" __global__ void rms_norm_fwd_##name(const T* x, T* y, long rows, int d, float eps) {       \
+        rms_norm_fwd<T>(x, y, rows, d, eps);                                                               \
+    }                                                                                                      \
+    extern "C" __global__ void rms_norm_bwd_##name(const T* x, const T* g, T* dx, long rows, int d,       \
+                                                   float eps) {                                            \
+        rms_norm_bwd<T>(x, g, dx, rows, d, eps);                                                           \
+    }
+FOR_TYPES(RMS)
+
+#define RELU(name, T)                                                                                      \
+    extern "C" __global__ void relu_sq_fwd_##name(const T* x, T* y, long rows, int d, float p) {          \
+        relu_sq_fwd<T>(x, y, rows, d, p);                                                                  \
+    }                                                                                                      \
+    extern "C" __global__ void relu_sq_bwd_##name(const T* x, const T* g, T* dx, long rows, int d, float p) { \
+        relu_sq_bwd<T>(x, g, dx, rows, d, p);                                                              \
+    }
+FOR_TYPES(RELU)
+
+#define NORM_ROPE(name, T)                                                                                 \
+    extern "C" __global__ void norm_rope_fwd_##name(const T* x, const T* table, T* out, long rows, int d, \
+                                                    float eps, int heads, int seq) {                       \
+        norm_rope_fwd<T>(x, table, out, rows, d, eps, heads, seq);                                         \
+    }                                                                                                      \
+    extern "C" __global__ void norm_rope_bwd_##name(const T* x, const T* g, const T* table, T* dx,         \
+                                                    long rows, int d, float eps, int heads, int seq) {     \
+        norm_rope_bwd<T>(x, g, table, dx, rows, d, eps, heads, seq);                                       \
+    }
+FOR_TYPES(NORM_ROPE)
+
+#define SCALES(name, T)                                                                                    \
+    extern "C" __global__ void scale_cols_##name(const T* x, const T* s, T* y, long rows, int d, float p) { \
+        scale_cols<T>(x, s, y, rows, d, p);                                                                \
+    }                                                                                                      \
+    extern "C" __global__ void scale_add_##name(const T* b, const T* x, const T* s, T* y, long rows, int d, \
+                                                float p) {                                                 \
+        scale_add<T>(b, x, s, y, rows, d, p);                                                              \
+    }                                                                                                      \
+    extern "C" __global__ void resid_mix_##name(const T* h, const T* x0, const T* m, T* y, long rows, int d, \
+                                                float p) {                                                 \
+        resid_mix<T>(h, x0, m, y, rows, d, p);                                                             \
+    }
+FOR_TYPES(SCALES)
+
+#define EMBEDDING(name, T)                                                                                 \
+    extern "C" __global__ void embedding_bwd_##name(const unsigned* ids, const T* g, T* dw, long n, int c) { \
+        embedding_bwd<T>(ids, g, dw, n, c);                                                                \
+    }
+FOR_TYPES(EMBEDDING)

@@ -1,0 +1,143 @@
+//! The token-embedding lookup with its own backward pass for the GPU: candle's `index_select`
+//! gradient (`index_add`) runs one thread per channel over every token in turn (9 ms per
+//! 16,384 tokens on an H100, more than any other kernel of a step); the kernel here
+//! (`kernels/fused.cu`) gives each vocabulary row a block that gathers its tokens' gradients in
+//! token order, so the sum is deterministic. The CPU implementation is its reference; CPU
+//! training keeps candle's `index_select`.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, bail};
+
+/// Rows `ids` of `weight` `(V, C)` for `ids` `(N,)` of u32: `(N, C)`, differentiable in `weight`.
+pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    let (_, c) = weight.dims2()?;
+    if weight.device().is_cuda() && matches!(weight.dtype(), DType::F32 | DType::BF16) {
+        let n = ids.dims1()?;
+        if ids.dtype() != DType::U32 {
+            bail!("embedding: ids must be u32, got {:?}", ids.dtype());
+        }
+        return weight.contiguous()?.apply_op2(&ids.contiguous()?, Embedding)?.reshape((n, c));
+    }
+    weight.index_select(ids, 0)
+}
+
+struct Embedding;
+
+/// `(ids, grad) -> (vocab, C)` gradient of the table.
+struct EmbeddingBwd {
+    vocab: usize,
+}
+
+impl CustomOp2 for Embedding {
+    fn name(&self) -> &'static str {
+        "embedding"
+    }
+
+    fn cpu_fwd(&self, w: &CpuStorage, wl: &Layout, ids: &CpuStorage, il: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n, c) = (il.shape().elem_count(), wl.shape().dims2()?.1);
+        Ok((w.index_select(ids, wl, il, 0)?, Shape::from((n, c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+        ids: &candle_core::CudaStorage,
+        il: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (n, c) = (il.shape().elem_count(), wl.shape().dims2()?.1);
+        Ok((w.index_select(ids, wl, il, 0)?, Shape::from((n, c))))
+    }
+
+    fn bwd(&self, w: &Tensor, ids: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dw = ids.apply_op2_no_bwd(&grad.contiguous()?, &EmbeddingBwd { vocab: w.dim(0)? })?;
+        Ok((Some(dw), None))
+    }
+}
+
+impl CustomOp2 for EmbeddingBwd {
+    fn name(&self) -> &'static str {
+        "embedding-bwd"
+    }
+
+    fn cpu_fwd(&self, ids: &CpuStorage, il: &Layout, g: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n, c) = gl.shape().dims2()?;
+        let (Some((i0, i1)), Some((g0, g1))) = (il.contiguous_offsets(), gl.contiguous_offsets()) else {
+            bail!("embedding backward: ids {il:?} and gradient {gl:?} must be contiguous");
+        };
+        let CpuStorage::U32(ids) = ids else { bail!("embedding backward: ids must be u32, got {:?}", ids.dtype()) };
+        let ids = &ids[i0..i1];
+        if ids.len() != n {
+            bail!("embedding backward: {} ids for a gradient of {n} rows", ids.len());
+        }
+        let dtype = g.dtype();
+        let g: Vec<f64> = match g {
+            CpuStorage::F32(v) => v[g0..g1].iter().map(|&x| x as f64).collect(),
+            CpuStorage::F64(v) => v[g0..g1].to_vec(),
+            CpuStorage::BF16(v) => v[g0..g1].iter().map(|x| x.to_f64()).collect(),
+            s => bail!("embedding backward: unsupported dtype {:?}", s.dtype()),
+        };
+        let mut dw = vec![0.0f64; self.vocab * c];
+        for (i, &id) in ids.iter().enumerate() {
+            let v = id as usize;
+            if v >= self.vocab {
+                bail!("embedding backward: token id {v} is outside the vocabulary of {}", self.vocab);
+            }
+            for (d, x) in dw[v * c..(v + 1) * c].iter_mut().zip(&g[i * c..(i + 1) * c]) {
+                *d += x;
+            }
+        }
+        let out = match dtype {
+            DType::F32 => CpuStorage::F32(dw.into_iter().map(|x| x as f32).collect()),
+            DType::BF16 => CpuStorage::BF16(dw.into_iter().map(half::bf16::from_f64).collect()),
+            _ => CpuStorage::F64(dw),
+        };
+        Ok((out, Shape::from((self.vocab, c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ids: &candle_core::CudaStorage,
+        il: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let c = gl.shape().dims2()?.1;
+        Ok((super::gpu_kernels::embedding_bwd((ids, il), (g, gl), self.vocab)?, Shape::from((self.vocab, c))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// The backward op gives `index_select`'s gradient (repeated ids add up), and an id outside
+    /// the table is an error, not a wild write.
+    #[test]
+    fn backward_op_matches_index_select_gradients() {
+        let mut rng = fastrand::Rng::with_seed(4);
+        let w =
+            Var::from_tensor(&Tensor::from_vec((0..7 * 5).map(|_| rng.f64()).collect::<Vec<_>>(), (7, 5), &Device::Cpu).unwrap()).unwrap();
+        let ids = Tensor::new(&[3u32, 0, 3, 6, 3, 1], &Device::Cpu).unwrap();
+        let g = Tensor::from_vec((0..6 * 5).map(|_| rng.f64() - 0.5).collect::<Vec<_>>(), (6, 5), &Device::Cpu).unwrap();
+        let rows = embedding(w.as_tensor(), &ids).unwrap();
+        assert_eq!(rows.to_vec2::<f64>().unwrap(), w.as_tensor().index_select(&ids, 0).unwrap().to_vec2::<f64>().unwrap());
+        let want = (rows * &g).unwrap().sum_all().unwrap().backward().unwrap();
+        let got = ids.apply_op2_no_bwd(&g, &EmbeddingBwd { vocab: 7 }).unwrap();
+        let (a, b) = (got.to_vec2::<f64>().unwrap(), want.get(w.as_tensor()).unwrap().to_vec2::<f64>().unwrap());
+        for (ra, rb) in a.iter().zip(&b) {
+            for (x, y) in ra.iter().zip(rb) {
+                assert!((x - y).abs() < 1e-12, "{a:?} vs {b:?}");
+            }
+        }
+        assert!(a[2].iter().all(|&x| x == 0.0), "row 2 is never looked up");
+        let err = Tensor::new(&[9u32], &Device::Cpu)
+            .unwrap()
+            .apply_op2_no_bwd(&g.narrow(0, 0, 1).unwrap(), &EmbeddingBwd { vocab: 7 })
+            .unwrap_err();
+        assert!(err.to_string().contains("outside the vocabulary"), "{err}");
+    }
+}

@@ -1,0 +1,144 @@
+//! Launches of the fused ops' GPU kernels (`kernels/fused.cu`, compiled to PTX by build.rs;
+//! `cuda` builds only). Each kernel works on rows: one warp per row of `len` elements, eight
+//! rows per block, every input and the output contiguous and of the same shape and dtype
+//! (`f32` or `bf16`). The CPU references they are checked against sit beside the ops that call
+//! them ([`super::causal_softmax`], [`super::fused::rms_norm`]); `pipeline parity` compares the
+//! two on a GPU.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, CudaStorage, WrapErr};
+use candle_core::{DType, Layout, Result, bail};
+
+/// The PTX of kernels/fused.cu.
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
+/// The name the module is cached under in candle's device.
+const MODULE: &str = "pipeline-fused";
+/// Rows (warps) per block.
+const ROWS_PER_BLOCK: usize = 8;
+
+/// Runs kernel `{name}_{f32|bf16}(inputs..., out, rows, len, param)` over the rows of `len`
+/// elements of `inputs` (all of the first input's shape) and returns the output's storage.
+pub fn rows_op(name: &str, inputs: &[(&CudaStorage, &Layout)], len: usize, param: f32) -> Result<CudaStorage> {
+    rows_op_with(name, inputs, &[], len, param, &[])
+}
+
+/// [`rows_op`] with `extras` (contiguous, of any shape, e.g. a table) passed after the inputs
+/// and `ints` after `param`: `{name}_{f32|bf16}(inputs..., extras..., out, rows, len, param,
+/// ints...)`.
+pub fn rows_op_with(
+    name: &str,
+    inputs: &[(&CudaStorage, &Layout)],
+    extras: &[(&CudaStorage, &Layout)],
+    len: usize,
+    param: f32,
+    ints: &[i32],
+) -> Result<CudaStorage> {
+    let Some(&(first, layout)) = inputs.first() else { bail!("{name}: no inputs") };
+    for (s, l) in inputs.iter().chain(extras) {
+        if s.dtype() != first.dtype() {
+            bail!("{name}: inputs of dtypes {:?} and {:?}", first.dtype(), s.dtype());
+        }
+        if !l.is_contiguous() {
+            bail!("{name}: every input must be contiguous, got {l:?}");
+        }
+    }
+    if let Some((_, l)) = inputs.iter().find(|(_, l)| l.dims() != layout.dims()) {
+        bail!("{name}: inputs of shapes {:?} and {:?}", layout.shape(), l.shape());
+    }
+    match first.dtype() {
+        DType::F32 => launch::<f32>(name, "f32", inputs, extras, len, param, ints),
+        DType::BF16 => launch::<half::bf16>(name, "bf16", inputs, extras, len, param, ints),
+        dt => bail!("{name}: the GPU kernel supports f32 and bf16, got {dt:?}"),
+    }
+}
+
+fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+    let start = l.start_offset();
+    Ok(s.as_cuda_slice::<T>()?.slice(start..start + l.shape().elem_count()))
+}
+
+fn launch<T: CudaDType + DeviceRepr>(
+    name: &str,
+    suffix: &str,
+    inputs: &[(&CudaStorage, &Layout)],
+    extras: &[(&CudaStorage, &Layout)],
+    len: usize,
+    param: f32,
+    ints: &[i32],
+) -> Result<CudaStorage> {
+    let dev = inputs[0].0.device().clone();
+    let n = inputs[0].1.shape().elem_count();
+    if len == 0 || n % len != 0 {
+        bail!("{name}: {n} elements do not split into rows of {len}");
+    }
+    let views = inputs.iter().chain(extras).map(|(s, l)| view::<T>(s, l)).collect::<Result<Vec<_>>>()?;
+    // SAFETY: every element is written by the kernel (each row's warp writes all `len` values).
+    let out = unsafe { dev.alloc::<T>(n)? };
+    let rows = n / len;
+    if rows > 0 {
+        let func = dev.get_or_load_custom_func(&format!("{name}_{suffix}"), MODULE, PTX)?;
+        let (rows_arg, len_arg) = (rows as i64, i32::try_from(len).map_err(|_| candle_core::Error::Msg(format!("{name}: row of {len}")))?);
+        let blocks = u32::try_from(rows.div_ceil(ROWS_PER_BLOCK)).map_err(|_| candle_core::Error::Msg(format!("{name}: {rows} rows")))?;
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * ROWS_PER_BLOCK as u32, 1, 1), shared_mem_bytes: 0 };
+        let mut b = func.builder();
+        for v in &views {
+            b.arg(v);
+        }
+        b.arg(&out);
+        b.arg(&rows_arg);
+        b.arg(&len_arg);
+        b.arg(&param);
+        for i in ints {
+            b.arg(i);
+        }
+        // SAFETY: the kernel's signature is (const T*..., T*, long, int, float, int...), as passed.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// `embedding_bwd_{f32|bf16}(ids, g, dw, n, c)`: the `(vocab, c)` gradient of an embedding
+/// table from the `(n, c)` gradient `g` of the looked-up rows of token ids `ids` (u32).
+pub fn embedding_bwd(ids: (&CudaStorage, &Layout), g: (&CudaStorage, &Layout), vocab: usize) -> Result<CudaStorage> {
+    let (n, c) = g.1.shape().dims2()?;
+    if ids.1.shape().elem_count() != n || !ids.1.is_contiguous() || !g.1.is_contiguous() {
+        bail!("embedding_bwd: ids {:?} and gradient {:?} must be contiguous (n,) and (n, c)", ids.1, g.1);
+    }
+    match g.0.dtype() {
+        DType::F32 => embedding_bwd_t::<f32>("f32", ids, g, vocab, n, c),
+        DType::BF16 => embedding_bwd_t::<half::bf16>("bf16", ids, g, vocab, n, c),
+        dt => bail!("embedding_bwd: the GPU kernel supports f32 and bf16, got {dt:?}"),
+    }
+}
+
+fn embedding_bwd_t<T: CudaDType + DeviceRepr>(
+    suffix: &str,
+    ids: (&CudaStorage, &Layout),
+    g: (&CudaStorage, &Layout),
+    vocab: usize,
+    n: usize,
+    c: usize,
+) -> Result<CudaStorage> {
+    let dev = g.0.device().clone();
+    let ids_view = view::<u32>(ids.0, ids.1)?;
+    let g_view = view::<T>(g.0, g.1)?;
+    // SAFETY: the kernel writes every element (rows of unused ids get zeros).
+    let out = unsafe { dev.alloc::<T>(vocab * c)? };
+    if vocab > 0 && c > 0 {
+        let func = dev.get_or_load_custom_func(&format!("embedding_bwd_{suffix}"), MODULE, PTX)?;
+        let threads = 256u32;
+        let cfg =
+            LaunchConfig { grid_dim: (vocab as u32, (c as u32).div_ceil(threads), 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        let (n_arg, c_arg) = (n as i64, c as i32);
+        let mut b = func.builder();
+        b.arg(&ids_view);
+        b.arg(&g_view);
+        b.arg(&out);
+        b.arg(&n_arg);
+        b.arg(&c_arg);
+        // SAFETY: the kernel's signature is (const unsigned*, const T*, T*, long, int).
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}

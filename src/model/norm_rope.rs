@@ -1,0 +1,227 @@
+//! Per-head RMS norm followed by RoPE on token-major rows, as one op each way, for the query
+//! and key projections on a GPU (the composite of [`super::ops`] is about a dozen passes forward
+//! and twice that backward, plus two transposes). The CPU implementation is the reference the
+//! GPU kernels (`kernels/fused.cu`) are checked against; CPU training uses
+//! [`super::fused::qk_norm_rope`], which also folds in the gain.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
+
+use super::ops;
+
+/// `rope(rms_norm(head))` for every head of `x` `(N, heads * D)`, whose row `n` is position
+/// `n % T`; `table` is `(T, D)`: the `(T, D / 2)` cos table then the sin table of
+/// [`ops::rope_tables`], side by side. Returns `(N, heads * D)`. Differentiable in `x`.
+pub fn norm_rope(x: &Tensor, table: &Tensor, heads: usize) -> Result<Tensor> {
+    let (n, width) = x.dims2()?;
+    let (t, d) = table.dims2()?;
+    if heads == 0 || d % 2 != 0 || width != heads * d || t == 0 || n % t != 0 {
+        bail!("norm_rope: x {:?} with {heads} heads does not fit the table {:?}", x.shape(), table.shape());
+    }
+    let table = table.to_dtype(x.dtype())?.contiguous()?;
+    x.contiguous()?.apply_op2(&table, NormRope { heads })
+}
+
+struct NormRope {
+    heads: usize,
+}
+
+/// `(x, grad, table) -> dx` of [`NormRope`].
+struct NormRopeBwd {
+    heads: usize,
+}
+
+fn host(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
+    if !l.is_contiguous() {
+        bail!("norm_rope: the CPU reference needs contiguous inputs, got {l:?}");
+    }
+    let r = l.start_offset()..l.start_offset() + l.shape().elem_count();
+    Ok(match s {
+        CpuStorage::F32(v) => v[r].iter().map(|&x| x as f64).collect(),
+        CpuStorage::F64(v) => v[r].to_vec(),
+        CpuStorage::BF16(v) => v[r].iter().map(|x| x.to_f64()).collect(),
+        s => bail!("norm_rope: unsupported dtype {:?}", s.dtype()),
+    })
+}
+
+fn storage(v: Vec<f64>, dtype: DType) -> Result<CpuStorage> {
+    Ok(match dtype {
+        DType::F32 => CpuStorage::F32(v.into_iter().map(|x| x as f32).collect()),
+        DType::F64 => CpuStorage::F64(v),
+        DType::BF16 => CpuStorage::BF16(v.into_iter().map(half::bf16::from_f64).collect()),
+        dt => bail!("norm_rope: unsupported dtype {dt:?}"),
+    })
+}
+
+/// Row geometry: `(rows, d, seq)` from the table's layout and `x`'s element count.
+fn geometry(xl: &Layout, tl: &Layout) -> Result<(usize, usize, usize)> {
+    let (seq, d) = tl.shape().dims2()?;
+    if d == 0 || !xl.shape().elem_count().is_multiple_of(d) {
+        bail!("norm_rope: x {:?} does not split into rows of {d}", xl.shape());
+    }
+    Ok((xl.shape().elem_count() / d, d, seq))
+}
+
+/// The reference forward pass in f64.
+fn fwd_rows(x: &[f64], table: &[f64], d: usize, heads: usize, seq: usize, eps: f64) -> Vec<f64> {
+    let half = d / 2;
+    let mut out = vec![0.0; x.len()];
+    for (r, (xr, o)) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
+        let tr = &table[((r / heads) % seq) * d..][..d];
+        let inv = 1.0 / (xr.iter().map(|v| v * v).sum::<f64>() / d as f64 + eps).sqrt();
+        for i in 0..half {
+            let (y1, y2, c, s) = (xr[i] * inv, xr[i + half] * inv, tr[i], tr[half + i]);
+            o[i] = y1 * c + y2 * s;
+            o[i + half] = y2 * c - y1 * s;
+        }
+    }
+    out
+}
+
+/// The reference backward pass in f64: rotate the gradient back, then RMS norm's backward.
+fn bwd_rows(x: &[f64], g: &[f64], table: &[f64], d: usize, heads: usize, seq: usize, eps: f64) -> Vec<f64> {
+    let half = d / 2;
+    let mut out = vec![0.0; x.len()];
+    for (r, ((xr, gr), o)) in x.chunks_exact(d).zip(g.chunks_exact(d)).zip(out.chunks_exact_mut(d)).enumerate() {
+        let tr = &table[((r / heads) % seq) * d..][..d];
+        let mut dy = vec![0.0; d];
+        for i in 0..half {
+            let (g1, g2, c, s) = (gr[i], gr[i + half], tr[i], tr[half + i]);
+            dy[i] = g1 * c - g2 * s;
+            dy[i + half] = g1 * s + g2 * c;
+        }
+        let inv = 1.0 / (xr.iter().map(|v| v * v).sum::<f64>() / d as f64 + eps).sqrt();
+        let k = xr.iter().zip(&dy).map(|(a, b)| a * b).sum::<f64>() / d as f64 * inv * inv * inv;
+        for ((o, dy), x) in o.iter_mut().zip(&dy).zip(xr) {
+            *o = dy * inv - x * k;
+        }
+    }
+    out
+}
+
+impl CustomOp2 for NormRope {
+    fn name(&self) -> &'static str {
+        "norm-rope"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ts: &CpuStorage, tl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (_, d, seq) = geometry(xl, tl)?;
+        let eps = ops::rms_eps(xs.dtype());
+        let out = fwd_rows(&host(xs, xl)?, &host(ts, tl)?, d, self.heads, seq, eps);
+        Ok((storage(out, xs.dtype())?, xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ts: &candle_core::CudaStorage,
+        tl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (_, d, seq) = geometry(xl, tl)?;
+        let eps = ops::rms_eps(xs.dtype()) as f32;
+        let ints = [self.heads as i32, seq as i32];
+        let out = super::gpu_kernels::rows_op_with("norm_rope_fwd", &[(xs, xl)], &[(ts, tl)], d, eps, &ints)?;
+        Ok((out, xl.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, table: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dx = x.apply_op3_no_bwd(&grad.contiguous()?, table, &NormRopeBwd { heads: self.heads })?;
+        Ok((Some(dx), None))
+    }
+}
+
+impl CustomOp3 for NormRopeBwd {
+    fn name(&self) -> &'static str {
+        "norm-rope-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+        ts: &CpuStorage,
+        tl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        if xl.dims() != gl.dims() {
+            bail!("norm_rope backward: gradient {:?} for x {:?}", gl.shape(), xl.shape());
+        }
+        let (_, d, seq) = geometry(xl, tl)?;
+        let eps = ops::rms_eps(xs.dtype());
+        let out = bwd_rows(&host(xs, xl)?, &host(gs, gl)?, &host(ts, tl)?, d, self.heads, seq, eps);
+        Ok((storage(out, xs.dtype())?, xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+        ts: &candle_core::CudaStorage,
+        tl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (_, d, seq) = geometry(xl, tl)?;
+        let eps = ops::rms_eps(xs.dtype()) as f32;
+        let ints = [self.heads as i32, seq as i32];
+        let out = super::gpu_kernels::rows_op_with("norm_rope_bwd", &[(xs, xl), (gs, gl)], &[(ts, tl)], d, eps, &ints)?;
+        Ok((out, xl.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn rand(shape: &[usize], seed: u64) -> Tensor {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let n: usize = shape.iter().product();
+        Tensor::from_vec((0..n).map(|_| rng.f64() * 4.0 - 2.0).collect::<Vec<f64>>(), shape, &Device::Cpu).unwrap()
+    }
+
+    fn flat(t: &Tensor) -> Vec<f64> {
+        t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// The composite it replaces: heads `(B, H, T, D)`, `ops::rope(ops::rms_norm(..))`, back to
+    /// token-major rows.
+    fn composite(x: &Tensor, cos: &Tensor, sin: &Tensor, b: usize, t: usize, h: usize, d: usize) -> Tensor {
+        let xh = x.reshape((b, t, h, d)).unwrap().transpose(1, 2).unwrap();
+        ops::rope(&ops::rms_norm(&xh).unwrap(), cos, sin).unwrap().transpose(1, 2).unwrap().reshape((b * t, h * d)).unwrap()
+    }
+
+    #[test]
+    fn matches_the_composite_forward_and_backward() {
+        for (b, t, h, d) in [(2usize, 5usize, 3usize, 4usize), (1, 7, 1, 8), (3, 2, 2, 2)] {
+            let (cos, sin) = ops::rope_tables(t, d, 10_000.0, DType::F64, &Device::Cpu).unwrap();
+            let table = Tensor::cat(&[&cos, &sin], 1).unwrap();
+            let x = Var::from_tensor(&rand(&[b * t, h * d], 3)).unwrap();
+            let g = rand(&[b * t, h * d], 4);
+            let ours = norm_rope(x.as_tensor(), &table, h).unwrap();
+            let want = composite(x.as_tensor(), &cos, &sin, b, t, h, d);
+            for (a, w) in flat(&ours).iter().zip(flat(&want)) {
+                assert!((a - w).abs() < 1e-12, "{:?}: {a} vs {w}", (b, t, h, d));
+            }
+            let d_ours = (ours * &g).unwrap().sum_all().unwrap().backward().unwrap().get(x.as_tensor()).unwrap().clone();
+            let d_want = (want * &g).unwrap().sum_all().unwrap().backward().unwrap().get(x.as_tensor()).unwrap().clone();
+            for (a, w) in flat(&d_ours).iter().zip(flat(&d_want)) {
+                assert!((a - w).abs() < 1e-12, "{:?} gradient: {a} vs {w}", (b, t, h, d));
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_shapes_that_do_not_fit() {
+        let table = Tensor::zeros((4, 8), DType::F64, &Device::Cpu).unwrap();
+        assert!(norm_rope(&Tensor::zeros((8, 12), DType::F64, &Device::Cpu).unwrap(), &table, 2).is_err(), "12 != 2 * 8");
+        assert!(
+            norm_rope(&Tensor::zeros((6, 16), DType::F64, &Device::Cpu).unwrap(), &table, 2).is_err(),
+            "6 rows are not whole sequences of 4"
+        );
+    }
+}
