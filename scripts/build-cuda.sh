@@ -10,7 +10,9 @@
 # 2. prepares candle-core for dynamic loading of the CUDA libraries: a copy of the registry's
 #    candle-core 0.11.1 in target/cuda-patch/ with one word changed ("dynamic-linking" ->
 #    "dynamic-loading", upstream huggingface/candle#3900), used through `--config patch...`
-#    for this build only (nothing of it is committed; Cargo.lock is restored afterwards);
+#    for this build only (nothing of it is committed; Cargo.lock is restored afterwards), and
+#    with scripts/patch-candle-backprop.py applied: the backward pass stores a node's first
+#    gradient instead of adding it to fresh zeros (a memset and an add per node on the GPU);
 # 3. builds with CUDA_COMPUTE_CAP (default 90: H100/H200; 80 for a portable build) and the
 #    static CUDA runtime (build.rs), so the binary starts on machines without CUDA.
 #
@@ -43,13 +45,16 @@ nvcc --version | tail -1 >&2
 cargo fetch --locked >/dev/null
 src=$(find "${CARGO_HOME:-$HOME/.cargo}/registry/src" -maxdepth 1 -mindepth 1 -type d -exec test -d {}/candle-core-0.11.1 \; -print -quit)
 [[ -n "$src" ]] || { echo "error: candle-core 0.11.1 is not in the cargo registry after cargo fetch" >&2; exit 1; }
-patch=$PWD/target/cuda-patch/candle-core
-if [[ ! -f "$patch/.prepared" ]]; then
+# CANDLE_BACKPROP_PATCH=0 builds without the backward-pass patch (for an A/B of it).
+backprop_patch=${CANDLE_BACKPROP_PATCH:-1}
+patch=$PWD/target/cuda-patch/candle-core$([[ $backprop_patch == 1 ]] || echo -plain)
+if [[ ! -f "$patch/.prepared" || scripts/patch-candle-backprop.py -nt "$patch/.prepared" ]]; then
   rm -rf "$patch"
   mkdir -p "$(dirname "$patch")"
   cp -r "$src/candle-core-0.11.1" "$patch"
   grep -q '"dynamic-linking",' "$patch/Cargo.toml" || { echo "error: candle-core's Cargo.toml no longer names dynamic-linking" >&2; exit 1; }
   sed -i 's/"dynamic-linking",/"dynamic-loading",/' "$patch/Cargo.toml"
+  if [[ $backprop_patch == 1 ]]; then python3 scripts/patch-candle-backprop.py "$patch"; fi
   touch "$patch/.prepared"
 fi
 

@@ -143,6 +143,9 @@ impl Trainer {
         for (_, var, _) in self.model.params() {
             // Only the parameters' gradients are kept; the activations' go with `store`.
             if let Some(g) = store.remove(var.as_tensor()) {
+                // Detached: a gradient can still reference the op graph of its backward rule
+                // (and through it this micro-batch's activations), which must not outlive `store`.
+                let g = g.detach();
                 let sum = match self.grads.remove(var.as_tensor()) {
                     Some(prev) => (prev + g)?,
                     None => g,
