@@ -17,6 +17,9 @@
 # Its summary lines land in OUT_DIR/gpu-check.log (default OUT_DIR gpu-check-out), each run's
 # output and report beside them.
 #
+# EXTRA='--set KEY=VALUE ...' adds settings to every training run (e.g. a smaller micro-batch:
+# EXTRA='--set train.grad_accum_steps=32').
+#
 # SMOKE=1 runs the same plumbing on the CPU with a tiny model (DEVICE=cpu, pageable + sync, 10 s
 # ablations): a check of this script before spending GPU time, not a measurement.
 set -euo pipefail
@@ -30,10 +33,10 @@ ABLATION_S=${ABLATION_S:-60}
 SMOKE=${SMOKE:-0}
 DEVICE=cuda:0
 PINNED=pinned STREAM=stream
-extra=()
+read -r -a extra <<< "${EXTRA:-}"
 if [[ $SMOKE == 1 ]]; then
   DEVICE=cpu PINNED=pageable STREAM=sync STEPS=3 ABLATION_S=10
-  extra=(--set run.device='"cpu"' --set stages.train.dtype='"f32"' --set model.num_layers=2 --set model.model_dim=64
+  extra+=(--set run.device='"cpu"' --set stages.train.dtype='"f32"' --set model.num_layers=2 --set model.model_dim=64
          --set model.num_heads=4 --set model.num_kv_heads=2 --set train.batch_tokens=8192 --set train.seq_len=256
          --set train.val_batch_tokens=8192 --set train.val_max_tokens=8192 --set stages.eval.stride=256)
 fi
