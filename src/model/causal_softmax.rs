@@ -34,25 +34,11 @@ fn t_of(l: &Layout) -> usize {
 }
 
 fn to_f64(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
-    if !l.is_contiguous() {
-        bail!("causal_softmax: the CPU reference needs contiguous inputs, got {l:?}");
-    }
-    let range = l.start_offset()..l.start_offset() + l.shape().elem_count();
-    Ok(match s {
-        CpuStorage::F32(v) => v[range].iter().map(|&x| x as f64).collect(),
-        CpuStorage::F64(v) => v[range].to_vec(),
-        CpuStorage::BF16(v) => v[range].iter().map(|x| x.to_f64()).collect(),
-        s => bail!("causal_softmax: unsupported dtype {:?}", s.dtype()),
-    })
+    super::host::to_f64("causal_softmax", s, l)
 }
 
 fn from_f64(v: Vec<f64>, dtype: DType) -> Result<CpuStorage> {
-    Ok(match dtype {
-        DType::F32 => CpuStorage::F32(v.into_iter().map(|x| x as f32).collect()),
-        DType::F64 => CpuStorage::F64(v),
-        DType::BF16 => CpuStorage::BF16(v.into_iter().map(half::bf16::from_f64).collect()),
-        dt => bail!("causal_softmax: unsupported dtype {dt:?}"),
-    })
+    super::host::from_f64("causal_softmax", v, dtype)
 }
 
 /// The reference forward pass, row by row in f64 (row `r` is query position `r % T`).

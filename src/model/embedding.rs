@@ -63,36 +63,24 @@ impl CustomOp2 for EmbeddingBwd {
 
     fn cpu_fwd(&self, ids: &CpuStorage, il: &Layout, g: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
         let (n, c) = gl.shape().dims2()?;
-        let (Some((i0, i1)), Some((g0, g1))) = (il.contiguous_offsets(), gl.contiguous_offsets()) else {
-            bail!("embedding backward: ids {il:?} and gradient {gl:?} must be contiguous");
-        };
+        let Some((i0, i1)) = il.contiguous_offsets() else { bail!("embedding backward: ids {il:?} must be contiguous") };
         let CpuStorage::U32(ids) = ids else { bail!("embedding backward: ids must be u32, got {:?}", ids.dtype()) };
         let ids = &ids[i0..i1];
         if ids.len() != n {
             bail!("embedding backward: {} ids for a gradient of {n} rows", ids.len());
         }
-        let dtype = g.dtype();
-        let g: Vec<f64> = match g {
-            CpuStorage::F32(v) => v[g0..g1].iter().map(|&x| x as f64).collect(),
-            CpuStorage::F64(v) => v[g0..g1].to_vec(),
-            CpuStorage::BF16(v) => v[g0..g1].iter().map(|x| x.to_f64()).collect(),
-            s => bail!("embedding backward: unsupported dtype {:?}", s.dtype()),
-        };
+        let g_values = super::host::to_f64("embedding backward", g, gl)?;
         let mut dw = vec![0.0f64; self.vocab * c];
         for (i, &id) in ids.iter().enumerate() {
             let v = id as usize;
             if v >= self.vocab {
                 bail!("embedding backward: token id {v} is outside the vocabulary of {}", self.vocab);
             }
-            for (d, x) in dw[v * c..(v + 1) * c].iter_mut().zip(&g[i * c..(i + 1) * c]) {
+            for (d, x) in dw[v * c..(v + 1) * c].iter_mut().zip(&g_values[i * c..(i + 1) * c]) {
                 *d += x;
             }
         }
-        let out = match dtype {
-            DType::F32 => CpuStorage::F32(dw.into_iter().map(|x| x as f32).collect()),
-            DType::BF16 => CpuStorage::BF16(dw.into_iter().map(half::bf16::from_f64).collect()),
-            _ => CpuStorage::F64(dw),
-        };
+        let out = super::host::from_f64("embedding backward", dw, g.dtype())?;
         Ok((out, Shape::from((self.vocab, c))))
     }
 

@@ -32,25 +32,11 @@ struct NormRopeBwd {
 }
 
 fn host(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
-    if !l.is_contiguous() {
-        bail!("norm_rope: the CPU reference needs contiguous inputs, got {l:?}");
-    }
-    let r = l.start_offset()..l.start_offset() + l.shape().elem_count();
-    Ok(match s {
-        CpuStorage::F32(v) => v[r].iter().map(|&x| x as f64).collect(),
-        CpuStorage::F64(v) => v[r].to_vec(),
-        CpuStorage::BF16(v) => v[r].iter().map(|x| x.to_f64()).collect(),
-        s => bail!("norm_rope: unsupported dtype {:?}", s.dtype()),
-    })
+    super::host::to_f64("norm_rope", s, l)
 }
 
 fn storage(v: Vec<f64>, dtype: DType) -> Result<CpuStorage> {
-    Ok(match dtype {
-        DType::F32 => CpuStorage::F32(v.into_iter().map(|x| x as f32).collect()),
-        DType::F64 => CpuStorage::F64(v),
-        DType::BF16 => CpuStorage::BF16(v.into_iter().map(half::bf16::from_f64).collect()),
-        dt => bail!("norm_rope: unsupported dtype {dt:?}"),
-    })
+    super::host::from_f64("norm_rope", v, dtype)
 }
 
 /// Row geometry: `(rows, d, seq)` from the table's layout and `x`'s element count.
