@@ -20,6 +20,10 @@
 # EXTRA='--set KEY=VALUE ...' adds settings to every training run (e.g. a smaller micro-batch:
 # EXTRA='--set train.grad_accum_steps=32').
 #
+# TRAIN_GPT=path/to/train_gpt.py (the challenge's script, fetched on the GPU machine) adds (d):
+# it trains PT_STEPS steps (default 40) on the same shards, and the script prints its steady
+# ms/step beside ours and the ratio.
+#
 # SMOKE=1 runs the same plumbing on the CPU with a tiny model (DEVICE=cpu, pageable + sync, 10 s
 # ablations): a check of this script before spending GPU time, not a measurement.
 set -euo pipefail
@@ -88,4 +92,27 @@ ablate pinned-stream-100 "$PINNED" "$STREAM" 100
 ablate pageable-sync-2 pageable sync 2
 ablate pinned-sync-2 "$PINNED" sync 2
 ablate pageable-sync-100 pageable sync 100
+
+# (d) the challenge's own script on the same shards and GPU, when given (never committed here).
+if [[ -n ${TRAIN_GPT:-} ]]; then
+  PT_STEPS=${PT_STEPS:-40}
+  echo "== (d) PyTorch: $TRAIN_GPT, same shards, $PT_STEPS steps (5 warm-up)"
+  mkdir -p "$OUT/pytorch"
+  data_abs=$(realpath "$DATA") tok_abs=$(realpath "$TOK") script_abs=$(realpath "$TRAIN_GPT")
+  (cd "$OUT/pytorch" && PYTHONUNBUFFERED=1 DATA_PATH=$data_abs TOKENIZER_PATH=$tok_abs ITERATIONS=$PT_STEPS \
+    WARMUP_STEPS=5 VAL_LOSS_EVERY=0 TRAIN_LOG_EVERY=5 MAX_WALLCLOCK_SECONDS=0 RUN_ID=gpu-check python3 "$script_abs") \
+    > "$OUT/pytorch.out" 2>&1 || status=1
+  python3 - "$OUT/pytorch.out" "$OUT/throughput/report.json" <<'PY' || status=1
+import json, re, sys
+steps = [(int(m[1]), float(m[2])) for m in re.finditer(r"^step:(\d+)/\d+ train_loss:\S+ train_time:(\d+)ms", open(sys.argv[1]).read(), re.M)]
+if len(steps) < 2:
+    sys.exit(f"no step lines in {sys.argv[1]}")
+# Steady state: from the first logged step after step 1 to the last (compile and warm-up excluded).
+(s0, t0), (s1, t1) = steps[1], steps[-1]
+pt = (t1 - t0) / (s1 - s0)
+ours = json.load(open(sys.argv[2]))["train"]["step_avg_ms"]
+print(f"{'pytorch train_gpt.py':<28} steps {s1}  step_avg {pt:.1f} ms (steps {s0}-{s1})")
+print(f"pipeline / pytorch throughput: {pt / ours:.2f}x")
+PY
+fi
 exit $status
