@@ -11,7 +11,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, b
 /// Rows `ids` of `weight` `(V, C)` for `ids` `(N,)` of u32: `(N, C)`, differentiable in `weight`.
 pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let (_, c) = weight.dims2()?;
-    if weight.device().is_cuda() && matches!(weight.dtype(), DType::F32 | DType::BF16) {
+    if super::gpu_path(weight) {
         let n = ids.dims1()?;
         if ids.dtype() != DType::U32 {
             bail!("embedding: ids must be u32, got {:?}", ids.dtype());

@@ -51,7 +51,7 @@ pub fn softcap_cross_entropy(logits: &Tensor, targets: &Tensor, cap: f64) -> Res
 /// `eps = ops::rms_eps(dtype)`, as [`ops::rms_norm`]. Any layout whose last dimension is
 /// contiguous (such as `(B, T, H, D)` transposed to `(B, H, T, D)`) is read without a copy.
 pub fn rms_norm(x: &Tensor) -> Result<Tensor> {
-    if x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::BF16) && x.rank() > 0 {
+    if super::gpu_path(x) && x.rank() > 0 {
         // The GPU kernel reads contiguous rows.
         return x.contiguous()?.apply_op1(RmsNorm);
     }
@@ -72,7 +72,7 @@ pub fn rms_norm(x: &Tensor) -> Result<Tensor> {
 /// Inputs whose last dimension is contiguous are read in place (no copy for transposed heads).
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let t = AttnDims::new(q.shape(), k.shape(), v.shape())?.t;
-    if q.device().is_cuda() && matches!(q.dtype(), DType::F32 | DType::BF16) {
+    if super::gpu_path(q) {
         return gpu_attention(q, k, v);
     }
     if !q.device().is_cpu() {
@@ -674,7 +674,7 @@ impl CustomOp1 for RmsNorm {
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        if !x.device().is_cpu() {
+        if super::gpu_path(x) {
             return Ok(Some(x.contiguous()?.apply_op2_no_bwd(&grad.contiguous()?, &RmsNormBwd)?));
         }
         let dx = match x.dtype() {

@@ -34,7 +34,7 @@ const ROWS: usize = 64;
 /// `base + x * s` for `base` and `x` of the same shape `(.., C)` and a per-channel `s` of shape
 /// `(C,)`: `base + x.broadcast_mul(s)`.
 pub fn scale_add(base: &Tensor, x: &Tensor, s: &Tensor) -> Result<Tensor> {
-    let on_gpu = gpu_kernel_dtype(base);
+    let on_gpu = super::super::gpu_path(base);
     if !base.device().is_cpu() && !on_gpu {
         return base + x.broadcast_mul(s)?;
     }
@@ -52,7 +52,7 @@ pub fn scale_add(base: &Tensor, x: &Tensor, s: &Tensor) -> Result<Tensor> {
 /// The residual mix `h * mix[0] + x0 * mix[1]` for `h` and `x0` of the same shape `(.., C)` and
 /// `mix` of shape `(2, C)`.
 pub fn resid_mix(h: &Tensor, x0: &Tensor, mix: &Tensor) -> Result<Tensor> {
-    let on_gpu = gpu_kernel_dtype(h);
+    let on_gpu = super::super::gpu_path(h);
     if !h.device().is_cpu() && !on_gpu {
         return h.broadcast_mul(&mix.get(0)?)? + x0.broadcast_mul(&mix.get(1)?)?;
     }
@@ -69,7 +69,7 @@ pub fn resid_mix(h: &Tensor, x0: &Tensor, mix: &Tensor) -> Result<Tensor> {
 
 /// `relu(x)^2`, elementwise: `x.relu().sqr()`.
 pub fn relu_sq(x: &Tensor) -> Result<Tensor> {
-    if x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::BF16) && x.rank() > 0 {
+    if super::super::gpu_path(x) && x.rank() > 0 {
         return x.contiguous()?.apply_op1(ReluSq);
     }
     if !x.device().is_cpu() {
@@ -95,7 +95,7 @@ pub fn qk_norm_rope(x: &Tensor, gain: Option<&Tensor>, cos: &Tensor, sin: &Tenso
     {
         bail!("qk_norm_rope: gain {:?} for {heads} heads", g.shape());
     }
-    if x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::BF16) {
+    if super::super::gpu_path(x) {
         let table = Tensor::cat(&[cos, sin], 1)?;
         let y = super::super::norm_rope::norm_rope(x, &table, heads)?;
         return match gain {
@@ -141,7 +141,7 @@ pub fn causal_attention_tokens(q: &Tensor, k: &Tensor, v: &Tensor, batch: usize,
     if k.dims() != [n, kv_heads * d] || v.dims() != k.dims() {
         bail!("causal_attention_tokens: k {:?} and v {:?} are not ({n}, {kv_heads} * {d})", k.shape(), v.shape());
     }
-    if !q.device().is_cpu() {
+    if !q.device().is_cpu() || super::super::gpu_path(q) {
         let split = |x: &Tensor, h: usize| x.reshape((batch, t, h, d))?.transpose(1, 2);
         let y = super::causal_attention(&split(q, heads)?, &split(k, kv_heads)?, &split(v, kv_heads)?)?;
         return y.transpose(1, 2)?.reshape((n, width));
@@ -226,11 +226,6 @@ macro_rules! float_dispatch {
             dt => bail!("{}: unsupported dtype {dt:?}", $op),
         }
     };
-}
-
-/// Whether `x` is on a GPU in a dtype the GPU kernels take (`f32`, `bf16`).
-fn gpu_kernel_dtype(x: &Tensor) -> bool {
-    x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::BF16)
 }
 
 /// `x * s` for `x` `(.., C)` and `s` `(C,)`: the per-channel scale of a gradient in the GPU
@@ -405,7 +400,7 @@ impl CustomOp3 for ScaleAdd {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        if !x.device().is_cpu() {
+        if super::super::gpu_path(x) {
             let (dbase, dx, ds) = scale_add_bwd_gpu(x, s, grad)?;
             return Ok((Some(dbase), Some(dx), Some(ds)));
         }
@@ -531,7 +526,7 @@ impl CustomOp3 for ResidMix {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        if !h.device().is_cpu() {
+        if super::super::gpu_path(h) {
             let (dh, dx0, dm) = resid_mix_bwd_gpu(h, x0, mix, grad)?;
             return Ok((Some(dh), Some(dx0), Some(dm)));
         }
@@ -609,7 +604,7 @@ impl CustomOp1 for ReluSq {
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        if !x.device().is_cpu() {
+        if super::super::gpu_path(x) {
             return Ok(Some(x.apply_op2_no_bwd(&grad.contiguous()?, &ReluSqBwd)?));
         }
         Ok(Some(float_dispatch!(x.dtype(), "relu_sq", |T| relu_sq_bwd::<T>(x, grad)?)))

@@ -27,3 +27,36 @@ pub mod ops;
 
 pub use config::ModelConfig;
 pub use gpt::{Gpt, ParamGroup};
+
+use std::cell::Cell;
+
+use candle_core::{DType, Tensor};
+
+thread_local! {
+    static GPU_FORMULATION_ON_CPU: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether `x` takes the GPU formulation of the model's ops (the kernels of `kernels/fused.cu`
+/// around cuBLAS products, see [`fused`]): on a CUDA device in f32 or bf16; on the CPU only
+/// inside [`with_gpu_formulation`], where the same graph runs on the kernels' CPU references.
+pub(crate) fn gpu_path(x: &Tensor) -> bool {
+    let dev = x.device();
+    if dev.is_cuda() {
+        matches!(x.dtype(), DType::F32 | DType::BF16)
+    } else {
+        dev.is_cpu() && GPU_FORMULATION_ON_CPU.with(Cell::get) && matches!(x.dtype(), DType::F32 | DType::F64)
+    }
+}
+
+/// Runs `f` (forward and backward passes) with CPU tensors taking the GPU formulation: the GPU
+/// graph's assembly and backward wiring, checked on a machine without a GPU (this thread only).
+pub fn with_gpu_formulation<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            GPU_FORMULATION_ON_CPU.with(|c| c.set(self.0));
+        }
+    }
+    let _reset = Reset(GPU_FORMULATION_ON_CPU.with(|c| c.replace(true)));
+    f()
+}
