@@ -6,8 +6,9 @@
 //! Also the bar to beat: the unigram bits per byte of the same scored targets, with token
 //! frequencies counted on the training shards.
 
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::SystemTime;
 
 use anyhow::Context;
 use candle_core::{DType, Tensor};
@@ -22,32 +23,88 @@ const UNIGRAM_MAX_TOKENS: u64 = 64 << 20;
 
 /// The validation stream of this rank, ready to score.
 pub struct Validator {
-    /// `usable + 1` tokens of the whole split (after the cap), as u32.
-    tokens: Vec<u32>,
+    /// The split's scored tokens and byte tables, shared by every stage that validates.
+    data: Arc<ValData>,
     seq_len: usize,
     /// Sequences per forward pass.
     batch_rows: usize,
     /// This rank's sequences, `[first, end)`.
     first: usize,
     end: usize,
-    tables: Arc<ByteTables>,
-    /// Scorable targets of the whole split before `val_max_tokens`.
-    split_targets: usize,
     /// The glob the shards came from.
     pattern: String,
 }
 
+/// What a validation load reads: the same for every stage of a run, so loaded once.
+struct ValData {
+    /// `usable + 1` tokens of the whole split (after the cap), as u32.
+    tokens: Vec<u32>,
+    tables: Arc<ByteTables>,
+    /// Scorable targets of the whole split before `val_max_tokens`.
+    split_targets: usize,
+}
+
+/// What makes two loads the same: the files (with their sizes and modification times), the
+/// tokenizer and the settings that cut the stream.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct ValKey {
+    files: Vec<(PathBuf, u64, Option<SystemTime>)>,
+    tokenizer: (PathBuf, u64, Option<SystemTime>),
+    seq_len: usize,
+    val_max_tokens: usize,
+    vocab: usize,
+}
+
+/// Loads alive somewhere in the process: the executor, the artifact and the evaluation stages
+/// of one run share one copy of the split (the challenge's is 62 M tokens) instead of reading
+/// it three times; once every holder is gone the next load reads the files again.
+static LOADED: Mutex<Vec<(ValKey, Weak<ValData>)>> = Mutex::new(Vec::new());
+
+fn file_key(path: &Path) -> anyhow::Result<(PathBuf, u64, Option<SystemTime>)> {
+    let meta = std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
+    Ok((path.to_path_buf(), meta.len(), meta.modified().ok()))
+}
+
 impl Validator {
     /// Reads `[data] val` and `[data] tokenizer` and checks them against `[model]`; errors name
-    /// the key or the file.
+    /// the key or the file. Stages that load the same split share one copy of it.
     pub fn load(config: &Config, micro_steps: usize) -> anyhow::Result<Self> {
         let pattern = config.data.val.clone().context("`data.val` is not set: the step executor validates on the validation shards")?;
         let tok_path =
             config.data.tokenizer.as_deref().context("`data.tokenizer` is not set: val_bpb counts bytes with the sentencepiece model")?;
-        let tables = Arc::new(load_tables(tok_path, config.model.vocab_size)?);
         let paths = glob_sorted(&pattern).context("`data.val`")?;
         anyhow::ensure!(!paths.is_empty(), "`data.val` = {pattern:?} matches no file");
-        let shards = ShardFile::open_all(&paths, AccessMode::Pread)?;
+        let t = &config.train;
+        let key = ValKey {
+            files: paths.iter().map(|p| file_key(p)).collect::<anyhow::Result<_>>()?,
+            tokenizer: file_key(tok_path).context("`data.tokenizer`")?,
+            seq_len: t.seq_len,
+            val_max_tokens: t.val_max_tokens,
+            vocab: config.model.vocab_size,
+        };
+        // Held while loading: a second stage asking for the same split waits and shares it.
+        let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+        loaded.retain(|(_, w)| w.strong_count() > 0);
+        let data = match loaded.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
+            Some(data) => data,
+            None => {
+                let data = Arc::new(ValData::read(config, &pattern, tok_path, &paths)?);
+                loaded.push((key, Arc::downgrade(&data)));
+                data
+            }
+        };
+        drop(loaded);
+        let seqs = (data.tokens.len() - 1) / t.seq_len;
+        let (world, rank) = (config.run.world_size, config.run.rank);
+        let batch_rows = (t.val_batch_tokens / (world * micro_steps).max(1) / t.seq_len).max(1);
+        Ok(Self { data, seq_len: t.seq_len, batch_rows, first: seqs * rank / world, end: seqs * (rank + 1) / world, pattern })
+    }
+}
+
+impl ValData {
+    fn read(config: &Config, pattern: &str, tok_path: &Path, paths: &[PathBuf]) -> anyhow::Result<Self> {
+        let tables = Arc::new(load_tables(tok_path, config.model.vocab_size)?);
+        let shards = ShardFile::open_all(paths, AccessMode::Pread)?;
         let mut all: Vec<u16> = Vec::with_capacity(shards.iter().map(|s| s.tokens as usize).sum());
         for s in &shards {
             let start = all.len();
@@ -75,33 +132,24 @@ impl Validator {
                 tokens[pos]
             );
         }
-        let (world, rank) = (config.run.world_size, config.run.rank);
-        let batch_rows = (t.val_batch_tokens / (world * micro_steps).max(1) / t.seq_len).max(1);
-        Ok(Self {
-            tokens,
-            seq_len: t.seq_len,
-            batch_rows,
-            first: seqs * rank / world,
-            end: seqs * (rank + 1) / world,
-            tables,
-            split_targets,
-            pattern,
-        })
+        Ok(Self { tokens, tables, split_targets })
     }
+}
 
+impl Validator {
     /// The scored stream: `targets() + 1` tokens (inputs, then the last target).
     pub fn tokens(&self) -> &[u32] {
-        &self.tokens
+        &self.data.tokens
     }
 
     /// Targets scored by a full pass over all ranks.
     pub fn targets(&self) -> usize {
-        self.tokens.len() - 1
+        self.data.tokens.len() - 1
     }
 
     /// Targets of the whole split (before `train.val_max_tokens`).
     pub fn split_targets(&self) -> usize {
-        self.split_targets
+        self.data.split_targets
     }
 
     /// The shard glob.
@@ -111,13 +159,14 @@ impl Validator {
 
     /// The byte tables.
     pub fn tables(&self) -> &Arc<ByteTables> {
-        &self.tables
+        &self.data.tables
     }
 
     /// Scores this rank's sequences with `model`; `keep_going` is asked between batches: false
     /// cuts the pass short and gives `None` (a partial score is no score).
     pub fn run(&self, model: &Gpt, keep_going: impl Fn() -> bool) -> anyhow::Result<Option<BpbAccumulator>> {
-        let mut acc = BpbAccumulator::new(self.tables.clone());
+        let mut acc = BpbAccumulator::new(self.data.tables.clone());
+        let tokens = &self.data.tokens;
         let t = self.seq_len;
         let mut s = self.first;
         while s < self.end {
@@ -125,8 +174,8 @@ impl Validator {
                 return Ok(None);
             }
             let rows = self.batch_rows.min(self.end - s);
-            let x = &self.tokens[s * t..(s + rows) * t];
-            let y = &self.tokens[s * t + 1..(s + rows) * t + 1];
+            let x = &tokens[s * t..(s + rows) * t];
+            let y = &tokens[s * t + 1..(s + rows) * t + 1];
             let xt = Tensor::from_slice(x, (rows, t), model.device())?;
             let yt = Tensor::from_slice(y, (rows, t), model.device())?;
             let nll = model.eval_token_losses(&xt, &yt)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
@@ -140,8 +189,9 @@ impl Validator {
     /// frequencies of the first (at most) 64 Mi tokens of the training shards `train_glob`.
     pub fn unigram_bpb(&self, train_glob: &str, vocab: usize) -> anyhow::Result<f64> {
         let counts = unigram_counts(train_glob, vocab)?;
-        let n = self.tokens.len();
-        Ok(unigram_bpb(&counts, &self.tokens[..n - 1], &self.tokens[1..], &self.tables))
+        let tokens = &self.data.tokens;
+        let n = tokens.len();
+        Ok(unigram_bpb(&counts, &tokens[..n - 1], &tokens[1..], &self.data.tables))
     }
 }
 
@@ -182,4 +232,54 @@ fn unigram_counts(glob: &str, vocab: usize) -> anyhow::Result<Vec<u64>> {
         }
     }
     Ok(counts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A config reading `n` validation tokens (ids below 40) from a fresh directory.
+    fn setup(name: &str, n: usize) -> (Config, PathBuf) {
+        let dir = std::env::temp_dir().join(format!("pipeline-validation-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let pieces: Vec<String> = (0..40).map(|i| format!("p{i}")).collect();
+        let pieces: Vec<&str> = pieces.iter().map(String::as_str).collect();
+        let tok = dir.join("tok.model");
+        std::fs::write(&tok, crate::tokenizer::build_bpe_model(&pieces, &[])).unwrap();
+        let vocab = crate::tokenizer::vocab_size(&tok).unwrap();
+        let tokens: Vec<u16> = (0..n).map(|i| (i * 7 % vocab) as u16).collect();
+        crate::shard::write_shard(&dir.join("fineweb_val_000000.bin"), &tokens).unwrap();
+        let mut c = Config::default();
+        c.data.val = Some(dir.join("fineweb_val_*.bin").display().to_string());
+        c.data.tokenizer = Some(tok);
+        c.model.vocab_size = vocab;
+        c.train.seq_len = 16;
+        (c, dir)
+    }
+
+    /// Stages of one run share one copy of the split; a changed file or setting is read anew,
+    /// and once every holder is gone the memory goes with them.
+    #[test]
+    fn loads_of_the_same_split_share_one_copy() {
+        let (mut c, dir) = setup("share", 16 * 10 + 1);
+        let a = Validator::load(&c, 1).unwrap();
+        let b = Validator::load(&c, 1).unwrap();
+        assert!(Arc::ptr_eq(&a.data, &b.data), "the second stage reads the split again");
+        assert_eq!(a.targets(), 160);
+        c.train.val_max_tokens = 32;
+        let capped = Validator::load(&c, 1).unwrap();
+        assert!(!Arc::ptr_eq(&a.data, &capped.data));
+        assert_eq!(capped.targets(), 32);
+        c.train.val_max_tokens = 0;
+        // Rewritten with another length: a new load sees the new file.
+        crate::shard::write_shard(&dir.join("fineweb_val_000000.bin"), &[1u16; 16 * 4 + 1]).unwrap();
+        let fresh = Validator::load(&c, 1).unwrap();
+        assert_eq!(fresh.targets(), 64);
+        assert!(fresh.tokens().iter().all(|&t| t == 1));
+        let weak = Arc::downgrade(&a.data);
+        drop((a, b));
+        assert!(weak.upgrade().is_none(), "nothing else keeps the split alive");
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
