@@ -287,6 +287,28 @@ mod tests {
         assert_eq!((two.step(), two.micro_done()), (1, 0));
     }
 
+    /// The gradients kept between micro-batches are detached: none holds the op graph (and with
+    /// it the activations) of the micro-batch it came from — in the GPU formulation too, where
+    /// they come straight out of the backward rules.
+    #[test]
+    fn kept_gradients_hold_no_graph() {
+        let cfg = TrainConfig { max_wallclock_seconds: 0.0, ..TrainConfig::default() };
+        for gpu_formulation in [false, true] {
+            let mut t = Trainer::new(Gpt::new(&tiny(), 1, DType::F64, &Device::Cpu).unwrap(), &cfg, 2).unwrap();
+            let (x, y) = batch(4, 2, 5);
+            let step = |t: &mut Trainer| t.micro_step(&x, &y).unwrap();
+            if gpu_formulation {
+                crate::model::with_gpu_formulation(|| step(&mut t))
+            } else {
+                step(&mut t)
+            };
+            let kept: Vec<bool> =
+                t.model().params().iter().filter_map(|(_, v, _)| t.grads.get(v.as_tensor()).map(|g| g.track_op())).collect();
+            assert_eq!(kept.len(), t.model().params().len());
+            assert!(kept.iter().all(|&tracks| !tracks), "gpu formulation {gpu_formulation}: {kept:?}");
+        }
+    }
+
     #[test]
     fn clipping_bounds_the_update_and_reports_the_norm() {
         let cfg = TrainConfig { max_wallclock_seconds: 0.0, grad_clip_norm: 1e-3, ..TrainConfig::default() };
