@@ -206,8 +206,8 @@ mod tests {
         assert!(r.max_rel_err > tolerance(DType::F64), "{}", r.max_rel_err);
     }
 
-    /// The kernel checks' plumbing on the CPU (where the ops run their CPU references): f32
-    /// against f64 is close but not exact, for every case.
+    /// The kernel checks' plumbing on the CPU (the ops' CPU implementations in f32 against
+    /// f64): close but not exact, for every case.
     #[test]
     fn kernel_checks_compare_outputs_and_gradients() {
         let r = kernel_checks(&Device::Cpu, DType::F32, 1).unwrap();

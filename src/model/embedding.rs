@@ -10,13 +10,13 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, b
 
 /// Rows `ids` of `weight` `(V, C)` for `ids` `(N,)` of u32: `(N, C)`, differentiable in `weight`.
 pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
-    let (_, c) = weight.dims2()?;
+    weight.dims2()?;
     if super::gpu_path(weight) {
-        let n = ids.dims1()?;
+        ids.dims1()?;
         if ids.dtype() != DType::U32 {
             bail!("embedding: ids must be u32, got {:?}", ids.dtype());
         }
-        return weight.contiguous()?.apply_op2(&ids.contiguous()?, Embedding)?.reshape((n, c));
+        return weight.contiguous()?.apply_op2(&ids.contiguous()?, Embedding);
     }
     weight.index_select(ids, 0)
 }

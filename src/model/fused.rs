@@ -90,18 +90,11 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
 /// [`causal_softmax`](super::causal_softmax::causal_softmax). The `(B, H, T, T)` scores and
 /// probabilities are materialised (kept for the backward pass), which bounds the micro-batch.
 fn gpu_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-    let (b, h, t, d) = q.dims4()?;
-    let kv = k.dim(1)?;
-    let expand = |x: &Tensor| -> Result<Tensor> {
-        if kv == h {
-            return x.contiguous();
-        }
-        x.unsqueeze(2)?.broadcast_as((b, kv, h / kv, t, d))?.reshape((b, h, t, d))
-    };
-    let (k, v) = (expand(k)?, expand(v)?);
+    let (_, h, _, d) = q.dims4()?;
+    let (k, v) = (ops::repeat_kv(k, h)?, ops::repeat_kv(v, h)?);
     let scores = q.contiguous()?.matmul(&k.t()?.contiguous()?)?;
     let probs = super::causal_softmax::causal_softmax(&scores, 1.0 / (d as f64).sqrt())?;
-    probs.matmul(&v)
+    probs.matmul(&v.contiguous()?)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -629,17 +622,9 @@ fn rms_fwd<T: Real>(x: &[T], rows: &[usize], d: usize) -> Vec<T> {
     out
 }
 
-fn rms_bwd<T: Real>(x: &Tensor, grad: &Tensor) -> Result<Tensor> {
-    let grad = unit_last(grad)?;
-    if grad.dims() != x.dims() {
-        bail!("rms_norm backward: gradient {:?} for input {:?}", grad.shape(), x.shape());
-    }
-    let (xs, xl) = x.storage_and_layout();
-    let (gs, gl) = grad.storage_and_layout();
-    let (xrows, grows) = (row_offsets(xl)?, row_offsets(gl)?);
-    let d = x.dims().last().copied().unwrap_or(0);
-    let xr = Rows { data: cpu_slice::<T>(&xs, "x")?, offsets: &xrows, len: d };
-    let gr = Rows { data: cpu_slice::<T>(&gs, "grad")?, offsets: &grows, len: d };
+/// Gradient rows of RMS norm: `x` and `g` rows at the given offsets, `d` wide.
+fn rms_bwd<T: Real>(x: &[T], xrows: &[usize], g: &[T], grows: &[usize], d: usize) -> Vec<T> {
+    let (xr, gr) = (Rows { data: x, offsets: xrows, len: d }, Rows { data: g, offsets: grows, len: d });
     let mut out = vec![T::from_f64(0.0); xrows.len() * d];
     if d > 0 {
         out.par_chunks_mut(RMS_ROWS * d).enumerate().for_each(|(c, out)| {
@@ -647,7 +632,7 @@ fn rms_bwd<T: Real>(x: &Tensor, grad: &Tensor) -> Result<Tensor> {
             rms_bwd_rows(xr.sub(rows.clone()), gr.sub(rows), out);
         });
     }
-    Tensor::from_vec(out, x.shape(), &Device::Cpu)
+    out
 }
 
 impl CustomOp1 for RmsNorm {
@@ -674,21 +659,15 @@ impl CustomOp1 for RmsNorm {
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        if super::gpu_path(x) {
-            return Ok(Some(x.contiguous()?.apply_op2_no_bwd(&grad.contiguous()?, &RmsNormBwd)?));
-        }
-        let dx = match x.dtype() {
-            DType::F32 => rms_bwd::<f32>(x, grad)?,
-            DType::F64 => rms_bwd::<f64>(x, grad)?,
-            dt => bail!("rms_norm: unsupported dtype {dt:?}"),
-        };
-        Ok(Some(dx))
+        // The GPU kernel reads contiguous rows (`x` is: the forward pass made it so); the CPU
+        // reads any layout whose last dimension is contiguous.
+        let grad = if super::gpu_path(x) { grad.contiguous()? } else { unit_last(grad)? };
+        Ok(Some(x.apply_op2_no_bwd(&grad, &RmsNormBwd)?))
     }
 }
 
-/// `(x, grad) -> dx` of [`RmsNorm`] where the forward pass ran on a GPU (on the CPU,
-/// [`RmsNorm`]'s backward pass computes it directly); its CPU implementation is the reference
-/// for the GPU kernel.
+/// `(x, grad) -> dx`: [`RmsNorm`]'s backward pass, on the CPU (the GPU kernel's reference) or
+/// the GPU.
 struct RmsNormBwd;
 
 impl CustomOp2 for RmsNormBwd {
@@ -702,20 +681,9 @@ impl CustomOp2 for RmsNormBwd {
         }
         let (xrows, grows) = (row_offsets(xl)?, row_offsets(gl)?);
         let d = xl.dims().last().copied().unwrap_or(0);
-        fn run<T: Real>(x: &[T], g: &[T], xrows: &[usize], grows: &[usize], d: usize) -> Vec<T> {
-            let (xr, gr) = (Rows { data: x, offsets: xrows, len: d }, Rows { data: g, offsets: grows, len: d });
-            let mut out = vec![T::from_f64(0.0); xrows.len() * d];
-            if d > 0 {
-                out.par_chunks_mut(RMS_ROWS * d).enumerate().for_each(|(c, out)| {
-                    let rows = c * RMS_ROWS..c * RMS_ROWS + out.len() / d;
-                    rms_bwd_rows(xr.sub(rows.clone()), gr.sub(rows), out);
-                });
-            }
-            out
-        }
         let out = match (xs, gs) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(run(x, g, &xrows, &grows, d)),
-            (CpuStorage::F64(x), CpuStorage::F64(g)) => CpuStorage::F64(run(x, g, &xrows, &grows, d)),
+            (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(rms_bwd(x, &xrows, g, &grows, d)),
+            (CpuStorage::F64(x), CpuStorage::F64(g)) => CpuStorage::F64(rms_bwd(x, &xrows, g, &grows, d)),
             _ => bail!("rms_norm backward: unsupported dtypes {:?}, {:?}", xs.dtype(), gs.dtype()),
         };
         Ok((out, xl.shape().clone()))

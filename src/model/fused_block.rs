@@ -578,15 +578,6 @@ fn relu_sq_fwd<T: Real>(x: &[T]) -> Vec<T> {
     out
 }
 
-fn relu_sq_bwd<T: Real>(x: &Tensor, grad: &Tensor) -> Result<Tensor> {
-    let grad = grad.contiguous()?;
-    let (xh, gh) = (Held::new(x), Held::new(&grad));
-    let (xv, gv) = (xh.slice::<T>("x")?, gh.slice::<T>("grad")?);
-    let mut out = vec![T::from_f64(0.0); xv.len()];
-    out.par_chunks_mut(ELEMS).zip(xv.par_chunks(ELEMS)).zip(gv.par_chunks(ELEMS)).for_each(|((o, x), g)| relu_sq_bwd_block(x, g, o));
-    Tensor::from_vec(out, x.shape(), &Device::Cpu)
-}
-
 impl CustomOp1 for ReluSq {
     fn name(&self) -> &'static str {
         "fused-relu-sq"
@@ -604,15 +595,12 @@ impl CustomOp1 for ReluSq {
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        if super::super::gpu_path(x) {
-            return Ok(Some(x.apply_op2_no_bwd(&grad.contiguous()?, &ReluSqBwd)?));
-        }
-        Ok(Some(float_dispatch!(x.dtype(), "relu_sq", |T| relu_sq_bwd::<T>(x, grad)?)))
+        Ok(Some(x.apply_op2_no_bwd(&grad.contiguous()?, &ReluSqBwd)?))
     }
 }
 
-/// `(x, grad) -> 2 relu(x) grad` where [`ReluSq`] ran on a GPU; its CPU implementation is the
-/// GPU kernel's reference.
+/// `(x, grad) -> 2 relu(x) grad`: [`ReluSq`]'s backward pass, on the CPU (the GPU kernel's
+/// reference) or the GPU.
 pub(super) struct ReluSqBwd;
 
 impl CustomOp2 for ReluSqBwd {

@@ -1,9 +1,10 @@
 //! Launches of the fused ops' GPU kernels (`kernels/fused.cu`, compiled to PTX by build.rs;
-//! `cuda` builds only). Each kernel works on rows: one warp per row of `len` elements, eight
-//! rows per block, every input and the output contiguous and of the same shape and dtype
-//! (`f32` or `bf16`). The CPU references they are checked against sit beside the ops that call
-//! them ([`super::causal_softmax`], [`super::fused::rms_norm`]); `pipeline parity` compares the
-//! two on a GPU.
+//! `cuda` builds only). Most kernels work on rows ([`rows_op`]): one warp per row of `len`
+//! elements, eight rows per block, the inputs and the output contiguous, of one dtype (`f32`
+//! or `bf16`) and one shape, plus small extra inputs such as a table; the embedding gradient has
+//! its own launch. The CPU references they are checked against are the CPU implementations of
+//! the ops that call them (`super::causal_softmax`, `norm_rope`, `embedding`, `fused`);
+//! `pipeline parity` compares the two on a GPU.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};

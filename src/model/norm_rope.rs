@@ -39,13 +39,13 @@ fn storage(v: Vec<f64>, dtype: DType) -> Result<CpuStorage> {
     super::host::from_f64("norm_rope", v, dtype)
 }
 
-/// Row geometry: `(rows, d, seq)` from the table's layout and `x`'s element count.
-fn geometry(xl: &Layout, tl: &Layout) -> Result<(usize, usize, usize)> {
+/// Row geometry: `(d, seq)` from the table's layout, checked against `x`'s element count.
+fn geometry(xl: &Layout, tl: &Layout) -> Result<(usize, usize)> {
     let (seq, d) = tl.shape().dims2()?;
     if d == 0 || !xl.shape().elem_count().is_multiple_of(d) {
         bail!("norm_rope: x {:?} does not split into rows of {d}", xl.shape());
     }
-    Ok((xl.shape().elem_count() / d, d, seq))
+    Ok((d, seq))
 }
 
 /// The reference forward pass in f64.
@@ -91,7 +91,7 @@ impl CustomOp2 for NormRope {
     }
 
     fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ts: &CpuStorage, tl: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (_, d, seq) = geometry(xl, tl)?;
+        let (d, seq) = geometry(xl, tl)?;
         let eps = ops::rms_eps(xs.dtype());
         let out = fwd_rows(&host(xs, xl)?, &host(ts, tl)?, d, self.heads, seq, eps);
         Ok((storage(out, xs.dtype())?, xl.shape().clone()))
@@ -105,7 +105,7 @@ impl CustomOp2 for NormRope {
         ts: &candle_core::CudaStorage,
         tl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (_, d, seq) = geometry(xl, tl)?;
+        let (d, seq) = geometry(xl, tl)?;
         let eps = ops::rms_eps(xs.dtype()) as f32;
         let ints = [self.heads as i32, seq as i32];
         let out = super::gpu_kernels::rows_op_with("norm_rope_fwd", &[(xs, xl)], &[(ts, tl)], d, eps, &ints)?;
@@ -135,7 +135,7 @@ impl CustomOp3 for NormRopeBwd {
         if xl.dims() != gl.dims() {
             bail!("norm_rope backward: gradient {:?} for x {:?}", gl.shape(), xl.shape());
         }
-        let (_, d, seq) = geometry(xl, tl)?;
+        let (d, seq) = geometry(xl, tl)?;
         let eps = ops::rms_eps(xs.dtype());
         let out = bwd_rows(&host(xs, xl)?, &host(gs, gl)?, &host(ts, tl)?, d, self.heads, seq, eps);
         Ok((storage(out, xs.dtype())?, xl.shape().clone()))
@@ -151,7 +151,7 @@ impl CustomOp3 for NormRopeBwd {
         ts: &candle_core::CudaStorage,
         tl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (_, d, seq) = geometry(xl, tl)?;
+        let (d, seq) = geometry(xl, tl)?;
         let eps = ops::rms_eps(xs.dtype()) as f32;
         let ints = [self.heads as i32, seq as i32];
         let out = super::gpu_kernels::rows_op_with("norm_rope_bwd", &[(xs, xl), (gs, gl)], &[(ts, tl)], d, eps, &ints)?;

@@ -68,19 +68,21 @@ pub fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
 /// `v` are `(B, K, T, D)`; query head `h` uses KV head `h / (H / K)` (PyTorch's `enable_gqa`).
 /// Returns `(B, H, T, D)`.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
-    let (b, h, t, d) = q.dims4()?;
-    let kv = k.dim(1)?;
-    let group = h / kv;
-    let expand = |x: &Tensor| -> Result<Tensor> {
-        if group == 1 {
-            return Ok(x.clone());
-        }
-        x.unsqueeze(2)?.broadcast_as((b, kv, group, t, d))?.reshape((b, h, t, d))
-    };
-    let (k, v) = (expand(k)?, expand(v)?);
+    let (_, h, _, d) = q.dims4()?;
+    let (k, v) = (repeat_kv(k, h)?, repeat_kv(v, h)?);
     let scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? * (1.0 / (d as f64).sqrt()))?;
     let probs = softmax_last(&scores.broadcast_add(mask)?)?;
     probs.matmul(&v.contiguous()?)
+}
+
+/// `(B, K, T, D)` key or value heads repeated to `(B, heads, T, D)`: query head `h` gets KV
+/// head `h / (heads / K)`. `x` itself when `K == heads`.
+pub fn repeat_kv(x: &Tensor, heads: usize) -> Result<Tensor> {
+    let (b, kv, t, d) = x.dims4()?;
+    if kv == heads {
+        return Ok(x.clone());
+    }
+    x.unsqueeze(2)?.broadcast_as((b, kv, heads / kv, t, d))?.reshape((b, heads, t, d))
 }
 
 /// `cap * tanh(z / cap)`.
