@@ -271,10 +271,13 @@ pub fn scale_cols(x: &Tensor, s: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op2(&s.contiguous()?, ScaleCols)
 }
 
-/// `sum over rows of (a * b)` for `a`, `b` `(.., C)`: the per-channel gradient on a GPU.
+/// `sum over rows of (a * b)` for `a`, `b` `(.., C)`: the per-channel gradient on a GPU. In
+/// f32 at least (candle's sums accumulate in the tensor's dtype: 65,536 rows summed in bf16
+/// would keep about two significant digits), returned in `a`'s dtype.
 fn column_dot(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let c = last_dim(a)?;
-    (a * b)?.reshape(((), c))?.sum(0)
+    let wide = |x: &Tensor| if matches!(x.dtype(), DType::F32 | DType::F64) { Ok(x.clone()) } else { x.to_dtype(DType::F32) };
+    (wide(a)? * wide(b)?)?.reshape(((), c))?.sum(0)?.to_dtype(a.dtype())
 }
 
 /// The GPU backward pass of [`ScaleAdd`]: `(dbase, dx, ds)`.

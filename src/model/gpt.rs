@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 use super::ModelConfig;
+use super::flash_attn::{self, Attention};
 use super::fused::{causal_attention_tokens, qk_norm_rope, relu_sq, resid_mix, rms_norm, scale_add, softcap_cross_entropy};
 use super::ops::{rope_tables, softcap};
 
@@ -36,6 +37,8 @@ pub struct Gpt {
     matmul_dtype: Option<DType>,
     /// Forward passes read detached parameters (no autograd graph): set during evaluation.
     detached: std::cell::Cell<bool>,
+    /// The attention kernel on a GPU.
+    attention: Attention,
 }
 
 /// Host-side initial values, so that a seed gives the same weights on every device.
@@ -105,6 +108,7 @@ impl Gpt {
             dtype,
             matmul_dtype: None,
             detached: std::cell::Cell::new(false),
+            attention: Attention::Auto,
         })
     }
 
@@ -120,6 +124,38 @@ impl Gpt {
     /// The matmul dtype (the parameters' unless [`Gpt::with_matmul_dtype`] set another).
     pub fn matmul_dtype(&self) -> DType {
         self.matmul_dtype.unwrap_or(self.dtype)
+    }
+
+    /// Chooses the attention kernel of GPU runs ([`Attention::Auto`] unless set).
+    pub fn with_attention(mut self, attention: Attention) -> Self {
+        self.attention = attention;
+        self
+    }
+
+    /// Whether a forward pass on sequences of `t` tokens takes flash attention; an error says
+    /// why [`Attention::Flash`] cannot run here.
+    pub fn uses_flash_attention(&self, t: usize) -> anyhow::Result<bool> {
+        if self.attention == Attention::Materialized {
+            return Ok(false);
+        }
+        let probe = Tensor::zeros((1, 1), self.matmul_dtype(), &self.device)?;
+        match flash_attn::unsupported(&probe, t, self.cfg.head_dim()) {
+            None => Ok(true),
+            Some(why) if self.attention == Attention::Flash => anyhow::bail!("attention = \"flash\" cannot run: {why}"),
+            Some(_) => Ok(false),
+        }
+    }
+
+    /// The dtype of the activations around the matmuls when they stay in the matmul dtype: on
+    /// the GPU path under mixed precision (as under PyTorch's autocast, each projection's output
+    /// stays bf16 through QK norm, RoPE, attention and relu²; the residual stream stays f32).
+    fn low_activations(&self, x: &Tensor) -> Option<DType> {
+        self.matmul_dtype.filter(|_| super::gpu_path(x))
+    }
+
+    /// `x W^T` with `x` already in the matmul dtype, the result left in it.
+    fn linear_low(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        x.matmul(&w.to_dtype(x.dtype())?.t()?)
     }
 
     /// `x W^T` for `x` of shape `(N, in)` and `W` of shape `(out, in)`, in the matmul dtype.
@@ -267,22 +303,38 @@ impl Gpt {
         let cfg = &self.cfg;
         let (h, kvh) = (cfg.num_heads, cfg.num_kv_heads);
         let p = |s: &str| self.p(&format!("blocks.{i}.attn.{s}"));
+        if let Some(low) = self.low_activations(x) {
+            // x is cast once for the three projections; q, k, v, the attention output and its
+            // projection stay in the matmul dtype (the rope tables and the gain too, as the
+            // script casts them to q's dtype).
+            let x = x.to_dtype(low)?;
+            let (cos, sin) = (cos.to_dtype(low)?, sin.to_dtype(low)?);
+            let q = qk_norm_rope(&self.linear_low(&x, &p("c_q.weight"))?, Some(&p("q_gain").to_dtype(low)?), &cos, &sin, h)?;
+            let k = qk_norm_rope(&self.linear_low(&x, &p("c_k.weight"))?, None, &cos, &sin, kvh)?;
+            let v = self.linear_low(&x, &p("c_v.weight"))?;
+            let y = if self.attention != Attention::Materialized && flash_attn::unsupported(&q, x.dim(0)? / b, cfg.head_dim()).is_none() {
+                flash_attn::flash_attention(&q, &k, &v, b, h, kvh)?
+            } else {
+                causal_attention_tokens(&q, &k, &v, b, h, kvh)?
+            };
+            return self.linear_low(&y, &p("proj.weight"))?.to_dtype(self.dtype);
+        }
         let q = qk_norm_rope(&self.linear(x, &p("c_q.weight"))?, Some(&p("q_gain")), cos, sin, h)?;
         let k = qk_norm_rope(&self.linear(x, &p("c_k.weight"))?, None, cos, sin, kvh)?;
         let v = self.linear(x, &p("c_v.weight"))?;
-        // On a GPU the score products run in the matmul dtype (bf16 under mixed precision, as
-        // PyTorch's autocast runs SDPA); the CPU's fused attention keeps the parameters' dtype.
-        let (q, k, v) = match self.matmul_dtype {
-            Some(md) if !self.device.is_cpu() => (q.to_dtype(md)?, k.to_dtype(md)?, v.to_dtype(md)?),
-            _ => (q, k, v),
-        };
         let y = causal_attention_tokens(&q, &k, &v, b, h, kvh)?;
         self.linear(&y, &p("proj.weight"))
     }
 
     fn mlp(&self, i: usize, x: &Tensor) -> Result<Tensor> {
-        let up = relu_sq(&self.linear(x, &self.p(&format!("blocks.{i}.mlp.fc.weight")))?)?;
-        self.linear(&up, &self.p(&format!("blocks.{i}.mlp.proj.weight")))
+        let (fc, proj) = (self.p(&format!("blocks.{i}.mlp.fc.weight")), self.p(&format!("blocks.{i}.mlp.proj.weight")));
+        if let Some(low) = self.low_activations(x) {
+            // The (B*T, 4D) hidden activations stay in the matmul dtype (relu² included).
+            let up = relu_sq(&self.linear_low(&x.to_dtype(low)?, &fc)?)?;
+            return self.linear_low(&up, &proj)?.to_dtype(self.dtype);
+        }
+        let up = relu_sq(&self.linear(x, &fc)?)?;
+        self.linear(&up, &proj)
     }
 }
 
@@ -388,55 +440,79 @@ mod tests {
         assert!(checked >= 3 * m.params().len());
     }
 
+    fn formulation_cfg() -> ModelConfig {
+        ModelConfig { vocab_size: 32, num_layers: 3, model_dim: 16, num_heads: 4, num_kv_heads: 2, mlp_mult: 2, ..ModelConfig::default() }
+    }
+
+    /// A model of `formulation_cfg` with every parameter perturbed (zero-initialised
+    /// projections would leave most gradients zero).
+    fn perturbed(dtype: DType) -> Gpt {
+        let mut m = Gpt::new(&formulation_cfg(), 3, dtype, &Device::Cpu).unwrap();
+        let mut rng = fastrand::Rng::with_seed(11);
+        let state: HashMap<String, Tensor> = m
+            .state_dict()
+            .into_iter()
+            .map(|(n, t)| {
+                let noise: Vec<f64> = (0..t.elem_count()).map(|_| 0.05 * (rng.f64() * 2.0 - 1.0)).collect();
+                let noise = Tensor::from_vec(noise, t.dims(), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+                (n, (t + noise).unwrap())
+            })
+            .collect();
+        m.load_state(&state).unwrap();
+        m
+    }
+
+    /// Loss and every gradient (in f64) of `m` on a fixed batch.
+    fn loss_and_grads(m: &Gpt) -> (f64, Vec<Vec<f64>>) {
+        let x = Tensor::from_vec((0..36u32).map(|i| (i * 5 + 1) % 32).collect::<Vec<_>>(), (3, 12), &Device::Cpu).unwrap();
+        let y = Tensor::from_vec((0..36u32).map(|i| (i * 11 + 7) % 32).collect::<Vec<_>>(), (3, 12), &Device::Cpu).unwrap();
+        let loss = m.loss(&x, &y).unwrap();
+        let grads = loss.backward().unwrap();
+        let flat = |t: &Tensor| t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let g: Vec<Vec<f64>> = m.params().iter().map(|(_, v, _)| flat(grads.get(v.as_tensor()).unwrap())).collect();
+        (loss.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(), g)
+    }
+
+    fn assert_close(what: &str, m: &Gpt, (la, ga): &(f64, Vec<Vec<f64>>), (lb, gb): &(f64, Vec<Vec<f64>>), tol: f64) {
+        assert!((la - lb).abs() <= tol * la.abs(), "{what}: loss {la} vs {lb}");
+        for ((name, _, _), (a, b)) in m.params().iter().zip(ga.iter().zip(gb)) {
+            let num: f64 = a.iter().zip(b).map(|(p, q)| (p - q) * (p - q)).sum::<f64>().sqrt();
+            let den: f64 = a.iter().map(|p| p * p).sum::<f64>().sqrt();
+            assert!(den > 0.0 && num <= tol * den, "{what} {name}: rel err {}", num / den);
+        }
+    }
+
     /// The GPU formulation (the kernels' ops around the matrix products), assembled on the CPU
     /// where each op runs its CPU reference, gives the CPU formulation's loss and gradients: the
     /// GPU graph's wiring (forward and backward) is checked on every machine. In f32 the two
     /// round differently, which shows that the other graph really ran.
     #[test]
     fn gpu_formulation_matches_the_cpu_one() {
-        let cfg = ModelConfig {
-            vocab_size: 32,
-            num_layers: 3,
-            model_dim: 16,
-            num_heads: 4,
-            num_kv_heads: 2,
-            mlp_mult: 2,
-            ..ModelConfig::default()
-        };
-        let x = Tensor::from_vec((0..36u32).map(|i| (i * 5 + 1) % 32).collect::<Vec<_>>(), (3, 12), &Device::Cpu).unwrap();
-        let y = Tensor::from_vec((0..36u32).map(|i| (i * 11 + 7) % 32).collect::<Vec<_>>(), (3, 12), &Device::Cpu).unwrap();
         for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 1e-4)] {
-            let mut m = Gpt::new(&cfg, 3, dtype, &Device::Cpu).unwrap();
-            // Zero-initialised projections would leave most gradients zero: perturb everything.
-            let mut rng = fastrand::Rng::with_seed(11);
-            let state: HashMap<String, Tensor> = m
-                .state_dict()
-                .into_iter()
-                .map(|(n, t)| {
-                    let noise: Vec<f64> = (0..t.elem_count()).map(|_| 0.05 * (rng.f64() * 2.0 - 1.0)).collect();
-                    let noise = Tensor::from_vec(noise, t.dims(), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
-                    (n, (t + noise).unwrap())
-                })
-                .collect();
-            m.load_state(&state).unwrap();
-            let run = || {
-                let loss = m.loss(&x, &y).unwrap();
-                let grads = loss.backward().unwrap();
-                let flat = |t: &Tensor| t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
-                let g: Vec<Vec<f64>> = m.params().iter().map(|(_, v, _)| flat(grads.get(v.as_tensor()).unwrap())).collect();
-                (loss.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(), g)
-            };
-            let (cpu_loss, cpu_grads) = run();
-            let (gpu_loss, gpu_grads) = crate::model::with_gpu_formulation(run);
-            assert!((cpu_loss - gpu_loss).abs() <= tol * cpu_loss.abs(), "{dtype:?}: loss {cpu_loss} vs {gpu_loss}");
-            for ((name, _, _), (a, b)) in m.params().iter().zip(cpu_grads.iter().zip(&gpu_grads)) {
-                let num: f64 = a.iter().zip(b).map(|(p, q)| (p - q) * (p - q)).sum::<f64>().sqrt();
-                let den: f64 = a.iter().map(|p| p * p).sum::<f64>().sqrt();
-                assert!(den > 0.0 && num <= tol * den, "{dtype:?} {name}: rel err {}", num / den);
-            }
+            let m = perturbed(dtype);
+            let cpu = loss_and_grads(&m);
+            let gpu = crate::model::with_gpu_formulation(|| loss_and_grads(&m));
+            assert_close(&format!("{dtype:?}"), &m, &cpu, &gpu, tol);
             if dtype == DType::F32 {
-                assert_ne!(cpu_grads, gpu_grads, "the GPU formulation must be a different graph");
+                assert_ne!(cpu.1, gpu.1, "the GPU formulation must be a different graph");
             }
         }
+    }
+
+    /// The GPU formulation under mixed precision keeps the activations around the matmuls in
+    /// the matmul dtype (q, k, v, attention, the MLP's hidden layer): with f32 playing bf16's
+    /// part over f64 parameters, its loss and gradients are the f64 model's to f32 rounding,
+    /// and differ from the f64 GPU formulation's (the low-precision graph really ran).
+    #[test]
+    fn mixed_gpu_formulation_matches_the_cpu_one() {
+        let m = perturbed(DType::F64);
+        let exact = loss_and_grads(&m);
+        let m = m.with_matmul_dtype(DType::F32);
+        let mixed = crate::model::with_gpu_formulation(|| loss_and_grads(&m));
+        assert_close("f32 activations", &m, &exact, &mixed, 1e-4);
+        let m = m.with_matmul_dtype(DType::F64);
+        let wide = crate::model::with_gpu_formulation(|| loss_and_grads(&m));
+        assert_close("f64 GPU formulation", &m, &exact, &wide, 1e-10);
+        assert_ne!(wide.1, mixed.1);
     }
 }

@@ -17,6 +17,7 @@
 pub mod causal_softmax;
 mod config;
 pub mod embedding;
+pub mod flash_attn;
 pub mod fused;
 mod gpt;
 #[cfg(feature = "cuda")]
