@@ -33,6 +33,7 @@ pub mod metrics;
 pub mod model;
 pub mod optim;
 pub mod parity;
+pub mod phase_clock;
 pub mod pool;
 pub mod prepare;
 pub mod quant;

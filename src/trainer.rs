@@ -10,11 +10,12 @@
 use std::time::{Duration, Instant};
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 
 use crate::config::TrainConfig;
 use crate::model::{Gpt, ParamGroup};
 use crate::optim::{Adam, Muon, lr_multiplier, momentum_at};
+use crate::phase_clock::{Phase, PhaseClock, PhaseTimes};
 
 /// What one micro-batch cost.
 #[derive(Clone, Copy, Debug, Default)]
@@ -38,6 +39,11 @@ pub struct StepOutcome {
     pub grad_norm: Option<f64>,
     /// Time of the optimizer update (clipping included).
     pub optimizer: Duration,
+    /// Device time per phase of the spans that ended since the previous step (CUDA without
+    /// `sync_phases`): this step's micro-batches, usually the previous step's optimizer update.
+    /// When the trainer times on the device ([`Trainer::device_timed`]) these replace the host
+    /// times, which are then only the time to queue the work.
+    pub device: Option<PhaseTimes>,
 }
 
 /// The model with its optimizers and the step in progress.
@@ -54,6 +60,10 @@ pub struct Trainer {
     /// The step's summed loss on the device (GPU runs; the CPU sums on the host).
     loss_dev: Option<Tensor>,
     step: u64,
+    /// Wait for the device at each phase's end, so that phase times are device times.
+    sync_phases: bool,
+    /// Device-side phase spans (CUDA events) when the phases are not synchronised.
+    clock: PhaseClock,
 }
 
 impl Trainer {
@@ -91,6 +101,8 @@ impl Trainer {
             loss_sum: 0.0,
             loss_dev: None,
             step: 0,
+            sync_phases: false,
+            clock: PhaseClock::new(&Device::Cpu),
         })
     }
 
@@ -109,6 +121,36 @@ impl Trainer {
         self.step
     }
 
+    /// Waits for the device at the end of every phase (forward, backward, optimizer) when
+    /// `on`, so that [`MicroTimes`] and [`StepOutcome::optimizer`] time the device's work; when
+    /// off the device is awaited once per step (the loss read), and a GPU's phase times are the
+    /// host's time to queue the work. No effect on the CPU.
+    pub fn with_phase_sync(mut self, on: bool) -> Self {
+        self.sync_phases = on;
+        // Without the waits a GPU's phases are timed by events on its stream.
+        self.clock = PhaseClock::new(if on { &Device::Cpu } else { self.model.device() });
+        self
+    }
+
+    /// Whether the phases are timed on the device ([`StepOutcome::device`]) rather than by the
+    /// host's clock.
+    pub fn device_timed(&self) -> bool {
+        self.clock.active()
+    }
+
+    /// Device phase times not yet returned by a step (waits for the device): for the end of a
+    /// run.
+    pub fn flush_device_times(&mut self) -> anyhow::Result<Option<PhaseTimes>> {
+        self.clock.take_all()
+    }
+
+    fn phase_end(&self) -> anyhow::Result<()> {
+        if self.sync_phases {
+            self.model.device().synchronize()?;
+        }
+        Ok(())
+    }
+
     /// Micro-batches of the current step taken so far.
     pub fn micro_done(&self) -> usize {
         self.micro_done
@@ -124,6 +166,7 @@ impl Trainer {
     pub fn micro_step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<MicroTimes> {
         anyhow::ensure!(self.micro_done < self.micro_steps, "micro-batch {} of a {}-micro-batch step", self.micro_done, self.micro_steps);
         let t0 = Instant::now();
+        let m0 = self.clock.mark()?;
         let loss = self.model.loss(x, y)?;
         if self.model.device().is_cpu() {
             // On the host reading the value costs nothing: check every micro-batch.
@@ -138,6 +181,9 @@ impl Trainer {
                 None => l,
             });
         }
+        self.phase_end()?;
+        let (m1, m2) = (self.clock.mark()?, self.clock.mark()?);
+        self.clock.span(Phase::Forward, m0, m1);
         let t1 = Instant::now();
         let mut store = (loss / self.micro_steps as f64)?.backward()?;
         for (_, var, _) in self.model.params() {
@@ -154,6 +200,9 @@ impl Trainer {
             }
         }
         drop(store);
+        self.phase_end()?;
+        let m3 = self.clock.mark()?;
+        self.clock.span(Phase::Backward, m2, m3);
         self.micro_done += 1;
         Ok(MicroTimes { forward: t1 - t0, backward: t1.elapsed() })
     }
@@ -169,6 +218,7 @@ impl Trainer {
             anyhow::ensure!(sum.is_finite(), "the training loss is {sum} at step {}", self.step + 1);
             self.loss_sum = sum;
         }
+        let m0 = self.clock.mark()?;
         let c = &self.cfg;
         let lr_mul = lr_multiplier(self.step, c.iterations, c.warmdown_iters, elapsed_ms, c.max_wallclock_seconds * 1e3);
         let momentum = momentum_at(self.step, c.muon_momentum_warmup_steps, c.muon_momentum_warmup_start, c.muon_momentum);
@@ -177,8 +227,18 @@ impl Trainer {
         for adam in &mut self.adams {
             adam.step(&self.grads, adam.base_lr() * lr_mul)?;
         }
-        let outcome =
-            StepOutcome { train_loss: self.loss_sum / self.micro_steps as f64, lr_mul, momentum, grad_norm, optimizer: t0.elapsed() };
+        self.phase_end()?;
+        let m1 = self.clock.mark()?;
+        self.clock.span(Phase::Optimizer, m0, m1);
+        let optimizer = t0.elapsed();
+        let outcome = StepOutcome {
+            train_loss: self.loss_sum / self.micro_steps as f64,
+            lr_mul,
+            momentum,
+            grad_norm,
+            optimizer,
+            device: self.clock.take_ended()?,
+        };
         self.grads = GradStore::default();
         self.micro_done = 0;
         self.loss_sum = 0.0;

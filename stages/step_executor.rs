@@ -37,6 +37,7 @@ use crate::checkpoint::Checkpoint;
 use crate::config::{Config, TrainConfig};
 use crate::control::StopReason;
 use crate::model::Gpt;
+use crate::model::flash_attn::Attention;
 use crate::snapshot::{Ending, Moment, TrainSnapshot, TrainerState};
 use crate::stage::{BuildCtx, Ctx, Emitter, Transform};
 use crate::trainer::Trainer;
@@ -76,11 +77,20 @@ pub struct CandleParams {
     pub dtype: Precision,
     /// Show a progress bar when stdout is a terminal (log lines print above it).
     pub progress: bool,
+    /// Attention kernel on a GPU: "auto" (flash attention where it applies: CUDA, bf16, head
+    /// dim 64, `seq_len` a multiple of 64), "flash" (refuse a run it cannot take) or
+    /// "materialized" (scores and probabilities stored, for ablations).
+    pub attention: Attention,
+    /// Wait for the GPU at the end of each phase (forward, backward, optimizer). Off (the
+    /// default), the host waits once per step (the loss read) and the report's phase times come
+    /// from CUDA events recorded at the phase boundaries; on, from the host's clock after each
+    /// wait (slower: the GPU idles while the host queues the next phase). No effect on the CPU.
+    pub sync_phases: bool,
 }
 
 impl Default for CandleParams {
     fn default() -> Self {
-        Self { dtype: Precision::F32, progress: true }
+        Self { dtype: Precision::F32, progress: true, attention: Attention::Auto, sync_phases: false }
     }
 }
 
@@ -175,12 +185,13 @@ impl Transform for Candle {
         let device = crate::device::open(c)?;
         let validator = Validator::load(c, shape.micro_steps)?;
         let (param_dtype, matmul_dtype) = p.dtype.dtypes();
-        let mut model = Gpt::new(&c.model, c.run.seed, param_dtype, &device)?.with_matmul_dtype(matmul_dtype);
+        let mut model = Gpt::new(&c.model, c.run.seed, param_dtype, &device)?.with_matmul_dtype(matmul_dtype).with_attention(p.attention);
+        let flash = model.uses_flash_attention(c.train.seq_len).context("stage `step_executor`, key `attention`")?;
         if let Some(path) = &c.train.init_weights {
             let tensors = crate::weights::load(path, None).context("`train.init_weights`")?;
             model.load_state(&tensors).with_context(|| format!("`train.init_weights` = {} does not fit `[model]`", path.display()))?;
         }
-        let mut trainer = Trainer::new(model, &c.train, shape.micro_steps)?;
+        let mut trainer = Trainer::new(model, &c.train, shape.micro_steps)?.with_phase_sync(p.sync_phases);
         let data = data_fingerprint(c)?;
         let history = match ctx.resume {
             Some(ck) => Some(resume(&mut trainer, ck, shape, &data)?),
@@ -201,6 +212,10 @@ impl Transform for Candle {
             ));
         }
         startup_lines(&mut log, c, &trainer, &validator, shape, unigram_bpb);
+        if !device.is_cpu() {
+            let timing = if p.sync_phases { "device (synchronised per phase)" } else { "device (CUDA events, no sync per phase)" };
+            log.line(&format!("attention:{} phase_times:{timing}", if flash { "flash" } else { "materialized" }));
+        }
         let resumed_from = trainer.step();
         let steps = StepTable::new(ctx.run_dir, ctx.resume.map(|ck| ck.meta.step))?;
         let (train_ms, vals, last_loss, rolling) = match (ctx.resume, history) {
@@ -331,8 +346,10 @@ impl Candle {
         }
         let times = self.trainer.micro_step(&b.x, &b.y).with_context(|| format!("training step {}", self.trainer.step() + 1))?;
         self.window.h2d += Duration::from_nanos(b.upload_ns);
-        self.window.forward += times.forward;
-        self.window.backward += times.backward;
+        if !self.trainer.device_timed() {
+            self.window.forward += times.forward;
+            self.window.backward += times.backward;
+        }
         self.step_loader = Some((b.meta.state.clone(), b.meta.rolling));
         if self.trainer.micro_done() == self.trainer.micro_steps() {
             self.end_step(out, ctx)?;
@@ -497,6 +514,13 @@ impl Candle {
         (self.train_before_mark + running).as_secs_f64() * 1e3
     }
 
+    /// Phase times measured on the device (events), in place of the host's queueing times.
+    fn add_device_times(&mut self, d: crate::phase_clock::PhaseTimes) {
+        self.window.forward += d.forward;
+        self.window.backward += d.backward;
+        self.window.optimizer += d.optimizer;
+    }
+
     fn pause(&mut self) {
         if let Some(m) = self.mark.take() {
             self.train_before_mark += m.elapsed();
@@ -505,7 +529,11 @@ impl Candle {
 
     fn end_step(&mut self, emitter: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
         let out = self.trainer.finish_step(self.step_start_ms)?;
-        self.window.optimizer += out.optimizer;
+        match out.device {
+            Some(d) => self.add_device_times(d),
+            None if !self.trainer.device_timed() => self.window.optimizer += out.optimizer,
+            None => {}
+        }
         self.window_steps += 1;
         self.last_loss = out.train_loss;
         self.lr_mul = out.lr_mul;
@@ -542,6 +570,10 @@ impl Candle {
             ctx.request_stop();
         } else if self.cfg.val_every > 0 && step.is_multiple_of(self.cfg.val_every) {
             self.validate(ctx, false)?;
+        }
+        if last && let Some(d) = self.trainer.flush_device_times()? {
+            // The last optimizer update's span, so that the run's totals hold every phase.
+            self.add_device_times(d);
         }
         if self.cfg.timing_every > 0 && (step.is_multiple_of(self.cfg.timing_every) || last) {
             self.log.line(&self.window.line(step, total, self.window_steps));

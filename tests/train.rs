@@ -449,6 +449,16 @@ fn bf16_on_the_cpu_is_refused() {
     assert_fails(&o, &["`dtype`", "bf16"]);
 }
 
+/// Flash attention is a CUDA kernel: asking for it on the CPU is refused before training, naming
+/// the key and the reason; "materialized" and the default "auto" train.
+#[test]
+fn flash_attention_on_the_cpu_is_refused() {
+    let c = corpus("flash");
+    let o = run_limited(&config(&c), &c.dir.join("run"), &["stages.train.attention=\"flash\""]);
+    assert_fails(&o, &["`attention`", "flash", "cuda"]);
+    train_ok(&config(&c), &c.dir.join("ok"), &["train.iterations=1", "train.val_every=0", "stages.train.attention=\"materialized\""]);
+}
+
 #[test]
 fn init_weights_not_safetensors() {
     let c = corpus("bad-weights");
