@@ -229,6 +229,28 @@ __device__ void embedding_bwd(const unsigned* ids, const T* g, T* dw, long n, in
     if (j < c) store(dw, (long)v * c + j, acc);
 }
 
+// Per-channel sums over rows of a * b (a, b: rows x c), in two deterministic passes: partial
+// sums of `chunk` rows per block row (thread per channel, loads coalesced across channels), then
+// the partials added in chunk order. float32 accumulation whatever the storage type.
+template <typename T>
+__device__ void column_dot_partial(const T* a, const T* b, float* partial, long rows, int c, int chunk) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= c) return;
+    long r0 = (long)blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
+    float acc = 0.f;
+    for (long r = r0; r < r1; ++r) acc += load(a, r * c + j) * load(b, r * c + j);
+    partial[(long)blockIdx.y * c + j] = acc;
+}
+
+template <typename T>
+__device__ void column_dot_sum(const float* partial, T* out, int chunks, int c) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= c) return;
+    float acc = 0.f;
+    for (int k = 0; k < chunks; ++k) acc += partial[(long)k * c + j];
+    store(out, j, acc);
+}
+
 }  // namespace
 
 #define FOR_TYPES(X) X(f32, float) X(bf16, __nv_bfloat16)
@@ -292,3 +314,40 @@ FOR_TYPES(SCALES)
         embedding_bwd<T>(ids, g, dw, n, c);                                                                \
     }
 FOR_TYPES(EMBEDDING)
+
+#define COLUMN_DOT(name, T)                                                                                \
+    extern "C" __global__ void column_dot_partial_##name(const T* a, const T* b, float* partial, long rows,  \
+                                                         int c, int chunk) {                               \
+        column_dot_partial<T>(a, b, partial, rows, c, chunk);                                              \
+    }                                                                                                      \
+    extern "C" __global__ void column_dot_sum_##name(const float* partial, T* out, int chunks, int c) {    \
+        column_dot_sum<T>(partial, out, chunks, c);                                                        \
+    }
+FOR_TYPES(COLUMN_DOT)
+
+// Casts between float32 and bfloat16 (round to nearest even), 8 values per thread and step
+// with 16-byte bf16 accesses; n8 = n / 8 full groups, the tail by the first threads.
+extern "C" __global__ void cast_f32_to_bf16(const float* x, __nv_bfloat16* y, long n) {
+    long n8 = n / 8, stride = (long)gridDim.x * blockDim.x;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += stride) {
+        float4 a = reinterpret_cast<const float4*>(x)[2 * i], b = reinterpret_cast<const float4*>(x)[2 * i + 1];
+        __nv_bfloat162 o[4] = {__floats2bfloat162_rn(a.x, a.y), __floats2bfloat162_rn(a.z, a.w), __floats2bfloat162_rn(b.x, b.y),
+                               __floats2bfloat162_rn(b.z, b.w)};
+        reinterpret_cast<uint4*>(y)[i] = *reinterpret_cast<uint4*>(o);
+    }
+    long i = n8 * 8 + (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = __float2bfloat16(x[i]);
+}
+
+extern "C" __global__ void cast_bf16_to_f32(const __nv_bfloat16* x, float* y, long n) {
+    long n8 = n / 8, stride = (long)gridDim.x * blockDim.x;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += stride) {
+        uint4 v = reinterpret_cast<const uint4*>(x)[i];
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+        float2 p0 = __bfloat1622float2(h[0]), p1 = __bfloat1622float2(h[1]), p2 = __bfloat1622float2(h[2]), p3 = __bfloat1622float2(h[3]);
+        reinterpret_cast<float4*>(y)[2 * i] = make_float4(p0.x, p0.y, p1.x, p1.y);
+        reinterpret_cast<float4*>(y)[2 * i + 1] = make_float4(p2.x, p2.y, p3.x, p3.y);
+    }
+    long i = n8 * 8 + (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = __bfloat162float(x[i]);
+}

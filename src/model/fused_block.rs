@@ -271,13 +271,58 @@ pub fn scale_cols(x: &Tensor, s: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op2(&s.contiguous()?, ScaleCols)
 }
 
-/// `sum over rows of (a * b)` for `a`, `b` `(.., C)`: the per-channel gradient on a GPU. In
-/// f32 at least (candle's sums accumulate in the tensor's dtype: 65,536 rows summed in bf16
-/// would keep about two significant digits), returned in `a`'s dtype.
+/// `sum over rows of (a * b)` for `a`, `b` `(.., C)` of one dtype: the per-channel gradient of the
+/// GPU formulation, `(C,)` in that dtype. Accumulated in f32 at least (candle's own sums
+/// accumulate in the tensor's dtype: 65,536 rows summed in bf16 keep about two digits), in a
+/// fixed order: a kernel pair on a GPU (partial sums of 64 rows, then the partials in order),
+/// f64 in row order on the CPU (the reference).
 fn column_dot(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let c = last_dim(a)?;
-    let wide = |x: &Tensor| if matches!(x.dtype(), DType::F32 | DType::F64) { Ok(x.clone()) } else { x.to_dtype(DType::F32) };
-    (wide(a)? * wide(b)?)?.reshape(((), c))?.sum(0)?.to_dtype(a.dtype())
+    if a.dims() != b.dims() {
+        bail!("column_dot: shapes {:?} and {:?} differ", a.shape(), b.shape());
+    }
+    same_dtypes("column_dot", &[a, b])?;
+    a.contiguous()?.reshape(((), c))?.apply_op2_no_bwd(&b.contiguous()?.reshape(((), c))?, &ColumnDot)
+}
+
+struct ColumnDot;
+
+fn column_dot_cpu<T: Real>(a: &[T], b: &[T], c: usize) -> Vec<T> {
+    let mut acc = vec![0f64; c];
+    for (ra, rb) in a.chunks_exact(c).zip(b.chunks_exact(c)) {
+        for ((s, x), y) in acc.iter_mut().zip(ra).zip(rb) {
+            *s += x.to_f64() * y.to_f64();
+        }
+    }
+    acc.into_iter().map(T::from_f64).collect()
+}
+
+impl CustomOp2 for ColumnDot {
+    fn name(&self) -> &'static str {
+        "column-dot"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (_, c) = l1.shape().dims2()?;
+        let out = match (s1, s2) {
+            (CpuStorage::F32(_), CpuStorage::F32(_)) => CpuStorage::F32(column_dot_cpu(elems::<f32>(s1, l1)?, elems::<f32>(s2, l2)?, c)),
+            (CpuStorage::F64(_), CpuStorage::F64(_)) => CpuStorage::F64(column_dot_cpu(elems::<f64>(s1, l1)?, elems::<f64>(s2, l2)?, c)),
+            _ => bail!("column_dot: unsupported dtypes {:?}, {:?}", s1.dtype(), s2.dtype()),
+        };
+        Ok((out, Shape::from(c)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let c = l1.shape().dims2()?.1;
+        Ok((super::super::gpu_kernels::column_dot((s1, l1), (s2, l2))?, Shape::from(c)))
+    }
 }
 
 /// The GPU backward pass of [`ScaleAdd`]: `(dbase, dx, ds)`.

@@ -143,3 +143,102 @@ fn embedding_bwd_t<T: CudaDType + DeviceRepr>(
     }
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
+
+/// Rows per partial sum of [`column_dot`].
+const COLUMN_CHUNK: usize = 64;
+
+/// `column_dot_{partial,sum}_{f32|bf16}`: the per-channel sums over rows of `a * b` (both
+/// `(rows, c)`, contiguous, one dtype) as `(c,)` in their dtype, accumulated in f32 in a fixed
+/// order (partial sums of 64 rows, then the partials in order).
+pub fn column_dot(a: (&CudaStorage, &Layout), b: (&CudaStorage, &Layout)) -> Result<CudaStorage> {
+    let (rows, c) = a.1.shape().dims2()?;
+    if b.1.dims() != a.1.dims() || !a.1.is_contiguous() || !b.1.is_contiguous() || a.0.dtype() != b.0.dtype() {
+        bail!("column_dot: inputs {:?} ({:?}) and {:?} ({:?}) must be contiguous, alike", a.1, a.0.dtype(), b.1, b.0.dtype());
+    }
+    match a.0.dtype() {
+        DType::F32 => column_dot_t::<f32>("f32", a, b, rows, c),
+        DType::BF16 => column_dot_t::<half::bf16>("bf16", a, b, rows, c),
+        dt => bail!("column_dot: the GPU kernel supports f32 and bf16, got {dt:?}"),
+    }
+}
+
+fn column_dot_t<T: CudaDType + DeviceRepr>(
+    suffix: &str,
+    a: (&CudaStorage, &Layout),
+    b: (&CudaStorage, &Layout),
+    rows: usize,
+    c: usize,
+) -> Result<CudaStorage> {
+    let dev = a.0.device().clone();
+    let chunks = rows.div_ceil(COLUMN_CHUNK).max(1);
+    let (av, bv) = (view::<T>(a.0, a.1)?, view::<T>(b.0, b.1)?);
+    // SAFETY: the first kernel writes every partial (a zero sum for an empty chunk), the
+    // second every output.
+    let partial = unsafe { dev.alloc::<f32>(chunks * c)? };
+    let out = unsafe { dev.alloc::<T>(c)? };
+    if c == 0 {
+        return Ok(CudaStorage::wrap_cuda_slice(out, dev));
+    }
+    let int = |x: usize| i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("column_dot: {x} too large")));
+    let (c_arg, chunk_arg, chunks_arg, rows_arg) = (int(c)?, int(COLUMN_CHUNK)?, int(chunks)?, rows as i64);
+    let threads = 128u32;
+    let col_blocks = (c as u32).div_ceil(threads);
+    let grid_y = u32::try_from(chunks).ok().filter(|&y| y <= 65_535);
+    let Some(grid_y) = grid_y else { bail!("column_dot: {rows} rows exceed the grid") };
+    let func = dev.get_or_load_custom_func(&format!("column_dot_partial_{suffix}"), MODULE, PTX)?;
+    let cfg = LaunchConfig { grid_dim: (col_blocks, grid_y, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    let mut lb = func.builder();
+    lb.arg(&av).arg(&bv).arg(&partial).arg(&rows_arg).arg(&c_arg).arg(&chunk_arg);
+    // SAFETY: (const T* a, const T* b, float* partial, long rows, int c, int chunk).
+    unsafe { lb.launch(cfg) }.w()?;
+    let func = dev.get_or_load_custom_func(&format!("column_dot_sum_{suffix}"), MODULE, PTX)?;
+    let cfg = LaunchConfig { grid_dim: (col_blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    let mut lb = func.builder();
+    lb.arg(&partial).arg(&out).arg(&chunks_arg).arg(&c_arg);
+    // SAFETY: (const float* partial, T* out, int chunks, int c).
+    unsafe { lb.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// `cast_f32_to_bf16` / `cast_bf16_to_f32` of the contiguous `x` (its start 8 elements aligned):
+/// eight values per thread and step, rounding to nearest even.
+pub fn cast(x: &CudaStorage, l: &Layout, to: DType) -> Result<CudaStorage> {
+    let n = l.shape().elem_count();
+    if !l.is_contiguous() || l.start_offset() % 8 != 0 {
+        bail!("cast: the input must be contiguous from an 8-element boundary, got {l:?}");
+    }
+    let dev = x.device().clone();
+    let threads = 256u32;
+    let blocks = u32::try_from((n / 8).div_ceil(threads as usize).clamp(1, 65_535)).unwrap_or(65_535);
+    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    let n_arg = n as i64;
+    match (x.dtype(), to) {
+        (DType::F32, DType::BF16) => {
+            let xv = view::<f32>(x, l)?;
+            // SAFETY: every element is written (groups of eight, then the tail).
+            let out = unsafe { dev.alloc::<half::bf16>(n)? };
+            if n > 0 {
+                let func = dev.get_or_load_custom_func("cast_f32_to_bf16", MODULE, PTX)?;
+                let mut b = func.builder();
+                b.arg(&xv).arg(&out).arg(&n_arg);
+                // SAFETY: (const float* x, bf16* y, long n).
+                unsafe { b.launch(cfg) }.w()?;
+            }
+            Ok(CudaStorage::wrap_cuda_slice(out, dev))
+        }
+        (DType::BF16, DType::F32) => {
+            let xv = view::<half::bf16>(x, l)?;
+            // SAFETY: as above.
+            let out = unsafe { dev.alloc::<f32>(n)? };
+            if n > 0 {
+                let func = dev.get_or_load_custom_func("cast_bf16_to_f32", MODULE, PTX)?;
+                let mut b = func.builder();
+                b.arg(&xv).arg(&out).arg(&n_arg);
+                // SAFETY: (const bf16* x, float* y, long n).
+                unsafe { b.launch(cfg) }.w()?;
+            }
+            Ok(CudaStorage::wrap_cuda_slice(out, dev))
+        }
+        (from, to) => bail!("cast: the GPU kernel casts between f32 and bf16, not {from:?} to {to:?}"),
+    }
+}
