@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 use super::ModelConfig;
+use super::cast::cast;
 use super::flash_attn::{self, Attention};
 use super::fused::{causal_attention_tokens, qk_norm_rope, relu_sq, resid_mix, rms_norm, scale_add, softcap_cross_entropy};
 use super::ops::{rope_tables, softcap};
@@ -155,14 +156,14 @@ impl Gpt {
 
     /// `x W^T` with `x` already in the matmul dtype, the result left in it.
     fn linear_low(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        x.matmul(&w.to_dtype(x.dtype())?.t()?)
+        x.matmul(&cast(w, x.dtype())?.t()?)
     }
 
     /// `x W^T` for `x` of shape `(N, in)` and `W` of shape `(out, in)`, in the matmul dtype.
     fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         match self.matmul_dtype {
             None => x.matmul(&w.t()?),
-            Some(md) => x.to_dtype(md)?.matmul(&w.to_dtype(md)?.t()?)?.to_dtype(self.dtype),
+            Some(md) => cast(&cast(x, md)?.matmul(&cast(w, md)?.t()?)?, self.dtype),
         }
     }
 
@@ -278,7 +279,7 @@ impl Gpt {
     pub fn token_losses(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
         let logits = self.raw_logits(x)?;
         // Cross-entropy on float32 logits, as the script does (float64 stays float64 for checks).
-        let logits = if self.dtype == DType::F64 { logits } else { logits.to_dtype(DType::F32)? };
+        let logits = if self.dtype == DType::F64 { logits } else { cast(&logits, DType::F32)? };
         softcap_cross_entropy(&logits, &y.flatten_all()?, self.cfg.logit_softcap)
     }
 
@@ -307,9 +308,9 @@ impl Gpt {
             // x is cast once for the three projections; q, k, v, the attention output and its
             // projection stay in the matmul dtype (the rope tables and the gain too, as the
             // script casts them to q's dtype).
-            let x = x.to_dtype(low)?;
+            let x = cast(x, low)?;
             let (cos, sin) = (cos.to_dtype(low)?, sin.to_dtype(low)?);
-            let q = qk_norm_rope(&self.linear_low(&x, &p("c_q.weight"))?, Some(&p("q_gain").to_dtype(low)?), &cos, &sin, h)?;
+            let q = qk_norm_rope(&self.linear_low(&x, &p("c_q.weight"))?, Some(&cast(&p("q_gain"), low)?), &cos, &sin, h)?;
             let k = qk_norm_rope(&self.linear_low(&x, &p("c_k.weight"))?, None, &cos, &sin, kvh)?;
             let v = self.linear_low(&x, &p("c_v.weight"))?;
             let y = if self.attention != Attention::Materialized && flash_attn::unsupported(&q, x.dim(0)? / b, cfg.head_dim()).is_none() {
@@ -317,7 +318,7 @@ impl Gpt {
             } else {
                 causal_attention_tokens(&q, &k, &v, b, h, kvh)?
             };
-            return self.linear_low(&y, &p("proj.weight"))?.to_dtype(self.dtype);
+            return cast(&self.linear_low(&y, &p("proj.weight"))?, self.dtype);
         }
         let q = qk_norm_rope(&self.linear(x, &p("c_q.weight"))?, Some(&p("q_gain")), cos, sin, h)?;
         let k = qk_norm_rope(&self.linear(x, &p("c_k.weight"))?, None, cos, sin, kvh)?;
@@ -330,8 +331,8 @@ impl Gpt {
         let (fc, proj) = (self.p(&format!("blocks.{i}.mlp.fc.weight")), self.p(&format!("blocks.{i}.mlp.proj.weight")));
         if let Some(low) = self.low_activations(x) {
             // The (B*T, 4D) hidden activations stay in the matmul dtype (relu² included).
-            let up = relu_sq(&self.linear_low(&x.to_dtype(low)?, &fc)?)?;
-            return self.linear_low(&up, &proj)?.to_dtype(self.dtype);
+            let up = relu_sq(&self.linear_low(&cast(x, low)?, &fc)?)?;
+            return cast(&self.linear_low(&up, &proj)?, self.dtype);
         }
         let up = relu_sq(&self.linear(x, &fc)?)?;
         self.linear(&up, &proj)

@@ -14,6 +14,7 @@
 //! - [`Gpt`]: parameters named exactly as the PyTorch script's `GPT.state_dict()`, the spec's
 //!   initialisation, and the forward pass to logits, mean loss or per-token losses.
 
+pub mod cast;
 pub mod causal_softmax;
 mod config;
 pub mod embedding;
