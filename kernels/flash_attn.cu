@@ -119,6 +119,29 @@ __device__ __forceinline__ void scale_rows(FragC (&acc)[KS], float* scratch, int
     for (int n = 0; n < KS; ++n) wmma::load_matrix_sync(acc[n], scratch + n * 16, LDS, wmma::mem_row_major);
 }
 
+// Where a block of the forward and dq kernels works, and what its thread handles: query tile
+// qt (the longest rows first) of (batch b, head h) blockIdx.y, KV head kvh; warp w owns rows
+// row0.. row0+15 and its lane half of row r (query qi), columns from c0.
+struct QueryTile {
+    int qt, bh, b, h, kvh, w, lane, r, c0, row0, qi;
+    long ldq, ldk, kv;  // row strides of q and k/v; offset of this (batch, KV head) in k and v
+    __device__ QueryTile(int t, int heads, int kv_heads)
+        : qt(t / TILE - 1 - blockIdx.x), bh(blockIdx.y), b(bh / heads), h(bh % heads), kvh(h / (heads / kv_heads)),
+          w(threadIdx.x / 32), lane(threadIdx.x & 31), r(lane >> 1), c0((lane & 1) * 32), row0(qt * TILE + w * WR), qi(row0 + r),
+          ldq((long)heads * D), ldk((long)kv_heads * D), kv((long)b * t * ldk + kvh * D) {}
+    // Offset of this warp's first row of head h in q-shaped matrices.
+    __device__ long q_rows(int t) const { return ((long)b * t + row0) * ldq + h * D; }
+};
+
+// Stages key/value tile kt of a (batch, KV head) into shared memory, after every warp is done
+// with the previous one.
+__device__ __forceinline__ void load_kv(bf16* ks, bf16* vs, const bf16* kb, const bf16* vb, int kt, long ldk) {
+    __syncthreads();
+    load_tile(ks, kb + (long)kt * TILE * ldk, ldk);
+    load_tile(vs, vb + (long)kt * TILE * ldk, ldk);
+    __syncthreads();
+}
+
 }  // namespace
 
 // Forward: o and lse2 for query tile (T/64 - 1 - blockIdx.x) of (batch, head) blockIdx.y.
@@ -129,29 +152,21 @@ extern "C" __global__ void __launch_bounds__(128)
     __shared__ __align__(32) bf16 vs[TILE * LDT];
     __shared__ __align__(32) bf16 ps[WARPS][WR * LDT];
     __shared__ __align__(32) float sc[WARPS][WR * LDS];
-    const int qt = t / TILE - 1 - blockIdx.x;  // the longest rows first
-    const int bh = blockIdx.y, b = bh / heads, h = bh % heads, kvh = h / (heads / kv_heads);
-    const long ldq = (long)heads * D, ldk = (long)kv_heads * D;
-    const int w = threadIdx.x / 32, lane = threadIdx.x & 31, r = lane >> 1, c0 = (lane & 1) * 32;
-    const int row0 = qt * TILE + w * WR, qi = row0 + r;
-    const bf16* kb = k + (long)b * t * ldk + kvh * D;
-    const bf16* vb = v + (long)b * t * ldk + kvh * D;
-    float* s = sc[w];
-    bf16* p = ps[w];
+    const QueryTile at(t, heads, kv_heads);
+    const int lane = at.lane, r = at.r, qi = at.qi;
+    float* s = sc[at.w];
+    bf16* p = ps[at.w];
 
     FragA qf[KS];
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) wmma::load_matrix_sync(qf[kk], q + ((long)b * t + row0) * ldq + h * D + kk * 16, ldq);
+    for (int kk = 0; kk < KS; ++kk) wmma::load_matrix_sync(qf[kk], q + at.q_rows(t) + kk * 16, at.ldq);
     FragC of[KS];
 #pragma unroll
     for (int n = 0; n < KS; ++n) wmma::fill_fragment(of[n], 0.f);
     float m = -CUDART_INF_F, l = 0.f;
 
-    for (int kt = 0; kt <= qt; ++kt) {
-        __syncthreads();
-        load_tile(ks, kb + (long)kt * TILE * ldk, ldk);
-        load_tile(vs, vb + (long)kt * TILE * ldk, ldk);
-        __syncthreads();
+    for (int kt = 0; kt <= at.qt; ++kt) {
+        load_kv(ks, vs, k + at.kv, v + at.kv, kt, at.ldk);
         mul_transposed(s, qf, ks);
         __syncwarp();
         // Online softmax over this tile (every row has at least key kt*64 <= qi unmasked).
@@ -178,8 +193,8 @@ extern "C" __global__ void __launch_bounds__(128)
         __syncwarp();
         mul_add(of, p, vs);
     }
-    write_rows(o + ((long)b * t + row0) * ldq + h * D, ldq, of, s, r, c0, 1.f / l);
-    if ((lane & 1) == 0) lse2[(long)bh * t + qi] = m + log2f(l);
+    write_rows(o + at.q_rows(t), at.ldq, of, s, r, at.c0, 1.f / l);
+    if ((lane & 1) == 0) lse2[(long)at.bh * t + qi] = m + log2f(l);
 }
 
 // delta[(b*H + h)*T + i] = sum_d o[i, h, d] * go[i, h, d], one warp per (token, head) row.
@@ -275,31 +290,23 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_bf16(const bf16* 
     __shared__ __align__(32) bf16 vs[TILE * LDT];
     __shared__ __align__(32) bf16 bufs[WARPS][WR * LDT];
     __shared__ __align__(32) float sc[WARPS][WR * LDS];
-    const int qt = t / TILE - 1 - blockIdx.x;
-    const int bh = blockIdx.y, b = bh / heads, h = bh % heads, kvh = h / (heads / kv_heads);
-    const long ldq = (long)heads * D, ldk = (long)kv_heads * D;
-    const int w = threadIdx.x / 32, lane = threadIdx.x & 31, r = lane >> 1, c0 = (lane & 1) * 32;
-    const int row0 = qt * TILE + w * WR, qi = row0 + r;
-    const bf16* kb = k + (long)b * t * ldk + kvh * D;
-    const bf16* vb = v + (long)b * t * ldk + kvh * D;
-    float* s = sc[w];
-    bf16* buf = bufs[w];
+    const QueryTile at(t, heads, kv_heads);
+    const int lane = at.lane, r = at.r, qi = at.qi;
+    float* s = sc[at.w];
+    bf16* buf = bufs[at.w];
 
     FragA qf[KS], gf[KS];
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
-        wmma::load_matrix_sync(qf[kk], q + ((long)b * t + row0) * ldq + h * D + kk * 16, ldq);
-        wmma::load_matrix_sync(gf[kk], go + ((long)b * t + row0) * ldq + h * D + kk * 16, ldq);
+        wmma::load_matrix_sync(qf[kk], q + at.q_rows(t) + kk * 16, at.ldq);
+        wmma::load_matrix_sync(gf[kk], go + at.q_rows(t) + kk * 16, at.ldq);
     }
-    const float li = lse2[(long)bh * t + qi], di = delta[(long)bh * t + qi];
+    const float li = lse2[(long)at.bh * t + qi], di = delta[(long)at.bh * t + qi];
     FragC dqf[KS];
 #pragma unroll
     for (int n = 0; n < KS; ++n) wmma::fill_fragment(dqf[n], 0.f);
-    for (int kt = 0; kt <= qt; ++kt) {
-        __syncthreads();
-        load_tile(ks, kb + (long)kt * TILE * ldk, ldk);
-        load_tile(vs, vb + (long)kt * TILE * ldk, ldk);
-        __syncthreads();
+    for (int kt = 0; kt <= at.qt; ++kt) {
+        load_kv(ks, vs, k + at.kv, v + at.kv, kt, at.ldk);
         mul_transposed(s, qf, ks);  // S = Q K^T
         __syncwarp();
         float pr[32];
@@ -319,5 +326,5 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_bf16(const bf16* 
         __syncwarp();
         mul_add(dqf, buf, ks);  // dq += dS K (times scale below)
     }
-    write_rows(dq + ((long)b * t + row0) * ldq + h * D, ldq, dqf, s, r, c0, scale);
+    write_rows(dq + at.q_rows(t), at.ldq, dqf, s, r, at.c0, scale);
 }
