@@ -119,3 +119,21 @@ impl PhaseClock {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On the CPU the clock is inert: no marks, no spans, nothing to report, so the trainer
+    /// keeps the host's times (which are the device's there).
+    #[test]
+    fn inert_off_cuda() {
+        let mut c = PhaseClock::new(&Device::Cpu);
+        assert!(!c.active());
+        let (a, b) = (c.mark().unwrap(), c.mark().unwrap());
+        assert!(a.is_none() && b.is_none());
+        c.span(Phase::Forward, a, b);
+        assert_eq!(c.take_ended().unwrap(), None);
+        assert_eq!(c.take_all().unwrap(), None);
+    }
+}

@@ -369,6 +369,25 @@ mod tests {
         }
     }
 
+    /// Phase synchronisation changes timing only: on the CPU both settings give the same
+    /// weights bit for bit, the host times the phases, and there are no device times.
+    #[test]
+    fn phase_sync_changes_nothing_but_timing() {
+        let cfg = TrainConfig { max_wallclock_seconds: 0.0, ..TrainConfig::default() };
+        let run = |sync: bool| {
+            let mut t = Trainer::new(Gpt::new(&tiny(), 1, DType::F64, &Device::Cpu).unwrap(), &cfg, 2).unwrap().with_phase_sync(sync);
+            assert!(!t.device_timed());
+            let (x, y) = batch(4, 2, 5);
+            for _ in 0..2 {
+                t.micro_step(&x, &y).unwrap();
+            }
+            let out = t.finish_step(0.0).unwrap();
+            assert!(out.device.is_none() && t.flush_device_times().unwrap().is_none());
+            t.model().params().iter().flat_map(|(_, v, _)| v.flatten_all().unwrap().to_vec1::<f64>().unwrap()).collect::<Vec<_>>()
+        };
+        assert_eq!(run(true), run(false));
+    }
+
     #[test]
     fn clipping_bounds_the_update_and_reports_the_norm() {
         let cfg = TrainConfig { max_wallclock_seconds: 0.0, grad_clip_norm: 1e-3, ..TrainConfig::default() };
