@@ -143,7 +143,7 @@ fn attention_case(x: &Tensor, b: usize, heads: usize, kv: usize) -> candle_core:
     use crate::model::flash_attn;
     let d = flash_attn::HEAD_DIM;
     let (q, k, v) = (x.narrow(1, 0, heads * d)?, x.narrow(1, heads * d, kv * d)?, x.narrow(1, (heads + kv) * d, kv * d)?);
-    if flash_attn::unsupported(&q, x.dim(0)? / b, d).is_none() {
+    if flash_attn::unsupported(q.device(), q.dtype(), x.dim(0)? / b, d).is_none() {
         flash_attn::flash_attention(&q, &k, &v, b, heads, kv)
     } else {
         crate::model::fused::causal_attention_tokens(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, b, heads, kv)

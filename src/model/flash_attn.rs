@@ -9,7 +9,7 @@
 //! reference it is checked against (`pipeline parity`) is
 //! [`super::fused::causal_attention_tokens`], the same maths in float64.
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -32,17 +32,17 @@ pub const HEAD_DIM: usize = 64;
 /// Rows per tile: the sequence length must be a multiple of it.
 pub const TILE: usize = 64;
 
-/// Why flash attention cannot run `q` (token-major `(B*T, H*D)`) with sequences of `t` tokens
+/// Why flash attention cannot run on `device` with q, k, v of `dtype`, sequences of `t` tokens
 /// and `d`-wide heads; `None` when it can.
-pub fn unsupported(q: &Tensor, t: usize, d: usize) -> Option<String> {
+pub fn unsupported(device: &Device, dtype: DType, t: usize, d: usize) -> Option<String> {
     if !cfg!(feature = "cuda") {
         return Some("this binary was built without the `cuda` feature".into());
     }
-    if !q.device().is_cuda() {
+    if !device.is_cuda() {
         return Some("it runs on CUDA devices only".into());
     }
-    if q.dtype() != candle_core::DType::BF16 {
-        return Some(format!("it runs in bf16 (mixed precision), not {:?}", q.dtype()));
+    if dtype != DType::BF16 {
+        return Some(format!("it runs in bf16 (mixed precision), not {dtype:?}"));
     }
     if d != HEAD_DIM {
         return Some(format!("its kernels are built for head dim {HEAD_DIM}, the model's is {d}"));
@@ -66,7 +66,7 @@ pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, batch: usize, heads: 
     if k.dims() != [n, kv_heads * d] || v.dims() != k.dims() || k.dtype() != q.dtype() || v.dtype() != q.dtype() {
         candle_core::bail!("flash_attention: k {:?} and v {:?} do not fit q {:?}", k.shape(), v.shape(), q.shape());
     }
-    if let Some(why) = unsupported(q, t, d) {
+    if let Some(why) = unsupported(q.device(), q.dtype(), t, d) {
         candle_core::bail!("flash attention cannot run here: {why}");
     }
     imp::apply(q, k, v, batch, heads, kv_heads)

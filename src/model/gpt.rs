@@ -136,15 +136,16 @@ impl Gpt {
     /// Whether a forward pass on sequences of `t` tokens takes flash attention; an error says
     /// why [`Attention::Flash`] cannot run here.
     pub fn uses_flash_attention(&self, t: usize) -> anyhow::Result<bool> {
-        if self.attention == Attention::Materialized {
-            return Ok(false);
-        }
-        let probe = Tensor::zeros((1, 1), self.matmul_dtype(), &self.device)?;
-        match flash_attn::unsupported(&probe, t, self.cfg.head_dim()) {
-            None => Ok(true),
+        match self.flash_unsupported(t) {
             Some(why) if self.attention == Attention::Flash => anyhow::bail!("attention = \"flash\" cannot run: {why}"),
-            Some(_) => Ok(false),
+            why => Ok(self.attention != Attention::Materialized && why.is_none()),
         }
+    }
+
+    /// Why flash attention cannot run this model's q, k, v (the matmul dtype, on its device)
+    /// for sequences of `t` tokens; `None` when it can.
+    fn flash_unsupported(&self, t: usize) -> Option<String> {
+        flash_attn::unsupported(&self.device, self.matmul_dtype(), t, self.cfg.head_dim())
     }
 
     /// The dtype of the activations around the matmuls when they stay in the matmul dtype: on
@@ -257,6 +258,12 @@ impl Gpt {
         let mut h = rms_norm(&super::embedding::embedding(&emb, &x.flatten_all()?)?)?;
         let x0 = h.clone();
         let (cos, sin) = rope_tables(t, cfg.head_dim(), cfg.rope_base, self.dtype, &self.device)?;
+        // Under mixed precision on the GPU path q and k are bf16, and so are the rope tables (the
+        // script casts them to q's dtype): cast once per forward pass, not per layer.
+        let (cos, sin) = match self.low_activations(&h) {
+            Some(low) => (cos.to_dtype(low)?, sin.to_dtype(low)?),
+            None => (cos, sin),
+        };
         let enc = cfg.encoder_layers();
         let mut skips = Vec::with_capacity(enc);
         for i in 0..enc {
@@ -306,14 +313,15 @@ impl Gpt {
         let p = |s: &str| self.p(&format!("blocks.{i}.attn.{s}"));
         if let Some(low) = self.low_activations(x) {
             // x is cast once for the three projections; q, k, v, the attention output and its
-            // projection stay in the matmul dtype (the rope tables and the gain too, as the
-            // script casts them to q's dtype).
+            // projection stay in the matmul dtype (the gain too, as the script casts it to q's
+            // dtype; `raw_logits` cast the rope tables).
             let x = cast(x, low)?;
-            let (cos, sin) = (cos.to_dtype(low)?, sin.to_dtype(low)?);
-            let q = qk_norm_rope(&self.linear_low(&x, &p("c_q.weight"))?, Some(&cast(&p("q_gain"), low)?), &cos, &sin, h)?;
-            let k = qk_norm_rope(&self.linear_low(&x, &p("c_k.weight"))?, None, &cos, &sin, kvh)?;
+            let q = qk_norm_rope(&self.linear_low(&x, &p("c_q.weight"))?, Some(&cast(&p("q_gain"), low)?), cos, sin, h)?;
+            let k = qk_norm_rope(&self.linear_low(&x, &p("c_k.weight"))?, None, cos, sin, kvh)?;
             let v = self.linear_low(&x, &p("c_v.weight"))?;
-            let y = if self.attention != Attention::Materialized && flash_attn::unsupported(&q, x.dim(0)? / b, cfg.head_dim()).is_none() {
+            // Where flash attention does not apply (e.g. an evaluation window that is not a
+            // multiple of 64), the materialised attention runs even under "flash".
+            let y = if self.attention != Attention::Materialized && self.flash_unsupported(x.dim(0)? / b).is_none() {
                 flash_attn::flash_attention(&q, &k, &v, b, h, kvh)?
             } else {
                 causal_attention_tokens(&q, &k, &v, b, h, kvh)?
