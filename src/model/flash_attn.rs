@@ -89,7 +89,7 @@ mod imp {
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::{CudaStorage, WrapErr};
+    use candle_core::cuda_backend::{CudaDType, CudaStorage, WrapErr};
     use candle_core::op::BackpropOp;
     use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, bail};
 
@@ -134,9 +134,12 @@ mod imp {
         (scale * std::f32::consts::LOG2_E, scale)
     }
 
-    fn view<'a>(s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a, half::bf16>> {
-        let Some((a, b)) = l.contiguous_offsets() else { bail!("flash attention: input is not contiguous, layout {l:?}") };
-        Ok(s.as_cuda_slice::<half::bf16>()?.slice(a..b))
+    /// The kernels read every input as dense rows.
+    fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a, T>> {
+        if !l.is_contiguous() {
+            bail!("flash attention: input is not contiguous, layout {l:?}");
+        }
+        super::super::gpu_kernels::view(s, l)
     }
 
     fn cuda(t: &Tensor) -> Result<(candle_core::StorageRef<'_>, &Layout)> {
@@ -196,7 +199,7 @@ mod imp {
             let (t_arg, heads_arg, grid_x, grid_y) = dims("sequence", n, t, self.heads)?;
             let kv_arg = self.kv_heads as i32;
             let dev = qs.device().clone();
-            let (q, k, v) = (view(qs, ql)?, view(ks, kl)?, view(vs, vl)?);
+            let (q, k, v) = (view::<half::bf16>(qs, ql)?, view::<half::bf16>(ks, kl)?, view::<half::bf16>(vs, vl)?);
             // SAFETY: the kernel writes every element of o (each warp its 16 rows of 64) and lse.
             let o = unsafe { dev.alloc::<half::bf16>(n * width)? };
             let lse = unsafe { dev.alloc::<f32>(n * self.heads)? };
@@ -256,9 +259,9 @@ mod imp {
         let (gs, gl) = cuda(go)?;
         let (ls, ll) = cuda(lse)?;
         let dev = storage(&qs).device().clone();
-        let (qv, kv, vv, ov, gv) =
-            (view(storage(&qs), ql)?, view(storage(&ks), kl)?, view(storage(&vs), vl)?, view(storage(&os), ol)?, view(storage(&gs), gl)?);
-        let lv = storage(&ls).as_cuda_slice::<f32>()?.slice(ll.start_offset()..ll.start_offset() + ll.shape().elem_count());
+        let bf16 = |s, l| view::<half::bf16>(storage(s), l);
+        let (qv, kv, vv, ov, gv) = (bf16(&qs, ql)?, bf16(&ks, kl)?, bf16(&vs, vl)?, bf16(&os, ol)?, bf16(&gs, gl)?);
+        let lv = view::<f32>(storage(&ls), ll)?;
 
         // delta = rowsum(o * go) per (token, head): one warp per row, eight per block.
         let rows = n * op.heads;

@@ -54,7 +54,8 @@ pub fn rows_op_with(
     }
 }
 
-fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+/// The elements of `l` (a contiguous layout: callers check) in `s`, as a device view of `T`.
+pub(super) fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
     let start = l.start_offset();
     Ok(s.as_cuda_slice::<T>()?.slice(start..start + l.shape().elem_count()))
 }
