@@ -304,11 +304,8 @@ impl CustomOp2 for ColumnDot {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let (_, c) = l1.shape().dims2()?;
-        let out = match (s1, s2) {
-            (CpuStorage::F32(_), CpuStorage::F32(_)) => CpuStorage::F32(column_dot_cpu(elems::<f32>(s1, l1)?, elems::<f32>(s2, l2)?, c)),
-            (CpuStorage::F64(_), CpuStorage::F64(_)) => CpuStorage::F64(column_dot_cpu(elems::<f64>(s1, l1)?, elems::<f64>(s2, l2)?, c)),
-            _ => bail!("column_dot: unsupported dtypes {:?}, {:?}", s1.dtype(), s2.dtype()),
-        };
+        // `column_dot` checked that both inputs have one dtype.
+        let out = float_dispatch!(s1.dtype(), "column_dot", |T| wrap(column_dot_cpu::<T>(elems(s1, l1)?, elems(s2, l2)?, c)));
         Ok((out, Shape::from(c)))
     }
 

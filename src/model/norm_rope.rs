@@ -85,6 +85,22 @@ fn bwd_rows(x: &[f64], g: &[f64], table: &[f64], d: usize, heads: usize, seq: us
     out
 }
 
+/// Runs `kernel` (`norm_rope_fwd` or `_bwd`) over the head rows of `inputs` (x first, then the
+/// gradient) with the table `(ts, tl)`; the output has x's shape.
+#[cfg(feature = "cuda")]
+fn launch(
+    kernel: &str,
+    heads: usize,
+    inputs: &[(&candle_core::CudaStorage, &Layout)],
+    (ts, tl): (&candle_core::CudaStorage, &Layout),
+) -> Result<(candle_core::CudaStorage, Shape)> {
+    let (xs, xl) = inputs[0];
+    let (d, seq) = geometry(xl, tl)?;
+    let eps = ops::rms_eps(xs.dtype()) as f32;
+    let out = super::gpu_kernels::rows_op_with(kernel, inputs, &[(ts, tl)], d, eps, &[heads as i32, seq as i32])?;
+    Ok((out, xl.shape().clone()))
+}
+
 impl CustomOp2 for NormRope {
     fn name(&self) -> &'static str {
         "norm-rope"
@@ -105,11 +121,7 @@ impl CustomOp2 for NormRope {
         ts: &candle_core::CudaStorage,
         tl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (d, seq) = geometry(xl, tl)?;
-        let eps = ops::rms_eps(xs.dtype()) as f32;
-        let ints = [self.heads as i32, seq as i32];
-        let out = super::gpu_kernels::rows_op_with("norm_rope_fwd", &[(xs, xl)], &[(ts, tl)], d, eps, &ints)?;
-        Ok((out, xl.shape().clone()))
+        launch("norm_rope_fwd", self.heads, &[(xs, xl)], (ts, tl))
     }
 
     fn bwd(&self, x: &Tensor, table: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -151,11 +163,7 @@ impl CustomOp3 for NormRopeBwd {
         ts: &candle_core::CudaStorage,
         tl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (d, seq) = geometry(xl, tl)?;
-        let eps = ops::rms_eps(xs.dtype()) as f32;
-        let ints = [self.heads as i32, seq as i32];
-        let out = super::gpu_kernels::rows_op_with("norm_rope_bwd", &[(xs, xl), (gs, gl)], &[(ts, tl)], d, eps, &ints)?;
-        Ok((out, xl.shape().clone()))
+        launch("norm_rope_bwd", self.heads, &[(xs, xl), (gs, gl)], (ts, tl))
     }
 }
 
