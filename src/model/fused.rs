@@ -956,22 +956,28 @@ impl CustomOp3 for CausalAttention {
 }
 
 #[cfg(test)]
-mod tests {
+pub(in crate::model) mod tests {
     use candle_core::{DType, Device, Tensor, Var};
 
     use super::*;
 
-    pub(super) fn rand(rng: &mut fastrand::Rng, shape: &[usize], scale: f64, dtype: DType) -> Tensor {
+    /// Uniform values in `[-scale, scale)` of `shape`, in `dtype`.
+    pub(in crate::model) fn rand(rng: &mut fastrand::Rng, shape: &[usize], scale: f64, dtype: DType) -> Tensor {
         let n = shape.iter().product();
         let v: Vec<f64> = (0..n).map(|_| (rng.f64() * 2.0 - 1.0) * scale).collect();
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+    }
+
+    /// Values uniform in [-2, 2) of `shape` from `seed`, in f64.
+    pub(in crate::model) fn seeded(shape: &[usize], seed: u64) -> Tensor {
+        rand(&mut fastrand::Rng::with_seed(seed), shape, 2.0, DType::F64)
     }
 
     pub(super) fn targets(rng: &mut fastrand::Rng, n: usize, v: usize) -> Tensor {
         Tensor::from_vec((0..n).map(|_| rng.u32(0..v as u32)).collect::<Vec<_>>(), n, &Device::Cpu).unwrap()
     }
 
-    pub(super) fn flat(t: &Tensor) -> Vec<f64> {
+    pub(in crate::model) fn flat(t: &Tensor) -> Vec<f64> {
         t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap()
     }
 

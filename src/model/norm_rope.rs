@@ -170,17 +170,8 @@ impl CustomOp3 for NormRopeBwd {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::fused::tests::{flat, seeded as rand};
     use candle_core::{Device, Var};
-
-    fn rand(shape: &[usize], seed: u64) -> Tensor {
-        let mut rng = fastrand::Rng::with_seed(seed);
-        let n: usize = shape.iter().product();
-        Tensor::from_vec((0..n).map(|_| rng.f64() * 4.0 - 2.0).collect::<Vec<f64>>(), shape, &Device::Cpu).unwrap()
-    }
-
-    fn flat(t: &Tensor) -> Vec<f64> {
-        t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
-    }
 
     /// The composite it replaces: heads `(B, H, T, D)`, `ops::rope(ops::rms_norm(..))`, back to
     /// token-major rows.
