@@ -255,33 +255,20 @@ __device__ void column_dot_sum(const float* partial, T* out, int chunks, int c) 
 
 #define FOR_TYPES(X) X(f32, float) X(bf16, __nv_bfloat16)
 
-#define SOFTMAX(name, T)                                                                                   \
-    extern "C" __global__ void causal_softmax_fwd_##name(const T* s, T* p, long rows, int t, float scale) { \
-        causal_softmax_fwd<T>(s, p, rows, t, scale);                                                       \
+// Forward and backward kernels of the row ops that share one signature: OP_fwd(x, y, rows, len,
+// param) and OP_bwd(x, g, dx, rows, len, param), for each storage type.
+#define ROW_PAIR(op, name, T)                                                                               \
+    extern "C" __global__ void op##_fwd_##name(const T* x, T* y, long rows, int len, float p) {            \
+        op##_fwd<T>(x, y, rows, len, p);                                                                   \
     }                                                                                                      \
-    extern "C" __global__ void causal_softmax_bwd_##name(const T* p, const T* g, T* ds, long rows, int t,  \
-                                                         float scale) {                                    \
-        causal_softmax_bwd<T>(p, g, ds, rows, t, scale);                                                   \
+    extern "C" __global__ void op##_bwd_##name(const T* x, const T* g, T* dx, long rows, int len, float p) { \
+        op##_bwd<T>(x, g, dx, rows, len, p);                                                               \
     }
+#define SOFTMAX(name, T) ROW_PAIR(causal_softmax, name, T)
+#define RMS(name, T) ROW_PAIR(rms_norm, name, T)
+#define RELU(name, T) ROW_PAIR(relu_sq, name, T)
 FOR_TYPES(SOFTMAX)
-
-#define RMS(name, T)                                                                                       \
-    extern "C" __global__ void rms_norm_fwd_##name(const T* x, T* y, long rows, int d, float eps) {       \
-        rms_norm_fwd<T>(x, y, rows, d, eps);                                                               \
-    }                                                                                                      \
-    extern "C" __global__ void rms_norm_bwd_##name(const T* x, const T* g, T* dx, long rows, int d,       \
-                                                   float eps) {                                            \
-        rms_norm_bwd<T>(x, g, dx, rows, d, eps);                                                           \
-    }
 FOR_TYPES(RMS)
-
-#define RELU(name, T)                                                                                      \
-    extern "C" __global__ void relu_sq_fwd_##name(const T* x, T* y, long rows, int d, float p) {          \
-        relu_sq_fwd<T>(x, y, rows, d, p);                                                                  \
-    }                                                                                                      \
-    extern "C" __global__ void relu_sq_bwd_##name(const T* x, const T* g, T* dx, long rows, int d, float p) { \
-        relu_sq_bwd<T>(x, g, dx, rows, d, p);                                                              \
-    }
 FOR_TYPES(RELU)
 
 #define NORM_ROPE(name, T)                                                                                 \
