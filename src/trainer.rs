@@ -122,9 +122,10 @@ impl Trainer {
     }
 
     /// Waits for the device at the end of every phase (forward, backward, optimizer) when
-    /// `on`, so that [`MicroTimes`] and [`StepOutcome::optimizer`] time the device's work; when
-    /// off the device is awaited once per step (the loss read), and a GPU's phase times are the
-    /// host's time to queue the work. No effect on the CPU.
+    /// `on`, so that [`MicroTimes`] and [`StepOutcome::optimizer`] time the device's work. When
+    /// off, the device is awaited once per step (the loss read): on a GPU those host times are
+    /// then only the time to queue the work, and CUDA events give the device's phase times
+    /// ([`StepOutcome::device`]). No effect on the CPU.
     pub fn with_phase_sync(mut self, on: bool) -> Self {
         self.sync_phases = on;
         // Without the waits a GPU's phases are timed by events on its stream.
