@@ -7,10 +7,12 @@
 //! - [`fused`]: the same RMS norm, causal attention and soft-capped cross-entropy as fused,
 //!   multi-threaded CPU ops with their own backward passes (the model uses them; they fall back
 //!   to [`ops`] on other devices), tested against [`ops`].
-//! - [`causal_softmax`], [`norm_rope`], [`embedding`]: ops whose GPU kernels
+//! - [`causal_softmax`], [`norm_rope`], [`embedding`], [`cast`]: ops whose GPU kernels
 //!   (`kernels/fused.cu`, launched by `gpu_kernels` in a `cuda` build) replace candle
 //!   composites on a GPU; their CPU implementations are the kernels' references, and the fused
 //!   CPU ops of [`fused`] have GPU kernels too.
+//! - [`flash_attn`]: the choice of attention kernel and flash attention
+//!   (`kernels/flash_attn.cu`), checked against [`fused::causal_attention_tokens`].
 //! - [`Gpt`]: parameters named exactly as the PyTorch script's `GPT.state_dict()`, the spec's
 //!   initialisation, and the forward pass to logits, mean loss or per-token losses.
 
