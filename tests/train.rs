@@ -456,6 +456,8 @@ fn flash_attention_on_the_cpu_is_refused() {
     let c = corpus("flash");
     let o = run_limited(&config(&c), &c.dir.join("run"), &["stages.train.attention=\"flash\""]);
     assert_fails(&o, &["`attention`", "flash", "cuda"]);
+    let o = run_limited(&config(&c), &c.dir.join("typo"), &["stages.train.attention=\"flsh\""]);
+    assert_fails(&o, &["`stages.train.attention`", "flsh", "materialized"]);
     train_ok(&config(&c), &c.dir.join("ok"), &["train.iterations=1", "train.val_every=0", "stages.train.attention=\"materialized\""]);
 }
 
