@@ -1,0 +1,3 @@
+// Warp emulator: the CUDA math constants the kernels use.
+#pragma once
+#define CUDART_INF_F __builtin_inff()
