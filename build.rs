@@ -54,7 +54,9 @@ fn compile_kernels() {
         println!("cargo:rerun-if-changed={}", cu.display());
         let ptx = out.join(cu.with_extension("ptx").file_name().expect("a file name"));
         let status = Command::new(&nvcc)
-            .args(["--ptx", "-O3", "-std=c++17", &format!("-arch=compute_{cap}"), "-o"])
+            // `-I kernels`: kernels include their shared headers with angle brackets (see
+            // kernels/mma_sm80.cuh), so that the warp emulator's tests can swap them.
+            .args(["--ptx", "-O3", "-std=c++17", "-I", "kernels", &format!("-arch=compute_{cap}"), "-o"])
             .arg(&ptx)
             .arg(&cu)
             .status()

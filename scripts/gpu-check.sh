@@ -10,7 +10,8 @@
 # (a) parity: a small seeded GPT's loss and gradients on cuda:0 (f32, then bf16) against the CPU
 #     in f64 (`pipeline parity`; exit 1 beyond tolerance);
 # (b) throughput: the baseline model (pipelines/baseline.toml: 524,288 tokens per step, seq
-#     1024) for STEPS steps (default 30), printing ms/step and tokens/s from the report;
+#     1024) for STEPS steps (default 30), printing ms/step and tokens/s from the report; then the
+#     same run on the register-fragment flash kernels (attention = "flash_mma"), side by side;
 # (c) ablation: the same training for the same wall time (ABLATION_S, default 60 s each):
 #     prefetch depth 2 vs 100, pinned vs pageable staging, stream vs sync upload, side by side
 #     with the executor's data-wait share and its input channel's recv-blocked p99.
@@ -92,6 +93,13 @@ echo "== (b) throughput: baseline model, 524,288 tokens/step, seq 1024, $STEPS s
 summary "$OUT/throughput" "baseline bf16" || status=1
 ours_steady=$(steady "$OUT/throughput") || status=1
 echo "steady (steps 3-$STEPS): ${ours_steady:-?} ms/step"
+if [[ $SMOKE != 1 ]]; then
+  "$BIN" run pipelines/baseline.toml --out "$OUT/throughput-mma" "${common[@]}" --set train.iterations="$STEPS" \
+    --set stages.pin.impl="\"$PINNED\"" --set stages.upload.impl="\"$STREAM\"" --set stages.train.attention='"flash_mma"' \
+    > "$OUT/throughput-mma.out" || status=1
+  summary "$OUT/throughput-mma" "baseline bf16, flash_mma" || status=1
+  echo "steady flash_mma (steps 3-$STEPS): $(steady "$OUT/throughput-mma" || echo ?) ms/step"
+fi
 
 echo "== (c) ablation: same wall time ($ABLATION_S s each), side by side"
 ablate() { # LABEL PIN UPLOAD DEPTH

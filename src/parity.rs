@@ -8,6 +8,7 @@
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
+use crate::model::flash_attn::FlashKernels;
 use crate::model::{Gpt, ModelConfig};
 
 /// One compared quantity.
@@ -137,14 +138,14 @@ fn norm_rope_case(x: &Tensor, t: usize, heads: usize) -> candle_core::Result<Ten
 }
 
 /// Attention of `b` sequences with `heads` query heads over `kv` KV heads of 64 channels, q, k
-/// and v the column blocks of `x` `(b*t, (heads + 2 kv) * 64)`: flash attention where it runs
-/// (CUDA, bf16), the fused attention elsewhere (its CPU implementation is the reference).
-fn attention_case(x: &Tensor, b: usize, heads: usize, kv: usize) -> candle_core::Result<Tensor> {
+/// and v the column blocks of `x` `(b*t, (heads + 2 kv) * 64)`: the flash `kernels` where they
+/// run (CUDA, bf16), the fused attention elsewhere (its CPU implementation is the reference).
+fn attention_case(x: &Tensor, b: usize, heads: usize, kv: usize, kernels: FlashKernels) -> candle_core::Result<Tensor> {
     use crate::model::flash_attn;
     let d = flash_attn::HEAD_DIM;
     let (q, k, v) = (x.narrow(1, 0, heads * d)?, x.narrow(1, heads * d, kv * d)?, x.narrow(1, (heads + kv) * d, kv * d)?);
     if flash_attn::unsupported(q.device(), q.dtype(), x.dim(0)? / b, d).is_none() {
-        flash_attn::flash_attention(&q, &k, &v, b, heads, kv)
+        flash_attn::flash_attention(&q, &k, &v, b, heads, kv, kernels)
     } else {
         crate::model::fused::causal_attention_tokens(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, b, heads, kv)
     }
@@ -177,9 +178,12 @@ pub fn kernel_checks(device: &Device, dtype: DType, seed: u64) -> anyhow::Result
             )
         }),
         ("resid_mix", vec![130, 512], |x| fused::resid_mix(x, &((x * 0.3)? + 0.1)?, &x.narrow(0, 0, 2)?)),
-        // Several tiles each way, grouped heads (and, with one KV head, a group of four).
-        ("attention", vec![2 * 192, (4 + 2 * 2) * 64], |x| attention_case(x, 2, 4, 2)),
-        ("attention", vec![3 * 64, (4 + 2) * 64], |x| attention_case(x, 3, 4, 1)),
+        // Several tiles each way, grouped heads (and, with one KV head, a group of four); both
+        // implementations of the flash kernels.
+        ("attention", vec![2 * 192, (4 + 2 * 2) * 64], |x| attention_case(x, 2, 4, 2, FlashKernels::Wmma)),
+        ("attention", vec![3 * 64, (4 + 2) * 64], |x| attention_case(x, 3, 4, 1, FlashKernels::Wmma)),
+        ("attention_mma", vec![2 * 192, (4 + 2 * 2) * 64], |x| attention_case(x, 2, 4, 2, FlashKernels::Mma)),
+        ("attention_mma", vec![3 * 64, (4 + 2) * 64], |x| attention_case(x, 3, 4, 1, FlashKernels::Mma)),
     ];
     let kernel_dtype = if dtype == DType::F64 { DType::F32 } else { dtype };
     let mut rng = fastrand::Rng::with_seed(seed ^ 0xcafe);
@@ -228,7 +232,7 @@ mod tests {
     #[test]
     fn kernel_checks_compare_outputs_and_gradients() {
         let r = kernel_checks(&Device::Cpu, DType::F32, 1).unwrap();
-        assert_eq!(r.len(), 26);
+        assert_eq!(r.len(), 30);
         assert!(r.iter().all(|c| c.rel_err > 0.0 && c.rel_err < 1e-5), "{r:?}");
     }
 

@@ -78,7 +78,8 @@ pub struct CandleParams {
     /// Show a progress bar when stdout is a terminal (log lines print above it).
     pub progress: bool,
     /// Attention kernel on a GPU: "auto" (flash attention where it applies: CUDA, bf16, head
-    /// dim 64, `seq_len` a multiple of 64), "flash" (refuse a run it cannot take) or
+    /// dim 64, `seq_len` a multiple of 64), "flash" (refuse a run it cannot take),
+    /// "flash_mma" (as "flash", on the register-fragment kernels of kernels/flash_mma.cu) or
     /// "materialized" (scores and probabilities stored, for ablations).
     pub attention: Attention,
     /// Wait for the GPU at the end of each phase (forward, backward, optimizer). Off (the
@@ -186,7 +187,7 @@ impl Transform for Candle {
         let validator = Validator::load(c, shape.micro_steps)?;
         let (param_dtype, matmul_dtype) = p.dtype.dtypes();
         let mut model = Gpt::new(&c.model, c.run.seed, param_dtype, &device)?.with_matmul_dtype(matmul_dtype).with_attention(p.attention);
-        let flash = model.uses_flash_attention(c.train.seq_len).context("stage `step_executor`, key `attention`")?;
+        let flash = model.flash_kernels(c.train.seq_len).context("stage `step_executor`, key `attention`")?;
         if let Some(path) = &c.train.init_weights {
             let tensors = crate::weights::load(path, None).context("`train.init_weights`")?;
             model.load_state(&tensors).with_context(|| format!("`train.init_weights` = {} does not fit `[model]`", path.display()))?;
@@ -214,7 +215,7 @@ impl Transform for Candle {
         startup_lines(&mut log, c, &trainer, &validator, shape, unigram_bpb);
         if !device.is_cpu() {
             let timing = if p.sync_phases { "device (synchronised per phase)" } else { "device (CUDA events, no sync per phase)" };
-            log.line(&format!("attention:{} phase_times:{timing}", if flash { "flash" } else { "materialized" }));
+            log.line(&format!("attention:{} phase_times:{timing}", flash.map_or("materialized", |k| k.name())));
         }
         let resumed_from = trainer.step();
         let steps = StepTable::new(ctx.run_dir, ctx.resume.map(|ck| ck.meta.step))?;

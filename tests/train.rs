@@ -449,13 +449,16 @@ fn bf16_on_the_cpu_is_refused() {
     assert_fails(&o, &["`dtype`", "bf16"]);
 }
 
-/// Flash attention is a CUDA kernel: asking for it on the CPU is refused before training, naming
-/// the key and the reason; "materialized" and the default "auto" train.
+/// Flash attention is a CUDA kernel: asking for it (either implementation) on the CPU is refused
+/// before training, naming the key, the value and the reason; "materialized" and the default
+/// "auto" train.
 #[test]
 fn flash_attention_on_the_cpu_is_refused() {
     let c = corpus("flash");
     let o = run_limited(&config(&c), &c.dir.join("run"), &["stages.train.attention=\"flash\""]);
     assert_fails(&o, &["`attention`", "flash", "cuda"]);
+    let o = run_limited(&config(&c), &c.dir.join("mma"), &["stages.train.attention=\"flash_mma\""]);
+    assert_fails(&o, &["`attention`", "\"flash_mma\" cannot run", "cuda"]);
     let o = run_limited(&config(&c), &c.dir.join("typo"), &["stages.train.attention=\"flsh\""]);
     assert_fails(&o, &["`stages.train.attention`", "flsh", "materialized"]);
     train_ok(&config(&c), &c.dir.join("ok"), &["train.iterations=1", "train.val_every=0", "stages.train.attention=\"materialized\""]);

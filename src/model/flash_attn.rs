@@ -1,4 +1,5 @@
-//! Which attention kernel the model runs, and the flash-attention op (`kernels/flash_attn.cu`).
+//! Which attention kernel the model runs, and the flash-attention op (`kernels/flash_attn.cu`,
+//! `kernels/flash_mma.cu`).
 //!
 //! [`Attention::Materialized`] is the attention of [`super::fused`]: on a GPU the two score
 //! products on cuBLAS around a one-kernel causal softmax, the `(B, H, T, T)` probabilities kept
@@ -8,6 +9,12 @@
 //! dim 64 and a sequence length that is a multiple of 64 (the challenge's shapes); the CPU
 //! reference it is checked against (`pipeline parity`) is
 //! [`super::fused::causal_attention_tokens`], the same maths in float64.
+//!
+//! The flash kernels come in two implementations of one design ([`FlashKernels`]): WMMA
+//! fragments with the scores staged in shared memory (`flash_attn.cu`, measured on an H100), and
+//! raw `mma.sync` register fragments with the softmax in registers and double-buffered tiles
+//! (`flash_mma.cu`, `attention = "flash_mma"`), checked on the CPU by the warp emulator
+//! (`tests/warp_emulation.rs`) and on a GPU by `pipeline parity`.
 
 use candle_core::{DType, Device, Result, Tensor};
 use schemars::JsonSchema;
@@ -23,8 +30,59 @@ pub enum Attention {
     Auto,
     /// Flash attention; a run whose shapes or device it does not fit is refused.
     Flash,
+    /// Flash attention on the register-fragment kernels (`kernels/flash_mma.cu`); refused where
+    /// flash attention cannot run.
+    #[serde(rename = "flash_mma")]
+    FlashMma,
     /// Scores and probabilities materialised (cuBLAS products around the fused softmax).
     Materialized,
+}
+
+impl Attention {
+    /// The flash kernels this choice runs where flash attention applies; `None` for
+    /// [`Attention::Materialized`].
+    pub fn flash_kernels(self) -> Option<FlashKernels> {
+        match self {
+            Attention::Auto | Attention::Flash => Some(FlashKernels::Wmma),
+            Attention::FlashMma => Some(FlashKernels::Mma),
+            Attention::Materialized => None,
+        }
+    }
+
+    /// Whether a run that flash attention cannot take is refused rather than materialised.
+    pub fn requires_flash(self) -> bool {
+        matches!(self, Attention::Flash | Attention::FlashMma)
+    }
+
+    /// The name in the TOML.
+    pub fn name(self) -> &'static str {
+        match self {
+            Attention::Auto => "auto",
+            Attention::Flash => "flash",
+            Attention::FlashMma => "flash_mma",
+            Attention::Materialized => "materialized",
+        }
+    }
+}
+
+/// The two implementations of the flash kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlashKernels {
+    /// `kernels/flash_attn.cu`: WMMA 16x16x16 fragments, scores staged in shared memory.
+    Wmma,
+    /// `kernels/flash_mma.cu`: `mma.sync` m16n8k16 register fragments, softmax in registers,
+    /// tiles double-buffered by `cp.async`.
+    Mma,
+}
+
+impl FlashKernels {
+    /// The name the train log gives the kernels (the `attention` value that picks them).
+    pub fn name(self) -> &'static str {
+        match self {
+            FlashKernels::Wmma => "flash",
+            FlashKernels::Mma => "flash_mma",
+        }
+    }
 }
 
 /// Head dimension the flash kernels are compiled for.
@@ -55,9 +113,17 @@ pub fn unsupported(device: &Device, dtype: DType, t: usize, d: usize) -> Option<
 
 /// Causal GQA attention of token-major `q` `(B*T, H*D)`, `k` and `v` `(B*T, K*D)` (`batch` = B
 /// rows, `heads` = H, `kv_heads` = K), returning `(B*T, H*D)`: the result of
-/// [`super::fused::causal_attention_tokens`], computed by the flash kernels. Errors (naming the
-/// reason) where [`unsupported`] says so.
-pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, batch: usize, heads: usize, kv_heads: usize) -> Result<Tensor> {
+/// [`super::fused::causal_attention_tokens`], computed by the flash `kernels`. Errors (naming
+/// the reason) where [`unsupported`] says so.
+pub fn flash_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    kernels: FlashKernels,
+) -> Result<Tensor> {
     let (n, width) = q.dims2()?;
     if batch == 0 || heads == 0 || kv_heads == 0 || n % batch != 0 || width % heads != 0 || !heads.is_multiple_of(kv_heads) {
         candle_core::bail!("flash_attention: q {:?} does not split into {batch} rows of {heads} heads ({kv_heads} KV heads)", q.shape());
@@ -69,14 +135,16 @@ pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, batch: usize, heads: 
     if let Some(why) = unsupported(q.device(), q.dtype(), t, d) {
         candle_core::bail!("flash attention cannot run here: {why}");
     }
-    imp::apply(q, k, v, batch, heads, kv_heads)
+    imp::apply(q, k, v, batch, heads, kv_heads, kernels)
 }
 
 #[cfg(not(feature = "cuda"))]
 mod imp {
     use candle_core::{Result, Tensor};
 
-    pub fn apply(_: &Tensor, _: &Tensor, _: &Tensor, _: usize, _: usize, _: usize) -> Result<Tensor> {
+    use super::FlashKernels;
+
+    pub fn apply(_: &Tensor, _: &Tensor, _: &Tensor, _: usize, _: usize, _: usize, _: FlashKernels) -> Result<Tensor> {
         candle_core::bail!("flash attention needs a `cuda` build")
     }
 }
@@ -93,17 +161,45 @@ mod imp {
     use candle_core::op::BackpropOp;
     use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, bail};
 
-    use super::{HEAD_DIM, TILE};
+    use super::{FlashKernels, HEAD_DIM, TILE};
 
-    /// The PTX of kernels/flash_attn.cu.
+    /// The PTX of kernels/flash_attn.cu (the WMMA kernels and delta).
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx"));
     /// The name the module is cached under in candle's device.
     const MODULE: &str = "pipeline-flash-attn";
+    /// The PTX of kernels/flash_mma.cu (the register-fragment kernels).
+    const PTX_MMA: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_mma.ptx"));
+    const MODULE_MMA: &str = "pipeline-flash-mma";
     /// Threads per block of the tile kernels (four warps of 16 rows).
     const THREADS: u32 = 128;
 
-    pub fn apply(q: &Tensor, k: &Tensor, v: &Tensor, batch: usize, heads: usize, kv_heads: usize) -> Result<Tensor> {
-        let op = FlashAttention { batch, heads, kv_heads, lse: Mutex::new(None) };
+    /// Where an implementation's forward, dk/dv and dq kernels are, and their names; both take
+    /// the same arguments on the same grids.
+    struct Kernels {
+        module: &'static str,
+        ptx: &'static str,
+        fwd: &'static str,
+        dkdv: &'static str,
+        dq: &'static str,
+    }
+
+    fn kernels(k: FlashKernels) -> Kernels {
+        match k {
+            FlashKernels::Wmma => {
+                Kernels { module: MODULE, ptx: PTX, fwd: "flash_fwd_bf16", dkdv: "flash_bwd_dkdv_bf16", dq: "flash_bwd_dq_bf16" }
+            }
+            FlashKernels::Mma => Kernels {
+                module: MODULE_MMA,
+                ptx: PTX_MMA,
+                fwd: "flash_fwd_mma_bf16",
+                dkdv: "flash_bwd_dkdv_mma_bf16",
+                dq: "flash_bwd_dq_mma_bf16",
+            },
+        }
+    }
+
+    pub fn apply(q: &Tensor, k: &Tensor, v: &Tensor, batch: usize, heads: usize, kv_heads: usize, kernels: FlashKernels) -> Result<Tensor> {
+        let op = FlashAttention { batch, heads, kv_heads, kernels, lse: Mutex::new(None) };
         aligned(q)?.apply_op3(&aligned(k)?, &aligned(v)?, op)
     }
 
@@ -117,6 +213,7 @@ mod imp {
         batch: usize,
         heads: usize,
         kv_heads: usize,
+        kernels: FlashKernels,
         /// The forward pass's base-2 log-sum-exp per query row, `(B*H, T)` f32, for the
         /// backward pass.
         lse: Mutex<Option<Tensor>>,
@@ -203,7 +300,8 @@ mod imp {
             // SAFETY: the kernel writes every element of o (each warp its 16 rows of 64) and lse.
             let o = unsafe { dev.alloc::<half::bf16>(n * width)? };
             let lse = unsafe { dev.alloc::<f32>(n * self.heads)? };
-            let func = dev.get_or_load_custom_func("flash_fwd_bf16", MODULE, PTX)?;
+            let ks = kernels(self.kernels);
+            let func = dev.get_or_load_custom_func(ks.fwd, ks.module, ks.ptx)?;
             let cfg = LaunchConfig { grid_dim: (grid_x, grid_y, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
             let (scale_log2, _) = scales();
             let mut b = func.builder();
@@ -280,14 +378,15 @@ mod imp {
         let dv = unsafe { dev.alloc::<half::bf16>(n * kv_width)? };
         let dq = unsafe { dev.alloc::<half::bf16>(n * width)? };
         let kv_grid = u32::try_from((n / t) * op.kv_heads).map_err(|_| candle_core::Error::Msg("flash attention: grid".into()))?;
-        let func = dev.get_or_load_custom_func("flash_bwd_dkdv_bf16", MODULE, PTX)?;
+        let ks = kernels(op.kernels);
+        let func = dev.get_or_load_custom_func(ks.dkdv, ks.module, ks.ptx)?;
         let cfg = LaunchConfig { grid_dim: (grid_x, kv_grid, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
         let mut b = func.builder();
         b.arg(&qv).arg(&kv).arg(&vv).arg(&gv).arg(&lv).arg(&delta).arg(&dk).arg(&dv);
         b.arg(&t_arg).arg(&heads_arg).arg(&kv_arg).arg(&scale_log2).arg(&scale);
         // SAFETY: (q, k, v, go, lse2, delta, dk, dv, int t, int heads, int kv_heads, float, float).
         unsafe { b.launch(cfg) }.w()?;
-        let func = dev.get_or_load_custom_func("flash_bwd_dq_bf16", MODULE, PTX)?;
+        let func = dev.get_or_load_custom_func(ks.dq, ks.module, ks.ptx)?;
         let cfg = LaunchConfig { grid_dim: (grid_x, grid_y, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
         let mut b = func.builder();
         b.arg(&qv).arg(&kv).arg(&vv).arg(&gv).arg(&lv).arg(&delta).arg(&dq);

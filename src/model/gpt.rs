@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 
 use super::ModelConfig;
 use super::cast::cast;
-use super::flash_attn::{self, Attention};
+use super::flash_attn::{self, Attention, FlashKernels};
 use super::fused::{causal_attention_tokens, qk_norm_rope, relu_sq, resid_mix, rms_norm, scale_add, softcap_cross_entropy};
 use super::ops::{rope_tables, softcap};
 
@@ -133,12 +133,14 @@ impl Gpt {
         self
     }
 
-    /// Whether a forward pass on sequences of `t` tokens takes flash attention; an error says
-    /// why [`Attention::Flash`] cannot run here.
-    pub fn uses_flash_attention(&self, t: usize) -> anyhow::Result<bool> {
+    /// The flash kernels a forward pass on sequences of `t` tokens takes (`None`: materialised
+    /// attention); an error says why [`Attention::Flash`] or [`Attention::FlashMma`] cannot run
+    /// here.
+    pub fn flash_kernels(&self, t: usize) -> anyhow::Result<Option<FlashKernels>> {
         match self.flash_unsupported(t) {
-            Some(why) if self.attention == Attention::Flash => anyhow::bail!("attention = \"flash\" cannot run: {why}"),
-            why => Ok(self.attention != Attention::Materialized && why.is_none()),
+            Some(why) if self.attention.requires_flash() => anyhow::bail!("attention = \"{}\" cannot run: {why}", self.attention.name()),
+            Some(_) => Ok(None),
+            None => Ok(self.attention.flash_kernels()),
         }
     }
 
@@ -321,10 +323,11 @@ impl Gpt {
             let v = self.linear_low(&x, &p("c_v.weight"))?;
             // Where flash attention does not apply (e.g. an evaluation window that is not a
             // multiple of 64), the materialised attention runs even under "flash".
-            let y = if self.attention != Attention::Materialized && self.flash_unsupported(x.dim(0)? / b).is_none() {
-                flash_attn::flash_attention(&q, &k, &v, b, h, kvh)?
-            } else {
-                causal_attention_tokens(&q, &k, &v, b, h, kvh)?
+            let t = x.dim(0)? / b;
+            let flash = self.attention.flash_kernels().filter(|_| self.flash_unsupported(t).is_none());
+            let y = match flash {
+                Some(kernels) => flash_attn::flash_attention(&q, &k, &v, b, h, kvh, kernels)?,
+                None => causal_attention_tokens(&q, &k, &v, b, h, kvh)?,
             };
             return cast(&self.linear_low(&y, &p("proj.weight"))?, self.dtype);
         }
