@@ -47,7 +47,7 @@ impl Step {
     fn run(&mut self) -> [Duration; 3] {
         let m = self.trainer.micro_step(&self.x, &self.y).unwrap();
         let o = self.trainer.finish_step(0.0).unwrap();
-        [m.forward, m.backward, o.optimizer]
+        [m.forward, m.backward, o.phases.optimizer]
     }
 }
 

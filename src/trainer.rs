@@ -37,13 +37,12 @@ pub struct StepOutcome {
     pub momentum: f64,
     /// Global gradient norm before clipping (computed only when clipping is on).
     pub grad_norm: Option<f64>,
-    /// Time of the optimizer update (clipping included).
-    pub optimizer: Duration,
-    /// Device time per phase of the spans that ended since the previous step (CUDA without
-    /// `sync_phases`): this step's micro-batches, usually the previous step's optimizer update.
-    /// When the trainer times on the device ([`Trainer::device_timed`]) these replace the host
-    /// times, which are then only the time to queue the work.
-    pub device: Option<PhaseTimes>,
+    /// The phase times to account for this step. Timed by the host (CPU, or `sync_phases`):
+    /// this step's forward and backward passes and its update (clipping included). Timed on the
+    /// device ([`Trainer::device_timed`]: CUDA without `sync_phases`): the event spans that have
+    /// ended since the previous step, i.e. this step's micro-batches and usually the previous
+    /// step's update; the host's times would only be the time to queue the work.
+    pub phases: PhaseTimes,
 }
 
 /// The model with its optimizers and the step in progress.
@@ -64,6 +63,8 @@ pub struct Trainer {
     sync_phases: bool,
     /// Device-side phase spans (CUDA events) when the phases are not synchronised.
     clock: PhaseClock,
+    /// The host's phase times of the step in progress (used when the clock is inert).
+    host_phases: PhaseTimes,
 }
 
 impl Trainer {
@@ -103,6 +104,7 @@ impl Trainer {
             step: 0,
             sync_phases: false,
             clock: PhaseClock::new(&Device::Cpu),
+            host_phases: PhaseTimes::default(),
         })
     }
 
@@ -139,10 +141,10 @@ impl Trainer {
         self.clock.active()
     }
 
-    /// Device phase times not yet returned by a step (waits for the device): for the end of a
-    /// run.
-    pub fn flush_device_times(&mut self) -> anyhow::Result<Option<PhaseTimes>> {
-        self.clock.take_all()
+    /// Phase times not yet returned by a step (device spans still running: waits for them; zero
+    /// when the host times): for the end of a run, so that its totals hold every phase.
+    pub fn flush_phase_times(&mut self) -> anyhow::Result<PhaseTimes> {
+        Ok(self.clock.take_all()?.unwrap_or_default())
     }
 
     fn phase_end(&self) -> anyhow::Result<()> {
@@ -205,7 +207,10 @@ impl Trainer {
         let m3 = self.clock.mark()?;
         self.clock.span(Phase::Backward, m2, m3);
         self.micro_done += 1;
-        Ok(MicroTimes { forward: t1 - t0, backward: t1.elapsed() })
+        let times = MicroTimes { forward: t1 - t0, backward: t1.elapsed() };
+        self.host_phases.forward += times.forward;
+        self.host_phases.backward += times.backward;
+        Ok(times)
     }
 
     /// Ends the step once all its micro-batches are in: clips, sets the schedule and steps every
@@ -231,15 +236,9 @@ impl Trainer {
         self.phase_end()?;
         let m1 = self.clock.mark()?;
         self.clock.span(Phase::Optimizer, m0, m1);
-        let optimizer = t0.elapsed();
-        let outcome = StepOutcome {
-            train_loss: self.loss_sum / self.micro_steps as f64,
-            lr_mul,
-            momentum,
-            grad_norm,
-            optimizer,
-            device: self.clock.take_ended()?,
-        };
+        let host = PhaseTimes { optimizer: t0.elapsed(), ..std::mem::take(&mut self.host_phases) };
+        let phases = if self.device_timed() { self.clock.take_ended()?.unwrap_or_default() } else { host };
+        let outcome = StepOutcome { train_loss: self.loss_sum / self.micro_steps as f64, lr_mul, momentum, grad_norm, phases };
         self.grads = GradStore::default();
         self.micro_done = 0;
         self.loss_sum = 0.0;
@@ -250,6 +249,7 @@ impl Trainer {
     /// Drops the micro-batches of an unfinished step (the run ended inside it).
     pub fn discard_partial_step(&mut self) -> usize {
         let n = self.micro_done;
+        self.host_phases = PhaseTimes::default();
         self.grads = GradStore::default();
         self.micro_done = 0;
         self.loss_sum = 0.0;
@@ -383,7 +383,9 @@ mod tests {
                 t.micro_step(&x, &y).unwrap();
             }
             let out = t.finish_step(0.0).unwrap();
-            assert!(out.device.is_none() && t.flush_device_times().unwrap().is_none());
+            let p = out.phases;
+            assert!(p.forward > Duration::ZERO && p.backward > Duration::ZERO && p.optimizer > Duration::ZERO, "{p:?}");
+            assert_eq!(t.flush_phase_times().unwrap(), PhaseTimes::default());
             t.model().params().iter().flat_map(|(_, v, _)| v.flatten_all().unwrap().to_vec1::<f64>().unwrap()).collect::<Vec<_>>()
         };
         assert_eq!(run(true), run(false));

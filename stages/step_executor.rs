@@ -345,12 +345,8 @@ impl Candle {
         if self.trainer.micro_done() == 0 {
             self.step_start_ms = self.train_ms();
         }
-        let times = self.trainer.micro_step(&b.x, &b.y).with_context(|| format!("training step {}", self.trainer.step() + 1))?;
+        self.trainer.micro_step(&b.x, &b.y).with_context(|| format!("training step {}", self.trainer.step() + 1))?;
         self.window.h2d += Duration::from_nanos(b.upload_ns);
-        if !self.trainer.device_timed() {
-            self.window.forward += times.forward;
-            self.window.backward += times.backward;
-        }
         self.step_loader = Some((b.meta.state.clone(), b.meta.rolling));
         if self.trainer.micro_done() == self.trainer.micro_steps() {
             self.end_step(out, ctx)?;
@@ -515,8 +511,8 @@ impl Candle {
         (self.train_before_mark + running).as_secs_f64() * 1e3
     }
 
-    /// Phase times measured on the device (events), in place of the host's queueing times.
-    fn add_device_times(&mut self, d: crate::phase_clock::PhaseTimes) {
+    /// The trainer's phase times (host clock, or device events: [`crate::trainer::StepOutcome::phases`]).
+    fn add_phases(&mut self, d: crate::phase_clock::PhaseTimes) {
         self.window.forward += d.forward;
         self.window.backward += d.backward;
         self.window.optimizer += d.optimizer;
@@ -530,11 +526,7 @@ impl Candle {
 
     fn end_step(&mut self, emitter: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
         let out = self.trainer.finish_step(self.step_start_ms)?;
-        match out.device {
-            Some(d) => self.add_device_times(d),
-            None if !self.trainer.device_timed() => self.window.optimizer += out.optimizer,
-            None => {}
-        }
+        self.add_phases(out.phases);
         self.window_steps += 1;
         self.last_loss = out.train_loss;
         self.lr_mul = out.lr_mul;
@@ -572,9 +564,10 @@ impl Candle {
         } else if self.cfg.val_every > 0 && step.is_multiple_of(self.cfg.val_every) {
             self.validate(ctx, false)?;
         }
-        if last && let Some(d) = self.trainer.flush_device_times()? {
-            // The last optimizer update's span, so that the run's totals hold every phase.
-            self.add_device_times(d);
+        if last {
+            // On a GPU the last update's span, so that the run's totals hold every phase.
+            let rest = self.trainer.flush_phase_times()?;
+            self.add_phases(rest);
         }
         if self.cfg.timing_every > 0 && (step.is_multiple_of(self.cfg.timing_every) || last) {
             self.log.line(&self.window.line(step, total, self.window_steps));
