@@ -4,7 +4,10 @@
 // values, a token's 512 channels, a query's 1024 keys), so a warp reads a row with coalesced
 // loads, reduces it with shuffles and writes it once; blocks hold 8 rows.
 //
-// Arithmetic is in float32 whatever the storage type (float32 or bfloat16).
+// Arithmetic is in float32 whatever the storage type (float32 or bfloat16). Under mixed
+// precision the residual stream is float32 and the products around it bfloat16: the RMS norm,
+// scale and sum kernels then read one type and write the other (the `_f32_bf16` instantiations),
+// so that no separate cast pass runs; their results equal a float32 kernel followed by a cast.
 #include <cuda_bf16.h>
 #include <math_constants.h>
 
@@ -65,14 +68,14 @@ __device__ void causal_softmax_bwd(const T* p, const T* g, T* ds, long rows, int
     for (int j = lane; j < t; j += 32) store(dr, j, j <= i ? scale * load(pr, j) * (load(gr, j) - dot) : 0.f);
 }
 
-// y = x / sqrt(mean(x^2) + eps) over rows of d.
-template <typename T>
-__device__ void rms_norm_fwd(const T* x, T* y, long rows, int d, float eps) {
+// y = x / sqrt(mean(x^2) + eps) over rows of d, stored as TY.
+template <typename T, typename TY = T>
+__device__ void rms_norm_fwd(const T* x, TY* y, long rows, int d, float eps) {
     long r = warp_row(rows);
     if (r < 0) return;
     int lane = threadIdx.x & 31;
     const T* xr = x + r * d;
-    T* yr = y + r * d;
+    TY* yr = y + r * d;
     float ss = 0.f;
     for (int j = lane; j < d; j += 32) {
         float v = load(xr, j);
@@ -82,14 +85,14 @@ __device__ void rms_norm_fwd(const T* x, T* y, long rows, int d, float eps) {
     for (int j = lane; j < d; j += 32) store(yr, j, load(xr, j) * inv);
 }
 
-// dx = g / rms - x * sum(g * x) / (d * rms^3).
-template <typename T>
-__device__ void rms_norm_bwd(const T* x, const T* g, T* dx, long rows, int d, float eps) {
+// dx = g / rms - x * sum(g * x) / (d * rms^3), for a gradient g stored as TG.
+template <typename T, typename TG = T>
+__device__ void rms_norm_bwd(const T* x, const TG* g, T* dx, long rows, int d, float eps) {
     long r = warp_row(rows);
     if (r < 0) return;
     int lane = threadIdx.x & 31;
     const T* xr = x + r * d;
-    const T* gr = g + r * d;
+    const TG* gr = g + r * d;
     T* dr = dx + r * d;
     float ss = 0.f, xg = 0.f;
     for (int j = lane; j < d; j += 32) {
@@ -184,16 +187,17 @@ __device__ void norm_rope_bwd(const T* x, const T* g, const T* table, T* dx, lon
 }
 
 // Per-channel scales on rows of d channels (s, mix: the extra inputs, of d and 2 d values):
-// x * s, base + x * s, and the residual mix h * mix[0] + x0 * mix[1].
-template <typename T>
-__device__ void scale_cols(const T* x, const T* sc, T* y, long rows, int d, float) {
+// x * s (stored as TO), base + x * s (x stored as TX), and the residual mix
+// h * mix[0] + x0 * mix[1].
+template <typename T, typename TO = T>
+__device__ void scale_cols(const T* x, const T* sc, TO* y, long rows, int d, float) {
     long r = warp_row(rows);
     if (r < 0) return;
     for (int j = threadIdx.x & 31; j < d; j += 32) store(y, r * d + j, load(x, r * d + j) * load(sc, j));
 }
 
-template <typename T>
-__device__ void scale_add(const T* base, const T* x, const T* sc, T* y, long rows, int d, float) {
+template <typename T, typename TX = T>
+__device__ void scale_add(const T* base, const TX* x, const T* sc, T* y, long rows, int d, float) {
     long r = warp_row(rows);
     if (r < 0) return;
     for (int j = threadIdx.x & 31; j < d; j += 32)
@@ -231,9 +235,9 @@ __device__ void embedding_bwd(const unsigned* ids, const T* g, T* dw, long n, in
 
 // Per-channel sums over rows of a * b (a, b: rows x c), in two deterministic passes: partial
 // sums of `chunk` rows per block row (thread per channel, loads coalesced across channels), then
-// the partials added in chunk order. float32 accumulation whatever the storage type.
-template <typename T>
-__device__ void column_dot_partial(const T* a, const T* b, float* partial, long rows, int c, int chunk) {
+// the partials added in chunk order. float32 accumulation whatever the storage types.
+template <typename T, typename TB = T>
+__device__ void column_dot_partial(const T* a, const TB* b, float* partial, long rows, int c, int chunk) {
     int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= c) return;
     long r0 = (long)blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
@@ -270,6 +274,27 @@ __device__ void column_dot_sum(const float* partial, T* out, int chunks, int c) 
 FOR_TYPES(SOFTMAX)
 FOR_TYPES(RMS)
 FOR_TYPES(RELU)
+
+// Mixed precision: a float32 residual stream, bfloat16 products (see the file's head).
+typedef __nv_bfloat16 bf16_t;
+extern "C" __global__ void rms_norm_fwd_f32_bf16(const float* x, bf16_t* y, long rows, int len, float eps) {
+    rms_norm_fwd<float, bf16_t>(x, y, rows, len, eps);
+}
+extern "C" __global__ void rms_norm_bwd_f32_bf16(const float* x, const bf16_t* g, float* dx, long rows, int len,
+                                                 float eps) {
+    rms_norm_bwd<float, bf16_t>(x, g, dx, rows, len, eps);
+}
+extern "C" __global__ void scale_cols_f32_bf16(const float* x, const float* s, bf16_t* y, long rows, int d, float p) {
+    scale_cols<float, bf16_t>(x, s, y, rows, d, p);
+}
+extern "C" __global__ void scale_add_f32_bf16(const float* b, const bf16_t* x, const float* s, float* y, long rows,
+                                              int d, float p) {
+    scale_add<float, bf16_t>(b, x, s, y, rows, d, p);
+}
+extern "C" __global__ void column_dot_partial_f32_bf16(const float* a, const bf16_t* b, float* partial, long rows, int c,
+                                                       int chunk) {
+    column_dot_partial<float, bf16_t>(a, b, partial, rows, c, chunk);
+}
 
 #define NORM_ROPE(name, T)                                                                                 \
     extern "C" __global__ void norm_rope_fwd_##name(const T* x, const T* table, T* out, long rows, int d, \

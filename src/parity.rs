@@ -151,6 +151,11 @@ fn attention_case(x: &Tensor, b: usize, heads: usize, kv: usize, kernels: FlashK
     }
 }
 
+/// `x` in f32 when it is bf16 (the residual stream's dtype under mixed precision), else itself.
+fn widened(x: &Tensor) -> candle_core::Result<Tensor> {
+    if x.dtype() == DType::BF16 { crate::model::cast::cast(x, DType::F32) } else { Ok(x.clone()) }
+}
+
 /// A device op and the shape of the random input it is checked on.
 type KernelCase = (&'static str, Vec<usize>, fn(&Tensor) -> candle_core::Result<Tensor>);
 
@@ -178,6 +183,11 @@ pub fn kernel_checks(device: &Device, dtype: DType, seed: u64) -> anyhow::Result
             )
         }),
         ("resid_mix", vec![130, 512], |x| fused::resid_mix(x, &((x * 0.3)? + 0.1)?, &x.narrow(0, 0, 2)?)),
+        // Mixed precision where the kernels run bf16: the f32 stream's inputs are x widened (the
+        // `_f32_bf16` kernels); in the f64 reference everything stays f64.
+        ("rms_norm_to", vec![1000, 512], |x| fused::rms_norm_to(&widened(x)?, x.dtype())),
+        ("rms_norm_to", vec![37, 70], |x| fused::rms_norm_to(&widened(x)?, x.dtype())),
+        ("scale_add_mixed", vec![257, 96], |x| fused::scale_add(&widened(&(x * 0.5)?)?, x, &widened(&x.get(0)?)?)),
         // Several tiles each way, grouped heads (and, with one KV head, a group of four); both
         // implementations of the flash kernels.
         ("attention", vec![2 * 192, (4 + 2 * 2) * 64], |x| attention_case(x, 2, 4, 2, FlashKernels::Wmma)),
@@ -232,7 +242,7 @@ mod tests {
     #[test]
     fn kernel_checks_compare_outputs_and_gradients() {
         let r = kernel_checks(&Device::Cpu, DType::F32, 1).unwrap();
-        assert_eq!(r.len(), 30);
+        assert_eq!(r.len(), 36);
         assert!(r.iter().all(|c| c.rel_err > 0.0 && c.rel_err < 1e-5), "{r:?}");
     }
 

@@ -1,9 +1,14 @@
-//! The register-fragment flash-attention kernels (`kernels/flash_mma.cu`) run on the CPU in the
-//! warp emulator (`tests/warp_emu`, built here with the machine's g++) and are compared with
-//! attention in double: forward output and log-sum-exp, and the three input gradients. The
-//! emulator also fails a kernel that reads shared memory another warp may still be writing
-//! (a missing barrier or copy wait); the last tests break the kernels on purpose to show that
-//! both kinds of mistake are caught.
+//! Kernels run on the CPU in the warp emulator (`tests/warp_emu`, built here with the machine's
+//! g++) and compared with references:
+//!
+//! - the register-fragment flash-attention kernels (`kernels/flash_mma.cu`) against attention in
+//!   double: forward output and log-sum-exp, and the three input gradients. The emulator also
+//!   fails a kernel that reads shared memory another warp may still be writing (a missing
+//!   barrier or copy wait);
+//! - the mixed-precision row kernels of `kernels/fused.cu` against their one-type kernels
+//!   followed by a cast (bit for bit), and those against double.
+//!
+//! Some tests break a kernel on purpose to show that each kind of mistake is caught.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -12,19 +17,25 @@ fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Builds the check against `kernels` (None: the project's own file) into the test's temp dir.
-fn build(name: &str, kernels: Option<&Path>) -> PathBuf {
+/// Builds `tests/warp_emu/{check}.cpp` into the test's temp dir as `name`; with `kernels`, the
+/// check includes that file (through the `define` macro) instead of the project's own.
+fn build_check(check: &str, name: &str, kernels: Option<(&str, &Path)>) -> PathBuf {
     let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
     let mut cmd = Command::new("g++");
     cmd.args(["-std=c++20", "-O1", "-pthread", "-fno-strict-aliasing", "-o"]).arg(&exe);
     cmd.arg("-I").arg(root().join("tests/warp_emu/include"));
-    if let Some(k) = kernels {
-        cmd.arg(format!("-DFLASH_MMA_SOURCE=\"{}\"", k.display()));
+    if let Some((define, k)) = kernels {
+        cmd.arg(format!("-D{define}=\"{}\"", k.display()));
     }
-    cmd.arg(root().join("tests/warp_emu/flash_mma_check.cpp"));
+    cmd.arg(root().join(format!("tests/warp_emu/{check}.cpp")));
     let out = cmd.output().unwrap_or_else(|e| panic!("cannot run g++ (the warp emulator needs a C++20 compiler): {e}"));
     assert!(out.status.success(), "g++ failed on the warp emulator:\n{}", String::from_utf8_lossy(&out.stderr));
     exe
+}
+
+/// Builds the flash check against `kernels` (None: the project's own file).
+fn build(name: &str, kernels: Option<&Path>) -> PathBuf {
+    build_check("flash_mma_check", name, kernels.map(|k| ("FLASH_MMA_SOURCE", k)))
 }
 
 fn run(exe: &Path, shape: &[&str]) -> (Output, String) {
@@ -33,13 +44,17 @@ fn run(exe: &Path, shape: &[&str]) -> (Output, String) {
     (out, text)
 }
 
-/// A copy of the kernels with `from` replaced by `to` (which must occur exactly once).
-fn mutant(name: &str, from: &str, to: &str) -> PathBuf {
-    let src = std::fs::read_to_string(root().join("kernels/flash_mma.cu")).expect("kernels/flash_mma.cu");
-    assert_eq!(src.matches(from).count(), 1, "`{from}` should occur once in kernels/flash_mma.cu");
+/// A copy of `kernels/{file}` with `from` replaced by `to` (which must occur exactly once).
+fn mutant_of(file: &str, name: &str, from: &str, to: &str) -> PathBuf {
+    let src = std::fs::read_to_string(root().join("kernels").join(file)).expect("the kernel file");
+    assert_eq!(src.matches(from).count(), 1, "`{from}` should occur once in kernels/{file}");
     let path = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}.cu"));
     std::fs::write(&path, src.replace(from, to)).expect("temp dir is writable");
     path
+}
+
+fn mutant(name: &str, from: &str, to: &str) -> PathBuf {
+    mutant_of("flash_mma.cu", name, from, to)
 }
 
 /// Several tiles each way, two query heads per KV head, two sequences; then a group of four
@@ -74,4 +89,31 @@ fn a_missing_barrier_is_reported_as_a_race() {
     let (out, text) = run(&build("flash_mma_race", Some(&k)), &["1", "192", "2", "2", "5"]);
     assert!(!out.status.success(), "{text}");
     assert!(text.contains("shared-memory race"), "{text}");
+}
+
+/// The mixed-precision row kernels equal their one-type kernels and a cast, bit for bit, and
+/// those match double: rows not a multiple of a block, lengths not a multiple of a warp, several
+/// partial sums.
+#[test]
+fn mixed_precision_row_kernels_equal_a_cast_and_the_f32_kernel() {
+    let exe = build_check("fused_check", "fused_check", None);
+    for shape in [["37", "70", "3"], ["130", "512", "4"]] {
+        let (out, text) = run(&exe, &shape);
+        assert!(out.status.success(), "shape {shape:?}:\n{text}");
+        assert_eq!(text.lines().filter(|l| l.ends_with(" ok")).count(), 8, "{text}");
+    }
+}
+
+/// A warp reduction that skips its last step is caught by the comparison with double.
+#[test]
+fn a_broken_row_reduction_fails_the_comparison() {
+    let k = mutant_of(
+        "fused.cu",
+        "fused_sum",
+        "v += __shfl_xor_sync(0xffffffffu, v, o);",
+        "v += o > 1 ? __shfl_xor_sync(0xffffffffu, v, o) : 0.f;",
+    );
+    let (out, text) = run(&build_check("fused_check", "fused_sum", Some(("FUSED_SOURCE", &k))), &["37", "70", "3"]);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("rms_norm_fwd_f32 vs double") && l.ends_with("FAILED")), "{text}");
 }

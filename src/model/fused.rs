@@ -65,6 +65,54 @@ pub fn rms_norm(x: &Tensor) -> Result<Tensor> {
     unit_last(x)?.apply_op1(RmsNorm)
 }
 
+/// [`rms_norm`] with its output in `dtype`: `cast(&rms_norm(x)?, dtype)`, as one op on the
+/// GPU path when `dtype` is the narrower of a mixed-precision pair (f32 -> bf16 on a GPU, f64 ->
+/// f32 for the formulation's checks on the CPU): the kernel writes the narrow rows and its
+/// backward pass reads the narrow gradient, so neither direction runs a separate cast pass. The
+/// values are those of the composite (norm in `x`'s dtype, then one rounding).
+pub fn rms_norm_to(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    if x.dtype() == dtype {
+        return rms_norm(x);
+    }
+    if super::gpu_path(x) && x.rank() > 0 && mixed_pair(x.dtype(), dtype) {
+        return x.contiguous()?.apply_op1(RmsNormTo(dtype));
+    }
+    super::cast::cast(&rms_norm(x)?, dtype)
+}
+
+/// Whether `(wide, narrow)` is a pair the mixed-precision ops take: f32 with bf16 (the GPU's),
+/// f64 with f32 (the CPU formulation's stand-in for it).
+pub(super) fn mixed_pair(wide: DType, narrow: DType) -> bool {
+    matches!((wide, narrow), (DType::F32, DType::BF16) | (DType::F64, DType::F32))
+}
+
+/// `v` converted to `dtype` (each value rounded once, to nearest even), as a CPU storage.
+pub(super) fn to_storage<T: WithDType>(v: &[T], dtype: DType) -> Result<CpuStorage> {
+    Ok(match dtype {
+        DType::F64 => CpuStorage::F64(v.iter().map(|x| x.to_f64()).collect()),
+        // f32 -> f64 is exact, so going through f64 rounds once.
+        DType::F32 => CpuStorage::F32(v.iter().map(|x| x.to_f64() as f32).collect()),
+        DType::BF16 => CpuStorage::BF16(v.iter().map(|x| half::bf16::from_f64(x.to_f64())).collect()),
+        dt => bail!("fused op: cannot write {dt:?}"),
+    })
+}
+
+/// The elements of a CPU storage as `T` (borrowed when they are `T`, else converted exactly:
+/// the narrow dtypes widen without rounding).
+pub(super) fn values_as<T: WithDType>(s: &CpuStorage) -> Result<std::borrow::Cow<'_, [T]>> {
+    use std::borrow::Cow;
+    if s.dtype() == T::DTYPE {
+        return Ok(Cow::Borrowed(T::cpu_storage_as_slice(s)?));
+    }
+    let widen = |v: &mut dyn Iterator<Item = f64>| Cow::Owned(v.map(T::from_f64).collect());
+    Ok(match s {
+        CpuStorage::F64(v) => widen(&mut v.iter().copied()),
+        CpuStorage::F32(v) => widen(&mut v.iter().map(|&x| x as f64)),
+        CpuStorage::BF16(v) => widen(&mut v.iter().map(|x| x.to_f64())),
+        s => bail!("fused op: unsupported dtype {:?}", s.dtype()),
+    })
+}
+
 /// Causal scaled-dot-product attention with grouped KV heads, as [`ops::causal_attention`]
 /// without the mask argument: `q` is `(B, H, T, D)`, `k` and `v` are `(B, K, T, D)`, query head
 /// `h` uses KV head `h / (H / K)`, scores are scaled by `1 / sqrt(D)`. Returns `(B, H, T, D)`.
@@ -666,8 +714,45 @@ impl CustomOp1 for RmsNorm {
     }
 }
 
+/// RMS norm with its output in the dtype held: [`rms_norm_to`]'s op. The CPU implementation
+/// (norm in the input's dtype, then one rounding) is the mixed kernel's reference.
+struct RmsNormTo(DType);
+
+impl CustomOp1 for RmsNormTo {
+    fn name(&self) -> &'static str {
+        "fused-rms-norm-to"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let rows = row_offsets(l)?;
+        let d = l.dims().last().copied().unwrap_or(0);
+        let out = match s {
+            CpuStorage::F32(x) => to_storage(&rms_fwd(x, &rows, d), self.0)?,
+            CpuStorage::F64(x) => to_storage(&rms_fwd(x, &rows, d), self.0)?,
+            s => bail!("rms_norm_to: unsupported dtype {:?}", s.dtype()),
+        };
+        Ok((out, l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        if !mixed_pair(s.dtype(), self.0) {
+            bail!("rms_norm_to: no GPU kernel from {:?} to {:?}", s.dtype(), self.0);
+        }
+        let d = l.dims().last().copied().unwrap_or(0);
+        let out = super::gpu_kernels::rows_op_mixed("rms_norm_fwd", &[(s, l)], &[], self.0, d, ops::rms_eps(s.dtype()) as f32, &[])?;
+        Ok((out, l.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        // The gradient arrives in the narrow dtype; dx is in x's.
+        Ok(Some(x.apply_op2_no_bwd(&grad.contiguous()?, &RmsNormBwd)?))
+    }
+}
+
 /// `(x, grad) -> dx`: [`RmsNorm`]'s backward pass, on the CPU (the GPU kernel's reference) or
-/// the GPU.
+/// the GPU. `grad` may be of the narrower dtype of a mixed pair ([`RmsNormTo`]'s); `dx` is in
+/// `x`'s.
 struct RmsNormBwd;
 
 impl CustomOp2 for RmsNormBwd {
@@ -681,9 +766,12 @@ impl CustomOp2 for RmsNormBwd {
         }
         let (xrows, grows) = (row_offsets(xl)?, row_offsets(gl)?);
         let d = xl.dims().last().copied().unwrap_or(0);
-        let out = match (xs, gs) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(rms_bwd(x, &xrows, g, &grows, d)),
-            (CpuStorage::F64(x), CpuStorage::F64(g)) => CpuStorage::F64(rms_bwd(x, &xrows, g, &grows, d)),
+        if xs.dtype() != gs.dtype() && !mixed_pair(xs.dtype(), gs.dtype()) {
+            bail!("rms_norm backward: unsupported dtypes {:?}, {:?}", xs.dtype(), gs.dtype());
+        }
+        let out = match xs {
+            CpuStorage::F32(x) => CpuStorage::F32(rms_bwd(x, &xrows, &values_as::<f32>(gs)?, &grows, d)),
+            CpuStorage::F64(x) => CpuStorage::F64(rms_bwd(x, &xrows, &values_as::<f64>(gs)?, &grows, d)),
             _ => bail!("rms_norm backward: unsupported dtypes {:?}, {:?}", xs.dtype(), gs.dtype()),
         };
         Ok((out, xl.shape().clone()))
@@ -698,7 +786,11 @@ impl CustomOp2 for RmsNormBwd {
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let d = xl.dims().last().copied().unwrap_or(0);
-        let out = super::gpu_kernels::rows_op("rms_norm_bwd", &[(xs, xl), (gs, gl)], d, ops::rms_eps(xs.dtype()) as f32)?;
+        if xs.dtype() != gs.dtype() && !mixed_pair(xs.dtype(), gs.dtype()) {
+            bail!("rms_norm backward: no GPU kernel for x {:?} with gradient {:?}", xs.dtype(), gs.dtype());
+        }
+        let eps = ops::rms_eps(xs.dtype()) as f32;
+        let out = super::gpu_kernels::rows_op_mixed("rms_norm_bwd", &[(xs, xl), (gs, gl)], &[], xs.dtype(), d, eps, &[])?;
         Ok((out, xl.shape().clone()))
     }
 }

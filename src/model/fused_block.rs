@@ -32,16 +32,23 @@ use crate::model::ops;
 const ROWS: usize = 64;
 
 /// `base + x * s` for `base` and `x` of the same shape `(.., C)` and a per-channel `s` of shape
-/// `(C,)`: `base + x.broadcast_mul(s)`.
+/// `(C,)`: `base + x.broadcast_mul(s)`, in `base`'s dtype.
+///
+/// `x` may be of the narrower dtype of a mixed-precision pair (a bf16 product added to the f32
+/// residual stream): on the GPU path one kernel reads it as it is and the backward pass writes
+/// its gradient in that dtype, the values of `cast` then `scale_add` without either cast pass.
 pub fn scale_add(base: &Tensor, x: &Tensor, s: &Tensor) -> Result<Tensor> {
     let on_gpu = super::super::gpu_path(base);
+    if x.dtype() != base.dtype() && !(on_gpu && super::mixed_pair(base.dtype(), x.dtype())) {
+        return scale_add(base, &crate::model::cast::cast(x, base.dtype())?, s);
+    }
     if !base.device().is_cpu() && !on_gpu {
         return base + x.broadcast_mul(s)?;
     }
     if !on_gpu {
         check_float("scale_add", base.dtype())?;
     }
-    same_dtypes("scale_add", &[base, x, s])?;
+    same_dtypes("scale_add", &[base, s])?;
     let c = last_dim(base)?;
     if x.dims() != base.dims() || s.dims() != [c] {
         bail!("scale_add: base {:?}, x {:?} and scale {:?} do not fit (.., C), (.., C), (C,)", base.shape(), x.shape(), s.shape());
@@ -228,10 +235,10 @@ macro_rules! float_dispatch {
     };
 }
 
-/// `x * s` for `x` `(.., C)` and `s` `(C,)`: the per-channel scale of a gradient in the GPU
-/// backward passes of [`ScaleAdd`] and [`ResidMix`]. The CPU implementation is the kernel's
-/// reference.
-struct ScaleCols;
+/// `x * s` for `x` `(.., C)` and `s` `(C,)` (one dtype), written in the dtype held (`x`'s, or
+/// the narrower of a mixed pair): the per-channel scale of a gradient in the GPU backward passes
+/// of [`ScaleAdd`] and [`ResidMix`]. The CPU implementation is the kernel's reference.
+struct ScaleCols(DType);
 
 impl CustomOp2 for ScaleCols {
     fn name(&self) -> &'static str {
@@ -239,10 +246,13 @@ impl CustomOp2 for ScaleCols {
     }
 
     fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ss: &CpuStorage, sl: &Layout) -> Result<(CpuStorage, Shape)> {
+        if xs.dtype() != self.0 && !super::mixed_pair(xs.dtype(), self.0) {
+            bail!("scale_cols: cannot write {:?} from {:?}", self.0, xs.dtype());
+        }
         let out = float_dispatch!(xs.dtype(), "scale_cols", |T| {
             let (x, sc) = (elems::<T>(xs, xl)?, elems::<T>(ss, sl)?);
             let c = sc.len().max(1);
-            wrap(x.chunks(c).flat_map(|row| row.iter().zip(sc).map(|(&a, &b)| a * b)).collect::<Vec<T>>())
+            super::to_storage(&x.chunks(c).flat_map(|row| row.iter().zip(sc).map(|(&a, &b)| a * b)).collect::<Vec<T>>(), self.0)?
         });
         Ok((out, xl.shape().clone()))
     }
@@ -256,32 +266,39 @@ impl CustomOp2 for ScaleCols {
         sl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let c = sl.shape().elem_count();
-        Ok((super::super::gpu_kernels::rows_op_with("scale_cols", &[(xs, xl)], &[(ss, sl)], c, 0.0, &[])?, xl.shape().clone()))
+        if xs.dtype() != ss.dtype() || (xs.dtype() != self.0 && !super::mixed_pair(xs.dtype(), self.0)) {
+            bail!("scale_cols: no GPU kernel for x {:?}, scale {:?} to {:?}", xs.dtype(), ss.dtype(), self.0);
+        }
+        let out = super::super::gpu_kernels::rows_op_mixed("scale_cols", &[(xs, xl)], &[(ss, sl)], self.0, c, 0.0, &[])?;
+        Ok((out, xl.shape().clone()))
     }
 
     fn bwd(&self, x: &Tensor, s: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        // Differentiable only as `scale_cols` applies it: in x's dtype.
         let grad = grad.contiguous()?;
-        Ok((Some(grad.apply_op2_no_bwd(s, &ScaleCols)?), Some(column_dot(&grad, x)?)))
+        Ok((Some(grad.apply_op2_no_bwd(s, &ScaleCols(x.dtype()))?), Some(column_dot(&grad, x)?)))
     }
 }
 
 /// `x * s` for `x` `(.., C)` and `s` `(C,)`, differentiable in both: one kernel each way on a
 /// GPU, where candle's broadcasting multiply reduces the gradient of `s` with a few blocks only.
 pub fn scale_cols(x: &Tensor, s: &Tensor) -> Result<Tensor> {
-    x.contiguous()?.apply_op2(&s.contiguous()?, ScaleCols)
+    x.contiguous()?.apply_op2(&s.contiguous()?, ScaleCols(x.dtype()))
 }
 
-/// `sum over rows of (a * b)` for `a`, `b` `(.., C)` of one dtype: the per-channel gradient of the
-/// GPU formulation, `(C,)` in that dtype. Accumulated in f32 at least (candle's own sums
-/// accumulate in the tensor's dtype: 65,536 rows summed in bf16 keep about two digits), in a
-/// fixed order: a kernel pair on a GPU (partial sums of 64 rows, then the partials in order),
-/// f64 in row order on the CPU (the reference).
+/// `sum over rows of (a * b)` for `a`, `b` `(.., C)` of one dtype, or `b` of the narrower of a
+/// mixed pair: the per-channel gradient of the GPU formulation, `(C,)` in `a`'s dtype.
+/// Accumulated in f32 at least (candle's own sums accumulate in the tensor's dtype: 65,536 rows
+/// summed in bf16 keep about two digits), in a fixed order: a kernel pair on a GPU (partial sums
+/// of 64 rows, then the partials in order), f64 in row order on the CPU (the reference).
 fn column_dot(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let c = last_dim(a)?;
     if a.dims() != b.dims() {
         bail!("column_dot: shapes {:?} and {:?} differ", a.shape(), b.shape());
     }
-    same_dtypes("column_dot", &[a, b])?;
+    if a.dtype() != b.dtype() && !super::mixed_pair(a.dtype(), b.dtype()) {
+        bail!("column_dot: dtypes {:?} and {:?} are not a mixed pair", a.dtype(), b.dtype());
+    }
     a.contiguous()?.reshape(((), c))?.apply_op2_no_bwd(&b.contiguous()?.reshape(((), c))?, &ColumnDot)
 }
 
@@ -304,8 +321,13 @@ impl CustomOp2 for ColumnDot {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let (_, c) = l1.shape().dims2()?;
-        // `column_dot` checked that both inputs have one dtype.
-        let out = float_dispatch!(s1.dtype(), "column_dot", |T| wrap(column_dot_cpu::<T>(elems(s1, l1)?, elems(s2, l2)?, c)));
+        // `column_dot` checked the dtypes: `b`, when narrower, widens exactly.
+        let Some((b0, b1)) = l2.contiguous_offsets() else { bail!("column_dot: b is not contiguous, layout {l2:?}") };
+        let out = float_dispatch!(s1.dtype(), "column_dot", |T| wrap(column_dot_cpu::<T>(
+            elems(s1, l1)?,
+            &super::values_as::<T>(s2)?[b0..b1],
+            c
+        )));
         Ok((out, Shape::from(c)))
     }
 
@@ -322,10 +344,11 @@ impl CustomOp2 for ColumnDot {
     }
 }
 
-/// The GPU backward pass of [`ScaleAdd`]: `(dbase, dx, ds)`.
+/// The GPU backward pass of [`ScaleAdd`]: `(dbase, dx, ds)`, `dx` in `x`'s dtype (narrower
+/// under mixed precision: written so by the kernel).
 fn scale_add_bwd_gpu(x: &Tensor, s: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     let grad = grad.contiguous()?;
-    let dx = grad.apply_op2_no_bwd(s, &ScaleCols)?;
+    let dx = grad.apply_op2_no_bwd(s, &ScaleCols(x.dtype()))?;
     let ds = column_dot(&grad, x)?;
     Ok((grad, dx, ds))
 }
@@ -333,8 +356,8 @@ fn scale_add_bwd_gpu(x: &Tensor, s: &Tensor, grad: &Tensor) -> Result<(Tensor, T
 /// The GPU backward pass of [`ResidMix`]: `(dh, dx0, dmix)`.
 fn resid_mix_bwd_gpu(h: &Tensor, x0: &Tensor, mix: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     let grad = grad.contiguous()?;
-    let dh = grad.apply_op2_no_bwd(&mix.get(0)?, &ScaleCols)?;
-    let dx0 = grad.apply_op2_no_bwd(&mix.get(1)?, &ScaleCols)?;
+    let dh = grad.apply_op2_no_bwd(&mix.get(0)?, &ScaleCols(h.dtype()))?;
+    let dx0 = grad.apply_op2_no_bwd(&mix.get(1)?, &ScaleCols(x0.dtype()))?;
     let dmix = Tensor::stack(&[column_dot(&grad, h)?, column_dot(&grad, x0)?], 0)?;
     Ok((dh, dx0, dmix))
 }
@@ -419,7 +442,13 @@ impl CustomOp3 for ScaleAdd {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = float_dispatch!(s1.dtype(), "scale_add", |T| wrap(scale_add_fwd::<T>(elems(s1, l1)?, elems(s2, l2)?, elems(s3, l3)?)));
+        // `x` may be narrower (a mixed pair, checked by `scale_add`): it widens exactly.
+        let Some((x0, x1)) = l2.contiguous_offsets() else { bail!("scale_add: x is not contiguous, layout {l2:?}") };
+        let out = float_dispatch!(s1.dtype(), "scale_add", |T| wrap(scale_add_fwd::<T>(
+            elems(s1, l1)?,
+            &super::values_as::<T>(s2)?[x0..x1],
+            elems(s3, l3)?
+        )));
         Ok((out, l1.shape().clone()))
     }
 
@@ -434,7 +463,8 @@ impl CustomOp3 for ScaleAdd {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let c = l3.shape().elem_count();
-        Ok((super::super::gpu_kernels::rows_op_with("scale_add", &[(s1, l1), (s2, l2)], &[(s3, l3)], c, 0.0, &[])?, l1.shape().clone()))
+        let out = super::super::gpu_kernels::rows_op_mixed("scale_add", &[(s1, l1), (s2, l2)], &[(s3, l3)], s1.dtype(), c, 0.0, &[])?;
+        Ok((out, l1.shape().clone()))
     }
 
     fn bwd(
@@ -449,6 +479,7 @@ impl CustomOp3 for ScaleAdd {
             let (dbase, dx, ds) = scale_add_bwd_gpu(x, s, grad)?;
             return Ok((Some(dbase), Some(dx), Some(ds)));
         }
+        // Off the GPU path `scale_add` cast x to base's dtype, so all three share it here.
         let (dx, ds) = float_dispatch!(x.dtype(), "scale_add", |T| scale_add_bwd::<T>(x, s, grad)?);
         Ok((Some(grad.clone()), Some(dx), Some(ds)))
     }
@@ -1102,6 +1133,53 @@ mod tests {
         for (a, b) in grads(&fused, &inputs, Loss::Weighted).iter().zip(grads(&reference, &inputs, Loss::Weighted)) {
             assert_close(a, &b, 1e-4, "f32 qk_norm_rope gradient");
         }
+    }
+
+    /// The mixed-precision forms (a narrow product added to a wide stream, a wide stream normed
+    /// into a narrow product) give exactly what a cast and the one-dtype op give, forward and
+    /// backward, and their gradients come back in each input's dtype. Run on the GPU path with
+    /// f64 playing f32's part and f32 bf16's, so that the CPU implementations the GPU kernels
+    /// are checked against (`pipeline parity`) are the ones running here.
+    #[test]
+    fn mixed_precision_ops_equal_a_cast_then_the_op() {
+        let mut rng = fastrand::Rng::with_seed(29);
+        let (wide, narrow) = (DType::F64, DType::F32);
+        let base = rand(&mut rng, &[70, 24], 2.0, wide);
+        let x = rand(&mut rng, &[70, 24], 2.0, narrow);
+        let s = rand(&mut rng, &[24], 2.0, wide);
+        let bits = |t: &Tensor| t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        crate::model::with_gpu_formulation(|| {
+            let fused = |t: &[Tensor]| scale_add(&t[0], &t[1], &t[2]);
+            let composite = |t: &[Tensor]| scale_add(&t[0], &t[1].to_dtype(wide)?, &t[2]);
+            let inputs = [base.clone(), x.clone(), s.clone()];
+            assert_eq!(fused(&inputs).unwrap().dtype(), wide);
+            assert_eq!(bits(&fused(&inputs).unwrap()), bits(&composite(&inputs).unwrap()), "scale_add forward");
+            let (gf, gc) = (grads(&fused, &inputs, Loss::Weighted), grads(&composite, &inputs, Loss::Weighted));
+            for (i, (a, b)) in gf.iter().zip(&gc).enumerate() {
+                assert_eq!(a.dtype(), inputs[i].dtype(), "scale_add gradient {i} dtype");
+                assert_eq!(bits(a), bits(b), "scale_add gradient {i}");
+            }
+
+            let fused = |t: &[Tensor]| super::super::rms_norm_to(&t[0], narrow);
+            let composite = |t: &[Tensor]| super::super::rms_norm(&t[0])?.to_dtype(narrow);
+            let inputs = [base.clone()];
+            assert_eq!(fused(&inputs).unwrap().dtype(), narrow);
+            assert_eq!(bits(&fused(&inputs).unwrap()), bits(&composite(&inputs).unwrap()), "rms_norm_to forward");
+            let (gf, gc) = (grads(&fused, &inputs, Loss::Weighted), grads(&composite, &inputs, Loss::Weighted));
+            assert_eq!(gf[0].dtype(), wide);
+            assert_eq!(bits(&gf[0]), bits(&gc[0]), "rms_norm_to gradient");
+        });
+        // Off the GPU path the same calls take the composites: equal values, no error.
+        let off = scale_add(&base, &x, &s).unwrap();
+        assert_eq!(bits(&off), bits(&scale_add(&base, &x.to_dtype(wide).unwrap(), &s).unwrap()));
+        let off = super::super::rms_norm_to(&base, narrow).unwrap();
+        assert_eq!((off.dtype(), bits(&off)), (narrow, bits(&super::super::rms_norm(&base).unwrap().to_dtype(narrow).unwrap())));
+        // Pairs that are not a mixed-precision pair are refused by the ops themselves.
+        crate::model::with_gpu_formulation(|| {
+            let g16 = rand(&mut rng, &[70, 24], 1.0, DType::F16);
+            assert!(column_dot(&base, &g16).is_err());
+            assert!(base.apply_op2_no_bwd(&s, &ScaleCols(DType::F16)).is_err());
+        });
     }
 
     #[test]

@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 use super::ModelConfig;
 use super::cast::cast;
 use super::flash_attn::{self, Attention, FlashKernels};
-use super::fused::{causal_attention_tokens, qk_norm_rope, relu_sq, resid_mix, rms_norm, scale_add, softcap_cross_entropy};
+use super::fused::{causal_attention_tokens, qk_norm_rope, relu_sq, resid_mix, rms_norm, rms_norm_to, scale_add, softcap_cross_entropy};
 use super::ops::{rope_tables, softcap};
 
 /// Which optimizer group a parameter belongs to (as the challenge script splits them).
@@ -162,6 +162,16 @@ impl Gpt {
         x.matmul(&cast(w, x.dtype())?.t()?)
     }
 
+    /// RMS norm of the residual stream `u` as the input of the products that follow: in the
+    /// matmul dtype where the activations stay in it (one kernel writes the narrow rows, see
+    /// [`rms_norm_to`]), else in the stream's.
+    fn norm_in(&self, u: &Tensor) -> Result<Tensor> {
+        match self.low_activations(u) {
+            Some(low) => rms_norm_to(u, low),
+            None => rms_norm(u),
+        }
+    }
+
     /// `x W^T` for `x` of shape `(N, in)` and `W` of shape `(out, in)`, in the matmul dtype.
     fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         match self.matmul_dtype {
@@ -279,9 +289,11 @@ impl Gpt {
             }
             h = self.block(enc + j, &h, &x0, b, &cos, &sin)?;
         }
-        let h = rms_norm(&h)?;
         let head = if cfg.tie_embeddings { emb } else { self.p("lm_head.weight") };
-        self.linear(&h, &head)
+        if self.low_activations(&h).is_some() {
+            return cast(&self.linear_low(&self.norm_in(&h)?, &head)?, self.dtype);
+        }
+        self.linear(&rms_norm(&h)?, &head)
     }
 
     /// Per-position cross-entropy `(B*T,)` of targets `y` `(B, T)` given inputs `x`.
@@ -297,13 +309,15 @@ impl Gpt {
         self.token_losses(x, y)?.mean_all()
     }
 
-    /// One block on the `(B*T, D)` stream `h` (`b` batch rows).
+    /// One block on the `(B*T, D)` stream `h` (`b` batch rows). Under mixed precision on the GPU
+    /// path the attention and MLP outputs stay in the matmul dtype and are added to the stream by
+    /// `scale_add` as they are (no cast pass either way).
     fn block(&self, i: usize, h: &Tensor, x0: &Tensor, b: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let p = |s: &str| self.p(&format!("blocks.{i}.{s}"));
         let u = resid_mix(h, x0, &p("resid_mix"))?;
-        let a = self.attention(i, &rms_norm(&u)?, b, cos, sin)?;
+        let a = self.attention(i, &self.norm_in(&u)?, b, cos, sin)?;
         let u = scale_add(&u, &a, &p("attn_scale"))?;
-        let m = self.mlp(i, &rms_norm(&u)?)?;
+        let m = self.mlp(i, &self.norm_in(&u)?)?;
         scale_add(&u, &m, &p("mlp_scale"))
     }
 
@@ -314,8 +328,8 @@ impl Gpt {
         let (h, kvh) = (cfg.num_heads, cfg.num_kv_heads);
         let p = |s: &str| self.p(&format!("blocks.{i}.attn.{s}"));
         if let Some(low) = self.low_activations(x) {
-            // x is cast once for the three projections; q, k, v, the attention output and its
-            // projection stay in the matmul dtype (the gain too, as the script casts it to q's
+            // x arrives in the matmul dtype from `norm_in` (the cast is a no-op then); q, k, v,
+            // the attention output and its projection stay in it (the gain too, as the script casts it to q's
             // dtype; `raw_logits` cast the rope tables).
             let x = cast(x, low)?;
             let q = qk_norm_rope(&self.linear_low(&x, &p("c_q.weight"))?, Some(&cast(&p("q_gain"), low)?), cos, sin, h)?;
@@ -329,7 +343,7 @@ impl Gpt {
                 Some(kernels) => flash_attn::flash_attention(&q, &k, &v, b, h, kvh, kernels)?,
                 None => causal_attention_tokens(&q, &k, &v, b, h, kvh)?,
             };
-            return cast(&self.linear_low(&y, &p("proj.weight"))?, self.dtype);
+            return self.linear_low(&y, &p("proj.weight"));
         }
         let q = qk_norm_rope(&self.linear(x, &p("c_q.weight"))?, Some(&p("q_gain")), cos, sin, h)?;
         let k = qk_norm_rope(&self.linear(x, &p("c_k.weight"))?, None, cos, sin, kvh)?;
@@ -341,9 +355,10 @@ impl Gpt {
     fn mlp(&self, i: usize, x: &Tensor) -> Result<Tensor> {
         let (fc, proj) = (self.p(&format!("blocks.{i}.mlp.fc.weight")), self.p(&format!("blocks.{i}.mlp.proj.weight")));
         if let Some(low) = self.low_activations(x) {
-            // The (B*T, 4D) hidden activations stay in the matmul dtype (relu² included).
+            // The (B*T, 4D) hidden activations stay in the matmul dtype (relu² included), and so
+            // does the output (see `block`).
             let up = relu_sq(&self.linear_low(&cast(x, low)?, &fc)?)?;
-            return cast(&self.linear_low(&up, &proj)?, self.dtype);
+            return self.linear_low(&up, &proj);
         }
         let up = relu_sq(&self.linear(x, &fc)?)?;
         self.linear(&up, &proj)

@@ -35,23 +35,53 @@ pub fn rows_op_with(
     param: f32,
     ints: &[i32],
 ) -> Result<CudaStorage> {
-    let Some(&(first, layout)) = inputs.first() else { bail!("{name}: no inputs") };
-    for (s, l) in inputs.iter().chain(extras) {
-        if s.dtype() != first.dtype() {
-            bail!("{name}: inputs of dtypes {:?} and {:?}", first.dtype(), s.dtype());
-        }
-        if !l.is_contiguous() {
-            bail!("{name}: every input must be contiguous, got {l:?}");
-        }
+    let Some(&(first, _)) = inputs.first() else { bail!("{name}: no inputs") };
+    if let Some((s, _)) = inputs.iter().chain(extras).find(|(s, _)| s.dtype() != first.dtype()) {
+        bail!("{name}: inputs of dtypes {:?} and {:?}", first.dtype(), s.dtype());
+    }
+    rows_op_mixed(name, inputs, extras, first.dtype(), len, param, ints)
+}
+
+/// [`rows_op_with`] for inputs and an output (of dtype `out`) of two dtypes, f32 and bf16: the
+/// mixed-precision kernels `{name}_f32_bf16` (their signatures say which argument is which;
+/// the ops calling them check). With one dtype throughout, the kernel `{name}_{f32|bf16}`.
+pub fn rows_op_mixed(
+    name: &str,
+    inputs: &[(&CudaStorage, &Layout)],
+    extras: &[(&CudaStorage, &Layout)],
+    out: DType,
+    len: usize,
+    param: f32,
+    ints: &[i32],
+) -> Result<CudaStorage> {
+    let Some(&(_, layout)) = inputs.first() else { bail!("{name}: no inputs") };
+    if let Some((_, l)) = inputs.iter().chain(extras).find(|(_, l)| !l.is_contiguous()) {
+        bail!("{name}: every input must be contiguous, got {l:?}");
     }
     if let Some((_, l)) = inputs.iter().find(|(_, l)| l.dims() != layout.dims()) {
         bail!("{name}: inputs of shapes {:?} and {:?}", layout.shape(), l.shape());
     }
-    match first.dtype() {
-        DType::F32 => launch::<f32>(name, "f32", inputs, extras, len, param, ints),
-        DType::BF16 => launch::<half::bf16>(name, "bf16", inputs, extras, len, param, ints),
-        dt => bail!("{name}: the GPU kernel supports f32 and bf16, got {dt:?}"),
+    let dtypes: Vec<DType> = inputs.iter().chain(extras).map(|(s, _)| s.dtype()).chain([out]).collect();
+    let kernel = format!("{name}_{}", type_suffix(name, &dtypes)?);
+    let args = inputs.iter().chain(extras).map(|(s, l)| AnyView::new(name, s, l)).collect::<Result<Vec<_>>>()?;
+    match out {
+        DType::F32 => launch_rows::<f32>(&kernel, inputs[0].0, &args, layout.shape().elem_count(), len, param, ints),
+        DType::BF16 => launch_rows::<half::bf16>(&kernel, inputs[0].0, &args, layout.shape().elem_count(), len, param, ints),
+        dt => bail!("{name}: the GPU kernel writes f32 or bf16, not {dt:?}"),
     }
+}
+
+/// The kernel-name suffix of a set of argument dtypes: `f32`, `bf16`, or `f32_bf16` for both.
+fn type_suffix(name: &str, dtypes: &[DType]) -> Result<&'static str> {
+    let has = |d: DType| dtypes.contains(&d);
+    if let Some(other) = dtypes.iter().find(|d| !matches!(d, DType::F32 | DType::BF16)) {
+        bail!("{name}: the GPU kernel supports f32 and bf16, got {other:?}");
+    }
+    Ok(match (has(DType::F32), has(DType::BF16)) {
+        (true, true) => "f32_bf16",
+        (false, true) => "bf16",
+        _ => "f32",
+    })
 }
 
 /// The elements of `l` (a contiguous layout: callers check) in `s`, as a device view of `T`.
@@ -60,32 +90,52 @@ pub(super) fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<c
     Ok(s.as_cuda_slice::<T>()?.slice(start..start + l.shape().elem_count()))
 }
 
-fn launch<T: CudaDType + DeviceRepr>(
-    name: &str,
-    suffix: &str,
-    inputs: &[(&CudaStorage, &Layout)],
-    extras: &[(&CudaStorage, &Layout)],
+/// A kernel argument: the device view of an input of either float dtype.
+enum AnyView<'a> {
+    F32(candle_core::cuda_backend::cudarc::driver::CudaView<'a, f32>),
+    Bf16(candle_core::cuda_backend::cudarc::driver::CudaView<'a, half::bf16>),
+}
+
+impl<'a> AnyView<'a> {
+    fn new(name: &str, s: &'a CudaStorage, l: &Layout) -> Result<Self> {
+        match s.dtype() {
+            DType::F32 => Ok(Self::F32(view(s, l)?)),
+            DType::BF16 => Ok(Self::Bf16(view(s, l)?)),
+            dt => bail!("{name}: the GPU kernel supports f32 and bf16, got {dt:?}"),
+        }
+    }
+}
+
+/// Launches `kernel(args..., out, rows, len, param, ints...)` with one warp per row of `len`
+/// of the `n` output elements (of type `O`), eight rows per block.
+fn launch_rows<O: CudaDType + DeviceRepr>(
+    kernel: &str,
+    on: &CudaStorage,
+    args: &[AnyView<'_>],
+    n: usize,
     len: usize,
     param: f32,
     ints: &[i32],
 ) -> Result<CudaStorage> {
-    let dev = inputs[0].0.device().clone();
-    let n = inputs[0].1.shape().elem_count();
-    if len == 0 || n % len != 0 {
-        bail!("{name}: {n} elements do not split into rows of {len}");
+    let dev = on.device().clone();
+    if len == 0 || !n.is_multiple_of(len) {
+        bail!("{kernel}: {n} elements do not split into rows of {len}");
     }
-    let views = inputs.iter().chain(extras).map(|(s, l)| view::<T>(s, l)).collect::<Result<Vec<_>>>()?;
     // SAFETY: every element is written by the kernel (each row's warp writes all `len` values).
-    let out = unsafe { dev.alloc::<T>(n)? };
+    let out = unsafe { dev.alloc::<O>(n)? };
     let rows = n / len;
     if rows > 0 {
-        let func = dev.get_or_load_custom_func(&format!("{name}_{suffix}"), MODULE, PTX)?;
-        let (rows_arg, len_arg) = (rows as i64, i32::try_from(len).map_err(|_| candle_core::Error::Msg(format!("{name}: row of {len}")))?);
-        let blocks = u32::try_from(rows.div_ceil(ROWS_PER_BLOCK)).map_err(|_| candle_core::Error::Msg(format!("{name}: {rows} rows")))?;
+        let func = dev.get_or_load_custom_func(kernel, MODULE, PTX)?;
+        let (rows_arg, len_arg) =
+            (rows as i64, i32::try_from(len).map_err(|_| candle_core::Error::Msg(format!("{kernel}: row of {len}")))?);
+        let blocks = u32::try_from(rows.div_ceil(ROWS_PER_BLOCK)).map_err(|_| candle_core::Error::Msg(format!("{kernel}: {rows} rows")))?;
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * ROWS_PER_BLOCK as u32, 1, 1), shared_mem_bytes: 0 };
         let mut b = func.builder();
-        for v in &views {
-            b.arg(v);
+        for v in args {
+            match v {
+                AnyView::F32(v) => b.arg(v),
+                AnyView::Bf16(v) => b.arg(v),
+            };
         }
         b.arg(&out);
         b.arg(&rows_arg);
@@ -94,7 +144,8 @@ fn launch<T: CudaDType + DeviceRepr>(
         for i in ints {
             b.arg(i);
         }
-        // SAFETY: the kernel's signature is (const T*..., T*, long, int, float, int...), as passed.
+        // SAFETY: the kernel's signature is (const A*..., O*, long, int, float, int...), as passed
+        // (the argument and output types select the kernel's name).
         unsafe { b.launch(cfg) }.w()?;
     }
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
@@ -148,31 +199,38 @@ fn embedding_bwd_t<T: CudaDType + DeviceRepr>(
 /// Rows per partial sum of [`column_dot`].
 const COLUMN_CHUNK: usize = 64;
 
-/// `column_dot_{partial,sum}_{f32|bf16}`: the per-channel sums over rows of `a * b` (both
-/// `(rows, c)`, contiguous, one dtype) as `(c,)` in their dtype, accumulated in f32 in a fixed
-/// order (partial sums of 64 rows, then the partials in order).
+/// `column_dot_{partial,sum}_*`: the per-channel sums over rows of `a * b` (both `(rows, c)`,
+/// contiguous) as `(c,)` in `a`'s dtype, accumulated in f32 in a fixed order (partial sums of
+/// 64 rows, then the partials in order). Both f32 or both bf16, or `a` f32 and `b` bf16 (the
+/// gradient of a bf16 product's per-channel scale under mixed precision).
 pub fn column_dot(a: (&CudaStorage, &Layout), b: (&CudaStorage, &Layout)) -> Result<CudaStorage> {
     let (rows, c) = a.1.shape().dims2()?;
-    if b.1.dims() != a.1.dims() || !a.1.is_contiguous() || !b.1.is_contiguous() || a.0.dtype() != b.0.dtype() {
-        bail!("column_dot: inputs {:?} ({:?}) and {:?} ({:?}) must be contiguous, alike", a.1, a.0.dtype(), b.1, b.0.dtype());
+    if b.1.dims() != a.1.dims() || !a.1.is_contiguous() || !b.1.is_contiguous() {
+        bail!("column_dot: inputs {:?} and {:?} must be contiguous, of one shape", a.1, b.1);
     }
+    let partial = match (a.0.dtype(), b.0.dtype()) {
+        (DType::F32, DType::F32) => "f32",
+        (DType::BF16, DType::BF16) => "bf16",
+        (DType::F32, DType::BF16) => "f32_bf16",
+        (x, y) => bail!("column_dot: the GPU kernel takes f32 or bf16 pairs and (f32, bf16), got ({x:?}, {y:?})"),
+    };
+    let (av, bv) = (AnyView::new("column_dot", a.0, a.1)?, AnyView::new("column_dot", b.0, b.1)?);
     match a.0.dtype() {
-        DType::F32 => column_dot_t::<f32>("f32", a, b, rows, c),
-        DType::BF16 => column_dot_t::<half::bf16>("bf16", a, b, rows, c),
-        dt => bail!("column_dot: the GPU kernel supports f32 and bf16, got {dt:?}"),
+        DType::F32 => column_dot_t::<f32>(partial, "f32", a.0, (&av, &bv), rows, c),
+        _ => column_dot_t::<half::bf16>(partial, "bf16", a.0, (&av, &bv), rows, c),
     }
 }
 
 fn column_dot_t<T: CudaDType + DeviceRepr>(
+    partial_suffix: &str,
     suffix: &str,
-    a: (&CudaStorage, &Layout),
-    b: (&CudaStorage, &Layout),
+    on: &CudaStorage,
+    (av, bv): (&AnyView<'_>, &AnyView<'_>),
     rows: usize,
     c: usize,
 ) -> Result<CudaStorage> {
-    let dev = a.0.device().clone();
+    let dev = on.device().clone();
     let chunks = rows.div_ceil(COLUMN_CHUNK).max(1);
-    let (av, bv) = (view::<T>(a.0, a.1)?, view::<T>(b.0, b.1)?);
     // SAFETY: the first kernel writes every partial (a zero sum for an empty chunk), the
     // second every output.
     let partial = unsafe { dev.alloc::<f32>(chunks * c)? };
@@ -186,11 +244,18 @@ fn column_dot_t<T: CudaDType + DeviceRepr>(
     let col_blocks = (c as u32).div_ceil(threads);
     let grid_y = u32::try_from(chunks).ok().filter(|&y| y <= 65_535);
     let Some(grid_y) = grid_y else { bail!("column_dot: {rows} rows exceed the grid") };
-    let func = dev.get_or_load_custom_func(&format!("column_dot_partial_{suffix}"), MODULE, PTX)?;
+    let func = dev.get_or_load_custom_func(&format!("column_dot_partial_{partial_suffix}"), MODULE, PTX)?;
     let cfg = LaunchConfig { grid_dim: (col_blocks, grid_y, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
     let mut lb = func.builder();
-    lb.arg(&av).arg(&bv).arg(&partial).arg(&rows_arg).arg(&c_arg).arg(&chunk_arg);
-    // SAFETY: (const T* a, const T* b, float* partial, long rows, int c, int chunk).
+    for v in [av, bv] {
+        match v {
+            AnyView::F32(v) => lb.arg(v),
+            AnyView::Bf16(v) => lb.arg(v),
+        };
+    }
+    lb.arg(&partial).arg(&rows_arg).arg(&c_arg).arg(&chunk_arg);
+    // SAFETY: (const A* a, const B* b, float* partial, long rows, int c, int chunk), A and B as
+    // named by the suffix.
     unsafe { lb.launch(cfg) }.w()?;
     let func = dev.get_or_load_custom_func(&format!("column_dot_sum_{suffix}"), MODULE, PTX)?;
     let cfg = LaunchConfig { grid_dim: (col_blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
@@ -205,7 +270,7 @@ fn column_dot_t<T: CudaDType + DeviceRepr>(
 /// eight values per thread and step, rounding to nearest even.
 pub fn cast(x: &CudaStorage, l: &Layout, to: DType) -> Result<CudaStorage> {
     let n = l.shape().elem_count();
-    if !l.is_contiguous() || l.start_offset() % 8 != 0 {
+    if !l.is_contiguous() || !l.start_offset().is_multiple_of(8) {
         bail!("cast: the input must be contiguous from an 8-element boundary, got {l:?}");
     }
     let dev = x.device().clone();

@@ -168,6 +168,17 @@ T __shfl_xor_sync(unsigned, T x, int mask) {
     return r;
 }
 
+// The lanes whose `pred` is true, as a bit mask.
+inline unsigned __ballot_sync(unsigned, bool pred) {
+    emu::Warp& w = *emu::warp;
+    w.word[emu::lane] = pred;
+    w.bar.arrive_and_wait();
+    unsigned mask = 0;
+    for (unsigned l = 0; l < 32; ++l) mask |= (w.word[l] ? 1u : 0u) << l;
+    w.bar.arrive_and_wait();
+    return mask;
+}
+
 inline bool __all_sync(unsigned, bool pred) {
     emu::Warp& w = *emu::warp;
     w.word[emu::lane] = pred;
@@ -176,4 +187,32 @@ inline bool __all_sync(unsigned, bool pred) {
     for (unsigned l = 0; l < 32; ++l) all = all && w.word[l];
     w.bar.arrive_and_wait();
     return all;
+}
+
+// Device maths and vector types of the row kernels (kernels/fused.cu). The fast-maths
+// intrinsics are the exact functions here: the emulator checks logic, not the device's ulps.
+inline float rsqrtf(float x) {
+    return 1.0f / sqrtf(x);
+}
+inline float __expf(float x) {
+    return expf(x);
+}
+inline int __ffs(unsigned x) {
+    return __builtin_ffs(static_cast<int>(x));
+}
+template <class T>
+T min(T a, T b) {
+    return b < a ? b : a;
+}
+struct float2 {
+    float x, y;
+};
+struct __align__(16) float4 {
+    float x, y, z, w;
+};
+struct __align__(16) uint4 {
+    unsigned x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) {
+    return {x, y, z, w};
 }

@@ -33,3 +33,7 @@ inline float __low2float(__nv_bfloat162 v) {
 inline float __high2float(__nv_bfloat162 v) {
     return __bfloat162float(v.y);
 }
+// float2 comes from warp_emu.h, included before any kernel.
+inline float2 __bfloat1622float2(__nv_bfloat162 v) {
+    return {__bfloat162float(v.x), __bfloat162float(v.y)};
+}

@@ -1,0 +1,149 @@
+// Runs kernels/fused.cu's mixed-precision kernels (`*_f32_bf16`: a float32 residual stream,
+// bfloat16 products) in the warp emulator and checks the claim the model relies on: each gives
+// bit for bit what its one-type float32 kernel gives followed by a cast (rms_norm_fwd,
+// scale_cols: the output rounded to bf16; rms_norm_bwd, scale_add, column_dot: the bf16 input
+// widened first). The float32 kernels themselves are compared with double references.
+// Prints one line per check and exits non-zero on any failure. Driven by tests/warp_emulation.rs.
+//
+// Usage: fused_check [rows len seed] (rows of `len` values; the launches are the ones of
+// src/model/gpu_kernels.rs: a warp per row and 8 rows per block, or a thread per channel and
+// 64 rows per partial sum). Built with -DFUSED_SOURCE='"path"' it checks another copy of the
+// kernels (the test's deliberately broken one).
+#include "warp_emu.h"
+#ifdef FUSED_SOURCE
+#include FUSED_SOURCE
+#else
+#include "../../kernels/fused.cu"
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+typedef __nv_bfloat16 bf;
+
+static void nothing() {}
+
+// A warp per row, eight rows per block (gpu_kernels::launch_rows).
+template <class... P, class... A>
+static void rows(void (*kernel)(P...), long n_rows, A... args) {
+    emu::launch(kernel, dim3{static_cast<unsigned>((n_rows + 7) / 8), 1, 1}, 256, nothing, args...);
+}
+
+static std::vector<float> random_f32(size_t n, std::mt19937_64& rng, float sd) {
+    std::normal_distribution<float> dist(0.f, sd);
+    std::vector<float> out(n);
+    for (float& x : out) x = dist(rng);
+    return out;
+}
+
+static std::vector<bf> to_bf16(const std::vector<float>& x) {
+    std::vector<bf> out(x.size());
+    for (size_t i = 0; i < x.size(); ++i) out[i] = __float2bfloat16(x[i]);
+    return out;
+}
+
+static std::vector<float> to_f32(const std::vector<bf>& x) {
+    std::vector<float> out(x.size());
+    for (size_t i = 0; i < x.size(); ++i) out[i] = __bfloat162float(x[i]);
+    return out;
+}
+
+static bool failed = false;
+
+static void same_bits(const char* what, const std::vector<bf>& got, const std::vector<bf>& want) {
+    size_t bad = 0;
+    for (size_t i = 0; i < want.size(); ++i) bad += got[i].x != want[i].x;
+    printf("%-40s %zu of %zu values differ %s\n", what, bad, want.size(), bad ? "FAILED" : "ok");
+    failed |= bad != 0;
+}
+
+static void same_bits(const char* what, const std::vector<float>& got, const std::vector<float>& want) {
+    size_t bad = 0;
+    for (size_t i = 0; i < want.size(); ++i) bad += memcmp(&got[i], &want[i], 4) != 0;
+    printf("%-40s %zu of %zu values differ %s\n", what, bad, want.size(), bad ? "FAILED" : "ok");
+    failed |= bad != 0;
+}
+
+static void close_to(const char* what, const std::vector<float>& got, const std::vector<double>& want, double bound) {
+    double err = 0, scale = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+        const double e = std::fabs(got[i] - want[i]);
+        err = std::isnan(e) ? INFINITY : std::max(err, e);
+        scale = std::max(scale, std::fabs(want[i]));
+    }
+    const double rel = err / std::max(scale, 1e-30);
+    const bool ok = rel <= bound;
+    printf("%-40s relative error %.3e (bound %.1e) %s\n", what, rel, bound, ok ? "ok" : "FAILED");
+    failed |= !ok;
+}
+
+int main(int argc, char** argv) {
+    const long n = argc > 1 ? atol(argv[1]) : 37;
+    const int d = argc > 2 ? atoi(argv[2]) : 70;
+    std::mt19937_64 rng(argc > 3 ? strtoull(argv[3], nullptr, 10) : 1);
+    const size_t len = static_cast<size_t>(n) * d;
+    const float eps = 1.1920929e-07f;  // ops::rms_eps(F32)
+
+    const std::vector<float> x = random_f32(len, rng, 1.5f), g = random_f32(len, rng, 0.5f);
+    const std::vector<float> base = random_f32(len, rng, 1.f), s = random_f32(d, rng, 1.f);
+    const std::vector<bf> g16 = to_bf16(g), x16 = to_bf16(random_f32(len, rng, 1.f));
+
+    // The double references of the float32 kernels.
+    std::vector<double> norm(len), norm_bwd(len), dot(d, 0.0);
+    for (long r = 0; r < n; ++r) {
+        const float* xr = &x[r * d];
+        double ss = 0, xg = 0;
+        for (int j = 0; j < d; ++j) ss += double(xr[j]) * xr[j], xg += double(xr[j]) * __bfloat162float(g16[r * d + j]);
+        const double inv = 1.0 / std::sqrt(ss / d + eps);
+        for (int j = 0; j < d; ++j) {
+            norm[r * d + j] = xr[j] * inv;
+            norm_bwd[r * d + j] = __bfloat162float(g16[r * d + j]) * inv - xr[j] * xg / d * inv * inv * inv;
+            dot[j] += double(g[r * d + j]) * __bfloat162float(x16[r * d + j]);
+        }
+    }
+
+    // rms_norm_fwd: f32 -> bf16 equals f32 -> f32 then a cast.
+    std::vector<float> y32(len);
+    std::vector<bf> y16(len);
+    rows(rms_norm_fwd_f32, n, x.data(), y32.data(), n, d, eps);
+    rows(rms_norm_fwd_f32_bf16, n, x.data(), y16.data(), n, d, eps);
+    close_to("rms_norm_fwd_f32 vs double", y32, norm, 1e-6);
+    same_bits("rms_norm_fwd_f32_bf16 = cast", y16, to_bf16(y32));
+
+    // rms_norm_bwd: a bf16 gradient equals its widened copy.
+    std::vector<float> dx32(len), dx16(len);
+    const std::vector<float> g_wide = to_f32(g16);
+    rows(rms_norm_bwd_f32, n, x.data(), g_wide.data(), dx32.data(), n, d, eps);
+    rows(rms_norm_bwd_f32_bf16, n, x.data(), g16.data(), dx16.data(), n, d, eps);
+    close_to("rms_norm_bwd_f32 vs double", dx32, norm_bwd, 1e-5);
+    same_bits("rms_norm_bwd_f32_bf16 = widened", dx16, dx32);
+
+    // scale_cols: f32 -> bf16 equals f32 then a cast.
+    std::vector<float> sc32(len);
+    std::vector<bf> sc16(len);
+    rows(scale_cols_f32, n, g.data(), s.data(), sc32.data(), n, d, 0.f);
+    rows(scale_cols_f32_bf16, n, g.data(), s.data(), sc16.data(), n, d, 0.f);
+    same_bits("scale_cols_f32_bf16 = cast", sc16, to_bf16(sc32));
+
+    // scale_add: a bf16 branch equals its widened copy.
+    std::vector<float> sa32(len), sa16(len);
+    const std::vector<float> x_wide = to_f32(x16);
+    rows(scale_add_f32, n, base.data(), x_wide.data(), s.data(), sa32.data(), n, d, 0.f);
+    rows(scale_add_f32_bf16, n, base.data(), x16.data(), s.data(), sa16.data(), n, d, 0.f);
+    same_bits("scale_add_f32_bf16 = widened", sa16, sa32);
+
+    // column_dot: partial sums of 64 rows (a thread per channel, 128 per block), then their sum.
+    const int chunk = 64, chunks = static_cast<int>(std::max<long>(1, (n + chunk - 1) / chunk));
+    const dim3 grid{static_cast<unsigned>((d + 127) / 128), static_cast<unsigned>(chunks), 1};
+    std::vector<float> p32(static_cast<size_t>(chunks) * d), p16(p32.size()), c32(d), c16(d);
+    emu::launch(column_dot_partial_f32, grid, 128, nothing, g.data(), x_wide.data(), p32.data(), n, d, chunk);
+    emu::launch(column_dot_partial_f32_bf16, grid, 128, nothing, g.data(), x16.data(), p16.data(), n, d, chunk);
+    const dim3 one{static_cast<unsigned>((d + 127) / 128), 1, 1};
+    emu::launch(column_dot_sum_f32, one, 128, nothing, p32.data(), c32.data(), chunks, d);
+    emu::launch(column_dot_sum_f32, one, 128, nothing, p16.data(), c16.data(), chunks, d);
+    close_to("column_dot_f32 vs double", c32, dot, 1e-5);
+    same_bits("column_dot_partial_f32_bf16 = widened", c16, c32);
+
+    return failed ? 1 : 0;
+}
