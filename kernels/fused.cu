@@ -128,6 +128,48 @@ __device__ void relu_sq_bwd(const T* x, const T* g, T* dx, long rows, int d, flo
     }
 }
 
+// Soft-capped cross-entropy per row of v logits (spec: z = cap tanh(x / cap), loss =
+// logsumexp(z) - z[target]), in float32 whatever the logits' storage (bf16 logits read as they
+// are: the script's `logits.float()` without a pass of its own). A target outside 0..v gives a
+// NaN loss (the CPU op reports it as an error; the GPU cannot stop the step).
+template <typename T>
+__device__ void softcap_ce_fwd(const T* x, const unsigned* targets, float* loss, long rows, int v, float cap) {
+    long r = warp_row(rows);
+    if (r < 0) return;
+    int lane = threadIdx.x & 31;
+    const T* xr = x + r * v;
+    float inv = 1.f / cap, m = -CUDART_INF_F;
+    for (int j = lane; j < v; j += 32) m = fmaxf(m, load(xr, j));
+    // tanh is increasing: the largest logit gives the largest capped one.
+    float zmax = cap * tanhf(warp_max(m) * inv), s = 0.f;
+    for (int j = lane; j < v; j += 32) s += __expf(cap * tanhf(load(xr, j) * inv) - zmax);
+    s = warp_sum(s);
+    unsigned y = targets[r];
+    if (lane == 0) loss[r] = y < (unsigned)v ? logf(s) + zmax - cap * tanhf(load(xr, y) * inv) : CUDART_NAN_F;
+}
+
+// Its gradient for per-row loss gradients g: dx = (softmax(z) - onehot(target)) (1 - tanh^2) g,
+// the row's logsumexp recovered from its loss as loss + z[target]. `lg` is (2, rows): the
+// losses, then their gradients.
+template <typename T>
+__device__ void softcap_ce_bwd(const T* x, const unsigned* targets, const float* lg, T* dx, long rows, int v, float cap) {
+    long r = warp_row(rows);
+    if (r < 0) return;
+    int lane = threadIdx.x & 31;
+    const T* xr = x + r * v;
+    T* dr = dx + r * v;
+    float inv = 1.f / cap, g = lg[rows + r];
+    unsigned y = targets[r];
+    float ty = y < (unsigned)v ? tanhf(load(xr, y) * inv) : CUDART_NAN_F;
+    float lse = lg[r] + cap * ty;
+    for (int j = lane; j < v; j += 32) {
+        float t = tanhf(load(xr, j) * inv);
+        float d = __expf(cap * t - lse) * (1.f - t * t) * g;
+        if (j == (int)y) d -= (1.f - ty * ty) * g;
+        store(dr, j, d);
+    }
+}
+
 // Per-head RMS norm then RoPE on token-major rows: row r is head (r % heads) of token
 // n = r / heads, at position p = n % seq; `table` is (seq, d) = [cos | sin] of (seq, d/2) each.
 // With y = x / rms: out[i] = y[i] cos + y[i+h] sin, out[i+h] = y[i+h] cos - y[i] sin.
@@ -320,6 +362,17 @@ FOR_TYPES(NORM_ROPE)
         resid_mix<T>(h, x0, m, y, rows, d, p);                                                             \
     }
 FOR_TYPES(SCALES)
+
+#define SOFTCAP_CE(name, T)                                                                                \
+    extern "C" __global__ void softcap_ce_fwd_##name(const T* x, const unsigned* targets, float* loss, long rows, \
+                                                     int v, float cap) {                                   \
+        softcap_ce_fwd<T>(x, targets, loss, rows, v, cap);                                                 \
+    }                                                                                                      \
+    extern "C" __global__ void softcap_ce_bwd_##name(const T* x, const unsigned* targets, const float* lg,  \
+                                                     T* dx, long rows, int v, float cap) {                 \
+        softcap_ce_bwd<T>(x, targets, lg, dx, rows, v, cap);                                               \
+    }
+FOR_TYPES(SOFTCAP_CE)
 
 #define EMBEDDING(name, T)                                                                                 \
     extern "C" __global__ void embedding_bwd_##name(const unsigned* ids, const T* g, T* dw, long n, int c) { \

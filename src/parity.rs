@@ -188,6 +188,15 @@ pub fn kernel_checks(device: &Device, dtype: DType, seed: u64) -> anyhow::Result
         ("rms_norm_to", vec![1000, 512], |x| fused::rms_norm_to(&widened(x)?, x.dtype())),
         ("rms_norm_to", vec![37, 70], |x| fused::rms_norm_to(&widened(x)?, x.dtype())),
         ("scale_add_mixed", vec![257, 96], |x| fused::scale_add(&widened(&(x * 0.5)?)?, x, &widened(&x.get(0)?)?)),
+        // Logits scaled so that the soft-cap (30) bends them; targets spread over the classes.
+        ("softcap_ce", vec![300, 1024], |x| {
+            let targets = Tensor::from_vec((0..300u32).map(|i| (i * 7919) % 1024).collect::<Vec<u32>>(), 300, x.device())?;
+            fused::softcap_cross_entropy(&(x * 20.0)?, &targets, 30.0)
+        }),
+        ("softcap_ce", vec![7, 50], |x| {
+            let targets = Tensor::from_vec(vec![0u32, 49, 3, 17, 25, 49, 1], 7, x.device())?;
+            fused::softcap_cross_entropy(&(x * 20.0)?, &targets, 30.0)
+        }),
         // Several tiles each way, grouped heads (and, with one KV head, a group of four); both
         // implementations of the flash kernels.
         ("attention", vec![2 * 192, (4 + 2 * 2) * 64], |x| attention_case(x, 2, 4, 2, FlashKernels::Wmma)),
@@ -242,7 +251,7 @@ mod tests {
     #[test]
     fn kernel_checks_compare_outputs_and_gradients() {
         let r = kernel_checks(&Device::Cpu, DType::F32, 1).unwrap();
-        assert_eq!(r.len(), 36);
+        assert_eq!(r.len(), 40);
         assert!(r.iter().all(|c| c.rel_err > 0.0 && c.rel_err < 1e-5), "{r:?}");
     }
 

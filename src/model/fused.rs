@@ -32,17 +32,27 @@ use super::ops;
 /// `logits` is `(N, V)` (`f32` or `f64`, before the soft-cap), `targets` `(N,)` of `u32`;
 /// returns the `(N,)` losses. Differentiable with respect to `logits`. `cap` must be positive
 /// and finite; a target outside `0..V` is an error.
+///
+/// On a GPU (f32 or bf16 logits) one kernel each way (`kernels/fused.cu`, this op's CPU
+/// implementation their reference): f32 losses, bf16 logits read as they are and their gradient
+/// written in bf16; there a target outside `0..V` gives a NaN loss instead of an error.
 pub fn softcap_cross_entropy(logits: &Tensor, targets: &Tensor, cap: f64) -> Result<Tensor> {
-    if !logits.device().is_cpu() {
+    let on_cuda = logits.device().is_cuda() && super::gpu_path(logits);
+    if !logits.device().is_cpu() && !on_cuda {
         return ops::cross_entropy_rows(&ops::softcap(logits, cap)?, targets);
     }
-    check_float("softcap_cross_entropy", logits.dtype())?;
+    if !on_cuda {
+        check_float("softcap_cross_entropy", logits.dtype())?;
+    }
     let (n, _) = logits.dims2()?;
     if targets.dims1()? != n || targets.dtype() != DType::U32 {
         bail!("softcap_cross_entropy: targets must be ({n},) u32, got {:?} {:?}", targets.shape(), targets.dtype());
     }
     if !(cap > 0.0 && cap.is_finite()) {
         bail!("softcap_cross_entropy: cap must be positive and finite, got {cap}");
+    }
+    if on_cuda {
+        return logits.contiguous()?.apply_op2(&targets.contiguous()?, SoftcapCe { cap });
     }
     unit_last(logits)?.apply_op2(targets, SoftcapCe { cap })
 }
@@ -558,22 +568,12 @@ multiversion! {
     fn ce_bwd_rows = ce_bwd_kernel(x: Rows<'_, T>, targets: &[usize], loss: &[T], g: &[T], cap: f64, out: &mut [T]);
 }
 
-fn softcap_ce_bwd<T: Real>(logits: &Tensor, targets: &Tensor, loss: &Tensor, grad: &Tensor, cap: f64) -> Result<Tensor> {
-    let (n, v) = logits.dims2()?;
-    let (ls, ll) = logits.storage_and_layout();
-    let (ts, tl) = targets.storage_and_layout();
-    let (ss, sl) = loss.storage_and_layout();
-    let (gs, gl) = grad.storage_and_layout();
-    let Storage::Cpu(tcpu) = &*ts else { bail!("softcap_cross_entropy: targets are not on the CPU") };
-    let targets = read_targets(tcpu, tl, v)?;
-    let (lx, sx, gx) = (cpu_slice::<T>(&ls, "logits")?, cpu_slice::<T>(&ss, "loss")?, cpu_slice::<T>(&gs, "grad")?);
-    let rows = row_offsets(ll)?;
-    let loss: Vec<T> = offsets_1d(sl)?.into_iter().map(|o| sx[o]).collect();
-    let g: Vec<T> = offsets_1d(gl)?.into_iter().map(|o| gx[o]).collect();
-    if targets.len() != n || loss.len() != n || g.len() != n {
-        bail!("softcap_cross_entropy backward: {} targets, {} losses, {} gradients for {n} rows", targets.len(), loss.len(), g.len());
-    }
-    let x = Rows { data: lx, offsets: &rows, len: v };
+/// The gradient rows of `(N, V)` logits (rows at `rows`) from the targets and `lg` = the `N`
+/// losses then their `N` gradients.
+fn softcap_ce_bwd<T: Real>(logits: &[T], rows: &[usize], v: usize, targets: &[usize], lg: &[T], cap: f64) -> Vec<T> {
+    let n = rows.len();
+    let (loss, g) = lg.split_at(n);
+    let x = Rows { data: logits, offsets: rows, len: v };
     let mut out = vec![T::from_f64(0.0); n * v];
     if v > 0 {
         out.par_chunks_mut(CE_ROWS * v).enumerate().for_each(|(c, out)| {
@@ -581,7 +581,7 @@ fn softcap_ce_bwd<T: Real>(logits: &Tensor, targets: &Tensor, loss: &Tensor, gra
             ce_bwd_rows(x.sub(rows.clone()), &targets[rows.clone()], &loss[rows.clone()], &g[rows], cap, out);
         });
     }
-    Tensor::from_vec(out, (n, v), &Device::Cpu)
+    out
 }
 
 impl CustomOp2 for SoftcapCe {
@@ -604,13 +604,71 @@ impl CustomOp2 for SoftcapCe {
         Ok((out, Shape::from(n)))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let n = l1.shape().dims2()?.0;
+        Ok((super::gpu_kernels::softcap_ce_fwd((s1, l1), (s2, l2), self.cap as f32)?, Shape::from(n)))
+    }
+
     fn bwd(&self, logits: &Tensor, targets: &Tensor, res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let d = match logits.dtype() {
-            DType::F32 => softcap_ce_bwd::<f32>(logits, targets, res, grad, self.cap)?,
-            DType::F64 => softcap_ce_bwd::<f64>(logits, targets, res, grad, self.cap)?,
-            dt => bail!("softcap_cross_entropy: unsupported dtype {dt:?}"),
+        // The losses and their gradients (often a broadcast of the mean's 1/N) side by side.
+        let lg = Tensor::stack(&[res, &grad.to_dtype(res.dtype())?], 0)?;
+        Ok((Some(logits.apply_op3_no_bwd(targets, &lg, &SoftcapCeBwd { cap: self.cap })?), None))
+    }
+}
+
+/// `(logits, targets, [losses; gradients]) -> dlogits` in the logits' dtype: [`SoftcapCe`]'s
+/// backward pass, the row's logsumexp recovered from its loss. The CPU implementation is the GPU
+/// kernel's reference.
+struct SoftcapCeBwd {
+    cap: f64,
+}
+
+impl CustomOp3 for SoftcapCeBwd {
+    fn name(&self) -> &'static str {
+        "fused-softcap-cross-entropy-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, v) = l1.shape().dims2()?;
+        let targets = read_targets(s2, l2, v)?;
+        let Some((a, b)) = l3.contiguous_offsets().filter(|_| l3.dims() == [2, n] && targets.len() == n) else {
+            bail!("softcap_cross_entropy backward: {} targets, losses and gradients {l3:?} for {n} rows", targets.len());
         };
-        Ok((Some(d), None))
+        let rows = row_offsets(l1)?;
+        let out = match (s1, s3) {
+            (CpuStorage::F32(x), CpuStorage::F32(lg)) => CpuStorage::F32(softcap_ce_bwd(x, &rows, v, &targets, &lg[a..b], self.cap)),
+            (CpuStorage::F64(x), CpuStorage::F64(lg)) => CpuStorage::F64(softcap_ce_bwd(x, &rows, v, &targets, &lg[a..b], self.cap)),
+            _ => bail!("softcap_cross_entropy backward: unsupported dtypes {:?}, {:?}", s1.dtype(), s3.dtype()),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((super::gpu_kernels::softcap_ce_bwd((s1, l1), (s2, l2), (s3, l3), self.cap as f32)?, l1.shape().clone()))
     }
 }
 

@@ -255,10 +255,11 @@ impl Gpt {
 
     /// Soft-capped logits `(B*T, V)` for input ids `x` of shape `(B, T)` (u32).
     pub fn logits(&self, x: &Tensor) -> Result<Tensor> {
-        softcap(&self.raw_logits(x)?, self.cfg.logit_softcap)
+        softcap(&cast(&self.raw_logits(x)?, self.dtype)?, self.cfg.logit_softcap)
     }
 
-    /// Logits before the soft-cap, `(B*T, V)`.
+    /// Logits before the soft-cap, `(B*T, V)`: in the matmul dtype under mixed precision on the
+    /// GPU path (the head's product stays bf16, as under autocast), else the model's.
     ///
     /// The residual stream and every projection stay `(B*T, C)` matrices (token-major, heads side
     /// by side), so that no reshape or transpose enters the autograd graph; on the CPU the
@@ -291,7 +292,7 @@ impl Gpt {
         }
         let head = if cfg.tie_embeddings { emb } else { self.p("lm_head.weight") };
         if self.low_activations(&h).is_some() {
-            return cast(&self.linear_low(&self.norm_in(&h)?, &head)?, self.dtype);
+            return self.linear_low(&self.norm_in(&h)?, &head);
         }
         self.linear(&rms_norm(&h)?, &head)
     }
@@ -299,8 +300,13 @@ impl Gpt {
     /// Per-position cross-entropy `(B*T,)` of targets `y` `(B, T)` given inputs `x`.
     pub fn token_losses(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
         let logits = self.raw_logits(x)?;
-        // Cross-entropy on float32 logits, as the script does (float64 stays float64 for checks).
-        let logits = if self.dtype == DType::F64 { logits } else { cast(&logits, DType::F32)? };
+        // Cross-entropy in float32 at least, as the script does (`logits.float()`; float64 stays
+        // float64 for checks). On the GPU path the kernel reads bf16 logits as they are.
+        let logits = match logits.dtype() {
+            DType::F64 | DType::F32 => logits,
+            DType::BF16 if super::gpu_path(&logits) => logits,
+            _ => cast(&logits, DType::F32)?,
+        };
         softcap_cross_entropy(&logits, &y.flatten_all()?, self.cfg.logit_softcap)
     }
 

@@ -64,11 +64,62 @@ pub fn rows_op_mixed(
     let dtypes: Vec<DType> = inputs.iter().chain(extras).map(|(s, _)| s.dtype()).chain([out]).collect();
     let kernel = format!("{name}_{}", type_suffix(name, &dtypes)?);
     let args = inputs.iter().chain(extras).map(|(s, l)| AnyView::new(name, s, l)).collect::<Result<Vec<_>>>()?;
+    let n = layout.shape().elem_count();
+    if len == 0 || !n.is_multiple_of(len) {
+        bail!("{name}: {n} elements do not split into rows of {len}");
+    }
     match out {
-        DType::F32 => launch_rows::<f32>(&kernel, inputs[0].0, &args, layout.shape().elem_count(), len, param, ints),
-        DType::BF16 => launch_rows::<half::bf16>(&kernel, inputs[0].0, &args, layout.shape().elem_count(), len, param, ints),
+        DType::F32 => launch_rows::<f32>(&kernel, inputs[0].0, &args, n, n / len, len, param, ints),
+        DType::BF16 => launch_rows::<half::bf16>(&kernel, inputs[0].0, &args, n, n / len, len, param, ints),
         dt => bail!("{name}: the GPU kernel writes f32 or bf16, not {dt:?}"),
     }
+}
+
+/// `softcap_ce_fwd_{f32|bf16}(logits, targets, loss, rows, v, cap)`: the `(rows,)` f32 losses
+/// of `(rows, v)` logits (contiguous) and u32 targets; a warp per row.
+pub fn softcap_ce_fwd(logits: (&CudaStorage, &Layout), targets: (&CudaStorage, &Layout), cap: f32) -> Result<CudaStorage> {
+    let (rows, v) = logits.1.shape().dims2()?;
+    softcap_ce_check(logits, targets, rows)?;
+    let kernel = format!("softcap_ce_fwd_{}", type_suffix("softcap_ce", &[logits.0.dtype()])?);
+    let args = [AnyView::new("softcap_ce", logits.0, logits.1)?, AnyView::new("softcap_ce", targets.0, targets.1)?];
+    launch_rows::<f32>(&kernel, logits.0, &args, rows, rows, v, cap, &[])
+}
+
+/// `softcap_ce_bwd_{f32|bf16}(logits, targets, lg, dlogits, rows, v, cap)`: the gradient of the
+/// logits, in their dtype, from `lg` `(2, rows)` f32 = the forward losses and their gradients.
+pub fn softcap_ce_bwd(
+    logits: (&CudaStorage, &Layout),
+    targets: (&CudaStorage, &Layout),
+    lg: (&CudaStorage, &Layout),
+    cap: f32,
+) -> Result<CudaStorage> {
+    let (rows, v) = logits.1.shape().dims2()?;
+    softcap_ce_check(logits, targets, rows)?;
+    if lg.1.dims() != [2, rows] || !lg.1.is_contiguous() || lg.0.dtype() != DType::F32 {
+        bail!("softcap_ce: losses and gradients must be (2, {rows}) contiguous f32, got {:?} {:?}", lg.1, lg.0.dtype());
+    }
+    let kernel = format!("softcap_ce_bwd_{}", type_suffix("softcap_ce", &[logits.0.dtype()])?);
+    let args = [
+        AnyView::new("softcap_ce", logits.0, logits.1)?,
+        AnyView::new("softcap_ce", targets.0, targets.1)?,
+        AnyView::new("softcap_ce", lg.0, lg.1)?,
+    ];
+    match logits.0.dtype() {
+        DType::F32 => launch_rows::<f32>(&kernel, logits.0, &args, rows * v, rows, v, cap, &[]),
+        _ => launch_rows::<half::bf16>(&kernel, logits.0, &args, rows * v, rows, v, cap, &[]),
+    }
+}
+
+fn softcap_ce_check(logits: (&CudaStorage, &Layout), targets: (&CudaStorage, &Layout), rows: usize) -> Result<()> {
+    if !logits.1.is_contiguous() || !targets.1.is_contiguous() || targets.1.dims() != [rows] || targets.0.dtype() != DType::U32 {
+        bail!(
+            "softcap_ce: logits {:?} and u32 targets {:?} ({:?}) must be contiguous (N, V) and (N,)",
+            logits.1,
+            targets.1,
+            targets.0.dtype()
+        );
+    }
+    Ok(())
 }
 
 /// The kernel-name suffix of a set of argument dtypes: `f32`, `bf16`, or `f32_bf16` for both.
@@ -90,10 +141,11 @@ pub(super) fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<c
     Ok(s.as_cuda_slice::<T>()?.slice(start..start + l.shape().elem_count()))
 }
 
-/// A kernel argument: the device view of an input of either float dtype.
+/// A kernel argument: the device view of an input of either float dtype, or of token ids.
 enum AnyView<'a> {
     F32(candle_core::cuda_backend::cudarc::driver::CudaView<'a, f32>),
     Bf16(candle_core::cuda_backend::cudarc::driver::CudaView<'a, half::bf16>),
+    U32(candle_core::cuda_backend::cudarc::driver::CudaView<'a, u32>),
 }
 
 impl<'a> AnyView<'a> {
@@ -101,29 +153,29 @@ impl<'a> AnyView<'a> {
         match s.dtype() {
             DType::F32 => Ok(Self::F32(view(s, l)?)),
             DType::BF16 => Ok(Self::Bf16(view(s, l)?)),
+            DType::U32 => Ok(Self::U32(view(s, l)?)),
             dt => bail!("{name}: the GPU kernel supports f32 and bf16, got {dt:?}"),
         }
     }
 }
 
-/// Launches `kernel(args..., out, rows, len, param, ints...)` with one warp per row of `len`
-/// of the `n` output elements (of type `O`), eight rows per block.
+/// Launches `kernel(args..., out, rows, len, param, ints...)` with one warp per row (of `len`
+/// input elements), eight rows per block, writing the `n` output elements (of type `O`).
+#[allow(clippy::too_many_arguments)]
 fn launch_rows<O: CudaDType + DeviceRepr>(
     kernel: &str,
     on: &CudaStorage,
     args: &[AnyView<'_>],
     n: usize,
+    rows: usize,
     len: usize,
     param: f32,
     ints: &[i32],
 ) -> Result<CudaStorage> {
     let dev = on.device().clone();
-    if len == 0 || !n.is_multiple_of(len) {
-        bail!("{kernel}: {n} elements do not split into rows of {len}");
-    }
-    // SAFETY: every element is written by the kernel (each row's warp writes all `len` values).
+    // SAFETY: every element is written by the kernel (each row's warp writes all of its row's
+    // outputs).
     let out = unsafe { dev.alloc::<O>(n)? };
-    let rows = n / len;
     if rows > 0 {
         let func = dev.get_or_load_custom_func(kernel, MODULE, PTX)?;
         let (rows_arg, len_arg) =
@@ -135,6 +187,7 @@ fn launch_rows<O: CudaDType + DeviceRepr>(
             match v {
                 AnyView::F32(v) => b.arg(v),
                 AnyView::Bf16(v) => b.arg(v),
+                AnyView::U32(v) => b.arg(v),
             };
         }
         b.arg(&out);
@@ -251,6 +304,7 @@ fn column_dot_t<T: CudaDType + DeviceRepr>(
         match v {
             AnyView::F32(v) => lb.arg(v),
             AnyView::Bf16(v) => lb.arg(v),
+            AnyView::U32(v) => lb.arg(v),
         };
     }
     lb.arg(&partial).arg(&rows_arg).arg(&c_arg).arg(&chunk_arg);

@@ -2,7 +2,8 @@
 // bfloat16 products) in the warp emulator and checks the claim the model relies on: each gives
 // bit for bit what its one-type float32 kernel gives followed by a cast (rms_norm_fwd,
 // scale_cols: the output rounded to bf16; rms_norm_bwd, scale_add, column_dot: the bf16 input
-// widened first). The float32 kernels themselves are compared with double references.
+// widened first). The float32 kernels themselves are compared with double references, and so
+// is the soft-capped cross-entropy pair (f32 and bf16 logits).
 // Prints one line per check and exits non-zero on any failure. Driven by tests/warp_emulation.rs.
 //
 // Usage: fused_check [rows len seed] (rows of `len` values; the launches are the ones of
@@ -144,6 +145,45 @@ int main(int argc, char** argv) {
     emu::launch(column_dot_sum_f32, one, 128, nothing, p16.data(), c16.data(), chunks, d);
     close_to("column_dot_f32 vs double", c32, dot, 1e-5);
     same_bits("column_dot_partial_f32_bf16 = widened", c16, c32);
+
+    // softcap_ce: losses and logit gradients against double, for f32 and bf16 logits (rows of
+    // `len` classes; the backward pass reads the forward's own losses, as the model does).
+    const float cap = 30.f;
+    std::vector<float> logits(len), lg(2 * n);
+    std::vector<unsigned> targets(n);
+    for (size_t i = 0; i < len; ++i) logits[i] = 20.f * x[i];
+    for (long r = 0; r < n; ++r) targets[r] = static_cast<unsigned>((r * 7919) % d), lg[n + r] = g[r];
+    const std::vector<bf> logits16 = to_bf16(logits);
+    for (bool narrow : {false, true}) {
+        const std::vector<float> in = narrow ? to_f32(logits16) : logits;
+        std::vector<double> want_loss(n), want_grad(len);
+        for (long r = 0; r < n; ++r) {
+            double m = -INFINITY, s = 0;
+            for (int j = 0; j < d; ++j) m = std::max(m, cap * std::tanh(double(in[r * d + j]) / cap));
+            for (int j = 0; j < d; ++j) s += std::exp(cap * std::tanh(double(in[r * d + j]) / cap) - m);
+            const double lse = std::log(s) + m;
+            want_loss[r] = lse - cap * std::tanh(double(in[r * d + targets[r]]) / cap);
+            for (int j = 0; j < d; ++j) {
+                const double t = std::tanh(double(in[r * d + j]) / cap);
+                want_grad[r * d + j] = (std::exp(cap * t - lse) - (j == int(targets[r]))) * (1 - t * t) * g[r];
+            }
+        }
+        std::vector<float> loss(n), grad(len);
+        if (narrow) {
+            std::vector<bf> grad16(len);
+            rows(softcap_ce_fwd_bf16, n, logits16.data(), targets.data(), loss.data(), n, d, cap);
+            std::copy(loss.begin(), loss.end(), lg.begin());
+            rows(softcap_ce_bwd_bf16, n, logits16.data(), targets.data(), lg.data(), grad16.data(), n, d, cap);
+            grad = to_f32(grad16);
+        } else {
+            rows(softcap_ce_fwd_f32, n, logits.data(), targets.data(), loss.data(), n, d, cap);
+            std::copy(loss.begin(), loss.end(), lg.begin());
+            rows(softcap_ce_bwd_f32, n, logits.data(), targets.data(), lg.data(), grad.data(), n, d, cap);
+        }
+        close_to(narrow ? "softcap_ce_fwd_bf16 vs double" : "softcap_ce_fwd_f32 vs double", loss, want_loss, 1e-5);
+        // bf16 gradients: one rounding to 8 bits of mantissa.
+        close_to(narrow ? "softcap_ce_bwd_bf16 vs double" : "softcap_ce_bwd_f32 vs double", grad, want_grad, narrow ? 4e-3 : 1e-5);
+    }
 
     return failed ? 1 : 0;
 }
