@@ -96,6 +96,12 @@ pub(super) fn mixed_pair(wide: DType, narrow: DType) -> bool {
     matches!((wide, narrow), (DType::F32, DType::BF16) | (DType::F64, DType::F32))
 }
 
+/// Whether an op working in `wide` may read or write `other`: the same dtype, or the narrow side
+/// of a [`mixed_pair`].
+pub(super) fn same_or_narrower(wide: DType, other: DType) -> bool {
+    wide == other || mixed_pair(wide, other)
+}
+
 /// `v` converted to `dtype` (each value rounded once, to nearest even), as a CPU storage.
 pub(super) fn to_storage<T: WithDType>(v: &[T], dtype: DType) -> Result<CpuStorage> {
     Ok(match dtype {
@@ -618,7 +624,7 @@ impl CustomOp2 for SoftcapCe {
 
     fn bwd(&self, logits: &Tensor, targets: &Tensor, res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         // The losses and their gradients (often a broadcast of the mean's 1/N) side by side.
-        let lg = Tensor::stack(&[res, &grad.to_dtype(res.dtype())?], 0)?;
+        let lg = Tensor::stack(&[res, grad], 0)?;
         Ok((Some(logits.apply_op3_no_bwd(targets, &lg, &SoftcapCeBwd { cap: self.cap })?), None))
     }
 }
@@ -824,7 +830,7 @@ impl CustomOp2 for RmsNormBwd {
         }
         let (xrows, grows) = (row_offsets(xl)?, row_offsets(gl)?);
         let d = xl.dims().last().copied().unwrap_or(0);
-        if xs.dtype() != gs.dtype() && !mixed_pair(xs.dtype(), gs.dtype()) {
+        if !same_or_narrower(xs.dtype(), gs.dtype()) {
             bail!("rms_norm backward: unsupported dtypes {:?}, {:?}", xs.dtype(), gs.dtype());
         }
         let out = match xs {
@@ -844,7 +850,7 @@ impl CustomOp2 for RmsNormBwd {
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let d = xl.dims().last().copied().unwrap_or(0);
-        if xs.dtype() != gs.dtype() && !mixed_pair(xs.dtype(), gs.dtype()) {
+        if !same_or_narrower(xs.dtype(), gs.dtype()) {
             bail!("rms_norm backward: no GPU kernel for x {:?} with gradient {:?}", xs.dtype(), gs.dtype());
         }
         let eps = ops::rms_eps(xs.dtype()) as f32;

@@ -21,6 +21,8 @@
 //! fixed block of rows and the blocks are added in order, so results do not depend on thread
 //! scheduling. Off the CPU every op falls back to its composite of candle ops.
 
+use std::borrow::Cow;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
@@ -183,6 +185,20 @@ fn elems<'a, T: Real>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
     Ok(&T::cpu_storage_as_slice(s)?[a..b])
 }
 
+/// [`elems`] as `T` from a storage of `T` (borrowed) or of the narrower dtype of a mixed pair
+/// (widened exactly; callers check the pair).
+fn elems_as<'a, T: Real>(s: &'a CpuStorage, l: &Layout) -> Result<Cow<'a, [T]>> {
+    let Some((a, b)) = l.contiguous_offsets() else { bail!("fused op: input is not contiguous, layout {l:?}") };
+    Ok(match super::values_as::<T>(s)? {
+        Cow::Borrowed(v) => Cow::Borrowed(&v[a..b]),
+        Cow::Owned(mut v) => {
+            v.truncate(b);
+            v.drain(..a);
+            Cow::Owned(v)
+        }
+    })
+}
+
 /// A CPU tensor's storage, held for reading.
 struct Held<'a>(candle_core::StorageRef<'a>, &'a Layout);
 
@@ -246,7 +262,7 @@ impl CustomOp2 for ScaleCols {
     }
 
     fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ss: &CpuStorage, sl: &Layout) -> Result<(CpuStorage, Shape)> {
-        if xs.dtype() != self.0 && !super::mixed_pair(xs.dtype(), self.0) {
+        if !super::same_or_narrower(xs.dtype(), self.0) {
             bail!("scale_cols: cannot write {:?} from {:?}", self.0, xs.dtype());
         }
         let out = float_dispatch!(xs.dtype(), "scale_cols", |T| {
@@ -266,7 +282,7 @@ impl CustomOp2 for ScaleCols {
         sl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let c = sl.shape().elem_count();
-        if xs.dtype() != ss.dtype() || (xs.dtype() != self.0 && !super::mixed_pair(xs.dtype(), self.0)) {
+        if xs.dtype() != ss.dtype() || !super::same_or_narrower(xs.dtype(), self.0) {
             bail!("scale_cols: no GPU kernel for x {:?}, scale {:?} to {:?}", xs.dtype(), ss.dtype(), self.0);
         }
         let out = super::super::gpu_kernels::rows_op_mixed("scale_cols", &[(xs, xl)], &[(ss, sl)], self.0, c, 0.0, &[])?;
@@ -296,7 +312,7 @@ fn column_dot(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if a.dims() != b.dims() {
         bail!("column_dot: shapes {:?} and {:?} differ", a.shape(), b.shape());
     }
-    if a.dtype() != b.dtype() && !super::mixed_pair(a.dtype(), b.dtype()) {
+    if !super::same_or_narrower(a.dtype(), b.dtype()) {
         bail!("column_dot: dtypes {:?} and {:?} are not a mixed pair", a.dtype(), b.dtype());
     }
     a.contiguous()?.reshape(((), c))?.apply_op2_no_bwd(&b.contiguous()?.reshape(((), c))?, &ColumnDot)
@@ -322,12 +338,7 @@ impl CustomOp2 for ColumnDot {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let (_, c) = l1.shape().dims2()?;
         // `column_dot` checked the dtypes: `b`, when narrower, widens exactly.
-        let Some((b0, b1)) = l2.contiguous_offsets() else { bail!("column_dot: b is not contiguous, layout {l2:?}") };
-        let out = float_dispatch!(s1.dtype(), "column_dot", |T| wrap(column_dot_cpu::<T>(
-            elems(s1, l1)?,
-            &super::values_as::<T>(s2)?[b0..b1],
-            c
-        )));
+        let out = float_dispatch!(s1.dtype(), "column_dot", |T| wrap(column_dot_cpu::<T>(elems(s1, l1)?, &elems_as(s2, l2)?, c)));
         Ok((out, Shape::from(c)))
     }
 
@@ -443,12 +454,8 @@ impl CustomOp3 for ScaleAdd {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         // `x` may be narrower (a mixed pair, checked by `scale_add`): it widens exactly.
-        let Some((x0, x1)) = l2.contiguous_offsets() else { bail!("scale_add: x is not contiguous, layout {l2:?}") };
-        let out = float_dispatch!(s1.dtype(), "scale_add", |T| wrap(scale_add_fwd::<T>(
-            elems(s1, l1)?,
-            &super::values_as::<T>(s2)?[x0..x1],
-            elems(s3, l3)?
-        )));
+        let out =
+            float_dispatch!(s1.dtype(), "scale_add", |T| wrap(scale_add_fwd::<T>(elems(s1, l1)?, &elems_as(s2, l2)?, elems(s3, l3)?)));
         Ok((out, l1.shape().clone()))
     }
 

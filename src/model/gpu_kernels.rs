@@ -154,8 +154,17 @@ impl<'a> AnyView<'a> {
             DType::F32 => Ok(Self::F32(view(s, l)?)),
             DType::BF16 => Ok(Self::Bf16(view(s, l)?)),
             DType::U32 => Ok(Self::U32(view(s, l)?)),
-            dt => bail!("{name}: the GPU kernel supports f32 and bf16, got {dt:?}"),
+            dt => bail!("{name}: the GPU kernel takes f32, bf16 and u32 (token ids) arguments, got {dt:?}"),
         }
+    }
+
+    /// Passes the view as the launch's next argument.
+    fn pass<'b>(&'b self, b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'b>) {
+        match self {
+            AnyView::F32(v) => b.arg(v),
+            AnyView::Bf16(v) => b.arg(v),
+            AnyView::U32(v) => b.arg(v),
+        };
     }
 }
 
@@ -184,11 +193,7 @@ fn launch_rows<O: CudaDType + DeviceRepr>(
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * ROWS_PER_BLOCK as u32, 1, 1), shared_mem_bytes: 0 };
         let mut b = func.builder();
         for v in args {
-            match v {
-                AnyView::F32(v) => b.arg(v),
-                AnyView::Bf16(v) => b.arg(v),
-                AnyView::U32(v) => b.arg(v),
-            };
+            v.pass(&mut b);
         }
         b.arg(&out);
         b.arg(&rows_arg);
@@ -300,13 +305,8 @@ fn column_dot_t<T: CudaDType + DeviceRepr>(
     let func = dev.get_or_load_custom_func(&format!("column_dot_partial_{partial_suffix}"), MODULE, PTX)?;
     let cfg = LaunchConfig { grid_dim: (col_blocks, grid_y, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
     let mut lb = func.builder();
-    for v in [av, bv] {
-        match v {
-            AnyView::F32(v) => lb.arg(v),
-            AnyView::Bf16(v) => lb.arg(v),
-            AnyView::U32(v) => lb.arg(v),
-        };
-    }
+    av.pass(&mut lb);
+    bv.pass(&mut lb);
     lb.arg(&partial).arg(&rows_arg).arg(&c_arg).arg(&chunk_arg);
     // SAFETY: (const A* a, const B* b, float* partial, long rows, int c, int chunk), A and B as
     // named by the suffix.

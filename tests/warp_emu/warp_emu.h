@@ -179,14 +179,8 @@ inline unsigned __ballot_sync(unsigned, bool pred) {
     return mask;
 }
 
-inline bool __all_sync(unsigned, bool pred) {
-    emu::Warp& w = *emu::warp;
-    w.word[emu::lane] = pred;
-    w.bar.arrive_and_wait();
-    bool all = true;
-    for (unsigned l = 0; l < 32; ++l) all = all && w.word[l];
-    w.bar.arrive_and_wait();
-    return all;
+inline bool __all_sync(unsigned mask, bool pred) {
+    return __ballot_sync(mask, pred) == 0xffffffffu;
 }
 
 // Device maths and vector types of the row kernels (kernels/fused.cu). The fast-maths
