@@ -370,6 +370,22 @@ mod tests {
         }
     }
 
+    /// A loss that is not finite stops training with an error naming the step and micro-batch
+    /// (what a diverged model, or on a GPU a target outside the vocabulary, produces).
+    #[test]
+    fn a_non_finite_loss_is_an_error() {
+        let cfg = TrainConfig { max_wallclock_seconds: 0.0, ..TrainConfig::default() };
+        let mut model = Gpt::new(&tiny(), 1, DType::F64, &Device::Cpu).unwrap();
+        let mut state: std::collections::HashMap<String, Tensor> = model.state_dict().into_iter().collect();
+        let emb = state["tok_emb.weight"].clone();
+        state.insert("tok_emb.weight".into(), (emb * f64::NAN).unwrap());
+        model.load_state(&state).unwrap();
+        let mut t = Trainer::new(model, &cfg, 1).unwrap();
+        let (x, y) = batch(5, 2, 5);
+        let e = t.micro_step(&x, &y).unwrap_err().to_string();
+        assert!(e.contains("the training loss is NaN at step 1 micro-batch 0"), "{e}");
+    }
+
     /// Phase synchronisation changes timing only: on the CPU both settings give the same
     /// weights bit for bit, the host times the phases, and there are no device times.
     #[test]

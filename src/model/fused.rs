@@ -1382,6 +1382,13 @@ pub(in crate::model) mod tests {
         let out_of_range = Tensor::from_vec(vec![0u32, 3], 2, &Device::Cpu).unwrap();
         let e = softcap_cross_entropy(&rand(&mut rng, &[2, 3], 1.0, DType::F32), &out_of_range, 30.0).unwrap_err();
         assert!(e.to_string().contains("target 3 of row 1"), "{e}");
+        // The backward op checks its inputs too: the targets, and one loss and gradient per row.
+        let (logits, ok) = (rand(&mut rng, &[2, 3], 1.0, DType::F32), targets(&mut rng, 2, 3));
+        let bwd = |t: &Tensor, lg: &Tensor| logits.apply_op3_no_bwd(t, lg, &SoftcapCeBwd { cap: 30.0 });
+        let e = bwd(&out_of_range, &rand(&mut rng, &[2, 2], 1.0, DType::F32)).unwrap_err();
+        assert!(e.to_string().contains("target 3 of row 1"), "{e}");
+        let e = bwd(&ok, &rand(&mut rng, &[2, 3], 1.0, DType::F32)).unwrap_err();
+        assert!(e.to_string().contains("for 2 rows"), "{e}");
         let [q, k, v] = qkv(&mut rng, (1, 3, 2, 4, 2), DType::F32);
         assert!(causal_attention(&q, &k, &v).is_err(), "3 query heads cannot share 2 KV heads");
         let [q, k, v] = qkv(&mut rng, (1, 2, 1, 4, 2), DType::F16);

@@ -185,5 +185,18 @@ int main(int argc, char** argv) {
         close_to(narrow ? "softcap_ce_bwd_bf16 vs double" : "softcap_ce_bwd_f32 vs double", grad, want_grad, narrow ? 4e-3 : 1e-5);
     }
 
+    // A target outside the classes: the row's loss is NaN (the trainer stops on it), the others
+    // are untouched.
+    {
+        std::vector<unsigned> bad(targets.begin(), targets.end());
+        bad[n - 1] = static_cast<unsigned>(d);
+        std::vector<float> loss(n), want(n);
+        rows(softcap_ce_fwd_f32, n, logits.data(), targets.data(), want.data(), n, d, cap);
+        rows(softcap_ce_fwd_f32, n, logits.data(), bad.data(), loss.data(), n, d, cap);
+        const bool ok = std::isnan(loss[n - 1]) && std::equal(loss.begin(), loss.end() - 1, want.begin());
+        printf("%-40s %s\n", "softcap_ce_fwd target out of range", ok ? "NaN loss ok" : "FAILED");
+        failed |= !ok;
+    }
+
     return failed ? 1 : 0;
 }
