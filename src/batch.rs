@@ -225,7 +225,10 @@ pub struct DeviceBatch {
     pub x: candle_core::Tensor,
     /// Targets, `(rows, seq_len)`, u32.
     pub y: candle_core::Tensor,
-    /// How long the host-to-device copy took (ns), for the executor's time breakdown.
+    /// Host-to-device copy time (ns), for the executor's time breakdown: on the CPU this batch's
+    /// copy; on a GPU the device time of the copies that completed since the uploader emitted
+    /// the previous batch (a copy's time is known only once it has run; summed over a run the
+    /// figures are the same).
     pub upload_ns: u64,
 }
 

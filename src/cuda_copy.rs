@@ -1,18 +1,38 @@
 //! Host-to-device copies for the `cuda` build: page-locked staging buffers and the copy of a
-//! micro-batch from one onto the GPU, either on a dedicated copy stream (`upload/stream`) that
-//! the executor's stream waits on through an event, or on the executor's stream itself
-//! (`upload/sync`). Both time the copy with CUDA events (device time, not host time).
+//! micro-batch from one onto the GPU, either on a dedicated copy stream (`upload/stream`) or on
+//! the executor's stream itself (`upload/sync`). Neither ever waits on the host for the GPU.
 //!
-//! `scripts/gpu-check.sh` exercises it on a GPU (its ablation compares the two uploaders).
+//! Every thread that uses a GPU enqueues onto one compute stream ([`crate::device::open`]), so
+//! stream order alone orders the uploader's tensors, the executor's kernels and the snapshots
+//! the stages after it read. The copy stream is the only other stream, and its buffers are
+//! synchronised by hand (candle's per-tensor event tracking is off):
+//!
+//! - the copy lands in one of a small ring of device buffers owned by the copier ([`RING`]);
+//! - the compute stream waits for the copy's event, copies the buffer into a fresh tensor
+//!   allocated on the compute stream (so that its memory is freed in compute order when the
+//!   executor drops it), and records the slot's `released` event;
+//! - the next copy into that slot waits (on the copy stream, not the host) for `released`.
+//!
+//! Copy times come from CUDA event pairs read once both have completed, without blocking:
+//! [`Copier::finished`] returns the ones that have; [`Copier::drain`] waits for the rest.
+//!
+//! [`check_copies`] (a row of `pipeline parity` on a GPU) checks that synchronisation on the
+//! device; `scripts/gpu-check.sh` runs it and its ablation compares the two uploaders.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
-use candle_core::cuda_backend::cudarc::driver::{CudaContext, CudaStream, PinnedHostSlice};
+use candle_core::cuda_backend::cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, Device, Storage, Tensor};
 
 use crate::batch::BatchShape;
+
+/// Device buffers a dedicated copy stream cycles through. Two let the copy of the next
+/// micro-batch run while the compute stream has not yet reached the current one; more only let
+/// copies run further ahead, which the compute stream cannot use.
+pub const RING: usize = 4;
 
 /// The candle CUDA device behind `device` (an error naming `run.device` otherwise).
 pub fn cuda_device(device: &Device) -> anyhow::Result<CudaDevice> {
@@ -39,13 +59,33 @@ pub fn pinned_buffers(device: &Device, n: usize, len: usize) -> anyhow::Result<V
     Ok(out)
 }
 
+/// One device buffer of the copy stream's ring.
+struct Slot {
+    /// Where the copy stream writes a micro-batch (allocated on first use, for its size).
+    buf: Option<CudaSlice<u32>>,
+    /// Recorded on the compute stream after its copy out of `buf`: the next write waits for it.
+    released: CudaEvent,
+}
+
+/// A copy's start and end events (timing enabled), read once both have completed.
+struct Span {
+    start: CudaEvent,
+    end: CudaEvent,
+}
+
 /// Copies micro-batches from page-locked buffers to one GPU.
 pub struct Copier {
     device: CudaDevice,
-    /// The stream the copies run on.
-    copy: Arc<CudaStream>,
-    /// The executor's stream (candle's), which must see the data.
+    /// The executor's stream, which every tensor lives on.
     compute: Arc<CudaStream>,
+    /// The dedicated copy stream and its ring of buffers (`None`: copies run on `compute`).
+    dedicated: Option<(Arc<CudaStream>, Vec<Slot>)>,
+    /// The ring slot the next copy uses.
+    next: usize,
+    /// Copies whose time has not been read yet, oldest first.
+    pending: VecDeque<Span>,
+    /// Timing events to reuse.
+    spare: Vec<Span>,
 }
 
 impl Copier {
@@ -53,30 +93,136 @@ impl Copier {
     pub fn new(device: &Device, dedicated: bool) -> anyhow::Result<Self> {
         let device = cuda_device(device)?;
         let compute = device.cuda_stream();
-        let copy = if dedicated { compute.context().new_stream()? } else { compute.clone() };
-        Ok(Self { device, copy, compute })
+        let dedicated = if dedicated {
+            let ctx = compute.context();
+            let slots = (0..RING).map(|_| Ok(Slot { buf: None, released: ctx.new_event(None)? })).collect::<anyhow::Result<Vec<_>>>()?;
+            Some((ctx.new_stream()?, slots))
+        } else {
+            None
+        };
+        Ok(Self { device, compute, dedicated, next: 0, pending: VecDeque::new(), spare: Vec::new() })
     }
 
-    /// Copies `src` (x then y, `2 * shape.tokens()` u32) to the GPU; returns `x`, `y` and the
-    /// copy's device time in ns. On a dedicated stream the executor's stream is made to wait
-    /// for the copy's event, so no later kernel reads the data early; `src` records the same
-    /// event, so its next writer waits for the copy too.
-    pub fn copy(&self, src: &PinnedHostSlice<u32>, shape: BatchShape) -> anyhow::Result<(Tensor, Tensor, u64)> {
+    fn span(&mut self) -> anyhow::Result<Span> {
+        if let Some(s) = self.spare.pop() {
+            return Ok(s);
+        }
+        let ctx = self.compute.context();
+        Ok(Span {
+            start: ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
+            end: ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
+        })
+    }
+
+    /// Queues the copy of `src` (x then y, `2 * shape.tokens()` u32) to the GPU and returns `x`
+    /// and `y`, tensors on the compute stream that no kernel queued after this call can read
+    /// before the copy is done. Returns without waiting for the copy.
+    pub fn copy(&mut self, src: &PinnedHostSlice<u32>, shape: BatchShape) -> anyhow::Result<(Tensor, Tensor)> {
         let n = 2 * shape.tokens();
         anyhow::ensure!(src.len() == n, "staging buffer of {} tokens for a micro-batch of {n}", src.len());
-        let start = self.copy.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        let span = self.span()?;
         // SAFETY: every element is written by the copy below before anything reads it.
-        let mut dst = unsafe { self.copy.alloc::<u32>(n) }?;
-        self.copy.memcpy_htod(src, &mut dst)?;
-        let end = self.copy.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        if !Arc::ptr_eq(&self.copy, &self.compute) {
-            self.compute.wait(&end)?;
+        let mut dst = unsafe { self.compute.alloc::<u32>(n) }?;
+        match &mut self.dedicated {
+            None => {
+                span.start.record(&self.compute)?;
+                self.compute.memcpy_htod(src, &mut dst)?;
+                span.end.record(&self.compute)?;
+            }
+            Some((copy, slots)) => {
+                let slot = &mut slots[self.next];
+                self.next = (self.next + 1) % RING;
+                // The compute stream's copy out of this slot's previous micro-batch must be done
+                // before it is written again (a wait on the copy stream, never on the host).
+                copy.wait(&slot.released)?;
+                if slot.buf.as_ref().is_none_or(|b| b.len() != n) {
+                    // The old buffer (if any) is freed on the copy stream, after the wait above.
+                    // SAFETY: written by the copy below before the compute stream reads it.
+                    slot.buf = Some(unsafe { copy.alloc::<u32>(n) }?);
+                }
+                let buf = slot.buf.as_mut().expect("allocated above");
+                span.start.record(copy)?;
+                copy.memcpy_htod(src, buf)?;
+                span.end.record(copy)?;
+                self.compute.wait(&span.end)?;
+                self.compute.memcpy_dtod(buf, &mut dst)?;
+                slot.released.record(&self.compute)?;
+            }
         }
+        self.pending.push_back(span);
         let storage = CudaStorage::wrap_cuda_slice(dst, self.device.clone());
         let both = Tensor::from_storage(Storage::Cuda(storage), (2, shape.rows, shape.seq_len), BackpropOp::none(), false);
-        let (x, y) = (both.get(0)?, both.get(1)?);
-        // Waits for the copy on this (the uploader's) thread only, never on the executor's.
-        let ms = start.elapsed_ms(&end)?;
-        Ok((x, y, (ms as f64 * 1e6) as u64))
+        Ok((both.get(0)?, both.get(1)?))
+    }
+
+    /// The device times (ns) of the copies that have completed since the last call, oldest
+    /// first; never waits. On the executor's stream (`upload/sync`) a kernel the executor
+    /// queued between a copy's two events counts in its time; on a copy stream only copies do.
+    pub fn finished(&mut self) -> anyhow::Result<Vec<u64>> {
+        let mut out = Vec::new();
+        while let Some(s) = self.pending.front() {
+            if !s.end.try_is_complete()? {
+                break;
+            }
+            let s = self.pending.pop_front().expect("checked above");
+            // Both events have completed: this reads their times without waiting.
+            out.push((s.start.elapsed_ms(&s.end)? as f64 * 1e6) as u64);
+            self.spare.push(s);
+        }
+        Ok(out)
+    }
+
+    /// The device times (ns) of every copy not yet returned, waiting for them to complete.
+    pub fn drain(&mut self) -> anyhow::Result<Vec<u64>> {
+        if let Some(s) = self.pending.back() {
+            s.end.synchronize()?;
+        }
+        self.finished()
+    }
+}
+
+/// Copies `batches` micro-batches of distinct token patterns through a copier (its own stream
+/// when `dedicated`) while the compute stream is kept busy with products queued before each
+/// copy, then reads every `x` and `y` back: how many tokens differ from what was written, of
+/// how many. Zero when the copies, the ring's reuse and the pinned buffers' reuse are all
+/// ordered; a slot overwritten before the compute stream copied out of it, or a tensor read
+/// before its copy, shows as differing tokens.
+pub fn check_copies(device: &Device, dedicated: bool, batches: usize) -> anyhow::Result<(usize, usize)> {
+    let shape = BatchShape { seq_len: 1024, rows: 16, micro_steps: 1, world_size: 1, rank: 0 };
+    let n = 2 * shape.tokens();
+    let pattern = |batch: usize, j: usize| (batch as u32).wrapping_mul(2_654_435_761) ^ (j as u32).wrapping_mul(40_503);
+    let mut pinned = pinned_buffers(device, 2, n)?;
+    let mut copier = Copier::new(device, dedicated)?;
+    // ~3 ms of f32 products on an H100 before each copy: the compute stream stays behind the
+    // copies, which is when a missing wait would show.
+    let busy = Tensor::ones((4096, 4096), candle_core::DType::F32, device)?;
+    let mut got = Vec::with_capacity(batches);
+    for i in 0..batches {
+        drop(busy.matmul(&busy)?);
+        let buf = &mut pinned[i % 2];
+        for (j, v) in buf.as_mut_slice()?.iter_mut().enumerate() {
+            *v = pattern(i, j);
+        }
+        got.push(copier.copy(buf, shape)?);
+    }
+    let mut wrong = 0usize;
+    for (i, (x, y)) in got.iter().enumerate() {
+        let both = [x.flatten_all()?.to_vec1::<u32>()?, y.flatten_all()?.to_vec1::<u32>()?].concat();
+        wrong += both.iter().enumerate().filter(|&(j, &v)| v != pattern(i, j)).count();
+    }
+    let times = copier.drain()?;
+    anyhow::ensure!(times.len() == batches, "{} copy times for {batches} copies", times.len());
+    Ok((wrong, batches * n))
+}
+
+impl Drop for Copier {
+    fn drop(&mut self) {
+        if let Some((copy, slots)) = &self.dedicated {
+            for slot in slots {
+                // Each buffer is freed on the copy stream: after the compute stream's last read
+                // of it. An error here is kept by the context (nothing to return it to).
+                copy.context().record_err(copy.wait(&slot.released));
+            }
+        }
     }
 }

@@ -83,7 +83,16 @@ fn open_cuda(n: usize) -> anyhow::Result<Device> {
     if let Some((_, d)) = open.iter().find(|(i, _)| *i == n) {
         return Ok(d.clone());
     }
-    let d = Device::new_cuda(n).map_err(|e| anyhow::anyhow!("`run.device` = \"cuda:{n}\": cannot open the GPU: {e}"))?;
+    // One stream for every thread (`new_cuda` would give each thread its own per-thread default
+    // stream, and nothing would order the executor's kernels before the uploader's tensors are
+    // read, or the snapshots' copies before the averaging and checkpoint stages read them).
+    let d = Device::new_cuda_with_stream(n).map_err(|e| anyhow::anyhow!("`run.device` = \"cuda:{n}\": cannot open the GPU: {e}"))?;
+    // SAFETY: no tensor exists on this device yet. Every tensor lives on the one compute stream,
+    // where stream order synchronises all uses; the only other stream, the uploader's copy
+    // stream, synchronises its own buffers with events (`cuda_copy`). Event tracking would
+    // instead record events around every kernel launch, and make the copy stream wait for the
+    // compute stream whenever a batch is freed.
+    unsafe { d.as_cuda_device()?.disable_event_tracking() };
     open.push((n, d.clone()));
     Ok(d)
 }

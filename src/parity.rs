@@ -115,6 +115,13 @@ pub fn run(device: &Device, device_name: &str, dtype: DType, seed: u64) -> anyho
     }
     if !device.is_cpu() {
         compared.extend(kernel_checks(device, dtype, seed)?);
+        #[cfg(feature = "cuda")]
+        for (name, dedicated) in [("upload stream", true), ("upload sync", false)] {
+            // 3 x the copy stream's ring: every slot is reused twice.
+            // The count itself is the error: one differing token is over every tolerance.
+            let (differing, of) = crate::cuda_copy::check_copies(device, dedicated, 3 * crate::cuda_copy::RING)?;
+            compared.push(Compared { name: format!("{name}: tokens differing of {of}"), rel_err: differing as f64 });
+        }
     }
     let max_rel_err = compared.iter().map(|c| c.rel_err).fold(0.0, f64::max);
     let tol = tolerance(dtype);

@@ -2,12 +2,17 @@
 //!
 //! - `cpu`: candle CPU tensors, made with one copy out of the staging buffer (which then goes
 //!   back to the pin stage's pool).
-//! - `sync`: tensors on `run.device`: on a GPU, a copy on the device's (the executor's) stream
-//!   (from page-locked buffers after `pin/pinned`, timed with CUDA events); on the CPU the same
-//!   as `cpu`.
+//! - `sync`: tensors on `run.device`: on a GPU, a copy queued on the device's (the executor's)
+//!   stream, in line with its kernels (from page-locked buffers after `pin/pinned`, timed with
+//!   CUDA events); on the CPU the same as `cpu`.
 //! - `stream` (`cuda` build, after `pin/pinned`): the copy runs on the stage's own CUDA stream;
-//!   an event recorded after it is what the executor's stream waits on, so the copy of the next
-//!   micro-batch overlaps the current step. `upload_ns` is the copy's device time (CUDA events).
+//!   the executor's stream waits for the copy's event, so the copy of the next micro-batch
+//!   overlaps the current step.
+//!
+//! On a GPU neither waits for the device: a copy is queued and its batch emitted at once (see
+//! [`crate::cuda_copy`]). Copy times (CUDA events, histogram `copy_event`) are read once the copy
+//! has completed, so a batch's `upload_ns` is the device time of the copies that completed since
+//! the previous batch was emitted (usually its predecessors'); the rest are read at the end.
 
 use candle_core::{Device, Tensor};
 use schemars::JsonSchema;
@@ -53,17 +58,23 @@ fn copy_to(batch: PinnedBatch, device: &Device) -> anyhow::Result<DeviceBatch> {
     Ok(DeviceBatch { meta: batch.meta.clone(), x, y, upload_ns: t0.elapsed().as_nanos() as u64 })
 }
 
-/// `x`, `y` of `batch` copied from its page-locked buffer by `copier` (the copy's device time,
-/// from CUDA events, is `upload_ns` and the `copy_event` histogram). The buffer may go back to
-/// its pool at once: its next writer waits for this copy's event.
+/// `x`, `y` of `batch` copied from its page-locked buffer by `copier`; `upload_ns` is the device
+/// time of the copies that completed meanwhile (each also in the `copy_event` histogram). The
+/// buffer may go back to its pool at once: its next writer waits for this copy's event.
 #[cfg(feature = "cuda")]
-fn copy_pinned(copier: &crate::cuda_copy::Copier, batch: PinnedBatch, ctx: &mut Ctx) -> anyhow::Result<DeviceBatch> {
+fn copy_pinned(copier: &mut crate::cuda_copy::Copier, batch: PinnedBatch, ctx: &mut Ctx) -> anyhow::Result<DeviceBatch> {
     let crate::staging::Staging::Pinned(src) = &**batch.buf else {
         anyhow::bail!("a CUDA copy stream copies from page-locked buffers: use `pin/pinned` before it");
     };
-    let (x, y, upload_ns) = copier.copy(src, batch.meta.shape)?;
-    ctx.record("copy_event", upload_ns);
+    let (x, y) = copier.copy(src, batch.meta.shape)?;
+    let upload_ns = record_copies(copier.finished()?, ctx);
     Ok(DeviceBatch { meta: batch.meta.clone(), x, y, upload_ns })
+}
+
+/// Records each copy time (ns) in the `copy_event` histogram; returns their sum.
+#[cfg(feature = "cuda")]
+fn record_copies(times: Vec<u64>, ctx: &mut Ctx) -> u64 {
+    times.into_iter().inspect(|&ns| ctx.record("copy_event", ns)).sum()
 }
 
 /// Parameters of `upload/sync` (none).
@@ -104,13 +115,21 @@ impl Transform for OnDevice {
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     fn process(&mut self, batch: PinnedBatch, out: &mut Emitter<'_, DeviceBatch>, ctx: &mut Ctx) -> anyhow::Result<()> {
         #[cfg(feature = "cuda")]
-        if let Some(c) = &self.copier
+        if let Some(c) = &mut self.copier
             && batch.buf.is_pinned()
         {
             out.emit(copy_pinned(c, batch, ctx)?)?;
             return Ok(());
         }
         out.emit(copy_to(batch, &self.device)?)?;
+        Ok(())
+    }
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn flush(&mut self, _out: &mut Emitter<'_, DeviceBatch>, ctx: &mut Ctx) -> anyhow::Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &mut self.copier {
+            record_copies(c.drain()?, ctx);
+        }
         Ok(())
     }
 }
@@ -154,7 +173,13 @@ impl Transform for CopyStream {
 
     #[cfg(feature = "cuda")]
     fn process(&mut self, batch: PinnedBatch, out: &mut Emitter<'_, DeviceBatch>, ctx: &mut Ctx) -> anyhow::Result<()> {
-        out.emit(copy_pinned(&self.copier, batch, ctx)?)?;
+        out.emit(copy_pinned(&mut self.copier, batch, ctx)?)?;
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn flush(&mut self, _out: &mut Emitter<'_, DeviceBatch>, ctx: &mut Ctx) -> anyhow::Result<()> {
+        record_copies(self.copier.drain()?, ctx);
         Ok(())
     }
 
