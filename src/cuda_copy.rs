@@ -11,7 +11,9 @@
 //! - the compute stream waits for the copy's event, copies the buffer into a fresh tensor
 //!   allocated on the compute stream (so that its memory is freed in compute order when the
 //!   executor drops it), and records the slot's `released` event;
-//! - the next copy into that slot waits (on the copy stream, not the host) for `released`.
+//! - the next copy into that slot waits (on the copy stream, not the host) for `released`;
+//! - the page-locked source buffer records its own `copied` event ([`PinnedBuffer`]), which the
+//!   pin stage waits for before writing the next micro-batch into it.
 //!
 //! Copy times come from CUDA event pairs read once both have completed, without blocking:
 //! [`Copier::finished`] returns the ones that have; [`Copier::drain`] waits for the rest.
@@ -47,14 +49,58 @@ pub fn context(device: &Device) -> anyhow::Result<Arc<CudaContext>> {
     Ok(cuda_device(device)?.cuda_stream().context().clone())
 }
 
+/// A page-locked host buffer and the event of its last copy to the GPU.
+///
+/// cudarc's own pinned buffers record their copies' events only while its event tracking is
+/// on, and it is off here (see [`crate::device::open`]): this type records the event itself
+/// ([`Copier::copy`]), and waits for it before the host reads, writes or frees the memory.
+pub struct PinnedBuffer {
+    host: PinnedHostSlice<u32>,
+    /// Recorded after each copy out of `host` (blocking sync: a host wait sleeps).
+    copied: CudaEvent,
+}
+
+impl PinnedBuffer {
+    /// Capacity in u32.
+    pub fn len(&self) -> usize {
+        self.host.len()
+    }
+
+    /// True for a zero-length buffer.
+    pub fn is_empty(&self) -> bool {
+        self.host.is_empty()
+    }
+
+    /// The values, after the last copy out of the buffer completed.
+    pub fn as_slice(&self) -> anyhow::Result<&[u32]> {
+        self.copied.synchronize()?;
+        Ok(self.host.as_slice()?)
+    }
+
+    /// The values to write, after the last copy out of the buffer completed.
+    pub fn as_mut_slice(&mut self) -> anyhow::Result<&mut [u32]> {
+        self.copied.synchronize()?;
+        Ok(self.host.as_mut_slice()?)
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        // The memory is freed after this (field drop): not while a copy still reads it.
+        let ctx = self.copied.context().clone();
+        ctx.record_err(self.copied.synchronize());
+    }
+}
+
 /// `n` page-locked buffers of `len` u32 each, allocated once.
-pub fn pinned_buffers(device: &Device, n: usize, len: usize) -> anyhow::Result<Vec<PinnedHostSlice<u32>>> {
+pub fn pinned_buffers(device: &Device, n: usize, len: usize) -> anyhow::Result<Vec<PinnedBuffer>> {
     let ctx = context(device)?;
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         // SAFETY: the memory is uninitialised until the pin stage writes a micro-batch into it,
         // and nothing reads a buffer before that (its tokens come from the batch it holds).
-        out.push(unsafe { ctx.alloc_pinned::<u32>(len) }?);
+        let host = unsafe { ctx.alloc_pinned::<u32>(len) }?;
+        out.push(PinnedBuffer { host, copied: ctx.new_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))? });
     }
     Ok(out)
 }
@@ -117,7 +163,7 @@ impl Copier {
     /// Queues the copy of `src` (x then y, `2 * shape.tokens()` u32) to the GPU and returns `x`
     /// and `y`, tensors on the compute stream that no kernel queued after this call can read
     /// before the copy is done. Returns without waiting for the copy.
-    pub fn copy(&mut self, src: &PinnedHostSlice<u32>, shape: BatchShape) -> anyhow::Result<(Tensor, Tensor)> {
+    pub fn copy(&mut self, src: &PinnedBuffer, shape: BatchShape) -> anyhow::Result<(Tensor, Tensor)> {
         let n = 2 * shape.tokens();
         anyhow::ensure!(src.len() == n, "staging buffer of {} tokens for a micro-batch of {n}", src.len());
         let span = self.span()?;
@@ -126,8 +172,9 @@ impl Copier {
         match &mut self.dedicated {
             None => {
                 span.start.record(&self.compute)?;
-                self.compute.memcpy_htod(src, &mut dst)?;
+                self.compute.memcpy_htod(&src.host, &mut dst)?;
                 span.end.record(&self.compute)?;
+                src.copied.record(&self.compute)?;
             }
             Some((copy, slots)) => {
                 let slot = &mut slots[self.next];
@@ -142,8 +189,9 @@ impl Copier {
                 }
                 let buf = slot.buf.as_mut().expect("allocated above");
                 span.start.record(copy)?;
-                copy.memcpy_htod(src, buf)?;
+                copy.memcpy_htod(&src.host, buf)?;
                 span.end.record(copy)?;
+                src.copied.record(copy)?;
                 self.compute.wait(&span.end)?;
                 self.compute.memcpy_dtod(buf, &mut dst)?;
                 slot.released.record(&self.compute)?;

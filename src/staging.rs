@@ -12,7 +12,7 @@ pub enum Staging {
     Host(Vec<u32>),
     /// Page-locked host memory (write-combined: fast to write, slow to read on the host).
     #[cfg(feature = "cuda")]
-    Pinned(candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<u32>),
+    Pinned(crate::cuda_copy::PinnedBuffer),
 }
 
 impl Staging {
