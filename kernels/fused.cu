@@ -228,6 +228,121 @@ __device__ void norm_rope_bwd(const T* x, const T* g, const T* table, T* dx, lon
     }
 }
 
+// The same two kernels on 16-byte chunks: a row of d values is L = d / E chunks of E = 16 /
+// sizeof(T) values (4 floats, 8 bf16), one chunk per lane, so a warp holds 32 / L rows and each
+// lane makes one 16-byte load per tensor instead of E / 2 narrow ones per half (the warp-per-row
+// kernels above keep one 64-value bf16 head row of 128 bytes in flight per warp, a third of the
+// memory bandwidth). The rotation partner of chunk c < L/2 is chunk c + L/2, lane ^ (L/2): its
+// values come by shuffle. For d % (2E) == 0, L a power of two up to 32 and 16-byte aligned rows
+// (the launch checks, and takes the kernels above otherwise). Lanes past the last row load
+// zeros and store nothing, but take part in every shuffle.
+__device__ __forceinline__ void unpack(const uint4& u, float (&v)[4]) {
+    v[0] = __uint_as_float(u.x), v[1] = __uint_as_float(u.y), v[2] = __uint_as_float(u.z), v[3] = __uint_as_float(u.w);
+}
+__device__ __forceinline__ void unpack(const uint4& u, float (&v)[8]) {
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+    for (int k = 0; k < 4; ++k) {
+        // bf16 is the high half of a float: element 2k is the word's low 16 bits (little endian).
+        v[2 * k] = __uint_as_float(w[k] << 16);
+        v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ uint4 pack(const float (&v)[4]) {
+    return uint4{__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3])};
+}
+__device__ __forceinline__ uint4 pack(const float (&v)[8]) {
+    unsigned w[4];
+    for (int k = 0; k < 4; ++k) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+        memcpy(&w[k], &h, 4);
+    }
+    return uint4{w[0], w[1], w[2], w[3]};
+}
+__device__ __forceinline__ uint4 shfl_xor(const uint4& u, int o) {
+    return uint4{__shfl_xor_sync(0xffffffffu, u.x, o), __shfl_xor_sync(0xffffffffu, u.y, o),
+                 __shfl_xor_sync(0xffffffffu, u.z, o), __shfl_xor_sync(0xffffffffu, u.w, o)};
+}
+// The sum of v over the L lanes of this lane's row (an aligned group of L lanes).
+__device__ __forceinline__ float group_sum(float s, int L) {
+    for (int o = L / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return s;
+}
+
+// This lane's row and chunk, whether the row exists, and its chunks of x and of the row's cos
+// and sin (zeros past the last row).
+template <typename T>
+struct RopeChunk {
+    static constexpr int E = 16 / sizeof(T);
+    int L, c;
+    long r;
+    bool live;
+    uint4 xu;
+    float x[E], cs[E], sn[E];
+
+    __device__ RopeChunk(const T* xs, const T* table, long rows, int d, int heads, int seq) {
+        L = d / E;
+        c = (threadIdx.x & 31) % L;
+        r = ((long)blockIdx.x * blockDim.x + threadIdx.x) / L;
+        live = r < rows;
+        xu = uint4{0u, 0u, 0u, 0u};
+        uint4 cu = xu, su = xu;
+        if (live) {
+            const T* tr = table + (long)((r / heads) % seq) * d;
+            const int tc = (c % (L / 2)) * E;  // the chunk's column in the cos half
+            xu = *reinterpret_cast<const uint4*>(xs + r * d + c * E);
+            cu = *reinterpret_cast<const uint4*>(tr + tc);
+            su = *reinterpret_cast<const uint4*>(tr + d / 2 + tc);
+        }
+        unpack(xu, x);
+        unpack(cu, cs);
+        unpack(su, sn);
+    }
+};
+
+template <typename T>
+__device__ void norm_rope_vec_fwd(const T* x, const T* table, T* out, long rows, int d, float eps, int heads, int seq) {
+    RopeChunk<T> k(x, table, rows, d, heads, seq);
+    constexpr int E = RopeChunk<T>::E;
+    float ss = 0.f;
+    for (int e = 0; e < E; ++e) ss += k.x[e] * k.x[e];
+    const float inv = rsqrtf(group_sum(ss, k.L) / d + eps);
+    float p[E], o[E];
+    unpack(shfl_xor(k.xu, k.L / 2), p);
+    // First half: y1 c + y2 s (this lane y1, the partner y2); second half: y2 c - y1 s.
+    const bool first = k.c < k.L / 2;
+    for (int e = 0; e < E; ++e) {
+        const float y = k.x[e] * inv, q = p[e] * inv;
+        o[e] = first ? y * k.cs[e] + q * k.sn[e] : y * k.cs[e] - q * k.sn[e];
+    }
+    if (k.live) *reinterpret_cast<uint4*>(out + k.r * d + k.c * E) = pack(o);
+}
+
+template <typename T>
+__device__ void norm_rope_vec_bwd(const T* x, const T* g, const T* table, T* dx, long rows, int d, float eps, int heads,
+                                  int seq) {
+    RopeChunk<T> k(x, table, rows, d, heads, seq);
+    constexpr int E = RopeChunk<T>::E;
+    const uint4 gu = k.live ? *reinterpret_cast<const uint4*>(g + k.r * d + k.c * E) : uint4{0u, 0u, 0u, 0u};
+    float gv[E], p[E], dy[E];
+    unpack(gu, gv);
+    unpack(shfl_xor(gu, k.L / 2), p);
+    // First half: dy1 = g1 c - g2 s (this lane g1); second half: dy2 = g1 s + g2 c (this lane g2).
+    const bool first = k.c < k.L / 2;
+    float ss = 0.f, xdy = 0.f;
+    for (int e = 0; e < E; ++e) {
+        dy[e] = first ? gv[e] * k.cs[e] - p[e] * k.sn[e] : p[e] * k.sn[e] + gv[e] * k.cs[e];
+        ss += k.x[e] * k.x[e];
+        xdy += k.x[e] * dy[e];
+    }
+    ss = group_sum(ss, k.L);
+    xdy = group_sum(xdy, k.L);
+    const float inv = rsqrtf(ss / d + eps);
+    const float kk = xdy / d * inv * inv * inv;
+    float o[E];
+    for (int e = 0; e < E; ++e) o[e] = dy[e] * inv - k.x[e] * kk;
+    if (k.live) *reinterpret_cast<uint4*>(dx + k.r * d + k.c * E) = pack(o);
+}
+
 // Per-channel scales on rows of d channels (s, mix: the extra inputs, of d and 2 d values):
 // x * s (stored as TO), base + x * s (x stored as TX), and the residual mix
 // h * mix[0] + x0 * mix[1].
@@ -348,6 +463,17 @@ extern "C" __global__ void column_dot_partial_f32_bf16(const float* a, const bf1
         norm_rope_bwd<T>(x, g, table, dx, rows, d, eps, heads, seq);                                       \
     }
 FOR_TYPES(NORM_ROPE)
+
+#define NORM_ROPE_VEC(name, T)                                                                             \
+    extern "C" __global__ void norm_rope_vec_fwd_##name(const T* x, const T* table, T* out, long rows,     \
+                                                        int d, float eps, int heads, int seq) {            \
+        norm_rope_vec_fwd<T>(x, table, out, rows, d, eps, heads, seq);                                     \
+    }                                                                                                      \
+    extern "C" __global__ void norm_rope_vec_bwd_##name(const T* x, const T* g, const T* table, T* dx,     \
+                                                        long rows, int d, float eps, int heads, int seq) { \
+        norm_rope_vec_bwd<T>(x, g, table, dx, rows, d, eps, heads, seq);                                   \
+    }
+FOR_TYPES(NORM_ROPE_VEC)
 
 #define SCALES(name, T)                                                                                    \
     extern "C" __global__ void scale_cols_##name(const T* x, const T* s, T* y, long rows, int d, float p) { \

@@ -93,7 +93,8 @@ pub struct OnDevice {
 impl Transform for OnDevice {
     const KIND: &'static str = "upload";
     const IMPL: &'static str = "sync";
-    const DOC: &'static str = "Copies x, y onto `run.device`, queued on the executor's stream in line with its kernels (on the CPU the same as `cpu`).";
+    const DOC: &'static str =
+        "Copies x, y onto `run.device`, queued on the executor's stream in line with its kernels (on the CPU the same as `cpu`).";
     type Params = SyncParams;
     type In = PinnedBatch;
     type Out = DeviceBatch;

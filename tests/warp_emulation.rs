@@ -100,7 +100,7 @@ fn mixed_precision_row_kernels_equal_a_cast_and_the_f32_kernel() {
     for shape in [["37", "70", "3"], ["130", "512", "4"]] {
         let (out, text) = run(&exe, &shape);
         assert!(out.status.success(), "shape {shape:?}:\n{text}");
-        assert_eq!(text.lines().filter(|l| l.ends_with(" ok")).count(), 13, "{text}");
+        assert_eq!(text.lines().filter(|l| l.ends_with(" ok")).count(), 13 + 16, "{text}");
     }
 }
 
@@ -116,4 +116,17 @@ fn a_broken_row_reduction_fails_the_comparison() {
     let (out, text) = run(&build_check("fused_check", "fused_sum", Some(("FUSED_SOURCE", &k))), &["37", "70", "3"]);
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(text.lines().any(|l| l.starts_with("rms_norm_fwd_f32 vs double") && l.ends_with("FAILED")), "{text}");
+}
+
+/// The 16-byte-chunk norm_rope kernels reduce each row over its group of lanes: a reduction that
+/// stops one step short (each lane sums half its row) is caught in every head size, forward and
+/// backward, while the warp-per-row kernels still pass.
+#[test]
+fn a_short_group_reduction_fails_the_norm_rope_comparison() {
+    let k = mutant_of("fused.cu", "rope_group", "for (int o = L / 2; o > 0; o >>= 1)", "for (int o = L / 4; o > 0; o >>= 1)");
+    let (out, text) = run(&build_check("fused_check", "rope_group", Some(("FUSED_SOURCE", &k))), &["37", "70", "3"]);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    let failed = |prefix: &str| text.lines().filter(|l| l.starts_with(prefix) && l.ends_with("FAILED")).count();
+    assert_eq!(failed("norm_rope_vec_"), 8, "{text}");
+    assert_eq!(failed("norm_rope_fwd_") + failed("norm_rope_bwd_"), 0, "{text}");
 }

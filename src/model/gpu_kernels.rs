@@ -15,8 +15,8 @@ use candle_core::{DType, Layout, Result, bail};
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
 /// The name the module is cached under in candle's device.
 const MODULE: &str = "pipeline-fused";
-/// Rows (warps) per block.
-const ROWS_PER_BLOCK: usize = 8;
+/// Threads per block of the row kernels (8 warps: 8 rows of the warp-per-row kernels).
+const BLOCK: usize = 256;
 
 /// Runs kernel `{name}_{f32|bf16}(inputs..., out, rows, len, param)` over the rows of `len`
 /// elements of `inputs` (all of the first input's shape) and returns the output's storage.
@@ -54,6 +54,52 @@ pub fn rows_op_mixed(
     param: f32,
     ints: &[i32],
 ) -> Result<CudaStorage> {
+    rows_op_lanes(name, inputs, extras, out, len, param, ints, 32)
+}
+
+/// The 16-byte-chunk form of a row kernel, when `len` values of `dtype` fit it: each row is
+/// `len / E` chunks of `E = 16 / size` values, a power of two up to 32 and even (a half row is
+/// whole chunks). Returns the threads per row, `None` when the warp-per-row kernel must run.
+pub fn chunk_lanes(dtype: DType, len: usize) -> Option<usize> {
+    let e = 16 / dtype.size_in_bytes();
+    let lanes = len / e;
+    (len.is_multiple_of(2 * e) && lanes.is_power_of_two() && (2..=32).contains(&lanes)).then_some(lanes)
+}
+
+/// Whether the first element of every input and extra is 16-byte aligned on the device (a
+/// view into a tensor may start anywhere).
+pub fn aligned16(inputs: &[(&CudaStorage, &Layout)]) -> Result<bool> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    for (s, l) in inputs {
+        let stream = s.device().cuda_stream();
+        let ptr = match AnyView::new("aligned16", s, l)? {
+            AnyView::F32(v) => v.device_ptr(&stream).0,
+            AnyView::Bf16(v) => v.device_ptr(&stream).0,
+            AnyView::U32(v) => v.device_ptr(&stream).0,
+        };
+        if ptr % 16 != 0 {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// [`rows_op_mixed`] with `lanes` threads per row (a power of two up to 32; 32: a warp per
+/// row) and blocks of 256 threads.
+#[allow(clippy::too_many_arguments)]
+pub fn rows_op_lanes(
+    name: &str,
+    inputs: &[(&CudaStorage, &Layout)],
+    extras: &[(&CudaStorage, &Layout)],
+    out: DType,
+    len: usize,
+    param: f32,
+    ints: &[i32],
+    lanes: usize,
+) -> Result<CudaStorage> {
+    if !lanes.is_power_of_two() || lanes > 32 {
+        bail!("{name}: {lanes} threads per row");
+    }
     let Some(&(_, layout)) = inputs.first() else { bail!("{name}: no inputs") };
     if let Some((_, l)) = inputs.iter().chain(extras).find(|(_, l)| !l.is_contiguous()) {
         bail!("{name}: every input must be contiguous, got {l:?}");
@@ -68,9 +114,10 @@ pub fn rows_op_mixed(
     if len == 0 || !n.is_multiple_of(len) {
         bail!("{name}: {n} elements do not split into rows of {len}");
     }
+    let rows = Rows { n, rows: n / len, len, lanes };
     match out {
-        DType::F32 => launch_rows::<f32>(&kernel, inputs[0].0, &args, n, n / len, len, param, ints),
-        DType::BF16 => launch_rows::<half::bf16>(&kernel, inputs[0].0, &args, n, n / len, len, param, ints),
+        DType::F32 => launch_rows::<f32>(&kernel, inputs[0].0, &args, rows, param, ints),
+        DType::BF16 => launch_rows::<half::bf16>(&kernel, inputs[0].0, &args, rows, param, ints),
         dt => bail!("{name}: the GPU kernel writes f32 or bf16, not {dt:?}"),
     }
 }
@@ -82,7 +129,7 @@ pub fn softcap_ce_fwd(logits: (&CudaStorage, &Layout), targets: (&CudaStorage, &
     softcap_ce_check(logits, targets, rows)?;
     let kernel = format!("softcap_ce_fwd_{}", type_suffix("softcap_ce", &[logits.0.dtype()])?);
     let args = [AnyView::new("softcap_ce", logits.0, logits.1)?, AnyView::new("softcap_ce", targets.0, targets.1)?];
-    launch_rows::<f32>(&kernel, logits.0, &args, rows, rows, v, cap, &[])
+    launch_rows::<f32>(&kernel, logits.0, &args, Rows::warp(rows, rows, v), cap, &[])
 }
 
 /// `softcap_ce_bwd_{f32|bf16}(logits, targets, lg, dlogits, rows, v, cap)`: the gradient of the
@@ -105,8 +152,8 @@ pub fn softcap_ce_bwd(
         AnyView::new("softcap_ce", lg.0, lg.1)?,
     ];
     match logits.0.dtype() {
-        DType::F32 => launch_rows::<f32>(&kernel, logits.0, &args, rows * v, rows, v, cap, &[]),
-        _ => launch_rows::<half::bf16>(&kernel, logits.0, &args, rows * v, rows, v, cap, &[]),
+        DType::F32 => launch_rows::<f32>(&kernel, logits.0, &args, Rows::warp(rows * v, rows, v), cap, &[]),
+        _ => launch_rows::<half::bf16>(&kernel, logits.0, &args, Rows::warp(rows * v, rows, v), cap, &[]),
     }
 }
 
@@ -168,16 +215,33 @@ impl<'a> AnyView<'a> {
     }
 }
 
-/// Launches `kernel(args..., out, rows, len, param, ints...)` with one warp per row (of `len`
-/// input elements), eight rows per block, writing the `n` output elements (of type `O`).
-#[allow(clippy::too_many_arguments)]
+/// The geometry of a row kernel's launch.
+#[derive(Clone, Copy)]
+struct Rows {
+    /// Output elements.
+    n: usize,
+    /// Rows.
+    rows: usize,
+    /// Input elements per row.
+    len: usize,
+    /// Threads per row (32: a warp).
+    lanes: usize,
+}
+
+impl Rows {
+    fn warp(n: usize, rows: usize, len: usize) -> Self {
+        Self { n, rows, len, lanes: 32 }
+    }
+}
+
+/// Launches `kernel(args..., out, rows, len, param, ints...)` with `lanes` threads per row (of
+/// `len` input elements) in blocks of 256 threads, writing the `n` output elements (of type
+/// `O`).
 fn launch_rows<O: CudaDType + DeviceRepr>(
     kernel: &str,
     on: &CudaStorage,
     args: &[AnyView<'_>],
-    n: usize,
-    rows: usize,
-    len: usize,
+    Rows { n, rows, len, lanes }: Rows,
     param: f32,
     ints: &[i32],
 ) -> Result<CudaStorage> {
@@ -189,8 +253,9 @@ fn launch_rows<O: CudaDType + DeviceRepr>(
         let func = dev.get_or_load_custom_func(kernel, MODULE, PTX)?;
         let (rows_arg, len_arg) =
             (rows as i64, i32::try_from(len).map_err(|_| candle_core::Error::Msg(format!("{kernel}: row of {len}")))?);
-        let blocks = u32::try_from(rows.div_ceil(ROWS_PER_BLOCK)).map_err(|_| candle_core::Error::Msg(format!("{kernel}: {rows} rows")))?;
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * ROWS_PER_BLOCK as u32, 1, 1), shared_mem_bytes: 0 };
+        let per_block = BLOCK / lanes;
+        let blocks = u32::try_from(rows.div_ceil(per_block)).map_err(|_| candle_core::Error::Msg(format!("{kernel}: {rows} rows")))?;
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK as u32, 1, 1), shared_mem_bytes: 0 };
         let mut b = func.builder();
         for v in args {
             v.pass(&mut b);

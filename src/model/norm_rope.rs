@@ -86,7 +86,9 @@ fn bwd_rows(x: &[f64], g: &[f64], table: &[f64], d: usize, heads: usize, seq: us
 }
 
 /// Runs `kernel` (`norm_rope_fwd` or `_bwd`) over the head rows of `inputs` (x first, then the
-/// gradient) with the table `(ts, tl)`; the output has x's shape.
+/// gradient) with the table `(ts, tl)`; the output has x's shape. Head rows that split into
+/// 16-byte chunks (64 values in bf16 or f32, as the baseline's) take the chunked kernels
+/// (`norm_rope_vec_*`: several rows per warp, one 16-byte load per lane and tensor).
 #[cfg(feature = "cuda")]
 fn launch(
     kernel: &str,
@@ -94,10 +96,22 @@ fn launch(
     inputs: &[(&candle_core::CudaStorage, &Layout)],
     (ts, tl): (&candle_core::CudaStorage, &Layout),
 ) -> Result<(candle_core::CudaStorage, Shape)> {
+    use super::gpu_kernels as k;
     let (xs, xl) = inputs[0];
     let (d, seq) = geometry(xl, tl)?;
     let eps = ops::rms_eps(xs.dtype()) as f32;
-    let out = super::gpu_kernels::rows_op_with(kernel, inputs, &[(ts, tl)], d, eps, &[heads as i32, seq as i32])?;
+    let ints = [heads as i32, seq as i32];
+    if inputs.iter().any(|(s, _)| s.dtype() != xs.dtype()) || ts.dtype() != xs.dtype() {
+        bail!("norm_rope: x, its gradient and the table must share one dtype");
+    }
+    let all: Vec<_> = inputs.iter().copied().chain([(ts, tl)]).collect();
+    let out = match k::chunk_lanes(xs.dtype(), d) {
+        Some(lanes) if k::aligned16(&all)? => {
+            let vec = kernel.replacen("norm_rope_", "norm_rope_vec_", 1);
+            k::rows_op_lanes(&vec, inputs, &[(ts, tl)], xs.dtype(), d, eps, &ints, lanes)?
+        }
+        _ => k::rows_op_with(kernel, inputs, &[(ts, tl)], d, eps, &ints)?,
+    };
     Ok((out, xl.shape().clone()))
 }
 

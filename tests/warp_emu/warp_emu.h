@@ -191,6 +191,16 @@ inline float rsqrtf(float x) {
 inline float __expf(float x) {
     return expf(x);
 }
+inline float __uint_as_float(unsigned u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    memcpy(&u, &f, 4);
+    return u;
+}
 inline int __ffs(unsigned x) {
     return __builtin_ffs(static_cast<int>(x));
 }
