@@ -56,8 +56,9 @@ pub fn context(device: &Device) -> anyhow::Result<Arc<CudaContext>> {
 /// ([`Copier::copy`]), and waits for it before the host reads, writes or frees the memory.
 pub struct PinnedBuffer {
     host: PinnedHostSlice<u32>,
-    /// Recorded after each copy out of `host` (blocking sync: a host wait sleeps).
-    copied: CudaEvent,
+    /// Recorded after each copy out of `host` (blocking sync: a host wait sleeps). Behind a
+    /// lock: a batch may go to two uploaders (a stage's output is cloned to each consumer).
+    copied: std::sync::Mutex<CudaEvent>,
 }
 
 impl PinnedBuffer {
@@ -73,22 +74,42 @@ impl PinnedBuffer {
 
     /// The values, after the last copy out of the buffer completed.
     pub fn as_slice(&self) -> anyhow::Result<&[u32]> {
-        self.copied.synchronize()?;
+        self.wait_copies()?;
         Ok(self.host.as_slice()?)
     }
 
     /// The values to write, after the last copy out of the buffer completed.
     pub fn as_mut_slice(&mut self) -> anyhow::Result<&mut [u32]> {
-        self.copied.synchronize()?;
+        self.wait_copies()?;
         Ok(self.host.as_mut_slice()?)
+    }
+
+    fn event(&self) -> std::sync::MutexGuard<'_, CudaEvent> {
+        // A poisoned lock still holds a valid event.
+        self.copied.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Waits on the host until every copy out of the buffer queued so far has run.
+    fn wait_copies(&self) -> anyhow::Result<()> {
+        Ok(self.event().synchronize()?)
+    }
+
+    /// Marks a copy out of the buffer just queued on `stream`: the event then completes after it
+    /// and after every earlier copy (`stream` first waits for the event's previous record, which
+    /// may be another uploader's copy on another stream).
+    fn copy_queued(&self, stream: &CudaStream) -> anyhow::Result<()> {
+        let ev = self.event();
+        stream.wait(&ev)?;
+        ev.record(stream)?;
+        Ok(())
     }
 }
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
         // The memory is freed after this (field drop): not while a copy still reads it.
-        let ctx = self.copied.context().clone();
-        ctx.record_err(self.copied.synchronize());
+        let ev = self.event();
+        ev.context().record_err(ev.synchronize());
     }
 }
 
@@ -100,7 +121,8 @@ pub fn pinned_buffers(device: &Device, n: usize, len: usize) -> anyhow::Result<V
         // SAFETY: the memory is uninitialised until the pin stage writes a micro-batch into it,
         // and nothing reads a buffer before that (its tokens come from the batch it holds).
         let host = unsafe { ctx.alloc_pinned::<u32>(len) }?;
-        out.push(PinnedBuffer { host, copied: ctx.new_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))? });
+        let copied = std::sync::Mutex::new(ctx.new_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))?);
+        out.push(PinnedBuffer { host, copied });
     }
     Ok(out)
 }
@@ -173,8 +195,8 @@ impl Copier {
             None => {
                 span.start.record(&self.compute)?;
                 self.compute.memcpy_htod(&src.host, &mut dst)?;
+                src.copy_queued(&self.compute)?;
                 span.end.record(&self.compute)?;
-                src.copied.record(&self.compute)?;
             }
             Some((copy, slots)) => {
                 let slot = &mut slots[self.next];
@@ -190,8 +212,8 @@ impl Copier {
                 let buf = slot.buf.as_mut().expect("allocated above");
                 span.start.record(copy)?;
                 copy.memcpy_htod(&src.host, buf)?;
+                src.copy_queued(copy)?;
                 span.end.record(copy)?;
-                src.copied.record(copy)?;
                 self.compute.wait(&span.end)?;
                 self.compute.memcpy_dtod(buf, &mut dst)?;
                 slot.released.record(&self.compute)?;

@@ -84,8 +84,8 @@ pub fn aligned16(inputs: &[(&CudaStorage, &Layout)]) -> Result<bool> {
     Ok(true)
 }
 
-/// [`rows_op_mixed`] with `lanes` threads per row (a power of two up to 32; 32: a warp per
-/// row) and blocks of 256 threads.
+/// [`rows_op_mixed`] with `lanes` threads per row (a power of two from 2 to 32; 32: a warp
+/// per row) and blocks of 256 threads.
 #[allow(clippy::too_many_arguments)]
 pub fn rows_op_lanes(
     name: &str,
@@ -97,8 +97,8 @@ pub fn rows_op_lanes(
     ints: &[i32],
     lanes: usize,
 ) -> Result<CudaStorage> {
-    if !lanes.is_power_of_two() || lanes > 32 {
-        bail!("{name}: {lanes} threads per row");
+    if !lanes.is_power_of_two() || !(2..=32).contains(&lanes) {
+        bail!("{name}: {lanes} threads per row (2 to 32, a power of two)");
     }
     let Some(&(_, layout)) = inputs.first() else { bail!("{name}: no inputs") };
     if let Some((_, l)) = inputs.iter().chain(extras).find(|(_, l)| !l.is_contiguous()) {

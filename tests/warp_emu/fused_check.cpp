@@ -200,8 +200,9 @@ int main(int argc, char** argv) {
 
     // norm_rope: per-head RMS norm then RoPE, the warp-per-row kernels and the 16-byte-chunk
     // ones, forward and backward, against double; `n` tokens of 3 heads at positions n % 5,
-    // head dims 16 and 64 (chunks of 2 to 16 lanes per row).
-    for (int hd : {16, 64}) {
+    // head dims 16, 64 and 128 (chunks of 2 to 32 lanes per row). The epsilon is the one
+    // src/model/ops.rs gives the dtype (bf16's is 2^-7).
+    for (int hd : {16, 64, 128}) {
         const int heads = 3, seq = 5, half = hd / 2;
         const long hr = n * heads;  // head rows
         const size_t hl = static_cast<size_t>(hr) * hd;
@@ -217,6 +218,7 @@ int main(int argc, char** argv) {
             const std::vector<bf> hx16 = to_bf16(hx), hg16 = to_bf16(hg), t16 = to_bf16(table);
             const std::vector<float> xin = narrow ? to_f32(hx16) : hx, gin = narrow ? to_f32(hg16) : hg;
             const std::vector<float> tin = narrow ? to_f32(t16) : table;
+            const float heps = narrow ? 7.8125e-3f : eps;
             std::vector<double> want_y(hl), want_dx(hl);
             for (long r = 0; r < hr; ++r) {
                 const float* xr = &xin[r * hd];
@@ -229,7 +231,7 @@ int main(int argc, char** argv) {
                     dy[i] = gr[i] * c - gr[i + half] * s, dy[i + half] = gr[i] * s + gr[i + half] * c;
                 }
                 for (int j = 0; j < hd; ++j) ss += double(xr[j]) * xr[j], xdy += xr[j] * dy[j];
-                const double inv = 1.0 / std::sqrt(ss / hd + eps), k = xdy / hd * inv * inv * inv;
+                const double inv = 1.0 / std::sqrt(ss / hd + heps), k = xdy / hd * inv * inv * inv;
                 for (int i = 0; i < half; ++i) {
                     const double c = tr[i], s = tr[half + i], y1 = xr[i] * inv, y2 = xr[i + half] * inv;
                     want_y[r * hd + i] = y1 * c + y2 * s, want_y[r * hd + i + half] = y2 * c - y1 * s;
@@ -242,10 +244,10 @@ int main(int argc, char** argv) {
             char label[64];
             if (narrow) {
                 std::vector<bf> y(hl), dx(hl), vy(hl), vdx(hl);
-                rows(norm_rope_fwd_bf16, hr, hx16.data(), t16.data(), y.data(), hr, hd, eps, heads, seq);
-                rows(norm_rope_bwd_bf16, hr, hx16.data(), hg16.data(), t16.data(), dx.data(), hr, hd, eps, heads, seq);
-                emu::launch(norm_rope_vec_fwd_bf16, vgrid, 256, nothing, hx16.data(), t16.data(), vy.data(), hr, hd, eps, heads, seq);
-                emu::launch(norm_rope_vec_bwd_bf16, vgrid, 256, nothing, hx16.data(), hg16.data(), t16.data(), vdx.data(), hr, hd, eps,
+                rows(norm_rope_fwd_bf16, hr, hx16.data(), t16.data(), y.data(), hr, hd, heps, heads, seq);
+                rows(norm_rope_bwd_bf16, hr, hx16.data(), hg16.data(), t16.data(), dx.data(), hr, hd, heps, heads, seq);
+                emu::launch(norm_rope_vec_fwd_bf16, vgrid, 256, nothing, hx16.data(), t16.data(), vy.data(), hr, hd, heps, heads, seq);
+                emu::launch(norm_rope_vec_bwd_bf16, vgrid, 256, nothing, hx16.data(), hg16.data(), t16.data(), vdx.data(), hr, hd, heps,
                             heads, seq);
                 // bf16 outputs: one rounding to 8 bits of mantissa.
                 snprintf(label, sizeof label, "norm_rope_fwd_bf16 d=%d vs double", hd);
@@ -258,10 +260,10 @@ int main(int argc, char** argv) {
                 close_to(label, to_f32(vdx), want_dx, 4e-3);
             } else {
                 std::vector<float> y(hl), dx(hl), vy(hl), vdx(hl);
-                rows(norm_rope_fwd_f32, hr, hx.data(), table.data(), y.data(), hr, hd, eps, heads, seq);
-                rows(norm_rope_bwd_f32, hr, hx.data(), hg.data(), table.data(), dx.data(), hr, hd, eps, heads, seq);
-                emu::launch(norm_rope_vec_fwd_f32, vgrid, 256, nothing, hx.data(), table.data(), vy.data(), hr, hd, eps, heads, seq);
-                emu::launch(norm_rope_vec_bwd_f32, vgrid, 256, nothing, hx.data(), hg.data(), table.data(), vdx.data(), hr, hd, eps,
+                rows(norm_rope_fwd_f32, hr, hx.data(), table.data(), y.data(), hr, hd, heps, heads, seq);
+                rows(norm_rope_bwd_f32, hr, hx.data(), hg.data(), table.data(), dx.data(), hr, hd, heps, heads, seq);
+                emu::launch(norm_rope_vec_fwd_f32, vgrid, 256, nothing, hx.data(), table.data(), vy.data(), hr, hd, heps, heads, seq);
+                emu::launch(norm_rope_vec_bwd_f32, vgrid, 256, nothing, hx.data(), hg.data(), table.data(), vdx.data(), hr, hd, heps,
                             heads, seq);
                 snprintf(label, sizeof label, "norm_rope_fwd_f32 d=%d vs double", hd);
                 close_to(label, y, want_y, 1e-6);
