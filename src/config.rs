@@ -428,10 +428,26 @@ mod tests {
         p
     }
 
-    fn tmpdir(tag: &str) -> PathBuf {
+    /// A fresh folder under the system's temp dir, removed when dropped.
+    struct TmpDir(PathBuf);
+
+    impl std::ops::Deref for TmpDir {
+        type Target = PathBuf;
+        fn deref(&self) -> &PathBuf {
+            &self.0
+        }
+    }
+
+    impl Drop for TmpDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn tmpdir(tag: &str) -> TmpDir {
         let d = std::env::temp_dir().join(format!("pipeline-config-{tag}-{}", std::process::id()));
         std::fs::create_dir_all(&d).unwrap();
-        d
+        TmpDir(d)
     }
 
     #[test]
