@@ -35,11 +35,36 @@ pub fn rows_op_with(
     param: f32,
     ints: &[i32],
 ) -> Result<CudaStorage> {
+    rows_op_mixed(name, inputs, extras, one_dtype(name, inputs, extras)?, len, param, ints)
+}
+
+/// [`rows_op_with`] for a kernel that also has a 16-byte-chunk form `{chunked}_{f32|bf16}` of
+/// the same signature (one 16-byte load per lane, several rows per warp): that form runs when
+/// the rows are whole chunks (`chunk_lanes`) and every argument is 16-byte aligned.
+pub fn rows_op_chunked(
+    name: &str,
+    chunked: &str,
+    inputs: &[(&CudaStorage, &Layout)],
+    extras: &[(&CudaStorage, &Layout)],
+    len: usize,
+    param: f32,
+    ints: &[i32],
+) -> Result<CudaStorage> {
+    let dtype = one_dtype(name, inputs, extras)?;
+    let all: Vec<_> = inputs.iter().chain(extras).copied().collect();
+    match chunk_lanes(dtype, len) {
+        Some(lanes) if aligned16(&all)? => rows_op_lanes(chunked, inputs, extras, dtype, len, param, ints, lanes),
+        _ => rows_op_mixed(name, inputs, extras, dtype, len, param, ints),
+    }
+}
+
+/// The one dtype of every input and extra (an error naming both when they differ).
+fn one_dtype(name: &str, inputs: &[(&CudaStorage, &Layout)], extras: &[(&CudaStorage, &Layout)]) -> Result<DType> {
     let Some(&(first, _)) = inputs.first() else { bail!("{name}: no inputs") };
     if let Some((s, _)) = inputs.iter().chain(extras).find(|(s, _)| s.dtype() != first.dtype()) {
         bail!("{name}: inputs of dtypes {:?} and {:?}", first.dtype(), s.dtype());
     }
-    rows_op_mixed(name, inputs, extras, first.dtype(), len, param, ints)
+    Ok(first.dtype())
 }
 
 /// [`rows_op_with`] for inputs and an output (of dtype `out`) of two dtypes, f32 and bf16: the
@@ -60,7 +85,7 @@ pub fn rows_op_mixed(
 /// The 16-byte-chunk form of a row kernel, when `len` values of `dtype` fit it: each row is
 /// `len / E` chunks of `E = 16 / size` values, a power of two up to 32 and even (a half row is
 /// whole chunks). Returns the threads per row, `None` when the warp-per-row kernel must run.
-pub fn chunk_lanes(dtype: DType, len: usize) -> Option<usize> {
+fn chunk_lanes(dtype: DType, len: usize) -> Option<usize> {
     let e = 16 / dtype.size_in_bytes();
     let lanes = len / e;
     (len.is_multiple_of(2 * e) && lanes.is_power_of_two() && (2..=32).contains(&lanes)).then_some(lanes)
@@ -68,7 +93,7 @@ pub fn chunk_lanes(dtype: DType, len: usize) -> Option<usize> {
 
 /// Whether the first element of every input and extra is 16-byte aligned on the device (a
 /// view into a tensor may start anywhere).
-pub fn aligned16(inputs: &[(&CudaStorage, &Layout)]) -> Result<bool> {
+fn aligned16(inputs: &[(&CudaStorage, &Layout)]) -> Result<bool> {
     use candle_core::cuda_backend::cudarc::driver::DevicePtr;
     for (s, l) in inputs {
         let stream = s.device().cuda_stream();
@@ -87,7 +112,7 @@ pub fn aligned16(inputs: &[(&CudaStorage, &Layout)]) -> Result<bool> {
 /// [`rows_op_mixed`] with `lanes` threads per row (a power of two from 2 to 32; 32: a warp
 /// per row) and blocks of 256 threads.
 #[allow(clippy::too_many_arguments)]
-pub fn rows_op_lanes(
+fn rows_op_lanes(
     name: &str,
     inputs: &[(&CudaStorage, &Layout)],
     extras: &[(&CudaStorage, &Layout)],

@@ -96,22 +96,11 @@ fn launch(
     inputs: &[(&candle_core::CudaStorage, &Layout)],
     (ts, tl): (&candle_core::CudaStorage, &Layout),
 ) -> Result<(candle_core::CudaStorage, Shape)> {
-    use super::gpu_kernels as k;
     let (xs, xl) = inputs[0];
     let (d, seq) = geometry(xl, tl)?;
     let eps = ops::rms_eps(xs.dtype()) as f32;
-    let ints = [heads as i32, seq as i32];
-    if inputs.iter().any(|(s, _)| s.dtype() != xs.dtype()) || ts.dtype() != xs.dtype() {
-        bail!("norm_rope: x, its gradient and the table must share one dtype");
-    }
-    let all: Vec<_> = inputs.iter().copied().chain([(ts, tl)]).collect();
-    let out = match k::chunk_lanes(xs.dtype(), d) {
-        Some(lanes) if k::aligned16(&all)? => {
-            let vec = kernel.replacen("norm_rope_", "norm_rope_vec_", 1);
-            k::rows_op_lanes(&vec, inputs, &[(ts, tl)], xs.dtype(), d, eps, &ints, lanes)?
-        }
-        _ => k::rows_op_with(kernel, inputs, &[(ts, tl)], d, eps, &ints)?,
-    };
+    let chunked = kernel.replacen("norm_rope_", "norm_rope_vec_", 1);
+    let out = super::gpu_kernels::rows_op_chunked(kernel, &chunked, inputs, &[(ts, tl)], d, eps, &[heads as i32, seq as i32])?;
     Ok((out, xl.shape().clone()))
 }
 
