@@ -735,11 +735,11 @@ mod tests {
 
     fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
         assert_eq!(a.len(), b.len());
-        a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+        crate::parity::worst(a.iter().zip(b).map(|(x, y)| (x - y).abs()))
     }
 
     fn max_abs(a: &[f64]) -> f64 {
-        a.iter().map(|x| x.abs()).fold(0.0, f64::max)
+        crate::parity::worst(a.iter().map(|x| x.abs()))
     }
 
     fn grads_for(var: &Var, g: &[f32]) -> GradStore {
