@@ -37,6 +37,7 @@ use crate::checkpoint::Checkpoint;
 use crate::config::{Config, TrainConfig};
 use crate::control::StopReason;
 use crate::model::Gpt;
+use crate::model::attention_trial::{self, AttentionShape};
 use crate::model::flash_attn::Attention;
 use crate::snapshot::{Ending, Moment, TrainSnapshot, TrainerState};
 use crate::stage::{BuildCtx, Ctx, Emitter, Transform};
@@ -78,7 +79,9 @@ pub struct CandleParams {
     /// Show a progress bar when stdout is a terminal (log lines print above it).
     pub progress: bool,
     /// Attention kernel on a GPU: "auto" (flash attention where it applies: CUDA, bf16, head
-    /// dim 64, `seq_len` a multiple of 64), "flash" (refuse a run it cannot take),
+    /// dim 64, `seq_len` a multiple of 64; both flash implementations timed at the run's shapes
+    /// before training and checked against the materialised attention, the fastest that agrees
+    /// taken; the train log's `attention_auto` line), "flash" (refuse a run it cannot take),
     /// "flash_mma" (as "flash", on the register-fragment kernels of kernels/flash_mma.cu) or
     /// "materialized" (scores and probabilities stored, for ablations).
     pub attention: Attention,
@@ -187,7 +190,25 @@ impl Transform for Candle {
         let validator = Validator::load(c, shape.micro_steps)?;
         let (param_dtype, matmul_dtype) = p.dtype.dtypes();
         let mut model = Gpt::new(&c.model, c.run.seed, param_dtype, &device)?.with_matmul_dtype(matmul_dtype).with_attention(p.attention);
-        let flash = model.flash_kernels(c.train.seq_len).context("stage `step_executor`, key `attention`")?;
+        let mut flash = model.flash_kernels(c.train.seq_len).context("stage `step_executor`, key `attention`")?;
+        // "auto" on a GPU: both flash implementations timed at this run's shapes, the fastest
+        // that agrees with the materialised attention taken.
+        let mut trial_line = None;
+        if p.attention == Attention::Auto && flash.is_some() {
+            let m = &c.model;
+            let at = AttentionShape {
+                batch: shape.rows,
+                t: shape.seq_len,
+                heads: m.num_heads,
+                kv_heads: m.num_kv_heads,
+                head_dim: m.head_dim(),
+            };
+            let (kernels, line) =
+                attention_trial::choose_flash(&device, at).context("stage `step_executor`, key `attention` = \"auto\"")?;
+            model = model.with_attention(kernels.attention());
+            flash = Some(kernels);
+            trial_line = Some(line);
+        }
         if let Some(path) = &c.train.init_weights {
             let tensors = crate::weights::load(path, None).context("`train.init_weights`")?;
             model.load_state(&tensors).with_context(|| format!("`train.init_weights` = {} does not fit `[model]`", path.display()))?;
@@ -216,6 +237,9 @@ impl Transform for Candle {
         if !device.is_cpu() {
             let timing = if p.sync_phases { "device (synchronised per phase)" } else { "device (CUDA events, no sync per phase)" };
             log.line(&format!("attention:{} phase_times:{timing}", flash.map_or("materialized", |k| k.name())));
+            if let Some(line) = trial_line {
+                log.line(&format!("attention_auto: {line}"));
+            }
         }
         let resumed_from = trainer.step();
         let steps = StepTable::new(ctx.run_dir, ctx.resume.map(|ck| ck.meta.step))?;

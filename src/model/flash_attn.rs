@@ -25,7 +25,9 @@ use serde::{Deserialize, Serialize};
 #[serde(rename_all = "lowercase")]
 pub enum Attention {
     /// Flash attention where it applies (CUDA, bf16, head dim 64, seq_len a multiple of 64),
-    /// the materialised one elsewhere.
+    /// the materialised one elsewhere. The step executor resolves it to the faster flash
+    /// implementation that agrees with the materialised attention ([`super::attention_trial`]);
+    /// a model left on it runs the WMMA kernels.
     #[default]
     Auto,
     /// Flash attention; a run whose shapes or device it does not fit is refused.
@@ -81,6 +83,14 @@ impl FlashKernels {
         match self {
             FlashKernels::Wmma => "flash",
             FlashKernels::Mma => "flash_mma",
+        }
+    }
+
+    /// The `attention` value that runs these kernels and nothing else.
+    pub fn attention(self) -> Attention {
+        match self {
+            FlashKernels::Wmma => Attention::Flash,
+            FlashKernels::Mma => Attention::FlashMma,
         }
     }
 }

@@ -12,10 +12,12 @@
 //!   composites on a GPU; their CPU implementations are the kernels' references, and the fused
 //!   CPU ops of [`fused`] have GPU kernels too.
 //! - [`flash_attn`]: the choice of attention kernel and flash attention
-//!   (`kernels/flash_attn.cu`), checked against [`fused::causal_attention_tokens`].
+//!   (`kernels/flash_attn.cu`), checked against [`fused::causal_attention_tokens`];
+//!   [`attention_trial`]: `attention = "auto"`'s timed trial of the flash implementations.
 //! - [`Gpt`]: parameters named exactly as the PyTorch script's `GPT.state_dict()`, the spec's
 //!   initialisation, and the forward pass to logits, mean loss or per-token losses.
 
+pub mod attention_trial;
 pub mod cast;
 pub mod causal_softmax;
 mod config;
