@@ -15,11 +15,13 @@
 //! - [`stages`]: the stage implementations (the top-level `stages/` folder).
 
 pub mod artifact;
+pub mod attention_auto;
 pub mod batch;
 pub mod bpb;
 pub mod catalog;
 pub mod checkpoint;
 pub mod clock;
+pub mod compare;
 pub mod config;
 pub mod control;
 #[cfg(feature = "cuda")]

@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 use pipeline::config;
 use pipeline::control::Control;
 use pipeline::graph;
+use pipeline::model::attention_trial::{AttentionShape, TrialSettings};
 use pipeline::report::Report;
 use pipeline::run::{self, RunError};
 
@@ -111,6 +112,35 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Time one flash-attention implementation's forward and backward pass at a micro-batch's
+    /// shapes, after checking it against the materialised attention in f32 (what `attention =
+    /// "auto"` runs, one process per implementation). Exit 0 with the outcome, even a rejection.
+    AttentionTrial {
+        /// The device: "cuda:N" (on the CPU every flash implementation is left out).
+        #[arg(long, default_value = "cuda:0")]
+        device: String,
+        /// The implementation: "flash" (WMMA) or "flash_mma" (register fragments).
+        #[arg(long)]
+        kernels: String,
+        /// Sequences per micro-batch.
+        #[arg(long, default_value_t = 64)]
+        batch: usize,
+        /// Tokens per sequence (a multiple of 64).
+        #[arg(long, default_value_t = 1024)]
+        seq_len: usize,
+        /// Query heads.
+        #[arg(long, default_value_t = 8)]
+        heads: usize,
+        /// Key/value heads.
+        #[arg(long, default_value_t = 4)]
+        kv_heads: usize,
+        /// Channels per head.
+        #[arg(long, default_value_t = 64)]
+        head_dim: usize,
+        /// Print the outcome as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// List stage kinds, their implementations and parameters.
     Stages {
         /// Print as JSON.
@@ -158,6 +188,9 @@ fn main() -> ExitCode {
         Command::Report { run_dir, json } => cmd_report(run_dir, json),
         Command::Stages { json } => cmd_stages(json),
         Command::Parity { device, dtype, seed, json } => cmd_parity(&device, &dtype, seed, json),
+        Command::AttentionTrial { device, kernels, batch, seq_len, heads, kv_heads, head_dim, json } => {
+            cmd_attention_trial(&device, &kernels, AttentionShape { batch, t: seq_len, heads, kv_heads, head_dim }, json)
+        }
         Command::Artifact { weights, config, sets, bits, codec, level, out, val_max_tokens } => {
             cmd_artifact(weights, config, sets, pipeline::quant::QuantConfig { bits, codec, level }, out, val_max_tokens)
         }
@@ -212,6 +245,39 @@ fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool, 
         Err(e) => {
             eprintln!("error: {e}");
             e.exit_code()
+        }
+    }
+}
+
+fn cmd_attention_trial(device: &str, kernels: &str, shape: AttentionShape, json: bool) -> i32 {
+    use pipeline::model::flash_attn::FlashKernels;
+    let kernels = match kernels {
+        "flash" => FlashKernels::Wmma,
+        "flash_mma" => FlashKernels::Mma,
+        other => {
+            eprintln!("error: --kernels {other:?}: use flash or flash_mma");
+            return 2;
+        }
+    };
+    if [shape.batch, shape.t, shape.heads, shape.kv_heads, shape.head_dim].contains(&0) || !shape.heads.is_multiple_of(shape.kv_heads) {
+        eprintln!("error: --batch, --seq-len, --heads, --kv-heads and --head-dim must be positive, --heads a multiple of --kv-heads");
+        return 2;
+    }
+    let mut config = pipeline::config::Config::default();
+    config.run.device = device.to_string();
+    let result = pipeline::device::open(&config).and_then(|d| pipeline::model::attention_trial::check_flash(&d, kernels, shape));
+    match result {
+        Ok(o) => {
+            if json {
+                println!("{}", serde_json::to_string(&o).unwrap_or_default());
+            } else {
+                println!("{}", pipeline::model::attention_trial::summary(std::slice::from_ref(&o), shape, TrialSettings::flash()));
+            }
+            0
+        }
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            1
         }
     }
 }

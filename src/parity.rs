@@ -8,6 +8,7 @@
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
+use crate::compare::{rel_err, worst};
 use crate::model::flash_attn::FlashKernels;
 use crate::model::{Gpt, ModelConfig};
 
@@ -70,19 +71,6 @@ fn loss_and_grads(model: &Gpt, x: &Tensor, y: &Tensor) -> anyhow::Result<(f64, N
         out.push((name.clone(), g.to_dtype(DType::F64)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f64>()?));
     }
     Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, out))
-}
-
-/// The largest of `errors` (0 for none), NaN if any is NaN: `f64::max` drops NaNs, so a NaN
-/// error folded with it would pass any tolerance.
-pub fn worst(errors: impl IntoIterator<Item = f64>) -> f64 {
-    errors.into_iter().fold(0.0, |a, b| if b.is_nan() || b > a { b } else { a })
-}
-
-/// Relative error of `a` against `b` in the Frobenius norm (the absolute error where `b` is 0).
-pub fn rel_err(a: &[f64], b: &[f64]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
-    let den: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt();
-    if den == 0.0 { num } else { num / den }
 }
 
 /// Compares `device` in `dtype` against the CPU in f64 on one batch of 4 x 64 tokens.
@@ -258,16 +246,6 @@ mod tests {
         assert_eq!(r.compared.len(), 1 + Gpt::new(&toy(), 3, DType::F32, &Device::Cpu).unwrap().params().len());
         assert!(r.compared.iter().all(|c| c.rel_err > 0.0), "f32 cannot equal f64 exactly: {r:?}");
         assert!(r.max_rel_err > tolerance(DType::F64), "{}", r.max_rel_err);
-    }
-
-    /// A NaN error is the worst of all, wherever it sits; no errors is 0.
-    #[test]
-    fn worst_keeps_nan() {
-        assert!(worst([1e-3, f64::NAN, 2e-3]).is_nan());
-        assert!(worst([f64::NAN, 1e-3]).is_nan());
-        assert_eq!(worst([1e-3, 4e-3, 2e-3]), 4e-3);
-        assert_eq!(worst([]), 0.0);
-        assert_eq!(worst([f64::INFINITY, 1.0]), f64::INFINITY);
     }
 
     /// The kernel checks' plumbing on the CPU (the ops' CPU implementations in f32 against

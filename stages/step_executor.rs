@@ -31,13 +31,14 @@ use serde::{Deserialize, Serialize};
 
 use std::sync::Arc;
 
+use crate::attention_auto;
 use crate::batch::{BatchShape, DeviceBatch, LoaderState};
 use crate::bpb::BpbAccumulator;
 use crate::checkpoint::Checkpoint;
 use crate::config::{Config, TrainConfig};
 use crate::control::StopReason;
 use crate::model::Gpt;
-use crate::model::attention_trial::{self, AttentionShape};
+use crate::model::attention_trial::AttentionShape;
 use crate::model::flash_attn::Attention;
 use crate::snapshot::{Ending, Moment, TrainSnapshot, TrainerState};
 use crate::stage::{BuildCtx, Ctx, Emitter, Transform};
@@ -79,9 +80,10 @@ pub struct CandleParams {
     /// Show a progress bar when stdout is a terminal (log lines print above it).
     pub progress: bool,
     /// Attention kernel on a GPU: "auto" (flash attention where it applies: CUDA, bf16, head
-    /// dim 64, `seq_len` a multiple of 64; both flash implementations timed at the run's shapes
-    /// before training and checked against the materialised attention, the fastest that agrees
-    /// taken; the train log's `attention_auto` line), "flash" (refuse a run it cannot take),
+    /// dim 64, `seq_len` a multiple of 64; before training, each flash implementation is
+    /// checked against the materialised attention and timed at the run's shapes in a process of
+    /// its own, and `flash_mma` is taken only if it agrees and is over 5% faster; the train
+    /// log's `attention_auto` line), "flash" (refuse a run it cannot take),
     /// "flash_mma" (as "flash", on the register-fragment kernels of kernels/flash_mma.cu) or
     /// "materialized" (scores and probabilities stored, for ablations).
     pub attention: Attention,
@@ -191,8 +193,8 @@ impl Transform for Candle {
         let (param_dtype, matmul_dtype) = p.dtype.dtypes();
         let mut model = Gpt::new(&c.model, c.run.seed, param_dtype, &device)?.with_matmul_dtype(matmul_dtype).with_attention(p.attention);
         let mut flash = model.flash_kernels(c.train.seq_len).context("stage `step_executor`, key `attention`")?;
-        // "auto" on a GPU: both flash implementations timed at this run's shapes, the fastest
-        // that agrees with the materialised attention taken.
+        // "auto" on a GPU: both flash implementations tried at this run's shapes, each in a
+        // process of its own, the faster that agrees taken.
         let mut trial_line = None;
         if p.attention == Attention::Auto && flash.is_some() {
             let m = &c.model;
@@ -203,8 +205,9 @@ impl Transform for Candle {
                 kv_heads: m.num_kv_heads,
                 head_dim: m.head_dim(),
             };
-            let (kernels, line) =
-                attention_trial::choose_flash(&device, at).context("stage `step_executor`, key `attention` = \"auto\"")?;
+            let key = "stage `step_executor`, key `attention` = \"auto\"";
+            let exe = std::env::current_exe().with_context(|| format!("{key}: the path of this binary, which runs the trials"))?;
+            let (kernels, line) = attention_auto::choose_flash(&exe, &c.run.device, at, attention_auto::TIMEOUT).context(key)?;
             model = model.with_attention(kernels.attention());
             flash = Some(kernels);
             trial_line = Some(line);

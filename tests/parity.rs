@@ -1,5 +1,6 @@
 //! `pipeline parity` through the binary: the CPU's f32 path agrees with f64 within tolerance
 //! (exit 0, JSON report), and a CUDA device in a CPU-only build is a clear error, not a panic.
+//! Also `pipeline attention-trial`, the child process of `attention = "auto"`.
 
 mod common;
 
@@ -29,4 +30,29 @@ fn bad_device_and_dtype_are_clear_errors() {
     assert_fails(&o, &["--dtype"]);
     let o = bin().args(["parity", "--device", "tpu"]).output().unwrap();
     assert_fails(&o, &["not a device"]);
+}
+
+/// `attention-trial` on the CPU: the flash kernels cannot run there, so the outcome (exit 0,
+/// JSON) leaves the implementation out with the reason; `attention = "auto"`'s choice, which
+/// runs one such process per implementation, then refuses with both reasons and the way out.
+#[test]
+fn attention_trial_processes_report_why_flash_cannot_run() {
+    let args = ["attention-trial", "--device", "cpu", "--batch", "2", "--seq-len", "128", "--heads", "2", "--kv-heads", "1", "--json"];
+    let o = bin().args(args).args(["--kernels", "flash_mma"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(r["name"], "flash_mma");
+    assert!(r["rejected"].as_str().is_some_and(|w| w.starts_with("failed: flash attention cannot run here")), "{r}");
+
+    let shape = pipeline::model::attention_trial::AttentionShape { batch: 2, t: 128, heads: 2, kv_heads: 1, head_dim: 64 };
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_pipeline"));
+    let err = pipeline::attention_auto::choose_flash(exe, "cpu", shape, pipeline::attention_auto::TIMEOUT).unwrap_err().to_string();
+    assert!(err.contains("flash left out (failed: flash attention cannot run here"), "{err}");
+    assert!(err.contains("flash_mma left out (failed: flash attention cannot run here"), "{err}");
+    assert!(err.contains("set attention = \"materialized\""), "{err}");
+
+    let o = bin().args(args).args(["--kernels", "flash3"]).output().unwrap();
+    assert_fails(&o, &["--kernels", "flash_mma"]);
+    let o = bin().args(["attention-trial", "--kernels", "flash", "--heads", "3", "--kv-heads", "2"]).output().unwrap();
+    assert_fails(&o, &["--heads a multiple of --kv-heads"]);
 }
