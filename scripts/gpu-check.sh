@@ -28,7 +28,8 @@
 #
 # PARTS=... runs only the parts named (default "abcd"; d only with TRAIN_GPT), so that the check
 # fits a device machine's per-command limit in two calls, e.g. PARTS=ab then PARTS=cd. Without b
-# in the same call, OURS_MS=<steady ms/step> gives (d) our figure for the ratio.
+# in the same call, OURS_MS=<steady ms/step> gives (d) our figure for the ratio, and
+# ATTENTION=flash|flash_mma (default: auto's choice in b, else flash) the ablation's kernel.
 #
 # SMOKE=1 runs the same plumbing on the CPU with a tiny model (DEVICE=cpu, pageable + sync, 10 s
 # ablations): a check of this script before spending GPU time, not a measurement.
@@ -42,6 +43,7 @@ STEPS=${STEPS:-30}
 ABLATION_S=${ABLATION_S:-60}
 SMOKE=${SMOKE:-0}
 PARTS=${PARTS:-abcd}
+[[ $PARTS =~ ^[abcd]+$ ]] || { echo "PARTS=$PARTS: name parts a, b, c, d (e.g. PARTS=ab)" >&2; exit 2; }
 part() { [[ $PARTS == *"$1"* ]]; }
 DEVICE=cuda:0
 PINNED=pinned STREAM=stream
@@ -98,6 +100,11 @@ PY
 }
 
 ours_steady=${OURS_MS:-}
+# The ablation's runs all train on one attention kernel (auto's choice in (b), else the WMMA
+# one), so that its rows differ only in the input path.
+given_attention=${ATTENTION:-}
+ATTENTION=${ATTENTION:-flash}
+[[ $SMOKE == 1 ]] && ATTENTION=auto  # no flash kernels on the CPU
 if part b; then
   echo "== (b) throughput: baseline model, 524,288 tokens/step, seq 1024, $STEPS steps"
   "$BIN" run pipelines/baseline.toml --out "$OUT/throughput" "${common[@]}" --set train.iterations="$STEPS" \
@@ -112,6 +119,7 @@ if part b; then
     chosen=$(sed -n 's/^attention:\([a-z_]*\) .*/\1/p' "$OUT/throughput/train.log" 2>/dev/null | head -1) || true
     other=flash_mma
     [[ $chosen == flash_mma ]] && other=flash
+    if [[ -z $given_attention && ( $chosen == flash || $chosen == flash_mma ) ]]; then ATTENTION=$chosen; fi
     "$BIN" run pipelines/baseline.toml --out "$OUT/throughput-$other" "${common[@]}" --set train.iterations="$STEPS" \
       --set stages.pin.impl="\"$PINNED\"" --set stages.upload.impl="\"$STREAM\"" --set stages.train.attention="\"$other\"" \
       > "$OUT/throughput-$other.out" || status=1
@@ -121,12 +129,13 @@ if part b; then
 fi
 
 if part c; then
-  echo "== (c) ablation: same wall time ($ABLATION_S s each), side by side"
+  echo "== (c) ablation: same wall time ($ABLATION_S s each), side by side, attention $ATTENTION"
   ablate() { # LABEL PIN UPLOAD DEPTH
     # The sampler's and pin stage's buffer pools bound the batches in flight too: size them to the depth.
     "$BIN" run pipelines/baseline.toml --out "$OUT/ablation-$1" "${common[@]}" --set train.iterations=100000 \
       --set run.max_seconds="$ABLATION_S" --set stages.pin.impl="\"$2\"" --set stages.upload.impl="\"$3\"" \
       --set stages.pin.queue="$4" --set stages.upload.queue="$4" --set stages.train.queue="$4" \
+      --set stages.train.attention="\"$ATTENTION\"" \
       --set stages.sampler.buffers=$(($4 + 4)) --set stages.pin.buffers=$(($4 + 4)) > "$OUT/ablation-$1.out" || status=1
     summary "$OUT/ablation-$1" "$2 + $3, depth $4" || status=1
   }

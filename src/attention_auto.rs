@@ -4,8 +4,9 @@
 //! that faults the GPU leaves a CUDA context that cannot recover, and one that hangs never
 //! returns, so neither may run in the training process before it has been seen to work. The
 //! WMMA kernels (`flash`, measured on an H100) are the incumbent; the register-fragment ones
-//! (`flash_mma`) take over only when they agree with the reference and are more than
-//! [`MARGIN`] faster.
+//! (`flash_mma`) take over when they agree with the reference and are more than [`MARGIN`]
+//! faster, or when `flash` is left out. Where the trial cannot run at all, `flash` is taken as
+//! it was before the trial existed.
 
 use std::io::Read;
 use std::path::Path;
@@ -22,12 +23,26 @@ pub const TIMEOUT: Duration = Duration::from_secs(180);
 
 /// The flash kernels `attention = "auto"` trains with on `device` ("cuda:N") for micro-batches
 /// of `shape`, each implementation tried by `exe attention-trial` (this binary), and the train
-/// log's account of the trials. An error, naming every reason, where neither runs correctly.
+/// log's account of the trials. Where the trial itself cannot run (no process, or one that
+/// fails before judging a kernel: the GPU held exclusively by this process, say), the WMMA
+/// kernels, as without a trial, and the account says so. An error, naming every reason, where
+/// the trials ran and neither implementation passed.
 pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Duration) -> anyhow::Result<(FlashKernels, String)> {
     let kinds = [FlashKernels::Wmma, FlashKernels::Mma];
-    let outcomes: Vec<Outcome> =
+    let results: Vec<TrialResult> =
         kinds.iter().map(|&k| outcome_of(k.name(), run(&mut trial_command(exe, device, k, shape), timeout))).collect();
+    let outcomes: Vec<Outcome> = kinds
+        .iter()
+        .zip(&results)
+        .map(|(k, r)| match r {
+            TrialResult::Ran(o) => o.clone(),
+            TrialResult::NotRun(why) => Outcome::left_out(k.name(), format!("trial could not run: {why}")),
+        })
+        .collect();
     let line = summary(&outcomes, shape, TrialSettings::flash());
+    if matches!(results[0], TrialResult::NotRun(_)) {
+        return Ok((FlashKernels::Wmma, format!("{line}; flash (WMMA) taken without a trial")));
+    }
     let best = choose(&outcomes, MARGIN).ok_or_else(|| {
         anyhow::anyhow!(
             "no flash kernel runs correctly on {device} ({line}); set attention = \"materialized\", or \"flash\" / \"flash_mma\" to skip the trial"
@@ -91,38 +106,66 @@ pub fn run(cmd: &mut Command, timeout: Duration) -> Result<Finished, String> {
                 return Err(format!("timed out after {:.0} s (a kernel that never returns?)", timeout.as_secs_f64()));
             }
             Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => return Err(format!("could not be waited for: {e}")),
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("could not be waited for: {e}"));
+            }
         }
     };
     Ok(Finished { status, stdout: out.join().unwrap_or_default(), stderr: err.join().unwrap_or_default() })
 }
 
-/// The outcome a trial process of implementation `name` reports, or one that leaves it out
-/// with what went wrong: no end, a failed exit (a signal is named: a fault that killed the
-/// process), or output that is not an outcome.
-pub fn outcome_of(name: &str, run: Result<Finished, String>) -> Outcome {
+/// What one trial process gave.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TrialResult {
+    /// The trial judged the implementation: its outcome, a rejection included (a disagreement,
+    /// a kernel error, a process killed by a signal or a panic, a hang).
+    Ran(Outcome),
+    /// The trial could not judge it, and why: the process did not start, or failed on its own
+    /// (exit 1 or 2: no device, bad arguments, the reference failed), or printed no outcome.
+    NotRun(String),
+}
+
+/// What a trial process of implementation `name` gave: its printed outcome (the last line of
+/// its output), or why it has none, with the telling line of its standard error.
+pub fn outcome_of(name: &str, run: Result<Finished, String>) -> TrialResult {
     let f = match run {
         Ok(f) => f,
-        Err(why) => return Outcome::left_out(name, format!("trial process {why}")),
+        // A hang is the kernel's doing; a process that did not start, the trial's.
+        Err(why) if why.starts_with("timed out") => return TrialResult::Ran(Outcome::left_out(name, format!("trial process {why}"))),
+        Err(why) => return TrialResult::NotRun(format!("trial process {why}")),
     };
-    let last_err = f.stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").trim().to_string();
     if !f.status.success() {
         use std::os::unix::process::ExitStatusExt;
-        let how = match (f.status.code(), f.status.signal()) {
-            (_, Some(sig)) => format!("killed by signal {sig}"),
-            (Some(code), _) => format!("exited with status {code}"),
-            _ => "ended abnormally".to_string(),
+        let said = telling_line(&f.stderr);
+        let said = if said.is_empty() { String::new() } else { format!(": {said}") };
+        return match (f.status.code(), f.status.signal()) {
+            (Some(code @ (1 | 2)), _) => TrialResult::NotRun(format!("trial process exited with status {code}{said}")),
+            (Some(code), _) => TrialResult::Ran(Outcome::left_out(name, format!("trial process exited with status {code}{said}"))),
+            (_, Some(sig)) => TrialResult::Ran(Outcome::left_out(name, format!("trial process killed by signal {sig}{said}"))),
+            _ => TrialResult::Ran(Outcome::left_out(name, format!("trial process ended abnormally{said}"))),
         };
-        return Outcome::left_out(
-            name,
-            if last_err.is_empty() { format!("trial process {how}") } else { format!("trial process {how}: {last_err}") },
-        );
     }
-    match serde_json::from_str::<Outcome>(f.stdout.trim()) {
-        Ok(o) if o.name == name => o,
-        Ok(o) => Outcome::left_out(name, format!("trial process reported `{}`", o.name)),
-        Err(e) => Outcome::left_out(name, format!("trial process printed no outcome ({e})")),
+    let last = f.stdout.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").trim();
+    match serde_json::from_str::<Outcome>(last) {
+        Ok(o) if o.name == name => TrialResult::Ran(o),
+        Ok(o) => TrialResult::NotRun(format!("trial process reported `{}`", o.name)),
+        Err(e) => TrialResult::NotRun(format!("trial process printed no outcome ({e})")),
     }
+}
+
+/// The line of a child's standard error that says what went wrong: its last `error:` line, a
+/// panic's location and message, or else its last line that is not a `note:`.
+fn telling_line(stderr: &str) -> String {
+    let lines: Vec<&str> = stderr.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    if let Some(e) = lines.iter().rev().find(|l| l.starts_with("error:")) {
+        return e.to_string();
+    }
+    if let Some(i) = lines.iter().position(|l| l.contains("panicked at")) {
+        return lines[i..].iter().take(2).copied().collect::<Vec<_>>().join(" ");
+    }
+    lines.iter().rev().find(|l| !l.starts_with("note:")).map(|l| l.to_string()).unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -135,37 +178,62 @@ mod tests {
         c
     }
 
-    /// A trial process's outcome is taken as printed; one that hangs, faults, fails or prints
-    /// something else leaves its implementation out, saying how, and never stalls the caller.
+    fn rejected(r: &TrialResult) -> &str {
+        match r {
+            TrialResult::Ran(o) => o.rejected.as_deref().unwrap_or(""),
+            TrialResult::NotRun(_) => panic!("expected a judged outcome: {r:?}"),
+        }
+    }
+
+    /// A trial process's outcome is taken as printed (its last line); one that hangs, faults
+    /// or panics leaves its implementation out, saying how, and never stalls the caller; one
+    /// that fails on its own or prints something else did not judge the kernel.
     #[test]
-    fn trial_processes_that_hang_fault_or_fail_are_left_out() {
+    fn trial_processes_that_hang_fault_or_fail_are_told_apart() {
         let ok = r#"{"name":"flash_mma","rel_err":0.004,"ms":3.5,"rejected":null}"#;
-        let o = outcome_of("flash_mma", run(&mut sh(&format!("echo '{ok}'")), TIMEOUT));
-        assert_eq!(o, Outcome { name: "flash_mma".into(), rel_err: Some(0.004), ms: Some(3.5), rejected: None });
+        let o = outcome_of("flash_mma", run(&mut sh(&format!("echo 'loading'; echo '{ok}'")), TIMEOUT));
+        assert_eq!(o, TrialResult::Ran(Outcome { name: "flash_mma".into(), rel_err: Some(0.004), ms: Some(3.5), rejected: None }));
 
         let start = Instant::now();
         let o = outcome_of("flash_mma", run(&mut sh("sleep 30"), Duration::from_millis(300)));
         assert!(start.elapsed() < Duration::from_secs(10), "the caller waited {:?}", start.elapsed());
-        assert!(o.rejected.as_deref().is_some_and(|w| w.contains("timed out after")), "{o:?}");
+        assert!(rejected(&o).starts_with("trial process timed out after"), "{o:?}");
 
-        let o = outcome_of("flash_mma", run(&mut sh("echo 'CUDA_ERROR_ILLEGAL_ADDRESS' >&2; kill -SEGV $$"), TIMEOUT));
-        assert!(
-            o.rejected.as_deref().is_some_and(|w| w.contains("killed by signal 11") && w.contains("CUDA_ERROR_ILLEGAL_ADDRESS")),
-            "{o:?}"
+        let o = outcome_of("flash_mma", run(&mut sh("echo 'CUDA_ERROR_ILLEGAL_ADDRESS' >&2; kill -KILL $$"), TIMEOUT));
+        assert_eq!(rejected(&o), "trial process killed by signal 9: CUDA_ERROR_ILLEGAL_ADDRESS");
+
+        let panic = "printf \"thread 'main' panicked at src/x.rs:1:1:\\nDriverError(CUDA_ERROR_LAUNCH_FAILED)\\nnote: run with RUST_BACKTRACE=1\\n\" >&2; exit 101";
+        let o = outcome_of("flash_mma", run(&mut sh(panic), TIMEOUT));
+        assert_eq!(
+            rejected(&o),
+            "trial process exited with status 101: thread 'main' panicked at src/x.rs:1:1: DriverError(CUDA_ERROR_LAUNCH_FAILED)"
         );
 
-        let o = outcome_of("flash", run(&mut sh("echo 'error: no GPU' >&2; exit 1"), TIMEOUT));
-        assert_eq!(o.rejected.as_deref(), Some("trial process exited with status 1: error: no GPU"));
-
+        let o = outcome_of("flash", run(&mut sh("echo 'error: cannot open the GPU' >&2; echo '  at 0' >&2; exit 1"), TIMEOUT));
+        assert_eq!(o, TrialResult::NotRun("trial process exited with status 1: error: cannot open the GPU".into()));
         let o = outcome_of("flash", run(&mut sh(&format!("echo '{ok}'")), TIMEOUT));
-        assert!(o.rejected.as_deref().is_some_and(|w| w.contains("reported `flash_mma`")), "{o:?}");
+        assert!(matches!(&o, TrialResult::NotRun(w) if w.contains("reported `flash_mma`")), "{o:?}");
         let o = outcome_of("flash", run(&mut sh("echo hello"), TIMEOUT));
-        assert!(o.rejected.as_deref().is_some_and(|w| w.contains("printed no outcome")), "{o:?}");
+        assert!(matches!(&o, TrialResult::NotRun(w) if w.contains("printed no outcome")), "{o:?}");
         let o = outcome_of("flash", run(&mut Command::new("/nonexistent/pipeline"), TIMEOUT));
-        assert!(o.rejected.as_deref().is_some_and(|w| w.contains("could not start")), "{o:?}");
+        assert!(matches!(&o, TrialResult::NotRun(w) if w.contains("could not start")), "{o:?}");
 
         // A child that writes more than a pipe holds to stderr before printing its outcome.
         let noisy = format!("head -c 300000 /dev/zero | tr '\\0' x >&2; echo '{ok}'");
-        assert_eq!(outcome_of("flash_mma", run(&mut sh(&noisy), TIMEOUT)).ms, Some(3.5));
+        assert!(matches!(outcome_of("flash_mma", run(&mut sh(&noisy), TIMEOUT)), TrialResult::Ran(o) if o.ms == Some(3.5)));
+    }
+
+    /// Where the trial cannot run at all (here: a binary that is not `pipeline`), `auto` keeps
+    /// the WMMA kernels, as without a trial, and says so.
+    #[test]
+    fn a_trial_that_cannot_run_keeps_the_wmma_kernels() {
+        let shape = AttentionShape { batch: 2, t: 128, heads: 2, kv_heads: 1, head_dim: 64 };
+        let (k, line) = choose_flash(Path::new("/nonexistent/pipeline"), "cuda:0", shape, TIMEOUT).unwrap();
+        assert_eq!(k, FlashKernels::Wmma);
+        assert!(
+            line.contains("flash left out (trial could not run: trial process could not start")
+                && line.ends_with("flash (WMMA) taken without a trial"),
+            "{line}"
+        );
     }
 }

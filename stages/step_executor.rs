@@ -82,8 +82,8 @@ pub struct CandleParams {
     /// Attention kernel on a GPU: "auto" (flash attention where it applies: CUDA, bf16, head
     /// dim 64, `seq_len` a multiple of 64; before training, each flash implementation is
     /// checked against the materialised attention and timed at the run's shapes in a process of
-    /// its own, and `flash_mma` is taken only if it agrees and is over 5% faster; the train
-    /// log's `attention_auto` line), "flash" (refuse a run it cannot take),
+    /// its own; `flash_mma` is taken if it agrees and is over 5% faster, or if "flash" is left
+    /// out; the train log's `attention_auto` line), "flash" (refuse a run it cannot take),
     /// "flash_mma" (as "flash", on the register-fragment kernels of kernels/flash_mma.cu) or
     /// "materialized" (scores and probabilities stored, for ablations).
     pub attention: Attention,
@@ -206,7 +206,11 @@ impl Transform for Candle {
                 head_dim: m.head_dim(),
             };
             let key = "stage `step_executor`, key `attention` = \"auto\"";
-            let exe = std::env::current_exe().with_context(|| format!("{key}: the path of this binary, which runs the trials"))?;
+            // The running binary itself, even if its file was replaced since it started.
+            let exe = match std::path::Path::new("/proc/self/exe") {
+                p if p.exists() => p.to_path_buf(),
+                _ => std::env::current_exe().with_context(|| format!("{key}: the path of this binary, which runs the trials"))?,
+            };
             let (kernels, line) = attention_auto::choose_flash(&exe, &c.run.device, at, attention_auto::TIMEOUT).context(key)?;
             model = model.with_attention(kernels.attention());
             flash = Some(kernels);
