@@ -9,7 +9,7 @@
 //! it was before the trial existed.
 
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
@@ -28,7 +28,7 @@ pub const TIMEOUT: Duration = Duration::from_secs(180);
 /// kernels, as without a trial, and the account says so. An error, naming every reason, where
 /// the trials ran and neither implementation passed.
 pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Duration) -> anyhow::Result<(FlashKernels, String)> {
-    let kinds = [FlashKernels::Wmma, FlashKernels::Mma];
+    let kinds = FlashKernels::ALL;
     let results: Vec<TrialResult> =
         kinds.iter().map(|&k| outcome_of(k.name(), run(&mut trial_command(exe, device, k, shape), timeout))).collect();
     let outcomes: Vec<Outcome> = kinds
@@ -50,6 +50,17 @@ pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Du
     })?;
     let chosen = kinds.into_iter().zip(&outcomes).find(|(_, o)| std::ptr::eq(*o, best)).map(|(k, _)| k);
     Ok((chosen.unwrap_or(FlashKernels::Wmma), line))
+}
+
+/// The binary the trials run: this process's own, even if its file was replaced since it
+/// started (`/proc/self/exe`), else the path it was started from.
+pub fn this_binary() -> anyhow::Result<PathBuf> {
+    use anyhow::Context;
+    let proc = Path::new("/proc/self/exe");
+    if proc.exists() {
+        return Ok(proc.to_path_buf());
+    }
+    std::env::current_exe().context("the path of this binary, which runs the attention trials")
 }
 
 /// `exe attention-trial ...` for one implementation at `shape`, printing its outcome as JSON.

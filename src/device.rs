@@ -46,7 +46,13 @@ pub fn require_gpu(c: &Config, what: &str, instead: &str) -> anyhow::Result<()> 
 /// Opens the device `run.device` names. A CUDA device in a CPU-only build, or on a machine
 /// without a driver or the CUDA libraries, is an error naming the key and what is missing.
 pub fn open(c: &Config) -> anyhow::Result<Device> {
-    match parse(&c.run.device)? {
+    open_named(&c.run.device)
+}
+
+/// Opens the device a `run.device` value names (for commands that take it as a flag); errors
+/// as [`open`]'s.
+pub fn open_named(device: &str) -> anyhow::Result<Device> {
+    match parse(device)? {
         DeviceName::Cpu => Ok(Device::Cpu),
         DeviceName::Cuda(n) => open_cuda(n),
     }

@@ -251,21 +251,15 @@ fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool, 
 
 fn cmd_attention_trial(device: &str, kernels: &str, shape: AttentionShape, json: bool) -> i32 {
     use pipeline::model::flash_attn::FlashKernels;
-    let kernels = match kernels {
-        "flash" => FlashKernels::Wmma,
-        "flash_mma" => FlashKernels::Mma,
-        other => {
-            eprintln!("error: --kernels {other:?}: use flash or flash_mma");
-            return 2;
-        }
+    let Some(kernels) = FlashKernels::ALL.into_iter().find(|k| k.name() == kernels) else {
+        eprintln!("error: --kernels {kernels:?}: use flash or flash_mma");
+        return 2;
     };
     if [shape.batch, shape.t, shape.heads, shape.kv_heads, shape.head_dim].contains(&0) || !shape.heads.is_multiple_of(shape.kv_heads) {
         eprintln!("error: --batch, --seq-len, --heads, --kv-heads and --head-dim must be positive, --heads a multiple of --kv-heads");
         return 2;
     }
-    let mut config = pipeline::config::Config::default();
-    config.run.device = device.to_string();
-    let result = pipeline::device::open(&config).and_then(|d| pipeline::model::attention_trial::check_flash(&d, kernels, shape));
+    let result = pipeline::device::open_named(device).and_then(|d| pipeline::model::attention_trial::check_flash(&d, kernels, shape));
     match result {
         Ok(o) => {
             if json {
@@ -291,9 +285,7 @@ fn cmd_parity(device: &str, dtype: &str, seed: u64, json: bool) -> i32 {
             return 2;
         }
     };
-    let mut config = pipeline::config::Config::default();
-    config.run.device = device.to_string();
-    let result = pipeline::device::open(&config).and_then(|d| pipeline::parity::run(&d, device, dtype, seed));
+    let result = pipeline::device::open_named(device).and_then(|d| pipeline::parity::run(&d, device, dtype, seed));
     match result {
         Ok(r) => {
             if json {

@@ -206,11 +206,7 @@ impl Transform for Candle {
                 head_dim: m.head_dim(),
             };
             let key = "stage `step_executor`, key `attention` = \"auto\"";
-            // The running binary itself, even if its file was replaced since it started.
-            let exe = match std::path::Path::new("/proc/self/exe") {
-                p if p.exists() => p.to_path_buf(),
-                _ => std::env::current_exe().with_context(|| format!("{key}: the path of this binary, which runs the trials"))?,
-            };
+            let exe = attention_auto::this_binary().context(key)?;
             let (kernels, line) = attention_auto::choose_flash(&exe, &c.run.device, at, attention_auto::TIMEOUT).context(key)?;
             model = model.with_attention(kernels.attention());
             flash = Some(kernels);

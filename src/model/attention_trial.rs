@@ -61,6 +61,15 @@ impl AttentionShape {
         let t = if self.t <= fits { self.t } else { (fits / CHECK_TILE * CHECK_TILE).max(CHECK_TILE).min(self.t) };
         Self { batch, t, ..self }
     }
+
+    /// How the output and the q, k, v gradients split into check blocks: per sequence, per
+    /// 64-row tile, per head.
+    fn blocks(self) -> [Blocks; 4] {
+        let tile = CHECK_TILE.min(self.t.max(1));
+        let q = Blocks { cols: self.heads * self.head_dim, seq_rows: self.t, block_rows: tile, block_cols: self.head_dim };
+        let kv = Blocks { cols: self.kv_heads * self.head_dim, ..q };
+        [q, q, kv, kv]
+    }
 }
 
 /// An attention implementation under trial: token-major `(q, k, v)` of `shape` to the output.
@@ -188,14 +197,15 @@ pub fn summary(outcomes: &[Outcome], shape: AttentionShape, settings: TrialSetti
             (None, _, _) => format!("{} not measured", o.name),
         })
         .collect();
+    let check = shape.check(settings.check_batch);
     format!(
         "median forward+backward of {}x{} tokens, {}/{} heads (check on {}x{}): {}",
         shape.batch,
         shape.t,
         shape.heads,
         shape.kv_heads,
-        shape.check(settings.check_batch).batch,
-        shape.check(settings.check_batch).t,
+        check.batch,
+        check.t,
         parts.join(", ")
     )
 }
@@ -210,17 +220,6 @@ pub fn check_flash(device: &Device, kernels: FlashKernels, shape: AttentionShape
         |q: &Tensor, k: &Tensor, v: &Tensor, s: AttentionShape| fused::causal_attention_tokens(q, k, v, s.batch, s.heads, s.kv_heads);
     let mut outcomes = trial(device, shape, &[(kernels.name(), &flash)], &reference, TrialSettings::flash())?;
     outcomes.pop().ok_or_else(|| anyhow::anyhow!("the trial gave no outcome"))
-}
-
-impl AttentionShape {
-    /// How the output and the q, k, v gradients split into check blocks: per sequence, per
-    /// 64-row tile, per head.
-    fn blocks(self) -> [Blocks; 4] {
-        let tile = CHECK_TILE.min(self.t.max(1));
-        let q = Blocks { cols: self.heads * self.head_dim, seq_rows: self.t, block_rows: tile, block_cols: self.head_dim };
-        let kv = Blocks { cols: self.kv_heads * self.head_dim, ..q };
-        [q, q, kv, kv]
-    }
 }
 
 /// Random q, k, v and an output gradient of one shape, on the host in f64.

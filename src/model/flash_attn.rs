@@ -78,6 +78,9 @@ pub enum FlashKernels {
 }
 
 impl FlashKernels {
+    /// Both implementations, the one measured on an H100 first.
+    pub const ALL: [FlashKernels; 2] = [FlashKernels::Wmma, FlashKernels::Mma];
+
     /// The name the train log gives the kernels (the `attention` value that picks them).
     pub fn name(self) -> &'static str {
         match self {
