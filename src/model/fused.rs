@@ -13,8 +13,9 @@
 //!   query rows, and the backward pass recomputes their probabilities (as flash attention does).
 //!
 //! Each op gives the same values as its [`ops`] counterpart (up to rounding) and is
-//! differentiable once through candle's autograd. Only `f32` and `f64` are supported; on a
-//! device other than the CPU the functions fall back to the [`ops`] composites.
+//! differentiable once through candle's autograd. Only `f32` and `f64` are supported (and bf16
+//! in the GPU formulation, see [`super::with_gpu_formulation`]); on a device other than the CPU
+//! the functions fall back to the [`ops`] composites.
 //!
 //! The inner loops are written to auto-vectorise (small register tiles for the matrix products,
 //! branch-free `exp` and `tanh` for `f32`) and are compiled twice: for the baseline target and
@@ -41,7 +42,9 @@ pub fn softcap_cross_entropy(logits: &Tensor, targets: &Tensor, cap: f64) -> Res
     if !logits.device().is_cpu() && !on_cuda {
         return ops::cross_entropy_rows(&ops::softcap(logits, cap)?, targets);
     }
-    if !on_cuda {
+    // The GPU formulation on the CPU reads bf16 logits as the kernel does.
+    let bf16_reference = super::gpu_path(logits) && logits.dtype() == DType::BF16;
+    if !on_cuda && !bf16_reference {
         check_float("softcap_cross_entropy", logits.dtype())?;
     }
     let (n, _) = logits.dims2()?;
@@ -603,6 +606,8 @@ impl CustomOp2 for SoftcapCe {
         }
         let rows = row_offsets(l1)?;
         let out = match s1 {
+            // The kernel's: bf16 logits read into f32, f32 losses.
+            CpuStorage::BF16(_) => return self.cpu_fwd(&super::host::widened(s1), l1, s2, l2),
             CpuStorage::F32(x) => CpuStorage::F32(softcap_ce_fwd(x, &rows, v, &targets, self.cap)),
             CpuStorage::F64(x) => CpuStorage::F64(softcap_ce_fwd(x, &rows, v, &targets, self.cap)),
             s => bail!("softcap_cross_entropy: unsupported dtype {:?}", s.dtype()),
@@ -655,6 +660,10 @@ impl CustomOp3 for SoftcapCeBwd {
         let Some((a, b)) = l3.contiguous_offsets().filter(|_| l3.dims() == [2, n] && targets.len() == n) else {
             bail!("softcap_cross_entropy backward: {} targets, losses and gradients {l3:?} for {n} rows", targets.len());
         };
+        if s1.dtype() == DType::BF16 {
+            // The kernel's: bf16 logits read into f32 (with f32 losses), their gradient in bf16.
+            return super::host::narrowed(self.cpu_fwd(&super::host::widened(s1), l1, s2, l2, s3, l3)?);
+        }
         let rows = row_offsets(l1)?;
         let out = match (s1, s3) {
             (CpuStorage::F32(x), CpuStorage::F32(lg)) => CpuStorage::F32(softcap_ce_bwd(x, &rows, v, &targets, &lg[a..b], self.cap)),
@@ -687,8 +696,8 @@ struct RmsNorm;
 const RMS_ROWS: usize = 64;
 
 #[inline(always)]
-fn rms_fwd_kernel<T: Real>(x: Rows<'_, T>, out: &mut [T]) {
-    let (d, eps) = (x.len, ops::rms_eps(T::DTYPE));
+fn rms_fwd_kernel<T: Real>(x: Rows<'_, T>, eps: f64, out: &mut [T]) {
+    let d = x.len;
     for (r, y) in out.chunks_exact_mut(d).enumerate() {
         let row = x.row(r);
         let rms = T::from_f64((dot_f64(row, row) / d as f64 + eps).sqrt());
@@ -700,13 +709,13 @@ fn rms_fwd_kernel<T: Real>(x: Rows<'_, T>, out: &mut [T]) {
 
 multiversion! {
     /// RMS norm of the rows of `x`.
-    fn rms_fwd_rows = rms_fwd_kernel(x: Rows<'_, T>, out: &mut [T]);
+    fn rms_fwd_rows = rms_fwd_kernel(x: Rows<'_, T>, eps: f64, out: &mut [T]);
 }
 
 /// `dx = (g - y * mean(g * y)) / r` with `y = x / r`, that is `g / r - x * sum(g * x) / (d r^3)`.
 #[inline(always)]
-fn rms_bwd_kernel<T: Real>(x: Rows<'_, T>, g: Rows<'_, T>, out: &mut [T]) {
-    let (d, eps) = (x.len, ops::rms_eps(T::DTYPE));
+fn rms_bwd_kernel<T: Real>(x: Rows<'_, T>, g: Rows<'_, T>, eps: f64, out: &mut [T]) {
+    let d = x.len;
     for (r, dx) in out.chunks_exact_mut(d).enumerate() {
         let (xr, gr) = (x.row(r), g.row(r));
         let rms = (dot_f64(xr, xr) / d as f64 + eps).sqrt();
@@ -720,28 +729,30 @@ fn rms_bwd_kernel<T: Real>(x: Rows<'_, T>, g: Rows<'_, T>, out: &mut [T]) {
 
 multiversion! {
     /// RMS norm gradient rows.
-    fn rms_bwd_rows = rms_bwd_kernel(x: Rows<'_, T>, g: Rows<'_, T>, out: &mut [T]);
+    fn rms_bwd_rows = rms_bwd_kernel(x: Rows<'_, T>, g: Rows<'_, T>, eps: f64, out: &mut [T]);
 }
 
-fn rms_fwd<T: Real>(x: &[T], rows: &[usize], d: usize) -> Vec<T> {
+/// RMS norm rows with `eps`: the epsilon of the input's dtype ([`ops::rms_eps`]), which for bf16
+/// rows computed in f32 is bf16's.
+fn rms_fwd<T: Real>(x: &[T], rows: &[usize], d: usize, eps: f64) -> Vec<T> {
     let x = Rows { data: x, offsets: rows, len: d };
     let mut out = vec![T::from_f64(0.0); rows.len() * d];
     if d > 0 {
         out.par_chunks_mut(RMS_ROWS * d).enumerate().for_each(|(c, out)| {
-            rms_fwd_rows(x.sub(c * RMS_ROWS..c * RMS_ROWS + out.len() / d), out);
+            rms_fwd_rows(x.sub(c * RMS_ROWS..c * RMS_ROWS + out.len() / d), eps, out);
         });
     }
     out
 }
 
 /// Gradient rows of RMS norm: `x` and `g` rows at the given offsets, `d` wide.
-fn rms_bwd<T: Real>(x: &[T], xrows: &[usize], g: &[T], grows: &[usize], d: usize) -> Vec<T> {
+fn rms_bwd<T: Real>(x: &[T], xrows: &[usize], g: &[T], grows: &[usize], d: usize, eps: f64) -> Vec<T> {
     let (xr, gr) = (Rows { data: x, offsets: xrows, len: d }, Rows { data: g, offsets: grows, len: d });
     let mut out = vec![T::from_f64(0.0); xrows.len() * d];
     if d > 0 {
         out.par_chunks_mut(RMS_ROWS * d).enumerate().for_each(|(c, out)| {
             let rows = c * RMS_ROWS..c * RMS_ROWS + out.len() / d;
-            rms_bwd_rows(xr.sub(rows.clone()), gr.sub(rows), out);
+            rms_bwd_rows(xr.sub(rows.clone()), gr.sub(rows), eps, out);
         });
     }
     out
@@ -756,8 +767,13 @@ impl CustomOp1 for RmsNorm {
         let rows = row_offsets(l)?;
         let d = l.dims().last().copied().unwrap_or(0);
         let out = match s {
-            CpuStorage::F32(x) => CpuStorage::F32(rms_fwd(x, &rows, d)),
-            CpuStorage::F64(x) => CpuStorage::F64(rms_fwd(x, &rows, d)),
+            CpuStorage::F32(x) => CpuStorage::F32(rms_fwd(x, &rows, d, ops::rms_eps(DType::F32))),
+            CpuStorage::F64(x) => CpuStorage::F64(rms_fwd(x, &rows, d, ops::rms_eps(DType::F64))),
+            // The kernel's: bf16 rows in f32 with bf16's epsilon, one rounding out.
+            CpuStorage::BF16(_) => {
+                let CpuStorage::F32(x) = &*super::host::widened(s) else { unreachable!("bf16 widens to f32") };
+                super::host::narrowed((CpuStorage::F32(rms_fwd(x, &rows, d, ops::rms_eps(DType::BF16))), l.shape().clone()))?.0
+            }
             s => bail!("rms_norm: unsupported dtype {:?}", s.dtype()),
         };
         Ok((out, l.shape().clone()))
@@ -791,8 +807,8 @@ impl CustomOp1 for RmsNormTo {
         let rows = row_offsets(l)?;
         let d = l.dims().last().copied().unwrap_or(0);
         let out = match s {
-            CpuStorage::F32(x) => to_storage(&rms_fwd(x, &rows, d), self.0)?,
-            CpuStorage::F64(x) => to_storage(&rms_fwd(x, &rows, d), self.0)?,
+            CpuStorage::F32(x) => to_storage(&rms_fwd(x, &rows, d, ops::rms_eps(DType::F32)), self.0)?,
+            CpuStorage::F64(x) => to_storage(&rms_fwd(x, &rows, d, ops::rms_eps(DType::F64)), self.0)?,
             s => bail!("rms_norm_to: unsupported dtype {:?}", s.dtype()),
         };
         Ok((out, l.shape().clone()))
@@ -834,8 +850,14 @@ impl CustomOp2 for RmsNormBwd {
             bail!("rms_norm backward: unsupported dtypes {:?}, {:?}", xs.dtype(), gs.dtype());
         }
         let out = match xs {
-            CpuStorage::F32(x) => CpuStorage::F32(rms_bwd(x, &xrows, &values_as::<f32>(gs)?, &grows, d)),
-            CpuStorage::F64(x) => CpuStorage::F64(rms_bwd(x, &xrows, &values_as::<f64>(gs)?, &grows, d)),
+            CpuStorage::F32(x) => CpuStorage::F32(rms_bwd(x, &xrows, &values_as::<f32>(gs)?, &grows, d, ops::rms_eps(DType::F32))),
+            CpuStorage::F64(x) => CpuStorage::F64(rms_bwd(x, &xrows, &values_as::<f64>(gs)?, &grows, d, ops::rms_eps(DType::F64))),
+            // The kernel's: bf16 rows in f32 with bf16's epsilon, one rounding out.
+            CpuStorage::BF16(_) => {
+                let CpuStorage::F32(x) = &*super::host::widened(xs) else { unreachable!("bf16 widens to f32") };
+                let dx = rms_bwd(x, &xrows, &values_as::<f32>(gs)?, &grows, d, ops::rms_eps(DType::BF16));
+                super::host::narrowed((CpuStorage::F32(dx), xl.shape().clone()))?.0
+            }
             _ => bail!("rms_norm backward: unsupported dtypes {:?}, {:?}", xs.dtype(), gs.dtype()),
         };
         Ok((out, xl.shape().clone()))
@@ -1131,6 +1153,27 @@ pub(in crate::model) mod tests {
 
     pub(super) fn targets(rng: &mut fastrand::Rng, n: usize, v: usize) -> Tensor {
         Tensor::from_vec((0..n).map(|_| rng.u32(0..v as u32)).collect::<Vec<_>>(), n, &Device::Cpu).unwrap()
+    }
+
+    /// The cross-entropy in bf16 on the CPU (the GPU formulation): the kernels' f32 losses of
+    /// the widened logits, and their gradient rounded once to bf16, bit for bit.
+    #[test]
+    fn softcap_ce_bf16_reference_is_the_f32_one_rounded_once() {
+        let mut rng = fastrand::Rng::with_seed(5);
+        let logits = rand(&mut rng, &[9, 40], 50.0, DType::BF16);
+        let t = targets(&mut rng, 9, 40);
+        let wide = logits.to_dtype(DType::F32).unwrap();
+        crate::model::with_gpu_formulation(|| {
+            let (l16, l32) = (softcap_cross_entropy(&logits, &t, 30.0).unwrap(), softcap_cross_entropy(&wide, &t, 30.0).unwrap());
+            assert_eq!(l16.dtype(), DType::F32);
+            assert_eq!(flat(&l16), flat(&l32));
+            let lg = Tensor::stack(&[&l32, &(l32.ones_like().unwrap() * 0.25).unwrap()], 0).unwrap();
+            let d16 = logits.apply_op3_no_bwd(&t, &lg, &SoftcapCeBwd { cap: 30.0 }).unwrap();
+            let d32 = wide.apply_op3_no_bwd(&t, &lg, &SoftcapCeBwd { cap: 30.0 }).unwrap();
+            assert_eq!(d16.dtype(), DType::BF16);
+            assert_eq!(flat(&d16), flat(&d32.to_dtype(DType::BF16).unwrap()));
+            assert!(flat(&d16).iter().any(|&v| v != 0.0));
+        });
     }
 
     pub(in crate::model) fn flat(t: &Tensor) -> Vec<f64> {
@@ -1444,12 +1487,12 @@ pub(in crate::model) mod tests {
         ce_bwd_rows(x, &targets, &loss, &g, 30.0, &mut b);
         close(&a, &b, "ce backward");
         let (mut a, mut b) = (vec![0.0f32; rows * v], vec![0.0f32; rows * v]);
-        rms_fwd_kernel(x, &mut a);
-        rms_fwd_rows(x, &mut b);
+        rms_fwd_kernel(x, ops::rms_eps(DType::F32), &mut a);
+        rms_fwd_rows(x, ops::rms_eps(DType::F32), &mut b);
         close(&a, &b, "rms forward");
         let (mut a, mut b) = (vec![0.0f32; rows * v], vec![0.0f32; rows * v]);
-        rms_bwd_kernel(x, x, &mut a);
-        rms_bwd_rows(x, x, &mut b);
+        rms_bwd_kernel(x, x, ops::rms_eps(DType::F32), &mut a);
+        rms_bwd_rows(x, x, ops::rms_eps(DType::F32), &mut b);
         close(&a, &b, "rms backward");
         // Attention with 2 query heads on one KV head; the same random rows serve as every input.
         let data: Vec<f32> = (0..2 * t * d).map(|_| rng.f32() * 2.0 - 1.0).collect();

@@ -28,6 +28,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, La
 use rayon::prelude::*;
 
 use super::{AttnDims, Real, attn_bwd_vecs, attn_fwd, check_float, cpu_slice, dot_f64};
+use crate::model::host::{narrowed, widened};
 use crate::model::ops;
 
 /// Rows per rayon task for the elementwise ops and the per-channel sums.
@@ -262,6 +263,9 @@ impl CustomOp2 for ScaleCols {
     }
 
     fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ss: &CpuStorage, sl: &Layout) -> Result<(CpuStorage, Shape)> {
+        if xs.dtype() == DType::BF16 {
+            return narrowed(self.cpu_fwd(&widened(xs), xl, &widened(ss), sl)?);
+        }
         if !super::same_or_narrower(xs.dtype(), self.0) {
             bail!("scale_cols: cannot write {:?} from {:?}", self.0, xs.dtype());
         }
@@ -338,6 +342,9 @@ impl CustomOp2 for ColumnDot {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let (_, c) = l1.shape().dims2()?;
         // `column_dot` checked the dtypes: `b`, when narrower, widens exactly.
+        if s1.dtype() == DType::BF16 {
+            return narrowed(self.cpu_fwd(&widened(s1), l1, &widened(s2), l2)?);
+        }
         let out = float_dispatch!(s1.dtype(), "column_dot", |T| wrap(column_dot_cpu::<T>(elems(s1, l1)?, &elems_as(s2, l2)?, c)));
         Ok((out, Shape::from(c)))
     }
@@ -453,6 +460,9 @@ impl CustomOp3 for ScaleAdd {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        if s1.dtype() == DType::BF16 {
+            return narrowed(self.cpu_fwd(&widened(s1), l1, &widened(s2), l2, &widened(s3), l3)?);
+        }
         // `x` may be narrower (a mixed pair, checked by `scale_add`): it widens exactly.
         let out =
             float_dispatch!(s1.dtype(), "scale_add", |T| wrap(scale_add_fwd::<T>(elems(s1, l1)?, &elems_as(s2, l2)?, elems(s3, l3)?)));
@@ -583,6 +593,9 @@ impl CustomOp3 for ResidMix {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        if s1.dtype() == DType::BF16 {
+            return narrowed(self.cpu_fwd(&widened(s1), l1, &widened(s2), l2, &widened(s3), l3)?);
+        }
         let out = float_dispatch!(s1.dtype(), "resid_mix", |T| wrap(mix_fwd::<T>(elems(s1, l1)?, elems(s2, l2)?, elems(s3, l3)?)));
         Ok((out, l1.shape().clone()))
     }
@@ -667,6 +680,9 @@ impl CustomOp1 for ReluSq {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        if s.dtype() == DType::BF16 {
+            return narrowed(self.cpu_fwd(&widened(s), l)?);
+        }
         let out = float_dispatch!(s.dtype(), "relu_sq", |T| wrap(relu_sq_fwd::<T>(elems(s, l)?)));
         Ok((out, l.shape().clone()))
     }
@@ -694,6 +710,9 @@ impl CustomOp2 for ReluSqBwd {
     fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, gs: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
         if xl.dims() != gl.dims() || xs.dtype() != gs.dtype() {
             bail!("relu_sq backward: gradient {:?} for x {:?}", gl.shape(), xl.shape());
+        }
+        if xs.dtype() == DType::BF16 {
+            return narrowed(self.cpu_fwd(&widened(xs), xl, &widened(gs), gl)?);
         }
         let out = float_dispatch!(xs.dtype(), "relu_sq", |T| {
             let (x, g) = (elems::<T>(xs, xl)?, elems::<T>(gs, gl)?);
@@ -1200,5 +1219,36 @@ mod tests {
         assert!(qk_norm_rope(&x, None, &cos, &sin, 2).is_err(), "6 columns are not 2 heads of 4");
         let x = rand(&mut rng, &[4, 8], 1.0, DType::F32);
         assert!(qk_norm_rope(&x, Some(&rand(&mut rng, &[3], 1.0, DType::F32)), &cos, &sin, 2).is_err());
+    }
+
+    /// The GPU formulation on the CPU in bf16 (what `pipeline parity` measures its expected
+    /// errors with) computes as the kernels do: each op's bf16 result is its f32 reference on the
+    /// inputs widened, rounded once to bf16, bit for bit.
+    #[test]
+    fn bf16_references_are_the_f32_ones_rounded_once() {
+        let mut rng = fastrand::Rng::with_seed(17);
+        let (x, g, sc) = (
+            rand(&mut rng, &[37, 24], 2.0, DType::BF16),
+            rand(&mut rng, &[37, 24], 1.0, DType::BF16),
+            rand(&mut rng, &[24], 1.5, DType::BF16),
+        );
+        let wide = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let bits = |t: &Tensor| t.to_dtype(DType::BF16).unwrap().flatten_all().unwrap().to_vec1::<half::bf16>().unwrap();
+        crate::model::with_gpu_formulation(|| {
+            let cases: [(&str, Tensor, Tensor); 4] = [
+                ("relu_sq", relu_sq(&x).unwrap(), relu_sq(&wide(&x)).unwrap()),
+                (
+                    "relu_sq backward",
+                    x.apply_op2_no_bwd(&g, &ReluSqBwd).unwrap(),
+                    wide(&x).apply_op2_no_bwd(&wide(&g), &ReluSqBwd).unwrap(),
+                ),
+                ("scale_cols", scale_cols(&x, &sc).unwrap(), scale_cols(&wide(&x), &wide(&sc)).unwrap()),
+                ("column_dot", column_dot(&g, &x).unwrap(), column_dot(&wide(&g), &wide(&x)).unwrap()),
+            ];
+            for (name, got, want) in cases {
+                assert_eq!(got.dtype(), DType::BF16, "{name}");
+                assert_eq!(bits(&got), bits(&want), "{name}");
+            }
+        });
     }
 }

@@ -24,3 +24,23 @@ pub(super) fn from_f64(op: &str, v: Vec<f64>, dtype: DType) -> Result<CpuStorage
         dt => bail!("{op}: unsupported dtype {dt:?}"),
     })
 }
+
+/// `s` with bf16 values widened to f32 (exactly); other dtypes as they are. A kernel reading
+/// bf16 computes in f32: a CPU reference handed bf16 inputs runs its f32 code on them, then
+/// [`narrowed`] rounds its output once, as the kernel's store does.
+pub(super) fn widened(s: &CpuStorage) -> std::borrow::Cow<'_, CpuStorage> {
+    use std::borrow::Cow;
+    match s {
+        CpuStorage::BF16(v) => Cow::Owned(CpuStorage::F32(v.iter().map(|x| x.to_f32()).collect())),
+        s => Cow::Borrowed(s),
+    }
+}
+
+/// An f32 output of a CPU reference run on [`widened`] bf16 inputs, rounded to bf16 (to nearest
+/// even); an output already narrower (a mixed op's) as it is.
+pub(super) fn narrowed((s, shape): (CpuStorage, candle_core::Shape)) -> Result<(CpuStorage, candle_core::Shape)> {
+    Ok(match s {
+        CpuStorage::F32(v) => (CpuStorage::BF16(v.into_iter().map(half::bf16::from_f32).collect()), shape),
+        s => (s, shape),
+    })
+}

@@ -44,18 +44,21 @@ thread_local! {
 
 /// Whether `x` takes the GPU formulation of the model's ops (the kernels of `kernels/fused.cu`
 /// around cuBLAS products, see [`fused`]): on a CUDA device in f32 or bf16; on the CPU only
-/// inside [`with_gpu_formulation`], where the same graph runs on the kernels' CPU references.
+/// inside [`with_gpu_formulation`], where the same graph runs on the kernels' CPU references
+/// (in f64, f32, or bf16 as the kernels compute it: inputs widened to f32, one rounding on the
+/// way out).
 pub(crate) fn gpu_path(x: &Tensor) -> bool {
     let dev = x.device();
     if dev.is_cuda() {
         matches!(x.dtype(), DType::F32 | DType::BF16)
     } else {
-        dev.is_cpu() && GPU_FORMULATION_ON_CPU.with(Cell::get) && matches!(x.dtype(), DType::F32 | DType::F64)
+        dev.is_cpu() && GPU_FORMULATION_ON_CPU.with(Cell::get) && matches!(x.dtype(), DType::F32 | DType::F64 | DType::BF16)
     }
 }
 
 /// Runs `f` (forward and backward passes) with CPU tensors taking the GPU formulation: the GPU
 /// graph's assembly and backward wiring, checked on a machine without a GPU (this thread only).
+/// In bf16 it also gives the errors the GPU's rounding should have (`pipeline parity`'s bounds).
 pub fn with_gpu_formulation<R>(f: impl FnOnce() -> R) -> R {
     struct Reset(bool);
     impl Drop for Reset {
