@@ -8,7 +8,7 @@
 #     TOKENIZER  the matching sentencepiece model (e.g. fineweb_1024_bpe.model)
 #
 # (a) parity: a small seeded GPT's loss and gradients on cuda:0 (f32, then bf16) against the CPU
-#     in f64 (`pipeline parity`; exit 1 beyond tolerance);
+#     in f64 (`pipeline parity`; exit 1 when an error is beyond its bound);
 # (b) throughput: the baseline model (pipelines/baseline.toml: 524,288 tokens per step, seq
 #     1024) for STEPS steps (default 30), printing ms/step and tokens/s from the report, with
 #     attention = "auto"'s trial of the two flash implementations (train.log); then the same run

@@ -293,9 +293,12 @@ fn cmd_parity(device: &str, dtype: &str, seed: u64, json: bool) -> i32 {
             } else {
                 println!("parity {} {} vs cpu f64: loss {:.6} vs {:.6}", r.device, r.dtype, r.loss.0, r.loss.1);
                 for c in &r.compared {
-                    println!("  {:<32} rel_err {:.3e}", c.name, c.rel_err);
+                    let expected = c.expected.map(|x| format!(" (expected {x:.1e})")).unwrap_or_default();
+                    let verdict = if c.ok() { "" } else { "  FAILED" };
+                    println!("  {:<32} rel_err {:.3e}  bound {:.1e}{expected}{verdict}", c.name, c.rel_err, c.bound);
                 }
-                println!("max rel_err {:.3e} (tolerance {:.0e}): {}", r.max_rel_err, r.tolerance, if r.ok { "ok" } else { "FAILED" });
+                println!("bounds: {}", r.rule);
+                println!("max rel_err {:.3e}: {}", r.max_rel_err, if r.ok { "ok, every error within its bound" } else { "FAILED" });
             }
             if r.ok { 0 } else { 1 }
         }

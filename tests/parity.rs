@@ -17,6 +17,17 @@ fn cpu_parity_passes_and_reports_every_parameter() {
     assert_eq!(names[0], "loss");
     assert!(names.contains(&"tok_emb.weight") && names.contains(&"blocks.1.mlp.proj.weight"), "{names:?}");
     assert!(r["max_rel_err"].as_f64().unwrap() <= r["tolerance"].as_f64().unwrap());
+
+    // bf16: each quantity carries the error bf16 rounding alone gives it, and its bound.
+    let o = bin().args(["parity", "--dtype", "bf16", "--json"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    for c in r["compared"].as_array().unwrap() {
+        let (e, x, b) = (c["rel_err"].as_f64().unwrap(), c["expected"].as_f64().unwrap(), c["bound"].as_f64().unwrap());
+        // (serde_json parses floats to within an ulp)
+        assert!(e <= b && x > 0.0 && (b - pipeline::parity::bf16_bound(x)).abs() <= 1e-12 * b, "{c}");
+    }
+    assert!(r["rule"].as_str().unwrap().contains("expected"), "{r}");
 }
 
 #[test]
