@@ -21,13 +21,33 @@ pub const MARGIN: f64 = 0.05;
 /// How long one implementation's trial process may take (device start-up included).
 pub const TIMEOUT: Duration = Duration::from_secs(180);
 
+/// What `attention = "auto"` chose, and why: the step executor logs `line` and publishes the
+/// rest in the report's `train.attention_auto`.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Choice {
+    /// The implementation taken.
+    #[serde(serialize_with = "kernels_name")]
+    pub kernels: FlashKernels,
+    /// Each implementation's trial, in [`FlashKernels::ALL`]'s order; one whose trial could
+    /// not run is left out with the reason.
+    pub outcomes: Vec<Outcome>,
+    /// Whether `kernels` was taken without a trial (the trials could not run).
+    pub untried: bool,
+    /// The train log's account of the trials.
+    pub line: String,
+}
+
+fn kernels_name<S: serde::Serializer>(k: &FlashKernels, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(k.name())
+}
+
 /// The flash kernels `attention = "auto"` trains with on `device` ("cuda:N") for micro-batches
-/// of `shape`, each implementation tried by `exe attention-trial` (this binary), and the train
-/// log's account of the trials. Where the trial itself cannot run (no process, or one that
+/// of `shape`, each implementation tried by `exe attention-trial` (this binary), with the
+/// trials' account. Where the trial itself cannot run (no process, or one that
 /// fails before judging a kernel: the GPU held exclusively by this process, say), the WMMA
 /// kernels, as without a trial, and the account says so. An error, naming every reason, where
 /// the trials ran and neither implementation passed.
-pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Duration) -> anyhow::Result<(FlashKernels, String)> {
+pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Duration) -> anyhow::Result<Choice> {
     let kinds = FlashKernels::ALL;
     let results: Vec<TrialResult> =
         kinds.iter().map(|&k| outcome_of(k.name(), run(&mut trial_command(exe, device, k, shape), timeout))).collect();
@@ -41,7 +61,8 @@ pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Du
         .collect();
     let line = summary(&outcomes, shape, TrialSettings::flash());
     if matches!(results[0], TrialResult::NotRun(_)) {
-        return Ok((FlashKernels::Wmma, format!("{line}; flash (WMMA) taken without a trial")));
+        let line = format!("{line}; flash (WMMA) taken without a trial");
+        return Ok(Choice { kernels: FlashKernels::Wmma, outcomes, untried: true, line });
     }
     let best = choose(&outcomes, MARGIN).ok_or_else(|| {
         anyhow::anyhow!(
@@ -49,7 +70,7 @@ pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Du
         )
     })?;
     let chosen = kinds.into_iter().zip(&outcomes).find(|(_, o)| std::ptr::eq(*o, best)).map(|(k, _)| k);
-    Ok((chosen.unwrap_or(FlashKernels::Wmma), line))
+    Ok(Choice { kernels: chosen.unwrap_or(FlashKernels::Wmma), outcomes, untried: false, line })
 }
 
 /// The binary the trials run: this process's own, even if its file was replaced since it
@@ -239,8 +260,13 @@ mod tests {
     #[test]
     fn a_trial_that_cannot_run_keeps_the_wmma_kernels() {
         let shape = AttentionShape { batch: 2, t: 128, heads: 2, kv_heads: 1, head_dim: 64 };
-        let (k, line) = choose_flash(Path::new("/nonexistent/pipeline"), "cuda:0", shape, TIMEOUT).unwrap();
-        assert_eq!(k, FlashKernels::Wmma);
+        let choice = choose_flash(Path::new("/nonexistent/pipeline"), "cuda:0", shape, TIMEOUT).unwrap();
+        assert_eq!(choice.kernels, FlashKernels::Wmma);
+        assert!(choice.untried && choice.outcomes.len() == 2, "{choice:?}");
+        let json = serde_json::to_value(&choice).unwrap();
+        assert_eq!(json["kernels"], "flash");
+        assert!(json["outcomes"][1]["rejected"].as_str().unwrap().contains("trial could not run"), "{json}");
+        let line = choice.line;
         assert!(
             line.contains("flash left out (trial could not run: trial process could not start")
                 && line.ends_with("flash (WMMA) taken without a trial"),

@@ -118,6 +118,10 @@ pub struct Candle {
     shape: BatchShape,
     vocab: u32,
     unigram_bpb: Option<f64>,
+    /// On a GPU, the attention trained with (`flash`, `flash_mma`, `materialized`).
+    attention: Option<&'static str>,
+    /// `attention = "auto"`'s trials and choice.
+    auto_choice: Option<attention_auto::Choice>,
     weights_path: Option<std::path::PathBuf>,
     started: bool,
     done: bool,
@@ -195,7 +199,7 @@ impl Transform for Candle {
         let mut flash = model.flash_kernels(c.train.seq_len).context("stage `step_executor`, key `attention`")?;
         // "auto" on a GPU: both flash implementations tried at this run's shapes, each in a
         // process of its own, the faster that agrees taken.
-        let mut trial_line = None;
+        let mut auto_choice = None;
         if p.attention == Attention::Auto && flash.is_some() {
             let m = &c.model;
             let at = AttentionShape {
@@ -207,10 +211,10 @@ impl Transform for Candle {
             };
             let key = "stage `step_executor`, key `attention` = \"auto\"";
             let exe = attention_auto::this_binary().context(key)?;
-            let (kernels, line) = attention_auto::choose_flash(&exe, &c.run.device, at, attention_auto::TIMEOUT).context(key)?;
-            model = model.with_attention(kernels.attention());
-            flash = Some(kernels);
-            trial_line = Some(line);
+            let choice = attention_auto::choose_flash(&exe, &c.run.device, at, attention_auto::TIMEOUT).context(key)?;
+            model = model.with_attention(choice.kernels.attention());
+            flash = Some(choice.kernels);
+            auto_choice = Some(choice);
         }
         if let Some(path) = &c.train.init_weights {
             let tensors = crate::weights::load(path, None).context("`train.init_weights`")?;
@@ -240,8 +244,8 @@ impl Transform for Candle {
         if !device.is_cpu() {
             let timing = if p.sync_phases { "device (synchronised per phase)" } else { "device (CUDA events, no sync per phase)" };
             log.line(&format!("attention:{} phase_times:{timing}", flash.map_or("materialized", |k| k.name())));
-            if let Some(line) = trial_line {
-                log.line(&format!("attention_auto: {line}"));
+            if let Some(choice) = &auto_choice {
+                log.line(&format!("attention_auto: {}", choice.line));
             }
         }
         let resumed_from = trainer.step();
@@ -258,6 +262,8 @@ impl Transform for Candle {
             shape,
             vocab: c.model.vocab_size as u32,
             unigram_bpb,
+            attention: (!device.is_cpu()).then(|| flash.map_or("materialized", |k| k.name())),
+            auto_choice,
             weights_path: (c.train.save_weights).then(|| ctx.run_dir.map(|d| d.join("final_model.safetensors"))).flatten(),
             started: false,
             done: false,
@@ -703,6 +709,8 @@ impl Candle {
                 "val_bytes": last.map(|a| a.bytes()),
                 "val_split_tokens": self.validator.split_targets(),
                 "unigram_bpb": self.unigram_bpb,
+                "attention": self.attention,
+                "attention_auto": self.auto_choice,
                 "val_time_ms": val_time_ms,
                 "validations": self.vals,
                 "model_params": self.trainer.model().param_count(),
