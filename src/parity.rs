@@ -5,13 +5,17 @@
 //! This is part (a) of `scripts/gpu-check.sh`; on a CPU build it checks the f32 path (fused
 //! CPU ops) against f64.
 //!
-//! In f32 the bound is one tolerance. In bf16 it is each quantity's own: bf16 rounding alone
-//! takes some gradients of the toy model 4e-2 to 1.4e-1 from f64 (the q and k projections',
-//! through the softmax's cancellation; 5e-3 for the MLP's), so one tolerance is either too
-//! loose for most quantities or fails on rounding. Each bound is [`EXPECTED_FACTOR`] times the
-//! error the device's formulation *should* have: the same graph in bf16 on the kernels' CPU
-//! references ([`crate::model::with_gpu_formulation`]), RMS over [`DRAWS`] draws of the
-//! rounding, and at least [`EXPECTED_FLOOR`].
+//! In f32 the bound is one tolerance. In bf16 it is each quantity's own: the bf16 graph takes
+//! some gradients of the toy model 4e-2 to 1.4e-1 from f64 (the q and k projections'; 5e-3 for
+//! the MLP's), so one tolerance is either too loose for most quantities or fails on a correct
+//! device. Most of the q and k share is not rounding but the epsilon of their RMS norm, which
+//! reads bf16 rows and so takes bf16's (7.8e-3, as PyTorch's `F.rms_norm` under autocast; the
+//! reference's is f64's): with f64's epsilon there, their expected error is 1.0e-2 instead of
+//! 4.2e-2 at seed 1. Each bound is [`EXPECTED_FACTOR`] times the error the device's formulation
+//! *should* have: the same graph in bf16 on the kernels' CPU references
+//! ([`crate::model::with_gpu_formulation`]), RMS over [`DRAWS`] draws of the rounding, at least
+//! [`EXPECTED_FLOOR`] ([`LOSS_FLOOR`] for the loss). On a CPU device, whose bf16 graph differs
+//! (f32 activations), the bounds are still the GPU formulation's.
 
 use std::collections::HashMap;
 
@@ -46,6 +50,17 @@ impl Compared {
     pub fn ok(&self) -> bool {
         self.rel_err <= self.bound
     }
+
+    /// `rel_err / bound`, 0 for a zero bound met and infinite for one missed (NaN stays NaN).
+    pub fn ratio(&self) -> f64 {
+        if self.bound > 0.0 || self.rel_err.is_nan() {
+            self.rel_err / self.bound
+        } else if self.rel_err == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        }
+    }
 }
 
 /// What `pipeline parity` found.
@@ -65,6 +80,9 @@ pub struct ParityReport {
     pub tolerance: f64,
     /// How the bounds were set, in words.
     pub rule: String,
+    /// The largest `rel_err / bound` (0 for an exact zero bound met; infinite for one missed):
+    /// at most 1 when `ok`.
+    pub worst_ratio: f64,
     /// Whether every error is within its bound.
     pub ok: bool,
 }
@@ -82,17 +100,26 @@ pub fn tolerance(dtype: DType) -> f64 {
     }
 }
 
-/// A bf16 quantity's bound is this many times its expected error. Measured on the CPU (24
-/// seeds, 23 quantities): a fresh draw of the rounding is at most 1.6 times the RMS of three
-/// others; the GPU's kernels round a little more (flash attention's probabilities in bf16).
+/// A bf16 quantity's bound is this many times its expected error. Measured on the CPU
+/// (`bf16_bound_margin`, ignored: 24 seeds, 23 quantities, 4 fresh draws each): a fresh draw
+/// of the rounding is at most 1.62 times the RMS of three others; the GPU's kernels round a
+/// little more (flash attention's probabilities in bf16).
 pub const EXPECTED_FACTOR: f64 = 4.0;
 
-/// The smallest bound in bf16: a few roundings (the loss's expected error is about 1e-6).
+/// The smallest bound of a bf16 gradient: a few roundings.
 pub const EXPECTED_FLOOR: f64 = 1e-2;
 
-/// Draws of the rounding behind an expected error: the weights scaled by `1 + j * 1e-3 * u`
-/// (`u` uniform in [0, 1), draw `j`), which moves where values round, not the problem.
+/// The smallest bound of the bf16 loss, a mean over 256 tokens whose expected error is about
+/// 3e-6.
+pub const LOSS_FLOOR: f64 = 1e-4;
+
+/// Draws of the rounding behind an expected error: the weights scaled by `1 + j * s * u` (`u`
+/// uniform in [-1, 1), draw `j`, `s` = [`DRAW_STEP`]), which moves where values round (each
+/// draw against its own f64 reference).
 pub const DRAWS: usize = 3;
+
+/// One bf16 step (2^-8): a draw moves most values across a rounding boundary.
+pub const DRAW_STEP: f64 = 1.0 / 256.0;
 
 /// The toy model: vocabulary 256, 2 layers, width 64, 4 heads, 2 KV heads.
 fn toy() -> ModelConfig {
@@ -150,7 +177,8 @@ impl Problem {
         let mut rng = fastrand::Rng::with_seed(self.seed ^ 0xd4a3 ^ j as u64);
         let mut state = HashMap::new();
         for (name, t) in &self.state {
-            let v: Vec<f64> = t.flatten_all()?.to_vec1::<f64>()?.iter().map(|w| w * (1.0 + j as f64 * 1e-3 * rng.f64())).collect();
+            let v: Vec<f64> =
+                t.flatten_all()?.to_vec1::<f64>()?.iter().map(|w| w * (1.0 + j as f64 * DRAW_STEP * (2.0 * rng.f64() - 1.0))).collect();
             state.insert(name.clone(), Tensor::from_vec(v, t.dims(), &Device::Cpu)?);
         }
         Ok(Self { seed: self.seed, state, x: self.x.clone(), y: self.y.clone() })
@@ -204,9 +232,14 @@ fn expected_bf16(problem: &Problem, draw0: &Named) -> anyhow::Result<Vec<f64>> {
     Ok(sq.into_iter().map(f64::sqrt).collect())
 }
 
-/// A bf16 quantity's bound from its expected error.
+/// A bf16 gradient's bound from its expected error.
 pub fn bf16_bound(expected: f64) -> f64 {
     (EXPECTED_FACTOR * expected).max(EXPECTED_FLOOR)
+}
+
+/// The bf16 loss's bound from its expected error.
+pub fn bf16_loss_bound(expected: f64) -> f64 {
+    (EXPECTED_FACTOR * expected).max(LOSS_FLOOR)
 }
 
 /// The model's quantities, `got` in `dtype` against the f64 `reference` of `problem`, each
@@ -217,7 +250,10 @@ fn model_comparisons(problem: &Problem, reference: &Named, got: &Named, dtype: D
         let expected = expected_bf16(problem, reference)?;
         errs.into_iter()
             .zip(expected)
-            .map(|((name, rel_err), x)| Compared { name, rel_err, expected: Some(x), bound: bf16_bound(x) })
+            .map(|((name, rel_err), x)| {
+                let bound = if name == "loss" { bf16_loss_bound(x) } else { bf16_bound(x) };
+                Compared { name, rel_err, expected: Some(x), bound }
+            })
             .collect()
     } else {
         errs.into_iter().map(|(name, e)| Compared::fixed(name, e, tolerance(dtype))).collect()
@@ -243,8 +279,9 @@ pub fn run(device: &Device, device_name: &str, dtype: DType, seed: u64) -> anyho
     }
     let rule = if dtype == DType::BF16 {
         format!(
-            "model: max({EXPECTED_FACTOR} x expected, {EXPECTED_FLOOR:.0e}), expected = the same graph in bf16 on the CPU's \
-             kernel references (RMS of {DRAWS} draws); kernels: the same, expected = the op's CPU reference in bf16"
+            "model: max({EXPECTED_FACTOR} x expected, {EXPECTED_FLOOR:.0e}; loss {LOSS_FLOOR:.0e}), expected = the GPU's graph \
+             in bf16 on the CPU's kernel references (RMS of {DRAWS} draws); kernels: the same, expected = the op's CPU \
+             reference in bf16"
         )
     } else {
         format!("{tol:.0e}")
@@ -254,6 +291,7 @@ pub fn run(device: &Device, device_name: &str, dtype: DType, seed: u64) -> anyho
         dtype: if dtype == DType::BF16 { "bf16 matmuls, f32 weights".into() } else { format!("{dtype:?}").to_lowercase() },
         loss: (got.0, reference.0),
         max_rel_err: worst(compared.iter().map(|c| c.rel_err)),
+        worst_ratio: worst(compared.iter().map(Compared::ratio)),
         ok: compared.iter().all(Compared::ok),
         compared,
         tolerance: tol,
@@ -406,7 +444,11 @@ mod tests {
     fn cpu_mixed_bf16_is_within_its_bounds() {
         let r = run(&Device::Cpu, "cpu", DType::BF16, 3).unwrap();
         assert!(r.ok, "{r:?}");
-        assert!(r.compared.iter().all(|c| c.expected.is_some() && c.bound >= EXPECTED_FLOOR), "{r:?}");
+        for c in &r.compared {
+            let floor = if c.name == "loss" { LOSS_FLOOR } else { EXPECTED_FLOOR };
+            assert!(c.expected.is_some() && c.bound >= floor, "{c:?}");
+        }
+        assert!(r.worst_ratio > 0.0 && r.worst_ratio <= 1.0, "{}", r.worst_ratio);
         let f32 = run(&Device::Cpu, "cpu", DType::F32, 3).unwrap();
         assert!(r.max_rel_err > 2.0 * f32.max_rel_err, "bf16 {} vs f32 {}", r.max_rel_err, f32.max_rel_err);
     }
@@ -454,8 +496,7 @@ mod tests {
         // 5e-2: the one bf16 tolerance this check had before.
         assert!(worst(judged.iter().map(|c| c.rel_err)) < 5e-2, "{judged:?}");
 
-        let honest = crate::model::with_gpu_formulation(|| problem.on(&Device::Cpu, DType::BF16)).unwrap();
-        assert!(model_comparisons(&problem, &reference, &honest, DType::BF16).unwrap().iter().all(Compared::ok));
+        // (A correct device passing: `expected_errors_are_bf16_rounding`, on a draw of its own.)
     }
 
     /// Every kernel check in bf16 on the CPU references (what the GPU's are bounded by): each
@@ -479,5 +520,37 @@ mod tests {
         assert!(!Compared::fixed("x".into(), f64::NAN, 1.0).ok());
         assert!(Compared::fixed("copies".into(), 0.0, 0.0).ok());
         assert!(!Compared::fixed("copies".into(), 1.0, 0.0).ok());
+        assert_eq!(Compared::fixed("copies".into(), 0.0, 0.0).ratio(), 0.0);
+        assert_eq!(Compared::fixed("copies".into(), 2.0, 0.0).ratio(), f64::INFINITY);
+        assert!(Compared::fixed("x".into(), f64::NAN, 1.0).ratio().is_nan());
+        assert_eq!(Compared::fixed("x".into(), 1e-3, 1e-2).ratio(), 0.1);
+    }
+
+    /// The measurement behind [`EXPECTED_FACTOR`] (slow: `cargo test --release --lib
+    /// bf16_bound_margin -- --ignored --nocapture`): over 24 seeds, each of 4 fresh draws of
+    /// the rounding (draws 3 to 6) against the RMS of draws 0 to 2, the largest ratio of a
+    /// gradient's error (beyond 1e-3) to its expected error.
+    #[test]
+    #[ignore]
+    fn bf16_bound_margin() {
+        let mut overall: f64 = 0.0;
+        for seed in 1..25 {
+            let problem = Problem::new(seed).unwrap();
+            let expected = expected_bf16(&problem, &problem.reference().unwrap()).unwrap();
+            let mut worst_here = (0.0, String::new());
+            for j in DRAWS..DRAWS + 4 {
+                let p = problem.draw(j).unwrap();
+                let got = crate::model::with_gpu_formulation(|| p.on(&Device::Cpu, DType::BF16)).unwrap();
+                for ((name, e), x) in errors(&got, &p.reference().unwrap()).into_iter().zip(&expected) {
+                    if e > 1e-3 && e / x > worst_here.0 {
+                        worst_here = (e / x, name);
+                    }
+                }
+            }
+            eprintln!("seed {seed}: largest error / expected {:.2} ({})", worst_here.0, worst_here.1);
+            overall = overall.max(worst_here.0);
+        }
+        eprintln!("over all seeds: {overall:.2} (factor {EXPECTED_FACTOR})");
+        assert!(overall < EXPECTED_FACTOR / 2.0, "{overall}");
     }
 }

@@ -263,11 +263,12 @@ impl CustomOp2 for ScaleCols {
     }
 
     fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ss: &CpuStorage, sl: &Layout) -> Result<(CpuStorage, Shape)> {
-        if xs.dtype() == DType::BF16 {
-            return narrowed(self.cpu_fwd(&widened(xs), xl, &widened(ss), sl)?);
-        }
         if !super::same_or_narrower(xs.dtype(), self.0) {
             bail!("scale_cols: cannot write {:?} from {:?}", self.0, xs.dtype());
+        }
+        if xs.dtype() == DType::BF16 {
+            // bf16 writes bf16 (checked above): the f32 code's output, rounded once.
+            return narrowed(ScaleCols(DType::F32).cpu_fwd(&widened(xs), xl, &widened(ss), sl)?);
         }
         let out = float_dispatch!(xs.dtype(), "scale_cols", |T| {
             let (x, sc) = (elems::<T>(xs, xl)?, elems::<T>(ss, sl)?);
