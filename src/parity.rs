@@ -214,16 +214,16 @@ fn errors(got: &Named, want: &Named) -> Vec<(String, f64)> {
 fn expected_bf16(problem: &Problem, draw0: &Named) -> anyhow::Result<Vec<f64>> {
     let mut sq: Vec<f64> = Vec::new();
     for j in 0..DRAWS {
-        let drawn;
+        let (drawn, own);
         let (p, reference) = if j == 0 {
-            (problem, draw0.clone())
+            (problem, draw0)
         } else {
             drawn = problem.draw(j)?;
-            let r = drawn.reference()?;
-            (&drawn, r)
+            own = drawn.reference()?;
+            (&drawn, &own)
         };
         let emulated = crate::model::with_gpu_formulation(|| p.on(&Device::Cpu, DType::BF16))?;
-        let e = errors(&emulated, &reference);
+        let e = errors(&emulated, reference);
         sq.resize(e.len(), 0.0);
         for (s, (_, e)) in sq.iter_mut().zip(e) {
             *s += e * e / DRAWS as f64;
@@ -232,14 +232,11 @@ fn expected_bf16(problem: &Problem, draw0: &Named) -> anyhow::Result<Vec<f64>> {
     Ok(sq.into_iter().map(f64::sqrt).collect())
 }
 
-/// A bf16 gradient's bound from its expected error.
-pub fn bf16_bound(expected: f64) -> f64 {
-    (EXPECTED_FACTOR * expected).max(EXPECTED_FLOOR)
-}
-
-/// The bf16 loss's bound from its expected error.
-pub fn bf16_loss_bound(expected: f64) -> f64 {
-    (EXPECTED_FACTOR * expected).max(LOSS_FLOOR)
+/// The bf16 bound of the quantity `name` (`loss`, a parameter's gradient, a kernel check) from
+/// its expected error.
+pub fn bf16_bound(name: &str, expected: f64) -> f64 {
+    let floor = if name == "loss" { LOSS_FLOOR } else { EXPECTED_FLOOR };
+    (EXPECTED_FACTOR * expected).max(floor)
 }
 
 /// The model's quantities, `got` in `dtype` against the f64 `reference` of `problem`, each
@@ -250,10 +247,7 @@ fn model_comparisons(problem: &Problem, reference: &Named, got: &Named, dtype: D
         let expected = expected_bf16(problem, reference)?;
         errs.into_iter()
             .zip(expected)
-            .map(|((name, rel_err), x)| {
-                let bound = if name == "loss" { bf16_loss_bound(x) } else { bf16_bound(x) };
-                Compared { name, rel_err, expected: Some(x), bound }
-            })
+            .map(|((name, rel_err), x)| Compared { bound: bf16_bound(&name, x), name, rel_err, expected: Some(x) })
             .collect()
     } else {
         errs.into_iter().map(|(name, e)| Compared::fixed(name, e, tolerance(dtype))).collect()
@@ -403,7 +397,8 @@ pub fn kernel_checks(device: &Device, dtype: DType, seed: u64) -> anyhow::Result
             let (emu_y, emu_dx) = crate::model::with_gpu_formulation(|| run(&Device::Cpu, DType::BF16))?;
             let expected = [rel_err(&emu_y, &want_y), rel_err(&emu_dx, &want_dx)];
             for ((what, e), x) in errs.into_iter().zip(expected) {
-                out.push(Compared { name: format!("kernel {name} {shape:?} {what}"), rel_err: e, expected: Some(x), bound: bf16_bound(x) });
+                let name = format!("kernel {name} {shape:?} {what}");
+                out.push(Compared { bound: bf16_bound(&name, x), name, rel_err: e, expected: Some(x) });
             }
         } else {
             for (what, e) in errs {
@@ -475,7 +470,7 @@ mod tests {
         let fresh_ref = fresh.reference().unwrap();
         let got = crate::model::with_gpu_formulation(|| fresh.on(&Device::Cpu, DType::BF16)).unwrap();
         for ((name, e), x) in errors(&got, &fresh_ref).into_iter().zip(&expected) {
-            assert!(e <= bf16_bound(*x), "{name}: {e} vs expected {x}");
+            assert!(e <= bf16_bound(&name, *x), "{name}: {e} vs expected {x}");
         }
     }
 

@@ -25,7 +25,7 @@ fn cpu_parity_passes_and_reports_every_parameter() {
     for c in r["compared"].as_array().unwrap() {
         let (e, x, b) = (c["rel_err"].as_f64().unwrap(), c["expected"].as_f64().unwrap(), c["bound"].as_f64().unwrap());
         // (serde_json parses floats to within an ulp)
-        let want = if c["name"] == "loss" { pipeline::parity::bf16_loss_bound(x) } else { pipeline::parity::bf16_bound(x) };
+        let want = pipeline::parity::bf16_bound(c["name"].as_str().unwrap(), x);
         assert!(e <= b && x > 0.0 && (b - want).abs() <= 1e-12 * b, "{c}");
     }
     assert!(r["rule"].as_str().unwrap().contains("expected"), "{r}");

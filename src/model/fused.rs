@@ -766,17 +766,16 @@ impl CustomOp1 for RmsNorm {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let rows = row_offsets(l)?;
         let d = l.dims().last().copied().unwrap_or(0);
-        let out = match s {
-            CpuStorage::F32(x) => CpuStorage::F32(rms_fwd(x, &rows, d, ops::rms_eps(DType::F32))),
-            CpuStorage::F64(x) => CpuStorage::F64(rms_fwd(x, &rows, d, ops::rms_eps(DType::F64))),
-            // The kernel's: bf16 rows in f32 with bf16's epsilon, one rounding out.
-            CpuStorage::BF16(_) => {
-                let CpuStorage::F32(x) = &*super::host::widened(s) else { unreachable!("bf16 widens to f32") };
-                super::host::narrowed((CpuStorage::F32(rms_fwd(x, &rows, d, ops::rms_eps(DType::BF16))), l.shape().clone()))?.0
-            }
+        // The epsilon of the dtype held, as the kernel's: bf16 rows run in f32 with bf16's, and
+        // their output is rounded once.
+        let eps = ops::rms_eps(s.dtype());
+        let out = match &*super::host::widened(s) {
+            CpuStorage::F32(x) => CpuStorage::F32(rms_fwd(x, &rows, d, eps)),
+            CpuStorage::F64(x) => CpuStorage::F64(rms_fwd(x, &rows, d, eps)),
             s => bail!("rms_norm: unsupported dtype {:?}", s.dtype()),
         };
-        Ok((out, l.shape().clone()))
+        let out = (out, l.shape().clone());
+        if s.dtype() == DType::BF16 { super::host::narrowed(out) } else { Ok(out) }
     }
 
     #[cfg(feature = "cuda")]
@@ -849,18 +848,15 @@ impl CustomOp2 for RmsNormBwd {
         if !same_or_narrower(xs.dtype(), gs.dtype()) {
             bail!("rms_norm backward: unsupported dtypes {:?}, {:?}", xs.dtype(), gs.dtype());
         }
-        let out = match xs {
-            CpuStorage::F32(x) => CpuStorage::F32(rms_bwd(x, &xrows, &values_as::<f32>(gs)?, &grows, d, ops::rms_eps(DType::F32))),
-            CpuStorage::F64(x) => CpuStorage::F64(rms_bwd(x, &xrows, &values_as::<f64>(gs)?, &grows, d, ops::rms_eps(DType::F64))),
-            // The kernel's: bf16 rows in f32 with bf16's epsilon, one rounding out.
-            CpuStorage::BF16(_) => {
-                let CpuStorage::F32(x) = &*super::host::widened(xs) else { unreachable!("bf16 widens to f32") };
-                let dx = rms_bwd(x, &xrows, &values_as::<f32>(gs)?, &grows, d, ops::rms_eps(DType::BF16));
-                super::host::narrowed((CpuStorage::F32(dx), xl.shape().clone()))?.0
-            }
+        // As the forward pass: the epsilon of x's dtype, bf16 in f32 and rounded once.
+        let eps = ops::rms_eps(xs.dtype());
+        let out = match &*super::host::widened(xs) {
+            CpuStorage::F32(x) => CpuStorage::F32(rms_bwd(x, &xrows, &values_as::<f32>(gs)?, &grows, d, eps)),
+            CpuStorage::F64(x) => CpuStorage::F64(rms_bwd(x, &xrows, &values_as::<f64>(gs)?, &grows, d, eps)),
             _ => bail!("rms_norm backward: unsupported dtypes {:?}, {:?}", xs.dtype(), gs.dtype()),
         };
-        Ok((out, xl.shape().clone()))
+        let out = (out, xl.shape().clone());
+        if xs.dtype() == DType::BF16 { super::host::narrowed(out) } else { Ok(out) }
     }
 
     #[cfg(feature = "cuda")]
