@@ -62,7 +62,7 @@ mod tests {
             let (x, y): (Vec<f32>, Vec<f32>) = (x.flatten_all().unwrap().to_vec1().unwrap(), y.flatten_all().unwrap().to_vec1().unwrap());
             assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "{n} differs after the round trip");
         }
-        assert!(fs::read_dir(&dir).unwrap().count() == 1, "no temporary file left behind");
+        assert!(fs::read_dir(&*dir).unwrap().count() == 1, "no temporary file left behind");
     }
 
     #[test]
@@ -91,12 +91,29 @@ mod tests {
         let e = format!("{:#}", save(&blocked, &m.state_dict()).unwrap_err());
         assert!(e.contains("sub"), "{e}");
         assert_eq!(fs::read(&path).unwrap(), before);
-        assert!(fs::read_dir(&dir).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().contains(".tmp-")), "temporary removed");
+        assert!(fs::read_dir(&*dir).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().contains(".tmp-")), "temporary removed");
     }
 
-    fn tempdir() -> std::path::PathBuf {
+    /// A fresh folder under the system's temporary directory, removed when the test ends
+    /// (passing or not).
+    struct TempDir(std::path::PathBuf);
+
+    impl std::ops::Deref for TempDir {
+        type Target = std::path::Path;
+        fn deref(&self) -> &std::path::Path {
+            &self.0
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn tempdir() -> TempDir {
         let d = std::env::temp_dir().join(format!("weights-test-{}-{}", std::process::id(), fastrand::u64(..)));
         fs::create_dir_all(&d).unwrap();
-        d
+        TempDir(d)
     }
 }
