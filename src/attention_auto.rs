@@ -31,8 +31,11 @@ pub struct Choice {
     /// Each implementation's trial, in [`FlashKernels::ALL`]'s order; one whose trial could
     /// not run is left out with the reason.
     pub outcomes: Vec<Outcome>,
-    /// Whether `kernels` was taken without a trial (the trials could not run).
+    /// Whether `kernels` was taken without a trial: the trials could not run, or a resumed run
+    /// kept its checkpoint's (`resumed_from`).
     pub untried: bool,
+    /// The checkpoint whose kernels a resumed run kept, without a trial (see [`kept`]).
+    pub resumed_from: Option<PathBuf>,
     /// The train log's account of the trials.
     pub line: String,
 }
@@ -62,7 +65,7 @@ pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Du
     let line = summary(&outcomes, shape, TrialSettings::flash());
     if matches!(results[0], TrialResult::NotRun(_)) {
         let line = format!("{line}; flash (WMMA) taken without a trial");
-        return Ok(Choice { kernels: FlashKernels::Wmma, outcomes, untried: true, line });
+        return Ok(Choice { kernels: FlashKernels::Wmma, outcomes, untried: true, resumed_from: None, line });
     }
     let best = choose(&outcomes, MARGIN).ok_or_else(|| {
         anyhow::anyhow!(
@@ -70,7 +73,19 @@ pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Du
         )
     })?;
     let chosen = kinds.into_iter().zip(&outcomes).find(|(_, o)| std::ptr::eq(*o, best)).map(|(k, _)| k);
-    Ok(Choice { kernels: chosen.unwrap_or(FlashKernels::Wmma), outcomes, untried: false, line })
+    Ok(Choice { kernels: chosen.unwrap_or(FlashKernels::Wmma), outcomes, untried: false, resumed_from: None, line })
+}
+
+/// What `attention = "auto"` takes when resuming from `checkpoint`, which trained with the
+/// attention named `trained` (its step-executor state's `attention`): the same flash kernels,
+/// without a trial, so that the resumed run computes what the uninterrupted one would have
+/// (a new trial could pick the other implementation, whose bits differ). `None` where the
+/// checkpoint did not train with flash kernels (a CPU run, or an older checkpoint): the trials
+/// run as for a fresh start.
+pub fn kept(trained: Option<&str>, checkpoint: &Path) -> Option<Choice> {
+    let kernels = FlashKernels::ALL.into_iter().find(|k| Some(k.name()) == trained)?;
+    let line = format!("{} kept from {} (the kernels it trained with; no trial)", kernels.name(), checkpoint.display());
+    Some(Choice { kernels, outcomes: Vec::new(), untried: true, resumed_from: Some(checkpoint.to_path_buf()), line })
 }
 
 /// The binary the trials run: this process's own, even if its file was replaced since it
@@ -272,5 +287,24 @@ mod tests {
                 && line.ends_with("flash (WMMA) taken without a trial"),
             "{line}"
         );
+    }
+
+    /// A resumed run keeps the flash kernels its checkpoint trained with, untried; anything
+    /// else (the materialised attention, a CPU run, an older checkpoint) leaves the trials to run.
+    #[test]
+    fn a_resumed_run_keeps_its_checkpoints_flash_kernels() {
+        let ck = Path::new("runs/r/checkpoints/step_00000200.safetensors");
+        for k in FlashKernels::ALL {
+            let c = kept(Some(k.name()), ck).expect("flash kernels are kept");
+            assert_eq!((c.kernels, c.untried, c.outcomes.len()), (k, true, 0));
+            assert_eq!(c.resumed_from.as_deref(), Some(ck));
+            assert!(c.line.starts_with(k.name()) && c.line.contains("step_00000200") && c.line.contains("no trial"), "{}", c.line);
+            let json = serde_json::to_value(&c).unwrap();
+            assert_eq!(json["kernels"], k.name());
+            assert_eq!(json["resumed_from"], ck.to_str().unwrap());
+        }
+        for trained in [Some("materialized"), Some("flash2"), None] {
+            assert!(kept(trained, ck).is_none(), "{trained:?}");
+        }
     }
 }

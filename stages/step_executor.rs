@@ -200,7 +200,14 @@ impl Transform for Candle {
         // "auto" on a GPU: both flash implementations tried at this run's shapes, each in a
         // process of its own, the faster that agrees taken.
         let mut auto_choice = None;
-        if p.attention == Attention::Auto && flash.is_some() {
+        let trained = ctx.resume.and_then(trained_attention);
+        // Resuming, "auto" keeps the kernels the checkpoint trained with (no trial).
+        let kept = ctx.resume.and_then(|ck| attention_auto::kept(trained.as_deref(), &ck.path)).filter(|_| flash.is_some());
+        if let (Attention::Auto, Some(choice)) = (p.attention, kept) {
+            model = model.with_attention(choice.kernels.attention());
+            flash = Some(choice.kernels);
+            auto_choice = Some(choice);
+        } else if p.attention == Attention::Auto && flash.is_some() {
             let m = &c.model;
             let at = AttentionShape {
                 batch: shape.rows,
@@ -246,6 +253,12 @@ impl Transform for Candle {
             log.line(&format!("attention:{} phase_times:{timing}", flash.map_or("materialized", |k| k.name())));
             if let Some(choice) = &auto_choice {
                 log.line(&format!("attention_auto: {}", choice.line));
+            }
+            let now = flash.map_or("materialized", |k| k.name());
+            if let Some(then) = trained.as_deref().filter(|&then| then != now) {
+                log.line(&format!(
+                    "attention: the checkpoint trained with {then}, this run with {now} (key `attention`): the resumed run is not the uninterrupted one bit for bit"
+                ));
             }
         }
         let resumed_from = trainer.step();
@@ -313,6 +326,17 @@ struct History {
     shape: BatchShape,
     /// Validations so far.
     validations: Vec<ValPoint>,
+    /// On a GPU, the attention trained with (`flash`, `flash_mma`, `materialized`): a resumed
+    /// `attention = "auto"` keeps it. None on the CPU, and in checkpoints made before it was kept.
+    #[serde(default)]
+    attention: Option<String>,
+}
+
+/// The attention the run that wrote `ck` trained with, where its state says (see
+/// [`History::attention`]); a checkpoint without step-executor state is refused later, by
+/// [`resume`].
+fn trained_attention(ck: &Checkpoint) -> Option<String> {
+    serde_json::from_value::<History>(ck.meta.extra.clone()).ok().and_then(|h| h.attention)
 }
 
 /// Restores `trainer` from `ck`, after checking that the run continues with the same batch
@@ -411,7 +435,11 @@ impl Candle {
                 w
             }
         };
-        let history = serde_json::to_value(History { shape: self.shape, validations: self.vals.clone() })?;
+        let history = serde_json::to_value(History {
+            shape: self.shape,
+            validations: self.vals.clone(),
+            attention: self.attention.map(String::from),
+        })?;
         let state = TrainerState {
             optimizer: Arc::new(self.trainer.optimizer_state()),
             loader: self.loader.clone(),
@@ -797,4 +825,23 @@ fn startup_lines(log: &mut TrainLog, c: &Config, trainer: &Trainer, v: &Validato
 fn peak_rss_kib() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
     s.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The executor's checkpoint state keeps the attention trained with, and a checkpoint
+    /// written before it did still resumes (its attention unknown, so "auto" runs its trials).
+    #[test]
+    fn checkpoint_state_keeps_the_attention_and_reads_older_state() {
+        let shape = BatchShape { seq_len: 64, rows: 2, micro_steps: 1, world_size: 1, rank: 0 };
+        let h = History { shape, validations: Vec::new(), attention: Some("flash_mma".into()) };
+        let back: History = serde_json::from_value(serde_json::to_value(&h).unwrap()).unwrap();
+        assert_eq!(back.attention.as_deref(), Some("flash_mma"));
+        let mut older = serde_json::to_value(&h).unwrap();
+        older.as_object_mut().unwrap().remove("attention");
+        let back: History = serde_json::from_value(older).unwrap();
+        assert_eq!((back.attention, back.shape), (None, shape));
+    }
 }
