@@ -5,17 +5,22 @@
 //! This is part (a) of `scripts/gpu-check.sh`; on a CPU build it checks the f32 path (fused
 //! CPU ops) against f64.
 //!
-//! In f32 the bound is one tolerance. In bf16 it is each quantity's own: the bf16 graph takes
-//! some gradients of the toy model 4e-2 to 1.4e-1 from f64 (the q and k projections'; 5e-3 for
-//! the MLP's), so one tolerance is either too loose for most quantities or fails on a correct
-//! device. Most of the q and k share is not rounding but the epsilon of their RMS norm, which
-//! reads bf16 rows and so takes bf16's (7.8e-3, as PyTorch's `F.rms_norm` under autocast; the
-//! reference's is f64's): with f64's epsilon there, their expected error is 1.0e-2 instead of
-//! 4.2e-2 at seed 1. Each bound is [`EXPECTED_FACTOR`] times the error the device's formulation
-//! *should* have: the same graph in bf16 on the kernels' CPU references
+//! In f32 the bound is one tolerance. In bf16 it is each quantity's own: on the toy model the
+//! bf16 graph takes the MLP's gradients about 5e-3 from f64 and the attention's about 1e-2 (the
+//! query gains' up to 3e-2), so one tolerance is either too loose for most quantities or fails
+//! on a correct device. Each bound is [`EXPECTED_FACTOR`] times the error the device's
+//! formulation *should* have ([`FEW_FACTOR`] for quantities of fewer than [`FEW_VALUES`]
+//! values): the same graph in bf16 on the kernels' CPU references
 //! ([`crate::model::with_gpu_formulation`]), RMS over [`DRAWS`] draws of the rounding, at least
-//! [`EXPECTED_FLOOR`] ([`LOSS_FLOOR`] for the loss). On a CPU device, whose bf16 graph differs
-//! (f32 activations), the bounds are still the GPU formulation's.
+//! [`EXPECTED_FLOOR`] ([`LOSS_FLOOR`] for the loss).
+//!
+//! The reference is f64 with one exception: the per-head RMS norm of q and k, which on the GPU
+//! reads bf16 rows and so takes bf16's epsilon (7.8e-3, as PyTorch's `F.rms_norm` under
+//! autocast), takes that epsilon in the reference too. With f64's there, the epsilon and not the
+//! rounding would be most of the q and k projections' error (4.2e-2 instead of 1.0e-2 at seed
+//! 1), and their bounds (then 0.17) would pass a query gain 5% off. On a CPU device, whose bf16
+//! graph differs (f32 activations, so f32's epsilon), the reference keeps f64's epsilon and the
+//! bounds are still the GPU formulation's.
 
 use std::collections::HashMap;
 
@@ -106,6 +111,15 @@ pub fn tolerance(dtype: DType) -> f64 {
 /// little more (flash attention's probabilities in bf16).
 pub const EXPECTED_FACTOR: f64 = 4.0;
 
+/// Quantities of fewer values than this (the query gains: one per head) get [`FEW_FACTOR`]:
+/// the relative error of a few long sums that partly cancel varies much more from one draw of
+/// the rounding to the next (`bf16_bound_margin`: a fresh draw at up to 3.2 times the RMS of
+/// three others, against 1.4 for every quantity of 64 values or more).
+pub const FEW_VALUES: usize = 16;
+
+/// The bound's factor for quantities of fewer than [`FEW_VALUES`] values.
+pub const FEW_FACTOR: f64 = 8.0;
+
 /// The smallest bound of a bf16 gradient: a few roundings.
 pub const EXPECTED_FLOOR: f64 = 1e-2;
 
@@ -176,7 +190,12 @@ impl Problem {
     fn draw(&self, j: usize) -> anyhow::Result<Self> {
         let mut rng = fastrand::Rng::with_seed(self.seed ^ 0xd4a3 ^ j as u64);
         let mut state = HashMap::new();
-        for (name, t) in &self.state {
+        // In name order: the map's own order differs from one map to the next, and with it
+        // which values each weight would draw.
+        let mut names: Vec<&String> = self.state.keys().collect();
+        names.sort();
+        for name in names {
+            let t = &self.state[name];
             let v: Vec<f64> =
                 t.flatten_all()?.to_vec1::<f64>()?.iter().map(|w| w * (1.0 + j as f64 * DRAW_STEP * (2.0 * rng.f64() - 1.0))).collect();
             state.insert(name.clone(), Tensor::from_vec(v, t.dims(), &Device::Cpu)?);
@@ -187,18 +206,42 @@ impl Problem {
     /// Loss and gradients on `device`: f64 throughout, or `dtype` (bf16 is the executor's mixed
     /// precision: f32 weights, bf16 matmuls).
     fn on(&self, device: &Device, dtype: DType) -> anyhow::Result<Named> {
+        self.with_qk_eps(device, dtype, None)
+    }
+
+    /// [`Self::on`] with the q/k norms' epsilon `qk_eps` in place of their input dtype's.
+    fn with_qk_eps(&self, device: &Device, dtype: DType, qk_eps: Option<f64>) -> anyhow::Result<Named> {
         let (param_dtype, matmul_dtype) = if dtype == DType::BF16 { (DType::F32, DType::BF16) } else { (dtype, dtype) };
-        let mut model = Gpt::new(&toy(), self.seed, param_dtype, device)?.with_matmul_dtype(matmul_dtype);
+        let mut model = Gpt::new(&toy(), self.seed, param_dtype, device)?.with_matmul_dtype(matmul_dtype).with_qk_norm_eps(qk_eps);
         model.load_state(&self.state)?;
         let x = Tensor::from_slice(&self.x, (ROWS, T), device)?;
         let y = Tensor::from_slice(&self.y, (ROWS, T), device)?;
         loss_and_grads(&model, &x, &y)
     }
 
-    /// The reference: f64 on the CPU.
-    fn reference(&self) -> anyhow::Result<Named> {
-        self.on(&Device::Cpu, DType::F64)
+    /// The reference: f64 on the CPU, the q/k norms with epsilon `qk_eps` (see [`qk_eps`]).
+    fn reference(&self, qk_eps: Option<f64>) -> anyhow::Result<Named> {
+        self.with_qk_eps(&Device::Cpu, DType::F64, qk_eps)
     }
+}
+
+/// The epsilon of the per-head q/k RMS norm in the GPU's bf16 formulation: those norms read
+/// bf16 rows (as under PyTorch's autocast) and so take bf16's epsilon.
+fn gpu_bf16_qk_eps() -> f64 {
+    crate::model::ops::rms_eps(DType::BF16)
+}
+
+/// The q/k norms' epsilon of the reference for `device` in `dtype`: the one the device's
+/// formulation uses where it is not f64's in effect (the GPU in bf16), so that the comparison
+/// measures rounding rather than a different epsilon. Elsewhere the reference's own (f64's):
+/// an f32 norm's epsilon, 1.2e-7, is within the f32 tolerance.
+fn qk_eps(device: &Device, dtype: DType) -> Option<f64> {
+    (!device.is_cpu() && dtype == DType::BF16).then(gpu_bf16_qk_eps)
+}
+
+/// How many values each quantity of [`errors`] has, in its order.
+fn value_counts(named: &Named) -> Vec<usize> {
+    std::iter::once(1).chain(named.1.iter().map(|(_, v)| v.len())).collect()
 }
 
 /// `(name, relative error)` of `got` against `want`, the loss first.
@@ -208,22 +251,15 @@ fn errors(got: &Named, want: &Named) -> Vec<(String, f64)> {
     out
 }
 
-/// Each quantity's expected error in bf16: the device's formulation in bf16 on the CPU's
-/// references, against f64, RMS over [`DRAWS`] draws of the rounding. `draw0` is the problem's
-/// own reference, already computed.
-fn expected_bf16(problem: &Problem, draw0: &Named) -> anyhow::Result<Vec<f64>> {
+/// Each quantity's expected error in bf16: the GPU's formulation in bf16 on the CPU's
+/// references, against f64 with the same q/k epsilon, RMS over [`DRAWS`] draws of the rounding.
+fn expected_bf16(problem: &Problem) -> anyhow::Result<Vec<f64>> {
     let mut sq: Vec<f64> = Vec::new();
     for j in 0..DRAWS {
-        let (drawn, own);
-        let (p, reference) = if j == 0 {
-            (problem, draw0)
-        } else {
-            drawn = problem.draw(j)?;
-            own = drawn.reference()?;
-            (&drawn, &own)
-        };
+        let p = problem.draw(j)?;
+        let reference = p.reference(Some(gpu_bf16_qk_eps()))?;
         let emulated = crate::model::with_gpu_formulation(|| p.on(&Device::Cpu, DType::BF16))?;
-        let e = errors(&emulated, reference);
+        let e = errors(&emulated, &reference);
         sq.resize(e.len(), 0.0);
         for (s, (_, e)) in sq.iter_mut().zip(e) {
             *s += e * e / DRAWS as f64;
@@ -232,11 +268,12 @@ fn expected_bf16(problem: &Problem, draw0: &Named) -> anyhow::Result<Vec<f64>> {
     Ok(sq.into_iter().map(f64::sqrt).collect())
 }
 
-/// The bf16 bound of the quantity `name` (`loss`, a parameter's gradient, a kernel check) from
-/// its expected error.
-pub fn bf16_bound(name: &str, expected: f64) -> f64 {
+/// The bf16 bound of the quantity `name` (`loss`, a parameter's gradient, a kernel check) of
+/// `values` values, from its expected error.
+pub fn bf16_bound(name: &str, values: usize, expected: f64) -> f64 {
+    let factor = if values < FEW_VALUES && name != "loss" { FEW_FACTOR } else { EXPECTED_FACTOR };
     let floor = if name == "loss" { LOSS_FLOOR } else { EXPECTED_FLOOR };
-    (EXPECTED_FACTOR * expected).max(floor)
+    (factor * expected).max(floor)
 }
 
 /// The model's quantities, `got` in `dtype` against the f64 `reference` of `problem`, each
@@ -244,10 +281,11 @@ pub fn bf16_bound(name: &str, expected: f64) -> f64 {
 fn model_comparisons(problem: &Problem, reference: &Named, got: &Named, dtype: DType) -> anyhow::Result<Vec<Compared>> {
     let errs = errors(got, reference);
     Ok(if dtype == DType::BF16 {
-        let expected = expected_bf16(problem, reference)?;
+        let expected = expected_bf16(problem)?;
         errs.into_iter()
             .zip(expected)
-            .map(|((name, rel_err), x)| Compared { bound: bf16_bound(&name, x), name, rel_err, expected: Some(x) })
+            .zip(value_counts(reference))
+            .map(|(((name, rel_err), x), n)| Compared { bound: bf16_bound(&name, n, x), name, rel_err, expected: Some(x) })
             .collect()
     } else {
         errs.into_iter().map(|(name, e)| Compared::fixed(name, e, tolerance(dtype))).collect()
@@ -257,7 +295,7 @@ fn model_comparisons(problem: &Problem, reference: &Named, got: &Named, dtype: D
 /// Compares `device` in `dtype` against the CPU in f64 on one batch of 4 x 64 tokens.
 pub fn run(device: &Device, device_name: &str, dtype: DType, seed: u64) -> anyhow::Result<ParityReport> {
     let problem = Problem::new(seed)?;
-    let reference = problem.reference()?;
+    let reference = problem.reference(qk_eps(device, dtype))?;
     let got = problem.on(device, dtype)?;
     let tol = tolerance(dtype);
     let mut compared = model_comparisons(&problem, &reference, &got, dtype)?;
@@ -273,9 +311,9 @@ pub fn run(device: &Device, device_name: &str, dtype: DType, seed: u64) -> anyho
     }
     let rule = if dtype == DType::BF16 {
         format!(
-            "model: max({EXPECTED_FACTOR} x expected, {EXPECTED_FLOOR:.0e}; loss {LOSS_FLOOR:.0e}), expected = the GPU's graph \
-             in bf16 on the CPU's kernel references (RMS of {DRAWS} draws); kernels: the same, expected = the op's CPU \
-             reference in bf16"
+            "model: max({EXPECTED_FACTOR} x expected ({FEW_FACTOR} x under {FEW_VALUES} values), {EXPECTED_FLOOR:.0e}; loss \
+             {LOSS_FLOOR:.0e}), expected = the GPU's graph in bf16 on the CPU's kernel references against f64 with the same q/k \
+             norm epsilon (RMS of {DRAWS} draws); kernels: the same, expected = the op's CPU reference in bf16"
         )
     } else {
         format!("{tol:.0e}")
@@ -298,7 +336,7 @@ pub fn run(device: &Device, device_name: &str, dtype: DType, seed: u64) -> anyho
 fn norm_rope_case(x: &Tensor, t: usize, heads: usize) -> candle_core::Result<Tensor> {
     let d = x.dim(1)? / heads;
     let (cos, sin) = crate::model::ops::rope_tables(t, d, 10_000.0, x.dtype(), x.device())?;
-    crate::model::norm_rope::norm_rope(x, &Tensor::cat(&[&cos, &sin], 1)?, heads)
+    crate::model::norm_rope::norm_rope(x, &Tensor::cat(&[&cos, &sin], 1)?, heads, None)
 }
 
 /// Attention of `b` sequences with `heads` query heads over `kv` KV heads of 64 channels, q, k
@@ -396,9 +434,9 @@ pub fn kernel_checks(device: &Device, dtype: DType, seed: u64) -> anyhow::Result
             // The kernel's expected error: its CPU reference in bf16 (f32 inside, one rounding out).
             let (emu_y, emu_dx) = crate::model::with_gpu_formulation(|| run(&Device::Cpu, DType::BF16))?;
             let expected = [rel_err(&emu_y, &want_y), rel_err(&emu_dx, &want_dx)];
-            for ((what, e), x) in errs.into_iter().zip(expected) {
+            for (((what, e), x), n) in errs.into_iter().zip(expected).zip([want_y.len(), want_dx.len()]) {
                 let name = format!("kernel {name} {shape:?} {what}");
-                out.push(Compared { bound: bf16_bound(&name, x), name, rel_err: e, expected: Some(x) });
+                out.push(Compared { bound: bf16_bound(&name, n, x), name, rel_err: e, expected: Some(x) });
             }
         } else {
             for (what, e) in errs {
@@ -444,33 +482,44 @@ mod tests {
             assert!(c.expected.is_some() && c.bound >= floor, "{c:?}");
         }
         assert!(r.worst_ratio > 0.0 && r.worst_ratio <= 1.0, "{}", r.worst_ratio);
+        // The bounds repeat: every draw of the rounding is the seed's.
+        let again = run(&Device::Cpu, "cpu", DType::BF16, 3).unwrap();
+        let bounds = |r: &ParityReport| r.compared.iter().map(|c| c.bound.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bounds(&r), bounds(&again));
         let f32 = run(&Device::Cpu, "cpu", DType::F32, 3).unwrap();
         assert!(r.max_rel_err > 2.0 * f32.max_rel_err, "bf16 {} vs f32 {}", r.max_rel_err, f32.max_rel_err);
     }
 
     /// The expected errors are bf16's: the GPU formulation in bf16 on the CPU's references is
-    /// far from f32 (every gradient beyond 1e-3; the attention projections' beyond 1e-2, as the
-    /// GPU measured, 4.99e-2 at seed 1), yet a fresh draw of the rounding stays within bounds.
+    /// far from f32 (every gradient beyond 1e-3) and within a few roundings of the f64
+    /// reference with the same q/k epsilon (every one under 3e-2), and a fresh draw of the
+    /// rounding stays within bounds. Against a reference with f64's epsilon in the q/k norms,
+    /// the q and k projections' errors are several times larger: there the epsilon, not the
+    /// rounding, is most of the error (which is why the reference takes the device's).
     #[test]
     fn expected_errors_are_bf16_rounding() {
         let problem = Problem::new(1).unwrap();
-        let reference = problem.reference().unwrap();
-        let expected = expected_bf16(&problem, &reference).unwrap();
+        let expected = expected_bf16(&problem).unwrap();
+        let reference = problem.reference(Some(gpu_bf16_qk_eps())).unwrap();
         let names: Vec<String> = errors(&reference, &reference).into_iter().map(|(n, _)| n).collect();
         for (name, x) in names.iter().zip(&expected) {
-            assert!(x.is_finite() && *x < 0.2, "{name}: {x}");
+            assert!(x.is_finite() && *x < 3e-2, "{name}: {x}");
             if name != "loss" {
                 assert!(*x > 1e-3, "{name}: {x}");
             }
-            if name.contains("attn.c_") {
-                assert!(*x > 1e-2, "{name}: {x}");
+        }
+        let emulated = crate::model::with_gpu_formulation(|| problem.on(&Device::Cpu, DType::BF16)).unwrap();
+        let f64_eps = errors(&emulated, &problem.reference(None).unwrap());
+        for ((name, e), x) in f64_eps.iter().zip(&expected) {
+            if name.contains("attn.c_q") || name.contains("attn.c_k") {
+                assert!(*e > 3.0 * x, "{name}: {e} against f64's epsilon, expected {x} with bf16's");
             }
         }
         let fresh = problem.draw(DRAWS + 1).unwrap();
-        let fresh_ref = fresh.reference().unwrap();
+        let fresh_ref = fresh.reference(Some(gpu_bf16_qk_eps())).unwrap();
         let got = crate::model::with_gpu_formulation(|| fresh.on(&Device::Cpu, DType::BF16)).unwrap();
-        for ((name, e), x) in errors(&got, &fresh_ref).into_iter().zip(&expected) {
-            assert!(e <= bf16_bound(&name, *x), "{name}: {e} vs expected {x}");
+        for (((name, e), x), n) in errors(&got, &fresh_ref).into_iter().zip(&expected).zip(value_counts(&fresh_ref)) {
+            assert!(e <= bf16_bound(&name, n, *x), "{name}: {e} vs expected {x}");
         }
     }
 
@@ -480,7 +529,7 @@ mod tests {
     #[test]
     fn bf16_bounds_catch_a_small_wrong_weight() {
         let problem = Problem::new(3).unwrap();
-        let reference = problem.reference().unwrap();
+        let reference = problem.reference(Some(gpu_bf16_qk_eps())).unwrap();
         let mut wrong = problem.draw(0).unwrap();
         let scale = wrong.state.get_mut("blocks.1.mlp_scale").unwrap();
         *scale = (&*scale * 1.03).unwrap();
@@ -492,6 +541,31 @@ mod tests {
         assert!(worst(judged.iter().map(|c| c.rel_err)) < 5e-2, "{judged:?}");
 
         // (A correct device passing: `expected_errors_are_bf16_rounding`, on a draw of its own.)
+    }
+
+    /// The q/k epsilon in the reference is what lets the attention's gradients be checked: a
+    /// query gain 5% off fails on the q and k projections' gradients. Against the f64-epsilon
+    /// reference the same device's errors are far under the bounds that reference would give
+    /// (its expected error there is mostly the epsilon).
+    #[test]
+    fn bf16_bounds_catch_a_wrong_query_gain() {
+        let problem = Problem::new(3).unwrap();
+        let mut wrong = problem.draw(0).unwrap();
+        let gain = wrong.state.get_mut("blocks.0.attn.q_gain").unwrap();
+        *gain = (&*gain * 1.05).unwrap();
+        let got = crate::model::with_gpu_formulation(|| wrong.on(&Device::Cpu, DType::BF16)).unwrap();
+        let judged = model_comparisons(&problem, &problem.reference(Some(gpu_bf16_qk_eps())).unwrap(), &got, DType::BF16).unwrap();
+        let failed: Vec<&str> = judged.iter().filter(|c| !c.ok()).map(|c| c.name.as_str()).collect();
+        assert!(failed.contains(&"blocks.0.attn.c_q.weight") && failed.contains(&"blocks.0.attn.c_k.weight"), "{judged:?}");
+
+        let old_ref = problem.reference(None).unwrap();
+        let correct = crate::model::with_gpu_formulation(|| problem.on(&Device::Cpu, DType::BF16)).unwrap();
+        for ((name, e), (_, x)) in errors(&got, &old_ref).into_iter().zip(errors(&correct, &old_ref)) {
+            if name == "blocks.0.attn.c_q.weight" {
+                let bound = bf16_bound(&name, 64 * 64, x);
+                assert!(e < 0.5 * bound, "{name}: {e} against f64's epsilon, whose bound would be {bound}");
+            }
+        }
     }
 
     /// Every kernel check in bf16 on the CPU references (what the GPU's are bounded by): each
@@ -521,31 +595,37 @@ mod tests {
         assert_eq!(Compared::fixed("x".into(), 1e-3, 1e-2).ratio(), 0.1);
     }
 
-    /// The measurement behind [`EXPECTED_FACTOR`] (slow: `cargo test --release --lib
-    /// bf16_bound_margin -- --ignored --nocapture`): over 24 seeds, each of 4 fresh draws of
-    /// the rounding (draws 3 to 6) against the RMS of draws 0 to 2, the largest ratio of a
-    /// gradient's error (beyond 1e-3) to its expected error.
+    /// The measurement behind [`EXPECTED_FACTOR`] and [`FEW_FACTOR`] (slow: `cargo test
+    /// --release --lib bf16_bound_margin -- --ignored --nocapture`): over 24 seeds, each of 4
+    /// fresh draws of the rounding (draws 3 to 6) against the RMS of draws 0 to 2, the largest
+    /// ratio of a gradient's error (beyond 1e-3) to its expected error, for quantities of
+    /// [`FEW_VALUES`] values or more and for the others. Each must stay under half its factor.
     #[test]
     #[ignore]
     fn bf16_bound_margin() {
-        let mut overall: f64 = 0.0;
+        let (mut many, mut few): (f64, f64) = (0.0, 0.0);
         for seed in 1..25 {
             let problem = Problem::new(seed).unwrap();
-            let expected = expected_bf16(&problem, &problem.reference().unwrap()).unwrap();
+            let expected = expected_bf16(&problem).unwrap();
             let mut worst_here = (0.0, String::new());
             for j in DRAWS..DRAWS + 4 {
                 let p = problem.draw(j).unwrap();
+                let reference = p.reference(Some(gpu_bf16_qk_eps())).unwrap();
                 let got = crate::model::with_gpu_formulation(|| p.on(&Device::Cpu, DType::BF16)).unwrap();
-                for ((name, e), x) in errors(&got, &p.reference().unwrap()).into_iter().zip(&expected) {
-                    if e > 1e-3 && e / x > worst_here.0 {
+                for (((name, e), x), n) in errors(&got, &reference).into_iter().zip(&expected).zip(value_counts(&reference)) {
+                    if e <= 1e-3 {
+                        continue;
+                    }
+                    let class = if n < FEW_VALUES { &mut few } else { &mut many };
+                    *class = class.max(e / x);
+                    if e / x > worst_here.0 {
                         worst_here = (e / x, name);
                     }
                 }
             }
             eprintln!("seed {seed}: largest error / expected {:.2} ({})", worst_here.0, worst_here.1);
-            overall = overall.max(worst_here.0);
         }
-        eprintln!("over all seeds: {overall:.2} (factor {EXPECTED_FACTOR})");
-        assert!(overall < EXPECTED_FACTOR / 2.0, "{overall}");
+        eprintln!("over all seeds: {many:.2} (factor {EXPECTED_FACTOR}); under {FEW_VALUES} values {few:.2} (factor {FEW_FACTOR})");
+        assert!(many < EXPECTED_FACTOR / 2.0 && few < FEW_FACTOR / 2.0, "{many} {few}");
     }
 }

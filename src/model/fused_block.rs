@@ -93,8 +93,9 @@ pub fn relu_sq(x: &Tensor) -> Result<Tensor> {
 /// projection `x` of shape `(N, H * D)` whose `N = B * T` rows are token-major (row `n` is at
 /// position `n % T`): with `(B, H, T, D)` heads `xh` of `x`, the heads of the result are
 /// `ops::rope(ops::rms_norm(xh), cos, sin) * gain[h]`. `cos` and `sin` are the `(T, D / 2)`
-/// tables of [`ops::rope_tables`], `gain` has shape `(H,)`. Returns `(N, H * D)`.
-pub fn qk_norm_rope(x: &Tensor, gain: Option<&Tensor>, cos: &Tensor, sin: &Tensor, heads: usize) -> Result<Tensor> {
+/// tables of [`ops::rope_tables`], `gain` has shape `(H,)`. `eps` is the norm's epsilon, by
+/// default the input dtype's ([`ops::rms_eps`]). Returns `(N, H * D)`.
+pub fn qk_norm_rope(x: &Tensor, gain: Option<&Tensor>, cos: &Tensor, sin: &Tensor, heads: usize, eps: Option<f64>) -> Result<Tensor> {
     let (n, width) = x.dims2()?;
     let (t, half) = cos.dims2()?;
     if heads == 0 || width != heads * 2 * half || sin.dims() != cos.dims() || t == 0 || n % t != 0 {
@@ -107,7 +108,7 @@ pub fn qk_norm_rope(x: &Tensor, gain: Option<&Tensor>, cos: &Tensor, sin: &Tenso
     }
     if super::super::gpu_path(x) {
         let table = Tensor::cat(&[cos, sin], 1)?;
-        let y = super::super::norm_rope::norm_rope(x, &table, heads)?;
+        let y = super::super::norm_rope::norm_rope(x, &table, heads, eps)?;
         return match gain {
             // The gain per channel (each head's repeated over its D channels).
             Some(g) => scale_cols(&y, &g.reshape((heads, 1))?.broadcast_as((heads, 2 * half))?.reshape(width)?),
@@ -118,7 +119,11 @@ pub fn qk_norm_rope(x: &Tensor, gain: Option<&Tensor>, cos: &Tensor, sin: &Tenso
         let d = 2 * half;
         // The norm is per (token, head) row: on the token-major rows, before the transpose (on
         // a GPU that is the fused norm's one kernel each way).
-        let xn = super::rms_norm(&x.reshape((n, heads, d))?)?;
+        let rows = x.reshape((n, heads, d))?;
+        let xn = match eps {
+            Some(eps) => ops::rms_norm_eps(&rows, eps)?,
+            None => super::rms_norm(&rows)?,
+        };
         let xh = xn.reshape((n / t, t, heads, d))?.transpose(1, 2)?;
         let mut y = ops::rope(&xh, cos, sin)?;
         if let Some(g) = gain {
@@ -128,7 +133,8 @@ pub fn qk_norm_rope(x: &Tensor, gain: Option<&Tensor>, cos: &Tensor, sin: &Tenso
     }
     check_float("qk_norm_rope", x.dtype())?;
     let table = |t: &Tensor| -> Result<Vec<f64>> { t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>() };
-    let op = QkNormRope { heads, half, seq: t, cos: table(cos)?, sin: table(sin)? };
+    let eps = eps.unwrap_or(ops::rms_eps(x.dtype()));
+    let op = QkNormRope { heads, half, seq: t, eps, cos: table(cos)?, sin: table(sin)? };
     match gain {
         Some(g) => {
             same_dtypes("qk_norm_rope", &[x, g])?;
@@ -744,6 +750,8 @@ struct QkNormRope {
     heads: usize,
     half: usize,
     seq: usize,
+    /// The RMS norm's epsilon.
+    eps: f64,
     /// `(T, D / 2)` tables, row-major.
     cos: Vec<f64>,
     sin: Vec<f64>,
@@ -755,6 +763,7 @@ struct RopeRows<'a, T> {
     heads: usize,
     half: usize,
     seq: usize,
+    eps: f64,
     cos: &'a [T],
     sin: &'a [T],
 }
@@ -763,7 +772,7 @@ struct RopeRows<'a, T> {
 #[inline(always)]
 fn qk_fwd_kernel<T: Real>(g: &RopeRows<'_, T>, n0: usize, x: &[T], gain: Option<&[T]>, out: &mut [T]) {
     let (half, d) = (g.half, 2 * g.half);
-    let eps = ops::rms_eps(T::DTYPE);
+    let eps = g.eps;
     for (r, (orow, xrow)) in out.chunks_exact_mut(g.heads * d).zip(x.chunks_exact(g.heads * d)).enumerate() {
         let pos = (n0 + r) % g.seq;
         let (cos, sin) = (&g.cos[pos * half..(pos + 1) * half], &g.sin[pos * half..(pos + 1) * half]);
@@ -798,7 +807,7 @@ multiversion! {
 #[inline(always)]
 fn qk_bwd_kernel<T: Real>(g: &RopeRows<'_, T>, n0: usize, x: &[T], go: &[T], gain: Option<&[T]>, dx: &mut [T], dgain: &mut [f64]) {
     let (half, d) = (g.half, 2 * g.half);
-    let eps = ops::rms_eps(T::DTYPE);
+    let eps = g.eps;
     let w = g.heads * d;
     for (r, ((dxrow, xrow), gorow)) in dx.chunks_exact_mut(w).zip(x.chunks_exact(w)).zip(go.chunks_exact(w)).enumerate() {
         let pos = (n0 + r) % g.seq;
@@ -849,7 +858,7 @@ impl QkNormRope {
 
     fn fwd<T: Real>(&self, x: &[T], gain: Option<&[T]>) -> Vec<T> {
         let (cos, sin) = self.tables::<T>();
-        let g = RopeRows { heads: self.heads, half: self.half, seq: self.seq, cos: &cos, sin: &sin };
+        let g = RopeRows { heads: self.heads, half: self.half, seq: self.seq, eps: self.eps, cos: &cos, sin: &sin };
         let w = self.heads * 2 * self.half;
         let mut out = vec![T::from_f64(0.0); x.len()];
         out.par_chunks_mut(ROWS * w).zip(x.par_chunks(ROWS * w)).enumerate().for_each(|(c, (o, x))| {
@@ -868,7 +877,7 @@ impl QkNormRope {
             None => None,
         };
         let (cos, sin) = self.tables::<T>();
-        let geo = RopeRows { heads: self.heads, half: self.half, seq: self.seq, cos: &cos, sin: &sin };
+        let geo = RopeRows { heads: self.heads, half: self.half, seq: self.seq, eps: self.eps, cos: &cos, sin: &sin };
         let w = self.heads * 2 * self.half;
         let mut dx = vec![T::from_f64(0.0); xv.len()];
         let parts: Vec<Vec<f64>> = dx
@@ -1086,9 +1095,9 @@ mod tests {
             let (cos, sin) = ops::rope_tables(70, 8, 10_000.0, dtype, &Device::Cpu).unwrap();
             let x = rand(&mut rng, &[140, 24], 2.0, dtype);
             let gain = rand(&mut rng, &[3], 2.0, dtype);
-            let got = qk_norm_rope(&x, Some(&gain), &cos, &sin, 3).unwrap();
+            let got = qk_norm_rope(&x, Some(&gain), &cos, &sin, 3, None).unwrap();
             assert_close(&got, &qk_ref(&x, Some(&gain), &cos, &sin, 3).unwrap(), tol, &format!("{dtype:?} with gain"));
-            let got = qk_norm_rope(&x, None, &cos, &sin, 3).unwrap();
+            let got = qk_norm_rope(&x, None, &cos, &sin, 3, None).unwrap();
             assert_close(&got, &qk_ref(&x, None, &cos, &sin, 3).unwrap(), tol, &format!("{dtype:?} without gain"));
         }
     }
@@ -1099,18 +1108,18 @@ mod tests {
         let (cos, sin) = ops::rope_tables(35, 8, 10_000.0, DType::F64, &Device::Cpu).unwrap();
         let x = rand(&mut rng, &[70, 16], 2.0, DType::F64);
         let gain = rand(&mut rng, &[2], 2.0, DType::F64);
-        let fused = |x: &[Tensor]| qk_norm_rope(&x[0], Some(&x[1]), &cos, &sin, 2);
+        let fused = |x: &[Tensor]| qk_norm_rope(&x[0], Some(&x[1]), &cos, &sin, 2, None);
         let reference = |x: &[Tensor]| qk_ref(&x[0], Some(&x[1]), &cos, &sin, 2);
         check_grads(&fused, &reference, &[x.clone(), gain], "qk_norm_rope with gain");
-        let fused = |x: &[Tensor]| qk_norm_rope(&x[0], None, &cos, &sin, 2);
+        let fused = |x: &[Tensor]| qk_norm_rope(&x[0], None, &cos, &sin, 2, None);
         let reference = |x: &[Tensor]| qk_ref(&x[0], None, &cos, &sin, 2);
         check_grads(&fused, &reference, &[x], "qk_norm_rope");
 
         let (cos, sin) = ops::rope_tables(3, 4, 10_000.0, DType::F64, &Device::Cpu).unwrap();
         let x = rand(&mut rng, &[6, 8], 2.0, DType::F64);
         let gain = rand(&mut rng, &[2], 2.0, DType::F64);
-        check_finite_differences(&|x| qk_norm_rope(&x[0], Some(&x[1]), &cos, &sin, 2), &[x.clone(), gain], "qk_norm_rope with gain");
-        check_finite_differences(&|x| qk_norm_rope(&x[0], None, &cos, &sin, 2), &[x], "qk_norm_rope");
+        check_finite_differences(&|x| qk_norm_rope(&x[0], Some(&x[1]), &cos, &sin, 2, None), &[x.clone(), gain], "qk_norm_rope with gain");
+        check_finite_differences(&|x| qk_norm_rope(&x[0], None, &cos, &sin, 2, None), &[x], "qk_norm_rope");
     }
 
     #[test]
@@ -1154,7 +1163,7 @@ mod tests {
         let (cos, sin) = ops::rope_tables(16, 8, 10_000.0, DType::F32, &Device::Cpu).unwrap();
         let x = rand(&mut rng, &[64, 16], 2.0, DType::F32);
         let gain = rand(&mut rng, &[2], 2.0, DType::F32);
-        let fused = |x: &[Tensor]| qk_norm_rope(&x[0], Some(&x[1]), &cos, &sin, 2);
+        let fused = |x: &[Tensor]| qk_norm_rope(&x[0], Some(&x[1]), &cos, &sin, 2, None);
         let reference = |x: &[Tensor]| qk_ref(&x[0], Some(&x[1]), &cos, &sin, 2);
         let inputs = [x, gain];
         for (a, b) in grads(&fused, &inputs, Loss::Weighted).iter().zip(grads(&reference, &inputs, Loss::Weighted)) {
@@ -1217,9 +1226,9 @@ mod tests {
         assert!(resid_mix(&x, &x, &rand(&mut rng, &[6], 1.0, DType::F32)).is_err());
         assert!(relu_sq(&rand(&mut rng, &[4], 1.0, DType::F16)).is_err());
         let (cos, sin) = ops::rope_tables(4, 4, 10_000.0, DType::F32, &Device::Cpu).unwrap();
-        assert!(qk_norm_rope(&x, None, &cos, &sin, 2).is_err(), "6 columns are not 2 heads of 4");
+        assert!(qk_norm_rope(&x, None, &cos, &sin, 2, None).is_err(), "6 columns are not 2 heads of 4");
         let x = rand(&mut rng, &[4, 8], 1.0, DType::F32);
-        assert!(qk_norm_rope(&x, Some(&rand(&mut rng, &[3], 1.0, DType::F32)), &cos, &sin, 2).is_err());
+        assert!(qk_norm_rope(&x, Some(&rand(&mut rng, &[3], 1.0, DType::F32)), &cos, &sin, 2, None).is_err());
     }
 
     /// The GPU formulation on the CPU in bf16 (what `pipeline parity` measures its expected

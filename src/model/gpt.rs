@@ -40,6 +40,8 @@ pub struct Gpt {
     detached: std::cell::Cell<bool>,
     /// The attention kernel on a GPU.
     attention: Attention,
+    /// The q/k RMS norm's epsilon where it is not its input dtype's (see [`Gpt::with_qk_norm_eps`]).
+    qk_eps: Option<f64>,
 }
 
 /// Host-side initial values, so that a seed gives the same weights on every device.
@@ -110,7 +112,17 @@ impl Gpt {
             matmul_dtype: None,
             detached: std::cell::Cell::new(false),
             attention: Attention::Auto,
+            qk_eps: None,
         })
+    }
+
+    /// Gives the per-head RMS norm of q and k this epsilon instead of its input dtype's. For a
+    /// reference that computes another precision's formulation exactly: under mixed precision
+    /// on a GPU those norms read bf16 rows and so take bf16's epsilon (7.8e-3), which an f64
+    /// model would otherwise replace with f64's (see `pipeline parity`).
+    pub fn with_qk_norm_eps(mut self, eps: Option<f64>) -> Self {
+        self.qk_eps = eps;
+        self
     }
 
     /// Runs every matmul (projections, MLP, output head) in `dtype`, casting inputs and weights
@@ -338,8 +350,8 @@ impl Gpt {
             // the attention output and its projection stay in it (the gain too, as the script casts it to q's
             // dtype; `raw_logits` cast the rope tables).
             let x = cast(x, low)?;
-            let q = qk_norm_rope(&self.linear_low(&x, &p("c_q.weight"))?, Some(&cast(&p("q_gain"), low)?), cos, sin, h)?;
-            let k = qk_norm_rope(&self.linear_low(&x, &p("c_k.weight"))?, None, cos, sin, kvh)?;
+            let q = qk_norm_rope(&self.linear_low(&x, &p("c_q.weight"))?, Some(&cast(&p("q_gain"), low)?), cos, sin, h, self.qk_eps)?;
+            let k = qk_norm_rope(&self.linear_low(&x, &p("c_k.weight"))?, None, cos, sin, kvh, self.qk_eps)?;
             let v = self.linear_low(&x, &p("c_v.weight"))?;
             // Where flash attention does not apply (e.g. an evaluation window that is not a
             // multiple of 64), the materialised attention runs even under "flash".
@@ -351,8 +363,8 @@ impl Gpt {
             };
             return self.linear_low(&y, &p("proj.weight"));
         }
-        let q = qk_norm_rope(&self.linear(x, &p("c_q.weight"))?, Some(&p("q_gain")), cos, sin, h)?;
-        let k = qk_norm_rope(&self.linear(x, &p("c_k.weight"))?, None, cos, sin, kvh)?;
+        let q = qk_norm_rope(&self.linear(x, &p("c_q.weight"))?, Some(&p("q_gain")), cos, sin, h, self.qk_eps)?;
+        let k = qk_norm_rope(&self.linear(x, &p("c_k.weight"))?, None, cos, sin, kvh, self.qk_eps)?;
         let v = self.linear(x, &p("c_v.weight"))?;
         let y = causal_attention_tokens(&q, &k, &v, b, h, kvh)?;
         self.linear(&y, &p("proj.weight"))

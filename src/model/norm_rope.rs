@@ -11,24 +11,29 @@ use super::ops;
 
 /// `rope(rms_norm(head))` for every head of `x` `(N, heads * D)`, whose row `n` is position
 /// `n % T`; `table` is `(T, D)`: the `(T, D / 2)` cos table then the sin table of
-/// [`ops::rope_tables`], side by side. Returns `(N, heads * D)`. Differentiable in `x`.
-pub fn norm_rope(x: &Tensor, table: &Tensor, heads: usize) -> Result<Tensor> {
+/// [`ops::rope_tables`], side by side. `eps` is the norm's epsilon, by default the input dtype's
+/// ([`ops::rms_eps`]). Returns `(N, heads * D)`. Differentiable in `x`.
+pub fn norm_rope(x: &Tensor, table: &Tensor, heads: usize, eps: Option<f64>) -> Result<Tensor> {
     let (n, width) = x.dims2()?;
     let (t, d) = table.dims2()?;
     if heads == 0 || d % 2 != 0 || width != heads * d || t == 0 || n % t != 0 {
         bail!("norm_rope: x {:?} with {heads} heads does not fit the table {:?}", x.shape(), table.shape());
     }
     let table = table.to_dtype(x.dtype())?.contiguous()?;
-    x.contiguous()?.apply_op2(&table, NormRope { heads })
+    let eps = eps.unwrap_or(ops::rms_eps(x.dtype()));
+    x.contiguous()?.apply_op2(&table, NormRope { heads, eps })
 }
 
 struct NormRope {
     heads: usize,
+    /// The RMS norm's epsilon.
+    eps: f64,
 }
 
 /// `(x, grad, table) -> dx` of [`NormRope`].
 struct NormRopeBwd {
     heads: usize,
+    eps: f64,
 }
 
 fn host(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
@@ -92,13 +97,13 @@ fn bwd_rows(x: &[f64], g: &[f64], table: &[f64], d: usize, heads: usize, seq: us
 #[cfg(feature = "cuda")]
 fn launch(
     kernel: &str,
-    heads: usize,
+    (heads, eps): (usize, f64),
     inputs: &[(&candle_core::CudaStorage, &Layout)],
     (ts, tl): (&candle_core::CudaStorage, &Layout),
 ) -> Result<(candle_core::CudaStorage, Shape)> {
-    let (xs, xl) = inputs[0];
+    let xl = inputs[0].1;
     let (d, seq) = geometry(xl, tl)?;
-    let eps = ops::rms_eps(xs.dtype()) as f32;
+    let eps = eps as f32;
     let chunked = kernel.replacen("norm_rope_", "norm_rope_vec_", 1);
     let out = super::gpu_kernels::rows_op_chunked(kernel, &chunked, inputs, &[(ts, tl)], d, eps, &[heads as i32, seq as i32])?;
     Ok((out, xl.shape().clone()))
@@ -111,8 +116,7 @@ impl CustomOp2 for NormRope {
 
     fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ts: &CpuStorage, tl: &Layout) -> Result<(CpuStorage, Shape)> {
         let (d, seq) = geometry(xl, tl)?;
-        let eps = ops::rms_eps(xs.dtype());
-        let out = fwd_rows(&host(xs, xl)?, &host(ts, tl)?, d, self.heads, seq, eps);
+        let out = fwd_rows(&host(xs, xl)?, &host(ts, tl)?, d, self.heads, seq, self.eps);
         Ok((storage(out, xs.dtype())?, xl.shape().clone()))
     }
 
@@ -124,11 +128,11 @@ impl CustomOp2 for NormRope {
         ts: &candle_core::CudaStorage,
         tl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        launch("norm_rope_fwd", self.heads, &[(xs, xl)], (ts, tl))
+        launch("norm_rope_fwd", (self.heads, self.eps), &[(xs, xl)], (ts, tl))
     }
 
     fn bwd(&self, x: &Tensor, table: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let dx = x.apply_op3_no_bwd(&grad.contiguous()?, table, &NormRopeBwd { heads: self.heads })?;
+        let dx = x.apply_op3_no_bwd(&grad.contiguous()?, table, &NormRopeBwd { heads: self.heads, eps: self.eps })?;
         Ok((Some(dx), None))
     }
 }
@@ -151,8 +155,7 @@ impl CustomOp3 for NormRopeBwd {
             bail!("norm_rope backward: gradient {:?} for x {:?}", gl.shape(), xl.shape());
         }
         let (d, seq) = geometry(xl, tl)?;
-        let eps = ops::rms_eps(xs.dtype());
-        let out = bwd_rows(&host(xs, xl)?, &host(gs, gl)?, &host(ts, tl)?, d, self.heads, seq, eps);
+        let out = bwd_rows(&host(xs, xl)?, &host(gs, gl)?, &host(ts, tl)?, d, self.heads, seq, self.eps);
         Ok((storage(out, xs.dtype())?, xl.shape().clone()))
     }
 
@@ -166,7 +169,7 @@ impl CustomOp3 for NormRopeBwd {
         ts: &candle_core::CudaStorage,
         tl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        launch("norm_rope_bwd", self.heads, &[(xs, xl), (gs, gl)], (ts, tl))
+        launch("norm_rope_bwd", (self.heads, self.eps), &[(xs, xl), (gs, gl)], (ts, tl))
     }
 }
 
@@ -190,7 +193,7 @@ mod tests {
             let table = Tensor::cat(&[&cos, &sin], 1).unwrap();
             let x = Var::from_tensor(&rand(&[b * t, h * d], 3)).unwrap();
             let g = rand(&[b * t, h * d], 4);
-            let ours = norm_rope(x.as_tensor(), &table, h).unwrap();
+            let ours = norm_rope(x.as_tensor(), &table, h, None).unwrap();
             let want = composite(x.as_tensor(), &cos, &sin, b, t, h, d);
             for (a, w) in flat(&ours).iter().zip(flat(&want)) {
                 assert!((a - w).abs() < 1e-12, "{:?}: {a} vs {w}", (b, t, h, d));
@@ -206,9 +209,9 @@ mod tests {
     #[test]
     fn rejects_shapes_that_do_not_fit() {
         let table = Tensor::zeros((4, 8), DType::F64, &Device::Cpu).unwrap();
-        assert!(norm_rope(&Tensor::zeros((8, 12), DType::F64, &Device::Cpu).unwrap(), &table, 2).is_err(), "12 != 2 * 8");
+        assert!(norm_rope(&Tensor::zeros((8, 12), DType::F64, &Device::Cpu).unwrap(), &table, 2, None).is_err(), "12 != 2 * 8");
         assert!(
-            norm_rope(&Tensor::zeros((6, 16), DType::F64, &Device::Cpu).unwrap(), &table, 2).is_err(),
+            norm_rope(&Tensor::zeros((6, 16), DType::F64, &Device::Cpu).unwrap(), &table, 2, None).is_err(),
             "6 rows are not whole sequences of 4"
         );
     }

@@ -14,10 +14,16 @@ pub fn rms_eps(dtype: DType) -> f64 {
     }
 }
 
-/// RMS norm over the last dimension, no weight: `x / sqrt(mean(x^2) + eps)`.
+/// RMS norm over the last dimension, no weight: `x / sqrt(mean(x^2) + eps)`, `eps` the input
+/// dtype's ([`rms_eps`]).
 pub fn rms_norm(x: &Tensor) -> Result<Tensor> {
+    rms_norm_eps(x, rms_eps(x.dtype()))
+}
+
+/// [`rms_norm`] with the given `eps`.
+pub fn rms_norm_eps(x: &Tensor, eps: f64) -> Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-    x.broadcast_div(&(ms + rms_eps(x.dtype()))?.sqrt()?)
+    x.broadcast_div(&(ms + eps)?.sqrt()?)
 }
 
 /// `cos` and `sin` tables of shape `(T, D/2)`: angle `pos * base^(-2i/D)`.
