@@ -107,8 +107,9 @@ pub fn tolerance(dtype: DType) -> f64 {
 
 /// A bf16 quantity's bound is this many times its expected error. Measured on the CPU
 /// (`bf16_bound_margin`, ignored: 24 seeds, 23 quantities, 4 fresh draws each): a fresh draw
-/// of the rounding is at most 1.62 times the RMS of three others; the GPU's kernels round a
-/// little more (flash attention's probabilities in bf16).
+/// of the rounding is at most 1.38 times the RMS of three others (quantities of
+/// [`FEW_VALUES`] values or more); the GPU's kernels round a little more (flash attention's
+/// probabilities in bf16).
 pub const EXPECTED_FACTOR: f64 = 4.0;
 
 /// Quantities of fewer values than this (the query gains: one per head) get [`FEW_FACTOR`]:
