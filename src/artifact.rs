@@ -67,7 +67,7 @@ pub fn write_and_restore(state: &[(String, Tensor)], q: &QuantConfig, out: &Path
     let artifact = quantize(state, q)?.compress(q.codec, q.level)?;
     let quantize_time = t0.elapsed();
     let t1 = Instant::now();
-    crate::rundir::write_atomic(out, &artifact.bytes)?;
+    crate::rundir::write_atomic_if_changed(out, &artifact.bytes)?;
     let write = t1.elapsed();
     let t2 = Instant::now();
     let bytes = std::fs::read(out).with_context(|| format!("cannot read back {}", out.display()))?;

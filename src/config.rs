@@ -239,6 +239,22 @@ impl Loaded {
         }
     }
 
+    /// The origin of the value an error `message` about `key` (a table, e.g. `stages.train`)
+    /// is about: the first key quoted in backticks in the message that the config holds, as a
+    /// full path (`train.iterations`) or relative to `key` (`dtype`), so that a bad value set
+    /// with `--set` or the environment is blamed on that, not on the file. Else `key`'s origin.
+    pub fn origin_in(&self, key: &str, message: &str) -> String {
+        let is_key = |t: &str| !t.is_empty() && t.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.');
+        for quoted in message.split('`').skip(1).step_by(2).filter(|t| is_key(t)) {
+            for candidate in [quoted.to_string(), format!("{key}.{quoted}")] {
+                if candidate.contains('.') && self.figment.find_value(&candidate).is_ok() {
+                    return self.origin_of(&candidate);
+                }
+            }
+        }
+        self.origin_of(key)
+    }
+
     fn file_name(&self) -> String {
         relative(&self.path).display().to_string()
     }

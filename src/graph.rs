@@ -383,9 +383,10 @@ fn choose_focus(plan: &Plan, wanted: &str) -> Result<usize, String> {
 pub fn check_resources(plan: &Plan, loaded: &Loaded) -> Result<(), ConfigErrors> {
     let mut errors = ConfigErrors::default();
     for s in &plan.stages {
-        let ctx = BuildCtx { stage: &s.name, config: &loaded.config, run_dir: None, consumers: s.consumers.len(), resume: None };
+        let ctx = BuildCtx { stage: &s.name, config: &loaded.config, run_dir: None, consumers: s.consumers.len(), resume: None, previous: None };
         if let Err(e) = s.factory.check(&s.params, &ctx) {
-            errors.push(loaded.origin_of(&format!("stages.{}", s.name)), Some(format!("stages.{}", s.name)), format!("{e:#}"));
+            let (key, message) = (format!("stages.{}", s.name), format!("{e:#}"));
+            errors.push(loaded.origin_in(&key, &message), Some(key), message);
         }
     }
     errors.into_result()

@@ -243,6 +243,10 @@ fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool, 
             }
             outcome.report.run.exit_code
         }
+        Err(RunError::Complete(message)) => {
+            println!("{message}");
+            0
+        }
         Err(e) => {
             eprintln!("error: {e}");
             e.exit_code()

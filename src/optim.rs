@@ -124,6 +124,9 @@ pub fn momentum_at(step: u64, warmup_steps: u64, start: f64, end: f64) -> f64 {
 /// The LR multiplier of §3.7 (no warm-up, linear warm-down to 0); every group uses
 /// `lr = base_lr · lr_multiplier(..)`.
 ///
+/// * `step ≥ iterations`: 0, whatever else holds. No such step is ever trained (the trainer
+///   refuses it); if one were, it must not move the weights at the full LR, as `train_gpt.py`'s
+///   1 would.
 /// * `warmdown_iters == 0`: always 1.
 /// * Time-based, when `max_wallclock_ms > 0`: with `step_ms = elapsed_ms / max(step, 1)`,
 ///   `wd_ms = warmdown_iters · step_ms` and `remaining = max(max_wallclock_ms − elapsed_ms, 0)`,
@@ -132,9 +135,11 @@ pub fn momentum_at(step: u64, warmup_steps: u64, start: f64, end: f64) -> f64 {
 ///   the cap has passed. `elapsed_ms` is training time only (validation excluded).
 /// * Step-based, when `max_wallclock_ms ≤ 0` (cap disabled): during the last `warmdown_iters`
 ///   steps (`iterations − warmdown_iters ≤ step < iterations`) the result is
-///   `(iterations − step) / warmdown_iters`, else 1 (also 1 for `step ≥ iterations`, as in
-///   `train_gpt.py`).
+///   `(iterations − step) / warmdown_iters`, else 1.
 pub fn lr_multiplier(step: u64, iterations: u64, warmdown_iters: u64, elapsed_ms: f64, max_wallclock_ms: f64) -> f64 {
+    if step >= iterations {
+        return 0.0;
+    }
     if warmdown_iters == 0 {
         return 1.0;
     }
@@ -919,8 +924,12 @@ mod tests {
         assert_eq!(lr_multiplier(18_800, 20_000, 1200, 0.0, 0.0), 1.0);
         assert!((lr_multiplier(19_400, 20_000, 1200, 0.0, 0.0) - 0.5).abs() < 1e-12);
         assert!((lr_multiplier(19_999, 20_000, 1200, 0.0, 0.0) - 1.0 / 1200.0).abs() < 1e-12);
-        // At or past `iterations` train_gpt.py returns 1 (that step is never trained).
-        assert_eq!(lr_multiplier(20_000, 20_000, 1200, 0.0, 0.0), 1.0);
+        // At or past `iterations` (train_gpt.py returns 1 there): 0, with or without warm-down
+        // or a cap, so a step past the end could never move the weights at the full LR.
+        assert_eq!(lr_multiplier(20_000, 20_000, 1200, 0.0, 0.0), 0.0);
+        assert_eq!(lr_multiplier(20_001, 20_000, 1200, 0.0, 0.0), 0.0);
+        assert_eq!(lr_multiplier(10, 10, 0, 0.0, 0.0), 0.0);
+        assert_eq!(lr_multiplier(10, 10, 5, 100.0, 600_000.0), 0.0);
         // Warm-down longer than the run: decays from the start.
         assert!((lr_multiplier(0, 100, 200, 0.0, 0.0) - 0.5).abs() < 1e-12);
         // No warm-down.

@@ -21,18 +21,37 @@ pub enum RunError {
     /// A stage could not be built (exit code 1).
     #[error("{0}")]
     Build(#[from] BuildError),
-    /// The run directory or its files could not be written (exit code 1).
+    /// The run directory or its files could not be written, or a checkpoint could not be
+    /// read (exit code 1).
     #[error("{0:#}")]
     Io(#[from] anyhow::Error),
+    /// `--resume` names no checkpoint, or one that is not a checkpoint or is corrupt (exit code
+    /// 2: bad input, like a config error).
+    #[error("{0:#}")]
+    Resume(anyhow::Error),
+    /// A resumed run found nothing left to do: the run it continues is complete (exit code 0;
+    /// no file was touched).
+    #[error("{0}")]
+    Complete(String),
 }
 
 impl RunError {
     /// The process exit code for this error.
     pub fn exit_code(&self) -> i32 {
         match self {
-            RunError::Config(_) => 2,
-            _ => 1,
+            RunError::Complete(_) => 0,
+            RunError::Config(_) | RunError::Resume(_) => 2,
+            RunError::Build(_) | RunError::Io(_) => 1,
         }
+    }
+
+    /// A `--resume` refusal: bad input (exit 2), unless the checkpoint could not be read for a
+    /// reason of the system's (permissions, a failing disk: exit 1).
+    fn resume(e: anyhow::Error) -> Self {
+        let system = e.chain().filter_map(|c| c.downcast_ref::<std::io::Error>()).any(|io| {
+            !matches!(io.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::InvalidData | std::io::ErrorKind::UnexpectedEof)
+        });
+        if system { RunError::Io(e) } else { RunError::Resume(e) }
     }
 }
 
@@ -93,32 +112,36 @@ pub fn run(
     let plan: Plan = graph::plan(loaded)?;
     check_run_table(loaded)?;
     let name = run_name(loaded);
-    let checkpoint = resume.map(crate::checkpoint::resolve).transpose()?;
+    let checkpoint = resume.map(crate::checkpoint::resolve).transpose().map_err(RunError::resume)?;
     let (run_dir, fresh) = match (&checkpoint, out) {
-        (Some(c), None) => (run_dir_of(&c.path)?, false),
+        (Some(c), None) => (run_dir_of(&c.path).map_err(RunError::resume)?, false),
         _ => (rundir::create(out, &loaded.config.run.out_dir, &name)?, true),
+    };
+    let previous = if fresh { None } else { previous_report(&run_dir, &plan) };
+    // Build every stage before anything is written: a stage that cannot be built, or that
+    // finds nothing left to do, leaves the run directory as it was.
+    let built = match runtime::build(&plan, &loaded.config, Some(&run_dir), checkpoint.as_ref(), previous.as_ref()) {
+        Ok(b) => b,
+        Err(e) => {
+            // Nothing ran: leave no new run directory behind.
+            if fresh {
+                let _ = std::fs::remove_dir_all(&run_dir);
+            }
+            if e.complete {
+                return Err(RunError::Complete(e.message));
+            }
+            // A config problem, or a checkpoint that does not fit this config: bad input.
+            let mut errors = ConfigErrors::default();
+            let key = format!("stages.{}", e.stage);
+            let message = format!("stage `{}` ({}/{}) could not be built: {}", e.stage, e.kind, e.imp, e.message);
+            errors.push(loaded.origin_in(&key, &message), Some(key), message);
+            return Err(RunError::Config(errors));
+        }
     };
     write_resolved_config(loaded, &plan, &run_dir)?;
     on_start(&run_dir);
     let started = rundir::now_rfc3339();
-    let result = match runtime::execute(&plan, &loaded.config, Some(&run_dir), checkpoint.as_ref(), control) {
-        Ok(r) => r,
-        Err(e) => {
-            // Nothing ran: leave no new run directory behind, and report it as the config
-            // problem it is.
-            if fresh {
-                let _ = std::fs::remove_dir_all(&run_dir);
-            }
-            let mut errors = ConfigErrors::default();
-            let key = format!("stages.{}", e.stage);
-            errors.push(
-                loaded.origin_of(&key),
-                Some(key),
-                format!("stage `{}` ({}/{}) could not be built: {}", e.stage, e.kind, e.imp, e.message),
-            );
-            return Err(RunError::Config(errors));
-        }
-    };
+    let result = runtime::run(&plan, &loaded.config, built, control);
     let meta = ReportMeta {
         name: &name,
         config_path: &loaded.path,
@@ -131,6 +154,18 @@ pub fn run(
     let json = serde_json::to_vec_pretty(&report).map_err(anyhow::Error::from)?;
     rundir::write_atomic(&run_dir.join("report.json"), &json)?;
     Ok(RunOutcome { report, run_dir })
+}
+
+/// The report of the process that last ran in `run_dir`, if it ran the same stages (names,
+/// kinds and implementations) as `plan`: what a resumed run's stages may read to find that
+/// nothing is left to do. A missing or unreadable report is none.
+fn previous_report(run_dir: &Path, plan: &Plan) -> Option<Report> {
+    let r = Report::load(run_dir).ok()?;
+    let same = r.run.stage_order.len() == plan.stages.len()
+        && plan.stages.iter().zip(&r.run.stage_order).all(|(s, name)| {
+            &s.name == name && r.stages.get(name).is_some_and(|st| st.kind == s.factory.kind() && st.imp == s.factory.name())
+        });
+    same.then_some(r)
 }
 
 /// The run directory a checkpoint file belongs to (`RUN_DIR/checkpoints/step_N.safetensors`).

@@ -57,6 +57,18 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// As [`write_atomic`], unless `path` already holds exactly `bytes`: then nothing is written
+/// (not even the file's time), and it returns false. A run that finishes what an earlier
+/// process left (a resume) so leaves the files that process completed as they were.
+pub fn write_atomic_if_changed(path: &Path, bytes: &[u8]) -> anyhow::Result<bool> {
+    let same = fs::metadata(path).is_ok_and(|m| m.is_file() && m.len() == bytes.len() as u64) && fs::read(path).is_ok_and(|old| old == bytes);
+    if same {
+        return Ok(false);
+    }
+    write_atomic(path, bytes)?;
+    Ok(true)
+}
+
 /// The current time as RFC 3339 UTC, to the second.
 pub fn now_rfc3339() -> String {
     humantime::format_rfc3339_seconds(SystemTime::now()).to_string()

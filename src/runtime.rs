@@ -21,7 +21,7 @@ use crate::config::Config;
 use crate::control::{Control, StopReason};
 use crate::graph::Plan;
 use crate::metrics::Hist;
-use crate::stage::{BuildCtx, Ctx, ErasedChannelHandle, Runnable, StageEnv, Wiring};
+use crate::stage::{AlreadyComplete, BuildCtx, Ctx, ErasedChannelHandle, Runnable, StageEnv, Wiring};
 
 /// How long stages get to leave after an abort before they are reported as hung.
 pub const ABORT_GRACE: Duration = Duration::from_secs(3);
@@ -113,6 +113,8 @@ pub struct BuildError {
     pub imp: String,
     /// What went wrong.
     pub message: String,
+    /// The stage found nothing left to do ([`AlreadyComplete`]): not an error, the run is over.
+    pub complete: bool,
 }
 
 struct Done {
@@ -123,8 +125,36 @@ struct Done {
     end: u64,
 }
 
+/// Every stage of a plan, built; nothing runs yet ([`build`], then [`run`]).
+pub struct Built {
+    runnables: Vec<Option<Box<dyn Runnable>>>,
+}
+
+/// Builds every stage of `plan`: a stage that cannot be built means nothing runs.
+pub fn build(
+    plan: &Plan,
+    config: &Config,
+    run_dir: Option<&Path>,
+    resume: Option<&crate::checkpoint::Checkpoint>,
+    previous: Option<&crate::report::Report>,
+) -> Result<Built, BuildError> {
+    let mut runnables: Vec<Option<Box<dyn Runnable>>> = Vec::with_capacity(plan.stages.len());
+    for s in &plan.stages {
+        let ctx = BuildCtx { stage: &s.name, config, run_dir, consumers: s.consumers.len(), resume, previous };
+        let r = s.factory.instantiate(&s.params, &ctx).map_err(|e| BuildError {
+            stage: s.name.clone(),
+            kind: s.factory.kind().into(),
+            imp: s.factory.name().into(),
+            complete: e.downcast_ref::<AlreadyComplete>().is_some(),
+            message: format!("{e:#}"),
+        })?;
+        runnables.push(Some(r));
+    }
+    Ok(Built { runnables })
+}
+
 /// Builds every stage, then runs the graph to the end. `control` is shared with whoever may
-/// interrupt the run (the Ctrl-C handler).
+/// interrupt the run (the signal handler).
 pub fn execute(
     plan: &Plan,
     config: &Config,
@@ -132,21 +162,15 @@ pub fn execute(
     resume: Option<&crate::checkpoint::Checkpoint>,
     control: Arc<Control>,
 ) -> Result<RunResult, BuildError> {
+    let built = build(plan, config, run_dir, resume, None)?;
+    Ok(run(plan, config, built, control))
+}
+
+/// Runs the stages [`build`] made, to the end.
+pub fn run(plan: &Plan, config: &Config, built: Built, control: Arc<Control>) -> RunResult {
     let run = &config.run;
     let clock = Clock::new();
-
-    // Build all stages first: a stage that cannot be built means nothing runs.
-    let mut runnables: Vec<Option<Box<dyn Runnable>>> = Vec::with_capacity(plan.stages.len());
-    for s in &plan.stages {
-        let ctx = BuildCtx { stage: &s.name, config, run_dir, consumers: s.consumers.len(), resume };
-        let r = s.factory.instantiate(&s.params, &ctx).map_err(|e| BuildError {
-            stage: s.name.clone(),
-            kind: s.factory.kind().into(),
-            imp: s.factory.name().into(),
-            message: format!("{e:#}"),
-        })?;
-        runnables.push(Some(r));
-    }
+    let mut runnables = built.runnables;
 
     // One input channel per consuming stage; senders for each edge; probes for sampling.
     let mut channels: Vec<Option<Box<dyn ErasedChannelHandle>>> = plan.stages.iter().map(|s| s.factory.input_channel(s.queue)).collect();
@@ -300,7 +324,7 @@ pub fn execute(
         })
         .collect();
     let sections = sections.lock().map(|s| s.clone()).unwrap_or_default();
-    Ok(RunResult { clock, start, end, stages, occupancy, reason: control.reason(), failure, stop_ms, notes, sections })
+    RunResult { clock, start, end, stages, occupancy, reason: control.reason(), failure, stop_ms, notes, sections }
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {

@@ -78,7 +78,18 @@ pub struct BuildCtx<'a> {
     /// The checkpoint a resumed run continues from (`pipeline run --resume`): stages with state
     /// (sampler, executor, averager, checkpointer) restore theirs from it.
     pub resume: Option<&'a crate::checkpoint::Checkpoint>,
+    /// The report of the process a resumed run continues (`RUN_DIR/report.json`), when the run
+    /// goes on in that directory with the same stages; a stage may find in it that nothing is
+    /// left to do and say so with [`AlreadyComplete`].
+    pub previous: Option<&'a crate::report::Report>,
 }
+
+/// What a stage's `build` returns when a resumed run has nothing left to do: the run it
+/// continues finished everything. The run then starts nothing, changes no file, prints the
+/// message and exits 0.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct AlreadyComplete(pub String);
 
 impl BuildCtx<'_> {
     /// A seed for this stage: the run's seed mixed with the stage name, so two stages of the same

@@ -168,6 +168,12 @@ impl Trainer {
     /// `∇(loss / A)` to the step's gradients.
     pub fn micro_step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<MicroTimes> {
         anyhow::ensure!(self.micro_done < self.micro_steps, "micro-batch {} of a {}-micro-batch step", self.micro_done, self.micro_steps);
+        anyhow::ensure!(
+            self.step < self.cfg.iterations,
+            "refusing to train step {}: `train.iterations` is {} and no step past it is ever trained",
+            self.step + 1,
+            self.cfg.iterations
+        );
         let t0 = Instant::now();
         let m0 = self.clock.mark()?;
         let loss = self.model.loss(x, y)?;

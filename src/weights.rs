@@ -13,15 +13,16 @@ use anyhow::Context;
 use candle_core::{DType, Device, Tensor};
 
 /// Writes `tensors` (name, tensor) to `path` as safetensors, atomically
-/// ([`crate::rundir::write_atomic`]). Tensors are stored in their own dtype, moved to the CPU
-/// first.
+/// ([`crate::rundir::write_atomic_if_changed`]: a file that already holds these bytes is left
+/// alone). Tensors are stored in their own dtype, moved to the CPU first.
 pub fn save(path: &Path, tensors: &[(String, Tensor)]) -> anyhow::Result<()> {
     let bytes = (|| -> anyhow::Result<Vec<u8>> {
         let cpu = tensors.iter().map(|(n, t)| Ok((n.as_str(), t.to_device(&Device::Cpu)?))).collect::<anyhow::Result<Vec<_>>>()?;
         Ok(safetensors::serialize(cpu, None)?)
     })()
     .with_context(|| format!("cannot write weights to {}", path.display()))?;
-    crate::rundir::write_atomic(path, &bytes).context("cannot write weights")
+    crate::rundir::write_atomic_if_changed(path, &bytes).context("cannot write weights")?;
+    Ok(())
 }
 
 /// Reads every tensor of the safetensors file at `path` onto the CPU, converted to `dtype`

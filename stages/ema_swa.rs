@@ -192,6 +192,22 @@ impl Averager {
         Ok(true)
     }
 
+    /// Puts the average in the snapshot's (the model's) tensor order, once: an average restored
+    /// from a checkpoint comes in no particular order, and what is made of it (the artifact's
+    /// manifest) must be the bytes the uninterrupted run made.
+    fn align(&mut self, snap: &TrainSnapshot) {
+        let Some(avg) = &self.avg else { return };
+        if avg.len() != snap.weights.len() || avg.iter().zip(snap.weights.iter()).all(|((a, _), (w, _))| a == w) {
+            return;
+        }
+        let by_name: std::collections::HashMap<&str, &Tensor> = avg.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let ordered: Option<Vec<(String, Tensor)>> =
+            snap.weights.iter().map(|(n, _)| by_name.get(n.as_str()).map(|t| (n.clone(), (*t).clone()))).collect();
+        if let Some(ordered) = ordered {
+            self.avg = Some(Arc::new(ordered));
+        }
+    }
+
     fn state(&self) -> Option<AveragerState> {
         self.avg.as_ref().map(|t| AveragerState { kind: self.rule.kind().into(), count: self.count, tensors: t.clone() })
     }
@@ -201,6 +217,7 @@ impl Averager {
         if self.fold(&snap).with_context(|| format!("averaging step {}", snap.step))? {
             ctx.record("update", t0.elapsed().as_nanos() as u64);
         }
+        self.align(&snap);
         snap.averager = self.state();
         if snap.is_final_for_eval() && self.eval {
             match &self.avg {

@@ -41,7 +41,7 @@ use crate::model::Gpt;
 use crate::model::attention_trial::AttentionShape;
 use crate::model::flash_attn::Attention;
 use crate::snapshot::{Ending, Moment, TrainSnapshot, TrainerState};
-use crate::stage::{BuildCtx, Ctx, Emitter, Transform};
+use crate::stage::{AlreadyComplete, BuildCtx, Ctx, Emitter, Transform};
 use crate::trainer::Trainer;
 use crate::trainlog::{Phases, StepTable, TrainLog, train_line, val_line};
 use crate::validation::Validator;
@@ -154,6 +154,11 @@ pub struct Candle {
     data: String,
     /// The step this process started from (0 unless resumed).
     resumed_from: u64,
+    /// Resumed from a checkpoint made after the last step: train nothing, only redo the
+    /// closing work (final validation, weights) and hand the final snapshot on.
+    finish_only: Option<Ending>,
+    /// Training time at the end of the last step (what its snapshot and checkpoint record).
+    step_end_ms: f64,
     /// Loader state and rolling fingerprint after the current step's latest micro-batch.
     step_loader: Option<(Arc<LoaderState>, u64)>,
     /// The last snapshot's copy of the parameters, with its step.
@@ -191,6 +196,21 @@ impl Transform for Candle {
     fn build(p: CandleParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&p, ctx)?;
         let c = ctx.config;
+        // A checkpoint made after the last step: no step is trained, ever again. If the process
+        // that made it also finished every stage after training, there is nothing to do at all.
+        let finish_only = ctx.resume.and_then(|ck| training_ended(ck, &c.train));
+        if let (Some(ck), Some(ending), Some(prev)) = (ctx.resume, finish_only, ctx.previous)
+            && completed_at(prev, ck.meta.step)
+        {
+            let dir = ctx.run_dir.map(|d| d.display().to_string()).unwrap_or_default();
+            return Err(AlreadyComplete(format!(
+                "run {dir} is complete: training ended at step {}/{} ({}) and every stage after it finished (its report.json: completed, exit 0). Nothing left to do; no file was changed.",
+                ck.meta.step,
+                c.train.iterations,
+                ending_name(ending),
+            ))
+            .into());
+        }
         let shape = BatchShape::from_config(c)?;
         let device = crate::device::open(c)?;
         let validator = Validator::load(c, shape.micro_steps)?;
@@ -246,6 +266,14 @@ impl Transform for Candle {
                 ck.meta.train_ms,
                 ck.meta.rolling
             ));
+            if let Some(ending) = finish_only {
+                log.line(&format!(
+                    "resume: training ended at step {}/{} ({}): no step is trained; the final validation and the stages after training run again",
+                    ck.meta.step,
+                    c.train.iterations,
+                    ending_name(ending)
+                ));
+            }
         }
         startup_lines(&mut log, c, &trainer, &validator, shape, unigram_bpb);
         if !device.is_cpu() {
@@ -300,6 +328,8 @@ impl Transform for Candle {
             steps,
             data,
             resumed_from,
+            finish_only,
+            step_end_ms: train_ms,
             step_loader: None,
             last_weights: None,
         })
@@ -371,6 +401,41 @@ fn resume(trainer: &mut Trainer, ck: &Checkpoint, shape: BatchShape, data: &str)
     Ok(history)
 }
 
+/// Whether `ck` was made after the last step of training as `t` sets it: `train.iterations`
+/// steps taken, or the wall-clock cap crossed (as `end_step` judges it, on the training time
+/// at the end of that step).
+fn training_ended(ck: &Checkpoint, t: &TrainConfig) -> Option<Ending> {
+    let cap_ms = t.max_wallclock_seconds * 1e3;
+    if ck.meta.step >= t.iterations {
+        Some(Ending::Iterations)
+    } else if cap_ms > 0.0 && ck.meta.train_ms >= cap_ms {
+        Some(Ending::WallclockCap)
+    } else {
+        None
+    }
+}
+
+/// Whether the previous process's report says it completed (exit 0) a run whose training ended
+/// at `step` by iterations or the cap: then every stage after training had done its work too.
+fn completed_at(prev: &crate::report::Report, step: u64) -> bool {
+    let ended = prev.train.get("ended_by").and_then(|v| v.as_str());
+    prev.run.exit_code == 0
+        && prev.run.status == "completed"
+        && prev.train.get("steps").and_then(|v| v.as_u64()) == Some(step)
+        && matches!(ended, Some("iterations" | "wallclock_cap"))
+}
+
+/// How an ending reads in logs: the key that ended training.
+fn ending_name(e: Ending) -> &'static str {
+    match e {
+        Ending::Iterations => "train.iterations",
+        Ending::WallclockCap => "train.max_wallclock_seconds",
+        Ending::InputEnded => "the input ended",
+        Ending::Interrupted => "interrupted",
+        Ending::Failed => "failed",
+    }
+}
+
 /// Fingerprint of the `data.train` files (names and sizes).
 fn data_fingerprint(c: &Config) -> anyhow::Result<String> {
     match &c.data.train {
@@ -387,6 +452,10 @@ impl Candle {
             // Batches still in flight after the last step, or after a stop (Ctrl-C, max_seconds),
             // are not part of the run: the step they would complete is dropped in `flush`.
             return Ok(());
+        }
+        if let Some(ending) = self.finish_only {
+            // Training had ended: the batches a resumed sampler sends are not trained on.
+            return self.finish_resumed(ending, out, ctx);
         }
         if !self.started {
             self.started = true;
@@ -450,7 +519,9 @@ impl Candle {
         let snap = TrainSnapshot {
             step,
             moment,
-            train_ms: self.train_ms(),
+            // A step's snapshot carries the time its end was judged by (the cap), so a resume
+            // from its checkpoint judges the same.
+            train_ms: if moment == Moment::Step { self.step_end_ms } else { self.train_ms() },
             train_loss: self.last_loss,
             lr_mul: self.lr_mul,
             weights,
@@ -462,8 +533,34 @@ impl Candle {
         Ok(())
     }
 
+    /// A run resumed after its last step: the final validation (its weights are saved again
+    /// only if they differ from the file's), then the final snapshot for the stages after
+    /// training; no step, no snapshot of a step.
+    fn finish_resumed(&mut self, ending: Ending, out: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
+        self.started = true;
+        self.ending = Some(ending);
+        ctx.finishing(|ctx| -> anyhow::Result<()> {
+            self.final_validation(ctx)?;
+            self.wrap_up()
+        })?;
+        self.done = true;
+        self.log.finish();
+        self.send(Moment::Final(ending), out, ctx)?;
+        ctx.request_stop();
+        Ok(())
+    }
+
     /// After the input ended or the graph stopped.
     fn close(&mut self, out: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
+        if let Some(ending) = self.finish_only
+            && !self.started
+            && ctx.stop_reason() == StopReason::Completed
+        {
+            // The input ended before a batch came: the closing work still runs.
+            self.finish_resumed(ending, out, ctx)?;
+            self.publish(ctx);
+            return Ok(());
+        }
         if self.done || !self.started {
             self.publish(ctx);
             self.log.finish();
@@ -597,6 +694,7 @@ impl Candle {
         }
         let (step, total) = (self.trainer.step(), self.cfg.iterations);
         let train_ms = self.train_ms();
+        self.step_end_ms = train_ms;
         self.steps.row(step, out.train_loss, out.lr_mul, train_ms, self.rolling);
         self.send(Moment::Step, emitter, ctx)?;
         let cap_ms = self.cfg.max_wallclock_seconds * 1e3;
