@@ -207,20 +207,10 @@ fn main() -> ExitCode {
 }
 
 fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool, resume: Option<PathBuf>) -> i32 {
-    // Install the handler first, so a Ctrl-C at any moment still ends in a written report.
+    // Install the handler first, so a signal at any moment still ends in a written report.
     let control = Arc::new(Control::new());
-    let handler_control = control.clone();
-    let handler = ctrlc::set_handler(move || {
-        let again = handler_control.stopping();
-        handler_control.interrupt();
-        if again {
-            eprintln!("pipeline: second Ctrl-C: stopping every stage now");
-        } else {
-            eprintln!("pipeline: Ctrl-C: draining in-flight items, then flushing (Ctrl-C again to stop at once)");
-        }
-    });
-    if let Err(e) = handler {
-        eprintln!("error: cannot install the Ctrl-C handler: {e}");
+    if let Err(e) = handle_stop_signals(control.clone()) {
+        eprintln!("error: cannot install the handler of SIGINT, SIGTERM and SIGHUP: {e}");
         return 1;
     }
     let loaded = match config::load(&path, &sets) {
@@ -237,14 +227,14 @@ fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool, 
     });
     match result {
         Ok(outcome) => {
-            println!("{}", outcome.report.render());
+            say(&outcome.report.render());
             if let Some(e) = &outcome.report.run.error {
-                eprintln!("error: {e}");
+                warn(&format!("error: {e}"));
             }
             outcome.report.run.exit_code
         }
         Err(RunError::Complete(message)) => {
-            println!("{message}");
+            say(&message);
             0
         }
         Err(e) => {
@@ -252,6 +242,45 @@ fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool, 
             e.exit_code()
         }
     }
+}
+
+/// SIGINT, SIGTERM and SIGHUP all stop a run as Ctrl-C does (the first drains and flushes, a
+/// second stops every stage where it stands); the first one's number sets the exit code. A
+/// thread of its own takes them (signal-hook's self-pipe), so nothing runs in the handler.
+fn handle_stop_signals(control: Arc<Control>) -> std::io::Result<()> {
+    use pipeline::control::StopSignal;
+    let numbers: Vec<i32> = StopSignal::ALL.iter().map(|s| s.number()).collect();
+    let mut signals = signal_hook::iterator::Signals::new(&numbers)?;
+    std::thread::Builder::new().name("signals".into()).spawn(move || {
+        for n in signals.forever() {
+            let Some(signal) = StopSignal::from_number(n) else { continue };
+            let again = control.stopping();
+            control.interrupt_by(signal);
+            let name = signal.name();
+            if again {
+                warn(&format!("pipeline: {name} while stopping: stopping every stage now"));
+            } else {
+                warn(&format!(
+                    "pipeline: {name}: draining in-flight items, then flushing and writing the report (again to stop at once; exit {})",
+                    signal.exit_code()
+                ));
+            }
+        }
+    })?;
+    Ok(())
+}
+
+/// Prints a line on stdout; a closed terminal (after SIGHUP) or pipe is not an error here, the
+/// run directory has everything.
+fn say(s: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stdout().lock(), "{s}");
+}
+
+/// As [`say`], on stderr.
+fn warn(s: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "{s}");
 }
 
 fn cmd_attention_trial(device: &str, kernels: &str, shape: AttentionShape, json: bool) -> i32 {

@@ -21,7 +21,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::control::StopReason;
+use crate::control::{StopReason, StopSignal};
 use crate::graph::Plan;
 use crate::metrics::{Hist, Summary};
 use crate::runtime::{RunResult, StageState};
@@ -66,6 +66,9 @@ pub struct RunInfo {
     /// The first failure: which stage and why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The signal that stopped an interrupted run: `SIGINT`, `SIGTERM` or `SIGHUP`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<String>,
     /// Time from the abort to the last stage ending (ms), when the run was aborted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stop_ms: Option<f64>,
@@ -164,12 +167,13 @@ pub struct ReportMeta<'a> {
     pub instrument: bool,
 }
 
-/// Exit code for each way a run can end.
-pub fn exit_code(reason: StopReason) -> i32 {
+/// Exit code for each way a run can end: 0 completed, 1 failed, 128 + the signal's number when
+/// a signal stopped it (SIGINT 130, SIGTERM 143, SIGHUP 129).
+pub fn exit_code(reason: StopReason, signal: Option<StopSignal>) -> i32 {
     match reason {
         StopReason::Completed => 0,
         StopReason::Failed => 1,
-        StopReason::Interrupted => 130,
+        StopReason::Interrupted => signal.unwrap_or(StopSignal::Int).exit_code(),
     }
 }
 
@@ -284,7 +288,8 @@ pub fn build(plan: &Plan, result: &RunResult, meta: &ReportMeta) -> Report {
             started: meta.started.clone(),
             wall_s,
             status: status.into(),
-            exit_code: exit_code(result.reason),
+            exit_code: exit_code(result.reason, result.signal),
+            signal: (result.reason == StopReason::Interrupted).then(|| result.signal.unwrap_or(StopSignal::Int).name().to_string()),
             error: result.failure.as_ref().map(|(s, m)| format!("stage `{s}` failed: {m}")),
             stop_ms: result.stop_ms,
             warmup_items: meta.warmup_items,
@@ -314,7 +319,11 @@ impl Report {
         use std::fmt::Write;
         let mut o = String::new();
         let r = &self.run;
-        let _ = writeln!(o, "run `{}`: {} after {:.2} s (exit {})  [{}]", r.name, r.status, r.wall_s, r.exit_code, r.run_dir);
+        let status = match &r.signal {
+            Some(sig) => format!("{} by {sig}", r.status),
+            None => r.status.clone(),
+        };
+        let _ = writeln!(o, "run `{}`: {status} after {:.2} s (exit {})  [{}]", r.name, r.wall_s, r.exit_code, r.run_dir);
         if let Some(e) = &r.error {
             let _ = writeln!(o, "error: {e}");
         }

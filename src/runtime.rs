@@ -90,6 +90,8 @@ pub struct RunResult {
     pub occupancy: Vec<Option<OccupancySamples>>,
     /// Why the run ended.
     pub reason: StopReason,
+    /// The signal that stopped it, if one did.
+    pub signal: Option<crate::control::StopSignal>,
     /// The first stage failure: (stage name, message).
     pub failure: Option<(String, String)>,
     /// Milliseconds from the first abort (failure, timeout, second Ctrl-C) to the last stage
@@ -324,7 +326,7 @@ pub fn run(plan: &Plan, config: &Config, built: Built, control: Arc<Control>) ->
         })
         .collect();
     let sections = sections.lock().map(|s| s.clone()).unwrap_or_default();
-    RunResult { clock, start, end, stages, occupancy, reason: control.reason(), failure, stop_ms, notes, sections }
+    RunResult { clock, start, end, stages, occupancy, reason: control.reason(), signal: control.signal(), failure, stop_ms, notes, sections }
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {

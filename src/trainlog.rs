@@ -47,7 +47,10 @@ impl TrainLog {
     pub fn line(&mut self, s: &str) {
         match &self.bar {
             Some(b) => b.println(s),
-            None => println!("{s}"),
+            // A closed terminal (SIGHUP) or pipe must not stop training: the file has the line.
+            None => {
+                let _ = writeln!(std::io::stdout().lock(), "{s}");
+            }
         }
         if let Some(f) = self.file.as_mut() {
             // A log that cannot be written must not stop training; stdout still has it.
@@ -99,7 +102,7 @@ impl StageLog {
 
     /// Logs one line.
     pub fn line(&self, s: &str) {
-        println!("{s}");
+        let _ = writeln!(std::io::stdout().lock(), "{s}");
         if let Some(p) = &self.path {
             // As for the training log: stdout still has the line if the file cannot take it.
             if let Ok(mut f) = open_log(p, true) {
