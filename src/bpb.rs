@@ -53,7 +53,7 @@ impl ByteTables {
     /// Reads a sentencepiece `.model` file and builds its tables for a model of `vocab_size`
     /// outputs (the tables hold `max(pieces, vocab_size)` entries).
     pub fn from_model_file(path: &Path, vocab_size: usize) -> anyhow::Result<Self> {
-        let bytes = std::fs::read(path).with_context(|| format!("{}: cannot read the tokenizer", path.display()))?;
+        let bytes = crate::files::read(path).with_context(|| format!("{}: cannot read the tokenizer", path.display()))?;
         let model =
             SentencePieceModel::from_slice(&bytes).map_err(|e| anyhow::anyhow!("{}: not a sentencepiece model ({e})", path.display()))?;
         anyhow::ensure!(!model.pieces().is_empty(), "{}: not a sentencepiece model (it has no pieces)", path.display());

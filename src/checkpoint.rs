@@ -261,6 +261,7 @@ pub fn prune(dir: &Path, keep: usize) -> anyhow::Result<Vec<PathBuf>> {
 /// A checkpoint file's bytes, mapped (a checkpoint can be gigabytes; files are only ever replaced
 /// by rename, never rewritten in place).
 fn map(path: &Path) -> anyhow::Result<memmap2::Mmap> {
+    crate::files::ensure_regular(path).context("not a checkpoint")?;
     let file = fs::File::open(path).with_context(|| format!("cannot read checkpoint {}", path.display()))?;
     let len = file.metadata().with_context(|| format!("cannot read checkpoint {}", path.display()))?.len();
     if len == 0 {

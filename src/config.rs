@@ -347,10 +347,19 @@ pub fn load(path: &Path, sets: &[String]) -> Result<Loaded, ConfigErrors> {
 pub fn load_with_env(path: &Path, sets: &[String], use_env: bool) -> Result<Loaded, ConfigErrors> {
     let mut errors = ConfigErrors::default();
     let shown = path.display().to_string();
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
+    // A FIFO would block this read forever: only a regular file is read.
+    let text = match crate::files::read(path).map(String::from_utf8) {
+        Ok(Ok(t)) => t,
+        Ok(Err(_)) => {
+            errors.push(shown, None, "cannot read the config file: it is not UTF-8 text");
+            return Err(errors);
+        }
         Err(e) => {
-            errors.push(shown, None, format!("cannot read the config file: {e}"));
+            let why = match e.downcast_ref::<crate::files::NotRegular>() {
+                Some(n) => format!("the config must be a regular file; this is {}", n.what),
+                None => format!("cannot read the config file: {}", e.root_cause()),
+            };
+            errors.push(shown, None, why);
             return Err(errors);
         }
     };

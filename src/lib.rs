@@ -28,6 +28,7 @@ pub mod control;
 pub mod cuda_copy;
 pub mod device;
 pub mod error;
+pub mod files;
 pub mod graph;
 pub mod inject;
 pub mod message;

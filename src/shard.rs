@@ -48,11 +48,14 @@ pub enum ShardError {
         /// Where it points.
         target: PathBuf,
     },
-    /// A directory where a shard file was expected.
-    #[error("{}: is a directory, not a shard file", path.display())]
-    IsDirectory {
+    /// A directory, FIFO, socket or device where a shard file was expected (a FIFO would block
+    /// the first read forever).
+    #[error("{}: is {what}, not a shard file", path.display())]
+    NotAFile {
         /// The path.
         path: PathBuf,
+        /// What it is instead.
+        what: &'static str,
     },
     /// The file is shorter than the header.
     #[error("{}: truncated: {len} bytes, shorter than the 1024-byte shard header", path.display())]
@@ -169,8 +172,8 @@ impl std::fmt::Debug for ShardFile {
 pub fn read_header(path: &Path) -> Result<(File, u64), ShardError> {
     let io = |source| ShardError::Io { path: path.to_path_buf(), error: source };
     let meta = std::fs::metadata(path).map_err(io)?;
-    if meta.is_dir() {
-        return Err(ShardError::IsDirectory { path: path.to_path_buf() });
+    if let Some(what) = crate::files::not_regular(&meta.file_type()) {
+        return Err(ShardError::NotAFile { path: path.to_path_buf(), what });
     }
     let mut file = File::open(path).map_err(io)?;
     let len = meta.len();

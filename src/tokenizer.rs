@@ -30,7 +30,7 @@ pub struct Tokenizer {
 }
 
 fn read_model(path: &Path) -> anyhow::Result<(Vec<u8>, sentencepiece_model::SentencePieceModel)> {
-    let bytes = std::fs::read(path).with_context(|| format!("{}: cannot read the tokenizer", path.display()))?;
+    let bytes = crate::files::read(path).with_context(|| format!("{}: cannot read the tokenizer", path.display()))?;
     let model = sentencepiece_model::SentencePieceModel::from_slice(&bytes)
         .map_err(|e| anyhow::anyhow!("{}: not a sentencepiece model ({e})", path.display()))?;
     anyhow::ensure!(!model.pieces().is_empty(), "{}: not a sentencepiece model (it has no pieces)", path.display());
@@ -145,6 +145,7 @@ pub fn hex(bytes: &[u8]) -> String {
 /// sha256 of a file, hex.
 pub fn sha256_file(path: &Path) -> anyhow::Result<String> {
     use std::io::Read;
+    crate::files::ensure_regular(path)?;
     let mut f = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut h = sha2::Sha256::new();
     let mut buf = vec![0u8; 1 << 20];

@@ -28,6 +28,7 @@ pub fn save(path: &Path, tensors: &[(String, Tensor)]) -> anyhow::Result<()> {
 /// Reads every tensor of the safetensors file at `path` onto the CPU, converted to `dtype`
 /// when given. Errors name the file (missing, truncated, not safetensors).
 pub fn load(path: &Path, dtype: Option<DType>) -> anyhow::Result<HashMap<String, Tensor>> {
+    crate::files::ensure_regular(path).context("cannot read weights")?;
     let tensors = candle_core::safetensors::load(path, &Device::Cpu)
         .with_context(|| format!("cannot read weights from {} (is it a safetensors file?)", path.display()))?;
     match dtype {
