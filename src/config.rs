@@ -338,6 +338,24 @@ impl Provider for SetArg {
     }
 }
 
+/// Prefix of the environment variables that override config values.
+pub const ENV_PREFIX: &str = "PIPELINE_";
+
+/// Why environment variable `var` cannot name a config key, if it is one of ours
+/// (`PIPELINE_...`) and cannot: an empty path part, from `___` or a `__` at either end
+/// (`PIPELINE_STAGES____QUEUE`, `PIPELINE_STAGES__MID__`), which figment would silently drop.
+fn env_key_problem(var: &str) -> Option<String> {
+    let rest = var.strip_prefix(ENV_PREFIX)?;
+    let parts: Vec<&str> = rest.split("__").collect();
+    if rest.is_empty() || parts.iter().any(|p| p.is_empty()) {
+        Some(format!(
+            "`{var}` has an empty key part (parts are separated by exactly two underscores, e.g. PIPELINE_STAGES__MID__QUEUE=4 sets stages.mid.queue); it would be ignored"
+        ))
+    } else {
+        None
+    }
+}
+
 /// Loads `path`, then the environment, then `sets`, into a [`Loaded`] config.
 pub fn load(path: &Path, sets: &[String]) -> Result<Loaded, ConfigErrors> {
     load_with_env(path, sets, true)
@@ -369,7 +387,12 @@ pub fn load_with_env(path: &Path, sets: &[String], use_env: bool) -> Result<Load
     }
     let mut figment = Figment::from(Toml::file_exact(path));
     if use_env {
-        figment = figment.merge(Env::prefixed("PIPELINE_").split("__"));
+        for (var, _) in std::env::vars_os() {
+            if let Some(msg) = var.to_str().and_then(env_key_problem) {
+                errors.push(format!("environment variable {}", var.to_string_lossy()), None, msg);
+            }
+        }
+        figment = figment.merge(Env::prefixed(ENV_PREFIX).split("__"));
     }
     for raw in sets {
         match SetArg::parse(raw) {
@@ -495,6 +518,17 @@ mod tests {
         assert_eq!(e.0[0].key.as_deref(), Some("run.seedd"));
         assert!(e.0[0].message.contains("unknown key `seedd`"), "{}", e);
         assert!(e.0[0].origin.ends_with("c.toml"), "{}", e);
+    }
+
+    #[test]
+    fn env_variables_with_an_empty_key_part_are_named() {
+        for bad in ["PIPELINE_STAGES____QUEUE", "PIPELINE_STAGES__MID__", "PIPELINE___RUN__SEED", "PIPELINE_"] {
+            let msg = env_key_problem(bad).unwrap_or_else(|| panic!("{bad} passed"));
+            assert!(msg.contains(bad) && msg.contains("empty key part"), "{msg}");
+        }
+        for good in ["PIPELINE_STAGES__MID__QUEUE", "PIPELINE_RUN__SEED", "PIPELINE_TRAIN__VAL_MAX_TOKENS", "OTHER___X", "PATH"] {
+            assert_eq!(env_key_problem(good), None, "{good}");
+        }
     }
 
     #[test]

@@ -101,6 +101,25 @@ impl Validator {
     }
 }
 
+/// What `pipeline validate` can tell of the validation split from its shards' headers alone:
+/// that it holds at least one sequence of `train.seq_len` targets, which every validation
+/// needs (the run would refuse it when loading the split). Nothing to check without `data.val`.
+pub fn check_split(config: &Config) -> anyhow::Result<()> {
+    let Some(pattern) = &config.data.val else { return Ok(()) };
+    let paths = glob_sorted(pattern).context("`data.val`")?;
+    anyhow::ensure!(!paths.is_empty(), "`data.val` = {pattern:?} matches no file");
+    let mut tokens = 0u64;
+    for p in &paths {
+        tokens += crate::shard::read_header(p)?.1;
+    }
+    let seq_len = config.train.seq_len as u64;
+    anyhow::ensure!(
+        tokens > seq_len,
+        "the validation shards {pattern:?} hold {tokens} tokens, fewer than one sequence of `train.seq_len` = {seq_len} plus 1 (`data.val`)",
+    );
+    Ok(())
+}
+
 impl ValData {
     fn read(config: &Config, pattern: &str, tok_path: &Path, paths: &[PathBuf]) -> anyhow::Result<Self> {
         let tables = Arc::new(load_tables(tok_path, config.model.vocab_size)?);

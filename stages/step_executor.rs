@@ -187,6 +187,7 @@ impl Transform for Candle {
         anyhow::ensure!(c.data.val.is_some(), "`data.val` is not set: the step executor validates on the validation shards");
         let tok = c.data.tokenizer.as_deref().context("`data.tokenizer` is not set: val_bpb counts bytes with the sentencepiece model")?;
         crate::validation::load_tables(tok, c.model.vocab_size)?;
+        crate::validation::check_split(c)?;
         if let Some(w) = &c.train.init_weights {
             anyhow::ensure!(w.is_file(), "`train.init_weights` = {} is not a file", w.display());
         }
