@@ -229,7 +229,7 @@ fn runtime_run(loaded: &Loaded) -> RunTiming {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let out = scratch().join(format!("run-{}", NEXT.fetch_add(1, Ordering::Relaxed)));
     let start = Instant::now();
-    let outcome = pipeline::run::run(loaded, Some(&out), None, Arc::new(Control::new()), |_| {});
+    let outcome = pipeline::run::run(loaded, Some(&out), None, Arc::new(Control::new()), |_, _| {});
     let total = start.elapsed();
     let outcome = match outcome {
         Ok(o) => o,

@@ -53,6 +53,10 @@ pub struct RunConfig {
     pub world_size: usize,
     /// This process's rank, below `world_size`.
     pub rank: usize,
+    /// Memory the run may use, GiB: the host's on "cpu", the GPU's on "cuda:N". A run whose
+    /// estimate (printed by `validate` and `run`) is larger is refused before it allocates.
+    /// 0: what the machine has (the host's available memory; a GPU's is not checked).
+    pub max_memory_gb: f64,
 }
 
 impl Default for RunConfig {
@@ -70,6 +74,7 @@ impl Default for RunConfig {
             max_seconds: 0.0,
             world_size: 1,
             rank: 0,
+            max_memory_gb: 0.0,
         }
     }
 }

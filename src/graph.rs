@@ -379,11 +379,36 @@ fn choose_focus(plan: &Plan, wanted: &str) -> Result<usize, String> {
     Ok(sinks.max_by_key(|&i| (depth[i], std::cmp::Reverse(i))).unwrap_or(plan.stages.len() - 1))
 }
 
+/// Every stage's memory estimate ([`crate::memory`]), judged against `[run] max_memory_gb` or
+/// what the machine has. Run after the checks: a stage whose estimate fails (a config its
+/// check would refuse) counts nothing.
+pub fn memory(plan: &Plan, loaded: &Loaded) -> crate::memory::Estimate {
+    let mut needs = Vec::new();
+    for s in &plan.stages {
+        let ctx = BuildCtx { stage: &s.name, config: &loaded.config, run_dir: None, consumers: s.consumers.len(), queue: s.queue, resume: None, previous: None };
+        if let Ok(list) = s.factory.memory(&s.params, &ctx) {
+            needs.extend(list.into_iter().map(|n| crate::memory::Need { stage: s.name.clone(), ..n }));
+        }
+    }
+    crate::memory::Estimate::new(needs, loaded.config.run.device == "cpu", loaded.config.run.max_memory_gb)
+}
+
+/// The memory estimate's refusals as config errors, each blamed on the origin of the key that
+/// sizes the largest part (the `--set` that made the model too big, say).
+pub fn check_memory(estimate: &crate::memory::Estimate, loaded: &Loaded) -> Result<(), ConfigErrors> {
+    let mut errors = ConfigErrors::default();
+    for (message, key) in estimate.check() {
+        let origin = key.as_deref().map(|k| loaded.origin_of(k)).unwrap_or_else(|| loaded.origin_of("run.max_memory_gb"));
+        errors.push(origin, key, message);
+    }
+    errors.into_result()
+}
+
 /// Runs every implementation's `check` (what `pipeline validate` adds to [`plan`]).
 pub fn check_resources(plan: &Plan, loaded: &Loaded) -> Result<(), ConfigErrors> {
     let mut errors = ConfigErrors::default();
     for s in &plan.stages {
-        let ctx = BuildCtx { stage: &s.name, config: &loaded.config, run_dir: None, consumers: s.consumers.len(), resume: None, previous: None };
+        let ctx = BuildCtx { stage: &s.name, config: &loaded.config, run_dir: None, consumers: s.consumers.len(), queue: s.queue, resume: None, previous: None };
         if let Err(e) = s.factory.check(&s.params, &ctx) {
             let (key, message) = (format!("stages.{}", s.name), format!("{e:#}"));
             errors.push(loaded.origin_in(&key, &message), Some(key), message);

@@ -31,6 +31,7 @@ pub mod error;
 pub mod files;
 pub mod graph;
 pub mod inject;
+pub mod memory;
 pub mod message;
 pub mod metrics;
 pub mod model;

@@ -220,9 +220,10 @@ fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool, 
             return 2;
         }
     };
-    let result = run::run(&loaded, out.as_deref(), resume.as_deref(), control, |dir| {
+    let result = run::run(&loaded, out.as_deref(), resume.as_deref(), control, |dir, memory| {
         if !quiet {
-            eprintln!("pipeline: run directory {}", dir.display());
+            warn(&format!("pipeline: run directory {}", dir.display()));
+            warn(&format!("pipeline: {}", memory.summary().replace('\n', "\npipeline: ")));
         }
     });
     match result {
@@ -349,6 +350,9 @@ fn cmd_validate(path: PathBuf, sets: Vec<String>) -> i32 {
         let plan = graph::plan(&loaded)?;
         run::check_run_table(&loaded)?;
         graph::check_resources(&plan, &loaded)?;
+        let memory = graph::memory(&plan, &loaded);
+        println!("{}", memory.summary());
+        graph::check_memory(&memory, &loaded)?;
         Ok(plan)
     });
     match result {

@@ -8,6 +8,7 @@ use crate::config::Loaded;
 use crate::control::Control;
 use crate::error::ConfigErrors;
 use crate::graph::{self, Plan};
+use crate::memory::Estimate;
 use crate::report::{self, Report, ReportMeta};
 use crate::rundir;
 use crate::runtime::{self, BuildError};
@@ -85,6 +86,14 @@ pub fn check_run_table(loaded: &Loaded) -> Result<(), ConfigErrors> {
         );
     }
     let cuda_ok = crate::device::CUDA_BUILD && matches!(crate::device::parse(dev), Ok(crate::device::DeviceName::Cuda(_)));
+    let mem = loaded.config.run.max_memory_gb;
+    if !mem.is_finite() || mem < 0.0 {
+        errors.push(
+            loaded.origin_of("run.max_memory_gb"),
+            Some("run.max_memory_gb".into()),
+            format!("must be a number of GiB, or 0 for what the machine has; found {mem}"),
+        );
+    }
     if dev != "cpu" && !cuda_ok {
         let msg = if dev.starts_with("cuda") {
             format!(
@@ -98,7 +107,8 @@ pub fn check_run_table(loaded: &Loaded) -> Result<(), ConfigErrors> {
     errors.into_result()
 }
 
-/// Runs `loaded` to the end. `on_start` is called with the run directory once it exists.
+/// Runs `loaded` to the end. `on_start` is called with the run directory once it exists and
+/// every stage is built, and the memory estimate.
 ///
 /// With `resume` (a run directory or a checkpoint file), the stages restore their state from
 /// the checkpoint and the run continues in the checkpoint's run directory, or in `out`.
@@ -107,10 +117,14 @@ pub fn run(
     out: Option<&Path>,
     resume: Option<&Path>,
     control: Arc<Control>,
-    on_start: impl FnOnce(&Path),
+    on_start: impl FnOnce(&Path, &Estimate),
 ) -> Result<RunOutcome, RunError> {
     let plan: Plan = graph::plan(loaded)?;
     check_run_table(loaded)?;
+    // Before anything is allocated: a model too big for memory is refused here, not aborted
+    // by the allocator halfway through building it.
+    let memory = graph::memory(&plan, loaded);
+    graph::check_memory(&memory, loaded)?;
     let name = run_name(loaded);
     let checkpoint = resume.map(crate::checkpoint::resolve).transpose().map_err(RunError::resume)?;
     let (run_dir, fresh) = match (&checkpoint, out) {
@@ -139,7 +153,7 @@ pub fn run(
         }
     };
     write_resolved_config(loaded, &plan, &run_dir)?;
-    on_start(&run_dir);
+    on_start(&run_dir, &memory);
     let started = rundir::now_rfc3339();
     let result = runtime::run(&plan, &loaded.config, built, control);
     let meta = ReportMeta {

@@ -142,7 +142,7 @@ pub fn build(
 ) -> Result<Built, BuildError> {
     let mut runnables: Vec<Option<Box<dyn Runnable>>> = Vec::with_capacity(plan.stages.len());
     for s in &plan.stages {
-        let ctx = BuildCtx { stage: &s.name, config, run_dir, consumers: s.consumers.len(), resume, previous };
+        let ctx = BuildCtx { stage: &s.name, config, run_dir, consumers: s.consumers.len(), queue: s.queue, resume, previous };
         let r = s.factory.instantiate(&s.params, &ctx).map_err(|e| BuildError {
             stage: s.name.clone(),
             kind: s.factory.kind().into(),

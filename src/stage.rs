@@ -75,6 +75,9 @@ pub struct BuildCtx<'a> {
     /// How many stages read this stage's output (0 for a sink, or a transform whose output is
     /// optional and unused: it may skip making it).
     pub consumers: usize,
+    /// The capacity of this stage's input channel (`queue`; 0 for a source): items that may
+    /// wait for it, which its memory estimate counts.
+    pub queue: usize,
     /// The checkpoint a resumed run continues from (`pipeline run --resume`): stages with state
     /// (sampler, executor, averager, checkpointer) restore theirs from it.
     pub resume: Option<&'a crate::checkpoint::Checkpoint>,
@@ -227,6 +230,11 @@ pub trait Source: Sized + Send + 'static {
     fn check(_params: &Self::Params, _ctx: &BuildCtx) -> anyhow::Result<()> {
         Ok(())
     }
+    /// What it will hold at its peak, estimated from the config alone (nothing allocated):
+    /// see [`crate::memory`]. Called after `check` passed. Default: nothing worth counting.
+    fn memory(_params: &Self::Params, _ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
+        Ok(Vec::new())
+    }
     /// The next item; `None` when exhausted. Its duration is the stage's service time.
     fn next(&mut self, ctx: &mut Ctx) -> anyhow::Result<Option<Self::Out>>;
     /// Called once after the loop (see the module docs).
@@ -257,6 +265,11 @@ pub trait Transform: Sized + Send + 'static {
     /// See [`Source::check`].
     fn check(_params: &Self::Params, _ctx: &BuildCtx) -> anyhow::Result<()> {
         Ok(())
+    }
+    /// What it will hold at its peak, estimated from the config alone (nothing allocated):
+    /// see [`crate::memory`]. Called after `check` passed. Default: nothing worth counting.
+    fn memory(_params: &Self::Params, _ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
+        Ok(Vec::new())
     }
     /// Handles one item, emitting any number of outputs. Its duration, less time blocked on a
     /// full output channel, is the stage's service time.
@@ -290,6 +303,11 @@ pub trait Sink: Sized + Send + 'static {
     /// See [`Source::check`].
     fn check(_params: &Self::Params, _ctx: &BuildCtx) -> anyhow::Result<()> {
         Ok(())
+    }
+    /// What it will hold at its peak, estimated from the config alone (nothing allocated):
+    /// see [`crate::memory`]. Called after `check` passed. Default: nothing worth counting.
+    fn memory(_params: &Self::Params, _ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
+        Ok(Vec::new())
     }
     /// Handles one item; its duration is the stage's service time.
     fn consume(&mut self, item: Self::In, ctx: &mut Ctx) -> anyhow::Result<()>;
@@ -360,6 +378,8 @@ pub trait StageFactory: Sync {
     fn resolve(&self, raw: &figment::value::Value) -> Result<toml::Table, figment::Error>;
     /// Runs the implementation's `check` on resolved parameters.
     fn check(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<()>;
+    /// Runs the implementation's `memory` estimate on resolved parameters.
+    fn memory(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>>;
     /// Builds a runnable stage from resolved parameters.
     fn instantiate(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Box<dyn Runnable>>;
     /// Makes the bounded input channel of this stage (none for a source).
@@ -427,6 +447,9 @@ macro_rules! factory_common {
         }
         fn check(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<()> {
             $t::check(&typed_params::<$t::Params>(params)?, ctx)
+        }
+        fn memory(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
+            $t::memory(&typed_params::<$t::Params>(params)?, ctx)
         }
     };
 }

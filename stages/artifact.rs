@@ -87,6 +87,27 @@ impl Transform for Quantize {
         Ok(())
     }
 
+    fn memory(p: &QuantizeParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
+        use crate::model::memory::{MODEL_KEYS, ParamCounts, forward_bytes, snapshots_need};
+        let c = ctx.config;
+        c.model.check()?;
+        let total = ParamCounts::of(&c.model).total;
+        // Quantized and compressed bytes (about one each per weight), the f32 copy restored
+        // from the file, and the model the round trip is scored with.
+        let mut needs = vec![
+            snapshots_need(&c.model, ctx.stage, ctx.queue),
+            crate::memory::Need::host("quantized, compressed and restored copies", total * 6, &MODEL_KEYS).transient(),
+        ];
+        if p.eval {
+            let shape = BatchShape::from_config(c)?;
+            let tokens = (c.train.val_batch_tokens / (shape.world_size * shape.micro_steps).max(1)).max(shape.seq_len);
+            let mut keys = vec!["train.val_batch_tokens"];
+            keys.extend(MODEL_KEYS);
+            needs.push(crate::memory::Need::device("scoring model and activations", total * 4 + forward_bytes(&c.model, tokens, shape.seq_len, true, 4), &keys).transient());
+        }
+        Ok(needs)
+    }
+
     fn build(p: QuantizeParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&p, ctx)?;
         let file = p.file.clone().unwrap_or_else(|| format!("final_model.int{}.{}.pgqz", p.bits, p.codec));

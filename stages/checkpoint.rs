@@ -105,6 +105,17 @@ impl Transform for Atomic {
         Ok(())
     }
 
+    fn memory(_p: &AtomicParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
+        use crate::model::memory::{MODEL_KEYS, snapshot_bytes, snapshots_need};
+        let m = &ctx.config.model;
+        m.check()?;
+        // The writer copies a snapshot's tensors to the host and serialises them into one buffer.
+        Ok(vec![
+            snapshots_need(m, ctx.stage, ctx.queue),
+            crate::memory::Need::host("a checkpoint's host copy and serialised bytes", 2 * snapshot_bytes(m), &MODEL_KEYS),
+        ])
+    }
+
     fn build(p: AtomicParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&p, ctx)?;
         let dir = ctx.run_dir.map(|d| d.join(crate::checkpoint::DIR));

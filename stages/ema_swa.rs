@@ -254,6 +254,17 @@ impl Averager {
     }
 }
 
+/// An averager's memory: its snapshots, and the f32 average it keeps.
+fn averager_memory(ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
+    use crate::model::memory::{MODEL_KEYS, ParamCounts, snapshots_need};
+    let m = &ctx.config.model;
+    m.check()?;
+    Ok(vec![
+        snapshots_need(m, ctx.stage, ctx.queue),
+        crate::memory::Need::device("average (f32)", ParamCounts::of(m).total * 4, &MODEL_KEYS),
+    ])
+}
+
 /// `ema_swa/ema`.
 pub struct Ema(Averager);
 
@@ -269,6 +280,10 @@ impl Transform for Ema {
     fn check(p: &EmaParams, _ctx: &BuildCtx) -> anyhow::Result<()> {
         anyhow::ensure!(p.decay > 0.0 && p.decay < 1.0, "`decay` must be in (0, 1); found {}", p.decay);
         Ok(())
+    }
+
+    fn memory(_p: &EmaParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
+        averager_memory(ctx)
     }
 
     fn build(p: EmaParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
@@ -301,6 +316,10 @@ impl Transform for Swa {
             p.start_lr_mul
         );
         Ok(())
+    }
+
+    fn memory(_p: &SwaParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
+        averager_memory(ctx)
     }
 
     fn build(p: SwaParams, ctx: &BuildCtx) -> anyhow::Result<Self> {

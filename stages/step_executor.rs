@@ -41,6 +41,7 @@ use crate::model::Gpt;
 use crate::model::attention_trial::AttentionShape;
 use crate::model::flash_attn::Attention;
 use crate::snapshot::{Ending, Moment, TrainSnapshot, TrainerState};
+use crate::memory::Need;
 use crate::stage::{AlreadyComplete, BuildCtx, Ctx, Emitter, Transform};
 use crate::trainer::Trainer;
 use crate::trainlog::{Phases, StepTable, TrainLog, train_line, val_line};
@@ -192,6 +193,52 @@ impl Transform for Candle {
             anyhow::ensure!(w.is_file(), "`train.init_weights` = {} is not a file", w.display());
         }
         Ok(())
+    }
+
+    fn memory(p: &CandleParams, ctx: &BuildCtx) -> anyhow::Result<Vec<Need>> {
+        use crate::model::memory::{MODEL_KEYS, ParamCounts, forward_bytes, training_bytes};
+        let c = ctx.config;
+        c.model.check()?;
+        let shape = BatchShape::from_config(c)?;
+        let m = &c.model;
+        let counts = ParamCounts::of(m);
+        // f32 master weights and optimizer state in every mode but f64; bf16 products between
+        // f32 norms and residuals average out at about 3 bytes an activation.
+        let (param_bytes, act_bytes) = match p.dtype {
+            Precision::F64 => (8, 8),
+            Precision::F32 => (4, 4),
+            Precision::Bf16 => (4, 3),
+        };
+        let on_cpu = matches!(crate::device::parse(&c.run.device)?, crate::device::DeviceName::Cpu);
+        // The attention probabilities are stored on the CPU and by the materialised attention.
+        let probs = on_cpu || p.attention == Attention::Materialized;
+        let t = shape.seq_len;
+        let train = training_bytes(m, shape.rows * t, t, probs, act_bytes);
+        let val_tokens = (c.train.val_batch_tokens / (shape.world_size * shape.micro_steps).max(1)).max(t);
+        let val = forward_bytes(m, val_tokens, t, probs, act_bytes);
+        let mut act_keys = vec!["train.batch_tokens", "train.grad_accum_steps", "train.seq_len"];
+        act_keys.extend(MODEL_KEYS);
+        let mut needs = vec![
+            Need::device("weights", counts.total * param_bytes, &MODEL_KEYS),
+            Need::device("gradients", counts.total * param_bytes, &MODEL_KEYS),
+            Need::device("optimizer state", counts.optimizer() * param_bytes, &MODEL_KEYS),
+        ];
+        if train >= val {
+            needs.push(Need::device("activations of one micro-batch", train, &act_keys).transient());
+        } else {
+            act_keys[0] = "train.val_batch_tokens";
+            needs.push(Need::device("activations of one validation batch", val, &act_keys).transient());
+        }
+        // The validation split, read whole (u16) and kept as u32 ids.
+        if let Some(pattern) = &c.data.val {
+            let mut tokens = 0u64;
+            for path in crate::shard::glob_sorted(pattern)? {
+                tokens += crate::shard::read_header(&path)?.1;
+            }
+            let kept = if c.train.val_max_tokens > 0 { tokens.min(c.train.val_max_tokens as u64 + 1) } else { tokens };
+            needs.push(Need::host("validation tokens", tokens * 2 + kept * 4, &["data.val", "train.val_max_tokens"]));
+        }
+        Ok(needs)
     }
 
     fn build(p: CandleParams, ctx: &BuildCtx) -> anyhow::Result<Self> {

@@ -206,6 +206,30 @@ impl Evaluator {
     }
 }
 
+/// An evaluator's memory: its snapshots, a model, and the larger of a sliding batch's forward
+/// pass and (with TTT: `batch_seqs`) a training batch with its gradients and momentum.
+fn eval_memory(ctx: &BuildCtx, sliding: &SlidingConfig, ttt_batch: Option<usize>) -> anyhow::Result<Vec<crate::memory::Need>> {
+    use crate::model::memory::{MODEL_KEYS, ParamCounts, forward_bytes, snapshots_need, training_bytes};
+    let m = &ctx.config.model;
+    m.check()?;
+    let total = ParamCounts::of(m).total;
+    let t = sliding.seq_len;
+    let score = forward_bytes(m, sliding.batch_windows * t, t, true, 4);
+    let mut needs = vec![snapshots_need(m, ctx.stage, ctx.queue)];
+    let mut keys: Vec<String> = vec![format!("stages.{}.batch_windows", ctx.stage)];
+    let (what, bytes) = match ttt_batch {
+        Some(rows) if training_bytes(m, rows * t, t, true, 4) + 2 * total * 4 > score => {
+            keys[0] = format!("stages.{}.batch_seqs", ctx.stage);
+            ("TTT model, gradients, momentum and activations", 3 * total * 4 + training_bytes(m, rows * t, t, true, 4))
+        }
+        _ => ("scoring model and activations", total * 4 + score),
+    };
+    keys.extend(MODEL_KEYS.iter().map(|k| k.to_string()));
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    needs.push(crate::memory::Need::device(what, bytes, &keys).transient());
+    Ok(needs)
+}
+
 /// `ttt_eval/sliding`.
 pub struct Sliding {
     cfg: SlidingConfig,
@@ -222,6 +246,11 @@ impl Sink for Sliding {
     fn check(p: &SlidingParams, ctx: &BuildCtx) -> anyhow::Result<()> {
         let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, ctx.config.train.seq_len);
         TttConfig { sliding: cfg, ..ScoreFirstParams::default().ttt(ctx.config.train.seq_len) }.check()
+    }
+
+    fn memory(p: &SlidingParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
+        let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, ctx.config.train.seq_len);
+        eval_memory(ctx, &cfg, None)
     }
 
     fn build(p: SlidingParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
@@ -256,6 +285,11 @@ impl Sink for ScoreFirst {
 
     fn check(p: &ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<()> {
         p.ttt(ctx.config.train.seq_len).check()
+    }
+
+    fn memory(p: &ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
+        let cfg = p.ttt(ctx.config.train.seq_len);
+        eval_memory(ctx, &cfg.sliding, Some(cfg.batch_seqs))
     }
 
     fn build(p: ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<Self> {

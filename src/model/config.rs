@@ -97,4 +97,31 @@ impl ModelConfig {
     pub fn skip_count(&self) -> usize {
         self.encoder_layers().min(self.num_layers - self.encoder_layers())
     }
+
+    /// Every parameter's name and shape, in `state_dict` order: what [`crate::model::Gpt::new`]
+    /// makes, known without allocating anything (the memory estimate needs it before a model
+    /// too big to fit is made).
+    pub fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let (v, d, kvd, hidden) = (self.vocab_size, self.model_dim, self.kv_dim(), self.mlp_mult * self.model_dim);
+        let mut out = vec![("tok_emb.weight".to_string(), vec![v, d]), ("skip_weights".to_string(), vec![self.skip_count(), d])];
+        for i in 0..self.num_layers {
+            let p = |s: &str| format!("blocks.{i}.{s}");
+            out.extend([
+                (p("attn.c_q.weight"), vec![d, d]),
+                (p("attn.c_k.weight"), vec![kvd, d]),
+                (p("attn.c_v.weight"), vec![kvd, d]),
+                (p("attn.proj.weight"), vec![d, d]),
+                (p("attn.q_gain"), vec![self.num_heads]),
+                (p("mlp.fc.weight"), vec![hidden, d]),
+                (p("mlp.proj.weight"), vec![d, hidden]),
+                (p("attn_scale"), vec![d]),
+                (p("mlp_scale"), vec![d]),
+                (p("resid_mix"), vec![2, d]),
+            ]);
+        }
+        if !self.tie_embeddings {
+            out.push(("lm_head.weight".to_string(), vec![v, d]));
+        }
+        out
+    }
 }

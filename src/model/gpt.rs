@@ -70,31 +70,28 @@ impl Gpt {
     /// skip weights 1.
     pub fn new(cfg: &ModelConfig, seed: u64, dtype: DType, device: &Device) -> anyhow::Result<Self> {
         cfg.check()?;
-        let (v, d, kvd, hidden) = (cfg.vocab_size, cfg.model_dim, cfg.kv_dim(), cfg.mlp_mult * cfg.model_dim);
         let mut init = Init(fastrand::Rng::with_seed(seed));
+        let kaiming = |init: &mut Init, shape: &[usize]| init.uniform(shape[0] * shape[1], 1.0 / (shape[1] as f64).sqrt());
+        // Values drawn in `param_shapes` order: embedding, then per block c_q, c_k, c_v, fc.
         let mut specs: Vec<(String, Vec<usize>, Vec<f64>)> = Vec::new();
-        // Tied: N(0, tied_embed_init_std^2); untied: nn.Embedding's default N(0, 1).
-        let emb = init.normal(v * d, if cfg.tie_embeddings { cfg.tied_embed_init_std } else { 1.0 });
-        specs.push(("tok_emb.weight".into(), vec![v, d], emb));
-        specs.push(("skip_weights".into(), vec![cfg.skip_count(), d], vec![1.0; cfg.skip_count() * d]));
-        let kaiming = |init: &mut Init, out: usize, inp: usize| init.uniform(out * inp, 1.0 / (inp as f64).sqrt());
-        for i in 0..cfg.num_layers {
-            let p = |s: &str| format!("blocks.{i}.{s}");
-            specs.push((p("attn.c_q.weight"), vec![d, d], kaiming(&mut init, d, d)));
-            specs.push((p("attn.c_k.weight"), vec![kvd, d], kaiming(&mut init, kvd, d)));
-            specs.push((p("attn.c_v.weight"), vec![kvd, d], kaiming(&mut init, kvd, d)));
-            specs.push((p("attn.proj.weight"), vec![d, d], vec![0.0; d * d]));
-            specs.push((p("attn.q_gain"), vec![cfg.num_heads], vec![cfg.qk_gain_init; cfg.num_heads]));
-            specs.push((p("mlp.fc.weight"), vec![hidden, d], kaiming(&mut init, hidden, d)));
-            specs.push((p("mlp.proj.weight"), vec![d, hidden], vec![0.0; d * hidden]));
-            specs.push((p("attn_scale"), vec![d], vec![1.0; d]));
-            specs.push((p("mlp_scale"), vec![d], vec![1.0; d]));
-            let mut mix = vec![1.0; d];
-            mix.extend(vec![0.0; d]);
-            specs.push((p("resid_mix"), vec![2, d], mix));
-        }
-        if !cfg.tie_embeddings {
-            specs.push(("lm_head.weight".into(), vec![v, d], vec![0.0; v * d]));
+        for (name, shape) in cfg.param_shapes() {
+            let n: usize = shape.iter().product();
+            let leaf = name.rsplit_once("blocks.").map_or(name.as_str(), |(_, rest)| rest.split_once('.').map_or(rest, |(_, l)| l));
+            let values = match leaf {
+                // Tied: N(0, tied_embed_init_std^2); untied: nn.Embedding's default N(0, 1).
+                "tok_emb.weight" => init.normal(n, if cfg.tie_embeddings { cfg.tied_embed_init_std } else { 1.0 }),
+                "attn.c_q.weight" | "attn.c_k.weight" | "attn.c_v.weight" | "mlp.fc.weight" => kaiming(&mut init, &shape),
+                "attn.proj.weight" | "mlp.proj.weight" | "lm_head.weight" => vec![0.0; n],
+                "attn.q_gain" => vec![cfg.qk_gain_init; n],
+                "resid_mix" => {
+                    let mut mix = vec![1.0; n / 2];
+                    mix.extend(vec![0.0; n - n / 2]);
+                    mix
+                }
+                // skip_weights, attn_scale, mlp_scale.
+                _ => vec![1.0; n],
+            };
+            specs.push((name, shape, values));
         }
         let mut params = Vec::with_capacity(specs.len());
         for (name, shape, values) in specs {
@@ -383,7 +380,8 @@ impl Gpt {
     }
 }
 
-fn group_of(name: &str, ndim: usize) -> ParamGroup {
+/// The optimizer group of parameter `name` with `ndim` dimensions.
+pub fn group_of(name: &str, ndim: usize) -> ParamGroup {
     if name == "tok_emb.weight" {
         ParamGroup::Embedding
     } else if name == "lm_head.weight" {

@@ -24,6 +24,7 @@ mod config;
 pub mod embedding;
 pub mod flash_attn;
 pub mod fused;
+pub mod memory;
 mod gpt;
 #[cfg(feature = "cuda")]
 mod gpu_kernels;
@@ -32,7 +33,7 @@ pub mod norm_rope;
 pub mod ops;
 
 pub use config::ModelConfig;
-pub use gpt::{Gpt, ParamGroup};
+pub use gpt::{Gpt, ParamGroup, group_of as gpt_group_of};
 
 use std::cell::Cell;
 
