@@ -232,7 +232,19 @@ fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool, 
             if let Some(e) = &outcome.report.run.error {
                 warn(&format!("error: {e}"));
             }
-            outcome.report.run.exit_code
+            // Every other stage that failed, too: the first failure is often not the only one
+            // (a full disk fails the checkpoint and then the weights).
+            for (name, st) in &outcome.report.stages {
+                if let Some(e) = &st.error
+                    && outcome.report.run.error.as_deref() != Some(&format!("stage `{name}` failed: {e}"))
+                {
+                    warn(&format!("error: stage `{name}` {}: {e}", st.state));
+                }
+            }
+            if let Some(e) = &outcome.report_error {
+                warn(&format!("error: {e}: the report above is its only copy"));
+            }
+            outcome.exit_code()
         }
         Err(RunError::Complete(message)) => {
             say(&message);

@@ -62,6 +62,19 @@ pub struct RunOutcome {
     pub report: Report,
     /// Its run directory.
     pub run_dir: PathBuf,
+    /// Why `report.json` could not be written (a full disk, say): then the printed report is
+    /// its only copy, and the exit code is at least 1.
+    pub report_error: Option<String>,
+}
+
+impl RunOutcome {
+    /// The process exit code: the run's, or 1 when it completed but its report was not saved.
+    pub fn exit_code(&self) -> i32 {
+        match (self.report.run.exit_code, &self.report_error) {
+            (0, Some(_)) => 1,
+            (code, _) => code,
+        }
+    }
 }
 
 /// The run's name: `[run] name`, else the config file's stem.
@@ -165,9 +178,13 @@ pub fn run(
         instrument: loaded.config.run.instrument,
     };
     let report = report::build(&plan, &result, &meta);
-    let json = serde_json::to_vec_pretty(&report).map_err(anyhow::Error::from)?;
-    rundir::write_atomic(&run_dir.join("report.json"), &json)?;
-    Ok(RunOutcome { report, run_dir })
+    // The run happened: whatever becomes of report.json, the caller gets the report to show.
+    let report_error = serde_json::to_vec_pretty(&report)
+        .map_err(anyhow::Error::from)
+        .and_then(|json| rundir::write_atomic(&run_dir.join("report.json"), &json))
+        .err()
+        .map(|e| format!("{e:#}"));
+    Ok(RunOutcome { report, run_dir, report_error })
 }
 
 /// The report of the process that last ran in `run_dir`, if it ran the same stages (names,
