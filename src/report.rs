@@ -310,8 +310,8 @@ impl Report {
     pub fn load(run_dir: &Path) -> anyhow::Result<Report> {
         use anyhow::Context;
         let path = run_dir.join("report.json");
-        let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-        serde_json::from_str(&text).with_context(|| format!("{} is not a report written by this version of pipeline", path.display()))
+        let bytes = crate::files::read(&path)?;
+        serde_json::from_slice(&bytes).with_context(|| format!("{} is not a report written by this version of pipeline", path.display()))
     }
 
     /// The report as the text table `pipeline run` and `pipeline report` print.

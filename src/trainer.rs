@@ -331,6 +331,24 @@ mod tests {
         t.model().params().iter().map(|(_, v, _)| v.flatten_all().unwrap().to_vec1::<f64>().unwrap()).collect()
     }
 
+    /// No step past `train.iterations`, ever: the trainer refuses the micro-batch that would
+    /// start one, and leaves the weights as the last step left them.
+    #[test]
+    fn no_step_past_the_last_iteration() {
+        let cfg = TrainConfig { iterations: 2, warmdown_iters: 0, max_wallclock_seconds: 0.0, ..TrainConfig::default() };
+        let mut t = Trainer::new(Gpt::new(&tiny(), 1, DType::F64, &Device::Cpu).unwrap(), &cfg, 1).unwrap();
+        let (x, y) = batch(3, 2, 6);
+        for _ in 0..2 {
+            t.micro_step(&x, &y).unwrap();
+            t.finish_step(0.0).unwrap();
+        }
+        let before = params(&t);
+        let e = t.micro_step(&x, &y).unwrap_err().to_string();
+        assert!(e.contains("refusing to train step 3") && e.contains("`train.iterations` is 2"), "{e}");
+        assert_eq!((t.step(), t.micro_done()), (2, 0));
+        assert_eq!(params(&t), before);
+    }
+
     /// Two micro-batches of 2 rows accumulate to the same update as one micro-batch of 4 rows
     /// (the mean loss over equal-sized micro-batches is the mean over their union).
     #[test]

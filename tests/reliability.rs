@@ -1,0 +1,328 @@
+//! The reliability cases of a new user's fault sweep, through the real binary on the tiny model
+//! of `common::tiny`: a resume of a finished run trains nothing (and changes nothing when the
+//! run is complete), SIGTERM and SIGHUP stop a run as Ctrl-C does with their own exit codes, a
+//! FIFO is refused instead of blocking, a model too big for memory is refused before it is
+//! allocated, a report that cannot be written is printed whole, and the smaller config cases.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use common::tiny::*;
+use common::{assert_fails, bin, report, text, wait_or_kill};
+
+/// EMA, a checkpoint every 5 steps, the artifact (scored) and the sliding-window evaluation.
+const AFTER: &str = r#"
+[stages.ema]
+kind = "ema_swa"
+impl = "ema"
+inputs = ["train"]
+decay = 0.9
+
+[stages.ckpt]
+kind = "checkpoint"
+impl = "atomic"
+inputs = ["ema"]
+every = 5
+keep = 3
+
+[stages.artifact]
+kind = "artifact"
+impl = "quantize"
+inputs = ["ckpt"]
+
+[stages.eval]
+kind = "ttt_eval"
+impl = "sliding"
+inputs = ["artifact"]
+stride = 16
+batch_windows = 8
+"#;
+
+const ARTIFACT: &str = "final_model.int8.zlib.pgqz";
+const WEIGHTS: &str = "final_model.safetensors";
+
+/// Every file under `dir` with its bytes.
+fn files(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                out.insert(p.strip_prefix(dir).unwrap().to_path_buf(), std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    out
+}
+
+fn resume(cfg: &Path, from: &Path, sets: &[&str]) -> Output {
+    let mut args = vec!["--resume", from.to_str().unwrap()];
+    for s in sets {
+        args.extend(["--set", s]);
+    }
+    run_args(cfg, &args)
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn checkpoint_steps(run: &Path) -> Vec<u64> {
+    pipeline::checkpoint::list(&run.join("checkpoints")).unwrap().iter().map(|c| c.0).collect()
+}
+
+/// The issue's repro: a completed run resumed trains no step 11/10 and changes no file, however
+/// often; a run whose work after training was cut short (its report says interrupted, its
+/// artifact is gone) is finished without a step: the same weights, the artifact rebuilt byte
+/// for byte, and then it too is complete. Resumed into a new directory, the work after
+/// training is redone there, from the same weights.
+#[test]
+fn resuming_a_finished_run_trains_nothing() {
+    let c = corpus("finished");
+    let cfg = config_plus(&c, "finished", AFTER);
+    let sets = ["train.iterations=10", "train.val_every=0"];
+    let out = c.dir.join("run");
+    train_ok(&cfg, &out, &sets);
+    assert_eq!(checkpoint_steps(&out), [5, 10]);
+    let done = files(&out);
+
+    for _ in 0..2 {
+        let o = resume(&cfg, &out, &sets);
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+        assert!(stdout(&o).contains("is complete: training ended at step 10/10 (train.iterations)"), "{}", text(&o));
+        assert!(files(&out) == done, "a resume of a completed run changed files");
+    }
+
+    // Interrupted during the work after training: report says so, the artifact is missing.
+    let mut r: serde_json::Value = serde_json::from_slice(&done[Path::new("report.json")]).unwrap();
+    r["run"]["status"] = "interrupted".into();
+    r["run"]["exit_code"] = 130.into();
+    std::fs::write(out.join("report.json"), serde_json::to_vec(&r).unwrap()).unwrap();
+    std::fs::remove_file(out.join(ARTIFACT)).unwrap();
+    let o = resume(&cfg, &out, &sets);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let log = std::fs::read_to_string(out.join("train.log")).unwrap();
+    assert!(log.contains("resume: training ended at step 10/10 (train.iterations): no step is trained"), "{log}");
+    assert!(!log.contains("step:11/"), "{log}");
+    assert_eq!(checkpoint_steps(&out), [5, 10], "no checkpoint past the last step");
+    let now = files(&out);
+    assert!(now[Path::new(WEIGHTS)] == done[Path::new(WEIGHTS)], "the final weights changed");
+    assert!(now[Path::new(ARTIFACT)] == done[Path::new(ARTIFACT)], "the rebuilt artifact differs from the uninterrupted run's");
+    let rep = report(&out);
+    assert_eq!((rep.run.status.as_str(), rep.train["steps"].as_u64()), ("completed", Some(10)));
+    let before: serde_json::Value = serde_json::from_slice(&done[Path::new("report.json")]).unwrap();
+    assert_eq!(rep.sections["eval"]["sliding"]["val_bpb"], before["eval"]["sliding"]["val_bpb"]);
+    let o = resume(&cfg, &out, &sets);
+    assert!(o.status.success() && stdout(&o).contains("is complete"), "{}", text(&o));
+
+    // Into a new directory: the work after training is done there, from the same weights.
+    let other = c.dir.join("other");
+    let o = run_args(&cfg, &["--resume", out.to_str().unwrap(), "--out", other.to_str().unwrap(), "--set", sets[0], "--set", sets[1]]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(std::fs::read(other.join(ARTIFACT)).unwrap() == done[Path::new(ARTIFACT)]);
+    assert!(std::fs::read(other.join(WEIGHTS)).unwrap() == done[Path::new(WEIGHTS)]);
+}
+
+fn signal(child: &std::process::Child, sig: &str) {
+    let ok = Command::new("kill").args([&format!("-{sig}"), &child.id().to_string()]).status().unwrap();
+    assert!(ok.success());
+}
+
+/// SIGTERM (what schedulers and `docker stop` send) and SIGHUP stop a run as Ctrl-C does: the
+/// weights and a checkpoint of the last finished step, the report, and exit 128 + the signal;
+/// the run then resumes.
+#[test]
+fn sigterm_and_sighup_stop_as_ctrl_c_does() {
+    let c = corpus("signals");
+    let cfg = config_plus(&c, "signals", AFTER);
+    for (sig, code) in [("TERM", 143), ("HUP", 129)] {
+        let out = c.dir.join(sig);
+        let mut cmd = bin();
+        cmd.arg("run").arg(&cfg).arg("--out").arg(&out).arg("-q").args(["--set", "train.iterations=100000", "--set", "train.val_every=0"]);
+        let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        wait_for_line(&mut child, &out, |l| l.starts_with("step:20/"));
+        signal(&child, sig);
+        let status = wait_or_kill(&mut child, Duration::from_secs(60), "signalled run");
+        assert_eq!(status.code(), Some(code), "SIG{sig}");
+        let r = report(&out);
+        assert_eq!((r.run.status.as_str(), r.run.exit_code), ("interrupted", code));
+        assert_eq!(r.run.signal.as_deref(), Some(format!("SIG{sig}").as_str()));
+        let steps = r.train["steps"].as_u64().unwrap();
+        assert_eq!(checkpoint_steps(&out).last(), Some(&steps), "a checkpoint of the last finished step");
+        assert!(out.join(WEIGHTS).is_file());
+        let o = resume(&cfg, &out, &[&format!("train.iterations={}", steps + 3), "train.val_every=0"]);
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+        assert_eq!(report(&out).train["steps"].as_u64(), Some(steps + 3));
+    }
+}
+
+/// Runs `pipeline ARGS` with at most `limit`: a command that blocks fails the test.
+fn limited(args: &[&str], env: &[(&str, &str)], limit: Duration) -> Output {
+    let mut cmd = bin();
+    cmd.args(args).envs(env.iter().copied()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().unwrap();
+    let (mut so, mut se) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let ho = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        std::io::Read::read_to_end(&mut so, &mut v).unwrap();
+        v
+    });
+    let he = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        std::io::Read::read_to_end(&mut se, &mut v).unwrap();
+        v
+    });
+    let status = wait_or_kill(&mut child, limit, &format!("pipeline {args:?}"));
+    Output { status, stdout: ho.join().unwrap(), stderr: he.join().unwrap() }
+}
+
+fn mkfifo(p: &Path) {
+    assert!(Command::new("mkfifo").arg(p).status().unwrap().success());
+}
+
+/// A FIFO as the config or among the shards is refused, naming it, instead of blocking the
+/// first read forever: `validate`, and `run` (which said "completed" with 0 batches).
+#[test]
+fn fifos_are_refused_not_read() {
+    let c = corpus("fifo");
+    let cfg = config(&c);
+    let pipe = c.dir.join("pipe.toml");
+    mkfifo(&pipe);
+    let o = limited(&["validate", pipe.to_str().unwrap()], &[], Duration::from_secs(30));
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_fails(&o, &["pipe.toml", "must be a regular file", "FIFO"]);
+
+    let fifo_shard = c.dir.join("shards/fineweb_train_999999.bin");
+    mkfifo(&fifo_shard);
+    let o = limited(&["validate", cfg.to_str().unwrap()], &[], Duration::from_secs(30));
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_fails(&o, &[&format!("{}: is a FIFO (named pipe), not a shard file", fifo_shard.display())]);
+    let out = c.dir.join("run");
+    let o = limited(
+        &["run", cfg.to_str().unwrap(), "--out", out.to_str().unwrap(), "-q", "--set", "run.max_seconds=5"],
+        &[],
+        Duration::from_secs(60),
+    );
+    assert_fails(&o, &["FIFO"]);
+    assert_ne!(o.status.code(), Some(0), "{}", text(&o));
+}
+
+/// `--set model.model_dim=1000000`: `validate` prints the estimate and refuses it, naming the
+/// `--set` and the keys; `run` refuses it before allocating (it aborted in the allocator) and
+/// leaves no run directory. A budget (`run.max_memory_gb`) below a small model's estimate
+/// refuses that too; the estimate of a run that fits is printed and passes.
+#[test]
+fn a_model_too_big_for_memory_is_refused() {
+    let c = corpus("memory");
+    let cfg = config(&c);
+    let big = "model.model_dim=1000000";
+    let o = limited(&["validate", cfg.to_str().unwrap(), "--set", big], &[], Duration::from_secs(60));
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_fails(&o, &["error: --set model.model_dim=1000000: `model.model_dim`: the run needs an estimated", "`model.model_dim`"]);
+    assert!(stdout(&o).contains("memory estimate (host): "), "{}", text(&o));
+    let out = c.dir.join("big");
+    let o = limited(&["run", cfg.to_str().unwrap(), "--out", out.to_str().unwrap(), "--set", big], &[], Duration::from_secs(60));
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_fails(&o, &["memory", "`model.model_dim`"]);
+    assert!(!String::from_utf8_lossy(&o.stderr).contains("memory allocation"), "{}", text(&o));
+    assert!(!out.exists(), "a refused run left its directory");
+
+    let o = limited(&["validate", cfg.to_str().unwrap(), "--set", "run.max_memory_gb=0.0001"], &[], Duration::from_secs(60));
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_fails(&o, &["(run.max_memory_gb)"]);
+    let o = limited(&["validate", cfg.to_str().unwrap(), "--set", "run.max_memory_gb=4"], &[], Duration::from_secs(60));
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(stdout(&o).contains("of 4.00 GiB (run.max_memory_gb)"), "{}", text(&o));
+}
+
+/// A report.json that cannot be written (here: files over 8 KiB are refused, as on a full
+/// disk, without needing root for a small filesystem): the whole report and every failed
+/// stage's error still reach the terminal, and the exit code says something failed.
+#[test]
+fn a_report_that_cannot_be_written_is_printed() {
+    let c = corpus("fullreport");
+    let cfg = config_plus(&c, "full", AFTER);
+    let out = c.dir.join("run");
+    // SIGXFSZ ignored (as the shell leaves it through exec), so a write past the limit fails
+    // with EFBIG instead of killing the process.
+    let script = format!(
+        "trap '' XFSZ; ulimit -f 8; exec \"$0\" run {} --out {} -q --set train.iterations=10 --set train.val_every=0",
+        cfg.display(),
+        out.display()
+    );
+    let mut cmd = Command::new("bash");
+    cmd.args(["-c", &script, env!("CARGO_BIN_EXE_pipeline")]);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("PIPELINE_") {
+            cmd.env_remove(k);
+        }
+    }
+    let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let o = finish(child, &cfg);
+    assert_fails(&o, &["stage `ckpt` failed: checkpoint of step 5 failed", "report.json", "the report above is its only copy"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let so = stdout(&o);
+    assert!(so.contains("run `train-test`: failed") && so.lines().any(|l| l.starts_with("stage ")), "{}", text(&o));
+    assert!(so.contains("ckpt") && so.contains("verdict:"), "{}", text(&o));
+    assert!(!out.join("report.json").exists());
+}
+
+/// `PIPELINE_*` variables with an empty key part were ignored; now each is named.
+#[test]
+fn environment_overrides_with_an_empty_key_part_are_refused() {
+    let c = corpus("envkey");
+    let cfg = config(&c);
+    for var in ["PIPELINE_STAGES____QUEUE", "PIPELINE_STAGES__TRAIN__"] {
+        let o = limited(&["validate", cfg.to_str().unwrap()], &[(var, "1")], Duration::from_secs(60));
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        assert_fails(&o, &[&format!("environment variable {var}: `{var}` has an empty key part")]);
+    }
+}
+
+/// `validate` catches a validation split shorter than one sequence (only `run` did); an error
+/// about a value set with `--set` names the `--set`, not the TOML file.
+#[test]
+fn validate_catches_a_short_split_and_names_the_set() {
+    let c = corpus("shortval");
+    let cfg = config(&c);
+    let o = limited(&["validate", cfg.to_str().unwrap(), "--set", "train.seq_len=65536", "--set", "train.batch_tokens=65536"], &[], Duration::from_secs(60));
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_fails(&o, &["--set train.seq_len=65536", "fewer than one sequence of `train.seq_len` = 65536"]);
+    let o = limited(&["validate", cfg.to_str().unwrap(), "--set", "train.iterations=0"], &[], Duration::from_secs(60));
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).starts_with("error: --set train.iterations=0: "), "{}", text(&o));
+}
+
+/// Resume refusals by class: what `--resume` names is bad input (exit 2) whether it is missing,
+/// not a checkpoint or a corrupt one, as a checkpoint that does not fit the config is.
+#[test]
+fn resume_refusals_exit_2() {
+    let c = corpus("resumecodes");
+    let cfg = config_plus(&c, "codes", AFTER);
+    let o = resume(&cfg, &c.dir.join("nothing-here"), &["train.iterations=10"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_fails(&o, &["no such checkpoint file or run directory"]);
+    let notck = c.dir.join("notes.txt");
+    std::fs::write(&notck, "not a checkpoint").unwrap();
+    let o = resume(&cfg, &notck, &["train.iterations=10"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+
+    let out = c.dir.join("run");
+    train_ok(&cfg, &out, &["train.iterations=10", "train.val_every=0"]);
+    let newest = pipeline::checkpoint::list(&out.join("checkpoints")).unwrap().last().unwrap().1.clone();
+    let len = std::fs::metadata(&newest).unwrap().len();
+    let f = std::fs::OpenOptions::new().write(true).open(&newest).unwrap();
+    f.set_len(len / 2).unwrap();
+    let o = resume(&cfg, &out, &["train.iterations=20"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_fails(&o, &["previous good checkpoint"]);
+    let o = resume(&cfg, &out, &["train.iterations=20", "model.model_dim=64", "model.num_heads=4"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+}
