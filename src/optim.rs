@@ -953,8 +953,10 @@ mod tests {
         // Cap reached or passed → 0.
         assert_eq!(lr_multiplier(6000, 20_000, 1200, 600_000.0, cap), 0.0);
         assert_eq!(lr_multiplier(6001, 20_000, 1200, 600_038.0, cap), 0.0);
-        // The step count does not matter beyond step_ms: past `iterations` still time-based.
-        assert!((lr_multiplier(30_000, 20_000, 1200, 597_000.0, cap) - 150.0 / 1194.0).abs() < 1e-9);
+        // Below `iterations` the step count matters only through step_ms ...
+        assert!((lr_multiplier(19_000, 20_000, 1200, 597_000.0, cap) - 3_000.0 / (1200.0 * 597_000.0 / 19_000.0)).abs() < 1e-9);
+        // ... and past it the multiplier is 0 whatever the clock says (no such step is trained).
+        assert_eq!(lr_multiplier(30_000, 20_000, 1200, 597_000.0, cap), 0.0);
     }
 
     // ---------- checkpoint state ----------

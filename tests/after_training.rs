@@ -13,36 +13,6 @@ use common::tiny::*;
 use common::{report, text, wait_or_kill};
 use serde_json::Value;
 
-/// EMA, checkpoints every 5 steps, the artifact (scored) and score-first TTT.
-const AFTER: &str = r#"
-[stages.ema]
-kind = "ema_swa"
-impl = "ema"
-inputs = ["train"]
-decay = 0.9
-
-[stages.ckpt]
-kind = "checkpoint"
-impl = "atomic"
-inputs = ["ema"]
-every = 5
-keep = 2
-
-[stages.artifact]
-kind = "artifact"
-impl = "quantize"
-inputs = ["ckpt"]
-
-[stages.eval]
-kind = "ttt_eval"
-impl = "score_first"
-inputs = ["artifact"]
-stride = 16
-batch_windows = 8
-chunk_tokens = 512
-epochs = 2
-batch_seqs = 8
-"#;
 
 /// `steps.tsv` without its time column: (step, train_loss, lr_mul, data fingerprint).
 fn step_rows(out: &Path) -> Vec<(u64, String, String, String)> {
@@ -73,7 +43,7 @@ fn ctrl_c_and_resume_equal_an_uninterrupted_run() {
     let iters = format!("train.iterations={n}");
     let sets = [iters.as_str(), "train.val_every=0", "train.log_every=1", "stages.eval.impl=\"sliding\""];
     // stages.eval: sliding only (its parameters are a subset), to keep the test short.
-    let cfg = config_plus(&c, "resume", &AFTER.replace("chunk_tokens = 512\nepochs = 2\nbatch_seqs = 8\n", ""));
+    let cfg = config_plus(&c, "resume", &AFTER_TRAINING.replace("chunk_tokens = 512\nepochs = 2\nbatch_seqs = 8\n", ""));
     let whole = c.dir.join("whole");
     let o = run_limited(&cfg, &whole, &sets);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
@@ -118,7 +88,7 @@ fn ctrl_c_and_resume_equal_an_uninterrupted_run() {
 #[test]
 fn stages_after_training_report_and_log() {
     let c = corpus("after");
-    let cfg = config_plus(&c, "after", AFTER);
+    let cfg = config_plus(&c, "after", AFTER_TRAINING);
     let out = c.dir.join("out");
     let (_, o) = train_ok(&cfg, &out, &["train.iterations=30"]);
     let r = report(&out);

@@ -14,33 +14,11 @@ use std::time::Duration;
 use common::tiny::*;
 use common::{assert_fails, bin, report, text, wait_or_kill};
 
-/// EMA, a checkpoint every 5 steps, the artifact (scored) and the sliding-window evaluation.
-const AFTER: &str = r#"
-[stages.ema]
-kind = "ema_swa"
-impl = "ema"
-inputs = ["train"]
-decay = 0.9
-
-[stages.ckpt]
-kind = "checkpoint"
-impl = "atomic"
-inputs = ["ema"]
-every = 5
-keep = 3
-
-[stages.artifact]
-kind = "artifact"
-impl = "quantize"
-inputs = ["ckpt"]
-
-[stages.eval]
-kind = "ttt_eval"
-impl = "sliding"
-inputs = ["artifact"]
-stride = 16
-batch_windows = 8
-"#;
+/// [`AFTER_TRAINING`] with the sliding-window evaluation only (a subset of its keys), to keep
+/// the tests short.
+fn after() -> String {
+    AFTER_TRAINING.replace("impl = \"score_first\"", "impl = \"sliding\"").replace("chunk_tokens = 512\nepochs = 2\nbatch_seqs = 8\n", "")
+}
 
 const ARTIFACT: &str = "final_model.int8.zlib.pgqz";
 const WEIGHTS: &str = "final_model.safetensors";
@@ -86,7 +64,7 @@ fn checkpoint_steps(run: &Path) -> Vec<u64> {
 #[test]
 fn resuming_a_finished_run_trains_nothing() {
     let c = corpus("finished");
-    let cfg = config_plus(&c, "finished", AFTER);
+    let cfg = config_plus(&c, "finished", &after());
     let sets = ["train.iterations=10", "train.val_every=0"];
     let out = c.dir.join("run");
     train_ok(&cfg, &out, &sets);
@@ -141,7 +119,7 @@ fn signal(child: &std::process::Child, sig: &str) {
 #[test]
 fn sigterm_and_sighup_stop_as_ctrl_c_does() {
     let c = corpus("signals");
-    let cfg = config_plus(&c, "signals", AFTER);
+    let cfg = config_plus(&c, "signals", &after());
     for (sig, code) in [("TERM", 143), ("HUP", 129)] {
         let out = c.dir.join(sig);
         let mut cmd = bin();
@@ -163,24 +141,11 @@ fn sigterm_and_sighup_stop_as_ctrl_c_does() {
     }
 }
 
-/// Runs `pipeline ARGS` with at most `limit`: a command that blocks fails the test.
-fn limited(args: &[&str], env: &[(&str, &str)], limit: Duration) -> Output {
+/// Runs `pipeline ARGS` with `env` added, killed (failing the test) if it blocks.
+fn limited(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut cmd = bin();
     cmd.args(args).envs(env.iter().copied()).stdout(Stdio::piped()).stderr(Stdio::piped());
-    let mut child = cmd.spawn().unwrap();
-    let (mut so, mut se) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
-    let ho = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        std::io::Read::read_to_end(&mut so, &mut v).unwrap();
-        v
-    });
-    let he = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        std::io::Read::read_to_end(&mut se, &mut v).unwrap();
-        v
-    });
-    let status = wait_or_kill(&mut child, limit, &format!("pipeline {args:?}"));
-    Output { status, stdout: ho.join().unwrap(), stderr: he.join().unwrap() }
+    finish(cmd.spawn().unwrap(), Path::new(args.get(1).copied().unwrap_or("")))
 }
 
 fn mkfifo(p: &Path) {
@@ -195,20 +160,19 @@ fn fifos_are_refused_not_read() {
     let cfg = config(&c);
     let pipe = c.dir.join("pipe.toml");
     mkfifo(&pipe);
-    let o = limited(&["validate", pipe.to_str().unwrap()], &[], Duration::from_secs(30));
+    let o = limited(&["validate", pipe.to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_fails(&o, &["pipe.toml", "must be a regular file", "FIFO"]);
 
     let fifo_shard = c.dir.join("shards/fineweb_train_999999.bin");
     mkfifo(&fifo_shard);
-    let o = limited(&["validate", cfg.to_str().unwrap()], &[], Duration::from_secs(30));
+    let o = limited(&["validate", cfg.to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_fails(&o, &[&format!("{}: is a FIFO (named pipe), not a shard file", fifo_shard.display())]);
     let out = c.dir.join("run");
     let o = limited(
         &["run", cfg.to_str().unwrap(), "--out", out.to_str().unwrap(), "-q", "--set", "run.max_seconds=5"],
         &[],
-        Duration::from_secs(60),
     );
     assert_fails(&o, &["FIFO"]);
     assert_ne!(o.status.code(), Some(0), "{}", text(&o));
@@ -223,21 +187,21 @@ fn a_model_too_big_for_memory_is_refused() {
     let c = corpus("memory");
     let cfg = config(&c);
     let big = "model.model_dim=1000000";
-    let o = limited(&["validate", cfg.to_str().unwrap(), "--set", big], &[], Duration::from_secs(60));
+    let o = limited(&["validate", cfg.to_str().unwrap(), "--set", big], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_fails(&o, &["error: --set model.model_dim=1000000: `model.model_dim`: the run needs an estimated", "`model.model_dim`"]);
     assert!(stdout(&o).contains("memory estimate (host): "), "{}", text(&o));
     let out = c.dir.join("big");
-    let o = limited(&["run", cfg.to_str().unwrap(), "--out", out.to_str().unwrap(), "--set", big], &[], Duration::from_secs(60));
+    let o = limited(&["run", cfg.to_str().unwrap(), "--out", out.to_str().unwrap(), "--set", big], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_fails(&o, &["memory", "`model.model_dim`"]);
     assert!(!String::from_utf8_lossy(&o.stderr).contains("memory allocation"), "{}", text(&o));
     assert!(!out.exists(), "a refused run left its directory");
 
-    let o = limited(&["validate", cfg.to_str().unwrap(), "--set", "run.max_memory_gb=0.0001"], &[], Duration::from_secs(60));
+    let o = limited(&["validate", cfg.to_str().unwrap(), "--set", "run.max_memory_gb=0.0001"], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_fails(&o, &["(run.max_memory_gb)"]);
-    let o = limited(&["validate", cfg.to_str().unwrap(), "--set", "run.max_memory_gb=4"], &[], Duration::from_secs(60));
+    let o = limited(&["validate", cfg.to_str().unwrap(), "--set", "run.max_memory_gb=4"], &[]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     assert!(stdout(&o).contains("of 4.00 GiB (run.max_memory_gb)"), "{}", text(&o));
 }
@@ -248,7 +212,7 @@ fn a_model_too_big_for_memory_is_refused() {
 #[test]
 fn a_report_that_cannot_be_written_is_printed() {
     let c = corpus("fullreport");
-    let cfg = config_plus(&c, "full", AFTER);
+    let cfg = config_plus(&c, "full", &after());
     let out = c.dir.join("run");
     // SIGXFSZ ignored (as the shell leaves it through exec), so a write past the limit fails
     // with EFBIG instead of killing the process.
@@ -280,7 +244,7 @@ fn environment_overrides_with_an_empty_key_part_are_refused() {
     let c = corpus("envkey");
     let cfg = config(&c);
     for var in ["PIPELINE_STAGES____QUEUE", "PIPELINE_STAGES__TRAIN__"] {
-        let o = limited(&["validate", cfg.to_str().unwrap()], &[(var, "1")], Duration::from_secs(60));
+        let o = limited(&["validate", cfg.to_str().unwrap()], &[(var, "1")]);
         assert_eq!(o.status.code(), Some(2), "{}", text(&o));
         assert_fails(&o, &[&format!("environment variable {var}: `{var}` has an empty key part")]);
     }
@@ -292,10 +256,10 @@ fn environment_overrides_with_an_empty_key_part_are_refused() {
 fn validate_catches_a_short_split_and_names_the_set() {
     let c = corpus("shortval");
     let cfg = config(&c);
-    let o = limited(&["validate", cfg.to_str().unwrap(), "--set", "train.seq_len=65536", "--set", "train.batch_tokens=65536"], &[], Duration::from_secs(60));
+    let o = limited(&["validate", cfg.to_str().unwrap(), "--set", "train.seq_len=65536", "--set", "train.batch_tokens=65536"], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_fails(&o, &["--set train.seq_len=65536", "fewer than one sequence of `train.seq_len` = 65536"]);
-    let o = limited(&["validate", cfg.to_str().unwrap(), "--set", "train.iterations=0"], &[], Duration::from_secs(60));
+    let o = limited(&["validate", cfg.to_str().unwrap(), "--set", "train.iterations=0"], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(String::from_utf8_lossy(&o.stderr).starts_with("error: --set train.iterations=0: "), "{}", text(&o));
 }
@@ -305,7 +269,7 @@ fn validate_catches_a_short_split_and_names_the_set() {
 #[test]
 fn resume_refusals_exit_2() {
     let c = corpus("resumecodes");
-    let cfg = config_plus(&c, "codes", AFTER);
+    let cfg = config_plus(&c, "codes", &after());
     let o = resume(&cfg, &c.dir.join("nothing-here"), &["train.iterations=10"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_fails(&o, &["no such checkpoint file or run directory"]);

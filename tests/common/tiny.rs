@@ -287,3 +287,34 @@ pub fn finish(mut child: Child, config: &Path) -> Output {
     let status = wait_or_kill(&mut child, Duration::from_secs(180), &format!("pipeline run {}", config.display()));
     Output { status, stdout: ho.join().unwrap(), stderr: he.join().unwrap() }
 }
+
+/// EMA, checkpoints every 5 steps, the artifact (scored) and score-first TTT.
+pub const AFTER_TRAINING: &str = r#"
+[stages.ema]
+kind = "ema_swa"
+impl = "ema"
+inputs = ["train"]
+decay = 0.9
+
+[stages.ckpt]
+kind = "checkpoint"
+impl = "atomic"
+inputs = ["ema"]
+every = 5
+keep = 2
+
+[stages.artifact]
+kind = "artifact"
+impl = "quantize"
+inputs = ["ckpt"]
+
+[stages.eval]
+kind = "ttt_eval"
+impl = "score_first"
+inputs = ["artifact"]
+stride = 16
+batch_windows = 8
+chunk_tokens = 512
+epochs = 2
+batch_seqs = 8
+"#;
