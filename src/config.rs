@@ -55,7 +55,7 @@ pub struct RunConfig {
     pub rank: usize,
     /// Memory the run may use, GiB: the host's on "cpu", the GPU's on "cuda:N". A run whose
     /// estimate (printed by `validate` and `run`) is larger is refused before it allocates.
-    /// 0: what the machine has (the host's available memory; a GPU's is not checked).
+    /// 0: what the machine has (the host's available memory; a GPU's free memory).
     pub max_memory_gb: f64,
 }
 

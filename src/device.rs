@@ -58,6 +58,28 @@ pub fn open_named(device: &str) -> anyhow::Result<Device> {
     }
 }
 
+/// The free memory of the GPU a `run.device` value names, in bytes: the budget of the memory
+/// estimate when `run.max_memory_gb` is not set. `None` on the CPU, in a CPU-only build, or
+/// when the GPU cannot be opened (the run will say why when it opens it).
+pub fn gpu_free_memory(device: &str) -> Option<u64> {
+    match parse(device).ok()? {
+        DeviceName::Cpu => None,
+        DeviceName::Cuda(n) => cuda_free_memory(n),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_free_memory(_n: usize) -> Option<u64> {
+    None
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_free_memory(n: usize) -> Option<u64> {
+    let d = open_cuda(n).ok()?;
+    let (free, _total) = d.as_cuda_device().ok()?.cuda_stream().context().mem_get_info().ok()?;
+    Some(free as u64)
+}
+
 #[cfg(not(feature = "cuda"))]
 fn open_cuda(n: usize) -> anyhow::Result<Device> {
     anyhow::bail!("`run.device` = \"cuda:{n}\": this binary was built without CUDA support (build it with scripts/build-cuda.sh)")

@@ -390,7 +390,10 @@ pub fn memory(plan: &Plan, loaded: &Loaded) -> crate::memory::Estimate {
             needs.extend(list.into_iter().map(|n| crate::memory::Need { stage: s.name.clone(), ..n }));
         }
     }
-    crate::memory::Estimate::new(needs, loaded.config.run.device == "cpu", loaded.config.run.max_memory_gb)
+    let run = &loaded.config.run;
+    let on_host = run.device == "cpu";
+    let gpu_free = if on_host || run.max_memory_gb > 0.0 { None } else { crate::device::gpu_free_memory(&run.device) };
+    crate::memory::Estimate::new(needs, on_host, run.max_memory_gb, gpu_free)
 }
 
 /// The memory estimate's refusals as config errors, each blamed on the origin of the key that

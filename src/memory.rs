@@ -10,7 +10,7 @@
 //! then evaluation). [`crate::graph::memory`] collects them; [`Estimate::check`] compares each
 //! place's total with its budget: `[run] max_memory_gb` when set, else on the host what the
 //! kernel says is available (`MemAvailable`, and a cgroup's `memory.max` when lower, as in a
-//! container). A GPU's own memory is checked only against `max_memory_gb`.
+//! container), on a GPU its free memory as the driver reports it.
 
 use std::fmt::Write as _;
 
@@ -84,7 +84,7 @@ pub struct Estimate {
     pub device_is_host: bool,
     /// The host's budget, when known.
     pub host: Option<Budget>,
-    /// The device's budget (a GPU run with `run.max_memory_gb` only).
+    /// The device's budget (a GPU run: `run.max_memory_gb`, else the GPU's free memory).
     pub device: Option<Budget>,
 }
 
@@ -102,10 +102,16 @@ fn gib(b: u64) -> String {
 }
 
 impl Estimate {
-    /// Judges `needs` for a run on `device_is_host` with `max_memory_gb` (0: what the machine has).
-    pub fn new(needs: Vec<Need>, device_is_host: bool, max_memory_gb: f64) -> Self {
+    /// Judges `needs` for a run on `device_is_host` (else on a GPU with `gpu_free` bytes free,
+    /// when known) with `max_memory_gb` (0: what the machine has).
+    pub fn new(needs: Vec<Need>, device_is_host: bool, max_memory_gb: f64, gpu_free: Option<u64>) -> Self {
         let set = (max_memory_gb > 0.0).then(|| Budget { bytes: (max_memory_gb * GIB) as u64, source: "run.max_memory_gb".into() });
-        let (host, device) = if device_is_host { (set.or_else(host_available), None) } else { (host_available(), set) };
+        let (host, device) = if device_is_host {
+            (set.or_else(host_available), None)
+        } else {
+            let free = gpu_free.map(|bytes| Budget { bytes, source: "the GPU's free memory".into() });
+            (host_available(), set.or(free))
+        };
         Self { needs, device_is_host, host, device }
     }
 
@@ -216,7 +222,7 @@ mod tests {
 
     #[test]
     fn over_budget_names_the_parts_and_keys() {
-        let e = Estimate::new(needs(), true, 4.0);
+        let e = Estimate::new(needs(), true, 4.0, None);
         assert_eq!(e.total(Place::Host), 9 << 30);
         let problems = e.check();
         assert_eq!(problems.len(), 1);
@@ -226,16 +232,20 @@ mod tests {
         assert!(msg.contains("train activations 5.00 GiB, eval scoring 4.00 GiB, train weights 3.00 GiB"), "{msg}");
         assert!(msg.contains("`train.batch_tokens`, `model.model_dim`, `model.num_layers`"), "{msg}");
         assert_eq!(key.as_deref(), Some("train.batch_tokens"));
-        assert!(Estimate::new(needs(), true, 9.5).check().is_empty());
+        assert!(Estimate::new(needs(), true, 9.5, None).check().is_empty());
     }
 
     #[test]
     fn a_gpu_run_splits_host_and_device() {
-        let e = Estimate::new(needs(), false, 6.0);
+        let e = Estimate::new(needs(), false, 6.0, Some(100 << 30));
         assert_eq!((e.total(Place::Device), e.total(Place::Host)), (8 << 30, 1 << 30));
         let problems = e.check();
         assert!(problems.iter().any(|(m, _)| m.contains("of device memory")), "{problems:?}");
         assert!(e.summary().contains("memory estimate (device): 8.00 GiB of 6.00 GiB (run.max_memory_gb)"), "{}", e.summary());
+        // Without a limit set, the GPU's free memory is the budget.
+        let e = Estimate::new(needs(), false, 0.0, Some(7 << 30));
+        assert!(e.check().iter().any(|(m, _)| m.contains("more than the 7.00 GiB it may use (the GPU's free memory)")), "{:?}", e.check());
+        assert!(Estimate::new(needs(), false, 0.0, Some(9 << 30)).check().iter().all(|(m, _)| !m.contains("device")));
     }
 
     #[test]
