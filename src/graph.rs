@@ -385,7 +385,15 @@ fn choose_focus(plan: &Plan, wanted: &str) -> Result<usize, String> {
 pub fn memory(plan: &Plan, loaded: &Loaded) -> crate::memory::Estimate {
     let mut needs = Vec::new();
     for s in &plan.stages {
-        let ctx = BuildCtx { stage: &s.name, config: &loaded.config, run_dir: None, consumers: s.consumers.len(), queue: s.queue, resume: None, previous: None };
+        let ctx = BuildCtx {
+            stage: &s.name,
+            config: &loaded.config,
+            run_dir: None,
+            consumers: s.consumers.len(),
+            queue: s.queue,
+            resume: None,
+            previous: None,
+        };
         if let Ok(list) = s.factory.memory(&s.params, &ctx) {
             needs.extend(list.into_iter().map(|n| crate::memory::Need { stage: s.name.clone(), ..n }));
         }
@@ -411,7 +419,15 @@ pub fn check_memory(estimate: &crate::memory::Estimate, loaded: &Loaded) -> Resu
 pub fn check_resources(plan: &Plan, loaded: &Loaded) -> Result<(), ConfigErrors> {
     let mut errors = ConfigErrors::default();
     for s in &plan.stages {
-        let ctx = BuildCtx { stage: &s.name, config: &loaded.config, run_dir: None, consumers: s.consumers.len(), queue: s.queue, resume: None, previous: None };
+        let ctx = BuildCtx {
+            stage: &s.name,
+            config: &loaded.config,
+            run_dir: None,
+            consumers: s.consumers.len(),
+            queue: s.queue,
+            resume: None,
+            previous: None,
+        };
         if let Err(e) = s.factory.check(&s.params, &ctx) {
             let (key, message) = (format!("stages.{}", s.name), format!("{e:#}"));
             errors.push(loaded.origin_in(&key, &message), Some(key), message);

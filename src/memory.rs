@@ -135,15 +135,26 @@ impl Estimate {
             }
             let total = self.total(place);
             let of = budget.as_ref().map(|b| format!(" of {} ({})", gib(b.bytes), b.source)).unwrap_or_else(|| " (no limit known)".into());
-            let _ = write!(o, "{}memory estimate ({name}): {}{of}; largest: {}", if o.is_empty() { "" } else { "\n" }, gib(total), self.largest(place, 3));
+            let _ = write!(
+                o,
+                "{}memory estimate ({name}): {}{of}; largest: {}",
+                if o.is_empty() { "" } else { "\n" },
+                gib(total),
+                self.largest(place, 3)
+            );
         }
         o
     }
 
-    fn largest(&self, place: Place, k: usize) -> String {
+    /// The needs at `place`, largest first.
+    fn parts(&self, place: Place) -> Vec<&Need> {
         let mut parts: Vec<&Need> = self.needs.iter().filter(|n| self.place_of(n) == place && n.bytes > 0).collect();
-        parts.sort_by(|a, b| b.bytes.cmp(&a.bytes));
-        let shown: Vec<String> = parts.iter().take(k).map(|n| format!("{} {} {}", n.stage, n.what, gib(n.bytes))).collect();
+        parts.sort_by_key(|n| std::cmp::Reverse(n.bytes));
+        parts
+    }
+
+    fn largest(&self, place: Place, k: usize) -> String {
+        let shown: Vec<String> = self.parts(place).iter().take(k).map(|n| format!("{} {} {}", n.stage, n.what, gib(n.bytes))).collect();
         if shown.is_empty() { "nothing".into() } else { shown.join(", ") }
     }
 
@@ -156,10 +167,8 @@ impl Estimate {
             if total <= b.bytes {
                 continue;
             }
-            let mut parts: Vec<&Need> = self.needs.iter().filter(|n| self.place_of(n) == place).collect();
-            parts.sort_by(|a, b| b.bytes.cmp(&a.bytes));
             let mut keys: Vec<&str> = Vec::new();
-            for k in parts.iter().take(4).flat_map(|n| n.keys.iter()) {
+            for k in self.parts(place).iter().take(4).flat_map(|n| n.keys.iter()) {
                 if !keys.contains(&k.as_str()) {
                     keys.push(k);
                 }
@@ -189,10 +198,10 @@ pub fn host_available() -> Option<Budget> {
         m.lines().find_map(|l| l.strip_prefix("MemAvailable:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
     });
     let mut best = avail.map(|kb| Budget { bytes: kb * 1024, source: "MemAvailable".into() });
-    if let Some(room) = cgroup_room() {
-        if best.as_ref().is_none_or(|b| room < b.bytes) {
-            best = Some(Budget { bytes: room, source: "the cgroup's memory.max".into() });
-        }
+    if let Some(room) = cgroup_room()
+        && best.as_ref().is_none_or(|b| room < b.bytes)
+    {
+        best = Some(Budget { bytes: room, source: "the cgroup's memory.max".into() });
     }
     best
 }

@@ -61,7 +61,8 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
 /// (not even the file's time), and it returns false. A run that finishes what an earlier
 /// process left (a resume) so leaves the files that process completed as they were.
 pub fn write_atomic_if_changed(path: &Path, bytes: &[u8]) -> anyhow::Result<bool> {
-    let same = fs::metadata(path).is_ok_and(|m| m.is_file() && m.len() == bytes.len() as u64) && fs::read(path).is_ok_and(|old| old == bytes);
+    let same =
+        fs::metadata(path).is_ok_and(|m| m.is_file() && m.len() == bytes.len() as u64) && fs::read(path).is_ok_and(|old| old == bytes);
     if same {
         return Ok(false);
     }

@@ -326,7 +326,19 @@ pub fn run(plan: &Plan, config: &Config, built: Built, control: Arc<Control>) ->
         })
         .collect();
     let sections = sections.lock().map(|s| s.clone()).unwrap_or_default();
-    RunResult { clock, start, end, stages, occupancy, reason: control.reason(), signal: control.signal(), failure, stop_ms, notes, sections }
+    RunResult {
+        clock,
+        start,
+        end,
+        stages,
+        occupancy,
+        reason: control.reason(),
+        signal: control.signal(),
+        failure,
+        stop_ms,
+        notes,
+        sections,
+    }
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {

@@ -103,7 +103,14 @@ impl Transform for Quantize {
             let tokens = (c.train.val_batch_tokens / (shape.world_size * shape.micro_steps).max(1)).max(shape.seq_len);
             let mut keys = vec!["train.val_batch_tokens"];
             keys.extend(MODEL_KEYS);
-            needs.push(crate::memory::Need::device("scoring model and activations", total * 4 + forward_bytes(&c.model, tokens, shape.seq_len, true, 4), &keys).transient());
+            needs.push(
+                crate::memory::Need::device(
+                    "scoring model and activations",
+                    total * 4 + forward_bytes(&c.model, tokens, shape.seq_len, true, 4),
+                    &keys,
+                )
+                .transient(),
+            );
         }
         Ok(needs)
     }

@@ -13,7 +13,6 @@ use common::tiny::*;
 use common::{report, text, wait_or_kill};
 use serde_json::Value;
 
-
 /// `steps.tsv` without its time column: (step, train_loss, lr_mul, data fingerprint).
 fn step_rows(out: &Path) -> Vec<(u64, String, String, String)> {
     let t = std::fs::read_to_string(out.join("steps.tsv")).unwrap();

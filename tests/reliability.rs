@@ -170,10 +170,7 @@ fn fifos_are_refused_not_read() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_fails(&o, &[&format!("{}: is a FIFO (named pipe), not a shard file", fifo_shard.display())]);
     let out = c.dir.join("run");
-    let o = limited(
-        &["run", cfg.to_str().unwrap(), "--out", out.to_str().unwrap(), "-q", "--set", "run.max_seconds=5"],
-        &[],
-    );
+    let o = limited(&["run", cfg.to_str().unwrap(), "--out", out.to_str().unwrap(), "-q", "--set", "run.max_seconds=5"], &[]);
     assert_fails(&o, &["FIFO"]);
     assert_ne!(o.status.code(), Some(0), "{}", text(&o));
 }

@@ -97,7 +97,11 @@ pub fn snapshots_need(m: &ModelConfig, stage: &str, queue: usize) -> crate::memo
     let queue_key = format!("stages.{stage}.queue");
     let mut keys: Vec<&str> = MODEL_KEYS.to_vec();
     keys.push(&queue_key);
-    crate::memory::Need::device(format!("{} training snapshots (queued or in hand)", queue + 1), (queue as u64 + 1) * snapshot_bytes(m), &keys)
+    crate::memory::Need::device(
+        format!("{} training snapshots (queued or in hand)", queue + 1),
+        (queue as u64 + 1) * snapshot_bytes(m),
+        &keys,
+    )
 }
 
 #[cfg(test)]
@@ -110,11 +114,20 @@ mod tests {
     #[test]
     fn param_counts_match_the_model() {
         for (layers, dim, heads, kv, tie) in [(2, 32, 4, 2, true), (3, 48, 6, 3, false), (9, 64, 8, 4, true)] {
-            let m = ModelConfig { vocab_size: 96, num_layers: layers, model_dim: dim, num_heads: heads, num_kv_heads: kv, tie_embeddings: tie, ..ModelConfig::default() };
+            let m = ModelConfig {
+                vocab_size: 96,
+                num_layers: layers,
+                model_dim: dim,
+                num_heads: heads,
+                num_kv_heads: kv,
+                tie_embeddings: tie,
+                ..ModelConfig::default()
+            };
             let gpt = crate::model::Gpt::new(&m, 1, DType::F32, &Device::Cpu).unwrap();
             let c = ParamCounts::of(&m);
             let real: u64 = gpt.params().iter().map(|(_, v, _)| v.as_tensor().elem_count() as u64).sum();
-            let muon: u64 = gpt.params().iter().filter(|(_, _, g)| *g == ParamGroup::Matrix).map(|(_, v, _)| v.as_tensor().elem_count() as u64).sum();
+            let muon: u64 =
+                gpt.params().iter().filter(|(_, _, g)| *g == ParamGroup::Matrix).map(|(_, v, _)| v.as_tensor().elem_count() as u64).sum();
             assert_eq!((c.total, c.muon), (real, muon), "{m:?}");
             assert_eq!(c.adam, real - muon);
         }

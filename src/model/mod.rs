@@ -24,11 +24,11 @@ mod config;
 pub mod embedding;
 pub mod flash_attn;
 pub mod fused;
-pub mod memory;
 mod gpt;
 #[cfg(feature = "cuda")]
 mod gpu_kernels;
 mod host;
+pub mod memory;
 pub mod norm_rope;
 pub mod ops;
 
