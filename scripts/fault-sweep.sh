@@ -8,6 +8,8 @@
 #   resume-complete           --resume of a finished run: exit 0, "is complete", no file changed
 #   resume-after-...          a run stopped after training (report says interrupted, artifact
 #                             gone): --resume trains no step and rebuilds the same artifact
+#   ctrl-c-in-final-eval      Ctrl-C twice during the final TTT evaluation, then --resume: no
+#                             step past the last, same weights and artifact, evaluation done
 #   sigterm / sighup          kill -TERM / -HUP mid-run: exit 143 / 129, report names the signal,
 #                             weights and a checkpoint written; --resume goes on from it
 #   fifo-config / fifo-shard  a named pipe as config or shard: exit 2 at once (no hang)
@@ -244,6 +246,36 @@ intact "$(t cmp -s "$R1/final_model.int8.zlib.pgqz" "$R2/final_model.int8.zlib.p
 pl "$WORK/r2.resume2" run "$DEMO" --resume "$R2" "${S[@]}"
 exit_is "$RC" 0 "second resume"
 clear_err "$(t has "$WORK/r2.resume2.out" "is complete")" 'second resume: stdout lacks "is complete"'
+finish
+
+# ---- 2b. ctrl-c-in-final-eval: the issue's own scenario, for real ----
+# Ctrl-C twice while score-first TTT evaluates the finished run (the second stops it), then
+# --resume as the README suggests: no step 11, the same weights and artifact, the evaluation
+# done; a second --resume finds the run complete.
+begin ctrl-c-in-final-eval
+R3=$WORK/r3
+E=(--set train.iterations=10 --set train.max_wallclock_seconds=0 --set train.val_max_tokens=32768
+   --set train.val_every=0 --set stages.ckpt.every=5)
+bg "$WORK/r3.run" run "$DEMO" --out "$R3" "${E[@]}"
+for _ in $(seq 600); do
+  has "$R3/train.log" "quantized_sliding_window" && break
+  kill -0 "$BG_PID" 2>/dev/null || break
+  sleep 0.2
+done
+kill -INT "$BG_PID" 2>/dev/null; sleep 0.5; kill -INT "$BG_PID" 2>/dev/null
+wait "$BG_PID" 2>/dev/null; RC=$?; BG_PID=""
+exit_is "$RC" 130 "Ctrl-C during TTT"
+intact "$(t has "$R3/train.log" "quantized_sliding_window")" "the run ended before its evaluation: nothing was interrupted there"
+md5sum "$R3/final_model.safetensors" "$R3/final_model.int8.zlib.pgqz" >"$WORK/r3.md5" 2>/dev/null
+pl "$WORK/r3.resume" run "$DEMO" --resume "$R3" "${E[@]}"
+exit_is "$RC" 0 "resume"
+clear_err "$(t has "$R3/train.log" "no step is trained")" 'train.log lacks "no step is trained"'
+intact "$(t test ! -e "$R3/checkpoints/step_00000011.safetensors")" "step_00000011 checkpoint created"
+intact "$(t md5sum -c --quiet "$WORK/r3.md5")" "the weights or the artifact changed"
+intact "$(t test -n "$(jget "$R3/report.json" eval.ttt.val_bpb)")" "the resumed run's report has no TTT score"
+pl "$WORK/r3.resume2" run "$DEMO" --resume "$R3" "${E[@]}"
+exit_is "$RC" 0 "second resume"
+clear_err "$(t has "$WORK/r3.resume2.out" "is complete")" 'second resume: stdout lacks "is complete"'
 finish
 
 # ---- 3, 4. sigterm, sighup ----
