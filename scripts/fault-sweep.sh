@@ -40,7 +40,7 @@
 #   TRIALS        number of Ctrl-C trials and of kill -9 trials (default 3)
 #
 # Run it from the repository root (the demo config's data paths are relative); it needs
-# data/demo (scripts/fetch-demo-data.sh) and python3. It takes about 2-3 minutes on 2 cores.
+# data/demo (scripts/fetch-demo-data.sh) and python3. It takes about 100 s on 2 cores.
 # Root is needed only for the full-disk row (it mounts a 16 KB tmpfs); without root, or if the
 # mount fails, that row is skipped and counted neither passed nor failed.
 #

@@ -393,6 +393,11 @@ pub fn resolve(arg: &Path) -> anyhow::Result<Checkpoint> {
     };
     let e = match load(newest) {
         Ok(c) => return Ok(c),
+        // Not a bad file but a failing system (permissions, the disk): say so, keeping the
+        // system's error for the exit code.
+        Err(e) if crate::files::is_system_error(&e) => {
+            return Err(e.context(format!("cannot resume from {a}: its newest checkpoint {} cannot be read", newest.display())));
+        }
         Err(e) => e,
     };
     let earlier = &files[..files.len() - 1];

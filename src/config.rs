@@ -350,7 +350,8 @@ pub const ENV_PREFIX: &str = "PIPELINE_";
 /// (`PIPELINE_...`) and cannot: an empty path part, from `___` or a `__` at either end
 /// (`PIPELINE_STAGES____QUEUE`, `PIPELINE_STAGES__MID__`), which figment would silently drop.
 fn env_key_problem(var: &str) -> Option<String> {
-    let rest = var.strip_prefix(ENV_PREFIX)?;
+    // figment matches the prefix in any case (`pipeline_...` sets keys too).
+    let rest = var.get(ENV_PREFIX.len()..).filter(|_| var.get(..ENV_PREFIX.len()).is_some_and(|p| p.eq_ignore_ascii_case(ENV_PREFIX)))?;
     let parts: Vec<&str> = rest.split("__").collect();
     if rest.is_empty() || parts.iter().any(|p| p.is_empty()) {
         Some(format!(
@@ -527,7 +528,7 @@ mod tests {
 
     #[test]
     fn env_variables_with_an_empty_key_part_are_named() {
-        for bad in ["PIPELINE_STAGES____QUEUE", "PIPELINE_STAGES__MID__", "PIPELINE___RUN__SEED", "PIPELINE_"] {
+        for bad in ["PIPELINE_STAGES____QUEUE", "PIPELINE_STAGES__MID__", "PIPELINE___RUN__SEED", "PIPELINE_", "pipeline_stages____queue"] {
             let msg = env_key_problem(bad).unwrap_or_else(|| panic!("{bad} passed"));
             assert!(msg.contains(bad) && msg.contains("empty key part"), "{msg}");
         }

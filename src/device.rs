@@ -68,11 +68,13 @@ pub fn gpu_free_memory(device: &str) -> Option<u64> {
     }
 }
 
+/// GPU `n`'s free memory: none in a CPU-only build.
 #[cfg(not(feature = "cuda"))]
 fn cuda_free_memory(_n: usize) -> Option<u64> {
     None
 }
 
+/// GPU `n`'s free memory as the driver reports it (opening the device, as the run will).
 #[cfg(feature = "cuda")]
 fn cuda_free_memory(n: usize) -> Option<u64> {
     let d = open_cuda(n).ok()?;

@@ -48,6 +48,17 @@ pub fn ensure_regular(path: &Path) -> anyhow::Result<()> {
     }
 }
 
+/// Whether `e` comes from the system failing to read or write a file that exists and is what
+/// it should be (a permission, a failing or full disk): an I/O error in its chain other than
+/// "not found" or bad data. Such an error exits 1; bad input (a missing file, a corrupt one, a
+/// FIFO) exits 2.
+pub fn is_system_error(e: &anyhow::Error) -> bool {
+    use std::io::ErrorKind;
+    e.chain()
+        .filter_map(|c| c.downcast_ref::<std::io::Error>())
+        .any(|io| !matches!(io.kind(), ErrorKind::NotFound | ErrorKind::InvalidData | ErrorKind::UnexpectedEof | ErrorKind::InvalidInput))
+}
+
 /// Reads the whole of `path`, a regular file ([`ensure_regular`]).
 pub fn read(path: &Path) -> anyhow::Result<Vec<u8>> {
     use anyhow::Context;

@@ -39,6 +39,21 @@ pub struct PlannedStage {
     pub queue: usize,
 }
 
+impl PlannedStage {
+    /// What its `check` and `memory` see: the config and its place in the graph, no run yet.
+    pub fn check_ctx<'a>(&'a self, config: &'a crate::config::Config) -> BuildCtx<'a> {
+        BuildCtx {
+            stage: &self.name,
+            config,
+            run_dir: None,
+            consumers: self.consumers.len(),
+            queue: self.queue,
+            resume: None,
+            previous: None,
+        }
+    }
+}
+
 /// A checked graph, stages in topological order (ties broken by name).
 pub struct Plan {
     /// The stages, sources first.
@@ -380,28 +395,21 @@ fn choose_focus(plan: &Plan, wanted: &str) -> Result<usize, String> {
 }
 
 /// Every stage's memory estimate ([`crate::memory`]), judged against `[run] max_memory_gb` or
-/// what the machine has. Run after the checks: a stage whose estimate fails (a config its
-/// check would refuse) counts nothing.
+/// what the machine has. A stage whose estimate fails (a config its check refuses, a shard
+/// that cannot be read) is listed as not estimated.
 pub fn memory(plan: &Plan, loaded: &Loaded) -> crate::memory::Estimate {
-    let mut needs = Vec::new();
+    let (mut needs, mut unknown) = (Vec::new(), Vec::new());
     for s in &plan.stages {
-        let ctx = BuildCtx {
-            stage: &s.name,
-            config: &loaded.config,
-            run_dir: None,
-            consumers: s.consumers.len(),
-            queue: s.queue,
-            resume: None,
-            previous: None,
-        };
-        if let Ok(list) = s.factory.memory(&s.params, &ctx) {
-            needs.extend(list.into_iter().map(|n| crate::memory::Need { stage: s.name.clone(), ..n }));
+        let ctx = s.check_ctx(&loaded.config);
+        match s.factory.memory(&s.params, &ctx) {
+            Ok(list) => needs.extend(list.into_iter().map(|n| crate::memory::Need { stage: s.name.clone(), ..n })),
+            Err(e) => unknown.push(format!("{} ({e:#})", s.name)),
         }
     }
     let run = &loaded.config.run;
     let on_host = run.device == "cpu";
     let gpu_free = if on_host || run.max_memory_gb > 0.0 { None } else { crate::device::gpu_free_memory(&run.device) };
-    crate::memory::Estimate::new(needs, on_host, run.max_memory_gb, gpu_free)
+    crate::memory::Estimate { unknown, ..crate::memory::Estimate::new(needs, on_host, run.max_memory_gb, gpu_free) }
 }
 
 /// The memory estimate's refusals as config errors, each blamed on the origin of the key that
@@ -419,15 +427,7 @@ pub fn check_memory(estimate: &crate::memory::Estimate, loaded: &Loaded) -> Resu
 pub fn check_resources(plan: &Plan, loaded: &Loaded) -> Result<(), ConfigErrors> {
     let mut errors = ConfigErrors::default();
     for s in &plan.stages {
-        let ctx = BuildCtx {
-            stage: &s.name,
-            config: &loaded.config,
-            run_dir: None,
-            consumers: s.consumers.len(),
-            queue: s.queue,
-            resume: None,
-            previous: None,
-        };
+        let ctx = s.check_ctx(&loaded.config);
         if let Err(e) = s.factory.check(&s.params, &ctx) {
             let (key, message) = (format!("stages.{}", s.name), format!("{e:#}"));
             errors.push(loaded.origin_in(&key, &message), Some(key), message);

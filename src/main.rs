@@ -242,7 +242,12 @@ fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool, 
                 }
             }
             if let Some(e) = &outcome.report_error {
-                warn(&format!("error: {e}: the report above is its only copy"));
+                // The table leaves out the sections and histograms: print what report.json
+                // would have held, so nothing the run measured is lost.
+                if let Ok(json) = serde_json::to_string_pretty(&outcome.report) {
+                    say(&format!("report.json (not saved):\n{json}"));
+                }
+                warn(&format!("error: {e}: the report above (table and report.json) is its only copy"));
             }
             outcome.exit_code()
         }

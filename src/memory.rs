@@ -86,6 +86,8 @@ pub struct Estimate {
     pub host: Option<Budget>,
     /// The device's budget (a GPU run: `run.max_memory_gb`, else the GPU's free memory).
     pub device: Option<Budget>,
+    /// Stages whose estimate failed, with why: the total leaves them out.
+    pub unknown: Vec<String>,
 }
 
 /// Bytes in a GiB.
@@ -112,7 +114,7 @@ impl Estimate {
             let free = gpu_free.map(|bytes| Budget { bytes, source: "the GPU's free memory".into() });
             (host_available(), set.or(free))
         };
-        Self { needs, device_is_host, host, device }
+        Self { needs, device_is_host, host, device, unknown: Vec::new() }
     }
 
     /// Where `n` lives on this run.
@@ -123,7 +125,9 @@ impl Estimate {
     /// Peak bytes at `place`: every need held for the run, plus the largest transient one.
     pub fn total(&self, place: Place) -> u64 {
         let here = || self.needs.iter().filter(move |n| self.place_of(n) == place);
-        here().filter(|n| !n.transient).map(|n| n.bytes).sum::<u64>() + here().filter(|n| n.transient).map(|n| n.bytes).max().unwrap_or(0)
+        // Saturating: an absurd config's estimate must stay absurd, not wrap to a small one.
+        let held = here().filter(|n| !n.transient).fold(0u64, |a, n| a.saturating_add(n.bytes));
+        held.saturating_add(here().filter(|n| n.transient).map(|n| n.bytes).max().unwrap_or(0))
     }
 
     /// One line per place: the total, the budget, the largest parts.
@@ -143,6 +147,9 @@ impl Estimate {
                 self.largest(place, 3)
             );
         }
+        if !self.unknown.is_empty() {
+            let _ = write!(o, "; not estimated: {}", self.unknown.join(", "));
+        }
         o
     }
 
@@ -153,6 +160,7 @@ impl Estimate {
         parts
     }
 
+    /// The `k` largest needs at `place`, as `stage what size, ...`.
     fn largest(&self, place: Place, k: usize) -> String {
         let shown: Vec<String> = self.parts(place).iter().take(k).map(|n| format!("{} {} {}", n.stage, n.what, gib(n.bytes))).collect();
         if shown.is_empty() { "nothing".into() } else { shown.join(", ") }

@@ -19,7 +19,8 @@ pub enum RunError {
     /// The config is wrong (exit code 2).
     #[error("{0}")]
     Config(#[from] ConfigErrors),
-    /// A stage could not be built (exit code 1).
+    /// A stage could not be built for a reason of the system's, e.g. a file it restores from
+    /// could not be read (exit code 1; bad input is a [`RunError::Config`]).
     #[error("{0}")]
     Build(#[from] BuildError),
     /// The run directory or its files could not be written, or a checkpoint could not be
@@ -49,10 +50,7 @@ impl RunError {
     /// A `--resume` refusal: bad input (exit 2), unless the checkpoint could not be read for a
     /// reason of the system's (permissions, a failing disk: exit 1).
     fn resume(e: anyhow::Error) -> Self {
-        let system = e.chain().filter_map(|c| c.downcast_ref::<std::io::Error>()).any(|io| {
-            !matches!(io.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::InvalidData | std::io::ErrorKind::UnexpectedEof)
-        });
-        if system { RunError::Io(e) } else { RunError::Resume(e) }
+        if crate::files::is_system_error(&e) { RunError::Io(e) } else { RunError::Resume(e) }
     }
 }
 
@@ -156,6 +154,9 @@ pub fn run(
             }
             if e.complete {
                 return Err(RunError::Complete(e.message));
+            }
+            if e.system {
+                return Err(RunError::Build(e));
             }
             // A config problem, or a checkpoint that does not fit this config: bad input.
             let mut errors = ConfigErrors::default();

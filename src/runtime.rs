@@ -117,6 +117,9 @@ pub struct BuildError {
     pub message: String,
     /// The stage found nothing left to do ([`AlreadyComplete`]): not an error, the run is over.
     pub complete: bool,
+    /// The system failed it (a file it reads could not be, for a permission or disk error),
+    /// not the config ([`crate::files::is_system_error`]).
+    pub system: bool,
 }
 
 struct Done {
@@ -148,6 +151,7 @@ pub fn build(
             kind: s.factory.kind().into(),
             imp: s.factory.name().into(),
             complete: e.downcast_ref::<AlreadyComplete>().is_some(),
+            system: crate::files::is_system_error(&e),
             message: format!("{e:#}"),
         })?;
         runnables.push(Some(r));

@@ -96,7 +96,7 @@ impl Validator {
         drop(loaded);
         let seqs = (data.tokens.len() - 1) / t.seq_len;
         let (world, rank) = (config.run.world_size, config.run.rank);
-        let batch_rows = (t.val_batch_tokens / (world * micro_steps).max(1) / t.seq_len).max(1);
+        let batch_rows = tokens_per_pass(config, micro_steps) / t.seq_len;
         Ok(Self { data, seq_len: t.seq_len, batch_rows, first: seqs * rank / world, end: seqs * (rank + 1) / world, pattern })
     }
 }
@@ -105,19 +105,36 @@ impl Validator {
 /// that it holds at least one sequence of `train.seq_len` targets, which every validation
 /// needs (the run would refuse it when loading the split). Nothing to check without `data.val`.
 pub fn check_split(config: &Config) -> anyhow::Result<()> {
-    let Some(pattern) = &config.data.val else { return Ok(()) };
+    let Some(tokens) = split_tokens(config)? else { return Ok(()) };
+    let pattern = config.data.val.as_deref().unwrap_or_default();
+    anyhow::ensure!(tokens > config.train.seq_len as u64, "{}", too_short(pattern, tokens, config.train.seq_len));
+    Ok(())
+}
+
+/// Tokens in the validation shards `data.val` matches, from their headers; none without it.
+pub fn split_tokens(config: &Config) -> anyhow::Result<Option<u64>> {
+    let Some(pattern) = &config.data.val else { return Ok(None) };
     let paths = glob_sorted(pattern).context("`data.val`")?;
     anyhow::ensure!(!paths.is_empty(), "`data.val` = {pattern:?} matches no file");
     let mut tokens = 0u64;
     for p in &paths {
         tokens += crate::shard::read_header(p)?.1;
     }
-    let seq_len = config.train.seq_len as u64;
-    anyhow::ensure!(
-        tokens > seq_len,
-        "the validation shards {pattern:?} hold {tokens} tokens, fewer than one sequence of `train.seq_len` = {seq_len} plus 1 (`data.val`)",
-    );
-    Ok(())
+    Ok(Some(tokens))
+}
+
+/// Tokens one validation forward pass takes on this rank: `train.val_batch_tokens` shared by
+/// the ranks and micro-batches, in whole sequences, at least one.
+pub fn tokens_per_pass(config: &Config, micro_steps: usize) -> usize {
+    let t = &config.train;
+    (t.val_batch_tokens / (config.run.world_size * micro_steps).max(1) / t.seq_len).max(1) * t.seq_len
+}
+
+/// The refusal of a split of `tokens` tokens, shorter than one sequence.
+fn too_short(pattern: &str, tokens: u64, seq_len: usize) -> String {
+    format!(
+        "the validation shards {pattern:?} hold {tokens} tokens, fewer than one sequence of `train.seq_len` = {seq_len} plus 1 (`data.val`)"
+    )
 }
 
 impl ValData {
@@ -132,12 +149,7 @@ impl ValData {
         }
         let t = &config.train;
         let usable = validation_tokens(&all, t.seq_len);
-        anyhow::ensure!(
-            usable.len() > t.seq_len,
-            "the validation shards {pattern:?} hold {} tokens, fewer than one sequence of `train.seq_len` = {} plus 1",
-            all.len(),
-            t.seq_len
-        );
+        anyhow::ensure!(usable.len() > t.seq_len, "{}", too_short(pattern, all.len() as u64, t.seq_len));
         let split_targets = usable.len() - 1;
         let mut seqs = split_targets / t.seq_len;
         if t.val_max_tokens > 0 {

@@ -96,17 +96,17 @@ impl Transform for Quantize {
         // from the file, and the model the round trip is scored with.
         let mut needs = vec![
             snapshots_need(&c.model, ctx.stage, ctx.queue),
-            crate::memory::Need::host("quantized, compressed and restored copies", total * 6, &MODEL_KEYS).transient(),
+            crate::memory::Need::host("quantized, compressed and restored copies", total.saturating_mul(6), &MODEL_KEYS).transient(),
         ];
         if p.eval {
             let shape = BatchShape::from_config(c)?;
-            let tokens = (c.train.val_batch_tokens / (shape.world_size * shape.micro_steps).max(1)).max(shape.seq_len);
+            let tokens = crate::validation::tokens_per_pass(c, shape.micro_steps);
             let mut keys = vec!["train.val_batch_tokens"];
             keys.extend(MODEL_KEYS);
             needs.push(
                 crate::memory::Need::device(
                     "scoring model and activations",
-                    total * 4 + forward_bytes(&c.model, tokens, shape.seq_len, true, 4),
+                    total.saturating_mul(4).saturating_add(forward_bytes(&c.model, tokens, shape.seq_len, true, 4)),
                     &keys,
                 )
                 .transient(),

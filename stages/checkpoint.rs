@@ -112,7 +112,7 @@ impl Transform for Atomic {
         // The writer copies a snapshot's tensors to the host and serialises them into one buffer.
         Ok(vec![
             snapshots_need(m, ctx.stage, ctx.queue),
-            crate::memory::Need::host("a checkpoint's host copy and serialised bytes", 2 * snapshot_bytes(m), &MODEL_KEYS),
+            crate::memory::Need::host("a checkpoint's host copy and serialised bytes", snapshot_bytes(m).saturating_mul(2), &MODEL_KEYS),
         ])
     }
 

@@ -261,7 +261,7 @@ fn averager_memory(ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
     m.check()?;
     Ok(vec![
         snapshots_need(m, ctx.stage, ctx.queue),
-        crate::memory::Need::device("average (f32)", ParamCounts::of(m).total * 4, &MODEL_KEYS),
+        crate::memory::Need::device("average (f32)", ParamCounts::of(m).total.saturating_mul(4), &MODEL_KEYS),
     ])
 }
 

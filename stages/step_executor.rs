@@ -214,14 +214,13 @@ impl Transform for Candle {
         let probs = on_cpu || p.attention == Attention::Materialized;
         let t = shape.seq_len;
         let train = training_bytes(m, shape.rows * t, t, probs, act_bytes);
-        let val_tokens = (c.train.val_batch_tokens / (shape.world_size * shape.micro_steps).max(1)).max(t);
-        let val = forward_bytes(m, val_tokens, t, probs, act_bytes);
+        let val = forward_bytes(m, crate::validation::tokens_per_pass(c, shape.micro_steps), t, probs, act_bytes);
         let mut act_keys = vec!["train.batch_tokens", "train.grad_accum_steps", "train.seq_len"];
         act_keys.extend(MODEL_KEYS);
         let mut needs = vec![
-            Need::device("weights", counts.total * param_bytes, &MODEL_KEYS),
-            Need::device("gradients", counts.total * param_bytes, &MODEL_KEYS),
-            Need::device("optimizer state", counts.optimizer() * param_bytes, &MODEL_KEYS),
+            Need::device("weights", counts.total.saturating_mul(param_bytes), &MODEL_KEYS),
+            Need::device("gradients", counts.total.saturating_mul(param_bytes), &MODEL_KEYS),
+            Need::device("optimizer state", counts.optimizer().saturating_mul(param_bytes), &MODEL_KEYS),
         ];
         if train >= val {
             needs.push(Need::device("activations of one micro-batch", train, &act_keys).transient());
@@ -230,11 +229,7 @@ impl Transform for Candle {
             needs.push(Need::device("activations of one validation batch", val, &act_keys).transient());
         }
         // The validation split, read whole (u16) and kept as u32 ids.
-        if let Some(pattern) = &c.data.val {
-            let mut tokens = 0u64;
-            for path in crate::shard::glob_sorted(pattern)? {
-                tokens += crate::shard::read_header(&path)?.1;
-            }
+        if let Some(tokens) = crate::validation::split_tokens(c)? {
             let kept = if c.train.val_max_tokens > 0 { tokens.min(c.train.val_max_tokens as u64 + 1) } else { tokens };
             needs.push(Need::host("validation tokens", tokens * 2 + kept * 4, &["data.val", "train.val_max_tokens"]));
         }
@@ -244,21 +239,22 @@ impl Transform for Candle {
     fn build(p: CandleParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&p, ctx)?;
         let c = ctx.config;
-        // A checkpoint made after the last step: no step is trained, ever again. If the process
-        // that made it also finished every stage after training, there is nothing to do at all.
-        let finish_only = ctx.resume.and_then(|ck| training_ended(ck, &c.train));
-        if let (Some(ck), Some(ending), Some(prev)) = (ctx.resume, finish_only, ctx.previous)
-            && completed_at(prev, ck.meta.step)
+        // The process this run continues completed it (training ended as the config now says,
+        // and every stage after it): nothing to do at all, whichever checkpoint is newest (one at
+        // the last step may not exist: `at_end = false`, a failed write under `on_error`).
+        if let (Some(_), Some(prev)) = (ctx.resume, ctx.previous)
+            && let Some((steps, ending)) = completed(prev, &c.train)
         {
             let dir = ctx.run_dir.map(|d| d.display().to_string()).unwrap_or_default();
             return Err(AlreadyComplete(format!(
-                "run {dir} is complete: training ended at step {}/{} ({}) and every stage after it finished (its report.json: completed, exit 0). Nothing left to do; no file was changed.",
-                ck.meta.step,
+                "run {dir} is complete: training ended at step {steps}/{} ({}) and every stage after it finished (its report.json: completed, exit 0). Nothing left to do; no file was changed. (To train again from one of its checkpoints, resume into a new directory with --out.)",
                 c.train.iterations,
                 ending_name(ending),
             ))
             .into());
         }
+        // A checkpoint made after the last step: no step is trained, ever again.
+        let finish_only = ctx.resume.and_then(|ck| training_ended(ck, &c.train));
         let shape = BatchShape::from_config(c)?;
         let device = crate::device::open(c)?;
         let validator = Validator::load(c, shape.micro_steps)?;
@@ -339,9 +335,9 @@ impl Transform for Candle {
         }
         let resumed_from = trainer.step();
         let steps = StepTable::new(ctx.run_dir, ctx.resume.map(|ck| ck.meta.step))?;
-        let (train_ms, vals, last_loss, rolling) = match (ctx.resume, history) {
-            (Some(ck), Some(h)) => (ck.meta.train_ms, h.validations, ck.meta.train_loss, ck.meta.rolling),
-            _ => (0.0, Vec::new(), f64::NAN, crate::batch::FINGERPRINT_SEED),
+        let (train_ms, vals, last_loss, rolling, lr_mul) = match (ctx.resume, history) {
+            (Some(ck), Some(h)) => (ck.meta.train_ms, h.validations, ck.meta.train_loss, ck.meta.rolling, h.lr_mul.unwrap_or(1.0)),
+            _ => (0.0, Vec::new(), f64::NAN, crate::batch::FINGERPRINT_SEED, 1.0),
         };
         Ok(Self {
             trainer,
@@ -372,7 +368,7 @@ impl Transform for Candle {
             emit: ctx.consumers > 0,
             loader: ctx.resume.and_then(|ck| ck.meta.loader.clone()).map(Arc::new),
             rolling,
-            lr_mul: 1.0,
+            lr_mul,
             steps,
             data,
             resumed_from,
@@ -408,6 +404,9 @@ struct History {
     /// `attention = "auto"` keeps it. None on the CPU, and in checkpoints made before it was kept.
     #[serde(default)]
     attention: Option<String>,
+    /// The last step's LR multiplier (none in checkpoints made before it was kept).
+    #[serde(default)]
+    lr_mul: Option<f64>,
 }
 
 /// The attention the run that wrote `ck` trained with, where its state says (see
@@ -463,14 +462,22 @@ fn training_ended(ck: &Checkpoint, t: &TrainConfig) -> Option<Ending> {
     }
 }
 
-/// Whether the previous process's report says it completed (exit 0) a run whose training ended
-/// at `step` by iterations or the cap: then every stage after training had done its work too.
-fn completed_at(prev: &crate::report::Report, step: u64) -> bool {
-    let ended = prev.train.get("ended_by").and_then(|v| v.as_str());
-    prev.run.exit_code == 0
-        && prev.run.status == "completed"
-        && prev.train.get("steps").and_then(|v| v.as_u64()) == Some(step)
-        && matches!(ended, Some("iterations" | "wallclock_cap"))
+/// Whether the previous process's report says it completed (exit 0) a run whose training
+/// ended as `t` still has it end (`train.iterations` steps, or the wall-clock cap's training
+/// time): then every stage after training had done its work too. Its steps and ending.
+/// A larger `train.iterations` or cap than the run had is more training, not a complete run.
+fn completed(prev: &crate::report::Report, t: &TrainConfig) -> Option<(u64, Ending)> {
+    let get = |k: &str| prev.train.get(k);
+    if prev.run.exit_code != 0 || prev.run.status != "completed" {
+        return None;
+    }
+    let steps = get("steps")?.as_u64()?;
+    let cap_ms = t.max_wallclock_seconds * 1e3;
+    match get("ended_by")?.as_str()? {
+        "iterations" if steps >= t.iterations => Some((steps, Ending::Iterations)),
+        "wallclock_cap" if cap_ms > 0.0 && get("train_time_ms")?.as_f64()? >= cap_ms => Some((steps, Ending::WallclockCap)),
+        _ => None,
+    }
 }
 
 /// How an ending reads in logs: the key that ended training.
@@ -556,6 +563,7 @@ impl Candle {
             shape: self.shape,
             validations: self.vals.clone(),
             attention: self.attention.map(String::from),
+            lr_mul: Some(self.lr_mul),
         })?;
         let state = TrainerState {
             optimizer: Arc::new(self.trainer.optimizer_state()),
@@ -567,9 +575,10 @@ impl Candle {
         let snap = TrainSnapshot {
             step,
             moment,
-            // A step's snapshot carries the time its end was judged by (the cap), so a resume
-            // from its checkpoint judges the same.
-            train_ms: if moment == Moment::Step { self.step_end_ms } else { self.train_ms() },
+            // The training time at the end of the last step: what the cap was judged by, and
+            // without the part of a step a stop dropped, so a resume from its checkpoint goes on
+            // as the uninterrupted run would.
+            train_ms: self.step_end_ms,
             train_loss: self.last_loss,
             lr_mul: self.lr_mul,
             weights,
@@ -587,6 +596,13 @@ impl Candle {
     fn finish_resumed(&mut self, ending: Ending, out: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
         self.started = true;
         self.ending = Some(ending);
+        // The final validation runs again even if the checkpoint's history has it (a checkpoint
+        // of the final snapshot): the report's final score comes from it. Same weights, same
+        // numbers; the history keeps one entry.
+        let step = self.trainer.step();
+        if self.vals.last().is_some_and(|v| v.step == step) {
+            self.vals.pop();
+        }
         ctx.finishing(|ctx| -> anyhow::Result<()> {
             self.final_validation(ctx)?;
             self.wrap_up()
@@ -982,12 +998,13 @@ mod tests {
     #[test]
     fn checkpoint_state_keeps_the_attention_and_reads_older_state() {
         let shape = BatchShape { seq_len: 64, rows: 2, micro_steps: 1, world_size: 1, rank: 0 };
-        let h = History { shape, validations: Vec::new(), attention: Some("flash_mma".into()) };
+        let h = History { shape, validations: Vec::new(), attention: Some("flash_mma".into()), lr_mul: Some(0.25) };
         let back: History = serde_json::from_value(serde_json::to_value(&h).unwrap()).unwrap();
-        assert_eq!(back.attention.as_deref(), Some("flash_mma"));
+        assert_eq!((back.attention.as_deref(), back.lr_mul), (Some("flash_mma"), Some(0.25)));
         let mut older = serde_json::to_value(&h).unwrap();
         older.as_object_mut().unwrap().remove("attention");
+        older.as_object_mut().unwrap().remove("lr_mul");
         let back: History = serde_json::from_value(older).unwrap();
-        assert_eq!((back.attention, back.shape), (None, shape));
+        assert_eq!((back.attention, back.shape, back.lr_mul), (None, shape, None));
     }
 }

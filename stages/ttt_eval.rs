@@ -218,11 +218,14 @@ fn eval_memory(ctx: &BuildCtx, sliding: &SlidingConfig, ttt_batch: Option<usize>
     let mut needs = vec![snapshots_need(m, ctx.stage, ctx.queue)];
     let mut keys: Vec<String> = vec![format!("stages.{}.batch_windows", ctx.stage)];
     let (what, bytes) = match ttt_batch {
-        Some(rows) if training_bytes(m, rows * t, t, true, 4) + 2 * total * 4 > score => {
+        Some(rows) if training_bytes(m, rows * t, t, true, 4).saturating_add(total.saturating_mul(8)) > score => {
             keys[0] = format!("stages.{}.batch_seqs", ctx.stage);
-            ("TTT model, gradients, momentum and activations", 3 * total * 4 + training_bytes(m, rows * t, t, true, 4))
+            (
+                "TTT model, gradients, momentum and activations",
+                total.saturating_mul(12).saturating_add(training_bytes(m, rows * t, t, true, 4)),
+            )
         }
-        _ => ("scoring model and activations", total * 4 + score),
+        _ => ("scoring model and activations", total.saturating_mul(4).saturating_add(score)),
     };
     keys.extend(MODEL_KEYS.iter().map(|k| k.to_string()));
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();

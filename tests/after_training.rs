@@ -40,9 +40,8 @@ fn ctrl_c_and_resume_equal_an_uninterrupted_run() {
     let c = corpus("resume");
     let n = 60;
     let iters = format!("train.iterations={n}");
-    let sets = [iters.as_str(), "train.val_every=0", "train.log_every=1", "stages.eval.impl=\"sliding\""];
-    // stages.eval: sliding only (its parameters are a subset), to keep the test short.
-    let cfg = config_plus(&c, "resume", &AFTER_TRAINING.replace("chunk_tokens = 512\nepochs = 2\nbatch_seqs = 8\n", ""));
+    let sets = [iters.as_str(), "train.val_every=0", "train.log_every=1"];
+    let cfg = config_plus(&c, "resume", &after_training_sliding());
     let whole = c.dir.join("whole");
     let o = run_limited(&cfg, &whole, &sets);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
@@ -63,7 +62,7 @@ fn ctrl_c_and_resume_equal_an_uninterrupted_run() {
     let newest = pipeline::checkpoint::list(&split.join("checkpoints")).unwrap().last().cloned().unwrap();
     assert_eq!(newest.0, stopped, "Ctrl-C saves a checkpoint of the last finished step");
 
-    let o = run_args(&cfg, &["--resume", split.to_str().unwrap(), "--set", sets[0], "--set", sets[1], "--set", sets[2], "--set", sets[3]]);
+    let o = run_args(&cfg, &["--resume", split.to_str().unwrap(), "--set", sets[0], "--set", sets[1], "--set", sets[2]]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let log = log_of(&split);
     assert!(log.contains(&format!("resume: {} step:{stopped} ", newest.1.display())), "{log}");

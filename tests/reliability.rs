@@ -14,12 +14,6 @@ use std::time::Duration;
 use common::tiny::*;
 use common::{assert_fails, bin, report, text, wait_or_kill};
 
-/// [`AFTER_TRAINING`] with the sliding-window evaluation only (a subset of its keys), to keep
-/// the tests short.
-fn after() -> String {
-    AFTER_TRAINING.replace("impl = \"score_first\"", "impl = \"sliding\"").replace("chunk_tokens = 512\nepochs = 2\nbatch_seqs = 8\n", "")
-}
-
 const ARTIFACT: &str = "final_model.int8.zlib.pgqz";
 const WEIGHTS: &str = "final_model.safetensors";
 
@@ -64,7 +58,7 @@ fn checkpoint_steps(run: &Path) -> Vec<u64> {
 #[test]
 fn resuming_a_finished_run_trains_nothing() {
     let c = corpus("finished");
-    let cfg = config_plus(&c, "finished", &after());
+    let cfg = config_plus(&c, "finished", &after_training_sliding());
     let sets = ["train.iterations=10", "train.val_every=0"];
     let out = c.dir.join("run");
     train_ok(&cfg, &out, &sets);
@@ -119,7 +113,7 @@ fn signal(child: &std::process::Child, sig: &str) {
 #[test]
 fn sigterm_and_sighup_stop_as_ctrl_c_does() {
     let c = corpus("signals");
-    let cfg = config_plus(&c, "signals", &after());
+    let cfg = config_plus(&c, "signals", &after_training_sliding());
     for (sig, code) in [("TERM", 143), ("HUP", 129)] {
         let out = c.dir.join(sig);
         let mut cmd = bin();
@@ -209,7 +203,7 @@ fn a_model_too_big_for_memory_is_refused() {
 #[test]
 fn a_report_that_cannot_be_written_is_printed() {
     let c = corpus("fullreport");
-    let cfg = config_plus(&c, "full", &after());
+    let cfg = config_plus(&c, "full", &after_training_sliding());
     let out = c.dir.join("run");
     // SIGXFSZ ignored (as the shell leaves it through exec), so a write past the limit fails
     // with EFBIG instead of killing the process.
@@ -227,7 +221,7 @@ fn a_report_that_cannot_be_written_is_printed() {
     }
     let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let o = finish(child, &cfg);
-    assert_fails(&o, &["stage `ckpt` failed: checkpoint of step 5 failed", "report.json", "the report above is its only copy"]);
+    assert_fails(&o, &["stage `ckpt` failed: checkpoint of step 5 failed", "report.json", "is its only copy"]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     let so = stdout(&o);
     assert!(so.contains("run `train-test`: failed") && so.lines().any(|l| l.starts_with("stage ")), "{}", text(&o));
@@ -266,7 +260,7 @@ fn validate_catches_a_short_split_and_names_the_set() {
 #[test]
 fn resume_refusals_exit_2() {
     let c = corpus("resumecodes");
-    let cfg = config_plus(&c, "codes", &after());
+    let cfg = config_plus(&c, "codes", &after_training_sliding());
     let o = resume(&cfg, &c.dir.join("nothing-here"), &["train.iterations=10"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_fails(&o, &["no such checkpoint file or run directory"]);
@@ -286,4 +280,66 @@ fn resume_refusals_exit_2() {
     assert_fails(&o, &["previous good checkpoint"]);
     let o = resume(&cfg, &out, &["train.iterations=20", "model.model_dim=64", "model.num_heads=4"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+}
+
+/// Marks a completed run's report as interrupted, as a Ctrl-C after training leaves it.
+fn mark_interrupted(run: &Path) {
+    let mut r: serde_json::Value = serde_json::from_slice(&std::fs::read(run.join("report.json")).unwrap()).unwrap();
+    r["run"]["status"] = "interrupted".into();
+    r["run"]["exit_code"] = 130.into();
+    std::fs::write(run.join("report.json"), serde_json::to_vec(&r).unwrap()).unwrap();
+}
+
+/// A last step that is not a checkpoint step: the newest checkpoint is the final snapshot's
+/// (its history holds the final validation). Finishing such a run keeps the final score in the
+/// report; with `at_end = false` the newest checkpoint is older than the end, and a completed
+/// run is still complete, not trained again.
+#[test]
+fn a_finished_run_is_recognised_whichever_checkpoint_is_newest() {
+    let c = corpus("finalck");
+    let cfg = config_plus(&c, "finalck", &after_training_sliding());
+    let sets = ["train.iterations=12", "train.val_every=0"];
+    let out = c.dir.join("final");
+    let (before, _) = train_ok(&cfg, &out, &sets);
+    assert_eq!(checkpoint_steps(&out), [10, 12], "the final snapshot's checkpoint");
+    mark_interrupted(&out);
+    let o = resume(&cfg, &out, &sets);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let after = report(&out).train;
+    assert!(after["val_bpb"].is_f64(), "the finished run's report lost its final score: {after:?}");
+    assert_eq!((&after["val_bpb"], &after["val_loss"]), (&before["val_bpb"], &before["val_loss"]));
+    assert_eq!(after["validations"].as_array().map(Vec::len), before["validations"].as_array().map(Vec::len));
+
+    let no_end = c.dir.join("no-end");
+    let (_, _) = train_ok(&cfg, &no_end, &[sets[0], sets[1], "stages.ckpt.at_end=false"]);
+    assert_eq!(checkpoint_steps(&no_end), [5, 10], "no checkpoint of the last step");
+    let done = files(&no_end);
+    let o = resume(&cfg, &no_end, &[sets[0], sets[1], "stages.ckpt.at_end=false"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(stdout(&o).contains("is complete: training ended at step 12/12"), "{}", text(&o));
+    assert!(files(&no_end) == done, "a completed run was trained again from an older checkpoint");
+    // More iterations than the run had are more training, not a complete run.
+    let o = resume(&cfg, &no_end, &["train.iterations=14", sets[1], "stages.ckpt.at_end=false"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert_eq!(report(&no_end).train["steps"].as_u64(), Some(14));
+}
+
+/// A run that completes but whose report.json cannot be written (a directory stands in its
+/// way) exits 1, not 0, and prints the report's JSON too.
+#[test]
+fn a_completed_run_whose_report_is_lost_exits_1() {
+    let c = corpus("lostreport");
+    let cfg = config_plus(&c, "lost", &after_training_sliding());
+    let sets = ["train.iterations=10", "train.val_every=0"];
+    let out = c.dir.join("run");
+    train_ok(&cfg, &out, &sets);
+    mark_interrupted(&out);
+    std::fs::remove_file(out.join("report.json")).unwrap();
+    std::fs::create_dir_all(out.join("report.json/blocker")).unwrap();
+    let o = resume(&cfg, &out, &sets);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert_fails(&o, &["cannot write", "report.json", "is its only copy"]);
+    let so = stdout(&o);
+    assert!(so.contains("run `train-test`: completed") && so.contains("report.json (not saved):\n{"), "{}", text(&o));
+    assert!(so.contains("\"sliding\""), "the JSON holds the sections the table leaves out\n{}", text(&o));
 }

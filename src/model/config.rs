@@ -102,7 +102,7 @@ impl ModelConfig {
     /// makes, known without allocating anything (the memory estimate needs it before a model
     /// too big to fit is made).
     pub fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
-        let (v, d, kvd, hidden) = (self.vocab_size, self.model_dim, self.kv_dim(), self.mlp_mult * self.model_dim);
+        let (v, d, kvd, hidden) = (self.vocab_size, self.model_dim, self.kv_dim(), self.mlp_mult.saturating_mul(self.model_dim));
         let mut out = vec![("tok_emb.weight".to_string(), vec![v, d]), ("skip_weights".to_string(), vec![self.skip_count(), d])];
         for i in 0..self.num_layers {
             let p = |s: &str| format!("blocks.{i}.{s}");

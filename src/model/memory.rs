@@ -42,12 +42,13 @@ impl ParamCounts {
     pub fn of(m: &ModelConfig) -> Self {
         let mut c = ParamCounts { total: 0, muon: 0, adam: 0, largest: 0 };
         for (name, shape) in m.param_shapes() {
-            let n: u64 = shape.iter().map(|&x| x as u64).product();
-            c.total += n;
+            // Saturating: an absurd config must give an absurd estimate, not a wrapped small one.
+            let n: u64 = shape.iter().fold(1u64, |a, &x| a.saturating_mul(x as u64));
+            c.total = c.total.saturating_add(n);
             c.largest = c.largest.max(n);
             match crate::model::gpt_group_of(&name, shape.len()) {
-                ParamGroup::Matrix => c.muon += n,
-                _ => c.adam += n,
+                ParamGroup::Matrix => c.muon = c.muon.saturating_add(n),
+                _ => c.adam = c.adam.saturating_add(n),
             }
         }
         c
@@ -55,29 +56,30 @@ impl ParamCounts {
 
     /// Elements of optimizer state: Muon's momentum, Adam's two moments.
     pub fn optimizer(&self) -> u64 {
-        self.muon + 2 * self.adam
+        self.muon.saturating_add(self.adam.saturating_mul(2))
     }
 }
 
 /// Activation elements per token of a batch of sequences of `seq_len` (module docs); `probs`:
-/// the attention probabilities are stored.
-pub fn activations_per_token(m: &ModelConfig, seq_len: usize, probs: bool) -> u64 {
-    let (d, kv, h) = (m.model_dim as u64, m.kv_dim() as u64, (m.mlp_mult * m.model_dim) as u64);
-    let per_block = 12 * d + 3 * kv + 2 * h + if probs { (m.num_heads * seq_len) as u64 } else { 0 };
-    m.num_layers as u64 * per_block + 4 * d + 3 * m.vocab_size as u64
+/// the attention probabilities are stored. In f64: an absurd config gives a huge count, never
+/// a wrapped one (the casts to u64 saturate).
+pub fn activations_per_token(m: &ModelConfig, seq_len: usize, probs: bool) -> f64 {
+    let (d, kv, h) = (m.model_dim as f64, m.kv_dim() as f64, m.mlp_mult as f64 * m.model_dim as f64);
+    let per_block = 12.0 * d + 3.0 * kv + 2.0 * h + if probs { m.num_heads as f64 * seq_len as f64 } else { 0.0 };
+    m.num_layers as f64 * per_block + 4.0 * d + 3.0 * m.vocab_size as f64
 }
 
 /// Bytes of activations a training pass over `tokens` tokens keeps at its peak (elements of
 /// `elem` bytes).
 pub fn training_bytes(m: &ModelConfig, tokens: usize, seq_len: usize, probs: bool, elem: u64) -> u64 {
-    tokens as u64 * activations_per_token(m, seq_len, probs) * elem
+    (tokens as f64 * activations_per_token(m, seq_len, probs) * elem as f64) as u64
 }
 
 /// Bytes a forward pass alone over `tokens` tokens keeps at its peak: a block's activations and
 /// the logits.
 pub fn forward_bytes(m: &ModelConfig, tokens: usize, seq_len: usize, probs: bool, elem: u64) -> u64 {
     let one_block = ModelConfig { num_layers: 1, ..m.clone() };
-    tokens as u64 * activations_per_token(&one_block, seq_len, probs) * elem
+    (tokens as f64 * activations_per_token(&one_block, seq_len, probs) * elem as f64) as u64
 }
 
 /// The keys that size a model's parameters.
@@ -88,7 +90,7 @@ pub const MODEL_KEYS: [&str; 4] = ["model.model_dim", "model.num_layers", "model
 /// average an averager attached (f32 each).
 pub fn snapshot_bytes(m: &ModelConfig) -> u64 {
     let c = ParamCounts::of(m);
-    (2 * c.total + c.optimizer()) * 4
+    c.total.saturating_mul(2).saturating_add(c.optimizer()).saturating_mul(4)
 }
 
 /// What a stage after training holds in snapshots: its input queue full, and the one it works
@@ -99,7 +101,7 @@ pub fn snapshots_need(m: &ModelConfig, stage: &str, queue: usize) -> crate::memo
     keys.push(&queue_key);
     crate::memory::Need::device(
         format!("{} training snapshots (queued or in hand)", queue + 1),
-        (queue as u64 + 1) * snapshot_bytes(m),
+        (queue as u64 + 1).saturating_mul(snapshot_bytes(m)),
         &keys,
     )
 }
@@ -133,6 +135,11 @@ mod tests {
         }
         // The baseline: 17,059,912 parameters (README).
         assert_eq!(ParamCounts::of(&ModelConfig::default()).total, 17_059_912);
+        // Absurd widths saturate instead of wrapping to a small count.
+        let huge = ModelConfig { model_dim: 1 << 62, num_heads: 8, num_kv_heads: 4, ..ModelConfig::default() };
+        assert_eq!(ParamCounts::of(&huge).total, u64::MAX);
+        assert_eq!(snapshot_bytes(&huge), u64::MAX);
+        assert_eq!(training_bytes(&huge, 1024, 1024, true, 4), u64::MAX);
     }
 
     #[test]

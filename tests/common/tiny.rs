@@ -318,3 +318,9 @@ chunk_tokens = 512
 epochs = 2
 batch_seqs = 8
 "#;
+
+/// [`AFTER_TRAINING`] with the sliding-window evaluation only (its keys a subset of
+/// score-first's), for tests that need the stages but not TTT's time.
+pub fn after_training_sliding() -> String {
+    AFTER_TRAINING.replace("impl = \"score_first\"", "impl = \"sliding\"").replace("chunk_tokens = 512\nepochs = 2\nbatch_seqs = 8\n", "")
+}
