@@ -13,6 +13,31 @@ use pipeline::model::attention_trial::{AttentionShape, TrialSettings};
 use pipeline::report::Report;
 use pipeline::run::{self, RunError};
 
+/// `println!` that takes a closed stdout (a pipe to `head`, a terminal gone after SIGHUP) as
+/// nothing to print to, instead of panicking: the run directory has everything.
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout().lock(), $($t)*);
+    }};
+}
+
+/// `print!`, likewise.
+macro_rules! out_raw {
+    ($($t:tt)*) => {{
+        use std::io::Write;
+        let _ = write!(std::io::stdout().lock(), $($t)*);
+    }};
+}
+
+/// `eprintln!`, likewise.
+macro_rules! err {
+    ($($t:tt)*) => {{
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr().lock(), $($t)*);
+    }};
+}
+
 /// mimalloc keeps freed tensor buffers for reuse: with glibc's allocator every large CPU
 /// tensor was a fresh mmap, and page faults plus TLB shootdowns on munmap took about a fifth
 /// of a demo training step (perf).
@@ -210,27 +235,27 @@ fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool, 
     // Install the handler first, so a signal at any moment still ends in a written report.
     let control = Arc::new(Control::new());
     if let Err(e) = handle_stop_signals(control.clone()) {
-        eprintln!("error: cannot install the handler of SIGINT, SIGTERM and SIGHUP: {e}");
+        err!("error: cannot install the handler of SIGINT, SIGTERM and SIGHUP: {e}");
         return 1;
     }
     let loaded = match config::load(&path, &sets) {
         Ok(l) => l,
         Err(e) => {
-            eprintln!("error: {e}");
+            err!("error: {e}");
             return 2;
         }
     };
     let result = run::run(&loaded, out.as_deref(), resume.as_deref(), control, |dir, memory| {
         if !quiet {
-            warn(&format!("pipeline: run directory {}", dir.display()));
-            warn(&format!("pipeline: {}", memory.summary().replace('\n', "\npipeline: ")));
+            err!("pipeline: run directory {}", dir.display());
+            err!("pipeline: {}", memory.summary().replace('\n', "\npipeline: "));
         }
     });
     match result {
         Ok(outcome) => {
-            say(&outcome.report.render());
+            out!("{}", outcome.report.render());
             if let Some(e) = &outcome.report.run.error {
-                warn(&format!("error: {e}"));
+                err!("error: {e}");
             }
             // Every other stage that failed, too: the first failure is often not the only one
             // (a full disk fails the checkpoint and then the weights).
@@ -238,25 +263,25 @@ fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool, 
                 if let Some(e) = &st.error
                     && outcome.report.run.error.as_deref() != Some(&format!("stage `{name}` failed: {e}"))
                 {
-                    warn(&format!("error: stage `{name}` {}: {e}", st.state));
+                    err!("error: stage `{name}` {}: {e}", st.state);
                 }
             }
             if let Some(e) = &outcome.report_error {
                 // The table leaves out the sections and histograms: print what report.json
                 // would have held, so nothing the run measured is lost.
                 if let Ok(json) = serde_json::to_string_pretty(&outcome.report) {
-                    say(&format!("report.json (not saved):\n{json}"));
+                    out!("report.json (not saved):\n{json}");
                 }
-                warn(&format!("error: {e}: the report above (table and report.json) is its only copy"));
+                err!("error: {e}: the report above (table and report.json) is its only copy");
             }
             outcome.exit_code()
         }
         Err(RunError::Complete(message)) => {
-            say(&message);
+            out!("{message}");
             0
         }
         Err(e) => {
-            eprintln!("error: {e}");
+            err!("error: {e}");
             e.exit_code()
         }
     }
@@ -276,53 +301,40 @@ fn handle_stop_signals(control: Arc<Control>) -> std::io::Result<()> {
             control.interrupt_by(signal);
             let name = signal.name();
             if again {
-                warn(&format!("pipeline: {name} while stopping: stopping every stage now"));
+                err!("pipeline: {name} while stopping: stopping every stage now");
             } else {
-                warn(&format!(
+                err!(
                     "pipeline: {name}: draining in-flight items, then flushing and writing the report (again to stop at once; exit {})",
                     signal.exit_code()
-                ));
+                );
             }
         }
     })?;
     Ok(())
 }
 
-/// Prints a line on stdout; a closed terminal (after SIGHUP) or pipe is not an error here, the
-/// run directory has everything.
-fn say(s: &str) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stdout().lock(), "{s}");
-}
-
-/// As [`say`], on stderr.
-fn warn(s: &str) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr().lock(), "{s}");
-}
-
 fn cmd_attention_trial(device: &str, kernels: &str, shape: AttentionShape, json: bool) -> i32 {
     use pipeline::model::flash_attn::FlashKernels;
     let Some(kernels) = FlashKernels::ALL.into_iter().find(|k| k.name() == kernels) else {
-        eprintln!("error: --kernels {kernels:?}: use flash or flash_mma");
+        err!("error: --kernels {kernels:?}: use flash or flash_mma");
         return 2;
     };
     if [shape.batch, shape.t, shape.heads, shape.kv_heads, shape.head_dim].contains(&0) || !shape.heads.is_multiple_of(shape.kv_heads) {
-        eprintln!("error: --batch, --seq-len, --heads, --kv-heads and --head-dim must be positive, --heads a multiple of --kv-heads");
+        err!("error: --batch, --seq-len, --heads, --kv-heads and --head-dim must be positive, --heads a multiple of --kv-heads");
         return 2;
     }
     let result = pipeline::device::open_named(device).and_then(|d| pipeline::model::attention_trial::check_flash(&d, kernels, shape));
     match result {
         Ok(o) => {
             if json {
-                println!("{}", serde_json::to_string(&o).unwrap_or_default());
+                out!("{}", serde_json::to_string(&o).unwrap_or_default());
             } else {
-                println!("{}", pipeline::model::attention_trial::summary(std::slice::from_ref(&o), shape, TrialSettings::flash()));
+                out!("{}", pipeline::model::attention_trial::summary(std::slice::from_ref(&o), shape, TrialSettings::flash()));
             }
             0
         }
         Err(e) => {
-            eprintln!("error: {e:#}");
+            err!("error: {e:#}");
             1
         }
     }
@@ -333,7 +345,7 @@ fn cmd_parity(device: &str, dtype: &str, seed: u64, json: bool) -> i32 {
         "f32" => candle_core::DType::F32,
         "bf16" => candle_core::DType::BF16,
         other => {
-            eprintln!("error: --dtype {other:?}: use f32 or bf16");
+            err!("error: --dtype {other:?}: use f32 or bf16");
             return 2;
         }
     };
@@ -341,22 +353,22 @@ fn cmd_parity(device: &str, dtype: &str, seed: u64, json: bool) -> i32 {
     match result {
         Ok(r) => {
             if json {
-                println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
+                out!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
             } else {
-                println!("parity {} {} vs cpu f64: loss {:.6} vs {:.6}", r.device, r.dtype, r.loss.0, r.loss.1);
+                out!("parity {} {} vs cpu f64: loss {:.6} vs {:.6}", r.device, r.dtype, r.loss.0, r.loss.1);
                 for c in &r.compared {
                     let expected = c.expected.map(|x| format!(" (expected {x:.1e})")).unwrap_or_default();
                     let verdict = if c.ok() { "" } else { "  FAILED" };
-                    println!("  {:<32} rel_err {:.3e}  bound {:.1e}{expected}{verdict}", c.name, c.rel_err, c.bound);
+                    out!("  {:<32} rel_err {:.3e}  bound {:.1e}{expected}{verdict}", c.name, c.rel_err, c.bound);
                 }
-                println!("bounds: {}", r.rule);
+                out!("bounds: {}", r.rule);
                 let verdict = if r.ok { "ok, every error within its bound" } else { "FAILED" };
-                println!("max rel_err {:.3e}, worst error / bound {:.2}: {verdict}", r.max_rel_err, r.worst_ratio);
+                out!("max rel_err {:.3e}, worst error / bound {:.2}: {verdict}", r.max_rel_err, r.worst_ratio);
             }
             if r.ok { 0 } else { 1 }
         }
         Err(e) => {
-            eprintln!("error: {e:#}");
+            err!("error: {e:#}");
             1
         }
     }
@@ -368,7 +380,7 @@ fn cmd_validate(path: PathBuf, sets: Vec<String>) -> i32 {
         run::check_run_table(&loaded)?;
         graph::check_resources(&plan, &loaded)?;
         let memory = graph::memory(&plan, &loaded);
-        println!("{}", memory.summary());
+        out!("{}", memory.summary());
         graph::check_memory(&memory, &loaded)?;
         Ok(plan)
     });
@@ -376,11 +388,11 @@ fn cmd_validate(path: PathBuf, sets: Vec<String>) -> i32 {
         Ok(plan) => {
             let names: Vec<String> =
                 plan.stages.iter().map(|s| format!("{} ({}/{})", s.name, s.factory.kind(), s.factory.name())).collect();
-            println!("{}: ok, {} stages: {}", path.display(), plan.stages.len(), names.join(" -> "));
+            out!("{}: ok, {} stages: {}", path.display(), plan.stages.len(), names.join(" -> "));
             0
         }
         Err(e) => {
-            eprintln!("error: {e}");
+            err!("error: {e}");
             2
         }
     }
@@ -397,15 +409,15 @@ fn cmd_artifact(
     let loaded = match config::load(&path, &sets) {
         Ok(l) => l,
         Err(e) => {
-            eprintln!("error: {e}");
+            err!("error: {e}");
             return 2;
         }
     };
     let out = out.unwrap_or_else(|| pipeline::artifact::default_path(&weights, &q));
-    match pipeline::artifact::build(&loaded.config, &weights, &q, &out, val_max_tokens, |l| println!("{l}")) {
+    match pipeline::artifact::build(&loaded.config, &weights, &q, &out, val_max_tokens, |l| out!("{l}")) {
         Ok(_) => 0,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            err!("error: {e:#}");
             1
         }
     }
@@ -415,20 +427,20 @@ fn cmd_report(run_dir: PathBuf, json: bool) -> i32 {
     match Report::load(&run_dir) {
         Ok(r) if json => match serde_json::to_string_pretty(&r) {
             Ok(s) => {
-                println!("{s}");
+                out!("{s}");
                 0
             }
             Err(e) => {
-                eprintln!("error: {e}");
+                err!("error: {e}");
                 1
             }
         },
         Ok(r) => {
-            print!("{}", r.render());
+            out_raw!("{}", r.render());
             0
         }
         Err(e) => {
-            eprintln!("error: {e:#}");
+            err!("error: {e:#}");
             1
         }
     }
@@ -438,7 +450,7 @@ fn cmd_prepare(opts: pipeline::prepare::PrepareOptions) -> i32 {
     let t = std::time::Instant::now();
     match pipeline::prepare::prepare(&opts) {
         Ok(m) => {
-            println!(
+            out!(
                 "{}: val {} docs, {} tokens in {} shard(s); train {} docs, {} tokens in {} shard(s); tokenizer {} ({} pieces); {:.1} s",
                 opts.out.display(),
                 m.val.docs,
@@ -454,7 +466,7 @@ fn cmd_prepare(opts: pipeline::prepare::PrepareOptions) -> i32 {
             0
         }
         Err(e) => {
-            eprintln!("error: {e:#}");
+            err!("error: {e:#}");
             1
         }
     }
@@ -463,14 +475,14 @@ fn cmd_prepare(opts: pipeline::prepare::PrepareOptions) -> i32 {
 fn cmd_stages(json: bool) -> i32 {
     if json {
         match serde_json::to_string_pretty(&pipeline::catalog::catalog()) {
-            Ok(s) => println!("{s}"),
+            Ok(s) => out!("{s}"),
             Err(e) => {
-                eprintln!("error: {e}");
+                err!("error: {e}");
                 return 1;
             }
         }
     } else {
-        print!("{}", pipeline::catalog::render());
+        out_raw!("{}", pipeline::catalog::render());
     }
     0
 }
