@@ -142,7 +142,10 @@ pub fn run(
         (Some(c), None) => (run_dir_of(&c.path).map_err(RunError::resume)?, false),
         _ => (rundir::create(out, &loaded.config.run.out_dir, &name)?, true),
     };
-    let previous = if fresh { None } else { previous_report(&run_dir, &plan) };
+    // `--resume RUN_DIR` continues the run where it stopped: its stages may find it complete.
+    // A checkpoint named by its file is a deliberate point to go on from, and is taken as one.
+    let continues = !fresh && resume.is_some_and(Path::is_dir);
+    let previous = if continues { previous_report(&run_dir, &plan) } else { None };
     // Build every stage before anything is written: a stage that cannot be built, or that
     // finds nothing left to do, leaves the run directory as it was.
     let built = match runtime::build(&plan, &loaded.config, Some(&run_dir), checkpoint.as_ref(), previous.as_ref()) {

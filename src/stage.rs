@@ -81,9 +81,9 @@ pub struct BuildCtx<'a> {
     /// The checkpoint a resumed run continues from (`pipeline run --resume`): stages with state
     /// (sampler, executor, averager, checkpointer) restore theirs from it.
     pub resume: Option<&'a crate::checkpoint::Checkpoint>,
-    /// The report of the process a resumed run continues (`RUN_DIR/report.json`), when the run
-    /// goes on in that directory with the same stages; a stage may find in it that nothing is
-    /// left to do and say so with [`AlreadyComplete`].
+    /// The report of the process a resumed run continues (`RUN_DIR/report.json`), when
+    /// `--resume` named that run directory and the run goes on in it with the same stages; a
+    /// stage may find in it that nothing is left to do and say so with [`AlreadyComplete`].
     pub previous: Option<&'a crate::report::Report>,
 }
 

@@ -247,7 +247,7 @@ impl Transform for Candle {
         {
             let dir = ctx.run_dir.map(|d| d.display().to_string()).unwrap_or_default();
             return Err(AlreadyComplete(format!(
-                "run {dir} is complete: training ended at step {steps}/{} ({}) and every stage after it finished (its report.json: completed, exit 0). Nothing left to do; no file was changed. (To train again from one of its checkpoints, resume into a new directory with --out.)",
+                "run {dir} is complete: training ended at step {steps}/{} ({}) and every stage after it finished (its report.json: completed, exit 0). Nothing left to do; no file was changed. (To train again from one of its checkpoints, name the file: --resume {dir}/checkpoints/step_N.safetensors.)",
                 c.train.iterations,
                 ending_name(ending),
             ))
