@@ -57,11 +57,8 @@ fn checkpoint_steps(run: &Path) -> Vec<u64> {
 /// training is redone there, from the same weights.
 #[test]
 fn resuming_a_finished_run_trains_nothing() {
-    let c = corpus("finished");
-    let cfg = config_plus(&c, "finished", &after_training_sliding());
-    let sets = ["train.iterations=10", "train.val_every=0"];
-    let out = c.dir.join("run");
-    train_ok(&cfg, &out, &sets);
+    let (c, cfg, out) = finished_run("finished");
+    let sets = TEN;
     assert_eq!(checkpoint_steps(&out), [5, 10]);
     let done = files(&out);
 
@@ -73,10 +70,7 @@ fn resuming_a_finished_run_trains_nothing() {
     }
 
     // Interrupted during the work after training: report says so, the artifact is missing.
-    let mut r: serde_json::Value = serde_json::from_slice(&done[Path::new("report.json")]).unwrap();
-    r["run"]["status"] = "interrupted".into();
-    r["run"]["exit_code"] = 130.into();
-    std::fs::write(out.join("report.json"), serde_json::to_vec(&r).unwrap()).unwrap();
+    mark_interrupted(&out);
     std::fs::remove_file(out.join(ARTIFACT)).unwrap();
     let o = resume(&cfg, &out, &sets);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
@@ -282,6 +276,19 @@ fn resume_refusals_exit_2() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 }
 
+/// The settings of [`finished_run`]: 10 steps, validated only at the end.
+const TEN: [&str; 2] = ["train.iterations=10", "train.val_every=0"];
+
+/// A completed run of [`TEN`] with every stage after training (checkpoints at 5 and 10), in the
+/// corpus `name`: the corpus (its folder lives as long as it), the config, the run directory.
+fn finished_run(name: &str) -> (Corpus, PathBuf, PathBuf) {
+    let c = corpus(name);
+    let cfg = config_plus(&c, name, &after_training_sliding());
+    let out = c.dir.join("run");
+    train_ok(&cfg, &out, &TEN);
+    (c, cfg, out)
+}
+
 /// Marks a completed run's report as interrupted, as a Ctrl-C after training leaves it.
 fn mark_interrupted(run: &Path) {
     let mut r: serde_json::Value = serde_json::from_slice(&std::fs::read(run.join("report.json")).unwrap()).unwrap();
@@ -328,11 +335,8 @@ fn a_finished_run_is_recognised_whichever_checkpoint_is_newest() {
 /// way) exits 1, not 0, and prints the report's JSON too.
 #[test]
 fn a_completed_run_whose_report_is_lost_exits_1() {
-    let c = corpus("lostreport");
-    let cfg = config_plus(&c, "lost", &after_training_sliding());
-    let sets = ["train.iterations=10", "train.val_every=0"];
-    let out = c.dir.join("run");
-    train_ok(&cfg, &out, &sets);
+    let (_c, cfg, out) = finished_run("lostreport");
+    let sets = TEN;
     mark_interrupted(&out);
     std::fs::remove_file(out.join("report.json")).unwrap();
     std::fs::create_dir_all(out.join("report.json/blocker")).unwrap();
