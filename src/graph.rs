@@ -412,6 +412,24 @@ pub fn memory(plan: &Plan, loaded: &Loaded) -> crate::memory::Estimate {
     crate::memory::Estimate { unknown, ..crate::memory::Estimate::new(needs, on_host, run.max_memory_gb, gpu_free) }
 }
 
+/// On `--resume RUN_DIR`: the first stage's message that the run it continues is complete
+/// ([`crate::stage::Transform::nothing_left`]), if one says so.
+pub fn nothing_left(
+    plan: &Plan,
+    loaded: &Loaded,
+    run_dir: Option<&std::path::Path>,
+    resume: Option<&crate::checkpoint::Checkpoint>,
+    previous: Option<&crate::report::Report>,
+) -> anyhow::Result<Option<String>> {
+    for s in &plan.stages {
+        let ctx = BuildCtx { run_dir, resume, previous, ..s.check_ctx(&loaded.config) };
+        if let Some(message) = s.factory.nothing_left(&s.params, &ctx)? {
+            return Ok(Some(message));
+        }
+    }
+    Ok(None)
+}
+
 /// The memory estimate's refusals as config errors, each blamed on the origin of the key that
 /// sizes the largest part (the `--set` that made the model too big, say).
 pub fn check_memory(estimate: &crate::memory::Estimate, loaded: &Loaded) -> Result<(), ConfigErrors> {

@@ -132,31 +132,37 @@ pub fn run(
 ) -> Result<RunOutcome, RunError> {
     let plan: Plan = graph::plan(loaded)?;
     check_run_table(loaded)?;
+    let name = run_name(loaded);
+    let checkpoint = resume.map(crate::checkpoint::resolve).transpose().map_err(RunError::resume)?;
+    let continued = match (&checkpoint, out) {
+        (Some(c), None) => Some(run_dir_of(&c.path).map_err(RunError::resume)?),
+        _ => None,
+    };
+    // `--resume RUN_DIR` continues the run where it stopped: its stages may find it complete,
+    // before anything is estimated, allocated or written. A checkpoint named by its file is a
+    // deliberate point to go on from, and is taken as one.
+    let previous = continued.as_deref().filter(|_| resume.is_some_and(Path::is_dir)).and_then(|d| previous_report(d, &plan));
+    if previous.is_some()
+        && let Some(message) = graph::nothing_left(&plan, loaded, continued.as_deref(), checkpoint.as_ref(), previous.as_ref())?
+    {
+        return Err(RunError::Complete(message));
+    }
     // Before anything is allocated: a model too big for memory is refused here, not aborted
     // by the allocator halfway through building it.
     let memory = graph::memory(&plan, loaded);
     graph::check_memory(&memory, loaded)?;
-    let name = run_name(loaded);
-    let checkpoint = resume.map(crate::checkpoint::resolve).transpose().map_err(RunError::resume)?;
-    let (run_dir, fresh) = match (&checkpoint, out) {
-        (Some(c), None) => (run_dir_of(&c.path).map_err(RunError::resume)?, false),
-        _ => (rundir::create(out, &loaded.config.run.out_dir, &name)?, true),
+    let (run_dir, fresh) = match continued {
+        Some(d) => (d, false),
+        None => (rundir::create(out, &loaded.config.run.out_dir, &name)?, true),
     };
-    // `--resume RUN_DIR` continues the run where it stopped: its stages may find it complete.
-    // A checkpoint named by its file is a deliberate point to go on from, and is taken as one.
-    let continues = !fresh && resume.is_some_and(Path::is_dir);
-    let previous = if continues { previous_report(&run_dir, &plan) } else { None };
-    // Build every stage before anything is written: a stage that cannot be built, or that
-    // finds nothing left to do, leaves the run directory as it was.
-    let built = match runtime::build(&plan, &loaded.config, Some(&run_dir), checkpoint.as_ref(), previous.as_ref()) {
+    // Build every stage before anything is written: a stage that cannot be built leaves the
+    // run directory as it was.
+    let built = match runtime::build(&plan, &loaded.config, Some(&run_dir), checkpoint.as_ref()) {
         Ok(b) => b,
         Err(e) => {
             // Nothing ran: leave no new run directory behind.
             if fresh {
                 let _ = std::fs::remove_dir_all(&run_dir);
-            }
-            if e.complete {
-                return Err(RunError::Complete(e.message));
             }
             if e.system {
                 return Err(RunError::Build(e));

@@ -21,7 +21,7 @@ use crate::config::Config;
 use crate::control::{Control, StopReason};
 use crate::graph::Plan;
 use crate::metrics::Hist;
-use crate::stage::{AlreadyComplete, BuildCtx, Ctx, ErasedChannelHandle, Runnable, StageEnv, Wiring};
+use crate::stage::{BuildCtx, Ctx, ErasedChannelHandle, Runnable, StageEnv, Wiring};
 
 /// How long stages get to leave after an abort before they are reported as hung.
 pub const ABORT_GRACE: Duration = Duration::from_secs(3);
@@ -115,8 +115,6 @@ pub struct BuildError {
     pub imp: String,
     /// What went wrong.
     pub message: String,
-    /// The stage found nothing left to do ([`AlreadyComplete`]): not an error, the run is over.
-    pub complete: bool,
     /// The system failed it (a file it reads could not be, for a permission or disk error),
     /// not the config ([`crate::files::is_system_error`]).
     pub system: bool,
@@ -141,16 +139,14 @@ pub fn build(
     config: &Config,
     run_dir: Option<&Path>,
     resume: Option<&crate::checkpoint::Checkpoint>,
-    previous: Option<&crate::report::Report>,
 ) -> Result<Built, BuildError> {
     let mut runnables: Vec<Option<Box<dyn Runnable>>> = Vec::with_capacity(plan.stages.len());
     for s in &plan.stages {
-        let ctx = BuildCtx { stage: &s.name, config, run_dir, consumers: s.consumers.len(), queue: s.queue, resume, previous };
+        let ctx = BuildCtx { stage: &s.name, config, run_dir, consumers: s.consumers.len(), queue: s.queue, resume, previous: None };
         let r = s.factory.instantiate(&s.params, &ctx).map_err(|e| BuildError {
             stage: s.name.clone(),
             kind: s.factory.kind().into(),
             imp: s.factory.name().into(),
-            complete: e.downcast_ref::<AlreadyComplete>().is_some(),
             system: crate::files::is_system_error(&e),
             message: format!("{e:#}"),
         })?;
@@ -168,7 +164,7 @@ pub fn execute(
     resume: Option<&crate::checkpoint::Checkpoint>,
     control: Arc<Control>,
 ) -> Result<RunResult, BuildError> {
-    let built = build(plan, config, run_dir, resume, None)?;
+    let built = build(plan, config, run_dir, resume)?;
     Ok(run(plan, config, built, control))
 }
 

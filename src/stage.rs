@@ -81,18 +81,11 @@ pub struct BuildCtx<'a> {
     /// The checkpoint a resumed run continues from (`pipeline run --resume`): stages with state
     /// (sampler, executor, averager, checkpointer) restore theirs from it.
     pub resume: Option<&'a crate::checkpoint::Checkpoint>,
-    /// The report of the process a resumed run continues (`RUN_DIR/report.json`), when
-    /// `--resume` named that run directory and the run goes on in it with the same stages; a
-    /// stage may find in it that nothing is left to do and say so with [`AlreadyComplete`].
+    /// For `nothing_left` only: the report of the process a resumed run continues
+    /// (`RUN_DIR/report.json`), when `--resume` named that run directory and the run goes on
+    /// in it with the same stages.
     pub previous: Option<&'a crate::report::Report>,
 }
-
-/// What a stage's `build` returns when a resumed run has nothing left to do: the run it
-/// continues finished everything. The run then starts nothing, changes no file, prints the
-/// message and exits 0.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct AlreadyComplete(pub String);
 
 impl BuildCtx<'_> {
     /// A seed for this stage: the run's seed mixed with the stage name, so two stages of the same
@@ -235,6 +228,13 @@ pub trait Source: Sized + Send + 'static {
     fn memory(_params: &Self::Params, _ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
         Ok(Vec::new())
     }
+    /// On `--resume RUN_DIR` (with [`BuildCtx::resume`] and [`BuildCtx::previous`]): a
+    /// message saying the run is complete, when the process it continues finished everything
+    /// this stage would do. Asked before anything is allocated or written; when any stage says
+    /// so, the run starts nothing, changes no file, prints the message and exits 0. Default: no.
+    fn nothing_left(_params: &Self::Params, _ctx: &BuildCtx) -> Option<String> {
+        None
+    }
     /// The next item; `None` when exhausted. Its duration is the stage's service time.
     fn next(&mut self, ctx: &mut Ctx) -> anyhow::Result<Option<Self::Out>>;
     /// Called once after the loop (see the module docs).
@@ -270,6 +270,13 @@ pub trait Transform: Sized + Send + 'static {
     /// see [`crate::memory`]. Called after `check` passed. Default: nothing worth counting.
     fn memory(_params: &Self::Params, _ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
         Ok(Vec::new())
+    }
+    /// On `--resume RUN_DIR` (with [`BuildCtx::resume`] and [`BuildCtx::previous`]): a
+    /// message saying the run is complete, when the process it continues finished everything
+    /// this stage would do. Asked before anything is allocated or written; when any stage says
+    /// so, the run starts nothing, changes no file, prints the message and exits 0. Default: no.
+    fn nothing_left(_params: &Self::Params, _ctx: &BuildCtx) -> Option<String> {
+        None
     }
     /// Handles one item, emitting any number of outputs. Its duration, less time blocked on a
     /// full output channel, is the stage's service time.
@@ -308,6 +315,13 @@ pub trait Sink: Sized + Send + 'static {
     /// see [`crate::memory`]. Called after `check` passed. Default: nothing worth counting.
     fn memory(_params: &Self::Params, _ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
         Ok(Vec::new())
+    }
+    /// On `--resume RUN_DIR` (with [`BuildCtx::resume`] and [`BuildCtx::previous`]): a
+    /// message saying the run is complete, when the process it continues finished everything
+    /// this stage would do. Asked before anything is allocated or written; when any stage says
+    /// so, the run starts nothing, changes no file, prints the message and exits 0. Default: no.
+    fn nothing_left(_params: &Self::Params, _ctx: &BuildCtx) -> Option<String> {
+        None
     }
     /// Handles one item; its duration is the stage's service time.
     fn consume(&mut self, item: Self::In, ctx: &mut Ctx) -> anyhow::Result<()>;
@@ -380,6 +394,8 @@ pub trait StageFactory: Sync {
     fn check(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<()>;
     /// Runs the implementation's `memory` estimate on resolved parameters.
     fn memory(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>>;
+    /// Runs the implementation's `nothing_left` on resolved parameters.
+    fn nothing_left(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Option<String>>;
     /// Builds a runnable stage from resolved parameters.
     fn instantiate(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Box<dyn Runnable>>;
     /// Makes the bounded input channel of this stage (none for a source).
@@ -450,6 +466,9 @@ macro_rules! factory_common {
         }
         fn memory(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
             $t::memory(&typed_params::<$t::Params>(params)?, ctx)
+        }
+        fn nothing_left(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Option<String>> {
+            Ok($t::nothing_left(&typed_params::<$t::Params>(params)?, ctx))
         }
     };
 }

@@ -42,7 +42,7 @@ use crate::model::Gpt;
 use crate::model::attention_trial::AttentionShape;
 use crate::model::flash_attn::Attention;
 use crate::snapshot::{Ending, Moment, TrainSnapshot, TrainerState};
-use crate::stage::{AlreadyComplete, BuildCtx, Ctx, Emitter, Transform};
+use crate::stage::{BuildCtx, Ctx, Emitter, Transform};
 use crate::trainer::Trainer;
 use crate::trainlog::{Phases, StepTable, TrainLog, train_line, val_line};
 use crate::validation::Validator;
@@ -236,23 +236,24 @@ impl Transform for Candle {
         Ok(needs)
     }
 
+    /// The process this run continues completed it (training ended as the config now says, and
+    /// every stage after it): nothing to do at all, whichever checkpoint is newest (one at the
+    /// last step may not exist: `at_end = false`, a failed write under `on_error`).
+    fn nothing_left(_p: &CandleParams, ctx: &BuildCtx) -> Option<String> {
+        let c = ctx.config;
+        let (_, prev) = ctx.resume.zip(ctx.previous)?;
+        let (steps, ending) = completed(prev, &c.train)?;
+        let dir = ctx.run_dir.map(|d| d.display().to_string()).unwrap_or_default();
+        Some(format!(
+            "run {dir} is complete: training ended at step {steps}/{} ({}) and every stage after it finished (its report.json: completed, exit 0). Nothing left to do; no file was changed. (To train again from one of its checkpoints, name the file: --resume {dir}/checkpoints/step_N.safetensors.)",
+            c.train.iterations,
+            ending_name(ending),
+        ))
+    }
+
     fn build(p: CandleParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&p, ctx)?;
         let c = ctx.config;
-        // The process this run continues completed it (training ended as the config now says,
-        // and every stage after it): nothing to do at all, whichever checkpoint is newest (one at
-        // the last step may not exist: `at_end = false`, a failed write under `on_error`).
-        if let (Some(_), Some(prev)) = (ctx.resume, ctx.previous)
-            && let Some((steps, ending)) = completed(prev, &c.train)
-        {
-            let dir = ctx.run_dir.map(|d| d.display().to_string()).unwrap_or_default();
-            return Err(AlreadyComplete(format!(
-                "run {dir} is complete: training ended at step {steps}/{} ({}) and every stage after it finished (its report.json: completed, exit 0). Nothing left to do; no file was changed. (To train again from one of its checkpoints, name the file: --resume {dir}/checkpoints/step_N.safetensors.)",
-                c.train.iterations,
-                ending_name(ending),
-            ))
-            .into());
-        }
         // A checkpoint made after the last step: no step is trained, ever again.
         let finish_only = ctx.resume.and_then(|ck| training_ended(ck, &c.train));
         let shape = BatchShape::from_config(c)?;
