@@ -604,8 +604,23 @@ impl Candle {
         if self.vals.last().is_some_and(|v| v.step == step) {
             self.vals.pop();
         }
+        self.end_training(ending, None, out, ctx)
+    }
+
+    /// Training is over (`ending`): the final validation, `note` logged after it, the closing
+    /// lines and weights, then the final snapshot, and the graph asked to stop.
+    fn end_training(
+        &mut self,
+        ending: Ending,
+        note: Option<String>,
+        out: &mut Emitter<'_, TrainSnapshot>,
+        ctx: &mut Ctx,
+    ) -> anyhow::Result<()> {
         ctx.finishing(|ctx| -> anyhow::Result<()> {
             self.final_validation(ctx)?;
+            if let Some(n) = &note {
+                self.log.line(n);
+            }
             self.wrap_up()
         })?;
         self.done = true;
@@ -774,17 +789,9 @@ impl Candle {
             let ending = if step >= total { Ending::Iterations } else { Ending::WallclockCap };
             self.ending = Some(ending);
             self.pause();
-            ctx.finishing(|ctx| -> anyhow::Result<()> {
-                self.final_validation(ctx)?;
-                if capped && step < total {
-                    self.log.line(&format!("stopping_early: wallclock_cap train_time:{train_ms:.0}ms step:{step}/{total}"));
-                }
-                self.wrap_up()
-            })?;
-            self.done = true;
-            self.log.finish();
-            self.send(Moment::Final(ending), emitter, ctx)?;
-            ctx.request_stop();
+            let note =
+                (capped && step < total).then(|| format!("stopping_early: wallclock_cap train_time:{train_ms:.0}ms step:{step}/{total}"));
+            self.end_training(ending, note, emitter, ctx)?;
         } else if self.cfg.val_every > 0 && step.is_multiple_of(self.cfg.val_every) {
             self.validate(ctx, false)?;
         }
