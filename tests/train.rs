@@ -1,5 +1,5 @@
 //! `step_executor/candle` through the real binary: a tiny GPT trained on real English text (the
-//! repository's README and module docs, tokenized here with a small BPE sentencepiece model and
+//! repository's README, docs/ and module docs, tokenized here with a small BPE sentencepiece model and
 //! written as challenge-format shards). Checks that validation loss falls, that a seed repeats a
 //! run bit for bit, the challenge's log line formats, the saved weights (PyTorch `state_dict`
 //! names and shapes, and a save/load round trip through `train.init_weights`), the ways a run

@@ -133,7 +133,7 @@ mod tests {
             assert_eq!((c.total, c.muon), (real, muon), "{m:?}");
             assert_eq!(c.adam, real - muon);
         }
-        // The baseline: 17,059,912 parameters (README).
+        // The baseline: 17,059,912 parameters (docs/training.md).
         assert_eq!(ParamCounts::of(&ModelConfig::default()).total, 17_059_912);
         // Absurd widths saturate instead of wrapping to a small count.
         let huge = ModelConfig { model_dim: 1 << 62, num_heads: 8, num_kv_heads: 4, ..ModelConfig::default() };

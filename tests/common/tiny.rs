@@ -1,5 +1,5 @@
 //! A tiny GPT training setup on real English text, shared by the training tests: the
-//! repository's README and module docs tokenized with a small BPE sentencepiece model and
+//! repository's README, docs/ and module docs tokenized with a small BPE sentencepiece model and
 //! written as challenge-format shards, a config of the demo graph with a tiny model, and
 //! helpers to run the binary on it.
 #![allow(dead_code)]
@@ -38,11 +38,22 @@ impl Corpus {
     }
 }
 
-/// The documents: README.md paragraphs and the `//!` doc block of every `src/*.rs`.
+/// The documents: the paragraphs of README.md and of every `docs/*.md`, and the `//!` doc block
+/// of every `src/*.rs`.
 pub fn documents() -> Vec<String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
-    let mut docs: Vec<String> = readme.split("\n\n").map(str::trim).filter(|p| p.len() > 40).map(String::from).collect();
+    let mut pages: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "md"))
+        .collect();
+    pages.sort();
+    pages.insert(0, root.join("README.md"));
+    let mut docs: Vec<String> = Vec::new();
+    for page in pages {
+        let text = std::fs::read_to_string(&page).unwrap();
+        docs.extend(text.split("\n\n").map(str::trim).filter(|p| p.len() > 40).map(String::from));
+    }
     let mut files: Vec<PathBuf> = std::fs::read_dir(root.join("src"))
         .unwrap()
         .map(|e| e.unwrap().path())
