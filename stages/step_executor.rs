@@ -255,7 +255,7 @@ impl Transform for Candle {
         Self::check(&p, ctx)?;
         let c = ctx.config;
         // A checkpoint made after the last step: no step is trained, ever again.
-        let finish_only = ctx.resume.and_then(|ck| training_ended(ck, &c.train));
+        let finish_only = ctx.resume.and_then(|ck| training_end(ck.meta.step, ck.meta.train_ms, &c.train));
         let shape = BatchShape::from_config(c)?;
         let device = crate::device::open(c)?;
         let validator = Validator::load(c, shape.micro_steps)?;
@@ -449,36 +449,33 @@ fn resume(trainer: &mut Trainer, ck: &Checkpoint, shape: BatchShape, data: &str)
     Ok(history)
 }
 
-/// Whether `ck` was made after the last step of training as `t` sets it: `train.iterations`
-/// steps taken, or the wall-clock cap crossed (as `end_step` judges it, on the training time
-/// at the end of that step).
-fn training_ended(ck: &Checkpoint, t: &TrainConfig) -> Option<Ending> {
+/// Whether training that has taken `step` steps in `train_ms` of training time is over as `t`
+/// sets it, and why: `train.iterations` reached, else the wall-clock cap crossed. The one rule
+/// for the end of a step, for a checkpoint (its step and the training time at its end) and for
+/// a previous run's report.
+fn training_end(step: u64, train_ms: f64, t: &TrainConfig) -> Option<Ending> {
     let cap_ms = t.max_wallclock_seconds * 1e3;
-    if ck.meta.step >= t.iterations {
+    if step >= t.iterations {
         Some(Ending::Iterations)
-    } else if cap_ms > 0.0 && ck.meta.train_ms >= cap_ms {
+    } else if cap_ms > 0.0 && train_ms >= cap_ms {
         Some(Ending::WallclockCap)
     } else {
         None
     }
 }
 
-/// Whether the previous process's report says it completed (exit 0) a run whose training
-/// ended as `t` still has it end (`train.iterations` steps, or the wall-clock cap's training
-/// time): then every stage after training had done its work too. Its steps and ending.
-/// A larger `train.iterations` or cap than the run had is more training, not a complete run.
+/// Whether the previous process's report says it completed (exit 0) a run whose training ended
+/// (by iterations or the cap) and is over as `t` still has it end ([`training_end`]): then
+/// every stage after training had done its work too. Its steps and ending. A larger
+/// `train.iterations` or cap than the run had is more training, not a complete run.
 fn completed(prev: &crate::report::Report, t: &TrainConfig) -> Option<(u64, Ending)> {
     let get = |k: &str| prev.train.get(k);
-    if prev.run.exit_code != 0 || prev.run.status != "completed" {
+    let ended = matches!(get("ended_by")?.as_str()?, "iterations" | "wallclock_cap");
+    if prev.run.exit_code != 0 || prev.run.status != "completed" || !ended {
         return None;
     }
     let steps = get("steps")?.as_u64()?;
-    let cap_ms = t.max_wallclock_seconds * 1e3;
-    match get("ended_by")?.as_str()? {
-        "iterations" if steps >= t.iterations => Some((steps, Ending::Iterations)),
-        "wallclock_cap" if cap_ms > 0.0 && get("train_time_ms")?.as_f64()? >= cap_ms => Some((steps, Ending::WallclockCap)),
-        _ => None,
-    }
+    Some((steps, training_end(steps, get("train_time_ms")?.as_f64()?, t)?))
 }
 
 /// How an ending reads in logs: the key that ended training.
@@ -777,20 +774,18 @@ impl Candle {
         self.step_end_ms = train_ms;
         self.steps.row(step, out.train_loss, out.lr_mul, train_ms, self.rolling);
         self.send(Moment::Step, emitter, ctx)?;
-        let cap_ms = self.cfg.max_wallclock_seconds * 1e3;
-        let capped = cap_ms > 0.0 && train_ms >= cap_ms;
-        let last = step >= total || capped;
+        let ending = training_end(step, train_ms, &self.cfg);
+        let last = ending.is_some();
         // As the script: no train lines at all when log_every is 0.
         if self.cfg.log_every > 0 && (step <= 10 || step.is_multiple_of(self.cfg.log_every) || last) {
             self.log.line(&train_line(step, total, out.train_loss, train_ms));
         }
         self.log.progress(step, out.train_loss, train_ms / step as f64);
-        if last {
-            let ending = if step >= total { Ending::Iterations } else { Ending::WallclockCap };
+        if let Some(ending) = ending {
             self.ending = Some(ending);
             self.pause();
-            let note =
-                (capped && step < total).then(|| format!("stopping_early: wallclock_cap train_time:{train_ms:.0}ms step:{step}/{total}"));
+            let note = (ending == Ending::WallclockCap)
+                .then(|| format!("stopping_early: wallclock_cap train_time:{train_ms:.0}ms step:{step}/{total}"));
             self.end_training(ending, note, emitter, ctx)?;
         } else if self.cfg.val_every > 0 && step.is_multiple_of(self.cfg.val_every) {
             self.validate(ctx, false)?;
