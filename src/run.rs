@@ -1,5 +1,5 @@
-//! `pipeline run` as a library call: plan, make the run directory, write the resolved config,
-//! execute, write the report.
+//! `pipeline run` as a library call: plan, find a resumed run complete, estimate memory, make
+//! the run directory, build every stage, write the resolved config, run, write the report.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

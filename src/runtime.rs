@@ -142,7 +142,7 @@ pub fn build(
 ) -> Result<Built, BuildError> {
     let mut runnables: Vec<Option<Box<dyn Runnable>>> = Vec::with_capacity(plan.stages.len());
     for s in &plan.stages {
-        let ctx = BuildCtx { stage: &s.name, config, run_dir, consumers: s.consumers.len(), queue: s.queue, resume, previous: None };
+        let ctx = BuildCtx { run_dir, resume, ..s.check_ctx(config) };
         let r = s.factory.instantiate(&s.params, &ctx).map_err(|e| BuildError {
             stage: s.name.clone(),
             kind: s.factory.kind().into(),
@@ -155,20 +155,8 @@ pub fn build(
     Ok(Built { runnables })
 }
 
-/// Builds every stage, then runs the graph to the end. `control` is shared with whoever may
-/// interrupt the run (the signal handler).
-pub fn execute(
-    plan: &Plan,
-    config: &Config,
-    run_dir: Option<&Path>,
-    resume: Option<&crate::checkpoint::Checkpoint>,
-    control: Arc<Control>,
-) -> Result<RunResult, BuildError> {
-    let built = build(plan, config, run_dir, resume)?;
-    Ok(run(plan, config, built, control))
-}
-
-/// Runs the stages [`build`] made, to the end.
+/// Runs the stages [`build`] made, to the end. `control` is shared with whoever may interrupt
+/// the run (the signal handler).
 pub fn run(plan: &Plan, config: &Config, built: Built, control: Arc<Control>) -> RunResult {
     let run = &config.run;
     let clock = Clock::new();
