@@ -82,8 +82,7 @@ impl StopSignal {
 #[derive(Debug, Default)]
 pub struct Control {
     state: AtomicU8,
-    interrupted: AtomicBool,
-    /// The first stop signal's number (0: none).
+    /// The first stop signal's number (0: none): the run was interrupted.
     signal: AtomicI32,
     failed: AtomicBool,
     finishing: std::sync::atomic::AtomicUsize,
@@ -108,10 +107,10 @@ impl Control {
     /// What a stop signal does: the first one stops gracefully, a second one (of any of them)
     /// aborts. The first is remembered for the exit code.
     pub fn interrupt_by(&self, signal: StopSignal) {
-        let _ = self.signal.compare_exchange(0, signal.number(), Ordering::SeqCst, Ordering::SeqCst);
         // Already stopping (a first Ctrl-C, max_seconds, a stage's request): stop at once.
         let already = self.stopping();
-        if self.interrupted.swap(true, Ordering::SeqCst) || already {
+        let again = self.signal.compare_exchange(0, signal.number(), Ordering::SeqCst, Ordering::SeqCst).is_err();
+        if again || already {
             self.abort();
         } else {
             self.request_stop();
@@ -166,7 +165,7 @@ impl Control {
     pub fn reason(&self) -> StopReason {
         if self.failed.load(Ordering::SeqCst) {
             StopReason::Failed
-        } else if self.interrupted.load(Ordering::SeqCst) {
+        } else if self.signal().is_some() {
             StopReason::Interrupted
         } else {
             StopReason::Completed

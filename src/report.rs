@@ -289,7 +289,8 @@ pub fn build(plan: &Plan, result: &RunResult, meta: &ReportMeta) -> Report {
             wall_s,
             status: status.into(),
             exit_code: exit_code(result.reason, result.signal),
-            signal: (result.reason == StopReason::Interrupted).then(|| result.signal.unwrap_or(StopSignal::Int).name().to_string()),
+            // A run is interrupted exactly when a signal was recorded (`Control::reason`).
+            signal: result.signal.filter(|_| result.reason == StopReason::Interrupted).map(|s| s.name().to_string()),
             error: result.failure.as_ref().map(|(s, m)| format!("stage `{s}` failed: {m}")),
             stop_ms: result.stop_ms,
             warmup_items: meta.warmup_items,
