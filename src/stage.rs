@@ -266,15 +266,11 @@ pub trait Transform: Sized + Send + 'static {
     fn check(_params: &Self::Params, _ctx: &BuildCtx) -> anyhow::Result<()> {
         Ok(())
     }
-    /// What it will hold at its peak, estimated from the config alone (nothing allocated):
-    /// see [`crate::memory`]. Called after `check` passed. Default: nothing worth counting.
+    /// See [`Source::memory`].
     fn memory(_params: &Self::Params, _ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
         Ok(Vec::new())
     }
-    /// On `--resume RUN_DIR` (with [`BuildCtx::resume`] and [`BuildCtx::previous`]): a
-    /// message saying the run is complete, when the process it continues finished everything
-    /// this stage would do. Asked before anything is allocated or written; when any stage says
-    /// so, the run starts nothing, changes no file, prints the message and exits 0. Default: no.
+    /// See [`Source::nothing_left`].
     fn nothing_left(_params: &Self::Params, _ctx: &BuildCtx) -> Option<String> {
         None
     }
@@ -311,15 +307,11 @@ pub trait Sink: Sized + Send + 'static {
     fn check(_params: &Self::Params, _ctx: &BuildCtx) -> anyhow::Result<()> {
         Ok(())
     }
-    /// What it will hold at its peak, estimated from the config alone (nothing allocated):
-    /// see [`crate::memory`]. Called after `check` passed. Default: nothing worth counting.
+    /// See [`Source::memory`].
     fn memory(_params: &Self::Params, _ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
         Ok(Vec::new())
     }
-    /// On `--resume RUN_DIR` (with [`BuildCtx::resume`] and [`BuildCtx::previous`]): a
-    /// message saying the run is complete, when the process it continues finished everything
-    /// this stage would do. Asked before anything is allocated or written; when any stage says
-    /// so, the run starts nothing, changes no file, prints the message and exits 0. Default: no.
+    /// See [`Source::nothing_left`].
     fn nothing_left(_params: &Self::Params, _ctx: &BuildCtx) -> Option<String> {
         None
     }
