@@ -86,7 +86,7 @@ fn ctrl_c_and_resume_equal_an_uninterrupted_run() {
 #[test]
 fn stages_after_training_report_and_log() {
     let c = corpus("after");
-    let cfg = config_plus(&c, "after", AFTER_TRAINING);
+    let cfg = config_plus(&c, "after", &after_training());
     let out = c.dir.join("out");
     let (_, o) = train_ok(&cfg, &out, &["train.iterations=30"]);
     let r = report(&out);

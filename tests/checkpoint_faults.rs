@@ -16,23 +16,6 @@ use common::{assert_fails, bin, report, text, wait_or_kill};
 use pipeline::shard::write_shard;
 use serde_json::Value;
 
-/// EMA after the executor and checkpoints of it every 2 steps (the newest 3 kept); the graph
-/// ends at the checkpoint stage.
-const CKPT: &str = r#"
-[stages.ema]
-kind = "ema_swa"
-impl = "ema"
-inputs = ["train"]
-decay = 0.9
-
-[stages.ckpt]
-kind = "checkpoint"
-impl = "atomic"
-inputs = ["ema"]
-every = 2
-keep = 3
-"#;
-
 /// Settings of every run here: no periodic validation, a short final one (debug builds are
 /// slow), a train line per step.
 const QUICK: [&str; 3] = ["train.val_every=0", "train.val_max_tokens=64", "train.log_every=1"];
@@ -93,7 +76,7 @@ fn resume(cfg: &Path, from: &Path, extra: &[&str]) -> Output {
 
 /// A finished run of `iters` steps with checkpoints into `out`; returns its config.
 fn checkpointed_run(c: &Corpus, name: &str, out: &Path, iters: u64) -> PathBuf {
-    let cfg = config_plus(c, name, CKPT);
+    let cfg = config_plus(c, name, &ema_and_checkpoints(2, 3));
     let it = format!("train.iterations={iters}");
     let (t, _) = train_ok(&cfg, out, &[&QUICK[..], &[it.as_str()]].concat());
     assert_eq!(u(&t, "steps"), iters);
@@ -234,7 +217,7 @@ fn wait_for_step(child: &mut Child, out: &Path, step: u64) {
 #[test]
 fn ctrl_c_during_checkpoint_writes_leaves_only_whole_files() {
     let c = corpus("ck-ctrlc");
-    let cfg = config_plus(&c, "ctrlc", CKPT);
+    let cfg = config_plus(&c, "ctrlc", &ema_and_checkpoints(2, 3));
     let seed = fastrand::u64(..);
     let mut rng = fastrand::Rng::with_seed(seed);
     // (the train line to wait for, checkpoint every): with `every` 3 the last step is saved only

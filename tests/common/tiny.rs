@@ -299,8 +299,11 @@ pub fn finish(mut child: Child, config: &Path) -> Output {
     Output { status, stdout: ho.join().unwrap(), stderr: he.join().unwrap() }
 }
 
-/// EMA, checkpoints every 5 steps, the artifact (scored) and score-first TTT.
-pub const AFTER_TRAINING: &str = r#"
+/// EMA after the executor (decay 0.9) and checkpoints of it every `every` steps, the newest
+/// `keep` kept.
+pub fn ema_and_checkpoints(every: u64, keep: usize) -> String {
+    format!(
+        r#"
 [stages.ema]
 kind = "ema_swa"
 impl = "ema"
@@ -311,9 +314,16 @@ decay = 0.9
 kind = "checkpoint"
 impl = "atomic"
 inputs = ["ema"]
-every = 5
-keep = 2
+every = {every}
+keep = {keep}
+"#
+    )
+}
 
+/// [`ema_and_checkpoints`] every 5 steps (2 kept), then the artifact (scored) and score-first TTT.
+pub fn after_training() -> String {
+    ema_and_checkpoints(5, 2)
+        + r#"
 [stages.artifact]
 kind = "artifact"
 impl = "quantize"
@@ -328,10 +338,11 @@ batch_windows = 8
 chunk_tokens = 512
 epochs = 2
 batch_seqs = 8
-"#;
+"#
+}
 
-/// [`AFTER_TRAINING`] with the sliding-window evaluation only (its keys a subset of
+/// [`after_training`] with the sliding-window evaluation only (its keys a subset of
 /// score-first's), for tests that need the stages but not TTT's time.
 pub fn after_training_sliding() -> String {
-    AFTER_TRAINING.replace("impl = \"score_first\"", "impl = \"sliding\"").replace("chunk_tokens = 512\nepochs = 2\nbatch_seqs = 8\n", "")
+    after_training().replace("impl = \"score_first\"", "impl = \"sliding\"").replace("chunk_tokens = 512\nepochs = 2\nbatch_seqs = 8\n", "")
 }
