@@ -3,7 +3,7 @@
 //! # What is measured
 //!
 //! 1,000,000 small items pass through a 4-stage chain, source -> transform -> transform -> sink,
-//! i.e. 3 hops (channels). Each item is a [`pipeline::message::Blob`]: a sequence number and an
+//! i.e. 3 hops (channels). Each item is a [`pipeline::runtime::message::Blob`]: a sequence number and an
 //! `Arc<[u8]>` clone of one shared 64-byte buffer, which is exactly what the runtime's
 //! `synthetic/blob` source emits. Three variants run side by side, each at queue depth 2 and
 //! 1024:
@@ -16,8 +16,8 @@
 //! - `runtime_instrumented`: the same with `instrument = true` (the default), `warmup_items = 20`.
 //!
 //! The runtime variants go through the library exactly as `pipeline run` does: the TOML is
-//! written to a temporary directory, loaded with `pipeline::config::load_with_env(.., false)`
-//! (environment ignored), and run with `pipeline::run::run` into a fresh, empty `--out`
+//! written to a temporary directory, loaded with `pipeline::runtime::config::load_with_env(.., false)`
+//! (environment ignored), and run with `pipeline::cli::run::run` into a fresh, empty `--out`
 //! directory that is deleted after the run. A timed run covers the whole `run::run` call:
 //! planning, making the run directory, writing `config.toml`, starting and joining the stage
 //! threads, building and fsyncing `report.json`. The summary prints how much of that lies
@@ -62,9 +62,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, SamplingMode, Throughput};
-use pipeline::config::Loaded;
-use pipeline::control::Control;
-use pipeline::message::Blob;
+use pipeline::runtime::config::Loaded;
+use pipeline::runtime::control::Control;
+use pipeline::runtime::message::Blob;
 
 /// Items per run unless `HOP_BENCH_ITEMS` says otherwise.
 const DEFAULT_ITEMS: u64 = 1_000_000;
@@ -218,7 +218,7 @@ fn scratch() -> &'static Path {
 fn load_chain(depth: usize, instrument: bool) -> Loaded {
     let path = scratch().join(format!("hop-depth{depth}-instrument-{instrument}.toml"));
     std::fs::write(&path, chain_toml(depth, instrument)).expect("cannot write the bench config");
-    match pipeline::config::load_with_env(&path, &[], false) {
+    match pipeline::runtime::config::load_with_env(&path, &[], false) {
         Ok(l) => l,
         Err(e) => panic!("bench config does not load:\n{e}"),
     }
@@ -229,7 +229,7 @@ fn runtime_run(loaded: &Loaded) -> RunTiming {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let out = scratch().join(format!("run-{}", NEXT.fetch_add(1, Ordering::Relaxed)));
     let start = Instant::now();
-    let outcome = pipeline::run::run(loaded, Some(&out), None, Arc::new(Control::new()), |_, _| {});
+    let outcome = pipeline::cli::run::run(loaded, Some(&out), None, Arc::new(Control::new()), |_, _| {});
     let total = start.elapsed();
     let outcome = match outcome {
         Ok(o) => o,

@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use pipeline::batch::BatchShape;
-use pipeline::shard::{AccessMode, ShardFile, glob_sorted, write_shard};
+use pipeline::data::batch::BatchShape;
+use pipeline::data::shard::{AccessMode, ShardFile, glob_sorted, write_shard};
 use pipeline::stages::window_sampler::{Sampler, SequentialSampler, ShuffledSampler};
 
 const ROWS: usize = 48;

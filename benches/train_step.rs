@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use pipeline::config::TrainConfig;
 use pipeline::model::{Gpt, ModelConfig};
-use pipeline::trainer::Trainer;
+use pipeline::runtime::config::TrainConfig;
+use pipeline::train::trainer::Trainer;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

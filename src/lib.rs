@@ -4,61 +4,42 @@
 //! runtime runs each on its own thread, joins them with bounded flume channels, measures every
 //! stage and channel with latency histograms, and writes a report that names the bottleneck.
 //!
-//! Module map:
-//! - [`config`]: layered config (TOML, `PIPELINE_*` environment, `--set`);
-//! - [`graph`]: checks stage tables against the registry and orders them into a [`graph::Plan`];
-//! - [`stage`]: the `Source` / `Transform` / `Sink` contract and registry entries;
-//! - [`channel`]: instrumented ports on bounded channels (private hot path);
-//! - [`runtime`]: threads, stop and abort, occupancy sampling;
-//! - [`report`], [`verdict`]: `report.json`, the text table, the bottleneck verdict;
-//! - [`run`]: `pipeline run` as a library call;
-//! - [`stages`]: the stage implementations (the top-level `stages/` folder).
+//! The crate is in areas, each a folder, each knowing only the areas listed before it
+//! (`tests/layering.rs` checks it):
+//! - [`runtime`]: the stage contract, the graph planner, channels, control, metrics, run
+//!   directories, the `[run]` config and raw stage tables. It knows no GPT.
+//! - [`report`]: `report.json`, the text table and the bottleneck verdict.
+//! - [`device`]: which device a run names, and everything CUDA-specific behind one API.
+//! - [`data`]: shards, tokenizer, batches and the loader state, staging buffers.
+//! - [`model`]: the GPT, its ops (one file each: reference, CPU kernel, GPU launch).
+//! - [`train`]: the `[model]`/`[train]` config, the training session, trainer, optimizers,
+//!   snapshots, checkpoints and the training log.
+//! - [`eval`]: validation, bits per byte, sliding-window scoring and test-time training.
+//! - [`artifact`]: weights files, quantization and the compressed artifact.
+//! - [`check`]: device-against-CPU parity and the error measures it uses.
+//! - [`stages`]: the stage implementations (the top-level `stages/` folder), thin adapters of
+//!   the areas above to the stage contract, and their registry.
+//! - [`cli`]: the commands of the `pipeline` binary as library calls.
+
+pub mod runtime;
+
+pub mod report;
+
+pub mod device;
+
+pub mod data;
+
+pub mod model;
+
+pub mod train;
+
+pub mod eval;
 
 pub mod artifact;
-pub mod attention_auto;
-pub mod batch;
-pub mod bpb;
-pub mod catalog;
-pub mod checkpoint;
-pub mod clock;
-pub mod compare;
-pub mod config;
-pub mod control;
-#[cfg(feature = "cuda")]
-pub mod cuda_copy;
-pub mod device;
-pub mod error;
-pub mod files;
-pub mod graph;
-pub mod inject;
-pub mod memory;
-pub mod message;
-pub mod metrics;
-pub mod model;
-pub mod optim;
-pub mod parity;
-pub mod phase_clock;
-pub mod pool;
-pub mod prepare;
-pub mod quant;
-pub mod registry;
-pub mod report;
-pub mod run;
-pub mod rundir;
-pub mod runtime;
-pub mod shard;
-pub mod snapshot;
-pub mod stage;
-pub mod staging;
-pub mod tokenizer;
-pub mod trainer;
-pub mod trainlog;
-pub mod ttt;
-pub mod validation;
-pub mod verdict;
-pub mod weights;
 
-mod channel;
+pub mod check;
 
 #[path = "../stages/mod.rs"]
 pub mod stages;
+
+pub mod cli;

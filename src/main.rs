@@ -6,12 +6,12 @@ use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 
-use pipeline::config;
-use pipeline::control::Control;
-use pipeline::graph;
+use pipeline::cli::run::{self, RunError};
 use pipeline::model::attention_trial::{AttentionShape, TrialSettings};
-use pipeline::report::Report;
-use pipeline::run::{self, RunError};
+use pipeline::report::document::Report;
+use pipeline::runtime::config;
+use pipeline::runtime::control::Control;
+use pipeline::runtime::graph;
 
 /// `println!` that takes a closed stdout (a pipe to `head`, a terminal gone after SIGHUP) as
 /// nothing to print to, instead of panicking: the run directory has everything.
@@ -110,7 +110,7 @@ enum Command {
         bits: u8,
         /// Compressor: zlib (the baseline's), zstd or brotli.
         #[arg(long, default_value = "zlib")]
-        codec: pipeline::quant::Codec,
+        codec: pipeline::artifact::quant::Codec,
         /// Compression level (default: zlib 9, zstd 22, brotli 11).
         #[arg(long)]
         level: Option<i32>,
@@ -218,14 +218,14 @@ fn main() -> ExitCode {
             cmd_attention_trial(&device, &kernels, AttentionShape { batch, t: seq_len, heads, kv_heads, head_dim }, json)
         }
         Command::Artifact { weights, config, sets, bits, codec, level, out, val_max_tokens } => {
-            cmd_artifact(weights, config, sets, pipeline::quant::QuantConfig { bits, codec, level }, out, val_max_tokens)
+            cmd_artifact(weights, config, sets, pipeline::artifact::quant::QuantConfig { bits, codec, level }, out, val_max_tokens)
         }
         Command::Data { command: DataCommand::Prepare { tokenizer, inputs, out, val_docs, val_frac, shard_tokens, force } } => {
             let val = match (val_docs, val_frac) {
-                (Some(n), _) => pipeline::prepare::ValSplit::Docs(n),
-                (None, f) => pipeline::prepare::ValSplit::Frac(f.unwrap_or(0.05)),
+                (Some(n), _) => pipeline::data::prepare::ValSplit::Docs(n),
+                (None, f) => pipeline::data::prepare::ValSplit::Frac(f.unwrap_or(0.05)),
             };
-            cmd_prepare(pipeline::prepare::PrepareOptions { tokenizer, inputs, out, val, shard_tokens, force })
+            cmd_prepare(pipeline::data::prepare::PrepareOptions { tokenizer, inputs, out, val, shard_tokens, force })
         }
     };
     ExitCode::from(code as u8)
@@ -291,7 +291,7 @@ fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool, 
 /// second stops every stage where it stands); the first one's number sets the exit code. A
 /// thread of its own takes them (signal-hook's self-pipe), so nothing runs in the handler.
 fn handle_stop_signals(control: Arc<Control>) -> std::io::Result<()> {
-    use pipeline::control::StopSignal;
+    use pipeline::runtime::control::StopSignal;
     let numbers: Vec<i32> = StopSignal::ALL.iter().map(|s| s.number()).collect();
     let mut signals = signal_hook::iterator::Signals::new(&numbers)?;
     std::thread::Builder::new().name("signals".into()).spawn(move || {
@@ -349,7 +349,7 @@ fn cmd_parity(device: &str, dtype: &str, seed: u64, json: bool) -> i32 {
             return 2;
         }
     };
-    let result = pipeline::device::open_named(device).and_then(|d| pipeline::parity::run(&d, device, dtype, seed));
+    let result = pipeline::device::open_named(device).and_then(|d| pipeline::check::parity::run(&d, device, dtype, seed));
     match result {
         Ok(r) => {
             if json {
@@ -402,7 +402,7 @@ fn cmd_artifact(
     weights: PathBuf,
     path: PathBuf,
     sets: Vec<String>,
-    q: pipeline::quant::QuantConfig,
+    q: pipeline::artifact::quant::QuantConfig,
     out: Option<PathBuf>,
     val_max_tokens: usize,
 ) -> i32 {
@@ -413,8 +413,8 @@ fn cmd_artifact(
             return 2;
         }
     };
-    let out = out.unwrap_or_else(|| pipeline::artifact::default_path(&weights, &q));
-    match pipeline::artifact::build(&loaded.config, &weights, &q, &out, val_max_tokens, |l| out!("{l}")) {
+    let out = out.unwrap_or_else(|| pipeline::artifact::roundtrip::default_path(&weights, &q));
+    match pipeline::artifact::roundtrip::build(&loaded.config, &weights, &q, &out, val_max_tokens, |l| out!("{l}")) {
         Ok(_) => 0,
         Err(e) => {
             err!("error: {e:#}");
@@ -446,9 +446,9 @@ fn cmd_report(run_dir: PathBuf, json: bool) -> i32 {
     }
 }
 
-fn cmd_prepare(opts: pipeline::prepare::PrepareOptions) -> i32 {
+fn cmd_prepare(opts: pipeline::data::prepare::PrepareOptions) -> i32 {
     let t = std::time::Instant::now();
-    match pipeline::prepare::prepare(&opts) {
+    match pipeline::data::prepare::prepare(&opts) {
         Ok(m) => {
             out!(
                 "{}: val {} docs, {} tokens in {} shard(s); train {} docs, {} tokens in {} shard(s); tokenizer {} ({} pieces); {:.1} s",
@@ -474,7 +474,7 @@ fn cmd_prepare(opts: pipeline::prepare::PrepareOptions) -> i32 {
 
 fn cmd_stages(json: bool) -> i32 {
     if json {
-        match serde_json::to_string_pretty(&pipeline::catalog::catalog()) {
+        match serde_json::to_string_pretty(&pipeline::runtime::catalog::catalog()) {
             Ok(s) => out!("{s}"),
             Err(e) => {
                 err!("error: {e}");
@@ -482,7 +482,7 @@ fn cmd_stages(json: bool) -> i32 {
             }
         }
     } else {
-        out_raw!("{}", pipeline::catalog::render());
+        out_raw!("{}", pipeline::runtime::catalog::render());
     }
     0
 }

@@ -20,14 +20,14 @@ use anyhow::Context;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::artifact::{size_lines, write_and_restore};
-use crate::batch::BatchShape;
-use crate::bpb::BpbAccumulator;
-use crate::quant::{ARTIFACT_CAP_BYTES, Codec, QuantConfig};
-use crate::snapshot::{EvalWeights, TrainSnapshot};
-use crate::stage::{BuildCtx, Ctx, Emitter, Transform};
-use crate::trainlog::StageLog;
-use crate::validation::Validator;
+use crate::artifact::quant::{ARTIFACT_CAP_BYTES, Codec, QuantConfig};
+use crate::artifact::roundtrip::{size_lines, write_and_restore};
+use crate::data::batch::BatchShape;
+use crate::eval::bpb::BpbAccumulator;
+use crate::eval::validation::Validator;
+use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
+use crate::train::log::StageLog;
+use crate::train::snapshot::{EvalWeights, TrainSnapshot};
 
 /// Parameters of `artifact/quantize`.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -62,7 +62,7 @@ pub struct Quantize {
     p: QuantizeParams,
     path: Option<PathBuf>,
     validator: Option<Validator>,
-    config: crate::config::Config,
+    config: crate::runtime::config::Config,
     log: StageLog,
 }
 
@@ -87,7 +87,7 @@ impl Transform for Quantize {
         Ok(())
     }
 
-    fn memory(p: &QuantizeParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
+    fn memory(p: &QuantizeParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
         use crate::model::memory::{MODEL_KEYS, ParamCounts, forward_bytes, snapshots_need};
         let c = ctx.config;
         c.model.check()?;
@@ -96,15 +96,16 @@ impl Transform for Quantize {
         // from the file, and the model the round trip is scored with.
         let mut needs = vec![
             snapshots_need(&c.model, ctx.stage, ctx.queue),
-            crate::memory::Need::host("quantized, compressed and restored copies", total.saturating_mul(6), &MODEL_KEYS).transient(),
+            crate::runtime::memory::Need::host("quantized, compressed and restored copies", total.saturating_mul(6), &MODEL_KEYS)
+                .transient(),
         ];
         if p.eval {
             let shape = BatchShape::from_config(c)?;
-            let tokens = crate::validation::tokens_per_pass(c, shape.micro_steps);
+            let tokens = crate::eval::validation::tokens_per_pass(c, shape.micro_steps);
             let mut keys = vec!["train.val_batch_tokens"];
             keys.extend(MODEL_KEYS);
             needs.push(
-                crate::memory::Need::device(
+                crate::runtime::memory::Need::device(
                     "scoring model and activations",
                     total.saturating_mul(4).saturating_add(forward_bytes(&c.model, tokens, shape.seq_len, true, 4)),
                     &keys,
@@ -192,7 +193,7 @@ impl Quantize {
     /// Scores `weights` with a model of `[model]` on the run's device.
     fn score(&self, v: &Validator, weights: &[(String, candle_core::Tensor)], ctx: &mut Ctx) -> anyhow::Result<Option<BpbAccumulator>> {
         let t0 = Instant::now();
-        let model = crate::artifact::model_from(&self.config, weights)?;
+        let model = crate::artifact::roundtrip::model_from(&self.config, weights)?;
         let acc = v.run(&model, || !ctx.aborted())?;
         ctx.record("eval", t0.elapsed().as_nanos() as u64);
         Ok(acc)

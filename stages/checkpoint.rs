@@ -1,7 +1,7 @@
 //! Kind `checkpoint`: saves everything a run needs to continue exactly (weights, optimizer
 //! state, loader state, step, training time, data fingerprint, averaged weights) every
 //! `every` steps, at the end and on Ctrl-C, into `RUN_DIR/checkpoints/step_N.safetensors`
-//! (format: [`crate::checkpoint`]).
+//! (format: [`crate::train::checkpoint`]).
 //!
 //! - `atomic`: the stage passes every snapshot on at once and hands a due one to its writer
 //!   thread, which serialises it and writes it atomically (temporary file, fsync, rename), then
@@ -22,10 +22,10 @@ use anyhow::Context;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{AveragerMeta, CheckpointMeta, VERSION};
-use crate::snapshot::{Moment, TrainSnapshot};
-use crate::stage::{BuildCtx, Ctx, Emitter, Transform};
-use crate::trainlog::StageLog;
+use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
+use crate::train::checkpoint::{AveragerMeta, CheckpointMeta, VERSION};
+use crate::train::log::StageLog;
+use crate::train::snapshot::{Moment, TrainSnapshot};
 
 /// What a failed checkpoint write does to the run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -105,20 +105,24 @@ impl Transform for Atomic {
         Ok(())
     }
 
-    fn memory(_p: &AtomicParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
+    fn memory(_p: &AtomicParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
         use crate::model::memory::{MODEL_KEYS, snapshot_bytes, snapshots_need};
         let m = &ctx.config.model;
         m.check()?;
         // The writer copies a snapshot's tensors to the host and serialises them into one buffer.
         Ok(vec![
             snapshots_need(m, ctx.stage, ctx.queue),
-            crate::memory::Need::host("a checkpoint's host copy and serialised bytes", snapshot_bytes(m).saturating_mul(2), &MODEL_KEYS),
+            crate::runtime::memory::Need::host(
+                "a checkpoint's host copy and serialised bytes",
+                snapshot_bytes(m).saturating_mul(2),
+                &MODEL_KEYS,
+            ),
         ])
     }
 
     fn build(p: AtomicParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&p, ctx)?;
-        let dir = ctx.run_dir.map(|d| d.join(crate::checkpoint::DIR));
+        let dir = ctx.run_dir.map(|d| d.join(crate::train::checkpoint::DIR));
         let (jobs_tx, jobs_rx) = flume::bounded::<Job>(1);
         let (done_tx, done_rx) = flume::unbounded::<Written>();
         let writer = match &dir {
@@ -286,13 +290,13 @@ impl Atomic {
 fn writer(dir: &Path, keep: usize, jobs: flume::Receiver<Job>, done: flume::Sender<Written>) {
     for job in jobs.iter() {
         let t0 = Instant::now();
-        let bytes = crate::checkpoint::encode(&job.meta, &job.tensors);
+        let bytes = crate::train::checkpoint::encode(&job.meta, &job.tensors);
         drop(job.tensors);
         let serialize = t0.elapsed();
         let t1 = Instant::now();
         let result = bytes.and_then(|b| {
-            let path = crate::checkpoint::write(dir, job.step, &b)?;
-            crate::checkpoint::prune(dir, keep)?;
+            let path = crate::train::checkpoint::write(dir, job.step, &b)?;
+            crate::train::checkpoint::prune(dir, keep)?;
             Ok((path, b.len() as u64))
         });
         if done.send(Written { step: job.step, result, serialize, write: t1.elapsed() }).is_err() {

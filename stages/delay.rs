@@ -7,9 +7,9 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::inject::{FailMode, Fault, Pace};
-use crate::message::Blob;
-use crate::stage::{BuildCtx, Ctx, Emitter, Transform};
+use crate::runtime::inject::{FailMode, Fault, Pace};
+use crate::runtime::message::Blob;
+use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
 
 /// Parameters of `delay/sleep` and `delay/spin`.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]

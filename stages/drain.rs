@@ -7,9 +7,9 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::inject::{FailMode, Fault, Pace};
-use crate::message::Blob;
-use crate::stage::{BuildCtx, Ctx, Sink};
+use crate::runtime::inject::{FailMode, Fault, Pace};
+use crate::runtime::message::Blob;
+use crate::runtime::stage::{BuildCtx, Ctx, Sink};
 
 /// Parameters of `drain/count`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
@@ -83,7 +83,7 @@ pub struct Batches {
     batches: u64,
     tokens: u64,
     steps: u64,
-    last: Option<crate::batch::BatchMeta>,
+    last: Option<crate::data::batch::BatchMeta>,
     first_at: Option<std::time::Instant>,
     last_at: Option<std::time::Instant>,
 }
@@ -93,7 +93,7 @@ impl Sink for Batches {
     const IMPL: &'static str = "batches";
     const DOC: &'static str = "Consumes device micro-batches: checks shapes, counts tokens, records data-order fingerprints.";
     type Params = BatchesParams;
-    type In = crate::batch::DeviceBatch;
+    type In = crate::data::batch::DeviceBatch;
 
     fn build(p: BatchesParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         use anyhow::Context;
@@ -120,7 +120,7 @@ impl Sink for Batches {
         })
     }
 
-    fn consume(&mut self, b: crate::batch::DeviceBatch, ctx: &mut Ctx) -> anyhow::Result<()> {
+    fn consume(&mut self, b: crate::data::batch::DeviceBatch, ctx: &mut Ctx) -> anyhow::Result<()> {
         if self.stop_after_steps > 0 && self.steps >= self.stop_after_steps {
             return Ok(()); // batches still in flight after the stop request are not part of the run
         }

@@ -21,10 +21,10 @@ use candle_core::{DType, Tensor};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::Checkpoint;
-use crate::snapshot::{AveragerState, EvalWeights, Moment, Tensors, TrainSnapshot};
-use crate::stage::{BuildCtx, Ctx, Emitter, Transform};
-use crate::trainlog::StageLog;
+use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
+use crate::train::checkpoint::Checkpoint;
+use crate::train::log::StageLog;
+use crate::train::snapshot::{AveragerState, EvalWeights, Moment, Tensors, TrainSnapshot};
 
 /// Parameters of `ema_swa/ema`.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -255,13 +255,13 @@ impl Averager {
 }
 
 /// An averager's memory: its snapshots, and the f32 average it keeps.
-fn averager_memory(ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
+fn averager_memory(ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
     use crate::model::memory::{MODEL_KEYS, ParamCounts, snapshots_need};
     let m = &ctx.config.model;
     m.check()?;
     Ok(vec![
         snapshots_need(m, ctx.stage, ctx.queue),
-        crate::memory::Need::device("average (f32)", ParamCounts::of(m).total.saturating_mul(4), &MODEL_KEYS),
+        crate::runtime::memory::Need::device("average (f32)", ParamCounts::of(m).total.saturating_mul(4), &MODEL_KEYS),
     ])
 }
 
@@ -282,7 +282,7 @@ impl Transform for Ema {
         Ok(())
     }
 
-    fn memory(_p: &EmaParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
+    fn memory(_p: &EmaParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
         averager_memory(ctx)
     }
 
@@ -318,7 +318,7 @@ impl Transform for Swa {
         Ok(())
     }
 
-    fn memory(_p: &SwaParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
+    fn memory(_p: &SwaParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
         averager_memory(ctx)
     }
 
@@ -363,7 +363,7 @@ mod tests {
     use candle_core::{Device, Tensor, Var};
 
     use super::*;
-    use crate::snapshot::TrainerState;
+    use crate::train::snapshot::TrainerState;
 
     fn snap(step: u64, w: Tensor) -> TrainSnapshot {
         let state = TrainerState {

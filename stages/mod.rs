@@ -5,10 +5,10 @@
 //! declared in `src/lib.rs`), so stages use the runtime through `crate::`.
 //!
 //! Adding an implementation: write a type implementing `Source`, `Transform` or `Sink` (see
-//! `crate::stage`) in its kind's file, then add one line below. The first implementation of a
+//! `crate::runtime::stage`) in its kind's file, then add one line below. The first implementation of a
 //! kind is the kind's default when a config leaves out `impl`.
 
-use crate::stage::{SinkImpl, SourceImpl, StageFactory, TransformImpl};
+use crate::runtime::stage::{SinkImpl, SourceImpl, StageFactory, TransformImpl};
 
 pub mod artifact;
 pub mod checkpoint;

@@ -15,10 +15,10 @@ use std::sync::Arc;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::batch::{BatchShape, PinnedBatch, TokenBatch};
-use crate::pool::Pool;
-use crate::stage::{BuildCtx, Ctx, Emitter, Transform};
-use crate::staging::Staging;
+use crate::data::batch::{BatchShape, PinnedBatch, TokenBatch};
+use crate::data::staging::Staging;
+use crate::runtime::pool::Pool;
+use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
 
 /// Parameters of `pin/pageable`.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -107,7 +107,7 @@ impl Transform for Pinned {
         Self::check(&p, ctx)?;
         let tokens = 2 * BatchShape::from_config(ctx.config)?.tokens();
         let device = crate::device::open(ctx.config)?;
-        let mut made = crate::cuda_copy::pinned_buffers(&device, p.buffers, tokens)?;
+        let mut made = crate::device::cuda_copy::pinned_buffers(&device, p.buffers, tokens)?;
         Ok(Self { pool: Pool::new(p.buffers, || Staging::Pinned(made.pop().expect("one buffer per pool slot"))) })
     }
 

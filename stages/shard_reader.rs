@@ -17,9 +17,9 @@ use std::sync::Arc;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::batch::Shard;
-use crate::shard::{AccessMode, ShardFile, glob_sorted, read_header};
-use crate::stage::{BuildCtx, Ctx, Source};
+use crate::data::batch::Shard;
+use crate::data::shard::{AccessMode, ShardFile, glob_sorted, read_header};
+use crate::runtime::stage::{BuildCtx, Ctx, Source};
 
 /// Which split a reader reads.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -1,12 +1,12 @@
 //! Kind `step_executor`: trains the GPT on the micro-batches it receives.
 //!
 //! - `candle`: the challenge's baseline model and optimizers ([`crate::model`],
-//!   [`crate::trainer`]) on candle-core (CPU here; CUDA in a `cuda` build). Each optimizer step
+//!   [`crate::train::trainer`]) on candle-core (CPU here; CUDA in a `cuda` build). Each optimizer step
 //!   takes `grad_accum_steps` micro-batches; validation runs at step 0, every
 //!   `train.val_every` steps and after the last step; the run ends at `train.iterations` or
 //!   at the `train.max_wallclock_seconds` cap (the step crossing it is the last, and the final
 //!   validation still runs), when the executor asks the graph to stop. Logs use the challenge
-//!   script's formats ([`crate::trainlog`]); the report gets a `train` section; the final
+//!   script's formats ([`crate::train::log`]); the report gets a `train` section; the final
 //!   weights go to `RUN_DIR/final_model.safetensors` with the script's `state_dict` names.
 //!
 //! If the graph stops first: after Ctrl-C the weights are saved without a final validation
@@ -31,21 +31,21 @@ use serde::{Deserialize, Serialize};
 
 use std::sync::Arc;
 
-use crate::attention_auto;
-use crate::batch::{BatchShape, DeviceBatch, LoaderState};
-use crate::bpb::BpbAccumulator;
-use crate::checkpoint::Checkpoint;
-use crate::config::{Config, TrainConfig};
-use crate::control::StopReason;
-use crate::memory::Need;
+use crate::data::batch::{BatchShape, DeviceBatch, LoaderState};
+use crate::eval::bpb::BpbAccumulator;
+use crate::eval::validation::Validator;
 use crate::model::Gpt;
 use crate::model::attention_trial::AttentionShape;
 use crate::model::flash_attn::Attention;
-use crate::snapshot::{Ending, Moment, TrainSnapshot, TrainerState};
-use crate::stage::{BuildCtx, Ctx, Emitter, Transform};
-use crate::trainer::Trainer;
-use crate::trainlog::{Phases, StepTable, TrainLog, train_line, val_line};
-use crate::validation::Validator;
+use crate::runtime::config::{Config, TrainConfig};
+use crate::runtime::control::StopReason;
+use crate::runtime::memory::Need;
+use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
+use crate::train::attention_choice;
+use crate::train::checkpoint::Checkpoint;
+use crate::train::log::{Phases, StepTable, TrainLog, train_line, val_line};
+use crate::train::snapshot::{Ending, Moment, TrainSnapshot, TrainerState};
+use crate::train::trainer::Trainer;
 
 /// Floating-point types of the training.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -122,7 +122,7 @@ pub struct Candle {
     /// On a GPU, the attention trained with (`flash`, `flash_mma`, `materialized`).
     attention: Option<&'static str>,
     /// `attention = "auto"`'s trials and choice.
-    auto_choice: Option<attention_auto::Choice>,
+    auto_choice: Option<attention_choice::Choice>,
     weights_path: Option<std::path::PathBuf>,
     started: bool,
     done: bool,
@@ -163,7 +163,7 @@ pub struct Candle {
     /// Loader state and rolling fingerprint after the current step's latest micro-batch.
     step_loader: Option<(Arc<LoaderState>, u64)>,
     /// The last snapshot's copy of the parameters, with its step.
-    last_weights: Option<(u64, crate::snapshot::Tensors)>,
+    last_weights: Option<(u64, crate::train::snapshot::Tensors)>,
 }
 
 impl Transform for Candle {
@@ -187,8 +187,8 @@ impl Transform for Candle {
         check_train(&c.train)?;
         anyhow::ensure!(c.data.val.is_some(), "`data.val` is not set: the step executor validates on the validation shards");
         let tok = c.data.tokenizer.as_deref().context("`data.tokenizer` is not set: val_bpb counts bytes with the sentencepiece model")?;
-        crate::validation::load_tables(tok, c.model.vocab_size)?;
-        crate::validation::check_split(c)?;
+        crate::eval::validation::load_tables(tok, c.model.vocab_size)?;
+        crate::eval::validation::check_split(c)?;
         if let Some(w) = &c.train.init_weights {
             anyhow::ensure!(w.is_file(), "`train.init_weights` = {} is not a file", w.display());
         }
@@ -214,7 +214,7 @@ impl Transform for Candle {
         let probs = on_cpu || p.attention == Attention::Materialized;
         let t = shape.seq_len;
         let train = training_bytes(m, shape.rows * t, t, probs, act_bytes);
-        let val = forward_bytes(m, crate::validation::tokens_per_pass(c, shape.micro_steps), t, probs, act_bytes);
+        let val = forward_bytes(m, crate::eval::validation::tokens_per_pass(c, shape.micro_steps), t, probs, act_bytes);
         let mut act_keys = vec!["train.batch_tokens", "train.grad_accum_steps", "train.seq_len"];
         act_keys.extend(MODEL_KEYS);
         let mut needs = vec![
@@ -229,7 +229,7 @@ impl Transform for Candle {
             needs.push(Need::device("activations of one validation batch", val, &act_keys).transient());
         }
         // The validation split, read whole (u16) and kept as u32 ids.
-        if let Some(tokens) = crate::validation::split_tokens(c)? {
+        if let Some(tokens) = crate::eval::validation::split_tokens(c)? {
             let kept = if c.train.val_max_tokens > 0 { tokens.min(c.train.val_max_tokens as u64 + 1) } else { tokens };
             needs.push(Need::host("validation tokens", tokens * 2 + kept * 4, &["data.val", "train.val_max_tokens"]));
         }
@@ -267,7 +267,7 @@ impl Transform for Candle {
         let mut auto_choice = None;
         let trained = ctx.resume.and_then(trained_attention);
         // Resuming, "auto" keeps the kernels the checkpoint trained with (no trial).
-        let kept = ctx.resume.and_then(|ck| attention_auto::kept(trained.as_deref(), &ck.path)).filter(|_| flash.is_some());
+        let kept = ctx.resume.and_then(|ck| attention_choice::kept(trained.as_deref(), &ck.path)).filter(|_| flash.is_some());
         if let (Attention::Auto, Some(choice)) = (p.attention, kept) {
             model = model.with_attention(choice.kernels.attention());
             flash = Some(choice.kernels);
@@ -282,14 +282,14 @@ impl Transform for Candle {
                 head_dim: m.head_dim(),
             };
             let key = "stage `step_executor`, key `attention` = \"auto\"";
-            let exe = attention_auto::this_binary().context(key)?;
-            let choice = attention_auto::choose_flash(&exe, &c.run.device, at, attention_auto::TIMEOUT).context(key)?;
+            let exe = attention_choice::this_binary().context(key)?;
+            let choice = attention_choice::choose_flash(&exe, &c.run.device, at, attention_choice::TIMEOUT).context(key)?;
             model = model.with_attention(choice.kernels.attention());
             flash = Some(choice.kernels);
             auto_choice = Some(choice);
         }
         if let Some(path) = &c.train.init_weights {
-            let tensors = crate::weights::load(path, None).context("`train.init_weights`")?;
+            let tensors = crate::artifact::weights::load(path, None).context("`train.init_weights`")?;
             model.load_state(&tensors).with_context(|| format!("`train.init_weights` = {} does not fit `[model]`", path.display()))?;
         }
         let mut trainer = Trainer::new(model, &c.train, shape.micro_steps)?.with_phase_sync(p.sync_phases);
@@ -338,7 +338,7 @@ impl Transform for Candle {
         let steps = StepTable::new(ctx.run_dir, ctx.resume.map(|ck| ck.meta.step))?;
         let (train_ms, vals, last_loss, rolling, lr_mul) = match (ctx.resume, history) {
             (Some(ck), Some(h)) => (ck.meta.train_ms, h.validations, ck.meta.train_loss, ck.meta.rolling, h.lr_mul.unwrap_or(1.0)),
-            _ => (0.0, Vec::new(), f64::NAN, crate::batch::FINGERPRINT_SEED, 1.0),
+            _ => (0.0, Vec::new(), f64::NAN, crate::data::batch::FINGERPRINT_SEED, 1.0),
         };
         Ok(Self {
             trainer,
@@ -468,7 +468,7 @@ fn training_end(step: u64, train_ms: f64, t: &TrainConfig) -> Option<Ending> {
 /// (by iterations or the cap) and is over as `t` still has it end ([`training_end`]): then
 /// every stage after training had done its work too. Its steps and ending. A larger
 /// `train.iterations` or cap than the run had is more training, not a complete run.
-fn completed(prev: &crate::report::Report, t: &TrainConfig) -> Option<(u64, Ending)> {
+fn completed(prev: &crate::report::document::Report, t: &TrainConfig) -> Option<(u64, Ending)> {
     let get = |k: &str| prev.train.get(k);
     let ended = matches!(get("ended_by")?.as_str()?, "iterations" | "wallclock_cap");
     if prev.run.exit_code != 0 || prev.run.status != "completed" || !ended {
@@ -492,7 +492,7 @@ fn ending_name(e: Ending) -> &'static str {
 /// Fingerprint of the `data.train` files (names and sizes).
 fn data_fingerprint(c: &Config) -> anyhow::Result<String> {
     match &c.data.train {
-        Some(glob) => crate::checkpoint::data_fingerprint(&crate::shard::glob_sorted(glob).context("`data.train`")?),
+        Some(glob) => crate::train::checkpoint::data_fingerprint(&crate::data::shard::glob_sorted(glob).context("`data.train`")?),
         None => Ok(String::new()),
     }
 }
@@ -746,8 +746,8 @@ impl Candle {
         (self.train_before_mark + running).as_secs_f64() * 1e3
     }
 
-    /// The trainer's phase times (host clock, or device events: [`crate::trainer::StepOutcome::phases`]).
-    fn add_phases(&mut self, d: crate::phase_clock::PhaseTimes) {
+    /// The trainer's phase times (host clock, or device events: [`crate::train::trainer::StepOutcome::phases`]).
+    fn add_phases(&mut self, d: crate::device::phase_clock::PhaseTimes) {
         self.window.forward += d.forward;
         self.window.backward += d.backward;
         self.window.optimizer += d.optimizer;
@@ -865,7 +865,7 @@ impl Candle {
 
     fn save_weights(&mut self) -> anyhow::Result<()> {
         if let Some(path) = &self.weights_path {
-            crate::weights::save(path, &self.trainer.model().state_dict())?;
+            crate::artifact::weights::save(path, &self.trainer.model().state_dict())?;
             self.saved_at = Some(self.trainer.step());
             self.log.line(&format!("saved weights: {} (step {})", path.display(), self.trainer.step()));
         }
@@ -955,7 +955,7 @@ fn startup_lines(log: &mut TrainLog, c: &Config, trainer: &Trainer, v: &Validato
     let tok = c.data.tokenizer.as_deref().map(|p| p.display().to_string()).unwrap_or_default();
     log.line(&format!("val_bpb:enabled tokenizer_kind=sentencepiece tokenizer_path={tok}"));
     if let Some(g) = &c.data.train {
-        let n = crate::shard::glob_sorted(g).map(|v| v.len()).unwrap_or(0);
+        let n = crate::data::shard::glob_sorted(g).map(|v| v.len()).unwrap_or(0);
         let dir =
             std::path::Path::new(g).parent().and_then(|p| p.file_name()).map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         log.line(&format!("train_loader:dataset:{dir} train_shards:{n}"));

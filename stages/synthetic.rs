@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::inject::{FailMode, Fault, Pace};
-use crate::message::Blob;
-use crate::stage::{BuildCtx, Ctx, Source};
+use crate::runtime::inject::{FailMode, Fault, Pace};
+use crate::runtime::message::Blob;
+use crate::runtime::stage::{BuildCtx, Ctx, Source};
 
 /// Parameters of `synthetic/blob`.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]

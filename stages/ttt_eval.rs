@@ -8,7 +8,7 @@
 //! - `score_first`: the sliding-window score, then legal score-first test-time training: the
 //!   validation stream is cut into chunks of `chunk_tokens`; each chunk is scored completely
 //!   (final scores) before SGD trains on it, so no target is ever scored by weights that saw
-//!   it ([`crate::ttt`] has the rules and the tests that prove them).
+//!   it ([`crate::eval::ttt`] has the rules and the tests that prove them).
 //!
 //! Both score the validation split as training scored it (`train.val_max_tokens`) and log in
 //! the records' format, `<label>_sliding_window val_loss:… val_bpb:… eval_time:…ms` and
@@ -20,13 +20,13 @@ use std::time::{Duration, Instant};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::batch::BatchShape;
-use crate::bpb::BpbAccumulator;
-use crate::snapshot::TrainSnapshot;
-use crate::stage::{BuildCtx, Ctx, Sink};
-use crate::trainlog::StageLog;
-use crate::ttt::{SlidingConfig, TttConfig, TttEvent, score_first_ttt, sliding_eval};
-use crate::validation::Validator;
+use crate::data::batch::BatchShape;
+use crate::eval::bpb::BpbAccumulator;
+use crate::eval::ttt::{SlidingConfig, TttConfig, TttEvent, score_first_ttt, sliding_eval};
+use crate::eval::validation::Validator;
+use crate::runtime::stage::{BuildCtx, Ctx, Sink};
+use crate::train::log::StageLog;
+use crate::train::snapshot::TrainSnapshot;
 
 /// Parameters of `ttt_eval/sliding`.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -111,7 +111,7 @@ fn sliding_cfg(seq_len: usize, stride: usize, batch_windows: usize, train_seq_le
 /// What both implementations share: the validation stream, the log, the config.
 struct Evaluator {
     validator: Validator,
-    config: crate::config::Config,
+    config: crate::runtime::config::Config,
     log: StageLog,
     done: bool,
 }
@@ -131,7 +131,7 @@ impl Evaluator {
     /// The sliding-window pass; logs and returns its section.
     fn sliding(&mut self, snap: &TrainSnapshot, cfg: &SlidingConfig, ctx: &mut Ctx) -> anyhow::Result<Option<serde_json::Value>> {
         let (label, weights) = snap.eval_weights();
-        let model = crate::artifact::model_from(&self.config, weights)?;
+        let model = crate::artifact::roundtrip::model_from(&self.config, weights)?;
         let t0 = Instant::now();
         let tables = self.validator.tables().clone();
         let Some(acc) = sliding_eval(&model, self.validator.tokens(), tables, cfg, || !ctx.aborted())? else { return Ok(None) };
@@ -159,7 +159,7 @@ impl Evaluator {
     /// Score-first TTT; logs and returns its section.
     fn ttt(&mut self, snap: &TrainSnapshot, cfg: &TttConfig, ctx: &mut Ctx) -> anyhow::Result<Option<serde_json::Value>> {
         let (label, weights) = snap.eval_weights();
-        let model = crate::artifact::model_from(&self.config, weights)?;
+        let model = crate::artifact::roundtrip::model_from(&self.config, weights)?;
         let t0 = Instant::now();
         let tables = self.validator.tables().clone();
         let mut times: Vec<(&'static str, Duration)> = Vec::new();
@@ -208,7 +208,7 @@ impl Evaluator {
 
 /// An evaluator's memory: its snapshots, a model, and the larger of a sliding batch's forward
 /// pass and (with TTT: `batch_seqs`) a training batch with its gradients and momentum.
-fn eval_memory(ctx: &BuildCtx, sliding: &SlidingConfig, ttt_batch: Option<usize>) -> anyhow::Result<Vec<crate::memory::Need>> {
+fn eval_memory(ctx: &BuildCtx, sliding: &SlidingConfig, ttt_batch: Option<usize>) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
     use crate::model::memory::{MODEL_KEYS, ParamCounts, forward_bytes, snapshots_need, training_bytes};
     let m = &ctx.config.model;
     m.check()?;
@@ -229,7 +229,7 @@ fn eval_memory(ctx: &BuildCtx, sliding: &SlidingConfig, ttt_batch: Option<usize>
     };
     keys.extend(MODEL_KEYS.iter().map(|k| k.to_string()));
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-    needs.push(crate::memory::Need::device(what, bytes, &keys).transient());
+    needs.push(crate::runtime::memory::Need::device(what, bytes, &keys).transient());
     Ok(needs)
 }
 
@@ -251,7 +251,7 @@ impl Sink for Sliding {
         TttConfig { sliding: cfg, ..ScoreFirstParams::default().ttt(ctx.config.train.seq_len) }.check()
     }
 
-    fn memory(p: &SlidingParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
+    fn memory(p: &SlidingParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
         let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, ctx.config.train.seq_len);
         eval_memory(ctx, &cfg, None)
     }
@@ -290,7 +290,7 @@ impl Sink for ScoreFirst {
         p.ttt(ctx.config.train.seq_len).check()
     }
 
-    fn memory(p: &ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::memory::Need>> {
+    fn memory(p: &ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
         let cfg = p.ttt(ctx.config.train.seq_len);
         eval_memory(ctx, &cfg.sliding, Some(cfg.batch_seqs))
     }

@@ -10,7 +10,7 @@
 //!   overlaps the current step.
 //!
 //! On a GPU neither waits for the device: a copy is queued and its batch emitted at once (see
-//! [`crate::cuda_copy`]). Copy times (CUDA events, histogram `copy_event`) are read once the copy
+//! [`crate::device::cuda_copy`]). Copy times (CUDA events, histogram `copy_event`) are read once the copy
 //! has completed, so a batch's `upload_ns` is the device time of the copies that completed since
 //! the previous batch was emitted (usually its predecessors'); the rest are read at the end.
 
@@ -18,8 +18,8 @@ use candle_core::{Device, Tensor};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::batch::{DeviceBatch, PinnedBatch};
-use crate::stage::{BuildCtx, Ctx, Emitter, Transform};
+use crate::data::batch::{DeviceBatch, PinnedBatch};
+use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
 
 /// Parameters of `upload/cpu` (none).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
@@ -62,8 +62,8 @@ fn copy_to(batch: PinnedBatch, device: &Device) -> anyhow::Result<DeviceBatch> {
 /// time of the copies that completed meanwhile (each also in the `copy_event` histogram). The
 /// buffer may go back to its pool at once: its next writer waits for this copy's event.
 #[cfg(feature = "cuda")]
-fn copy_pinned(copier: &mut crate::cuda_copy::Copier, batch: PinnedBatch, ctx: &mut Ctx) -> anyhow::Result<DeviceBatch> {
-    let crate::staging::Staging::Pinned(src) = &**batch.buf else {
+fn copy_pinned(copier: &mut crate::device::cuda_copy::Copier, batch: PinnedBatch, ctx: &mut Ctx) -> anyhow::Result<DeviceBatch> {
+    let crate::data::staging::Staging::Pinned(src) = &**batch.buf else {
         anyhow::bail!("a CUDA copy stream copies from page-locked buffers: use `pin/pinned` before it");
     };
     let (x, y) = copier.copy(src, batch.meta.shape)?;
@@ -87,7 +87,7 @@ pub struct OnDevice {
     device: Device,
     /// Copies from page-locked buffers on the executor's stream.
     #[cfg(feature = "cuda")]
-    copier: Option<crate::cuda_copy::Copier>,
+    copier: Option<crate::device::cuda_copy::Copier>,
 }
 
 impl Transform for OnDevice {
@@ -106,7 +106,7 @@ impl Transform for OnDevice {
     fn build(_p: SyncParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         let device = crate::device::open(ctx.config)?;
         #[cfg(feature = "cuda")]
-        let copier = if device.is_cuda() { Some(crate::cuda_copy::Copier::new(&device, false)?) } else { None };
+        let copier = if device.is_cuda() { Some(crate::device::cuda_copy::Copier::new(&device, false)?) } else { None };
         Ok(Self {
             device,
             #[cfg(feature = "cuda")]
@@ -143,7 +143,7 @@ pub struct StreamParams {}
 /// `upload/stream`.
 pub struct CopyStream {
     #[cfg(feature = "cuda")]
-    copier: crate::cuda_copy::Copier,
+    copier: crate::device::cuda_copy::Copier,
 }
 
 impl Transform for CopyStream {
@@ -163,7 +163,7 @@ impl Transform for CopyStream {
     #[cfg(feature = "cuda")]
     fn build(p: StreamParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&p, ctx)?;
-        Ok(Self { copier: crate::cuda_copy::Copier::new(&crate::device::open(ctx.config)?, true)? })
+        Ok(Self { copier: crate::device::cuda_copy::Copier::new(&crate::device::open(ctx.config)?, true)? })
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -24,10 +24,10 @@ use anyhow::Context;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::batch::{BatchMeta, BatchShape, FINGERPRINT_SEED, LoaderState, Shard, ShardCursor, TokenBatch, TokenBuf, mix, mix_window};
-use crate::pool::Pool;
-use crate::shard::{ShardError, ShardFile};
-use crate::stage::{BuildCtx, Ctx, Emitter, Transform};
+use crate::data::batch::{BatchMeta, BatchShape, FINGERPRINT_SEED, LoaderState, Shard, ShardCursor, TokenBatch, TokenBuf, mix, mix_window};
+use crate::data::shard::{ShardError, ShardFile};
+use crate::runtime::pool::Pool;
+use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
 
 // ---------------------------------------------------------------------------------------------
 // Shared
@@ -477,7 +477,7 @@ impl WindowStage {
     fn build(order: Order, params: SamplerParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&params)?;
         let shape = BatchShape::from_config(ctx.config)?;
-        let vocab = if params.check_tokens { crate::tokenizer::vocab_size_of_config(ctx.config)? } else { None };
+        let vocab = if params.check_tokens { crate::data::tokenizer::vocab_size_of_config(ctx.config)? } else { None };
         let resume = ctx.resume.and_then(|c| c.meta.loader.clone());
         Ok(Self { order, params, shape, seed: ctx.config.run.seed, vocab, shards: Vec::new(), sampler: None, pool: None, resume })
     }
@@ -556,7 +556,7 @@ macro_rules! sampler_impl {
                 WindowStage::check(p)?;
                 BatchShape::from_config(ctx.config)?;
                 if p.check_tokens {
-                    crate::tokenizer::vocab_size_of_config(ctx.config)?;
+                    crate::data::tokenizer::vocab_size_of_config(ctx.config)?;
                 }
                 Ok(())
             }

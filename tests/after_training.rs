@@ -17,7 +17,7 @@ use serde_json::Value;
 fn step_rows(out: &Path) -> Vec<(u64, String, String, String)> {
     let t = std::fs::read_to_string(out.join("steps.tsv")).unwrap();
     let mut lines = t.lines();
-    assert_eq!(lines.next(), Some(pipeline::trainlog::STEP_TABLE_HEADER));
+    assert_eq!(lines.next(), Some(pipeline::train::log::STEP_TABLE_HEADER));
     lines
         .map(|l| {
             let c: Vec<&str> = l.split('\t').collect();
@@ -59,7 +59,7 @@ fn ctrl_c_and_resume_equal_an_uninterrupted_run() {
     assert_eq!(status.code(), Some(130), "{}", log_of(&split));
     let stopped = report(&split).train["steps"].as_u64().unwrap();
     assert!(stopped > 0 && stopped < n, "Ctrl-C landed at step {stopped} of {n}: the test needs a step in between");
-    let newest = pipeline::checkpoint::list(&split.join("checkpoints")).unwrap().last().cloned().unwrap();
+    let newest = pipeline::train::checkpoint::list(&split.join("checkpoints")).unwrap().last().cloned().unwrap();
     assert_eq!(newest.0, stopped, "Ctrl-C saves a checkpoint of the last finished step");
 
     let o = run_args(&cfg, &["--resume", split.to_str().unwrap(), "--set", sets[0], "--set", sets[1], "--set", sets[2]]);
@@ -110,7 +110,7 @@ fn stages_after_training_report_and_log() {
     let ck = &r.sections["checkpoint"];
     let steps: Vec<u64> = ck["written"].as_array().unwrap().iter().map(|w| w["step"].as_u64().unwrap()).collect();
     assert_eq!(steps, [5, 10, 15, 20, 25, 30]);
-    let kept: Vec<u64> = pipeline::checkpoint::list(&out.join("checkpoints")).unwrap().iter().map(|x| x.0).collect();
+    let kept: Vec<u64> = pipeline::train::checkpoint::list(&out.join("checkpoints")).unwrap().iter().map(|x| x.0).collect();
     assert_eq!(kept, [25, 30], "keep = 2");
     let art = &r.sections["artifact"];
     assert_eq!(art["weights"], "ema");

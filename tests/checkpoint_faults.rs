@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use common::tiny::*;
 use common::{assert_fails, bin, report, text, wait_or_kill};
-use pipeline::shard::write_shard;
+use pipeline::data::shard::write_shard;
 use serde_json::Value;
 
 /// Settings of every run here: no periodic validation, a short final one (debug builds are
@@ -21,7 +21,7 @@ use serde_json::Value;
 const QUICK: [&str; 3] = ["train.val_every=0", "train.val_max_tokens=64", "train.log_every=1"];
 
 fn ckpt_dir(run: &Path) -> PathBuf {
-    run.join(pipeline::checkpoint::DIR)
+    run.join(pipeline::train::checkpoint::DIR)
 }
 
 /// Every entry of RUN_DIR/checkpoints (names sorted) with its bytes.
@@ -39,7 +39,7 @@ fn snapshot(run: &Path) -> Vec<(String, Vec<u8>)> {
 
 /// The steps of the checkpoint files in RUN_DIR/checkpoints.
 fn steps(run: &Path) -> Vec<u64> {
-    pipeline::checkpoint::list(&ckpt_dir(run)).unwrap().into_iter().map(|(s, _)| s).collect()
+    pipeline::train::checkpoint::list(&ckpt_dir(run)).unwrap().into_iter().map(|(s, _)| s).collect()
 }
 
 /// Temporary files (`.step_*.tmp-PID`) in RUN_DIR/checkpoints.
@@ -54,9 +54,9 @@ fn temps(run: &Path) -> Vec<String> {
 /// Loads every checkpoint file of RUN_DIR (failing the test on one that does not load) and
 /// checks that each holds its own step, the weights and the EMA; returns the steps, ascending.
 fn load_all(run: &Path) -> Vec<u64> {
-    let files = pipeline::checkpoint::list(&ckpt_dir(run)).unwrap();
+    let files = pipeline::train::checkpoint::list(&ckpt_dir(run)).unwrap();
     for (step, path) in &files {
-        let ck = pipeline::checkpoint::load(path).unwrap_or_else(|e| panic!("{} does not load: {e:#}", path.display()));
+        let ck = pipeline::train::checkpoint::load(path).unwrap_or_else(|e| panic!("{} does not load: {e:#}", path.display()));
         assert_eq!(ck.meta.step, *step, "{}", path.display());
         let has = |prefix: &str| ck.tensors.keys().any(|n| n.starts_with(prefix));
         assert!(has("model.") && has("optim.") && has("avg."), "{}: {:?}", path.display(), ck.tensors.keys());

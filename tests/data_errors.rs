@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use common::{bin, scratch, text};
-use pipeline::shard::{MAGIC, VERSION, write_raw, write_shard};
+use pipeline::data::shard::{MAGIC, VERSION, write_raw, write_shard};
 
 /// Tokens per healthy shard.
 const SHARD_TOKENS: usize = 3000;
@@ -145,7 +145,7 @@ write_order = true
 
 /// A BPE model of [`VOCAB`] pieces: `<pad> <s> </s> <unk>` and the 256 byte pieces.
 fn write_model(path: &Path) {
-    std::fs::write(path, pipeline::tokenizer::build_bpe_model(&[], &[])).unwrap();
+    std::fs::write(path, pipeline::data::tokenizer::build_bpe_model(&[], &[])).unwrap();
 }
 
 fn stderr(o: &Output) -> String {

@@ -7,9 +7,9 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use pipeline::batch::BatchShape;
-use pipeline::pool::Pool;
-use pipeline::shard::{AccessMode, ShardFile, write_shard};
+use pipeline::data::batch::BatchShape;
+use pipeline::data::shard::{AccessMode, ShardFile, write_shard};
+use pipeline::runtime::pool::Pool;
 use pipeline::stages::window_sampler::{Sampler, SequentialSampler, ShuffledSampler};
 
 struct Counting;

@@ -27,7 +27,7 @@ fn cpu_parity_passes_and_reports_every_parameter() {
         // (serde_json parses floats to within an ulp)
         // The toy model's query gains have one value per head (4); every other gradient many.
         let name = c["name"].as_str().unwrap();
-        let want = pipeline::parity::bf16_bound(name, if name.ends_with("q_gain") { 4 } else { 1 << 20 }, x);
+        let want = pipeline::check::parity::bf16_bound(name, if name.ends_with("q_gain") { 4 } else { 1 << 20 }, x);
         assert!(e <= b && x > 0.0 && (b - want).abs() <= 1e-12 * b, "{c}");
     }
     assert!(r["rule"].as_str().unwrap().contains("expected"), "{r}");
@@ -61,7 +61,9 @@ fn attention_trial_processes_report_why_flash_cannot_run() {
 
     let shape = pipeline::model::attention_trial::AttentionShape { batch: 2, t: 128, heads: 2, kv_heads: 1, head_dim: 64 };
     let exe = std::path::Path::new(env!("CARGO_BIN_EXE_pipeline"));
-    let err = pipeline::attention_auto::choose_flash(exe, "cpu", shape, pipeline::attention_auto::TIMEOUT).unwrap_err().to_string();
+    let err = pipeline::train::attention_choice::choose_flash(exe, "cpu", shape, pipeline::train::attention_choice::TIMEOUT)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("flash left out (failed: flash attention cannot run here"), "{err}");
     assert!(err.contains("flash_mma left out (failed: flash attention cannot run here"), "{err}");
     assert!(err.contains("set attention = \"materialized\""), "{err}");

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use common::{Dir, assert_fails, bin, scratch, text};
-use pipeline::shard::{AccessMode, ShardFile};
-use pipeline::tokenizer::Tokenizer;
+use pipeline::data::shard::{AccessMode, ShardFile};
+use pipeline::data::tokenizer::Tokenizer;
 
 const BOS: u16 = 1;
 const EOS: u16 = 2;
@@ -19,7 +19,7 @@ const EOS: u16 = 2;
 /// `<0x00>..<0xFF>` (ids 4..259), then a few merges; identity normaliser, no dummy prefix.
 fn write_model(path: &Path) {
     let normal = ["▁the", "▁th", "▁t", "th", "he", "▁", "e", "t", "h", "a", "o", "n", "s"];
-    std::fs::write(path, pipeline::tokenizer::build_bpe_model(&normal, &[])).unwrap();
+    std::fs::write(path, pipeline::data::tokenizer::build_bpe_model(&normal, &[])).unwrap();
 }
 
 /// A scratch directory holding `tiny.model`; returns (directory, model path).

@@ -47,7 +47,7 @@ fn stdout(o: &Output) -> String {
 }
 
 fn checkpoint_steps(run: &Path) -> Vec<u64> {
-    pipeline::checkpoint::list(&run.join("checkpoints")).unwrap().iter().map(|c| c.0).collect()
+    pipeline::train::checkpoint::list(&run.join("checkpoints")).unwrap().iter().map(|c| c.0).collect()
 }
 
 /// The repro: a completed run resumed trains no step 11/10 and changes no file, however
@@ -266,7 +266,7 @@ fn resume_refusals_exit_2() {
 
     let out = c.dir.join("run");
     train_ok(&cfg, &out, &["train.iterations=10", "train.val_every=0"]);
-    let newest = pipeline::checkpoint::list(&out.join("checkpoints")).unwrap().last().unwrap().1.clone();
+    let newest = pipeline::train::checkpoint::list(&out.join("checkpoints")).unwrap().last().unwrap().1.clone();
     let len = std::fs::metadata(&newest).unwrap().len();
     let f = std::fs::OpenOptions::new().write(true).open(&newest).unwrap();
     f.set_len(len / 2).unwrap();

@@ -6,8 +6,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use pipeline::batch::{BatchShape, LoaderState};
-use pipeline::shard::{AccessMode, ShardFile, write_shard};
+use pipeline::data::batch::{BatchShape, LoaderState};
+use pipeline::data::shard::{AccessMode, ShardFile, write_shard};
 use pipeline::stages::window_sampler::{Sampler, SequentialSampler, ShuffledSampler};
 
 /// Token at position `p` of shard `s`: invertible for s < 16, p < 4096.
@@ -200,7 +200,7 @@ fn resident_memory_stays_small_on_a_10_gb_glob() {
     let tokens_per_shard: u64 = 500_000_000;
     for s in 0..10 {
         let p = dir.join(format!("fineweb_train_{s:06}.bin"));
-        pipeline::shard::write_raw(&p, &[pipeline::shard::MAGIC, 1, tokens_per_shard as i32], &[]).unwrap();
+        pipeline::data::shard::write_raw(&p, &[pipeline::data::shard::MAGIC, 1, tokens_per_shard as i32], &[]).unwrap();
         std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(1024 + 2 * tokens_per_shard).unwrap();
     }
     let sh = BatchShape { seq_len: 2048, rows: 48, micro_steps: 8, world_size: 1, rank: 0 };

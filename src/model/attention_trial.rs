@@ -8,7 +8,7 @@
 //!
 //! [`trial`] takes any attention functions, so that its measurement and its rejections are
 //! tested on the CPU; [`check_flash`] is one flash implementation's trial, which
-//! [`crate::attention_auto`] runs in a child process per implementation (a kernel that faults
+//! [`crate::train::attention_choice`] runs in a child process per implementation (a kernel that faults
 //! the GPU cannot take the training process's CUDA context with it); [`choose`] picks from the
 //! outcomes.
 
@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use super::flash_attn::{self, FlashKernels};
 use super::fused;
-use crate::compare::{Blocks, blockwise_rel_err, worst};
+use crate::check::compare::{Blocks, blockwise_rel_err, worst};
 
 /// Largest blockwise relative error of a bf16 flash implementation against the f32 reference.
 /// Rounding the inputs and the results to bf16 alone puts the worst 64-row tile of a head at
@@ -211,7 +211,7 @@ pub fn summary(outcomes: &[Outcome], shape: AttentionShape, settings: TrialSetti
 }
 
 /// One flash implementation's trial on `device` at `shape` ([`TrialSettings::flash`]): what a
-/// child process of [`crate::attention_auto`] measures and prints.
+/// child process of [`crate::train::attention_choice`] measures and prints.
 pub fn check_flash(device: &Device, kernels: FlashKernels, shape: AttentionShape) -> anyhow::Result<Outcome> {
     let flash = move |q: &Tensor, k: &Tensor, v: &Tensor, s: AttentionShape| {
         flash_attn::flash_attention(q, k, v, s.batch, s.heads, s.kv_heads, kernels)
@@ -427,7 +427,7 @@ mod tests {
         let inputs = Inputs::random(shape, settings.seed, &Device::Cpu).unwrap();
         let want = inputs.run(&exact, shape, DType::F32).unwrap();
         let got = inputs.run(&one_tile, shape, DType::BF16).unwrap();
-        let whole = crate::compare::rel_err(&got[0], &want[0]);
+        let whole = crate::check::compare::rel_err(&got[0], &want[0]);
         assert!(whole < FLASH_TOLERANCE && whole > err, "whole-output error {whole:.2e}");
     }
 

@@ -1,6 +1,6 @@
 //! What the GPT of a `[model]` takes in memory, from its shapes alone: parameters, optimizer
 //! state, and the activations a forward (and backward) pass keeps. The stages that hold a model
-//! or its copies build their [`crate::memory::Need`]s from these figures.
+//! or its copies build their [`crate::runtime::memory::Need`]s from these figures.
 //!
 //! Activations, per token of a batch, in elements (`d` = model_dim, `kv` = kv_dim, `h` = the
 //! MLP's hidden width, `H` heads, `T` tokens per sequence, `V` the vocabulary, `L` blocks):
@@ -95,11 +95,11 @@ pub fn snapshot_bytes(m: &ModelConfig) -> u64 {
 
 /// What a stage after training holds in snapshots: its input queue full, and the one it works
 /// on (`stage` names its `queue` key).
-pub fn snapshots_need(m: &ModelConfig, stage: &str, queue: usize) -> crate::memory::Need {
+pub fn snapshots_need(m: &ModelConfig, stage: &str, queue: usize) -> crate::runtime::memory::Need {
     let queue_key = format!("stages.{stage}.queue");
     let mut keys: Vec<&str> = MODEL_KEYS.to_vec();
     keys.push(&queue_key);
-    crate::memory::Need::device(
+    crate::runtime::memory::Need::device(
         format!("{} training snapshots (queued or in hand)", queue + 1),
         (queue as u64 + 1).saturating_mul(snapshot_bytes(m)),
         &keys,

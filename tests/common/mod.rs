@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use pipeline::report::Report;
+use pipeline::report::document::Report;
 
 pub mod tiny;
 

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use pipeline::shard::write_shard;
-use pipeline::tokenizer::Tokenizer;
+use pipeline::data::shard::write_shard;
+use pipeline::data::tokenizer::Tokenizer;
 use serde_json::Value;
 
 use super::{Dir, bin, report, scratch, text, wait_or_kill};
@@ -82,7 +82,7 @@ pub fn corpus(name: &str) -> Corpus {
 pub fn corpus_with(name: &str, val_copies: usize) -> Corpus {
     let dir = Dir(scratch(&format!("train-{name}")));
     let tokenizer = dir.join("tiny.model");
-    std::fs::write(&tokenizer, pipeline::tokenizer::build_bpe_model(PIECES, &[])).unwrap();
+    std::fs::write(&tokenizer, pipeline::data::tokenizer::build_bpe_model(PIECES, &[])).unwrap();
     let tok = Tokenizer::load(&tokenizer).unwrap();
     assert_eq!(tok.bos, 1);
     let (mut train, mut val) = (Vec::new(), Vec::new());
@@ -100,7 +100,7 @@ pub fn corpus_with(name: &str, val_copies: usize) -> Corpus {
 
 /// All tokens of one shard.
 pub fn shard_tokens(path: &Path) -> Vec<u16> {
-    let f = pipeline::shard::ShardFile::open(path, 0, pipeline::shard::AccessMode::Pread).unwrap_or_else(|e| panic!("{e}"));
+    let f = pipeline::data::shard::ShardFile::open(path, 0, pipeline::data::shard::AccessMode::Pread).unwrap_or_else(|e| panic!("{e}"));
     let mut out = vec![0u16; f.tokens as usize];
     f.read(0, &mut out).unwrap();
     out

@@ -1,0 +1,240 @@
+//! `pipeline run` as a library call: plan, find a resumed run complete, estimate memory, make
+//! the run directory, build every stage, write the resolved config, run, write the report.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::report::document::{self, Report, ReportMeta};
+use crate::runtime::config::Loaded;
+use crate::runtime::control::Control;
+use crate::runtime::error::ConfigErrors;
+use crate::runtime::exec::{self, BuildError};
+use crate::runtime::graph::{self, Plan};
+use crate::runtime::memory::Estimate;
+use crate::runtime::rundir;
+
+/// Why a run could not produce a report.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The config is wrong (exit code 2).
+    #[error("{0}")]
+    Config(#[from] ConfigErrors),
+    /// A stage could not be built for a reason of the system's, e.g. a file it restores from
+    /// could not be read (exit code 1; bad input is a [`RunError::Config`]).
+    #[error("{0}")]
+    Build(#[from] BuildError),
+    /// The run directory or its files could not be written, or a checkpoint could not be
+    /// read (exit code 1).
+    #[error("{0:#}")]
+    Io(#[from] anyhow::Error),
+    /// `--resume` names no checkpoint, or one that is not a checkpoint or is corrupt (exit code
+    /// 2: bad input, like a config error).
+    #[error("{0:#}")]
+    Resume(anyhow::Error),
+    /// A resumed run found nothing left to do: the run it continues is complete (exit code 0;
+    /// no file was touched).
+    #[error("{0}")]
+    Complete(String),
+}
+
+impl RunError {
+    /// The process exit code for this error.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            RunError::Complete(_) => 0,
+            RunError::Config(_) | RunError::Resume(_) => 2,
+            RunError::Build(_) | RunError::Io(_) => 1,
+        }
+    }
+
+    /// A `--resume` refusal: bad input (exit 2), unless the checkpoint could not be read for a
+    /// reason of the system's (permissions, a failing disk: exit 1).
+    fn resume(e: anyhow::Error) -> Self {
+        if crate::runtime::files::is_system_error(&e) { RunError::Io(e) } else { RunError::Resume(e) }
+    }
+}
+
+/// A finished run.
+pub struct RunOutcome {
+    /// Its report (also in `run_dir/report.json`).
+    pub report: Report,
+    /// Its run directory.
+    pub run_dir: PathBuf,
+    /// Why `report.json` could not be written (a full disk, say): then the printed report is
+    /// its only copy, and the exit code is at least 1.
+    pub report_error: Option<String>,
+}
+
+impl RunOutcome {
+    /// The process exit code: the run's, or 1 when it completed but its report was not saved.
+    pub fn exit_code(&self) -> i32 {
+        match (self.report.run.exit_code, &self.report_error) {
+            (0, Some(_)) => 1,
+            (code, _) => code,
+        }
+    }
+}
+
+/// The run's name: `[run] name`, else the config file's stem.
+pub fn run_name(loaded: &Loaded) -> String {
+    let n = &loaded.config.run.name;
+    if !n.is_empty() {
+        return n.clone();
+    }
+    loaded.path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into())
+}
+
+/// Checks `[run]`: the device names something this binary can run on, and times are sane.
+pub fn check_run_table(loaded: &Loaded) -> Result<(), ConfigErrors> {
+    let dev = loaded.config.run.device.as_str();
+    let mut errors = ConfigErrors::default();
+    let max = loaded.config.run.max_seconds;
+    if !max.is_finite() || !(0.0..=1e9).contains(&max) {
+        errors.push(
+            loaded.origin_of("run.max_seconds"),
+            Some("run.max_seconds".into()),
+            format!("must be a number of seconds from 0 (no limit) to 1e9; found {max}"),
+        );
+    }
+    let cuda_ok = crate::device::CUDA_BUILD && matches!(crate::device::parse(dev), Ok(crate::device::DeviceName::Cuda(_)));
+    let mem = loaded.config.run.max_memory_gb;
+    if !mem.is_finite() || mem < 0.0 {
+        errors.push(
+            loaded.origin_of("run.max_memory_gb"),
+            Some("run.max_memory_gb".into()),
+            format!("must be a number of GiB, or 0 for what the machine has; found {mem}"),
+        );
+    }
+    if dev != "cpu" && !cuda_ok {
+        let msg = if dev.starts_with("cuda") {
+            format!(
+                "device `{dev}` needs a binary built with the `cuda` feature (see scripts/build-cuda.sh); this one runs on \"cpu\" only"
+            )
+        } else {
+            format!("unknown device `{dev}`; expected \"cpu\" or \"cuda:N\"")
+        };
+        errors.push(loaded.origin_of("run.device"), Some("run.device".into()), msg);
+    }
+    errors.into_result()
+}
+
+/// Runs `loaded` to the end. `on_start` is called with the run directory once it exists and
+/// every stage is built, and the memory estimate.
+///
+/// With `resume` (a run directory or a checkpoint file), the stages restore their state from
+/// the checkpoint and the run continues in the checkpoint's run directory, or in `out`.
+pub fn run(
+    loaded: &Loaded,
+    out: Option<&Path>,
+    resume: Option<&Path>,
+    control: Arc<Control>,
+    on_start: impl FnOnce(&Path, &Estimate),
+) -> Result<RunOutcome, RunError> {
+    let plan: Plan = graph::plan(loaded)?;
+    check_run_table(loaded)?;
+    let name = run_name(loaded);
+    let checkpoint = resume.map(crate::train::checkpoint::resolve).transpose().map_err(RunError::resume)?;
+    let continued = match (&checkpoint, out) {
+        (Some(c), None) => Some(run_dir_of(&c.path).map_err(RunError::resume)?),
+        _ => None,
+    };
+    // `--resume RUN_DIR` continues the run where it stopped: its stages may find it complete,
+    // before anything is estimated, allocated or written. A checkpoint named by its file is a
+    // deliberate point to go on from, and is taken as one.
+    let previous = continued.as_deref().filter(|_| resume.is_some_and(Path::is_dir)).and_then(|d| previous_report(d, &plan));
+    if previous.is_some()
+        && let Some(message) = graph::nothing_left(&plan, loaded, continued.as_deref(), checkpoint.as_ref(), previous.as_ref())?
+    {
+        return Err(RunError::Complete(message));
+    }
+    // Before anything is allocated: a model too big for memory is refused here, not aborted
+    // by the allocator halfway through building it.
+    let memory = graph::memory(&plan, loaded);
+    graph::check_memory(&memory, loaded)?;
+    let (run_dir, fresh) = match continued {
+        Some(d) => (d, false),
+        None => (rundir::create(out, &loaded.config.run.out_dir, &name)?, true),
+    };
+    // Build every stage before anything is written: a stage that cannot be built leaves the
+    // run directory as it was.
+    let built = match exec::build(&plan, &loaded.config, Some(&run_dir), checkpoint.as_ref()) {
+        Ok(b) => b,
+        Err(e) => {
+            // Nothing ran: leave no new run directory behind.
+            if fresh {
+                let _ = std::fs::remove_dir_all(&run_dir);
+            }
+            if e.system {
+                return Err(RunError::Build(e));
+            }
+            // A config problem, or a checkpoint that does not fit this config: bad input.
+            let mut errors = ConfigErrors::default();
+            let key = format!("stages.{}", e.stage);
+            let message = format!("stage `{}` ({}/{}) could not be built: {}", e.stage, e.kind, e.imp, e.message);
+            errors.push(loaded.origin_in(&key, &message), Some(key), message);
+            return Err(RunError::Config(errors));
+        }
+    };
+    write_resolved_config(loaded, &plan, &run_dir)?;
+    on_start(&run_dir, &memory);
+    let started = rundir::now_rfc3339();
+    let result = exec::run(&plan, &loaded.config, built, control);
+    let meta = ReportMeta {
+        name: &name,
+        config_path: &loaded.path,
+        run_dir: &run_dir,
+        started,
+        warmup_items: loaded.config.run.warmup_items,
+        instrument: loaded.config.run.instrument,
+    };
+    let report = document::build(&plan, &result, &meta);
+    // The run happened: whatever becomes of report.json, the caller gets the report to show.
+    let report_error = serde_json::to_vec_pretty(&report)
+        .map_err(anyhow::Error::from)
+        .and_then(|json| rundir::write_atomic(&run_dir.join("report.json"), &json))
+        .err()
+        .map(|e| format!("{e:#}"));
+    Ok(RunOutcome { report, run_dir, report_error })
+}
+
+/// The report of the process that last ran in `run_dir`, if it ran the same stages (names,
+/// kinds and implementations) as `plan`: what a resumed run's stages may read to find that
+/// nothing is left to do. A missing or unreadable report is none.
+fn previous_report(run_dir: &Path, plan: &Plan) -> Option<Report> {
+    let r = Report::load(run_dir).ok()?;
+    let same = r.run.stage_order.len() == plan.stages.len()
+        && plan.stages.iter().zip(&r.run.stage_order).all(|(s, name)| {
+            &s.name == name && r.stages.get(name).is_some_and(|st| st.kind == s.factory.kind() && st.imp == s.factory.name())
+        });
+    same.then_some(r)
+}
+
+/// The run directory a checkpoint file belongs to (`RUN_DIR/checkpoints/step_N.safetensors`).
+fn run_dir_of(checkpoint: &Path) -> anyhow::Result<PathBuf> {
+    let dir = checkpoint.parent().filter(|d| d.file_name().is_some_and(|n| n == crate::train::checkpoint::DIR));
+    match dir.and_then(Path::parent) {
+        Some(run_dir) if run_dir.is_dir() => Ok(run_dir.to_path_buf()),
+        _ => anyhow::bail!(
+            "{} is not in a run directory's `{}/` folder: name the run directory to continue in with --out",
+            checkpoint.display(),
+            crate::train::checkpoint::DIR
+        ),
+    }
+}
+
+/// Writes `RUN_DIR/config.toml`: every layer merged and every default filled in, so the run can
+/// be repeated with `pipeline run RUN_DIR/config.toml`.
+fn write_resolved_config(loaded: &Loaded, plan: &Plan, run_dir: &Path) -> anyhow::Result<()> {
+    let mut cfg = loaded.config.clone();
+    if cfg.run.name.is_empty() {
+        cfg.run.name = run_name(loaded);
+    }
+    let mut table = toml::Table::try_from(&cfg)?;
+    table.insert("stages".into(), toml::Value::Table(plan.stage_tables()));
+    let text = format!(
+        "# Resolved config of this run: file, environment and --set merged, defaults filled in.\n# Repeat the run with: pipeline run {}\n\n{}",
+        run_dir.join("config.toml").display(),
+        toml::to_string_pretty(&table)?
+    );
+    rundir::write_atomic(&run_dir.join("config.toml"), text.as_bytes())
+}

@@ -1,0 +1,316 @@
+//! Validation as the challenge scores it (spec 1.3, 2.3, 2.4): the validation shards
+//! concatenated, cut into consecutive non-overlapping sequences of `seq_len` targets, each
+//! scored once; `val_loss` is the mean cross-entropy per token and `val_bpb` the bits per byte
+//! with the sentencepiece byte rules of [`crate::eval::bpb`].
+//!
+//! Also the bar to beat: the unigram bits per byte of the same scored targets, with token
+//! frequencies counted on the training shards.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::SystemTime;
+
+use anyhow::Context;
+use candle_core::{DType, Tensor};
+
+use crate::data::shard::{AccessMode, ShardFile, glob_sorted};
+use crate::eval::bpb::{BpbAccumulator, ByteTables, unigram_bpb, validation_tokens};
+use crate::model::Gpt;
+use crate::runtime::config::Config;
+
+/// Training tokens read (at most) to count unigram frequencies.
+const UNIGRAM_MAX_TOKENS: u64 = 64 << 20;
+
+/// The validation stream of this rank, ready to score.
+pub struct Validator {
+    /// The split's scored tokens and byte tables, shared by every stage that validates.
+    data: Arc<ValData>,
+    seq_len: usize,
+    /// Sequences per forward pass.
+    batch_rows: usize,
+    /// This rank's sequences, `[first, end)`.
+    first: usize,
+    end: usize,
+    /// The glob the shards came from.
+    pattern: String,
+}
+
+/// What a validation load reads: the same for every stage of a run, so loaded once.
+struct ValData {
+    /// `usable + 1` tokens of the whole split (after the cap), as u32.
+    tokens: Vec<u32>,
+    tables: Arc<ByteTables>,
+    /// Scorable targets of the whole split before `val_max_tokens`.
+    split_targets: usize,
+}
+
+/// What makes two loads the same: the files (with their sizes and modification times), the
+/// tokenizer and the settings that cut the stream.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct ValKey {
+    files: Vec<(PathBuf, u64, Option<SystemTime>)>,
+    tokenizer: (PathBuf, u64, Option<SystemTime>),
+    seq_len: usize,
+    val_max_tokens: usize,
+    vocab: usize,
+}
+
+/// Loads alive somewhere in the process: the executor, the artifact and the evaluation stages
+/// of one run share one copy of the split (the challenge's is 62 M tokens) instead of reading
+/// it three times; once every holder is gone the next load reads the files again.
+static LOADED: Mutex<Vec<(ValKey, Weak<ValData>)>> = Mutex::new(Vec::new());
+
+fn file_key(path: &Path) -> anyhow::Result<(PathBuf, u64, Option<SystemTime>)> {
+    let meta = std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
+    Ok((path.to_path_buf(), meta.len(), meta.modified().ok()))
+}
+
+impl Validator {
+    /// Reads `[data] val` and `[data] tokenizer` and checks them against `[model]`; errors name
+    /// the key or the file. Stages that load the same split share one copy of it.
+    pub fn load(config: &Config, micro_steps: usize) -> anyhow::Result<Self> {
+        let pattern = config.data.val.clone().context("`data.val` is not set: the step executor validates on the validation shards")?;
+        let tok_path =
+            config.data.tokenizer.as_deref().context("`data.tokenizer` is not set: val_bpb counts bytes with the sentencepiece model")?;
+        let paths = glob_sorted(&pattern).context("`data.val`")?;
+        anyhow::ensure!(!paths.is_empty(), "`data.val` = {pattern:?} matches no file");
+        let t = &config.train;
+        let key = ValKey {
+            files: paths.iter().map(|p| file_key(p)).collect::<anyhow::Result<_>>()?,
+            tokenizer: file_key(tok_path).context("`data.tokenizer`")?,
+            seq_len: t.seq_len,
+            val_max_tokens: t.val_max_tokens,
+            vocab: config.model.vocab_size,
+        };
+        // Held while loading: a second stage asking for the same split waits and shares it.
+        let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+        loaded.retain(|(_, w)| w.strong_count() > 0);
+        let data = match loaded.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
+            Some(data) => data,
+            None => {
+                let data = Arc::new(ValData::read(config, &pattern, tok_path, &paths)?);
+                loaded.push((key, Arc::downgrade(&data)));
+                data
+            }
+        };
+        drop(loaded);
+        let seqs = (data.tokens.len() - 1) / t.seq_len;
+        let (world, rank) = (config.run.world_size, config.run.rank);
+        let batch_rows = tokens_per_pass(config, micro_steps) / t.seq_len;
+        Ok(Self { data, seq_len: t.seq_len, batch_rows, first: seqs * rank / world, end: seqs * (rank + 1) / world, pattern })
+    }
+}
+
+/// What `pipeline validate` can tell of the validation split from its shards' headers alone:
+/// that it holds at least one sequence of `train.seq_len` targets, which every validation
+/// needs (the run would refuse it when loading the split). Nothing to check without `data.val`.
+pub fn check_split(config: &Config) -> anyhow::Result<()> {
+    let Some(tokens) = split_tokens(config)? else { return Ok(()) };
+    let pattern = config.data.val.as_deref().unwrap_or_default();
+    anyhow::ensure!(tokens > config.train.seq_len as u64, "{}", too_short(pattern, tokens, config.train.seq_len));
+    Ok(())
+}
+
+/// Tokens in the validation shards `data.val` matches, from their headers; none without it.
+pub fn split_tokens(config: &Config) -> anyhow::Result<Option<u64>> {
+    let Some(pattern) = &config.data.val else { return Ok(None) };
+    let paths = glob_sorted(pattern).context("`data.val`")?;
+    anyhow::ensure!(!paths.is_empty(), "`data.val` = {pattern:?} matches no file");
+    let mut tokens = 0u64;
+    for p in &paths {
+        tokens += crate::data::shard::read_header(p)?.1;
+    }
+    Ok(Some(tokens))
+}
+
+/// Tokens one validation forward pass takes on this rank: `train.val_batch_tokens` shared by
+/// the ranks and micro-batches, in whole sequences, at least one.
+pub fn tokens_per_pass(config: &Config, micro_steps: usize) -> usize {
+    let t = &config.train;
+    (t.val_batch_tokens / (config.run.world_size * micro_steps).max(1) / t.seq_len).max(1) * t.seq_len
+}
+
+/// The refusal of a split of `tokens` tokens, shorter than one sequence.
+fn too_short(pattern: &str, tokens: u64, seq_len: usize) -> String {
+    format!(
+        "the validation shards {pattern:?} hold {tokens} tokens, fewer than one sequence of `train.seq_len` = {seq_len} plus 1 (`data.val`)"
+    )
+}
+
+impl ValData {
+    fn read(config: &Config, pattern: &str, tok_path: &Path, paths: &[PathBuf]) -> anyhow::Result<Self> {
+        let tables = Arc::new(load_tables(tok_path, config.model.vocab_size)?);
+        let shards = ShardFile::open_all(paths, AccessMode::Pread)?;
+        let mut all: Vec<u16> = Vec::with_capacity(shards.iter().map(|s| s.tokens as usize).sum());
+        for s in &shards {
+            let start = all.len();
+            all.resize(start + s.tokens as usize, 0);
+            s.read(0, &mut all[start..])?;
+        }
+        let t = &config.train;
+        let usable = validation_tokens(&all, t.seq_len);
+        anyhow::ensure!(usable.len() > t.seq_len, "{}", too_short(pattern, all.len() as u64, t.seq_len));
+        let split_targets = usable.len() - 1;
+        let mut seqs = split_targets / t.seq_len;
+        if t.val_max_tokens > 0 {
+            seqs = seqs.min((t.val_max_tokens / t.seq_len).max(1));
+        }
+        let vocab = config.model.vocab_size;
+        let tokens: Vec<u32> = usable[..seqs * t.seq_len + 1].iter().map(|&x| u32::from(x)).collect();
+        if let Some(pos) = tokens.iter().position(|&x| x as usize >= vocab) {
+            anyhow::bail!(
+                "validation token {} at position {pos} is not below `model.vocab_size` = {vocab} (shards {pattern:?} made with another tokenizer?)",
+                tokens[pos]
+            );
+        }
+        Ok(Self { tokens, tables, split_targets })
+    }
+}
+
+impl Validator {
+    /// The scored stream: `targets() + 1` tokens (inputs, then the last target).
+    pub fn tokens(&self) -> &[u32] {
+        &self.data.tokens
+    }
+
+    /// Targets scored by a full pass over all ranks.
+    pub fn targets(&self) -> usize {
+        self.data.tokens.len() - 1
+    }
+
+    /// Targets of the whole split (before `train.val_max_tokens`).
+    pub fn split_targets(&self) -> usize {
+        self.data.split_targets
+    }
+
+    /// The shard glob.
+    pub fn pattern(&self) -> &str {
+        &self.pattern
+    }
+
+    /// The byte tables.
+    pub fn tables(&self) -> &Arc<ByteTables> {
+        &self.data.tables
+    }
+
+    /// Scores this rank's sequences with `model`; `keep_going` is asked between batches: false
+    /// cuts the pass short and gives `None` (a partial score is no score).
+    pub fn run(&self, model: &Gpt, keep_going: impl Fn() -> bool) -> anyhow::Result<Option<BpbAccumulator>> {
+        let mut acc = BpbAccumulator::new(self.data.tables.clone());
+        let tokens = &self.data.tokens;
+        let t = self.seq_len;
+        let mut s = self.first;
+        while s < self.end {
+            if !keep_going() {
+                return Ok(None);
+            }
+            let rows = self.batch_rows.min(self.end - s);
+            let x = &tokens[s * t..(s + rows) * t];
+            let y = &tokens[s * t + 1..(s + rows) * t + 1];
+            let xt = Tensor::from_slice(x, (rows, t), model.device())?;
+            let yt = Tensor::from_slice(y, (rows, t), model.device())?;
+            let nll = model.eval_token_losses(&xt, &yt)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            acc.add(x, y, &nll);
+            s += rows;
+        }
+        Ok(Some(acc))
+    }
+
+    /// Unigram bits per byte of the scored targets (all ranks' share), with add-one smoothed
+    /// frequencies of the first (at most) 64 Mi tokens of the training shards `train_glob`.
+    pub fn unigram_bpb(&self, train_glob: &str, vocab: usize) -> anyhow::Result<f64> {
+        let counts = unigram_counts(train_glob, vocab)?;
+        let tokens = &self.data.tokens;
+        let n = tokens.len();
+        Ok(unigram_bpb(&counts, &tokens[..n - 1], &tokens[1..], &self.data.tables))
+    }
+}
+
+/// Byte tables of the tokenizer at `path`, checked against `model.vocab_size`.
+pub fn load_tables(path: &Path, vocab: usize) -> anyhow::Result<ByteTables> {
+    let pieces = crate::data::tokenizer::vocab_size(path).with_context(|| format!("`data.tokenizer` = {}", path.display()))?;
+    anyhow::ensure!(
+        pieces == vocab,
+        "the tokenizer {} has {pieces} pieces but `model.vocab_size` is {vocab}; they must match",
+        path.display()
+    );
+    ByteTables::from_model_file(path, vocab).with_context(|| format!("`data.tokenizer` = {}", path.display()))
+}
+
+/// Token counts over the first (at most) 64 Mi tokens of the shards matching `glob`.
+fn unigram_counts(glob: &str, vocab: usize) -> anyhow::Result<Vec<u64>> {
+    let paths = glob_sorted(glob).context("`data.train`")?;
+    anyhow::ensure!(!paths.is_empty(), "`data.train` = {glob:?} matches no file");
+    let mut counts = vec![0u64; vocab];
+    let mut left = UNIGRAM_MAX_TOKENS;
+    let mut buf = vec![0u16; 1 << 20];
+    for p in paths {
+        if left == 0 {
+            break;
+        }
+        let shard = ShardFile::open(&p, 0, AccessMode::Pread)?;
+        let mut pos = 0u64;
+        while pos < shard.tokens && left > 0 {
+            let n = (shard.tokens - pos).min(buf.len() as u64).min(left) as usize;
+            shard.read(pos, &mut buf[..n])?;
+            for &t in &buf[..n] {
+                if let Some(c) = counts.get_mut(t as usize) {
+                    *c += 1;
+                }
+            }
+            pos += n as u64;
+            left -= n as u64;
+        }
+    }
+    Ok(counts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A config reading `n` validation tokens (ids below 40) from a fresh directory.
+    fn setup(name: &str, n: usize) -> (Config, PathBuf) {
+        let dir = std::env::temp_dir().join(format!("pipeline-validation-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let pieces: Vec<String> = (0..40).map(|i| format!("p{i}")).collect();
+        let pieces: Vec<&str> = pieces.iter().map(String::as_str).collect();
+        let tok = dir.join("tok.model");
+        std::fs::write(&tok, crate::data::tokenizer::build_bpe_model(&pieces, &[])).unwrap();
+        let vocab = crate::data::tokenizer::vocab_size(&tok).unwrap();
+        let tokens: Vec<u16> = (0..n).map(|i| (i * 7 % vocab) as u16).collect();
+        crate::data::shard::write_shard(&dir.join("fineweb_val_000000.bin"), &tokens).unwrap();
+        let mut c = Config::default();
+        c.data.val = Some(dir.join("fineweb_val_*.bin").display().to_string());
+        c.data.tokenizer = Some(tok);
+        c.model.vocab_size = vocab;
+        c.train.seq_len = 16;
+        (c, dir)
+    }
+
+    /// Stages of one run share one copy of the split; a changed file or setting is read anew,
+    /// and once every holder is gone the memory goes with them.
+    #[test]
+    fn loads_of_the_same_split_share_one_copy() {
+        let (mut c, dir) = setup("share", 16 * 10 + 1);
+        let a = Validator::load(&c, 1).unwrap();
+        let b = Validator::load(&c, 1).unwrap();
+        assert!(Arc::ptr_eq(&a.data, &b.data), "the second stage reads the split again");
+        assert_eq!(a.targets(), 160);
+        c.train.val_max_tokens = 32;
+        let capped = Validator::load(&c, 1).unwrap();
+        assert!(!Arc::ptr_eq(&a.data, &capped.data));
+        assert_eq!(capped.targets(), 32);
+        c.train.val_max_tokens = 0;
+        // Rewritten with another length: a new load sees the new file.
+        crate::data::shard::write_shard(&dir.join("fineweb_val_000000.bin"), &[1u16; 16 * 4 + 1]).unwrap();
+        let fresh = Validator::load(&c, 1).unwrap();
+        assert_eq!(fresh.targets(), 64);
+        assert!(fresh.tokens().iter().all(|&t| t == 1));
+        let weak = Arc::downgrade(&a.data);
+        drop((a, b));
+        assert!(weak.upgrade().is_none(), "nothing else keeps the split alive");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

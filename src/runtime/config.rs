@@ -1,0 +1,547 @@
+//! The run's configuration: TOML file, then `PIPELINE_*` environment variables, then `--set`.
+//!
+//! Layering (later wins), all merged by figment:
+//! 1. the TOML file given on the command line;
+//! 2. environment variables `PIPELINE_<PATH>` with `__` between path parts, e.g.
+//!    `PIPELINE_STAGES__SAMPLER__QUEUE=100` sets `stages.sampler.queue` (keys are lower-cased);
+//! 3. `--set key.path=value` arguments; the value is read as TOML (`100`, `1.5`, `true`,
+//!    `"text"`, `[1, 2]`), and as a plain string if it is not valid TOML.
+//!
+//! Top-level tables: `[run]` (this file), `[data]`, `[model]`, `[train]` and `[stages.NAME]`.
+//! Stage tables are kept raw here and checked by [`crate::runtime::graph`] against the implementation
+//! each one names.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use figment::providers::{Env, Format, Toml};
+use figment::value::{Dict, Map, Value};
+use figment::{Figment, Metadata, Profile, Provider};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::runtime::error::ConfigErrors;
+
+/// `[run]`: how the run is executed and measured.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    /// Name of the run; the run directory is `<out_dir>/<name>-<UTC time>`. Empty: the config
+    /// file's stem.
+    pub name: String,
+    /// Seed of every random choice in the run (stages derive their own from it and their name).
+    pub seed: u64,
+    /// Folder under which run directories are made (unless `--out` names one).
+    pub out_dir: PathBuf,
+    /// Where the model runs: "cpu", or "cuda:N" in a binary built with the `cuda` feature.
+    pub device: String,
+    /// Items each stage handles before its histograms start: counted, but kept out of the
+    /// steady-state summary.
+    pub warmup_items: u64,
+    /// Take timings (histograms, busy fractions); false keeps only item counts.
+    pub instrument: bool,
+    /// After Ctrl-C or a stop request, how long (ms) in-flight items may drain before every stage
+    /// is stopped where it stands.
+    pub drain_timeout_ms: u64,
+    /// How often (µs) the length of every channel is sampled for its mean occupancy.
+    pub sample_interval_us: u64,
+    /// The stage whose input-bound fraction the verdict reports. Empty: the graph's sink.
+    pub focus: String,
+    /// Stop gracefully after this many seconds, as Ctrl-C would (0: no limit).
+    pub max_seconds: f64,
+    /// Number of ranks (processes, one per GPU) training together.
+    pub world_size: usize,
+    /// This process's rank, below `world_size`.
+    pub rank: usize,
+    /// Memory the run may use, GiB: the host's on "cpu", the GPU's on "cuda:N". A run whose
+    /// estimate (printed by `validate` and `run`) is larger is refused before it allocates.
+    /// 0: what the machine has (the host's available memory; a GPU's free memory).
+    pub max_memory_gb: f64,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            seed: 0,
+            out_dir: PathBuf::from("runs"),
+            device: "cpu".into(),
+            warmup_items: 20,
+            instrument: true,
+            drain_timeout_ms: 10_000,
+            sample_interval_us: 1_000,
+            focus: String::new(),
+            max_seconds: 0.0,
+            world_size: 1,
+            rank: 0,
+            max_memory_gb: 0.0,
+        }
+    }
+}
+
+/// `[data]`: the token shards and tokenizer the data stages read.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// Glob of the training shards, e.g. "data/golf_en_sp1024/fineweb_train_*.bin".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub train: Option<String>,
+    /// Glob of the validation shards.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val: Option<String>,
+    /// Path of the sentencepiece model the shards were made with.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<PathBuf>,
+}
+
+/// `[train]`: the shape of a training step, its schedule, optimizers, validation and logging.
+/// Defaults are the challenge baseline's (`train_gpt.py`; its environment variable in brackets).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Tokens per sequence [TRAIN_SEQ_LEN].
+    pub seq_len: usize,
+    /// Tokens per optimizer step over all ranks, the global batch [TRAIN_BATCH_TOKENS].
+    pub batch_tokens: usize,
+    /// Micro-batches per step on each rank; 0 means 8 / world_size, as the challenge scripts do.
+    pub grad_accum_steps: usize,
+    /// Optimizer steps to train for [ITERATIONS]; the step-based warm-down ends here.
+    pub iterations: u64,
+    /// Steps of linear LR warm-down to 0 [WARMDOWN_ITERS]; with a wall-clock cap, this many
+    /// average step times before the cap.
+    pub warmdown_iters: u64,
+    /// Training-time cap in seconds (validation excluded) [MAX_WALLCLOCK_SECONDS]; 0: none. The
+    /// step that crosses it is the last; final validation still runs.
+    pub max_wallclock_seconds: f64,
+    /// Learning rate of the block matrices (Muon) [MATRIX_LR].
+    pub matrix_lr: f64,
+    /// Learning rate of the control tensors and skip weights (Adam) [SCALAR_LR].
+    pub scalar_lr: f64,
+    /// Learning rate of the tied embedding (Adam) [TIED_EMBED_LR].
+    pub tied_embed_lr: f64,
+    /// Learning rate of the untied embedding (Adam) [EMBED_LR].
+    pub embed_lr: f64,
+    /// Learning rate of the untied output head (Adam) [HEAD_LR].
+    pub head_lr: f64,
+    /// Adam beta1 [BETA1].
+    pub beta1: f64,
+    /// Adam beta2 [BETA2].
+    pub beta2: f64,
+    /// Adam epsilon [ADAM_EPS].
+    pub adam_eps: f64,
+    /// Muon momentum after warm-up [MUON_MOMENTUM].
+    pub muon_momentum: f64,
+    /// Muon momentum at step 0 [MUON_MOMENTUM_WARMUP_START].
+    pub muon_momentum_warmup_start: f64,
+    /// Steps over which Muon momentum rises linearly to `muon_momentum` [MUON_MOMENTUM_WARMUP_STEPS].
+    pub muon_momentum_warmup_steps: u64,
+    /// Newton-Schulz iterations per Muon step [MUON_BACKEND_STEPS].
+    pub muon_backend_steps: usize,
+    /// Clip the global gradient norm to this value before the optimizer step [GRAD_CLIP_NORM]; 0: off.
+    pub grad_clip_norm: f64,
+    /// Validate every this many steps, and at step 0 and the last step [VAL_LOSS_EVERY]; 0: only
+    /// the final validation.
+    pub val_every: u64,
+    /// Tokens per validation batch over all ranks [VAL_BATCH_SIZE].
+    pub val_batch_tokens: usize,
+    /// Score only the first this many validation targets (rounded down to whole sequences);
+    /// 0: the whole split, as the challenge does. For quick CPU runs; the log says when it applies.
+    pub val_max_tokens: usize,
+    /// Log the training loss at steps 1 to 10 and every this many steps [TRAIN_LOG_EVERY].
+    pub log_every: u64,
+    /// Log the time breakdown (input wait, H2D, forward, backward, optimizer, validation) every
+    /// this many steps; 0: off.
+    pub timing_every: u64,
+    /// Save the final weights as `RUN_DIR/final_model.safetensors` (PyTorch `state_dict` names).
+    pub save_weights: bool,
+    /// Start from these weights (a safetensors file with the model's tensor names) instead of
+    /// the seeded initialisation.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub init_weights: Option<PathBuf>,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            seq_len: 1024,
+            batch_tokens: 524_288,
+            grad_accum_steps: 0,
+            iterations: 20_000,
+            warmdown_iters: 1_200,
+            max_wallclock_seconds: 600.0,
+            matrix_lr: 0.04,
+            scalar_lr: 0.04,
+            tied_embed_lr: 0.05,
+            embed_lr: 0.6,
+            head_lr: 0.008,
+            beta1: 0.9,
+            beta2: 0.95,
+            adam_eps: 1e-8,
+            muon_momentum: 0.95,
+            muon_momentum_warmup_start: 0.85,
+            muon_momentum_warmup_steps: 500,
+            muon_backend_steps: 5,
+            grad_clip_norm: 0.0,
+            val_every: 1_000,
+            val_batch_tokens: 524_288,
+            val_max_tokens: 0,
+            log_every: 200,
+            timing_every: 200,
+            save_weights: true,
+            init_weights: None,
+        }
+    }
+}
+
+/// The whole config as resolved.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// `[run]`.
+    #[serde(default)]
+    pub run: RunConfig,
+    /// `[data]`.
+    #[serde(default)]
+    pub data: DataConfig,
+    /// `[model]`: the GPT's shape.
+    #[serde(default)]
+    pub model: crate::model::ModelConfig,
+    /// `[train]`.
+    #[serde(default)]
+    pub train: TrainConfig,
+    /// `[stages.NAME]`, raw until the graph builder resolves them.
+    #[serde(default, skip_serializing)]
+    pub stages: BTreeMap<String, Dict>,
+}
+
+/// A config loaded from its layers, with the figment kept to say where each value came from.
+pub struct Loaded {
+    /// The merged layers.
+    pub figment: Figment,
+    /// The typed top-level config.
+    pub config: Config,
+    /// The TOML file it was loaded from.
+    pub path: PathBuf,
+}
+
+impl Loaded {
+    /// Names the file, environment variable or `--set` argument that supplied `key` (dotted
+    /// path); the config file when nothing more precise is known.
+    pub fn origin_of(&self, key: &str) -> String {
+        let mut probe = key;
+        loop {
+            if let Ok(value) = self.figment.find_value(probe) {
+                return match value {
+                    // A table: blame the file unless every value in it came from one override.
+                    Value::Dict(..) => self.table_origin(probe, &value),
+                    _ => self.leaf_origin(probe),
+                };
+            }
+            match probe.rfind('.') {
+                Some(i) => probe = &probe[..i],
+                None => return self.file_name(),
+            }
+        }
+    }
+
+    /// The origin of the value an error `message` about `key` (a table, e.g. `stages.train`)
+    /// is about: the first key quoted in backticks in the message that the config holds, as a
+    /// full path (`train.iterations`) or relative to `key` (`dtype`), so that a bad value set
+    /// with `--set` or the environment is blamed on that, not on the file. Else `key`'s origin.
+    pub fn origin_in(&self, key: &str, message: &str) -> String {
+        let is_key = |t: &str| !t.is_empty() && t.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.');
+        for quoted in message.split('`').skip(1).step_by(2).filter(|t| is_key(t)) {
+            for candidate in [quoted.to_string(), format!("{key}.{quoted}")] {
+                if candidate.contains('.') && self.figment.find_value(&candidate).is_ok() {
+                    return self.origin_of(&candidate);
+                }
+            }
+        }
+        self.origin_of(key)
+    }
+
+    fn file_name(&self) -> String {
+        relative(&self.path).display().to_string()
+    }
+
+    fn leaf_origin(&self, key: &str) -> String {
+        match self.figment.find_metadata(key) {
+            Some(md) => describe_origin(md, &key.split('.').collect::<Vec<_>>(), &self.path),
+            None => self.file_name(),
+        }
+    }
+
+    fn table_origin(&self, key: &str, value: &Value) -> String {
+        let mut leaves = Vec::new();
+        collect_leaves(key, value, &mut leaves);
+        let origins: Vec<String> = leaves.iter().map(|k| self.leaf_origin(k)).collect();
+        let file = self.file_name();
+        if origins.is_empty() || origins.contains(&file) { file } else { origins[0].clone() }
+    }
+}
+
+fn collect_leaves(prefix: &str, value: &Value, out: &mut Vec<String>) {
+    match value {
+        Value::Dict(_, d) => {
+            for (k, v) in d {
+                collect_leaves(&format!("{prefix}.{k}"), v, out);
+            }
+        }
+        _ => out.push(prefix.to_string()),
+    }
+}
+
+fn describe_origin(md: &Metadata, path: &[&str], file: &Path) -> String {
+    match &md.source {
+        Some(figment::Source::File(p)) => relative(p).display().to_string(),
+        Some(figment::Source::Custom(s)) => s.clone(),
+        _ if md.name.contains("environment") => {
+            let var: Vec<String> = path.iter().map(|p| p.to_uppercase()).collect();
+            format!("environment variable PIPELINE_{}", var.join("__"))
+        }
+        _ => file.display().to_string(),
+    }
+}
+
+/// Shortens an absolute path to one relative to the working directory when possible.
+fn relative(p: &Path) -> PathBuf {
+    std::env::current_dir().ok().and_then(|cwd| p.strip_prefix(&cwd).ok().map(Path::to_path_buf)).unwrap_or_else(|| p.to_path_buf())
+}
+
+/// A `--set key.path=value` argument as a figment provider.
+struct SetArg {
+    raw: String,
+    key: String,
+    value: Value,
+}
+
+impl SetArg {
+    fn parse(raw: &str) -> Result<Self, String> {
+        let (key, value) = raw.split_once('=').ok_or_else(|| format!("`--set {raw}`: expected key.path=value"))?;
+        let key = key.trim();
+        if key.is_empty() || key.split('.').any(str::is_empty) {
+            return Err(format!("`--set {raw}`: the key must be a dotted path such as stages.sampler.queue"));
+        }
+        let value = value.trim();
+        let parsed = toml::from_str::<toml::Table>(&format!("v = {value}"))
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .unwrap_or_else(|| toml::Value::String(value.to_string()));
+        let value = Value::serialize(parsed).map_err(|e| format!("`--set {raw}`: {e}"))?;
+        Ok(Self { raw: raw.to_string(), key: key.to_string(), value })
+    }
+}
+
+impl Provider for SetArg {
+    fn metadata(&self) -> Metadata {
+        Metadata::named("--set argument").source(figment::Source::Custom(format!("--set {}", self.raw)))
+    }
+    fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
+        let nested = figment::util::nest(&self.key, self.value.clone());
+        let dict = nested.into_dict().ok_or_else(|| figment::Error::from("--set produced no table".to_string()))?;
+        Ok(Profile::Default.collect(dict))
+    }
+}
+
+/// Prefix of the environment variables that override config values.
+pub const ENV_PREFIX: &str = "PIPELINE_";
+
+/// Why environment variable `var` cannot name a config key, if it is one of ours
+/// (`PIPELINE_...`) and cannot: an empty path part, from `___` or a `__` at either end
+/// (`PIPELINE_STAGES____QUEUE`, `PIPELINE_STAGES__MID__`), which figment would silently drop.
+fn env_key_problem(var: &str) -> Option<String> {
+    // figment matches the prefix in any case (`pipeline_...` sets keys too).
+    let rest = var.get(ENV_PREFIX.len()..).filter(|_| var.get(..ENV_PREFIX.len()).is_some_and(|p| p.eq_ignore_ascii_case(ENV_PREFIX)))?;
+    let parts: Vec<&str> = rest.split("__").collect();
+    if rest.is_empty() || parts.iter().any(|p| p.is_empty()) {
+        Some(format!(
+            "`{var}` has an empty key part (parts are separated by exactly two underscores, e.g. PIPELINE_STAGES__MID__QUEUE=4 sets stages.mid.queue); it would be ignored"
+        ))
+    } else {
+        None
+    }
+}
+
+/// Loads `path`, then the environment, then `sets`, into a [`Loaded`] config.
+pub fn load(path: &Path, sets: &[String]) -> Result<Loaded, ConfigErrors> {
+    load_with_env(path, sets, true)
+}
+
+/// As [`load`], optionally ignoring the environment (tests, benches).
+pub fn load_with_env(path: &Path, sets: &[String], use_env: bool) -> Result<Loaded, ConfigErrors> {
+    let mut errors = ConfigErrors::default();
+    let shown = path.display().to_string();
+    // A FIFO would block this read forever: only a regular file is read.
+    let text = match crate::runtime::files::read(path).map(String::from_utf8) {
+        Ok(Ok(t)) => t,
+        Ok(Err(_)) => {
+            errors.push(shown, None, "cannot read the config file: it is not UTF-8 text");
+            return Err(errors);
+        }
+        Err(e) => {
+            let why = match e.downcast_ref::<crate::runtime::files::NotRegular>() {
+                Some(n) => format!("the config must be a regular file; this is {}", n.what),
+                None => format!("cannot read the config file: {}", e.root_cause()),
+            };
+            errors.push(shown, None, why);
+            return Err(errors);
+        }
+    };
+    if let Err(e) = toml::from_str::<toml::Table>(&text) {
+        errors.push(shown, None, format!("not valid TOML: {}", e.to_string().trim_end()));
+        return Err(errors);
+    }
+    let mut figment = Figment::from(Toml::file_exact(path));
+    if use_env {
+        for (var, _) in std::env::vars_os() {
+            if let Some(msg) = var.to_str().and_then(env_key_problem) {
+                errors.push(format!("environment variable {}", var.to_string_lossy()), None, msg);
+            }
+        }
+        figment = figment.merge(Env::prefixed(ENV_PREFIX).split("__"));
+    }
+    for raw in sets {
+        match SetArg::parse(raw) {
+            Ok(set) => figment = figment.merge(set),
+            Err(msg) => errors.push("command line", None, msg),
+        }
+    }
+    errors.clone().into_result()?;
+    let config: Config = match figment.extract() {
+        Ok(c) => c,
+        Err(e) => {
+            let loaded = Loaded { figment, config: Config::default(), path: path.to_path_buf() };
+            push_figment_error(&mut errors, &loaded, None, e);
+            return Err(errors);
+        }
+    };
+    Ok(Loaded { figment, config, path: path.to_path_buf() })
+}
+
+/// Turns a figment error (possibly several) into issues; `prefix` is prepended to each key path
+/// (used for stage parameters, which are deserialised from a sub-table).
+pub fn push_figment_error(errors: &mut ConfigErrors, loaded: &Loaded, prefix: Option<&str>, err: figment::Error) {
+    for e in err {
+        let mut parts: Vec<String> = prefix.map(|p| p.split('.').map(String::from).collect()).unwrap_or_default();
+        parts.extend(e.path.iter().cloned());
+        // Unknown fields are reported at the parent path by serde; name the field itself.
+        match &e.kind {
+            figment::error::Kind::UnknownField(field, _) if parts.last() != Some(field) => parts.push(field.clone()),
+            figment::error::Kind::MissingField(field) if parts.last().map(String::as_str) != Some(field.as_ref()) => {
+                parts.push(field.to_string())
+            }
+            _ => {}
+        }
+        let top_level = parts.len() == 1;
+        let key = parts.join(".");
+        let origin = loaded.origin_of(&key);
+        let mut message = describe_kind(&e.kind);
+        if top_level {
+            message = message.replacen("unknown key", "unknown top-level table or key", 1);
+        }
+        errors.push(origin, if key.is_empty() { None } else { Some(key) }, message);
+    }
+}
+
+fn describe_kind(kind: &figment::error::Kind) -> String {
+    use figment::error::Kind;
+    match kind {
+        Kind::UnknownField(f, expected) => {
+            if expected.is_empty() {
+                format!("unknown key `{f}`; this table takes no keys")
+            } else {
+                format!("unknown key `{f}`; expected one of: {}", expected.join(", "))
+            }
+        }
+        Kind::MissingField(f) => format!("missing required key `{f}`"),
+        Kind::InvalidType(actual, expected) => format!("wrong type: found {actual}, expected {}", plain_type(expected)),
+        Kind::InvalidValue(actual, expected) => format!("invalid value: found {actual}, expected {}", plain_type(expected)),
+        Kind::UnknownVariant(v, expected) => format!("unknown value `{v}`; expected one of: {}", expected.join(", ")),
+        other => other.to_string(),
+    }
+}
+
+/// Serde's Rust type names in words a config author reads.
+fn plain_type(expected: &str) -> String {
+    match expected {
+        "i8" | "i16" | "i32" | "i64" | "i128" | "isize" => "an integer".into(),
+        "u8" | "u16" | "u32" | "u64" | "u128" | "usize" => "a non-negative integer".into(),
+        "f32" | "f64" => "a number".into(),
+        "a boolean" | "bool" => "true or false".into(),
+        other => other.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &Path, text: &str) -> PathBuf {
+        let p = dir.join("c.toml");
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    /// A fresh folder under the system's temp dir, removed when dropped.
+    struct TmpDir(PathBuf);
+
+    impl std::ops::Deref for TmpDir {
+        type Target = PathBuf;
+        fn deref(&self) -> &PathBuf {
+            &self.0
+        }
+    }
+
+    impl Drop for TmpDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn tmpdir(tag: &str) -> TmpDir {
+        let d = std::env::temp_dir().join(format!("pipeline-config-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        TmpDir(d)
+    }
+
+    #[test]
+    fn set_overrides_file_and_parses_toml_values() {
+        let d = tmpdir("set");
+        let p = write(&d, "[run]\nseed = 1\n[stages.a]\nkind = \"drain\"\n");
+        let l = load_with_env(&p, &["run.seed=7".into(), "run.name=abc".into(), "stages.a.queue=5".into()], false).unwrap();
+        assert_eq!(l.config.run.seed, 7);
+        assert_eq!(l.config.run.name, "abc");
+        assert_eq!(l.config.stages["a"]["queue"].to_i128(), Some(5));
+        assert_eq!(l.origin_of("run.seed"), "--set run.seed=7");
+    }
+
+    #[test]
+    fn unknown_run_key_names_file_and_key() {
+        let d = tmpdir("unknown");
+        let p = write(&d, "[run]\nseedd = 1\n");
+        let e = load_with_env(&p, &[], false).err().unwrap();
+        assert_eq!(e.0.len(), 1);
+        assert_eq!(e.0[0].key.as_deref(), Some("run.seedd"));
+        assert!(e.0[0].message.contains("unknown key `seedd`"), "{}", e);
+        assert!(e.0[0].origin.ends_with("c.toml"), "{}", e);
+    }
+
+    #[test]
+    fn env_variables_with_an_empty_key_part_are_named() {
+        for bad in ["PIPELINE_STAGES____QUEUE", "PIPELINE_STAGES__MID__", "PIPELINE___RUN__SEED", "PIPELINE_", "pipeline_stages____queue"] {
+            let msg = env_key_problem(bad).unwrap_or_else(|| panic!("{bad} passed"));
+            assert!(msg.contains(bad) && msg.contains("empty key part"), "{msg}");
+        }
+        for good in ["PIPELINE_STAGES__MID__QUEUE", "PIPELINE_RUN__SEED", "PIPELINE_TRAIN__VAL_MAX_TOKENS", "OTHER___X", "PATH"] {
+            assert_eq!(env_key_problem(good), None, "{good}");
+        }
+    }
+
+    #[test]
+    fn bad_set_argument_is_an_error() {
+        let d = tmpdir("badset");
+        let p = write(&d, "");
+        assert!(load_with_env(&p, &["noequals".into()], false).is_err());
+        assert!(load_with_env(&p, &["a..b=1".into()], false).is_err());
+    }
+}

@@ -1,0 +1,32 @@
+//! The ground floor: runs a graph of stages and measures it, knowing nothing of what the stages
+//! compute (no GPT, no tokens, no tensors).
+//!
+//! - [`config`]: layered config (TOML, `PIPELINE_*` environment, `--set`): the `[run]` table
+//!   and the raw `[stages.NAME]` tables; other top-level tables belong to the areas above.
+//! - [`stage`]: the `Source` / `Transform` / `Sink` contract, build context and extensions;
+//!   [`registry`]: a list of stage implementations, passed into the planner.
+//! - [`graph`]: checks stage tables against a registry and orders them into a [`graph::Plan`].
+//! - [`exec`]: threads, stop and abort, occupancy sampling; [`channel`]: instrumented ports
+//!   on bounded channels (private hot path); [`control`], [`clock`], [`metrics`].
+//! - [`message`], [`pool`]: what travels on channels and reusable buffers.
+//! - [`memory`]: a run's memory estimate against its budget; [`inject`]: slowdown and fault
+//!   injection; [`catalog`]: `pipeline stages`.
+//! - [`error`], [`files`], [`rundir`]: config errors, user-named files, run directories.
+
+pub mod catalog;
+mod channel;
+pub mod clock;
+pub mod config;
+pub mod control;
+pub mod error;
+pub mod exec;
+pub mod files;
+pub mod graph;
+pub mod inject;
+pub mod memory;
+pub mod message;
+pub mod metrics;
+pub mod pool;
+pub mod registry;
+pub mod rundir;
+pub mod stage;
