@@ -65,6 +65,7 @@ use criterion::{Criterion, SamplingMode, Throughput};
 use pipeline::runtime::config::Loaded;
 use pipeline::runtime::control::Control;
 use pipeline::runtime::message::Blob;
+use pipeline::train::config::Config;
 
 /// Items per run unless `HOP_BENCH_ITEMS` says otherwise.
 const DEFAULT_ITEMS: u64 = 1_000_000;
@@ -215,7 +216,7 @@ fn scratch() -> &'static Path {
 }
 
 /// Writes and loads the config of one runtime variant (environment ignored).
-fn load_chain(depth: usize, instrument: bool) -> Loaded {
+fn load_chain(depth: usize, instrument: bool) -> Loaded<Config> {
     let path = scratch().join(format!("hop-depth{depth}-instrument-{instrument}.toml"));
     std::fs::write(&path, chain_toml(depth, instrument)).expect("cannot write the bench config");
     match pipeline::runtime::config::load_with_env(&path, &[], false) {
@@ -225,7 +226,7 @@ fn load_chain(depth: usize, instrument: bool) -> Loaded {
 }
 
 /// One whole runtime run into a fresh `--out` directory, deleted afterwards (outside the timing).
-fn runtime_run(loaded: &Loaded) -> RunTiming {
+fn runtime_run(loaded: &Loaded<Config>) -> RunTiming {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let out = scratch().join(format!("run-{}", NEXT.fetch_add(1, Ordering::Relaxed)));
     let start = Instant::now();

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use pipeline::model::{Gpt, ModelConfig};
-use pipeline::runtime::config::TrainConfig;
+use pipeline::train::config::TrainConfig;
 use pipeline::train::trainer::Trainer;
 
 #[global_allocator]

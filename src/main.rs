@@ -12,6 +12,8 @@ use pipeline::report::document::Report;
 use pipeline::runtime::config;
 use pipeline::runtime::control::Control;
 use pipeline::runtime::graph;
+use pipeline::stages::REGISTRY;
+use pipeline::train::config::Config;
 
 /// `println!` that takes a closed stdout (a pipe to `head`, a terminal gone after SIGHUP) as
 /// nothing to print to, instead of panicking: the run directory has everything.
@@ -238,7 +240,7 @@ fn cmd_run(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool, 
         err!("error: cannot install the handler of SIGINT, SIGTERM and SIGHUP: {e}");
         return 1;
     }
-    let loaded = match config::load(&path, &sets) {
+    let loaded = match config::load::<Config>(&path, &sets) {
         Ok(l) => l,
         Err(e) => {
             err!("error: {e}");
@@ -375,11 +377,12 @@ fn cmd_parity(device: &str, dtype: &str, seed: u64, json: bool) -> i32 {
 }
 
 fn cmd_validate(path: PathBuf, sets: Vec<String>) -> i32 {
-    let result = config::load(&path, &sets).map_err(RunError::from).and_then(|loaded| {
-        let plan = graph::plan(&loaded)?;
+    let result = config::load::<Config>(&path, &sets).map_err(RunError::from).and_then(|loaded| {
+        let plan = graph::plan(&loaded, &REGISTRY)?;
         run::check_run_table(&loaded)?;
-        graph::check_resources(&plan, &loaded)?;
-        let memory = graph::memory(&plan, &loaded);
+        let ext = loaded.config.extensions();
+        graph::check_resources(&plan, &loaded, &ext)?;
+        let memory = graph::memory(&plan, &loaded, &ext, run::gpu_free(&loaded.config.run));
         out!("{}", memory.summary());
         graph::check_memory(&memory, &loaded)?;
         Ok(plan)
@@ -406,7 +409,7 @@ fn cmd_artifact(
     out: Option<PathBuf>,
     val_max_tokens: usize,
 ) -> i32 {
-    let loaded = match config::load(&path, &sets) {
+    let loaded = match config::load::<Config>(&path, &sets) {
         Ok(l) => l,
         Err(e) => {
             err!("error: {e}");
@@ -474,7 +477,7 @@ fn cmd_prepare(opts: pipeline::data::prepare::PrepareOptions) -> i32 {
 
 fn cmd_stages(json: bool) -> i32 {
     if json {
-        match serde_json::to_string_pretty(&pipeline::runtime::catalog::catalog()) {
+        match serde_json::to_string_pretty(&pipeline::runtime::catalog::catalog(&REGISTRY)) {
             Ok(s) => out!("{s}"),
             Err(e) => {
                 err!("error: {e}");
@@ -482,7 +485,7 @@ fn cmd_stages(json: bool) -> i32 {
             }
         }
     } else {
-        out_raw!("{}", pipeline::runtime::catalog::render());
+        out_raw!("{}", pipeline::runtime::catalog::render(&REGISTRY));
     }
     0
 }

@@ -20,9 +20,9 @@ use anyhow::Context;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use super::config;
 use crate::artifact::quant::{ARTIFACT_CAP_BYTES, Codec, QuantConfig};
 use crate::artifact::roundtrip::{size_lines, write_and_restore};
-use crate::data::batch::BatchShape;
 use crate::eval::bpb::BpbAccumulator;
 use crate::eval::validation::Validator;
 use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
@@ -62,7 +62,7 @@ pub struct Quantize {
     p: QuantizeParams,
     path: Option<PathBuf>,
     validator: Option<Validator>,
-    config: crate::runtime::config::Config,
+    config: crate::train::config::Config,
     log: StageLog,
 }
 
@@ -82,14 +82,14 @@ impl Transform for Quantize {
             anyhow::ensure!(!f.is_empty() && !f.contains('/'), "`file` must be a plain file name inside the run directory; found {f:?}");
         }
         if p.eval {
-            anyhow::ensure!(ctx.config.data.val.is_some(), "`eval = true` scores the round trip on `data.val`, which is not set");
+            anyhow::ensure!(config(ctx)?.data.val.is_some(), "`eval = true` scores the round trip on `data.val`, which is not set");
         }
         Ok(())
     }
 
     fn memory(p: &QuantizeParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
         use crate::model::memory::{MODEL_KEYS, ParamCounts, forward_bytes, snapshots_need};
-        let c = ctx.config;
+        let c = config(ctx)?;
         c.model.check()?;
         let total = ParamCounts::of(&c.model).total;
         // Quantized and compressed bytes (about one each per weight), the f32 copy restored
@@ -100,7 +100,7 @@ impl Transform for Quantize {
                 .transient(),
         ];
         if p.eval {
-            let shape = BatchShape::from_config(c)?;
+            let shape = c.batch_shape()?;
             let tokens = crate::eval::validation::tokens_per_pass(c, shape.micro_steps);
             let mut keys = vec!["train.val_batch_tokens"];
             keys.extend(MODEL_KEYS);
@@ -120,12 +120,12 @@ impl Transform for Quantize {
         Self::check(&p, ctx)?;
         let file = p.file.clone().unwrap_or_else(|| format!("final_model.int{}.{}.pgqz", p.bits, p.codec));
         let validator = if p.eval {
-            let shape = BatchShape::from_config(ctx.config)?;
-            Some(Validator::load(ctx.config, shape.micro_steps)?)
+            let shape = config(ctx)?.batch_shape()?;
+            Some(Validator::load(config(ctx)?, shape.micro_steps)?)
         } else {
             None
         };
-        Ok(Self { path: ctx.run_dir.map(|d| d.join(file)), p, validator, config: ctx.config.clone(), log: StageLog::new(ctx.run_dir) })
+        Ok(Self { path: ctx.run_dir.map(|d| d.join(file)), p, validator, config: config(ctx)?.clone(), log: StageLog::new(ctx.run_dir) })
     }
 
     fn process(&mut self, mut snap: TrainSnapshot, out: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {

@@ -22,6 +22,7 @@ use anyhow::Context;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use super::{config, resumed};
 use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
 use crate::train::checkpoint::{AveragerMeta, CheckpointMeta, VERSION};
 use crate::train::log::StageLog;
@@ -107,7 +108,7 @@ impl Transform for Atomic {
 
     fn memory(_p: &AtomicParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
         use crate::model::memory::{MODEL_KEYS, snapshot_bytes, snapshots_need};
-        let m = &ctx.config.model;
+        let m = &config(ctx)?.model;
         m.check()?;
         // The writer copies a snapshot's tensors to the host and serialises them into one buffer.
         Ok(vec![
@@ -140,13 +141,13 @@ impl Transform for Atomic {
         Ok(Self {
             p,
             dir,
-            seed: ctx.config.run.seed,
-            model: serde_json::to_value(&ctx.config.model)?,
+            seed: ctx.run.seed,
+            model: serde_json::to_value(&config(ctx)?.model)?,
             jobs: Some(jobs_tx),
             done: done_rx,
             writer,
             in_flight: None,
-            last_saved: ctx.resume.map(|c| c.meta.step),
+            last_saved: resumed(ctx).map(|c| c.meta.step),
             written: Vec::new(),
             failures: Vec::new(),
             log: StageLog::new(ctx.run_dir),

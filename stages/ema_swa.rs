@@ -21,6 +21,7 @@ use candle_core::{DType, Tensor};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use super::{config, resumed};
 use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
 use crate::train::checkpoint::Checkpoint;
 use crate::train::log::StageLog;
@@ -98,7 +99,7 @@ pub struct Averager {
 impl Averager {
     fn new(rule: Rule, eval: bool, ctx: &BuildCtx) -> anyhow::Result<Self> {
         let mut a = Self { rule, avg: None, count: 0, last_step: None, eval, log: StageLog::new(ctx.run_dir), stage: ctx.stage.into() };
-        if let Some(ck) = ctx.resume {
+        if let Some(ck) = resumed(ctx) {
             a.restore(ck)?;
         }
         Ok(a)
@@ -257,7 +258,7 @@ impl Averager {
 /// An averager's memory: its snapshots, and the f32 average it keeps.
 fn averager_memory(ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
     use crate::model::memory::{MODEL_KEYS, ParamCounts, snapshots_need};
-    let m = &ctx.config.model;
+    let m = &config(ctx)?.model;
     m.check()?;
     Ok(vec![
         snapshots_need(m, ctx.stage, ctx.queue),

@@ -8,7 +8,11 @@
 //! `crate::runtime::stage`) in its kind's file, then add one line below. The first implementation of a
 //! kind is the kind's default when a config leaves out `impl`.
 
-use crate::runtime::stage::{SinkImpl, SourceImpl, StageFactory, TransformImpl};
+use crate::report::document::Report;
+use crate::runtime::registry::Registry;
+use crate::runtime::stage::{BuildCtx, SinkImpl, SourceImpl, TransformImpl};
+use crate::train::checkpoint::Checkpoint;
+use crate::train::config::Config;
 
 pub mod artifact;
 pub mod checkpoint;
@@ -24,7 +28,7 @@ pub mod upload;
 pub mod window_sampler;
 
 /// Every stage implementation, in the order `pipeline stages` lists them.
-pub static REGISTRY: &[&dyn StageFactory] = &[
+pub static REGISTRY: Registry = Registry::new(&[
     &SourceImpl::<synthetic::Blobs>::new(),
     &TransformImpl::<delay::Sleep>::new(),
     &TransformImpl::<delay::Spin>::new(),
@@ -47,4 +51,81 @@ pub static REGISTRY: &[&dyn StageFactory] = &[
     &TransformImpl::<artifact::Quantize>::new(),
     &SinkImpl::<ttt_eval::ScoreFirst>::new(),
     &SinkImpl::<ttt_eval::Sliding>::new(),
-];
+]);
+
+/// The GPT application's config (`[data]`, `[model]`, `[train]`, `[run]`), which every stage
+/// here reads: a typed extension of the build context ([`Config::extensions`]).
+fn config<'a>(ctx: &BuildCtx<'a>) -> anyhow::Result<&'a Config> {
+    ctx.need::<Config>()
+}
+
+/// The checkpoint a resumed run continues from (`pipeline run --resume`): stages with state
+/// (sampler, executor, averager, checkpointer) restore theirs from it.
+fn resumed<'a>(ctx: &BuildCtx<'a>) -> Option<&'a Checkpoint> {
+    ctx.ext::<Checkpoint>()
+}
+
+/// For `nothing_left` only: the report of the process a resumed run continues
+/// (`RUN_DIR/report.json`), when `--resume` named that run directory and the run goes on in it
+/// with the same stages.
+fn previous<'a>(ctx: &BuildCtx<'a>) -> Option<&'a Report> {
+    ctx.ext::<Report>()
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::runtime::stage::Role;
+    const REGISTRY: &[&dyn crate::runtime::stage::StageFactory] = super::REGISTRY.all();
+
+    #[test]
+    fn no_duplicate_kind_impl_pairs() {
+        for (i, a) in REGISTRY.iter().enumerate() {
+            for b in &REGISTRY[i + 1..] {
+                assert!(!(a.kind() == b.kind() && a.name() == b.name()), "{}/{} registered twice", a.kind(), a.name());
+            }
+        }
+    }
+
+    #[test]
+    fn names_are_snake_case_and_documented() {
+        let ok = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        for f in REGISTRY {
+            assert!(ok(f.kind()) && ok(f.name()), "{}/{}: names must be snake_case", f.kind(), f.name());
+            assert!(!f.doc().is_empty(), "{}/{} has no doc line", f.kind(), f.name());
+        }
+    }
+
+    #[test]
+    fn one_role_per_kind_and_types_match_role() {
+        for f in REGISTRY {
+            for g in super::REGISTRY.impls(f.kind()) {
+                assert_eq!(f.role(), g.role(), "kind `{}` mixes roles", f.kind());
+            }
+            assert_eq!(f.input().is_none(), f.role() == Role::Source, "{}/{}", f.kind(), f.name());
+            assert_eq!(f.output().is_none(), f.role() == Role::Sink, "{}/{}", f.kind(), f.name());
+        }
+    }
+
+    #[test]
+    fn every_param_is_documented() {
+        for f in REGISTRY {
+            let schema = f.schema();
+            let props = schema.get("properties").and_then(|p| p.as_object()).cloned().unwrap_or_default();
+            for (name, prop) in props {
+                assert!(prop.get("description").is_some(), "{}/{}: parameter `{name}` has no doc comment", f.kind(), f.name());
+            }
+        }
+    }
+
+    #[test]
+    fn defaults_resolve_when_no_param_is_required() {
+        for f in REGISTRY {
+            let schema = f.schema();
+            let required = schema.get("required").and_then(|r| r.as_array()).map(|r| r.len()).unwrap_or(0);
+            if required == 0 {
+                let empty = figment::value::Value::from(figment::value::Dict::new());
+                f.resolve(&empty).unwrap_or_else(|e| panic!("{}/{}: {e}", f.kind(), f.name()));
+            }
+        }
+    }
+}

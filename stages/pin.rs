@@ -15,7 +15,8 @@ use std::sync::Arc;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::data::batch::{BatchShape, PinnedBatch, TokenBatch};
+use super::config;
+use crate::data::batch::{PinnedBatch, TokenBatch};
 use crate::data::staging::Staging;
 use crate::runtime::pool::Pool;
 use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
@@ -56,12 +57,12 @@ impl Transform for Pageable {
 
     fn check(p: &PinParams, ctx: &BuildCtx) -> anyhow::Result<()> {
         anyhow::ensure!(p.buffers >= 1, "`buffers` must be at least 1");
-        BatchShape::from_config(ctx.config)?;
+        config(ctx)?.batch_shape()?;
         Ok(())
     }
     fn build(p: PinParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&p, ctx)?;
-        let tokens = 2 * BatchShape::from_config(ctx.config)?.tokens();
+        let tokens = 2 * config(ctx)?.batch_shape()?.tokens();
         Ok(Self { pool: Pool::new(p.buffers, || Staging::Host(vec![0u32; tokens])) })
     }
     fn process(&mut self, batch: TokenBatch, out: &mut Emitter<'_, PinnedBatch>, ctx: &mut Ctx) -> anyhow::Result<()> {
@@ -98,23 +99,16 @@ impl Transform for Pinned {
 
     fn check(p: &PinParams, ctx: &BuildCtx) -> anyhow::Result<()> {
         Pageable::check(p, ctx)?;
-        crate::device::require_gpu(ctx.config, "`pin/pinned` (page-locked memory)", "`impl = \"pageable\"`")?;
+        crate::device::require_gpu(ctx.run, "`pin/pinned` (page-locked memory)", "`impl = \"pageable\"`")?;
         Ok(())
     }
 
-    #[cfg(feature = "cuda")]
     fn build(p: PinParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&p, ctx)?;
-        let tokens = 2 * BatchShape::from_config(ctx.config)?.tokens();
-        let device = crate::device::open(ctx.config)?;
+        let tokens = 2 * config(ctx)?.batch_shape()?.tokens();
+        let device = crate::device::open(ctx.run)?;
         let mut made = crate::device::cuda_copy::pinned_buffers(&device, p.buffers, tokens)?;
         Ok(Self { pool: Pool::new(p.buffers, || Staging::Pinned(made.pop().expect("one buffer per pool slot"))) })
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    fn build(p: PinParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
-        Self::check(&p, ctx)?;
-        anyhow::bail!("`pin/pinned` needs the `cuda` build")
     }
 
     fn process(&mut self, batch: TokenBatch, out: &mut Emitter<'_, PinnedBatch>, ctx: &mut Ctx) -> anyhow::Result<()> {

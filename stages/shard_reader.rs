@@ -17,6 +17,7 @@ use std::sync::Arc;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use super::config;
 use crate::data::batch::Shard;
 use crate::data::shard::{AccessMode, ShardFile, glob_sorted, read_header};
 use crate::runtime::stage::{BuildCtx, Ctx, Source};
@@ -44,8 +45,8 @@ pub struct ReaderParams {
 
 fn files_of(p: &ReaderParams, ctx: &BuildCtx) -> anyhow::Result<Vec<PathBuf>> {
     let (key, glob) = match p.split {
-        Split::Train => ("data.train", &ctx.config.data.train),
-        Split::Val => ("data.val", &ctx.config.data.val),
+        Split::Train => ("data.train", &config(ctx)?.data.train),
+        Split::Val => ("data.val", &config(ctx)?.data.val),
     };
     let glob = glob.as_deref().ok_or_else(|| anyhow::anyhow!("`{key}` is not set: give the glob of the shards to read"))?;
     glob_sorted(glob)
@@ -60,7 +61,7 @@ pub struct Reader {
 
 impl Reader {
     fn build(mode: AccessMode, p: ReaderParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
-        let (world, rank) = (ctx.config.run.world_size.max(1), ctx.config.run.rank);
+        let (world, rank) = (ctx.run.world_size.max(1), ctx.run.rank);
         let files: Vec<(usize, PathBuf)> =
             files_of(&p, ctx)?.into_iter().enumerate().filter(|(i, _)| !p.rank_shards || i % world == rank).collect();
         Ok(Self { mode, files, next: 0 })

@@ -31,18 +31,19 @@ use serde::{Deserialize, Serialize};
 
 use std::sync::Arc;
 
+use super::{config, previous, resumed};
 use crate::data::batch::{BatchShape, DeviceBatch, LoaderState};
 use crate::eval::bpb::BpbAccumulator;
 use crate::eval::validation::Validator;
 use crate::model::Gpt;
 use crate::model::attention_trial::AttentionShape;
 use crate::model::flash_attn::Attention;
-use crate::runtime::config::{Config, TrainConfig};
 use crate::runtime::control::StopReason;
 use crate::runtime::memory::Need;
 use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
 use crate::train::attention_choice;
 use crate::train::checkpoint::Checkpoint;
+use crate::train::config::{Config, TrainConfig};
 use crate::train::log::{Phases, StepTable, TrainLog, train_line, val_line};
 use crate::train::snapshot::{Ending, Moment, TrainSnapshot, TrainerState};
 use crate::train::trainer::Trainer;
@@ -177,13 +178,13 @@ impl Transform for Candle {
     const OUTPUT_OPTIONAL: bool = true;
 
     fn check(p: &CandleParams, ctx: &BuildCtx) -> anyhow::Result<()> {
-        let c = ctx.config;
+        let c = config(ctx)?;
         c.model.check()?;
         if matches!(crate::device::parse(&c.run.device)?, crate::device::DeviceName::Cpu) && p.dtype == Precision::Bf16 {
             anyhow::bail!("`dtype` = \"bf16\" is for GPUs: on `run.device` = \"cpu\" use \"f32\" (or \"f64\" for checks)");
         }
         single_rank(c)?;
-        BatchShape::from_config(c)?;
+        c.batch_shape()?;
         check_train(&c.train)?;
         anyhow::ensure!(c.data.val.is_some(), "`data.val` is not set: the step executor validates on the validation shards");
         let tok = c.data.tokenizer.as_deref().context("`data.tokenizer` is not set: val_bpb counts bytes with the sentencepiece model")?;
@@ -197,9 +198,9 @@ impl Transform for Candle {
 
     fn memory(p: &CandleParams, ctx: &BuildCtx) -> anyhow::Result<Vec<Need>> {
         use crate::model::memory::{MODEL_KEYS, ParamCounts, forward_bytes, training_bytes};
-        let c = ctx.config;
+        let c = config(ctx)?;
         c.model.check()?;
-        let shape = BatchShape::from_config(c)?;
+        let shape = c.batch_shape()?;
         let m = &c.model;
         let counts = ParamCounts::of(m);
         // f32 master weights and optimizer state in every mode but f64; bf16 products between
@@ -240,8 +241,8 @@ impl Transform for Candle {
     /// every stage after it): nothing to do at all, whichever checkpoint is newest (one at the
     /// last step may not exist: `at_end = false`, a failed write under `on_error`).
     fn nothing_left(_p: &CandleParams, ctx: &BuildCtx) -> Option<String> {
-        let c = ctx.config;
-        let (_, prev) = ctx.resume.zip(ctx.previous)?;
+        let c = config(ctx).ok()?;
+        let (_, prev) = resumed(ctx).zip(previous(ctx))?;
         let (steps, ending) = completed(prev, &c.train)?;
         let dir = ctx.run_dir.map(|d| d.display().to_string()).unwrap_or_default();
         Some(format!(
@@ -253,11 +254,11 @@ impl Transform for Candle {
 
     fn build(p: CandleParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&p, ctx)?;
-        let c = ctx.config;
+        let c = config(ctx)?;
         // A checkpoint made after the last step: no step is trained, ever again.
-        let finish_only = ctx.resume.and_then(|ck| training_end(ck.meta.step, ck.meta.train_ms, &c.train));
-        let shape = BatchShape::from_config(c)?;
-        let device = crate::device::open(c)?;
+        let finish_only = resumed(ctx).and_then(|ck| training_end(ck.meta.step, ck.meta.train_ms, &c.train));
+        let shape = c.batch_shape()?;
+        let device = crate::device::open(&c.run)?;
         let validator = Validator::load(c, shape.micro_steps)?;
         let (param_dtype, matmul_dtype) = p.dtype.dtypes();
         let mut model = Gpt::new(&c.model, c.run.seed, param_dtype, &device)?.with_matmul_dtype(matmul_dtype).with_attention(p.attention);
@@ -265,9 +266,9 @@ impl Transform for Candle {
         // "auto" on a GPU: both flash implementations tried at this run's shapes, each in a
         // process of its own, the faster that agrees taken.
         let mut auto_choice = None;
-        let trained = ctx.resume.and_then(trained_attention);
+        let trained = resumed(ctx).and_then(trained_attention);
         // Resuming, "auto" keeps the kernels the checkpoint trained with (no trial).
-        let kept = ctx.resume.and_then(|ck| attention_choice::kept(trained.as_deref(), &ck.path)).filter(|_| flash.is_some());
+        let kept = resumed(ctx).and_then(|ck| attention_choice::kept(trained.as_deref(), &ck.path)).filter(|_| flash.is_some());
         if let (Attention::Auto, Some(choice)) = (p.attention, kept) {
             model = model.with_attention(choice.kernels.attention());
             flash = Some(choice.kernels);
@@ -294,7 +295,7 @@ impl Transform for Candle {
         }
         let mut trainer = Trainer::new(model, &c.train, shape.micro_steps)?.with_phase_sync(p.sync_phases);
         let data = data_fingerprint(c)?;
-        let history = match ctx.resume {
+        let history = match resumed(ctx) {
             Some(ck) => Some(resume(&mut trainer, ck, shape, &data)?),
             None => None,
         };
@@ -302,8 +303,8 @@ impl Transform for Candle {
             Some(glob) => Some(validator.unigram_bpb(glob, c.model.vocab_size)?),
             None => None,
         };
-        let mut log = TrainLog::new(ctx.run_dir, c.train.iterations, p.progress, ctx.resume.is_some())?;
-        if let Some(ck) = ctx.resume {
+        let mut log = TrainLog::new(ctx.run_dir, c.train.iterations, p.progress, resumed(ctx).is_some())?;
+        if let Some(ck) = resumed(ctx) {
             log.line(&format!(
                 "resume: {} step:{} train_time:{:.0}ms data_fingerprint:{:016x}",
                 ck.path.display(),
@@ -335,8 +336,8 @@ impl Transform for Candle {
             }
         }
         let resumed_from = trainer.step();
-        let steps = StepTable::new(ctx.run_dir, ctx.resume.map(|ck| ck.meta.step))?;
-        let (train_ms, vals, last_loss, rolling, lr_mul) = match (ctx.resume, history) {
+        let steps = StepTable::new(ctx.run_dir, resumed(ctx).map(|ck| ck.meta.step))?;
+        let (train_ms, vals, last_loss, rolling, lr_mul) = match (resumed(ctx), history) {
             (Some(ck), Some(h)) => (ck.meta.train_ms, h.validations, ck.meta.train_loss, ck.meta.rolling, h.lr_mul.unwrap_or(1.0)),
             _ => (0.0, Vec::new(), f64::NAN, crate::data::batch::FINGERPRINT_SEED, 1.0),
         };
@@ -367,7 +368,7 @@ impl Transform for Candle {
             dropped_micro: 0,
             saved_at: None,
             emit: ctx.consumers > 0,
-            loader: ctx.resume.and_then(|ck| ck.meta.loader.clone()).map(Arc::new),
+            loader: resumed(ctx).and_then(|ck| ck.meta.loader.clone()).map(Arc::new),
             rolling,
             lr_mul,
             steps,

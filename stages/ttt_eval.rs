@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::data::batch::BatchShape;
+use super::config;
 use crate::eval::bpb::BpbAccumulator;
 use crate::eval::ttt::{SlidingConfig, TttConfig, TttEvent, score_first_ttt, sliding_eval};
 use crate::eval::validation::Validator;
@@ -111,18 +111,18 @@ fn sliding_cfg(seq_len: usize, stride: usize, batch_windows: usize, train_seq_le
 /// What both implementations share: the validation stream, the log, the config.
 struct Evaluator {
     validator: Validator,
-    config: crate::runtime::config::Config,
+    config: crate::train::config::Config,
     log: StageLog,
     done: bool,
 }
 
 impl Evaluator {
     fn new(ctx: &BuildCtx) -> anyhow::Result<Self> {
-        anyhow::ensure!(ctx.config.data.val.is_some(), "`data.val` is not set: this stage scores the validation shards");
-        let shape = BatchShape::from_config(ctx.config)?;
+        anyhow::ensure!(config(ctx)?.data.val.is_some(), "`data.val` is not set: this stage scores the validation shards");
+        let shape = config(ctx)?.batch_shape()?;
         Ok(Self {
-            validator: Validator::load(ctx.config, shape.micro_steps)?,
-            config: ctx.config.clone(),
+            validator: Validator::load(config(ctx)?, shape.micro_steps)?,
+            config: config(ctx)?.clone(),
             log: StageLog::new(ctx.run_dir),
             done: false,
         })
@@ -210,7 +210,7 @@ impl Evaluator {
 /// pass and (with TTT: `batch_seqs`) a training batch with its gradients and momentum.
 fn eval_memory(ctx: &BuildCtx, sliding: &SlidingConfig, ttt_batch: Option<usize>) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
     use crate::model::memory::{MODEL_KEYS, ParamCounts, forward_bytes, snapshots_need, training_bytes};
-    let m = &ctx.config.model;
+    let m = &config(ctx)?.model;
     m.check()?;
     let total = ParamCounts::of(m).total;
     let t = sliding.seq_len;
@@ -247,18 +247,18 @@ impl Sink for Sliding {
     type In = TrainSnapshot;
 
     fn check(p: &SlidingParams, ctx: &BuildCtx) -> anyhow::Result<()> {
-        let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, ctx.config.train.seq_len);
-        TttConfig { sliding: cfg, ..ScoreFirstParams::default().ttt(ctx.config.train.seq_len) }.check()
+        let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, config(ctx)?.train.seq_len);
+        TttConfig { sliding: cfg, ..ScoreFirstParams::default().ttt(config(ctx)?.train.seq_len) }.check()
     }
 
     fn memory(p: &SlidingParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
-        let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, ctx.config.train.seq_len);
+        let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, config(ctx)?.train.seq_len);
         eval_memory(ctx, &cfg, None)
     }
 
     fn build(p: SlidingParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&p, ctx)?;
-        let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, ctx.config.train.seq_len);
+        let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, config(ctx)?.train.seq_len);
         Ok(Self { cfg, ev: Evaluator::new(ctx)? })
     }
 
@@ -287,17 +287,17 @@ impl Sink for ScoreFirst {
     type In = TrainSnapshot;
 
     fn check(p: &ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<()> {
-        p.ttt(ctx.config.train.seq_len).check()
+        p.ttt(config(ctx)?.train.seq_len).check()
     }
 
     fn memory(p: &ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
-        let cfg = p.ttt(ctx.config.train.seq_len);
+        let cfg = p.ttt(config(ctx)?.train.seq_len);
         eval_memory(ctx, &cfg.sliding, Some(cfg.batch_seqs))
     }
 
     fn build(p: ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&p, ctx)?;
-        Ok(Self { cfg: p.ttt(ctx.config.train.seq_len), p, ev: Evaluator::new(ctx)? })
+        Ok(Self { cfg: p.ttt(config(ctx)?.train.seq_len), p, ev: Evaluator::new(ctx)? })
     }
 
     fn consume(&mut self, snap: TrainSnapshot, ctx: &mut Ctx) -> anyhow::Result<()> {

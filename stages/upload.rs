@@ -61,18 +61,16 @@ fn copy_to(batch: PinnedBatch, device: &Device) -> anyhow::Result<DeviceBatch> {
 /// `x`, `y` of `batch` copied from its page-locked buffer by `copier`; `upload_ns` is the device
 /// time of the copies that completed meanwhile (each also in the `copy_event` histogram). The
 /// buffer may go back to its pool at once: its next writer waits for this copy's event.
-#[cfg(feature = "cuda")]
 fn copy_pinned(copier: &mut crate::device::cuda_copy::Copier, batch: PinnedBatch, ctx: &mut Ctx) -> anyhow::Result<DeviceBatch> {
     let crate::data::staging::Staging::Pinned(src) = &**batch.buf else {
         anyhow::bail!("a CUDA copy stream copies from page-locked buffers: use `pin/pinned` before it");
     };
-    let (x, y) = copier.copy(src, batch.meta.shape)?;
+    let (x, y) = copier.copy(src, batch.meta.shape.rows, batch.meta.shape.seq_len)?;
     let upload_ns = record_copies(copier.finished()?, ctx);
     Ok(DeviceBatch { meta: batch.meta.clone(), x, y, upload_ns })
 }
 
 /// Records each copy time (ns) in the `copy_event` histogram; returns their sum.
-#[cfg(feature = "cuda")]
 fn record_copies(times: Vec<u64>, ctx: &mut Ctx) -> u64 {
     times.into_iter().inspect(|&ns| ctx.record("copy_event", ns)).sum()
 }
@@ -86,7 +84,6 @@ pub struct SyncParams {}
 pub struct OnDevice {
     device: Device,
     /// Copies from page-locked buffers on the executor's stream.
-    #[cfg(feature = "cuda")]
     copier: Option<crate::device::cuda_copy::Copier>,
 }
 
@@ -100,22 +97,15 @@ impl Transform for OnDevice {
     type Out = DeviceBatch;
 
     fn check(_p: &SyncParams, ctx: &BuildCtx) -> anyhow::Result<()> {
-        crate::device::parse(&ctx.config.run.device)?;
+        crate::device::parse(&ctx.run.device)?;
         Ok(())
     }
     fn build(_p: SyncParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
-        let device = crate::device::open(ctx.config)?;
-        #[cfg(feature = "cuda")]
+        let device = crate::device::open(ctx.run)?;
         let copier = if device.is_cuda() { Some(crate::device::cuda_copy::Copier::new(&device, false)?) } else { None };
-        Ok(Self {
-            device,
-            #[cfg(feature = "cuda")]
-            copier,
-        })
+        Ok(Self { device, copier })
     }
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     fn process(&mut self, batch: PinnedBatch, out: &mut Emitter<'_, DeviceBatch>, ctx: &mut Ctx) -> anyhow::Result<()> {
-        #[cfg(feature = "cuda")]
         if let Some(c) = &mut self.copier
             && batch.buf.is_pinned()
         {
@@ -125,9 +115,7 @@ impl Transform for OnDevice {
         out.emit(copy_to(batch, &self.device)?)?;
         Ok(())
     }
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     fn flush(&mut self, _out: &mut Emitter<'_, DeviceBatch>, ctx: &mut Ctx) -> anyhow::Result<()> {
-        #[cfg(feature = "cuda")]
         if let Some(c) = &mut self.copier {
             record_copies(c.drain()?, ctx);
         }
@@ -142,7 +130,6 @@ pub struct StreamParams {}
 
 /// `upload/stream`.
 pub struct CopyStream {
-    #[cfg(feature = "cuda")]
     copier: crate::device::cuda_copy::Copier,
 }
 
@@ -156,36 +143,22 @@ impl Transform for CopyStream {
     type Out = DeviceBatch;
 
     fn check(_p: &StreamParams, ctx: &BuildCtx) -> anyhow::Result<()> {
-        crate::device::require_gpu(ctx.config, "`upload/stream` (a CUDA copy stream)", "`impl = \"cpu\"` or `\"sync\"`")?;
+        crate::device::require_gpu(ctx.run, "`upload/stream` (a CUDA copy stream)", "`impl = \"cpu\"` or `\"sync\"`")?;
         Ok(())
     }
 
-    #[cfg(feature = "cuda")]
     fn build(p: StreamParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&p, ctx)?;
-        Ok(Self { copier: crate::device::cuda_copy::Copier::new(&crate::device::open(ctx.config)?, true)? })
+        Ok(Self { copier: crate::device::cuda_copy::Copier::new(&crate::device::open(ctx.run)?, true)? })
     }
 
-    #[cfg(not(feature = "cuda"))]
-    fn build(p: StreamParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
-        Self::check(&p, ctx)?;
-        anyhow::bail!("`upload/stream` needs the `cuda` build")
-    }
-
-    #[cfg(feature = "cuda")]
     fn process(&mut self, batch: PinnedBatch, out: &mut Emitter<'_, DeviceBatch>, ctx: &mut Ctx) -> anyhow::Result<()> {
         out.emit(copy_pinned(&mut self.copier, batch, ctx)?)?;
         Ok(())
     }
 
-    #[cfg(feature = "cuda")]
     fn flush(&mut self, _out: &mut Emitter<'_, DeviceBatch>, ctx: &mut Ctx) -> anyhow::Result<()> {
         record_copies(self.copier.drain()?, ctx);
         Ok(())
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    fn process(&mut self, _batch: PinnedBatch, _out: &mut Emitter<'_, DeviceBatch>, _ctx: &mut Ctx) -> anyhow::Result<()> {
-        anyhow::bail!("`upload/stream` needs the `cuda` build")
     }
 }

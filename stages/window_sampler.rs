@@ -24,6 +24,7 @@ use anyhow::Context;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use super::{config, resumed};
 use crate::data::batch::{BatchMeta, BatchShape, FINGERPRINT_SEED, LoaderState, Shard, ShardCursor, TokenBatch, TokenBuf, mix, mix_window};
 use crate::data::shard::{ShardError, ShardFile};
 use crate::runtime::pool::Pool;
@@ -476,10 +477,10 @@ pub struct WindowStage {
 impl WindowStage {
     fn build(order: Order, params: SamplerParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&params)?;
-        let shape = BatchShape::from_config(ctx.config)?;
-        let vocab = if params.check_tokens { crate::data::tokenizer::vocab_size_of_config(ctx.config)? } else { None };
-        let resume = ctx.resume.and_then(|c| c.meta.loader.clone());
-        Ok(Self { order, params, shape, seed: ctx.config.run.seed, vocab, shards: Vec::new(), sampler: None, pool: None, resume })
+        let shape = config(ctx)?.batch_shape()?;
+        let vocab = if params.check_tokens { config(ctx)?.data.tokenizer_vocab()? } else { None };
+        let resume = resumed(ctx).and_then(|c| c.meta.loader.clone());
+        Ok(Self { order, params, shape, seed: ctx.run.seed, vocab, shards: Vec::new(), sampler: None, pool: None, resume })
     }
 
     fn check(p: &SamplerParams) -> anyhow::Result<()> {
@@ -554,9 +555,9 @@ macro_rules! sampler_impl {
 
             fn check(p: &SamplerParams, ctx: &BuildCtx) -> anyhow::Result<()> {
                 WindowStage::check(p)?;
-                BatchShape::from_config(ctx.config)?;
+                config(ctx)?.batch_shape()?;
                 if p.check_tokens {
-                    crate::data::tokenizer::vocab_size_of_config(ctx.config)?;
+                    config(ctx)?.data.tokenizer_vocab()?;
                 }
                 Ok(())
             }

@@ -16,10 +16,9 @@ use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
 use crate::artifact::quant::{ARTIFACT_CAP_BYTES, ArtifactStats, QuantConfig, from_bytes, quantize};
-use crate::data::batch::BatchShape;
 use crate::eval::validation::Validator;
 use crate::model::Gpt;
-use crate::runtime::config::Config;
+use crate::train::config::Config;
 
 /// What `pipeline artifact` measured.
 #[derive(Clone, Debug, Serialize)]
@@ -123,7 +122,7 @@ pub fn build(
     config.run.world_size = 1;
     config.run.rank = 0;
     let config = &config;
-    let shape = BatchShape::from_config(config)?;
+    let shape = config.batch_shape()?;
     let validator = Validator::load(config, shape.micro_steps)?;
     if validator.targets() < validator.split_targets() {
         log(&format!(
@@ -167,7 +166,7 @@ pub fn build(
 
 /// A model of `[model]` on the run's device holding `weights` (f32).
 pub fn model_from(config: &Config, weights: &[(String, Tensor)]) -> anyhow::Result<Gpt> {
-    let device = crate::device::open(config)?;
+    let device = crate::device::open(&config.run)?;
     let mut model = Gpt::new(&config.model, config.run.seed, DType::F32, &device)?;
     let state: std::collections::HashMap<_, _> = weights.iter().cloned().collect();
     model.load_state(&state).context("the weights do not fit `[model]`")?;

@@ -302,7 +302,6 @@ pub fn run(device: &Device, device_name: &str, dtype: DType, seed: u64) -> anyho
     let mut compared = model_comparisons(&problem, &reference, &got, dtype)?;
     if !device.is_cpu() {
         compared.extend(kernel_checks(device, dtype, seed)?);
-        #[cfg(feature = "cuda")]
         for (name, dedicated) in [("upload stream", true), ("upload sync", false)] {
             // 3 x the copy stream's ring: every slot is reused twice.
             // The count itself is the error: one differing token fails.

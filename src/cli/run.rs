@@ -12,6 +12,8 @@ use crate::runtime::exec::{self, BuildError};
 use crate::runtime::graph::{self, Plan};
 use crate::runtime::memory::Estimate;
 use crate::runtime::rundir;
+use crate::stages::REGISTRY;
+use crate::train::config::Config;
 
 /// Why a run could not produce a report.
 #[derive(Debug, thiserror::Error)]
@@ -76,7 +78,7 @@ impl RunOutcome {
 }
 
 /// The run's name: `[run] name`, else the config file's stem.
-pub fn run_name(loaded: &Loaded) -> String {
+pub fn run_name(loaded: &Loaded<Config>) -> String {
     let n = &loaded.config.run.name;
     if !n.is_empty() {
         return n.clone();
@@ -85,7 +87,7 @@ pub fn run_name(loaded: &Loaded) -> String {
 }
 
 /// Checks `[run]`: the device names something this binary can run on, and times are sane.
-pub fn check_run_table(loaded: &Loaded) -> Result<(), ConfigErrors> {
+pub fn check_run_table(loaded: &Loaded<Config>) -> Result<(), ConfigErrors> {
     let dev = loaded.config.run.device.as_str();
     let mut errors = ConfigErrors::default();
     let max = loaded.config.run.max_seconds;
@@ -124,13 +126,13 @@ pub fn check_run_table(loaded: &Loaded) -> Result<(), ConfigErrors> {
 /// With `resume` (a run directory or a checkpoint file), the stages restore their state from
 /// the checkpoint and the run continues in the checkpoint's run directory, or in `out`.
 pub fn run(
-    loaded: &Loaded,
+    loaded: &Loaded<Config>,
     out: Option<&Path>,
     resume: Option<&Path>,
     control: Arc<Control>,
     on_start: impl FnOnce(&Path, &Estimate),
 ) -> Result<RunOutcome, RunError> {
-    let plan: Plan = graph::plan(loaded)?;
+    let plan: Plan = graph::plan(loaded, &REGISTRY)?;
     check_run_table(loaded)?;
     let name = run_name(loaded);
     let checkpoint = resume.map(crate::train::checkpoint::resolve).transpose().map_err(RunError::resume)?;
@@ -142,14 +144,21 @@ pub fn run(
     // before anything is estimated, allocated or written. A checkpoint named by its file is a
     // deliberate point to go on from, and is taken as one.
     let previous = continued.as_deref().filter(|_| resume.is_some_and(Path::is_dir)).and_then(|d| previous_report(d, &plan));
-    if previous.is_some()
-        && let Some(message) = graph::nothing_left(&plan, loaded, continued.as_deref(), checkpoint.as_ref(), previous.as_ref())?
-    {
-        return Err(RunError::Complete(message));
+    let mut ext = loaded.config.extensions();
+    if let Some(c) = checkpoint {
+        ext.insert(c);
+    }
+    if let Some(p) = previous {
+        ext.insert(p);
+        if let Some(message) = graph::nothing_left(&plan, loaded, &ext, continued.as_deref())? {
+            return Err(RunError::Complete(message));
+        }
+        // The previous report is for `nothing_left` only.
+        ext.remove::<Report>();
     }
     // Before anything is allocated: a model too big for memory is refused here, not aborted
     // by the allocator halfway through building it.
-    let memory = graph::memory(&plan, loaded);
+    let memory = graph::memory(&plan, loaded, &ext, gpu_free(&loaded.config.run));
     graph::check_memory(&memory, loaded)?;
     let (run_dir, fresh) = match continued {
         Some(d) => (d, false),
@@ -157,7 +166,7 @@ pub fn run(
     };
     // Build every stage before anything is written: a stage that cannot be built leaves the
     // run directory as it was.
-    let built = match exec::build(&plan, &loaded.config, Some(&run_dir), checkpoint.as_ref()) {
+    let built = match exec::build(&plan, &loaded.config.run, &ext, Some(&run_dir)) {
         Ok(b) => b,
         Err(e) => {
             // Nothing ran: leave no new run directory behind.
@@ -178,7 +187,7 @@ pub fn run(
     write_resolved_config(loaded, &plan, &run_dir)?;
     on_start(&run_dir, &memory);
     let started = rundir::now_rfc3339();
-    let result = exec::run(&plan, &loaded.config, built, control);
+    let result = exec::run(&plan, &loaded.config.run, built, control);
     let meta = ReportMeta {
         name: &name,
         config_path: &loaded.path,
@@ -224,7 +233,7 @@ fn run_dir_of(checkpoint: &Path) -> anyhow::Result<PathBuf> {
 
 /// Writes `RUN_DIR/config.toml`: every layer merged and every default filled in, so the run can
 /// be repeated with `pipeline run RUN_DIR/config.toml`.
-fn write_resolved_config(loaded: &Loaded, plan: &Plan, run_dir: &Path) -> anyhow::Result<()> {
+fn write_resolved_config(loaded: &Loaded<Config>, plan: &Plan, run_dir: &Path) -> anyhow::Result<()> {
     let mut cfg = loaded.config.clone();
     if cfg.run.name.is_empty() {
         cfg.run.name = run_name(loaded);
@@ -237,4 +246,10 @@ fn write_resolved_config(loaded: &Loaded, plan: &Plan, run_dir: &Path) -> anyhow
         toml::to_string_pretty(&table)?
     );
     rundir::write_atomic(&run_dir.join("config.toml"), text.as_bytes())
+}
+
+/// The free memory of the GPU `[run] device` names, the memory estimate's budget when
+/// `max_memory_gb` is 0 (`None` on "cpu", or where it cannot be read).
+pub fn gpu_free(run: &crate::runtime::config::RunConfig) -> Option<u64> {
+    (run.device != "cpu" && run.max_memory_gb <= 0.0).then(|| crate::device::gpu_free_memory(&run.device)).flatten()
 }

@@ -16,7 +16,6 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::data::shard::ShardFile;
-use crate::runtime::config::Config;
 use crate::runtime::message::Message;
 use crate::runtime::pool::Pooled;
 
@@ -56,44 +55,35 @@ pub struct BatchShape {
 }
 
 impl BatchShape {
-    /// Derives the shape from `[train]` and `[run]`, with an error naming the keys that do not
+    /// The shape of `batch_tokens` per step over `world` ranks in `grad_accum_steps`
+    /// micro-batches (0: 8 / world, as the challenge scripts do) of `seq_len`-token sequences,
+    /// for `rank`. Errors name the config keys these come from (`train.*`, `run.*`) that do not
     /// divide.
-    pub fn from_config(config: &Config) -> anyhow::Result<Self> {
-        let t = &config.train;
-        let world = config.run.world_size;
+    pub fn new(seq_len: usize, batch_tokens: usize, grad_accum_steps: usize, world: usize, rank: usize) -> anyhow::Result<Self> {
         anyhow::ensure!(world >= 1, "`run.world_size` must be at least 1");
-        anyhow::ensure!(config.run.rank < world, "`run.rank` ({}) must be below `run.world_size` ({world})", config.run.rank);
-        let micro = if t.grad_accum_steps == 0 {
+        anyhow::ensure!(rank < world, "`run.rank` ({rank}) must be below `run.world_size` ({world})");
+        let micro = if grad_accum_steps == 0 {
             anyhow::ensure!(
                 8 % world == 0,
                 "`train.grad_accum_steps` = 0 means 8 / world_size, but `run.world_size` = {world} does not divide 8; set it explicitly"
             );
             8 / world
         } else {
-            t.grad_accum_steps
+            grad_accum_steps
         };
-        anyhow::ensure!(t.seq_len >= 1, "`train.seq_len` must be at least 1");
-        let per_micro = world.checked_mul(micro).filter(|&p| p.checked_mul(t.seq_len).is_some()).ok_or_else(|| {
-            anyhow::anyhow!(
-                "`run.world_size` ({world}) x `train.grad_accum_steps` ({micro}) x `train.seq_len` ({}) is too large",
-                t.seq_len
-            )
+        anyhow::ensure!(seq_len >= 1, "`train.seq_len` must be at least 1");
+        let per_micro = world.checked_mul(micro).filter(|&p| p.checked_mul(seq_len).is_some()).ok_or_else(|| {
+            anyhow::anyhow!("`run.world_size` ({world}) x `train.grad_accum_steps` ({micro}) x `train.seq_len` ({}) is too large", seq_len)
         })?;
         anyhow::ensure!(
-            t.batch_tokens.is_multiple_of(per_micro)
-                && (t.batch_tokens / per_micro).is_multiple_of(t.seq_len)
-                && t.batch_tokens >= per_micro * t.seq_len,
+            batch_tokens.is_multiple_of(per_micro)
+                && (batch_tokens / per_micro).is_multiple_of(seq_len)
+                && batch_tokens >= per_micro * seq_len,
             "`train.batch_tokens` ({}) must split into world_size ({world}) x grad_accum_steps ({micro}) micro-batches of whole `train.seq_len` ({}) sequences",
-            t.batch_tokens,
-            t.seq_len
+            batch_tokens,
+            seq_len
         );
-        Ok(Self {
-            seq_len: t.seq_len,
-            rows: t.batch_tokens / per_micro / t.seq_len,
-            micro_steps: micro,
-            world_size: world,
-            rank: config.run.rank,
-        })
+        Ok(Self { seq_len, rows: batch_tokens / per_micro / seq_len, micro_steps: micro, world_size: world, rank })
     }
 
     /// Tokens in one micro-batch of this rank (`rows * seq_len`).
@@ -253,23 +243,13 @@ mod tests {
 
     #[test]
     fn shapes_follow_the_challenge() {
-        let mut c = Config::default();
-        c.train.seq_len = 2048;
-        c.train.batch_tokens = 786_432;
-        let s = BatchShape::from_config(&c).unwrap();
+        let s = BatchShape::new(2048, 786_432, 0, 1, 0).unwrap();
         assert_eq!((s.rows, s.micro_steps), (48, 8));
-        c.run.world_size = 8;
-        c.run.rank = 3;
-        let s = BatchShape::from_config(&c).unwrap();
+        let s = BatchShape::new(2048, 786_432, 0, 8, 3).unwrap();
         assert_eq!((s.rows, s.micro_steps, s.rank), (48, 1, 3));
-        c.train.batch_tokens = 1000;
-        let e = BatchShape::from_config(&c).unwrap_err().to_string();
+        let e = BatchShape::new(2048, 1000, 0, 8, 3).unwrap_err().to_string();
         assert!(e.contains("train.batch_tokens"), "{e}");
-        c.run.world_size = 4;
-        c.run.rank = 0;
-        c.train.grad_accum_steps = 1 << 62;
-        c.train.batch_tokens = 0;
-        let e = BatchShape::from_config(&c).unwrap_err().to_string();
+        let e = BatchShape::new(2048, 0, 1 << 62, 4, 0).unwrap_err().to_string();
         assert!(e.contains("too large"), "{e}");
     }
 }

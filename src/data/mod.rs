@@ -4,6 +4,7 @@
 //! in before its upload ([`staging`]).
 
 pub mod batch;
+pub mod config;
 pub mod prepare;
 pub mod shard;
 pub mod staging;

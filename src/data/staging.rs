@@ -11,7 +11,6 @@ pub enum Staging {
     /// Pageable host memory.
     Host(Vec<u32>),
     /// Page-locked host memory (write-combined: fast to write, slow to read on the host).
-    #[cfg(feature = "cuda")]
     Pinned(crate::device::cuda_copy::PinnedBuffer),
 }
 
@@ -20,7 +19,6 @@ impl Staging {
     pub fn len(&self) -> usize {
         match self {
             Staging::Host(v) => v.len(),
-            #[cfg(feature = "cuda")]
             Staging::Pinned(p) => p.len(),
         }
     }
@@ -34,7 +32,6 @@ impl Staging {
     pub fn as_slice(&self) -> anyhow::Result<&[u32]> {
         match self {
             Staging::Host(v) => Ok(v),
-            #[cfg(feature = "cuda")]
             Staging::Pinned(p) => Ok(p.as_slice()?),
         }
     }
@@ -43,7 +40,6 @@ impl Staging {
     pub fn as_mut_slice(&mut self) -> anyhow::Result<&mut [u32]> {
         match self {
             Staging::Host(v) => Ok(v),
-            #[cfg(feature = "cuda")]
             Staging::Pinned(p) => Ok(p.as_mut_slice()?),
         }
     }

@@ -14,8 +14,6 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use sha2::Digest;
 
-use crate::runtime::config::Config;
-
 /// A loaded sentencepiece model.
 pub struct Tokenizer {
     /// Where it was loaded from.
@@ -46,11 +44,6 @@ fn read_model(path: &Path) -> anyhow::Result<(Vec<u8>, sentencepiece_model::Sent
 /// The vocabulary size of a sentencepiece model file.
 pub fn vocab_size(path: &Path) -> anyhow::Result<usize> {
     Ok(read_model(path)?.1.pieces().len())
-}
-
-/// The vocabulary size of `[data] tokenizer`, if one is configured.
-pub fn vocab_size_of_config(config: &Config) -> anyhow::Result<Option<usize>> {
-    config.data.tokenizer.as_deref().map(vocab_size).transpose().context("`data.tokenizer`")
 }
 
 impl Tokenizer {

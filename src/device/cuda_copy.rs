@@ -29,8 +29,6 @@ use candle_core::cuda_backend::cudarc::driver::{CudaContext, CudaEvent, CudaSlic
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, Device, Storage, Tensor};
 
-use crate::data::batch::BatchShape;
-
 /// Device buffers a dedicated copy stream cycles through. Two let the copy of the next
 /// micro-batch run while the compute stream has not yet reached the current one; more only let
 /// copies run further ahead, which the compute stream cannot use.
@@ -182,11 +180,11 @@ impl Copier {
         })
     }
 
-    /// Queues the copy of `src` (x then y, `2 * shape.tokens()` u32) to the GPU and returns `x`
+    /// Queues the copy of `src` (x then y, each `rows x seq_len` u32) to the GPU and returns `x`
     /// and `y`, tensors on the compute stream that no kernel queued after this call can read
     /// before the copy is done. Returns without waiting for the copy.
-    pub fn copy(&mut self, src: &PinnedBuffer, shape: BatchShape) -> anyhow::Result<(Tensor, Tensor)> {
-        let n = 2 * shape.tokens();
+    pub fn copy(&mut self, src: &PinnedBuffer, rows: usize, seq_len: usize) -> anyhow::Result<(Tensor, Tensor)> {
+        let n = 2 * rows * seq_len;
         anyhow::ensure!(src.len() == n, "staging buffer of {} tokens for a micro-batch of {n}", src.len());
         let span = self.span()?;
         // SAFETY: every element is written by the copy below before anything reads it.
@@ -221,7 +219,7 @@ impl Copier {
         }
         self.pending.push_back(span);
         let storage = CudaStorage::wrap_cuda_slice(dst, self.device.clone());
-        let both = Tensor::from_storage(Storage::Cuda(storage), (2, shape.rows, shape.seq_len), BackpropOp::none(), false);
+        let both = Tensor::from_storage(Storage::Cuda(storage), (2, rows, seq_len), BackpropOp::none(), false);
         Ok((both.get(0)?, both.get(1)?))
     }
 
@@ -258,8 +256,8 @@ impl Copier {
 /// ordered; a slot overwritten before the compute stream copied out of it, or a tensor read
 /// before its copy, shows as differing tokens.
 pub fn check_copies(device: &Device, dedicated: bool, batches: usize) -> anyhow::Result<(usize, usize)> {
-    let shape = BatchShape { seq_len: 1024, rows: 16, micro_steps: 1, world_size: 1, rank: 0 };
-    let n = 2 * shape.tokens();
+    let (rows, seq_len) = (16, 1024);
+    let n = 2 * rows * seq_len;
     let pattern = |batch: usize, j: usize| (batch as u32).wrapping_mul(2_654_435_761) ^ (j as u32).wrapping_mul(40_503);
     let mut pinned = pinned_buffers(device, 2, n)?;
     let mut copier = Copier::new(device, dedicated)?;
@@ -273,7 +271,7 @@ pub fn check_copies(device: &Device, dedicated: bool, batches: usize) -> anyhow:
         for (j, v) in buf.as_mut_slice()?.iter_mut().enumerate() {
             *v = pattern(i, j);
         }
-        got.push(copier.copy(buf, shape)?);
+        got.push(copier.copy(buf, rows, seq_len)?);
     }
     let mut wrong = 0usize;
     for (i, (x, y)) in got.iter().enumerate() {

@@ -2,11 +2,14 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda_copy;
+#[cfg(not(feature = "cuda"))]
+#[path = "no_cuda_copy.rs"]
+pub mod cuda_copy;
 pub mod phase_clock;
 
 use candle_core::Device;
 
-use crate::runtime::config::Config;
+use crate::runtime::config::RunConfig;
 
 /// What `run.device` names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,23 +37,23 @@ pub const CUDA_BUILD: bool = cfg!(feature = "cuda");
 
 /// Checks that a GPU-only stage implementation (`what`, e.g. "`pin/pinned`") can run: a `cuda`
 /// build and a CUDA `run.device`; the errors name `instead`, the implementation to use.
-pub fn require_gpu(c: &Config, what: &str, instead: &str) -> anyhow::Result<()> {
+pub fn require_gpu(run: &RunConfig, what: &str, instead: &str) -> anyhow::Result<()> {
     anyhow::ensure!(
         CUDA_BUILD,
         "{what} needs CUDA: this binary was built without the `cuda` feature (scripts/build-cuda.sh); use {instead}"
     );
     anyhow::ensure!(
-        matches!(parse(&c.run.device)?, DeviceName::Cuda(_)),
+        matches!(parse(&run.device)?, DeviceName::Cuda(_)),
         "{what} is for GPU runs: `run.device` = {:?}; use {instead} on the CPU",
-        c.run.device
+        run.device
     );
     Ok(())
 }
 
 /// Opens the device `run.device` names. A CUDA device in a CPU-only build, or on a machine
 /// without a driver or the CUDA libraries, is an error naming the key and what is missing.
-pub fn open(c: &Config) -> anyhow::Result<Device> {
-    open_named(&c.run.device)
+pub fn open(run: &RunConfig) -> anyhow::Result<Device> {
+    open_named(&run.device)
 }
 
 /// Opens the device a `run.device` value names (for commands that take it as a flag); errors

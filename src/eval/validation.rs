@@ -16,7 +16,7 @@ use candle_core::{DType, Tensor};
 use crate::data::shard::{AccessMode, ShardFile, glob_sorted};
 use crate::eval::bpb::{BpbAccumulator, ByteTables, unigram_bpb, validation_tokens};
 use crate::model::Gpt;
-use crate::runtime::config::Config;
+use crate::train::config::Config;
 
 /// Training tokens read (at most) to count unigram frequencies.
 const UNIGRAM_MAX_TOKENS: u64 = 64 << 20;

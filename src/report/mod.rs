@@ -2,4 +2,5 @@
 //! verdict ([`verdict`]) computed from the stage and channel tables ([`tables`]).
 
 pub mod document;
+pub mod tables;
 pub mod verdict;

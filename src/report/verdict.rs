@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::report::document::{ChannelReport, StageReport};
+use crate::report::tables::{ChannelReport, StageReport};
 use crate::runtime::graph::Plan;
 
 /// Below this busy fraction no stage counts as saturated.

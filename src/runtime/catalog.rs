@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use crate::runtime::registry;
+use crate::runtime::registry::Registry;
 
 /// One parameter of an implementation.
 #[derive(Debug, Clone, Serialize)]
@@ -66,10 +66,10 @@ fn type_of(prop: &serde_json::Value, schema: &serde_json::Value) -> String {
 }
 
 /// Describes every registered implementation.
-pub fn catalog() -> Vec<ImplDoc> {
+pub fn catalog(registry: &Registry) -> Vec<ImplDoc> {
     let mut out = Vec::new();
-    for kind in registry::kinds() {
-        for f in registry::impls(kind) {
+    for kind in registry.kinds() {
+        for f in registry.impls(kind) {
             let schema = serde_json::to_value(f.schema()).unwrap_or_default();
             let required: Vec<&str> = schema
                 .get("required")
@@ -99,11 +99,11 @@ pub fn catalog() -> Vec<ImplDoc> {
 }
 
 /// The catalog as text.
-pub fn render() -> String {
+pub fn render(registry: &Registry) -> String {
     use std::fmt::Write;
     let mut o = String::new();
     let mut last_kind = String::new();
-    for d in catalog() {
+    for d in catalog(registry) {
         if d.kind != last_kind {
             let _ = writeln!(o, "{}{} ({})", if last_kind.is_empty() { "" } else { "\n" }, d.kind, d.role);
             last_kind = d.kind.clone();

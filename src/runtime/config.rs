@@ -7,9 +7,11 @@
 //! 3. `--set key.path=value` arguments; the value is read as TOML (`100`, `1.5`, `true`,
 //!    `"text"`, `[1, 2]`), and as a plain string if it is not valid TOML.
 //!
-//! Top-level tables: `[run]` (this file), `[data]`, `[model]`, `[train]` and `[stages.NAME]`.
-//! Stage tables are kept raw here and checked by [`crate::runtime::graph`] against the implementation
-//! each one names.
+//! The runtime owns `[run]` ([`RunConfig`]) and the raw `[stages.NAME]` tables, checked by
+//! [`crate::runtime::graph`] against the implementation each one names. An application adds its
+//! own top-level tables in a type implementing [`Tables`] (the GPT's is `train::config::Config`:
+//! `[data]`, `[model]`, `[train]`); [`load`] reads any such type, and [`Loaded`] says where each
+//! value came from.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -18,6 +20,7 @@ use figment::providers::{Env, Format, Toml};
 use figment::value::{Dict, Map, Value};
 use figment::{Figment, Metadata, Profile, Provider};
 use schemars::JsonSchema;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::runtime::error::ConfigErrors;
@@ -79,152 +82,50 @@ impl Default for RunConfig {
     }
 }
 
-/// `[data]`: the token shards and tokenizer the data stages read.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, default)]
-pub struct DataConfig {
-    /// Glob of the training shards, e.g. "data/golf_en_sp1024/fineweb_train_*.bin".
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub train: Option<String>,
-    /// Glob of the validation shards.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub val: Option<String>,
-    /// Path of the sentencepiece model the shards were made with.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tokenizer: Option<PathBuf>,
+/// What the runtime needs of an application's config: the `[run]` table and the raw
+/// `[stages.NAME]` tables. The application's type (`train::config::Config`) adds its own
+/// top-level tables beside them, each owned by the area it configures; the runtime never reads
+/// them.
+pub trait Tables: DeserializeOwned + Default {
+    /// `[run]`.
+    fn run(&self) -> &RunConfig;
+    /// `[stages.NAME]`, raw until the planner resolves them.
+    fn stages(&self) -> &BTreeMap<String, Dict>;
 }
 
-/// `[train]`: the shape of a training step, its schedule, optimizers, validation and logging.
-/// Defaults are the challenge baseline's (`train_gpt.py`; its environment variable in brackets).
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, default)]
-pub struct TrainConfig {
-    /// Tokens per sequence [TRAIN_SEQ_LEN].
-    pub seq_len: usize,
-    /// Tokens per optimizer step over all ranks, the global batch [TRAIN_BATCH_TOKENS].
-    pub batch_tokens: usize,
-    /// Micro-batches per step on each rank; 0 means 8 / world_size, as the challenge scripts do.
-    pub grad_accum_steps: usize,
-    /// Optimizer steps to train for [ITERATIONS]; the step-based warm-down ends here.
-    pub iterations: u64,
-    /// Steps of linear LR warm-down to 0 [WARMDOWN_ITERS]; with a wall-clock cap, this many
-    /// average step times before the cap.
-    pub warmdown_iters: u64,
-    /// Training-time cap in seconds (validation excluded) [MAX_WALLCLOCK_SECONDS]; 0: none. The
-    /// step that crosses it is the last; final validation still runs.
-    pub max_wallclock_seconds: f64,
-    /// Learning rate of the block matrices (Muon) [MATRIX_LR].
-    pub matrix_lr: f64,
-    /// Learning rate of the control tensors and skip weights (Adam) [SCALAR_LR].
-    pub scalar_lr: f64,
-    /// Learning rate of the tied embedding (Adam) [TIED_EMBED_LR].
-    pub tied_embed_lr: f64,
-    /// Learning rate of the untied embedding (Adam) [EMBED_LR].
-    pub embed_lr: f64,
-    /// Learning rate of the untied output head (Adam) [HEAD_LR].
-    pub head_lr: f64,
-    /// Adam beta1 [BETA1].
-    pub beta1: f64,
-    /// Adam beta2 [BETA2].
-    pub beta2: f64,
-    /// Adam epsilon [ADAM_EPS].
-    pub adam_eps: f64,
-    /// Muon momentum after warm-up [MUON_MOMENTUM].
-    pub muon_momentum: f64,
-    /// Muon momentum at step 0 [MUON_MOMENTUM_WARMUP_START].
-    pub muon_momentum_warmup_start: f64,
-    /// Steps over which Muon momentum rises linearly to `muon_momentum` [MUON_MOMENTUM_WARMUP_STEPS].
-    pub muon_momentum_warmup_steps: u64,
-    /// Newton-Schulz iterations per Muon step [MUON_BACKEND_STEPS].
-    pub muon_backend_steps: usize,
-    /// Clip the global gradient norm to this value before the optimizer step [GRAD_CLIP_NORM]; 0: off.
-    pub grad_clip_norm: f64,
-    /// Validate every this many steps, and at step 0 and the last step [VAL_LOSS_EVERY]; 0: only
-    /// the final validation.
-    pub val_every: u64,
-    /// Tokens per validation batch over all ranks [VAL_BATCH_SIZE].
-    pub val_batch_tokens: usize,
-    /// Score only the first this many validation targets (rounded down to whole sequences);
-    /// 0: the whole split, as the challenge does. For quick CPU runs; the log says when it applies.
-    pub val_max_tokens: usize,
-    /// Log the training loss at steps 1 to 10 and every this many steps [TRAIN_LOG_EVERY].
-    pub log_every: u64,
-    /// Log the time breakdown (input wait, H2D, forward, backward, optimizer, validation) every
-    /// this many steps; 0: off.
-    pub timing_every: u64,
-    /// Save the final weights as `RUN_DIR/final_model.safetensors` (PyTorch `state_dict` names).
-    pub save_weights: bool,
-    /// Start from these weights (a safetensors file with the model's tensor names) instead of
-    /// the seeded initialisation.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub init_weights: Option<PathBuf>,
-}
-
-impl Default for TrainConfig {
-    fn default() -> Self {
-        Self {
-            seq_len: 1024,
-            batch_tokens: 524_288,
-            grad_accum_steps: 0,
-            iterations: 20_000,
-            warmdown_iters: 1_200,
-            max_wallclock_seconds: 600.0,
-            matrix_lr: 0.04,
-            scalar_lr: 0.04,
-            tied_embed_lr: 0.05,
-            embed_lr: 0.6,
-            head_lr: 0.008,
-            beta1: 0.9,
-            beta2: 0.95,
-            adam_eps: 1e-8,
-            muon_momentum: 0.95,
-            muon_momentum_warmup_start: 0.85,
-            muon_momentum_warmup_steps: 500,
-            muon_backend_steps: 5,
-            grad_clip_norm: 0.0,
-            val_every: 1_000,
-            val_batch_tokens: 524_288,
-            val_max_tokens: 0,
-            log_every: 200,
-            timing_every: 200,
-            save_weights: true,
-            init_weights: None,
-        }
-    }
-}
-
-/// The whole config as resolved.
+/// The runtime's own config: `[run]` and the stage tables, nothing else (graphs of synthetic
+/// stages, the runtime's tests).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     /// `[run]`.
     #[serde(default)]
     pub run: RunConfig,
-    /// `[data]`.
-    #[serde(default)]
-    pub data: DataConfig,
-    /// `[model]`: the GPT's shape.
-    #[serde(default)]
-    pub model: crate::model::ModelConfig,
-    /// `[train]`.
-    #[serde(default)]
-    pub train: TrainConfig,
     /// `[stages.NAME]`, raw until the graph builder resolves them.
     #[serde(default, skip_serializing)]
     pub stages: BTreeMap<String, Dict>,
 }
 
+impl Tables for Config {
+    fn run(&self) -> &RunConfig {
+        &self.run
+    }
+    fn stages(&self) -> &BTreeMap<String, Dict> {
+        &self.stages
+    }
+}
+
 /// A config loaded from its layers, with the figment kept to say where each value came from.
-pub struct Loaded {
+pub struct Loaded<C = Config> {
     /// The merged layers.
     pub figment: Figment,
     /// The typed top-level config.
-    pub config: Config,
+    pub config: C,
     /// The TOML file it was loaded from.
     pub path: PathBuf,
 }
 
-impl Loaded {
+impl<C> Loaded<C> {
     /// Names the file, environment variable or `--set` argument that supplied `key` (dotted
     /// path); the config file when nothing more precise is known.
     pub fn origin_of(&self, key: &str) -> String {
@@ -363,12 +264,12 @@ fn env_key_problem(var: &str) -> Option<String> {
 }
 
 /// Loads `path`, then the environment, then `sets`, into a [`Loaded`] config.
-pub fn load(path: &Path, sets: &[String]) -> Result<Loaded, ConfigErrors> {
+pub fn load<C: Tables>(path: &Path, sets: &[String]) -> Result<Loaded<C>, ConfigErrors> {
     load_with_env(path, sets, true)
 }
 
 /// As [`load`], optionally ignoring the environment (tests, benches).
-pub fn load_with_env(path: &Path, sets: &[String], use_env: bool) -> Result<Loaded, ConfigErrors> {
+pub fn load_with_env<C: Tables>(path: &Path, sets: &[String], use_env: bool) -> Result<Loaded<C>, ConfigErrors> {
     let mut errors = ConfigErrors::default();
     let shown = path.display().to_string();
     // A FIFO would block this read forever: only a regular file is read.
@@ -407,10 +308,10 @@ pub fn load_with_env(path: &Path, sets: &[String], use_env: bool) -> Result<Load
         }
     }
     errors.clone().into_result()?;
-    let config: Config = match figment.extract() {
+    let config: C = match figment.extract() {
         Ok(c) => c,
         Err(e) => {
-            let loaded = Loaded { figment, config: Config::default(), path: path.to_path_buf() };
+            let loaded = Loaded { figment, config: C::default(), path: path.to_path_buf() };
             push_figment_error(&mut errors, &loaded, None, e);
             return Err(errors);
         }
@@ -420,7 +321,7 @@ pub fn load_with_env(path: &Path, sets: &[String], use_env: bool) -> Result<Load
 
 /// Turns a figment error (possibly several) into issues; `prefix` is prepended to each key path
 /// (used for stage parameters, which are deserialised from a sub-table).
-pub fn push_figment_error(errors: &mut ConfigErrors, loaded: &Loaded, prefix: Option<&str>, err: figment::Error) {
+pub fn push_figment_error<C>(errors: &mut ConfigErrors, loaded: &Loaded<C>, prefix: Option<&str>, err: figment::Error) {
     for e in err {
         let mut parts: Vec<String> = prefix.map(|p| p.split('.').map(String::from).collect()).unwrap_or_default();
         parts.extend(e.path.iter().cloned());
@@ -508,7 +409,7 @@ mod tests {
     fn set_overrides_file_and_parses_toml_values() {
         let d = tmpdir("set");
         let p = write(&d, "[run]\nseed = 1\n[stages.a]\nkind = \"drain\"\n");
-        let l = load_with_env(&p, &["run.seed=7".into(), "run.name=abc".into(), "stages.a.queue=5".into()], false).unwrap();
+        let l: Loaded = load_with_env(&p, &["run.seed=7".into(), "run.name=abc".into(), "stages.a.queue=5".into()], false).unwrap();
         assert_eq!(l.config.run.seed, 7);
         assert_eq!(l.config.run.name, "abc");
         assert_eq!(l.config.stages["a"]["queue"].to_i128(), Some(5));
@@ -519,7 +420,7 @@ mod tests {
     fn unknown_run_key_names_file_and_key() {
         let d = tmpdir("unknown");
         let p = write(&d, "[run]\nseedd = 1\n");
-        let e = load_with_env(&p, &[], false).err().unwrap();
+        let e = load_with_env::<Config>(&p, &[], false).err().unwrap();
         assert_eq!(e.0.len(), 1);
         assert_eq!(e.0[0].key.as_deref(), Some("run.seedd"));
         assert!(e.0[0].message.contains("unknown key `seedd`"), "{}", e);
@@ -541,7 +442,7 @@ mod tests {
     fn bad_set_argument_is_an_error() {
         let d = tmpdir("badset");
         let p = write(&d, "");
-        assert!(load_with_env(&p, &["noequals".into()], false).is_err());
-        assert!(load_with_env(&p, &["a..b=1".into()], false).is_err());
+        assert!(load_with_env::<Config>(&p, &["noequals".into()], false).is_err());
+        assert!(load_with_env::<Config>(&p, &["a..b=1".into()], false).is_err());
     }
 }

@@ -17,11 +17,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::runtime::clock::Clock;
-use crate::runtime::config::Config;
+use crate::runtime::config::RunConfig;
 use crate::runtime::control::{Control, StopReason};
 use crate::runtime::graph::Plan;
 use crate::runtime::metrics::Hist;
-use crate::runtime::stage::{BuildCtx, Ctx, ErasedChannelHandle, Runnable, StageEnv, Wiring};
+use crate::runtime::stage::{BuildCtx, Ctx, ErasedChannelHandle, Extensions, Runnable, StageEnv, Wiring};
 
 /// How long stages get to leave after an abort before they are reported as hung.
 pub const ABORT_GRACE: Duration = Duration::from_secs(3);
@@ -133,16 +133,12 @@ pub struct Built {
     runnables: Vec<Option<Box<dyn Runnable>>>,
 }
 
-/// Builds every stage of `plan`: a stage that cannot be built means nothing runs.
-pub fn build(
-    plan: &Plan,
-    config: &Config,
-    run_dir: Option<&Path>,
-    resume: Option<&crate::train::checkpoint::Checkpoint>,
-) -> Result<Built, BuildError> {
+/// Builds every stage of `plan` with `[run]` and the application's extensions (its config,
+/// the resume state): a stage that cannot be built means nothing runs.
+pub fn build(plan: &Plan, run: &RunConfig, ext: &Extensions, run_dir: Option<&Path>) -> Result<Built, BuildError> {
     let mut runnables: Vec<Option<Box<dyn Runnable>>> = Vec::with_capacity(plan.stages.len());
     for s in &plan.stages {
-        let ctx = BuildCtx { run_dir, resume, ..s.check_ctx(config) };
+        let ctx = BuildCtx { run_dir, ..s.check_ctx(run, ext) };
         let r = s.factory.instantiate(&s.params, &ctx).map_err(|e| BuildError {
             stage: s.name.clone(),
             kind: s.factory.kind().into(),
@@ -157,8 +153,7 @@ pub fn build(
 
 /// Runs the stages [`build`] made, to the end. `control` is shared with whoever may interrupt
 /// the run (the signal handler).
-pub fn run(plan: &Plan, config: &Config, built: Built, control: Arc<Control>) -> RunResult {
-    let run = &config.run;
+pub fn run(plan: &Plan, run: &RunConfig, built: Built, control: Arc<Control>) -> RunResult {
     let clock = Clock::new();
     let mut runnables = built.runnables;
 

@@ -12,10 +12,10 @@ use std::collections::BTreeMap;
 use figment::value::{Dict, Value};
 use serde::Deserialize;
 
-use crate::runtime::config::{Loaded, push_figment_error};
+use crate::runtime::config::{Loaded, RunConfig, Tables, push_figment_error};
 use crate::runtime::error::ConfigErrors;
-use crate::runtime::registry;
-use crate::runtime::stage::{BuildCtx, Role, StageFactory};
+use crate::runtime::registry::Registry;
+use crate::runtime::stage::{BuildCtx, Extensions, Role, StageFactory};
 
 /// Keys every stage table may have besides its implementation's parameters.
 pub const RESERVED_KEYS: [&str; 4] = ["kind", "impl", "inputs", "queue"];
@@ -40,17 +40,10 @@ pub struct PlannedStage {
 }
 
 impl PlannedStage {
-    /// What its `check` and `memory` see: the config and its place in the graph, no run yet.
-    pub fn check_ctx<'a>(&'a self, config: &'a crate::runtime::config::Config) -> BuildCtx<'a> {
-        BuildCtx {
-            stage: &self.name,
-            config,
-            run_dir: None,
-            consumers: self.consumers.len(),
-            queue: self.queue,
-            resume: None,
-            previous: None,
-        }
+    /// What its `check` and `memory` see: `[run]`, the application's extensions and its place
+    /// in the graph, no run yet.
+    pub fn check_ctx<'a>(&'a self, run: &'a RunConfig, ext: &'a Extensions) -> BuildCtx<'a> {
+        BuildCtx { stage: &self.name, run, ext, run_dir: None, consumers: self.consumers.len(), queue: self.queue }
     }
 }
 
@@ -108,10 +101,11 @@ struct Draft {
     queue: usize,
 }
 
-/// Checks the stage tables of `loaded` and orders them into a [`Plan`].
-pub fn plan(loaded: &Loaded) -> Result<Plan, ConfigErrors> {
+/// Checks the stage tables of `loaded` against the implementations of `registry` and orders
+/// them into a [`Plan`].
+pub fn plan<C: Tables>(loaded: &Loaded<C>, registry: &Registry) -> Result<Plan, ConfigErrors> {
     let mut errors = ConfigErrors::default();
-    let tables = &loaded.config.stages;
+    let tables = loaded.config.stages();
     let file = loaded.path.display().to_string();
     if tables.is_empty() {
         errors.push(file.clone(), Some("stages".into()), "no stages: add at least a source and a sink as [stages.NAME] tables");
@@ -120,7 +114,7 @@ pub fn plan(loaded: &Loaded) -> Result<Plan, ConfigErrors> {
 
     let mut drafts: Vec<Draft> = Vec::new();
     for (name, table) in tables {
-        if let Some(d) = draft_stage(loaded, name, table, &mut errors) {
+        if let Some(d) = draft_stage(loaded, registry, name, table, &mut errors) {
             drafts.push(d);
         }
     }
@@ -248,7 +242,7 @@ pub fn plan(loaded: &Loaded) -> Result<Plan, ConfigErrors> {
         stages.push(PlannedStage { name: d.name, factory: d.factory, params: d.params, inputs, consumers: cons, queue: d.queue });
     }
     let mut plan = Plan { stages, focus: 0 };
-    plan.focus = match choose_focus(&plan, &loaded.config.run.focus) {
+    plan.focus = match choose_focus(&plan, &loaded.config.run().focus) {
         Ok(f) => f,
         Err(msg) => {
             errors.push(loaded.origin_of("run.focus"), Some("run.focus".into()), msg);
@@ -258,7 +252,7 @@ pub fn plan(loaded: &Loaded) -> Result<Plan, ConfigErrors> {
     Ok(plan)
 }
 
-fn draft_stage(loaded: &Loaded, name: &str, table: &Dict, errors: &mut ConfigErrors) -> Option<Draft> {
+fn draft_stage<C>(loaded: &Loaded<C>, registry: &Registry, name: &str, table: &Dict, errors: &mut ConfigErrors) -> Option<Draft> {
     let base = format!("stages.{name}");
     let mut head_dict = Dict::new();
     let mut params = Dict::new();
@@ -276,8 +270,8 @@ fn draft_stage(loaded: &Loaded, name: &str, table: &Dict, errors: &mut ConfigErr
             return None;
         }
     };
-    let kinds = registry::kinds();
-    let impls = registry::impls(&head.kind);
+    let kinds = registry.kinds();
+    let impls = registry.impls(&head.kind);
     if impls.is_empty() {
         errors.push(
             loaded.origin_of(&format!("{base}.kind")),
@@ -288,7 +282,7 @@ fn draft_stage(loaded: &Loaded, name: &str, table: &Dict, errors: &mut ConfigErr
     }
     let factory = match &head.imp {
         None => impls[0],
-        Some(i) => match registry::find(&head.kind, i) {
+        Some(i) => match registry.find(&head.kind, i) {
             Some(f) => f,
             None => {
                 let names: Vec<&str> = impls.iter().map(|f| f.name()).collect();
@@ -395,34 +389,36 @@ fn choose_focus(plan: &Plan, wanted: &str) -> Result<usize, String> {
 }
 
 /// Every stage's memory estimate ([`crate::runtime::memory`]), judged against `[run] max_memory_gb` or
-/// what the machine has. A stage whose estimate fails (a config its check refuses, a shard
-/// that cannot be read) is listed as not estimated.
-pub fn memory(plan: &Plan, loaded: &Loaded) -> crate::runtime::memory::Estimate {
+/// what the machine has: the host's available memory on "cpu", else `gpu_free` (the free
+/// memory of the GPU `run.device` names, which the caller measures; `None` when unknown). A
+/// stage whose estimate fails (a config its check refuses, a shard that cannot be read) is
+/// listed as not estimated.
+pub fn memory<C: Tables>(plan: &Plan, loaded: &Loaded<C>, ext: &Extensions, gpu_free: Option<u64>) -> crate::runtime::memory::Estimate {
+    let run = loaded.config.run();
     let (mut needs, mut unknown) = (Vec::new(), Vec::new());
     for s in &plan.stages {
-        let ctx = s.check_ctx(&loaded.config);
+        let ctx = s.check_ctx(run, ext);
         match s.factory.memory(&s.params, &ctx) {
             Ok(list) => needs.extend(list.into_iter().map(|n| crate::runtime::memory::Need { stage: s.name.clone(), ..n })),
             Err(e) => unknown.push(format!("{} ({e:#})", s.name)),
         }
     }
-    let run = &loaded.config.run;
     let on_host = run.device == "cpu";
-    let gpu_free = if on_host || run.max_memory_gb > 0.0 { None } else { crate::device::gpu_free_memory(&run.device) };
+    let gpu_free = if on_host || run.max_memory_gb > 0.0 { None } else { gpu_free };
     crate::runtime::memory::Estimate { unknown, ..crate::runtime::memory::Estimate::new(needs, on_host, run.max_memory_gb, gpu_free) }
 }
 
 /// On `--resume RUN_DIR`: the first stage's message that the run it continues is complete
-/// ([`crate::runtime::stage::Transform::nothing_left`]), if one says so.
-pub fn nothing_left(
+/// ([`crate::runtime::stage::Transform::nothing_left`]), if one says so. `ext` holds what the
+/// stages compare: the resume state and the previous process's report.
+pub fn nothing_left<C: Tables>(
     plan: &Plan,
-    loaded: &Loaded,
+    loaded: &Loaded<C>,
+    ext: &Extensions,
     run_dir: Option<&std::path::Path>,
-    resume: Option<&crate::train::checkpoint::Checkpoint>,
-    previous: Option<&crate::report::document::Report>,
 ) -> anyhow::Result<Option<String>> {
     for s in &plan.stages {
-        let ctx = BuildCtx { run_dir, resume, previous, ..s.check_ctx(&loaded.config) };
+        let ctx = BuildCtx { run_dir, ..s.check_ctx(loaded.config.run(), ext) };
         if let Some(message) = s.factory.nothing_left(&s.params, &ctx)? {
             return Ok(Some(message));
         }
@@ -432,7 +428,7 @@ pub fn nothing_left(
 
 /// The memory estimate's refusals as config errors, each blamed on the origin of the key that
 /// sizes the largest part (the `--set` that made the model too big, say).
-pub fn check_memory(estimate: &crate::runtime::memory::Estimate, loaded: &Loaded) -> Result<(), ConfigErrors> {
+pub fn check_memory<C>(estimate: &crate::runtime::memory::Estimate, loaded: &Loaded<C>) -> Result<(), ConfigErrors> {
     let mut errors = ConfigErrors::default();
     for (message, key) in estimate.check() {
         let origin = key.as_deref().map(|k| loaded.origin_of(k)).unwrap_or_else(|| loaded.origin_of("run.max_memory_gb"));
@@ -442,10 +438,10 @@ pub fn check_memory(estimate: &crate::runtime::memory::Estimate, loaded: &Loaded
 }
 
 /// Runs every implementation's `check` (what `pipeline validate` adds to [`plan`]).
-pub fn check_resources(plan: &Plan, loaded: &Loaded) -> Result<(), ConfigErrors> {
+pub fn check_resources<C: Tables>(plan: &Plan, loaded: &Loaded<C>, ext: &Extensions) -> Result<(), ConfigErrors> {
     let mut errors = ConfigErrors::default();
     for s in &plan.stages {
-        let ctx = s.check_ctx(&loaded.config);
+        let ctx = s.check_ctx(loaded.config.run(), ext);
         if let Err(e) = s.factory.check(&s.params, &ctx) {
             let (key, message) = (format!("stages.{}", s.name), format!("{e:#}"));
             errors.push(loaded.origin_in(&key, &message), Some(key), message);

@@ -30,7 +30,7 @@ use serde::de::DeserializeOwned;
 pub use crate::runtime::channel::Stopped;
 use crate::runtime::channel::{EdgeOutStats, InPort, InStats, Meter, OutPort, TypedChannel};
 use crate::runtime::clock::Clock;
-use crate::runtime::config::Config;
+use crate::runtime::config::RunConfig;
 use crate::runtime::control::{Control, POLL, StopReason};
 use crate::runtime::message::{Message, MsgType};
 use crate::runtime::metrics::Hist;
@@ -64,12 +64,39 @@ impl Role {
     }
 }
 
+/// Typed values the application hands every stage's `check`, `memory`, `nothing_left` and
+/// `build`, one per type: its config tables, the state a resumed run continues from, the report
+/// of the process it continues. The runtime carries them without knowing what they are; each
+/// type is owned by the area that defines it, and a stage asks for the ones it reads
+/// ([`BuildCtx::ext`]).
+#[derive(Default)]
+pub struct Extensions(std::collections::HashMap<std::any::TypeId, Box<dyn Any + Send + Sync>>);
+
+impl Extensions {
+    /// Adds `value`, replacing any value of the same type.
+    pub fn insert<T: Any + Send + Sync>(&mut self, value: T) {
+        self.0.insert(std::any::TypeId::of::<T>(), Box::new(value));
+    }
+
+    /// The value of type `T`, if one was added.
+    pub fn get<T: Any>(&self) -> Option<&T> {
+        self.0.get(&std::any::TypeId::of::<T>()).and_then(|b| b.downcast_ref())
+    }
+
+    /// Removes and returns the value of type `T`.
+    pub fn remove<T: Any>(&mut self) -> Option<T> {
+        self.0.remove(&std::any::TypeId::of::<T>()).and_then(|b| b.downcast().ok()).map(|b| *b)
+    }
+}
+
 /// What `build` and `check` may look at.
 pub struct BuildCtx<'a> {
     /// The stage's name (its `[stages.NAME]` key).
     pub stage: &'a str,
-    /// The whole resolved config (`[run]`, `[data]`, `[model]`, `[train]`).
-    pub config: &'a Config,
+    /// `[run]`.
+    pub run: &'a RunConfig,
+    /// What the application adds (its config tables, resume state): see [`Extensions`].
+    pub ext: &'a Extensions,
     /// The run directory, when building for a run (absent under `pipeline validate`).
     pub run_dir: Option<&'a Path>,
     /// How many stages read this stage's output (0 for a sink, or a transform whose output is
@@ -78,20 +105,27 @@ pub struct BuildCtx<'a> {
     /// The capacity of this stage's input channel (`queue`; 0 for a source): items that may
     /// wait for it, which its memory estimate counts.
     pub queue: usize,
-    /// The checkpoint a resumed run continues from (`pipeline run --resume`): stages with state
-    /// (sampler, executor, averager, checkpointer) restore theirs from it.
-    pub resume: Option<&'a crate::train::checkpoint::Checkpoint>,
-    /// For `nothing_left` only: the report of the process a resumed run continues
-    /// (`RUN_DIR/report.json`), when `--resume` named that run directory and the run goes on
-    /// in it with the same stages.
-    pub previous: Option<&'a crate::report::document::Report>,
 }
 
-impl BuildCtx<'_> {
+impl<'a> BuildCtx<'a> {
+    /// The extension of type `T`, if the application added one (the resume state of a run
+    /// that was not resumed is absent, say).
+    pub fn ext<T: Any>(&self) -> Option<&'a T> {
+        self.ext.get::<T>()
+    }
+
+    /// The extension of type `T`, or an error naming the stage and the type: for what a stage
+    /// cannot build without (its application's config).
+    pub fn need<T: Any>(&self) -> anyhow::Result<&'a T> {
+        self.ext().ok_or_else(|| {
+            anyhow::anyhow!("stage `{}` needs a {} that this program does not provide", self.stage, std::any::type_name::<T>())
+        })
+    }
+
     /// A seed for this stage: the run's seed mixed with the stage name, so two stages of the same
     /// implementation draw different numbers while runs with the same seed repeat exactly.
     pub fn seed(&self) -> u64 {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ self.config.run.seed;
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ self.run.seed;
         for b in self.stage.bytes() {
             h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
         }

@@ -5,6 +5,7 @@
 
 pub mod attention_choice;
 pub mod checkpoint;
+pub mod config;
 pub mod log;
 pub mod optim;
 pub mod snapshot;

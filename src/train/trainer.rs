@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::device::phase_clock::{Phase, PhaseClock, PhaseTimes};
 use crate::model::{Gpt, ParamGroup};
-use crate::runtime::config::TrainConfig;
+use crate::train::config::TrainConfig;
 use crate::train::optim::{Adam, Muon, lr_multiplier, momentum_at};
 
 /// What one micro-batch cost.

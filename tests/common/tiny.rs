@@ -39,7 +39,7 @@ impl Corpus {
 }
 
 /// The documents: the paragraphs of README.md and of every `docs/*.md`, and the `//!` doc block
-/// of every `src/*.rs`.
+/// of every `.rs` file under `src/`.
 pub fn documents() -> Vec<String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut pages: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
@@ -54,11 +54,17 @@ pub fn documents() -> Vec<String> {
         let text = std::fs::read_to_string(&page).unwrap();
         docs.extend(text.split("\n\n").map(str::trim).filter(|p| p.len() > 40).map(String::from));
     }
-    let mut files: Vec<PathBuf> = std::fs::read_dir(root.join("src"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "rs"))
-        .collect();
+    fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+        for p in std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()) {
+            if p.is_dir() {
+                rust_files(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    rust_files(&root.join("src"), &mut files);
     files.sort();
     for f in files {
         let src = std::fs::read_to_string(&f).unwrap();

@@ -1,0 +1,248 @@
+//! The crate's layering, checked from its sources: each area of `src/` (and the `stages/`
+//! folder) refers only to the areas below it, no module cycle exists, CUDA `cfg`s stay behind
+//! the device and model areas, and no file grows past its size without saying why.
+//!
+//! A scan of `crate::` paths in the code (comments and `#[cfg(test)]` modules aside) is enough:
+//! every cross-module reference in this crate is written that way.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// The areas from the ground up; an area may refer to those on lower floors only. Areas on
+/// the same floor do not refer to each other.
+const FLOORS: &[(&str, u32)] = &[
+    ("runtime", 0),
+    ("report", 1),
+    ("device", 1),
+    ("data", 2),
+    ("model", 3),
+    ("train", 4),
+    ("eval", 5),
+    ("artifact", 6),
+    ("check", 7),
+    ("stages", 8),
+    ("cli", 9),
+];
+
+/// Lines of code (not blank, not comments, tests aside) a file may hold before it must say at
+/// its top why it is longer (a line `//! Long because ...`).
+const MAX_CODE_LINES: usize = 700;
+
+/// Lines of code a stage file (an adapter of a library type to the stage contract) may hold.
+const MAX_STAGE_LINES: usize = 400;
+
+struct Source {
+    /// Module path inside the crate (`runtime::graph`, `stages::pin`).
+    module: String,
+    /// Its area (first path segment).
+    area: String,
+    path: PathBuf,
+    /// The code before any `#[cfg(test)]`, with comment lines blanked.
+    code: Vec<String>,
+    text: String,
+}
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    entries.sort();
+    for p in entries {
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+fn sources() -> Vec<Source> {
+    let mut files = Vec::new();
+    rust_files(&root().join("src"), &mut files);
+    rust_files(&root().join("stages"), &mut files);
+    let mut out = Vec::new();
+    for path in files {
+        let rel = path.strip_prefix(root()).unwrap().with_extension("");
+        let mut parts: Vec<String> = rel.iter().map(|s| s.to_string_lossy().into_owned()).collect();
+        if parts[0] == "src" {
+            parts.remove(0);
+        }
+        if parts.last().is_some_and(|p| p == "mod") {
+            parts.pop();
+        }
+        if parts == ["lib"] || parts == ["main"] {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let body = text.split("\n#[cfg(test)]").next().unwrap();
+        let code = body.lines().map(|l| if l.trim_start().starts_with("//") { String::new() } else { l.to_string() }).collect();
+        out.push(Source { module: parts.join("::"), area: parts[0].clone(), path, code, text });
+    }
+    out
+}
+
+/// The `crate::a::b::c` paths a line names.
+fn crate_paths(line: &str) -> Vec<Vec<&str>> {
+    let mut out = Vec::new();
+    let mut rest = line;
+    while let Some(i) = rest.find("crate::") {
+        let before = rest[..i].chars().next_back();
+        let tail = &rest[i + "crate::".len()..];
+        let end = tail.find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':')).unwrap_or(tail.len());
+        if !before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+            out.push(tail[..end].split("::").filter(|s| !s.is_empty()).collect());
+        }
+        rest = &tail[end..];
+    }
+    out
+}
+
+fn floor(area: &str) -> Option<u32> {
+    FLOORS.iter().find(|(a, _)| *a == area).map(|&(_, f)| f)
+}
+
+#[test]
+fn every_area_refers_only_to_lower_floors() {
+    let mut wrong = Vec::new();
+    for s in sources() {
+        let Some(own) = floor(&s.area) else {
+            wrong.push(format!("{}: area `{}` is not in FLOORS (tests/layering.rs): place it", s.path.display(), s.area));
+            continue;
+        };
+        for (n, line) in s.code.iter().enumerate() {
+            for path in crate_paths(line) {
+                let Some(&area) = path.first() else { continue };
+                if area == s.area {
+                    continue;
+                }
+                match floor(area) {
+                    Some(f) if f < own => {}
+                    _ => wrong.push(format!(
+                        "{}:{}: `{}` ({}) refers to `{}`: {}",
+                        s.path.display(),
+                        n + 1,
+                        s.module,
+                        s.area,
+                        area,
+                        line.trim()
+                    )),
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "references that go up or sideways:\n{}", wrong.join("\n"));
+}
+
+#[test]
+fn the_runtime_knows_no_gpt() {
+    // The floor check covers this; said again in words a failure can point at: the runtime's
+    // sources name nothing of data, models, training or tensors.
+    for s in sources().into_iter().filter(|s| s.area == "runtime") {
+        for word in ["candle_core", "Gpt", "ModelConfig", "TrainConfig", "Checkpoint", "Tensor"] {
+            let hit = s.code.iter().position(|l| l.contains(word));
+            assert!(hit.is_none(), "{}:{}: the runtime names `{word}`", s.path.display(), hit.unwrap_or(0) + 1);
+        }
+    }
+}
+
+#[test]
+fn no_module_cycle() {
+    let all = sources();
+    let modules: BTreeSet<&str> = all.iter().map(|s| s.module.as_str()).collect();
+    let mut edges: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for s in &all {
+        let out = edges.entry(s.module.as_str()).or_default();
+        for line in &s.code {
+            for path in crate_paths(line) {
+                // The longest module prefix of the path is the module referred to.
+                let target = (1..=path.len()).rev().map(|k| path[..k].join("::")).find(|m| modules.contains(m.as_str()));
+                if let Some(t) = target {
+                    let t = *modules.get(t.as_str()).unwrap();
+                    // A module's own children and parents are not a cycle.
+                    if t != s.module && !s.module.starts_with(&format!("{t}::")) && !t.starts_with(&format!("{}::", s.module)) {
+                        out.insert(t);
+                    }
+                }
+            }
+        }
+    }
+    // Depth-first search for a back edge.
+    fn visit<'a>(
+        m: &'a str,
+        edges: &BTreeMap<&'a str, BTreeSet<&'a str>>,
+        state: &mut BTreeMap<&'a str, u8>,
+        stack: &mut Vec<&'a str>,
+    ) -> Option<Vec<&'a str>> {
+        state.insert(m, 1);
+        stack.push(m);
+        for &n in edges.get(m).into_iter().flatten() {
+            match state.get(n) {
+                Some(1) => {
+                    let at = stack.iter().position(|&x| x == n).unwrap();
+                    let mut cycle = stack[at..].to_vec();
+                    cycle.push(n);
+                    return Some(cycle);
+                }
+                Some(_) => {}
+                None => {
+                    if let Some(c) = visit(n, edges, state, stack) {
+                        return Some(c);
+                    }
+                }
+            }
+        }
+        stack.pop();
+        state.insert(m, 2);
+        None
+    }
+    let mut state = BTreeMap::new();
+    for &m in &modules {
+        if !state.contains_key(m) {
+            let cycle = visit(m, &edges, &mut state, &mut Vec::new());
+            assert!(cycle.is_none(), "import cycle: {}", cycle.unwrap().join(" -> "));
+        }
+    }
+}
+
+#[test]
+fn cuda_cfgs_stay_behind_the_device_and_model_areas() {
+    for s in sources() {
+        if s.area == "device" || s.area == "model" {
+            continue;
+        }
+        let hit = s.code.iter().position(|l| l.contains("feature = \"cuda\""));
+        assert!(
+            hit.is_none(),
+            "{}:{}: a `cuda` cfg outside device/ and model/: use the device's API (it has a stand-in without the feature)",
+            s.path.display(),
+            hit.unwrap_or(0) + 1
+        );
+    }
+}
+
+#[test]
+fn files_stay_short_or_say_why() {
+    let mut long = Vec::new();
+    for s in sources() {
+        let lines = s.code.iter().filter(|l| !l.trim().is_empty()).count();
+        let max = if s.area == "stages" && s.module != "stages" { MAX_STAGE_LINES } else { MAX_CODE_LINES };
+        let says_why = s.text.lines().take_while(|l| l.starts_with("//!") || l.is_empty()).any(|l| l.starts_with("//! Long because"));
+        if lines > max && !says_why {
+            long.push(format!("{}: {lines} lines of code (at most {max}, or a `//! Long because ...` line at its top)", s.path.display()));
+        }
+    }
+    assert!(long.is_empty(), "{}", long.join("\n"));
+}
+
+#[test]
+fn the_scan_sees_references() {
+    // The checks above pass vacuously if the scan finds nothing: it must see the stages'
+    // references to the runtime.
+    assert_eq!(crate_paths("use crate::runtime::stage::{Source, Ctx};"), vec![vec!["runtime", "stage"]]);
+    assert_eq!(crate_paths("let x = pipeline_crate::a; y(crate::data::batch::X)"), vec![vec!["data", "batch", "X"]]);
+    let stages: Vec<Source> = sources().into_iter().filter(|s| s.area == "stages").collect();
+    assert!(stages.len() > 5);
+    assert!(stages.iter().any(|s| s.code.iter().any(|l| crate_paths(l).iter().any(|p| p.first() == Some(&"runtime")))));
+}
