@@ -12,9 +12,10 @@
 //! - [`device`]: which device a run names, and everything CUDA-specific behind one API.
 //! - [`data`]: shards, tokenizer, batches and the loader state, staging buffers.
 //! - [`model`]: the GPT, its ops (one file each: reference, CPU kernel, GPU launch).
-//! - [`train`]: the `[model]`/`[train]` config, the training session, trainer, optimizers,
-//!   snapshots, checkpoints and the training log.
+//! - [`optim`]: Muon, Adam and SGD over candle variables, and the LR schedule.
 //! - [`eval`]: validation, bits per byte, sliding-window scoring and test-time training.
+//! - [`train`]: the application's config (`[train]` with the other tables), the training
+//!   session (the loop), trainer, snapshots, checkpoints and the training log.
 //! - [`artifact`]: weights files, quantization and the compressed artifact.
 //! - [`check`]: device-against-CPU parity and the error measures it uses.
 //! - [`stages`]: the stage implementations (the top-level `stages/` folder), thin adapters of
@@ -31,9 +32,11 @@ pub mod data;
 
 pub mod model;
 
-pub mod train;
+pub mod optim;
 
 pub mod eval;
+
+pub mod train;
 
 pub mod artifact;
 

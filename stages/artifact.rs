@@ -101,7 +101,7 @@ impl Transform for Quantize {
         ];
         if p.eval {
             let shape = c.batch_shape()?;
-            let tokens = crate::eval::validation::tokens_per_pass(c, shape.micro_steps);
+            let tokens = crate::eval::validation::tokens_per_pass(&c.validation(), shape.micro_steps);
             let mut keys = vec!["train.val_batch_tokens"];
             keys.extend(MODEL_KEYS);
             needs.push(
@@ -121,7 +121,7 @@ impl Transform for Quantize {
         let file = p.file.clone().unwrap_or_else(|| format!("final_model.int{}.{}.pgqz", p.bits, p.codec));
         let validator = if p.eval {
             let shape = config(ctx)?.batch_shape()?;
-            Some(Validator::load(config(ctx)?, shape.micro_steps)?)
+            Some(Validator::load(&config(ctx)?.validation(), shape.micro_steps)?)
         } else {
             None
         };

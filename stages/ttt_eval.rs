@@ -121,7 +121,7 @@ impl Evaluator {
         anyhow::ensure!(config(ctx)?.data.val.is_some(), "`data.val` is not set: this stage scores the validation shards");
         let shape = config(ctx)?.batch_shape()?;
         Ok(Self {
-            validator: Validator::load(config(ctx)?, shape.micro_steps)?,
+            validator: Validator::load(&config(ctx)?.validation(), shape.micro_steps)?,
             config: config(ctx)?.clone(),
             log: StageLog::new(ctx.run_dir),
             done: false,

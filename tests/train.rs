@@ -335,7 +335,7 @@ fn assert_interrupted(child: &mut Child, c: &Corpus, out: &Path) -> u64 {
     let steps = u(&r.train, "steps");
     assert!(log.lines().any(|l| l.starts_with("stopping_early: interrupted")), "{log}");
     let path = out.join("final_model.safetensors");
-    let w = pipeline::artifact::weights::load(&path, None).unwrap();
+    let w = pipeline::model::weights::load(&path, None).unwrap();
     assert_eq!(w.len(), expected_tensors(c.vocab).len());
     let saved = format!("saved weights: {} (step {steps})", path.display());
     assert!(log.lines().any(|l| l == saved), "no `{saved}` line\n{log}");
@@ -531,7 +531,7 @@ fn a_failure_mid_run_keeps_the_weights_and_the_train_report() {
     assert_eq!(t["ended_by"], "failed", "{t:?}");
     let steps = u(&t, "steps");
     assert!((1..=3).contains(&steps), "failed after {steps} steps");
-    let w = pipeline::artifact::weights::load(&out.join("final_model.safetensors"), None).expect("the weights were saved");
+    let w = pipeline::model::weights::load(&out.join("final_model.safetensors"), None).expect("the weights were saved");
     assert!(w.contains_key("tok_emb.weight"));
     assert!(train_log(&out).contains(&format!("saved weights: {}", out.join("final_model.safetensors").display())));
 }

@@ -1,7 +1,6 @@
-//! What leaves a run: weights files ([`weights`]), the quantized, compressed artifact and its
-//! codecs ([`quant`]), and the post-training round trip that writes it and scores it
-//! ([`roundtrip`]).
+//! What leaves a run: the quantized, compressed artifact and its codecs ([`quant`]), and the
+//! post-training round trip that writes it and scores it ([`roundtrip`]). Plain weights files
+//! are the model's (`model::weights`).
 
 pub mod quant;
 pub mod roundtrip;
-pub mod weights;

@@ -123,7 +123,7 @@ pub fn build(
     config.run.rank = 0;
     let config = &config;
     let shape = config.batch_shape()?;
-    let validator = Validator::load(config, shape.micro_steps)?;
+    let validator = Validator::load(&config.validation(), shape.micro_steps)?;
     if validator.targets() < validator.split_targets() {
         log(&format!(
             "note: scoring the first {} of the {} validation targets (--val-max-tokens); the challenge scores them all",
@@ -132,7 +132,7 @@ pub fn build(
         ));
     }
     let mut model = Gpt::new(&config.model, config.run.seed, DType::F32, &Device::Cpu)?;
-    let tensors = crate::artifact::weights::load(weights, Some(DType::F32))?;
+    let tensors = crate::model::weights::load(weights, Some(DType::F32))?;
     model.load_state(&tensors).with_context(|| format!("{} does not fit `[model]`", weights.display()))?;
     let score =
         |m: &Gpt| -> anyhow::Result<crate::eval::bpb::BpbAccumulator> { validator.run(m, || true)?.context("validation did not finish") };

@@ -34,7 +34,7 @@ use candle_core::{DType, Tensor, Var};
 
 use crate::eval::bpb::{BpbAccumulator, ByteTables};
 use crate::model::Gpt;
-use crate::train::optim::Sgd;
+use crate::optim::Sgd;
 
 /// Sliding-window geometry (spec §2.5; the record: `seq_len` 2048, `stride` 64, 32 windows per
 /// batch).

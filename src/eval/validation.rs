@@ -16,7 +16,29 @@ use candle_core::{DType, Tensor};
 use crate::data::shard::{AccessMode, ShardFile, glob_sorted};
 use crate::eval::bpb::{BpbAccumulator, ByteTables, unigram_bpb, validation_tokens};
 use crate::model::Gpt;
-use crate::train::config::Config;
+
+/// What the validation reads and how it cuts the stream: the application fills it from its
+/// config (`[data] val`, `tokenizer`; `[train] seq_len`, `val_batch_tokens`, `val_max_tokens`;
+/// `[model] vocab_size`; `[run]` ranks). Errors name those keys.
+#[derive(Clone, Debug, Default)]
+pub struct ValSettings {
+    /// Glob of the validation shards (`data.val`).
+    pub val: Option<String>,
+    /// The sentencepiece model the byte counts come from (`data.tokenizer`).
+    pub tokenizer: Option<PathBuf>,
+    /// Targets per sequence (`train.seq_len`).
+    pub seq_len: usize,
+    /// Tokens per validation batch over all ranks (`train.val_batch_tokens`).
+    pub val_batch_tokens: usize,
+    /// Score only the first this many targets; 0: all (`train.val_max_tokens`).
+    pub val_max_tokens: usize,
+    /// The model's vocabulary (`model.vocab_size`).
+    pub vocab: usize,
+    /// Ranks sharing the split (`run.world_size`).
+    pub world_size: usize,
+    /// This rank (`run.rank`).
+    pub rank: usize,
+}
 
 /// Training tokens read (at most) to count unigram frequencies.
 const UNIGRAM_MAX_TOKENS: u64 = 64 << 20;
@@ -68,19 +90,19 @@ fn file_key(path: &Path) -> anyhow::Result<(PathBuf, u64, Option<SystemTime>)> {
 impl Validator {
     /// Reads `[data] val` and `[data] tokenizer` and checks them against `[model]`; errors name
     /// the key or the file. Stages that load the same split share one copy of it.
-    pub fn load(config: &Config, micro_steps: usize) -> anyhow::Result<Self> {
-        let pattern = config.data.val.clone().context("`data.val` is not set: the step executor validates on the validation shards")?;
+    pub fn load(settings: &ValSettings, micro_steps: usize) -> anyhow::Result<Self> {
+        let pattern = settings.val.clone().context("`data.val` is not set: the step executor validates on the validation shards")?;
         let tok_path =
-            config.data.tokenizer.as_deref().context("`data.tokenizer` is not set: val_bpb counts bytes with the sentencepiece model")?;
+            settings.tokenizer.as_deref().context("`data.tokenizer` is not set: val_bpb counts bytes with the sentencepiece model")?;
         let paths = glob_sorted(&pattern).context("`data.val`")?;
         anyhow::ensure!(!paths.is_empty(), "`data.val` = {pattern:?} matches no file");
-        let t = &config.train;
+        let t = settings;
         let key = ValKey {
             files: paths.iter().map(|p| file_key(p)).collect::<anyhow::Result<_>>()?,
             tokenizer: file_key(tok_path).context("`data.tokenizer`")?,
             seq_len: t.seq_len,
             val_max_tokens: t.val_max_tokens,
-            vocab: config.model.vocab_size,
+            vocab: settings.vocab,
         };
         // Held while loading: a second stage asking for the same split waits and shares it.
         let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
@@ -88,15 +110,15 @@ impl Validator {
         let data = match loaded.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
             Some(data) => data,
             None => {
-                let data = Arc::new(ValData::read(config, &pattern, tok_path, &paths)?);
+                let data = Arc::new(ValData::read(settings, &pattern, tok_path, &paths)?);
                 loaded.push((key, Arc::downgrade(&data)));
                 data
             }
         };
         drop(loaded);
         let seqs = (data.tokens.len() - 1) / t.seq_len;
-        let (world, rank) = (config.run.world_size, config.run.rank);
-        let batch_rows = tokens_per_pass(config, micro_steps) / t.seq_len;
+        let (world, rank) = (settings.world_size, settings.rank);
+        let batch_rows = tokens_per_pass(settings, micro_steps) / t.seq_len;
         Ok(Self { data, seq_len: t.seq_len, batch_rows, first: seqs * rank / world, end: seqs * (rank + 1) / world, pattern })
     }
 }
@@ -104,16 +126,16 @@ impl Validator {
 /// What `pipeline validate` can tell of the validation split from its shards' headers alone:
 /// that it holds at least one sequence of `train.seq_len` targets, which every validation
 /// needs (the run would refuse it when loading the split). Nothing to check without `data.val`.
-pub fn check_split(config: &Config) -> anyhow::Result<()> {
-    let Some(tokens) = split_tokens(config)? else { return Ok(()) };
-    let pattern = config.data.val.as_deref().unwrap_or_default();
-    anyhow::ensure!(tokens > config.train.seq_len as u64, "{}", too_short(pattern, tokens, config.train.seq_len));
+pub fn check_split(settings: &ValSettings) -> anyhow::Result<()> {
+    let Some(tokens) = split_tokens(settings)? else { return Ok(()) };
+    let pattern = settings.val.as_deref().unwrap_or_default();
+    anyhow::ensure!(tokens > settings.seq_len as u64, "{}", too_short(pattern, tokens, settings.seq_len));
     Ok(())
 }
 
 /// Tokens in the validation shards `data.val` matches, from their headers; none without it.
-pub fn split_tokens(config: &Config) -> anyhow::Result<Option<u64>> {
-    let Some(pattern) = &config.data.val else { return Ok(None) };
+pub fn split_tokens(settings: &ValSettings) -> anyhow::Result<Option<u64>> {
+    let Some(pattern) = &settings.val else { return Ok(None) };
     let paths = glob_sorted(pattern).context("`data.val`")?;
     anyhow::ensure!(!paths.is_empty(), "`data.val` = {pattern:?} matches no file");
     let mut tokens = 0u64;
@@ -125,9 +147,9 @@ pub fn split_tokens(config: &Config) -> anyhow::Result<Option<u64>> {
 
 /// Tokens one validation forward pass takes on this rank: `train.val_batch_tokens` shared by
 /// the ranks and micro-batches, in whole sequences, at least one.
-pub fn tokens_per_pass(config: &Config, micro_steps: usize) -> usize {
-    let t = &config.train;
-    (t.val_batch_tokens / (config.run.world_size * micro_steps).max(1) / t.seq_len).max(1) * t.seq_len
+pub fn tokens_per_pass(settings: &ValSettings, micro_steps: usize) -> usize {
+    let t = settings;
+    (t.val_batch_tokens / (settings.world_size * micro_steps).max(1) / t.seq_len).max(1) * t.seq_len
 }
 
 /// The refusal of a split of `tokens` tokens, shorter than one sequence.
@@ -138,8 +160,8 @@ fn too_short(pattern: &str, tokens: u64, seq_len: usize) -> String {
 }
 
 impl ValData {
-    fn read(config: &Config, pattern: &str, tok_path: &Path, paths: &[PathBuf]) -> anyhow::Result<Self> {
-        let tables = Arc::new(load_tables(tok_path, config.model.vocab_size)?);
+    fn read(settings: &ValSettings, pattern: &str, tok_path: &Path, paths: &[PathBuf]) -> anyhow::Result<Self> {
+        let tables = Arc::new(load_tables(tok_path, settings.vocab)?);
         let shards = ShardFile::open_all(paths, AccessMode::Pread)?;
         let mut all: Vec<u16> = Vec::with_capacity(shards.iter().map(|s| s.tokens as usize).sum());
         for s in &shards {
@@ -147,7 +169,7 @@ impl ValData {
             all.resize(start + s.tokens as usize, 0);
             s.read(0, &mut all[start..])?;
         }
-        let t = &config.train;
+        let t = settings;
         let usable = validation_tokens(&all, t.seq_len);
         anyhow::ensure!(usable.len() > t.seq_len, "{}", too_short(pattern, all.len() as u64, t.seq_len));
         let split_targets = usable.len() - 1;
@@ -155,7 +177,7 @@ impl ValData {
         if t.val_max_tokens > 0 {
             seqs = seqs.min((t.val_max_tokens / t.seq_len).max(1));
         }
-        let vocab = config.model.vocab_size;
+        let vocab = settings.vocab;
         let tokens: Vec<u32> = usable[..seqs * t.seq_len + 1].iter().map(|&x| u32::from(x)).collect();
         if let Some(pos) = tokens.iter().position(|&x| x as usize >= vocab) {
             anyhow::bail!(
@@ -270,7 +292,7 @@ mod tests {
     use super::*;
 
     /// A config reading `n` validation tokens (ids below 40) from a fresh directory.
-    fn setup(name: &str, n: usize) -> (Config, PathBuf) {
+    fn setup(name: &str, n: usize) -> (ValSettings, PathBuf) {
         let dir = std::env::temp_dir().join(format!("pipeline-validation-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -281,11 +303,16 @@ mod tests {
         let vocab = crate::data::tokenizer::vocab_size(&tok).unwrap();
         let tokens: Vec<u16> = (0..n).map(|i| (i * 7 % vocab) as u16).collect();
         crate::data::shard::write_shard(&dir.join("fineweb_val_000000.bin"), &tokens).unwrap();
-        let mut c = Config::default();
-        c.data.val = Some(dir.join("fineweb_val_*.bin").display().to_string());
-        c.data.tokenizer = Some(tok);
-        c.model.vocab_size = vocab;
-        c.train.seq_len = 16;
+        let c = ValSettings {
+            val: Some(dir.join("fineweb_val_*.bin").display().to_string()),
+            tokenizer: Some(tok),
+            seq_len: 16,
+            val_batch_tokens: 524_288,
+            val_max_tokens: 0,
+            vocab,
+            world_size: 1,
+            rank: 0,
+        };
         (c, dir)
     }
 
@@ -298,11 +325,11 @@ mod tests {
         let b = Validator::load(&c, 1).unwrap();
         assert!(Arc::ptr_eq(&a.data, &b.data), "the second stage reads the split again");
         assert_eq!(a.targets(), 160);
-        c.train.val_max_tokens = 32;
+        c.val_max_tokens = 32;
         let capped = Validator::load(&c, 1).unwrap();
         assert!(!Arc::ptr_eq(&a.data, &capped.data));
         assert_eq!(capped.targets(), 32);
-        c.train.val_max_tokens = 0;
+        c.val_max_tokens = 0;
         // Rewritten with another length: a new load sees the new file.
         crate::data::shard::write_shard(&dir.join("fineweb_val_000000.bin"), &[1u16; 16 * 4 + 1]).unwrap();
         let fresh = Validator::load(&c, 1).unwrap();

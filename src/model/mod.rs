@@ -31,6 +31,7 @@ mod host;
 pub mod memory;
 pub mod norm_rope;
 pub mod ops;
+pub mod weights;
 
 pub use config::ModelConfig;
 pub use gpt::{Gpt, ParamGroup, group_of as gpt_group_of};

@@ -653,7 +653,7 @@ mod tests {
         let d = TempDir::new("foreign");
         let plain = d.0.join("weights.safetensors");
         let t = Tensor::new(&[1f32, 2.], &Device::Cpu).unwrap();
-        crate::artifact::weights::save(&plain, &[("w".to_string(), t)]).unwrap();
+        crate::model::weights::save(&plain, &[("w".to_string(), t)]).unwrap();
         let e = err(load(&plain));
         assert!(e.contains("weights.safetensors") && e.contains("not a pipeline checkpoint"), "{e}");
         let text = d.0.join("notes.txt");

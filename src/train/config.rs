@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::data::batch::BatchShape;
 use crate::data::config::DataConfig;
+use crate::eval::validation::ValSettings;
 use crate::model::ModelConfig;
 use crate::runtime::config::{RunConfig, Tables};
 use crate::runtime::stage::Extensions;
@@ -151,6 +152,20 @@ impl Config {
     pub fn batch_shape(&self) -> anyhow::Result<BatchShape> {
         let t = &self.train;
         BatchShape::new(t.seq_len, t.batch_tokens, t.grad_accum_steps, self.run.world_size, self.run.rank)
+    }
+
+    /// What validation reads of this config ([`ValSettings`]).
+    pub fn validation(&self) -> ValSettings {
+        ValSettings {
+            val: self.data.val.clone(),
+            tokenizer: self.data.tokenizer.clone(),
+            seq_len: self.train.seq_len,
+            val_batch_tokens: self.train.val_batch_tokens,
+            val_max_tokens: self.train.val_max_tokens,
+            vocab: self.model.vocab_size,
+            world_size: self.run.world_size,
+            rank: self.run.rank,
+        }
     }
 
     /// What the stages of a run read besides their own parameters: this config, as a typed

@@ -1,12 +1,16 @@
-//! Training: one optimizer step ([`trainer`]), the optimizers and schedules ([`optim`]), what
-//! the step executor hands on ([`snapshot`]), exact-resume checkpoints ([`checkpoint`]), the
-//! challenge-format training log ([`log`]) and `attention = "auto"`'s choice
-//! ([`attention_choice`]).
+//! Training: the application's config ([`config`]), the loop ([`session`], driven by the
+//! `step_executor` stage, with its parameters in [`params`]) with what it needs before it starts ([`requirements`]) and how it
+//! continues from a checkpoint ([`resume`]), one optimizer step ([`trainer`]), what the session
+//! hands on ([`snapshot`]), exact-resume checkpoints ([`checkpoint`]), the challenge-format
+//! training log ([`log`]) and `attention = "auto"`'s choice ([`attention_choice`]).
 
 pub mod attention_choice;
 pub mod checkpoint;
 pub mod config;
 pub mod log;
-pub mod optim;
+pub mod params;
+pub mod requirements;
+pub mod resume;
+pub mod session;
 pub mod snapshot;
 pub mod trainer;

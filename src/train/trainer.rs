@@ -14,8 +14,8 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::device::phase_clock::{Phase, PhaseClock, PhaseTimes};
 use crate::model::{Gpt, ParamGroup};
+use crate::optim::{Adam, Muon, lr_multiplier, momentum_at};
 use crate::train::config::TrainConfig;
-use crate::train::optim::{Adam, Muon, lr_multiplier, momentum_at};
 
 /// What one micro-batch cost.
 #[derive(Clone, Copy, Debug, Default)]

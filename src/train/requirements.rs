@@ -1,0 +1,98 @@
+//! What a training session needs, known before it starts: the checks of its config that
+//! `pipeline validate` runs, and its memory estimate ([`crate::runtime::memory`]).
+
+use anyhow::Context;
+
+use crate::model::flash_attn::Attention;
+use crate::runtime::memory::Need;
+use crate::train::config::{Config, TrainConfig};
+use crate::train::params::{Precision, SessionParams};
+
+/// Checks `c` for a session with `p`: the model, the device and dtype, the batch geometry,
+/// `[train]`, the validation split and tokenizer, the initial weights.
+pub fn check(p: &SessionParams, c: &Config) -> anyhow::Result<()> {
+    c.model.check()?;
+    if matches!(crate::device::parse(&c.run.device)?, crate::device::DeviceName::Cpu) && p.dtype == Precision::Bf16 {
+        anyhow::bail!("`dtype` = \"bf16\" is for GPUs: on `run.device` = \"cpu\" use \"f32\" (or \"f64\" for checks)");
+    }
+    single_rank(c)?;
+    c.batch_shape()?;
+    check_train(&c.train)?;
+    anyhow::ensure!(c.data.val.is_some(), "`data.val` is not set: the step executor validates on the validation shards");
+    let tok = c.data.tokenizer.as_deref().context("`data.tokenizer` is not set: val_bpb counts bytes with the sentencepiece model")?;
+    crate::eval::validation::load_tables(tok, c.model.vocab_size)?;
+    crate::eval::validation::check_split(&c.validation())?;
+    if let Some(w) = &c.train.init_weights {
+        anyhow::ensure!(w.is_file(), "`train.init_weights` = {} is not a file", w.display());
+    }
+    Ok(())
+}
+
+/// What a session holds at its peak: weights, gradients, optimizer state, the activations of
+/// one micro-batch or validation batch (whichever is larger), and the validation split.
+pub fn memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>> {
+    use crate::model::memory::{MODEL_KEYS, ParamCounts, forward_bytes, training_bytes};
+    c.model.check()?;
+    let shape = c.batch_shape()?;
+    let m = &c.model;
+    let counts = ParamCounts::of(m);
+    // f32 master weights and optimizer state in every mode but f64; bf16 products between
+    // f32 norms and residuals average out at about 3 bytes an activation.
+    let (param_bytes, act_bytes) = match p.dtype {
+        Precision::F64 => (8, 8),
+        Precision::F32 => (4, 4),
+        Precision::Bf16 => (4, 3),
+    };
+    let on_cpu = matches!(crate::device::parse(&c.run.device)?, crate::device::DeviceName::Cpu);
+    // The attention probabilities are stored on the CPU and by the materialised attention.
+    let probs = on_cpu || p.attention == Attention::Materialized;
+    let t = shape.seq_len;
+    let train = training_bytes(m, shape.rows * t, t, probs, act_bytes);
+    let val = forward_bytes(m, crate::eval::validation::tokens_per_pass(&c.validation(), shape.micro_steps), t, probs, act_bytes);
+    let mut act_keys = vec!["train.batch_tokens", "train.grad_accum_steps", "train.seq_len"];
+    act_keys.extend(MODEL_KEYS);
+    let mut needs = vec![
+        Need::device("weights", counts.total.saturating_mul(param_bytes), &MODEL_KEYS),
+        Need::device("gradients", counts.total.saturating_mul(param_bytes), &MODEL_KEYS),
+        Need::device("optimizer state", counts.optimizer().saturating_mul(param_bytes), &MODEL_KEYS),
+    ];
+    if train >= val {
+        needs.push(Need::device("activations of one micro-batch", train, &act_keys).transient());
+    } else {
+        act_keys[0] = "train.val_batch_tokens";
+        needs.push(Need::device("activations of one validation batch", val, &act_keys).transient());
+    }
+    // The validation split, read whole (u16) and kept as u32 ids.
+    if let Some(tokens) = crate::eval::validation::split_tokens(&c.validation())? {
+        let kept = if c.train.val_max_tokens > 0 { tokens.min(c.train.val_max_tokens as u64 + 1) } else { tokens };
+        needs.push(Need::host("validation tokens", tokens * 2 + kept * 4, &["data.val", "train.val_max_tokens"]));
+    }
+    Ok(needs)
+}
+
+pub(crate) fn check_train(t: &TrainConfig) -> anyhow::Result<()> {
+    anyhow::ensure!(t.iterations >= 1, "`train.iterations` must be at least 1");
+    anyhow::ensure!(t.max_wallclock_seconds >= 0.0, "`train.max_wallclock_seconds` must not be negative");
+    anyhow::ensure!(t.grad_clip_norm >= 0.0, "`train.grad_clip_norm` must not be negative");
+    anyhow::ensure!(t.muon_backend_steps >= 1, "`train.muon_backend_steps` must be at least 1");
+    anyhow::ensure!((0.0..1.0).contains(&t.beta1) && (0.0..1.0).contains(&t.beta2), "`train.beta1` and `train.beta2` must be in [0, 1)");
+    for (k, v) in [
+        ("matrix_lr", t.matrix_lr),
+        ("scalar_lr", t.scalar_lr),
+        ("tied_embed_lr", t.tied_embed_lr),
+        ("embed_lr", t.embed_lr),
+        ("head_lr", t.head_lr),
+    ] {
+        anyhow::ensure!(v >= 0.0 && v.is_finite(), "`train.{k}` must be a non-negative number");
+    }
+    Ok(())
+}
+
+pub(crate) fn single_rank(c: &Config) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        c.run.world_size == 1,
+        "`run.world_size` = {}: training on several ranks needs the `cuda` build (NCCL); this executor trains one rank",
+        c.run.world_size
+    );
+    Ok(())
+}

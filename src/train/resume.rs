@@ -1,0 +1,163 @@
+//! Continuing a training session: what a checkpoint holds of it besides the tensors
+//! ([`History`]), restoring a trainer from it, the one rule for where training ends, and
+//! whether the process a resumed run continues had already completed it.
+
+use std::path::Path;
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+
+use crate::data::batch::BatchShape;
+use crate::report::document::Report;
+use crate::train::checkpoint::Checkpoint;
+use crate::train::config::{Config, TrainConfig};
+use crate::train::snapshot::Ending;
+use crate::train::trainer::Trainer;
+
+/// One validation's result.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct ValPoint {
+    pub step: u64,
+    pub val_loss: f64,
+    pub val_bpb: f64,
+    pub train_time_ms: f64,
+}
+
+/// What the executor keeps in a checkpoint besides the tensors.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct History {
+    /// The batch geometry the loader state belongs to.
+    pub shape: BatchShape,
+    /// Validations so far.
+    pub validations: Vec<ValPoint>,
+    /// On a GPU, the attention trained with (`flash`, `flash_mma`, `materialized`): a resumed
+    /// `attention = "auto"` keeps it. None on the CPU, and in checkpoints made before it was kept.
+    #[serde(default)]
+    pub attention: Option<String>,
+    /// The last step's LR multiplier (none in checkpoints made before it was kept).
+    #[serde(default)]
+    pub lr_mul: Option<f64>,
+}
+
+/// The attention the run that wrote `ck` trained with, where its state says (see
+/// [`History::attention`]); a checkpoint without step-executor state is refused later, by
+/// [`resume`].
+pub(crate) fn trained_attention(ck: &Checkpoint) -> Option<String> {
+    serde_json::from_value::<History>(ck.meta.extra.clone()).ok().and_then(|h| h.attention)
+}
+
+/// Restores `trainer` from `ck`, after checking that the run continues with the same batch
+/// geometry and training data; returns the validation history.
+pub(crate) fn resume(trainer: &mut Trainer, ck: &Checkpoint, shape: BatchShape, data: &str) -> anyhow::Result<History> {
+    let what = || format!("cannot resume from {}", ck.path.display());
+    let history: History = serde_json::from_value(ck.meta.extra.clone())
+        .with_context(|| format!("{}: it holds no step-executor state (made by another version?)", what()))?;
+    let (a, b) = (history.shape, shape);
+    anyhow::ensure!(
+        (a.seq_len, a.rows, a.micro_steps, a.world_size, a.rank) == (b.seq_len, b.rows, b.micro_steps, b.world_size, b.rank),
+        "{}: it was made with seq_len {}, {} rows x {} micro-batches on {} rank(s); `[train]`/`[run]` now give seq_len {}, {} rows x {} micro-batches on {} rank(s) (`train.seq_len`, `train.batch_tokens`, `train.grad_accum_steps`, `run.world_size` must not change)",
+        what(),
+        a.seq_len,
+        a.rows,
+        a.micro_steps,
+        a.world_size,
+        b.seq_len,
+        b.rows,
+        b.micro_steps,
+        b.world_size
+    );
+    anyhow::ensure!(
+        ck.meta.data == data,
+        "{}: the training shards (`data.train`) differ from those it was trained on (data fingerprint {} now, {} then)",
+        what(),
+        data,
+        ck.meta.data
+    );
+    trainer.model_mut().load_state(&ck.section("model.")).with_context(|| format!("{}: the weights do not fit `[model]`", what()))?;
+    trainer.restore(ck.meta.step, &ck.section("optim.")).with_context(|| format!("{}: the optimizer state does not fit", what()))?;
+    Ok(history)
+}
+
+/// Whether training that has taken `step` steps in `train_ms` of training time is over as `t`
+/// sets it, and why: `train.iterations` reached, else the wall-clock cap crossed. The one rule
+/// for the end of a step, for a checkpoint (its step and the training time at its end) and for
+/// a previous run's report.
+pub fn training_end(step: u64, train_ms: f64, t: &TrainConfig) -> Option<Ending> {
+    let cap_ms = t.max_wallclock_seconds * 1e3;
+    if step >= t.iterations {
+        Some(Ending::Iterations)
+    } else if cap_ms > 0.0 && train_ms >= cap_ms {
+        Some(Ending::WallclockCap)
+    } else {
+        None
+    }
+}
+
+/// Whether the previous process's report says it completed (exit 0) a run whose training ended
+/// (by iterations or the cap) and is over as `t` still has it end ([`training_end`]): then
+/// every stage after training had done its work too. Its steps and ending. A larger
+/// `train.iterations` or cap than the run had is more training, not a complete run.
+fn completed(prev: &Report, t: &TrainConfig) -> Option<(u64, Ending)> {
+    let get = |k: &str| prev.train.get(k);
+    let ended = matches!(get("ended_by")?.as_str()?, "iterations" | "wallclock_cap");
+    if prev.run.exit_code != 0 || prev.run.status != "completed" || !ended {
+        return None;
+    }
+    let steps = get("steps")?.as_u64()?;
+    Some((steps, training_end(steps, get("train_time_ms")?.as_f64()?, t)?))
+}
+
+/// How an ending reads in logs: the key that ended training.
+pub fn ending_name(e: Ending) -> &'static str {
+    match e {
+        Ending::Iterations => "train.iterations",
+        Ending::WallclockCap => "train.max_wallclock_seconds",
+        Ending::InputEnded => "the input ended",
+        Ending::Interrupted => "interrupted",
+        Ending::Failed => "failed",
+    }
+}
+
+/// Fingerprint of the `data.train` files (names and sizes).
+pub fn data_fingerprint(c: &Config) -> anyhow::Result<String> {
+    match &c.data.train {
+        Some(glob) => crate::train::checkpoint::data_fingerprint(&crate::data::shard::glob_sorted(glob).context("`data.train`")?),
+        None => Ok(String::new()),
+    }
+}
+
+/// On `--resume RUN_DIR` (in `run_dir`, from `resume`): the message saying the run is
+/// complete, when the process it continues (its report, `previous`) completed it: training
+/// ended as `c` now says, and every stage after it finished. Then there is nothing to do at
+/// all, whichever checkpoint is newest (one at the last step may not exist: `at_end = false`,
+/// a failed write under `on_error`).
+pub fn complete(c: &Config, resume: Option<&Checkpoint>, previous: Option<&Report>, run_dir: Option<&Path>) -> Option<String> {
+    let (_, prev) = resume.zip(previous)?;
+    let (steps, ending) = completed(prev, &c.train)?;
+    let dir = run_dir.map(|d| d.display().to_string()).unwrap_or_default();
+    Some(format!(
+        "run {dir} is complete: training ended at step {steps}/{} ({}) and every stage after it finished (its report.json: completed, exit 0). Nothing left to do; no file was changed. (To train again from one of its checkpoints, name the file: --resume {dir}/checkpoints/step_N.safetensors.)",
+        c.train.iterations,
+        ending_name(ending),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The executor's checkpoint state keeps the attention trained with, and a checkpoint
+    /// written before it did still resumes (its attention unknown, so "auto" runs its trials).
+    #[test]
+    fn checkpoint_state_keeps_the_attention_and_reads_older_state() {
+        let shape = BatchShape { seq_len: 64, rows: 2, micro_steps: 1, world_size: 1, rank: 0 };
+        let h = History { shape, validations: Vec::new(), attention: Some("flash_mma".into()), lr_mul: Some(0.25) };
+        let back: History = serde_json::from_value(serde_json::to_value(&h).unwrap()).unwrap();
+        assert_eq!((back.attention.as_deref(), back.lr_mul), (Some("flash_mma"), Some(0.25)));
+        let mut older = serde_json::to_value(&h).unwrap();
+        older.as_object_mut().unwrap().remove("attention");
+        older.as_object_mut().unwrap().remove("lr_mul");
+        let back: History = serde_json::from_value(older).unwrap();
+        assert_eq!((back.attention, back.shape, back.lr_mul), (None, shape, None));
+    }
+}
