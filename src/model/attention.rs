@@ -28,8 +28,8 @@ impl Gpt {
         // x arrives in the activations' dtype from `norm_in` (the cast is a no-op then); under
         // mixed precision q, k, v, the attention output and its projection stay in it, and so
         // does the gain, as the script casts it to q's dtype (`raw_logits` cast the rope tables).
-        let x = f.to_activations(x)?;
-        let q = qk_norm_rope(&f.linear(&x, &p("c_q.weight"))?, Some(&f.to_activations(&p("q_gain"))?), cos, sin, h, self.qk_eps)?;
+        let x = f.cast_to_activations(x)?;
+        let q = qk_norm_rope(&f.linear(&x, &p("c_q.weight"))?, Some(&f.cast_to_activations(&p("q_gain"))?), cos, sin, h, self.qk_eps)?;
         let k = qk_norm_rope(&f.linear(&x, &p("c_k.weight"))?, None, cos, sin, kvh, self.qk_eps)?;
         let v = f.linear(&x, &p("c_v.weight"))?;
         let y = f.attention(&q, &k, &v, b, h, kvh)?;

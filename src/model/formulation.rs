@@ -57,7 +57,7 @@ impl Formulation {
     }
 
     /// `x` in the activations' dtype (a no-op where it is already).
-    pub(super) fn to_activations(&self, x: &Tensor) -> Result<Tensor> {
+    pub(super) fn cast_to_activations(&self, x: &Tensor) -> Result<Tensor> {
         cast(x, self.activations())
     }
 

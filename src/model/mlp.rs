@@ -17,7 +17,7 @@ impl Gpt {
     /// The MLP of block `i` on `x`.
     pub(super) fn mlp(&self, f: &Formulation, i: usize, x: &Tensor) -> Result<Tensor> {
         let (fc, proj) = (self.p(&format!("blocks.{i}.mlp.fc.weight")), self.p(&format!("blocks.{i}.mlp.proj.weight")));
-        let x = f.to_activations(x)?;
+        let x = f.cast_to_activations(x)?;
         let up = relu_sq(&f.linear(&x, &fc)?)?;
         f.linear(&up, &proj)
     }
