@@ -77,6 +77,7 @@ pub(crate) fn values_as<T: WithDType>(s: &CpuStorage) -> Result<std::borrow::Cow
     })
 }
 
+/// `v` as a CPU storage of its own dtype.
 pub(crate) fn wrap<T: Real>(v: Vec<T>) -> CpuStorage {
     T::to_cpu_storage_owned(v)
 }

@@ -77,16 +77,19 @@ pub(crate) struct Rows<'a, T> {
 }
 
 impl<'a, T: Copy> Rows<'a, T> {
+    /// Row `i`.
     #[inline(always)]
     pub(crate) fn row(&self, i: usize) -> &'a [T] {
         let o = self.offsets[i];
         &self.data[o..o + self.len]
     }
 
+    /// The number of rows.
     pub(crate) fn count(&self) -> usize {
         self.offsets.len()
     }
 
+    /// The rows in `range`.
     pub(crate) fn sub(&self, range: std::ops::Range<usize>) -> Self {
         Self { offsets: &self.offsets[range], ..*self }
     }
@@ -139,6 +142,7 @@ pub(crate) fn elems_as<'a, T: Real>(s: &'a CpuStorage, l: &Layout) -> Result<Cow
 pub(crate) struct Held<'a>(candle_core::StorageRef<'a>, &'a Layout);
 
 impl<'a> Held<'a> {
+    /// Holds `t`'s storage for reading.
     pub(crate) fn new(t: &'a Tensor) -> Self {
         let (s, l) = t.storage_and_layout();
         Self(s, l)
@@ -162,6 +166,7 @@ pub(crate) fn add_partials(parts: Vec<Vec<f64>>, len: usize) -> Vec<f64> {
     total
 }
 
+/// A CPU tensor of `shape` in `T` from f64 values (the per-channel sums of a backward pass).
 pub(crate) fn tensor_from_f64<T: Real>(v: &[f64], shape: impl Into<Shape>) -> Result<Tensor> {
     Tensor::from_vec(v.iter().map(|&x| T::from_f64(x)).collect::<Vec<T>>(), shape, &Device::Cpu)
 }

@@ -109,6 +109,7 @@ macro_rules! multiversion {
 }
 pub(crate) use multiversion;
 
+/// `sum(a * b)` in `T`, eight partial sums added in a fixed tree.
 #[inline(always)]
 pub(crate) fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     // Eight independent partial sums so that the loop vectorises.

@@ -1,3 +1,6 @@
+//! The cast between f32 and bf16: `y = round_to_nearest_even(x)` (or the exact widening), the
+//! gradient cast back to the input's dtype.
+//!
 //! Casts between f32 and bf16 on CUDA devices: one vectorised kernel each way
 //! (`kernels/fused.cu`); candle's own cast ran at about a sixth of the memory bandwidth here
 //! (Nsight Compute, H100: 368 µs for a 65,536 x 512 bf16 -> f32 cast, the mixed-precision

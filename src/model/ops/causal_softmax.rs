@@ -1,3 +1,10 @@
+//! The causal softmax of materialised attention scores `s` `(.., T, T)` with scale `c`:
+//!
+//! ```text
+//! p[i, j] = exp(c s[i, j]) / sum_{j' <= i} exp(c s[i, j'])   for j <= i, 0 above
+//! ds[i, j] = c p[i, j] (g[i, j] - sum_j' p[i, j'] g[i, j'])
+//! ```
+//!
 //! The causal softmax of attention scores as one op, for attention on a GPU: there the score
 //! products run on cuBLAS (candle's `matmul`), and everything between them, the scale, the
 //! causal mask, the softmax and its backward pass, is one kernel each way instead of a dozen

@@ -18,10 +18,12 @@ pub(crate) fn seeded(shape: &[usize], seed: u64) -> Tensor {
     rand(&mut fastrand::Rng::with_seed(seed), shape, 2.0, DType::F64)
 }
 
+/// `n` random class indices below `v`, as a u32 tensor.
 pub(crate) fn targets(rng: &mut fastrand::Rng, n: usize, v: usize) -> Tensor {
     Tensor::from_vec((0..n).map(|_| rng.u32(0..v as u32)).collect::<Vec<_>>(), n, &Device::Cpu).unwrap()
 }
 
+/// The elements of `t` as f64, in row-major order.
 pub(crate) fn flat(t: &Tensor) -> Vec<f64> {
     t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap()
 }
@@ -49,6 +51,7 @@ pub(crate) enum Loss {
     Sum,
 }
 
+/// The scalar loss of `out` (a seeded random weighting, or the sum).
 pub(crate) fn loss_of(out: &Tensor, loss: Loss, seed: u64) -> Tensor {
     match loss {
         Loss::Weighted => {
@@ -67,6 +70,7 @@ pub(crate) fn grads(f: &dyn Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor], 
     vars.iter().map(|v| g.get(v.as_tensor()).expect("a gradient for every input").clone()).collect()
 }
 
+/// Asserts that `fused` and `reference` give the same gradients (to 1e-12) for both losses.
 pub(crate) fn check_grads(
     fused: &dyn Fn(&[Tensor]) -> Result<Tensor>,
     reference: &dyn Fn(&[Tensor]) -> Result<Tensor>,
