@@ -1,5 +1,4 @@
-//! Checks of a device against the CPU: `pipeline parity` ([`parity`]) and the error measures
-//! it and the kernel tests use ([`compare`]).
+//! Checks of a device against the CPU: `pipeline parity` ([`parity`]), with the error measures
+//! of `model::compare` (which the kernels' tests and the attention trial use too).
 
-pub mod compare;
 pub mod parity;

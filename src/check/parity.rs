@@ -27,7 +27,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
-use crate::check::compare::{rel_err, worst};
+use crate::model::compare::{rel_err, worst};
 use crate::model::flash_attn::FlashKernels;
 use crate::model::{Gpt, ModelConfig};
 
@@ -331,12 +331,12 @@ pub fn run(device: &Device, device_name: &str, dtype: DType, seed: u64) -> anyho
     })
 }
 
-/// [`crate::model::norm_rope::norm_rope`] of `x` `(N, heads * D)` with RoPE tables for
+/// [`crate::model::ops::norm_rope`] of `x` `(N, heads * D)` with RoPE tables for
 /// sequences of `t`.
 fn norm_rope_case(x: &Tensor, t: usize, heads: usize) -> candle_core::Result<Tensor> {
     let d = x.dim(1)? / heads;
     let (cos, sin) = crate::model::ops::rope_tables(t, d, 10_000.0, x.dtype(), x.device())?;
-    crate::model::norm_rope::norm_rope(x, &Tensor::cat(&[&cos, &sin], 1)?, heads, None)
+    crate::model::ops::norm_rope(x, &Tensor::cat(&[&cos, &sin], 1)?, heads, None)
 }
 
 /// Attention of `b` sequences with `heads` query heads over `kv` KV heads of 64 channels, q, k
@@ -349,13 +349,13 @@ fn attention_case(x: &Tensor, b: usize, heads: usize, kv: usize, kernels: FlashK
     if flash_attn::unsupported(q.device(), q.dtype(), x.dim(0)? / b, d).is_none() {
         flash_attn::flash_attention(&q, &k, &v, b, heads, kv, kernels)
     } else {
-        crate::model::fused::causal_attention_tokens(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, b, heads, kv)
+        crate::model::ops::causal_attention_tokens(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, b, heads, kv)
     }
 }
 
 /// `x` in f32 when it is bf16 (the residual stream's dtype under mixed precision), else itself.
 fn widened(x: &Tensor) -> candle_core::Result<Tensor> {
-    if x.dtype() == DType::BF16 { crate::model::cast::cast(x, DType::F32) } else { Ok(x.clone()) }
+    if x.dtype() == DType::BF16 { crate::model::ops::cast(x, DType::F32) } else { Ok(x.clone()) }
 }
 
 /// A device op and the shape of the random input it is checked on.
@@ -368,38 +368,38 @@ type KernelCase = (&'static str, Vec<usize>, fn(&Tensor) -> candle_core::Result<
 /// (see [`bf16_bound`]); the output gradient is of the output's dtype (the cross-entropy's
 /// losses are f32 whatever its logits).
 pub fn kernel_checks(device: &Device, dtype: DType, seed: u64) -> anyhow::Result<Vec<Compared>> {
-    use crate::model::{causal_softmax::causal_softmax, fused};
+    use crate::model::ops::{self, causal_softmax};
     let cases: Vec<KernelCase> = vec![
         ("causal_softmax", vec![2, 3, 128, 128], |x| causal_softmax(x, 0.125)),
         ("causal_softmax", vec![1, 2, 1000, 1000], |x| causal_softmax(x, 0.3)),
-        ("rms_norm", vec![1000, 512], fused::rms_norm),
-        ("rms_norm", vec![37, 3, 70], fused::rms_norm),
-        ("relu_sq", vec![333, 1024], fused::relu_sq),
+        ("rms_norm", vec![1000, 512], ops::rms_norm),
+        ("rms_norm", vec![37, 3, 70], ops::rms_norm),
+        ("relu_sq", vec![333, 1024], ops::relu_sq),
         ("norm_rope", vec![3 * 100, 4 * 64], |x| norm_rope_case(x, 100, 4)),
         ("norm_rope", vec![2 * 9, 3 * 6], |x| norm_rope_case(x, 9, 3)),
         // The per-channel parameters are rows of x itself, so that their gradients are checked too.
-        ("scale_add", vec![257, 96], |x| fused::scale_add(&(x * 0.5)?, x, &x.get(0)?)),
-        ("scale_cols", vec![100, 64], |x| fused::scale_cols(x, &x.get(3)?)),
+        ("scale_add", vec![257, 96], |x| ops::scale_add(&(x * 0.5)?, x, &x.get(0)?)),
+        ("scale_cols", vec![100, 64], |x| ops::scale_cols(x, &x.get(3)?)),
         ("embedding", vec![50, 512], |w| {
-            crate::model::embedding::embedding(
+            crate::model::ops::embedding(
                 w,
                 &Tensor::from_vec((0..3000u32).map(|i| (i * 7919) % 49).collect::<Vec<u32>>(), 3000, w.device())?,
             )
         }),
-        ("resid_mix", vec![130, 512], |x| fused::resid_mix(x, &((x * 0.3)? + 0.1)?, &x.narrow(0, 0, 2)?)),
+        ("resid_mix", vec![130, 512], |x| ops::resid_mix(x, &((x * 0.3)? + 0.1)?, &x.narrow(0, 0, 2)?)),
         // Mixed precision where the kernels run bf16: the f32 stream's inputs are x widened (the
         // `_f32_bf16` kernels); in the f64 reference everything stays f64.
-        ("rms_norm_to", vec![1000, 512], |x| fused::rms_norm_to(&widened(x)?, x.dtype())),
-        ("rms_norm_to", vec![37, 70], |x| fused::rms_norm_to(&widened(x)?, x.dtype())),
-        ("scale_add_mixed", vec![257, 96], |x| fused::scale_add(&widened(&(x * 0.5)?)?, x, &widened(&x.get(0)?)?)),
+        ("rms_norm_to", vec![1000, 512], |x| ops::rms_norm_to(&widened(x)?, x.dtype())),
+        ("rms_norm_to", vec![37, 70], |x| ops::rms_norm_to(&widened(x)?, x.dtype())),
+        ("scale_add_mixed", vec![257, 96], |x| ops::scale_add(&widened(&(x * 0.5)?)?, x, &widened(&x.get(0)?)?)),
         // Logits scaled so that the soft-cap (30) bends them; targets spread over the classes.
         ("softcap_ce", vec![300, 1024], |x| {
             let targets = Tensor::from_vec((0..300u32).map(|i| (i * 7919) % 1024).collect::<Vec<u32>>(), 300, x.device())?;
-            fused::softcap_cross_entropy(&(x * 20.0)?, &targets, 30.0)
+            ops::softcap_cross_entropy(&(x * 20.0)?, &targets, 30.0)
         }),
         ("softcap_ce", vec![7, 50], |x| {
             let targets = Tensor::from_vec(vec![0u32, 49, 3, 17, 25, 49, 1], 7, x.device())?;
-            fused::softcap_cross_entropy(&(x * 20.0)?, &targets, 30.0)
+            ops::softcap_cross_entropy(&(x * 20.0)?, &targets, 30.0)
         }),
         // Several tiles each way, grouped heads (and, with one KV head, a group of four); both
         // implementations of the flash kernels.

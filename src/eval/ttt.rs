@@ -1020,7 +1020,7 @@ mod tests {
             assert!(!close(got, illegal, 1e-6));
         }
         for ((name, _, _), (a, b)) in m.params().iter().zip(params(&m).iter().zip(params(&ttt_model).iter())) {
-            let err = crate::check::compare::worst(a.iter().zip(b).map(|(x, y)| (x - y).abs()));
+            let err = crate::model::compare::worst(a.iter().zip(b).map(|(x, y)| (x - y).abs()));
             assert!(err < 1e-9, "{name}: replay and TTT weights differ by {err}");
         }
     }

@@ -1,7 +1,7 @@
 //! The trial behind `attention = "auto"`: an attention implementation runs the forward and
 //! backward pass of one micro-batch's attention at the run's shapes, timed (its first pass's
 //! output and gradients must be finite), after a check against the materialised attention in
-//! f32 ([`fused::causal_attention_tokens`]) on random inputs of two sequences of the run's
+//! f32 ([`ops::causal_attention_tokens`]) on random inputs of two sequences of the run's
 //! length (shorter only where the reference's scores would pass [`CHECK_SCORE_BYTES`]). The
 //! check compares the output and the q, k, v gradients block by block (one head's 64-row tile
 //! of a sequence: the flash kernels' unit of work), so a wrong tile is not diluted by the rest.
@@ -18,8 +18,8 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
 use super::flash_attn::{self, FlashKernels};
-use super::fused;
-use crate::check::compare::{Blocks, blockwise_rel_err, worst};
+use super::ops;
+use crate::model::compare::{Blocks, blockwise_rel_err, worst};
 
 /// Largest blockwise relative error of a bf16 flash implementation against the f32 reference.
 /// Rounding the inputs and the results to bf16 alone puts the worst 64-row tile of a head at
@@ -217,7 +217,7 @@ pub fn check_flash(device: &Device, kernels: FlashKernels, shape: AttentionShape
         flash_attn::flash_attention(q, k, v, s.batch, s.heads, s.kv_heads, kernels)
     };
     let reference =
-        |q: &Tensor, k: &Tensor, v: &Tensor, s: AttentionShape| fused::causal_attention_tokens(q, k, v, s.batch, s.heads, s.kv_heads);
+        |q: &Tensor, k: &Tensor, v: &Tensor, s: AttentionShape| ops::causal_attention_tokens(q, k, v, s.batch, s.heads, s.kv_heads);
     let mut outcomes = trial(device, shape, &[(kernels.name(), &flash)], &reference, TrialSettings::flash())?;
     outcomes.pop().ok_or_else(|| anyhow::anyhow!("the trial gave no outcome"))
 }
@@ -321,7 +321,7 @@ mod tests {
     }
 
     fn exact(q: &Tensor, k: &Tensor, v: &Tensor, s: AttentionShape) -> Result<Tensor> {
-        fused::causal_attention_tokens(q, k, v, s.batch, s.heads, s.kv_heads)
+        ops::causal_attention_tokens(q, k, v, s.batch, s.heads, s.kv_heads)
     }
 
     /// The attention in f64 agrees with the f32 reference (closely, not exactly: the reference
@@ -427,7 +427,7 @@ mod tests {
         let inputs = Inputs::random(shape, settings.seed, &Device::Cpu).unwrap();
         let want = inputs.run(&exact, shape, DType::F32).unwrap();
         let got = inputs.run(&one_tile, shape, DType::BF16).unwrap();
-        let whole = crate::check::compare::rel_err(&got[0], &want[0]);
+        let whole = crate::model::compare::rel_err(&got[0], &want[0]);
         assert!(whole < FLASH_TOLERANCE && whole > err, "whole-output error {whole:.2e}");
     }
 

@@ -1,14 +1,16 @@
-//! The GPT: parameters, initialisation, forward pass.
+//! The GPT: its parameters (named as the PyTorch script's `state_dict`), their initialisation
+//! and optimizer groups, loading and reading them, and the forward pass's assembly: embedding,
+//! the U-Net of [`super::block`]s with skip connections, the output head and the loss. How each
+//! product and norm is computed is the pass's [`Formulation`].
 
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 use super::ModelConfig;
-use super::cast::cast;
 use super::flash_attn::{self, Attention, FlashKernels};
-use super::fused::{causal_attention_tokens, qk_norm_rope, relu_sq, resid_mix, rms_norm, rms_norm_to, scale_add, softcap_cross_entropy};
-use super::ops::{rope_tables, softcap};
+use super::formulation::Formulation;
+use super::ops::{cast, embedding, rms_norm, rope_tables, scale_add, softcap, softcap_cross_entropy};
 
 /// Which optimizer group a parameter belongs to (as the challenge script splits them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,7 +43,7 @@ pub struct Gpt {
     /// The attention kernel on a GPU.
     attention: Attention,
     /// The q/k RMS norm's epsilon where it is not its input dtype's (see [`Gpt::with_qk_norm_eps`]).
-    qk_eps: Option<f64>,
+    pub(super) qk_eps: Option<f64>,
 }
 
 /// Host-side initial values, so that a seed gives the same weights on every device.
@@ -159,36 +161,6 @@ impl Gpt {
         flash_attn::unsupported(&self.device, self.matmul_dtype(), t, self.cfg.head_dim())
     }
 
-    /// The dtype of the activations around the matmuls when they stay in the matmul dtype: on
-    /// the GPU path under mixed precision (as under PyTorch's autocast, each projection's output
-    /// stays bf16 through QK norm, RoPE, attention and relu²; the residual stream stays f32).
-    fn low_activations(&self, x: &Tensor) -> Option<DType> {
-        self.matmul_dtype.filter(|_| super::gpu_path(x))
-    }
-
-    /// `x W^T` with `x` already in the matmul dtype, the result left in it.
-    fn linear_low(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        x.matmul(&cast(w, x.dtype())?.t()?)
-    }
-
-    /// RMS norm of the residual stream `u` as the input of the products that follow: in the
-    /// matmul dtype where the activations stay in it (one kernel writes the narrow rows, see
-    /// [`rms_norm_to`]), else in the stream's.
-    fn norm_in(&self, u: &Tensor) -> Result<Tensor> {
-        match self.low_activations(u) {
-            Some(low) => rms_norm_to(u, low),
-            None => rms_norm(u),
-        }
-    }
-
-    /// `x W^T` for `x` of shape `(N, in)` and `W` of shape `(out, in)`, in the matmul dtype.
-    fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        match self.matmul_dtype {
-            None => x.matmul(&w.t()?),
-            Some(md) => cast(&cast(x, md)?.matmul(&cast(w, md)?.t()?)?, self.dtype),
-        }
-    }
-
     /// The configuration.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
@@ -233,7 +205,8 @@ impl Gpt {
         Ok(())
     }
 
-    fn p(&self, name: &str) -> Tensor {
+    /// The parameter `name` as a tensor of the forward pass (detached during evaluation).
+    pub(super) fn p(&self, name: &str) -> Tensor {
         let t = self.params[self.index[name]].1.as_tensor();
         if self.detached.get() { t.detach() } else { t.clone() }
     }
@@ -271,25 +244,26 @@ impl Gpt {
     /// GPU path (the head's product stays bf16, as under autocast), else the model's.
     ///
     /// The residual stream and every projection stay `(B*T, C)` matrices (token-major, heads side
-    /// by side), so that no reshape or transpose enters the autograd graph; on the CPU the
-    /// per-channel scales, the residual mix, QK norm with RoPE, attention and relu² are fused ops.
+    /// by side), so that no reshape or transpose enters the autograd graph; the per-channel
+    /// scales, the residual mix, QK norm with RoPE, attention and relu² are fused ops.
     fn raw_logits(&self, x: &Tensor) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (b, t) = x.dims2()?;
         let emb = self.p("tok_emb.weight");
-        let mut h = rms_norm(&super::embedding::embedding(&emb, &x.flatten_all()?)?)?;
+        let mut h = rms_norm(&embedding(&emb, &x.flatten_all()?)?)?;
+        let f = Formulation::choose(&h, self.dtype, self.matmul_dtype, self.attention, (t, cfg.head_dim()));
         let x0 = h.clone();
         let (cos, sin) = rope_tables(t, cfg.head_dim(), cfg.rope_base, self.dtype, &self.device)?;
         // Under mixed precision on the GPU path q and k are bf16, and so are the rope tables (the
         // script casts them to q's dtype): cast once per forward pass, not per layer.
-        let (cos, sin) = match self.low_activations(&h) {
+        let (cos, sin) = match f.mixed() {
             Some(low) => (cos.to_dtype(low)?, sin.to_dtype(low)?),
             None => (cos, sin),
         };
         let enc = cfg.encoder_layers();
         let mut skips = Vec::with_capacity(enc);
         for i in 0..enc {
-            h = self.block(i, &h, &x0, b, &cos, &sin)?;
+            h = self.block(&f, i, &h, &x0, b, &cos, &sin)?;
             skips.push(h.clone());
         }
         let skip_w = self.p("skip_weights");
@@ -297,13 +271,10 @@ impl Gpt {
             if let Some(s) = skips.pop() {
                 h = scale_add(&h, &s, &skip_w.get(j)?)?;
             }
-            h = self.block(enc + j, &h, &x0, b, &cos, &sin)?;
+            h = self.block(&f, enc + j, &h, &x0, b, &cos, &sin)?;
         }
         let head = if cfg.tie_embeddings { emb } else { self.p("lm_head.weight") };
-        if self.low_activations(&h).is_some() {
-            return self.linear_low(&self.norm_in(&h)?, &head);
-        }
-        self.linear(&rms_norm(&h)?, &head)
+        f.linear(&f.norm_in(&h)?, &head)
     }
 
     /// Per-position cross-entropy `(B*T,)` of targets `y` `(B, T)` given inputs `x`.
@@ -322,61 +293,6 @@ impl Gpt {
     /// Mean cross-entropy over all positions (what training minimises).
     pub fn loss(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
         self.token_losses(x, y)?.mean_all()
-    }
-
-    /// One block on the `(B*T, D)` stream `h` (`b` batch rows). Under mixed precision on the GPU
-    /// path the attention and MLP outputs stay in the matmul dtype and are added to the stream by
-    /// `scale_add` as they are (no cast pass either way).
-    fn block(&self, i: usize, h: &Tensor, x0: &Tensor, b: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let p = |s: &str| self.p(&format!("blocks.{i}.{s}"));
-        let u = resid_mix(h, x0, &p("resid_mix"))?;
-        let a = self.attention(i, &self.norm_in(&u)?, b, cos, sin)?;
-        let u = scale_add(&u, &a, &p("attn_scale"))?;
-        let m = self.mlp(i, &self.norm_in(&u)?)?;
-        scale_add(&u, &m, &p("mlp_scale"))
-    }
-
-    /// Causal GQA self-attention of the `(B*T, D)` input `x`: per-head RMS norm, RoPE and the
-    /// query gain on q and k, then the output projection.
-    fn attention(&self, i: usize, x: &Tensor, b: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let cfg = &self.cfg;
-        let (h, kvh) = (cfg.num_heads, cfg.num_kv_heads);
-        let p = |s: &str| self.p(&format!("blocks.{i}.attn.{s}"));
-        if let Some(low) = self.low_activations(x) {
-            // x arrives in the matmul dtype from `norm_in` (the cast is a no-op then); q, k, v,
-            // the attention output and its projection stay in it (the gain too, as the script casts it to q's
-            // dtype; `raw_logits` cast the rope tables).
-            let x = cast(x, low)?;
-            let q = qk_norm_rope(&self.linear_low(&x, &p("c_q.weight"))?, Some(&cast(&p("q_gain"), low)?), cos, sin, h, self.qk_eps)?;
-            let k = qk_norm_rope(&self.linear_low(&x, &p("c_k.weight"))?, None, cos, sin, kvh, self.qk_eps)?;
-            let v = self.linear_low(&x, &p("c_v.weight"))?;
-            // Where flash attention does not apply (e.g. an evaluation window that is not a
-            // multiple of 64), the materialised attention runs even under "flash".
-            let t = x.dim(0)? / b;
-            let flash = self.attention.flash_kernels().filter(|_| self.flash_unsupported(t).is_none());
-            let y = match flash {
-                Some(kernels) => flash_attn::flash_attention(&q, &k, &v, b, h, kvh, kernels)?,
-                None => causal_attention_tokens(&q, &k, &v, b, h, kvh)?,
-            };
-            return self.linear_low(&y, &p("proj.weight"));
-        }
-        let q = qk_norm_rope(&self.linear(x, &p("c_q.weight"))?, Some(&p("q_gain")), cos, sin, h, self.qk_eps)?;
-        let k = qk_norm_rope(&self.linear(x, &p("c_k.weight"))?, None, cos, sin, kvh, self.qk_eps)?;
-        let v = self.linear(x, &p("c_v.weight"))?;
-        let y = causal_attention_tokens(&q, &k, &v, b, h, kvh)?;
-        self.linear(&y, &p("proj.weight"))
-    }
-
-    fn mlp(&self, i: usize, x: &Tensor) -> Result<Tensor> {
-        let (fc, proj) = (self.p(&format!("blocks.{i}.mlp.fc.weight")), self.p(&format!("blocks.{i}.mlp.proj.weight")));
-        if let Some(low) = self.low_activations(x) {
-            // The (B*T, 4D) hidden activations stay in the matmul dtype (relu² included), and so
-            // does the output (see `block`).
-            let up = relu_sq(&self.linear_low(&cast(x, low)?, &fc)?)?;
-            return self.linear_low(&up, &proj);
-        }
-        let up = relu_sq(&self.linear(x, &fc)?)?;
-        self.linear(&up, &proj)
     }
 }
 

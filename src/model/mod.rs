@@ -1,41 +1,71 @@
 //! The challenge's baseline GPT (record `2026-03-17_NaiveBaseline`, spec section 3) in
 //! candle, on any candle device and float dtype.
 //!
-//! - [`ModelConfig`]: the `[model]` table; the baseline's values are the defaults.
-//! - [`ops`]: the building blocks (RMS norm without weights, RoPE, causal GQA attention, logit
-//!   soft-cap, cross-entropy), each small enough to test against a float64 reference.
-//! - [`fused`]: the same RMS norm, causal attention and soft-capped cross-entropy as fused,
-//!   multi-threaded CPU ops with their own backward passes (the model uses them; they fall back
-//!   to [`ops`] on other devices), tested against [`ops`].
-//! - [`causal_softmax`], [`norm_rope`], [`embedding`], [`cast`]: ops whose GPU kernels
-//!   (`kernels/fused.cu`, launched by `gpu_kernels` in a `cuda` build) replace candle
-//!   composites on a GPU; their CPU implementations are the kernels' references, and the fused
-//!   CPU ops of [`fused`] have GPU kernels too.
-//! - [`flash_attn`]: the choice of attention kernel and flash attention
-//!   (`kernels/flash_attn.cu`), checked against [`fused::causal_attention_tokens`];
-//!   [`attention_trial`]: `attention = "auto"`'s timed trial of the flash implementations.
-//! - [`Gpt`]: parameters named exactly as the PyTorch script's `GPT.state_dict()`, the spec's
-//!   initialisation, and the forward pass to logits, mean loss or per-token losses.
+//! # Map of this folder
+//!
+//! The model, from the top:
+//!
+//! - [`config`]: [`ModelConfig`], the `[model]` table (the baseline's values are the defaults).
+//! - [`gpt`]: [`Gpt`]: parameters named exactly as the PyTorch script's `GPT.state_dict()`, the
+//!   spec's initialisation, optimizer groups ([`ParamGroup`]), and the forward pass's assembly
+//!   (embedding, the U-Net of blocks with skips, the output head, the loss).
+//! - [`block`], [`attention`], [`mlp`]: one transformer block and its two sublayers, each
+//!   written once.
+//! - [`formulation`]: how one forward pass computes (chosen once per pass from the device,
+//!   the parameters' dtype and the matmul dtype, see [`gpu_path`]): the products, the dtype of
+//!   the activations, the norm into a product, and the attention kernel.
+//!
+//! The ops, and what runs them:
+//!
+//! - [`ops`]: one file per op (RMS norm, QK norm + RoPE, attention, soft-capped cross-entropy,
+//!   the residual adds and mix, relu², embedding, casts, ...), each with its maths, its
+//!   reference formulation, its CPU kernel, its GPU launch and its tests.
+//! - [`cpu`]: what the CPU kernels share: SIMD helpers and their AVX2 dispatch, row access,
+//!   storage conversions.
+//! - `cuda` (`cuda` builds only): the launches of `kernels/fused.cu` and flash attention's op.
+//! - [`flash_attn`]: which attention kernel a GPU run takes ([`flash_attn::Attention`],
+//!   [`flash_attn::FlashKernels`], [`flash_attn::unsupported`]); [`attention_trial`]:
+//!   `attention = "auto"`'s timed trial of the flash implementations.
+//! - [`memory`]: what a model takes in memory, from its shapes alone; [`weights`]: state-dict
+//!   files (safetensors with the script's names); [`compare`]: error measures against a
+//!   reference (the ops' tests, the attention trial, `pipeline parity`).
+//!
+//! # Where a model variant plugs in
+//!
+//! The records after the baseline change the model in a few places; none is implemented yet.
+//! Each would be a switch in [`ModelConfig`] (with its check and its parameters in
+//! `ModelConfig::param_shapes` and [`Gpt::new`]) read where the element lives:
+//!
+//! - parallel residuals (attention and MLP both read the same normed stream): [`block`];
+//! - partial RoPE (rotating only part of each head), QK-gain variants: [`attention`] and the
+//!   op [`ops::qk_norm_rope`] (its tables come from [`ops::rope`]);
+//! - XSA and other attention variants: [`attention`], through [`formulation`]'s choice of
+//!   kernel;
+//! - LeakyReLU² (another activation): [`mlp`], with an op beside [`ops::relu_sq`];
+//! - depth recurrence (blocks run more than once): the loop over blocks in [`gpt`]'s forward
+//!   assembly.
+//!
+//! A new op gets its own file in [`ops`] with the same parts as the others, and a GPU kernel
+//! in `kernels/fused.cu` launched through `cuda::kernels`.
 
+mod attention;
 pub mod attention_trial;
-pub mod cast;
-pub mod causal_softmax;
+mod block;
+pub mod compare;
 mod config;
-pub mod embedding;
-pub mod flash_attn;
-pub mod fused;
-mod gpt;
+mod cpu;
 #[cfg(feature = "cuda")]
-mod gpu_kernels;
-mod host;
+mod cuda;
+pub mod flash_attn;
+mod formulation;
+mod gpt;
 pub mod memory;
-pub mod norm_rope;
+mod mlp;
 pub mod ops;
 pub mod weights;
 
 pub use config::ModelConfig;
 pub use gpt::{Gpt, ParamGroup, group_of as gpt_group_of};
-
 use std::cell::Cell;
 
 use candle_core::{DType, Tensor};
@@ -45,7 +75,7 @@ thread_local! {
 }
 
 /// Whether `x` takes the GPU formulation of the model's ops (the kernels of `kernels/fused.cu`
-/// around cuBLAS products, see [`fused`]): on a CUDA device in f32 or bf16; on the CPU only
+/// around cuBLAS products, see [`ops`]): on a CUDA device in f32 or bf16; on the CPU only
 /// inside [`with_gpu_formulation`], where the same graph runs on the kernels' CPU references
 /// (in f64, f32, or bf16 as the kernels compute it: inputs widened to f32, one rounding on the
 /// way out).

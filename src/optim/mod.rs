@@ -740,11 +740,11 @@ mod tests {
 
     fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
         assert_eq!(a.len(), b.len());
-        crate::check::compare::worst(a.iter().zip(b).map(|(x, y)| (x - y).abs()))
+        crate::model::compare::worst(a.iter().zip(b).map(|(x, y)| (x - y).abs()))
     }
 
     fn max_abs(a: &[f64]) -> f64 {
-        crate::check::compare::worst(a.iter().map(|x| x.abs()))
+        crate::model::compare::worst(a.iter().map(|x| x.abs()))
     }
 
     fn grads_for(var: &Var, g: &[f32]) -> GradStore {

@@ -1,3 +1,6 @@
+//! The cast between f32 and bf16: `y = round_to_nearest_even(x)` (or the exact widening), the
+//! gradient cast back to the input's dtype.
+//!
 //! Casts between f32 and bf16 on CUDA devices: one vectorised kernel each way
 //! (`kernels/fused.cu`); candle's own cast ran at about a sixth of the memory bandwidth here
 //! (Nsight Compute, H100: 368 µs for a 65,536 x 512 bf16 -> f32 cast, the mixed-precision
@@ -42,7 +45,7 @@ impl CustomOp1 for Cast {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((super::gpu_kernels::cast(s, l, self.0)?, l.shape().clone()))
+        Ok((crate::model::cuda::kernels::cast(s, l, self.0)?, l.shape().clone()))
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {

@@ -1,3 +1,9 @@
+//! The token-embedding lookup: for the table `W` `(V, C)` and ids `x` `(N,)`,
+//!
+//! ```text
+//! y[n] = W[x[n]];   dW[v] = sum over n with x[n] = v of g[n]   (in token order)
+//! ```
+//!
 //! The token-embedding lookup with its own backward pass for the GPU: candle's `index_select`
 //! gradient (`index_add`) runs one thread per channel over every token in turn (9 ms per
 //! 16,384 tokens on an H100, more than any other kernel of a step); the kernel here
@@ -11,7 +17,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, b
 /// Rows `ids` of `weight` `(V, C)` for `ids` `(N,)` of u32: `(N, C)`, differentiable in `weight`.
 pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
     weight.dims2()?;
-    if super::gpu_path(weight) {
+    if crate::model::gpu_path(weight) {
         ids.dims1()?;
         if ids.dtype() != DType::U32 {
             bail!("embedding: ids must be u32, got {:?}", ids.dtype());
@@ -69,7 +75,7 @@ impl CustomOp2 for EmbeddingBwd {
         if ids.len() != n {
             bail!("embedding backward: {} ids for a gradient of {n} rows", ids.len());
         }
-        let g_values = super::host::to_f64("embedding backward", g, gl)?;
+        let g_values = crate::model::cpu::host::to_f64("embedding backward", g, gl)?;
         let mut dw = vec![0.0f64; self.vocab * c];
         for (i, &id) in ids.iter().enumerate() {
             let v = id as usize;
@@ -80,7 +86,7 @@ impl CustomOp2 for EmbeddingBwd {
                 *d += x;
             }
         }
-        let out = super::host::from_f64("embedding backward", dw, g.dtype())?;
+        let out = crate::model::cpu::host::from_f64("embedding backward", dw, g.dtype())?;
         Ok((out, Shape::from((self.vocab, c))))
     }
 
@@ -93,7 +99,7 @@ impl CustomOp2 for EmbeddingBwd {
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let c = gl.shape().dims2()?.1;
-        Ok((super::gpu_kernels::embedding_bwd((ids, il), (g, gl), self.vocab)?, Shape::from((self.vocab, c))))
+        Ok((crate::model::cuda::kernels::embedding_bwd((ids, il), (g, gl), self.vocab)?, Shape::from((self.vocab, c))))
     }
 }
 

@@ -3,8 +3,8 @@
 //! elements, eight rows per block, the inputs and the output contiguous, of one dtype (`f32`
 //! or `bf16`) and one shape, plus small extra inputs such as a table; the embedding gradient has
 //! its own launch. The CPU references they are checked against are the CPU implementations of
-//! the ops that call them (`super::causal_softmax`, `norm_rope`, `embedding`, `fused`);
-//! `pipeline parity` compares the two on a GPU.
+//! the ops that call them (each op's file in [`crate::model::ops`]); `pipeline parity` compares
+//! the two on a GPU.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
@@ -208,7 +208,7 @@ fn type_suffix(name: &str, dtypes: &[DType]) -> Result<&'static str> {
 }
 
 /// The elements of `l` (a contiguous layout: callers check) in `s`, as a device view of `T`.
-pub(super) fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+pub(crate) fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
     let start = l.start_offset();
     Ok(s.as_cuda_slice::<T>()?.slice(start..start + l.shape().elem_count()))
 }

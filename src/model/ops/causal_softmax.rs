@@ -1,10 +1,17 @@
+//! The causal softmax of materialised attention scores `s` `(.., T, T)` with scale `c`:
+//!
+//! ```text
+//! p[i, j] = exp(c s[i, j]) / sum_{j' <= i} exp(c s[i, j'])   for j <= i, 0 above
+//! ds[i, j] = c p[i, j] (g[i, j] - sum_j' p[i, j'] g[i, j'])
+//! ```
+//!
 //! The causal softmax of attention scores as one op, for attention on a GPU: there the score
 //! products run on cuBLAS (candle's `matmul`), and everything between them, the scale, the
 //! causal mask, the softmax and its backward pass, is one kernel each way instead of a dozen
 //! broadcasting passes over `(B, H, T, T)` (which took most of a step's time, measured with
 //! Nsight Compute on an H100). The CPU implementation is the reference the GPU kernels are
 //! checked against (`pipeline parity`); CPU training uses the fused attention of
-//! [`super::fused`], which never materialises the scores.
+//! [`super::attention`], which never materialises the scores.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, bail};
@@ -34,11 +41,11 @@ fn t_of(l: &Layout) -> usize {
 }
 
 fn to_f64(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
-    super::host::to_f64("causal_softmax", s, l)
+    crate::model::cpu::host::to_f64("causal_softmax", s, l)
 }
 
 fn from_f64(v: Vec<f64>, dtype: DType) -> Result<CpuStorage> {
-    super::host::from_f64("causal_softmax", v, dtype)
+    crate::model::cpu::host::from_f64("causal_softmax", v, dtype)
 }
 
 /// The reference forward pass, row by row in f64 (row `r` is query position `r % T`).
@@ -81,7 +88,7 @@ impl CustomOp1 for CausalSoftmax {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = super::gpu_kernels::rows_op("causal_softmax_fwd", &[(s, l)], t_of(l), self.scale as f32)?;
+        let out = crate::model::cuda::kernels::rows_op("causal_softmax_fwd", &[(s, l)], t_of(l), self.scale as f32)?;
         Ok((out, l.shape().clone()))
     }
 
@@ -112,7 +119,7 @@ impl CustomOp2 for CausalSoftmaxBwd {
         g: &candle_core::CudaStorage,
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = super::gpu_kernels::rows_op("causal_softmax_bwd", &[(p, pl), (g, gl)], t_of(pl), self.scale as f32)?;
+        let out = crate::model::cuda::kernels::rows_op("causal_softmax_bwd", &[(p, pl), (g, gl)], t_of(pl), self.scale as f32)?;
         Ok((out, pl.shape().clone()))
     }
 }
@@ -120,8 +127,8 @@ impl CustomOp2 for CausalSoftmaxBwd {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::fused::tests::{flat, seeded as rand};
     use crate::model::ops;
+    use crate::model::ops::testing::{flat, seeded as rand};
     use candle_core::{Device, Var};
 
     /// The same probabilities and score gradients as the composite `softmax(scale * s + mask)`.

@@ -1,0 +1,38 @@
+//! The attention sublayer of block `i`: causal grouped-query self-attention of the normed
+//! stream `x` `(B*T, D)`, heads side by side in the columns:
+//!
+//! ```text
+//! q = rope(rms_norm_h(x Wq^T)) * q_gain[h]      (per head h)
+//! k = rope(rms_norm_h(x Wk^T))
+//! v = x Wv^T
+//! y = causal_attention(q, k, v) Wproj^T
+//! ```
+//!
+//! The products, the dtype q, k, v stay in and the attention kernel are the pass's
+//! [`Formulation`]'s; the ops are [`super::ops::qk_norm_rope`] and
+//! [`super::ops::attention`] (or flash attention).
+
+use candle_core::{Result, Tensor};
+
+use super::Gpt;
+use super::formulation::Formulation;
+use super::ops::qk_norm_rope;
+
+impl Gpt {
+    /// Causal GQA self-attention of block `i` on the `(B*T, D)` input `x` (`b` batch rows):
+    /// per-head RMS norm, RoPE and the query gain on q and k, then the output projection.
+    pub(super) fn attention(&self, f: &Formulation, i: usize, x: &Tensor, b: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let cfg = self.config();
+        let (h, kvh) = (cfg.num_heads, cfg.num_kv_heads);
+        let p = |s: &str| self.p(&format!("blocks.{i}.attn.{s}"));
+        // x arrives in the activations' dtype from `norm_in` (the cast is a no-op then); under
+        // mixed precision q, k, v, the attention output and its projection stay in it, and so
+        // does the gain, as the script casts it to q's dtype (`raw_logits` cast the rope tables).
+        let x = f.cast_to_activations(x)?;
+        let q = qk_norm_rope(&f.linear(&x, &p("c_q.weight"))?, Some(&f.cast_to_activations(&p("q_gain"))?), cos, sin, h, self.qk_eps)?;
+        let k = qk_norm_rope(&f.linear(&x, &p("c_k.weight"))?, None, cos, sin, kvh, self.qk_eps)?;
+        let v = f.linear(&x, &p("c_v.weight"))?;
+        let y = f.attention(&q, &k, &v, b, h, kvh)?;
+        f.linear(&y, &p("proj.weight"))
+    }
+}

@@ -1,0 +1,172 @@
+//! Rows of CPU tensors as the kernels read them: [`Rows`] (the rows of a layout whose last
+//! dimension is contiguous, wherever they start), their offsets ([`row_offsets`]), contiguous
+//! element slices of a storage ([`elems`], [`elems_as`], [`Held`]), and the ordered sum of
+//! per-task partial sums ([`add_partials`]) that keeps per-channel gradients independent of
+//! thread scheduling.
+
+use std::borrow::Cow;
+
+use candle_core::{CpuStorage, Device, Layout, Result, Shape, Storage, Tensor, WithDType, bail};
+
+use super::host::values_as;
+use super::simd::Real;
+
+/// Rows per rayon task for the elementwise ops and the per-channel sums.
+pub(crate) const ROWS: usize = 64;
+
+/// `x` itself when its last dimension has stride 1 (or size 1), else a contiguous copy.
+pub(crate) fn unit_last(x: &Tensor) -> Result<Tensor> {
+    match (x.dims().last(), x.stride().last()) {
+        (Some(&n), Some(&s)) if n > 1 && s != 1 => x.contiguous(),
+        _ => Ok(x.clone()),
+    }
+}
+
+/// Start offsets, in storage elements, of every row (last-dimension slice) of `layout`, in
+/// row-major order of the leading dimensions. The last dimension must have stride 1.
+pub(crate) fn row_offsets(layout: &Layout) -> Result<Vec<usize>> {
+    let (dims, strides) = (layout.dims(), layout.stride());
+    let Some((&d, lead)) = dims.split_last() else { bail!("fused op: a scalar has no rows") };
+    if d > 1 && strides[dims.len() - 1] != 1 {
+        bail!("fused op: the last dimension must have stride 1, layout {layout:?}");
+    }
+    let n: usize = lead.iter().product();
+    let start = layout.start_offset();
+    if layout.is_contiguous() {
+        return Ok((0..n).map(|r| start + r * d).collect());
+    }
+    let mut offsets = Vec::with_capacity(n);
+    let mut index = vec![0usize; lead.len()];
+    let mut off = start;
+    for _ in 0..n {
+        offsets.push(off);
+        for a in (0..lead.len()).rev() {
+            index[a] += 1;
+            off += strides[a];
+            if index[a] < lead[a] {
+                break;
+            }
+            off -= strides[a] * lead[a];
+            index[a] = 0;
+        }
+    }
+    Ok(offsets)
+}
+
+/// The element offset of each index of a 1-D layout.
+pub(crate) fn offsets_1d(layout: &Layout) -> Result<Vec<usize>> {
+    let n = layout.shape().dims1()?;
+    let (start, stride) = (layout.start_offset(), layout.stride()[0]);
+    Ok((0..n).map(|i| start + i * stride).collect())
+}
+
+/// The elements of a CPU storage as `T` (`what` names the input in errors).
+pub(crate) fn cpu_slice<'a, T: WithDType>(storage: &'a Storage, what: &str) -> Result<&'a [T]> {
+    match storage {
+        Storage::Cpu(s) => T::cpu_storage_as_slice(s),
+        _ => bail!("fused op: {what} is not on the CPU"),
+    }
+}
+
+/// Rows of `len` elements of `data`, the `i`-th starting at `offsets[i]`.
+#[derive(Clone, Copy)]
+pub(crate) struct Rows<'a, T> {
+    pub(crate) data: &'a [T],
+    pub(crate) offsets: &'a [usize],
+    pub(crate) len: usize,
+}
+
+impl<'a, T: Copy> Rows<'a, T> {
+    /// Row `i`.
+    #[inline(always)]
+    pub(crate) fn row(&self, i: usize) -> &'a [T] {
+        let o = self.offsets[i];
+        &self.data[o..o + self.len]
+    }
+
+    /// The number of rows.
+    pub(crate) fn count(&self) -> usize {
+        self.offsets.len()
+    }
+
+    /// The rows in `range`.
+    pub(crate) fn sub(&self, range: std::ops::Range<usize>) -> Self {
+        Self { offsets: &self.offsets[range], ..*self }
+    }
+
+    /// The rows, one after the other: a `(count, len)` row-major matrix.
+    #[inline(always)]
+    pub(crate) fn gather(&self) -> Vec<T> {
+        let mut out = Vec::with_capacity(self.count() * self.len);
+        for i in 0..self.count() {
+            out.extend_from_slice(self.row(i));
+        }
+        out
+    }
+
+    /// The transpose: a `(len, count)` row-major matrix.
+    #[inline(always)]
+    pub(crate) fn transposed(&self, zero: T) -> Vec<T> {
+        let n = self.count();
+        let mut out = vec![zero; self.len * n];
+        for i in 0..n {
+            for (c, &x) in self.row(i).iter().enumerate() {
+                out[c * n + i] = x;
+            }
+        }
+        out
+    }
+}
+
+/// The elements of a contiguous layout in its storage.
+pub(crate) fn elems<'a, T: Real>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+    let Some((a, b)) = l.contiguous_offsets() else { bail!("fused op: input is not contiguous, layout {l:?}") };
+    Ok(&T::cpu_storage_as_slice(s)?[a..b])
+}
+
+/// [`elems`] as `T` from a storage of `T` (borrowed) or of the narrower dtype of a mixed pair
+/// (widened exactly; callers check the pair).
+pub(crate) fn elems_as<'a, T: Real>(s: &'a CpuStorage, l: &Layout) -> Result<Cow<'a, [T]>> {
+    let Some((a, b)) = l.contiguous_offsets() else { bail!("fused op: input is not contiguous, layout {l:?}") };
+    Ok(match values_as::<T>(s)? {
+        Cow::Borrowed(v) => Cow::Borrowed(&v[a..b]),
+        Cow::Owned(mut v) => {
+            v.truncate(b);
+            v.drain(..a);
+            Cow::Owned(v)
+        }
+    })
+}
+
+/// A CPU tensor's storage, held for reading.
+pub(crate) struct Held<'a>(candle_core::StorageRef<'a>, &'a Layout);
+
+impl<'a> Held<'a> {
+    /// Holds `t`'s storage for reading.
+    pub(crate) fn new(t: &'a Tensor) -> Self {
+        let (s, l) = t.storage_and_layout();
+        Self(s, l)
+    }
+
+    /// The tensor's elements (it must be contiguous).
+    pub(crate) fn slice<T: Real>(&self, what: &str) -> Result<&[T]> {
+        let Some((a, b)) = self.1.contiguous_offsets() else { bail!("fused op: {what} is not contiguous") };
+        Ok(&cpu_slice::<T>(&self.0, what)?[a..b])
+    }
+}
+
+/// Sums the per-block partial sums in block order.
+pub(crate) fn add_partials(parts: Vec<Vec<f64>>, len: usize) -> Vec<f64> {
+    let mut total = vec![0.0; len];
+    for p in parts {
+        for (t, x) in total.iter_mut().zip(p) {
+            *t += x;
+        }
+    }
+    total
+}
+
+/// A CPU tensor of `shape` in `T` from f64 values (the per-channel sums of a backward pass).
+pub(crate) fn tensor_from_f64<T: Real>(v: &[f64], shape: impl Into<Shape>) -> Result<Tensor> {
+    Tensor::from_vec(v.iter().map(|&x| T::from_f64(x)).collect::<Vec<T>>(), shape, &Device::Cpu)
+}

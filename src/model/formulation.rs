@@ -1,0 +1,93 @@
+//! How one forward pass computes, chosen once per pass: the dtype the activations around the
+//! matrix products stay in, how a product is taken, how the stream is normed into a product,
+//! and which attention kernel runs. [`super::attention`], [`super::mlp`] and the output head
+//! are written once on top of it.
+//!
+//! Two formulations, from the device, the parameters' dtype and the matmul dtype:
+//!
+//! - plain (the CPU, and the GPU without mixed precision): activations in the parameters'
+//!   dtype; under a matmul dtype each product casts its inputs to it and its output back;
+//! - mixed precision on the GPU path ([`super::gpu_path`] with a matmul dtype set): as under
+//!   PyTorch's autocast, each projection's output stays in the matmul dtype (bf16) through QK
+//!   norm, RoPE, attention and relu², and is added to the f32 residual stream by `scale_add`
+//!   as it is; the stream is normed straight into bf16 ([`rms_norm_to`]); flash attention runs
+//!   where [`Attention`] asks for it and the shapes allow.
+
+use candle_core::{DType, Result, Tensor};
+
+use super::flash_attn::{self, Attention, FlashKernels};
+use super::ops::{cast, causal_attention_tokens, rms_norm, rms_norm_to};
+
+/// The formulation of one forward pass (see the module doc).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Formulation {
+    /// The parameters' dtype (the residual stream's).
+    param: DType,
+    /// The matmul dtype when it differs from the parameters'.
+    matmul: Option<DType>,
+    /// The dtype the activations around the products stay in, under mixed precision on the GPU
+    /// path (`None`: the plain formulation).
+    low: Option<DType>,
+    /// The flash kernels attention runs on (`None`: the materialised or fused attention).
+    flash: Option<FlashKernels>,
+}
+
+impl Formulation {
+    /// The formulation of a pass over the stream `h` (on the model's device, in the
+    /// parameters' dtype `param`) of sequences of `t` tokens with `head_dim`-wide heads.
+    /// Flash attention only runs under mixed precision on the GPU path, and where it does not
+    /// apply (e.g. an evaluation window that is not a multiple of 64) the materialised
+    /// attention runs even under "flash".
+    pub(super) fn choose(h: &Tensor, param: DType, matmul: Option<DType>, attention: Attention, (t, head_dim): (usize, usize)) -> Self {
+        let low = matmul.filter(|_| super::gpu_path(h));
+        let flash =
+            low.and_then(|low| attention.flash_kernels().filter(|_| flash_attn::unsupported(h.device(), low, t, head_dim).is_none()));
+        Self { param, matmul, low, flash }
+    }
+
+    /// The matmul dtype the activations stay in under mixed precision on the GPU path; `None`
+    /// in the plain formulation.
+    pub(super) fn mixed(&self) -> Option<DType> {
+        self.low
+    }
+
+    /// The dtype of the activations around the products.
+    pub(super) fn activations(&self) -> DType {
+        self.low.unwrap_or(self.param)
+    }
+
+    /// `x` in the activations' dtype (a no-op where it is already).
+    pub(super) fn cast_to_activations(&self, x: &Tensor) -> Result<Tensor> {
+        cast(x, self.activations())
+    }
+
+    /// `x W^T` for `x` of shape `(N, in)` and `W` of shape `(out, in)`: under mixed precision
+    /// on the GPU path with `x` already in the matmul dtype and the result left in it; else in
+    /// the matmul dtype with the result in the parameters'.
+    pub(super) fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        match (self.low, self.matmul) {
+            (Some(_), _) => x.matmul(&cast(w, x.dtype())?.t()?),
+            (None, None) => x.matmul(&w.t()?),
+            (None, Some(md)) => cast(&cast(x, md)?.matmul(&cast(w, md)?.t()?)?, self.param),
+        }
+    }
+
+    /// RMS norm of the residual stream `u` as the input of the products that follow: in the
+    /// activations' dtype (one kernel writes the narrow rows under mixed precision, see
+    /// [`rms_norm_to`]).
+    pub(super) fn norm_in(&self, u: &Tensor) -> Result<Tensor> {
+        match self.low {
+            Some(low) => rms_norm_to(u, low),
+            None => rms_norm(u),
+        }
+    }
+
+    /// Causal GQA attention of token-major `q` `(B*T, H*D)`, `k`, `v` `(B*T, K*D)`: flash
+    /// attention where chosen, else [`causal_attention_tokens`].
+    pub(super) fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, batch: usize, heads: usize, kv_heads: usize) -> Result<Tensor> {
+        match self.flash {
+            Some(kernels) => flash_attn::flash_attention(q, k, v, batch, heads, kv_heads, kernels),
+            None => causal_attention_tokens(q, k, v, batch, heads, kv_heads),
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! The model's ops, one file per op (its backward pass included). Each file holds, in this
+//! order: what the op computes (the module doc, in maths), the reference formulation it is
+//! tested against (plain candle ops or float64 code), the public function the model calls,
+//! the CPU kernel (the `CustomOp`'s `cpu_fwd` and its row kernels, multi-threaded with rayon,
+//! compiled twice by [`crate::model::cpu::simd::multiversion!`]), the GPU launch (the
+//! `cuda_fwd`, calling [`crate::model::cuda::kernels`]), and the tests comparing the kernel with
+//! the reference.
+//!
+//! | file | op |
+//! |---|---|
+//! | [`rms_norm`] | RMS norm without weight; [`rms_norm_to`] into a narrower dtype |
+//! | [`qk_norm_rope`] | per-head RMS norm, RoPE and gain of q and k |
+//! | [`rope`] | the RoPE tables and the reference rotation |
+//! | [`attention`] | causal GQA attention, `(B, H, T, D)` heads or token-major matrices |
+//! | [`causal_softmax`] | the masked softmax of materialised scores (GPU attention) |
+//! | [`softcap_ce`] | logit soft-cap and cross-entropy |
+//! | [`scale_add`] | `base + x * s`, per-channel `s` |
+//! | [`resid_mix`] | `h * mix[0] + x0 * mix[1]` |
+//! | [`relu_sq`] | `relu(x)^2` |
+//! | [`scale_cols`] | `x * s` and the per-channel sum `column_dot` (GPU backward passes) |
+//! | [`embedding`] | the token-embedding lookup (GPU backward kernel) |
+//! | [`cast`] | f32 <-> bf16 casts (GPU kernel) |
+//!
+//! Where an op runs: on the CPU its fused kernel; on the GPU path ([`crate::model::gpu_path`]:
+//! CUDA in f32 or bf16, or the CPU inside [`crate::model::with_gpu_formulation`]) the kernels of
+//! `kernels/fused.cu`, whose CPU implementations (in f64, or in f32 rounded once for bf16) are
+//! their references; elsewhere (other devices or dtypes) the candle composite. The kernels
+//! support `f32` and `f64` on the CPU (and bf16 in the GPU formulation).
+//!
+//! The model's tensors are token-major: `(N, C)` matrices with `N = B * T` rows (row `n` is
+//! position `n % T` of sequence `n / T`), heads side by side in the columns. Per-channel
+//! gradients are sums over rows: each rayon task sums a fixed block of rows and the blocks are
+//! added in order, so results do not depend on thread scheduling.
+
+use candle_core::{DType, Result, Tensor, bail};
+
+pub mod attention;
+pub mod cast;
+pub mod causal_softmax;
+pub mod embedding;
+pub mod qk_norm_rope;
+pub mod relu_sq;
+pub mod resid_mix;
+pub mod rms_norm;
+pub mod rope;
+pub mod scale_add;
+pub mod scale_cols;
+pub mod softcap_ce;
+#[cfg(test)]
+pub(crate) mod testing;
+
+pub use attention::{causal_attention, causal_attention_reference, causal_attention_tokens, causal_mask, repeat_kv, softmax_last};
+pub use cast::cast;
+pub use causal_softmax::causal_softmax;
+pub use embedding::embedding;
+pub use qk_norm_rope::{norm_rope, qk_norm_rope};
+pub use relu_sq::relu_sq;
+pub use resid_mix::resid_mix;
+pub use rms_norm::{rms_eps, rms_norm, rms_norm_eps, rms_norm_reference, rms_norm_to};
+pub use rope::{rope, rope_tables};
+pub use scale_add::scale_add;
+pub use scale_cols::scale_cols;
+pub use softcap_ce::{cross_entropy_rows, softcap, softcap_cross_entropy};
+
+/// An error unless `dtype` is one the CPU kernels run on (`f32`, `f64`); `op` names the caller.
+fn check_float(op: &str, dtype: DType) -> Result<()> {
+    match dtype {
+        DType::F32 | DType::F64 => Ok(()),
+        dt => bail!("{op}: fused CPU op supports f32 and f64, got {dt:?}"),
+    }
+}
+
+/// An error naming every dtype unless the tensors `ts` share one.
+fn same_dtypes(op: &str, ts: &[&Tensor]) -> Result<()> {
+    if ts.iter().any(|t| t.dtype() != ts[0].dtype()) {
+        bail!("{op}: dtypes differ: {:?}", ts.iter().map(|t| t.dtype()).collect::<Vec<_>>());
+    }
+    Ok(())
+}
+
+/// The size of `x`'s last dimension, which must be non-empty.
+fn last_dim(x: &Tensor) -> Result<usize> {
+    match x.dims().last() {
+        Some(&c) if c > 0 => Ok(c),
+        _ => bail!("fused op: needs a non-empty last dimension, got {:?}", x.shape()),
+    }
+}
+
+/// Whether `(wide, narrow)` is a pair the mixed-precision ops take: f32 with bf16 (the GPU's),
+/// f64 with f32 (the CPU formulation's stand-in for it).
+fn mixed_pair(wide: DType, narrow: DType) -> bool {
+    matches!((wide, narrow), (DType::F32, DType::BF16) | (DType::F64, DType::F32))
+}
+
+/// Whether an op working in `wide` may read or write `other`: the same dtype, or the narrow side
+/// of a [`mixed_pair`].
+fn same_or_narrower(wide: DType, other: DType) -> bool {
+    wide == other || mixed_pair(wide, other)
+}
