@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use pipeline::data::batch::BatchShape;
+use pipeline::data::sampler::{Sampler, SequentialSampler, ShuffledSampler};
 use pipeline::data::shard::{AccessMode, ShardFile, glob_sorted, write_shard};
-use pipeline::stages::window_sampler::{Sampler, SequentialSampler, ShuffledSampler};
 
 const ROWS: usize = 48;
 const SEQ: usize = 2048;

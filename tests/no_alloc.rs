@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use pipeline::data::batch::BatchShape;
+use pipeline::data::sampler::{Sampler, SequentialSampler, ShuffledSampler};
 use pipeline::data::shard::{AccessMode, ShardFile, write_shard};
 use pipeline::runtime::pool::Pool;
-use pipeline::stages::window_sampler::{Sampler, SequentialSampler, ShuffledSampler};
 
 struct Counting;
 static ALLOCS: AtomicU64 = AtomicU64::new(0);

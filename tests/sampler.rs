@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use pipeline::data::batch::{BatchShape, LoaderState};
+use pipeline::data::sampler::{Sampler, SequentialSampler, ShuffledSampler};
 use pipeline::data::shard::{AccessMode, ShardFile, write_shard};
-use pipeline::stages::window_sampler::{Sampler, SequentialSampler, ShuffledSampler};
 
 /// Token at position `p` of shard `s`: invertible for s < 16, p < 4096.
 fn tok(s: usize, p: usize) -> u16 {
