@@ -1,6 +1,6 @@
 // Causal flash attention with grouped KV heads, bf16 in and out, float32 softmax and
-// accumulation, on tensor cores (WMMA 16x16x16). Launched from src/model/flash_attn.rs; the CPU
-// reference it is checked against is the token-major attention of src/model/fused_block.rs.
+// accumulation, on tensor cores (WMMA 16x16x16). Launched from src/model/cuda/flash_attn.rs; the CPU
+// reference it is checked against is the token-major attention of src/model/ops/attention.rs.
 //
 // Layout: token-major matrices as the model keeps them. q and o are (B*T, H*64), k and v are
 // (B*T, K*64); query head h reads KV head h / (H / K). Nothing of size (T, T) is stored: the

@@ -1,6 +1,5 @@
-// The GPU kernels of the model's fused ops (see src/model/gpu_kernels.rs for the launches and
-// src/model/causal_softmax.rs, src/model/fused.rs for the CPU references they are checked
-// against). Every kernel gives one warp to one row: the rows here are short (a head's 64
+// The GPU kernels of the model's fused ops (see src/model/cuda/kernels.rs for the launches and
+// src/model/ops/, one file per op, for the CPU references they are checked against). Every kernel gives one warp to one row: the rows here are short (a head's 64
 // values, a token's 512 channels, a query's 1024 keys), so a warp reads a row with coalesced
 // loads, reduces it with shuffles and writes it once; blocks hold 8 rows.
 //

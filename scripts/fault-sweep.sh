@@ -136,7 +136,7 @@ for k in sys.argv[2].split("."): d=d.get(k) if isinstance(d,dict) else None
 print("" if d is None else d)' "$1" "$2" 2>/dev/null; }
 
 # ckpts_whole DIR: every DIR/checkpoints/step_*.safetensors has the size its header describes
-# and the CRC-32 its header records (see src/checkpoint.rs); prints the bad ones. Status 0 when
+# and the CRC-32 its header records (see src/train/checkpoint.rs); prints the bad ones. Status 0 when
 # all are whole (also when there are none).
 ckpts_whole() {
   python3 - "$1/checkpoints" <<'EOF'

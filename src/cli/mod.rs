@@ -1,4 +1,44 @@
 //! The commands of the `pipeline` binary as library calls: `src/main.rs` parses arguments and
-//! prints; what a command does lives here.
+//! calls one `command` here, which prints and returns the exit code.
+//!
+//! - [`run`]: `pipeline run` (plan, resume, memory, build, run, report) and the stop signals;
+//! - [`validate`], [`report`], [`stages`]: check a config, print a report, list the stages;
+//! - [`data`], [`artifact`]: prepare shards, build and score an artifact;
+//! - [`check`]: `pipeline parity` and `pipeline attention-trial`.
+//!
+//! Printing goes through the macros `out!`, `out_raw!` and `err!` below (in scope in every
+//! module declared after them): a closed stdout or stderr (a pipe to
+//! `head`, a terminal gone after SIGHUP) is nothing to print to, never a panic.
 
+/// `println!` that takes a closed stdout (a pipe to `head`, a terminal gone after SIGHUP) as
+/// nothing to print to, instead of panicking: the run directory has everything.
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout().lock(), $($t)*);
+    }};
+}
+
+/// `print!`, likewise.
+macro_rules! out_raw {
+    ($($t:tt)*) => {{
+        use std::io::Write;
+        let _ = write!(std::io::stdout().lock(), $($t)*);
+    }};
+}
+
+/// `eprintln!`, likewise.
+macro_rules! err {
+    ($($t:tt)*) => {{
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr().lock(), $($t)*);
+    }};
+}
+
+pub mod artifact;
+pub mod check;
+pub mod data;
+pub mod report;
 pub mod run;
+pub mod stages;
+pub mod validate;

@@ -253,3 +253,87 @@ fn write_resolved_config(loaded: &Loaded<Config>, plan: &Plan, run_dir: &Path) -
 pub fn gpu_free(run: &crate::runtime::config::RunConfig) -> Option<u64> {
     (run.device != "cpu" && run.max_memory_gb <= 0.0).then(|| crate::device::gpu_free_memory(&run.device)).flatten()
 }
+
+/// `pipeline run`: installs the signal handler, loads the config, runs, prints the report and
+/// every failure; returns the exit code.
+pub fn command(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bool, resume: Option<PathBuf>) -> i32 {
+    // Install the handler first, so a signal at any moment still ends in a written report.
+    let control = Arc::new(Control::new());
+    if let Err(e) = handle_stop_signals(control.clone()) {
+        err!("error: cannot install the handler of SIGINT, SIGTERM and SIGHUP: {e}");
+        return 1;
+    }
+    let loaded = match crate::runtime::config::load::<Config>(&path, &sets) {
+        Ok(l) => l,
+        Err(e) => {
+            err!("error: {e}");
+            return 2;
+        }
+    };
+    let result = run(&loaded, out.as_deref(), resume.as_deref(), control, |dir, memory| {
+        if !quiet {
+            err!("pipeline: run directory {}", dir.display());
+            err!("pipeline: {}", memory.summary().replace('\n', "\npipeline: "));
+        }
+    });
+    match result {
+        Ok(outcome) => {
+            out!("{}", outcome.report.render());
+            if let Some(e) = &outcome.report.run.error {
+                err!("error: {e}");
+            }
+            // Every other stage that failed, too: the first failure is often not the only one
+            // (a full disk fails the checkpoint and then the weights).
+            for (name, st) in &outcome.report.stages {
+                if let Some(e) = &st.error
+                    && outcome.report.run.error.as_deref() != Some(&format!("stage `{name}` failed: {e}"))
+                {
+                    err!("error: stage `{name}` {}: {e}", st.state);
+                }
+            }
+            if let Some(e) = &outcome.report_error {
+                // The table leaves out the sections and histograms: print what report.json
+                // would have held, so nothing the run measured is lost.
+                if let Ok(json) = serde_json::to_string_pretty(&outcome.report) {
+                    out!("report.json (not saved):\n{json}");
+                }
+                err!("error: {e}: the report above (table and report.json) is its only copy");
+            }
+            outcome.exit_code()
+        }
+        Err(RunError::Complete(message)) => {
+            out!("{message}");
+            0
+        }
+        Err(e) => {
+            err!("error: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+/// SIGINT, SIGTERM and SIGHUP all stop a run as Ctrl-C does (the first drains and flushes, a
+/// second stops every stage where it stands); the first one's number sets the exit code. A
+/// thread of its own takes them (signal-hook's self-pipe), so nothing runs in the handler.
+fn handle_stop_signals(control: Arc<Control>) -> std::io::Result<()> {
+    use crate::runtime::control::StopSignal;
+    let numbers: Vec<i32> = StopSignal::ALL.iter().map(|s| s.number()).collect();
+    let mut signals = signal_hook::iterator::Signals::new(&numbers)?;
+    std::thread::Builder::new().name("signals".into()).spawn(move || {
+        for n in signals.forever() {
+            let Some(signal) = StopSignal::from_number(n) else { continue };
+            let again = control.stopping();
+            control.interrupt_by(signal);
+            let name = signal.name();
+            if again {
+                err!("pipeline: {name} while stopping: stopping every stage now");
+            } else {
+                err!(
+                    "pipeline: {name}: draining in-flight items, then flushing and writing the report (again to stop at once; exit {})",
+                    signal.exit_code()
+                );
+            }
+        }
+    })?;
+    Ok(())
+}

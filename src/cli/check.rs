@@ -1,0 +1,68 @@
+//! `pipeline parity` and `pipeline attention-trial`: a device against the CPU, and one flash
+//! implementation's trial (what `attention = "auto"` runs in a child process).
+
+use crate::model::attention_trial::{AttentionShape, TrialSettings};
+
+/// Compares `device` in `dtype` with the CPU in f64 and prints each comparison; exit 1 when
+/// one is out of its bound.
+pub fn parity(device: &str, dtype: &str, seed: u64, json: bool) -> i32 {
+    let dtype = match dtype {
+        "f32" => candle_core::DType::F32,
+        "bf16" => candle_core::DType::BF16,
+        other => {
+            err!("error: --dtype {other:?}: use f32 or bf16");
+            return 2;
+        }
+    };
+    let result = crate::device::open_named(device).and_then(|d| crate::check::parity::run(&d, device, dtype, seed));
+    match result {
+        Ok(r) => {
+            if json {
+                out!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
+            } else {
+                out!("parity {} {} vs cpu f64: loss {:.6} vs {:.6}", r.device, r.dtype, r.loss.0, r.loss.1);
+                for c in &r.compared {
+                    let expected = c.expected.map(|x| format!(" (expected {x:.1e})")).unwrap_or_default();
+                    let verdict = if c.ok() { "" } else { "  FAILED" };
+                    out!("  {:<32} rel_err {:.3e}  bound {:.1e}{expected}{verdict}", c.name, c.rel_err, c.bound);
+                }
+                out!("bounds: {}", r.rule);
+                let verdict = if r.ok { "ok, every error within its bound" } else { "FAILED" };
+                out!("max rel_err {:.3e}, worst error / bound {:.2}: {verdict}", r.max_rel_err, r.worst_ratio);
+            }
+            if r.ok { 0 } else { 1 }
+        }
+        Err(e) => {
+            err!("error: {e:#}");
+            1
+        }
+    }
+}
+
+/// Runs one flash implementation's trial on `device` at `shape` and prints its outcome.
+pub fn attention_trial(device: &str, kernels: &str, shape: AttentionShape, json: bool) -> i32 {
+    use crate::model::flash_attn::FlashKernels;
+    let Some(kernels) = FlashKernels::ALL.into_iter().find(|k| k.name() == kernels) else {
+        err!("error: --kernels {kernels:?}: use flash or flash_mma");
+        return 2;
+    };
+    if [shape.batch, shape.t, shape.heads, shape.kv_heads, shape.head_dim].contains(&0) || !shape.heads.is_multiple_of(shape.kv_heads) {
+        err!("error: --batch, --seq-len, --heads, --kv-heads and --head-dim must be positive, --heads a multiple of --kv-heads");
+        return 2;
+    }
+    let result = crate::device::open_named(device).and_then(|d| crate::model::attention_trial::check_flash(&d, kernels, shape));
+    match result {
+        Ok(o) => {
+            if json {
+                out!("{}", serde_json::to_string(&o).unwrap_or_default());
+            } else {
+                out!("{}", crate::model::attention_trial::summary(std::slice::from_ref(&o), shape, TrialSettings::flash()));
+            }
+            0
+        }
+        Err(e) => {
+            err!("error: {e:#}");
+            1
+        }
+    }
+}

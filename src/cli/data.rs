@@ -1,0 +1,28 @@
+//! `pipeline data prepare`: text in, challenge-format shards out.
+
+/// Writes the shards `opts` describe and prints what it wrote.
+pub fn command(opts: crate::data::prepare::PrepareOptions) -> i32 {
+    let t = std::time::Instant::now();
+    match crate::data::prepare::prepare(&opts) {
+        Ok(m) => {
+            out!(
+                "{}: val {} docs, {} tokens in {} shard(s); train {} docs, {} tokens in {} shard(s); tokenizer {} ({} pieces); {:.1} s",
+                opts.out.display(),
+                m.val.docs,
+                m.val.tokens,
+                m.val.shards.len(),
+                m.train.docs,
+                m.train.tokens,
+                m.train.shards.len(),
+                opts.tokenizer.display(),
+                m.tokenizer["vocab_size"],
+                t.elapsed().as_secs_f64()
+            );
+            0
+        }
+        Err(e) => {
+            err!("error: {e:#}");
+            1
+        }
+    }
+}
