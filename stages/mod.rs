@@ -9,8 +9,9 @@
 //! kind is the kind's default when a config leaves out `impl`.
 
 use crate::report::document::Report;
+use crate::runtime::driver::{SinkImpl, SourceImpl, TransformImpl};
 use crate::runtime::registry::Registry;
-use crate::runtime::stage::{BuildCtx, SinkImpl, SourceImpl, TransformImpl};
+use crate::runtime::stage::BuildCtx;
 use crate::train::checkpoint::Checkpoint;
 use crate::train::config::Config;
 
@@ -75,7 +76,7 @@ fn previous<'a>(ctx: &BuildCtx<'a>) -> Option<&'a Report> {
 #[cfg(test)]
 mod tests {
     use crate::runtime::stage::Role;
-    const REGISTRY: &[&dyn crate::runtime::stage::StageFactory] = super::REGISTRY.all();
+    const REGISTRY: &[&dyn crate::runtime::driver::StageFactory] = super::REGISTRY.all();
 
     #[test]
     fn no_duplicate_kind_impl_pairs() {

@@ -19,9 +19,10 @@ use std::time::{Duration, Instant};
 use crate::runtime::clock::Clock;
 use crate::runtime::config::RunConfig;
 use crate::runtime::control::{Control, StopReason};
+use crate::runtime::driver::{ErasedChannelHandle, Runnable, StageEnv, Wiring};
 use crate::runtime::graph::Plan;
 use crate::runtime::metrics::Hist;
-use crate::runtime::stage::{BuildCtx, Ctx, ErasedChannelHandle, Extensions, Runnable, StageEnv, Wiring};
+use crate::runtime::stage::{BuildCtx, Ctx, Extensions};
 
 /// How long stages get to leave after an abort before they are reported as hung.
 pub const ABORT_GRACE: Duration = Duration::from_secs(3);

@@ -13,9 +13,10 @@ use figment::value::{Dict, Value};
 use serde::Deserialize;
 
 use crate::runtime::config::{Loaded, RunConfig, Tables, push_figment_error};
+use crate::runtime::driver::StageFactory;
 use crate::runtime::error::ConfigErrors;
 use crate::runtime::registry::Registry;
-use crate::runtime::stage::{BuildCtx, Extensions, Role, StageFactory};
+use crate::runtime::stage::{BuildCtx, Extensions, Role};
 
 /// Keys every stage table may have besides its implementation's parameters.
 pub const RESERVED_KEYS: [&str; 4] = ["kind", "impl", "inputs", "queue"];

@@ -4,6 +4,7 @@
 //! - [`config`]: layered config (TOML, `PIPELINE_*` environment, `--set`): the `[run]` table
 //!   and the raw `[stages.NAME]` tables; other top-level tables belong to the areas above.
 //! - [`stage`]: the `Source` / `Transform` / `Sink` contract, build context and extensions;
+//!   [`driver`]: the registry entries made from them and the loops that drive them;
 //!   [`registry`]: a list of stage implementations, passed into the planner.
 //! - [`graph`]: checks stage tables against a registry and orders them into a [`graph::Plan`].
 //! - [`exec`]: threads, stop and abort, occupancy sampling; [`channel`]: instrumented ports
@@ -18,6 +19,7 @@ mod channel;
 pub mod clock;
 pub mod config;
 pub mod control;
+pub mod driver;
 pub mod error;
 pub mod exec;
 pub mod files;

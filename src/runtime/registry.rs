@@ -2,7 +2,7 @@
 //! ([`crate::runtime::graph::plan`]) and to `pipeline stages` ([`crate::runtime::catalog`]). The
 //! runtime holds no list of its own; the GPT program's is `stages::REGISTRY`.
 
-use crate::runtime::stage::StageFactory;
+use crate::runtime::driver::StageFactory;
 
 /// Stage implementations, in the order `pipeline stages` lists them. The first implementation
 /// of a kind is the kind's default when a config leaves out `impl`.

@@ -1,9 +1,10 @@
 //! The stage contract: what a stage implementation writes, and how the runtime drives it.
 //!
 //! A stage implementation is one type implementing [`Source`], [`Transform`] or [`Sink`], plus
-//! one line in `stages::REGISTRY` wrapping it in [`SourceImpl`], [`TransformImpl`] or
-//! [`SinkImpl`]. The runtime owns the loop: it receives, times the call, sends, counts, and
-//! handles stop and abort; the implementation only turns items into items.
+//! one line in a registry wrapping it in `SourceImpl`, `TransformImpl` or `SinkImpl`
+//! ([`crate::runtime::driver`], which also holds the loops). The runtime owns the loop: it
+//! receives, times the call, sends, counts, and handles stop and abort; the implementation only
+//! turns items into items.
 //!
 //! Lifecycle of every stage, on its own thread:
 //! 1. `build` (on the main thread, before any thread starts) from its typed `Params`;
@@ -18,7 +19,6 @@
 
 use std::any::Any;
 use std::collections::BTreeMap;
-use std::marker::PhantomData;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -28,11 +28,10 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 pub use crate::runtime::channel::Stopped;
-use crate::runtime::channel::{EdgeOutStats, InPort, InStats, Meter, OutPort, TypedChannel};
-use crate::runtime::clock::Clock;
+use crate::runtime::channel::{EdgeOutStats, Meter, OutPort};
 use crate::runtime::config::RunConfig;
 use crate::runtime::control::{Control, POLL, StopReason};
-use crate::runtime::message::{Message, MsgType};
+use crate::runtime::message::Message;
 use crate::runtime::metrics::Hist;
 
 /// Typed parameters of a stage implementation: the keys of its `[stages.NAME]` table besides
@@ -362,12 +361,12 @@ pub trait Sink: Sized + Send + 'static {
 /// An emitted item is sent when the stage emits its next item or its call returns, so that one
 /// clock reading serves as both the end of the work and the item's send time.
 pub struct Emitter<'a, T: Message> {
-    port: &'a mut OutPort<T>,
-    meter: &'a mut Meter,
-    stats: &'a mut [EdgeOutStats],
-    control: &'a Control,
-    pending: Option<T>,
-    emitted: u64,
+    pub(super) port: &'a mut OutPort<T>,
+    pub(super) meter: &'a mut Meter,
+    pub(super) stats: &'a mut [EdgeOutStats],
+    pub(super) control: &'a Control,
+    pub(super) pending: Option<T>,
+    pub(super) emitted: u64,
 }
 
 impl<T: Message> Emitter<'_, T> {
@@ -380,420 +379,11 @@ impl<T: Message> Emitter<'_, T> {
         Ok(())
     }
 
-    fn finish(&mut self, stamp: u64) -> Result<(), Stopped> {
+    /// Sends the item held back, stamped with the call's end.
+    pub(super) fn finish(&mut self, stamp: u64) -> Result<(), Stopped> {
         match self.pending.take() {
             Some(item) => self.port.send_stamped(item, stamp, self.meter, self.stats, self.control),
             None => Ok(()),
         }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Registry entries
-// ---------------------------------------------------------------------------------------------
-
-/// One registered stage implementation, type-erased. Made by [`SourceImpl`], [`TransformImpl`]
-/// or [`SinkImpl`]; never implemented by hand.
-pub trait StageFactory: Sync {
-    /// Stage kind.
-    fn kind(&self) -> &'static str;
-    /// Implementation name.
-    fn name(&self) -> &'static str;
-    /// One-line description.
-    fn doc(&self) -> &'static str;
-    /// Source, transform or sink.
-    fn role(&self) -> Role;
-    /// The message type it takes (none for a source).
-    fn input(&self) -> Option<MsgType>;
-    /// The message type it produces (none for a sink).
-    fn output(&self) -> Option<MsgType>;
-    /// True when the graph may leave its output unread ([`Transform::OUTPUT_OPTIONAL`]).
-    fn output_optional(&self) -> bool {
-        false
-    }
-    /// JSON schema of its parameters (doc comments, types, defaults).
-    fn schema(&self) -> schemars::Schema;
-    /// Parses raw parameters and returns them with every default filled in.
-    #[allow(clippy::result_large_err)] // figment's error carries the key path and source we report
-    fn resolve(&self, raw: &figment::value::Value) -> Result<toml::Table, figment::Error>;
-    /// Runs the implementation's `check` on resolved parameters.
-    fn check(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<()>;
-    /// Runs the implementation's `memory` estimate on resolved parameters.
-    fn memory(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>>;
-    /// Runs the implementation's `nothing_left` on resolved parameters.
-    fn nothing_left(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Option<String>>;
-    /// Builds a runnable stage from resolved parameters.
-    fn instantiate(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Box<dyn Runnable>>;
-    /// Makes the bounded input channel of this stage (none for a source).
-    #[doc(hidden)]
-    fn input_channel(&self, capacity: usize) -> Option<Box<dyn ErasedChannelHandle>>;
-}
-
-/// Type-erased channel handle made by [`StageFactory::input_channel`] (runtime use only).
-#[doc(hidden)]
-pub trait ErasedChannelHandle {
-    #[doc(hidden)]
-    fn sender(&self) -> Box<dyn Any + Send>;
-    #[doc(hidden)]
-    fn take_receiver(&mut self) -> Option<Box<dyn Any + Send>>;
-    #[doc(hidden)]
-    fn probe(&self) -> Box<dyn Fn() -> Option<usize> + Send>;
-}
-
-impl<T: Send + 'static> ErasedChannelHandle for TypedChannel<T> {
-    fn sender(&self) -> Box<dyn Any + Send> {
-        TypedChannel::sender(self)
-    }
-    fn take_receiver(&mut self) -> Option<Box<dyn Any + Send>> {
-        TypedChannel::take_receiver(self)
-    }
-    fn probe(&self) -> Box<dyn Fn() -> Option<usize> + Send> {
-        TypedChannel::probe(self)
-    }
-}
-
-#[allow(clippy::result_large_err)]
-fn resolve_params<P: Params>(raw: &figment::value::Value) -> Result<toml::Table, figment::Error> {
-    let typed: P = raw.deserialize()?;
-    let value = toml::Value::try_from(&typed).map_err(|e| figment::Error::from(format!("cannot re-serialise parameters: {e}")))?;
-    match value {
-        toml::Value::Table(t) => Ok(t),
-        other => Err(figment::Error::from(format!("parameters must be a table, found {}", other.type_str()))),
-    }
-}
-
-fn typed_params<P: Params>(params: &toml::Table) -> anyhow::Result<P> {
-    Ok(toml::Value::Table(params.clone()).try_into()?)
-}
-
-fn schema_of<P: Params>() -> schemars::Schema {
-    schemars::SchemaGenerator::default().into_root_schema_for::<P>()
-}
-
-macro_rules! factory_common {
-    ($t:ident) => {
-        fn kind(&self) -> &'static str {
-            $t::KIND
-        }
-        fn name(&self) -> &'static str {
-            $t::IMPL
-        }
-        fn doc(&self) -> &'static str {
-            $t::DOC
-        }
-        fn schema(&self) -> schemars::Schema {
-            schema_of::<$t::Params>()
-        }
-        fn resolve(&self, raw: &figment::value::Value) -> Result<toml::Table, figment::Error> {
-            resolve_params::<$t::Params>(raw)
-        }
-        fn check(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<()> {
-            $t::check(&typed_params::<$t::Params>(params)?, ctx)
-        }
-        fn memory(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
-            $t::memory(&typed_params::<$t::Params>(params)?, ctx)
-        }
-        fn nothing_left(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Option<String>> {
-            Ok($t::nothing_left(&typed_params::<$t::Params>(params)?, ctx))
-        }
-    };
-}
-
-/// Registry entry for a [`Source`].
-pub struct SourceImpl<S>(PhantomData<fn() -> S>);
-impl<S> Default for SourceImpl<S> {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl<S> SourceImpl<S> {
-    /// The entry (usable in a `static`).
-    pub const fn new() -> Self {
-        Self(PhantomData)
-    }
-}
-
-impl<S: Source> StageFactory for SourceImpl<S> {
-    factory_common!(S);
-    fn role(&self) -> Role {
-        Role::Source
-    }
-    fn input(&self) -> Option<MsgType> {
-        None
-    }
-    fn output(&self) -> Option<MsgType> {
-        Some(MsgType::of::<S::Out>())
-    }
-    fn instantiate(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Box<dyn Runnable>> {
-        Ok(Box::new(SourceRun(S::build(typed_params(params)?, ctx)?)))
-    }
-    fn input_channel(&self, _capacity: usize) -> Option<Box<dyn ErasedChannelHandle>> {
-        None
-    }
-}
-
-/// Registry entry for a [`Transform`].
-pub struct TransformImpl<T>(PhantomData<fn() -> T>);
-impl<T> Default for TransformImpl<T> {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl<T> TransformImpl<T> {
-    /// The entry (usable in a `static`).
-    pub const fn new() -> Self {
-        Self(PhantomData)
-    }
-}
-
-impl<T: Transform> StageFactory for TransformImpl<T> {
-    factory_common!(T);
-    fn role(&self) -> Role {
-        Role::Transform
-    }
-    fn input(&self) -> Option<MsgType> {
-        Some(MsgType::of::<T::In>())
-    }
-    fn output(&self) -> Option<MsgType> {
-        Some(MsgType::of::<T::Out>())
-    }
-    fn output_optional(&self) -> bool {
-        T::OUTPUT_OPTIONAL
-    }
-    fn instantiate(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Box<dyn Runnable>> {
-        Ok(Box::new(TransformRun(T::build(typed_params(params)?, ctx)?)))
-    }
-    fn input_channel(&self, capacity: usize) -> Option<Box<dyn ErasedChannelHandle>> {
-        Some(Box::new(TypedChannel::<T::In>::bounded(capacity)))
-    }
-}
-
-/// Registry entry for a [`Sink`].
-pub struct SinkImpl<K>(PhantomData<fn() -> K>);
-impl<K> Default for SinkImpl<K> {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl<K> SinkImpl<K> {
-    /// The entry (usable in a `static`).
-    pub const fn new() -> Self {
-        Self(PhantomData)
-    }
-}
-
-impl<K: Sink> StageFactory for SinkImpl<K> {
-    factory_common!(K);
-    fn role(&self) -> Role {
-        Role::Sink
-    }
-    fn input(&self) -> Option<MsgType> {
-        Some(MsgType::of::<K::In>())
-    }
-    fn output(&self) -> Option<MsgType> {
-        None
-    }
-    fn instantiate(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Box<dyn Runnable>> {
-        Ok(Box::new(SinkRun(K::build(typed_params(params)?, ctx)?)))
-    }
-    fn input_channel(&self, capacity: usize) -> Option<Box<dyn ErasedChannelHandle>> {
-        Some(Box::new(TypedChannel::<K::In>::bounded(capacity)))
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The loops
-// ---------------------------------------------------------------------------------------------
-
-/// Channels handed to a stage thread, type-erased until the stage's typed loop claims them.
-#[doc(hidden)]
-pub struct Wiring {
-    pub(crate) input: Option<Box<dyn Any + Send>>,
-    pub(crate) outputs: Vec<(Box<dyn Any + Send>, u32)>,
-}
-
-/// Everything the runtime measures about one stage thread. Lives outside the stage so that it
-/// survives a panic.
-#[doc(hidden)]
-pub struct StageEnv {
-    pub(crate) meter: Meter,
-    pub(crate) control: Arc<Control>,
-    pub(crate) warmup: u64,
-    pub(crate) items_in: u64,
-    pub(crate) items_out: u64,
-    pub(crate) service: Hist,
-    pub(crate) start: u64,
-    pub(crate) steady_start: Option<u64>,
-    pub(crate) input: InStats,
-    pub(crate) outputs: Vec<EdgeOutStats>,
-}
-
-impl StageEnv {
-    pub(crate) fn new(clock: Clock, control: Arc<Control>, instrument: bool, warmup: u64, in_edges: usize, out_edges: usize) -> Self {
-        let start = clock.now();
-        let tick = clock.ns_per_tick();
-        let mut env = Self {
-            meter: Meter { clock, instrument, recording: false, last: start, blocked: 0 },
-            control,
-            warmup,
-            items_in: 0,
-            items_out: 0,
-            service: Hist::in_units(tick),
-            start,
-            steady_start: None,
-            input: InStats::new(in_edges, tick),
-            outputs: (0..out_edges).map(|_| EdgeOutStats::new(tick)).collect(),
-        };
-        env.check_warmup(0);
-        env
-    }
-
-    /// Starts recording once `done` items (in for consumers, out for sources) have passed.
-    #[inline]
-    fn check_warmup(&mut self, done: u64) {
-        if !self.meter.recording && done >= self.warmup && self.meter.instrument {
-            self.meter.recording = true;
-            self.steady_start = Some(self.meter.last);
-        }
-    }
-
-    #[inline]
-    fn record_service(&mut self, start: u64, end: u64) {
-        if self.meter.recording {
-            self.service.record(end.saturating_sub(start).saturating_sub(self.meter.blocked));
-        }
-    }
-}
-
-/// A built stage, ready to run on its thread.
-#[doc(hidden)]
-pub trait Runnable: Send {
-    /// Runs the stage's loop and flush.
-    fn run(self: Box<Self>, wiring: Wiring, env: &mut StageEnv, ctx: &mut Ctx) -> anyhow::Result<()>;
-}
-
-fn wiring_error(stage: &str) -> anyhow::Error {
-    anyhow::anyhow!("internal error: stage `{stage}` was wired to a channel of the wrong message type")
-}
-
-/// Maps an error to `Ok` if it only says the graph is stopping.
-fn quiet_stop(r: anyhow::Result<()>) -> anyhow::Result<()> {
-    match r {
-        Err(e) if e.is::<Stopped>() => Ok(()),
-        other => other,
-    }
-}
-
-struct SourceRun<S>(S);
-
-impl<S: Source> Runnable for SourceRun<S> {
-    fn run(mut self: Box<Self>, wiring: Wiring, env: &mut StageEnv, ctx: &mut Ctx) -> anyhow::Result<()> {
-        let mut out = OutPort::<S::Out>::from_erased(wiring.outputs).ok_or_else(|| wiring_error(ctx.name()))?;
-        produce_items(env, &mut out, ctx, |ctx| self.0.next(ctx))?;
-        quiet_stop(self.0.flush(ctx))
-    }
-}
-
-/// The producing loop of a source, and of a transform once its input has ended: call `next`,
-/// time it as one item, send what it returns, until it returns `None`, the graph stops, or the
-/// consumers are gone. [`Stopped`] from `next` ends the loop quietly.
-fn produce_items<T: Message>(
-    env: &mut StageEnv,
-    out: &mut OutPort<T>,
-    ctx: &mut Ctx,
-    mut next: impl FnMut(&mut Ctx) -> anyhow::Result<Option<T>>,
-) -> anyhow::Result<()> {
-    let control = env.control.clone();
-    let mut produced = 0u64;
-    while !control.stopping() {
-        let start = env.meter.last;
-        env.meter.blocked = 0;
-        let Some(item) = next(ctx).or_else(|e| if e.is::<Stopped>() { Ok(None) } else { Err(e) })? else { break };
-        let end = env.meter.now();
-        env.record_service(start, end);
-        if out.send_stamped(item, end, &mut env.meter, &mut env.outputs, &control).is_err() {
-            break;
-        }
-        env.items_out += 1;
-        produced += 1;
-        env.check_warmup(produced);
-    }
-    Ok(())
-}
-
-struct TransformRun<T>(T);
-
-impl<T: Transform> Runnable for TransformRun<T> {
-    fn run(mut self: Box<Self>, wiring: Wiring, env: &mut StageEnv, ctx: &mut Ctx) -> anyhow::Result<()> {
-        let name = ctx.name().to_string();
-        let mut inp = InPort::<T::In>::from_erased(wiring.input.ok_or_else(|| wiring_error(&name))?).ok_or_else(|| wiring_error(&name))?;
-        let mut out = OutPort::<T::Out>::from_erased(wiring.outputs).ok_or_else(|| wiring_error(&name))?;
-        let control = env.control.clone();
-        while let Some(item) = inp.recv(&mut env.meter, &mut env.input, &control) {
-            env.items_in += 1;
-            let start = env.meter.last;
-            env.meter.blocked = 0;
-            let mut em =
-                Emitter { port: &mut out, meter: &mut env.meter, stats: &mut env.outputs, control: &control, pending: None, emitted: 0 };
-            let r = self.0.process(item, &mut em, ctx);
-            let end = em.meter.now();
-            // Time blocked during the call is subtracted; the final send happens after `end`.
-            let blocked_in_call = em.meter.blocked;
-            let sent = r.is_ok() && em.finish(end).is_ok();
-            env.items_out += em.emitted;
-            env.meter.blocked = blocked_in_call;
-            env.record_service(start, end);
-            if let Err(e) = r {
-                if e.is::<Stopped>() {
-                    break;
-                }
-                return Err(e);
-            }
-            if !sent || control.aborting() {
-                break;
-            }
-            env.check_warmup(env.items_in);
-        }
-        // Input ended: keep producing, as a source would, while the graph runs.
-        produce_items(env, &mut out, ctx, |ctx| self.0.produce(ctx))?;
-        let mut em =
-            Emitter { port: &mut out, meter: &mut env.meter, stats: &mut env.outputs, control: &control, pending: None, emitted: 0 };
-        let r = self.0.flush(&mut em, ctx);
-        let end = em.meter.now();
-        let _ = em.finish(end);
-        env.items_out += em.emitted;
-        quiet_stop(r)
-    }
-}
-
-struct SinkRun<K>(K);
-
-impl<K: Sink> Runnable for SinkRun<K> {
-    fn run(mut self: Box<Self>, wiring: Wiring, env: &mut StageEnv, ctx: &mut Ctx) -> anyhow::Result<()> {
-        let name = ctx.name().to_string();
-        let mut inp = InPort::<K::In>::from_erased(wiring.input.ok_or_else(|| wiring_error(&name))?).ok_or_else(|| wiring_error(&name))?;
-        let control = env.control.clone();
-        while let Some(item) = inp.recv(&mut env.meter, &mut env.input, &control) {
-            env.items_in += 1;
-            let start = env.meter.last;
-            env.meter.blocked = 0;
-            let r = self.0.consume(item, ctx);
-            let end = env.meter.now();
-            env.record_service(start, end);
-            if let Err(e) = r {
-                if e.is::<Stopped>() {
-                    break;
-                }
-                return Err(e);
-            }
-            if control.aborting() {
-                break;
-            }
-            env.check_warmup(env.items_in);
-        }
-        quiet_stop(self.0.flush(ctx))
     }
 }
