@@ -1,0 +1,175 @@
+//! Muon (§3.6): momentum, Nesterov, NS5 orthogonalization, the tall-matrix scale; see the module
+//! doc of [`crate::optim`] for the update.
+
+use std::collections::{HashMap, HashSet};
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Result, Tensor, Var, bail};
+
+use super::newton_schulz::newton_schulz5_stack;
+use super::state::{reject_unexpected, state_name, take_state};
+
+/// Muon (§3.6) over a list of named 2-D parameters, Nesterov on by default.
+///
+/// One momentum buffer per parameter (zeros at the start, as torch's lazily created buffer would
+/// be). The learning rate and momentum are passed to every [`Muon::step`]; the struct keeps the
+/// group's base LR (for `lr = base_lr · lr_multiplier`) and the momentum last used.
+#[derive(Debug)]
+pub struct Muon {
+    params: Vec<(String, Var)>,
+    buffers: Vec<Tensor>,
+    base_lr: f64,
+    momentum: f64,
+    nesterov: bool,
+    backend_steps: usize,
+    /// Newton-Schulz runs in this dtype when set (the record: bf16 on the GPU).
+    ns_dtype: Option<DType>,
+    prefix: String,
+}
+
+impl Muon {
+    /// Builds the optimizer: `base_lr` (the record: `MATRIX_LR = 0.04`), the initial `momentum`
+    /// (overwritten by every step), `backend_steps` Newton–Schulz iterations (the record: 5).
+    /// Nesterov is on; the state prefix is `muon`.
+    ///
+    /// # Errors
+    ///
+    /// When a parameter is not 2-D, or two parameters share a name.
+    pub fn new(params: Vec<(String, Var)>, base_lr: f64, momentum: f64, backend_steps: usize) -> Result<Self> {
+        let mut seen = HashSet::new();
+        let mut buffers = Vec::with_capacity(params.len());
+        for (name, var) in &params {
+            if var.dims().len() != 2 {
+                bail!("Muon parameter {name} must be 2-D, got shape {:?}", var.dims());
+            }
+            if !seen.insert(name.as_str()) {
+                bail!("Muon parameter name {name} appears twice");
+            }
+            buffers.push(var.zeros_like()?.detach());
+        }
+        Ok(Self { params, buffers, base_lr, momentum, nesterov: true, backend_steps, ns_dtype: None, prefix: "muon".to_string() })
+    }
+
+    /// Runs the Newton-Schulz iteration in `dtype` (the record casts to bf16 first on the GPU);
+    /// the update is cast back to each parameter's dtype.
+    pub fn with_ns_dtype(mut self, dtype: DType) -> Self {
+        self.ns_dtype = Some(dtype);
+        self
+    }
+
+    /// Replaces the state-name prefix (default `muon`).
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Turns Nesterov momentum on (the record) or off (`U = buf`).
+    pub fn set_nesterov(&mut self, nesterov: bool) {
+        self.nesterov = nesterov;
+    }
+
+    /// The named parameters, in construction order.
+    pub fn params(&self) -> &[(String, Var)] {
+        &self.params
+    }
+
+    /// The group's base learning rate.
+    pub fn base_lr(&self) -> f64 {
+        self.base_lr
+    }
+
+    /// The momentum last used (the constructor's value before the first step).
+    pub fn momentum(&self) -> f64 {
+        self.momentum
+    }
+
+    /// Whether Nesterov momentum is on.
+    pub fn nesterov(&self) -> bool {
+        self.nesterov
+    }
+
+    /// The number of Newton–Schulz iterations per step.
+    pub fn backend_steps(&self) -> usize {
+        self.backend_steps
+    }
+
+    /// One Muon step at learning rate `lr` (already multiplied by the schedule) and momentum
+    /// `momentum` (see [`momentum_at`]): `buf ← μ·buf + G; U = G + μ·buf; O = NS5(U);
+    /// O ← O·sqrt(max(1, rows/cols)); P ← P − lr·O`.
+    ///
+    /// A parameter whose gradient is missing from `grads` (it did not take part in the loss) is
+    /// skipped: neither it nor its momentum buffer changes, as torch skips `p.grad is None`.
+    ///
+    /// # Errors
+    ///
+    /// On a candle error (for instance a gradient whose shape differs from its parameter's).
+    pub fn step(&mut self, grads: &GradStore, lr: f64, momentum: f64) -> Result<()> {
+        self.momentum = momentum;
+        // Momentum and Nesterov per parameter; then the orthogonalization and the update per
+        // group of same-shaped parameters, as one stack (far fewer, larger candle ops).
+        // (shape, [(parameter index, U, new momentum buffer)]).
+        type Group = (Vec<usize>, Vec<(usize, Tensor, Tensor)>);
+        let mut groups: Vec<Group> = Vec::new();
+        for (i, ((name, var), buf)) in self.params.iter().zip(&self.buffers).enumerate() {
+            let Some(g) = grads.get(var.as_tensor()) else {
+                continue;
+            };
+            if g.dims() != var.dims() {
+                bail!("Muon: gradient of {name} has shape {:?}, parameter has {:?}", g.dims(), var.dims());
+            }
+            let g = g.detach().to_dtype(var.dtype())?;
+            let new_buf = (buf.affine(momentum, 0.0)? + &g)?;
+            let u = if self.nesterov { (&g + new_buf.affine(momentum, 0.0)?)? } else { new_buf.clone() };
+            match groups.iter_mut().find(|(dims, _)| dims == var.dims()) {
+                Some((_, members)) => members.push((i, u, new_buf)),
+                None => groups.push((var.dims().to_vec(), vec![(i, u, new_buf)])),
+            }
+        }
+        for (dims, members) in groups {
+            let us: Vec<&Tensor> = members.iter().map(|(_, u, _)| u).collect();
+            let stack = Tensor::stack(&us, 0)?;
+            let o = match self.ns_dtype {
+                Some(d) if d != stack.dtype() => newton_schulz5_stack(&stack.to_dtype(d)?, self.backend_steps)?.to_dtype(stack.dtype())?,
+                _ => newton_schulz5_stack(&stack, self.backend_steps)?,
+            };
+            let scale = (dims[0] as f64 / dims[1] as f64).max(1.0).sqrt();
+            let step = o.affine(scale, 0.0)?.affine(lr, 0.0)?;
+            for (j, (i, _, new_buf)) in members.into_iter().enumerate() {
+                let var = &self.params[i].1;
+                var.set(&(var.as_detached_tensor() - step.get(j)?)?)?;
+                self.buffers[i] = new_buf;
+            }
+        }
+        Ok(())
+    }
+
+    /// The optimizer state as named tensors: `{prefix}.{param}.momentum_buffer` per parameter.
+    pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
+        self.params
+            .iter()
+            .zip(&self.buffers)
+            .map(|((name, _), buf)| (state_name(&self.prefix, name, "momentum_buffer"), buf.clone()))
+            .collect()
+    }
+
+    /// Loads the state written by [`Muon::state_tensors`]. Every buffer must be present with the
+    /// parameter's shape; tensors are converted to the parameter's dtype and device. Tensors under
+    /// other prefixes are ignored; an unknown tensor under this prefix is an error. Nothing is
+    /// changed on error.
+    ///
+    /// # Errors
+    ///
+    /// Naming the tensor: missing, wrong shape, or unexpected.
+    pub fn load_state_tensors(&mut self, tensors: &HashMap<String, Tensor>) -> anyhow::Result<()> {
+        let mut expected = HashSet::new();
+        let mut loaded = Vec::with_capacity(self.buffers.len());
+        for ((name, _), buf) in self.params.iter().zip(&self.buffers) {
+            let key = state_name(&self.prefix, name, "momentum_buffer");
+            loaded.push(take_state(tensors, &key, buf)?);
+            expected.insert(key);
+        }
+        reject_unexpected(tensors, &self.prefix, &expected)?;
+        self.buffers = loaded;
+        Ok(())
+    }
+}
