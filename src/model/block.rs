@@ -1,9 +1,11 @@
-//! One transformer block on the `(B*T, D)` residual stream `h`, with `x0` the normed embedding:
+//! One transformer block on the `(B*T, D)` residual stream `h`, with `x0` the normed embedding
+//! and `s` = `1/sqrt(i + 1)` for physical block `i` under `model.ln_scale` (else 1):
 //!
 //! ```text
 //! u = h * resid_mix[0] + x0 * resid_mix[1]
-//! u = u + attention(norm(u)) * attn_scale
-//! y = u + mlp(norm(u)) * mlp_scale
+//! sequential (the baseline):                  parallel (model.parallel_residual_start <= i):
+//!   u = u + attention(norm(u) s) * attn_scale   n = norm(u) s
+//!   y = u + mlp(norm(u) s) * mlp_scale          y = u + attention(n) * attn_scale + mlp(n) * mlp_scale
 //! ```
 //!
 //! Under mixed precision on the GPU path the attention and MLP outputs stay in the matmul dtype
@@ -21,10 +23,24 @@ impl Gpt {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn block(&self, f: &Formulation, i: usize, h: &Tensor, x0: &Tensor, b: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let p = |s: &str| self.p(&format!("blocks.{i}.{s}"));
+        let scale = self.config().ln_scale_of(i);
+        let norm = |u: &Tensor| -> Result<Tensor> {
+            let n = f.norm_in(u)?;
+            match scale {
+                Some(s) => n.affine(s, 0.0),
+                None => Ok(n),
+            }
+        };
         let u = resid_mix(h, x0, &p("resid_mix"))?;
-        let a = self.attention(f, i, &f.norm_in(&u)?, b, cos, sin)?;
+        if self.config().parallel(i) {
+            let n = norm(&u)?;
+            let a = self.attention(f, i, &n, b, cos, sin)?;
+            let m = self.mlp(f, i, &n)?;
+            return scale_add(&scale_add(&u, &a, &p("attn_scale"))?, &m, &p("mlp_scale"));
+        }
+        let a = self.attention(f, i, &norm(&u)?, b, cos, sin)?;
         let u = scale_add(&u, &a, &p("attn_scale"))?;
-        let m = self.mlp(f, i, &f.norm_in(&u)?)?;
+        let m = self.mlp(f, i, &norm(&u)?)?;
         scale_add(&u, &m, &p("mlp_scale"))
     }
 }

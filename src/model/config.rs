@@ -3,7 +3,19 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// `[model]`: sizes and switches of the baseline GPT (defaults: the challenge's baseline).
+/// The MLP's activation before its down projection.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum MlpActivation {
+    /// `relu(x)^2` (the baseline).
+    #[default]
+    Relu2,
+    /// `leaky_relu(x, leaky_relu_slope)^2` (the 04-09 record, slope 0.5).
+    LeakyRelu2,
+}
+
+/// `[model]`: sizes and switches of the GPT (defaults: the challenge's baseline; each switch
+/// off gives the baseline's model bit for bit).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
@@ -29,6 +41,22 @@ pub struct ModelConfig {
     pub qk_gain_init: f64,
     /// Standard deviation of the tied embedding's normal initialisation.
     pub tied_embed_init_std: f64,
+    /// The MLP's activation: "relu2" (the baseline) or "leaky_relu2" (the 04-09 record).
+    pub mlp_activation: MlpActivation,
+    /// Slope of `leaky_relu2` for negative inputs, in [0, 1] (the record: 0.5).
+    pub leaky_relu_slope: f64,
+    /// Scale each block's normed attention and MLP inputs by `1/sqrt(layer + 1)`, `layer` the
+    /// physical block index (the record: on).
+    pub ln_scale: bool,
+    /// From this physical block on, attention and MLP read the same normed input and both add
+    /// to the stream (GPT-J-style parallel residuals; the record: 7). Absent: every block is
+    /// sequential.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parallel_residual_start: Option<usize>,
+    /// Sigmoid-gated U-Net skips: `h = g * h + (1 - g) * skip_weights[j] * skip`, with
+    /// `g = sigmoid(skip_gates[j])` learned per channel (initially 0.5); off, the skip is added
+    /// (`h + skip_weights[j] * skip`, the baseline).
+    pub skip_gates: bool,
 }
 
 impl Default for ModelConfig {
@@ -45,6 +73,11 @@ impl Default for ModelConfig {
             logit_softcap: 30.0,
             qk_gain_init: 1.5,
             tied_embed_init_std: 0.005,
+            mlp_activation: MlpActivation::Relu2,
+            leaky_relu_slope: 0.5,
+            ln_scale: false,
+            parallel_residual_start: None,
+            skip_gates: false,
         }
     }
 }
@@ -75,7 +108,29 @@ impl ModelConfig {
         anyhow::ensure!(self.mlp_mult >= 1, "`model.mlp_mult` must be at least 1");
         anyhow::ensure!(self.logit_softcap > 0.0, "`model.logit_softcap` must be positive");
         anyhow::ensure!(self.rope_base > 0.0, "`model.rope_base` must be positive");
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&self.leaky_relu_slope),
+            "`model.leaky_relu_slope` must be in [0, 1]; found {}",
+            self.leaky_relu_slope
+        );
+        if let Some(start) = self.parallel_residual_start {
+            anyhow::ensure!(
+                start < self.num_layers,
+                "`model.parallel_residual_start` ({start}) must name a block below `model.num_layers` ({}); leave it out for none",
+                self.num_layers
+            );
+        }
         Ok(())
+    }
+
+    /// Whether physical block `layer` runs attention and MLP in parallel.
+    pub fn parallel(&self, layer: usize) -> bool {
+        self.parallel_residual_start.is_some_and(|start| layer >= start)
+    }
+
+    /// The factor on block `layer`'s normed inputs: `1/sqrt(layer + 1)` under `ln_scale`.
+    pub fn ln_scale_of(&self, layer: usize) -> Option<f64> {
+        self.ln_scale.then(|| 1.0 / ((layer + 1) as f64).sqrt())
     }
 
     /// Width of one head.
@@ -104,6 +159,9 @@ impl ModelConfig {
     pub fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
         let (v, d, kvd, hidden) = (self.vocab_size, self.model_dim, self.kv_dim(), self.mlp_mult.saturating_mul(self.model_dim));
         let mut out = vec![("tok_emb.weight".to_string(), vec![v, d]), ("skip_weights".to_string(), vec![self.skip_count(), d])];
+        if self.skip_gates {
+            out.push(("skip_gates".to_string(), vec![self.skip_count(), d]));
+        }
         for i in 0..self.num_layers {
             let p = |s: &str| format!("blocks.{i}.{s}");
             out.extend([

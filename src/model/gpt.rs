@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 use super::ModelConfig;
 use super::flash_attn::{self, Attention, FlashKernels};
 use super::formulation::Formulation;
-use super::ops::{cast, embedding, rms_norm, rope_tables, scale_add, softcap, softcap_cross_entropy};
+use super::ops::{cast, embedding, gated_skip, rms_norm, rope_tables, scale_add, softcap, softcap_cross_entropy};
 
 /// Which optimizer group a parameter belongs to (as the challenge script splits them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -20,14 +20,14 @@ pub enum ParamGroup {
     /// The token embedding: Adam at `tied_embed_lr` (or `embed_lr` when untied).
     Embedding,
     /// Vectors, scalars and control tensors (`q_gain`, `attn_scale`, `mlp_scale`, `resid_mix`,
-    /// `skip_weights`): Adam at `scalar_lr`.
+    /// `skip_weights`, `skip_gates`): Adam at `scalar_lr`.
     Scalar,
     /// The untied output head: Adam at `head_lr`.
     Head,
 }
 
 /// Names that mark a block tensor as a control tensor (Adam, fp32), as in the challenge script.
-const CONTROL_PATTERNS: [&str; 5] = ["attn_scale", "mlp_scale", "resid_mix", "q_gain", "skip_weight"];
+const CONTROL_PATTERNS: [&str; 6] = ["attn_scale", "mlp_scale", "resid_mix", "q_gain", "skip_weight", "skip_gate"];
 
 /// The baseline GPT.
 pub struct Gpt {
@@ -85,6 +85,8 @@ impl Gpt {
                 "attn.c_q.weight" | "attn.c_k.weight" | "attn.c_v.weight" | "mlp.fc.weight" => kaiming(&mut init, &shape),
                 "attn.proj.weight" | "mlp.proj.weight" | "lm_head.weight" => vec![0.0; n],
                 "attn.q_gain" => vec![cfg.qk_gain_init; n],
+                // sigmoid(0) = 0.5: stream and skip weighed equally at init.
+                "skip_gates" => vec![0.0; n],
                 "resid_mix" => {
                     let mut mix = vec![1.0; n / 2];
                     mix.extend(vec![0.0; n - n / 2]);
@@ -267,9 +269,13 @@ impl Gpt {
             skips.push(h.clone());
         }
         let skip_w = self.p("skip_weights");
+        let gates = cfg.skip_gates.then(|| self.p("skip_gates"));
         for j in 0..cfg.num_layers - enc {
             if let Some(s) = skips.pop() {
-                h = scale_add(&h, &s, &skip_w.get(j)?)?;
+                h = match &gates {
+                    Some(z) => gated_skip(&h, &s, &skip_w.get(j)?, &z.get(j)?)?,
+                    None => scale_add(&h, &s, &skip_w.get(j)?)?,
+                };
             }
             h = self.block(&f, enc + j, &h, &x0, b, &cos, &sin)?;
         }

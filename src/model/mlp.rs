@@ -1,7 +1,9 @@
 //! The MLP sublayer of block `i` on the normed stream `x` `(B*T, D)`:
 //!
 //! ```text
-//! y = relu(x Wfc^T)^2 Wproj^T          (hidden width mlp_mult * D)
+//! y = act(x Wfc^T) Wproj^T          (hidden width mlp_mult * D)
+//! act(u) = relu(u)^2                (model.mlp_activation = "relu2", the baseline)
+//!        = leaky_relu(u, a)^2       ("leaky_relu2", a = model.leaky_relu_slope; the record)
 //! ```
 //!
 //! Under mixed precision on the GPU path the `(B*T, hidden)` activations (relu² included) and
@@ -10,15 +12,20 @@
 use candle_core::{Result, Tensor};
 
 use super::Gpt;
+use super::MlpActivation;
 use super::formulation::Formulation;
-use super::ops::relu_sq;
+use super::ops::{leaky_relu_sq, relu_sq};
 
 impl Gpt {
     /// The MLP of block `i` on `x`.
     pub(super) fn mlp(&self, f: &Formulation, i: usize, x: &Tensor) -> Result<Tensor> {
         let (fc, proj) = (self.p(&format!("blocks.{i}.mlp.fc.weight")), self.p(&format!("blocks.{i}.mlp.proj.weight")));
         let x = f.cast_to_activations(x)?;
-        let up = relu_sq(&f.linear(&x, &fc)?)?;
+        let pre = f.linear(&x, &fc)?;
+        let up = match self.config().mlp_activation {
+            MlpActivation::Relu2 => relu_sq(&pre)?,
+            MlpActivation::LeakyRelu2 => leaky_relu_sq(&pre, self.config().leaky_relu_slope)?,
+        };
         f.linear(&up, &proj)
     }
 }

@@ -62,9 +62,11 @@ mod gpt;
 pub mod memory;
 mod mlp;
 pub mod ops;
+#[cfg(test)]
+mod reference;
 pub mod weights;
 
-pub use config::ModelConfig;
+pub use config::{MlpActivation, ModelConfig};
 pub use gpt::{Gpt, ParamGroup, group_of as gpt_group_of};
 use std::cell::Cell;
 

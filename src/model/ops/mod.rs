@@ -17,6 +17,8 @@
 //! | [`scale_add`] | `base + x * s`, per-channel `s` |
 //! | [`resid_mix`] | `h * mix[0] + x0 * mix[1]` |
 //! | [`relu_sq`] | `relu(x)^2` |
+//! | [`leaky_relu_sq`] | `leaky_relu(x, a)^2` (composed) |
+//! | [`skip_gate`] | the sigmoid-gated U-Net skip (composed) |
 //! | [`scale_cols`] | `x * s` and the per-channel sum `column_dot` (GPU backward passes) |
 //! | [`embedding`] | the token-embedding lookup (GPU backward kernel) |
 //! | [`cast`] | f32 <-> bf16 casts (GPU kernel) |
@@ -38,6 +40,7 @@ pub mod attention;
 pub mod cast;
 pub mod causal_softmax;
 pub mod embedding;
+pub mod leaky_relu_sq;
 pub mod qk_norm_rope;
 pub mod relu_sq;
 pub mod resid_mix;
@@ -45,6 +48,7 @@ pub mod rms_norm;
 pub mod rope;
 pub mod scale_add;
 pub mod scale_cols;
+pub mod skip_gate;
 pub mod softcap_ce;
 #[cfg(test)]
 pub(crate) mod testing;
@@ -53,6 +57,7 @@ pub use attention::{causal_attention, causal_attention_reference, causal_attenti
 pub use cast::cast;
 pub use causal_softmax::causal_softmax;
 pub use embedding::embedding;
+pub use leaky_relu_sq::leaky_relu_sq;
 pub use qk_norm_rope::{norm_rope, qk_norm_rope};
 pub use relu_sq::relu_sq;
 pub use resid_mix::resid_mix;
@@ -60,6 +65,7 @@ pub use rms_norm::{rms_eps, rms_norm, rms_norm_eps, rms_norm_reference, rms_norm
 pub use rope::{rope, rope_tables};
 pub use scale_add::scale_add;
 pub use scale_cols::scale_cols;
+pub use skip_gate::gated_skip;
 pub use softcap_ce::{cross_entropy_rows, softcap, softcap_cross_entropy};
 
 /// An error unless `dtype` is one the CPU kernels run on (`f32`, `f64`); `op` names the caller.
