@@ -375,34 +375,7 @@ mod tests {
         }
         let x = Tensor::from_vec((0..10u32).map(|i| (i * 5 + 1) % 16).collect::<Vec<_>>(), (2, 5), &Device::Cpu).unwrap();
         let y = Tensor::from_vec((0..10u32).map(|i| (i * 3 + 2) % 16).collect::<Vec<_>>(), (2, 5), &Device::Cpu).unwrap();
-        let grads = m.loss(&x, &y).unwrap().backward().unwrap();
-        let eps = 1e-6;
-        let mut checked = 0;
-        for (name, var, _) in m.params() {
-            let g = grads
-                .get(var.as_tensor())
-                .unwrap_or_else(|| panic!("no gradient for {name}"))
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f64>()
-                .unwrap();
-            let base: Vec<f64> = var.flatten_all().unwrap().to_vec1().unwrap();
-            // A few coordinates per tensor keep the test fast.
-            for idx in [0, base.len() / 2, base.len() - 1] {
-                let eval = |delta: f64| {
-                    let mut v = base.clone();
-                    v[idx] += delta;
-                    var.set(&Tensor::from_vec(v, var.dims(), &Device::Cpu).unwrap()).unwrap();
-                    m.loss(&x, &y).unwrap().to_scalar::<f64>().unwrap()
-                };
-                let fd = (eval(eps) - eval(-eps)) / (2.0 * eps);
-                var.set(&Tensor::from_vec(base.clone(), var.dims(), &Device::Cpu).unwrap()).unwrap();
-                let tol = 1e-6 + 1e-4 * fd.abs().max(g[idx].abs());
-                assert!((fd - g[idx]).abs() < tol, "{name}[{idx}]: finite difference {fd}, backward {}", g[idx]);
-                checked += 1;
-            }
-        }
-        assert!(checked >= 3 * m.params().len());
+        crate::model::reference::assert_gradients_match_finite_differences(&m, &x, &y);
     }
 
     fn formulation_cfg() -> ModelConfig {

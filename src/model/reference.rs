@@ -111,6 +111,30 @@ fn mlp(cfg: &ModelConfig, p: &HashMap<String, Tensor>, i: usize, x: &Tensor) -> 
     act.matmul(&w("proj.weight").t()?)
 }
 
+/// Asserts that the gradient of `m`'s loss on `x`, `y` (an f64 model) matches central finite
+/// differences at three coordinates of every parameter (the first, middle and last).
+pub(crate) fn assert_gradients_match_finite_differences(m: &super::Gpt, x: &Tensor, y: &Tensor) {
+    let grads = m.loss(x, y).unwrap().backward().unwrap();
+    let eps = 1e-6;
+    for (name, var, _) in m.params() {
+        let g =
+            grads.get(var.as_tensor()).unwrap_or_else(|| panic!("no gradient for {name}")).flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let base: Vec<f64> = var.flatten_all().unwrap().to_vec1().unwrap();
+        for idx in [0, base.len() / 2, base.len() - 1] {
+            let eval = |delta: f64| {
+                let mut v = base.clone();
+                v[idx] += delta;
+                var.set(&Tensor::from_vec(v, var.dims(), &Device::Cpu).unwrap()).unwrap();
+                m.loss(x, y).unwrap().to_scalar::<f64>().unwrap()
+            };
+            let fd = (eval(eps) - eval(-eps)) / (2.0 * eps);
+            var.set(&Tensor::from_vec(base.clone(), var.dims(), &Device::Cpu).unwrap()).unwrap();
+            let tol = 1e-6 + 1e-4 * fd.abs().max(g[idx].abs());
+            assert!((fd - g[idx]).abs() < tol, "{name}[{idx}]: finite difference {fd}, backward {}", g[idx]);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use candle_core::DType;
@@ -208,30 +232,7 @@ mod tests {
         let cfg = all_on();
         let m = model(&cfg, 11);
         let (x, y) = (ids(2, 5, 16, 1), ids(2, 5, 16, 4));
-        let grads = m.loss(&x, &y).unwrap().backward().unwrap();
-        let eps = 1e-6;
-        for (name, var, _) in m.params() {
-            let g = grads
-                .get(var.as_tensor())
-                .unwrap_or_else(|| panic!("no gradient for {name}"))
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f64>()
-                .unwrap();
-            let base: Vec<f64> = var.flatten_all().unwrap().to_vec1().unwrap();
-            for idx in [0, base.len() / 2, base.len() - 1] {
-                let eval = |delta: f64| {
-                    let mut v = base.clone();
-                    v[idx] += delta;
-                    var.set(&Tensor::from_vec(v, var.dims(), &Device::Cpu).unwrap()).unwrap();
-                    m.loss(&x, &y).unwrap().to_scalar::<f64>().unwrap()
-                };
-                let fd = (eval(eps) - eval(-eps)) / (2.0 * eps);
-                var.set(&Tensor::from_vec(base.clone(), var.dims(), &Device::Cpu).unwrap()).unwrap();
-                let tol = 1e-6 + 1e-4 * fd.abs().max(g[idx].abs());
-                assert!((fd - g[idx]).abs() < tol, "{name}[{idx}]: finite difference {fd}, backward {}", g[idx]);
-            }
-        }
+        assert_gradients_match_finite_differences(&m, &x, &y);
     }
 
     /// The skip gates are parameters of their own, zero at init (the gate 0.5), in the scalar
