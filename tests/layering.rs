@@ -5,8 +5,12 @@
 //! A scan of `crate::` paths in the code (comments and `#[cfg(test)]` modules aside) is enough:
 //! every cross-module reference in this crate is written that way.
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+
+use common::{root, rust_files};
 
 /// The areas from the ground up; an area may refer to those on lower floors only. Areas on
 /// the same floor do not refer to each other.
@@ -43,26 +47,9 @@ struct Source {
     text: String,
 }
 
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
-    entries.sort();
-    for p in entries {
-        if p.is_dir() {
-            rust_files(&p, out);
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push(p);
-        }
-    }
-}
-
 fn sources() -> Vec<Source> {
-    let mut files = Vec::new();
-    rust_files(&root().join("src"), &mut files);
-    rust_files(&root().join("stages"), &mut files);
+    let mut files = rust_files(&root().join("src"));
+    files.extend(rust_files(&root().join("stages")));
     let mut out = Vec::new();
     for path in files {
         let rel = path.strip_prefix(root()).unwrap().with_extension("");

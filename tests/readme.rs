@@ -4,17 +4,13 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use common::{bin, text, tiny};
+use common::{bin, root, text, tiny};
 use pipeline::runtime::config::load_with_env;
 use pipeline::runtime::graph;
 use pipeline::stages::REGISTRY;
 use pipeline::train::config::Config;
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 fn pipeline_configs() -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(root().join("pipelines"))

@@ -404,8 +404,9 @@ pub fn memory<C: Tables>(plan: &Plan, loaded: &Loaded<C>, ext: &Extensions, gpu_
             Err(e) => unknown.push(format!("{} ({e:#})", s.name)),
         }
     }
+    // The estimate takes the GPU's free memory as the budget only off the host and without
+    // `max_memory_gb`.
     let on_host = run.device == "cpu";
-    let gpu_free = if on_host || run.max_memory_gb > 0.0 { None } else { gpu_free };
     crate::runtime::memory::Estimate { unknown, ..crate::runtime::memory::Estimate::new(needs, on_host, run.max_memory_gb, gpu_free) }
 }
 

@@ -47,8 +47,9 @@ pub fn memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>> {
     // The attention probabilities are stored on the CPU and by the materialised attention.
     let probs = on_cpu || p.attention == Attention::Materialized;
     let t = shape.seq_len;
+    let validation = c.validation();
     let train = training_bytes(m, shape.rows * t, t, probs, act_bytes);
-    let val = forward_bytes(m, crate::eval::validation::tokens_per_pass(&c.validation(), shape.micro_steps), t, probs, act_bytes);
+    let val = forward_bytes(m, crate::eval::validation::tokens_per_pass(&validation, shape.micro_steps), t, probs, act_bytes);
     let mut act_keys = vec!["train.batch_tokens", "train.grad_accum_steps", "train.seq_len"];
     act_keys.extend(MODEL_KEYS);
     let mut needs = vec![
@@ -63,7 +64,7 @@ pub fn memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>> {
         needs.push(Need::device("activations of one validation batch", val, &act_keys).transient());
     }
     // The validation split, read whole (u16) and kept as u32 ids.
-    if let Some(tokens) = crate::eval::validation::split_tokens(&c.validation())? {
+    if let Some(tokens) = crate::eval::validation::split_tokens(&validation)? {
         let kept = if c.train.val_max_tokens > 0 { tokens.min(c.train.val_max_tokens as u64 + 1) } else { tokens };
         needs.push(Need::host("validation tokens", tokens * 2 + kept * 4, &["data.val", "train.val_max_tokens"]));
     }

@@ -19,6 +19,28 @@ pub fn bin() -> Command {
     c
 }
 
+/// The repository's root.
+pub fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Every `.rs` file under `dir`, recursively, sorted by path.
+pub fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for p in std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()) {
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(dir, &mut out);
+    out.sort();
+    out
+}
+
 /// A fresh scratch directory for one test.
 pub fn scratch(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("pipeline-it-{name}-{}", std::process::id()));

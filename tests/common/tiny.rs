@@ -54,19 +54,7 @@ pub fn documents() -> Vec<String> {
         let text = std::fs::read_to_string(&page).unwrap();
         docs.extend(text.split("\n\n").map(str::trim).filter(|p| p.len() > 40).map(String::from));
     }
-    fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-        for p in std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()) {
-            if p.is_dir() {
-                rust_files(&p, out);
-            } else if p.extension().is_some_and(|x| x == "rs") {
-                out.push(p);
-            }
-        }
-    }
-    let mut files = Vec::new();
-    rust_files(&root.join("src"), &mut files);
-    files.sort();
-    for f in files {
+    for f in super::rust_files(&root.join("src")) {
         let src = std::fs::read_to_string(&f).unwrap();
         let doc: Vec<&str> = src.lines().filter_map(|l| l.strip_prefix("//!")).map(str::trim).collect();
         let doc = doc.join("\n");
