@@ -5,18 +5,23 @@
 //! q = rope(rms_norm_h(x Wq^T)) * q_gain[h]      (per head h)
 //! k = rope(rms_norm_h(x Wk^T))
 //! v = x Wv^T
-//! y = causal_attention(q, k, v) Wproj^T
+//! a = causal_attention(q, k, v)
+//! a = xsa(a, v)                                 (physical blocks under model.xsa_last_n)
+//! y = a Wproj^T
 //! ```
+//!
+//! RoPE rotates the first `model.rope_dims` dims of each head (all by default) with the tables
+//! the forward pass made for its sequence length (NTK-rescaled past `model.rope_train_seq_len`).
 //!
 //! The products, the dtype q, k, v stay in and the attention kernel are the pass's
 //! [`Formulation`]'s; the ops are [`super::ops::qk_norm_rope`] and
-//! [`super::ops::attention`] (or flash attention).
+//! [`super::ops::attention`] (or flash attention) and [`super::ops::xsa`].
 
 use candle_core::{Result, Tensor};
 
 use super::Gpt;
 use super::formulation::Formulation;
-use super::ops::qk_norm_rope;
+use super::ops::{qk_norm_rope, xsa};
 
 impl Gpt {
     /// Causal GQA self-attention of block `i` on the `(B*T, D)` input `x` (`b` batch rows):
@@ -32,7 +37,10 @@ impl Gpt {
         let q = qk_norm_rope(&f.linear(&x, &p("c_q.weight"))?, Some(&f.cast_to_activations(&p("q_gain"))?), cos, sin, h, self.qk_eps)?;
         let k = qk_norm_rope(&f.linear(&x, &p("c_k.weight"))?, None, cos, sin, kvh, self.qk_eps)?;
         let v = f.linear(&x, &p("c_v.weight"))?;
-        let y = f.attention(&q, &k, &v, b, h, kvh)?;
+        let mut y = f.attention(&q, &k, &v, b, h, kvh)?;
+        if cfg.xsa(i) {
+            y = xsa(&y, &v, h, kvh)?;
+        }
         f.linear(&y, &p("proj.weight"))
     }
 }

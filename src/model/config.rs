@@ -57,6 +57,44 @@ pub struct ModelConfig {
     /// `g = sigmoid(skip_gates[j])` learned per channel (initially 0.5); off, the skip is added
     /// (`h + skip_weights[j] * skip`, the baseline).
     pub skip_gates: bool,
+    /// Rotate only the first this many dims of each query and key head (partial RoPE; even, at
+    /// most the head dim; the record: 16 of 64); the rest pass through. Absent: the whole head.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rope_dims: Option<usize>,
+    /// The sequence length RoPE was trained at: longer evaluated sequences get the NTK-rescaled
+    /// base `rope_base * (T / rope_train_seq_len)^(r / (r - 2))`, `r` the rotated dims (the
+    /// record: 2048). Absent: never rescaled.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rope_train_seq_len: Option<usize>,
+    /// Exclusive self-attention in the last this many physical blocks: each head's output loses
+    /// its component along its own token's normalised value vector (the record: all 11). 0: none.
+    pub xsa_last_n: usize,
+    /// Depth recurrence: blocks `loop_start..=loop_end` run `num_loops + 1` times in a row once
+    /// looping is on (the record: 3). Read only when `num_loops > 0`.
+    pub loop_start: usize,
+    /// Last block of the repeated range, inclusive (the record: 5).
+    pub loop_end: usize,
+    /// Extra passes over `loop_start..=loop_end` (the record: 2, so the range runs 3 times);
+    /// 0: no recurrence.
+    pub num_loops: usize,
+    /// The training-time fraction at which looping switches on (the record: 0.35); it stays on
+    /// for the rest of training and for every evaluation after it. 0: looped from the start.
+    pub enable_looping_at: f64,
+    /// Initialisation of the block matrices: "default" (uniform +-1/sqrt(fan_in), the
+    /// baseline) or "orthogonal" (gain 1, for `c_q`, `c_k`, `c_v`, `fc` when both dims are at
+    /// least 64; the record). The zero-initialised projections stay zero either way.
+    pub init: Init,
+}
+
+/// How the block matrices are initialised (`model.init`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Init {
+    /// Uniform in +-1/sqrt(fan_in) (PyTorch's `nn.Linear` default; the baseline).
+    #[default]
+    Default,
+    /// A random orthogonal matrix (gain 1) where both dims are at least 64 (the record).
+    Orthogonal,
 }
 
 impl Default for ModelConfig {
@@ -78,6 +116,14 @@ impl Default for ModelConfig {
             ln_scale: false,
             parallel_residual_start: None,
             skip_gates: false,
+            rope_dims: None,
+            rope_train_seq_len: None,
+            xsa_last_n: 0,
+            loop_start: 0,
+            loop_end: 0,
+            num_loops: 0,
+            enable_looping_at: 0.0,
+            init: Init::Default,
         }
     }
 }
@@ -120,7 +166,92 @@ impl ModelConfig {
                 self.num_layers
             );
         }
+        if let Some(r) = self.rope_dims {
+            anyhow::ensure!(
+                r >= 2 && r.is_multiple_of(2) && r <= self.head_dim(),
+                "`model.rope_dims` ({r}) must be even, at least 2 and at most the head dim `model.model_dim / model.num_heads` = {}",
+                self.head_dim()
+            );
+        }
+        if let Some(t) = self.rope_train_seq_len {
+            anyhow::ensure!(t >= 1, "`model.rope_train_seq_len` must be at least 1; leave it out for no rescaling");
+            anyhow::ensure!(
+                self.rotary_dims() > 2,
+                "`model.rope_train_seq_len` rescales the base by (T / len)^(r / (r - 2)): the rotated dims r = {} must be above 2",
+                self.rotary_dims()
+            );
+        }
+        anyhow::ensure!(
+            self.xsa_last_n <= self.num_layers,
+            "`model.xsa_last_n` ({}) must be at most `model.num_layers` ({})",
+            self.xsa_last_n,
+            self.num_layers
+        );
+        if self.num_loops > 0 {
+            anyhow::ensure!(
+                self.loop_start <= self.loop_end && self.loop_end < self.num_layers,
+                "the loop range `model.loop_start`..=`model.loop_end` ({}..={}) must lie within the {} blocks of `model.num_layers`",
+                self.loop_start,
+                self.loop_end,
+                self.num_layers
+            );
+        }
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&self.enable_looping_at),
+            "`model.enable_looping_at` is a fraction of training time in [0, 1]; found {}",
+            self.enable_looping_at
+        );
         Ok(())
+    }
+
+    /// The dims of each q/k head that RoPE rotates (`rope_dims`, or the whole head).
+    pub fn rotary_dims(&self) -> usize {
+        self.rope_dims.unwrap_or(self.head_dim())
+    }
+
+    /// The RoPE base for sequences of `t` tokens: `rope_base`, NTK-rescaled to
+    /// `rope_base * (t / L)^(r / (r - 2))` when `t` exceeds `rope_train_seq_len = L`.
+    pub fn rope_base_for(&self, t: usize) -> f64 {
+        match self.rope_train_seq_len {
+            Some(l) if t > l => {
+                let r = self.rotary_dims() as f64;
+                self.rope_base * (t as f64 / l as f64).powf(r / (r - 2.0))
+            }
+            _ => self.rope_base,
+        }
+    }
+
+    /// Whether physical block `layer` applies exclusive self-attention.
+    pub fn xsa(&self, layer: usize) -> bool {
+        layer + self.xsa_last_n >= self.num_layers
+    }
+
+    /// Whether the model has depth recurrence (`num_loops > 0`).
+    pub fn recurrent(&self) -> bool {
+        self.num_loops > 0
+    }
+
+    /// The physical blocks in the order a forward pass runs them: `0..num_layers`, or with
+    /// looping on `[0, loop_start) + [loop_start..=loop_end] * (num_loops + 1) + (loop_end,
+    /// num_layers)` (the record: `[0,1,2,3,4,5,3,4,5,3,4,5,6,7,8,9,10]`).
+    pub fn layer_sequence(&self, looped: bool) -> Vec<usize> {
+        if !(looped && self.recurrent()) {
+            return (0..self.num_layers).collect();
+        }
+        let mut seq: Vec<usize> = (0..self.loop_start).collect();
+        for _ in 0..=self.num_loops {
+            seq.extend(self.loop_start..=self.loop_end);
+        }
+        seq.extend(self.loop_end + 1..self.num_layers);
+        seq
+    }
+
+    /// The encoder and decoder halves of [`ModelConfig::layer_sequence`]: the first
+    /// `len / 2` entries push U-Net skips, the rest pop them.
+    pub fn encoder_decoder(&self, looped: bool) -> (Vec<usize>, Vec<usize>) {
+        let mut enc = self.layer_sequence(looped);
+        let dec = enc.split_off(enc.len() / 2);
+        (enc, dec)
     }
 
     /// Whether physical block `layer` runs attention and MLP in parallel.
@@ -143,14 +274,11 @@ impl ModelConfig {
         self.num_kv_heads * self.head_dim()
     }
 
-    /// Encoder blocks (`num_layers / 2`).
-    pub fn encoder_layers(&self) -> usize {
-        self.num_layers / 2
-    }
-
-    /// Learned skip vectors (`min(encoders, decoders)`).
+    /// Learned skip vectors: `min(encoders, decoders)` of the longest layout (the looped one
+    /// under recurrence: the record's 8), so that every skip of either layout has its row.
     pub fn skip_count(&self) -> usize {
-        self.encoder_layers().min(self.num_layers - self.encoder_layers())
+        let (enc, dec) = self.encoder_decoder(true);
+        enc.len().min(dec.len())
     }
 
     /// Every parameter's name and shape, in `state_dict` order: what [`crate::model::Gpt::new`]
@@ -181,5 +309,85 @@ impl ModelConfig {
             out.push(("lm_head.weight".to_string(), vec![v, d]));
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The 04-09 record's `[model]` (spec 4.2, 4.3).
+    pub(crate) fn record() -> ModelConfig {
+        ModelConfig {
+            vocab_size: 8192,
+            num_layers: 11,
+            mlp_mult: 4,
+            qk_gain_init: 5.25,
+            mlp_activation: MlpActivation::LeakyRelu2,
+            ln_scale: true,
+            parallel_residual_start: Some(7),
+            skip_gates: true,
+            rope_dims: Some(16),
+            rope_train_seq_len: Some(2048),
+            xsa_last_n: 11,
+            loop_start: 3,
+            loop_end: 5,
+            num_loops: 2,
+            enable_looping_at: 0.35,
+            init: Init::Orthogonal,
+            ..ModelConfig::default()
+        }
+    }
+
+    #[test]
+    fn the_record_has_its_parameter_count_groups_and_layer_order() {
+        let cfg = record();
+        cfg.check().unwrap();
+        let shapes = cfg.param_shapes();
+        let count: usize = shapes.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+        assert_eq!(count, 35_944_536, "model_params of the 04-09 record's log");
+        let group = |g| shapes.iter().filter(|(n, s)| crate::model::gpt_group_of(n, s.len()) == g).count();
+        use crate::model::ParamGroup::*;
+        assert_eq!((group(Matrix), group(Embedding), group(Scalar)), (66, 1, 46));
+        assert_eq!(cfg.layer_sequence(true), [0, 1, 2, 3, 4, 5, 3, 4, 5, 3, 4, 5, 6, 7, 8, 9, 10]);
+        assert_eq!(cfg.encoder_decoder(true), (vec![0, 1, 2, 3, 4, 5, 3, 4], vec![5, 3, 4, 5, 6, 7, 8, 9, 10]));
+        assert_eq!(cfg.encoder_decoder(false), (vec![0, 1, 2, 3, 4], vec![5, 6, 7, 8, 9, 10]));
+        assert_eq!(cfg.skip_count(), 8);
+        assert_eq!((cfg.rotary_dims(), cfg.rope_base_for(2048)), (16, 10_000.0), "never rescaled at the training length");
+        let rescaled = 10_000.0 * 2f64.powf(16.0 / 14.0);
+        assert!((cfg.rope_base_for(4096) - rescaled).abs() < 1e-9);
+        assert!((0..11).all(|l| cfg.xsa(l)));
+        assert!(!cfg.parallel(6) && cfg.parallel(7) && cfg.parallel(10));
+    }
+
+    /// Layer orders for several loop settings: the sequence, its halves and the skip count.
+    #[test]
+    fn layer_sequences_for_several_loops() {
+        let cfg = |layers, start, end, loops| ModelConfig {
+            num_layers: layers,
+            loop_start: start,
+            loop_end: end,
+            num_loops: loops,
+            ..ModelConfig::default()
+        };
+        // (config, looped sequence, encoder length, skips)
+        let cases = [
+            (cfg(9, 0, 0, 0), vec![0, 1, 2, 3, 4, 5, 6, 7, 8], 4, 4),
+            (cfg(4, 1, 2, 1), vec![0, 1, 2, 1, 2, 3], 3, 3),
+            (cfg(4, 0, 3, 1), vec![0, 1, 2, 3, 0, 1, 2, 3], 4, 4),
+            (cfg(5, 4, 4, 3), vec![0, 1, 2, 3, 4, 4, 4, 4], 4, 4),
+            (cfg(3, 0, 0, 2), vec![0, 0, 0, 1, 2], 2, 2),
+            (cfg(1, 0, 0, 1), vec![0, 0], 1, 1),
+        ];
+        for (c, seq, enc, skips) in cases {
+            c.check().unwrap();
+            assert_eq!(c.layer_sequence(true), seq, "{c:?}");
+            assert_eq!(c.layer_sequence(false), (0..c.num_layers).collect::<Vec<_>>());
+            let (e, d) = c.encoder_decoder(true);
+            assert_eq!((e.len(), e.len() + d.len()), (enc, seq.len()));
+            assert_eq!(c.skip_count(), skips);
+        }
+        // Without loops the baseline's U-Net: 4 skips of 9 layers, as before.
+        assert_eq!(ModelConfig::default().skip_count(), 4);
     }
 }

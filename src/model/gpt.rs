@@ -8,8 +8,10 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 use super::ModelConfig;
+use super::config::Init as InitKind;
 use super::flash_attn::{self, Attention, FlashKernels};
 use super::formulation::Formulation;
+use super::init::Init;
 use super::ops::{cast, embedding, gated_skip, rms_norm, rope_tables, scale_add, softcap, softcap_cross_entropy};
 
 /// Which optimizer group a parameter belongs to (as the challenge script splits them).
@@ -44,32 +46,18 @@ pub struct Gpt {
     attention: Attention,
     /// The q/k RMS norm's epsilon where it is not its input dtype's (see [`Gpt::with_qk_norm_eps`]).
     pub(super) qk_eps: Option<f64>,
-}
-
-/// Host-side initial values, so that a seed gives the same weights on every device.
-struct Init(fastrand::Rng);
-
-impl Init {
-    fn uniform(&mut self, n: usize, bound: f64) -> Vec<f64> {
-        (0..n).map(|_| (self.0.f64() * 2.0 - 1.0) * bound).collect()
-    }
-    fn normal(&mut self, n: usize, std: f64) -> Vec<f64> {
-        (0..n)
-            .map(|_| {
-                // Box-Muller; 1 - u keeps the logarithm finite.
-                let (u, v) = (1.0 - self.0.f64(), self.0.f64());
-                std * (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
-            })
-            .collect()
-    }
+    /// Whether the forward pass runs the looped layer sequence (depth recurrence on; see
+    /// [`Gpt::set_looping`]).
+    looping: bool,
 }
 
 impl Gpt {
     /// A freshly initialised model (spec 3.4): embedding N(0, tied_embed_init_std^2) when tied,
     /// N(0, 1) (PyTorch's `nn.Embedding` default) when not;
     /// attention output and MLP down projections (and an untied head) zero; other matrices
-    /// U(-1/sqrt(fan_in), 1/sqrt(fan_in)); q_gain = qk_gain_init, scales 1, resid_mix [1; 0],
-    /// skip weights 1.
+    /// U(-1/sqrt(fan_in), 1/sqrt(fan_in)), or orthogonal under `model.init = "orthogonal"` where
+    /// both dims are at least 64 (spec 4.3); q_gain = qk_gain_init, scales 1, resid_mix [1; 0],
+    /// skip weights 1, skip gates 0. A model with depth recurrence starts looped.
     pub fn new(cfg: &ModelConfig, seed: u64, dtype: DType, device: &Device) -> anyhow::Result<Self> {
         cfg.check()?;
         let mut init = Init(fastrand::Rng::with_seed(seed));
@@ -82,6 +70,11 @@ impl Gpt {
             let values = match leaf {
                 // Tied: N(0, tied_embed_init_std^2); untied: nn.Embedding's default N(0, 1).
                 "tok_emb.weight" => init.normal(n, if cfg.tie_embeddings { cfg.tied_embed_init_std } else { 1.0 }),
+                "attn.c_q.weight" | "attn.c_k.weight" | "attn.c_v.weight" | "mlp.fc.weight"
+                    if cfg.init == InitKind::Orthogonal && shape[0] >= 64 && shape[1] >= 64 =>
+                {
+                    init.orthogonal(shape[0], shape[1])?
+                }
                 "attn.c_q.weight" | "attn.c_k.weight" | "attn.c_v.weight" | "mlp.fc.weight" => kaiming(&mut init, &shape),
                 "attn.proj.weight" | "mlp.proj.weight" | "lm_head.weight" => vec![0.0; n],
                 "attn.q_gain" => vec![cfg.qk_gain_init; n],
@@ -114,6 +107,7 @@ impl Gpt {
             detached: std::cell::Cell::new(false),
             attention: Attention::Auto,
             qk_eps: None,
+            looping: cfg.recurrent(),
         })
     }
 
@@ -161,6 +155,18 @@ impl Gpt {
     /// for sequences of `t` tokens; `None` when it can.
     fn flash_unsupported(&self, t: usize) -> Option<String> {
         flash_attn::unsupported(&self.device, self.matmul_dtype(), t, self.cfg.head_dim())
+    }
+
+    /// Switches depth recurrence on or off (no effect without `model.num_loops`). A new model
+    /// starts looped, as every evaluation after training runs; training starts unlooped until
+    /// `model.enable_looping_at` of its time has passed.
+    pub fn set_looping(&mut self, on: bool) {
+        self.looping = on && self.cfg.recurrent();
+    }
+
+    /// Whether the forward pass runs the looped layer sequence.
+    pub fn looping(&self) -> bool {
+        self.looping
     }
 
     /// The configuration.
@@ -255,29 +261,33 @@ impl Gpt {
         let mut h = rms_norm(&embedding(&emb, &x.flatten_all()?)?)?;
         let f = Formulation::choose(&h, self.dtype, self.matmul_dtype, self.attention, (t, cfg.head_dim()));
         let x0 = h.clone();
-        let (cos, sin) = rope_tables(t, cfg.head_dim(), cfg.rope_base, self.dtype, &self.device)?;
+        let (cos, sin) = rope_tables(t, cfg.rotary_dims(), cfg.rope_base_for(t), self.dtype, &self.device)?;
         // Under mixed precision on the GPU path q and k are bf16, and so are the rope tables (the
         // script casts them to q's dtype): cast once per forward pass, not per layer.
         let (cos, sin) = match f.mixed() {
             Some(low) => (cos.to_dtype(low)?, sin.to_dtype(low)?),
             None => (cos, sin),
         };
-        let enc = cfg.encoder_layers();
-        let mut skips = Vec::with_capacity(enc);
-        for i in 0..enc {
+        // The U-Net over the layer sequence (looped or not): encoder outputs are pushed, and
+        // decoder position j pops one while j < skip_count.
+        let (encoder, decoder) = cfg.encoder_decoder(self.looping);
+        let mut skips = Vec::with_capacity(encoder.len());
+        for &i in &encoder {
             h = self.block(&f, i, &h, &x0, b, &cos, &sin)?;
             skips.push(h.clone());
         }
         let skip_w = self.p("skip_weights");
         let gates = cfg.skip_gates.then(|| self.p("skip_gates"));
-        for j in 0..cfg.num_layers - enc {
-            if let Some(s) = skips.pop() {
+        for (j, &i) in decoder.iter().enumerate() {
+            if j < cfg.skip_count()
+                && let Some(s) = skips.pop()
+            {
                 h = match &gates {
                     Some(z) => gated_skip(&h, &s, &skip_w.get(j)?, &z.get(j)?)?,
                     None => scale_add(&h, &s, &skip_w.get(j)?)?,
                 };
             }
-            h = self.block(&f, enc + j, &h, &x0, b, &cos, &sin)?;
+            h = self.block(&f, i, &h, &x0, b, &cos, &sin)?;
         }
         let head = if cfg.tie_embeddings { emb } else { self.p("lm_head.weight") };
         f.linear(&f.norm_in(&h)?, &head)

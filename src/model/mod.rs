@@ -59,6 +59,7 @@ mod cuda;
 pub mod flash_attn;
 mod formulation;
 mod gpt;
+mod init;
 pub mod memory;
 mod mlp;
 pub mod ops;
@@ -66,7 +67,7 @@ pub mod ops;
 mod reference;
 pub mod weights;
 
-pub use config::{MlpActivation, ModelConfig};
+pub use config::{Init, MlpActivation, ModelConfig};
 pub use gpt::{Gpt, ParamGroup, group_of as gpt_group_of};
 use std::cell::Cell;
 

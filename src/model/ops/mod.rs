@@ -19,6 +19,7 @@
 //! | [`relu_sq`] | `relu(x)^2` |
 //! | [`leaky_relu_sq`] | `leaky_relu(x, a)^2` (composed) |
 //! | [`skip_gate`] | the sigmoid-gated U-Net skip (composed) |
+//! | [`xsa`] | exclusive self-attention: a head's output less its own value's direction (composed) |
 //! | [`scale_cols`] | `x * s` and the per-channel sum `column_dot` (GPU backward passes) |
 //! | [`embedding`] | the token-embedding lookup (GPU backward kernel) |
 //! | [`cast`] | f32 <-> bf16 casts (GPU kernel) |
@@ -52,6 +53,7 @@ pub mod skip_gate;
 pub mod softcap_ce;
 #[cfg(test)]
 pub(crate) mod testing;
+pub mod xsa;
 
 pub use attention::{causal_attention, causal_attention_reference, causal_attention_tokens, causal_mask, repeat_kv, softmax_last};
 pub use cast::cast;
@@ -67,6 +69,7 @@ pub use scale_add::scale_add;
 pub use scale_cols::scale_cols;
 pub use skip_gate::gated_skip;
 pub use softcap_ce::{cross_entropy_rows, softcap, softcap_cross_entropy};
+pub use xsa::xsa;
 
 /// An error unless `dtype` is one the CPU kernels run on (`f32`, `f64`); `op` names the caller.
 fn check_float(op: &str, dtype: DType) -> Result<()> {

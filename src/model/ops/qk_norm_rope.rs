@@ -1,6 +1,7 @@
 //! The queries' and keys' per-head RMS norm, rotary embedding and gain, in one op each way.
 //! For each head `x_h` (width `D`) of a token-major row at position `p`, the gain `w` (`(H,)`,
-//! queries only) and the tables of [`super::rope`]:
+//! queries only) and the tables of [`super::rope`] for the first `R <= D` dims (`R = D`: full
+//! RoPE; `R < D`: the record's partial RoPE, dims `R..D` passed through unrotated):
 //!
 //! ```text
 //! y_h = rope_p(x_h / r_h) * w[h],   r_h = sqrt(sum(x_h^2) / D + eps)
@@ -8,12 +9,16 @@
 //!           dw[h] = sum over rows of g_h . rope_p(x_h / r_h)
 //! ```
 //!
+//! `rope_p` rotates the pairs `(i, i + R/2)` for `i < R/2` and leaves the other dims as they are.
+//!
 //! - reference: the composite of [`super::rms_norm_reference`], [`super::rope`] and a broadcast
 //!   gain on `(B, H, T, D)` heads (in the tests), and, for the GPU kernels, the f64 row
 //!   functions of [`NormRope`] (`fwd_rows`, `bwd_rows`);
 //! - CPU kernel: [`QkNormRope`], with the gain folded in, [`ROWS`] rows per rayon task;
 //! - GPU: [`norm_rope`] (`norm_rope_fwd` / `_bwd` of `kernels/fused.cu`, with the
-//!   16-byte-chunk forms `norm_rope_vec_*`), then the gain as [`super::scale_cols`].
+//!   16-byte-chunk forms `norm_rope_vec_*`), then the gain as [`super::scale_cols`]; partial
+//!   RoPE there is the candle composite (the fused norm, then RoPE of the first `R` dims), until
+//!   the kernels learn it.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, bail};
@@ -29,13 +34,15 @@ use crate::model::ops;
 /// Per-head RMS norm, then RoPE, then (when given) a per-head gain, of a query or key
 /// projection `x` of shape `(N, H * D)` whose `N = B * T` rows are token-major (row `n` is at
 /// position `n % T`): with `(B, H, T, D)` heads `xh` of `x`, the heads of the result are
-/// `ops::rope(ops::rms_norm_reference(xh), cos, sin) * gain[h]`. `cos` and `sin` are the `(T, D / 2)`
-/// tables of [`ops::rope_tables`], `gain` has shape `(H,)`. `eps` is the norm's epsilon, by
-/// default the input dtype's ([`ops::rms_eps`]). Returns `(N, H * D)`.
+/// `ops::rope(ops::rms_norm_reference(xh), cos, sin) * gain[h]` (RoPE of the first `R` dims).
+/// `cos` and `sin` are the `(T, R / 2)` tables of [`ops::rope_tables`] (`R = D`: the whole
+/// head), `gain` has shape `(H,)`. `eps` is the norm's epsilon, by default the input dtype's
+/// ([`ops::rms_eps`]). Returns `(N, H * D)`.
 pub fn qk_norm_rope(x: &Tensor, gain: Option<&Tensor>, cos: &Tensor, sin: &Tensor, heads: usize, eps: Option<f64>) -> Result<Tensor> {
     let (n, width) = x.dims2()?;
     let (t, half) = cos.dims2()?;
-    if heads == 0 || width != heads * 2 * half || sin.dims() != cos.dims() || t == 0 || n % t != 0 {
+    let d = if heads == 0 { 0 } else { width / heads };
+    if heads == 0 || width != heads * d || half == 0 || 2 * half > d || sin.dims() != cos.dims() || t == 0 || n % t != 0 {
         bail!("qk_norm_rope: x {:?} with {heads} heads does not fit tables {:?} and {:?}", x.shape(), cos.shape(), sin.shape());
     }
     if let Some(g) = gain
@@ -43,7 +50,7 @@ pub fn qk_norm_rope(x: &Tensor, gain: Option<&Tensor>, cos: &Tensor, sin: &Tenso
     {
         bail!("qk_norm_rope: gain {:?} for {heads} heads", g.shape());
     }
-    if crate::model::gpu_path(x) {
+    if crate::model::gpu_path(x) && 2 * half == d {
         let table = Tensor::cat(&[cos, sin], 1)?;
         let y = norm_rope(x, &table, heads, eps)?;
         return match gain {
@@ -52,8 +59,7 @@ pub fn qk_norm_rope(x: &Tensor, gain: Option<&Tensor>, cos: &Tensor, sin: &Tenso
             None => Ok(y),
         };
     }
-    if !x.device().is_cpu() {
-        let d = 2 * half;
+    if !x.device().is_cpu() || crate::model::gpu_path(x) {
         // The norm is per (token, head) row: on the token-major rows, before the transpose (on
         // a GPU that is the fused norm's one kernel each way).
         let rows = x.reshape((n, heads, d))?;
@@ -62,7 +68,12 @@ pub fn qk_norm_rope(x: &Tensor, gain: Option<&Tensor>, cos: &Tensor, sin: &Tenso
             None => super::rms_norm(&rows)?,
         };
         let xh = xn.reshape((n / t, t, heads, d))?.transpose(1, 2)?;
-        let mut y = ops::rope(&xh, cos, sin)?;
+        let mut y = if 2 * half == d {
+            ops::rope(&xh, cos, sin)?
+        } else {
+            let rotated = ops::rope(&xh.narrow(3, 0, 2 * half)?, cos, sin)?;
+            Tensor::cat(&[&rotated, &xh.narrow(3, 2 * half, d - 2 * half)?], 3)?
+        };
         if let Some(g) = gain {
             y = y.broadcast_mul(&g.reshape((1, heads, 1, 1))?)?;
         }
@@ -71,7 +82,7 @@ pub fn qk_norm_rope(x: &Tensor, gain: Option<&Tensor>, cos: &Tensor, sin: &Tenso
     check_float("qk_norm_rope", x.dtype())?;
     let table = |t: &Tensor| -> Result<Vec<f64>> { t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>() };
     let eps = eps.unwrap_or(ops::rms_eps(x.dtype()));
-    let op = QkNormRope { heads, half, seq: t, eps, cos: table(cos)?, sin: table(sin)? };
+    let op = QkNormRope { heads, d, half, seq: t, eps, cos: table(cos)?, sin: table(sin)? };
     match gain {
         Some(g) => {
             same_dtypes("qk_norm_rope", &[x, g])?;
@@ -83,6 +94,9 @@ pub fn qk_norm_rope(x: &Tensor, gain: Option<&Tensor>, cos: &Tensor, sin: &Tenso
 
 struct QkNormRope {
     heads: usize,
+    /// Head width.
+    d: usize,
+    /// Rotated pairs per head (`R / 2`).
     half: usize,
     seq: usize,
     /// The RMS norm's epsilon.
@@ -92,10 +106,11 @@ struct QkNormRope {
     sin: Vec<f64>,
 }
 
-/// The geometry of one call: `heads` heads of `2 * half` per row, row `n` at position
-/// `n % seq`, the tables in `T`.
+/// The geometry of one call: `heads` heads of `d` per row, the first `2 * half` of each
+/// rotated, row `n` at position `n % seq`, the tables in `T`.
 struct RopeRows<'a, T> {
     heads: usize,
+    d: usize,
     half: usize,
     seq: usize,
     eps: f64,
@@ -103,10 +118,10 @@ struct RopeRows<'a, T> {
     sin: &'a [T],
 }
 
-/// Rows `n0..` of the forward pass: `out` and `x` hold whole rows of `heads * 2 * half`.
+/// Rows `n0..` of the forward pass: `out` and `x` hold whole rows of `heads * d`.
 #[inline(always)]
 fn qk_fwd_kernel<T: Real>(g: &RopeRows<'_, T>, n0: usize, x: &[T], gain: Option<&[T]>, out: &mut [T]) {
-    let (half, d) = (g.half, 2 * g.half);
+    let (half, d) = (g.half, g.d);
     let eps = g.eps;
     for (r, (orow, xrow)) in out.chunks_exact_mut(g.heads * d).zip(x.chunks_exact(g.heads * d)).enumerate() {
         let pos = (n0 + r) % g.seq;
@@ -114,12 +129,18 @@ fn qk_fwd_kernel<T: Real>(g: &RopeRows<'_, T>, n0: usize, x: &[T], gain: Option<
         for (h, (o, xh)) in orow.chunks_exact_mut(d).zip(xrow.chunks_exact(d)).enumerate() {
             // As `ops::rms_norm`, then `ops::rope`, then the gain, rounding for rounding.
             let rms = T::from_f64((dot_f64(xh, xh) / d as f64 + eps).sqrt());
-            let (x1, x2) = xh.split_at(half);
-            let (o1, o2) = o.split_at_mut(half);
+            let (x1, rest) = xh.split_at(half);
+            let (x2, xp) = rest.split_at(half);
+            let (o1, rest) = o.split_at_mut(half);
+            let (o2, op) = rest.split_at_mut(half);
             for i in 0..half {
                 let (y1, y2) = (x1[i] / rms, x2[i] / rms);
                 o1[i] = y1 * cos[i] + y2 * sin[i];
                 o2[i] = y2 * cos[i] - y1 * sin[i];
+            }
+            // Partial RoPE: the dims past the rotated ones are only normed.
+            for (o, &x) in op.iter_mut().zip(xp) {
+                *o = x / rms;
             }
             if let Some(gain) = gain {
                 let w = gain[h];
@@ -141,7 +162,7 @@ multiversion! {
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn qk_bwd_kernel<T: Real>(g: &RopeRows<'_, T>, n0: usize, x: &[T], go: &[T], gain: Option<&[T]>, dx: &mut [T], dgain: &mut [f64]) {
-    let (half, d) = (g.half, 2 * g.half);
+    let (half, d) = (g.half, g.d);
     let eps = g.eps;
     let w = g.heads * d;
     for (r, ((dxrow, xrow), gorow)) in dx.chunks_exact_mut(w).zip(x.chunks_exact(w)).zip(go.chunks_exact(w)).enumerate() {
@@ -149,8 +170,10 @@ fn qk_bwd_kernel<T: Real>(g: &RopeRows<'_, T>, n0: usize, x: &[T], go: &[T], gai
         let (cos, sin) = (&g.cos[pos * half..(pos + 1) * half], &g.sin[pos * half..(pos + 1) * half]);
         for (h, ((dxh, xh), goh)) in dxrow.chunks_exact_mut(d).zip(xrow.chunks_exact(d)).zip(gorow.chunks_exact(d)).enumerate() {
             let rms = (dot_f64(xh, xh) / d as f64 + eps).sqrt();
-            let (x1, x2) = xh.split_at(half);
-            let (g1, g2) = goh.split_at(half);
+            let (x1, rest) = xh.split_at(half);
+            let (x2, xp) = rest.split_at(half);
+            let (g1, rest) = goh.split_at(half);
+            let (g2, gp) = rest.split_at(half);
             if gain.is_some() {
                 // d gain = sum(go * rope(y)) with y = x / rms as the forward pass rounds it.
                 let rt = T::from_f64(rms);
@@ -159,16 +182,23 @@ fn qk_bwd_kernel<T: Real>(g: &RopeRows<'_, T>, n0: usize, x: &[T], go: &[T], gai
                     let (y1, y2) = (x1[i] / rt, x2[i] / rt);
                     acc += (g1[i] * (y1 * cos[i] + y2 * sin[i])).to_f64() + (g2[i] * (y2 * cos[i] - y1 * sin[i])).to_f64();
                 }
+                for (&g, &x) in gp.iter().zip(xp) {
+                    acc += (g * (x / rt)).to_f64();
+                }
                 dgain[h] += acc;
             }
             let w = gain.map_or(T::from_f64(1.0), |gain| gain[h]);
             // dy = rope^T(go * w), kept in dx for now.
             {
-                let (d1, d2) = dxh.split_at_mut(half);
+                let (d1, rest) = dxh.split_at_mut(half);
+                let (d2, dp) = rest.split_at_mut(half);
                 for i in 0..half {
                     let (a, b) = (g1[i] * w, g2[i] * w);
                     d1[i] = a * cos[i] - b * sin[i];
                     d2[i] = a * sin[i] + b * cos[i];
+                }
+                for (d, &g) in dp.iter_mut().zip(gp) {
+                    *d = g * w;
                 }
             }
             // RMS norm backward: dx = dy / r - x sum(dy x) / (d r^3).
@@ -193,8 +223,8 @@ impl QkNormRope {
 
     fn fwd<T: Real>(&self, x: &[T], gain: Option<&[T]>) -> Vec<T> {
         let (cos, sin) = self.tables::<T>();
-        let g = RopeRows { heads: self.heads, half: self.half, seq: self.seq, eps: self.eps, cos: &cos, sin: &sin };
-        let w = self.heads * 2 * self.half;
+        let g = RopeRows { heads: self.heads, d: self.d, half: self.half, seq: self.seq, eps: self.eps, cos: &cos, sin: &sin };
+        let w = self.heads * self.d;
         let mut out = vec![T::from_f64(0.0); x.len()];
         out.par_chunks_mut(ROWS * w).zip(x.par_chunks(ROWS * w)).enumerate().for_each(|(c, (o, x))| {
             qk_fwd_rows(&g, c * ROWS, x, gain, o);
@@ -212,8 +242,8 @@ impl QkNormRope {
             None => None,
         };
         let (cos, sin) = self.tables::<T>();
-        let geo = RopeRows { heads: self.heads, half: self.half, seq: self.seq, eps: self.eps, cos: &cos, sin: &sin };
-        let w = self.heads * 2 * self.half;
+        let geo = RopeRows { heads: self.heads, d: self.d, half: self.half, seq: self.seq, eps: self.eps, cos: &cos, sin: &sin };
+        let w = self.heads * self.d;
         let mut dx = vec![T::from_f64(0.0); xv.len()];
         let parts: Vec<Vec<f64>> = dx
             .par_chunks_mut(ROWS * w)
@@ -441,8 +471,11 @@ mod tests {
     fn qk_ref(x: &Tensor, gain: Option<&Tensor>, cos: &Tensor, sin: &Tensor, heads: usize) -> Result<Tensor> {
         let (n, w) = x.dims2()?;
         let t = cos.dim(0)?;
-        let xh = x.reshape((n / t, t, heads, w / heads))?.transpose(1, 2)?;
-        let mut y = ops::rope(&ops::rms_norm_reference(&xh)?, cos, sin)?;
+        let (d, r) = (w / heads, 2 * cos.dim(1)?);
+        let xh = ops::rms_norm_reference(&x.reshape((n / t, t, heads, d))?.transpose(1, 2)?)?;
+        // RoPE of the first r dims; the rest pass through.
+        let rotated = ops::rope(&xh.narrow(3, 0, r)?, cos, sin)?;
+        let mut y = if r == d { rotated } else { Tensor::cat(&[&rotated, &xh.narrow(3, r, d - r)?], 3)? };
         if let Some(g) = gain {
             y = y.broadcast_mul(&g.reshape((1, heads, 1, 1))?)?;
         }
@@ -461,6 +494,39 @@ mod tests {
             assert_close(&got, &qk_ref(&x, Some(&gain), &cos, &sin, 3).unwrap(), tol, &format!("{dtype:?} with gain"));
             let got = qk_norm_rope(&x, None, &cos, &sin, 3, None).unwrap();
             assert_close(&got, &qk_ref(&x, None, &cos, &sin, 3).unwrap(), tol, &format!("{dtype:?} without gain"));
+        }
+    }
+
+    /// Partial RoPE (the record's 16 of 64 dims, here 4 of 8 and 2 of 6): the CPU kernel and
+    /// the GPU formulation against the reference, forward and backward, and finite differences.
+    #[test]
+    fn partial_rope_matches_the_reference() {
+        let mut rng = fastrand::Rng::with_seed(29);
+        for (d, r) in [(8usize, 4usize), (6, 2)] {
+            let (cos, sin) = ops::rope_tables(35, r, 10_000.0, DType::F64, &Device::Cpu).unwrap();
+            let x = rand(&mut rng, &[70, 2 * d], 2.0, DType::F64);
+            let gain = rand(&mut rng, &[2], 2.0, DType::F64);
+            let want = qk_ref(&x, Some(&gain), &cos, &sin, 2).unwrap();
+            assert_close(&qk_norm_rope(&x, Some(&gain), &cos, &sin, 2, None).unwrap(), &want, 1e-12, "partial, CPU kernel");
+            let gpu = crate::model::with_gpu_formulation(|| qk_norm_rope(&x, Some(&gain), &cos, &sin, 2, None)).unwrap();
+            assert_close(&gpu, &want, 1e-12, "partial, GPU formulation");
+            // The unrotated dims are the normed input times the gain.
+            let xs = flat(&x);
+            let ys = flat(&want);
+            let (g0, row) = (flat(&gain)[0], &xs[..d]);
+            let rms = (row.iter().map(|v| v * v).sum::<f64>() / d as f64 + ops::rms_eps(DType::F64)).sqrt();
+            for i in r..d {
+                assert!((ys[i] - row[i] / rms * g0).abs() < 1e-12, "dim {i} of {d} must pass through");
+            }
+            let fused = |x: &[Tensor]| qk_norm_rope(&x[0], Some(&x[1]), &cos, &sin, 2, None);
+            let reference = |x: &[Tensor]| qk_ref(&x[0], Some(&x[1]), &cos, &sin, 2);
+            check_grads(&fused, &reference, &[x.clone(), gain.clone()], "partial qk_norm_rope with gain");
+            let on_gpu = |x: &[Tensor]| crate::model::with_gpu_formulation(|| qk_norm_rope(&x[0], Some(&x[1]), &cos, &sin, 2, None));
+            check_grads(&on_gpu, &reference, &[x, gain], "partial qk_norm_rope, GPU formulation");
+            let (cos, sin) = ops::rope_tables(3, r, 10_000.0, DType::F64, &Device::Cpu).unwrap();
+            let x = rand(&mut rng, &[6, 2 * d], 2.0, DType::F64);
+            let gain = rand(&mut rng, &[2], 2.0, DType::F64);
+            check_finite_differences(&|x| qk_norm_rope(&x[0], Some(&x[1]), &cos, &sin, 2, None), &[x, gain], "partial qk_norm_rope");
         }
     }
 
