@@ -8,6 +8,7 @@ use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
 use crate::data::batch::BatchShape;
+use crate::model::ModelConfig;
 use crate::report::document::Report;
 use crate::train::checkpoint::Checkpoint;
 use crate::train::config::{Config, TrainConfig};
@@ -37,6 +38,11 @@ pub(crate) struct History {
     /// The last step's LR multiplier (none in checkpoints made before it was kept).
     #[serde(default)]
     pub lr_mul: Option<f64>,
+    /// Whether depth recurrence was on after the last step (`model.enable_looping_at` had
+    /// passed): the resumed run goes on in the same layout. Absent in checkpoints made before
+    /// recurrence existed, whose models had none.
+    #[serde(default)]
+    pub looping: bool,
 }
 
 /// The attention the run that wrote `ck` trained with, where its state says (see
@@ -44,6 +50,28 @@ pub(crate) struct History {
 /// [`resume`].
 pub(crate) fn trained_attention(ck: &Checkpoint) -> Option<String> {
     serde_json::from_value::<History>(ck.meta.extra.clone()).ok().and_then(|h| h.attention)
+}
+
+/// An error naming the first `[model]` key whose value differs between the checkpoint's
+/// `saved` table and `now` (keys the checkpoint's version did not know take their defaults, the
+/// baseline's, which is what it trained): weights of one architecture must not continue in
+/// another, even where the shapes agree (`ln_scale`, `xsa_last_n`, a loop range...).
+pub(crate) fn same_architecture(saved: &serde_json::Value, now: &ModelConfig) -> anyhow::Result<()> {
+    let then: ModelConfig = serde_json::from_value(saved.clone()).context("its `[model]` table is not one this version reads")?;
+    let (a, b) = (serde_json::to_value(&then)?, serde_json::to_value(now)?);
+    let (a, b) = (a.as_object().cloned().unwrap_or_default(), b.as_object().cloned().unwrap_or_default());
+    let null = serde_json::Value::Null;
+    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    for key in keys {
+        let (x, y) = (a.get(key).unwrap_or(&null), b.get(key).unwrap_or(&null));
+        anyhow::ensure!(
+            x == y,
+            "it was trained with `model.{key}` = {x}, the config now gives {y}: the architecture must not change on resume"
+        );
+    }
+    Ok(())
 }
 
 /// Restores `trainer` from `ck`, after checking that the run continues with the same batch
@@ -73,7 +101,9 @@ pub(crate) fn resume(trainer: &mut Trainer, ck: &Checkpoint, shape: BatchShape, 
         data,
         ck.meta.data
     );
+    same_architecture(&ck.meta.model, &trainer.model().config().clone()).with_context(what)?;
     trainer.model_mut().load_state(&ck.section("model.")).with_context(|| format!("{}: the weights do not fit `[model]`", what()))?;
+    trainer.model_mut().set_looping(history.looping);
     trainer.restore(ck.meta.step, &ck.section("optim.")).with_context(|| format!("{}: the optimizer state does not fit", what()))?;
     Ok(history)
 }

@@ -145,6 +145,9 @@ impl Session {
             let tensors = crate::model::weights::load(path, None).context("`train.init_weights`")?;
             model.load_state(&tensors).with_context(|| format!("`train.init_weights` = {} does not fit `[model]`", path.display()))?;
         }
+        // Depth recurrence starts off until `model.enable_looping_at` of training has passed
+        // (a resume takes the checkpoint's layout).
+        model.set_looping(c.model.enable_looping_at <= 0.0);
         let mut trainer = Trainer::new(model, &c.train, shape.micro_steps)?.with_phase_sync(p.sync_phases);
         let data = data_fingerprint(c)?;
         let history = match resume {
@@ -312,6 +315,7 @@ impl Session {
             validations: self.vals.clone(),
             attention: self.attention.map(String::from),
             lr_mul: Some(self.lr_mul),
+            looping: self.trainer.model().looping(),
         })?;
         let state = TrainerState {
             optimizer: Arc::new(self.trainer.optimizer_state()),
@@ -504,6 +508,20 @@ impl Session {
         self.window.optimizer += d.optimizer;
     }
 
+    /// Turns depth recurrence on after the step that brings the training-time fraction to
+    /// `model.enable_looping_at` (the steps after it run looped), and logs the layout.
+    fn switch_looping(&mut self, step: u64, train_ms: f64) {
+        let cfg = self.trainer.model().config().clone();
+        if !cfg.recurrent() || self.trainer.model().looping() {
+            return;
+        }
+        let frac = training_frac(&self.cfg, step, train_ms);
+        if frac >= cfg.enable_looping_at {
+            self.trainer.model_mut().set_looping(true);
+            self.log.line(&looping_line(&cfg, step, frac));
+        }
+    }
+
     fn pause(&mut self) {
         if let Some(m) = self.mark.take() {
             self.train_before_mark += m.elapsed();
@@ -523,6 +541,7 @@ impl Session {
         let (step, total) = (self.trainer.step(), self.cfg.iterations);
         let train_ms = self.train_ms();
         self.step_end_ms = train_ms;
+        self.switch_looping(step, train_ms);
         self.steps.row(step, out.train_loss, out.lr_mul, train_ms, self.rolling);
         self.send(Moment::Step, emitter, ctx)?;
         let ending = resume::training_end(step, train_ms, &self.cfg);
@@ -673,6 +692,18 @@ impl Session {
     }
 }
 
+/// The fraction of training done after `step` steps and `train_ms` of training time: of the
+/// wall-clock cap when there is one, else of the steps.
+fn training_frac(t: &crate::train::config::TrainConfig, step: u64, train_ms: f64) -> f64 {
+    if t.max_wallclock_seconds > 0.0 { train_ms / (t.max_wallclock_seconds * 1e3) } else { step as f64 / t.iterations.max(1) as f64 }
+}
+
+/// `layer_loop:enabled step:<s> frac:<f> encoder:[...] decoder:[...]`, as the record logs it.
+fn looping_line(cfg: &crate::model::ModelConfig, step: u64, frac: f64) -> String {
+    let (enc, dec) = cfg.encoder_decoder(true);
+    format!("layer_loop:enabled step:{step} frac:{frac:.3} encoder:{enc:?} decoder:{dec:?}")
+}
+
 fn startup_lines(log: &mut TrainLog, c: &Config, trainer: &Trainer, v: &Validator, shape: BatchShape, unigram: Option<f64>) {
     let t = &c.train;
     let m = &c.model;
@@ -693,6 +724,22 @@ fn startup_lines(log: &mut TrainLog, c: &Config, trainer: &Trainer, v: &Validato
     log.line(&format!("model_params:{}", trainer.model().param_count()));
     log.line(&format!("world_size:{} grad_accum_steps:{}", shape.world_size, shape.micro_steps));
     log.line(&format!("attention_mode:gqa num_heads:{} num_kv_heads:{}", m.num_heads, m.num_kv_heads));
+    if m.recurrent() {
+        let (enc, dec) = m.encoder_decoder(false);
+        log.line(&format!(
+            "layer_loop:blocks {}..={} x{} from training fraction {} unlooped encoder:{enc:?} decoder:{dec:?}",
+            m.loop_start,
+            m.loop_end,
+            m.num_loops + 1,
+            m.enable_looping_at
+        ));
+        if trainer.model().looping() && trainer.step() == 0 {
+            log.line(&looping_line(m, 0, 0.0));
+        } else if trainer.model().looping() {
+            let (enc, dec) = m.encoder_decoder(true);
+            log.line(&format!("layer_loop:enabled (the checkpoint's layout) encoder:{enc:?} decoder:{dec:?}"));
+        }
+    }
     let (embed_lr, head_lr) = if m.tie_embeddings { (t.tied_embed_lr, 0.0) } else { (t.embed_lr, t.head_lr) };
     log.line(&format!(
         "tie_embeddings:{} embed_lr:{embed_lr} head_lr:{head_lr} matrix_lr:{} scalar_lr:{}",
