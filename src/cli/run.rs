@@ -110,7 +110,9 @@ pub fn check_run_table(loaded: &Loaded<Config>) -> Result<(), ConfigErrors> {
     if dev != "cpu" && !cuda_ok {
         let msg = if dev.starts_with("cuda") {
             format!(
-                "device `{dev}` needs a binary built with the `cuda` feature (see scripts/build-cuda.sh); this one runs on \"cpu\" only"
+                "device `{dev}` needs a binary built with the `cuda` feature (see scripts/build-cuda.sh); this one runs on \"cpu\" only: \
+                 run this config on the CPU with `--set run.device=cpu` (slow at a GPU recipe's size), or take a CPU-sized one \
+                 (pipelines/demo.toml; pipelines/record-mini.toml for the record recipe)"
             )
         } else {
             format!("unknown device `{dev}`; expected \"cpu\" or \"cuda:N\"")

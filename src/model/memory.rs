@@ -66,7 +66,9 @@ impl ParamCounts {
 pub fn activations_per_token(m: &ModelConfig, seq_len: usize, probs: bool) -> f64 {
     let (d, kv, h) = (m.model_dim as f64, m.kv_dim() as f64, m.mlp_mult as f64 * m.model_dim as f64);
     let per_block = 12.0 * d + 3.0 * kv + 2.0 * h + if probs { m.num_heads as f64 * seq_len as f64 } else { 0.0 };
-    m.num_layers as f64 * per_block + 4.0 * d + 3.0 * m.vocab_size as f64
+    // Every block the pass runs keeps its own activations: the looped sequence under depth
+    // recurrence (the record's 17 for 11 blocks).
+    m.layer_sequence(true).len() as f64 * per_block + 4.0 * d + 3.0 * m.vocab_size as f64
 }
 
 /// Bytes of activations a training pass over `tokens` tokens keeps at its peak (elements of
@@ -78,7 +80,7 @@ pub fn training_bytes(m: &ModelConfig, tokens: usize, seq_len: usize, probs: boo
 /// Bytes a forward pass alone over `tokens` tokens keeps at its peak: a block's activations and
 /// the logits.
 pub fn forward_bytes(m: &ModelConfig, tokens: usize, seq_len: usize, probs: bool, elem: u64) -> u64 {
-    let one_block = ModelConfig { num_layers: 1, ..m.clone() };
+    let one_block = ModelConfig { num_layers: 1, num_loops: 0, ..m.clone() };
     (tokens as f64 * activations_per_token(&one_block, seq_len, probs) * elem as f64) as u64
 }
 
