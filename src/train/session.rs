@@ -36,7 +36,7 @@ use crate::runtime::stage::{Ctx, Emitter};
 use crate::train::attention_choice;
 use crate::train::checkpoint::Checkpoint;
 use crate::train::config::{Config, TrainConfig};
-use crate::train::log::{Phases, StepTable, TrainLog, train_line, val_line};
+use crate::train::log::{Phases, StepTable, TrainLog, train_line, training_elements_line, val_line};
 use crate::train::params::SessionParams;
 use crate::train::requirements;
 use crate::train::resume::{self, History, ValPoint, data_fingerprint, trained_attention};
@@ -169,7 +169,7 @@ impl Session {
                     "resume: training ended at step {}/{} ({}): no step is trained; the final validation and the stages after training run again",
                     ck.meta.step,
                     c.train.iterations,
-                    resume::ending_name(ending)
+                    resume::ending_name(ending, &c.train)
                 ));
             }
         }
@@ -700,10 +700,16 @@ fn startup_lines(log: &mut TrainLog, c: &Config, trainer: &Trainer, v: &Validato
         t.matrix_lr,
         t.scalar_lr
     ));
+    // The record's keys only when set, so that the baseline's lines stay the script's.
+    let reserve =
+        if t.gptq_reserve_seconds != 0.0 { format!(" gptq_reserve_seconds:{:.3}", t.gptq_reserve_seconds) } else { String::new() };
     log.line(&format!(
-        "train_batch_tokens:{} train_seq_len:{} iterations:{} warmup_steps:0 max_wallclock_seconds:{:.3}",
+        "train_batch_tokens:{} train_seq_len:{} iterations:{} warmup_steps:0 max_wallclock_seconds:{:.3}{reserve}",
         t.batch_tokens, t.seq_len, t.iterations, t.max_wallclock_seconds
     ));
+    if let Some(line) = training_elements_line(t) {
+        log.line(&line);
+    }
     log.line(&format!("seed:{}", c.run.seed));
     if let Some(u) = unigram {
         log.line(&format!("val_unigram_bpb:{u:.4} (token frequencies of the training shards: the bar to beat)"));
