@@ -3,8 +3,8 @@
 //!
 //! Each optimizer step takes `grad_accum_steps` micro-batches; validation runs at step 0,
 //! every `train.val_every` steps and after the last step; training ends at `train.iterations`
-//! or at the `train.max_wallclock_seconds` cap (the step crossing it is the last, and the final
-//! validation still runs), when the session asks the graph to stop. Logs use the challenge
+//! or at the `train.max_wallclock_seconds` cap less `train.gptq_reserve_seconds` (the step
+//! crossing it is the last, and the final validation still runs), when the session asks the graph to stop. Logs use the challenge
 //! script's formats ([`crate::train::log`]); the report gets a `train` section; the final
 //! weights go to `RUN_DIR/final_model.safetensors` with the script's `state_dict` names.
 //!
