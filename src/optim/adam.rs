@@ -1,5 +1,6 @@
-//! Adam (§3.6), as `torch.optim.Adam` without weight decay; see the module doc of
-//! [`crate::optim`] for the update.
+//! Adam (§3.6), as `torch.optim.Adam` without weight decay, and as `torch.optim.AdamW` with
+//! decoupled weight decay (the 04-09 record, §4.4); see the module doc of [`crate::optim`] for
+//! the update.
 
 use std::collections::{HashMap, HashSet};
 
@@ -8,7 +9,8 @@ use candle_core::{DType, Device, Result, Tensor, Var, bail};
 
 use super::state::{reject_unexpected, state_name, take_state};
 
-/// `torch.optim.Adam` (§3.6) over a list of named parameters of any shape, without weight decay.
+/// `torch.optim.Adam` (§3.6) over a list of named parameters of any shape, without weight decay;
+/// `torch.optim.AdamW` with [`Adam::with_weight_decay`].
 ///
 /// State: `exp_avg` (`m`) and `exp_avg_sq` (`v`) per parameter (zeros at the start) and one step
 /// count shared by the group (torch counts per parameter; the two agree as long as every
@@ -23,6 +25,8 @@ pub struct Adam {
     beta1: f64,
     beta2: f64,
     eps: f64,
+    /// Decoupled (AdamW) weight decay: `p ← p·(1 − lr·wd)` before the update; 0: none.
+    weight_decay: f64,
     prefix: String,
 }
 
@@ -45,7 +49,28 @@ impl Adam {
             exp_avg.push(var.zeros_like()?.detach());
             exp_avg_sq.push(var.zeros_like()?.detach());
         }
-        Ok(Self { params, exp_avg, exp_avg_sq, step: 0, base_lr, beta1: betas.0, beta2: betas.1, eps, prefix: "adam".to_string() })
+        Ok(Self {
+            params,
+            exp_avg,
+            exp_avg_sq,
+            step: 0,
+            base_lr,
+            beta1: betas.0,
+            beta2: betas.1,
+            eps,
+            weight_decay: 0.0,
+            prefix: "adam".to_string(),
+        })
+    }
+
+    /// Decoupled weight decay `wd`, `torch.optim.AdamW`'s: each step first scales every
+    /// parameter that has a gradient by `1 − lr·wd` at that step's `lr`, then takes the Adam
+    /// update. A gradient that is present but zero still decays its parameter (as torch does: the
+    /// record's unused skip rows shrink before looping starts); a missing one does not. 0 (the
+    /// default) is plain Adam, the multiplication skipped altogether.
+    pub fn with_weight_decay(mut self, wd: f64) -> Self {
+        self.weight_decay = wd;
+        self
     }
 
     /// Replaces the state-name prefix (default `adam`); two Adam groups saved into one checkpoint
@@ -65,14 +90,19 @@ impl Adam {
         self.base_lr
     }
 
+    /// The decoupled weight decay (0: none).
+    pub fn weight_decay(&self) -> f64 {
+        self.weight_decay
+    }
+
     /// The number of steps taken (`t` of the last step; 0 before the first).
     pub fn steps_taken(&self) -> u64 {
         self.step
     }
 
     /// One Adam step at learning rate `lr` (already multiplied by the schedule). The step count
-    /// `t` is incremented first, then for every parameter with a gradient:
-    /// `m ← β1·m + (1−β1)·g; v ← β2·v + (1−β2)·g²;
+    /// `t` is incremented first, then for every parameter with a gradient: with weight decay
+    /// `p ← p·(1 − lr·wd)`; `m ← β1·m + (1−β1)·g; v ← β2·v + (1−β2)·g²;
     /// p ← p − (lr/(1−β1^t)) · m / (sqrt(v)/sqrt(1−β2^t) + eps)`.
     ///
     /// A parameter whose gradient is missing from `grads` is skipped (parameter and moments
@@ -99,7 +129,9 @@ impl Adam {
             let new_v = (v.affine(self.beta2, 0.0)? + g.sqr()?.affine(1.0 - self.beta2, 0.0)?)?;
             let denom = new_v.sqrt()?.affine(1.0 / bias_correction2_sqrt, self.eps)?;
             let update = new_m.div(&denom)?.affine(step_size, 0.0)?;
-            let updated = (var.as_detached_tensor() - update)?;
+            let p = var.as_detached_tensor();
+            let p = if self.weight_decay == 0.0 { p } else { p.affine(1.0 - lr * self.weight_decay, 0.0)? };
+            let updated = (p - update)?;
             var.set(&updated)?;
             *m = new_m;
             *v = new_v;
@@ -109,7 +141,7 @@ impl Adam {
 
     /// The optimizer state as named tensors: `{prefix}.{param}.exp_avg` and
     /// `{prefix}.{param}.exp_avg_sq` per parameter, and `{prefix}.step`, the step count as a
-    /// 1-element i64 tensor on the CPU.
+    /// 1-element i64 tensor on the CPU (weight decay keeps no state).
     pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
         let mut out = Vec::with_capacity(2 * self.params.len() + 1);
         for (((name, _), m), v) in self.params.iter().zip(&self.exp_avg).zip(&self.exp_avg_sq) {

@@ -1,5 +1,6 @@
-//! Muon (§3.6): momentum, Nesterov, NS5 orthogonalization, the tall-matrix scale; see the module
-//! doc of [`crate::optim`] for the update.
+//! Muon (§3.6): momentum, Nesterov, NS5 orthogonalization, the tall-matrix scale; and the 04-09
+//! record's MuonEq-R row normalisation and decoupled weight decay (§4.4), both off by default;
+//! see the module doc of [`crate::optim`] for the update.
 
 use std::collections::{HashMap, HashSet};
 
@@ -24,8 +25,16 @@ pub struct Muon {
     backend_steps: usize,
     /// Newton-Schulz runs in this dtype when set (the record: bf16 on the GPU).
     ns_dtype: Option<DType>,
+    /// MuonEq-R: each row of `U` divided by its L2 norm before Newton-Schulz.
+    row_norm: bool,
+    /// Decoupled weight decay: `P ← P·(1 − lr·wd)` before the update; 0: none.
+    weight_decay: f64,
     prefix: String,
 }
+
+/// The floor on a row's L2 norm in MuonEq-R ([`Muon::with_row_norm`]), as the record's
+/// `clamp_min(1e-7)`: a zero row stays zero.
+pub const ROW_NORM_EPS: f64 = 1e-7;
 
 impl Muon {
     /// Builds the optimizer: `base_lr` (the record: `MATRIX_LR = 0.04`), the initial `momentum`
@@ -47,7 +56,34 @@ impl Muon {
             }
             buffers.push(var.zeros_like()?.detach());
         }
-        Ok(Self { params, buffers, base_lr, momentum, nesterov: true, backend_steps, ns_dtype: None, prefix: "muon".to_string() })
+        Ok(Self {
+            params,
+            buffers,
+            base_lr,
+            momentum,
+            nesterov: true,
+            backend_steps,
+            ns_dtype: None,
+            row_norm: false,
+            weight_decay: 0.0,
+            prefix: "muon".to_string(),
+        })
+    }
+
+    /// MuonEq-R (the 04-09 record): when `on`, each row of `U = G + μ·buf` is divided by its L2
+    /// norm (computed in f32, or f64 for f64 parameters; floored at [`ROW_NORM_EPS`]) before
+    /// Newton-Schulz. Off by default (the baseline).
+    pub fn with_row_norm(mut self, on: bool) -> Self {
+        self.row_norm = on;
+        self
+    }
+
+    /// Decoupled weight decay `wd` (the 04-09 record: 0.095): every step first scales every
+    /// parameter of the group by `1 − lr·wd` at that step's `lr`, then subtracts `lr·O`. 0 (the
+    /// default) skips the multiplication altogether.
+    pub fn with_weight_decay(mut self, wd: f64) -> Self {
+        self.weight_decay = wd;
+        self
     }
 
     /// Runs the Newton-Schulz iteration in `dtype` (the record casts to bf16 first on the GPU);
@@ -93,12 +129,24 @@ impl Muon {
         self.backend_steps
     }
 
+    /// Whether MuonEq-R row normalisation is on.
+    pub fn row_norm(&self) -> bool {
+        self.row_norm
+    }
+
+    /// The decoupled weight decay (0: none).
+    pub fn weight_decay(&self) -> f64 {
+        self.weight_decay
+    }
+
     /// One Muon step at learning rate `lr` (already multiplied by the schedule) and momentum
-    /// `momentum` (see [`momentum_at`]): `buf ← μ·buf + G; U = G + μ·buf; O = NS5(U);
-    /// O ← O·sqrt(max(1, rows/cols)); P ← P − lr·O`.
+    /// `momentum` (see [`momentum_at`]): `buf ← μ·buf + G; U = G + μ·buf`; with row
+    /// normalisation `U ← U / max(‖row‖, 1e-7)` row by row; `O = NS5(U);
+    /// O ← O·sqrt(max(1, rows/cols))`; with weight decay `P ← P·(1 − lr·wd)`; `P ← P − lr·O`.
     ///
-    /// A parameter whose gradient is missing from `grads` (it did not take part in the loss) is
-    /// skipped: neither it nor its momentum buffer changes, as torch skips `p.grad is None`.
+    /// A parameter whose gradient is missing from `grads` (it did not take part in the loss) gets
+    /// no update and keeps its momentum buffer, as torch skips `p.grad is None`; with weight
+    /// decay it still decays, as the record's Muon decays every parameter of its group.
     ///
     /// # Errors
     ///
@@ -110,6 +158,7 @@ impl Muon {
         // (shape, [(parameter index, U, new momentum buffer)]).
         type Group = (Vec<usize>, Vec<(usize, Tensor, Tensor)>);
         let mut groups: Vec<Group> = Vec::new();
+        let mut stepped = vec![false; self.params.len()];
         for (i, ((name, var), buf)) in self.params.iter().zip(&self.buffers).enumerate() {
             let Some(g) = grads.get(var.as_tensor()) else {
                 continue;
@@ -127,7 +176,10 @@ impl Muon {
         }
         for (dims, members) in groups {
             let us: Vec<&Tensor> = members.iter().map(|(_, u, _)| u).collect();
-            let stack = Tensor::stack(&us, 0)?;
+            let mut stack = Tensor::stack(&us, 0)?;
+            if self.row_norm {
+                stack = row_normalize(&stack)?;
+            }
             let o = match self.ns_dtype {
                 Some(d) if d != stack.dtype() => newton_schulz5_stack(&stack.to_dtype(d)?, self.backend_steps)?.to_dtype(stack.dtype())?,
                 _ => newton_schulz5_stack(&stack, self.backend_steps)?,
@@ -136,14 +188,28 @@ impl Muon {
             let step = o.affine(scale, 0.0)?.affine(lr, 0.0)?;
             for (j, (i, _, new_buf)) in members.into_iter().enumerate() {
                 let var = &self.params[i].1;
-                var.set(&(var.as_detached_tensor() - step.get(j)?)?)?;
+                var.set(&(self.decayed(var, lr)? - step.get(j)?)?)?;
                 self.buffers[i] = new_buf;
+                stepped[i] = true;
+            }
+        }
+        if self.weight_decay != 0.0 {
+            for (var, _) in self.params.iter().map(|(_, v)| v).zip(&stepped).filter(|(_, s)| !**s) {
+                var.set(&self.decayed(var, lr)?)?;
             }
         }
         Ok(())
     }
 
-    /// The optimizer state as named tensors: `{prefix}.{param}.momentum_buffer` per parameter.
+    /// `P·(1 − lr·wd)`, or `P` itself without weight decay (no op, so the baseline's update is
+    /// unchanged bit for bit).
+    fn decayed(&self, var: &Var, lr: f64) -> Result<Tensor> {
+        let p = var.as_detached_tensor();
+        if self.weight_decay == 0.0 { Ok(p) } else { p.affine(1.0 - lr * self.weight_decay, 0.0) }
+    }
+
+    /// The optimizer state as named tensors: `{prefix}.{param}.momentum_buffer` per parameter
+    /// (row normalisation and weight decay keep no state).
     pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
         self.params
             .iter()
@@ -172,4 +238,12 @@ impl Muon {
         self.buffers = loaded;
         Ok(())
     }
+}
+
+/// MuonEq-R on a `(K, rows, cols)` stack: each row divided by its L2 norm floored at
+/// [`ROW_NORM_EPS`], computed in f32 (f64 stays f64), the result in the stack's dtype.
+fn row_normalize(u: &Tensor) -> Result<Tensor> {
+    let wide = if matches!(u.dtype(), DType::F32 | DType::F64) { u.clone() } else { u.to_dtype(DType::F32)? };
+    let norm = wide.sqr()?.sum_keepdim(2)?.sqrt()?.maximum(ROW_NORM_EPS)?;
+    wide.broadcast_div(&norm)?.to_dtype(u.dtype())
 }

@@ -1,5 +1,6 @@
 //! The schedules of §3.6 and §3.7: the Muon momentum warm-up and the LR multiplier (linear
-//! warm-down to 0, time-based under a wall-clock cap).
+//! warm-down to 0, time-based under a wall-clock cap); and the 04-09 record's warm-down on the
+//! training fraction (§4.4).
 
 /// The Muon momentum warm-up (§3.6): `(1 − f)·start + f·end` with `f = min(step/warmup_steps, 1)`.
 ///
@@ -41,4 +42,26 @@ pub fn lr_multiplier(step: u64, iterations: u64, warmdown_iters: u64, elapsed_ms
         let warmdown_start = iterations.saturating_sub(warmdown_iters);
         if warmdown_start <= step && step < iterations { ((iterations - step) as f64 / warmdown_iters as f64).max(0.0) } else { 1.0 }
     }
+}
+
+/// The training fraction of the record's schedule (04-09, §4.4): how far through its budget a
+/// run is when a step starts. With a cap (`cap_ms > 0`, the effective one: the wall-clock cap
+/// less any reserve), `elapsed_ms / cap_ms`, training time only; without one,
+/// `step / iterations` (`iterations == 0` counts as 1). Not clamped: past the cap it exceeds 1.
+///
+/// The LR warm-down ([`lr_multiplier_frac`]) and the model's depth-recurrence switch read this
+/// same fraction.
+pub fn training_frac(step: u64, iterations: u64, elapsed_ms: f64, cap_ms: f64) -> f64 {
+    if cap_ms > 0.0 { elapsed_ms / cap_ms } else { step as f64 / iterations.max(1) as f64 }
+}
+
+/// The record's LR multiplier on the training fraction `frac` ([`training_frac`]), 04-09 §4.4:
+/// 1 while `frac < 1 − warmdown_frac`, then `max((1 − frac) / warmdown_frac, min_lr)`, so a
+/// linear decay to `min_lr` over the last `warmdown_frac` of the budget (the record: 0.72 and
+/// 0, so 1 up to frac 0.28, 0.5 at 0.64, 0 at 1; past the budget `min_lr`).
+///
+/// `warmdown_frac ≤ 0` means no warm-down: always 1. The caller keeps the rule that a step at
+/// or past `iterations` gets 0 (see [`lr_multiplier`]).
+pub fn lr_multiplier_frac(frac: f64, warmdown_frac: f64, min_lr: f64) -> f64 {
+    if warmdown_frac <= 0.0 || frac < 1.0 - warmdown_frac { 1.0 } else { ((1.0 - frac) / warmdown_frac).max(min_lr) }
 }

@@ -69,14 +69,26 @@ struct RefMuon {
 
 impl RefMuon {
     fn step(&mut self, g: &[f64], lr: f64, mu: f64) {
+        self.step_with(g, lr, mu, false, 0.0);
+    }
+
+    /// The step with MuonEq-R (`row_norm`) and decoupled weight decay `wd`, as the record's
+    /// script writes them.
+    fn step_with(&mut self, g: &[f64], lr: f64, mu: f64, row_norm: bool, wd: f64) {
         for (b, gi) in self.buf.iter_mut().zip(g) {
             *b = mu * *b + gi;
         }
-        let u: Vec<f64> = g.iter().zip(&self.buf).map(|(gi, b)| gi + mu * b).collect();
+        let mut u: Vec<f64> = g.iter().zip(&self.buf).map(|(gi, b)| gi + mu * b).collect();
+        if row_norm {
+            for row in u.chunks_mut(self.cols) {
+                let norm = row.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-7);
+                row.iter_mut().for_each(|x| *x /= norm);
+            }
+        }
         let o = ref_ns5(&u, self.rows, self.cols, 5);
         let scale = (self.rows as f64 / self.cols as f64).max(1.0).sqrt();
         for (p, oi) in self.p.iter_mut().zip(&o) {
-            *p -= lr * oi * scale;
+            *p = *p * (1.0 - lr * wd) - lr * oi * scale;
         }
     }
 }
@@ -91,6 +103,12 @@ struct RefAdam {
 
 impl RefAdam {
     fn step(&mut self, g: &[f64], lr: f64, b1: f64, b2: f64, eps: f64) {
+        self.step_wd(g, lr, b1, b2, eps, 0.0);
+    }
+
+    /// torch's AdamW: `p ← p·(1 − lr·wd)`, then the Adam step.
+    fn step_wd(&mut self, g: &[f64], lr: f64, b1: f64, b2: f64, eps: f64, wd: f64) {
+        self.p.iter_mut().for_each(|p| *p *= 1.0 - lr * wd);
         self.t += 1;
         let bc1 = 1.0 - b1.powi(self.t);
         let bc2 = 1.0 - b2.powi(self.t);
@@ -234,6 +252,104 @@ fn muon_uses_backward_gradients_and_skips_missing_ones() {
     assert_eq!(flat(&state[1].1), vec![0.0; 4]);
 }
 
+/// MuonEq-R and decoupled decay, three steps on tall, wide and square matrices against the f64
+/// reference (which normalizes rows, not columns: the random matrices tell the two apart).
+#[test]
+fn muon_eq_r_with_weight_decay_matches_f64_reference() {
+    let mut rng = fastrand::Rng::with_seed(17);
+    for &(rows, cols) in &[(8usize, 4usize), (3, 5), (2, 3), (6, 6)] {
+        let init = random_f32(&mut rng, rows * cols);
+        let var = Var::from_slice(&init, (rows, cols), &Device::Cpu).unwrap();
+        let mut muon = Muon::new(vec![("w".to_string(), var.clone())], 0.022, 0.0, 5).unwrap().with_row_norm(true).with_weight_decay(0.095);
+        assert!(muon.row_norm() && muon.weight_decay() == 0.095);
+        let mut reference = RefMuon { p: to_f64(&init), buf: vec![0.0; rows * cols], rows, cols };
+        for (i, &(lr, mu)) in [(0.022, 0.92), (0.015, 0.93), (0.004, 0.95)].iter().enumerate() {
+            let mut g = random_f32(&mut rng, rows * cols);
+            // One row 100 times the others: row normalization equalizes it, NS5 alone would not.
+            g[..cols].iter_mut().for_each(|x| *x *= 100.0);
+            muon.step(&grads_for(&var, &g), lr, mu).unwrap();
+            reference.step_with(&to_f64(&g), lr, mu, true, 0.095);
+            let err = max_abs_diff(&flat(var.as_tensor()), &reference.p);
+            assert!(err < 1e-6, "{rows}x{cols} step {i}: error {err}");
+        }
+        // Without row normalization the same steps land elsewhere (the test can fail).
+        let mut plain = RefMuon { p: to_f64(&init), buf: vec![0.0; rows * cols], rows, cols };
+        let mut rng2 = fastrand::Rng::with_seed(0);
+        let g: Vec<f64> = (0..rows * cols).map(|i| if i < cols { 100.0 } else { 1.0 } * (rng2.f64() - 0.5)).collect();
+        let mut normed = RefMuon { p: plain.p.clone(), buf: plain.buf.clone(), rows, cols };
+        plain.step_with(&g, 0.022, 0.9, false, 0.095);
+        normed.step_with(&g, 0.022, 0.9, true, 0.095);
+        assert!(max_abs_diff(&plain.p, &normed.p) > 1e-4, "{rows}x{cols}: row normalization changed nothing");
+    }
+}
+
+/// `σ ↦ aσ + bσ³ + cσ⁵` five times: what NS5 does to a matrix whose singular values all equal `σ`.
+fn ns5_scalar(mut s: f64) -> f64 {
+    let (a, b, c) = NS5_COEFFS;
+    for _ in 0..5 {
+        s = a * s + b * s.powi(3) + c * s.powi(5);
+    }
+    s
+}
+
+/// MuonEq-R and decay worked by hand. `G` has orthogonal rows of norms 3 and 0.5 (and, tall, a
+/// zero row): row-normalized it has orthonormal rows `U`, so NS5 gives `φ·U` with
+/// `φ = ns5_scalar(1/(√2 + 1e-7))` (the Frobenius norm of `U` is √2), where without row
+/// normalization the two rows would get `ns5_scalar(3/√9.25)` and `ns5_scalar(0.5/√9.25)`.
+/// Momentum 0: `U = G`. Then `P ← P·(1 − lr·wd) − lr·scale·φ·U`.
+#[test]
+fn muon_eq_r_and_decay_by_hand() {
+    let (lr, wd) = (0.1, 0.5); // decay factor 0.95
+    let phi = ns5_scalar(1.0 / (2f64.sqrt() + 1e-7));
+    assert!((phi - ns5_scalar(3.0 / 9.25f64.sqrt())).abs() > 0.05 && (phi - ns5_scalar(0.5 / 9.25f64.sqrt())).abs() > 0.05);
+    // Wide 2x3: scale 1.
+    let p0 = [1.0f64, 2.0, 3.0, 4.0, 5.0, 6.0];
+    let g = [3.0f64, 0.0, 0.0, 0.0, 0.0, -0.5];
+    let want = [0.95 - lr * phi, 1.9, 2.85, 3.8, 4.75, 5.7 + lr * phi];
+    // Tall 3x2 with a zero row (stays zero: the norm is clamped, no NaN): scale sqrt(3/2).
+    let q0 = [1.0f64, -1.0, 2.0, 0.5, -3.0, 4.0];
+    let h = [2.0f64, 0.0, 0.0, 0.0, 0.0, -7.0];
+    let s = 1.5f64.sqrt();
+    let want_tall = [0.95 - lr * s * phi, -0.95, 1.9, 0.475, -2.85, 3.8 + lr * s * phi];
+    for (init, grad, dims, want) in [(&p0, &g, (2, 3), &want), (&q0, &h, (3, 2), &want_tall)] {
+        let var = Var::from_slice(init, dims, &Device::Cpu).unwrap();
+        let mut muon = Muon::new(vec![("w".into(), var.clone())], lr, 0.0, 5).unwrap().with_row_norm(true).with_weight_decay(wd);
+        muon.step(&grads_f64(&var, grad), lr, 0.0).unwrap();
+        let got = flat(var.as_tensor());
+        assert!(max_abs_diff(&got, want) < 1e-12, "{dims:?}: {got:?} vs {want:?}");
+    }
+}
+
+/// The record's per-step decay factors at LR multiplier 1, applied to parameters whose gradient
+/// is zero (Muon and AdamW: the update is 0, only the decay moves them) and, in Muon, to one
+/// with no gradient at all (the record's Muon decays its whole group).
+#[test]
+fn decay_factors_of_the_record_at_full_lr() {
+    let record: [(&str, f64, f64, f64); 3] =
+        [("muon", 0.022, 0.095, 0.99791), ("embedding", 0.03, 0.085, 0.99745), ("scalars", 0.02, 0.02, 0.9996)];
+    for (what, lr, wd, factor) in record {
+        assert!((1.0 - lr * wd - factor).abs() < 1e-12, "{what}: 1 - {lr}*{wd} = {}", 1.0 - lr * wd);
+        let init = [0.5f64, -1.25, 2.0, -0.75, 1.0, 3.0];
+        let zero = Var::from_slice(&init, (2, 3), &Device::Cpu).unwrap();
+        let absent = Var::from_slice(&init, (2, 3), &Device::Cpu).unwrap();
+        let params = vec![("zero".to_string(), zero.clone()), ("absent".to_string(), absent.clone())];
+        let grads = grads_f64(&zero, &[0.0; 6]);
+        let absent_factor = if what == "muon" {
+            let mut m = Muon::new(params, lr, 0.99, 5).unwrap().with_row_norm(true).with_weight_decay(wd);
+            m.step(&grads, lr, 0.99).unwrap();
+            factor
+        } else {
+            let mut a = Adam::new(params, lr, (0.9, 0.95), 1e-8).unwrap().with_weight_decay(wd);
+            a.step(&grads, lr).unwrap();
+            1.0 // torch's AdamW skips a parameter without a gradient
+        };
+        let want: Vec<f64> = init.iter().map(|x| x * factor).collect();
+        assert!(max_abs_diff(&flat(zero.as_tensor()), &want) < 1e-15, "{what}: {:?}", flat(zero.as_tensor()));
+        let want: Vec<f64> = init.iter().map(|x| x * absent_factor).collect();
+        assert!(max_abs_diff(&flat(absent.as_tensor()), &want) < 1e-15, "{what} (no gradient): {:?}", flat(absent.as_tensor()));
+    }
+}
+
 #[test]
 fn muon_rejects_non_matrix_parameters() {
     let v = Var::zeros(4, DType::F32, &Device::Cpu).unwrap();
@@ -267,6 +383,36 @@ fn adam_five_steps_match_torch_formula() {
     }
 }
 
+/// One AdamW step by hand. At `t = 1` the bias-corrected moments are `g` and `g²`, so the Adam
+/// update is `lr·g/(|g| + eps)`; AdamW first multiplies by `1 − lr·wd = 1 − 0.03·0.085 = 0.99745`.
+#[test]
+fn adamw_one_step_by_hand() {
+    let (lr, wd, eps) = (0.03, 0.085, 1e-8);
+    let p = Var::from_slice(&[1.0f64, -2.0, 0.5], 3, &Device::Cpu).unwrap();
+    let mut adam = Adam::new(vec![("p".into(), p.clone())], lr, (0.9, 0.95), eps).unwrap().with_weight_decay(wd);
+    assert_eq!(adam.weight_decay(), wd);
+    adam.step(&grads_f64(&p, &[0.5, -4.0, 0.0]), lr).unwrap();
+    let want = [1.0 * 0.99745 - lr * 0.5 / (0.5 + eps), -2.0 * 0.99745 + lr * 4.0 / (4.0 + eps), 0.5 * 0.99745];
+    assert!(max_abs_diff(&flat(p.as_tensor()), &want) < 1e-12, "{:?} vs {want:?}", flat(p.as_tensor()));
+}
+
+/// Five AdamW steps with a changing LR against torch's AdamW formula in f64.
+#[test]
+fn adamw_five_steps_match_torch_formula() {
+    let mut rng = fastrand::Rng::with_seed(13);
+    let init = random_f32(&mut rng, 6);
+    let var = Var::from_slice(&init, (2, 3), &Device::Cpu).unwrap();
+    let mut adam = Adam::new(vec![("p".to_string(), var.clone())], 0.03, (0.9, 0.95), 1e-8).unwrap().with_weight_decay(0.085);
+    let mut reference = RefAdam { p: to_f64(&init), m: vec![0.0; 6], v: vec![0.0; 6], t: 0 };
+    for (i, lr) in [0.03, 0.03, 0.02, 0.01, 0.0].into_iter().enumerate() {
+        let g = random_f32(&mut rng, 6);
+        adam.step(&grads_for(&var, &g), lr).unwrap();
+        reference.step_wd(&to_f64(&g), lr, 0.9, 0.95, 1e-8, 0.085);
+        let err = max_abs_diff(&flat(var.as_tensor()), &reference.p);
+        assert!(err < 1e-6, "step {i}: error {err}");
+    }
+}
+
 #[test]
 fn adam_with_backward_gradients() {
     let w = Var::from_slice(&[0.5f32, -0.5, 1.0], 3, &Device::Cpu).unwrap();
@@ -294,6 +440,48 @@ fn momentum_warmup_points() {
     assert_eq!(momentum_at(500, 500, 0.85, 0.95), 0.95);
     assert_eq!(momentum_at(10_000, 500, 0.85, 0.95), 0.95);
     assert_eq!(momentum_at(0, 0, 0.85, 0.95), 0.95);
+}
+
+/// The record's momentum warm-up 0.92 -> 0.99 over 1500 steps: 0.955 half-way.
+#[test]
+fn record_momentum_warmup() {
+    assert_eq!(momentum_at(0, 1500, 0.92, 0.99), 0.92);
+    assert!((momentum_at(750, 1500, 0.92, 0.99) - 0.955).abs() < 1e-12);
+    assert_eq!(momentum_at(1500, 1500, 0.92, 0.99), 0.99);
+}
+
+/// The record's warm-down (`warmdown_frac` 0.72, `min_lr` 0) at its corners, and the floor.
+#[test]
+fn lr_multiplier_frac_corners() {
+    let wd = 0.72;
+    for frac in [0.0, 0.1, 0.2799, 0.28] {
+        assert_eq!(lr_multiplier_frac(frac, wd, 0.0), 1.0, "frac {frac}");
+    }
+    assert!(lr_multiplier_frac(0.2801, wd, 0.0) < 1.0);
+    assert!((lr_multiplier_frac(0.64, wd, 0.0) - 0.5).abs() < 1e-12);
+    assert!((lr_multiplier_frac(0.82, wd, 0.0) - 0.25).abs() < 1e-12);
+    assert_eq!(lr_multiplier_frac(1.0, wd, 0.0), 0.0);
+    // Past the budget (the step that crosses the cap): 0, never negative.
+    assert_eq!(lr_multiplier_frac(1.02, wd, 0.0), 0.0);
+    // The floor: only where the decay is below it.
+    assert!((lr_multiplier_frac(0.64, wd, 0.1) - 0.5).abs() < 1e-12);
+    assert_eq!(lr_multiplier_frac(0.95, wd, 0.1), 0.1);
+    assert_eq!(lr_multiplier_frac(1.0, wd, 0.1), 0.1);
+    // No warm-down; a warm-down over the whole budget.
+    assert_eq!(lr_multiplier_frac(0.99, 0.0, 0.0), 1.0);
+    assert!((lr_multiplier_frac(0.25, 1.0, 0.0) - 0.75).abs() < 1e-12);
+}
+
+#[test]
+fn training_frac_time_and_steps() {
+    // Under the record's cap (600 s less 12 s of GPTQ reserve): time.
+    assert_eq!(training_frac(10, 20_000, 294_000.0, 588_000.0), 0.5);
+    assert!((training_frac(10, 20_000, 164_640.0, 588_000.0) - 0.28).abs() < 1e-12);
+    assert!(training_frac(10, 20_000, 600_000.0, 588_000.0) > 1.0);
+    // Without a cap: steps.
+    assert_eq!(training_frac(750, 1500, 1e9, 0.0), 0.5);
+    assert_eq!(training_frac(0, 1500, 0.0, 0.0), 0.0);
+    assert_eq!(training_frac(3, 0, 0.0, 0.0), 3.0);
 }
 
 #[test]

@@ -34,6 +34,16 @@ pub struct TrainConfig {
     /// Training-time cap in seconds (validation excluded) [MAX_WALLCLOCK_SECONDS]; 0: none. The
     /// step that crosses it is the last; final validation still runs.
     pub max_wallclock_seconds: f64,
+    /// Seconds taken off `max_wallclock_seconds` for the stopping rule and the LR schedule,
+    /// kept for the work after training (the 04-09 record: 12, for GPTQ) [GPTQ_RESERVE_SECONDS];
+    /// 0: none. Must be below the cap; without a cap it has no effect.
+    pub gptq_reserve_seconds: f64,
+    /// The 04-09 record's warm-down: the last this fraction of the training budget (time under a
+    /// cap, else steps; see [`TrainConfig::training_frac`]) decays the LR linearly to `min_lr`
+    /// (the record: 0.72) [WARMDOWN_FRAC]. In [0, 1]; 0: off, and `warmdown_iters` applies.
+    pub warmdown_frac: f64,
+    /// Floor on the LR multiplier during the warm-down (the record: 0) [MIN_LR]. In [0, 1].
+    pub min_lr: f64,
     /// Learning rate of the block matrices (Muon) [MATRIX_LR].
     pub matrix_lr: f64,
     /// Learning rate of the control tensors and skip weights (Adam) [SCALAR_LR].
@@ -58,6 +68,20 @@ pub struct TrainConfig {
     pub muon_momentum_warmup_steps: u64,
     /// Newton-Schulz iterations per Muon step [MUON_BACKEND_STEPS].
     pub muon_backend_steps: usize,
+    /// MuonEq-R: each row of the Muon update divided by its L2 norm before Newton-Schulz (the
+    /// 04-09 record: true).
+    pub muon_row_norm: bool,
+    /// Decoupled weight decay of the block matrices: `P ← P·(1 − lr·wd)` each step before the
+    /// Muon update (the 04-09 record: 0.095); 0: none.
+    pub muon_weight_decay: f64,
+    /// AdamW weight decay of the embedding, tied or not (the 04-09 record: 0.085) [EMBED_WD]; 0:
+    /// plain Adam.
+    pub embed_weight_decay: f64,
+    /// AdamW weight decay of the control tensors and skip weights/gates (the 04-09 record: 0.02)
+    /// [ADAM_WD]; 0: plain Adam.
+    pub scalar_weight_decay: f64,
+    /// AdamW weight decay of an untied output head (the record keeps plain Adam: 0).
+    pub head_weight_decay: f64,
     /// Clip the global gradient norm to this value before the optimizer step [GRAD_CLIP_NORM]; 0: off.
     pub grad_clip_norm: f64,
     /// Validate every this many steps, and at step 0 and the last step [VAL_LOSS_EVERY]; 0: only
@@ -90,6 +114,9 @@ impl Default for TrainConfig {
             iterations: 20_000,
             warmdown_iters: 1_200,
             max_wallclock_seconds: 600.0,
+            gptq_reserve_seconds: 0.0,
+            warmdown_frac: 0.0,
+            min_lr: 0.0,
             matrix_lr: 0.04,
             scalar_lr: 0.04,
             tied_embed_lr: 0.05,
@@ -102,6 +129,11 @@ impl Default for TrainConfig {
             muon_momentum_warmup_start: 0.85,
             muon_momentum_warmup_steps: 500,
             muon_backend_steps: 5,
+            muon_row_norm: false,
+            muon_weight_decay: 0.0,
+            embed_weight_decay: 0.0,
+            scalar_weight_decay: 0.0,
+            head_weight_decay: 0.0,
             grad_clip_norm: 0.0,
             val_every: 1_000,
             val_batch_tokens: 524_288,
@@ -110,6 +142,38 @@ impl Default for TrainConfig {
             timing_every: 200,
             save_weights: true,
             init_weights: None,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// The training-time cap the run stops at and schedules against, ms:
+    /// `(max_wallclock_seconds − gptq_reserve_seconds) · 1000`; 0 when there is no cap
+    /// (`max_wallclock_seconds` 0). Without a reserve exactly `max_wallclock_seconds · 1000`.
+    pub fn cap_ms(&self) -> f64 {
+        if self.max_wallclock_seconds > 0.0 { (self.max_wallclock_seconds - self.gptq_reserve_seconds) * 1e3 } else { 0.0 }
+    }
+
+    /// The training fraction of a step that starts after `step` steps and `elapsed_ms` of
+    /// training time (validation excluded): `elapsed_ms / cap_ms` under a cap ([`TrainConfig::cap_ms`]),
+    /// else `step / iterations` ([`crate::optim::training_frac`]). What the `warmdown_frac`
+    /// schedule and the model's depth-recurrence switch read.
+    pub fn training_frac(&self, step: u64, elapsed_ms: f64) -> f64 {
+        crate::optim::training_frac(step, self.iterations, elapsed_ms, self.cap_ms())
+    }
+
+    /// The LR multiplier of a step that starts after `step` steps and `elapsed_ms` of training
+    /// time: 0 at or past `iterations`; with `warmdown_frac > 0` the record's rule on
+    /// [`TrainConfig::training_frac`] ([`crate::optim::lr_multiplier_frac`]); else the baseline's
+    /// `warmdown_iters` rule against [`TrainConfig::cap_ms`] ([`crate::optim::lr_multiplier`]),
+    /// floored at `min_lr`.
+    pub fn lr_mul(&self, step: u64, elapsed_ms: f64) -> f64 {
+        if step >= self.iterations {
+            0.0
+        } else if self.warmdown_frac > 0.0 {
+            crate::optim::lr_multiplier_frac(self.training_frac(step, elapsed_ms), self.warmdown_frac, self.min_lr)
+        } else {
+            crate::optim::lr_multiplier(step, self.iterations, self.warmdown_iters, elapsed_ms, self.cap_ms()).max(self.min_lr)
         }
     }
 }
@@ -174,5 +238,61 @@ impl Config {
         let mut ext = Extensions::default();
         ext.insert(self.clone());
         ext
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::optim::lr_multiplier;
+
+    /// Without the record's keys the schedule is the baseline's bit for bit: the cap is
+    /// `max_wallclock_seconds · 1000` and the multiplier `lr_multiplier`'s, with and without a cap.
+    #[test]
+    fn defaults_keep_the_baseline_schedule_bit_for_bit() {
+        for max in [600.0, 150.0, 0.5, 0.0] {
+            let t = TrainConfig { max_wallclock_seconds: max, ..TrainConfig::default() };
+            assert_eq!(t.cap_ms().to_bits(), (max * 1e3).to_bits());
+            for step in [0u64, 1, 500, 18_800, 19_400, 19_999, 20_000, 20_001] {
+                for elapsed in [0.0, 1.0, 123_456.7, 540_000.0, 599_999.0, 600_000.0, 600_038.0] {
+                    let old = lr_multiplier(step, t.iterations, t.warmdown_iters, elapsed, max * 1e3);
+                    assert_eq!(t.lr_mul(step, elapsed).to_bits(), old.to_bits(), "cap {max} step {step} elapsed {elapsed}");
+                }
+            }
+        }
+    }
+
+    /// The record's schedule: the cap 600 s less 12 s, and the warm-down over the last 72 % of it.
+    #[test]
+    fn record_schedule_on_the_shortened_cap() {
+        let t = TrainConfig { gptq_reserve_seconds: 12.0, warmdown_frac: 0.72, ..TrainConfig::default() };
+        assert_eq!(t.cap_ms(), 588_000.0);
+        assert_eq!(t.training_frac(100, 294_000.0), 0.5);
+        assert_eq!(t.lr_mul(100, 0.28 * 588_000.0), 1.0);
+        assert!((t.lr_mul(1000, 0.64 * 588_000.0) - 0.5).abs() < 1e-12);
+        assert_eq!(t.lr_mul(4000, 588_000.0), 0.0);
+        assert_eq!(t.lr_mul(4000, 600_000.0), 0.0);
+        // No step at or past `iterations` moves the weights, whatever the clock says.
+        assert_eq!(t.lr_mul(20_000, 0.0), 0.0);
+        // The floor.
+        let floored = TrainConfig { min_lr: 0.1, ..t.clone() };
+        assert_eq!(floored.lr_mul(4000, 580_000.0), 0.1);
+        assert!((floored.lr_mul(1000, 0.64 * 588_000.0) - 0.5).abs() < 1e-12);
+        // Without a cap the fraction counts steps, and the reserve is moot.
+        let steps = TrainConfig { max_wallclock_seconds: 0.0, iterations: 1000, ..t };
+        assert_eq!(steps.cap_ms(), 0.0);
+        assert_eq!(steps.training_frac(640, 1e9), 0.64);
+        assert!((steps.lr_mul(640, 1e9) - 0.5).abs() < 1e-12);
+        assert_eq!(steps.lr_mul(280, 0.0), 1.0);
+    }
+
+    /// `min_lr` floors the baseline's `warmdown_iters` rule too (past the cap the LR stays at it).
+    #[test]
+    fn min_lr_floors_the_iteration_warmdown() {
+        let t = TrainConfig { min_lr: 0.2, max_wallclock_seconds: 0.0, ..TrainConfig::default() };
+        assert!((t.lr_mul(19_400, 0.0) - 0.5).abs() < 1e-12);
+        assert_eq!(t.lr_mul(19_999, 0.0), 0.2);
+        let capped = TrainConfig { min_lr: 0.2, ..TrainConfig::default() };
+        assert_eq!(capped.lr_mul(6001, 600_038.0), 0.2);
     }
 }

@@ -17,6 +17,8 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 
+use crate::train::config::TrainConfig;
+
 /// Writes log lines to stdout (above the progress bar on a terminal) and to `train.log`.
 pub struct TrainLog {
     file: Option<BufWriter<File>>,
@@ -239,6 +241,19 @@ pub fn val_line(step: u64, total: u64, val_loss: f64, val_bpb: f64, train_ms: f6
     )
 }
 
+/// The 04-09 record's training elements as one log line, when any is on (none: the baseline,
+/// whose log stays the script's): after the hyper-parameter lines at the start.
+pub fn training_elements_line(t: &TrainConfig) -> Option<String> {
+    let wd = [t.muon_weight_decay, t.embed_weight_decay, t.scalar_weight_decay, t.head_weight_decay];
+    let on = t.muon_row_norm || wd.iter().any(|&w| w != 0.0) || t.warmdown_frac != 0.0 || t.min_lr != 0.0;
+    on.then(|| {
+        format!(
+            "muon_row_norm:{} muon_wd:{} embed_wd:{} scalar_wd:{} head_wd:{} warmdown_frac:{} min_lr:{}",
+            t.muon_row_norm, wd[0], wd[1], wd[2], wd[3], t.warmdown_frac, t.min_lr
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -251,5 +266,25 @@ mod tests {
         let p = Phases { forward: Duration::from_millis(30), backward: Duration::from_millis(60), ..Phases::default() };
         let l = p.line(200, 1000, 3);
         assert!(l.starts_with("timing step:200/1000 steps:3 data_wait:0.00ms h2d:0.00ms forward:10.00ms backward:20.00ms"), "{l}");
+    }
+
+    /// The record's training elements get a line only when one is on: the baseline's log is
+    /// the script's.
+    #[test]
+    fn training_elements_line_only_when_on() {
+        assert_eq!(training_elements_line(&TrainConfig::default()), None);
+        let record = TrainConfig {
+            muon_row_norm: true,
+            muon_weight_decay: 0.095,
+            embed_weight_decay: 0.085,
+            scalar_weight_decay: 0.02,
+            warmdown_frac: 0.72,
+            ..TrainConfig::default()
+        };
+        assert_eq!(
+            training_elements_line(&record).as_deref(),
+            Some("muon_row_norm:true muon_wd:0.095 embed_wd:0.085 scalar_wd:0.02 head_wd:0 warmdown_frac:0.72 min_lr:0")
+        );
+        assert!(training_elements_line(&TrainConfig { min_lr: 0.1, ..TrainConfig::default() }).is_some());
     }
 }

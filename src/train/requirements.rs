@@ -86,6 +86,24 @@ pub(crate) fn check_train(t: &TrainConfig) -> anyhow::Result<()> {
     ] {
         anyhow::ensure!(v >= 0.0 && v.is_finite(), "`train.{k}` must be a non-negative number");
     }
+    for (k, v) in [
+        ("muon_weight_decay", t.muon_weight_decay),
+        ("embed_weight_decay", t.embed_weight_decay),
+        ("scalar_weight_decay", t.scalar_weight_decay),
+        ("head_weight_decay", t.head_weight_decay),
+    ] {
+        anyhow::ensure!(v >= 0.0 && v.is_finite(), "`train.{k}` = {v} must be a non-negative number (0: no weight decay)");
+    }
+    for (k, v) in [("warmdown_frac", t.warmdown_frac), ("min_lr", t.min_lr)] {
+        anyhow::ensure!((0.0..=1.0).contains(&v), "`train.{k}` = {v} must be in [0, 1]");
+    }
+    let reserve = t.gptq_reserve_seconds;
+    anyhow::ensure!(reserve >= 0.0 && reserve.is_finite(), "`train.gptq_reserve_seconds` = {reserve} must be a non-negative number");
+    anyhow::ensure!(
+        t.max_wallclock_seconds <= 0.0 || reserve < t.max_wallclock_seconds,
+        "`train.gptq_reserve_seconds` = {reserve} must be below `train.max_wallclock_seconds` = {}: it is taken off the cap",
+        t.max_wallclock_seconds
+    );
     Ok(())
 }
 
@@ -96,4 +114,46 @@ pub(crate) fn single_rank(c: &Config) -> anyhow::Result<()> {
         c.run.world_size
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every new `[train]` key out of range is refused with an error naming it; the defaults
+    /// and the record's values pass.
+    #[test]
+    fn bad_training_element_keys_are_named() {
+        check_train(&TrainConfig::default()).unwrap();
+        let record = TrainConfig {
+            muon_row_norm: true,
+            muon_weight_decay: 0.095,
+            embed_weight_decay: 0.085,
+            scalar_weight_decay: 0.02,
+            warmdown_frac: 0.72,
+            min_lr: 0.0,
+            gptq_reserve_seconds: 12.0,
+            ..TrainConfig::default()
+        };
+        check_train(&record).unwrap();
+        // Without a cap the reserve takes nothing off, and is not refused.
+        check_train(&TrainConfig { max_wallclock_seconds: 0.0, gptq_reserve_seconds: 12.0, ..TrainConfig::default() }).unwrap();
+        let bad: [(&str, TrainConfig); 11] = [
+            ("train.warmdown_frac", TrainConfig { warmdown_frac: 1.5, ..record.clone() }),
+            ("train.warmdown_frac", TrainConfig { warmdown_frac: -0.1, ..record.clone() }),
+            ("train.warmdown_frac", TrainConfig { warmdown_frac: f64::NAN, ..record.clone() }),
+            ("train.min_lr", TrainConfig { min_lr: 2.0, ..record.clone() }),
+            ("train.muon_weight_decay", TrainConfig { muon_weight_decay: -0.01, ..record.clone() }),
+            ("train.embed_weight_decay", TrainConfig { embed_weight_decay: f64::INFINITY, ..record.clone() }),
+            ("train.scalar_weight_decay", TrainConfig { scalar_weight_decay: -1.0, ..record.clone() }),
+            ("train.head_weight_decay", TrainConfig { head_weight_decay: f64::NAN, ..record.clone() }),
+            ("train.gptq_reserve_seconds", TrainConfig { gptq_reserve_seconds: -1.0, ..record.clone() }),
+            ("train.gptq_reserve_seconds", TrainConfig { gptq_reserve_seconds: 600.0, ..record.clone() }),
+            ("train.gptq_reserve_seconds", TrainConfig { gptq_reserve_seconds: 700.0, ..record.clone() }),
+        ];
+        for (key, t) in bad {
+            let e = check_train(&t).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{key}`")), "{key}: {e}");
+        }
+    }
 }

@@ -109,11 +109,11 @@ pub(crate) fn resume(trainer: &mut Trainer, ck: &Checkpoint, shape: BatchShape, 
 }
 
 /// Whether training that has taken `step` steps in `train_ms` of training time is over as `t`
-/// sets it, and why: `train.iterations` reached, else the wall-clock cap crossed. The one rule
-/// for the end of a step, for a checkpoint (its step and the training time at its end) and for
-/// a previous run's report.
+/// sets it, and why: `train.iterations` reached, else the wall-clock cap crossed (the cap less
+/// `train.gptq_reserve_seconds`: [`TrainConfig::cap_ms`]). The one rule for the end of a step,
+/// for a checkpoint (its step and the training time at its end) and for a previous run's report.
 pub fn training_end(step: u64, train_ms: f64, t: &TrainConfig) -> Option<Ending> {
-    let cap_ms = t.max_wallclock_seconds * 1e3;
+    let cap_ms = t.cap_ms();
     if step >= t.iterations {
         Some(Ending::Iterations)
     } else if cap_ms > 0.0 && train_ms >= cap_ms {
@@ -137,10 +137,12 @@ fn completed(prev: &Report, t: &TrainConfig) -> Option<(u64, Ending)> {
     Some((steps, training_end(steps, get("train_time_ms")?.as_f64()?, t)?))
 }
 
-/// How an ending reads in logs: the key that ended training.
-pub fn ending_name(e: Ending) -> &'static str {
+/// How an ending reads in logs: the key that ended training (under `t`, which names the GPTQ
+/// reserve when it shortened the cap).
+pub fn ending_name(e: Ending, t: &TrainConfig) -> &'static str {
     match e {
         Ending::Iterations => "train.iterations",
+        Ending::WallclockCap if t.gptq_reserve_seconds > 0.0 => "train.max_wallclock_seconds less train.gptq_reserve_seconds",
         Ending::WallclockCap => "train.max_wallclock_seconds",
         Ending::InputEnded => "the input ended",
         Ending::Interrupted => "interrupted",
@@ -168,13 +170,30 @@ pub fn complete(c: &Config, resume: Option<&Checkpoint>, previous: Option<&Repor
     Some(format!(
         "run {dir} is complete: training ended at step {steps}/{} ({}) and every stage after it finished (its report.json: completed, exit 0). Nothing left to do; no file was changed. (To train again from one of its checkpoints, name the file: --resume {dir}/checkpoints/step_N.safetensors.)",
         c.train.iterations,
-        ending_name(ending),
+        ending_name(ending, &c.train),
     ))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `train.gptq_reserve_seconds` shortens the cap training stops at, and the ending names it.
+    #[test]
+    fn the_gptq_reserve_shortens_the_cap() {
+        let base = TrainConfig::default();
+        let record = TrainConfig { gptq_reserve_seconds: 12.0, ..TrainConfig::default() };
+        assert_eq!(training_end(4000, 587_999.0, &record), None);
+        assert_eq!(training_end(4000, 588_000.0, &record), Some(Ending::WallclockCap));
+        assert_eq!(training_end(4000, 590_000.0, &base), None);
+        assert_eq!(training_end(4000, 600_000.0, &base), Some(Ending::WallclockCap));
+        assert_eq!(training_end(20_000, 0.0, &record), Some(Ending::Iterations));
+        // Without a cap the reserve takes nothing.
+        let uncapped = TrainConfig { max_wallclock_seconds: 0.0, ..record.clone() };
+        assert_eq!(training_end(4000, 1e9, &uncapped), None);
+        assert_eq!(ending_name(Ending::WallclockCap, &base), "train.max_wallclock_seconds");
+        assert_eq!(ending_name(Ending::WallclockCap, &record), "train.max_wallclock_seconds less train.gptq_reserve_seconds");
+    }
 
     /// The executor's checkpoint state keeps the attention trained with, and a checkpoint
     /// written before it did still resumes (its attention unknown, so "auto" runs its trials).

@@ -3,8 +3,8 @@
 //!
 //! Each optimizer step takes `grad_accum_steps` micro-batches; validation runs at step 0,
 //! every `train.val_every` steps and after the last step; training ends at `train.iterations`
-//! or at the `train.max_wallclock_seconds` cap (the step crossing it is the last, and the final
-//! validation still runs), when the session asks the graph to stop. Logs use the challenge
+//! or at the `train.max_wallclock_seconds` cap less `train.gptq_reserve_seconds` (the step
+//! crossing it is the last, and the final validation still runs), when the session asks the graph to stop. Logs use the challenge
 //! script's formats ([`crate::train::log`]); the report gets a `train` section; the final
 //! weights go to `RUN_DIR/final_model.safetensors` with the script's `state_dict` names.
 //!
@@ -36,7 +36,7 @@ use crate::runtime::stage::{Ctx, Emitter};
 use crate::train::attention_choice;
 use crate::train::checkpoint::Checkpoint;
 use crate::train::config::{Config, TrainConfig};
-use crate::train::log::{Phases, StepTable, TrainLog, train_line, val_line};
+use crate::train::log::{Phases, StepTable, TrainLog, train_line, training_elements_line, val_line};
 use crate::train::params::SessionParams;
 use crate::train::requirements;
 use crate::train::resume::{self, History, ValPoint, data_fingerprint, trained_attention};
@@ -172,7 +172,7 @@ impl Session {
                     "resume: training ended at step {}/{} ({}): no step is trained; the final validation and the stages after training run again",
                     ck.meta.step,
                     c.train.iterations,
-                    resume::ending_name(ending)
+                    resume::ending_name(ending, &c.train)
                 ));
             }
         }
@@ -515,7 +515,7 @@ impl Session {
         if !cfg.recurrent() || self.trainer.model().looping() {
             return;
         }
-        let frac = training_frac(&self.cfg, step, train_ms);
+        let frac = self.cfg.training_frac(step, train_ms);
         if frac >= cfg.enable_looping_at {
             self.trainer.model_mut().set_looping(true);
             self.log.line(&looping_line(&cfg, step, frac));
@@ -692,12 +692,6 @@ impl Session {
     }
 }
 
-/// The fraction of training done after `step` steps and `train_ms` of training time: of the
-/// wall-clock cap when there is one, else of the steps.
-fn training_frac(t: &crate::train::config::TrainConfig, step: u64, train_ms: f64) -> f64 {
-    if t.max_wallclock_seconds > 0.0 { train_ms / (t.max_wallclock_seconds * 1e3) } else { step as f64 / t.iterations.max(1) as f64 }
-}
-
 /// `layer_loop:enabled step:<s> frac:<f> encoder:[...] decoder:[...]`, as the record logs it.
 fn looping_line(cfg: &crate::model::ModelConfig, step: u64, frac: f64) -> String {
     let (enc, dec) = cfg.encoder_decoder(true);
@@ -747,10 +741,16 @@ fn startup_lines(log: &mut TrainLog, c: &Config, trainer: &Trainer, v: &Validato
         t.matrix_lr,
         t.scalar_lr
     ));
+    // The record's keys only when set, so that the baseline's lines stay the script's.
+    let reserve =
+        if t.gptq_reserve_seconds != 0.0 { format!(" gptq_reserve_seconds:{:.3}", t.gptq_reserve_seconds) } else { String::new() };
     log.line(&format!(
-        "train_batch_tokens:{} train_seq_len:{} iterations:{} warmup_steps:0 max_wallclock_seconds:{:.3}",
+        "train_batch_tokens:{} train_seq_len:{} iterations:{} warmup_steps:0 max_wallclock_seconds:{:.3}{reserve}",
         t.batch_tokens, t.seq_len, t.iterations, t.max_wallclock_seconds
     ));
+    if let Some(line) = training_elements_line(t) {
+        log.line(&line);
+    }
     log.line(&format!("seed:{}", c.run.seed));
     if let Some(u) = unigram {
         log.line(&format!("val_unigram_bpb:{u:.4} (token frequencies of the training shards: the bar to beat)"));

@@ -2,7 +2,9 @@
 //! the step's micro-batches a forward pass and `backward(loss / A)`, gradients summed over the
 //! micro-batches; optional clipping of the global gradient norm; the Muon momentum warm-up and
 //! the LR multiplier applied to every group's base LR; then Muon on the block matrices and Adam
-//! on the embedding, the control tensors and an untied head.
+//! on the embedding, the control tensors and an untied head. The 04-09 record's training
+//! elements come from `[train]`, each off by default: MuonEq-R and weight decay in Muon, AdamW
+//! per group, the warm-down on the training fraction ([`TrainConfig::lr_mul`]).
 //!
 //! The trainer knows nothing of channels or threads: the `step_executor` stage feeds it
 //! micro-batches and decides when to validate and stop.
@@ -14,7 +16,7 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::device::phase_clock::{Phase, PhaseClock, PhaseTimes};
 use crate::model::{Gpt, ParamGroup};
-use crate::optim::{Adam, Muon, lr_multiplier, momentum_at};
+use crate::optim::{Adam, Muon, momentum_at};
 use crate::train::config::TrainConfig;
 
 /// What one micro-batch cost.
@@ -33,6 +35,9 @@ pub struct StepOutcome {
     pub train_loss: f64,
     /// The LR multiplier used.
     pub lr_mul: f64,
+    /// The training fraction at the step's start ([`TrainConfig::training_frac`]), which the
+    /// `warmdown_frac` schedule used (reported whichever schedule is on).
+    pub frac: f64,
     /// Muon momentum used.
     pub momentum: f64,
     /// Global gradient norm before clipping (computed only when clipping is on).
@@ -68,9 +73,11 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    /// Groups `model`'s parameters as the script does: block matrices to Muon at `matrix_lr`;
-    /// the embedding to Adam at `tied_embed_lr` (tied) or `embed_lr`; control tensors and skip
-    /// weights to Adam at `scalar_lr`; an untied head to Adam at `head_lr`.
+    /// Groups `model`'s parameters as the script does: block matrices to Muon at `matrix_lr`
+    /// (with `muon_row_norm` and `muon_weight_decay`); the embedding to Adam at `tied_embed_lr`
+    /// (tied) or `embed_lr`, AdamW with `embed_weight_decay`; control tensors and skip weights to
+    /// Adam at `scalar_lr`, AdamW with `scalar_weight_decay`; an untied head to Adam at
+    /// `head_lr`, AdamW with `head_weight_decay`.
     pub fn new(model: Gpt, cfg: &TrainConfig, micro_steps: usize) -> anyhow::Result<Self> {
         anyhow::ensure!(micro_steps >= 1, "a step needs at least one micro-batch");
         let group = |g: ParamGroup| -> Vec<(String, Var)> {
@@ -78,18 +85,26 @@ impl Trainer {
         };
         let betas = (cfg.beta1, cfg.beta2);
         let embed_lr = if model.config().tie_embeddings { cfg.tied_embed_lr } else { cfg.embed_lr };
-        let mut muon = Muon::new(group(ParamGroup::Matrix), cfg.matrix_lr, cfg.muon_momentum, cfg.muon_backend_steps)?.with_prefix("muon");
+        let mut muon = Muon::new(group(ParamGroup::Matrix), cfg.matrix_lr, cfg.muon_momentum, cfg.muon_backend_steps)?
+            .with_prefix("muon")
+            .with_row_norm(cfg.muon_row_norm)
+            .with_weight_decay(cfg.muon_weight_decay);
         if model.matmul_dtype() != model.dtype() {
             // Mixed precision: Newton-Schulz in the matmul dtype, as the record does in bf16.
             muon = muon.with_ns_dtype(model.matmul_dtype());
         }
         let mut adams = vec![
-            Adam::new(group(ParamGroup::Embedding), embed_lr, betas, cfg.adam_eps)?.with_prefix("adam_embed"),
-            Adam::new(group(ParamGroup::Scalar), cfg.scalar_lr, betas, cfg.adam_eps)?.with_prefix("adam_scalar"),
+            Adam::new(group(ParamGroup::Embedding), embed_lr, betas, cfg.adam_eps)?
+                .with_prefix("adam_embed")
+                .with_weight_decay(cfg.embed_weight_decay),
+            Adam::new(group(ParamGroup::Scalar), cfg.scalar_lr, betas, cfg.adam_eps)?
+                .with_prefix("adam_scalar")
+                .with_weight_decay(cfg.scalar_weight_decay),
         ];
         let head = group(ParamGroup::Head);
         if !head.is_empty() {
-            adams.push(Adam::new(head, cfg.head_lr, betas, cfg.adam_eps)?.with_prefix("adam_head"));
+            adams
+                .push(Adam::new(head, cfg.head_lr, betas, cfg.adam_eps)?.with_prefix("adam_head").with_weight_decay(cfg.head_weight_decay));
         }
         Ok(Self {
             model,
@@ -221,7 +236,7 @@ impl Trainer {
 
     /// Ends the step once all its micro-batches are in: clips, sets the schedule and steps every
     /// optimizer. `elapsed_ms` is the training time before this step (validation excluded), for
-    /// the wall-clock warm-down.
+    /// the wall-clock warm-down and the training fraction.
     pub fn finish_step(&mut self, elapsed_ms: f64) -> anyhow::Result<StepOutcome> {
         anyhow::ensure!(self.micro_done == self.micro_steps, "step ended after {} of {} micro-batches", self.micro_done, self.micro_steps);
         let t0 = Instant::now();
@@ -232,7 +247,8 @@ impl Trainer {
         }
         let m0 = self.clock.mark()?;
         let c = &self.cfg;
-        let lr_mul = lr_multiplier(self.step, c.iterations, c.warmdown_iters, elapsed_ms, c.max_wallclock_seconds * 1e3);
+        let lr_mul = c.lr_mul(self.step, elapsed_ms);
+        let frac = c.training_frac(self.step, elapsed_ms);
         let momentum = momentum_at(self.step, c.muon_momentum_warmup_steps, c.muon_momentum_warmup_start, c.muon_momentum);
         let grad_norm = if c.grad_clip_norm > 0.0 { Some(self.clip(c.grad_clip_norm)?) } else { None };
         self.muon.step(&self.grads, self.muon.base_lr() * lr_mul, momentum)?;
@@ -244,7 +260,7 @@ impl Trainer {
         self.clock.span(Phase::Optimizer, m0, m1);
         let host = PhaseTimes { optimizer: t0.elapsed(), ..std::mem::take(&mut self.host_phases) };
         let phases = if self.device_timed() { self.clock.take_ended()?.unwrap_or_default() } else { host };
-        let outcome = StepOutcome { train_loss: self.loss_sum / self.micro_steps as f64, lr_mul, momentum, grad_norm, phases };
+        let outcome = StepOutcome { train_loss: self.loss_sum / self.micro_steps as f64, lr_mul, frac, momentum, grad_norm, phases };
         self.grads = GradStore::default();
         self.micro_done = 0;
         self.loss_sum = 0.0;
@@ -452,6 +468,49 @@ mod tests {
         }
         assert!(sq.sqrt() > 1e-3, "the test needs a gradient larger than the clip");
         assert!((after.sqrt() - 1e-3).abs() < 1e-6, "clipped norm {}", after.sqrt());
+    }
+
+    /// The record's `[train]` keys reach the optimizers, each group its own decay; the defaults
+    /// leave every one off.
+    #[test]
+    fn training_element_keys_reach_the_optimizers() {
+        let record = TrainConfig {
+            muon_row_norm: true,
+            muon_weight_decay: 0.095,
+            embed_weight_decay: 0.085,
+            scalar_weight_decay: 0.02,
+            head_weight_decay: 0.01,
+            ..TrainConfig::default()
+        };
+        let untied = ModelConfig { tie_embeddings: false, ..tiny() };
+        let t = Trainer::new(Gpt::new(&untied, 1, DType::F32, &Device::Cpu).unwrap(), &record, 1).unwrap();
+        assert!(t.muon.row_norm());
+        assert_eq!(t.muon.weight_decay(), 0.095);
+        let wd: Vec<f64> = t.adams.iter().map(|a| a.weight_decay()).collect();
+        assert_eq!(wd, [0.085, 0.02, 0.01]);
+        let t = Trainer::new(Gpt::new(&untied, 1, DType::F32, &Device::Cpu).unwrap(), &TrainConfig::default(), 1).unwrap();
+        assert!(!t.muon.row_norm() && t.muon.weight_decay() == 0.0);
+        assert!(t.adams.iter().all(|a| a.weight_decay() == 0.0));
+    }
+
+    /// With `warmdown_frac` and no cap the step fraction drives the LR, and each step reports
+    /// the fraction it used: 10 iterations, warm-down over the last half.
+    #[test]
+    fn warmdown_frac_schedules_on_the_step_fraction() {
+        let cfg = TrainConfig { iterations: 10, warmdown_frac: 0.5, max_wallclock_seconds: 0.0, ..TrainConfig::default() };
+        let mut t = Trainer::new(Gpt::new(&tiny(), 1, DType::F64, &Device::Cpu).unwrap(), &cfg, 1).unwrap();
+        let (x, y) = batch(6, 2, 5);
+        let mut seen = Vec::new();
+        for _ in 0..10 {
+            t.micro_step(&x, &y).unwrap();
+            let out = t.finish_step(1e6).unwrap();
+            seen.push((out.frac, out.lr_mul));
+        }
+        for (step, (frac, lr_mul)) in seen.into_iter().enumerate() {
+            let want = if step < 5 { 1.0 } else { (10 - step) as f64 / 5.0 };
+            assert!((frac - step as f64 / 10.0).abs() < 1e-12, "step {step}: frac {frac}");
+            assert!((lr_mul - want).abs() < 1e-12, "step {step}: lr_mul {lr_mul}, want {want}");
+        }
     }
 
     #[test]
