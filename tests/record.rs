@@ -62,6 +62,10 @@ fn looping_switches_mid_run_and_resume_across_it_is_exact() {
     let switch = "layer_loop:enabled step:20 frac:0.500 encoder:[0, 1] decoder:[1, 2]";
     assert_eq!(log.matches("layer_loop:enabled").count(), 1, "{log}");
     assert!(log.contains(switch), "{log}");
+    assert!(
+        log.contains("model_elements: mlp:leaky_relu2(0.5) rope_dims:8/16 ln_scale xsa_last_n:3 skip_gates parallel_residual_start:2"),
+        "{log}"
+    );
     assert!(log.contains("layer_loop:blocks 1..=1 x2 from training fraction 0.5 unlooped encoder:[0] decoder:[1, 2]"), "{log}");
 
     // Interrupted after the switch, then resumed.

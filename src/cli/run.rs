@@ -110,9 +110,10 @@ pub fn check_run_table(loaded: &Loaded<Config>) -> Result<(), ConfigErrors> {
     if dev != "cpu" && !cuda_ok {
         let msg = if dev.starts_with("cuda") {
             format!(
-                "device `{dev}` needs a binary built with the `cuda` feature (see scripts/build-cuda.sh); this one runs on \"cpu\" only: \
-                 run this config on the CPU with `--set run.device=cpu` (slow at a GPU recipe's size), or take a CPU-sized one \
-                 (pipelines/demo.toml; pipelines/record-mini.toml for the record recipe)"
+                "device `{dev}` needs a binary built with the `cuda` feature (see scripts/build-cuda.sh); this one runs on \"cpu\" only. \
+                 To run this config on the CPU anyway (slow at a GPU recipe's size), add `--set run.device=cpu`; `pipeline validate` \
+                 then names the GPU-only stage settings to change (`pin`, `upload`, `dtype`). CPU-sized configs: \
+                 pipelines/demo.toml, and pipelines/record-mini.toml for the record recipe"
             )
         } else {
             format!("unknown device `{dev}`; expected \"cpu\" or \"cuda:N\"")

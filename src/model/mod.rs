@@ -1,5 +1,6 @@
-//! The challenge's baseline GPT (record `2026-03-17_NaiveBaseline`, spec section 3) in
-//! candle, on any candle device and float dtype.
+//! The challenge's baseline GPT (record `2026-03-17_NaiveBaseline`, spec section 3) and the
+//! 04-09 record's elements (spec 4.3), each a switch, in candle, on any candle device and float
+//! dtype.
 //!
 //! # Map of this folder
 //!
@@ -26,24 +27,24 @@
 //! - [`flash_attn`]: which attention kernel a GPU run takes ([`flash_attn::Attention`],
 //!   [`flash_attn::FlashKernels`], [`flash_attn::unsupported`]); [`attention_trial`]:
 //!   `attention = "auto"`'s timed trial of the flash implementations.
+//! - `init`: the initial values (uniform, normal, orthogonal) from one seeded generator.
 //! - [`memory`]: what a model takes in memory, from its shapes alone; [`weights`]: state-dict
 //!   files (safetensors with the script's names); [`compare`]: error measures against a
 //!   reference (the ops' tests, the attention trial, `pipeline parity`).
 //!
-//! # Where a model variant plugs in
+//! # Where the record's elements live
 //!
-//! The records after the baseline change the model in a few places; none is implemented yet.
-//! Each would be a switch in [`ModelConfig`] (with its check and its parameters in
-//! `ModelConfig::param_shapes` and [`Gpt::new`]) read where the element lives:
+//! Each of the 04-09 record's elements is a switch in [`ModelConfig`] (checked there, its
+//! parameters in `ModelConfig::param_shapes` and [`Gpt::new`]), read where the element lives,
+//! and written again from its formula in `reference.rs` (tests only):
 //!
-//! - parallel residuals (attention and MLP both read the same normed stream): [`block`];
-//! - partial RoPE (rotating only part of each head), QK-gain variants: [`attention`] and the
-//!   op [`ops::qk_norm_rope`] (its tables come from [`ops::rope`]);
-//! - XSA and other attention variants: [`attention`], through [`formulation`]'s choice of
-//!   kernel;
-//! - LeakyReLU² (another activation): [`mlp`], with an op beside [`ops::relu_sq`];
-//! - depth recurrence (blocks run more than once): the loop over blocks in [`gpt`]'s forward
-//!   assembly.
+//! - parallel residuals, `ln_scale`: [`block`];
+//! - partial RoPE (`rope_dims`, NTK rescale), QK gain: [`attention`] and the op
+//!   [`ops::qk_norm_rope`] (its tables from [`ops::rope`]); XSA: [`attention`] and [`ops::xsa`];
+//! - LeakyReLU²: [`mlp`] and [`ops::leaky_relu_sq`];
+//! - depth recurrence (the virtual layer sequence) and gated skips: the U-Net loop of [`gpt`]'s
+//!   forward assembly, with the layer order from `ModelConfig::layer_sequence`;
+//! - orthogonal init: `init.rs`.
 //!
 //! A new op gets its own file in [`ops`] with the same parts as the others, and a GPU kernel
 //! in `kernels/fused.cu` launched through `cuda::kernels`.

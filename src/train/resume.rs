@@ -195,18 +195,37 @@ mod tests {
         assert_eq!(ending_name(Ending::WallclockCap, &record), "train.max_wallclock_seconds less train.gptq_reserve_seconds");
     }
 
+    /// A checkpoint's `[model]` must be this config's, key by key; keys it predates read as
+    /// their defaults.
+    #[test]
+    fn another_architecture_is_refused_naming_the_key() {
+        let now = ModelConfig { xsa_last_n: 2, ..ModelConfig::default() };
+        let saved = serde_json::to_value(&now).unwrap();
+        same_architecture(&saved, &now).unwrap();
+        let e = same_architecture(&saved, &ModelConfig { xsa_last_n: 1, ..now.clone() }).unwrap_err().to_string();
+        assert!(e.contains("`model.xsa_last_n` = 2") && e.contains("gives 1"), "{e}");
+        let e = same_architecture(&saved, &ModelConfig { rope_dims: Some(16), ..now.clone() }).unwrap_err().to_string();
+        assert!(e.contains("`model.rope_dims` = null") && e.contains("gives 16"), "{e}");
+        // A checkpoint from before the record's keys: the baseline's model.
+        let old = serde_json::json!({ "vocab_size": 1024, "num_layers": 9, "model_dim": 512, "num_heads": 8, "num_kv_heads": 4, "mlp_mult": 2,
+            "tie_embeddings": true, "rope_base": 10000.0, "logit_softcap": 30.0, "qk_gain_init": 1.5, "tied_embed_init_std": 0.005 });
+        same_architecture(&old, &ModelConfig::default()).unwrap();
+        assert!(same_architecture(&old, &now).is_err());
+    }
+
     /// The executor's checkpoint state keeps the attention trained with, and a checkpoint
     /// written before it did still resumes (its attention unknown, so "auto" runs its trials).
     #[test]
     fn checkpoint_state_keeps_the_attention_and_reads_older_state() {
         let shape = BatchShape { seq_len: 64, rows: 2, micro_steps: 1, world_size: 1, rank: 0 };
-        let h = History { shape, validations: Vec::new(), attention: Some("flash_mma".into()), lr_mul: Some(0.25) };
+        let h = History { shape, validations: Vec::new(), attention: Some("flash_mma".into()), lr_mul: Some(0.25), looping: true };
         let back: History = serde_json::from_value(serde_json::to_value(&h).unwrap()).unwrap();
-        assert_eq!((back.attention.as_deref(), back.lr_mul), (Some("flash_mma"), Some(0.25)));
+        assert_eq!((back.attention.as_deref(), back.lr_mul, back.looping), (Some("flash_mma"), Some(0.25), true));
         let mut older = serde_json::to_value(&h).unwrap();
-        older.as_object_mut().unwrap().remove("attention");
-        older.as_object_mut().unwrap().remove("lr_mul");
+        for key in ["attention", "lr_mul", "looping"] {
+            older.as_object_mut().unwrap().remove(key);
+        }
         let back: History = serde_json::from_value(older).unwrap();
-        assert_eq!((back.attention, back.shape, back.lr_mul), (None, shape, None));
+        assert_eq!((back.attention, back.shape, back.lr_mul, back.looping), (None, shape, None, false));
     }
 }

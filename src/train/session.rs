@@ -692,6 +692,37 @@ impl Session {
     }
 }
 
+/// The record's model elements that are on (`model_elements: ...`), or none for the baseline's
+/// model (whose log stays the challenge script's).
+fn model_elements_line(m: &crate::model::ModelConfig) -> Option<String> {
+    let mut on = Vec::new();
+    if m.mlp_activation == crate::model::MlpActivation::LeakyRelu2 {
+        on.push(format!("mlp:leaky_relu2({})", m.leaky_relu_slope));
+    }
+    if let Some(r) = m.rope_dims {
+        on.push(format!("rope_dims:{r}/{}", m.head_dim()));
+    }
+    if let Some(l) = m.rope_train_seq_len {
+        on.push(format!("rope_train_seq_len:{l}"));
+    }
+    if m.ln_scale {
+        on.push("ln_scale".into());
+    }
+    if m.xsa_last_n > 0 {
+        on.push(format!("xsa_last_n:{}", m.xsa_last_n));
+    }
+    if m.skip_gates {
+        on.push("skip_gates".into());
+    }
+    if let Some(p) = m.parallel_residual_start {
+        on.push(format!("parallel_residual_start:{p}"));
+    }
+    if m.init == crate::model::Init::Orthogonal {
+        on.push("init:orthogonal".into());
+    }
+    (!on.is_empty()).then(|| format!("model_elements: {}", on.join(" ")))
+}
+
 /// `layer_loop:enabled step:<s> frac:<f> encoder:[...] decoder:[...]`, as the record logs it.
 fn looping_line(cfg: &crate::model::ModelConfig, step: u64, frac: f64) -> String {
     let (enc, dec) = cfg.encoder_decoder(true);
@@ -718,6 +749,9 @@ fn startup_lines(log: &mut TrainLog, c: &Config, trainer: &Trainer, v: &Validato
     log.line(&format!("model_params:{}", trainer.model().param_count()));
     log.line(&format!("world_size:{} grad_accum_steps:{}", shape.world_size, shape.micro_steps));
     log.line(&format!("attention_mode:gqa num_heads:{} num_kv_heads:{}", m.num_heads, m.num_kv_heads));
+    if let Some(line) = model_elements_line(m) {
+        log.line(&line);
+    }
     if m.recurrent() {
         let (enc, dec) = m.encoder_decoder(false);
         log.line(&format!(

@@ -41,7 +41,7 @@ use crate::model::ops;
 pub fn qk_norm_rope(x: &Tensor, gain: Option<&Tensor>, cos: &Tensor, sin: &Tensor, heads: usize, eps: Option<f64>) -> Result<Tensor> {
     let (n, width) = x.dims2()?;
     let (t, half) = cos.dims2()?;
-    let d = if heads == 0 { 0 } else { width / heads };
+    let d = width.checked_div(heads).unwrap_or(0);
     if heads == 0 || width != heads * d || half == 0 || 2 * half > d || sin.dims() != cos.dims() || t == 0 || n % t != 0 {
         bail!("qk_norm_rope: x {:?} with {heads} heads does not fit tables {:?} and {:?}", x.shape(), cos.shape(), sin.shape());
     }
