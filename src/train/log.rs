@@ -273,14 +273,7 @@ mod tests {
     #[test]
     fn training_elements_line_only_when_on() {
         assert_eq!(training_elements_line(&TrainConfig::default()), None);
-        let record = TrainConfig {
-            muon_row_norm: true,
-            muon_weight_decay: 0.095,
-            embed_weight_decay: 0.085,
-            scalar_weight_decay: 0.02,
-            warmdown_frac: 0.72,
-            ..TrainConfig::default()
-        };
+        let record = crate::train::config::record_train();
         assert_eq!(
             training_elements_line(&record).as_deref(),
             Some("muon_row_norm:true muon_wd:0.095 embed_wd:0.085 scalar_wd:0.02 head_wd:0 warmdown_frac:0.72 min_lr:0")

@@ -125,16 +125,7 @@ mod tests {
     #[test]
     fn bad_training_element_keys_are_named() {
         check_train(&TrainConfig::default()).unwrap();
-        let record = TrainConfig {
-            muon_row_norm: true,
-            muon_weight_decay: 0.095,
-            embed_weight_decay: 0.085,
-            scalar_weight_decay: 0.02,
-            warmdown_frac: 0.72,
-            min_lr: 0.0,
-            gptq_reserve_seconds: 12.0,
-            ..TrainConfig::default()
-        };
+        let record = crate::train::config::record_train();
         check_train(&record).unwrap();
         // Without a cap the reserve takes nothing off, and is not refused.
         check_train(&TrainConfig { max_wallclock_seconds: 0.0, gptq_reserve_seconds: 12.0, ..TrainConfig::default() }).unwrap();
