@@ -241,6 +241,21 @@ impl Config {
     }
 }
 
+/// The 04-09 record's training elements over the defaults (tests of the keys and their log).
+#[cfg(test)]
+pub(crate) fn record_train() -> TrainConfig {
+    TrainConfig {
+        muon_row_norm: true,
+        muon_weight_decay: 0.095,
+        embed_weight_decay: 0.085,
+        scalar_weight_decay: 0.02,
+        warmdown_frac: 0.72,
+        min_lr: 0.0,
+        gptq_reserve_seconds: 12.0,
+        ..TrainConfig::default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -294,20 +309,5 @@ mod tests {
         assert_eq!(t.lr_mul(19_999, 0.0), 0.2);
         let capped = TrainConfig { min_lr: 0.2, ..TrainConfig::default() };
         assert_eq!(capped.lr_mul(6001, 600_038.0), 0.2);
-    }
-}
-
-/// The 04-09 record's training elements over the defaults (tests of the keys and their log).
-#[cfg(test)]
-pub(crate) fn record_train() -> TrainConfig {
-    TrainConfig {
-        muon_row_norm: true,
-        muon_weight_decay: 0.095,
-        embed_weight_decay: 0.085,
-        scalar_weight_decay: 0.02,
-        warmdown_frac: 0.72,
-        min_lr: 0.0,
-        gptq_reserve_seconds: 12.0,
-        ..TrainConfig::default()
     }
 }
