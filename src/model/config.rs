@@ -317,7 +317,7 @@ mod tests {
     use super::*;
 
     /// The 04-09 record's `[model]` (spec 4.2, 4.3).
-    pub(crate) fn record() -> ModelConfig {
+    fn record() -> ModelConfig {
         ModelConfig {
             vocab_size: 8192,
             num_layers: 11,

@@ -271,6 +271,7 @@ impl Gpt {
         // The U-Net over the layer sequence (looped or not): encoder outputs are pushed, and
         // decoder position j pops one while j < skip_count.
         let (encoder, decoder) = cfg.encoder_decoder(self.looping);
+        let skip_count = cfg.skip_count();
         let mut skips = Vec::with_capacity(encoder.len());
         for &i in &encoder {
             h = self.block(&f, i, &h, &x0, b, &cos, &sin)?;
@@ -279,7 +280,7 @@ impl Gpt {
         let skip_w = self.p("skip_weights");
         let gates = cfg.skip_gates.then(|| self.p("skip_gates"));
         for (j, &i) in decoder.iter().enumerate() {
-            if j < cfg.skip_count()
+            if j < skip_count
                 && let Some(s) = skips.pop()
             {
                 h = match &gates {

@@ -101,7 +101,7 @@ pub(crate) fn resume(trainer: &mut Trainer, ck: &Checkpoint, shape: BatchShape, 
         data,
         ck.meta.data
     );
-    same_architecture(&ck.meta.model, &trainer.model().config().clone()).with_context(what)?;
+    same_architecture(&ck.meta.model, trainer.model().config()).with_context(what)?;
     trainer.model_mut().load_state(&ck.section("model.")).with_context(|| format!("{}: the weights do not fit `[model]`", what()))?;
     trainer.model_mut().set_looping(history.looping);
     trainer.restore(ck.meta.step, &ck.section("optim.")).with_context(|| format!("{}: the optimizer state does not fit", what()))?;

@@ -511,14 +511,15 @@ impl Session {
     /// Turns depth recurrence on after the step that brings the training-time fraction to
     /// `model.enable_looping_at` (the steps after it run looped), and logs the layout.
     fn switch_looping(&mut self, step: u64, train_ms: f64) {
-        let cfg = self.trainer.model().config().clone();
-        if !cfg.recurrent() || self.trainer.model().looping() {
+        let model = self.trainer.model();
+        if !model.config().recurrent() || model.looping() {
             return;
         }
         let frac = self.cfg.training_frac(step, train_ms);
-        if frac >= cfg.enable_looping_at {
+        if frac >= model.config().enable_looping_at {
+            let line = looping_line(model.config(), step, frac);
             self.trainer.model_mut().set_looping(true);
-            self.log.line(&looping_line(&cfg, step, frac));
+            self.log.line(&line);
         }
     }
 
