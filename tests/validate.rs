@@ -252,6 +252,9 @@ fn env_var_queue_zero_names_the_environment() {
 fn cuda_device_on_cpu_build() {
     let cfg = edit("run", "seed = 0", "seed = 0\ndevice = \"cuda:0\"");
     rejects("cuda-device", &cfg, Some("run.device"), "needs a binary built with the `cuda` feature");
+    // ... and says how to run the config on the CPU instead.
+    rejects("cuda-device", &cfg, Some("run.device"), "add `--set run.device=cpu`");
+    rejects("cuda-device", &cfg, Some("run.device"), "pipelines/record-mini.toml for the record recipe");
 }
 
 #[test]
