@@ -1,0 +1,884 @@
+//! GPTQ for one weight matrix: the int6/int8 quantizer of the 2026-04-09 record
+//! (`shared/research/record_spec.md`, section 4.5), with its SD-clip row scales, plain
+//! round-to-nearest for comparison and the error measure GPTQ minimises.
+//!
+//! This file is the algorithm only, one matrix at a time: it does not collect Hessians and does
+//! not write artifacts (the container and codecs are [`super::quant`]'s).
+//!
+//! # The problem
+//!
+//! A linear layer computes `y = x W^T` with `W` of shape `[rows, cols]` (`[out, in]`, PyTorch's
+//! layout). Quantizing `W` to `q * s` (integers `q` in `[-Q, Q]`, one scale `s_r` per row,
+//! `Q = 2^(bits-1) - 1`: 31 for int6, 127 for int8) changes the output on calibration inputs `X`
+//! (`[n, cols]`) by `X D^T` with `D = W - q * s`. GPTQ picks `q` to keep
+//!
+//! ```text
+//! || X D^T ||_F^2 = sum_r  d_r^T (X^T X) d_r = tr(D H D^T),     H = X^T X   ([cols, cols])
+//! ```
+//!
+//! small, where plain rounding only keeps each `|d_rc|` small. Rows are independent (they share
+//! `H`), so everything below is per row `w` (one row of `W`, length `cols`).
+//!
+//! # The algorithm (Optimal Brain Quantization, column by column)
+//!
+//! Quantize column `j`, then move the rounding error onto the columns not yet quantized so that
+//! `tr(D H D^T)` grows as little as possible. For the quadratic form `d^T H d`, fixing
+//! `d_j = e_j` and choosing the remaining `d_{j+1..}` freely is minimised by
+//!
+//! ```text
+//! d_{j+1..} = -(e_j / [H_j^-1]_jj) * [H_j^-1]_{j, j+1..}
+//! ```
+//!
+//! where `H_j^-1` is the inverse of `H` restricted to the not-yet-quantized columns `j..`. The
+//! trick of GPTQ: all the rows `[H_j^-1]_{j, j..} / sqrt([H_j^-1]_jj)` are the rows of the upper
+//! Cholesky factor `U` of `H^-1` (`H^-1 = U^T U`), so one factorization gives every step:
+//!
+//! ```text
+//! q_j   = clamp(round_half_even(w_j / s), -Q, Q)
+//! e_j   = (w_j - q_j * s) / U_jj
+//! w_k  -= e_j * U_jk                 for k >= j    (k = j too: harmless, w_j is done)
+//! ```
+//!
+//! Blocking (the "lazy batch" update): the update of column `k` by column `j` only depends on
+//! `e_j` and `U_jk`, so within a block of `B` columns (128) only the block's own columns are
+//! updated as the columns are quantized, and after the block the errors `E` (`[rows, B]`) are
+//! pushed onto all later columns at once, a GEMM:
+//!
+//! ```text
+//! W[:, b1..] -= E · U[b0..b1, b1..]          (block = columns b0..b1)
+//! ```
+//!
+//! The result is the same as the column-by-column update up to the order of the floating-point
+//! sums.
+//!
+//! # Steps of [`quantize_matrix`] (spec 4.5, as the record's `gptq_quantize_weight`)
+//!
+//! 1. Dead columns (`H_jj == 0`, an input feature that was always 0): `H_jj = 1`, and that column
+//!    of the working copy of `W` is set to 0 (its `q` comes out 0).
+//! 2. Damping: `H_jj += damping * mean_j(H_jj)` (mean after step 1; `damping` = 0.01).
+//! 3. Act-order (switchable): columns sorted by `H_jj` descending, most important first; `W`'s
+//!    columns and `H`'s rows and columns permuted alike. The sort is stable (ties keep their
+//!    column order); PyTorch's `argsort` is not stable, so on exact ties the order may differ
+//!    from the record's, which changes nothing systematic.
+//! 4. `H = L L^T` (Cholesky), `H^-1 = L^-T L^-1` ("cholesky_inverse"), then `U` = upper Cholesky
+//!    factor of `H^-1`. A Cholesky that fails means `H` is not positive definite after damping
+//!    (e.g. negative or inconsistent entries): an error, not a fallback.
+//! 5. The blocked column loop above, with the caller's row scales as they are.
+//! 6. `q` is put back in the original column order.
+//!
+//! # Numerics
+//!
+//! Everything internal is f64: `H`, its factors, the working copy of `W`, the errors, and the
+//! rounding division `w / s`, done on the f64 working value with the f32 scale widened to f64.
+//! The record does all of this in f32 on the CPU, so a value that lands within f32 rounding of a
+//! half-integer can round the other way here; f64 makes the result depend much less on the order
+//! of the sums (ours and faer's), which the tests rely on.
+//!
+//! `H` is read symmetrised, `(H_ij + H_ji) / 2`, which changes nothing for a symmetric `H` (the
+//! f64 sum of two equal f32 values halves exactly).
+//!
+//! A row whose scale is 0 (an SD-clip scale of a (nearly) constant row rounds to fp16 zero, see
+//! [`sd_clip_scales`]) gets `q = 0`: it dequantizes to 0 whatever `q` is; the record divides by
+//! zero there (`±Q`, or NaN cast to int8).
+//!
+//! Dense linear algebra (Cholesky, triangular inverse, the after-block GEMM) is faer's, parallel
+//! over rayon's global pool; the in-block column loop runs over rows in parallel (rows are
+//! independent given the block's `U`).
+
+use anyhow::{Result, anyhow, ensure};
+use faer::dyn_stack::{MemBuffer, MemStack};
+use faer::linalg::cholesky::llt::factor::{self, LltError};
+use faer::linalg::cholesky::llt::inverse;
+use faer::linalg::matmul::matmul;
+use faer::{Accum, Mat, MatMut, MatRef, Par};
+use half::f16;
+use rayon::prelude::*;
+
+/// Rows per rayon task in the in-block column loop (one row of a 128-column block is about
+/// 16k flops: a few microseconds).
+const ROWS_PER_TASK: usize = 16;
+
+/// Settings of [`quantize_matrix`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GptqConfig {
+    /// Relative damping: `damping * mean(diag H)` is added to the diagonal of `H` (0.01 in the
+    /// record). Finite and >= 0.
+    pub damping: f64,
+    /// Columns per block of the lazy-batch update (128 in the record). At least 1; the result
+    /// does not depend on it beyond floating-point summation order.
+    pub block_size: usize,
+    /// Quantize columns in order of decreasing `H_jj` ("act-order", on in the record) instead of
+    /// their natural order.
+    pub act_order: bool,
+}
+
+impl Default for GptqConfig {
+    /// The record's settings: damping 0.01, blocks of 128 columns, act-order on.
+    fn default() -> Self {
+        Self { damping: 0.01, block_size: 128, act_order: true }
+    }
+}
+
+/// What [`quantize_matrix`] returns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GptqOutput {
+    /// The quantized values, row-major `[rows, cols]` in the original column order, each in
+    /// `[-qmax, qmax]`. Dequantize as `q[r, c] * scales[r]`.
+    pub q: Vec<i8>,
+    /// How many columns had `H_jj == 0` (their `q` is 0).
+    pub dead_columns: usize,
+}
+
+/// GPTQ of one matrix.
+///
+/// `w` is the weight, row-major `[rows, cols]` (PyTorch's `[out, in]`); `hessian` is `H`, row-major
+/// `[cols, cols]`, symmetric positive semi-definite (`sum X^T X` over the layer's inputs, any
+/// positive factor); `scales` holds one scale per row, used as given (the record's are
+/// [`sd_clip_scales`], rounded to fp16 and passed here as the f32 values of those fp16 numbers);
+/// `qmax` is `Q` (31 for int6, 127 for int8). The steps and numerics are in the module
+/// documentation.
+///
+/// Errors (the caller adds the tensor's name): wrong lengths, a non-finite value in `w` or
+/// `hessian`, a negative or non-finite scale, `qmax < 1`, `block_size == 0`, a negative or
+/// non-finite damping, and an `H` that is not positive definite after damping.
+pub fn quantize_matrix(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    hessian: &[f32],
+    scales: &[f32],
+    qmax: i8,
+    cfg: &GptqConfig,
+) -> Result<GptqOutput> {
+    let n = cols;
+    let numel = rows.checked_mul(cols).ok_or_else(|| anyhow!("GPTQ: shape {rows}x{cols} overflows"))?;
+    ensure!(w.len() == numel, "GPTQ: the weight has {} values, expected {rows}x{cols} = {numel}", w.len());
+    let h_numel = n.checked_mul(n).ok_or_else(|| anyhow!("GPTQ: Hessian shape {n}x{n} overflows"))?;
+    ensure!(hessian.len() == h_numel, "GPTQ: the Hessian has {} values, expected {n}x{n} = {h_numel}", hessian.len());
+    ensure!(scales.len() == rows, "GPTQ: {} row scales for {rows} rows", scales.len());
+    ensure!(qmax >= 1, "GPTQ: qmax must be at least 1, got {qmax}");
+    ensure!(cfg.block_size >= 1, "GPTQ: block_size must be at least 1");
+    ensure!(cfg.damping.is_finite() && cfg.damping >= 0.0, "GPTQ: damping must be finite and >= 0, got {}", cfg.damping);
+    if let Some(i) = w.iter().position(|x| !x.is_finite()) {
+        return Err(anyhow!("GPTQ: non-finite weight {} at row {}, column {}", w[i], i / n, i % n));
+    }
+    if let Some(i) = hessian.iter().position(|x| !x.is_finite()) {
+        return Err(anyhow!("GPTQ: non-finite Hessian entry {} at ({}, {})", hessian[i], i / n, i % n));
+    }
+    if let Some(r) = scales.iter().position(|s| !(s.is_finite() && *s >= 0.0)) {
+        return Err(anyhow!("GPTQ: row {r} has scale {}, expected a finite value >= 0", scales[r]));
+    }
+
+    // H in f64, symmetrised; only the diagonal is needed before the permutation.
+    let h_at = |i: usize, j: usize| 0.5 * (f64::from(hessian[i * n + j]) + f64::from(hessian[j * n + i]));
+    let mut diag: Vec<f64> = (0..n).map(|j| h_at(j, j)).collect();
+
+    // 1. Dead columns: H_jj = 1, the column of W zeroed (below, when W is copied).
+    let dead: Vec<bool> = diag.iter().map(|&d| d == 0.0).collect();
+    let dead_columns = dead.iter().filter(|&&d| d).count();
+    if rows == 0 || n == 0 {
+        return Ok(GptqOutput { q: Vec::new(), dead_columns });
+    }
+    for (d, &is_dead) in diag.iter_mut().zip(&dead) {
+        if is_dead {
+            *d = 1.0;
+        }
+    }
+
+    // 2. Damping, relative to the mean diagonal after step 1.
+    let damp = cfg.damping * diag.iter().sum::<f64>() / n as f64;
+    for d in &mut diag {
+        *d += damp;
+    }
+
+    // 3. Column order: perm[k] = original column quantized k-th.
+    let perm = column_order(&diag, cfg.act_order);
+
+    // The permuted, damped H (faer, column-major; symmetric, so the layout does not matter).
+    let hp = Mat::<f64>::from_fn(n, n, |i, j| if i == j { diag[perm[i]] } else { h_at(perm[i], perm[j]) });
+
+    // 4. U, the upper Cholesky factor of H^-1, row-major.
+    let par = Par::rayon(0);
+    let u = upper_factor_of_inverse(hp, &perm, par)?;
+
+    // The working copy of W, permuted, dead columns zeroed, f64.
+    let mut wp = vec![0.0f64; numel];
+    wp.par_chunks_mut(n).zip(w.par_chunks(n)).for_each(|(dst, src)| {
+        for (d, &c) in dst.iter_mut().zip(&perm) {
+            *d = if dead[c] { 0.0 } else { f64::from(src[c]) };
+        }
+    });
+
+    // 5. Blocks of columns.
+    let bs = cfg.block_size.min(n);
+    let qmax = f64::from(qmax);
+    let mut qp = vec![0i8; numel];
+    let mut err = vec![0.0f64; rows * bs];
+    let mut ublk = vec![0.0f64; bs * bs];
+    for b0 in (0..n).step_by(bs) {
+        let b1 = (b0 + bs).min(n);
+        let nb = b1 - b0;
+        // The block's diagonal part of U, contiguous: ublk[j * nb + k] = U[b0 + j, b0 + k].
+        for j in 0..nb {
+            ublk[j * nb..(j + 1) * nb].copy_from_slice(&u[(b0 + j) * n + b0..(b0 + j) * n + b1]);
+        }
+        let ublk = &ublk[..nb * nb];
+        wp.par_chunks_mut(n)
+            .zip(qp.par_chunks_mut(n))
+            .zip(err.par_chunks_mut(bs))
+            .zip(scales.par_iter())
+            .with_min_len(ROWS_PER_TASK)
+            .for_each(|(((w_row, q_row), e_row), &s)| {
+                quantize_block_row(&mut w_row[b0..b1], &mut q_row[b0..b1], &mut e_row[..nb], f64::from(s), ublk, qmax);
+            });
+        if b1 < n {
+            // W[:, b1..] -= E · U[b0..b1, b1..]
+            let rest = n - b1;
+            let e = MatRef::from_row_major_slice_with_stride(&err, rows, nb, bs);
+            let u_rest = MatRef::from_row_major_slice_with_stride(&u[b0 * n + b1..], nb, rest, n);
+            let w_rest = row_major_mut(&mut wp[b1..], rows, rest, n);
+            matmul(w_rest, Accum::Add, e, u_rest, -1.0, par);
+        }
+    }
+
+    // 6. Back to the original column order.
+    let mut q = vec![0i8; numel];
+    q.par_chunks_mut(n).zip(qp.par_chunks(n)).for_each(|(dst, src)| {
+        for (&v, &c) in src.iter().zip(&perm) {
+            dst[c] = v;
+        }
+    });
+    Ok(GptqOutput { q, dead_columns })
+}
+
+/// A mutable row-major view (`row_stride` between row starts) of `slice`.
+///
+/// Not `MatMut::from_row_major_slice_with_stride_mut`: in faer 0.24.4 that one checks the bounds
+/// of a row-major layout but builds a column-major one (row stride 1, column stride
+/// `row_stride`), so writes through it land in the wrong places, past the end of the slice too
+/// (faer-rs pull request 267, not merged yet). The column-major view of the transpose is right.
+fn row_major_mut(slice: &mut [f64], nrows: usize, ncols: usize, row_stride: usize) -> MatMut<'_, f64> {
+    MatMut::from_column_major_slice_with_stride_mut(slice, ncols, nrows, row_stride).transpose_mut()
+}
+
+/// The order in which columns are quantized: `perm[k]` is the original index of the `k`-th
+/// column. Act-order sorts by `diag` descending, stably (equal values keep their order).
+fn column_order(diag: &[f64], act_order: bool) -> Vec<usize> {
+    let mut perm: Vec<usize> = (0..diag.len()).collect();
+    if act_order {
+        perm.sort_by(|&a, &b| diag[b].total_cmp(&diag[a]));
+    }
+    perm
+}
+
+/// `U`, row-major `[n, n]` with zeros below the diagonal, from the permuted damped `H`:
+/// `H = L L^T`, `H^-1 = L^-T L^-1`, `H^-1 = L2 L2^T`, `U = L2^T` (so `H^-1 = U^T U`).
+/// `perm` only names the failing column in errors.
+fn upper_factor_of_inverse(mut l: Mat<f64>, perm: &[usize], par: Par) -> Result<Vec<f64>> {
+    let n = l.nrows();
+    let scratch = factor::cholesky_in_place_scratch::<f64>(n, par, Default::default()).or(inverse::inverse_scratch::<f64>(n, par));
+    let mut mem = MemBuffer::new(scratch);
+
+    // H = L L^T (lower triangle of `l`; the upper one keeps H's values and is never read).
+    factor::cholesky_in_place(l.as_mut(), Default::default(), par, MemStack::new(&mut mem), Default::default()).map_err(|e| match e {
+        LltError::NonPositivePivot { index } => anyhow!(
+            "GPTQ: the Hessian is not positive definite after damping (Cholesky pivot {index} of {n}, original column {}, is not positive)",
+            perm[index]
+        ),
+    })?;
+
+    // H^-1 (lower triangle written; the rest stays 0 and is not read).
+    let mut hinv = Mat::<f64>::zeros(n, n);
+    inverse::inverse(hinv.as_mut(), l.as_ref(), par, MemStack::new(&mut mem));
+    drop(l);
+
+    // H^-1 = L2 L2^T.
+    factor::cholesky_in_place(hinv.as_mut(), Default::default(), par, MemStack::new(&mut mem), Default::default()).map_err(
+        |e| match e {
+            LltError::NonPositivePivot { index } => anyhow!(
+                "GPTQ: the inverse Hessian is not positive definite numerically (Cholesky pivot {index} of {n}); \
+             the Hessian is too ill-conditioned, raise the damping"
+            ),
+        },
+    )?;
+
+    // U = L2^T, row-major: row i of U is column i of L2 from the diagonal down.
+    let mut u = vec![0.0f64; n * n];
+    u.par_chunks_mut(n).enumerate().for_each(|(i, row)| {
+        for (j, x) in row.iter_mut().enumerate().skip(i) {
+            *x = hinv[(j, i)];
+        }
+    });
+    ensure!(u.iter().all(|x| x.is_finite()), "GPTQ: the inverse Hessian's factor is not finite; the Hessian is too ill-conditioned");
+    Ok(u)
+}
+
+/// The column-by-column loop of one block for one row: `w` and `q` are the row's block columns,
+/// `e` receives the scaled errors, `ublk` is the block's diagonal part of `U` (`nb x nb`,
+/// row-major).
+#[inline]
+fn quantize_block_row(w: &mut [f64], q: &mut [i8], e: &mut [f64], s: f64, ublk: &[f64], qmax: f64) {
+    let nb = w.len();
+    for j in 0..nb {
+        let wj = w[j];
+        let qj = quantize_value(wj, s, qmax);
+        q[j] = qj as i8;
+        let ej = (wj - qj * s) / ublk[j * nb + j];
+        e[j] = ej;
+        // w_k -= e_j * U_jk for k >= j.
+        for (x, &ujk) in w[j..].iter_mut().zip(&ublk[j * nb + j..(j + 1) * nb]) {
+            *x -= ej * ujk;
+        }
+    }
+}
+
+/// `clamp(round_half_even(w / s), -qmax, qmax)` in f64; 0 for a zero scale.
+#[inline]
+fn quantize_value(w: f64, s: f64, qmax: f64) -> f64 {
+    if s > 0.0 { (w / s).round_ties_even().clamp(-qmax, qmax) } else { 0.0 }
+}
+
+/// SD-clip row scales: `s_r = k * std(W_r) / Q_max`, std of the row unbiased (n-1), accumulated in
+/// f64, clamped >= 1e-10, rounded to fp16.
+///
+/// `w` is row-major `[rows, cols]` (the original weight, before any GPTQ), `qmax` is `Q_max` and
+/// `clip_sigmas` is `k` (12.85 for the record's int6 matrices, 20 for its int8 embedding).
+///
+/// As the record on the CPU (`(k * W.std(dim=1) / Q).clamp_min(1e-10).to(float16)`): the
+/// variance is summed in f64 (two passes: mean, then squared deviations), the square root is
+/// taken in f64 and rounded to f32 (PyTorch's f32 result), then `* k`, `/ Q` and the clamp in
+/// f32, then the rounding to fp16. The clamp does not survive that last rounding: 1e-10 is far
+/// below fp16's smallest subnormal (6e-8), so a constant row (std 0) gets scale 0, as in the
+/// record ([`quantize_matrix`] gives such a row `q = 0`). With `cols < 2` the unbiased std is
+/// undefined: NaN, as in PyTorch ([`quantize_matrix`] rejects it).
+///
+/// # Panics
+/// If `w.len() != rows * cols` (a programming error, not data).
+pub fn sd_clip_scales(w: &[f32], rows: usize, cols: usize, qmax: i8, clip_sigmas: f64) -> Vec<f16> {
+    assert_eq!(Some(w.len()), rows.checked_mul(cols), "sd_clip_scales: {} values for {rows}x{cols}", w.len());
+    if cols < 2 {
+        return vec![f16::NAN; rows];
+    }
+    let k = clip_sigmas as f32;
+    let q = f32::from(qmax);
+    w.par_chunks(cols)
+        .map(|row| {
+            let n = row.len() as f64;
+            let mean = row.iter().map(|&x| f64::from(x)).sum::<f64>() / n;
+            let ss: f64 = row.iter().map(|&x| (f64::from(x) - mean).powi(2)).sum();
+            let std = (ss / (n - 1.0)).sqrt() as f32;
+            f16::from_f32((k * std / q).max(1e-10))
+        })
+        .collect()
+}
+
+/// Round to nearest with given scales: `clamp(round_half_even(w / s_r), -Q, Q)`, the baseline
+/// GPTQ improves on.
+///
+/// `w` is row-major with `cols` columns and `scales.len()` rows. The division is done in f64 (the
+/// f32 values widened), as in [`quantize_matrix`], so with `H` a multiple of the identity the two
+/// agree exactly; a zero scale gives `q = 0`, as there.
+///
+/// # Panics
+/// If `w.len() != scales.len() * cols` (a programming error, not data).
+pub fn round_to_nearest(w: &[f32], cols: usize, scales: &[f32], qmax: i8) -> Vec<i8> {
+    assert_eq!(Some(w.len()), scales.len().checked_mul(cols), "round_to_nearest: {} values for {} rows of {cols}", w.len(), scales.len());
+    let qmax = f64::from(qmax);
+    let mut q = vec![0i8; w.len()];
+    if cols == 0 {
+        return q;
+    }
+    q.par_chunks_mut(cols).zip(w.par_chunks(cols)).zip(scales.par_iter()).for_each(|((q_row, w_row), &s)| {
+        for (o, &x) in q_row.iter_mut().zip(w_row) {
+            *o = quantize_value(f64::from(x), f64::from(s), qmax) as i8;
+        }
+    });
+    q
+}
+
+/// The Hessian-weighted relative error `tr(D H D^T) / tr(W H W^T)`, `D = W - q*s` (what GPTQ
+/// minimises), f64.
+///
+/// `w` and `q` are row-major `[rows, cols]`, `hessian` `[cols, cols]`, `scales` one per row; the
+/// dequantized value is `q * s` in f64. With `H = X^T X` this is `||X D^T||^2 / ||X W^T||^2`, the
+/// relative squared error of the layer's output on the calibration inputs. `0/0` (a zero `W`
+/// quantized exactly) is NaN, as the f64 division gives.
+///
+/// # Panics
+/// If a length does not match the shape (a programming error, not data).
+pub fn weighted_error(w: &[f32], rows: usize, cols: usize, hessian: &[f32], q: &[i8], scales: &[f32]) -> f64 {
+    let numel = rows.checked_mul(cols);
+    assert_eq!(Some(w.len()), numel, "weighted_error: {} weights for {rows}x{cols}", w.len());
+    assert_eq!(Some(q.len()), numel, "weighted_error: {} quantized values for {rows}x{cols}", q.len());
+    assert_eq!(Some(hessian.len()), cols.checked_mul(cols), "weighted_error: {} Hessian values for {cols}x{cols}", hessian.len());
+    assert_eq!(scales.len(), rows, "weighted_error: {} scales for {rows} rows", scales.len());
+    let h = Mat::<f64>::from_fn(cols, cols, |i, j| f64::from(hessian[i * cols + j]));
+    let wm = Mat::<f64>::from_fn(rows, cols, |r, c| f64::from(w[r * cols + c]));
+    let dm = Mat::<f64>::from_fn(rows, cols, |r, c| wm[(r, c)] - f64::from(q[r * cols + c]) * f64::from(scales[r]));
+    let quad = |m: &Mat<f64>| -> f64 {
+        // tr(M H M^T) = sum over entries of (M H) ∘ M.
+        let mut mh = Mat::<f64>::zeros(rows, cols);
+        matmul(mh.as_mut(), Accum::Replace, m.as_ref(), h.as_ref(), 1.0, Par::rayon(0));
+        (0..cols).map(|c| (0..rows).map(|r| mh[(r, c)] * m[(r, c)]).sum::<f64>()).sum()
+    };
+    quad(&dm) / quad(&wm)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A standard normal sample (Box-Muller; `1 - u` keeps the logarithm finite).
+    fn normal(rng: &mut fastrand::Rng) -> f64 {
+        let u1 = 1.0 - rng.f64();
+        let u2 = rng.f64();
+        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    }
+
+    /// `H = X^T X / n` (f32) for `X` of `n` rows with correlated columns of unequal size: each
+    /// row is its own noise plus 4 shared factors with random loadings, and column `c` is scaled
+    /// by `exp(u_c)`, `u_c` uniform in [-1, 1] (so act-order has something to sort). The product
+    /// is faer's (only GPTQ's reference has to be faer-free; `H` is input).
+    fn correlated_hessian(cols: usize, n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        const FACTORS: usize = 4;
+        let loadings: Vec<f64> = (0..FACTORS * cols).map(|_| normal(&mut rng)).collect();
+        let col_scale: Vec<f64> = (0..cols).map(|_| (2.0 * rng.f64() - 1.0).exp()).collect();
+        let mut x = Mat::<f64>::zeros(n, cols);
+        for i in 0..n {
+            let f: Vec<f64> = (0..FACTORS).map(|_| normal(&mut rng)).collect();
+            for c in 0..cols {
+                let shared: f64 = (0..FACTORS).map(|k| f[k] * loadings[k * cols + c]).sum();
+                x[(i, c)] = (normal(&mut rng) + shared) * col_scale[c];
+            }
+        }
+        let mut h = Mat::<f64>::zeros(cols, cols);
+        matmul(h.as_mut(), Accum::Replace, x.transpose(), x.as_ref(), 1.0 / n as f64, Par::rayon(0));
+        (0..cols * cols).map(|k| h[(k / cols, k % cols)] as f32).collect()
+    }
+
+    /// Weights with std `std`, row by row a little different in size.
+    fn random_weights(rows: usize, cols: usize, std: f64, seed: u64) -> Vec<f32> {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let mut w = Vec::with_capacity(rows * cols);
+        for _ in 0..rows {
+            let row_std = std * (0.5 + rng.f64());
+            w.extend((0..cols).map(|_| (normal(&mut rng) * row_std) as f32));
+        }
+        w
+    }
+
+    /// SD-clip scales as f32.
+    fn scales_f32(w: &[f32], rows: usize, cols: usize, qmax: i8, k: f64) -> Vec<f32> {
+        sd_clip_scales(w, rows, cols, qmax, k).iter().map(|s| s.to_f32()).collect()
+    }
+
+    /// Lower Cholesky factor of a dense symmetric matrix, plain loops; `None` if not positive
+    /// definite.
+    #[allow(clippy::needless_range_loop)] // index loops on purpose: the textbook formulas
+    fn naive_cholesky(a: &[Vec<f64>]) -> Option<Vec<Vec<f64>>> {
+        let n = a.len();
+        let mut l = vec![vec![0.0; n]; n];
+        for i in 0..n {
+            for j in 0..=i {
+                let mut s = a[i][j];
+                for k in 0..j {
+                    s -= l[i][k] * l[j][k];
+                }
+                if i == j {
+                    if s.is_nan() || s <= 0.0 {
+                        return None;
+                    }
+                    l[i][i] = s.sqrt();
+                } else {
+                    l[i][j] = s / l[j][j];
+                }
+            }
+        }
+        Some(l)
+    }
+
+    /// `A^-1 = L^-T L^-1` from the lower Cholesky factor `L`, plain loops.
+    #[allow(clippy::needless_range_loop)] // index loops on purpose: the textbook formulas
+    fn naive_cholesky_inverse(l: &[Vec<f64>]) -> Vec<Vec<f64>> {
+        let n = l.len();
+        // M = L^-1 by forward substitution, column by column.
+        let mut m = vec![vec![0.0; n]; n];
+        for c in 0..n {
+            for i in c..n {
+                let mut s = if i == c { 1.0 } else { 0.0 };
+                for k in c..i {
+                    s -= l[i][k] * m[k][c];
+                }
+                m[i][c] = s / l[i][i];
+            }
+        }
+        let mut inv = vec![vec![0.0; n]; n];
+        for i in 0..n {
+            for j in 0..n {
+                inv[i][j] = (0..n).map(|k| m[k][i] * m[k][j]).sum();
+            }
+        }
+        inv
+    }
+
+    /// GPTQ straight from the spec's steps, f64, plain loops, no faer.
+    #[allow(clippy::needless_range_loop)] // index loops on purpose: the spec's formulas
+    fn reference(w: &[f32], rows: usize, cols: usize, hessian: &[f32], scales: &[f32], qmax: i8, cfg: &GptqConfig) -> Vec<i8> {
+        let n = cols;
+        let mut h: Vec<Vec<f64>> =
+            (0..n).map(|i| (0..n).map(|j| 0.5 * (f64::from(hessian[i * n + j]) + f64::from(hessian[j * n + i]))).collect()).collect();
+        let mut wk: Vec<Vec<f64>> = (0..rows).map(|r| (0..n).map(|c| f64::from(w[r * n + c])).collect()).collect();
+        // 1. dead columns
+        for j in 0..n {
+            if h[j][j] == 0.0 {
+                h[j][j] = 1.0;
+                for row in wk.iter_mut() {
+                    row[j] = 0.0;
+                }
+            }
+        }
+        // 2. damping
+        let mean = (0..n).map(|j| h[j][j]).sum::<f64>() / n as f64;
+        for (j, row) in h.iter_mut().enumerate() {
+            row[j] += cfg.damping * mean;
+        }
+        // 3. order: insertion sort by diag descending (stable: only strictly larger moves up)
+        let mut perm: Vec<usize> = (0..n).collect();
+        if cfg.act_order {
+            for i in 1..n {
+                let mut k = i;
+                while k > 0 && h[perm[k]][perm[k]] > h[perm[k - 1]][perm[k - 1]] {
+                    perm.swap(k, k - 1);
+                    k -= 1;
+                }
+            }
+        }
+        let hp: Vec<Vec<f64>> = (0..n).map(|i| (0..n).map(|j| h[perm[i]][perm[j]]).collect()).collect();
+        let mut wp: Vec<Vec<f64>> = wk.iter().map(|row| perm.iter().map(|&c| row[c]).collect()).collect();
+        // 4. U = upper Cholesky factor of H^-1
+        let l = naive_cholesky(&hp).expect("reference: H not PD");
+        let hinv = naive_cholesky_inverse(&l);
+        let l2 = naive_cholesky(&hinv).expect("reference: H^-1 not PD");
+        let u = |i: usize, j: usize| l2[j][i];
+        // 5. blocks
+        let mut qp = vec![vec![0i8; n]; rows];
+        let mut b0 = 0;
+        while b0 < n {
+            let b1 = (b0 + cfg.block_size).min(n);
+            let mut e = vec![vec![0.0; b1 - b0]; rows];
+            for j in b0..b1 {
+                for r in 0..rows {
+                    let s = f64::from(scales[r]);
+                    let wj = wp[r][j];
+                    let q = if s > 0.0 { (wj / s).round_ties_even().clamp(-f64::from(qmax), f64::from(qmax)) } else { 0.0 };
+                    qp[r][j] = q as i8;
+                    let err = (wj - q * s) / u(j, j);
+                    e[r][j - b0] = err;
+                    for k in j..b1 {
+                        wp[r][k] -= err * u(j, k);
+                    }
+                }
+            }
+            for r in 0..rows {
+                for k in b1..n {
+                    let mut acc = 0.0;
+                    for j in b0..b1 {
+                        acc += e[r][j - b0] * u(j, k);
+                    }
+                    wp[r][k] -= acc;
+                }
+            }
+            b0 = b1;
+        }
+        // 6. original order
+        let mut q = vec![0i8; rows * n];
+        for r in 0..rows {
+            for (k, &c) in perm.iter().enumerate() {
+                q[r * n + c] = qp[r][k];
+            }
+        }
+        q
+    }
+
+    fn cfg(block_size: usize, act_order: bool) -> GptqConfig {
+        GptqConfig { block_size, act_order, ..GptqConfig::default() }
+    }
+
+    #[test]
+    fn matches_reference_on_random_matrices() {
+        let mut checked = 0;
+        for (i, &(rows, cols)) in [(5usize, 40usize), (33, 300), (64, 257)].iter().enumerate() {
+            let h = correlated_hessian(cols, 2 * cols, 100 + i as u64);
+            let w = random_weights(rows, cols, 0.02, 200 + i as u64);
+            for qmax in [31i8, 127] {
+                let k = if qmax == 31 { 12.85 } else { 20.0 };
+                let s = scales_f32(&w, rows, cols, qmax, k);
+                for block_size in [128, 16] {
+                    for act_order in [true, false] {
+                        let c = cfg(block_size, act_order);
+                        let got = quantize_matrix(&w, rows, cols, &h, &s, qmax, &c).unwrap();
+                        let want = reference(&w, rows, cols, &h, &s, qmax, &c);
+                        assert_eq!(got.dead_columns, 0);
+                        let diff = got.q.iter().zip(&want).filter(|(a, b)| a != b).count();
+                        assert_eq!(diff, 0, "{rows}x{cols} qmax {qmax} block {block_size} act_order {act_order}: {diff} values differ");
+                        assert!(got.q.iter().all(|&v| v.abs() <= qmax));
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(checked, 24);
+    }
+
+    #[test]
+    fn identity_hessian_is_round_to_nearest() {
+        let (rows, cols) = (17, 150);
+        let w = random_weights(rows, cols, 0.02, 5);
+        let mut h = vec![0.0f32; cols * cols];
+        for j in 0..cols {
+            h[j * cols + j] = 3.0;
+        }
+        for (qmax, k) in [(31i8, 12.85), (127, 20.0), (7, 3.0)] {
+            let s = scales_f32(&w, rows, cols, qmax, k);
+            let rtn = round_to_nearest(&w, cols, &s, qmax);
+            for c in [cfg(128, true), cfg(16, false), cfg(7, true)] {
+                let got = quantize_matrix(&w, rows, cols, &h, &s, qmax, &c).unwrap();
+                assert_eq!(got.q, rtn, "qmax {qmax} {c:?}");
+            }
+            // With qmax 7 and k = 3 some values clip: the comparison covers the clamp.
+            if qmax == 7 {
+                assert!(rtn.iter().any(|&v| v.abs() == 7));
+            }
+        }
+    }
+
+    #[test]
+    fn act_order_permutes() {
+        let (rows, cols) = (24, 96);
+        let h = correlated_hessian(cols, 300, 31);
+        let w = random_weights(rows, cols, 0.02, 32);
+        let s = scales_f32(&w, rows, cols, 31, 12.85);
+        let on = quantize_matrix(&w, rows, cols, &h, &s, 31, &cfg(32, true)).unwrap().q;
+        let off = quantize_matrix(&w, rows, cols, &h, &s, 31, &cfg(32, false)).unwrap().q;
+        assert_ne!(on, off, "act-order on and off gave the same q");
+        assert_eq!(on, reference(&w, rows, cols, &h, &s, 31, &cfg(32, true)));
+        assert_eq!(off, reference(&w, rows, cols, &h, &s, 31, &cfg(32, false)));
+        // The order really is by decreasing diagonal, stable on ties.
+        assert_eq!(column_order(&[1.0, 3.0, 2.0, 3.0, 0.5], true), vec![1, 3, 2, 0, 4]);
+        assert_eq!(column_order(&[1.0, 3.0, 2.0], false), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn dead_columns_get_zero() {
+        let (rows, cols) = (20, 64);
+        let mut h = correlated_hessian(cols, 200, 41);
+        let dead = [0usize, 17, 63];
+        for &j in &dead {
+            for k in 0..cols {
+                h[j * cols + k] = 0.0;
+                h[k * cols + j] = 0.0;
+            }
+        }
+        // Large weights in the dead columns: they must not leak into q or the other columns.
+        let mut w = random_weights(rows, cols, 0.02, 42);
+        for r in 0..rows {
+            for &j in &dead {
+                w[r * cols + j] = 0.5;
+            }
+        }
+        let s = scales_f32(&w, rows, cols, 31, 12.85);
+        for c in [cfg(128, true), cfg(16, false)] {
+            let out = quantize_matrix(&w, rows, cols, &h, &s, 31, &c).unwrap();
+            assert_eq!(out.dead_columns, dead.len());
+            for r in 0..rows {
+                for &j in &dead {
+                    assert_eq!(out.q[r * cols + j], 0, "row {r}, dead column {j}");
+                }
+            }
+            assert_eq!(out.q, reference(&w, rows, cols, &h, &s, 31, &c));
+            let err = weighted_error(&w, rows, cols, &h, &out.q, &s);
+            assert!(err.is_finite() && err < 1.0, "weighted error {err}");
+        }
+    }
+
+    #[test]
+    fn gptq_beats_round_to_nearest_on_correlated_hessian() {
+        let (rows, cols) = (64, 256);
+        let h = correlated_hessian(cols, 1024, 51);
+        let w = random_weights(rows, cols, 0.02, 52);
+        for (qmax, k) in [(31i8, 12.85), (127, 20.0)] {
+            let s = scales_f32(&w, rows, cols, qmax, k);
+            let gptq = quantize_matrix(&w, rows, cols, &h, &s, qmax, &GptqConfig::default()).unwrap().q;
+            let rtn = round_to_nearest(&w, cols, &s, qmax);
+            let (eg, er) = (weighted_error(&w, rows, cols, &h, &gptq, &s), weighted_error(&w, rows, cols, &h, &rtn, &s));
+            assert!(eg.is_finite() && er.is_finite() && er > 0.0);
+            assert!(eg < 0.8 * er, "qmax {qmax}: GPTQ {eg:.3e} vs round-to-nearest {er:.3e}");
+        }
+    }
+
+    #[test]
+    fn row_major_view_layout() {
+        // 2 x 3 view with rows 5 apart, starting at offset 1.
+        let mut buf: Vec<f64> = (0..12).map(f64::from).collect();
+        let mut v = row_major_mut(&mut buf[1..], 2, 3, 5);
+        assert_eq!((v.nrows(), v.ncols()), (2, 3));
+        assert_eq!((v[(0, 2)], v[(1, 0)], v[(1, 2)]), (3.0, 6.0, 8.0));
+        v[(1, 1)] = -1.0;
+        assert_eq!(buf[7], -1.0);
+    }
+
+    #[test]
+    fn weighted_error_by_hand() {
+        // W = [[1, 2]], s = 1, q = [[1, 1]]: D = [[0, 1]]; H = [[2, 1], [1, 3]].
+        // D H D^T = 3; W H W^T = 2 + 2*2*1 + 4*3 = 18.
+        let e = weighted_error(&[1.0, 2.0], 1, 2, &[2.0, 1.0, 1.0, 3.0], &[1, 1], &[1.0]);
+        assert!((e - 3.0 / 18.0).abs() < 1e-15, "{e}");
+    }
+
+    #[test]
+    fn sd_clip_scales_by_hand() {
+        // Row [1, 2, 3, 4]: mean 2.5, squared deviations 2.25 + 0.25 + 0.25 + 2.25 = 5,
+        // unbiased variance 5/3, std 1.2909944; k = 12.85, Q = 31: s = 0.53513 -> fp16 0.53515625
+        // (0x3848: 1.0703125 * 2^-1; fp16 spacing there is 2^-11 = 0.00049, the neighbours
+        // 0.5346680 and 0.5356445 are farther).
+        // Row [-0.02, 0.02]: mean 0, variance 0.0008 / 1, std 0.028284; k = 20, Q = 127:
+        // s = 0.0044542 -> fp16 0.004455566 (0x1C90).
+        // A constant row has std 0: clamped to 1e-10, which rounds to fp16 zero.
+        let w = [1.0f32, 2.0, 3.0, 4.0];
+        let s = sd_clip_scales(&w, 1, 4, 31, 12.85);
+        assert_eq!(s, vec![f16::from_bits(0x3848)]);
+        assert!((f64::from(s[0].to_f32()) - 0.53515625).abs() < 1e-12);
+        let s = sd_clip_scales(&[-0.02f32, 0.02], 1, 2, 127, 20.0);
+        assert_eq!(s, vec![f16::from_bits(0x1C90)]);
+        let s = sd_clip_scales(&[0.25f32; 8], 2, 4, 31, 12.85);
+        assert_eq!(s, vec![f16::from_f32(1e-10); 2]);
+        assert_eq!(s[0].to_f32(), 0.0);
+        // A zero-scale row quantizes to 0 in both quantizers.
+        let h: Vec<f32> = (0..16).map(|i| if i % 5 == 0 { 1.0 } else { 0.0 }).collect();
+        let sf: Vec<f32> = s.iter().map(|v| v.to_f32()).collect();
+        assert_eq!(quantize_matrix(&[0.25f32; 8], 2, 4, &h, &sf, 31, &GptqConfig::default()).unwrap().q, vec![0; 8]);
+        assert_eq!(round_to_nearest(&[0.25f32; 8], 4, &sf, 31), vec![0; 8]);
+    }
+
+    #[test]
+    fn round_to_nearest_ties_and_clamp() {
+        // w / s = 2.5 -> 2, 3.5 -> 4, -2.5 -> -2, 100 -> 31, -100 -> -31.
+        let q = round_to_nearest(&[2.5, 3.5, -2.5, 100.0, -100.0], 5, &[1.0], 31);
+        assert_eq!(q, vec![2, 4, -2, 31, -31]);
+    }
+
+    #[test]
+    fn bad_inputs_are_errors() {
+        let (rows, cols) = (3, 4);
+        let w = random_weights(rows, cols, 0.02, 61);
+        let mut h = vec![0.0f32; cols * cols];
+        for j in 0..cols {
+            h[j * cols + j] = 1.0;
+        }
+        let s = vec![0.001f32; rows];
+        let c = GptqConfig::default();
+        let run = |w: &[f32], h: &[f32], s: &[f32], qmax: i8, c: &GptqConfig| quantize_matrix(w, rows, cols, h, s, qmax, c);
+        assert!(run(&w, &h, &s, 31, &c).is_ok());
+
+        let msg = |r: Result<GptqOutput>| format!("{:#}", r.unwrap_err());
+        let mut bad_w = w.clone();
+        bad_w[5] = f32::NAN;
+        assert!(msg(run(&bad_w, &h, &s, 31, &c)).contains("non-finite weight"));
+        bad_w[5] = f32::INFINITY;
+        assert!(msg(run(&bad_w, &h, &s, 31, &c)).contains("row 1, column 1"));
+        let mut bad_h = h.clone();
+        bad_h[6] = f32::NEG_INFINITY;
+        assert!(msg(run(&w, &bad_h, &s, 31, &c)).contains("non-finite Hessian"));
+        assert!(msg(run(&w[1..], &h, &s, 31, &c)).contains("weight has 11 values"));
+        assert!(msg(run(&w, &h[1..], &s, 31, &c)).contains("Hessian has 15 values"));
+        assert!(msg(run(&w, &h, &s[1..], 31, &c)).contains("2 row scales"));
+        assert!(msg(run(&w, &h, &[0.001, f32::NAN, 0.001], 31, &c)).contains("row 1 has scale"));
+        assert!(msg(run(&w, &h, &[0.001, -0.001, 0.001], 31, &c)).contains("row 1 has scale"));
+        assert!(msg(run(&w, &h, &s, 0, &c)).contains("qmax"));
+        assert!(msg(run(&w, &h, &s, -5, &c)).contains("qmax"));
+        assert!(msg(run(&w, &h, &s, 31, &GptqConfig { block_size: 0, ..c })).contains("block_size"));
+        assert!(msg(run(&w, &h, &s, 31, &GptqConfig { damping: f64::NAN, ..c })).contains("damping"));
+
+        // Not positive definite: a negative diagonal (the damping is negative too), and an
+        // indefinite matrix with a positive diagonal.
+        let mut neg = h.clone();
+        for j in 0..cols {
+            neg[j * cols + j] = -1.0;
+        }
+        assert!(msg(run(&w, &neg, &s, 31, &c)).contains("not positive definite"));
+        let mut indef = h.clone();
+        indef[1] = 3.0;
+        indef[cols] = 3.0;
+        assert!(msg(run(&w, &indef, &s, 31, &c)).contains("not positive definite"));
+    }
+
+    #[test]
+    fn empty_shapes() {
+        let out = quantize_matrix(&[], 0, 3, &[1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0], &[], 31, &GptqConfig::default()).unwrap();
+        assert_eq!(out, GptqOutput { q: vec![], dead_columns: 1 });
+        let out = quantize_matrix(&[], 2, 0, &[], &[1.0, 1.0], 31, &GptqConfig::default()).unwrap();
+        assert_eq!(out, GptqOutput { q: vec![], dead_columns: 0 });
+    }
+
+    /// GPTQ of all 67 matrices of the 2026-04-09 record: 11 layers x (c_q 512x512, c_k 256x512,
+    /// c_v 256x512, attn.proj 512x512, mlp.fc 2048x512, mlp.proj 512x2048), int6 with SD-clip
+    /// k = 12.85, and tok_emb 8192x512, int8 with k = 20. Random weights (std 0.02) and one
+    /// correlated `H = X^T X / 4096` per input width (the time does not depend on the values).
+    /// Prints the total time of `quantize_matrix` (and of the scales), per matrix kind, and
+    /// GPTQ's weighted error relative to round-to-nearest's for layer 0 and the embedding.
+    #[test]
+    #[ignore = "timing; run: cargo test --release --lib gptq::tests::record_matrices_time -- --ignored --nocapture"]
+    fn record_matrices_time() {
+        use std::time::Instant;
+        let h512 = correlated_hessian(512, 4096, 71);
+        let h2048 = correlated_hessian(2048, 4096, 72);
+        let block = [
+            ("c_q", 512, 512),
+            ("c_k", 256, 512),
+            ("c_v", 256, 512),
+            ("attn.proj", 512, 512),
+            ("mlp.fc", 2048, 512),
+            ("mlp.proj", 512, 2048),
+        ];
+        let mut jobs: Vec<(String, &str, usize, usize, i8, f64)> = Vec::new();
+        for layer in 0..11 {
+            for &(kind, rows, cols) in &block {
+                jobs.push((format!("blocks.{layer}.{kind}"), kind, rows, cols, 31, 12.85));
+            }
+        }
+        jobs.push(("tok_emb".into(), "tok_emb", 8192, 512, 127, 20.0));
+        assert_eq!(jobs.len(), 67);
+
+        let mut rng = fastrand::Rng::with_seed(73);
+        let (mut total, mut total_scales) = (0.0f64, 0.0f64);
+        let mut per_kind: Vec<(&str, f64, usize)> = Vec::new();
+        for (name, kind, rows, cols, qmax, k) in &jobs {
+            let w: Vec<f32> = (0..rows * cols).map(|_| (normal(&mut rng) * 0.02) as f32).collect();
+            let h = if *cols == 2048 { &h2048 } else { &h512 };
+            let t = Instant::now();
+            let s: Vec<f32> = sd_clip_scales(&w, *rows, *cols, *qmax, *k).iter().map(|v| v.to_f32()).collect();
+            total_scales += t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            let out = quantize_matrix(&w, *rows, *cols, h, &s, *qmax, &GptqConfig::default()).unwrap();
+            let dt = t.elapsed().as_secs_f64();
+            total += dt;
+            if let Some(e) = per_kind.iter_mut().find(|e| e.0 == *kind) {
+                e.1 += dt;
+                e.2 += 1;
+            } else {
+                per_kind.push((kind, dt, 1));
+            }
+            if name.starts_with("blocks.0.") || name == "tok_emb" {
+                let rtn = round_to_nearest(&w, *cols, &s, *qmax);
+                let (eg, er) = (weighted_error(&w, *rows, *cols, h, &out.q, &s), weighted_error(&w, *rows, *cols, h, &rtn, &s));
+                println!("{name:<18} {rows:>5}x{cols:<5} {dt:>7.3} s  weighted error GPTQ {eg:.3e}, RTN {er:.3e} ({:.3}x)", eg / er);
+            }
+        }
+        for (kind, t, count) in &per_kind {
+            println!("{kind:<10} {count:>2} matrices {t:>8.3} s ({:.3} s each)", t / *count as f64);
+        }
+        println!("rayon threads: {}", rayon::current_num_threads());
+        println!("67 matrices: GPTQ {total:.2} s, SD-clip scales {total_scales:.3} s");
+    }
+}
