@@ -34,6 +34,7 @@ impl Gpt {
         // mixed precision q, k, v, the attention output and its projection stay in it, and so
         // does the gain, as the script casts it to q's dtype (`raw_logits` cast the rope tables).
         let x = f.cast_to_activations(x)?;
+        f.observe(&x, || ["c_q", "c_k", "c_v"].map(|w| format!("blocks.{i}.attn.{w}.weight")).to_vec())?;
         let q = qk_norm_rope(&f.linear(&x, &p("c_q.weight"))?, Some(&f.cast_to_activations(&p("q_gain"))?), cos, sin, h, self.qk_eps)?;
         let k = qk_norm_rope(&f.linear(&x, &p("c_k.weight"))?, None, cos, sin, kvh, self.qk_eps)?;
         let v = f.linear(&x, &p("c_v.weight"))?;
@@ -41,6 +42,7 @@ impl Gpt {
         if cfg.xsa(i) {
             y = xsa(&y, &v, h, kvh)?;
         }
+        f.observe(&y, || vec![format!("blocks.{i}.attn.proj.weight")])?;
         f.linear(&y, &p("proj.weight"))
     }
 }

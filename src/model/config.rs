@@ -129,6 +129,50 @@ impl Default for ModelConfig {
 }
 
 impl ModelConfig {
+    /// The 04-09 record's `[model]` (spec 4.2, 4.3; `pipelines/record.toml`): 35,944,536
+    /// parameters.
+    pub fn record() -> ModelConfig {
+        ModelConfig {
+            vocab_size: 8192,
+            num_layers: 11,
+            mlp_mult: 4,
+            qk_gain_init: 5.25,
+            mlp_activation: MlpActivation::LeakyRelu2,
+            ln_scale: true,
+            parallel_residual_start: Some(7),
+            skip_gates: true,
+            rope_dims: Some(16),
+            rope_train_seq_len: Some(2048),
+            xsa_last_n: 11,
+            loop_start: 3,
+            loop_end: 5,
+            num_loops: 2,
+            enable_looping_at: 0.35,
+            init: Init::Orthogonal,
+            ..ModelConfig::default()
+        }
+    }
+
+    /// The `[model]` keys where `other` differs from this config: `(key, ours, theirs)` as JSON
+    /// values, in key order (what a resume or an artifact for another architecture names).
+    pub fn differences(&self, other: &ModelConfig) -> Vec<(String, serde_json::Value, serde_json::Value)> {
+        let as_map = |c: &ModelConfig| match serde_json::to_value(c) {
+            Ok(serde_json::Value::Object(m)) => m,
+            _ => serde_json::Map::new(),
+        };
+        let (a, b) = (as_map(self), as_map(other));
+        let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+        keys.sort();
+        keys.dedup();
+        let null = serde_json::Value::Null;
+        keys.into_iter()
+            .filter_map(|k| {
+                let (x, y) = (a.get(k).unwrap_or(&null), b.get(k).unwrap_or(&null));
+                (x != y).then(|| (k.clone(), x.clone(), y.clone()))
+            })
+            .collect()
+    }
+
     /// Checks the sizes fit together; errors name the `model.*` keys.
     pub fn check(&self) -> anyhow::Result<()> {
         anyhow::ensure!(self.vocab_size >= 2, "`model.vocab_size` must be at least 2");
@@ -316,32 +360,9 @@ impl ModelConfig {
 mod tests {
     use super::*;
 
-    /// The 04-09 record's `[model]` (spec 4.2, 4.3).
-    fn record() -> ModelConfig {
-        ModelConfig {
-            vocab_size: 8192,
-            num_layers: 11,
-            mlp_mult: 4,
-            qk_gain_init: 5.25,
-            mlp_activation: MlpActivation::LeakyRelu2,
-            ln_scale: true,
-            parallel_residual_start: Some(7),
-            skip_gates: true,
-            rope_dims: Some(16),
-            rope_train_seq_len: Some(2048),
-            xsa_last_n: 11,
-            loop_start: 3,
-            loop_end: 5,
-            num_loops: 2,
-            enable_looping_at: 0.35,
-            init: Init::Orthogonal,
-            ..ModelConfig::default()
-        }
-    }
-
     #[test]
     fn the_record_has_its_parameter_count_groups_and_layer_order() {
-        let cfg = record();
+        let cfg = ModelConfig::record();
         cfg.check().unwrap();
         let shapes = cfg.param_shapes();
         let count: usize = shapes.iter().map(|(_, s)| s.iter().product::<usize>()).sum();

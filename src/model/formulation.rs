@@ -16,11 +16,12 @@
 use candle_core::{DType, Result, Tensor};
 
 use super::flash_attn::{self, Attention, FlashKernels};
+use super::observe::{Observer, observe};
 use super::ops::{cast, causal_attention_tokens, rms_norm, rms_norm_to};
 
 /// The formulation of one forward pass (see the module doc).
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Formulation {
+#[derive(Clone, Copy)]
+pub(super) struct Formulation<'a> {
     /// The parameters' dtype (the residual stream's).
     param: DType,
     /// The matmul dtype when it differs from the parameters'.
@@ -30,9 +31,11 @@ pub(super) struct Formulation {
     low: Option<DType>,
     /// The flash kernels attention runs on (`None`: the materialised or fused attention).
     flash: Option<FlashKernels>,
+    /// Who watches the products' inputs (GPTQ's calibration), if anyone.
+    observer: Option<Observer<'a>>,
 }
 
-impl Formulation {
+impl<'a> Formulation<'a> {
     /// The formulation of a pass over the stream `h` (on the model's device, in the
     /// parameters' dtype `param`) of sequences of `t` tokens with `head_dim`-wide heads.
     /// Flash attention only runs under mixed precision on the GPU path, and where it does not
@@ -42,7 +45,18 @@ impl Formulation {
         let low = matmul.filter(|_| super::gpu_path(h));
         let flash =
             low.and_then(|low| attention.flash_kernels().filter(|_| flash_attn::unsupported(h.device(), low, t, head_dim).is_none()));
-        Self { param, matmul, low, flash }
+        Self { param, matmul, low, flash, observer: None }
+    }
+
+    /// The same formulation, handing the products' inputs to `observer`.
+    pub(super) fn observed(self, observer: Option<Observer<'a>>) -> Self {
+        Self { observer, ..self }
+    }
+
+    /// Hands the input `x` of the products with the weights `names` makes to the observer, if
+    /// there is one ([`super::observe`]).
+    pub(super) fn observe(&self, x: &Tensor, names: impl FnOnce() -> Vec<String>) -> Result<()> {
+        observe(self.observer, x, names)
     }
 
     /// The matmul dtype the activations stay in under mixed precision on the GPU path; `None`

@@ -3,6 +3,7 @@
 //! the U-Net of [`super::block`]s with skip connections, the output head and the loss. How each
 //! product and norm is computed is the pass's [`Formulation`].
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
@@ -12,6 +13,7 @@ use super::config::Init as InitKind;
 use super::flash_attn::{self, Attention, FlashKernels};
 use super::formulation::Formulation;
 use super::init::Init;
+use super::observe::{InputObserver, Observer};
 use super::ops::{cast, embedding, gated_skip, rms_norm, rope_tables, scale_add, softcap, softcap_cross_entropy};
 
 /// Which optimizer group a parameter belongs to (as the challenge script splits them).
@@ -222,6 +224,12 @@ impl Gpt {
     /// Per-position cross-entropy like [`Gpt::token_losses`], without building an autograd
     /// graph (evaluation).
     pub fn eval_token_losses(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
+        let _detached = self.detach_for_eval();
+        self.token_losses(x, y)
+    }
+
+    /// Forward passes read detached parameters until the guard drops.
+    fn detach_for_eval(&self) -> impl Drop + '_ {
         struct Reset<'a>(&'a std::cell::Cell<bool>);
         impl Drop for Reset<'_> {
             fn drop(&mut self) {
@@ -229,8 +237,7 @@ impl Gpt {
             }
         }
         self.detached.set(true);
-        let _reset = Reset(&self.detached);
-        self.token_losses(x, y)
+        Reset(&self.detached)
     }
 
     /// The device the parameters live on.
@@ -255,11 +262,24 @@ impl Gpt {
     /// by side), so that no reshape or transpose enters the autograd graph; the per-channel
     /// scales, the residual mix, QK norm with RoPE, attention and relu² are fused ops.
     fn raw_logits(&self, x: &Tensor) -> Result<Tensor> {
+        self.raw_logits_observed(x, None)
+    }
+
+    /// Hands the input of every matrix product of a forward pass over `x` `(B, T)` to `observer`
+    /// (see [`super::observe`]), without an autograd graph; the logits are dropped.
+    pub fn observe_inputs(&self, x: &Tensor, observer: &mut dyn InputObserver) -> Result<()> {
+        let _detached = self.detach_for_eval();
+        let observer: RefCell<&mut dyn InputObserver> = RefCell::new(&mut *observer);
+        self.raw_logits_observed(x, Some(&observer)).map(drop)
+    }
+
+    /// [`Gpt::raw_logits`], with an observer of the products' inputs.
+    fn raw_logits_observed(&self, x: &Tensor, observer: Option<Observer<'_>>) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (b, t) = x.dims2()?;
         let emb = self.p("tok_emb.weight");
         let mut h = rms_norm(&embedding(&emb, &x.flatten_all()?)?)?;
-        let f = Formulation::choose(&h, self.dtype, self.matmul_dtype, self.attention, (t, cfg.head_dim()));
+        let f = Formulation::choose(&h, self.dtype, self.matmul_dtype, self.attention, (t, cfg.head_dim())).observed(observer);
         let x0 = h.clone();
         let (cos, sin) = rope_tables(t, cfg.rotary_dims(), cfg.rope_base_for(t), self.dtype, &self.device)?;
         // Under mixed precision on the GPU path q and k are bf16, and so are the rope tables (the
@@ -290,8 +310,10 @@ impl Gpt {
             }
             h = self.block(&f, i, &h, &x0, b, &cos, &sin)?;
         }
-        let head = if cfg.tie_embeddings { emb } else { self.p("lm_head.weight") };
-        f.linear(&f.norm_in(&h)?, &head)
+        let (head, head_name) = if cfg.tie_embeddings { (emb, "tok_emb.weight") } else { (self.p("lm_head.weight"), "lm_head.weight") };
+        let n = f.norm_in(&h)?;
+        f.observe(&n, || vec![head_name.to_string()])?;
+        f.linear(&n, &head)
     }
 
     /// Per-position cross-entropy `(B*T,)` of targets `y` `(B, T)` given inputs `x`.

@@ -21,11 +21,13 @@ impl Gpt {
     pub(super) fn mlp(&self, f: &Formulation, i: usize, x: &Tensor) -> Result<Tensor> {
         let (fc, proj) = (self.p(&format!("blocks.{i}.mlp.fc.weight")), self.p(&format!("blocks.{i}.mlp.proj.weight")));
         let x = f.cast_to_activations(x)?;
+        f.observe(&x, || vec![format!("blocks.{i}.mlp.fc.weight")])?;
         let pre = f.linear(&x, &fc)?;
         let up = match self.config().mlp_activation {
             MlpActivation::Relu2 => relu_sq(&pre)?,
             MlpActivation::LeakyRelu2 => leaky_relu_sq(&pre, self.config().leaky_relu_slope)?,
         };
+        f.observe(&up, || vec![format!("blocks.{i}.mlp.proj.weight")])?;
         f.linear(&up, &proj)
     }
 }

@@ -12,6 +12,7 @@
 //!   (embedding, the U-Net of blocks with skips, the output head, the loss).
 //! - [`block`], [`attention`], [`mlp`]: one transformer block and its two sublayers, each
 //!   written once.
+//! - [`observe`]: watching the inputs of a pass's matrix products (GPTQ's calibration).
 //! - [`formulation`]: how one forward pass computes (chosen once per pass from the device,
 //!   the parameters' dtype and the matmul dtype, see [`gpu_path`]): the products, the dtype of
 //!   the activations, the norm into a product, and the attention kernel.
@@ -63,6 +64,7 @@ mod gpt;
 mod init;
 pub mod memory;
 mod mlp;
+pub mod observe;
 pub mod ops;
 #[cfg(test)]
 mod reference;

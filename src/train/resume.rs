@@ -58,18 +58,8 @@ pub(crate) fn trained_attention(ck: &Checkpoint) -> Option<String> {
 /// another, even where the shapes agree (`ln_scale`, `xsa_last_n`, a loop range...).
 pub(crate) fn same_architecture(saved: &serde_json::Value, now: &ModelConfig) -> anyhow::Result<()> {
     let then: ModelConfig = serde_json::from_value(saved.clone()).context("its `[model]` table is not one this version reads")?;
-    let (a, b) = (serde_json::to_value(&then)?, serde_json::to_value(now)?);
-    let (a, b) = (a.as_object().cloned().unwrap_or_default(), b.as_object().cloned().unwrap_or_default());
-    let null = serde_json::Value::Null;
-    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
-    keys.sort();
-    keys.dedup();
-    for key in keys {
-        let (x, y) = (a.get(key).unwrap_or(&null), b.get(key).unwrap_or(&null));
-        anyhow::ensure!(
-            x == y,
-            "it was trained with `model.{key}` = {x}, the config now gives {y}: the architecture must not change on resume"
-        );
+    if let Some((key, x, y)) = then.differences(now).into_iter().next() {
+        anyhow::bail!("it was trained with `model.{key}` = {x}, the config now gives {y}: the architecture must not change on resume");
     }
     Ok(())
 }
