@@ -1,7 +1,14 @@
-//! What leaves a run: the quantized, compressed artifact and its codecs ([`quant`]), GPTQ for one
-//! matrix with SD-clip scales ([`gptq`]), and the post-training round trip that writes it and
-//! scores it ([`roundtrip`]). Plain weights files are the model's (`model::weights`).
+//! What leaves a run: the quantized, compressed artifact. [`quant`]: the quantization scheme
+//! (round to nearest or GPTQ, per-row scales, fp16 passthrough) and the container's format;
+//! [`gptq`]: the GPTQ algorithm for one matrix; [`hessian`]: the calibration pass that collects
+//! each matrix's Hessian; [`codec`]: the compressors and the byte shuffle; [`code_size`]: the
+//! code bytes the challenge counts against its cap; [`roundtrip`]: the post-training round trip
+//! that writes the artifact and scores it. Plain weights files are the model's
+//! (`model::weights`).
 
+pub mod code_size;
+pub mod codec;
 pub mod gptq;
+pub mod hessian;
 pub mod quant;
 pub mod roundtrip;

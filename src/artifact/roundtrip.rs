@@ -1,12 +1,15 @@
-//! `pipeline artifact`: the challenge's post-training step (spec 3.10) on a weights file.
-//! Quantize (per-row int8, or fewer bits), compress (zlib, zstd or brotli), write the artifact
-//! atomically, report its size against the 16,000,000-byte cap, then read it back, dequantize,
-//! and score the validation split again: the round-trip val_bpb is the challenge's score.
+//! The post-training round trip (spec 3.10, 4.5, 4.6) on a weights file or a run's final
+//! weights: (for GPTQ) collect the Hessians on training data, quantize, compress, write the
+//! artifact atomically, report its size and the code's against the 16,000,000-byte cap, then read
+//! it back, check it was made for this `[model]`, dequantize, and score the validation split
+//! again: the round-trip val_bpb is the challenge's score.
 //!
-//! Log lines follow the script's (the `_exact` line is the official score):
-//! `Serialized model int8+zlib: N bytes (payload:P raw:R payload_ratio:X.XXx)`,
-//! `final_int8_zlib_roundtrip val_loss:X val_bpb:Y eval_time:Tms` and
-//! `final_int8_zlib_roundtrip_exact val_loss:X val_bpb:Y` (8 decimals).
+//! Log lines follow the scripts': the record's labels
+//! `pre-quantization post-ema val_loss:X val_bpb:Y eval_time:Tms` and `quantized val_loss:X
+//! val_bpb:Y eval_time:Tms` (8 decimals), the baseline's `final_int8_zlib_roundtrip val_loss:X
+//! val_bpb:Y eval_time:Tms` and `final_int8_zlib_roundtrip_exact val_loss:X val_bpb:Y`, and the
+//! sizes: `Serialized model int6/int8+brotli: N bytes (payload:P raw:R payload_ratio:X.XXx)`,
+//! `Code size: C bytes ...`, `Total submission size ...: N + C = T bytes ... of the cap`.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -15,30 +18,105 @@ use anyhow::Context;
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
-use crate::artifact::quant::{ARTIFACT_CAP_BYTES, ArtifactStats, QuantConfig, from_bytes, quantize};
-use crate::eval::validation::Validator;
-use crate::model::Gpt;
+use super::code_size::CodeSize;
+use super::gptq::GptqConfig;
+use super::hessian::{Hessians, collect_from_training_data, targets};
+use super::quant::{ARTIFACT_CAP_BYTES, ArtifactStats, QuantConfig, Rounding, from_bytes, quantize};
+use crate::eval::bpb::BpbAccumulator;
+use crate::eval::validation::{Validator, tokens_per_pass};
+use crate::model::{Gpt, ModelConfig};
 use crate::train::config::Config;
 
-/// What `pipeline artifact` measured.
+/// How an artifact's matrices are rounded: the `artifact` stage's two implementations.
+#[derive(Clone, Debug)]
+pub enum Method {
+    /// Each value to its nearest level (the baseline's round trip).
+    Nearest,
+    /// GPTQ with Hessians from `calibration_batches` training micro-batches (spec 4.5).
+    Gptq {
+        /// The algorithm's settings.
+        gptq: GptqConfig,
+        /// Calibration micro-batches (64 in the record).
+        calibration_batches: usize,
+    },
+}
+
+impl Method {
+    /// `round_to_nearest` or `gptq`, as logs and reports name it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Method::Nearest => "round_to_nearest",
+            Method::Gptq { .. } => "gptq",
+        }
+    }
+}
+
+/// The code bytes counted against the cap with the model's.
 #[derive(Clone, Debug, Serialize)]
-pub struct ArtifactReport {
-    /// The artifact file.
-    pub path: PathBuf,
-    /// Its sizes.
-    pub stats: ArtifactStats,
-    /// Bytes of the weights as float tensors.
-    pub raw_bytes: u64,
-    /// Whether the artifact alone fits the cap (code bytes not included).
-    pub fits_cap: bool,
-    /// val_loss / val_bpb of the weights before quantization.
-    pub before: (f64, f64),
-    /// val_loss / val_bpb after the round trip.
-    pub after: (f64, f64),
-    /// Scored validation tokens.
-    pub val_tokens: u64,
-    /// Round-trip evaluation time, ms.
-    pub eval_ms: f64,
+#[serde(rename_all = "snake_case")]
+pub enum CodeBytes {
+    /// Measured from the source tree ([`super::code_size`]).
+    Measured(CodeSize),
+    /// Given in the config (`code_bytes`).
+    Given(u64),
+    /// Not counted: no source tree was found and none was given.
+    Unknown,
+}
+
+impl CodeBytes {
+    /// The source tree's count, or [`CodeBytes::Unknown`] (measuring it takes a few seconds:
+    /// start it early, on its own thread).
+    pub fn measure() -> Self {
+        match super::code_size::locate().map(|root| super::code_size::measure(&root)) {
+            Some(Ok(c)) => CodeBytes::Measured(c),
+            _ => CodeBytes::Unknown,
+        }
+    }
+
+    /// The bytes counted (0 when unknown).
+    pub fn bytes(&self) -> u64 {
+        match self {
+            CodeBytes::Measured(c) => c.compressed_bytes,
+            CodeBytes::Given(n) => *n,
+            CodeBytes::Unknown => 0,
+        }
+    }
+
+    /// The log line.
+    pub fn line(&self) -> String {
+        match self {
+            CodeBytes::Measured(c) => format!(
+                "Code size: {} bytes (brotli-11 of the {} source files, {} bytes, under {})",
+                c.compressed_bytes,
+                c.files,
+                c.raw_bytes,
+                c.root.display()
+            ),
+            CodeBytes::Given(n) => format!("Code size: {n} bytes (as given by `code_bytes`)"),
+            CodeBytes::Unknown => "Code size: not counted (this binary's source tree was not found; set `code_bytes`)".into(),
+        }
+    }
+}
+
+/// What a calibration took, for logs and reports.
+#[derive(Clone, Debug, Serialize)]
+pub struct CalibrationStats {
+    /// Matrices with a Hessian (67 for the record).
+    pub hessians: usize,
+    /// Distinct inputs summed (q, k and v share one).
+    pub distinct: usize,
+    /// Calibration micro-batches.
+    pub batches: usize,
+    /// Their tokens.
+    pub tokens: u64,
+    /// Wall time, ms.
+    pub ms: f64,
+}
+
+impl CalibrationStats {
+    fn of(h: &Hessians, took: Duration) -> Self {
+        Self { hessians: h.by_weight.len(), distinct: h.distinct, batches: h.batches, tokens: h.tokens, ms: took.as_secs_f64() * 1e3 }
+    }
 }
 
 /// An artifact written and read back.
@@ -49,53 +127,165 @@ pub struct Written {
     pub raw_bytes: u64,
     /// The weights dequantized from the file as read back (f32, CPU).
     pub restored: Vec<(String, Tensor)>,
-    /// Quantizing and compressing.
+    /// Quantizing (GPTQ or rounding).
     pub quantize: Duration,
+    /// Serializing and compressing.
+    pub compress: Duration,
     /// Writing the file (atomically).
     pub write: Duration,
-    /// Reading it back and dequantizing.
+    /// Reading it back, checking it and dequantizing.
     pub restore: Duration,
 }
 
-/// Quantizes `state`, compresses it, writes the artifact atomically to `out`, then reads the
-/// file back and dequantizes it, as the challenge's evaluation does.
-pub fn write_and_restore(state: &[(String, Tensor)], q: &QuantConfig, out: &Path) -> anyhow::Result<Written> {
+/// The Hessians GPTQ needs for `state` (weights of the `[model]` in `config`): a model of them
+/// on the run's device, looped, through [`collect_from_training_data`], forward passes as
+/// large as a validation pass. `None` when `keep_going` stopped it.
+pub fn calibrate(
+    config: &Config,
+    state: &[(String, Tensor)],
+    batches: usize,
+    keep_going: impl FnMut() -> bool,
+) -> anyhow::Result<Option<(Hessians, CalibrationStats)>> {
+    let t0 = Instant::now();
+    let model = model_from(config, state)?;
+    let shape = config.batch_shape()?;
+    let rows_per_pass = tokens_per_pass(&config.validation(), shape.micro_steps) / shape.seq_len;
+    let h = collect_from_training_data(&model, config, batches, rows_per_pass, targets(state), keep_going)
+        .context("collecting GPTQ's Hessians")?;
+    Ok(h.map(|h| {
+        let stats = CalibrationStats::of(&h, t0.elapsed());
+        (h, stats)
+    }))
+}
+
+/// Quantizes `state` (weights of `model`) as `q` and `method` say (with `hessians` for GPTQ),
+/// compresses it, writes the artifact atomically to `out` with the settings and `model` in its
+/// manifest, then reads the file back and restores it as [`restore`] does.
+pub fn write_and_restore(
+    state: &[(String, Tensor)],
+    model: &ModelConfig,
+    q: &QuantConfig,
+    method: &Method,
+    hessians: Option<&Hessians>,
+    out: &Path,
+) -> anyhow::Result<Written> {
     q.check()?;
     let raw_bytes: u64 = state.iter().map(|(_, t)| (t.elem_count() * t.dtype().size_in_bytes()) as u64).sum();
     let t0 = Instant::now();
-    let artifact = quantize(state, q)?.compress(q.codec, q.level)?;
+    let empty = std::collections::HashMap::new();
+    let rounding = match method {
+        Method::Nearest => Rounding::Nearest,
+        Method::Gptq { gptq, .. } => Rounding::Gptq(gptq, hessians.map_or(&empty, |h| &h.by_weight)),
+    };
+    let info = serde_json::json!({
+        "method": method.name(),
+        "quant": q,
+        "gptq": match method { Method::Gptq { gptq, calibration_batches } => serde_json::json!({
+            "damping": gptq.damping, "block_size": gptq.block_size, "act_order": gptq.act_order,
+            "calibration_batches": calibration_batches,
+            "hessians": hessians.map(|h| h.by_weight.len()),
+        }), Method::Nearest => serde_json::Value::Null },
+        "model": model,
+    });
+    let quantized = quantize(state, q, rounding)?.with_info(info);
     let quantize_time = t0.elapsed();
+    let t0 = Instant::now();
+    let artifact = quantized.compress(q.codec, q.level, q.byte_shuffle)?;
+    let compress = t0.elapsed();
     let t1 = Instant::now();
     crate::runtime::rundir::write_atomic_if_changed(out, &artifact.bytes)?;
     let write = t1.elapsed();
     let t2 = Instant::now();
-    let bytes = std::fs::read(out).with_context(|| format!("cannot read back {}", out.display()))?;
-    let restored = from_bytes(&bytes).with_context(|| format!("cannot read the artifact {}", out.display()))?;
-    let restored = restored.dequantize(Some(DType::F32), &Device::Cpu)?;
-    Ok(Written { stats: artifact.stats, raw_bytes, restored, quantize: quantize_time, write, restore: t2.elapsed() })
+    let restored = restore(out, model)?;
+    Ok(Written { stats: artifact.stats, raw_bytes, restored, quantize: quantize_time, compress, write, restore: t2.elapsed() })
 }
 
-/// The size lines of the log: the script's `Serialized model ...` line and the cap check.
-pub fn size_lines(q: &QuantConfig, out: &Path, w: &Written) -> [String; 2] {
+/// Reads the artifact at `path`, refuses it when its manifest names another `[model]` than
+/// `model` (the first differing key), and dequantizes it to f32 on the CPU.
+pub fn restore(path: &Path, model: &ModelConfig) -> anyhow::Result<Vec<(String, Tensor)>> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read the artifact {}", path.display()))?;
+    let qz = from_bytes(&bytes).with_context(|| format!("cannot read the artifact {}", path.display()))?;
+    if let Some(saved) = qz.info().and_then(|i| i.get("model")) {
+        let then: ModelConfig = serde_json::from_value(saved.clone())
+            .with_context(|| format!("the artifact {} names a `[model]` this version does not read", path.display()))?;
+        if let Some((key, x, y)) = then.differences(model).into_iter().next() {
+            anyhow::bail!("the artifact {} was made for `model.{key}` = {x}; the config gives {y}", path.display());
+        }
+    }
+    qz.dequantize(Some(DType::F32), &Device::Cpu).with_context(|| format!("cannot restore the artifact {}", path.display()))
+}
+
+/// The size lines of the log: the script's `Serialized model ...` line, the code's, and the
+/// total against the cap.
+pub fn size_lines(q: &QuantConfig, w: &Written, code: &CodeBytes) -> [String; 3] {
     let s = &w.stats;
-    let fits = s.compressed_bytes <= ARTIFACT_CAP_BYTES;
+    let width = format!("{}+{}", q.width_name(), q.codec);
+    let total = s.compressed_bytes + code.bytes();
+    let verdict = if total <= ARTIFACT_CAP_BYTES {
+        format!("fits, {} bytes to spare", ARTIFACT_CAP_BYTES - total)
+    } else {
+        format!("OVER THE CAP by {} bytes", total - ARTIFACT_CAP_BYTES)
+    };
     [
         format!(
-            "Serialized model int{}+{}: {} bytes (payload:{} raw:{} payload_ratio:{:.2}x)",
-            q.bits,
-            q.codec,
+            "Serialized model {width}: {} bytes (payload:{} raw:{} payload_ratio:{:.2}x)",
             s.compressed_bytes,
             s.payload_bytes,
             w.raw_bytes,
             w.raw_bytes as f64 / s.payload_bytes.max(1) as f64
         ),
+        code.line(),
         format!(
-            "artifact {}: {} bytes of the {ARTIFACT_CAP_BYTES}-byte cap ({}; the code's bytes are not counted here)",
-            out.display(),
+            "Total submission size {width}: {total} bytes (model {} + code {}) of the {ARTIFACT_CAP_BYTES}-byte cap: {verdict}",
             s.compressed_bytes,
-            if fits { "fits" } else { "OVER THE CAP" }
+            code.bytes()
         ),
     ]
+}
+
+/// The score line with the records' format: `LABEL val_loss:X val_bpb:Y eval_time:Tms`.
+pub fn score_line(label: &str, acc: &BpbAccumulator, ms: f64) -> String {
+    format!("{label} val_loss:{:.8} val_bpb:{:.8} eval_time:{ms:.0}ms", acc.val_loss(), acc.val_bpb())
+}
+
+/// The baseline's round-trip lines (`final_int8_zlib_roundtrip` and its `_exact` twin).
+pub fn baseline_lines(q: &QuantConfig, acc: &BpbAccumulator, ms: f64) -> [String; 2] {
+    let tag = format!("final_int{}_{}_roundtrip", q.bits, q.codec);
+    [
+        format!("{tag} val_loss:{:.4} val_bpb:{:.4} eval_time:{ms:.0}ms", acc.val_loss(), acc.val_bpb()),
+        format!("{tag}_exact val_loss:{:.8} val_bpb:{:.8}", acc.val_loss(), acc.val_bpb()),
+    ]
+}
+
+/// What `pipeline artifact` measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct ArtifactReport {
+    /// The artifact file.
+    pub path: PathBuf,
+    /// `round_to_nearest` or `gptq`.
+    pub method: &'static str,
+    /// Its sizes.
+    pub stats: ArtifactStats,
+    /// The code counted with it.
+    pub code: CodeBytes,
+    /// Bytes of the weights as float tensors.
+    pub raw_bytes: u64,
+    /// Whether the artifact and the code fit the cap.
+    pub fits_cap: bool,
+    /// The calibration, for GPTQ.
+    pub calibration: Option<CalibrationStats>,
+    /// Quantizing (GPTQ or rounding), ms.
+    pub quantize_ms: f64,
+    /// Serializing and compressing, ms.
+    pub compress_ms: f64,
+    /// val_loss / val_bpb of the weights before quantization.
+    pub before: (f64, f64),
+    /// val_loss / val_bpb after the round trip.
+    pub after: (f64, f64),
+    /// Scored validation tokens.
+    pub val_tokens: u64,
+    /// Round-trip evaluation time, ms.
+    pub eval_ms: f64,
 }
 
 /// The default artifact path: beside the weights, `<stem>.int<bits>.<codec>.pgqz`.
@@ -104,15 +294,18 @@ pub fn default_path(weights: &Path, q: &QuantConfig) -> PathBuf {
     weights.with_file_name(format!("{stem}.int{}.{}.pgqz", q.bits, q.codec))
 }
 
-/// Quantizes `weights` (a safetensors file of the `[model]` in `config`) into `out`, then
-/// scores the round trip on one process over the whole validation split, or its first
-/// `val_max_tokens` targets when that is not 0 (said in the log); `log` receives the lines.
+/// Quantizes `weights` (a safetensors file of the `[model]` in `config`) into `out` with
+/// `method`, then scores the round trip on one process over the whole validation split, or its
+/// first `val_max_tokens` targets when that is not 0 (said in the log); `log` receives the lines.
+#[allow(clippy::too_many_arguments)]
 pub fn build(
     config: &Config,
     weights: &Path,
     q: &QuantConfig,
+    method: &Method,
     out: &Path,
     val_max_tokens: usize,
+    code: CodeBytes,
     mut log: impl FnMut(&str),
 ) -> anyhow::Result<ArtifactReport> {
     q.check()?;
@@ -134,29 +327,53 @@ pub fn build(
     let mut model = Gpt::new(&config.model, config.run.seed, DType::F32, &Device::Cpu)?;
     let tensors = crate::model::weights::load(weights, Some(DType::F32))?;
     model.load_state(&tensors).with_context(|| format!("{} does not fit `[model]`", weights.display()))?;
-    let score =
-        |m: &Gpt| -> anyhow::Result<crate::eval::bpb::BpbAccumulator> { validator.run(m, || true)?.context("validation did not finish") };
-    let before = score(&model)?;
-    let written = write_and_restore(&model.state_dict(), q, out)?;
-    for l in size_lines(q, out, &written) {
+    let score = |m: &Gpt| -> anyhow::Result<(BpbAccumulator, f64)> {
+        let t0 = Instant::now();
+        let acc = validator.run(m, || true)?.context("validation did not finish")?;
+        Ok((acc, t0.elapsed().as_secs_f64() * 1e3))
+    };
+    let (before, before_ms) = score(&model)?;
+    log(&score_line("pre-quantization", &before, before_ms));
+    let state = model.state_dict();
+    let calibration = match method {
+        Method::Gptq { calibration_batches, .. } => {
+            let (h, stats) = calibrate(config, &state, *calibration_batches, || true)?.context("calibration stopped")?;
+            log(&calibration_line(&stats));
+            Some((h, stats))
+        }
+        Method::Nearest => None,
+    };
+    let written = write_and_restore(&state, &config.model, q, method, calibration.as_ref().map(|(h, _)| h), out)?;
+    log(&format!(
+        "artifact {}: {} {:.1}s, compression {:.1}s",
+        out.display(),
+        method.name(),
+        written.quantize.as_secs_f64(),
+        written.compress.as_secs_f64()
+    ));
+    for l in size_lines(q, &written, &code) {
         log(&l);
     }
     let (s, raw_bytes) = (written.stats, written.raw_bytes);
-    let fits = s.compressed_bytes <= ARTIFACT_CAP_BYTES;
+    let fits = s.compressed_bytes + code.bytes() <= ARTIFACT_CAP_BYTES;
+    let (quantize_ms, compress_ms) = (written.quantize.as_secs_f64() * 1e3, written.compress.as_secs_f64() * 1e3);
     let state: std::collections::HashMap<_, _> = written.restored.into_iter().collect();
     model.load_state(&state)?;
-    let t0 = Instant::now();
-    let after = score(&model)?;
-    let eval_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let tag = format!("final_int{}_{}_roundtrip", q.bits, q.codec);
-    log(&format!("pre-quantization val_loss:{:.4} val_bpb:{:.4}", before.val_loss(), before.val_bpb()));
-    log(&format!("{tag} val_loss:{:.4} val_bpb:{:.4} eval_time:{eval_ms:.0}ms", after.val_loss(), after.val_bpb()));
-    log(&format!("{tag}_exact val_loss:{:.8} val_bpb:{:.8}", after.val_loss(), after.val_bpb()));
+    let (after, eval_ms) = score(&model)?;
+    log(&score_line("quantized", &after, eval_ms));
+    for l in baseline_lines(q, &after, eval_ms) {
+        log(&l);
+    }
     Ok(ArtifactReport {
         path: out.to_path_buf(),
+        method: method.name(),
         stats: s,
+        code,
         raw_bytes,
         fits_cap: fits,
+        calibration: calibration.map(|(_, s)| s),
+        quantize_ms,
+        compress_ms,
         before: (before.val_loss(), before.val_bpb()),
         after: (after.val_loss(), after.val_bpb()),
         val_tokens: after.tokens(),
@@ -164,11 +381,155 @@ pub fn build(
     })
 }
 
-/// A model of `[model]` on the run's device holding `weights` (f32).
+/// The calibration's log line.
+pub fn calibration_line(c: &CalibrationStats) -> String {
+    format!(
+        "gptq:collected {} Hessians ({} distinct inputs) from {} calibration batches ({} tokens) in {:.1}s",
+        c.hessians,
+        c.distinct,
+        c.batches,
+        c.tokens,
+        c.ms / 1e3
+    )
+}
+
+/// A model of `[model]` on the run's device holding `weights` (f32), looped when the model has
+/// depth recurrence (as every evaluation after training runs).
 pub fn model_from(config: &Config, weights: &[(String, Tensor)]) -> anyhow::Result<Gpt> {
     let device = crate::device::open(&config.run)?;
     let mut model = Gpt::new(&config.model, config.run.seed, DType::F32, &device)?;
     let state: std::collections::HashMap<_, _> = weights.iter().cloned().collect();
     model.load_state(&state).context("the weights do not fit `[model]`")?;
+    debug_assert_eq!(model.looping(), config.model.recurrent());
     Ok(model)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{HashMap, HashSet};
+
+    use super::*;
+    use crate::artifact::hessian::collect;
+    use crate::artifact::quant::Clip;
+
+    /// Two blocks of width 160 with MLP x4: `fc` and `mlp.proj` (102,400 elements) and the
+    /// 512 x 160 embedding are quantized; the rest stays float.
+    fn cfg() -> ModelConfig {
+        ModelConfig { vocab_size: 512, num_layers: 2, model_dim: 160, num_heads: 4, num_kv_heads: 2, mlp_mult: 4, ..ModelConfig::default() }
+    }
+
+    /// A model of `cfg()` with every weight perturbed, and Hessians from three random batches.
+    fn trained_like() -> (Gpt, Hessians) {
+        let mut m = Gpt::new(&cfg(), 2, DType::F32, &Device::Cpu).unwrap();
+        let mut rng = fastrand::Rng::with_seed(6);
+        let state: HashMap<String, Tensor> = m
+            .state_dict()
+            .into_iter()
+            .map(|(n, t)| {
+                let noise: Vec<f32> = (0..t.elem_count()).map(|_| 0.05 * (rng.f32() * 2.0 - 1.0)).collect();
+                let noise = Tensor::from_vec(noise, t.dims(), &Device::Cpu).unwrap();
+                (n, (t + noise).unwrap())
+            })
+            .collect();
+        m.load_state(&state).unwrap();
+        let wanted: HashSet<String> = targets(&m.state_dict());
+        assert_eq!(wanted.len(), 5);
+        let h = collect(
+            &m,
+            (4, 32),
+            3,
+            2,
+            wanted,
+            |buf| {
+                buf.iter_mut().for_each(|v| *v = rng.u32(..512));
+                Ok(())
+            },
+            || true,
+        )
+        .unwrap()
+        .unwrap();
+        (m, h)
+    }
+
+    fn loss(m: &Gpt) -> f64 {
+        let x = Tensor::from_vec((0..64u32).map(|i| (i * 37 + 5) % 512).collect::<Vec<_>>(), (2, 32), &Device::Cpu).unwrap();
+        let y = Tensor::from_vec((0..64u32).map(|i| (i * 11 + 3) % 512).collect::<Vec<_>>(), (2, 32), &Device::Cpu).unwrap();
+        m.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap() as f64
+    }
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("pipeline-roundtrip-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// The file's weights are the quantized ones: a model restored from the artifact has the
+    /// loss of the dequantized container, and GPTQ's weights differ from rounding's.
+    #[test]
+    fn the_restored_model_is_the_dequantized_one() {
+        let (m, h) = trained_like();
+        let state = m.state_dict();
+        let q = QuantConfig { bits: 4, embed_bits: Some(6), clip: Clip::SdClip, ..QuantConfig::record() };
+        let d = dir("restored");
+        let gptq = Method::Gptq { gptq: GptqConfig::default(), calibration_batches: 3 };
+        let w = write_and_restore(&state, &cfg(), &q, &gptq, Some(&h), &d.join("a.pgqz")).unwrap();
+        let rounding = Rounding::Gptq(&GptqConfig::default(), &h.by_weight);
+        let in_memory = quantize(&state, &q, rounding).unwrap().dequantize(Some(DType::F32), &Device::Cpu).unwrap();
+        let with = |tensors: &[(String, Tensor)]| {
+            let mut model = Gpt::new(&cfg(), 0, DType::F32, &Device::Cpu).unwrap();
+            model.load_state(&tensors.iter().cloned().collect()).unwrap();
+            loss(&model)
+        };
+        let (restored, dequantized, original) = (with(&w.restored), with(&in_memory), loss(&m));
+        assert_eq!(restored.to_bits(), dequantized.to_bits());
+        assert_ne!(restored, original);
+        let near = write_and_restore(&state, &cfg(), &q, &Method::Nearest, None, &d.join("b.pgqz")).unwrap();
+        let fc = |t: &[(String, Tensor)]| {
+            t.iter().find(|(n, _)| n == "blocks.0.mlp.fc.weight").unwrap().1.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        };
+        assert_ne!(fc(&near.restored), fc(&w.restored));
+        // The manifest says how the file was made.
+        let qz = from_bytes(&std::fs::read(d.join("a.pgqz")).unwrap()).unwrap();
+        let info = qz.info().unwrap();
+        assert_eq!(info["method"], "gptq");
+        assert_eq!(info["gptq"]["hessians"], 5);
+        assert_eq!(info["quant"]["bits"], 4);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// An artifact restored under another `[model]` is refused, naming the key, even where every
+    /// shape agrees; a corrupt file is refused naming the file.
+    #[test]
+    fn restore_refuses_another_architecture_and_a_corrupt_file() {
+        let m = Gpt::new(&cfg(), 1, DType::F32, &Device::Cpu).unwrap();
+        let d = dir("arch");
+        let path = d.join("a.pgqz");
+        write_and_restore(&m.state_dict(), &cfg(), &QuantConfig::record(), &Method::Nearest, None, &path).unwrap();
+        restore(&path, &cfg()).unwrap();
+        let other = ModelConfig { xsa_last_n: 1, ..cfg() };
+        let err = format!("{:#}", restore(&path, &other).unwrap_err());
+        assert!(err.contains("model.xsa_last_n") && err.contains("a.pgqz"), "{err}");
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 7]).unwrap();
+        let err = format!("{:#}", restore(&path, &cfg()).unwrap_err());
+        assert!(err.contains("a.pgqz") && err.contains("truncated"), "{err}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn size_lines_count_the_code() {
+        let m = Gpt::new(&cfg(), 1, DType::F32, &Device::Cpu).unwrap();
+        let d = dir("lines");
+        let q = QuantConfig::record();
+        let w = write_and_restore(&m.state_dict(), &cfg(), &q, &Method::Nearest, None, &d.join("a.pgqz")).unwrap();
+        let n = w.stats.compressed_bytes;
+        let [a, b, c] = size_lines(&q, &w, &CodeBytes::Given(1000));
+        assert!(a.starts_with(&format!("Serialized model int6/int8+brotli: {n} bytes")), "{a}");
+        assert!(b.contains("1000 bytes"), "{b}");
+        assert!(c.contains(&format!("{} bytes (model {n} + code 1000)", n + 1000)) && c.contains("fits"), "{c}");
+        let [_, _, c] = size_lines(&q, &w, &CodeBytes::Given(ARTIFACT_CAP_BYTES));
+        assert!(c.contains(&format!("OVER THE CAP by {n} bytes")), "{c}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
 }
