@@ -76,12 +76,18 @@ enum Command {
         /// Override a config value, as for `run`.
         #[arg(long = "set", value_name = "KEY=VALUE")]
         sets: Vec<String>,
-        /// Bits per quantized weight (8 as the baseline; 6 as the later records).
-        #[arg(long, default_value_t = 8)]
-        bits: u8,
-        /// Compressor: zlib (the baseline's), zstd or brotli.
-        #[arg(long, default_value = "zlib")]
-        codec: pipeline::artifact::quant::Codec,
+        /// The rounding: quantize (to nearest) or gptq (Hessians from the config's training
+        /// data). Default: the config's `artifact` stage's implementation, else quantize.
+        #[arg(long, value_enum)]
+        method: Option<cli::artifact::MethodArg>,
+        /// Bits per quantized weight of the matrices (8 as the baseline; 6 as the later
+        /// records). Default: the config's `artifact` stage's `bits`, else 8.
+        #[arg(long)]
+        bits: Option<u8>,
+        /// Compressor: zlib (the baseline's), zstd or brotli. Default: the config's artifact
+        /// stage's, else zlib.
+        #[arg(long)]
+        codec: Option<pipeline::artifact::quant::Codec>,
         /// Compression level (default: zlib 9, zstd 22, brotli 11).
         #[arg(long)]
         level: Option<i32>,
@@ -188,14 +194,9 @@ fn main() -> ExitCode {
         Command::AttentionTrial { device, kernels, batch, seq_len, heads, kv_heads, head_dim, json } => {
             cli::check::attention_trial(&device, &kernels, AttentionShape { batch, t: seq_len, heads, kv_heads, head_dim }, json)
         }
-        Command::Artifact { weights, config, sets, bits, codec, level, out, val_max_tokens } => cli::artifact::command(
-            weights,
-            config,
-            sets,
-            pipeline::artifact::quant::QuantConfig { bits, codec, level },
-            out,
-            val_max_tokens,
-        ),
+        Command::Artifact { weights, config, sets, method, bits, codec, level, out, val_max_tokens } => {
+            cli::artifact::command(weights, config, cli::artifact::Options { sets, method, bits, codec, level, out, val_max_tokens })
+        }
         Command::Data { command: DataCommand::Prepare { tokenizer, inputs, out, val_docs, val_frac, shard_tokens, force } } => {
             let val = match (val_docs, val_frac) {
                 (Some(n), _) => pipeline::data::prepare::ValSplit::Docs(n),

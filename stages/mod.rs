@@ -50,6 +50,7 @@ pub static REGISTRY: Registry = Registry::new(&[
     &TransformImpl::<ema_swa::Passthrough>::new(),
     &TransformImpl::<checkpoint::Atomic>::new(),
     &TransformImpl::<artifact::Quantize>::new(),
+    &TransformImpl::<artifact::Gptq>::new(),
     &SinkImpl::<ttt_eval::ScoreFirst>::new(),
     &SinkImpl::<ttt_eval::Sliding>::new(),
 ]);

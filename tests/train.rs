@@ -566,8 +566,11 @@ fn artifact_round_trip_scores_the_dequantized_weights() {
         let file = out.join(format!("final_model.int{bits}.{codec}.pgqz"));
         let size = std::fs::metadata(&file).unwrap().len();
         assert!(s.contains(&format!("Serialized model int{bits}+{codec}: {size} bytes")), "{s}");
-        // The pre-quantization score is the run's own final validation.
-        assert!(s.contains(&format!("pre-quantization val_loss:{:.4} val_bpb:{:.4}", f(&t, "val_loss"), f(&t, "val_bpb"))), "{s}");
+        // The pre-quantization score is the run's own final validation (the records' format).
+        let pre = s.lines().find(|l| l.starts_with("pre-quantization val_loss:")).expect("pre-quantization line");
+        let pre_bpb: f64 = pre.split("val_bpb:").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+        assert!((pre_bpb - f(&t, "val_bpb")).abs() < 1e-4 && pre.contains(" eval_time:"), "{pre} vs {}", f(&t, "val_bpb"));
+        assert!(s.lines().any(|l| l.starts_with("quantized val_loss:")), "{s}");
         let exact = s.lines().find(|l| l.starts_with(&format!("final_int{bits}_{codec}_roundtrip_exact "))).expect("exact line");
         let bpb: f64 = exact.split("val_bpb:").nth(1).unwrap().trim().parse().unwrap();
         assert!((bpb - f(&t, "val_bpb")).abs() < 0.1, "round trip {bpb} vs {}", f(&t, "val_bpb"));
@@ -590,4 +593,32 @@ fn artifact_bad_inputs_are_named() {
     assert_fails(&artifact(&cut, &out.join("config.toml"), &[]), &["cut.safetensors"]);
     let o = artifact(&weights, &out.join("config.toml"), &["--bits", "9"]);
     assert!(!o.status.success() && !text(&o).contains("panicked"), "{}", text(&o));
+    // A bad value in the config's artifact stage is named with the stage.
+    let with_stage = c.dir.join("with-artifact.toml");
+    let text_of = std::fs::read_to_string(out.join("config.toml")).unwrap();
+    std::fs::write(&with_stage, text_of + "\n[stages.pack]\nkind = \"artifact\"\nimpl = \"gptq\"\ninputs = [\"train\"]\nclip = \"sd\"\n")
+        .unwrap();
+    assert_fails(&artifact(&weights, &with_stage, &[]), &["stages.pack", "sd"]);
+}
+
+/// `--method gptq` calibrates on the config's training data and writes an artifact the
+/// round trip scores; the config's artifact stage supplies the scheme.
+#[test]
+fn artifact_gptq_on_saved_weights() {
+    let c = corpus("artifact-gptq");
+    let cfg = config(&c);
+    let out = c.dir.join("run");
+    train_ok(&cfg, &out, &["train.iterations=10", "train.val_every=0"]);
+    let weights = out.join("final_model.safetensors");
+    let o = artifact(
+        &weights,
+        &out.join("config.toml"),
+        &["--method", "gptq", "--bits", "6", "--codec", "brotli", "--set", "stages.artifact.calibration_batches=2"],
+    );
+    let s = text(&o);
+    assert!(o.status.success(), "{s}");
+    assert!(s.contains("gptq:collected ") && s.contains(" from 2 calibration batches"), "{s}");
+    assert!(s.contains("Code size: ") && s.contains("Total submission size int6+brotli: "), "{s}");
+    assert!(s.lines().any(|l| l.starts_with("quantized val_loss:")), "{s}");
+    assert!(out.join("final_model.int6.brotli.pgqz").is_file());
 }
