@@ -204,6 +204,18 @@ impl ArtifactStage {
             crate::runtime::memory::Need::host("quantized, compressed and restored copies", total.saturating_mul(6), &MODEL_KEYS)
                 .transient(),
         ];
+        if gptq {
+            // One f32 Hessian (in x in) per distinct input of a quantized matrix, on the device
+            // while they are summed (q, k, v counted once each here: an upper bound).
+            let bytes: u64 = c
+                .model
+                .param_shapes()
+                .iter()
+                .filter(|(_, s)| s.len() == 2 && s[0] * s[1] > crate::artifact::quant::PASSTHROUGH_MAX_NUMEL)
+                .map(|(_, s)| (s[1] * s[1] * 4) as u64)
+                .sum();
+            needs.push(crate::runtime::memory::Need::device("GPTQ's Hessians", bytes, &MODEL_KEYS).transient());
+        }
         if p.eval || gptq {
             let shape = c.batch_shape()?;
             let tokens = crate::eval::validation::tokens_per_pass(&c.validation(), shape.micro_steps);

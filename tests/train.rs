@@ -610,11 +610,13 @@ fn artifact_gptq_on_saved_weights() {
     let out = c.dir.join("run");
     train_ok(&cfg, &out, &["train.iterations=10", "train.val_every=0"]);
     let weights = out.join("final_model.safetensors");
-    let o = artifact(
-        &weights,
-        &out.join("config.toml"),
-        &["--method", "gptq", "--bits", "6", "--codec", "brotli", "--set", "stages.artifact.calibration_batches=2"],
-    );
+    // The config's own artifact stage gives the implementation and the settings; --set and
+    // the flags go on top.
+    let with_stage = c.dir.join("with-artifact.toml");
+    let text_of = std::fs::read_to_string(out.join("config.toml")).unwrap();
+    let stage = "\n[stages.pack]\nkind = \"artifact\"\nimpl = \"gptq\"\ninputs = [\"train\"]\ncalibration_batches = 3\n";
+    std::fs::write(&with_stage, text_of + stage).unwrap();
+    let o = artifact(&weights, &with_stage, &["--bits", "6", "--codec", "brotli", "--set", "stages.pack.calibration_batches=2"]);
     let s = text(&o);
     assert!(o.status.success(), "{s}");
     assert!(s.contains("gptq:collected ") && s.contains(" from 2 calibration batches"), "{s}");

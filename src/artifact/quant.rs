@@ -1329,7 +1329,7 @@ mod tests {
         let Some(Entry::Quant(fc)) = qz.get("blocks.0.mlp.fc.weight") else { panic!() };
         let Some(Entry::Quant(emb)) = qz.get("tok_emb.weight") else { panic!() };
         assert_eq!((fc.bits, emb.bits), (6, 8));
-        assert!(fc.q.iter().all(|v| v.abs() <= 31) && emb.q.iter().all(|v| v.abs() <= 127));
+        assert!(fc.q.iter().all(|v| v.abs() <= 31) && emb.q.iter().all(|v| *v != i8::MIN));
         // SD-clip: the scale is k std / Q in fp16, no floor (these rows have std ~0.05).
         let Scales::PerRow(s) = &fc.scales else { panic!() };
         let row: Vec<f32> = f32_values(&st[0].1)[..256].to_vec();

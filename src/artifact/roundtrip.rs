@@ -532,4 +532,55 @@ mod tests {
         assert!(c.contains(&format!("OVER THE CAP by {n} bytes")), "{c}");
         std::fs::remove_dir_all(&d).unwrap();
     }
+
+    /// The record model's calibration and GPTQ on this machine: Hessians from 4 batches of
+    /// 2 x 2048 random tokens through the looped model, then GPTQ of its 67 matrices
+    /// (`cargo test --release --lib roundtrip::tests::record_size_gptq_time -- --ignored --nocapture`).
+    #[test]
+    #[ignore = "slow: the 36 M-parameter record model on the CPU"]
+    fn record_size_gptq_time() {
+        let cfg = ModelConfig::record();
+        let t0 = Instant::now();
+        let m = Gpt::new(&cfg, 42, DType::F32, &Device::Cpu).unwrap();
+        let mut rng = fastrand::Rng::with_seed(1);
+        let state: HashMap<String, Tensor> = m
+            .state_dict()
+            .into_iter()
+            .map(|(n, t)| {
+                let v: Vec<f32> = (0..t.elem_count()).map(|_| 0.02 * (rng.f32() * 2.0 - 1.0) * 1.7).collect();
+                (n.clone(), Tensor::from_vec(v, t.dims(), &Device::Cpu).unwrap())
+            })
+            .collect();
+        let mut m = m;
+        m.load_state(&state).unwrap();
+        println!("record model built in {:?}", t0.elapsed());
+        let t0 = Instant::now();
+        let h = collect(
+            &m,
+            (2, 2048),
+            4,
+            1,
+            targets(&m.state_dict()),
+            |buf| {
+                buf.iter_mut().for_each(|v| *v = rng.u32(..8192));
+                Ok(())
+            },
+            || true,
+        )
+        .unwrap()
+        .unwrap();
+        let calib = t0.elapsed();
+        assert_eq!((h.by_weight.len(), h.distinct), (67, 45));
+        let t0 = Instant::now();
+        let g = GptqConfig::default();
+        let qz = quantize(&m.state_dict(), &QuantConfig::record(), Rounding::Gptq(&g, &h.by_weight)).unwrap();
+        let gptq = t0.elapsed();
+        assert_eq!(qz.stats().quantized, 67);
+        println!(
+            "record model, {} threads: Hessians ({} matrices, {} distinct, 4 batches of 2 x 2048) {calib:?}, GPTQ of 67 matrices {gptq:?}",
+            rayon::current_num_threads(),
+            h.by_weight.len(),
+            h.distinct
+        );
+    }
 }
