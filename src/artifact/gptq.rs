@@ -21,21 +21,21 @@
 //!
 //! # The algorithm (Optimal Brain Quantization, column by column)
 //!
-//! Quantize column `j`, then move the rounding error onto the columns not yet quantized so that
-//! `tr(D H D^T)` grows as little as possible. For the quadratic form `d^T H d`, fixing
-//! `d_j = e_j` and choosing the remaining `d_{j+1..}` freely is minimised by
+//! Quantize column `j`, then change the columns not yet quantized so that `tr(D H D^T)` grows
+//! as little as possible. With the rounding error `delta_j = w_j - q_j s` fixed, the quadratic
+//! form `d^T H d` is smallest when the not-yet-quantized weights move by
 //!
 //! ```text
-//! d_{j+1..} = -(e_j / [H_j^-1]_jj) * [H_j^-1]_{j, j+1..}
+//! w_{j+1..} -= (delta_j / [H_j^-1]_jj) * [H_j^-1]_{j, j+1..}
 //! ```
 //!
 //! where `H_j^-1` is the inverse of `H` restricted to the not-yet-quantized columns `j..`. The
-//! trick of GPTQ: all the rows `[H_j^-1]_{j, j..} / sqrt([H_j^-1]_jj)` are the rows of the upper
+//! trick of GPTQ: the rows `[H_j^-1]_{j, j..} / sqrt([H_j^-1]_jj)` are the rows of the upper
 //! Cholesky factor `U` of `H^-1` (`H^-1 = U^T U`), so one factorization gives every step:
 //!
 //! ```text
 //! q_j   = clamp(round_half_even(w_j / s), -Q, Q)
-//! e_j   = (w_j - q_j * s) / U_jj
+//! e_j   = (w_j - q_j * s) / U_jj            (= delta_j / sqrt([H_j^-1]_jj))
 //! w_k  -= e_j * U_jk                 for k >= j    (k = j too: harmless, w_j is done)
 //! ```
 //!
@@ -97,9 +97,9 @@ use half::f16;
 use rayon::prelude::*;
 
 /// Rows per tile (one rayon task) of the in-block column loop. The tile's block columns are
-/// copied column-major (`128 x 32` f64: 32 KiB, about L1), so the updates run down contiguous
-/// columns of independent rows (vectorised, no dependency chain between iterations) instead of
-/// along one row, where each column waits for the previous one's division and rounding.
+/// copied column-major (`128 x 32` f64: 32 KiB, about L1), so every update is one loop of 32
+/// independent rows over contiguous memory, which vectorises (4-wide with AVX2). Measured on
+/// tok_emb's shape: 16 to 64 rows are within about 10% of each other; 8 and 128 are slower.
 const ROW_TILE: usize = 32;
 
 /// Settings of [`quantize_matrix`].
