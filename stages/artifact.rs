@@ -39,7 +39,7 @@ use super::config;
 use crate::artifact::gptq::GptqConfig;
 use crate::artifact::quant::{ARTIFACT_CAP_BYTES, Clip, Codec, QuantConfig};
 use crate::artifact::roundtrip::{
-    CodeBytes, Method, baseline_lines, calibrate, calibration_line, model_from, score_line, size_lines, write_and_restore,
+    CodeBytes, Method, baseline_lines, calibrate, calibration_line, model_from, size_lines, write_and_restore,
 };
 use crate::eval::bpb::BpbAccumulator;
 use crate::eval::validation::Validator;
@@ -287,7 +287,7 @@ impl ArtifactStage {
                 let t0 = Instant::now();
                 let Some(before) = self.score(v, weights, ctx)? else { return Ok(None) };
                 let ms = t0.elapsed().as_secs_f64() * 1e3;
-                self.log.line(&score_line(&format!("pre-quantization post-{label}"), &before, ms));
+                self.log.line(&before.score_line(&format!("pre-quantization post-{label}"), ms));
                 section["before"] = serde_json::json!({"val_loss": before.val_loss(), "val_bpb": before.val_bpb(), "eval_ms": ms});
                 Some(before)
             }
@@ -327,14 +327,13 @@ impl ArtifactStage {
         } else {
             String::new()
         };
-        self.log.line(&format!(
-            "artifact:{} hessians {:.1}s + quantize {:.1}s = {:.1}s{against}; compression {:.1}s",
-            self.method.name(),
-            calibration_ms / 1e3,
-            quantize_ms / 1e3,
-            reserve_ms / 1e3,
-            w.compress.as_secs_f64()
-        ));
+        let took = match &self.method {
+            Method::Gptq { .. } => {
+                format!("hessians {:.1}s + quantize {:.1}s = {:.1}s", calibration_ms / 1e3, quantize_ms / 1e3, reserve_ms / 1e3)
+            }
+            Method::Nearest => format!("quantize {:.1}s", quantize_ms / 1e3),
+        };
+        self.log.line(&format!("artifact:{} {took}{against}; compression {:.1}s", self.method.name(), w.compress.as_secs_f64()));
         let code = self.code.take().map(|h| h.join().unwrap_or(CodeBytes::Unknown)).unwrap_or(CodeBytes::Unknown);
         for l in size_lines(&q, &w, &code) {
             self.log.line(&l);
@@ -368,7 +367,7 @@ impl ArtifactStage {
             let t0 = Instant::now();
             let Some(after) = self.score(v, &w.restored, ctx)? else { return Ok(None) };
             let ms = t0.elapsed().as_secs_f64() * 1e3;
-            self.log.line(&score_line("quantized", &after, ms));
+            self.log.line(&after.score_line("quantized", ms));
             for l in baseline_lines(&q, &after, ms) {
                 self.log.line(&l);
             }

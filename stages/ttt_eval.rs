@@ -146,7 +146,7 @@ impl Evaluator {
     /// eval_time:%.0fms`, timed from `t0`) and returns it as a report section.
     fn scored(&self, name: &str, acc: &BpbAccumulator, t0: Instant) -> serde_json::Value {
         let ms = t0.elapsed().as_secs_f64() * 1e3;
-        self.log.line(&format!("{name} val_loss:{:.8} val_bpb:{:.8} eval_time:{ms:.0}ms", acc.val_loss(), acc.val_bpb()));
+        self.log.line(&acc.score_line(name, ms));
         serde_json::json!({
             "val_loss": acc.val_loss(),
             "val_bpb": acc.val_bpb(),

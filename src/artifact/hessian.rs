@@ -70,10 +70,13 @@ impl InputObserver for Collector {
     fn observe(&mut self, weights: &[String], x: &Tensor) -> candle_core::Result<()> {
         let mut names = weights.iter().filter(|w| self.wanted.contains(*w));
         let Some(first) = names.next() else { return Ok(()) };
-        let key = self.group_of.get(first).cloned().unwrap_or_else(|| first.clone());
-        self.group_of.insert(first.clone(), key.clone());
-        for n in names {
-            self.group_of.insert(n.clone(), key.clone());
+        // A group is keyed by its first weight; later passes find the names already there.
+        let key = first.clone();
+        if !self.group_of.contains_key(first) {
+            self.group_of.insert(first.clone(), key.clone());
+            for n in names {
+                self.group_of.insert(n.clone(), key.clone());
+            }
         }
         let x = x.to_dtype(DType::F32)?;
         let xtx = x.t()?.matmul(&x)?;

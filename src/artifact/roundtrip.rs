@@ -243,11 +243,6 @@ pub fn size_lines(q: &QuantConfig, w: &Written, code: &CodeBytes) -> [String; 3]
     ]
 }
 
-/// The score line with the records' format: `LABEL val_loss:X val_bpb:Y eval_time:Tms`.
-pub fn score_line(label: &str, acc: &BpbAccumulator, ms: f64) -> String {
-    format!("{label} val_loss:{:.8} val_bpb:{:.8} eval_time:{ms:.0}ms", acc.val_loss(), acc.val_bpb())
-}
-
 /// The baseline's round-trip lines (`final_int8_zlib_roundtrip` and its `_exact` twin).
 pub fn baseline_lines(q: &QuantConfig, acc: &BpbAccumulator, ms: f64) -> [String; 2] {
     let tag = format!("final_int{}_{}_roundtrip", q.bits, q.codec);
@@ -333,7 +328,7 @@ pub fn build(
         Ok((acc, t0.elapsed().as_secs_f64() * 1e3))
     };
     let (before, before_ms) = score(&model)?;
-    log(&score_line("pre-quantization", &before, before_ms));
+    log(&before.score_line("pre-quantization", before_ms));
     let state = model.state_dict();
     let calibration = match method {
         Method::Gptq { calibration_batches, .. } => {
@@ -360,7 +355,7 @@ pub fn build(
     let state: std::collections::HashMap<_, _> = written.restored.into_iter().collect();
     model.load_state(&state)?;
     let (after, eval_ms) = score(&model)?;
-    log(&score_line("quantized", &after, eval_ms));
+    log(&after.score_line("quantized", eval_ms));
     for l in baseline_lines(q, &after, eval_ms) {
         log(&l);
     }

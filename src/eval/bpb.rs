@@ -133,6 +133,11 @@ pub struct BpbAccumulator {
 }
 
 impl BpbAccumulator {
+    /// The records' score line: `<label> val_loss:%.8f val_bpb:%.8f eval_time:%.0fms`.
+    pub fn score_line(&self, label: &str, eval_ms: f64) -> String {
+        format!("{label} val_loss:{:.8} val_bpb:{:.8} eval_time:{eval_ms:.0}ms", self.val_loss(), self.val_bpb())
+    }
+
     /// An empty accumulator counting bytes with `tables`.
     pub fn new(tables: Arc<ByteTables>) -> Self {
         Self { tables, nll_sum: 0.0, tokens: 0, bytes: 0 }
