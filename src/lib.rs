@@ -13,6 +13,8 @@
 //! - [`data`]: shards, tokenizer, batches and the loader state, staging buffers.
 //! - [`model`]: the GPT, its ops (one file each: reference, CPU kernel, GPU launch).
 //! - [`optim`]: Muon, Adam and SGD over candle variables, and the LR schedule.
+//! - [`engine`]: the explicit training engine: forward and hand-written backward over one
+//!   arena, behind a backend trait (CPU backends in f64 and f32).
 //! - [`eval`]: validation, bits per byte, sliding-window scoring and test-time training.
 //! - [`train`]: the application's config (`[train]` with the other tables), the training
 //!   session (the loop), trainer, snapshots, checkpoints and the training log.
@@ -33,6 +35,8 @@ pub mod data;
 pub mod model;
 
 pub mod optim;
+
+pub mod engine;
 
 pub mod eval;
 

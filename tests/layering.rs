@@ -21,6 +21,7 @@ const FLOORS: &[(&str, u32)] = &[
     ("data", 2),
     ("model", 3),
     ("optim", 4),
+    ("engine", 5),
     ("eval", 5),
     ("train", 6),
     ("artifact", 7),

@@ -55,7 +55,7 @@ pub mod attention_trial;
 mod block;
 pub mod compare;
 mod config;
-mod cpu;
+pub(crate) mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod flash_attn;

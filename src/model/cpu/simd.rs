@@ -16,6 +16,7 @@ use candle_core::WithDType;
 pub(crate) trait Real: WithDType {
     fn exp(self) -> Self;
     fn tanh(self) -> Self;
+    fn sqrt(self) -> Self;
 }
 
 impl Real for f32 {
@@ -27,6 +28,10 @@ impl Real for f32 {
     fn tanh(self) -> Self {
         tanh_f32(self)
     }
+    #[inline(always)]
+    fn sqrt(self) -> Self {
+        f32::sqrt(self)
+    }
 }
 
 impl Real for f64 {
@@ -37,6 +42,10 @@ impl Real for f64 {
     #[inline(always)]
     fn tanh(self) -> Self {
         f64::tanh(self)
+    }
+    #[inline(always)]
+    fn sqrt(self) -> Self {
+        f64::sqrt(self)
     }
 }
 

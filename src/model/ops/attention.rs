@@ -346,6 +346,126 @@ impl CustomOp3 for CausalAttention {
     }
 }
 
+/// Shapes of a token-major attention call: `(batch, t, heads, kv_heads, d)`.
+pub(crate) type TokenDims = (usize, usize, usize, usize, usize);
+
+/// Row offsets of head `head` of a token-major matrix with row stride `ld` for sequence `b`:
+/// the `T` rows `(b T + i) ld + head d`.
+fn head_rows(ld: usize, (b, t, d): (usize, usize, usize), head: usize) -> Vec<usize> {
+    (0..t).map(|i| (b * t + i) * ld + head * d).collect()
+}
+
+/// [`causal_attention_tokens`]'s forward on plain slices (the engine's CPU backend): `q`, `k`,
+/// `v` token-major views `(slice, row stride)` (k and v may be column blocks of one fused
+/// product), `out` the contiguous `(B T, H D)` output. The kernels are this file's, one task
+/// per (batch, head).
+pub(crate) fn attention_token_major_fwd<T: Real>(
+    (q, ldq): (&[T], usize),
+    (k, ldk): (&[T], usize),
+    (v, ldv): (&[T], usize),
+    out: &mut [T],
+    (b, t, h, kh, d): TokenDims,
+) {
+    let (group, scale) = (h / kh, T::from_f64(1.0 / (d as f64).sqrt()));
+    let heads: Vec<Vec<T>> = (0..b * h)
+        .into_par_iter()
+        .map(|bh| {
+            let (bi, hh) = (bh / h, bh % h);
+            let (qo, ko, vo) = (head_rows(ldq, (bi, t, d), hh), head_rows(ldk, (bi, t, d), hh / group), head_rows(ldv, (bi, t, d), hh / group));
+            let rows = |data, offsets| Rows { data, offsets, len: d };
+            let mut o = vec![T::from_f64(0.0); t * d];
+            attn_fwd_head(rows(q, &qo), rows(k, &ko), rows(v, &vo), scale, &mut o);
+            o
+        })
+        .collect();
+    out.par_chunks_mut(t * h * d).enumerate().for_each(|(bi, ob)| {
+        for hh in 0..h {
+            let src = &heads[bi * h + hh];
+            for i in 0..t {
+                ob[(i * h + hh) * d..(i * h + hh + 1) * d].copy_from_slice(&src[i * d..(i + 1) * d]);
+            }
+        }
+    });
+}
+
+/// Where [`attention_token_major_bwd`] puts the gradients: token-major views `(slice from
+/// the view's first element, row stride)`. `dq` and `dk` are written; `dv` is written, or
+/// accumulated (`+=`) when `dv_acc` (exclusive self-attention wrote its part first).
+pub(crate) struct AttentionGrads<'a, T> {
+    /// `dq`.
+    pub(crate) dq: (&'a mut [T], usize),
+    /// `dk`.
+    pub(crate) dk: (&'a mut [T], usize),
+    /// `dv`.
+    pub(crate) dv: (&'a mut [T], usize),
+    /// Add to `dv` rather than overwrite it.
+    pub(crate) dv_acc: bool,
+}
+
+/// A token-major view cut into its `b` sequences' runs of `t` rows.
+fn by_sequence<T>((data, ld): (&mut [T], usize), b: usize, t: usize) -> Vec<&mut [T]> {
+    let mut out = Vec::with_capacity(b);
+    let mut rest = data;
+    for bi in 0..b {
+        let take = if bi + 1 < b { t * ld } else { rest.len() };
+        let (c, tail) = std::mem::take(&mut rest).split_at_mut(take);
+        out.push(c);
+        rest = tail;
+    }
+    out
+}
+
+/// The backward pass of [`attention_token_major_fwd`] (probabilities recomputed per block of
+/// query rows), one task per (batch, KV head); `(o, go)` are the forward output and its
+/// gradient, contiguous `(B T, H D)`.
+pub(crate) fn attention_token_major_bwd<T: Real>(
+    (q, ldq): (&[T], usize),
+    (k, ldk): (&[T], usize),
+    (v, ldv): (&[T], usize),
+    (o, go): (&[T], &[T]),
+    grads: AttentionGrads<'_, T>,
+    (b, t, h, kh, d): TokenDims,
+) {
+    let (group, scale, w) = (h / kh, T::from_f64(1.0 / (d as f64).sqrt()), h * d);
+    let zero = T::from_f64(0.0);
+    let parts: Vec<AttnGrads<T>> = (0..b * kh)
+        .into_par_iter()
+        .map(|bk| {
+            let (bi, g) = (bk / kh, bk % kh);
+            let qo: Vec<usize> = (g * group..(g + 1) * group).flat_map(|hh| head_rows(ldq, (bi, t, d), hh)).collect();
+            let oo: Vec<usize> = (g * group..(g + 1) * group).flat_map(|hh| head_rows(w, (bi, t, d), hh)).collect();
+            let (ko, vo) = (head_rows(ldk, (bi, t, d), g), head_rows(ldv, (bi, t, d), g));
+            let rows = |data, offsets| Rows { data, offsets, len: d };
+            let x = AttnBwdIn { q: rows(q, &qo), k: rows(k, &ko), v: rows(v, &vo), o: rows(o, &oo), go: rows(go, &oo) };
+            let (mut dq, mut dk, mut dv) = (vec![zero; group * t * d], vec![zero; t * d], vec![zero; t * d]);
+            attn_bwd_group(&x, scale, &mut dq, &mut dk, &mut dv);
+            (dq, dk, dv)
+        })
+        .collect();
+    let AttentionGrads { dq, dk, dv, dv_acc } = grads;
+    let (lq, lk, lv) = (dq.1, dk.1, dv.1);
+    let seqs = by_sequence(dq, b, t).into_iter().zip(by_sequence(dk, b, t)).zip(by_sequence(dv, b, t));
+    seqs.collect::<Vec<_>>().into_par_iter().enumerate().for_each(|(bi, ((cq, ck), cv))| {
+        for g in 0..kh {
+            let (dq, dk, dv) = &parts[bi * kh + g];
+            for i in 0..t {
+                for (j, hh) in (g * group..(g + 1) * group).enumerate() {
+                    cq[i * lq + hh * d..][..d].copy_from_slice(&dq[(j * t + i) * d..(j * t + i + 1) * d]);
+                }
+                ck[i * lk + g * d..][..d].copy_from_slice(&dk[i * d..(i + 1) * d]);
+                let out = &mut cv[i * lv + g * d..][..d];
+                if dv_acc {
+                    for (x, &y) in out.iter_mut().zip(&dv[i * d..(i + 1) * d]) {
+                        *x += y;
+                    }
+                } else {
+                    out.copy_from_slice(&dv[i * d..(i + 1) * d]);
+                }
+            }
+        }
+    });
+}
+
 /// Causal grouped-query attention on token-major matrices: `q` is `(N, H * D)`, `k` and `v` are
 /// `(N, K * D)` with `N = batch * T` rows (row `n` is position `n % T` of batch row `n / T`).
 /// The same as [`super::causal_attention`] on the `(B, H, T, D)` heads of the inputs, with its

@@ -55,6 +55,7 @@ pub mod softcap_ce;
 pub(crate) mod testing;
 pub mod xsa;
 
+pub(crate) use attention::{AttentionGrads, attention_token_major_bwd, attention_token_major_fwd};
 pub use attention::{causal_attention, causal_attention_reference, causal_attention_tokens, causal_mask, repeat_kv, softmax_last};
 pub use cast::cast;
 pub use causal_softmax::causal_softmax;

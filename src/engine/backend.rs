@@ -1,0 +1,296 @@
+//! The backend trait: every op the engine's schedule ([`super::gpt`]) and its optimizers
+//! ([`super::optim`]) run, on regions of one arena addressed by static offsets ([`Buf`],
+//! [`Mat`]). The schedule knows the model and the order; a backend knows how to compute an op
+//! on its device and in its precision. Two CPU backends implement it
+//! ([`super::cpu::CpuBackend`] in f64 for checks and f32 for speed); the GPU backend of the
+//! next issue implements the same trait over device memory.
+//!
+//! Conventions: `rows x cols` matrices are row-major with a leading dimension (`ld`, elements
+//! between rows), so a column block of a wider matrix (q inside the fused qkv product) is a
+//! view, not a copy. An op writes its outputs and reads its inputs; an output never overlaps
+//! an input unless the op says it works in place. "Accumulate" outputs (`+=`) are how gradients
+//! are summed over the uses of a tensor and over micro-batches without a separate add.
+
+use candle_core::{DType, Tensor};
+
+/// A region of the arena: `len` elements from `off`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Buf {
+    /// First element.
+    pub off: usize,
+    /// Elements.
+    pub len: usize,
+}
+
+impl Buf {
+    /// `len` elements from `off` elements into this region.
+    pub fn sub(self, off: usize, len: usize) -> Buf {
+        assert!(off + len <= self.len, "sub-region {off}+{len} of a {}-element region", self.len);
+        Buf { off: self.off + off, len }
+    }
+
+    /// The end (exclusive).
+    pub fn end(self) -> usize {
+        self.off + self.len
+    }
+
+    /// Whether the two regions share an element.
+    pub fn overlaps(self, other: Buf) -> bool {
+        self.len > 0 && other.len > 0 && self.off < other.end() && other.off < self.end()
+    }
+
+    /// The region as a `rows x cols` row-major matrix (`ld = cols`).
+    pub fn mat(self, rows: usize, cols: usize) -> Mat {
+        assert_eq!(rows * cols, self.len, "a {}-element region as a {rows}x{cols} matrix", self.len);
+        Mat { off: self.off, rows, cols, ld: cols, t: false }
+    }
+}
+
+/// A matrix in the arena: `rows x cols` stored row-major from `off` with `ld` elements between
+/// rows; `t` reads it transposed (a `cols x rows` operand).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mat {
+    /// First element.
+    pub off: usize,
+    /// Stored rows.
+    pub rows: usize,
+    /// Stored columns.
+    pub cols: usize,
+    /// Elements between the starts of two rows.
+    pub ld: usize,
+    /// Read transposed.
+    pub t: bool,
+}
+
+impl Mat {
+    /// The transposed operand (no copy).
+    pub fn t(self) -> Mat {
+        Mat { t: !self.t, ..self }
+    }
+
+    /// Columns `c0..c0 + n` of the stored matrix (a view with the same `ld`).
+    pub fn cols(self, c0: usize, n: usize) -> Mat {
+        assert!(c0 + n <= self.cols && !self.t, "columns {c0}+{n} of a {}-column matrix", self.cols);
+        Mat { off: self.off + c0, cols: n, ..self }
+    }
+
+    /// Rows `r0..r0 + n` of the stored matrix.
+    pub fn rows(self, r0: usize, n: usize) -> Mat {
+        assert!(r0 + n <= self.rows && !self.t, "rows {r0}+{n} of a {}-row matrix", self.rows);
+        Mat { off: self.off + r0 * self.ld, rows: n, ..self }
+    }
+
+    /// The operand's shape as read: `(rows, cols)`, swapped when transposed.
+    pub fn shape(self) -> (usize, usize) {
+        if self.t { (self.cols, self.rows) } else { (self.rows, self.cols) }
+    }
+
+    /// The elements it spans (from the first to one past the last).
+    pub fn span(self) -> Buf {
+        let len = if self.rows == 0 || self.cols == 0 { 0 } else { (self.rows - 1) * self.ld + self.cols };
+        Buf { off: self.off, len }
+    }
+}
+
+/// The MLP's activation and its slope for negative inputs (`relu²`: 0).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Activation {
+    /// Slope of the leaky ReLU before the square (0: ReLU).
+    pub slope: f64,
+}
+
+/// Shapes of one causal attention call on token-major matrices: `batch` sequences of `t`
+/// tokens, `heads` query heads and `kv_heads` key/value heads of width `d`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnShape {
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub t: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (dividing `heads`).
+    pub kv_heads: usize,
+    /// Head width.
+    pub d: usize,
+}
+
+/// Shapes of the per-head RMS norm + RoPE op: rows of `heads` heads of width `d`, the first
+/// `rot` dims of each rotated with the `(t, rot / 2)` tables, row `n` at position `n % t`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadShape {
+    /// Rows (tokens).
+    pub rows: usize,
+    /// Heads per row.
+    pub heads: usize,
+    /// Head width.
+    pub d: usize,
+    /// Rotated dims per head (even, at most `d`).
+    pub rot: usize,
+    /// Sequence length (the position of row `n` is `n % t`).
+    pub t: usize,
+}
+
+/// One Adam step's scalars (see [`crate::optim::Adam::step`] for the update).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamStep {
+    /// Learning rate (schedule applied).
+    pub lr: f64,
+    /// `β1`.
+    pub beta1: f64,
+    /// `β2`.
+    pub beta2: f64,
+    /// `ε`.
+    pub eps: f64,
+    /// Decoupled weight decay (0: none).
+    pub weight_decay: f64,
+    /// `1 − β1^t`.
+    pub bias1: f64,
+    /// `sqrt(1 − β2^t)`.
+    pub bias2_sqrt: f64,
+}
+
+/// The ops of the engine, on one arena. Every method panics on a region outside the arena or
+/// an output overlapping an input (a schedule bug, never a data error).
+pub trait Backend: Send {
+    /// The arena's element type (`F64` for the check backend, `F32` for the fast one).
+    fn dtype(&self) -> DType;
+
+    /// Elements in the arena.
+    fn len(&self) -> usize;
+
+    /// Whether the arena is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copies `src` (any float dtype, any device; `dst.len` elements) into `dst`.
+    fn upload(&mut self, dst: Buf, src: &Tensor) -> anyhow::Result<()>;
+
+    /// `src` as a CPU tensor of `shape` in the arena's dtype.
+    fn download(&self, src: Buf, shape: &[usize]) -> anyhow::Result<Tensor>;
+
+    /// The token ids of the next micro-batch: inputs `x` and targets `y`, `rows * t` each.
+    fn set_tokens(&mut self, x: &[u32], y: &[u32]);
+
+    /// `dst = value`.
+    fn fill(&mut self, dst: Buf, value: f64);
+
+    /// `dst = src`.
+    fn copy(&mut self, dst: Buf, src: Buf);
+
+    /// `dst *= a`.
+    fn scale(&mut self, dst: Buf, a: f64);
+
+    /// `sum(src)` in f64.
+    fn sum(&self, src: Buf) -> f64;
+
+    /// `sum(src^2)` in f64.
+    fn sum_sq(&self, src: Buf) -> f64;
+
+    /// Whether every element of `src` is finite.
+    fn all_finite(&self, src: Buf) -> bool;
+
+    /// `C = alpha op(A) op(B) + beta C` (`beta = 0`: `C` is not read).
+    fn gemm(&mut self, c: Mat, a: Mat, b: Mat, alpha: f64, beta: f64);
+
+    /// `out[n] = table[x[n]]` (`dim`-wide rows) for the micro-batch's inputs.
+    fn embedding_fwd(&mut self, table: Buf, out: Buf, dim: usize);
+
+    /// `dtable[x[n]] += dout[n]`.
+    fn embedding_bwd(&mut self, dout: Buf, dtable: Buf, dim: usize);
+
+    /// Row RMS norm: `r = sqrt(mean(x^2) + eps)`, `out = scale x / r`, `rstd = 1 / r` per row.
+    fn rms_norm_fwd(&mut self, x: Buf, out: Buf, rstd: Buf, cols: usize, scale: f64, eps: f64);
+
+    /// Backward of [`Backend::rms_norm_fwd`]: `dx (+)= scale (dy / r - x sum(dy x) / (cols r^3))`.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_bwd(&mut self, x: Buf, rstd: Buf, dy: Buf, dx: Buf, cols: usize, scale: f64, accumulate: bool);
+
+    /// `out = h mix[0] + x0 mix[1]` (`mix`: `(2, cols)`).
+    fn resid_mix_fwd(&mut self, h: Buf, x0: Buf, mix: Buf, out: Buf);
+
+    /// Backward of [`Backend::resid_mix_fwd`]: `dh = du mix[0]`, `dx0 += du mix[1]`,
+    /// `dmix[0] += colsum(du h)`, `dmix[1] += colsum(du x0)`.
+    #[allow(clippy::too_many_arguments)]
+    fn resid_mix_bwd(&mut self, du: Buf, h: Buf, x0: Buf, mix: Buf, dh: Buf, dx0: Buf, dmix: Buf);
+
+    /// `out = base + x s` per channel (`out` may be `base`: in place).
+    fn scale_add_fwd(&mut self, base: Buf, x: Buf, s: Buf, out: Buf);
+
+    /// Backward of the `x s` term: `dx = dy s`, `ds += colsum(dy x)` (the base's gradient is
+    /// `dy` itself, which the schedule keeps).
+    fn scale_add_bwd(&mut self, dy: Buf, x: Buf, s: Buf, dx: Buf, ds: Buf);
+
+    /// The U-Net skip into decoder position `j`: `out = h + w s`, or with a gate row `z`,
+    /// `out = k + sigmoid(z) (h - k)` with `k = w s`.
+    fn skip_fwd(&mut self, h: Buf, s: Buf, w: Buf, z: Option<Buf>, out: Buf);
+
+    /// Backward of [`Backend::skip_fwd`]: `dh = dy` (or `g dy`), `ds = w dk` (`dk = dy` or
+    /// `(1 - g) dy`), both written; `dw += colsum(dk s)`, `dz += colsum(dy (h - k)) g (1 - g)`.
+    #[allow(clippy::too_many_arguments)]
+    fn skip_bwd(&mut self, dy: Buf, h: Buf, s: Buf, w: Buf, z: Option<(Buf, Buf)>, dh: Buf, ds: Buf, dw: Buf);
+
+    /// Per-head RMS norm, RoPE of the first `rot` dims and an optional per-head gain, of the
+    /// `(rows, heads d)` view `x` into contiguous `out`; `rstd` gets `1 / r` per (row, head).
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_fwd(&mut self, x: Mat, out: Buf, rstd: Buf, gain: Option<Buf>, cos: Buf, sin: Buf, s: HeadShape, eps: f64);
+
+    /// Backward of [`Backend::qk_norm_rope_fwd`] into the view `dx` (written), `dgain +=`.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_bwd(&mut self, x: Mat, rstd: Buf, dy: Buf, dx: Mat, gain: Option<(Buf, Buf)>, cos: Buf, sin: Buf, s: HeadShape);
+
+    /// Causal GQA attention of token-major `q` `(N, H d)`, `k`, `v` `(N, K d)` views into `out`
+    /// `(N, H d)`, scale `1/sqrt(d)`.
+    fn attention_fwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, s: AttnShape);
+
+    /// Backward of [`Backend::attention_fwd`] (probabilities recomputed): `dq`, `dk` written,
+    /// `dv` (a view of the fused qkv gradient) written or, with `dv_acc`, added to (exclusive
+    /// self-attention wrote its part first).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_bwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, dout: Buf, dq: Mat, dk: Mat, dv: Mat, dv_acc: bool, s: AttnShape);
+
+    /// Exclusive self-attention: `out = y - (y . v^) v^` per query head, `v^` the unit value
+    /// vector of the token's KV head.
+    fn xsa_fwd(&mut self, y: Buf, v: Mat, out: Buf, s: AttnShape);
+
+    /// Backward of [`Backend::xsa_fwd`]: `dy` and `dv` (a view of the qkv gradient) written.
+    fn xsa_bwd(&mut self, dout: Buf, y: Buf, v: Mat, dy: Buf, dv: Mat, s: AttnShape);
+
+    /// `out = leaky_relu(pre, slope)^2`.
+    fn act_fwd(&mut self, pre: Buf, out: Buf, a: Activation);
+
+    /// `dpre = dout 2 l(pre) l'(pre)` with `l(x) = max(x, slope x)`.
+    fn act_bwd(&mut self, pre: Buf, dout: Buf, dpre: Buf, a: Activation);
+
+    /// The soft-capped cross-entropy of `(rows, vocab)` logits against the micro-batch's
+    /// targets, fused with its gradient: `losses[n]` gets row `n`'s loss and the logits are
+    /// overwritten by `grad_scale d loss[n] / d logits[n]`.
+    fn softcap_ce(&mut self, logits: Buf, losses: Buf, vocab: usize, cap: f64, grad_scale: f64);
+
+    /// `p = p (1 - lr wd)` then the Adam update with moments `m`, `v` (see [`AdamStep`]).
+    fn adam(&mut self, p: Buf, g: Buf, m: Buf, v: Buf, s: AdamStep);
+
+    /// Muon's momentum: `buf = mu buf + g`; `u = g + mu buf` (Nesterov) or `buf`.
+    fn momentum(&mut self, g: Buf, buf: Buf, u: Buf, mu: f64, nesterov: bool);
+
+    /// `y = a x + b y`.
+    fn axpby(&mut self, a: f64, x: Buf, b: f64, y: Buf);
+
+    /// Each `cols`-wide row of `x` scaled to unit L2 norm (floored at `eps`), in place.
+    fn row_normalize(&mut self, x: Buf, cols: usize, eps: f64);
+
+    /// The Frobenius norm of each of `count` consecutive matrices of `len` elements of `x`,
+    /// plus `eps`, then each divided by it, in place.
+    fn normalize_each(&mut self, x: Buf, count: usize, eps: f64);
+
+    /// Each of `count` stored `(rows, cols)` matrices of `src` transposed into `dst`.
+    fn transpose_each(&mut self, src: Buf, dst: Buf, count: usize, rows: usize, cols: usize);
+
+    /// `avg = decay avg + (1 - decay) p` (the EMA of the weights).
+    fn ema(&mut self, avg: Buf, p: Buf, decay: f64);
+
+    /// SGD with momentum (torch's, no dampening): `buf = mu buf + g` (`buf = g` on the first
+    /// step), `p -= lr buf` (`mu = 0`: `p -= lr g`).
+    fn sgd(&mut self, p: Buf, g: Buf, buf: Buf, lr: f64, mu: f64, first: bool);
+}

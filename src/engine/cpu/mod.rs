@@ -1,0 +1,286 @@
+//! The engine's CPU backends: [`CpuBackend<f64>`] for checks (every op in f64, the standard
+//! library's `exp` and `tanh`), [`CpuBackend<f32>`] for speed (AVX2 + FMA kernels picked at
+//! run time, fast `exp`/`tanh`, rayon across rows). One generic implementation serves both: the
+//! element type is the only difference, so the f64 backend checks the very code the f32 one
+//! runs.
+//!
+//! - [`gemm`]: matrix products through the `gemm` crate (candle's own CPU GEMM: packed,
+//!   register-tiled, AVX2/AVX-512 kernels, rayon), with `beta` and strided views;
+//! - [`rows`]: the row ops (norms, residual mix, scaled adds, skips, QK norm + RoPE, XSA, the
+//!   activation, the embedding);
+//! - [`loss`]: the soft-capped cross-entropy fused with its gradient;
+//! - [`flat`]: the flat loops (fills, copies, reductions, the optimizers, the EMA);
+//! - attention: the kernels of [`crate::model::ops::attention`] on token-major views.
+//!
+//! The arena is one `Vec<T>`; [`CpuBackend::io`] hands out the input and output slices of an
+//! op after checking that no output overlaps another region of the call, which is what makes
+//! the raw-pointer split sound.
+
+mod flat;
+mod gemm;
+mod loss;
+mod rows;
+
+use candle_core::{DType, Device, Tensor};
+
+use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, Mat};
+use crate::model::cpu::simd::Real;
+
+/// A CPU backend over an arena of `T` (`f64`: the check backend; `f32`: the fast one).
+pub struct CpuBackend<T> {
+    arena: Vec<T>,
+    /// The micro-batch's input ids.
+    x: Vec<u32>,
+    /// The micro-batch's targets.
+    y: Vec<u32>,
+}
+
+impl<T: Real> CpuBackend<T> {
+    /// A backend with an arena of `len` elements, all zero.
+    pub(crate) fn new(len: usize) -> Self {
+        Self { arena: vec![T::from_f64(0.0); len], x: Vec::new(), y: Vec::new() }
+    }
+
+    /// The input slices `ins` and the output slices `outs` of one op. Panics when an output
+    /// overlaps an input or another output, or a region leaves the arena.
+    fn io<const I: usize, const O: usize>(&mut self, ins: [Buf; I], outs: [Buf; O]) -> ([&[T]; I], [&mut [T]; O]) {
+        for b in ins.iter().chain(&outs) {
+            assert!(b.end() <= self.arena.len(), "region {b:?} outside the {}-element arena", self.arena.len());
+        }
+        for (i, o) in outs.iter().enumerate() {
+            assert!(!ins.iter().any(|b| b.overlaps(*o)), "output {o:?} overlaps an input");
+            assert!(!outs[i + 1..].iter().any(|b| b.overlaps(*o)), "outputs {o:?} overlap");
+        }
+        let base = self.arena.as_mut_ptr();
+        // SAFETY: every region lies inside the arena (checked above); the outputs are disjoint
+        // from each other and from the inputs, so no element is reachable through a `&mut` and
+        // any other reference; the slices borrow `self` mutably, so the arena outlives them and
+        // nothing else touches it meanwhile.
+        unsafe {
+            let ins = ins.map(|b| &*std::ptr::slice_from_raw_parts(base.add(b.off) as *const T, b.len));
+            let outs = outs.map(|b| &mut *std::ptr::slice_from_raw_parts_mut(base.add(b.off), b.len));
+            (ins, outs)
+        }
+    }
+
+    /// The elements of `b`.
+    fn get(&self, b: Buf) -> &[T] {
+        &self.arena[b.off..b.end()]
+    }
+}
+
+impl<T: Real> Backend for CpuBackend<T> {
+    fn dtype(&self) -> DType {
+        T::DTYPE
+    }
+
+    fn len(&self) -> usize {
+        self.arena.len()
+    }
+
+    fn upload(&mut self, dst: Buf, src: &Tensor) -> anyhow::Result<()> {
+        anyhow::ensure!(src.elem_count() == dst.len, "uploading {} elements into a {}-element region", src.elem_count(), dst.len);
+        let v: Vec<T> = src.to_device(&Device::Cpu)?.to_dtype(T::DTYPE)?.flatten_all()?.to_vec1()?;
+        let ([], [out]) = self.io([], [dst]);
+        out.copy_from_slice(&v);
+        Ok(())
+    }
+
+    fn download(&self, src: Buf, shape: &[usize]) -> anyhow::Result<Tensor> {
+        Ok(Tensor::from_slice(self.get(src), shape, &Device::Cpu)?)
+    }
+
+    fn set_tokens(&mut self, x: &[u32], y: &[u32]) {
+        self.x.clear();
+        self.x.extend_from_slice(x);
+        self.y.clear();
+        self.y.extend_from_slice(y);
+    }
+
+    fn fill(&mut self, dst: Buf, value: f64) {
+        let ([], [d]) = self.io([], [dst]);
+        flat::fill(d, T::from_f64(value));
+    }
+
+    fn copy(&mut self, dst: Buf, src: Buf) {
+        let ([s], [d]) = self.io([src], [dst]);
+        d.copy_from_slice(s);
+    }
+
+    fn scale(&mut self, dst: Buf, a: f64) {
+        let ([], [d]) = self.io([], [dst]);
+        flat::scale(d, T::from_f64(a));
+    }
+
+    fn sum(&self, src: Buf) -> f64 {
+        flat::sum(self.get(src))
+    }
+
+    fn sum_sq(&self, src: Buf) -> f64 {
+        flat::sum_sq(self.get(src))
+    }
+
+    fn all_finite(&self, src: Buf) -> bool {
+        self.get(src).iter().all(|x| x.to_f64().is_finite())
+    }
+
+    fn gemm(&mut self, c: Mat, a: Mat, b: Mat, alpha: f64, beta: f64) {
+        let ([a_s, b_s], [c_s]) = self.io([a.span(), b.span()], [c.span()]);
+        gemm::gemm(c, c_s, a, a_s, b, b_s, alpha, beta);
+    }
+
+    fn embedding_fwd(&mut self, table: Buf, out: Buf, dim: usize) {
+        let x = std::mem::take(&mut self.x);
+        let ([t], [o]) = self.io([table], [out]);
+        rows::embedding_fwd(t, &x, o, dim);
+        self.x = x;
+    }
+
+    fn embedding_bwd(&mut self, dout: Buf, dtable: Buf, dim: usize) {
+        let x = std::mem::take(&mut self.x);
+        let ([g], [d]) = self.io([dout], [dtable]);
+        rows::embedding_bwd(g, &x, d, dim);
+        self.x = x;
+    }
+
+    fn rms_norm_fwd(&mut self, x: Buf, out: Buf, rstd: Buf, cols: usize, scale: f64, eps: f64) {
+        let ([x], [o, r]) = self.io([x], [out, rstd]);
+        rows::rms_norm_fwd(x, o, r, cols, scale, eps);
+    }
+
+    fn rms_norm_bwd(&mut self, x: Buf, rstd: Buf, dy: Buf, dx: Buf, cols: usize, scale: f64, accumulate: bool) {
+        let ([x, r, g], [d]) = self.io([x, rstd, dy], [dx]);
+        rows::rms_norm_bwd(x, r, g, d, cols, scale, accumulate);
+    }
+
+    fn resid_mix_fwd(&mut self, h: Buf, x0: Buf, mix: Buf, out: Buf) {
+        let ([h, x0, m], [o]) = self.io([h, x0, mix], [out]);
+        rows::resid_mix_fwd(h, x0, m, o);
+    }
+
+    fn resid_mix_bwd(&mut self, du: Buf, h: Buf, x0: Buf, mix: Buf, dh: Buf, dx0: Buf, dmix: Buf) {
+        let ([g, h, x0, m], [dh, dx0, dm]) = self.io([du, h, x0, mix], [dh, dx0, dmix]);
+        rows::resid_mix_bwd(g, h, x0, m, dh, dx0, dm);
+    }
+
+    fn scale_add_fwd(&mut self, base: Buf, x: Buf, s: Buf, out: Buf) {
+        if base == out {
+            let ([x, s], [o]) = self.io([x, s], [out]);
+            rows::scale_add_in_place(o, x, s);
+        } else {
+            let ([b, x, s], [o]) = self.io([base, x, s], [out]);
+            o.copy_from_slice(b);
+            rows::scale_add_in_place(o, x, s);
+        }
+    }
+
+    fn scale_add_bwd(&mut self, dy: Buf, x: Buf, s: Buf, dx: Buf, ds: Buf) {
+        let ([g, x, s], [dx, ds]) = self.io([dy, x, s], [dx, ds]);
+        rows::scale_add_bwd(g, x, s, dx, ds);
+    }
+
+    fn skip_fwd(&mut self, h: Buf, s: Buf, w: Buf, z: Option<Buf>, out: Buf) {
+        let z = z.unwrap_or_default();
+        let ([h, s, w, z], [o]) = self.io([h, s, w, z], [out]);
+        rows::skip_fwd(h, s, w, (!z.is_empty()).then_some(z), o);
+    }
+
+    fn skip_bwd(&mut self, dy: Buf, h: Buf, s: Buf, w: Buf, z: Option<(Buf, Buf)>, dh: Buf, ds: Buf, dw: Buf) {
+        let (z, dz) = z.unwrap_or_default();
+        let ([g, h, s, w, z], [dh, ds, dw, dz]) = self.io([dy, h, s, w, z], [dh, ds, dw, dz]);
+        let gate = (!z.is_empty()).then_some((z, dz));
+        rows::skip_bwd(g, h, s, w, gate, dh, ds, dw);
+    }
+
+    fn qk_norm_rope_fwd(&mut self, x: Mat, out: Buf, rstd: Buf, gain: Option<Buf>, cos: Buf, sin: Buf, s: HeadShape, eps: f64) {
+        let gain = gain.unwrap_or_default();
+        let ([xs, g, c, sn], [o, r]) = self.io([x.span(), gain, cos, sin], [out, rstd]);
+        rows::qk_norm_rope_fwd((xs, x.ld), o, r, (!g.is_empty()).then_some(g), (c, sn), s, eps);
+    }
+
+    fn qk_norm_rope_bwd(&mut self, x: Mat, rstd: Buf, dy: Buf, dx: Mat, gain: Option<(Buf, Buf)>, cos: Buf, sin: Buf, s: HeadShape) {
+        let (g, dg) = gain.unwrap_or_default();
+        let ([xs, r, gy, g, c, sn], [dxs, dg]) = self.io([x.span(), rstd, dy, g, cos, sin], [dx.span(), dg]);
+        let gain = (!g.is_empty()).then_some((g, dg));
+        rows::qk_norm_rope_bwd((xs, x.ld), r, gy, (dxs, dx.ld), gain, (c, sn), s);
+    }
+
+    fn attention_fwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, s: AttnShape) {
+        let ([qs, ks, vs], [o]) = self.io([q.span(), k.span(), v.span()], [out]);
+        crate::model::ops::attention_token_major_fwd((qs, q.ld), (ks, k.ld), (vs, v.ld), o, (s.batch, s.t, s.heads, s.kv_heads, s.d));
+    }
+
+    fn attention_bwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, dout: Buf, dq: Mat, dk: Mat, dv: Mat, dv_acc: bool, s: AttnShape) {
+        let ([qs, ks, vs, o, g], [dqs, dks, dvs]) = self.io([q.span(), k.span(), v.span(), out, dout], [dq.span(), dk.span(), dv.span()]);
+        let dims = (s.batch, s.t, s.heads, s.kv_heads, s.d);
+        let grads = crate::model::ops::AttentionGrads { dq: (dqs, dq.ld), dk: (dks, dk.ld), dv: (dvs, dv.ld), dv_acc };
+        crate::model::ops::attention_token_major_bwd((qs, q.ld), (ks, k.ld), (vs, v.ld), (o, g), grads, dims);
+    }
+
+    fn xsa_fwd(&mut self, y: Buf, v: Mat, out: Buf, s: AttnShape) {
+        let ([y, vs], [o]) = self.io([y, v.span()], [out]);
+        rows::xsa_fwd(y, (vs, v.ld), o, s);
+    }
+
+    fn xsa_bwd(&mut self, dout: Buf, y: Buf, v: Mat, dy: Buf, dv: Mat, s: AttnShape) {
+        let ([g, y, vs], [dy, dvs]) = self.io([dout, y, v.span()], [dy, dv.span()]);
+        rows::xsa_bwd(g, y, (vs, v.ld), dy, (dvs, dv.ld), s);
+    }
+
+    fn act_fwd(&mut self, pre: Buf, out: Buf, a: Activation) {
+        let ([p], [o]) = self.io([pre], [out]);
+        rows::act_fwd(p, o, T::from_f64(a.slope));
+    }
+
+    fn act_bwd(&mut self, pre: Buf, dout: Buf, dpre: Buf, a: Activation) {
+        let ([p, g], [d]) = self.io([pre, dout], [dpre]);
+        rows::act_bwd(p, g, d, T::from_f64(a.slope));
+    }
+
+    fn softcap_ce(&mut self, logits: Buf, losses: Buf, vocab: usize, cap: f64, grad_scale: f64) {
+        let y = std::mem::take(&mut self.y);
+        let ([], [l, out]) = self.io([], [logits, losses]);
+        loss::softcap_ce(l, &y, out, vocab, cap, grad_scale);
+        self.y = y;
+    }
+
+    fn adam(&mut self, p: Buf, g: Buf, m: Buf, v: Buf, s: AdamStep) {
+        let ([g], [p, m, v]) = self.io([g], [p, m, v]);
+        flat::adam(p, g, m, v, s);
+    }
+
+    fn momentum(&mut self, g: Buf, buf: Buf, u: Buf, mu: f64, nesterov: bool) {
+        let ([g], [b, u]) = self.io([g], [buf, u]);
+        flat::momentum(g, b, u, T::from_f64(mu), nesterov);
+    }
+
+    fn axpby(&mut self, a: f64, x: Buf, b: f64, y: Buf) {
+        let ([x], [y]) = self.io([x], [y]);
+        flat::axpby(T::from_f64(a), x, T::from_f64(b), y);
+    }
+
+    fn row_normalize(&mut self, x: Buf, cols: usize, eps: f64) {
+        let ([], [x]) = self.io([], [x]);
+        flat::row_normalize(x, cols, eps);
+    }
+
+    fn normalize_each(&mut self, x: Buf, count: usize, eps: f64) {
+        let ([], [x]) = self.io([], [x]);
+        flat::normalize_each(x, count, eps);
+    }
+
+    fn transpose_each(&mut self, src: Buf, dst: Buf, count: usize, rows: usize, cols: usize) {
+        let ([s], [d]) = self.io([src], [dst]);
+        flat::transpose_each(s, d, count, rows, cols);
+    }
+
+    fn ema(&mut self, avg: Buf, p: Buf, decay: f64) {
+        let ([p], [a]) = self.io([p], [avg]);
+        flat::ema(a, p, decay);
+    }
+
+    fn sgd(&mut self, p: Buf, g: Buf, buf: Buf, lr: f64, mu: f64, first: bool) {
+        let ([g], [p, b]) = self.io([g], [p, buf]);
+        flat::sgd(p, g, b, T::from_f64(lr), T::from_f64(mu), first);
+    }
+}

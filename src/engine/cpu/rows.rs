@@ -1,0 +1,489 @@
+//! The engine's row ops on the CPU: each a loop over `cols`-wide rows, [`ROWS`] rows per rayon
+//! task, the per-channel sums of a backward pass summed in f64 per task and the tasks' sums
+//! added in task order (so a gradient does not depend on the thread schedule). The maths of
+//! each op is on the [`crate::engine::backend::Backend`] method it implements and, in full,
+//! beside the candle op it matches (`crate::model::ops::*`).
+
+use rayon::prelude::*;
+
+use crate::engine::backend::{AttnShape, HeadShape};
+use crate::model::cpu::simd::{Real, dot_f64, multiversion};
+
+/// Rows per rayon task.
+const ROWS: usize = 64;
+
+/// Per-channel f64 sums over row blocks, added in block order into `acc` (`+=`).
+fn column_sums<T: Real>(rows: usize, cols: usize, acc: &mut [T], per_row: impl Fn(usize, &mut [f64]) + Sync) {
+    let parts: Vec<Vec<f64>> = (0..rows.div_ceil(ROWS))
+        .into_par_iter()
+        .map(|blk| {
+            let mut s = vec![0.0; cols];
+            for r in blk * ROWS..((blk + 1) * ROWS).min(rows) {
+                per_row(r, &mut s);
+            }
+            s
+        })
+        .collect();
+    let mut total = vec![0.0f64; cols];
+    for p in parts {
+        for (t, x) in total.iter_mut().zip(p) {
+            *t += x;
+        }
+    }
+    for (a, t) in acc.iter_mut().zip(total) {
+        *a += T::from_f64(t);
+    }
+}
+
+pub(super) fn embedding_fwd<T: Real>(table: &[T], ids: &[u32], out: &mut [T], dim: usize) {
+    out.par_chunks_mut(dim).zip(ids.par_iter()).for_each(|(o, &id)| {
+        let id = id as usize;
+        o.copy_from_slice(&table[id * dim..(id + 1) * dim]);
+    });
+}
+
+pub(super) fn embedding_bwd<T: Real>(dout: &[T], ids: &[u32], dtable: &mut [T], dim: usize) {
+    // Rows of the table split among tasks, each scanning every id: no two tasks write a row,
+    // and each row's sum runs in token order.
+    let per = (dtable.len() / dim).div_ceil(rayon::current_num_threads().max(1)).max(1);
+    dtable.par_chunks_mut(per * dim).enumerate().for_each(|(c, block)| {
+        let lo = c * per;
+        for (n, &id) in ids.iter().enumerate() {
+            let id = id as usize;
+            if id >= lo && id < lo + block.len() / dim {
+                for (d, &g) in block[(id - lo) * dim..(id - lo + 1) * dim].iter_mut().zip(&dout[n * dim..(n + 1) * dim]) {
+                    *d += g;
+                }
+            }
+        }
+    });
+}
+
+#[inline(always)]
+fn rms_fwd_kernel<T: Real>(x: &[T], out: &mut [T], rstd: &mut [T], cols: usize, scale: f64, eps: f64) {
+    for ((xr, o), r) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)).zip(rstd.iter_mut()) {
+        let inv = 1.0 / (dot_f64(xr, xr) / cols as f64 + eps).sqrt();
+        *r = T::from_f64(inv);
+        let a = T::from_f64(inv * scale);
+        for (o, &x) in o.iter_mut().zip(xr) {
+            *o = x * a;
+        }
+    }
+}
+
+multiversion! {
+    fn rms_fwd_rows = rms_fwd_kernel(x: &[T], out: &mut [T], rstd: &mut [T], cols: usize, scale: f64, eps: f64);
+}
+
+pub(super) fn rms_norm_fwd<T: Real>(x: &[T], out: &mut [T], rstd: &mut [T], cols: usize, scale: f64, eps: f64) {
+    out.par_chunks_mut(ROWS * cols).zip(rstd.par_chunks_mut(ROWS)).enumerate().for_each(|(c, (o, r))| {
+        rms_fwd_rows(&x[c * ROWS * cols..c * ROWS * cols + o.len()], o, r, cols, scale, eps);
+    });
+}
+
+/// `dx (+)= scale (dy / r - x sum(dy x) / (cols r^3))`, with `1 / r` saved by the forward pass.
+#[inline(always)]
+fn rms_bwd_kernel<T: Real>(x: &[T], rstd: &[T], dy: &[T], dx: &mut [T], cols: usize, scale: f64, acc: bool) {
+    for (((xr, &r), g), d) in x.chunks_exact(cols).zip(rstd).zip(dy.chunks_exact(cols)).zip(dx.chunks_exact_mut(cols)) {
+        let inv = r.to_f64();
+        let a = T::from_f64(scale * inv);
+        let c = T::from_f64(scale * dot_f64(xr, g) * inv * inv * inv / cols as f64);
+        if acc {
+            for ((d, &x), &g) in d.iter_mut().zip(xr).zip(g) {
+                *d += g * a - x * c;
+            }
+        } else {
+            for ((d, &x), &g) in d.iter_mut().zip(xr).zip(g) {
+                *d = g * a - x * c;
+            }
+        }
+    }
+}
+
+multiversion! {
+    fn rms_bwd_rows = rms_bwd_kernel(x: &[T], rstd: &[T], dy: &[T], dx: &mut [T], cols: usize, scale: f64, acc: bool);
+}
+
+pub(super) fn rms_norm_bwd<T: Real>(x: &[T], rstd: &[T], dy: &[T], dx: &mut [T], cols: usize, scale: f64, acc: bool) {
+    dx.par_chunks_mut(ROWS * cols).enumerate().for_each(|(c, d)| {
+        let (r0, n) = (c * ROWS, d.len() / cols);
+        let span = r0 * cols..(r0 + n) * cols;
+        rms_bwd_rows(&x[span.clone()], &rstd[r0..r0 + n], &dy[span], d, cols, scale, acc);
+    });
+}
+
+pub(super) fn resid_mix_fwd<T: Real>(h: &[T], x0: &[T], mix: &[T], out: &mut [T]) {
+    let cols = mix.len() / 2;
+    let (m0, m1) = mix.split_at(cols);
+    out.par_chunks_mut(ROWS * cols).enumerate().for_each(|(c, o)| {
+        let base = c * ROWS * cols;
+        for (r, orow) in o.chunks_exact_mut(cols).enumerate() {
+            let (hr, xr) = (&h[base + r * cols..][..cols], &x0[base + r * cols..][..cols]);
+            for i in 0..cols {
+                orow[i] = hr[i] * m0[i] + xr[i] * m1[i];
+            }
+        }
+    });
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn resid_mix_bwd<T: Real>(du: &[T], h: &[T], x0: &[T], mix: &[T], dh: &mut [T], dx0: &mut [T], dmix: &mut [T]) {
+    let cols = mix.len() / 2;
+    let rows = du.len() / cols;
+    let (m0, m1) = mix.split_at(cols);
+    dh.par_chunks_mut(ROWS * cols).zip(dx0.par_chunks_mut(ROWS * cols)).enumerate().for_each(|(c, (dh, dx0))| {
+        let base = c * ROWS * cols;
+        for (i, (a, b)) in dh.iter_mut().zip(dx0.iter_mut()).enumerate() {
+            let g = du[base + i];
+            *a = g * m0[i % cols];
+            *b += g * m1[i % cols];
+        }
+    });
+    let (d0, d1) = dmix.split_at_mut(cols);
+    column_sums(rows, cols, d0, |r, s| {
+        for ((s, &g), &x) in s.iter_mut().zip(&du[r * cols..(r + 1) * cols]).zip(&h[r * cols..(r + 1) * cols]) {
+            *s += g.to_f64() * x.to_f64();
+        }
+    });
+    column_sums(rows, cols, d1, |r, s| {
+        for ((s, &g), &x) in s.iter_mut().zip(&du[r * cols..(r + 1) * cols]).zip(&x0[r * cols..(r + 1) * cols]) {
+            *s += g.to_f64() * x.to_f64();
+        }
+    });
+}
+
+/// `out += x s` per channel.
+pub(super) fn scale_add_in_place<T: Real>(out: &mut [T], x: &[T], s: &[T]) {
+    let cols = s.len();
+    out.par_chunks_mut(ROWS * cols).enumerate().for_each(|(c, o)| {
+        let base = c * ROWS * cols;
+        for (i, o) in o.iter_mut().enumerate() {
+            *o += x[base + i] * s[i % cols];
+        }
+    });
+}
+
+pub(super) fn scale_add_bwd<T: Real>(dy: &[T], x: &[T], s: &[T], dx: &mut [T], ds: &mut [T]) {
+    let cols = s.len();
+    dx.par_chunks_mut(ROWS * cols).enumerate().for_each(|(c, d)| {
+        let base = c * ROWS * cols;
+        for (i, d) in d.iter_mut().enumerate() {
+            *d = dy[base + i] * s[i % cols];
+        }
+    });
+    column_sums(dy.len() / cols, cols, ds, |r, acc| {
+        for ((a, &g), &x) in acc.iter_mut().zip(&dy[r * cols..(r + 1) * cols]).zip(&x[r * cols..(r + 1) * cols]) {
+            *a += g.to_f64() * x.to_f64();
+        }
+    });
+}
+
+/// `sigmoid(z)` as candle's composite computes it: `1 / (1 + exp(-z))`.
+fn sigmoid<T: Real>(z: T) -> T {
+    T::from_f64(1.0) / (T::from_f64(1.0) + (T::from_f64(0.0) - z).exp())
+}
+
+pub(super) fn skip_fwd<T: Real>(h: &[T], s: &[T], w: &[T], z: Option<&[T]>, out: &mut [T]) {
+    let cols = w.len();
+    let gate: Option<Vec<T>> = z.map(|z| z.iter().map(|&z| sigmoid(z)).collect());
+    out.par_chunks_mut(ROWS * cols).enumerate().for_each(|(c, o)| {
+        let base = c * ROWS * cols;
+        for (i, o) in o.iter_mut().enumerate() {
+            let (j, col) = (base + i, i % cols);
+            let k = s[j] * w[col];
+            *o = match &gate {
+                Some(g) => k + (h[j] - k) * g[col],
+                None => h[j] + k,
+            };
+        }
+    });
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn skip_bwd<T: Real>(
+    dy: &[T],
+    h: &[T],
+    s: &[T],
+    w: &[T],
+    z: Option<(&[T], &mut [T])>,
+    dh: &mut [T],
+    ds: &mut [T],
+    dw: &mut [T],
+) {
+    let cols = w.len();
+    let rows = dy.len() / cols;
+    let one = T::from_f64(1.0);
+    let gate: Option<Vec<T>> = z.as_ref().map(|(z, _)| z.iter().map(|&z| sigmoid(z)).collect());
+    // The stream's and the skip's shares of the output's gradient: (g, 1 - g), or (1, 1).
+    let shares = |col: usize| gate.as_ref().map_or((one, one), |g| (g[col], one - g[col]));
+    dh.par_chunks_mut(ROWS * cols).zip(ds.par_chunks_mut(ROWS * cols)).enumerate().for_each(|(c, (dh, ds))| {
+        let base = c * ROWS * cols;
+        for (i, (a, b)) in dh.iter_mut().zip(ds.iter_mut()).enumerate() {
+            let (j, col) = (base + i, i % cols);
+            let (gh, gk) = shares(col);
+            *a = dy[j] * gh;
+            *b = dy[j] * gk * w[col];
+        }
+    });
+    column_sums(rows, cols, dw, |r, acc| {
+        for (col, a) in acc.iter_mut().enumerate() {
+            let j = r * cols + col;
+            *a += (dy[j] * shares(col).1).to_f64() * s[j].to_f64();
+        }
+    });
+    if let (Some((_, dz)), Some(g)) = (z, &gate) {
+        let mut raw = vec![T::from_f64(0.0); cols];
+        column_sums(rows, cols, &mut raw, |r, acc| {
+            for (col, a) in acc.iter_mut().enumerate() {
+                let j = r * cols + col;
+                *a += dy[j].to_f64() * (h[j] - s[j] * w[col]).to_f64();
+            }
+        });
+        for ((d, r), &g) in dz.iter_mut().zip(raw).zip(g) {
+            *d += r * g * (one - g);
+        }
+    }
+}
+
+/// One head: `y = rope(x / r) * gain`; returns `1 / r`.
+#[inline(always)]
+fn norm_rope_head<T: Real>(x: &[T], y: &mut [T], (cos, sin): (&[T], &[T]), gain: T, eps: f64) -> T {
+    let d = x.len();
+    let half = cos.len();
+    let inv = T::from_f64(1.0 / (dot_f64(x, x) / d as f64 + eps).sqrt());
+    for i in 0..half {
+        let (a, b) = (x[i] * inv, x[i + half] * inv);
+        y[i] = (a * cos[i] + b * sin[i]) * gain;
+        y[i + half] = (b * cos[i] - a * sin[i]) * gain;
+    }
+    for i in 2 * half..d {
+        y[i] = x[i] * inv * gain;
+    }
+    inv
+}
+
+pub(super) fn qk_norm_rope_fwd<T: Real>(
+    (x, ld): (&[T], usize),
+    out: &mut [T],
+    rstd: &mut [T],
+    gain: Option<&[T]>,
+    (cos, sin): (&[T], &[T]),
+    s: HeadShape,
+    eps: f64,
+) {
+    let (w, half) = (s.heads * s.d, s.rot / 2);
+    out.par_chunks_mut(w).zip(rstd.par_chunks_mut(s.heads)).enumerate().for_each(|(n, (o, r))| {
+        let p = n % s.t;
+        let tables = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
+        for h in 0..s.heads {
+            let g = gain.map_or(T::from_f64(1.0), |g| g[h]);
+            r[h] = norm_rope_head(&x[n * ld + h * s.d..][..s.d], &mut o[h * s.d..(h + 1) * s.d], tables, g, eps);
+        }
+    });
+}
+
+/// Backward of one head: `dz = dy gain`, `dxn = rope^T(dz)`, `dx = (dxn - xn mean(dxn xn)) / r`;
+/// returns `sum(dy . rope(xn))`, the gain's gradient.
+#[inline(always)]
+fn norm_rope_head_bwd<T: Real>(x: &[T], inv: T, dy: &[T], dx: &mut [T], (cos, sin): (&[T], &[T]), gain: T) -> f64 {
+    let d = x.len();
+    let half = cos.len();
+    let mut dgain = 0.0;
+    // dx first holds dxn, the gradient of the normed head.
+    for i in 0..half {
+        let (a, b) = (x[i] * inv, x[i + half] * inv);
+        let (ya, yb) = (a * cos[i] + b * sin[i], b * cos[i] - a * sin[i]);
+        dgain += dy[i].to_f64() * ya.to_f64() + dy[i + half].to_f64() * yb.to_f64();
+        let (ga, gb) = (dy[i] * gain, dy[i + half] * gain);
+        dx[i] = ga * cos[i] - gb * sin[i];
+        dx[i + half] = ga * sin[i] + gb * cos[i];
+    }
+    for i in 2 * half..d {
+        dgain += dy[i].to_f64() * (x[i] * inv).to_f64();
+        dx[i] = dy[i] * gain;
+    }
+    let mut dot = 0.0;
+    for i in 0..d {
+        dot += dx[i].to_f64() * (x[i] * inv).to_f64();
+    }
+    let c = T::from_f64(dot / d as f64);
+    for i in 0..d {
+        dx[i] = (dx[i] - x[i] * inv * c) * inv;
+    }
+    dgain
+}
+
+pub(super) fn qk_norm_rope_bwd<T: Real>(
+    (x, ld): (&[T], usize),
+    rstd: &[T],
+    dy: &[T],
+    (dx, ldx): (&mut [T], usize),
+    gain: Option<(&[T], &mut [T])>,
+    (cos, sin): (&[T], &[T]),
+    s: HeadShape,
+) {
+    let (w, half) = (s.heads * s.d, s.rot / 2);
+    let g = gain.as_ref().map(|(g, _)| *g);
+    // Row blocks of the (strided) gradient view: each task writes its own rows.
+    let blocks: Vec<(usize, &mut [T])> = split_rows(dx, ldx, w, s.rows);
+    let parts: Vec<Vec<f64>> = blocks
+        .into_par_iter()
+        .map(|(r0, block)| {
+            let mut dgain = vec![0.0; s.heads];
+            let n_rows = if block.is_empty() { 0 } else { (block.len() - w) / ldx + 1 };
+            for r in 0..n_rows {
+                let n = r0 + r;
+                let p = n % s.t;
+                let tables = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
+                for (h, dg) in dgain.iter_mut().enumerate() {
+                    let gh = g.map_or(T::from_f64(1.0), |g| g[h]);
+                    let xs = &x[n * ld + h * s.d..][..s.d];
+                    let out = &mut block[r * ldx + h * s.d..][..s.d];
+                    *dg += norm_rope_head_bwd(xs, rstd[n * s.heads + h], &dy[n * w + h * s.d..][..s.d], out, tables, gh);
+                }
+            }
+            dgain
+        })
+        .collect();
+    if let Some((_, dg)) = gain {
+        let mut total = vec![0.0; s.heads];
+        for p in parts {
+            for (t, x) in total.iter_mut().zip(p) {
+                *t += x;
+            }
+        }
+        for (d, t) in dg.iter_mut().zip(total) {
+            *d += T::from_f64(t);
+        }
+    }
+}
+
+/// A strided `(rows, width)` view with row stride `ld` cut into blocks of [`ROWS`] rows: each
+/// block the slice from its first row's start to its last row's end, with its first row.
+fn split_rows<T>(data: &mut [T], ld: usize, width: usize, rows: usize) -> Vec<(usize, &mut [T])> {
+    let mut out = Vec::with_capacity(rows.div_ceil(ROWS));
+    let mut rest = data;
+    let mut r0 = 0;
+    while r0 < rows {
+        let n = ROWS.min(rows - r0);
+        let span = (n - 1) * ld + width;
+        let take = if r0 + n < rows { n * ld } else { rest.len() };
+        let (block, tail) = std::mem::take(&mut rest).split_at_mut(take);
+        out.push((r0, &mut block[..span]));
+        rest = tail;
+        r0 += n;
+    }
+    out
+}
+
+/// The unit value vector of KV head `g` of row `n`, and its norm before the floor.
+#[inline(always)]
+fn unit_value<T: Real>(v: &[T], ld: usize, n: usize, g: usize, d: usize, unit: &mut [T]) -> f64 {
+    let vr = &v[n * ld + g * d..][..d];
+    let norm = dot_f64(vr, vr).sqrt();
+    let inv = T::from_f64(1.0 / norm.max(1e-12));
+    for (u, &x) in unit.iter_mut().zip(vr) {
+        *u = x * inv;
+    }
+    norm
+}
+
+pub(super) fn xsa_fwd<T: Real>(y: &[T], (v, ld): (&[T], usize), out: &mut [T], s: AttnShape) {
+    let (w, group) = (s.heads * s.d, s.heads / s.kv_heads);
+    out.par_chunks_mut(w).enumerate().for_each(|(n, o)| {
+        let mut unit = vec![T::from_f64(0.0); s.d];
+        for g in 0..s.kv_heads {
+            unit_value(v, ld, n, g, s.d, &mut unit);
+            for h in g * group..(g + 1) * group {
+                let yr = &y[n * w + h * s.d..][..s.d];
+                let a = T::from_f64(dot_f64(yr, &unit));
+                for ((o, &y), &u) in o[h * s.d..(h + 1) * s.d].iter_mut().zip(yr).zip(&unit) {
+                    *o = y - a * u;
+                }
+            }
+        }
+    });
+}
+
+/// `out = y - (y . u) u`: `dy = g - (g . u) u`, `du = -((y . u) g + (g . u) y)` summed over the
+/// group's heads, and `dv = (du - u (du . u)) / |v|` (`du / 1e-12` below the floor); `dv` written.
+pub(super) fn xsa_bwd<T: Real>(dout: &[T], y: &[T], (v, ld): (&[T], usize), dy: &mut [T], (dv, ldv): (&mut [T], usize), s: AttnShape) {
+    let (w, group, d) = (s.heads * s.d, s.heads / s.kv_heads, s.d);
+    let kvw = s.kv_heads * d;
+    let blocks = split_rows(dv, ldv, kvw, dout.len() / w);
+    let dy_blocks: Vec<&mut [T]> = dy.chunks_mut(ROWS * w).collect();
+    blocks.into_par_iter().zip(dy_blocks).for_each(|((r0, dvb), dyb)| {
+        let mut unit = vec![T::from_f64(0.0); d];
+        let mut du = vec![0.0f64; d];
+        for r in 0..dyb.len() / w {
+            let n = r0 + r;
+            for g in 0..s.kv_heads {
+                let norm = unit_value(v, ld, n, g, d, &mut unit);
+                du.fill(0.0);
+                for h in g * group..(g + 1) * group {
+                    let (gr, yr) = (&dout[n * w + h * d..][..d], &y[n * w + h * d..][..d]);
+                    let (a, b) = (dot_f64(yr, &unit), dot_f64(gr, &unit));
+                    let bt = T::from_f64(b);
+                    for ((o, &g), &u) in dyb[r * w + h * d..][..d].iter_mut().zip(gr).zip(&unit) {
+                        *o = g - bt * u;
+                    }
+                    for ((du, &g), &y) in du.iter_mut().zip(gr).zip(yr) {
+                        *du -= a * g.to_f64() + b * y.to_f64();
+                    }
+                }
+                let out = &mut dvb[r * ldv + g * d..][..d];
+                if norm > 1e-12 {
+                    let along: f64 = du.iter().zip(&unit).map(|(a, u)| a * u.to_f64()).sum();
+                    for ((o, &du), &u) in out.iter_mut().zip(&du).zip(&unit) {
+                        *o = T::from_f64((du - u.to_f64() * along) / norm);
+                    }
+                } else {
+                    for (o, &du) in out.iter_mut().zip(&du) {
+                        *o = T::from_f64(du / 1e-12);
+                    }
+                }
+            }
+        }
+    });
+}
+
+#[inline(always)]
+fn act_fwd_kernel<T: Real>(pre: &[T], out: &mut [T], slope: T) {
+    let zero = T::from_f64(0.0);
+    for (o, &x) in out.iter_mut().zip(pre) {
+        let l = if x > zero { x } else { x * slope };
+        *o = l * l;
+    }
+}
+
+multiversion! {
+    fn act_fwd_rows = act_fwd_kernel(pre: &[T], out: &mut [T], slope: T);
+}
+
+pub(super) fn act_fwd<T: Real>(pre: &[T], out: &mut [T], slope: T) {
+    const CHUNK: usize = 1 << 14;
+    out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| act_fwd_rows(&pre[c * CHUNK..c * CHUNK + o.len()], o, slope));
+}
+
+/// `d/dx leaky_relu(x)^2 = 2 x` for `x > 0`, else `2 slope^2 x`.
+#[inline(always)]
+fn act_bwd_kernel<T: Real>(pre: &[T], dout: &[T], dpre: &mut [T], slope: T) {
+    let (zero, two) = (T::from_f64(0.0), T::from_f64(2.0));
+    for ((d, &x), &g) in dpre.iter_mut().zip(pre).zip(dout) {
+        let l = if x > zero { x } else { x * slope };
+        let dl = if x > zero { T::from_f64(1.0) } else { slope };
+        *d = g * two * l * dl;
+    }
+}
+
+multiversion! {
+    fn act_bwd_rows = act_bwd_kernel(pre: &[T], dout: &[T], dpre: &mut [T], slope: T);
+}
+
+pub(super) fn act_bwd<T: Real>(pre: &[T], dout: &[T], dpre: &mut [T], slope: T) {
+    const CHUNK: usize = 1 << 14;
+    dpre.par_chunks_mut(CHUNK).enumerate().for_each(|(c, d)| {
+        let r = c * CHUNK..c * CHUNK + d.len();
+        act_bwd_rows(&pre[r.clone()], &dout[r], d, slope)
+    });
+}

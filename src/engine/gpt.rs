@@ -1,0 +1,348 @@
+//! The GPT's forward pass and its hand-written backward pass over the arena ([`Layout`]), as
+//! one schedule of [`Backend`] ops: the model of [`crate::model`] (the baseline and the 04-09
+//! record's elements), op for op, written out in the order it runs. The math of each step is
+//! beside it; `N` rows of the micro-batch, `D` model width, `V` vocabulary, `s` the block's
+//! `ln_scale` factor (1 without it).
+//!
+//! ```text
+//! forward                                   backward (reverse order, G = dL/d stream)
+//! x0 = rms(E[x])                            dE[x] += rms'(dx0)
+//! per position p of the layer sequence, physical block i:
+//!   h  = skip(h, enc[j]) (decoder pops)      G += dskip[e] (encoder outputs popped later)
+//!   u  = h mix0 + x0 mix1                   G = G mix0, dx0 += G mix1, dmix += colsum
+//!   n1 = s rms(u)
+//!   qkv = n1 Wqkv^T                          dWqkv += dqkv^T n1, dn1 = dqkv Wqkv
+//!   q = rope(rms_h(qkv_q)) gain, k = rope(rms_h(qkv_k)), v = qkv_v
+//!   a = attn(q, k, v); y = xsa(a, v)         attention recomputes its probabilities
+//!   ao = y Wo^T                              dWo += dao^T y
+//!   sequential: u2 = u + attn_scale ao; n2 = s rms(u2); out = u2 + mlp_scale mlp(n2)
+//!   parallel:   out = u + attn_scale ao + mlp_scale mlp(n1)
+//! mlp(x) = act(x Wfc^T) Wp^T, act = leaky_relu(., slope)^2 (recomputed in the backward pass)
+//! logits = rms(h) E^T (or the untied head); loss = mean softcap-CE, fused with its gradient
+//! ```
+//!
+//! Weight gradients are GEMMs with `beta = 1`: they accumulate in place over the positions
+//! that share a block (depth recurrence) and over the step's micro-batches.
+
+use super::backend::{Activation, AttnShape, Backend, Buf, HeadShape, Mat};
+use super::layout::{Layout, PositionBufs};
+use crate::model::{MlpActivation, ModelConfig};
+
+/// The model's shape and switches as the schedule reads them, and the layout it runs on.
+pub struct Schedule {
+    cfg: ModelConfig,
+    /// The arena's layout.
+    pub layout: Layout,
+    /// The norms' epsilon (the arena dtype's machine epsilon, as `F.rms_norm(eps=None)`).
+    eps: f64,
+}
+
+/// One position of the layer sequence: its physical block, the skip it pops (decoder index
+/// `j`, encoder position `e`) and whether its output is pushed as a skip that is popped later.
+struct Step {
+    layer: usize,
+    pops: Option<(usize, usize)>,
+    pushed: Option<usize>,
+}
+
+/// The parameter names of physical block `i`.
+struct BlockNames(usize);
+
+impl BlockNames {
+    fn name(&self, leaf: &str) -> String {
+        format!("blocks.{}.{leaf}", self.0)
+    }
+}
+
+impl Schedule {
+    /// The schedule of `cfg` on micro-batches of `rows x t` tokens, the norms with `eps`.
+    pub fn new(cfg: &ModelConfig, rows: usize, t: usize, eps: f64) -> Schedule {
+        Schedule { cfg: cfg.clone(), layout: Layout::new(cfg, rows, t), eps }
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn n(&self) -> usize {
+        self.layout.rows * self.layout.t
+    }
+
+    fn attn_shape(&self) -> AttnShape {
+        let c = &self.cfg;
+        AttnShape { batch: self.layout.rows, t: self.layout.t, heads: c.num_heads, kv_heads: c.num_kv_heads, d: c.head_dim() }
+    }
+
+    fn head_shape(&self, heads: usize) -> HeadShape {
+        HeadShape { rows: self.n(), heads, d: self.cfg.head_dim(), rot: self.cfg.rotary_dims(), t: self.layout.t }
+    }
+
+    fn activation(&self) -> Activation {
+        match self.cfg.mlp_activation {
+            MlpActivation::Relu2 => Activation { slope: 0.0 },
+            MlpActivation::LeakyRelu2 => Activation { slope: self.cfg.leaky_relu_slope },
+        }
+    }
+
+    /// A parameter's value as a stored matrix.
+    fn w(&self, name: &str) -> Mat {
+        let s = self.layout.slot(name);
+        s.value.mat(s.shape[0], s.shape[1])
+    }
+
+    /// A parameter's gradient as a stored matrix.
+    fn dw(&self, name: &str) -> Mat {
+        let s = self.layout.slot(name);
+        s.grad.mat(s.shape[0], s.shape[1])
+    }
+
+    /// Block `i`'s fused `(D + 2 KVD, D)` q, k, v weights (and gradient), contiguous by layout.
+    fn wqkv(&self, i: usize, grad: bool) -> Mat {
+        let b = BlockNames(i);
+        let (q, v) = (self.layout.slot(&b.name("attn.c_q.weight")), self.layout.slot(&b.name("attn.c_v.weight")));
+        let (start, end) = if grad { (q.grad.off, v.grad.end()) } else { (q.value.off, v.value.end()) };
+        let d = self.cfg.model_dim;
+        Buf { off: start, len: end - start }.mat((end - start) / d, d)
+    }
+
+    fn value(&self, name: &str) -> Buf {
+        self.layout.slot(name).value
+    }
+
+    fn grad(&self, name: &str) -> Buf {
+        self.layout.slot(name).grad
+    }
+
+    /// The head's weights: the embedding when tied.
+    fn head_name(&self) -> &'static str {
+        if self.cfg.tie_embeddings { "tok_emb.weight" } else { "lm_head.weight" }
+    }
+
+    /// The q, k, v column views of a `(N, D + 2 KVD)` matrix.
+    fn qkv_views(&self, m: Buf) -> (Mat, Mat, Mat) {
+        let (d, kvd) = (self.cfg.model_dim, self.cfg.kv_dim());
+        let all = m.mat(self.n(), d + 2 * kvd);
+        (all.cols(0, d), all.cols(d, kvd), all.cols(d + kvd, kvd))
+    }
+
+    /// The layer sequence as the schedule runs it (see [`Step`]).
+    fn plan(&self, looping: bool) -> Vec<Step> {
+        let (enc, dec) = self.cfg.encoder_decoder(looping);
+        let skips = self.cfg.skip_count();
+        // Decoder j pops encoder output enc.len() - 1 - j while j < skip_count (a stack).
+        let pop = |j: usize| (j < skips && j < enc.len()).then(|| (j, enc.len() - 1 - j));
+        let mut out: Vec<Step> = enc.iter().map(|&layer| Step { layer, pops: None, pushed: None }).collect();
+        out.extend(dec.iter().enumerate().map(|(j, &layer)| Step { layer, pops: pop(j), pushed: None }));
+        for j in 0..dec.len() {
+            if let Some((_, e)) = pop(j) {
+                out[e].pushed = Some(e);
+            }
+        }
+        out
+    }
+
+    /// The forward pass of the micro-batch whose tokens the backend holds, through the loss
+    /// and its gradient (left in the logits, scaled by `grad_scale`): returns the sum of the
+    /// per-token losses.
+    pub fn forward(&self, be: &mut dyn Backend, looping: bool, grad_scale: f64) -> f64 {
+        let l = &self.layout;
+        let (n, d, eps) = (self.n(), self.cfg.model_dim, self.eps);
+        // x0 = rms(E[x]).
+        be.embedding_fwd(self.value("tok_emb.weight"), l.emb, d);
+        be.rms_norm_fwd(l.emb, l.x0, l.rstd0, d, 1.0, eps);
+        let plan = self.plan(looping);
+        let mut h = l.x0;
+        for (pos, step) in plan.iter().enumerate() {
+            let p = &l.positions[pos];
+            if let Some((j, e)) = step.pops {
+                // h' = h + w s, or k + sigmoid(z) (h - k) with k = w s.
+                let (w, z) = self.skip_rows(j);
+                be.skip_fwd(h, l.positions[e].out, w, z, p.skipped);
+                h = p.skipped;
+            }
+            self.block_fwd(be, step.layer, p, h);
+            h = p.out;
+        }
+        // logits = s rms(h) W^T; the loss and its gradient in one pass.
+        be.rms_norm_fwd(h, l.nf, l.rstdf, d, 1.0, eps);
+        let v = self.cfg.vocab_size;
+        be.gemm(l.logits.mat(n, v), l.nf.mat(n, d), self.w(self.head_name()).t(), 1.0, 0.0);
+        be.softcap_ce(l.logits, l.losses, v, self.cfg.logit_softcap, grad_scale);
+        be.sum(l.losses)
+    }
+
+    /// Skip row `j`: the weights and, with gates, the gate logits.
+    fn skip_rows(&self, j: usize) -> (Buf, Option<Buf>) {
+        let d = self.cfg.model_dim;
+        let w = self.value("skip_weights").sub(j * d, d);
+        let z = self.cfg.skip_gates.then(|| self.value("skip_gates").sub(j * d, d));
+        (w, z)
+    }
+
+    /// Block `i` at a position: reads the stream `h`, writes `p.out`.
+    fn block_fwd(&self, be: &mut dyn Backend, i: usize, p: &PositionBufs, h: Buf) {
+        let (l, b, d, eps) = (&self.layout, BlockNames(i), self.cfg.model_dim, self.eps);
+        let s = self.cfg.ln_scale_of(i).unwrap_or(1.0);
+        be.resid_mix_fwd(h, l.x0, self.value(&b.name("resid_mix")), p.u);
+        be.rms_norm_fwd(p.u, p.n1, p.rstd1, d, s, eps);
+        self.attention_fwd(be, i, p);
+        if self.cfg.parallel(i) {
+            // out = u + attn_scale ao + mlp_scale mlp(n1).
+            self.mlp_fwd(be, i, p.n1, p.pre, p.mo);
+            be.scale_add_fwd(p.u, p.ao, self.value(&b.name("attn_scale")), p.out);
+            be.scale_add_fwd(p.out, p.mo, self.value(&b.name("mlp_scale")), p.out);
+        } else {
+            // u2 = u + attn_scale ao; out = u2 + mlp_scale mlp(s rms(u2)).
+            be.scale_add_fwd(p.u, p.ao, self.value(&b.name("attn_scale")), p.u2);
+            be.rms_norm_fwd(p.u2, p.n2, p.rstd2, d, s, eps);
+            self.mlp_fwd(be, i, p.n2, p.pre, p.mo);
+            be.scale_add_fwd(p.u2, p.mo, self.value(&b.name("mlp_scale")), p.out);
+        }
+    }
+
+    /// Attention of block `i` on `p.n1` into `p.ao`.
+    fn attention_fwd(&self, be: &mut dyn Backend, i: usize, p: &PositionBufs) {
+        let (l, b, n, d) = (&self.layout, BlockNames(i), self.n(), self.cfg.model_dim);
+        let kvd = self.cfg.kv_dim();
+        // qkv = n1 [Wq; Wk; Wv]^T: one GEMM for the three projections.
+        be.gemm(p.qkv.mat(n, d + 2 * kvd), p.n1.mat(n, d), self.wqkv(i, false).t(), 1.0, 0.0);
+        let (xq, xk, xv) = self.qkv_views(p.qkv);
+        let (heads, kv_heads) = (self.cfg.num_heads, self.cfg.num_kv_heads);
+        let gain = self.value(&b.name("attn.q_gain"));
+        be.qk_norm_rope_fwd(xq, p.q, p.rq, Some(gain), l.cos, l.sin, self.head_shape(heads), self.eps);
+        be.qk_norm_rope_fwd(xk, p.k, p.rk, None, l.cos, l.sin, self.head_shape(kv_heads), self.eps);
+        let shape = self.attn_shape();
+        be.attention_fwd(p.q.mat(n, d), p.k.mat(n, kvd), xv, p.att, shape);
+        let y = if self.cfg.xsa(i) {
+            be.xsa_fwd(p.att, xv, p.y, shape);
+            p.y
+        } else {
+            p.att
+        };
+        be.gemm(p.ao.mat(n, d), y.mat(n, d), self.w(&b.name("attn.proj.weight")).t(), 1.0, 0.0);
+    }
+
+    /// The MLP of block `i`: `pre = x Wfc^T`, `out = act(pre) Wp^T`.
+    fn mlp_fwd(&self, be: &mut dyn Backend, i: usize, x: Buf, pre: Buf, out: Buf) {
+        let (b, n, d) = (BlockNames(i), self.n(), self.cfg.model_dim);
+        let f = self.cfg.mlp_mult * d;
+        let act = self.layout.scratch.act;
+        be.gemm(pre.mat(n, f), x.mat(n, d), self.w(&b.name("mlp.fc.weight")).t(), 1.0, 0.0);
+        be.act_fwd(pre, act, self.activation());
+        be.gemm(out.mat(n, d), act.mat(n, f), self.w(&b.name("mlp.proj.weight")).t(), 1.0, 0.0);
+    }
+
+    /// The backward pass of the micro-batch [`Schedule::forward`] just ran, adding every
+    /// parameter's gradient into the gradient region.
+    pub fn backward(&self, be: &mut dyn Backend, looping: bool) {
+        let (l, sc) = (&self.layout, self.layout.scratch);
+        let (n, d, v) = (self.n(), self.cfg.model_dim, self.cfg.vocab_size);
+        let plan = self.plan(looping);
+        let last = l.positions[plan.len() - 1].out;
+        // The head: dW += dlogits^T nf; dnf = dlogits W; G = rms'(dnf).
+        let head = self.head_name();
+        be.gemm(self.dw(head), l.logits.mat(n, v).t(), l.nf.mat(n, d), 1.0, 1.0);
+        be.gemm(sc.dn.mat(n, d), l.logits.mat(n, v), self.w(head), 1.0, 0.0);
+        be.rms_norm_bwd(last, l.rstdf, sc.dn, sc.g, d, 1.0, false);
+        be.fill(sc.dx0, 0.0);
+        let (mut g, mut g2) = (sc.g, sc.g2);
+        for (pos, step) in plan.iter().enumerate().rev() {
+            let p = &l.positions[pos];
+            if let Some(e) = step.pushed {
+                // This output also went into a skip: its gradient from there joins G.
+                be.axpby(1.0, l.dskip[e], 1.0, g);
+            }
+            let input = if step.pops.is_some() { p.skipped } else if pos == 0 { l.x0 } else { l.positions[pos - 1].out };
+            self.block_bwd(be, step.layer, p, input, g, g2);
+            std::mem::swap(&mut g, &mut g2);
+            if let Some((j, e)) = step.pops {
+                let (w, z) = self.skip_rows(j);
+                let dw = self.grad("skip_weights").sub(j * d, d);
+                let z = z.map(|z| (z, self.grad("skip_gates").sub(j * d, d)));
+                let before = if pos == 0 { l.x0 } else { l.positions[pos - 1].out };
+                be.skip_bwd(g, before, l.positions[e].out, w, z, g2, l.dskip[e], dw);
+                std::mem::swap(&mut g, &mut g2);
+            }
+        }
+        // G is now the gradient of the first block's input, x0 itself.
+        be.axpby(1.0, g, 1.0, sc.dx0);
+        be.rms_norm_bwd(l.emb, l.rstd0, sc.dx0, sc.demb, d, 1.0, false);
+        be.embedding_bwd(sc.demb, self.grad("tok_emb.weight"), d);
+    }
+
+    /// Backward of block `i` at a position whose input stream was `h`: `g` holds the gradient
+    /// of the block's output and is used up; `g_in` gets the gradient of its input.
+    #[allow(clippy::too_many_arguments)]
+    fn block_bwd(&self, be: &mut dyn Backend, i: usize, p: &PositionBufs, h: Buf, g: Buf, g_in: Buf) {
+        let (l, sc, b, d) = (&self.layout, self.layout.scratch, BlockNames(i), self.cfg.model_dim);
+        let s = self.cfg.ln_scale_of(i).unwrap_or(1.0);
+        let (attn_scale, mlp_scale) = (self.value(&b.name("attn_scale")), self.value(&b.name("mlp_scale")));
+        let (d_attn_scale, d_mlp_scale) = (self.grad(&b.name("attn_scale")), self.grad(&b.name("mlp_scale")));
+        if self.cfg.parallel(i) {
+            // out = u + attn_scale ao + mlp_scale mo: G flows to u unchanged.
+            be.scale_add_bwd(g, p.mo, mlp_scale, sc.dmo, d_mlp_scale);
+            be.scale_add_bwd(g, p.ao, attn_scale, sc.dao, d_attn_scale);
+            self.mlp_bwd(be, i, p.n1, p.pre, sc.dmo, false);
+            self.attention_bwd(be, i, p, sc.dao, true);
+            be.rms_norm_bwd(p.u, p.rstd1, sc.dn, g, d, s, true);
+        } else {
+            // out = u2 + mlp_scale mo; u2 = u + attn_scale ao.
+            be.scale_add_bwd(g, p.mo, mlp_scale, sc.dmo, d_mlp_scale);
+            self.mlp_bwd(be, i, p.n2, p.pre, sc.dmo, false);
+            be.rms_norm_bwd(p.u2, p.rstd2, sc.dn, g, d, s, true);
+            be.scale_add_bwd(g, p.ao, attn_scale, sc.dao, d_attn_scale);
+            self.attention_bwd(be, i, p, sc.dao, false);
+            be.rms_norm_bwd(p.u, p.rstd1, sc.dn, g, d, s, true);
+        }
+        // u = h mix0 + x0 mix1.
+        be.resid_mix_bwd(g, h, l.x0, self.value(&b.name("resid_mix")), g_in, sc.dx0, self.grad(&b.name("resid_mix")));
+    }
+
+    /// Backward of block `i`'s attention from `dao` (the gradient of `ao`) into `dn`, the
+    /// gradient of its input `n1` (added to `dn` when `accumulate`).
+    fn attention_bwd(&self, be: &mut dyn Backend, i: usize, p: &PositionBufs, dao: Buf, accumulate: bool) {
+        let (l, sc, b, n, d) = (&self.layout, self.layout.scratch, BlockNames(i), self.n(), self.cfg.model_dim);
+        let kvd = self.cfg.kv_dim();
+        let xsa = self.cfg.xsa(i);
+        let y = if xsa { p.y } else { p.att };
+        let wo = b.name("attn.proj.weight");
+        // ao = y Wo^T: dWo += dao^T y; dy = dao Wo.
+        be.gemm(self.dw(&wo), dao.mat(n, d).t(), y.mat(n, d), 1.0, 1.0);
+        be.gemm(sc.dy.mat(n, d), dao.mat(n, d), self.w(&wo), 1.0, 0.0);
+        let (xq, xk, xv) = self.qkv_views(p.qkv);
+        let (dxq, dxk, dxv) = self.qkv_views(sc.dqkv);
+        let shape = self.attn_shape();
+        let datt = if xsa {
+            be.xsa_bwd(sc.dy, p.att, xv, sc.datt, dxv, shape);
+            sc.datt
+        } else {
+            sc.dy
+        };
+        be.attention_bwd(p.q.mat(n, d), p.k.mat(n, kvd), xv, p.att, datt, sc.dq.mat(n, d), sc.dk.mat(n, kvd), dxv, xsa, shape);
+        let (heads, kv_heads) = (self.cfg.num_heads, self.cfg.num_kv_heads);
+        let gain = (self.value(&b.name("attn.q_gain")), self.grad(&b.name("attn.q_gain")));
+        be.qk_norm_rope_bwd(xq, p.rq, sc.dq, dxq, Some(gain), l.cos, l.sin, self.head_shape(heads));
+        be.qk_norm_rope_bwd(xk, p.rk, sc.dk, dxk, None, l.cos, l.sin, self.head_shape(kv_heads));
+        // qkv = n1 Wqkv^T: dWqkv += dqkv^T n1; dn1 (+)= dqkv Wqkv.
+        let dqkv = sc.dqkv.mat(n, d + 2 * kvd);
+        be.gemm(self.wqkv(i, true), dqkv.t(), p.n1.mat(n, d), 1.0, 1.0);
+        be.gemm(sc.dn.mat(n, d), dqkv, self.wqkv(i, false), 1.0, if accumulate { 1.0 } else { 0.0 });
+    }
+
+    /// Backward of block `i`'s MLP on input `x` from `dmo` into `dn` (added when `accumulate`).
+    fn mlp_bwd(&self, be: &mut dyn Backend, i: usize, x: Buf, pre: Buf, dmo: Buf, accumulate: bool) {
+        let (sc, b, n, d) = (self.layout.scratch, BlockNames(i), self.n(), self.cfg.model_dim);
+        let f = self.cfg.mlp_mult * d;
+        let (fc, proj) = (b.name("mlp.fc.weight"), b.name("mlp.proj.weight"));
+        // act = act(pre) again; out = act Wp^T: dWp += dmo^T act; dact = dmo Wp.
+        be.act_fwd(pre, sc.act, self.activation());
+        be.gemm(self.dw(&proj), dmo.mat(n, d).t(), sc.act.mat(n, f), 1.0, 1.0);
+        be.gemm(sc.dact.mat(n, f), dmo.mat(n, d), self.w(&proj), 1.0, 0.0);
+        // dpre = act'(pre) dact (into the activation's buffer, no longer needed).
+        be.act_bwd(pre, sc.dact, sc.act, self.activation());
+        // pre = x Wfc^T: dWfc += dpre^T x; dx (+)= dpre Wfc.
+        be.gemm(self.dw(&fc), sc.act.mat(n, f).t(), x.mat(n, d), 1.0, 1.0);
+        be.gemm(sc.dn.mat(n, d), sc.act.mat(n, f), self.w(&fc), 1.0, if accumulate { 1.0 } else { 0.0 });
+    }
+}

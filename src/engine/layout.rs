@@ -1,0 +1,395 @@
+//! The arena's layout: every tensor the engine ever touches at a static offset, computed once
+//! from `[model]` and the micro-batch shape (llm.c's one allocation). In order:
+//!
+//! 1. **parameters**, f32 (f64 in the check backend), in `state_dict` order, so each block's
+//!    `c_q`, `c_k`, `c_v` are one `(D + 2 KVD, D)` matrix and one GEMM computes all three;
+//! 2. **gradients**, the same layout (one region: clipping is one reduction);
+//! 3. **optimizer state**: Muon's momentum per matrix, Adam's two moments per other tensor;
+//! 4. **constants**: the RoPE tables;
+//! 5. **activations** of one micro-batch, kept from the forward pass for the backward pass:
+//!    per position of the (looped) layer sequence, and the embedding and head's;
+//! 6. **scratch**: what lives inside one op sequence (the backward pass's running gradients,
+//!    the recomputed MLP activation, Muon's Newton-Schulz stacks).
+//!
+//! Regions 5 and 6 hold nothing between micro-batches: the poison mode fills them with NaN there
+//! (and the scratch between the forward and backward passes), so a read of a value that was
+//! never written in the current pass shows as a NaN loss or gradient.
+
+use std::collections::HashMap;
+
+use super::backend::Buf;
+use crate::model::{ModelConfig, ParamGroup, gpt_group_of};
+
+/// A bump allocator of arena offsets.
+#[derive(Default)]
+struct Bump(usize);
+
+impl Bump {
+    fn take(&mut self, len: usize) -> Buf {
+        let b = Buf { off: self.0, len };
+        self.0 += len;
+        b
+    }
+
+    /// The region allocated since `start`.
+    fn since(&self, start: usize) -> Buf {
+        Buf { off: start, len: self.0 - start }
+    }
+}
+
+/// One parameter: its name, shape, optimizer group, and where its value, gradient and
+/// optimizer state live.
+#[derive(Clone, Debug)]
+pub struct Slot {
+    /// The `state_dict` name.
+    pub name: String,
+    /// The shape.
+    pub shape: Vec<usize>,
+    /// The optimizer group.
+    pub group: ParamGroup,
+    /// The value.
+    pub value: Buf,
+    /// The gradient (summed over the step's micro-batches).
+    pub grad: Buf,
+    /// Muon's momentum buffer (matrices) or Adam's first moment.
+    pub state0: Buf,
+    /// Adam's second moment (empty for matrices).
+    pub state1: Buf,
+}
+
+/// The activations one position of the layer sequence keeps for the backward pass (`N` rows
+/// of the micro-batch; `D` model width, `KVD` key/value width, `F` MLP width).
+#[derive(Clone, Copy, Debug)]
+pub struct PositionBufs {
+    /// The stream after the U-Net skip into this position (decoder positions that pop one).
+    pub skipped: Buf,
+    /// `u = h mix[0] + x0 mix[1]` `(N, D)`.
+    pub u: Buf,
+    /// `1 / rms(u)` `(N)`.
+    pub rstd1: Buf,
+    /// The normed (and `ln_scale`d) input of attention (and of the MLP when parallel) `(N, D)`.
+    pub n1: Buf,
+    /// `n1 Wqkv^T` `(N, D + 2 KVD)`.
+    pub qkv: Buf,
+    /// Queries after norm, RoPE and gain `(N, D)`.
+    pub q: Buf,
+    /// Keys after norm and RoPE `(N, KVD)`.
+    pub k: Buf,
+    /// `1 / rms` per (row, query head), per (row, key head).
+    pub rq: Buf,
+    /// See `rq`.
+    pub rk: Buf,
+    /// The attention output `(N, D)`.
+    pub att: Buf,
+    /// The attention output after XSA (positions of XSA blocks) `(N, D)`.
+    pub y: Buf,
+    /// The attention sublayer's output `y Wo^T` `(N, D)`.
+    pub ao: Buf,
+    /// `u + attn_scale ao` (sequential blocks) `(N, D)`.
+    pub u2: Buf,
+    /// `1 / rms(u2)` `(N)`.
+    pub rstd2: Buf,
+    /// The MLP's normed input (sequential blocks) `(N, D)`.
+    pub n2: Buf,
+    /// The MLP's pre-activation `(N, F)`.
+    pub pre: Buf,
+    /// The MLP sublayer's output `(N, D)`.
+    pub mo: Buf,
+    /// The block's output, the stream into the next position `(N, D)`.
+    pub out: Buf,
+}
+
+/// The scratch of one pass.
+#[derive(Clone, Copy, Debug)]
+pub struct Scratch {
+    /// The running gradient of the stream, and its partner for ops that cannot work in place
+    /// `(N, D)` each.
+    pub g: Buf,
+    /// See `g`.
+    pub g2: Buf,
+    /// Gradient of a normed input `(N, D)`.
+    pub dn: Buf,
+    /// Gradient of an attention or MLP sublayer output `(N, D)` each.
+    pub dao: Buf,
+    /// See `dao`.
+    pub dmo: Buf,
+    /// Gradient of the attention output before the projection (after XSA) `(N, D)`, and before
+    /// XSA `(N, D)`.
+    pub dy: Buf,
+    /// See `dy`.
+    pub datt: Buf,
+    /// Gradients of the normed-and-rotated queries `(N, D)` and keys `(N, KVD)`.
+    pub dq: Buf,
+    /// See `dq`.
+    pub dk: Buf,
+    /// Gradient of the fused qkv product `(N, D + 2 KVD)`.
+    pub dqkv: Buf,
+    /// The MLP activation (recomputed in the backward pass) `(N, F)`, and its gradient.
+    pub act: Buf,
+    /// See `act`.
+    pub dact: Buf,
+    /// Gradient of the normed embedding `x0` (summed over every block's residual mix) and of
+    /// the embedding rows `(N, D)`.
+    pub dx0: Buf,
+    /// See `dx0`.
+    pub demb: Buf,
+}
+
+/// Muon's work for one shape: the stacked updates of its matrices and the Newton-Schulz
+/// buffers.
+#[derive(Clone, Debug)]
+pub struct MuonGroup {
+    /// Stored shape `(rows, cols)` of each matrix.
+    pub shape: (usize, usize),
+    /// The slots of the matrices, in `state_dict` order.
+    pub members: Vec<usize>,
+    /// `U` of each matrix, stacked `(K, rows, cols)`.
+    pub u: Buf,
+    /// `X` and its next iterate, `(K, a, b)` with `a = min(rows, cols)`.
+    pub x: Buf,
+    /// See `x`.
+    pub x2: Buf,
+    /// `A = X X^T` and `B = b A + c A A`, `(K, a, a)`.
+    pub a: Buf,
+    /// See `a`.
+    pub b: Buf,
+}
+
+/// The whole arena.
+pub struct Layout {
+    /// Every parameter, in `state_dict` order.
+    pub slots: Vec<Slot>,
+    index: HashMap<String, usize>,
+    /// All parameter values (one region).
+    pub params: Buf,
+    /// All gradients (one region, the parameters' layout).
+    pub grads: Buf,
+    /// All optimizer state.
+    pub state: Buf,
+    /// The activations region (dead between micro-batches).
+    pub activations: Buf,
+    /// The scratch region (dead outside a pass).
+    pub scratch_region: Buf,
+    /// RoPE tables `(T, R / 2)` each.
+    pub cos: Buf,
+    /// See `cos`.
+    pub sin: Buf,
+    /// The embedding rows `(N, D)`, `1 / rms` of each, and the normed embedding `x0`.
+    pub emb: Buf,
+    /// See `emb`.
+    pub rstd0: Buf,
+    /// See `emb`.
+    pub x0: Buf,
+    /// `1 / rms` of the final stream, and the normed final stream `(N, D)`.
+    pub rstdf: Buf,
+    /// See `rstdf`.
+    pub nf: Buf,
+    /// Logits `(N, V)`, overwritten by their gradient.
+    pub logits: Buf,
+    /// Per-token losses `(N)`.
+    pub losses: Buf,
+    /// Per position of the longest layer sequence.
+    pub positions: Vec<PositionBufs>,
+    /// Gradient reaching each U-Net skip from the decoder that popped it `(N, D)`.
+    pub dskip: Vec<Buf>,
+    /// The pass's scratch.
+    pub scratch: Scratch,
+    /// Muon's work per shape.
+    pub muon: Vec<MuonGroup>,
+    /// Rows of a micro-batch, tokens per row.
+    pub rows: usize,
+    /// See `rows`.
+    pub t: usize,
+}
+
+impl Layout {
+    /// The layout for `cfg` and micro-batches of `rows x t` tokens.
+    pub fn new(cfg: &ModelConfig, rows: usize, t: usize) -> Layout {
+        let mut bump = Bump::default();
+        let shapes = cfg.param_shapes();
+        let sizes: Vec<usize> = shapes.iter().map(|(_, s)| s.iter().product()).collect();
+        let params = bump.take(sizes.iter().sum());
+        let grads = bump.take(params.len);
+        let state_start = bump.0;
+        let (mut slots, mut at) = (Vec::with_capacity(shapes.len()), 0);
+        for ((name, shape), n) in shapes.into_iter().zip(sizes) {
+            let group = gpt_group_of(&name, shape.len());
+            let state0 = bump.take(n);
+            let state1 = bump.take(if group == ParamGroup::Matrix { 0 } else { n });
+            slots.push(Slot { name, shape, group, value: params.sub(at, n), grad: grads.sub(at, n), state0, state1 });
+            at += n;
+        }
+        let state = bump.since(state_start);
+        let half = cfg.rotary_dims() / 2;
+        let (cos, sin) = (bump.take(t * half), bump.take(t * half));
+
+        let (n, d, kvd, f, v) = (rows * t, cfg.model_dim, cfg.kv_dim(), cfg.mlp_mult * cfg.model_dim, cfg.vocab_size);
+        let act_start = bump.0;
+        let (emb, rstd0, x0) = (bump.take(n * d), bump.take(n), bump.take(n * d));
+        let layers = cfg.layer_sequence(true);
+        // Decoder position p pops a skip while p - encoders < skip_count, in either layout.
+        let pops = |pos: usize| {
+            [true, false].iter().any(|&looped| {
+                let (enc, dec) = cfg.encoder_decoder(looped);
+                pos >= enc.len() && pos - enc.len() < cfg.skip_count().min(enc.len()) && pos < enc.len() + dec.len()
+            })
+        };
+        // A position's physical block differs between the layouts: size for the larger need.
+        let unlooped = cfg.layer_sequence(false);
+        let needs = |pos: usize, f: &dyn Fn(usize) -> bool| f(layers[pos]) || unlooped.get(pos).is_some_and(|&i| f(i));
+        let positions = layers
+            .iter()
+            .enumerate()
+            .map(|(pos, _)| {
+                let pops = pops(pos);
+                let seq = needs(pos, &|i| !cfg.parallel(i));
+                let xsa = needs(pos, &|i| cfg.xsa(i));
+                PositionBufs {
+                    skipped: bump.take(if pops { n * d } else { 0 }),
+                    u: bump.take(n * d),
+                    rstd1: bump.take(n),
+                    n1: bump.take(n * d),
+                    qkv: bump.take(n * (d + 2 * kvd)),
+                    q: bump.take(n * d),
+                    k: bump.take(n * kvd),
+                    rq: bump.take(n * cfg.num_heads),
+                    rk: bump.take(n * cfg.num_kv_heads),
+                    att: bump.take(n * d),
+                    y: bump.take(if xsa { n * d } else { 0 }),
+                    ao: bump.take(n * d),
+                    u2: bump.take(if seq { n * d } else { 0 }),
+                    rstd2: bump.take(if seq { n } else { 0 }),
+                    n2: bump.take(if seq { n * d } else { 0 }),
+                    pre: bump.take(n * f),
+                    mo: bump.take(n * d),
+                    out: bump.take(n * d),
+                }
+            })
+            .collect();
+        let (rstdf, nf, logits, losses) = (bump.take(n), bump.take(n * d), bump.take(n * v), bump.take(n));
+        let activations = bump.since(act_start);
+
+        let scratch_start = bump.0;
+        let dskip = (0..cfg.skip_count()).map(|_| bump.take(n * d)).collect();
+        let scratch = Scratch {
+            g: bump.take(n * d),
+            g2: bump.take(n * d),
+            dn: bump.take(n * d),
+            dao: bump.take(n * d),
+            dmo: bump.take(n * d),
+            dy: bump.take(n * d),
+            datt: bump.take(n * d),
+            dq: bump.take(n * d),
+            dk: bump.take(n * kvd),
+            dqkv: bump.take(n * (d + 2 * kvd)),
+            act: bump.take(n * f),
+            dact: bump.take(n * f),
+            dx0: bump.take(n * d),
+            demb: bump.take(n * d),
+        };
+        let mut muon: Vec<MuonGroup> = Vec::new();
+        for (i, s) in slots.iter().enumerate().filter(|(_, s)| s.group == ParamGroup::Matrix) {
+            let shape = (s.shape[0], s.shape[1]);
+            match muon.iter_mut().find(|g| g.shape == shape) {
+                Some(g) => g.members.push(i),
+                None => muon.push(MuonGroup { shape, members: vec![i], u: Buf::default(), x: Buf::default(), x2: Buf::default(), a: Buf::default(), b: Buf::default() }),
+            }
+        }
+        for g in &mut muon {
+            let (k, (r, c)) = (g.members.len(), g.shape);
+            let m = r.min(c);
+            g.u = bump.take(k * r * c);
+            g.x = bump.take(k * r * c);
+            g.x2 = bump.take(k * r * c);
+            g.a = bump.take(k * m * m);
+            g.b = bump.take(k * m * m);
+        }
+        let scratch_region = bump.since(scratch_start);
+        let index = slots.iter().enumerate().map(|(i, s)| (s.name.clone(), i)).collect();
+        Layout {
+            slots,
+            index,
+            params,
+            grads,
+            state,
+            activations,
+            scratch_region,
+            cos,
+            sin,
+            emb,
+            rstd0,
+            x0,
+            rstdf,
+            nf,
+            logits,
+            losses,
+            positions,
+            dskip,
+            scratch,
+            muon,
+            rows,
+            t,
+        }
+    }
+
+    /// Elements in the arena.
+    pub fn len(&self) -> usize {
+        self.scratch_region.end()
+    }
+
+    /// Whether the arena is empty (never, for a model).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The slot of parameter `name` (panics on an unknown name: the schedule only asks for the
+    /// names `param_shapes` gives).
+    pub fn slot(&self, name: &str) -> &Slot {
+        &self.slots[self.index[name]]
+    }
+
+    /// The slot index of parameter `name`.
+    pub fn slot_index(&self, name: &str) -> Option<usize> {
+        self.index.get(name).copied()
+    }
+
+    /// The arena's regions and their sizes in elements, for the log and the report:
+    /// `(name, elements)`.
+    pub fn regions(&self) -> [(&'static str, usize); 5] {
+        [
+            ("parameters", self.params.len),
+            ("gradients", self.grads.len),
+            ("optimizer", self.state.len),
+            ("activations", self.activations.len + self.cos.len + self.sin.len),
+            ("scratch", self.scratch_region.len),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regions are disjoint and tile the arena; q, k, v weights are one matrix per block;
+    /// the record's looped sequence has its 17 positions.
+    #[test]
+    fn regions_tile_the_arena_and_qkv_is_contiguous() {
+        let cfg = ModelConfig { vocab_size: 64, model_dim: 32, num_heads: 4, num_kv_heads: 2, ..ModelConfig::record() };
+        let l = Layout::new(&cfg, 2, 8);
+        let total: usize = l.regions().iter().map(|(_, n)| n).sum();
+        assert_eq!(total, l.len());
+        let q = l.slot("blocks.3.attn.c_q.weight");
+        let k = l.slot("blocks.3.attn.c_k.weight");
+        let v = l.slot("blocks.3.attn.c_v.weight");
+        assert_eq!((q.value.end(), k.value.end()), (k.value.off, v.value.off));
+        assert_eq!((q.grad.end(), k.grad.end()), (k.grad.off, v.grad.off));
+        assert_eq!(l.positions.len(), 17);
+        assert_eq!(l.params.len, cfg.param_shapes().iter().map(|(_, s)| s.iter().product::<usize>()).sum::<usize>());
+        let mut all: Vec<Buf> = l.slots.iter().flat_map(|s| [s.value, s.grad, s.state0, s.state1]).collect();
+        all.extend(l.positions.iter().flat_map(|p| [p.u, p.n1, p.qkv, p.q, p.k, p.att, p.y, p.ao, p.u2, p.n2, p.pre, p.mo, p.out, p.skipped]));
+        all.sort_by_key(|b| b.off);
+        for w in all.windows(2) {
+            assert!(!w[0].overlaps(w[1]), "{:?} and {:?} overlap", w[0], w[1]);
+        }
+    }
+}

@@ -1,0 +1,30 @@
+//! The explicit training engine: the GPT's forward pass and a hand-written backward pass over
+//! one arena, behind a backend trait (llm.c's design), instead of candle's autograd.
+//!
+//! Why: autograd allocates every node's output and every input's gradient, sums gradients node
+//! by node, and cannot fuse across a block or choose a GEMM's `beta`. Here every tensor has a
+//! static offset in one allocation ([`layout`]); the backward pass is written out in reverse
+//! order ([`gpt`]) with weight gradients accumulated in place by GEMMs with `beta = 1`; the
+//! optimizers are flat loops over the same arena ([`optim`]).
+//!
+//! - [`backend`]: the [`backend::Backend`] trait, every op the schedule runs;
+//! - [`cpu`]: its CPU backends, f64 (checks) and f32 (speed), one generic implementation;
+//! - [`layout`]: the arena's regions and every tensor's offset;
+//! - [`gpt`]: the schedule, the model op by op, forward and backward;
+//! - [`optim`]: Muon (Newton-Schulz batched per shape) and Adam/AdamW over the arena;
+//! - [`step`]: [`Engine`], what a training step does with them, and the exchange of
+//!   parameters and optimizer state as named tensors (the candle executor's names).
+//!
+//! The `step_executor` stage's `impl = "engine"` trains with it ([`crate::train`]); the
+//! checks against candle's autograd are in `tests.rs`.
+
+pub mod backend;
+pub mod cpu;
+pub mod gpt;
+pub mod layout;
+pub mod optim;
+pub mod step;
+#[cfg(test)]
+mod tests;
+
+pub use step::Engine;

@@ -1,0 +1,101 @@
+//! The optimizers as flat loops over the arena: Muon with Newton-Schulz batched per shape, and
+//! Adam/AdamW per group, each the update of its candle twin in [`crate::optim`] (the formulas
+//! are there), reading the gradient region and updating the parameter and state regions in
+//! place. SGD (test-time training) and the EMA are single backend ops
+//! ([`Backend::sgd`], [`Backend::ema`]).
+
+use super::backend::{AdamStep, Backend};
+use super::layout::Layout;
+use crate::model::ParamGroup;
+use crate::optim::{NS5_COEFFS, NS5_EPS, ROW_NORM_EPS};
+
+/// Muon's settings for one step.
+#[derive(Clone, Copy, Debug)]
+pub struct MuonStep {
+    /// Learning rate (schedule applied).
+    pub lr: f64,
+    /// Momentum.
+    pub momentum: f64,
+    /// Nesterov momentum (the record: on).
+    pub nesterov: bool,
+    /// Newton-Schulz iterations.
+    pub backend_steps: usize,
+    /// MuonEq-R row normalisation.
+    pub row_norm: bool,
+    /// Decoupled weight decay (0: none).
+    pub weight_decay: f64,
+}
+
+/// One Muon step over every matrix: per shape, the updates `U` stacked, normalised, run
+/// through the quintic Newton-Schulz iteration as one batch, scaled by `sqrt(max(1, rows /
+/// cols))` and subtracted.
+pub fn muon(be: &mut dyn Backend, l: &Layout, s: MuonStep) {
+    let (a, b, c) = NS5_COEFFS;
+    for g in &l.muon {
+        let (k, (r, cols)) = (g.members.len(), g.shape);
+        let len = r * cols;
+        // buf = mu buf + G; U = G + mu buf (Nesterov) or buf.
+        for (j, &m) in g.members.iter().enumerate() {
+            let slot = &l.slots[m];
+            be.momentum(slot.grad, slot.state0, g.u.sub(j * len, len), s.momentum, s.nesterov);
+        }
+        if s.row_norm {
+            be.row_normalize(g.u, cols, ROW_NORM_EPS);
+        }
+        // X = U / (|U|_F + eps), transposed when tall so that X X^T is the small Gram matrix.
+        be.normalize_each(g.u, k, NS5_EPS);
+        let tall = r > cols;
+        if tall {
+            be.transpose_each(g.u, g.x, k, r, cols);
+        } else {
+            be.copy(g.x, g.u);
+        }
+        let (m, n) = if tall { (cols, r) } else { (r, cols) };
+        let (mut x, mut x2) = (g.x, g.x2);
+        for _ in 0..s.backend_steps {
+            for j in 0..k {
+                let xj = x.sub(j * len, len).mat(m, n);
+                let (aj, bj) = (g.a.sub(j * m * m, m * m).mat(m, m), g.b.sub(j * m * m, m * m).mat(m, m));
+                // A = X X^T; B = A A (then b A + c B); X' = a X + B X.
+                be.gemm(aj, xj, xj.t(), 1.0, 0.0);
+                be.gemm(bj, aj, aj, 1.0, 0.0);
+            }
+            be.axpby(b, g.a, c, g.b);
+            for j in 0..k {
+                let bj = g.b.sub(j * m * m, m * m).mat(m, m);
+                be.gemm(x2.sub(j * len, len).mat(m, n), bj, x.sub(j * len, len).mat(m, n), 1.0, 0.0);
+            }
+            be.axpby(a, x, 1.0, x2);
+            std::mem::swap(&mut x, &mut x2);
+        }
+        // O back in the stored shape, in U.
+        if tall {
+            be.transpose_each(x, g.u, k, m, n);
+        } else {
+            be.copy(g.u, x);
+        }
+        let scale = (r as f64 / cols as f64).max(1.0).sqrt();
+        for (j, &mi) in g.members.iter().enumerate() {
+            // P = P (1 - lr wd) - lr scale O.
+            be.axpby(-s.lr * scale, g.u.sub(j * len, len), 1.0 - s.lr * s.weight_decay, l.slots[mi].value);
+        }
+    }
+}
+
+/// One Adam step of the parameters in `group`, the `t`-th (counted from 1).
+#[allow(clippy::too_many_arguments)]
+pub fn adam(be: &mut dyn Backend, l: &Layout, group: ParamGroup, t: u64, lr: f64, betas: (f64, f64), eps: f64, weight_decay: f64) {
+    let t = t as f64;
+    let s = AdamStep {
+        lr,
+        beta1: betas.0,
+        beta2: betas.1,
+        eps,
+        weight_decay,
+        bias1: 1.0 - betas.0.powf(t),
+        bias2_sqrt: (1.0 - betas.1.powf(t)).sqrt(),
+    };
+    for slot in l.slots.iter().filter(|s| s.group == group) {
+        be.adam(slot.value, slot.grad, slot.state0, slot.state1, s);
+    }
+}

@@ -1,0 +1,221 @@
+//! [`Engine`]: a backend, the schedule on its arena, and what a training step does with them:
+//! micro-batches accumulated into the gradient region, clipping, the optimizers, and the
+//! exchange with the rest of the program (parameters and optimizer state as named tensors with
+//! the candle executor's names, so checkpoints and every stage after training are the same).
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+
+use super::backend::Backend;
+use super::cpu::CpuBackend;
+use super::gpt::Schedule;
+use super::optim::{self, MuonStep};
+use crate::model::{ModelConfig, ParamGroup};
+use crate::model::ops::{rms_eps, rope_tables};
+
+/// The Adam groups and their checkpoint prefixes (the candle executor's).
+pub const ADAM_GROUPS: [(ParamGroup, &str); 3] =
+    [(ParamGroup::Embedding, "adam_embed"), (ParamGroup::Scalar, "adam_scalar"), (ParamGroup::Head, "adam_head")];
+
+/// The explicit training engine of one model (see the module doc of [`crate::engine`]).
+pub struct Engine {
+    be: Box<dyn Backend>,
+    schedule: Schedule,
+    /// Fill the dead regions with NaN around every pass.
+    poison: bool,
+    /// Steps each Adam group has taken (its bias correction's `t`).
+    adam_steps: [u64; 3],
+}
+
+impl Engine {
+    /// An engine for `cfg` on micro-batches of `rows x t` tokens on the CPU, in `dtype` (`F64`:
+    /// the check backend; `F32`: the fast one), with every parameter zero until
+    /// [`Engine::load_params`]. `poison`: NaN in every dead buffer (checks for aliasing).
+    pub fn cpu(cfg: &ModelConfig, rows: usize, t: usize, dtype: DType, poison: bool) -> anyhow::Result<Engine> {
+        cfg.check()?;
+        let schedule = Schedule::new(cfg, rows, t, rms_eps(dtype));
+        let len = schedule.layout.len();
+        let be: Box<dyn Backend> = match dtype {
+            DType::F64 => Box::new(CpuBackend::<f64>::new(len)),
+            DType::F32 => Box::new(CpuBackend::<f32>::new(len)),
+            other => anyhow::bail!("the engine's CPU backends run in f32 or f64, not {other:?} (bf16 is the GPU backend's)"),
+        };
+        let mut e = Engine { be, schedule, poison, adam_steps: [0; 3] };
+        let (cos, sin) = rope_tables(t, cfg.rotary_dims(), cfg.rope_base_for(t), dtype, &Device::Cpu)?;
+        let l = &e.schedule.layout;
+        let (c, s) = (l.cos, l.sin);
+        e.be.upload(c, &cos)?;
+        e.be.upload(s, &sin)?;
+        if poison {
+            let (a, b) = (e.schedule.layout.activations, e.schedule.layout.scratch_region);
+            e.be.fill(a, f64::NAN);
+            e.be.fill(b, f64::NAN);
+            // The RoPE tables sit among the constants, not the activations: keep them.
+        }
+        Ok(e)
+    }
+
+    /// The schedule (and through it the layout).
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+
+    /// The arena's dtype.
+    pub fn dtype(&self) -> DType {
+        self.be.dtype()
+    }
+
+    /// The arena's size in bytes, and per region `(name, bytes)`.
+    pub fn arena_bytes(&self) -> (usize, Vec<(&'static str, usize)>) {
+        let size = self.be.dtype().size_in_bytes();
+        let regions: Vec<(&'static str, usize)> = self.schedule.layout.regions().iter().map(|&(n, e)| (n, e * size)).collect();
+        (self.schedule.layout.len() * size, regions)
+    }
+
+    /// Loads every parameter from `tensors` (the model's `state_dict` names; any float dtype).
+    /// Errors name a missing tensor or a shape that does not fit; nothing changes unless all
+    /// fit.
+    pub fn load_params(&mut self, tensors: &HashMap<String, Tensor>) -> anyhow::Result<()> {
+        for s in &self.schedule.layout.slots {
+            let t = tensors.get(&s.name).ok_or_else(|| anyhow::anyhow!("tensor `{}` is missing", s.name))?;
+            anyhow::ensure!(t.dims() == s.shape, "tensor `{}` has shape {:?}, this model's is {:?}", s.name, t.dims(), s.shape);
+        }
+        for s in &self.schedule.layout.slots {
+            self.be.upload(s.value, &tensors[&s.name])?;
+        }
+        Ok(())
+    }
+
+    /// Every parameter as a named CPU tensor in the arena's dtype, in `state_dict` order.
+    pub fn params(&self) -> anyhow::Result<Vec<(String, Tensor)>> {
+        self.schedule.layout.slots.iter().map(|s| Ok((s.name.clone(), self.be.download(s.value, &s.shape)?))).collect()
+    }
+
+    /// Every gradient summed so far, named as its parameter.
+    pub fn grads(&self) -> anyhow::Result<Vec<(String, Tensor)>> {
+        self.schedule.layout.slots.iter().map(|s| Ok((s.name.clone(), self.be.download(s.grad, &s.shape)?))).collect()
+    }
+
+    /// Forward and backward of one micro-batch (`x`, `y`: `rows * t` token ids each), adding
+    /// `grad_scale d(sum of token losses)/dp` to the gradients; returns the sum of its tokens'
+    /// losses. `looping`: the looped layer sequence (depth recurrence on).
+    pub fn micro_step(&mut self, x: &[u32], y: &[u32], looping: bool, grad_scale: f64) -> f64 {
+        let (acts, scratch) = (self.schedule.layout.activations, self.schedule.layout.scratch_region);
+        self.be.set_tokens(x, y);
+        let loss = self.schedule.forward(self.be.as_mut(), looping, grad_scale);
+        if self.poison {
+            self.be.fill(scratch, f64::NAN);
+        }
+        self.schedule.backward(self.be.as_mut(), looping);
+        if self.poison {
+            self.be.fill(acts, f64::NAN);
+            self.be.fill(scratch, f64::NAN);
+        }
+        loss
+    }
+
+    /// Zeroes the gradients (the start of a step).
+    pub fn zero_grads(&mut self) {
+        let g = self.schedule.layout.grads;
+        self.be.fill(g, 0.0);
+    }
+
+    /// Whether every gradient is finite.
+    pub fn grads_finite(&self) -> bool {
+        self.be.all_finite(self.schedule.layout.grads)
+    }
+
+    /// Whether every parameter is finite.
+    pub fn params_finite(&self) -> bool {
+        self.be.all_finite(self.schedule.layout.params)
+    }
+
+    /// `clip_grad_norm_`: scales the gradients by `max / (norm + 1e-6)` when their global norm
+    /// exceeds `max`; returns the norm before clipping.
+    pub fn clip(&mut self, max: f64) -> f64 {
+        let g = self.schedule.layout.grads;
+        let norm = self.be.sum_sq(g).sqrt();
+        let coef = max / (norm + 1e-6);
+        if coef < 1.0 {
+            self.be.scale(g, coef);
+        }
+        norm
+    }
+
+    /// One Muon step over the block matrices.
+    pub fn muon(&mut self, s: MuonStep) {
+        optim::muon(self.be.as_mut(), &self.schedule.layout, s);
+    }
+
+    /// One Adam step of `group` (its step count advances first).
+    pub fn adam(&mut self, group: ParamGroup, lr: f64, betas: (f64, f64), eps: f64, weight_decay: f64) {
+        let Some(i) = ADAM_GROUPS.iter().position(|(g, _)| *g == group) else { return };
+        if !self.schedule.layout.slots.iter().any(|s| s.group == group) {
+            return;
+        }
+        self.adam_steps[i] += 1;
+        optim::adam(self.be.as_mut(), &self.schedule.layout, group, self.adam_steps[i], lr, betas, eps, weight_decay);
+    }
+
+    /// The optimizer state with the candle optimizers' names: `muon.{p}.momentum_buffer`,
+    /// `{adam_*}.{p}.exp_avg`, `.exp_avg_sq` and `{adam_*}.step` (groups with parameters only).
+    pub fn optimizer_state(&self) -> anyhow::Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        let slots = &self.schedule.layout.slots;
+        for s in slots.iter().filter(|s| s.group == ParamGroup::Matrix) {
+            out.push((format!("muon.{}.momentum_buffer", s.name), self.be.download(s.state0, &s.shape)?));
+        }
+        for (i, (group, prefix)) in ADAM_GROUPS.iter().enumerate() {
+            let members: Vec<_> = slots.iter().filter(|s| s.group == *group).collect();
+            if members.is_empty() {
+                continue;
+            }
+            for s in members {
+                out.push((format!("{prefix}.{}.exp_avg", s.name), self.be.download(s.state0, &s.shape)?));
+                out.push((format!("{prefix}.{}.exp_avg_sq", s.name), self.be.download(s.state1, &s.shape)?));
+            }
+            out.push((format!("{prefix}.step"), Tensor::new(&[self.adam_steps[i] as i64], &Device::Cpu)?));
+        }
+        Ok(out)
+    }
+
+    /// Loads the state [`Engine::optimizer_state`] names (a checkpoint of either executor).
+    /// Errors name the tensor that is missing, does not fit, or is not this model's; nothing
+    /// changes unless all fit.
+    pub fn load_optimizer_state(&mut self, tensors: &HashMap<String, Tensor>) -> anyhow::Result<()> {
+        let want = self.optimizer_state()?;
+        for (name, like) in &want {
+            let t = tensors.get(name).ok_or_else(|| anyhow::anyhow!("optimizer state tensor {name} is missing"))?;
+            anyhow::ensure!(t.dims() == like.dims(), "optimizer state tensor {name} has shape {:?}, expected {:?}", t.dims(), like.dims());
+        }
+        let known: std::collections::HashSet<&String> = want.iter().map(|(n, _)| n).collect();
+        let mut unknown: Vec<&String> = tensors.keys().filter(|k| !known.contains(k)).collect();
+        unknown.sort();
+        if let Some(k) = unknown.first() {
+            anyhow::bail!("unexpected optimizer state tensor {k} (no such parameter in this optimizer)");
+        }
+        let mut steps = self.adam_steps;
+        for (i, (_, prefix)) in ADAM_GROUPS.iter().enumerate() {
+            if let Some(t) = tensors.get(&format!("{prefix}.step")) {
+                let v = t.to_dtype(DType::F64)?.to_vec1::<f64>()?[0];
+                anyhow::ensure!(v.is_finite() && v >= 0.0 && v.fract() == 0.0, "optimizer state tensor {prefix}.step holds {v}, not a non-negative integer");
+                steps[i] = v as u64;
+            }
+        }
+        let slots = self.schedule.layout.slots.clone();
+        for s in &slots {
+            let prefix = match s.group {
+                ParamGroup::Matrix => {
+                    self.be.upload(s.state0, &tensors[&format!("muon.{}.momentum_buffer", s.name)])?;
+                    continue;
+                }
+                g => ADAM_GROUPS.iter().find(|(x, _)| *x == g).map(|(_, p)| *p).unwrap_or("adam"),
+            };
+            self.be.upload(s.state0, &tensors[&format!("{prefix}.{}.exp_avg", s.name)])?;
+            self.be.upload(s.state1, &tensors[&format!("{prefix}.{}.exp_avg_sq", s.name)])?;
+        }
+        self.adam_steps = steps;
+        Ok(())
+    }
+}
