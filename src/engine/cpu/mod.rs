@@ -27,7 +27,7 @@ use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, M
 use crate::model::cpu::simd::Real;
 
 /// A CPU backend over an arena of `T` (`f64`: the check backend; `f32`: the fast one).
-pub struct CpuBackend<T> {
+pub(crate) struct CpuBackend<T> {
     arena: Vec<T>,
     /// The micro-batch's input ids.
     x: Vec<u32>,
