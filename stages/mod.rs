@@ -45,6 +45,7 @@ pub static REGISTRY: Registry = Registry::new(&[
     &TransformImpl::<upload::OnDevice>::new(),
     &TransformImpl::<upload::CopyStream>::new(),
     &TransformImpl::<step_executor::Candle>::new(),
+    &TransformImpl::<step_executor::Engine>::new(),
     &TransformImpl::<ema_swa::Ema>::new(),
     &TransformImpl::<ema_swa::Swa>::new(),
     &TransformImpl::<ema_swa::Passthrough>::new(),

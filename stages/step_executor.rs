@@ -9,6 +9,12 @@
 //!   snapshots (before the first step, after every step, at the end) to the stages after
 //!   training.
 //!
+//! - `engine`: the same session on the explicit engine ([`crate::engine`]): forward and
+//!   hand-written backward over one arena, CPU backends in f32 (`dtype = "f32"`) and f64
+//!   (checks); the same log lines, snapshots, checkpoints (either executor resumes the
+//!   other's) and report fields, plus the arena's size. `poison = true` fills every dead
+//!   buffer with NaN around each pass (a check for aliasing; slower).
+//!
 //! Resuming (`pipeline run --resume`): the weights, optimizer state, step, training time and
 //! validation history come from the checkpoint ([`crate::train::resume`]); the batch geometry
 //! and the training data must be those the checkpoint was made with.
@@ -17,7 +23,8 @@ use super::{config, previous, resumed};
 use crate::data::batch::DeviceBatch;
 use crate::runtime::memory::Need;
 use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
-use crate::train::params::SessionParams;
+use crate::train::executor::ExecutorKind;
+use crate::train::params::{Precision, SessionParams};
 use crate::train::session::Session;
 use crate::train::snapshot::TrainSnapshot;
 use crate::train::{requirements, resume};
@@ -49,7 +56,88 @@ impl Transform for Candle {
     }
 
     fn build(p: SessionParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
-        Ok(Self(Session::new(p, config(ctx)?, resumed(ctx), ctx.run_dir, ctx.consumers > 0)?))
+        Ok(Self(Session::new(p, config(ctx)?, resumed(ctx), ctx.run_dir, ctx.consumers > 0, ExecutorKind::Candle)?))
+    }
+
+    fn process(&mut self, b: DeviceBatch, out: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
+        self.0.process(b, out, ctx)
+    }
+
+    fn flush(&mut self, out: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
+        self.0.close(out, ctx)
+    }
+}
+
+/// The parameters of `step_executor/engine`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineParams {
+    /// The arena's type: "f32" (the fast backend) or "f64" (the check backend).
+    pub dtype: Precision,
+    /// Show a progress bar when stdout is a terminal (log lines print above it).
+    pub progress: bool,
+    /// Fill every buffer that is dead (activations between micro-batches, scratch between
+    /// passes) with NaN: a read of a value its pass did not write then shows as a NaN loss.
+    pub poison: bool,
+}
+
+impl Default for EngineParams {
+    fn default() -> Self {
+        Self { dtype: Precision::F32, progress: true, poison: false }
+    }
+}
+
+impl EngineParams {
+    /// The session's parameters (attention and phase timing are the GPU's; the CPU has one
+    /// of each).
+    fn session(&self) -> SessionParams {
+        SessionParams { dtype: self.dtype, progress: self.progress, ..SessionParams::default() }
+    }
+
+    /// Refuses what the CPU backends cannot run, naming the key.
+    fn check_backend(&self, ctx: &BuildCtx) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.dtype != Precision::Bf16,
+            "key `dtype` = \"bf16\": the engine's CPU backends run in \"f32\" or \"f64\" (bf16 is the GPU backend's, not built yet)"
+        );
+        let device = &config(ctx)?.run.device;
+        anyhow::ensure!(
+            device == "cpu",
+            "`run.device` = {device:?}: impl \"engine\" runs on the CPU until its GPU backend lands; use impl = \"candle\" on a GPU"
+        );
+        Ok(())
+    }
+}
+
+/// `step_executor/engine`.
+pub struct Engine(Session);
+
+impl Transform for Engine {
+    const KIND: &'static str = "step_executor";
+    const IMPL: &'static str = "engine";
+    const DOC: &'static str = "Trains the GPT on the explicit engine (forward and hand-written backward over one arena, CPU f32/f64); same logs, snapshots and checkpoints as `candle`.";
+    type Params = EngineParams;
+    type In = DeviceBatch;
+    type Out = TrainSnapshot;
+    const OUTPUT_OPTIONAL: bool = true;
+
+    fn check(p: &EngineParams, ctx: &BuildCtx) -> anyhow::Result<()> {
+        p.check_backend(ctx)?;
+        requirements::check(&p.session(), config(ctx)?)
+    }
+
+    fn memory(p: &EngineParams, ctx: &BuildCtx) -> anyhow::Result<Vec<Need>> {
+        requirements::memory(&p.session(), config(ctx)?)
+    }
+
+    fn nothing_left(_p: &EngineParams, ctx: &BuildCtx) -> Option<String> {
+        resume::complete(config(ctx).ok()?, resumed(ctx), previous(ctx), ctx.run_dir)
+    }
+
+    fn build(p: EngineParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
+        p.check_backend(ctx)?;
+        let kind = ExecutorKind::Engine { poison: p.poison };
+        Ok(Self(Session::new(p.session(), config(ctx)?, resumed(ctx), ctx.run_dir, ctx.consumers > 0, kind)?))
     }
 
     fn process(&mut self, b: DeviceBatch, out: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {

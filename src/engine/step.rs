@@ -4,6 +4,7 @@
 //! the candle executor's names, so checkpoints and every stage after training are the same).
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 
@@ -17,6 +18,17 @@ use crate::model::ops::{rms_eps, rope_tables};
 /// The Adam groups and their checkpoint prefixes (the candle executor's).
 pub const ADAM_GROUPS: [(ParamGroup, &str); 3] =
     [(ParamGroup::Embedding, "adam_embed"), (ParamGroup::Scalar, "adam_scalar"), (ParamGroup::Head, "adam_head")];
+
+/// What one micro-batch gave.
+#[derive(Clone, Copy, Debug)]
+pub struct MicroResult {
+    /// The sum of its tokens' losses.
+    pub loss_sum: f64,
+    /// The forward pass, the loss and its gradient included.
+    pub forward: Duration,
+    /// The backward pass.
+    pub backward: Duration,
+}
 
 /// The explicit training engine of one model (see the module doc of [`crate::engine`]).
 pub struct Engine {
@@ -99,20 +111,23 @@ impl Engine {
 
     /// Forward and backward of one micro-batch (`x`, `y`: `rows * t` token ids each), adding
     /// `grad_scale d(sum of token losses)/dp` to the gradients; returns the sum of its tokens'
-    /// losses. `looping`: the looped layer sequence (depth recurrence on).
-    pub fn micro_step(&mut self, x: &[u32], y: &[u32], looping: bool, grad_scale: f64) -> f64 {
+    /// losses and the two passes' times. `looping`: the looped layer sequence (depth recurrence
+    /// on).
+    pub fn micro_step(&mut self, x: &[u32], y: &[u32], looping: bool, grad_scale: f64) -> MicroResult {
         let (acts, scratch) = (self.schedule.layout.activations, self.schedule.layout.scratch_region);
+        let t0 = Instant::now();
         self.be.set_tokens(x, y);
-        let loss = self.schedule.forward(self.be.as_mut(), looping, grad_scale);
+        let loss_sum = self.schedule.forward(self.be.as_mut(), looping, grad_scale);
         if self.poison {
             self.be.fill(scratch, f64::NAN);
         }
+        let t1 = Instant::now();
         self.schedule.backward(self.be.as_mut(), looping);
         if self.poison {
             self.be.fill(acts, f64::NAN);
             self.be.fill(scratch, f64::NAN);
         }
-        loss
+        MicroResult { loss_sum, forward: t1 - t0, backward: t1.elapsed() }
     }
 
     /// Zeroes the gradients (the start of a step).

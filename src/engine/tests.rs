@@ -96,7 +96,7 @@ fn compare(cfg: &ModelConfig, looping: bool, poison: bool, micro: usize, tol: f6
     let n = (rows * t) as f64;
     let mut got_loss = 0.0;
     for _ in 0..micro {
-        got_loss = e.micro_step(&x, &y, looping, 1.0 / (n * micro as f64)) / n;
+        got_loss = e.micro_step(&x, &y, looping, 1.0 / (n * micro as f64)).loss_sum / n;
     }
     let what = format!("looping {looping} poison {poison} micro {micro}");
     assert!((got_loss - want_loss).abs() <= tol * want_loss.abs(), "{what}: loss {got_loss} vs {want_loss}");

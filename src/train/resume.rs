@@ -13,7 +13,7 @@ use crate::report::document::Report;
 use crate::train::checkpoint::Checkpoint;
 use crate::train::config::{Config, TrainConfig};
 use crate::train::snapshot::Ending;
-use crate::train::trainer::Trainer;
+use crate::train::executor::Executor;
 
 /// One validation's result.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -66,7 +66,7 @@ pub(crate) fn same_architecture(saved: &serde_json::Value, now: &ModelConfig) ->
 
 /// Restores `trainer` from `ck`, after checking that the run continues with the same batch
 /// geometry and training data; returns the validation history.
-pub(crate) fn resume(trainer: &mut Trainer, ck: &Checkpoint, shape: BatchShape, data: &str) -> anyhow::Result<History> {
+pub(crate) fn resume(trainer: &mut dyn Executor, ck: &Checkpoint, shape: BatchShape, data: &str) -> anyhow::Result<History> {
     let what = || format!("cannot resume from {}", ck.path.display());
     let history: History = serde_json::from_value(ck.meta.extra.clone())
         .with_context(|| format!("{}: it holds no step-executor state (made by another version?)", what()))?;
@@ -92,8 +92,8 @@ pub(crate) fn resume(trainer: &mut Trainer, ck: &Checkpoint, shape: BatchShape, 
         ck.meta.data
     );
     same_architecture(&ck.meta.model, trainer.model().config()).with_context(what)?;
-    trainer.model_mut().load_state(&ck.section("model.")).with_context(|| format!("{}: the weights do not fit `[model]`", what()))?;
-    trainer.model_mut().set_looping(history.looping);
+    trainer.load_weights(&ck.section("model.")).with_context(|| format!("{}: the weights do not fit `[model]`", what()))?;
+    trainer.set_looping(history.looping);
     trainer.restore(ck.meta.step, &ck.section("optim.")).with_context(|| format!("{}: the optimizer state does not fit", what()))?;
     Ok(history)
 }

@@ -41,12 +41,14 @@ use crate::train::params::SessionParams;
 use crate::train::requirements;
 use crate::train::resume::{self, History, ValPoint, data_fingerprint, trained_attention};
 use crate::train::snapshot::{Ending, Moment, TrainSnapshot, TrainerState};
+use crate::train::engine_trainer::EngineTrainer;
+use crate::train::executor::{Executor, ExecutorKind};
 use crate::train::trainer::Trainer;
 
 /// A training session: the model, its trainer and validator, the clocks, the log, and what
 /// the snapshots and the report are made of.
 pub struct Session {
-    trainer: Trainer,
+    trainer: Box<dyn Executor>,
     validator: Validator,
     log: TrainLog,
     cfg: TrainConfig,
@@ -105,7 +107,14 @@ impl Session {
     /// step table and weights under `run_dir` (none under `pipeline validate`'s checks), and
     /// making snapshots only when `emit` (a stage reads them). Runs `attention = "auto"`'s
     /// trials on a GPU.
-    pub fn new(p: SessionParams, c: &Config, resume: Option<&Checkpoint>, run_dir: Option<&Path>, emit: bool) -> anyhow::Result<Self> {
+    pub fn new(
+        p: SessionParams,
+        c: &Config,
+        resume: Option<&Checkpoint>,
+        run_dir: Option<&Path>,
+        emit: bool,
+        executor: ExecutorKind,
+    ) -> anyhow::Result<Self> {
         requirements::check(&p, c)?;
         // A checkpoint made after the last step: no step is trained, ever again.
         let finish_only = resume.and_then(|ck| resume::training_end(ck.meta.step, ck.meta.train_ms, &c.train));
@@ -148,10 +157,15 @@ impl Session {
         // Depth recurrence starts off until `model.enable_looping_at` of training has passed
         // (a resume takes the checkpoint's layout).
         model.set_looping(c.model.enable_looping_at <= 0.0);
-        let mut trainer = Trainer::new(model, &c.train, shape.micro_steps)?.with_phase_sync(p.sync_phases);
+        let mut trainer: Box<dyn Executor> = match executor {
+            ExecutorKind::Candle => Box::new(Trainer::new(model, &c.train, shape.micro_steps)?.with_phase_sync(p.sync_phases)),
+            ExecutorKind::Engine { poison } => {
+                Box::new(EngineTrainer::new(model, &c.train, shape.micro_steps, (shape.rows, shape.seq_len), poison).context("stage `step_executor`")?)
+            }
+        };
         let data = data_fingerprint(c)?;
         let history = match resume {
-            Some(ck) => Some(resume::resume(&mut trainer, ck, shape, &data)?),
+            Some(ck) => Some(resume::resume(trainer.as_mut(), ck, shape, &data)?),
             None => None,
         };
         let unigram_bpb = match &c.data.train {
@@ -176,7 +190,7 @@ impl Session {
                 ));
             }
         }
-        startup_lines(&mut log, c, &trainer, &validator, shape, unigram_bpb);
+        startup_lines(&mut log, c, trainer.as_ref(), &validator, shape, unigram_bpb);
         if !device.is_cpu() {
             let timing = if p.sync_phases { "device (synchronised per phase)" } else { "device (CUDA events, no sync per phase)" };
             log.line(&format!("attention:{} phase_times:{timing}", flash.map_or("materialized", |k| k.name())));
@@ -318,7 +332,7 @@ impl Session {
             looping: self.trainer.model().looping(),
         })?;
         let state = TrainerState {
-            optimizer: Arc::new(self.trainer.optimizer_state()),
+            optimizer: Arc::new(self.trainer.optimizer_state()?),
             loader: self.loader.clone(),
             rolling: self.rolling,
             history,
@@ -518,7 +532,7 @@ impl Session {
         let frac = self.cfg.training_frac(step, train_ms);
         if frac >= model.config().enable_looping_at {
             let line = looping_line(model.config(), step, frac);
-            self.trainer.model_mut().set_looping(true);
+            self.trainer.set_looping(true);
             self.log.line(&line);
         }
     }
@@ -678,6 +692,7 @@ impl Session {
                 "val_time_ms": val_time_ms,
                 "validations": self.vals,
                 "model_params": self.trainer.model().param_count(),
+                "engine": self.trainer.report(),
                 "timing_ms_per_step": per_step,
                 "timing_share_pct": {
                     "data_wait": share(per_step.data_wait),
@@ -730,7 +745,7 @@ fn looping_line(cfg: &crate::model::ModelConfig, step: u64, frac: f64) -> String
     format!("layer_loop:enabled step:{step} frac:{frac:.3} encoder:{enc:?} decoder:{dec:?}")
 }
 
-fn startup_lines(log: &mut TrainLog, c: &Config, trainer: &Trainer, v: &Validator, shape: BatchShape, unigram: Option<f64>) {
+fn startup_lines(log: &mut TrainLog, c: &Config, trainer: &dyn Executor, v: &Validator, shape: BatchShape, unigram: Option<f64>) {
     let t = &c.train;
     let m = &c.model;
     let tok = c.data.tokenizer.as_deref().map(|p| p.display().to_string()).unwrap_or_default();
@@ -748,6 +763,9 @@ fn startup_lines(log: &mut TrainLog, c: &Config, trainer: &Trainer, v: &Validato
     };
     log.line(&format!("val_loader:shards pattern={} tokens:{}{cap}", v.pattern(), v.split_targets()));
     log.line(&format!("model_params:{}", trainer.model().param_count()));
+    for line in trainer.startup_lines() {
+        log.line(&line);
+    }
     log.line(&format!("world_size:{} grad_accum_steps:{}", shape.world_size, shape.micro_steps));
     log.line(&format!("attention_mode:gqa num_heads:{} num_kv_heads:{}", m.num_heads, m.num_kv_heads));
     if let Some(line) = model_elements_line(m) {

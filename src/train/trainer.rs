@@ -324,6 +324,56 @@ impl Trainer {
     }
 }
 
+impl crate::train::executor::Executor for Trainer {
+    fn model(&self) -> &Gpt {
+        &self.model
+    }
+
+    fn set_looping(&mut self, on: bool) {
+        self.model.set_looping(on);
+    }
+
+    fn load_weights(&mut self, tensors: &std::collections::HashMap<String, Tensor>) -> anyhow::Result<()> {
+        self.model.load_state(tensors)
+    }
+
+    fn micro_step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<MicroTimes> {
+        Trainer::micro_step(self, x, y)
+    }
+
+    fn finish_step(&mut self, elapsed_ms: f64) -> anyhow::Result<StepOutcome> {
+        Trainer::finish_step(self, elapsed_ms)
+    }
+
+    fn discard_partial_step(&mut self) -> usize {
+        Trainer::discard_partial_step(self)
+    }
+
+    fn step(&self) -> u64 {
+        self.step
+    }
+
+    fn micro_done(&self) -> usize {
+        self.micro_done
+    }
+
+    fn micro_steps(&self) -> usize {
+        self.micro_steps
+    }
+
+    fn optimizer_state(&self) -> anyhow::Result<Vec<(String, Tensor)>> {
+        Ok(Trainer::optimizer_state(self))
+    }
+
+    fn restore(&mut self, step: u64, optimizer: &std::collections::HashMap<String, Tensor>) -> anyhow::Result<()> {
+        Trainer::restore(self, step, optimizer)
+    }
+
+    fn flush_phase_times(&mut self) -> anyhow::Result<PhaseTimes> {
+        Trainer::flush_phase_times(self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use candle_core::Device;

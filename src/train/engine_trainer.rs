@@ -1,0 +1,201 @@
+//! The explicit engine ([`crate::engine`]) as a session's [`Executor`]: the schedule of
+//! [`crate::train::trainer`] (LR multiplier, training fraction, Muon momentum warm-up,
+//! clipping, Muon then Adam per group) with each step's work done on the engine's arena, and
+//! the weights copied into a candle [`Gpt`] after every step for validation, snapshots and the
+//! saved weights. The CPU backends only: the GPU backend is the next issue's.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use candle_core::{DType, Tensor};
+
+use crate::device::phase_clock::PhaseTimes;
+use crate::engine::Engine;
+use crate::engine::optim::MuonStep;
+use crate::engine::step::ADAM_GROUPS;
+use crate::model::{Gpt, ParamGroup};
+use crate::optim::momentum_at;
+use crate::train::config::TrainConfig;
+use crate::train::executor::Executor;
+use crate::train::trainer::{MicroTimes, StepOutcome};
+
+/// The engine, the candle model mirroring its weights, and the step in progress.
+pub struct EngineTrainer {
+    engine: Engine,
+    mirror: Gpt,
+    cfg: TrainConfig,
+    micro_steps: usize,
+    micro_done: usize,
+    loss_sum: f64,
+    step: u64,
+    /// Tokens per micro-batch.
+    tokens: usize,
+    phases: PhaseTimes,
+}
+
+impl EngineTrainer {
+    /// An engine for `model` (its config, dtype and initial weights; the CPU only) on
+    /// micro-batches of `rows x t` tokens, `micro_steps` per step.
+    pub fn new(model: Gpt, cfg: &TrainConfig, micro_steps: usize, (rows, t): (usize, usize), poison: bool) -> anyhow::Result<Self> {
+        anyhow::ensure!(micro_steps >= 1, "a step needs at least one micro-batch");
+        anyhow::ensure!(
+            model.device().is_cpu(),
+            "stage `step_executor` impl \"engine\" runs on the CPU (`run.device = \"cpu\"`); its GPU backend is not built yet: use impl = \"candle\" on a GPU"
+        );
+        anyhow::ensure!(
+            model.matmul_dtype() == model.dtype(),
+            "stage `step_executor` impl \"engine\": key `dtype` must be \"f32\" or \"f64\" on the CPU (bf16 matmuls are the GPU backend's)"
+        );
+        let mut engine = Engine::cpu(model.config(), rows, t, model.dtype(), poison)?;
+        engine.load_params(&model.state_dict().into_iter().collect())?;
+        engine.zero_grads();
+        Ok(Self {
+            engine,
+            mirror: model,
+            cfg: cfg.clone(),
+            micro_steps,
+            micro_done: 0,
+            loss_sum: 0.0,
+            step: 0,
+            tokens: rows * t,
+            phases: PhaseTimes::default(),
+        })
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// Copies the engine's weights into the mirror model.
+    fn sync_mirror(&mut self) -> anyhow::Result<()> {
+        let params: HashMap<String, Tensor> = self.engine.params()?.into_iter().collect();
+        self.mirror.load_state(&params)
+    }
+}
+
+impl Executor for EngineTrainer {
+    fn model(&self) -> &Gpt {
+        &self.mirror
+    }
+
+    fn set_looping(&mut self, on: bool) {
+        self.mirror.set_looping(on);
+    }
+
+    fn load_weights(&mut self, tensors: &HashMap<String, Tensor>) -> anyhow::Result<()> {
+        self.mirror.load_state(tensors)?;
+        self.engine.load_params(tensors)
+    }
+
+    fn micro_step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<MicroTimes> {
+        anyhow::ensure!(self.micro_done < self.micro_steps, "micro-batch {} of a {}-micro-batch step", self.micro_done, self.micro_steps);
+        anyhow::ensure!(
+            self.step < self.cfg.iterations,
+            "refusing to train step {}: `train.iterations` is {} and no step past it is ever trained",
+            self.step + 1,
+            self.cfg.iterations
+        );
+        let (xs, ys): (Vec<u32>, Vec<u32>) = (x.flatten_all()?.to_vec1()?, y.flatten_all()?.to_vec1()?);
+        anyhow::ensure!(xs.len() == self.tokens && ys.len() == self.tokens, "a micro-batch of {} tokens, the engine was laid out for {}", xs.len(), self.tokens);
+        let vocab = self.mirror.config().vocab_size as u32;
+        if let Some(bad) = xs.iter().chain(&ys).find(|&&id| id >= vocab) {
+            anyhow::bail!("token id {bad} is outside the vocabulary of {vocab} (`model.vocab_size`)");
+        }
+        let n = self.tokens as f64;
+        let r = self.engine.micro_step(&xs, &ys, self.mirror.looping(), 1.0 / (n * self.micro_steps as f64));
+        let value = r.loss_sum / n;
+        anyhow::ensure!(value.is_finite(), "the training loss is {value} at step {} micro-batch {}", self.step + 1, self.micro_done);
+        self.loss_sum += value;
+        self.micro_done += 1;
+        let times = MicroTimes { forward: r.forward, backward: r.backward };
+        self.phases.forward += times.forward;
+        self.phases.backward += times.backward;
+        Ok(times)
+    }
+
+    fn finish_step(&mut self, elapsed_ms: f64) -> anyhow::Result<StepOutcome> {
+        anyhow::ensure!(self.micro_done == self.micro_steps, "step ended after {} of {} micro-batches", self.micro_done, self.micro_steps);
+        let t0 = Instant::now();
+        let c = &self.cfg;
+        let lr_mul = c.lr_mul(self.step, elapsed_ms);
+        let frac = c.training_frac(self.step, elapsed_ms);
+        let momentum = momentum_at(self.step, c.muon_momentum_warmup_steps, c.muon_momentum_warmup_start, c.muon_momentum);
+        let grad_norm = (c.grad_clip_norm > 0.0).then(|| self.engine.clip(c.grad_clip_norm));
+        self.engine.muon(MuonStep {
+            lr: c.matrix_lr * lr_mul,
+            momentum,
+            nesterov: true,
+            backend_steps: c.muon_backend_steps,
+            row_norm: c.muon_row_norm,
+            weight_decay: c.muon_weight_decay,
+        });
+        let tied = self.mirror.config().tie_embeddings;
+        for (group, _) in ADAM_GROUPS {
+            let (lr, wd) = match group {
+                ParamGroup::Embedding => (if tied { c.tied_embed_lr } else { c.embed_lr }, c.embed_weight_decay),
+                ParamGroup::Head => (c.head_lr, c.head_weight_decay),
+                _ => (c.scalar_lr, c.scalar_weight_decay),
+            };
+            self.engine.adam(group, lr * lr_mul, (c.beta1, c.beta2), c.adam_eps, wd);
+        }
+        self.engine.zero_grads();
+        self.sync_mirror()?;
+        let phases = PhaseTimes { optimizer: t0.elapsed(), ..std::mem::take(&mut self.phases) };
+        let outcome = StepOutcome { train_loss: self.loss_sum / self.micro_steps as f64, lr_mul, frac, momentum, grad_norm, phases };
+        self.micro_done = 0;
+        self.loss_sum = 0.0;
+        self.step += 1;
+        Ok(outcome)
+    }
+
+    fn discard_partial_step(&mut self) -> usize {
+        let n = self.micro_done;
+        self.engine.zero_grads();
+        self.phases = PhaseTimes::default();
+        self.micro_done = 0;
+        self.loss_sum = 0.0;
+        n
+    }
+
+    fn step(&self) -> u64 {
+        self.step
+    }
+
+    fn micro_done(&self) -> usize {
+        self.micro_done
+    }
+
+    fn micro_steps(&self) -> usize {
+        self.micro_steps
+    }
+
+    fn optimizer_state(&self) -> anyhow::Result<Vec<(String, Tensor)>> {
+        self.engine.optimizer_state()
+    }
+
+    fn restore(&mut self, step: u64, optimizer: &HashMap<String, Tensor>) -> anyhow::Result<()> {
+        self.engine.load_optimizer_state(optimizer)?;
+        self.step = step;
+        self.discard_partial_step();
+        Ok(())
+    }
+
+    fn flush_phase_times(&mut self) -> anyhow::Result<PhaseTimes> {
+        Ok(PhaseTimes::default())
+    }
+
+    fn startup_lines(&self) -> Vec<String> {
+        let (total, regions) = self.engine.arena_bytes();
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        let parts: Vec<String> = regions.iter().map(|(n, b)| format!("{n} {:.1}", mib(*b))).collect();
+        let dtype = if self.engine.dtype() == DType::F64 { "f64" } else { "f32" };
+        vec![format!("engine: cpu {dtype} arena {:.1} MiB ({} MiB)", mib(total), parts.join(", "))]
+    }
+
+    fn report(&self) -> Option<serde_json::Value> {
+        let (total, regions) = self.engine.arena_bytes();
+        let map: serde_json::Map<String, serde_json::Value> = regions.iter().map(|(n, b)| (n.to_string(), (*b).into())).collect();
+        Some(serde_json::json!({ "backend": format!("cpu-{:?}", self.engine.dtype()).to_lowercase(), "arena_bytes": total, "regions": map }))
+    }
+}

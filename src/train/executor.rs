@@ -1,0 +1,76 @@
+//! What a training session trains with: [`Executor`], the one interface the session, resume
+//! and the checkpoints use, implemented by the candle executor ([`crate::train::trainer::Trainer`],
+//! autograd) and the explicit engine ([`crate::train::engine_trainer::EngineTrainer`]). Both
+//! hold the model's weights as of the last finished step in a [`Gpt`] (validation, snapshots
+//! and the saved weights read it) and name their optimizer state alike, so a checkpoint of
+//! either continues in either.
+
+use std::collections::HashMap;
+
+use candle_core::Tensor;
+
+use crate::device::phase_clock::PhaseTimes;
+use crate::model::Gpt;
+use crate::train::trainer::{MicroTimes, StepOutcome};
+
+/// Which executor a `step_executor` stage trains with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExecutorKind {
+    /// candle's autograd (`impl = "candle"`).
+    Candle,
+    /// The explicit engine (`impl = "engine"`); `poison` fills its dead buffers with NaN.
+    Engine {
+        /// NaN in every dead buffer around each pass (a check for arena aliasing).
+        poison: bool,
+    },
+}
+
+/// One optimizer step at a time, fed micro-batch by micro-batch.
+pub trait Executor: Send {
+    /// The model with the weights of the last finished step (or the initial ones).
+    fn model(&self) -> &Gpt;
+
+    /// Switches depth recurrence on or off for the steps that follow.
+    fn set_looping(&mut self, on: bool);
+
+    /// Replaces every weight (a resume); errors name the tensor that does not fit.
+    fn load_weights(&mut self, tensors: &HashMap<String, Tensor>) -> anyhow::Result<()>;
+
+    /// Forward and backward of one micro-batch (`x`, `y`: `(rows, seq_len)` u32), adding its
+    /// share of the step's gradient.
+    fn micro_step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<MicroTimes>;
+
+    /// Ends the step once all its micro-batches are in (see [`crate::train::trainer::Trainer::finish_step`]).
+    fn finish_step(&mut self, elapsed_ms: f64) -> anyhow::Result<StepOutcome>;
+
+    /// Drops the micro-batches of an unfinished step; returns how many there were.
+    fn discard_partial_step(&mut self) -> usize;
+
+    /// Optimizer steps taken.
+    fn step(&self) -> u64;
+
+    /// Micro-batches of the current step taken so far.
+    fn micro_done(&self) -> usize;
+
+    /// Micro-batches per step.
+    fn micro_steps(&self) -> usize;
+
+    /// The optimizer state as named tensors (`muon.*`, `adam_*.*`).
+    fn optimizer_state(&self) -> anyhow::Result<Vec<(String, Tensor)>>;
+
+    /// Continues from a checkpoint: `step` steps taken, optimizer state from `optimizer`.
+    fn restore(&mut self, step: u64, optimizer: &HashMap<String, Tensor>) -> anyhow::Result<()>;
+
+    /// Phase times not yet returned by a step (device spans still running).
+    fn flush_phase_times(&mut self) -> anyhow::Result<PhaseTimes>;
+
+    /// Lines for the start of the training log (the engine's arena), if any.
+    fn startup_lines(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// Fields for the report's `train` section (the engine's arena), if any.
+    fn report(&self) -> Option<serde_json::Value> {
+        None
+    }
+}
