@@ -25,6 +25,6 @@ pub mod layout;
 pub mod optim;
 pub mod step;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 pub use step::Engine;

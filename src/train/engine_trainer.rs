@@ -199,3 +199,88 @@ impl Executor for EngineTrainer {
         Some(serde_json::json!({ "backend": format!("cpu-{:?}", self.engine.dtype()).to_lowercase(), "arena_bytes": total, "regions": map }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+    use crate::model::ModelConfig;
+    use crate::train::trainer::Trainer;
+
+    fn batch(seed: u64, rows: usize, t: usize, vocab: u32) -> (Tensor, Tensor) {
+        let mut r = fastrand::Rng::with_seed(seed);
+        let x: Vec<u32> = (0..rows * t).map(|_| r.u32(0..vocab)).collect();
+        let y: Vec<u32> = (0..rows * t).map(|_| r.u32(0..vocab)).collect();
+        (Tensor::from_vec(x, (rows, t), &Device::Cpu).unwrap(), Tensor::from_vec(y, (rows, t), &Device::Cpu).unwrap())
+    }
+
+    fn weights(e: &dyn Executor) -> Vec<(String, Vec<f64>)> {
+        e.model().state_dict().into_iter().map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f64>().unwrap())).collect()
+    }
+
+    /// Three steps of two micro-batches each, in f64, with every training element of the record
+    /// on (MuonEq-R, decoupled decay in Muon and every Adam group, clipping, the momentum
+    /// warm-up, an untied head, looping switched on after the first step): the engine's weights
+    /// and optimizer state are the candle executor's to 1e-9, and so are the losses.
+    #[test]
+    fn engine_steps_equal_the_candle_trainers_in_f64() {
+        let mut mcfg = crate::engine::tests::record_small();
+        mcfg.tie_embeddings = false;
+        let cfg = TrainConfig {
+            max_wallclock_seconds: 0.0,
+            muon_row_norm: true,
+            muon_weight_decay: 0.095,
+            embed_weight_decay: 0.085,
+            scalar_weight_decay: 0.02,
+            head_weight_decay: 0.01,
+            grad_clip_norm: 0.5,
+            muon_momentum_warmup_steps: 2,
+            ..TrainConfig::default()
+        };
+        let model = || {
+            let mut m = Gpt::new(&mcfg, 3, DType::F64, &Device::Cpu).unwrap();
+            m.set_looping(false);
+            m
+        };
+        let (rows, t) = (2, 6);
+        let mut candle: Box<dyn Executor> = Box::new(Trainer::new(model(), &cfg, 2).unwrap());
+        let mut engine: Box<dyn Executor> = Box::new(EngineTrainer::new(model(), &cfg, 2, (rows, t), false).unwrap());
+        for step in 0..3 {
+            for e in [&mut candle, &mut engine] {
+                if step == 1 {
+                    e.set_looping(true);
+                }
+            }
+            let mut outs = Vec::new();
+            for e in [&mut candle, &mut engine] {
+                for m in 0..2 {
+                    let (x, y) = batch(10 * step + m, rows, t, mcfg.vocab_size as u32);
+                    e.micro_step(&x, &y).unwrap();
+                }
+                outs.push(e.finish_step(0.0).unwrap());
+            }
+            assert!((outs[0].train_loss - outs[1].train_loss).abs() < 1e-9 * outs[0].train_loss, "step {step}: {outs:?}");
+            let (ga, gb) = (outs[0].grad_norm.unwrap(), outs[1].grad_norm.unwrap());
+            assert!((ga - gb).abs() < 1e-9 * ga, "step {step}: grad norm {ga} vs {gb}");
+        }
+        for ((name, a), (_, b)) in weights(candle.as_ref()).iter().zip(weights(engine.as_ref())) {
+            let err = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+            assert!(err < 1e-9, "{name}: max difference {err:e}");
+        }
+        let state = |e: &dyn Executor| -> HashMap<String, Vec<f64>> {
+            e.optimizer_state()
+                .unwrap()
+                .into_iter()
+                .map(|(n, t)| (n, t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()))
+                .collect()
+        };
+        let (sa, sb) = (state(candle.as_ref()), state(engine.as_ref()));
+        assert_eq!(sa.len(), sb.len());
+        for (name, a) in &sa {
+            let b = &sb[name];
+            let err = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+            assert!(err < 1e-9, "{name}: max difference {err:e}");
+        }
+    }
+}
