@@ -25,6 +25,8 @@ pub mod layout;
 pub mod optim;
 pub mod step;
 #[cfg(test)]
+mod op_checks;
+#[cfg(test)]
 mod tests;
 
 pub use step::Engine;
