@@ -26,5 +26,7 @@ pub mod optim;
 pub mod step;
 #[cfg(test)]
 pub(crate) mod tests;
+#[cfg(test)]
+mod op_checks;
 
 pub use step::Engine;
