@@ -253,7 +253,13 @@ impl Schedule {
                 // This output also went into a skip: its gradient from there joins G.
                 be.axpby(1.0, l.dskip[e], 1.0, g);
             }
-            let input = if step.pops.is_some() { p.skipped } else if pos == 0 { l.x0 } else { l.positions[pos - 1].out };
+            let input = if step.pops.is_some() {
+                p.skipped
+            } else if pos == 0 {
+                l.x0
+            } else {
+                l.positions[pos - 1].out
+            };
             self.block_bwd(be, step.layer, p, input, g, g2);
             std::mem::swap(&mut g, &mut g2);
             if let Some((j, e)) = step.pops {

@@ -292,7 +292,15 @@ impl Layout {
             let shape = (s.shape[0], s.shape[1]);
             match muon.iter_mut().find(|g| g.shape == shape) {
                 Some(g) => g.members.push(i),
-                None => muon.push(MuonGroup { shape, members: vec![i], u: Buf::default(), x: Buf::default(), x2: Buf::default(), a: Buf::default(), b: Buf::default() }),
+                None => muon.push(MuonGroup {
+                    shape,
+                    members: vec![i],
+                    u: Buf::default(),
+                    x: Buf::default(),
+                    x2: Buf::default(),
+                    a: Buf::default(),
+                    b: Buf::default(),
+                }),
             }
         }
         for g in &mut muon {
@@ -386,7 +394,9 @@ mod tests {
         assert_eq!(l.positions.len(), 17);
         assert_eq!(l.params.len, cfg.param_shapes().iter().map(|(_, s)| s.iter().product::<usize>()).sum::<usize>());
         let mut all: Vec<Buf> = l.slots.iter().flat_map(|s| [s.value, s.grad, s.state0, s.state1]).collect();
-        all.extend(l.positions.iter().flat_map(|p| [p.u, p.n1, p.qkv, p.q, p.k, p.att, p.y, p.ao, p.u2, p.n2, p.pre, p.mo, p.out, p.skipped]));
+        all.extend(
+            l.positions.iter().flat_map(|p| [p.u, p.n1, p.qkv, p.q, p.k, p.att, p.y, p.ao, p.u2, p.n2, p.pre, p.mo, p.out, p.skipped]),
+        );
         all.sort_by_key(|b| b.off);
         for w in all.windows(2) {
             assert!(!w[0].overlaps(w[1]), "{:?} and {:?} overlap", w[0], w[1]);

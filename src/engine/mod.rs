@@ -22,11 +22,11 @@ pub mod backend;
 pub mod cpu;
 pub mod gpt;
 pub mod layout;
+#[cfg(test)]
+mod op_checks;
 pub mod optim;
 pub mod step;
 #[cfg(test)]
 pub(crate) mod tests;
-#[cfg(test)]
-mod op_checks;
 
 pub use step::Engine;

@@ -12,8 +12,8 @@ use super::backend::Backend;
 use super::cpu::CpuBackend;
 use super::gpt::Schedule;
 use super::optim::{self, MuonStep};
-use crate::model::{ModelConfig, ParamGroup};
 use crate::model::ops::{rms_eps, rope_tables};
+use crate::model::{ModelConfig, ParamGroup};
 
 /// The Adam groups and their checkpoint prefixes (the candle executor's).
 pub const ADAM_GROUPS: [(ParamGroup, &str); 3] =
@@ -214,7 +214,10 @@ impl Engine {
         for (i, (_, prefix)) in ADAM_GROUPS.iter().enumerate() {
             if let Some(t) = tensors.get(&format!("{prefix}.step")) {
                 let v = t.to_dtype(DType::F64)?.to_vec1::<f64>()?[0];
-                anyhow::ensure!(v.is_finite() && v >= 0.0 && v.fract() == 0.0, "optimizer state tensor {prefix}.step holds {v}, not a non-negative integer");
+                anyhow::ensure!(
+                    v.is_finite() && v >= 0.0 && v.fract() == 0.0,
+                    "optimizer state tensor {prefix}.step holds {v}, not a non-negative integer"
+                );
                 steps[i] = v as u64;
             }
         }

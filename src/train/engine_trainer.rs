@@ -97,7 +97,12 @@ impl Executor for EngineTrainer {
             self.cfg.iterations
         );
         let (xs, ys): (Vec<u32>, Vec<u32>) = (x.flatten_all()?.to_vec1()?, y.flatten_all()?.to_vec1()?);
-        anyhow::ensure!(xs.len() == self.tokens && ys.len() == self.tokens, "a micro-batch of {} tokens, the engine was laid out for {}", xs.len(), self.tokens);
+        anyhow::ensure!(
+            xs.len() == self.tokens && ys.len() == self.tokens,
+            "a micro-batch of {} tokens, the engine was laid out for {}",
+            xs.len(),
+            self.tokens
+        );
         let vocab = self.mirror.config().vocab_size as u32;
         if let Some(bad) = xs.iter().chain(&ys).find(|&&id| id >= vocab) {
             anyhow::bail!("token id {bad} is outside the vocabulary of {vocab} (`model.vocab_size`)");
@@ -196,7 +201,9 @@ impl Executor for EngineTrainer {
     fn report(&self) -> Option<serde_json::Value> {
         let (total, regions) = self.engine.arena_bytes();
         let map: serde_json::Map<String, serde_json::Value> = regions.iter().map(|(n, b)| (n.to_string(), (*b).into())).collect();
-        Some(serde_json::json!({ "backend": format!("cpu-{:?}", self.engine.dtype()).to_lowercase(), "arena_bytes": total, "regions": map }))
+        Some(
+            serde_json::json!({ "backend": format!("cpu-{:?}", self.engine.dtype()).to_lowercase(), "arena_bytes": total, "regions": map }),
+        )
     }
 }
 

@@ -12,8 +12,8 @@ use crate::model::ModelConfig;
 use crate::report::document::Report;
 use crate::train::checkpoint::Checkpoint;
 use crate::train::config::{Config, TrainConfig};
-use crate::train::snapshot::Ending;
 use crate::train::executor::Executor;
+use crate::train::snapshot::Ending;
 
 /// One validation's result.
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -36,13 +36,13 @@ use crate::runtime::stage::{Ctx, Emitter};
 use crate::train::attention_choice;
 use crate::train::checkpoint::Checkpoint;
 use crate::train::config::{Config, TrainConfig};
+use crate::train::engine_trainer::EngineTrainer;
+use crate::train::executor::{Executor, ExecutorKind};
 use crate::train::log::{Phases, StepTable, TrainLog, train_line, training_elements_line, val_line};
 use crate::train::params::SessionParams;
 use crate::train::requirements;
 use crate::train::resume::{self, History, ValPoint, data_fingerprint, trained_attention};
 use crate::train::snapshot::{Ending, Moment, TrainSnapshot, TrainerState};
-use crate::train::engine_trainer::EngineTrainer;
-use crate::train::executor::{Executor, ExecutorKind};
 use crate::train::trainer::Trainer;
 
 /// A training session: the model, its trainer and validator, the clocks, the log, and what
@@ -159,9 +159,10 @@ impl Session {
         model.set_looping(c.model.enable_looping_at <= 0.0);
         let mut trainer: Box<dyn Executor> = match executor {
             ExecutorKind::Candle => Box::new(Trainer::new(model, &c.train, shape.micro_steps)?.with_phase_sync(p.sync_phases)),
-            ExecutorKind::Engine { poison } => {
-                Box::new(EngineTrainer::new(model, &c.train, shape.micro_steps, (shape.rows, shape.seq_len), poison).context("stage `step_executor`")?)
-            }
+            ExecutorKind::Engine { poison } => Box::new(
+                EngineTrainer::new(model, &c.train, shape.micro_steps, (shape.rows, shape.seq_len), poison)
+                    .context("stage `step_executor`")?,
+            ),
         };
         let data = data_fingerprint(c)?;
         let history = match resume {

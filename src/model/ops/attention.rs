@@ -371,7 +371,8 @@ pub(crate) fn attention_token_major_fwd<T: Real>(
         .into_par_iter()
         .map(|bh| {
             let (bi, hh) = (bh / h, bh % h);
-            let (qo, ko, vo) = (head_rows(ldq, (bi, t, d), hh), head_rows(ldk, (bi, t, d), hh / group), head_rows(ldv, (bi, t, d), hh / group));
+            let (qo, ko, vo) =
+                (head_rows(ldq, (bi, t, d), hh), head_rows(ldk, (bi, t, d), hh / group), head_rows(ldv, (bi, t, d), hh / group));
             let rows = |data, offsets| Rows { data, offsets, len: d };
             let mut o = vec![T::from_f64(0.0); t * d];
             attn_fwd_head(rows(q, &qo), rows(k, &ko), rows(v, &vo), scale, &mut o);
