@@ -212,7 +212,6 @@ mod tests {
     use candle_core::Device;
 
     use super::*;
-    use crate::model::ModelConfig;
     use crate::train::trainer::Trainer;
 
     fn batch(seed: u64, rows: usize, t: usize, vocab: u32) -> (Tensor, Tensor) {
