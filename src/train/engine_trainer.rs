@@ -16,8 +16,7 @@ use crate::engine::step::ADAM_GROUPS;
 use crate::model::{Gpt, ParamGroup};
 use crate::optim::momentum_at;
 use crate::train::config::TrainConfig;
-use crate::train::executor::Executor;
-use crate::train::trainer::{MicroTimes, StepOutcome};
+use crate::train::executor::{Executor, MicroTimes, StepOutcome};
 
 /// The engine, the candle model mirroring its weights, and the step in progress.
 pub struct EngineTrainer {

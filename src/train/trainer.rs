@@ -9,7 +9,7 @@
 //! The trainer knows nothing of channels or threads: the `step_executor` stage feeds it
 //! micro-batches and decides when to validate and stop.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
@@ -18,37 +18,7 @@ use crate::device::phase_clock::{Phase, PhaseClock, PhaseTimes};
 use crate::model::{Gpt, ParamGroup};
 use crate::optim::{Adam, Muon, momentum_at};
 use crate::train::config::TrainConfig;
-
-/// What one micro-batch cost.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct MicroTimes {
-    /// Forward pass (loss included).
-    pub forward: Duration,
-    /// Backward pass and gradient accumulation.
-    pub backward: Duration,
-}
-
-/// The outcome of an optimizer step.
-#[derive(Clone, Copy, Debug)]
-pub struct StepOutcome {
-    /// Mean of the micro-batches' losses (what the script logs as `train_loss`).
-    pub train_loss: f64,
-    /// The LR multiplier used.
-    pub lr_mul: f64,
-    /// The training fraction at the step's start ([`TrainConfig::training_frac`]), which the
-    /// `warmdown_frac` schedule used (reported whichever schedule is on).
-    pub frac: f64,
-    /// Muon momentum used.
-    pub momentum: f64,
-    /// Global gradient norm before clipping (computed only when clipping is on).
-    pub grad_norm: Option<f64>,
-    /// The phase times to account for this step. Timed by the host (CPU, or `sync_phases`):
-    /// this step's forward and backward passes and its update (clipping included). Timed on the
-    /// device ([`Trainer::device_timed`]: CUDA without `sync_phases`): the event spans that have
-    /// ended since the previous step, i.e. this step's micro-batches and usually the previous
-    /// step's update; the host's times would only be the time to queue the work.
-    pub phases: PhaseTimes,
-}
+pub use crate::train::executor::{MicroTimes, StepOutcome};
 
 /// The model with its optimizers and the step in progress.
 pub struct Trainer {
@@ -376,6 +346,8 @@ impl crate::train::executor::Executor for Trainer {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use candle_core::Device;
 
     use super::*;
