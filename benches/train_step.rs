@@ -78,7 +78,10 @@ fn bench(c: &mut Criterion) {
     }
     g.finish();
     println!("\ndemo model ({} parameters), one training step of 4,096 tokens on CPU:", demo_model().param_count());
-    println!("{:<8} {:<10} {:>10} {:>12} {:>10} {:>10} {:>10}", "executor", "shape", "ms/step", "tokens/s", "forward", "backward", "optimizer");
+    println!(
+        "{:<8} {:<10} {:>10} {:>12} {:>10} {:>10} {:>10}",
+        "executor", "shape", "ms/step", "tokens/s", "forward", "backward", "optimizer"
+    );
     for (executor, rows, seq, wall, [f, b, o]) in table {
         let total = f + b + o;
         println!(

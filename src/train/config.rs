@@ -176,6 +176,14 @@ impl TrainConfig {
             crate::optim::lr_multiplier(step, self.iterations, self.warmdown_iters, elapsed_ms, self.cap_ms()).max(self.min_lr)
         }
     }
+
+    /// The schedule of a step that starts after `step` steps and `elapsed_ms` of training time,
+    /// as every executor applies it: `(lr_mul, training fraction, Muon momentum)`.
+    pub fn schedule(&self, step: u64, elapsed_ms: f64) -> (f64, f64, f64) {
+        let momentum =
+            crate::optim::momentum_at(step, self.muon_momentum_warmup_steps, self.muon_momentum_warmup_start, self.muon_momentum);
+        (self.lr_mul(step, elapsed_ms), self.training_frac(step, elapsed_ms), momentum)
+    }
 }
 
 /// The GPT application's whole config: the runtime's `[run]` and stage tables, and the tables

@@ -14,7 +14,6 @@ use crate::engine::Engine;
 use crate::engine::optim::MuonStep;
 use crate::engine::step::ADAM_GROUPS;
 use crate::model::{Gpt, ParamGroup};
-use crate::optim::momentum_at;
 use crate::train::config::TrainConfig;
 use crate::train::executor::{Executor, MicroTimes, StepOutcome};
 
@@ -88,13 +87,7 @@ impl Executor for EngineTrainer {
     }
 
     fn micro_step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<MicroTimes> {
-        anyhow::ensure!(self.micro_done < self.micro_steps, "micro-batch {} of a {}-micro-batch step", self.micro_done, self.micro_steps);
-        anyhow::ensure!(
-            self.step < self.cfg.iterations,
-            "refusing to train step {}: `train.iterations` is {} and no step past it is ever trained",
-            self.step + 1,
-            self.cfg.iterations
-        );
+        crate::train::executor::check_micro_batch(self.micro_done, self.micro_steps, self.step, self.cfg.iterations)?;
         let (xs, ys): (Vec<u32>, Vec<u32>) = (x.flatten_all()?.to_vec1()?, y.flatten_all()?.to_vec1()?);
         anyhow::ensure!(
             xs.len() == self.tokens && ys.len() == self.tokens,
@@ -122,9 +115,7 @@ impl Executor for EngineTrainer {
         anyhow::ensure!(self.micro_done == self.micro_steps, "step ended after {} of {} micro-batches", self.micro_done, self.micro_steps);
         let t0 = Instant::now();
         let c = &self.cfg;
-        let lr_mul = c.lr_mul(self.step, elapsed_ms);
-        let frac = c.training_frac(self.step, elapsed_ms);
-        let momentum = momentum_at(self.step, c.muon_momentum_warmup_steps, c.muon_momentum_warmup_start, c.muon_momentum);
+        let (lr_mul, frac, momentum) = c.schedule(self.step, elapsed_ms);
         let grad_norm = (c.grad_clip_norm > 0.0).then(|| self.engine.clip(c.grad_clip_norm));
         self.engine.muon(MuonStep {
             lr: c.matrix_lr * lr_mul,

@@ -106,3 +106,15 @@ pub trait Executor: Send {
         None
     }
 }
+
+/// The checks before a micro-batch, the same for every executor: the step in progress still
+/// wants one, and it is not a step past `train.iterations`.
+pub(crate) fn check_micro_batch(micro_done: usize, micro_steps: usize, step: u64, iterations: u64) -> anyhow::Result<()> {
+    anyhow::ensure!(micro_done < micro_steps, "micro-batch {micro_done} of a {micro_steps}-micro-batch step");
+    anyhow::ensure!(
+        step < iterations,
+        "refusing to train step {}: `train.iterations` is {iterations} and no step past it is ever trained",
+        step + 1
+    );
+    Ok(())
+}

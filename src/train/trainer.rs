@@ -16,7 +16,7 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::device::phase_clock::{Phase, PhaseClock, PhaseTimes};
 use crate::model::{Gpt, ParamGroup};
-use crate::optim::{Adam, Muon, momentum_at};
+use crate::optim::{Adam, Muon};
 use crate::train::config::TrainConfig;
 pub use crate::train::executor::{MicroTimes, StepOutcome};
 
@@ -152,13 +152,7 @@ impl Trainer {
     /// Forward and backward of one micro-batch (`x`, `y`: `(rows, seq_len)` u32), adding
     /// `∇(loss / A)` to the step's gradients.
     pub fn micro_step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<MicroTimes> {
-        anyhow::ensure!(self.micro_done < self.micro_steps, "micro-batch {} of a {}-micro-batch step", self.micro_done, self.micro_steps);
-        anyhow::ensure!(
-            self.step < self.cfg.iterations,
-            "refusing to train step {}: `train.iterations` is {} and no step past it is ever trained",
-            self.step + 1,
-            self.cfg.iterations
-        );
+        crate::train::executor::check_micro_batch(self.micro_done, self.micro_steps, self.step, self.cfg.iterations)?;
         let t0 = Instant::now();
         let m0 = self.clock.mark()?;
         let loss = self.model.loss(x, y)?;
@@ -217,9 +211,7 @@ impl Trainer {
         }
         let m0 = self.clock.mark()?;
         let c = &self.cfg;
-        let lr_mul = c.lr_mul(self.step, elapsed_ms);
-        let frac = c.training_frac(self.step, elapsed_ms);
-        let momentum = momentum_at(self.step, c.muon_momentum_warmup_steps, c.muon_momentum_warmup_start, c.muon_momentum);
+        let (lr_mul, frac, momentum) = c.schedule(self.step, elapsed_ms);
         let grad_norm = if c.grad_clip_norm > 0.0 { Some(self.clip(c.grad_clip_norm)?) } else { None };
         self.muon.step(&self.grads, self.muon.base_lr() * lr_mul, momentum)?;
         for adam in &mut self.adams {
