@@ -150,6 +150,18 @@ pub struct AdamStep {
     pub bias2_sqrt: f64,
 }
 
+/// Panics when a region of an op leaves an arena of `len` elements, or an output overlaps an
+/// input or another output (the rule every backend enforces).
+pub fn check_regions(len: usize, ins: &[Buf], outs: &[Buf]) {
+    for b in ins.iter().chain(outs) {
+        assert!(b.end() <= len, "region {b:?} outside the {len}-element arena");
+    }
+    for (i, o) in outs.iter().enumerate() {
+        assert!(!ins.iter().any(|b| b.overlaps(*o)), "output {o:?} overlaps an input");
+        assert!(!outs[i + 1..].iter().any(|b| b.overlaps(*o)), "outputs {o:?} overlap");
+    }
+}
+
 /// The ops of the engine, on one arena. Every method panics on a region outside the arena or
 /// an output overlapping an input (a schedule bug, never a data error).
 pub trait Backend: Send {

@@ -23,7 +23,7 @@ mod rows;
 
 use candle_core::{DType, Device, Tensor};
 
-use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, Mat};
+use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, Mat, check_regions};
 use crate::model::cpu::simd::Real;
 
 /// A CPU backend over an arena of `T` (`f64`: the check backend; `f32`: the fast one).
@@ -44,13 +44,7 @@ impl<T: Real> CpuBackend<T> {
     /// The input slices `ins` and the output slices `outs` of one op. Panics when an output
     /// overlaps an input or another output, or a region leaves the arena.
     fn io<const I: usize, const O: usize>(&mut self, ins: [Buf; I], outs: [Buf; O]) -> ([&[T]; I], [&mut [T]; O]) {
-        for b in ins.iter().chain(&outs) {
-            assert!(b.end() <= self.arena.len(), "region {b:?} outside the {}-element arena", self.arena.len());
-        }
-        for (i, o) in outs.iter().enumerate() {
-            assert!(!ins.iter().any(|b| b.overlaps(*o)), "output {o:?} overlaps an input");
-            assert!(!outs[i + 1..].iter().any(|b| b.overlaps(*o)), "outputs {o:?} overlap");
-        }
+        check_regions(self.arena.len(), &ins, &outs);
         let base = self.arena.as_mut_ptr();
         // SAFETY: every region lies inside the arena (checked above); the outputs are disjoint
         // from each other and from the inputs, so no element is reachable through a `&mut` and

@@ -1,0 +1,592 @@
+// The GPU kernels of the training engine's backend (src/engine/kernels/: the launches, one per
+// `Backend` op; src/engine/cpu/: the CPU reference each kernel is checked against, in the warp
+// emulator by `cargo test --lib engine::kernels`). The arena is float32; every kernel reads and
+// writes it by element offsets the schedule fixed once, so a step's launches are the same every
+// step (what lets a CUDA graph replay them).
+//
+// Shapes of launch (the launcher in src/engine/kernels/ops.rs picks the grids):
+// - flat kernels: a grid-stride loop over n elements, 256 threads per block;
+// - row kernels: one warp per row (or per row and head), 8 rows per 256-thread block, lanes
+//   strided over the row so that loads coalesce;
+// - per-channel sums of a backward pass: deterministic, no atomics. `*_partial` kernels give
+//   each block of PART rows one partial sum per channel (a thread per channel), and
+//   `colsum_finish` adds the partials in block order into the destination (`+=`), so that a
+//   gradient is the same bit for bit on every run and under graph replay;
+// - reductions to a scalar (sum, sum of squares, non-finite count): per-block partials, then one
+//   block adds them in order.
+//
+// Maths is float32 with float32 accumulation inside a row (the CPU reference accumulates in
+// float64: the comparison's tolerance says so).
+#include <cuda_bf16.h>
+#include <math_constants.h>
+
+namespace eng {
+
+constexpr int PART = 64;  // rows per partial sum of a per-channel reduction
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// The row (or work item) this warp owns, or -1 past the end.
+__device__ __forceinline__ long warp_item(long items) {
+    long r = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    return r < items ? r : -1;
+}
+
+__device__ __forceinline__ long first_index() { return (long)blockIdx.x * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ long grid_stride() { return (long)gridDim.x * blockDim.x; }
+
+// The block's sum of v (256 threads), valid in every thread; `sh` holds 8 floats.
+__device__ __forceinline__ float block_sum(float v, float* sh) {
+    v = warp_sum(v);
+    const int w = threadIdx.x / 32, lane = threadIdx.x & 31;
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    float s = 0.f;
+    for (int i = 0; i < (int)blockDim.x / 32; ++i) s += sh[i];
+    return s;
+}
+
+__device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + expf(-z)); }
+
+}  // namespace eng
+
+using namespace eng;
+
+// ---- flat kernels ------------------------------------------------------------------------
+
+// d[i] = v.
+extern "C" __global__ void eng_fill(float* d, long n, float v) {
+    for (long i = first_index(); i < n; i += grid_stride()) d[i] = v;
+}
+
+// d[i] *= a.
+extern "C" __global__ void eng_scale(float* d, long n, float a) {
+    for (long i = first_index(); i < n; i += grid_stride()) d[i] *= a;
+}
+
+// d[i] = s[i].
+extern "C" __global__ void eng_copy(float* d, const float* s, long n) {
+    for (long i = first_index(); i < n; i += grid_stride()) d[i] = s[i];
+}
+
+// y = a x + b y (the EMA: a = 1 - decay, b = decay).
+extern "C" __global__ void eng_axpby(float a, const float* x, float b, float* y, long n) {
+    for (long i = first_index(); i < n; i += grid_stride()) y[i] = a * x[i] + b * y[i];
+}
+
+// part[block] = the block's sum of x (mode 0), of x^2 (mode 1), or its count of non-finite
+// values (mode 2), over its grid-stride share.
+extern "C" __global__ void eng_reduce_partial(const float* x, long n, int mode, float* part) {
+    __shared__ float sh[8];
+    float s = 0.f;
+    for (long i = first_index(); i < n; i += grid_stride()) {
+        const float v = x[i];
+        s += mode == 0 ? v : mode == 1 ? v * v : (isfinite(v) ? 0.f : 1.f);
+    }
+    s = block_sum(s, sh);
+    if (threadIdx.x == 0) part[blockIdx.x] = s;
+}
+
+// out[0] = the sum of part[0..count], added in order by one thread (deterministic).
+extern "C" __global__ void eng_reduce_finish(const float* part, int count, float* out) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    float s = 0.f;
+    for (int i = 0; i < count; ++i) s += part[i];
+    out[0] = s;
+}
+
+// torch.optim.Adam(W): p *= decay; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+// p -= step m / (sqrt(v) inv_b2 + eps), with step = lr / bias1, inv_b2 = 1 / sqrt(bias2).
+extern "C" __global__ void eng_adam(float* p, const float* g, float* m, float* v, long n, float b1, float b2, float step, float inv_b2,
+                                    float eps, float decay, int decays) {
+    const float c1 = 1.f - b1, c2 = 1.f - b2;
+    for (long i = first_index(); i < n; i += grid_stride()) {
+        const float gi = g[i];
+        const float mi = b1 * m[i] + c1 * gi;
+        const float vi = b2 * v[i] + c2 * (gi * gi);
+        m[i] = mi;
+        v[i] = vi;
+        const float q = decays ? p[i] * decay : p[i];
+        p[i] = q - mi / (sqrtf(vi) * inv_b2 + eps) * step;
+    }
+}
+
+// Muon's momentum: buf = mu buf + g; u = g + mu buf (Nesterov) or buf.
+extern "C" __global__ void eng_momentum(const float* g, float* buf, float* u, long n, float mu, int nesterov) {
+    for (long i = first_index(); i < n; i += grid_stride()) {
+        const float b = buf[i] * mu + g[i];
+        buf[i] = b;
+        u[i] = nesterov ? g[i] + b * mu : b;
+    }
+}
+
+// SGD with momentum (torch.optim.SGD): buf = g on the first step, else mu buf + g; p -= lr buf
+// (p -= lr g when mu = 0).
+extern "C" __global__ void eng_sgd(float* p, const float* g, float* buf, long n, float lr, float mu, int first) {
+    for (long i = first_index(); i < n; i += grid_stride()) {
+        if (mu == 0.f) {
+            p[i] -= lr * g[i];
+        } else {
+            const float b = first ? g[i] : mu * buf[i] + g[i];
+            buf[i] = b;
+            p[i] -= lr * b;
+        }
+    }
+}
+
+// Each row of `cols` divided by max(its norm, eps) (MuonEq-R's row equalisation). Warp per row.
+extern "C" __global__ void eng_row_normalize(float* x, long rows, int cols, float eps) {
+    const long r = warp_item(rows);
+    if (r < 0) return;
+    const int lane = threadIdx.x & 31;
+    float* xr = x + r * cols;
+    float s = 0.f;
+    for (int j = lane; j < cols; j += 32) s += xr[j] * xr[j];
+    const float inv = 1.f / fmaxf(sqrtf(warp_sum(s)), eps);
+    for (int j = lane; j < cols; j += 32) xr[j] *= inv;
+}
+
+// Each of the `count` matrices of `len` elements divided by (its Frobenius norm + eps) (the
+// start of Newton-Schulz). Block per matrix.
+extern "C" __global__ void eng_normalize_each(float* x, long len, float eps) {
+    __shared__ float sh[8];
+    float* m = x + (long)blockIdx.x * len;
+    float s = 0.f;
+    for (long i = threadIdx.x; i < len; i += blockDim.x) s += m[i] * m[i];
+    const float inv = 1.f / (sqrtf(block_sum(s, sh)) + eps);
+    for (long i = threadIdx.x; i < len; i += blockDim.x) m[i] *= inv;
+}
+
+// dst[k][c][r] = src[k][r][c] for `count` matrices of rows x cols (count = gridDim.y).
+extern "C" __global__ void eng_transpose_each(const float* src, float* dst, int rows, int cols) {
+    const long len = (long)rows * cols, base = (long)blockIdx.y * len;
+    for (long i = first_index(); i < len; i += grid_stride()) {
+        const long r = i / cols, c = i % cols;
+        dst[base + c * rows + r] = src[base + i];
+    }
+}
+
+// ---- per-channel sums --------------------------------------------------------------------
+
+// dst[c] += the sum over p of part[p * stride + c] for c < width, p in order.
+extern "C" __global__ void eng_colsum_finish(const float* part, int parts, int stride, int width, float* dst) {
+    for (long c = first_index(); c < width; c += grid_stride()) {
+        float s = 0.f;
+        for (int p = 0; p < parts; ++p) s += part[(long)p * stride + c];
+        dst[c] += s;
+    }
+}
+
+// part[blk][c] = the sum of a[r][c] over the block's PART rows (blockIdx.y).
+extern "C" __global__ void eng_colsum_partial(const float* a, long rows, int cols, float* part) {
+    const long r0 = (long)blockIdx.y * PART, r1 = min(r0 + PART, rows);
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
+        float s = 0.f;
+        for (long r = r0; r < r1; ++r) s += a[r * cols + c];
+        part[(long)blockIdx.y * cols + c] = s;
+    }
+}
+
+// ---- embedding ---------------------------------------------------------------------------
+
+// out[i] = table[ids[i]] (rows of dim), thread per element.
+extern "C" __global__ void eng_embedding_fwd(const float* table, const unsigned* ids, float* out, long n, int dim) {
+    const long total = n * dim;
+    for (long i = first_index(); i < total; i += grid_stride()) out[i] = table[(long)ids[i / dim] * dim + i % dim];
+}
+
+// dtable[v] += the sum of dout[i] over the tokens i with id v, in token order: block v reads its
+// tokens from the CSR the host built (pos[off[v]..off[v + 1]], ascending), a thread per channel.
+extern "C" __global__ void eng_embedding_bwd(const float* dout, const int* off, const int* pos, float* dtable, int dim) {
+    const int v = blockIdx.x, lo = off[v], hi = off[v + 1];
+    if (lo == hi) return;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+        float s = dtable[(long)v * dim + c];
+        for (int k = lo; k < hi; ++k) s += dout[(long)pos[k] * dim + c];
+        dtable[(long)v * dim + c] = s;
+    }
+}
+
+// ---- RMS norm ----------------------------------------------------------------------------
+
+// out = x scale / r, rstd = 1 / r with r = sqrt(mean(x^2) + eps). Warp per row.
+extern "C" __global__ void eng_rms_norm_fwd(const float* x, float* out, float* rstd, long rows, int cols, float scale, float eps) {
+    const long r = warp_item(rows);
+    if (r < 0) return;
+    const int lane = threadIdx.x & 31;
+    const float* xr = x + r * cols;
+    float s = 0.f;
+    for (int j = lane; j < cols; j += 32) s += xr[j] * xr[j];
+    const float inv = 1.f / sqrtf(warp_sum(s) / cols + eps);
+    if (lane == 0) rstd[r] = inv;
+    const float a = inv * scale;
+    for (int j = lane; j < cols; j += 32) out[r * cols + j] = xr[j] * a;
+}
+
+// dx (+)= scale (dy / r - x sum(dy x) / (cols r^3)), with 1 / r from the forward pass.
+extern "C" __global__ void eng_rms_norm_bwd(const float* x, const float* rstd, const float* dy, float* dx, long rows, int cols, float scale,
+                                            int acc) {
+    const long r = warp_item(rows);
+    if (r < 0) return;
+    const int lane = threadIdx.x & 31;
+    const float* xr = x + r * cols;
+    const float* gr = dy + r * cols;
+    float s = 0.f;
+    for (int j = lane; j < cols; j += 32) s += xr[j] * gr[j];
+    const float inv = rstd[r];
+    const float a = scale * inv, c = scale * warp_sum(s) * inv * inv * inv / cols;
+    for (int j = lane; j < cols; j += 32) {
+        const float d = gr[j] * a - xr[j] * c;
+        dx[r * cols + j] = acc ? dx[r * cols + j] + d : d;
+    }
+}
+
+// ---- residual mix, scaled add, skips -----------------------------------------------------
+
+// out = h mix[0] + x0 mix[1] per channel (mix: 2 x cols).
+extern "C" __global__ void eng_resid_mix_fwd(const float* h, const float* x0, const float* mix, float* out, long n, int cols) {
+    for (long i = first_index(); i < n; i += grid_stride()) {
+        const int c = (int)(i % cols);
+        out[i] = h[i] * mix[c] + x0[i] * mix[cols + c];
+    }
+}
+
+// dh = du mix[0]; dx0 += du mix[1].
+extern "C" __global__ void eng_resid_mix_bwd(const float* du, const float* mix, float* dh, float* dx0, long n, int cols) {
+    for (long i = first_index(); i < n; i += grid_stride()) {
+        const int c = (int)(i % cols);
+        dh[i] = du[i] * mix[c];
+        dx0[i] += du[i] * mix[cols + c];
+    }
+}
+
+// part[blk] = (sum du h, sum du x0) per channel over the block's PART rows: the mix's gradient.
+extern "C" __global__ void eng_resid_mix_partial(const float* du, const float* h, const float* x0, long rows, int cols, float* part) {
+    const long r0 = (long)blockIdx.y * PART, r1 = min(r0 + PART, rows);
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
+        float a = 0.f, b = 0.f;
+        for (long r = r0; r < r1; ++r) {
+            const float g = du[r * cols + c];
+            a += g * h[r * cols + c];
+            b += g * x0[r * cols + c];
+        }
+        part[(long)blockIdx.y * 2 * cols + c] = a;
+        part[(long)blockIdx.y * 2 * cols + cols + c] = b;
+    }
+}
+
+// out = base + x s per channel (base may be out: in place).
+extern "C" __global__ void eng_scale_add_fwd(const float* base, const float* x, const float* s, float* out, long n, int cols) {
+    for (long i = first_index(); i < n; i += grid_stride()) out[i] = base[i] + x[i] * s[i % cols];
+}
+
+// dx = dy s per channel.
+extern "C" __global__ void eng_scale_cols(const float* dy, const float* s, float* dx, long n, int cols) {
+    for (long i = first_index(); i < n; i += grid_stride()) dx[i] = dy[i] * s[i % cols];
+}
+
+// part[blk][c] = sum over the block's rows of a[r][c] b[r][c].
+extern "C" __global__ void eng_dot_partial(const float* a, const float* b, long rows, int cols, float* part) {
+    const long r0 = (long)blockIdx.y * PART, r1 = min(r0 + PART, rows);
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
+        float s = 0.f;
+        for (long r = r0; r < r1; ++r) s += a[r * cols + c] * b[r * cols + c];
+        part[(long)blockIdx.y * cols + c] = s;
+    }
+}
+
+// U-Net skip: k = s w; out = h + k, or with a gate g = sigmoid(z): out = k + (h - k) g.
+extern "C" __global__ void eng_skip_fwd(const float* h, const float* s, const float* w, const float* z, int gated, float* out, long n,
+                                        int cols) {
+    for (long i = first_index(); i < n; i += grid_stride()) {
+        const int c = (int)(i % cols);
+        const float k = s[i] * w[c];
+        out[i] = gated ? k + (h[i] - k) * sigmoid(z[c]) : h[i] + k;
+    }
+}
+
+// dh = dy gh, ds = dy gk w with the shares (gh, gk) = (g, 1 - g), or (1, 1) ungated.
+extern "C" __global__ void eng_skip_bwd(const float* dy, const float* w, const float* z, int gated, float* dh, float* ds, long n, int cols) {
+    for (long i = first_index(); i < n; i += grid_stride()) {
+        const int c = (int)(i % cols);
+        const float g = gated ? sigmoid(z[c]) : 1.f, gk = gated ? 1.f - g : 1.f;
+        dh[i] = dy[i] * g;
+        ds[i] = dy[i] * gk * w[c];
+    }
+}
+
+// part[blk] = (sum dy gk s, sum dy (h - s w)) per channel: w's gradient and the gate's before
+// its sigmoid's slope (the second half only when gated).
+extern "C" __global__ void eng_skip_partial(const float* dy, const float* h, const float* s, const float* w, const float* z, int gated,
+                                            long rows, int cols, float* part) {
+    const long r0 = (long)blockIdx.y * PART, r1 = min(r0 + PART, rows);
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
+        const float gk = gated ? 1.f - sigmoid(z[c]) : 1.f;
+        float a = 0.f, b = 0.f;
+        for (long r = r0; r < r1; ++r) {
+            const long i = r * cols + c;
+            a += dy[i] * gk * s[i];
+            if (gated) b += dy[i] * (h[i] - s[i] * w[c]);
+        }
+        part[(long)blockIdx.y * 2 * cols + c] = a;
+        part[(long)blockIdx.y * 2 * cols + cols + c] = b;
+    }
+}
+
+// dz[c] += (sum of the raw partials) g (1 - g), g = sigmoid(z[c]): the partials' second half.
+extern "C" __global__ void eng_skip_gate_finish(const float* part, int parts, int cols, const float* z, float* dz) {
+    for (long c = first_index(); c < cols; c += grid_stride()) {
+        float s = 0.f;
+        for (int p = 0; p < parts; ++p) s += part[(long)p * 2 * cols + cols + c];
+        const float g = sigmoid(z[c]);
+        dz[c] += s * g * (1.f - g);
+    }
+}
+
+// ---- per-head RMS norm + partial RoPE + gain ---------------------------------------------
+
+// Warp per (row, head): xn = x / r; y[i] = (a cos + b sin) gain, y[i + half] = (b cos - a sin)
+// gain for the rotated pairs (a, b) = (xn[i], xn[i + half]), i < half = rot / 2; y = xn gain
+// past rot. Row n is at position n % t; x has row stride ldx, out is contiguous.
+extern "C" __global__ void eng_qk_norm_rope_fwd(const float* x, long ldx, float* out, float* rstd, const float* gain, int has_gain,
+                                                const float* cos, const float* sin, long rows, int heads, int d, int rot, int t, float eps) {
+    const long item = warp_item(rows * heads);
+    if (item < 0) return;
+    const int lane = threadIdx.x & 31, h = (int)(item % heads), half = rot / 2;
+    const long n = item / heads;
+    const float* xh = x + n * ldx + (long)h * d;
+    float* yh = out + item * d;
+    const float* cr = cos + (long)(n % t) * half;
+    const float* sr = sin + (long)(n % t) * half;
+    float s = 0.f;
+    for (int j = lane; j < d; j += 32) s += xh[j] * xh[j];
+    const float inv = 1.f / sqrtf(warp_sum(s) / d + eps);
+    const float g = has_gain ? gain[h] : 1.f;
+    if (lane == 0) rstd[item] = inv;
+    for (int i = lane; i < half; i += 32) {
+        const float a = xh[i] * inv, b = xh[i + half] * inv;
+        yh[i] = (a * cr[i] + b * sr[i]) * g;
+        yh[i + half] = (b * cr[i] - a * sr[i]) * g;
+    }
+    for (int i = 2 * half + lane; i < d; i += 32) yh[i] = xh[i] * inv * g;
+}
+
+// The gradient of the normed head, dxn = rope^T(dy gain), at i (a rotated pair's two values
+// when i < half, else one value).
+__device__ __forceinline__ void rope_bwd_pair(const float* gy, const float* cr, const float* sr, float g, int i, int half, float& da,
+                                              float& db) {
+    const float ga = gy[i] * g, gb = gy[i + half] * g;
+    da = ga * cr[i] - gb * sr[i];
+    db = ga * sr[i] + gb * cr[i];
+}
+
+// Warp per (row, head): dxn = rope^T(dy gain); dx = (dxn - xn mean(dxn xn)) / r (written, row
+// stride ldx); part[item] = sum(dy rope(xn)) (the gain's gradient before the sum over rows).
+extern "C" __global__ void eng_qk_norm_rope_bwd(const float* x, long ldx, const float* rstd, const float* dy, float* dx, long lddx,
+                                                const float* gain, int has_gain, const float* cos, const float* sin, long rows, int heads,
+                                                int d, int rot, int t, float* part) {
+    const long item = warp_item(rows * heads);
+    if (item < 0) return;
+    const int lane = threadIdx.x & 31, h = (int)(item % heads), half = rot / 2;
+    const long n = item / heads;
+    const float* xh = x + n * ldx + (long)h * d;
+    const float* gy = dy + item * d;
+    float* dh = dx + n * lddx + (long)h * d;
+    const float* cr = cos + (long)(n % t) * half;
+    const float* sr = sin + (long)(n % t) * half;
+    const float inv = rstd[item], g = has_gain ? gain[h] : 1.f;
+    float dg = 0.f, dot = 0.f;
+    for (int i = lane; i < half; i += 32) {
+        const float a = xh[i] * inv, b = xh[i + half] * inv;
+        dg += gy[i] * (a * cr[i] + b * sr[i]) + gy[i + half] * (b * cr[i] - a * sr[i]);
+        float da, db;
+        rope_bwd_pair(gy, cr, sr, g, i, half, da, db);
+        dot += da * a + db * b;
+    }
+    for (int i = 2 * half + lane; i < d; i += 32) {
+        dg += gy[i] * xh[i] * inv;
+        dot += gy[i] * g * xh[i] * inv;
+    }
+    dot = warp_sum(dot);
+    dg = warp_sum(dg);
+    const float c = dot / d;
+    for (int i = lane; i < half; i += 32) {
+        float da, db;
+        rope_bwd_pair(gy, cr, sr, g, i, half, da, db);
+        dh[i] = (da - xh[i] * inv * c) * inv;
+        dh[i + half] = (db - xh[i + half] * inv * c) * inv;
+    }
+    for (int i = 2 * half + lane; i < d; i += 32) dh[i] = (gy[i] * g - xh[i] * inv * c) * inv;
+    if (lane == 0) part[item] = dg;
+}
+
+// ---- XSA: the output minus its projection on the unit value vector of its KV head --------
+
+constexpr int XSA_MAX = 4;  // values per lane: head width up to 128
+
+// Lane's share of the unit value of KV head `kv` of row n, and the norm before the floor.
+__device__ __forceinline__ float unit_value(const float* v, long ldv, long n, int kv, int d, float (&u)[XSA_MAX]) {
+    const int lane = threadIdx.x & 31;
+    const float* vr = v + n * ldv + (long)kv * d;
+    float s = 0.f;
+    for (int k = 0; k < XSA_MAX; ++k) {
+        const int j = lane + 32 * k;
+        u[k] = j < d ? vr[j] : 0.f;
+        s += u[k] * u[k];
+    }
+    const float norm = sqrtf(warp_sum(s));
+    const float inv = 1.f / fmaxf(norm, 1e-12f);
+    for (int k = 0; k < XSA_MAX; ++k) u[k] *= inv;
+    return norm;
+}
+
+// Warp per (row, KV head): out = y - (y . u) u for each query head of the group.
+extern "C" __global__ void eng_xsa_fwd(const float* y, const float* v, long ldv, float* out, long rows, int heads, int kv_heads, int d) {
+    const long item = warp_item(rows * kv_heads);
+    if (item < 0) return;
+    const int lane = threadIdx.x & 31, kv = (int)(item % kv_heads), group = heads / kv_heads;
+    const long n = item / kv_heads;
+    float u[XSA_MAX];
+    unit_value(v, ldv, n, kv, d, u);
+    for (int h = kv * group; h < (kv + 1) * group; ++h) {
+        const float* yr = y + (n * heads + h) * d;
+        float a = 0.f;
+        for (int k = 0; k < XSA_MAX; ++k) a += lane + 32 * k < d ? yr[lane + 32 * k] * u[k] : 0.f;
+        a = warp_sum(a);
+        for (int k = 0; k < XSA_MAX; ++k) {
+            const int j = lane + 32 * k;
+            if (j < d) out[(n * heads + h) * d + j] = yr[j] - a * u[k];
+        }
+    }
+}
+
+// Warp per (row, KV head): dy = g - (g . u) u per head; du = -sum over the group's heads of
+// ((y . u) g + (g . u) y); dv = (du - u (du . u)) / |v| (du / 1e-12 below the floor), written.
+extern "C" __global__ void eng_xsa_bwd(const float* dout, const float* y, const float* v, long ldv, float* dy, float* dv, long lddv, long rows,
+                                       int heads, int kv_heads, int d) {
+    const long item = warp_item(rows * kv_heads);
+    if (item < 0) return;
+    const int lane = threadIdx.x & 31, kv = (int)(item % kv_heads), group = heads / kv_heads;
+    const long n = item / kv_heads;
+    float u[XSA_MAX], du[XSA_MAX] = {0.f, 0.f, 0.f, 0.f};
+    const float norm = unit_value(v, ldv, n, kv, d, u);
+    for (int h = kv * group; h < (kv + 1) * group; ++h) {
+        const float* gr = dout + (n * heads + h) * d;
+        const float* yr = y + (n * heads + h) * d;
+        float a = 0.f, b = 0.f;
+        for (int k = 0; k < XSA_MAX; ++k) {
+            const int j = lane + 32 * k;
+            a += j < d ? yr[j] * u[k] : 0.f;
+            b += j < d ? gr[j] * u[k] : 0.f;
+        }
+        a = warp_sum(a);
+        b = warp_sum(b);
+        for (int k = 0; k < XSA_MAX; ++k) {
+            const int j = lane + 32 * k;
+            if (j < d) {
+                dy[(n * heads + h) * d + j] = gr[j] - b * u[k];
+                du[k] -= a * gr[j] + b * yr[j];
+            }
+        }
+    }
+    float along = 0.f;
+    for (int k = 0; k < XSA_MAX; ++k) along += du[k] * u[k];
+    along = warp_sum(along);
+    float* out = dv + n * lddv + (long)kv * d;
+    for (int k = 0; k < XSA_MAX; ++k) {
+        const int j = lane + 32 * k;
+        if (j < d) out[j] = norm > 1e-12f ? (du[k] - u[k] * along) / norm : du[k] / 1e-12f;
+    }
+}
+
+// ---- the MLP's activation ----------------------------------------------------------------
+
+// out = leaky_relu(x)^2 (slope 0: relu^2).
+extern "C" __global__ void eng_act_fwd(const float* pre, float* out, long n, float slope) {
+    for (long i = first_index(); i < n; i += grid_stride()) {
+        const float x = pre[i], l = x > 0.f ? x : x * slope;
+        out[i] = l * l;
+    }
+}
+
+// dpre = dout 2 l l' with l = leaky_relu(x), l' = 1 or slope.
+extern "C" __global__ void eng_act_bwd(const float* pre, const float* dout, float* dpre, long n, float slope) {
+    for (long i = first_index(); i < n; i += grid_stride()) {
+        const float x = pre[i];
+        const float l = x > 0.f ? x : x * slope, dl = x > 0.f ? 1.f : slope;
+        dpre[i] = dout[i] * 2.f * l * dl;
+    }
+}
+
+// ---- soft-capped cross-entropy fused with its gradient -----------------------------------
+
+// Block (256 threads) per row: t = tanh(x / cap), z = cap t; loss = logsumexp(z) - z[y]; the
+// logits are overwritten by scale (softmax(z) - [j == y]) (1 - t^2).
+extern "C" __global__ void eng_softcap_ce(float* logits, const unsigned* targets, float* losses, int vocab, float cap, float scale) {
+    __shared__ float sh[8];
+    const long r = blockIdx.x;
+    float* xr = logits + r * vocab;
+    const float inv_c = 1.f / cap;
+    float m = -CUDART_INF_F;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, cap * tanhf(xr[j] * inv_c));
+    m = warp_max(m);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x / 32] = m;
+    __syncthreads();
+    float mx = -CUDART_INF_F;
+    for (int i = 0; i < (int)blockDim.x / 32; ++i) mx = fmaxf(mx, sh[i]);
+    float s = 0.f;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) s += expf(cap * tanhf(xr[j] * inv_c) - mx);
+    const float sum = block_sum(s, sh);
+    const unsigned y = targets[r];
+    const float ty = tanhf(xr[y] * inv_c);
+    __syncthreads();  // every thread has read xr[y] before it is overwritten
+    if (threadIdx.x == 0) losses[r] = logf(sum) + mx - cap * ty;
+    const float a = scale / sum;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+        const float t = tanhf(xr[j] * inv_c);
+        const float p = expf(cap * t - mx) * a;
+        xr[j] = ((unsigned)j == y ? p - scale : p) * (1.f - t * t);
+    }
+}
+
+// ---- attention's casts and delta ---------------------------------------------------------
+
+// dst (rows x cols, contiguous bf16) = src (rows x cols, row stride lds, f32).
+extern "C" __global__ void eng_to_bf16(const float* src, long lds, __nv_bfloat16* dst, long rows, int cols) {
+    const long total = rows * cols;
+    for (long i = first_index(); i < total; i += grid_stride()) dst[i] = __float2bfloat16(src[(i / cols) * lds + i % cols]);
+}
+
+// dst (row stride ldd, f32) (+)= src (rows x cols, contiguous bf16).
+extern "C" __global__ void eng_from_bf16(const __nv_bfloat16* src, float* dst, long ldd, long rows, int cols, int acc) {
+    const long total = rows * cols;
+    for (long i = first_index(); i < total; i += grid_stride()) {
+        const long j = (i / cols) * ldd + i % cols;
+        const float v = __bfloat162float(src[i]);
+        dst[j] = acc ? dst[j] + v : v;
+    }
+}
+
+// delta = sum over a head's d values of o * dout (f32, contiguous rows of heads x d), stored
+// as flash attention's backward kernels read it: delta[(b heads + h) t + i] for token n = b t + i.
+// Warp per (token, head).
+extern "C" __global__ void eng_attn_delta(const float* o, const float* dout, float* delta, long rows, int t, int heads, int d) {
+    const long item = warp_item(rows * heads);
+    if (item < 0) return;
+    const int lane = threadIdx.x & 31;
+    float s = 0.f;
+    for (int j = lane; j < d; j += 32) s += o[item * d + j] * dout[item * d + j];
+    s = warp_sum(s);
+    const long n = item / heads, h = item % heads, b = n / t, i = n % t;
+    if (lane == 0) delta[(b * heads + h) * t + i] = s;
+}

@@ -1,0 +1,305 @@
+//! The CUDA [`Device`] (`cuda` builds): the four memory spaces as four device allocations made
+//! once (static addresses, what CUDA graph replay needs), launches of `kernels/engine.cu` and
+//! `kernels/flash_mma.cu` (PTX compiled by build.rs) on one stream, and GEMM plans through
+//! `cublasLtMatmul` with the descriptors and the heuristic's algorithm cached per plan shape.
+//!
+//! GEMM maths: the arena is `f32`; [`GemmMath::Bf16`] (the default) multiplies on the bf16
+//! tensor cores with f32 accumulation (`CUBLAS_COMPUTE_32F_FAST_16BF`, cuBLAS rounds the inputs),
+//! so weight gradients accumulate in f32 across micro-batches with `beta = 1`; `Tf32` and `F32`
+//! trade speed for precision (parity checks).
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use candle_core::cuda_backend::cudarc::cublaslt::{result as lt_result, sys as lt_sys};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+
+use super::{Arg, Device, Launch, Sizes, Space};
+use crate::engine::lt::{LtLayout, LtOp, LtPlan};
+
+/// The PTX of kernels/engine.cu.
+const ENGINE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/engine.ptx"));
+/// The PTX of kernels/flash_mma.cu.
+const FLASH_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_mma.ptx"));
+/// cuBLASLt's workspace (NVIDIA's recommendation for Hopper).
+const WORKSPACE: usize = 32 << 20;
+
+/// The tensor-core maths of the GEMMs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum GemmMath {
+    /// bf16 products, f32 accumulation (`CUBLAS_COMPUTE_32F_FAST_16BF`).
+    #[default]
+    Bf16,
+    /// TF32 products (`CUBLAS_COMPUTE_32F_FAST_TF32`).
+    Tf32,
+    /// Full f32 (`CUBLAS_COMPUTE_32F`).
+    F32,
+}
+
+/// A plan's shape: what its descriptors and algorithm depend on (not its addresses).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct ShapeKey {
+    ops: (bool, bool),
+    layouts: [(u64, u64, i64); 3],
+    batch: (u32, i64, i64, i64),
+    reads_c: bool,
+}
+
+impl ShapeKey {
+    fn of(p: &LtPlan) -> Self {
+        let l = |x: LtLayout| (x.rows, x.cols, x.ld);
+        ShapeKey {
+            ops: (p.trans_a == LtOp::T, p.trans_b == LtOp::T),
+            layouts: [l(p.a), l(p.b), l(p.c)],
+            batch: (p.batch, p.stride_a, p.stride_b, p.stride_c),
+            reads_c: p.beta != 0.0,
+        }
+    }
+}
+
+/// The cached descriptors of one plan shape.
+struct Prepared {
+    desc: lt_sys::cublasLtMatmulDesc_t,
+    layouts: [lt_sys::cublasLtMatrixLayout_t; 3],
+    algo: lt_sys::cublasLtMatmulAlgo_t,
+}
+
+// SAFETY: the descriptors are plain host objects of cuBLASLt, used under the device's lock.
+unsafe impl Send for Prepared {}
+
+/// cuBLASLt's handle, workspace and plan cache.
+struct Lt {
+    handle: lt_sys::cublasLtHandle_t,
+    workspace: CudaSlice<u8>,
+    math: GemmMath,
+    cache: HashMap<ShapeKey, Prepared>,
+}
+
+// SAFETY: the handle is used only under the device's lock, on its one stream.
+unsafe impl Send for Lt {}
+
+impl Drop for Lt {
+    fn drop(&mut self) {
+        for p in self.cache.values() {
+            // SAFETY: created by this cache and used by no pending call (the stream is synced
+            // when the device drops its allocations).
+            unsafe {
+                let _ = lt_result::destroy_matmul_desc(p.desc);
+                for l in p.layouts {
+                    let _ = lt_result::destroy_matrix_layout(l);
+                }
+            }
+        }
+        // SAFETY: as above.
+        unsafe {
+            let _ = lt_result::destroy_handle(self.handle);
+        }
+    }
+}
+
+fn lt_err(e: impl std::fmt::Debug) -> anyhow::Error {
+    anyhow::anyhow!("cuBLASLt: {e:?}")
+}
+
+/// The engine's CUDA device: one GPU, one stream.
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    modules: [Arc<CudaModule>; 2],
+    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// The 4-byte spaces and the bf16 one, and every space's base address.
+    words: Vec<(Space, CudaSlice<u32>)>,
+    half: Option<CudaSlice<u16>>,
+    bases: HashMap<Space, u64>,
+    lt: Mutex<Lt>,
+}
+
+impl CudaDevice {
+    /// The device of GPU `ordinal`, its GEMMs in `math`.
+    pub fn new(ordinal: usize, math: GemmMath) -> anyhow::Result<Self> {
+        let ctx = CudaContext::new(ordinal).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: {e:?}"))?;
+        let stream = ctx.default_stream();
+        let load = |src: &str| ctx.load_module(Ptx::from_src(src)).map_err(|e| anyhow::anyhow!("loading the engine's kernels: {e:?}"));
+        let modules = [load(ENGINE_PTX)?, load(FLASH_PTX)?];
+        let handle = lt_result::create_handle().map_err(lt_err)?;
+        // SAFETY: cuBLASLt only needs the workspace's bytes, never their values.
+        let workspace = unsafe { stream.alloc::<u8>(WORKSPACE) }.map_err(|e| anyhow::anyhow!("cuBLASLt workspace: {e:?}"))?;
+        let lt = Lt { handle, workspace, math, cache: HashMap::new() };
+        Ok(Self {
+            ctx,
+            stream,
+            modules,
+            functions: Mutex::new(HashMap::new()),
+            words: Vec::new(),
+            half: None,
+            bases: HashMap::new(),
+            lt: Mutex::new(lt),
+        })
+    }
+
+    /// The stream every launch runs on (graph capture, events).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn function(&self, name: &'static str) -> CudaFunction {
+        let mut cache = self.functions.lock().expect("the function cache");
+        if let Some(f) = cache.get(name) {
+            return f.clone();
+        }
+        let module = if name.starts_with("flash_") { &self.modules[1] } else { &self.modules[0] };
+        let f = module.load_function(name).unwrap_or_else(|e| panic!("kernel `{name}` is not in the engine's PTX: {e:?}"));
+        cache.insert(name, f.clone());
+        f
+    }
+
+    fn address(&self, space: Space, off: usize) -> u64 {
+        self.bases[&space] + (off * space.elem_bytes()) as u64
+    }
+
+    fn slice(&self, space: Space) -> anyhow::Result<&CudaSlice<u32>> {
+        self.words.iter().find(|w| w.0 == space).map(|w| &w.1).ok_or_else(|| anyhow::anyhow!("the {space:?} space is not a 4-byte space"))
+    }
+
+    fn prepare(lt: &mut Lt, p: &LtPlan) -> anyhow::Result<()> {
+        let key = ShapeKey::of(p);
+        if lt.cache.contains_key(&key) {
+            return Ok(());
+        }
+        let compute = match lt.math {
+            GemmMath::Bf16 => lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+            GemmMath::Tf32 => lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            GemmMath::F32 => lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        };
+        let f32_type = lt_sys::cudaDataType_t::CUDA_R_32F;
+        let desc = lt_result::create_matmul_desc(compute, f32_type).map_err(lt_err)?;
+        let op = |o: LtOp| if o == LtOp::T { lt_sys::cublasOperation_t::CUBLAS_OP_T } else { lt_sys::cublasOperation_t::CUBLAS_OP_N };
+        let mut layouts = [std::ptr::null_mut(); 3];
+        // SAFETY: attributes of the kinds and sizes cuBLASLt documents, on live descriptors.
+        unsafe {
+            use lt_sys::cublasLtMatmulDescAttributes_t as A;
+            for (attr, o) in [(A::CUBLASLT_MATMUL_DESC_TRANSA, op(p.trans_a)), (A::CUBLASLT_MATMUL_DESC_TRANSB, op(p.trans_b))] {
+                lt_result::set_matmul_desc_attribute(desc, attr, &o as *const _ as *const c_void, std::mem::size_of_val(&o)).map_err(lt_err)?;
+            }
+            for (k, (l, stride)) in [(p.a, p.stride_a), (p.b, p.stride_b), (p.c, p.stride_c)].into_iter().enumerate() {
+                let layout = lt_result::create_matrix_layout(f32_type, l.rows, l.cols, l.ld).map_err(lt_err)?;
+                if p.batch > 1 {
+                    use lt_sys::cublasLtMatrixLayoutAttribute_t as L;
+                    let count = p.batch as i32;
+                    let set = |attr, ptr: *const c_void, size| lt_result::set_matrix_layout_attribute(layout, attr, ptr, size);
+                    set(L::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count as *const _ as *const c_void, 4).map_err(lt_err)?;
+                    set(L::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride as *const _ as *const c_void, 8).map_err(lt_err)?;
+                }
+                layouts[k] = layout;
+            }
+            let pref = lt_result::create_matmul_pref().map_err(lt_err)?;
+            let ws = WORKSPACE as u64;
+            use lt_sys::cublasLtMatmulPreferenceAttributes_t as P;
+            lt_result::set_matmul_pref_attribute(pref, P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws as *const _ as *const c_void, 8)
+                .map_err(lt_err)?;
+            let heuristic = lt_result::get_matmul_algo_heuristic(lt.handle, desc, layouts[0], layouts[1], layouts[2], layouts[2], pref);
+            let _ = lt_result::destroy_matmul_pref(pref);
+            let heuristic = heuristic.map_err(|e| anyhow::anyhow!("cuBLASLt has no algorithm for {p:?}: {e:?}"))?;
+            lt.cache.insert(key, Prepared { desc, layouts, algo: heuristic.algo });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        let _ = self.stream.synchronize();
+    }
+}
+
+impl Device for CudaDevice {
+    fn name(&self) -> String {
+        let name = self.ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        format!("cuda:{} ({name})", self.ctx.ordinal())
+    }
+
+    fn alloc(&mut self, sizes: Sizes) -> anyhow::Result<()> {
+        let err = |s: Space| move |e| anyhow::anyhow!("allocating the engine's {s:?} space on the GPU: {e:?}");
+        for (space, len) in [(Space::Arena, sizes.arena), (Space::Aux, sizes.aux), (Space::Tokens, sizes.tokens)] {
+            let slice = self.stream.alloc_zeros::<u32>(len.max(1)).map_err(err(space))?;
+            let (ptr, _sync) = slice.device_ptr(&self.stream);
+            self.bases.insert(space, ptr);
+            self.words.push((space, slice));
+        }
+        let half = self.stream.alloc_zeros::<u16>(sizes.half.max(8)).map_err(err(Space::Half))?;
+        let (ptr, _sync) = half.device_ptr(&self.stream);
+        self.bases.insert(Space::Half, ptr);
+        self.half = Some(half);
+        Ok(())
+    }
+
+    fn launch(&self, l: &Launch) {
+        let f = self.function(l.kernel);
+        let ptrs: Vec<u64> = l.args.iter().map(|a| if let Arg::Ptr(s, off) = *a { self.address(s, off) } else { 0 }).collect();
+        let mut b = self.stream.launch_builder(&f);
+        for (a, p) in l.args.iter().zip(&ptrs) {
+            match a {
+                Arg::Ptr(..) => b.arg(p),
+                Arg::I32(x) => b.arg(x),
+                Arg::I64(x) => b.arg(x),
+                Arg::F32(x) => b.arg(x),
+            };
+        }
+        let cfg = LaunchConfig { grid_dim: (l.grid[0], l.grid[1], l.grid[2]), block_dim: (l.block, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the arguments are the kernel's, in its order and types (the launcher in
+        // ops.rs mirrors each signature of kernels/engine.cu and flash_mma.cu, and the warp
+        // emulator's tests check that mirror); every pointer lies in a live allocation of this
+        // device (offsets checked against the arena by the backend).
+        unsafe { b.launch(cfg) }.unwrap_or_else(|e| panic!("launching {}: {e:?}", l.kernel));
+    }
+
+    fn gemm(&self, p: &LtPlan) {
+        let mut lt = self.lt.lock().expect("the cuBLASLt lock");
+        Self::prepare(&mut lt, p).unwrap_or_else(|e| panic!("{e}"));
+        let prepared = &lt.cache[&ShapeKey::of(p)];
+        let (a, b, c) = (self.address(Space::Arena, p.a_off), self.address(Space::Arena, p.b_off), self.address(Space::Arena, p.c_off));
+        let (ws, _sync) = lt.workspace.device_ptr(&self.stream);
+        // SAFETY: the plan's layouts lie inside the arena (checked by the backend before
+        // planning), the descriptors and algorithm were made for this shape, the scalars are
+        // host f32 (the default pointer mode), and the call is ordered on the device's stream.
+        unsafe {
+            lt_result::matmul(
+                lt.handle,
+                prepared.desc,
+                &p.alpha as *const f32 as *const c_void,
+                &p.beta as *const f32 as *const c_void,
+                a as *const c_void,
+                prepared.layouts[0],
+                b as *const c_void,
+                prepared.layouts[1],
+                c as *const c_void,
+                prepared.layouts[2],
+                c as *mut c_void,
+                prepared.layouts[2],
+                &prepared.algo,
+                ws as *mut c_void,
+                WORKSPACE,
+                self.stream.cu_stream() as lt_sys::cudaStream_t,
+            )
+        }
+        .unwrap_or_else(|e| panic!("cublasLtMatmul {p:?}: {e:?}"));
+    }
+
+    fn write(&mut self, space: Space, off: usize, words: &[u32]) -> anyhow::Result<()> {
+        let slice = self.words.iter_mut().find(|w| w.0 == space).map(|w| &mut w.1);
+        let slice = slice.ok_or_else(|| anyhow::anyhow!("the {space:?} space is not a 4-byte space"))?;
+        anyhow::ensure!(off + words.len() <= slice.len(), "writing {} words at {off} of the {space:?} space", words.len());
+        let mut dst = slice.slice_mut(off..off + words.len());
+        self.stream.memcpy_htod(words, &mut dst).map_err(|e| anyhow::anyhow!("copy to the GPU: {e:?}"))
+    }
+
+    fn read(&self, space: Space, off: usize, len: usize) -> anyhow::Result<Vec<u32>> {
+        let slice = self.slice(space)?;
+        anyhow::ensure!(off + len <= slice.len(), "reading {len} words at {off} of the {space:?} space");
+        self.stream.memcpy_dtov(&slice.slice(off..off + len)).map_err(|e| anyhow::anyhow!("copy from the GPU: {e:?}"))
+    }
+}

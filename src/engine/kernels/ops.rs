@@ -1,0 +1,474 @@
+//! [`Backend`] for [`KernelBackend`]: each op as the launches of `kernels/engine.cu` (the
+//! kernel's maths is in its comment there and, as the reference, in [`crate::engine::cpu`]),
+//! attention as `kernels/flash_mma.cu`'s launches around casts to `bf16`, GEMMs as cuBLASLt
+//! plans. Grids: flat kernels [`flat`], warp-per-row kernels [`warps`], per-channel partial sums
+//! a block per [`PART`] rows.
+
+use candle_core::{DType, Device as CandleDevice, Tensor};
+
+use super::{Arg, Device, KernelBackend, Launch, REDUCE_BLOCKS, Space};
+use crate::engine::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, Mat, check_regions};
+use crate::engine::lt;
+
+/// Rows per partial sum of a per-channel reduction (`PART` in kernels/engine.cu).
+pub(super) const PART: usize = 64;
+/// Threads per block of the flat and row kernels.
+const BLOCK: u32 = 256;
+/// Threads per block of the flash attention kernels.
+const FLASH_THREADS: u32 = 128;
+/// Flash attention's tile (queries per block, keys per inner step) and head width.
+const FLASH_TILE: usize = 64;
+
+/// A grid-stride launch over `n` elements.
+fn flat(n: usize) -> [u32; 3] {
+    [n.div_ceil(BLOCK as usize).clamp(1, 8192) as u32, 1, 1]
+}
+
+/// A launch of one warp per item, 8 items per block.
+fn warps(items: usize) -> [u32; 3] {
+    [items.div_ceil(8).max(1) as u32, 1, 1]
+}
+
+/// A partial-sum launch over `rows x cols`: blocks of 256 channels by blocks of [`PART`] rows.
+fn parts(rows: usize, cols: usize) -> [u32; 3] {
+    [cols.div_ceil(BLOCK as usize).max(1) as u32, rows.div_ceil(PART).max(1) as u32, 1]
+}
+
+fn a(b: Buf) -> Arg {
+    Arg::Ptr(Space::Arena, b.off)
+}
+fn l(x: usize) -> Arg {
+    Arg::I64(x as i64)
+}
+fn i(x: usize) -> Arg {
+    Arg::I32(i32::try_from(x).expect("a kernel's int argument fits in 32 bits"))
+}
+fn f(x: f64) -> Arg {
+    Arg::F32(x as f32)
+}
+fn flag(x: bool) -> Arg {
+    Arg::I32(x as i32)
+}
+
+impl<D: Device> KernelBackend<D> {
+    fn run(&self, kernel: &'static str, grid: [u32; 3], block: u32, args: Vec<Arg>) {
+        self.dev.launch(&Launch { kernel, grid, block, args });
+    }
+
+    fn check<const I: usize, const O: usize>(&self, ins: [Buf; I], outs: [Buf; O]) {
+        check_regions(self.len, &ins, &outs);
+    }
+
+    /// Per-op scratch in `aux`, `len` elements from `off` within it.
+    fn scratch(&self, off: usize, len: usize) -> Arg {
+        assert!(off + len <= self.aux.scratch_len, "the op needs {} elements of scratch, the backend has {}", off + len, self.aux.scratch_len);
+        Arg::Ptr(Space::Aux, self.aux.scratch + off)
+    }
+
+    /// `dst[c] += sum over the partials` after a `*_partial` launch wrote `rows / PART` blocks of
+    /// `stride` values from scratch offset 0.
+    fn finish(&self, rows: usize, stride: usize, width: usize, dst: Buf) {
+        let n = rows.div_ceil(PART);
+        self.run("eng_colsum_finish", flat(width), BLOCK, vec![self.scratch(0, n * stride), i(n), i(stride), i(width), a(dst)]);
+    }
+
+    /// The scalar reduction `mode` (0 sum, 1 sum of squares, 2 non-finite count) of `src`.
+    fn reduce(&self, src: Buf, mode: i32) -> f64 {
+        self.check([src], []);
+        let blocks = src.len.div_ceil(BLOCK as usize).clamp(1, REDUCE_BLOCKS);
+        let part = Arg::Ptr(Space::Aux, self.aux.reduce);
+        self.run("eng_reduce_partial", [blocks as u32, 1, 1], BLOCK, vec![a(src), l(src.len), Arg::I32(mode), part]);
+        let out = self.aux.reduce + REDUCE_BLOCKS;
+        self.run("eng_reduce_finish", [1, 1, 1], 32, vec![part, i(blocks), Arg::Ptr(Space::Aux, out)]);
+        let word = self.dev.read(Space::Aux, out, 1).expect("reading a reduction's result from the device");
+        f32::from_bits(word[0]) as f64
+    }
+
+    /// The log-sum-exp buffer of the attention call writing `out`.
+    fn lse(&mut self, out: Buf) -> Arg {
+        let next = self.lse.len();
+        let k = *self.lse.entry(out.off).or_insert(next);
+        assert!(k < self.aux.lse_count, "more attention calls than the backend was sized for ({})", self.aux.lse_count);
+        Arg::Ptr(Space::Aux, self.aux.lse + k * self.aux.lse_len)
+    }
+
+    /// Half-space offsets of q, k, v, o (or dout), dq, dk, dv for `s`.
+    fn half_slots(&self, s: AttnShape) -> [usize; 7] {
+        let n = s.batch * s.t;
+        let round = |x: usize| x.div_ceil(8) * 8;
+        let (q, kv) = (round(n * s.heads * s.d), round(n * s.kv_heads * s.d));
+        let slots = [0, q, q + kv, q + 2 * kv, 2 * q + 2 * kv, 3 * q + 2 * kv, 3 * q + 3 * kv];
+        assert!(slots[6] + kv <= self.half_len, "attention of {s:?} needs more bf16 scratch than the backend has");
+        slots
+    }
+
+    /// `half[slot] = m` as contiguous bf16.
+    fn to_half(&self, m: Mat, slot: usize) {
+        assert!(!m.t, "attention's operands are read untransposed");
+        let args = vec![a(m.span()), l(m.ld), Arg::Ptr(Space::Half, slot), l(m.rows), i(m.cols)];
+        self.run("eng_to_bf16", flat(m.rows * m.cols), BLOCK, args);
+    }
+
+    /// `m (+)= half[slot]`.
+    fn from_half(&self, slot: usize, m: Mat, acc: bool) {
+        let args = vec![Arg::Ptr(Space::Half, slot), a(m.span()), l(m.ld), l(m.rows), i(m.cols), flag(acc)];
+        self.run("eng_from_bf16", flat(m.rows * m.cols), BLOCK, args);
+    }
+
+    /// Flash attention's scalars and grid checks: `(scale_log2, scale, query grid, kv grid)`.
+    fn flash(s: AttnShape) -> (Arg, Arg, [u32; 3], [u32; 3]) {
+        assert!(s.d == FLASH_TILE && s.t % FLASH_TILE == 0, "the GPU attention needs head width 64 and a sequence a multiple of 64: {s:?}");
+        let scale = 1.0 / (s.d as f64).sqrt();
+        let tiles = (s.t / FLASH_TILE) as u32;
+        let q = [tiles, (s.batch * s.heads) as u32, 1];
+        let kv = [tiles, (s.batch * s.kv_heads) as u32, 1];
+        (f(scale * std::f64::consts::LOG2_E), f(scale), q, kv)
+    }
+}
+
+impl<D: Device> Backend for KernelBackend<D> {
+    fn dtype(&self) -> DType {
+        DType::F32
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn upload(&mut self, dst: Buf, src: &Tensor) -> anyhow::Result<()> {
+        anyhow::ensure!(src.elem_count() == dst.len, "uploading {} elements into a {}-element region", src.elem_count(), dst.len);
+        self.check([], [dst]);
+        let v: Vec<f32> = src.to_device(&CandleDevice::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let words: Vec<u32> = v.iter().map(|x| x.to_bits()).collect();
+        self.dev.write(Space::Arena, dst.off, &words)
+    }
+
+    fn download(&self, src: Buf, shape: &[usize]) -> anyhow::Result<Tensor> {
+        self.check([src], []);
+        let v: Vec<f32> = self.dev.read(Space::Arena, src.off, src.len)?.into_iter().map(f32::from_bits).collect();
+        Ok(Tensor::from_vec(v, shape, &CandleDevice::Cpu)?)
+    }
+
+    fn set_tokens(&mut self, x: &[u32], y: &[u32]) {
+        let t = self.tokens;
+        assert!(x.len() == t.n && y.len() == t.n, "{} ids and {} targets for a {}-token micro-batch", x.len(), y.len(), t.n);
+        // The ids' CSR: for each vocabulary row, the positions of its tokens in ascending order.
+        let mut off = vec![0u32; t.vocab + 1];
+        for &id in x {
+            assert!((id as usize) < t.vocab, "token id {id} outside the {}-row vocabulary", t.vocab);
+            off[id as usize + 1] += 1;
+        }
+        for v in 0..t.vocab {
+            off[v + 1] += off[v];
+        }
+        let mut fill = off.clone();
+        let mut pos = vec![0u32; t.n];
+        for (n, &id) in x.iter().enumerate() {
+            pos[fill[id as usize] as usize] = n as u32;
+            fill[id as usize] += 1;
+        }
+        for (o, d) in [(t.x(), x), (t.y(), y), (t.csr_off(), &off[..]), (t.csr_pos(), &pos[..])] {
+            self.dev.write(Space::Tokens, o, d).expect("writing the micro-batch's tokens to the device");
+        }
+    }
+
+    fn fill(&mut self, dst: Buf, value: f64) {
+        self.check([], [dst]);
+        self.run("eng_fill", flat(dst.len), BLOCK, vec![a(dst), l(dst.len), f(value)]);
+    }
+
+    fn copy(&mut self, dst: Buf, src: Buf) {
+        self.check([src], [dst]);
+        self.run("eng_copy", flat(dst.len), BLOCK, vec![a(dst), a(src), l(dst.len)]);
+    }
+
+    fn scale(&mut self, dst: Buf, x: f64) {
+        self.check([], [dst]);
+        self.run("eng_scale", flat(dst.len), BLOCK, vec![a(dst), l(dst.len), f(x)]);
+    }
+
+    fn sum(&self, src: Buf) -> f64 {
+        self.reduce(src, 0)
+    }
+
+    fn sum_sq(&self, src: Buf) -> f64 {
+        self.reduce(src, 1)
+    }
+
+    fn all_finite(&self, src: Buf) -> bool {
+        self.reduce(src, 2) == 0.0
+    }
+
+    fn gemm(&mut self, c: Mat, a_: Mat, b: Mat, alpha: f64, beta: f64) {
+        self.check([a_.span(), b.span()], [c.span()]);
+        self.dev.gemm(&lt::plan(c, a_, b, alpha, beta));
+    }
+
+    fn embedding_fwd(&mut self, table: Buf, out: Buf, dim: usize) {
+        self.check([table], [out]);
+        let n = out.len / dim;
+        let ids = Arg::Ptr(Space::Tokens, self.tokens.x());
+        self.run("eng_embedding_fwd", flat(out.len), BLOCK, vec![a(table), ids, a(out), l(n), i(dim)]);
+    }
+
+    fn embedding_bwd(&mut self, dout: Buf, dtable: Buf, dim: usize) {
+        self.check([dout], [dtable]);
+        let t = self.tokens;
+        assert_eq!(dtable.len / dim, t.vocab, "the embedding's gradient has {} rows, the CSR {}", dtable.len / dim, t.vocab);
+        let (off, pos) = (Arg::Ptr(Space::Tokens, t.csr_off()), Arg::Ptr(Space::Tokens, t.csr_pos()));
+        self.run("eng_embedding_bwd", [t.vocab as u32, 1, 1], BLOCK, vec![a(dout), off, pos, a(dtable), i(dim)]);
+    }
+
+    fn rms_norm_fwd(&mut self, x: Buf, out: Buf, rstd: Buf, cols: usize, scale: f64, eps: f64) {
+        self.check([x], [out, rstd]);
+        let rows = x.len / cols;
+        self.run("eng_rms_norm_fwd", warps(rows), BLOCK, vec![a(x), a(out), a(rstd), l(rows), i(cols), f(scale), f(eps)]);
+    }
+
+    fn rms_norm_bwd(&mut self, x: Buf, rstd: Buf, dy: Buf, dx: Buf, cols: usize, scale: f64, accumulate: bool) {
+        self.check([x, rstd, dy], [dx]);
+        let rows = x.len / cols;
+        let args = vec![a(x), a(rstd), a(dy), a(dx), l(rows), i(cols), f(scale), flag(accumulate)];
+        self.run("eng_rms_norm_bwd", warps(rows), BLOCK, args);
+    }
+
+    fn resid_mix_fwd(&mut self, h: Buf, x0: Buf, mix: Buf, out: Buf) {
+        self.check([h, x0, mix], [out]);
+        let cols = mix.len / 2;
+        self.run("eng_resid_mix_fwd", flat(out.len), BLOCK, vec![a(h), a(x0), a(mix), a(out), l(out.len), i(cols)]);
+    }
+
+    fn resid_mix_bwd(&mut self, du: Buf, h: Buf, x0: Buf, mix: Buf, dh: Buf, dx0: Buf, dmix: Buf) {
+        self.check([du, h, x0, mix], [dh, dx0, dmix]);
+        let cols = mix.len / 2;
+        let rows = du.len / cols;
+        self.run("eng_resid_mix_bwd", flat(du.len), BLOCK, vec![a(du), a(mix), a(dh), a(dx0), l(du.len), i(cols)]);
+        let part = self.scratch(0, rows.div_ceil(PART) * 2 * cols);
+        self.run("eng_resid_mix_partial", parts(rows, cols), BLOCK, vec![a(du), a(h), a(x0), l(rows), i(cols), part]);
+        self.finish(rows, 2 * cols, 2 * cols, dmix);
+    }
+
+    fn scale_add_fwd(&mut self, base: Buf, x: Buf, s: Buf, out: Buf) {
+        if base == out {
+            self.check([x, s], [out]);
+        } else {
+            self.check([base, x, s], [out]);
+        }
+        let cols = s.len;
+        self.run("eng_scale_add_fwd", flat(out.len), BLOCK, vec![a(base), a(x), a(s), a(out), l(out.len), i(cols)]);
+    }
+
+    fn scale_add_bwd(&mut self, dy: Buf, x: Buf, s: Buf, dx: Buf, ds: Buf) {
+        self.check([dy, x, s], [dx, ds]);
+        let (cols, rows) = (s.len, dy.len / s.len);
+        self.run("eng_scale_cols", flat(dy.len), BLOCK, vec![a(dy), a(s), a(dx), l(dy.len), i(cols)]);
+        let part = self.scratch(0, rows.div_ceil(PART) * cols);
+        self.run("eng_dot_partial", parts(rows, cols), BLOCK, vec![a(dy), a(x), l(rows), i(cols), part]);
+        self.finish(rows, cols, cols, ds);
+    }
+
+    fn skip_fwd(&mut self, h: Buf, s: Buf, w: Buf, z: Option<Buf>, out: Buf) {
+        let zb = z.unwrap_or_default();
+        self.check([h, s, w, zb], [out]);
+        let cols = w.len;
+        let args = vec![a(h), a(s), a(w), a(zb), flag(z.is_some()), a(out), l(out.len), i(cols)];
+        self.run("eng_skip_fwd", flat(out.len), BLOCK, args);
+    }
+
+    fn skip_bwd(&mut self, dy: Buf, h: Buf, s: Buf, w: Buf, z: Option<(Buf, Buf)>, dh: Buf, ds: Buf, dw: Buf) {
+        let (zb, dz) = z.unwrap_or_default();
+        self.check([dy, h, s, w, zb], [dh, ds, dw, dz]);
+        let (cols, rows, gated) = (w.len, dy.len / w.len, flag(z.is_some()));
+        self.run("eng_skip_bwd", flat(dy.len), BLOCK, vec![a(dy), a(w), a(zb), gated, a(dh), a(ds), l(dy.len), i(cols)]);
+        let n = rows.div_ceil(PART);
+        let part = self.scratch(0, n * 2 * cols);
+        self.run("eng_skip_partial", parts(rows, cols), BLOCK, vec![a(dy), a(h), a(s), a(w), a(zb), gated, l(rows), i(cols), part]);
+        self.finish(rows, 2 * cols, cols, dw);
+        if z.is_some() {
+            self.run("eng_skip_gate_finish", flat(cols), BLOCK, vec![part, i(n), i(cols), a(zb), a(dz)]);
+        }
+    }
+
+    fn qk_norm_rope_fwd(&mut self, x: Mat, out: Buf, rstd: Buf, gain: Option<Buf>, cos: Buf, sin: Buf, s: HeadShape, eps: f64) {
+        let g = gain.unwrap_or_default();
+        self.check([x.span(), g, cos, sin], [out, rstd]);
+        let args = vec![
+            a(x.span()),
+            l(x.ld),
+            a(out),
+            a(rstd),
+            a(g),
+            flag(gain.is_some()),
+            a(cos),
+            a(sin),
+            l(s.rows),
+            i(s.heads),
+            i(s.d),
+            i(s.rot),
+            i(s.t),
+            f(eps),
+        ];
+        self.run("eng_qk_norm_rope_fwd", warps(s.rows * s.heads), BLOCK, args);
+    }
+
+    fn qk_norm_rope_bwd(&mut self, x: Mat, rstd: Buf, dy: Buf, dx: Mat, gain: Option<(Buf, Buf)>, cos: Buf, sin: Buf, s: HeadShape) {
+        let (g, dg) = gain.unwrap_or_default();
+        self.check([x.span(), rstd, dy, g, cos, sin], [dx.span(), dg]);
+        // Per-(row, head) gain gradients after the partial sums' slot (offset 0).
+        let n = s.rows.div_ceil(PART);
+        let per_item = self.scratch(n * s.heads, s.rows * s.heads);
+        let args = vec![
+            a(x.span()),
+            l(x.ld),
+            a(rstd),
+            a(dy),
+            a(dx.span()),
+            l(dx.ld),
+            a(g),
+            flag(gain.is_some()),
+            a(cos),
+            a(sin),
+            l(s.rows),
+            i(s.heads),
+            i(s.d),
+            i(s.rot),
+            i(s.t),
+            per_item,
+        ];
+        self.run("eng_qk_norm_rope_bwd", warps(s.rows * s.heads), BLOCK, args);
+        if gain.is_some() {
+            let part = self.scratch(0, n * s.heads);
+            self.run("eng_colsum_partial", parts(s.rows, s.heads), BLOCK, vec![per_item, l(s.rows), i(s.heads), part]);
+            self.finish(s.rows, s.heads, s.heads, dg);
+        }
+    }
+
+    fn attention_fwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, s: AttnShape) {
+        self.check([q.span(), k.span(), v.span()], [out]);
+        let (scale_log2, _, qgrid, _) = Self::flash(s);
+        let h = self.half_slots(s);
+        self.to_half(q, h[0]);
+        self.to_half(k, h[1]);
+        self.to_half(v, h[2]);
+        let lse = self.lse(out);
+        let half = |k: usize| Arg::Ptr(Space::Half, h[k]);
+        let args = vec![half(0), half(1), half(2), half(3), lse, i(s.t), i(s.heads), i(s.kv_heads), scale_log2];
+        self.run("flash_fwd_mma_bf16", qgrid, FLASH_THREADS, args);
+        let n = s.batch * s.t;
+        self.from_half(h[3], out.mat(n, s.heads * s.d), false);
+    }
+
+    fn attention_bwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, dout: Buf, dq: Mat, dk: Mat, dv: Mat, dv_acc: bool, s: AttnShape) {
+        self.check([q.span(), k.span(), v.span(), out, dout], [dq.span(), dk.span(), dv.span()]);
+        let (scale_log2, scale, qgrid, kvgrid) = Self::flash(s);
+        let n = s.batch * s.t;
+        let h = self.half_slots(s);
+        self.to_half(q, h[0]);
+        self.to_half(k, h[1]);
+        self.to_half(v, h[2]);
+        self.to_half(dout.mat(n, s.heads * s.d), h[3]);
+        let lse = self.lse(out);
+        let delta = self.scratch(0, n * s.heads);
+        self.run("eng_attn_delta", warps(n * s.heads), BLOCK, vec![a(out), a(dout), delta, l(n), i(s.t), i(s.heads), i(s.d)]);
+        let half = |k: usize| Arg::Ptr(Space::Half, h[k]);
+        let (t, heads, kvh) = (i(s.t), i(s.heads), i(s.kv_heads));
+        let common = [half(0), half(1), half(2), half(3), lse, delta];
+        let mut dq_args = common.to_vec();
+        dq_args.extend([half(4), t, heads, kvh, scale_log2, scale]);
+        self.run("flash_bwd_dq_mma_bf16", qgrid, FLASH_THREADS, dq_args);
+        let mut dkdv_args = common.to_vec();
+        dkdv_args.extend([half(5), half(6), t, heads, kvh, scale_log2, scale]);
+        self.run("flash_bwd_dkdv_mma_bf16", kvgrid, FLASH_THREADS, dkdv_args);
+        self.from_half(h[4], dq, false);
+        self.from_half(h[5], dk, false);
+        self.from_half(h[6], dv, dv_acc);
+    }
+
+    fn xsa_fwd(&mut self, y: Buf, v: Mat, out: Buf, s: AttnShape) {
+        self.check([y, v.span()], [out]);
+        assert!(s.d <= 128, "XSA kernels take heads up to 128 wide, not {}", s.d);
+        let rows = s.batch * s.t;
+        let args = vec![a(y), a(v.span()), l(v.ld), a(out), l(rows), i(s.heads), i(s.kv_heads), i(s.d)];
+        self.run("eng_xsa_fwd", warps(rows * s.kv_heads), BLOCK, args);
+    }
+
+    fn xsa_bwd(&mut self, dout: Buf, y: Buf, v: Mat, dy: Buf, dv: Mat, s: AttnShape) {
+        self.check([dout, y, v.span()], [dy, dv.span()]);
+        assert!(s.d <= 128, "XSA kernels take heads up to 128 wide, not {}", s.d);
+        let rows = s.batch * s.t;
+        let args = vec![a(dout), a(y), a(v.span()), l(v.ld), a(dy), a(dv.span()), l(dv.ld), l(rows), i(s.heads), i(s.kv_heads), i(s.d)];
+        self.run("eng_xsa_bwd", warps(rows * s.kv_heads), BLOCK, args);
+    }
+
+    fn act_fwd(&mut self, pre: Buf, out: Buf, act: Activation) {
+        self.check([pre], [out]);
+        self.run("eng_act_fwd", flat(out.len), BLOCK, vec![a(pre), a(out), l(out.len), f(act.slope)]);
+    }
+
+    fn act_bwd(&mut self, pre: Buf, dout: Buf, dpre: Buf, act: Activation) {
+        self.check([pre, dout], [dpre]);
+        self.run("eng_act_bwd", flat(dpre.len), BLOCK, vec![a(pre), a(dout), a(dpre), l(dpre.len), f(act.slope)]);
+    }
+
+    fn softcap_ce(&mut self, logits: Buf, losses: Buf, vocab: usize, cap: f64, grad_scale: f64) {
+        self.check([], [logits, losses]);
+        let rows = logits.len / vocab;
+        let y = Arg::Ptr(Space::Tokens, self.tokens.y());
+        self.run("eng_softcap_ce", [rows as u32, 1, 1], BLOCK, vec![a(logits), y, a(losses), i(vocab), f(cap), f(grad_scale)]);
+    }
+
+    fn adam(&mut self, p: Buf, g: Buf, m: Buf, v: Buf, s: AdamStep) {
+        self.check([g], [p, m, v]);
+        let args = vec![
+            a(p),
+            a(g),
+            a(m),
+            a(v),
+            l(p.len),
+            f(s.beta1),
+            f(s.beta2),
+            f(s.lr / s.bias1),
+            f(1.0 / s.bias2_sqrt),
+            f(s.eps),
+            f(1.0 - s.lr * s.weight_decay),
+            flag(s.weight_decay != 0.0),
+        ];
+        self.run("eng_adam", flat(p.len), BLOCK, args);
+    }
+
+    fn momentum(&mut self, g: Buf, buf: Buf, u: Buf, mu: f64, nesterov: bool) {
+        self.check([g], [buf, u]);
+        self.run("eng_momentum", flat(buf.len), BLOCK, vec![a(g), a(buf), a(u), l(buf.len), f(mu), flag(nesterov)]);
+    }
+
+    fn axpby(&mut self, x_scale: f64, x: Buf, y_scale: f64, y: Buf) {
+        self.check([x], [y]);
+        self.run("eng_axpby", flat(y.len), BLOCK, vec![f(x_scale), a(x), f(y_scale), a(y), l(y.len)]);
+    }
+
+    fn row_normalize(&mut self, x: Buf, cols: usize, eps: f64) {
+        self.check([], [x]);
+        let rows = x.len / cols;
+        self.run("eng_row_normalize", warps(rows), BLOCK, vec![a(x), l(rows), i(cols), f(eps)]);
+    }
+
+    fn normalize_each(&mut self, x: Buf, count: usize, eps: f64) {
+        self.check([], [x]);
+        self.run("eng_normalize_each", [count.max(1) as u32, 1, 1], BLOCK, vec![a(x), l(x.len / count.max(1)), f(eps)]);
+    }
+
+    fn transpose_each(&mut self, src: Buf, dst: Buf, count: usize, rows: usize, cols: usize) {
+        self.check([src], [dst]);
+        let grid = [flat(rows * cols)[0], count as u32, 1];
+        self.run("eng_transpose_each", grid, BLOCK, vec![a(src), a(dst), i(rows), i(cols)]);
+    }
+
+    fn ema(&mut self, avg: Buf, p: Buf, decay: f64) {
+        self.axpby(1.0 - decay, p, decay, avg);
+    }
+
+    fn sgd(&mut self, p: Buf, g: Buf, buf: Buf, lr: f64, mu: f64, first: bool) {
+        self.check([g], [p, buf]);
+        self.run("eng_sgd", flat(p.len), BLOCK, vec![a(p), a(g), a(buf), l(p.len), f(lr), f(mu), flag(first)]);
+    }
+}
