@@ -10,6 +10,8 @@
 //! - [`backend`]: the [`backend::Backend`] trait, every op the schedule runs;
 //! - [`cpu`]: its CPU backends, f64 (checks) and f32 (speed), one generic implementation;
 //! - [`layout`]: the arena's regions and every tensor's offset;
+//! - [`lt`]: every GEMM as a column-major cuBLASLt call (the GPU backend's), and a CPU
+//!   interpreter of those calls that checks the layouts without a GPU;
 //! - [`gpt`]: the schedule, the model op by op, forward and backward;
 //! - [`optim`]: Muon (Newton-Schulz batched per shape) and Adam/AdamW over the arena;
 //! - [`step`]: [`Engine`], what a training step does with them, and the exchange of
@@ -22,6 +24,7 @@ pub mod backend;
 pub mod cpu;
 pub mod gpt;
 pub mod layout;
+pub mod lt;
 #[cfg(test)]
 mod op_checks;
 pub mod optim;

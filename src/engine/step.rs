@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use super::backend::Backend;
 use super::cpu::CpuBackend;
 use super::gpt::Schedule;
+use super::layout::Layout;
 use super::optim::{self, MuonStep};
 use crate::model::ops::{rms_eps, rope_tables};
 use crate::model::{ModelConfig, ParamGroup};
@@ -46,13 +47,24 @@ impl Engine {
     /// [`Engine::load_params`]. `poison`: NaN in every dead buffer (checks for aliasing).
     pub fn cpu(cfg: &ModelConfig, rows: usize, t: usize, dtype: DType, poison: bool) -> anyhow::Result<Engine> {
         cfg.check()?;
-        let schedule = Schedule::new(cfg, rows, t, rms_eps(dtype));
-        let len = schedule.layout.len();
+        let len = Layout::new(cfg, rows, t).len();
         let be: Box<dyn Backend> = match dtype {
             DType::F64 => Box::new(CpuBackend::<f64>::new(len)),
             DType::F32 => Box::new(CpuBackend::<f32>::new(len)),
             other => anyhow::bail!("the engine's CPU backends run in f32 or f64, not {other:?} (bf16 is the GPU backend's)"),
         };
+        Engine::with_backend(cfg, rows, t, be, poison)
+    }
+
+    /// An engine for `cfg` on micro-batches of `rows x t` tokens on `be`, whose arena must
+    /// hold `Layout::new(cfg, rows, t).len()` elements (all zero) in the dtype it computes in;
+    /// the rest as [`Engine::cpu`].
+    pub(crate) fn with_backend(cfg: &ModelConfig, rows: usize, t: usize, be: Box<dyn Backend>, poison: bool) -> anyhow::Result<Engine> {
+        cfg.check()?;
+        let dtype = be.dtype();
+        let schedule = Schedule::new(cfg, rows, t, rms_eps(dtype));
+        let len = schedule.layout.len();
+        anyhow::ensure!(be.len() == len, "the backend's arena holds {} elements, this model's layout {len}", be.len());
         let mut e = Engine { be, schedule, poison, adam_steps: [0; 3] };
         let (cos, sin) = rope_tables(t, cfg.rotary_dims(), cfg.rope_base_for(t), dtype, &Device::Cpu)?;
         let l = &e.schedule.layout;

@@ -45,7 +45,7 @@ pub(crate) fn record_small() -> ModelConfig {
 
 /// A model of `cfg` with every parameter perturbed (the zero-initialised projections would
 /// leave most gradients zero).
-fn perturbed(cfg: &ModelConfig, seed: u64) -> Gpt {
+pub(crate) fn perturbed(cfg: &ModelConfig, seed: u64) -> Gpt {
     let mut m = Gpt::new(cfg, seed, DType::F64, &Device::Cpu).unwrap();
     let mut rng = fastrand::Rng::with_seed(seed + 100);
     let state: HashMap<String, Tensor> = m
@@ -61,16 +61,19 @@ fn perturbed(cfg: &ModelConfig, seed: u64) -> Gpt {
     m
 }
 
-fn tokens(seed: u64, n: usize, vocab: u32) -> Vec<u32> {
+/// `n` token ids below `vocab` from `seed`.
+pub(crate) fn tokens(seed: u64, n: usize, vocab: u32) -> Vec<u32> {
     let mut r = fastrand::Rng::with_seed(seed);
     (0..n).map(|_| r.u32(0..vocab)).collect()
 }
 
-fn flat(t: &Tensor) -> Vec<f64> {
+/// The elements of `t` in f64.
+pub(crate) fn flat(t: &Tensor) -> Vec<f64> {
     t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
 }
 
-fn rel_err(a: &[f64], b: &[f64]) -> f64 {
+/// `|a - b| / |a|` in the L2 norm (`|a - b|` when `a` is zero).
+pub(crate) fn rel_err(a: &[f64], b: &[f64]) -> f64 {
     let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
     let den: f64 = a.iter().map(|x| x * x).sum::<f64>().sqrt();
     if den == 0.0 { num } else { num / den }

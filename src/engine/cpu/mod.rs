@@ -41,6 +41,12 @@ impl<T: Real> CpuBackend<T> {
         Self { arena: vec![T::from_f64(0.0); len], x: Vec::new(), y: Vec::new() }
     }
 
+    /// The whole arena (the cuBLASLt plan check of [`crate::engine::lt`] runs its GEMMs on it).
+    #[cfg(test)]
+    pub(crate) fn arena_mut(&mut self) -> &mut [T] {
+        &mut self.arena
+    }
+
     /// The input slices `ins` and the output slices `outs` of one op. Panics when an output
     /// overlaps an input or another output, or a region leaves the arena.
     fn io<const I: usize, const O: usize>(&mut self, ins: [Buf; I], outs: [Buf; O]) -> ([&[T]; I], [&mut [T]; O]) {
