@@ -9,6 +9,8 @@
 //!
 //! - [`backend`]: the [`backend::Backend`] trait, every op the schedule runs;
 //! - [`cpu`]: its CPU backends, f64 (checks) and f32 (speed), one generic implementation;
+//! - [`kernels`]: the GPU backend, over a device that runs kernel launches and cuBLASLt plans
+//!   (CUDA, or the warp emulator in tests);
 //! - [`layout`]: the arena's regions and every tensor's offset;
 //! - [`lt`]: every GEMM as a column-major cuBLASLt call (the GPU backend's), and a CPU
 //!   interpreter of those calls that checks the layouts without a GPU;
@@ -23,6 +25,7 @@
 pub mod backend;
 pub mod cpu;
 pub mod gpt;
+pub mod kernels;
 pub mod layout;
 pub mod lt;
 #[cfg(test)]

@@ -11,6 +11,9 @@ use candle_core::{DType, Device, Tensor};
 use super::backend::Backend;
 use super::cpu::CpuBackend;
 use super::gpt::Schedule;
+use super::kernels::Capacity;
+#[cfg(feature = "cuda")]
+use super::kernels::KernelBackend;
 use super::layout::Layout;
 use super::optim::{self, MuonStep};
 use crate::model::ops::{rms_eps, rope_tables};
@@ -19,6 +22,24 @@ use crate::model::{ModelConfig, ParamGroup};
 /// The Adam groups and their checkpoint prefixes (the candle executor's).
 pub const ADAM_GROUPS: [(ParamGroup, &str); 3] =
     [(ParamGroup::Embedding, "adam_embed"), (ParamGroup::Scalar, "adam_scalar"), (ParamGroup::Head, "adam_head")];
+
+/// The scratch a [`KernelBackend`] needs for `cfg` on micro-batches of `rows x t` tokens;
+/// errors when the GPU attention cannot take the shapes (head width 64, `t` a multiple of 64).
+pub(crate) fn kernel_capacity(cfg: &ModelConfig, rows: usize, t: usize) -> anyhow::Result<Capacity> {
+    let d = cfg.head_dim();
+    anyhow::ensure!(d == 64, "the GPU engine's attention takes heads 64 wide; this model's are {d} (model_dim / num_heads)");
+    anyhow::ensure!(t % 64 == 0, "the GPU engine's attention takes sequences a multiple of 64 tokens, not {t}");
+    let calls = cfg.layer_sequence(false).len().max(cfg.layer_sequence(true).len());
+    Ok(Capacity {
+        tokens: rows * t,
+        vocab: cfg.vocab_size,
+        width: 2 * cfg.model_dim,
+        attn_width: cfg.num_heads * d,
+        kv_width: cfg.num_kv_heads * d,
+        heads: cfg.num_heads,
+        attention_calls: calls,
+    })
+}
 
 /// What one micro-batch gave.
 #[derive(Clone, Copy, Debug)]
@@ -54,6 +75,24 @@ impl Engine {
             other => anyhow::bail!("the engine's CPU backends run in f32 or f64, not {other:?} (bf16 is the GPU backend's)"),
         };
         Engine::with_backend(cfg, rows, t, be, poison)
+    }
+
+    /// An engine for `cfg` on micro-batches of `rows x t` tokens on GPU `ordinal` (the
+    /// kernel backend over CUDA, GEMMs in `math`). Errors name what the GPU attention cannot
+    /// take (head width 64, sequences a multiple of 64) and a device that cannot start.
+    #[cfg(feature = "cuda")]
+    pub fn cuda(
+        cfg: &ModelConfig,
+        rows: usize,
+        t: usize,
+        ordinal: usize,
+        math: super::kernels::cuda::GemmMath,
+        poison: bool,
+    ) -> anyhow::Result<Engine> {
+        cfg.check()?;
+        let dev = super::kernels::cuda::CudaDevice::new(ordinal, math)?;
+        let be = KernelBackend::new(dev, Layout::new(cfg, rows, t).len(), kernel_capacity(cfg, rows, t)?)?;
+        Engine::with_backend(cfg, rows, t, Box::new(be), poison)
     }
 
     /// An engine for `cfg` on micro-batches of `rows x t` tokens on `be`, whose arena must

@@ -115,8 +115,16 @@ inline void shared_write(const void* p, bool landed) {
     if (landed) c.write_epoch = e;
 }
 
-// Runs kernel<<<grid, threads>>>(args...) block after block; `threads` a multiple of 32.
-// `after_thread` is called at the end of each thread (checks of the emulated instructions).
+// Clears the shared-memory shadow between two blocks (the completion step of the barrier that
+// separates them).
+struct NextBlock {
+    void operator()() noexcept { shadow.clear(); }
+};
+
+// Runs kernel<<<grid, threads>>>(args...) block after block; `threads` a multiple of 32. The
+// `threads` OS threads are made once per launch and run every block in turn, meeting at a
+// barrier between blocks. `after_thread` is called at the end of each thread's block (checks
+// of the emulated instructions).
 template <class... P, class... A>
 void launch(void (*kernel)(P...), dim3 grid, unsigned threads, void (*after_thread)(), A... args) {
     if (threads % 32 != 0) {
@@ -125,25 +133,27 @@ void launch(void (*kernel)(P...), dim3 grid, unsigned threads, void (*after_thre
     }
     gridDim = grid;
     blockDim = {threads, 1, 1};
-    for (unsigned by = 0; by < grid.y; ++by) {
-        for (unsigned bx = 0; bx < grid.x; ++bx) {
-            Block b(threads);
-            shadow.clear();
-            std::vector<std::thread> pool;
-            for (unsigned tid = 0; tid < threads; ++tid) {
-                pool.emplace_back([&, tid] {
-                    threadIdx = {tid, 0, 0};
-                    blockIdx = {bx, by, 0};
-                    block = &b;
-                    warp = b.warps[tid / 32].get();
-                    lane = tid % 32;
-                    kernel(args...);
-                    after_thread();
-                });
+    const unsigned blocks = grid.x * grid.y;
+    shadow.clear();
+    std::vector<std::unique_ptr<Block>> per_block;
+    for (unsigned b = 0; b < blocks; ++b) per_block.push_back(std::make_unique<Block>(threads));
+    std::barrier<NextBlock> between(threads, NextBlock{});
+    std::vector<std::thread> pool;
+    for (unsigned tid = 0; tid < threads; ++tid) {
+        pool.emplace_back([&, tid] {
+            for (unsigned b = 0; b < blocks; ++b) {
+                threadIdx = {tid, 0, 0};
+                blockIdx = {b % grid.x, b / grid.x, 0};
+                block = per_block[b].get();
+                warp = block->warps[tid / 32].get();
+                lane = tid % 32;
+                kernel(args...);
+                after_thread();
+                between.arrive_and_wait();
             }
-            for (std::thread& t : pool) t.join();
-        }
+        });
     }
+    for (std::thread& t : pool) t.join();
 }
 
 }  // namespace emu

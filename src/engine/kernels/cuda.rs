@@ -183,7 +183,8 @@ impl CudaDevice {
         unsafe {
             use lt_sys::cublasLtMatmulDescAttributes_t as A;
             for (attr, o) in [(A::CUBLASLT_MATMUL_DESC_TRANSA, op(p.trans_a)), (A::CUBLASLT_MATMUL_DESC_TRANSB, op(p.trans_b))] {
-                lt_result::set_matmul_desc_attribute(desc, attr, &o as *const _ as *const c_void, std::mem::size_of_val(&o)).map_err(lt_err)?;
+                lt_result::set_matmul_desc_attribute(desc, attr, &o as *const _ as *const c_void, std::mem::size_of_val(&o))
+                    .map_err(lt_err)?;
             }
             for (k, (l, stride)) in [(p.a, p.stride_a), (p.b, p.stride_b), (p.c, p.stride_c)].into_iter().enumerate() {
                 let layout = lt_result::create_matrix_layout(f32_type, l.rows, l.cols, l.ld).map_err(lt_err)?;

@@ -107,12 +107,8 @@ impl Device for EmuDevice {
         // SAFETY: the file is this device's own (a fresh temp file); only the emulator process,
         // which runs while this side waits for its answer, maps it besides.
         let map = unsafe { MmapMut::map_mut(&file)? };
-        let mut child = Command::new(&self.exe)
-            .arg(&self.file)
-            .arg(bytes.to_string())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()?;
+        let mut child =
+            Command::new(&self.exe).arg(&self.file).arg(bytes.to_string()).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn()?;
         let (stdin, stdout) = (child.stdin.take().expect("piped"), BufReader::new(child.stdout.take().expect("piped")));
         self.memory = Some(Mutex::new(map));
         self.process = Some(Mutex::new(Process { child, stdin, stdout }));

@@ -61,7 +61,12 @@ impl<D: Device> KernelBackend<D> {
 
     /// Per-op scratch in `aux`, `len` elements from `off` within it.
     fn scratch(&self, off: usize, len: usize) -> Arg {
-        assert!(off + len <= self.aux.scratch_len, "the op needs {} elements of scratch, the backend has {}", off + len, self.aux.scratch_len);
+        assert!(
+            off + len <= self.aux.scratch_len,
+            "the op needs {} elements of scratch, the backend has {}",
+            off + len,
+            self.aux.scratch_len
+        );
         Arg::Ptr(Space::Aux, self.aux.scratch + off)
     }
 
