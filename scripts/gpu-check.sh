@@ -16,6 +16,10 @@
 # (c) ablation: the same training for the same wall time (ABLATION_S, default 60 s each):
 #     prefetch depth 2 vs 100, pinned vs pageable staging, stream vs sync upload, side by side
 #     with the executor's data-wait share and its input channel's recv-blocked p99.
+# (e) the engine's GPU backend (stages.train.impl = "engine", src/engine/kernels/): a small model
+#     trained 20 steps on cuda:0 by the engine (bf16 GEMMs), the engine (f32 GEMMs) and the candle
+#     executor (f32), their val_loss side by side (parity through training); then the baseline's
+#     STEPS steps on the engine, its steady ms/step beside (b)'s candle figure and (d)'s PyTorch.
 # Its summary lines are appended to OUT_DIR/gpu-check.log (default OUT_DIR gpu-check-out), each
 # run's output and report beside them.
 #
@@ -26,7 +30,7 @@
 # it trains PT_STEPS steps (default 40) on the same shards, and the script prints its steady
 # ms/step beside ours and the ratio.
 #
-# PARTS=... runs only the parts named (default "abcd"; d only with TRAIN_GPT), so that the check
+# PARTS=... runs only the parts named (default "abcde"; d only with TRAIN_GPT), so that the check
 # fits a device machine's per-command limit in two calls, e.g. PARTS=ab then PARTS=cd. Without b
 # in the same call, OURS_MS=<steady ms/step> gives (d) our figure for the ratio, and
 # ATTENTION=flash|flash_mma (default: auto's choice in b, else flash) the ablation's kernel.
@@ -42,8 +46,8 @@ OUT=${4:-gpu-check-out}
 STEPS=${STEPS:-30}
 ABLATION_S=${ABLATION_S:-60}
 SMOKE=${SMOKE:-0}
-PARTS=${PARTS:-abcd}
-[[ $PARTS =~ ^[abcd]+$ ]] || { echo "PARTS=$PARTS: name parts a, b, c, d (e.g. PARTS=ab)" >&2; exit 2; }
+PARTS=${PARTS:-abcde}
+[[ $PARTS =~ ^[abcde]+$ ]] || { echo "PARTS=$PARTS: name parts a, b, c, d, e (e.g. PARTS=ab)" >&2; exit 2; }
 part() { [[ $PARTS == *"$1"* ]]; }
 DEVICE=cuda:0
 PINNED=pinned STREAM=stream
@@ -171,4 +175,28 @@ else:
     print("no steady figure of ours in this call for the ratio: run part b with it, or give OURS_MS")
 PY
 fi
+if part e; then
+  echo "== (e) engine: parity through 20 steps of a small model, then the baseline, $STEPS steps"
+  small=(--set model.num_layers=4 --set model.model_dim=256 --set model.num_heads=4 --set model.num_kv_heads=2
+         --set train.batch_tokens=32768 --set train.seq_len=1024 --set train.val_every=20 --set train.iterations=20)
+  variants=("engine bf16" "engine f32" "candle f32") engine_dtype=bf16
+  [[ $SMOKE == 1 ]] && variants=("engine f32" "candle f32") engine_dtype=f32 small=(--set train.val_every=5 --set train.iterations=5)
+  for v in "${variants[@]}"; do
+    read -r impl dtype <<< "$v"
+    "$BIN" run pipelines/baseline.toml --out "$OUT/engine-parity-$impl-$dtype" "${common[@]}" "${small[@]}" \
+      --set stages.train.impl="\"$impl\"" --set stages.train.dtype="\"$dtype\"" --set stages.pin.impl="\"$PINNED\"" \
+      --set stages.upload.impl="\"$STREAM\"" > "$OUT/engine-parity-$impl-$dtype.out" || status=1
+    echo "$impl $dtype: $(grep -h '^step.*val_loss' "$OUT/engine-parity-$impl-$dtype/train.log" | tail -1 || echo 'no val_loss')"
+  done
+  "$BIN" run pipelines/baseline.toml --out "$OUT/engine-throughput" "${common[@]}" --set train.iterations="$STEPS" \
+    --set stages.train.impl='"engine"' --set stages.train.dtype="\"$engine_dtype\"" \
+    --set stages.pin.impl="\"$PINNED\"" --set stages.upload.impl="\"$STREAM\"" > "$OUT/engine-throughput.out" || status=1
+  summary "$OUT/engine-throughput" "baseline, engine $engine_dtype" || status=1
+  engine_steady=$(steady "$OUT/engine-throughput") || status=1
+  echo "engine steady (steps 3-$STEPS): ${engine_steady:-?} ms/step; candle: ${ours_steady:-?} ms/step"
+  if [[ -n ${engine_steady:-} && -n ${ours_steady:-} ]]; then
+    python3 -c "import sys; print(f'engine / candle throughput: {float(sys.argv[2]) / float(sys.argv[1]):.2f}x')" "$engine_steady" "$ours_steady"
+  fi
+fi
+
 exit $status

@@ -72,7 +72,9 @@ impl Transform for Candle {
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineParams {
-    /// The arena's type: "f32" (the fast backend) or "f64" (the check backend).
+    /// The arithmetic: on the CPU the arena's type, "f32" (the fast backend) or "f64" (the
+    /// check backend); on a GPU "bf16" (f32 arena, GEMMs on the bf16 tensor cores) or "f32"
+    /// (full f32 GEMMs, for parity checks).
     pub dtype: Precision,
     /// Show a progress bar when stdout is a terminal (log lines print above it).
     pub progress: bool,
@@ -94,17 +96,24 @@ impl EngineParams {
         SessionParams { dtype: self.dtype, progress: self.progress, ..SessionParams::default() }
     }
 
-    /// Refuses what the CPU backends cannot run, naming the key.
+    /// Refuses what the backend of `run.device` cannot run, naming the key.
     fn check_backend(&self, ctx: &BuildCtx) -> anyhow::Result<()> {
-        anyhow::ensure!(
-            self.dtype != Precision::Bf16,
-            "key `dtype` = \"bf16\": the engine's CPU backends run in \"f32\" or \"f64\" (bf16 is the GPU backend's, not built yet)"
-        );
         let device = &config(ctx)?.run.device;
-        anyhow::ensure!(
-            device == "cpu",
-            "`run.device` = {device:?}: impl \"engine\" runs on the CPU until its GPU backend lands; use impl = \"candle\" on a GPU"
-        );
+        if device == "cpu" {
+            anyhow::ensure!(
+                self.dtype != Precision::Bf16,
+                "key `dtype` = \"bf16\": the engine's CPU backends run in \"f32\" or \"f64\" (bf16 GEMMs are the GPU backend's, `run.device = \"cuda:N\"`)"
+            );
+        } else {
+            anyhow::ensure!(
+                crate::device::CUDA_BUILD,
+                "`run.device` = {device:?}: this binary is built without the `cuda` feature (build it with scripts/build-cuda.sh)"
+            );
+            anyhow::ensure!(
+                self.dtype != Precision::F64,
+                "key `dtype` = \"f64\" is the CPU check backend's; on a GPU the engine runs \"bf16\" (tensor-core GEMMs) or \"f32\""
+            );
+        }
         Ok(())
     }
 }
@@ -115,7 +124,7 @@ pub struct Engine(Session);
 impl Transform for Engine {
     const KIND: &'static str = "step_executor";
     const IMPL: &'static str = "engine";
-    const DOC: &'static str = "Trains the GPT on the explicit engine (forward and hand-written backward over one arena, CPU f32/f64); same logs, snapshots and checkpoints as `candle`.";
+    const DOC: &'static str = "Trains the GPT on the explicit engine (forward and hand-written backward over one arena; CPU f32/f64, GPU bf16/f32); same logs, snapshots and checkpoints as `candle`.";
     type Params = EngineParams;
     type In = DeviceBatch;
     type Out = TrainSnapshot;

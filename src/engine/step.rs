@@ -12,8 +12,6 @@ use super::backend::Backend;
 use super::cpu::CpuBackend;
 use super::gpt::Schedule;
 use super::kernels::Capacity;
-#[cfg(feature = "cuda")]
-use super::kernels::KernelBackend;
 use super::layout::Layout;
 use super::optim::{self, MuonStep};
 use crate::model::ops::{rms_eps, rope_tables};
@@ -25,10 +23,10 @@ pub const ADAM_GROUPS: [(ParamGroup, &str); 3] =
 
 /// The scratch a [`KernelBackend`] needs for `cfg` on micro-batches of `rows x t` tokens;
 /// errors when the GPU attention cannot take the shapes (head width 64, `t` a multiple of 64).
-pub(crate) fn kernel_capacity(cfg: &ModelConfig, rows: usize, t: usize) -> anyhow::Result<Capacity> {
+pub fn kernel_capacity(cfg: &ModelConfig, rows: usize, t: usize) -> anyhow::Result<Capacity> {
     let d = cfg.head_dim();
     anyhow::ensure!(d == 64, "the GPU engine's attention takes heads 64 wide; this model's are {d} (model_dim / num_heads)");
-    anyhow::ensure!(t % 64 == 0, "the GPU engine's attention takes sequences a multiple of 64 tokens, not {t}");
+    anyhow::ensure!(t.is_multiple_of(64), "the GPU engine's attention takes sequences a multiple of 64 tokens, not {t}");
     let calls = cfg.layer_sequence(false).len().max(cfg.layer_sequence(true).len());
     Ok(Capacity {
         tokens: rows * t,
@@ -78,21 +76,14 @@ impl Engine {
     }
 
     /// An engine for `cfg` on micro-batches of `rows x t` tokens on GPU `ordinal` (the
-    /// kernel backend over CUDA, GEMMs in `math`). Errors name what the GPU attention cannot
-    /// take (head width 64, sequences a multiple of 64) and a device that cannot start.
-    #[cfg(feature = "cuda")]
-    pub fn cuda(
-        cfg: &ModelConfig,
-        rows: usize,
-        t: usize,
-        ordinal: usize,
-        math: super::kernels::cuda::GemmMath,
-        poison: bool,
-    ) -> anyhow::Result<Engine> {
+    /// kernel backend over CUDA; GEMMs on the bf16 tensor cores when `bf16`, else full f32).
+    /// Errors name what the GPU attention cannot take (head width 64, sequences a multiple of
+    /// 64), a device that cannot start, and a build without the `cuda` feature.
+    pub fn gpu(cfg: &ModelConfig, rows: usize, t: usize, ordinal: usize, bf16: bool, poison: bool) -> anyhow::Result<Engine> {
         cfg.check()?;
-        let dev = super::kernels::cuda::CudaDevice::new(ordinal, math)?;
-        let be = KernelBackend::new(dev, Layout::new(cfg, rows, t).len(), kernel_capacity(cfg, rows, t)?)?;
-        Engine::with_backend(cfg, rows, t, Box::new(be), poison)
+        let cap = kernel_capacity(cfg, rows, t)?;
+        let be = super::kernels::gpu_backend(ordinal, bf16, Layout::new(cfg, rows, t).len(), cap)?;
+        Engine::with_backend(cfg, rows, t, be, poison)
     }
 
     /// An engine for `cfg` on micro-batches of `rows x t` tokens on `be`, whose arena must

@@ -2,7 +2,8 @@
 //! [`crate::train::trainer`] (LR multiplier, training fraction, Muon momentum warm-up,
 //! clipping, Muon then Adam per group) with each step's work done on the engine's arena, and
 //! the weights copied into a candle [`Gpt`] after every step for validation, snapshots and the
-//! saved weights. The CPU backends only: the GPU backend is the next issue's.
+//! saved weights. On the CPU backends or, in a `cuda` build, the GPU backend
+//! ([`crate::engine::kernels`]).
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -16,6 +17,15 @@ use crate::engine::step::ADAM_GROUPS;
 use crate::model::{Gpt, ParamGroup};
 use crate::train::config::TrainConfig;
 use crate::train::executor::{Executor, MicroTimes, StepOutcome};
+
+/// The engine of `model` on its GPU: GEMMs on the bf16 tensor cores when the model's matmuls
+/// are bf16, full f32 otherwise.
+fn gpu_engine(model: &Gpt, rows: usize, t: usize, poison: bool) -> anyhow::Result<Engine> {
+    let candle_core::DeviceLocation::Cuda { gpu_id } = model.device().location() else {
+        anyhow::bail!("the engine runs on the CPU or on a CUDA GPU, not {:?}", model.device().location());
+    };
+    Engine::gpu(model.config(), rows, t, gpu_id, model.matmul_dtype() == DType::BF16, poison)
+}
 
 /// The engine, the candle model mirroring its weights, and the step in progress.
 pub struct EngineTrainer {
@@ -32,19 +42,19 @@ pub struct EngineTrainer {
 }
 
 impl EngineTrainer {
-    /// An engine for `model` (its config, dtype and initial weights; the CPU only) on
+    /// An engine for `model` (its config, dtype, device and initial weights) on
     /// micro-batches of `rows x t` tokens, `micro_steps` per step.
     pub fn new(model: Gpt, cfg: &TrainConfig, micro_steps: usize, (rows, t): (usize, usize), poison: bool) -> anyhow::Result<Self> {
         anyhow::ensure!(micro_steps >= 1, "a step needs at least one micro-batch");
-        anyhow::ensure!(
-            model.device().is_cpu(),
-            "stage `step_executor` impl \"engine\" runs on the CPU (`run.device = \"cpu\"`); its GPU backend is not built yet: use impl = \"candle\" on a GPU"
-        );
-        anyhow::ensure!(
-            model.matmul_dtype() == model.dtype(),
-            "stage `step_executor` impl \"engine\": key `dtype` must be \"f32\" or \"f64\" on the CPU (bf16 matmuls are the GPU backend's)"
-        );
-        let mut engine = Engine::cpu(model.config(), rows, t, model.dtype(), poison)?;
+        let mut engine = if model.device().is_cpu() {
+            anyhow::ensure!(
+                model.matmul_dtype() == model.dtype(),
+                "stage `step_executor` impl \"engine\": key `dtype` must be \"f32\" or \"f64\" on the CPU (bf16 matmuls are the GPU backend's)"
+            );
+            Engine::cpu(model.config(), rows, t, model.dtype(), poison)?
+        } else {
+            gpu_engine(&model, rows, t, poison)?
+        };
         engine.load_params(&model.state_dict().into_iter().collect())?;
         engine.zero_grads();
         Ok(Self {

@@ -177,7 +177,8 @@ impl CudaDevice {
         };
         let f32_type = lt_sys::cudaDataType_t::CUDA_R_32F;
         let desc = lt_result::create_matmul_desc(compute, f32_type).map_err(lt_err)?;
-        let op = |o: LtOp| if o == LtOp::T { lt_sys::cublasOperation_t::CUBLAS_OP_T } else { lt_sys::cublasOperation_t::CUBLAS_OP_N };
+        // cublasOperation_t: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 (LtOp's values), an i32.
+        let op = |o: LtOp| o as i32;
         let mut layouts = [std::ptr::null_mut(); 3];
         // SAFETY: attributes of the kinds and sizes cuBLASLt documents, on live descriptors.
         unsafe {
@@ -227,12 +228,12 @@ impl Device for CudaDevice {
         let err = |s: Space| move |e| anyhow::anyhow!("allocating the engine's {s:?} space on the GPU: {e:?}");
         for (space, len) in [(Space::Arena, sizes.arena), (Space::Aux, sizes.aux), (Space::Tokens, sizes.tokens)] {
             let slice = self.stream.alloc_zeros::<u32>(len.max(1)).map_err(err(space))?;
-            let (ptr, _sync) = slice.device_ptr(&self.stream);
+            let ptr = slice.device_ptr(&self.stream).0;
             self.bases.insert(space, ptr);
             self.words.push((space, slice));
         }
         let half = self.stream.alloc_zeros::<u16>(sizes.half.max(8)).map_err(err(Space::Half))?;
-        let (ptr, _sync) = half.device_ptr(&self.stream);
+        let ptr = half.device_ptr(&self.stream).0;
         self.bases.insert(Space::Half, ptr);
         self.half = Some(half);
         Ok(())
@@ -301,6 +302,6 @@ impl Device for CudaDevice {
     fn read(&self, space: Space, off: usize, len: usize) -> anyhow::Result<Vec<u32>> {
         let slice = self.slice(space)?;
         anyhow::ensure!(off + len <= slice.len(), "reading {len} words at {off} of the {space:?} space");
-        self.stream.memcpy_dtov(&slice.slice(off..off + len)).map_err(|e| anyhow::anyhow!("copy from the GPU: {e:?}"))
+        self.stream.clone_dtoh(&slice.slice(off..off + len)).map_err(|e| anyhow::anyhow!("copy from the GPU: {e:?}"))
     }
 }

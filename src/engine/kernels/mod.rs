@@ -107,6 +107,19 @@ pub trait Device: Send {
     fn read(&self, space: Space, off: usize, len: usize) -> anyhow::Result<Vec<u32>>;
 }
 
+/// The GPU backend on GPU `ordinal` with an arena of `len` elements (GEMMs in bf16 or f32).
+#[cfg(feature = "cuda")]
+pub fn gpu_backend(ordinal: usize, bf16: bool, len: usize, cap: Capacity) -> anyhow::Result<Box<dyn super::backend::Backend>> {
+    let math = if bf16 { cuda::GemmMath::Bf16 } else { cuda::GemmMath::F32 };
+    Ok(Box::new(KernelBackend::new(cuda::CudaDevice::new(ordinal, math)?, len, cap)?))
+}
+
+/// Without the `cuda` feature: the reason there is no GPU backend.
+#[cfg(not(feature = "cuda"))]
+pub fn gpu_backend(ordinal: usize, _bf16: bool, _len: usize, _cap: Capacity) -> anyhow::Result<Box<dyn super::backend::Backend>> {
+    anyhow::bail!("the engine's GPU backend (cuda:{ordinal}) needs a `cuda` build (scripts/build-cuda.sh)")
+}
+
 /// How much scratch a model's backend needs (from the engine's schedule).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Capacity {

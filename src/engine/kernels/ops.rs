@@ -108,21 +108,24 @@ impl<D: Device> KernelBackend<D> {
     }
 
     /// `half[slot] = m` as contiguous bf16.
-    fn to_half(&self, m: Mat, slot: usize) {
+    fn half_in(&self, m: Mat, slot: usize) {
         assert!(!m.t, "attention's operands are read untransposed");
         let args = vec![a(m.span()), l(m.ld), Arg::Ptr(Space::Half, slot), l(m.rows), i(m.cols)];
         self.run("eng_to_bf16", flat(m.rows * m.cols), BLOCK, args);
     }
 
     /// `m (+)= half[slot]`.
-    fn from_half(&self, slot: usize, m: Mat, acc: bool) {
+    fn half_out(&self, slot: usize, m: Mat, acc: bool) {
         let args = vec![Arg::Ptr(Space::Half, slot), a(m.span()), l(m.ld), l(m.rows), i(m.cols), flag(acc)];
         self.run("eng_from_bf16", flat(m.rows * m.cols), BLOCK, args);
     }
 
     /// Flash attention's scalars and grid checks: `(scale_log2, scale, query grid, kv grid)`.
     fn flash(s: AttnShape) -> (Arg, Arg, [u32; 3], [u32; 3]) {
-        assert!(s.d == FLASH_TILE && s.t % FLASH_TILE == 0, "the GPU attention needs head width 64 and a sequence a multiple of 64: {s:?}");
+        assert!(
+            s.d == FLASH_TILE && s.t.is_multiple_of(FLASH_TILE),
+            "the GPU attention needs head width 64 and a sequence a multiple of 64: {s:?}"
+        );
         let scale = 1.0 / (s.d as f64).sqrt();
         let tiles = (s.t / FLASH_TILE) as u32;
         let q = [tiles, (s.batch * s.heads) as u32, 1];
@@ -352,15 +355,15 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.check([q.span(), k.span(), v.span()], [out]);
         let (scale_log2, _, qgrid, _) = Self::flash(s);
         let h = self.half_slots(s);
-        self.to_half(q, h[0]);
-        self.to_half(k, h[1]);
-        self.to_half(v, h[2]);
+        self.half_in(q, h[0]);
+        self.half_in(k, h[1]);
+        self.half_in(v, h[2]);
         let lse = self.lse(out);
         let half = |k: usize| Arg::Ptr(Space::Half, h[k]);
         let args = vec![half(0), half(1), half(2), half(3), lse, i(s.t), i(s.heads), i(s.kv_heads), scale_log2];
         self.run("flash_fwd_mma_bf16", qgrid, FLASH_THREADS, args);
         let n = s.batch * s.t;
-        self.from_half(h[3], out.mat(n, s.heads * s.d), false);
+        self.half_out(h[3], out.mat(n, s.heads * s.d), false);
     }
 
     fn attention_bwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, dout: Buf, dq: Mat, dk: Mat, dv: Mat, dv_acc: bool, s: AttnShape) {
@@ -368,10 +371,10 @@ impl<D: Device> Backend for KernelBackend<D> {
         let (scale_log2, scale, qgrid, kvgrid) = Self::flash(s);
         let n = s.batch * s.t;
         let h = self.half_slots(s);
-        self.to_half(q, h[0]);
-        self.to_half(k, h[1]);
-        self.to_half(v, h[2]);
-        self.to_half(dout.mat(n, s.heads * s.d), h[3]);
+        self.half_in(q, h[0]);
+        self.half_in(k, h[1]);
+        self.half_in(v, h[2]);
+        self.half_in(dout.mat(n, s.heads * s.d), h[3]);
         let lse = self.lse(out);
         let delta = self.scratch(0, n * s.heads);
         self.run("eng_attn_delta", warps(n * s.heads), BLOCK, vec![a(out), a(dout), delta, l(n), i(s.t), i(s.heads), i(s.d)]);
@@ -384,9 +387,9 @@ impl<D: Device> Backend for KernelBackend<D> {
         let mut dkdv_args = common.to_vec();
         dkdv_args.extend([half(5), half(6), t, heads, kvh, scale_log2, scale]);
         self.run("flash_bwd_dkdv_mma_bf16", kvgrid, FLASH_THREADS, dkdv_args);
-        self.from_half(h[4], dq, false);
-        self.from_half(h[5], dk, false);
-        self.from_half(h[6], dv, dv_acc);
+        self.half_out(h[4], dq, false);
+        self.half_out(h[5], dk, false);
+        self.half_out(h[6], dv, dv_acc);
     }
 
     fn xsa_fwd(&mut self, y: Buf, v: Mat, out: Buf, s: AttnShape) {
