@@ -46,6 +46,11 @@ fn i(x: usize) -> Arg {
 fn f(x: f64) -> Arg {
     Arg::F32(x as f32)
 }
+/// The QK norm + RoPE kernels' shared arguments: gain, its flag, the tables, the shape.
+fn head_args(gain: Buf, has_gain: bool, cos: Buf, sin: Buf, s: HeadShape) -> [Arg; 9] {
+    [a(gain), flag(has_gain), a(cos), a(sin), l(s.rows), i(s.heads), i(s.d), i(s.rot), i(s.t)]
+}
+
 fn flag(x: bool) -> Arg {
     Arg::I32(x as i32)
 }
@@ -300,22 +305,9 @@ impl<D: Device> Backend for KernelBackend<D> {
     fn qk_norm_rope_fwd(&mut self, x: Mat, out: Buf, rstd: Buf, gain: Option<Buf>, cos: Buf, sin: Buf, s: HeadShape, eps: f64) {
         let g = gain.unwrap_or_default();
         self.check([x.span(), g, cos, sin], [out, rstd]);
-        let args = vec![
-            a(x.span()),
-            l(x.ld),
-            a(out),
-            a(rstd),
-            a(g),
-            flag(gain.is_some()),
-            a(cos),
-            a(sin),
-            l(s.rows),
-            i(s.heads),
-            i(s.d),
-            i(s.rot),
-            i(s.t),
-            f(eps),
-        ];
+        let mut args = vec![a(x.span()), l(x.ld), a(out), a(rstd)];
+        args.extend(head_args(g, gain.is_some(), cos, sin, s));
+        args.push(f(eps));
         self.run("eng_qk_norm_rope_fwd", warps(s.rows * s.heads), BLOCK, args);
     }
 
@@ -325,24 +317,9 @@ impl<D: Device> Backend for KernelBackend<D> {
         // Per-(row, head) gain gradients after the partial sums' slot (offset 0).
         let n = s.rows.div_ceil(PART);
         let per_item = self.scratch(n * s.heads, s.rows * s.heads);
-        let args = vec![
-            a(x.span()),
-            l(x.ld),
-            a(rstd),
-            a(dy),
-            a(dx.span()),
-            l(dx.ld),
-            a(g),
-            flag(gain.is_some()),
-            a(cos),
-            a(sin),
-            l(s.rows),
-            i(s.heads),
-            i(s.d),
-            i(s.rot),
-            i(s.t),
-            per_item,
-        ];
+        let mut args = vec![a(x.span()), l(x.ld), a(rstd), a(dy), a(dx.span()), l(dx.ld)];
+        args.extend(head_args(g, gain.is_some(), cos, sin, s));
+        args.push(per_item);
         self.run("eng_qk_norm_rope_bwd", warps(s.rows * s.heads), BLOCK, args);
         if gain.is_some() {
             let part = self.scratch(0, n * s.heads);
