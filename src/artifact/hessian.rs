@@ -201,10 +201,10 @@ mod tests {
             .into_iter()
             .chain(model.state_dict().into_iter().filter(|(_, t)| t.rank() == 2).map(|(n, _)| n))
             .collect::<HashSet<_>>();
-        let run = |batches: usize, rows_per_pass: usize| {
+        let run = |model: &Gpt, batches: usize, rows_per_pass: usize| {
             let mut k = 0;
             collect(
-                &model,
+                model,
                 (rows, t),
                 batches,
                 rows_per_pass,
@@ -219,7 +219,7 @@ mod tests {
             .unwrap()
             .unwrap()
         };
-        let h = run(2, 2);
+        let h = run(&model, 2, 2);
         assert_eq!((h.batches, h.tokens), (2, 2 * (rows * t) as u64));
         // By hand: n = rms_norm(E[x]) for each batch's inputs; S = (S_1 + S_2) / 2 with S_b = n^T n.
         let emb = model.param("tok_emb.weight").unwrap().as_tensor().clone();
@@ -260,29 +260,14 @@ mod tests {
         assert_eq!(h.by_weight.len(), 3 * 6 + 1);
         assert_eq!(get("blocks.0.mlp.proj.weight").len(), (2 * 32) * (2 * 32));
         // The cut into forward passes does not change the sums.
-        let one_pass = run(2, 100);
+        let one_pass = run(&model, 2, 100);
         for (name, v) in &h.by_weight {
             close(&one_pass.by_weight[name], v, name);
         }
         // Unlooped, block 1 adds once.
         let mut unlooped = Gpt::new(&cfg, 3, DType::F64, &Device::Cpu).unwrap();
         unlooped.set_looping(false);
-        let mut k = 0;
-        let u = collect(
-            &unlooped,
-            (rows, t),
-            2,
-            rows,
-            wanted.clone(),
-            |buf| {
-                buf.copy_from_slice(&data[k]);
-                k += 1;
-                Ok(())
-            },
-            || true,
-        )
-        .unwrap()
-        .unwrap();
+        let u = run(&unlooped, 2, rows);
         close(&u.by_weight["blocks.1.attn.c_q.weight"], &s, "unlooped block 1");
     }
 
