@@ -12,3 +12,5 @@ pub mod gptq;
 pub mod hessian;
 pub mod quant;
 pub mod roundtrip;
+#[cfg(test)]
+mod synthetic;
