@@ -22,10 +22,11 @@ use crate::model::{ModelConfig, ParamGroup, gpt_group_of};
 
 /// A bump allocator of arena offsets.
 #[derive(Default)]
-struct Bump(usize);
+pub(crate) struct Bump(pub(crate) usize);
 
 impl Bump {
-    fn take(&mut self, len: usize) -> Buf {
+    /// The next `len` elements.
+    pub(crate) fn take(&mut self, len: usize) -> Buf {
         let b = Buf { off: self.0, len };
         self.0 += len;
         b

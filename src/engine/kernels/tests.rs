@@ -13,6 +13,7 @@ use super::emu::{self, EmuDevice};
 use super::{Capacity, KernelBackend};
 use crate::engine::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, Mat};
 use crate::engine::cpu::CpuBackend;
+use crate::engine::layout::Bump;
 
 /// Tokens (rows) of the row ops: more than one partial sum (64), not a multiple of 8.
 const N: usize = 70;
@@ -27,17 +28,6 @@ fn capacity(tokens: usize, heads: usize, d: usize, kv_heads: usize) -> Capacity 
 fn emulated(exe: &Path, len: usize, cap: Capacity, name: &str) -> KernelBackend<EmuDevice> {
     let file = emu::temp_dir().join(format!("{name}.mem"));
     KernelBackend::new(EmuDevice::new(exe, file), len, cap).expect("the emulated device allocates")
-}
-
-/// Bump allocation of regions in a test arena.
-struct Regions(usize);
-
-impl Regions {
-    fn take(&mut self, len: usize) -> Buf {
-        let b = Buf { off: self.0, len };
-        self.0 += len;
-        b
-    }
 }
 
 fn tokens(seed: u64) -> (Vec<u32>, Vec<u32>) {
@@ -92,7 +82,7 @@ fn cap() -> Capacity {
 #[test]
 fn flat_ops_and_reductions_match_the_cpu() {
     check("flat", 600, cap(), 1e-6, |be| {
-        let mut r = Regions(0);
+        let mut r = Bump::default();
         let (a, b, c) = (r.take(100), r.take(100), r.take(100));
         be.fill(a, 0.25);
         be.scale(b, -3.0);
@@ -112,7 +102,7 @@ fn flat_ops_and_reductions_match_the_cpu() {
 #[test]
 fn optimizer_ops_match_the_cpu() {
     check("optim", 3000, cap(), 2e-6, |be| {
-        let mut r = Regions(0);
+        let mut r = Bump::default();
         let (p, g, m, v) = (r.take(300), r.take(300), r.take(300), r.take(300));
         let sq: Vec<f32> = (0..300).map(|k| (k as f32 * 0.37).sin().powi(2)).collect();
         be.upload(v, &Tensor::from_vec(sq, 300, &CandleDevice::Cpu).unwrap()).unwrap();
@@ -136,7 +126,7 @@ fn optimizer_ops_match_the_cpu() {
 #[test]
 fn gemm_plans_match_the_cpu_for_every_layout() {
     check("gemm", 4000, cap(), 1e-5, |be| {
-        let mut r = Regions(0);
+        let mut r = Bump::default();
         let (m, n, k) = (13, 9, 37);
         let wide = r.take(m * 50).mat(m, 50); // a is a column view of a wider matrix
         let a = wide.cols(3, k);
@@ -176,7 +166,7 @@ fn check_rows(exe: &Path, name: &str) {
     check_on(exe, name, len, cap(), 2e-5, |be| {
         let (x, y) = tokens(5);
         be.set_tokens(&x, &y);
-        let mut r = Regions(0);
+        let mut r = Bump::default();
         let nw = N * W;
         let (h, x0, mix, out, rstd) = (r.take(nw), r.take(nw), r.take(2 * W), r.take(nw), r.take(N));
         be.rms_norm_fwd(h, out, rstd, W, 0.7, 1e-6);
@@ -215,7 +205,7 @@ fn head_ops_match_the_cpu() {
     let qkv_w = heads * d + 2 * kvh * d;
     let len = 12 * N * qkv_w;
     check("heads", len, cap(), 2e-5, |be| {
-        let mut r = Regions(0);
+        let mut r = Bump::default();
         let qkv = r.take(N * qkv_w).mat(N, qkv_w);
         let q = qkv.cols(0, heads * d);
         let v = qkv.cols(heads * d + kvh * d, kvh * d);
@@ -240,7 +230,7 @@ fn softcap_cross_entropy_matches_the_cpu() {
     check("loss", 3 * N * VOCAB, cap(), 2e-5, |be| {
         let (x, y) = tokens(9);
         be.set_tokens(&x, &y);
-        let mut r = Regions(0);
+        let mut r = Bump::default();
         let logits = r.take(N * VOCAB);
         be.scale(logits, 20.0);
         be.softcap_ce(logits, r.take(N), VOCAB, 15.0, 1.0 / N as f64);
@@ -258,7 +248,7 @@ fn attention_matches_the_cpu_to_bf16_precision() {
     check("attention", 6 * n * w, cap, 3e-2, |be| {
         // As the schedule calls it: q and k their own buffers (after the norm and RoPE), v a
         // view of the fused qkv product; dq, dk their own, dv a view of dqkv (added to, XSA).
-        let mut r = Regions(0);
+        let mut r = Bump::default();
         let (q, k) = (r.take(n * heads * d).mat(n, heads * d), r.take(n * kvh * d).mat(n, kvh * d));
         let v = r.take(n * w).mat(n, w).cols((heads + kvh) * d, kvh * d);
         let s = AttnShape { batch, t, heads, kv_heads: kvh, d };
