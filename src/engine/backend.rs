@@ -168,6 +168,9 @@ pub trait Backend: Send {
     /// The arena's element type (`F64` for the check backend, `F32` for the fast one).
     fn dtype(&self) -> DType;
 
+    /// Where the ops run, for logs and reports (`"cpu"`, `"cuda:0 (NVIDIA H100 …), bf16 GEMMs"`).
+    fn device_name(&self) -> String;
+
     /// Elements in the arena.
     fn len(&self) -> usize;
 

@@ -431,6 +431,9 @@ mod tests {
         fn dtype(&self) -> DType {
             self.0.dtype()
         }
+        fn device_name(&self) -> String {
+            self.0.device_name()
+        }
         fn len(&self) -> usize {
             self.0.len()
         }

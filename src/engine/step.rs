@@ -115,6 +115,11 @@ impl Engine {
         &self.schedule
     }
 
+    /// Where the backend runs (`"cpu"`, or the GPU and its GEMM maths).
+    pub fn device_name(&self) -> String {
+        self.be.device_name()
+    }
+
     /// The arena's dtype.
     pub fn dtype(&self) -> DType {
         self.be.dtype()

@@ -195,14 +195,14 @@ impl Executor for EngineTrainer {
         let mib = |b: usize| b as f64 / (1 << 20) as f64;
         let parts: Vec<String> = regions.iter().map(|(n, b)| format!("{n} {:.1}", mib(*b))).collect();
         let dtype = if self.engine.dtype() == DType::F64 { "f64" } else { "f32" };
-        vec![format!("engine: cpu {dtype} arena {:.1} MiB ({} MiB)", mib(total), parts.join(", "))]
+        vec![format!("engine: {} {dtype} arena {:.1} MiB ({} MiB)", self.engine.device_name(), mib(total), parts.join(", "))]
     }
 
     fn report(&self) -> Option<serde_json::Value> {
         let (total, regions) = self.engine.arena_bytes();
         let map: serde_json::Map<String, serde_json::Value> = regions.iter().map(|(n, b)| (n.to_string(), (*b).into())).collect();
         Some(
-            serde_json::json!({ "backend": format!("cpu-{:?}", self.engine.dtype()).to_lowercase(), "arena_bytes": total, "regions": map }),
+            serde_json::json!({ "backend": format!("{}-{:?}", self.engine.device_name(), self.engine.dtype()).to_lowercase(), "arena_bytes": total, "regions": map }),
         )
     }
 }

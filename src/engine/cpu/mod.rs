@@ -74,6 +74,10 @@ impl<T: Real> Backend for CpuBackend<T> {
         T::DTYPE
     }
 
+    fn device_name(&self) -> String {
+        "cpu".into()
+    }
+
     fn len(&self) -> usize {
         self.arena.len()
     }

@@ -221,7 +221,12 @@ impl Drop for CudaDevice {
 impl Device for CudaDevice {
     fn name(&self) -> String {
         let name = self.ctx.name().unwrap_or_else(|_| "unknown GPU".into());
-        format!("cuda:{} ({name})", self.ctx.ordinal())
+        let math = match self.lt.lock().expect("the cuBLASLt lock").math {
+            GemmMath::Bf16 => "bf16",
+            GemmMath::Tf32 => "tf32",
+            GemmMath::F32 => "f32",
+        };
+        format!("cuda:{} ({name}), {math} GEMMs", self.ctx.ordinal())
     }
 
     fn alloc(&mut self, sizes: Sizes) -> anyhow::Result<()> {

@@ -144,6 +144,10 @@ impl<D: Device> Backend for KernelBackend<D> {
         DType::F32
     }
 
+    fn device_name(&self) -> String {
+        self.dev.name()
+    }
+
     fn len(&self) -> usize {
         self.len
     }
