@@ -165,10 +165,11 @@ impl CudaDevice {
         self.words.iter().find(|w| w.0 == space).map(|w| &w.1).ok_or_else(|| anyhow::anyhow!("the {space:?} space is not a 4-byte space"))
     }
 
-    fn prepare(lt: &mut Lt, p: &LtPlan) -> anyhow::Result<()> {
+    /// The descriptors and algorithm of `p`'s shape, made once and cached.
+    fn prepare(lt: &mut Lt, p: &LtPlan) -> anyhow::Result<ShapeKey> {
         let key = ShapeKey::of(p);
         if lt.cache.contains_key(&key) {
-            return Ok(());
+            return Ok(key);
         }
         let compute = match lt.math {
             GemmMath::Bf16 => lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
@@ -208,7 +209,7 @@ impl CudaDevice {
             let heuristic = heuristic.map_err(|e| anyhow::anyhow!("cuBLASLt has no algorithm for {p:?}: {e:?}"))?;
             lt.cache.insert(key, Prepared { desc, layouts, algo: heuristic.algo });
         }
-        Ok(())
+        Ok(key)
     }
 }
 
@@ -266,8 +267,8 @@ impl Device for CudaDevice {
 
     fn gemm(&self, p: &LtPlan) {
         let mut lt = self.lt.lock().expect("the cuBLASLt lock");
-        Self::prepare(&mut lt, p).unwrap_or_else(|e| panic!("{e}"));
-        let prepared = &lt.cache[&ShapeKey::of(p)];
+        let key = Self::prepare(&mut lt, p).unwrap_or_else(|e| panic!("{e}"));
+        let prepared = &lt.cache[&key];
         let (a, b, c) = (self.address(Space::Arena, p.a_off), self.address(Space::Arena, p.b_off), self.address(Space::Arena, p.c_off));
         let (ws, _sync) = lt.workspace.device_ptr(&self.stream);
         // SAFETY: the plan's layouts lie inside the arena (checked by the backend before
