@@ -103,3 +103,16 @@ fn engine_refuses_bf16_naming_the_key() {
     let t = text(&o);
     assert!(t.contains("`dtype`") && t.contains("bf16"), "{t}");
 }
+
+/// A GPU device for the engine in a binary built without CUDA is refused before training,
+/// naming `run.device` and how to get a GPU build, without a panic.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn engine_on_a_gpu_without_a_cuda_build_is_refused_naming_the_key() {
+    let c = corpus("engine-gpu");
+    let o = run_limited(&config(&c), &c.dir.join("out"), &sets(&["stages.train.impl=engine", "run.device=\"cuda:0\""]));
+    assert_ne!(o.status.code(), Some(0));
+    let t = text(&o);
+    assert!(t.contains("`run.device`") && t.contains("cuda"), "{t}");
+    assert!(!t.contains("panicked"), "{t}");
+}

@@ -311,3 +311,17 @@ fn the_engine_on_the_emulated_gpu_matches_the_cpu_engine() {
     compare("weight", cpu.params().unwrap(), gpu.params().unwrap());
     assert!(gpu.grads_finite() && gpu.params_finite());
 }
+
+/// The GPU engine refuses, with the reason, the shapes its attention cannot take.
+#[test]
+fn the_gpu_engine_refuses_shapes_its_attention_cannot_take() {
+    use crate::engine::step::kernel_capacity;
+    use crate::engine::tests::record_small;
+    use crate::model::ModelConfig;
+    let e = kernel_capacity(&record_small(), 1, 64).unwrap_err().to_string();
+    assert!(e.contains("64 wide") && e.contains("are 8"), "{e}");
+    let cfg = ModelConfig { model_dim: 128, num_heads: 2, num_kv_heads: 1, ..record_small() };
+    let e = kernel_capacity(&cfg, 1, 100).unwrap_err().to_string();
+    assert!(e.contains("multiple of 64") && e.contains("100"), "{e}");
+    assert!(kernel_capacity(&cfg, 2, 128).is_ok());
+}
