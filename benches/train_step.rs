@@ -15,7 +15,7 @@ use candle_core::{DType, Device, Tensor};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use pipeline::model::{Gpt, ModelConfig};
 use pipeline::train::config::TrainConfig;
-use pipeline::train::engine_trainer::EngineTrainer;
+use pipeline::train::engine_trainer::{EngineOptions, EngineTrainer};
 use pipeline::train::executor::Executor;
 use pipeline::train::trainer::Trainer;
 
@@ -37,7 +37,9 @@ impl Step {
     fn new(executor: &str, rows: usize, seq: usize) -> Self {
         let cfg = TrainConfig { max_wallclock_seconds: 0.0, ..TrainConfig::default() };
         let trainer: Box<dyn Executor> = match executor {
-            "engine" => Box::new(EngineTrainer::new(demo_model(), &cfg, 1, (rows, seq), false).unwrap()),
+            "engine" => {
+                Box::new(EngineTrainer::new(demo_model(), &cfg, 1, (rows, seq), EngineOptions { poison: false, cuda_graph: true }).unwrap())
+            }
             _ => Box::new(Trainer::new(demo_model(), &cfg, 1).unwrap()),
         };
         let mut rng = fastrand::Rng::with_seed(1);

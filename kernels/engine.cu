@@ -78,8 +78,10 @@ extern "C" __global__ void eng_copy(float* d, const float* s, long n) {
     for (long i = first_index(); i < n; i += grid_stride()) d[i] = s[i];
 }
 
-// y = a x + b y (the EMA: a = 1 - decay, b = decay).
-extern "C" __global__ void eng_axpby(float a, const float* x, float b, float* y, long n) {
+// y = a x + b y with (a, b) = ab[0..2] (the EMA: a = 1 - decay, b = decay). The scalars are
+// read from device memory: they change between replays of a captured step (Muon's learning rate).
+extern "C" __global__ void eng_axpby(const float* ab, const float* x, float* y, long n) {
+    const float a = ab[0], b = ab[1];
     for (long i = first_index(); i < n; i += grid_stride()) y[i] = a * x[i] + b * y[i];
 }
 
@@ -96,18 +98,32 @@ extern "C" __global__ void eng_reduce_partial(const float* x, long n, int mode, 
     if (threadIdx.x == 0) part[blockIdx.x] = s;
 }
 
-// out[0] = the sum of part[0..count], added in order by one thread (deterministic).
-extern "C" __global__ void eng_reduce_finish(const float* part, int count, float* out) {
+// out[0] = the sum of part[0..count] (added to out[0] when `acc`), in order by one thread
+// (deterministic).
+extern "C" __global__ void eng_reduce_finish(const float* part, int count, float* out, int acc) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     float s = 0.f;
     for (int i = 0; i < count; ++i) s += part[i];
-    out[0] = s;
+    out[0] = acc ? out[0] + s : s;
+}
+
+// clip_grad_norm_ without a host read: norm = sqrt(sum_sq[0]) (eng_reduce_* mode 1 wrote it),
+// g *= max / (norm + 1e-6) when that is below 1, max = max_p[0]; norm_out[0] = norm (read once
+// per step).
+extern "C" __global__ void eng_clip(float* g, long n, const float* sum_sq, const float* max_p, float* norm_out) {
+    const float norm = sqrtf(sum_sq[0]);
+    const float coef = max_p[0] / (norm + 1e-6f);
+    if (blockIdx.x == 0 && threadIdx.x == 0) norm_out[0] = norm;
+    if (coef >= 1.f) return;
+    for (long i = first_index(); i < n; i += grid_stride()) g[i] *= coef;
 }
 
 // torch.optim.Adam(W): p *= decay; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
-// p -= step m / (sqrt(v) inv_b2 + eps), with step = lr / bias1, inv_b2 = 1 / sqrt(bias2).
-extern "C" __global__ void eng_adam(float* p, const float* g, float* m, float* v, long n, float b1, float b2, float step, float inv_b2,
-                                    float eps, float decay, int decays) {
+// p -= step m / (sqrt(v) inv_b2 + eps), with step = lr / bias1, inv_b2 = 1 / sqrt(bias2);
+// (step, inv_b2, decay) = s[0..3] in device memory (they change every step).
+extern "C" __global__ void eng_adam(float* p, const float* g, float* m, float* v, long n, float b1, float b2, const float* s,
+                                    float eps, int decays) {
+    const float step = s[0], inv_b2 = s[1], decay = s[2];
     const float c1 = 1.f - b1, c2 = 1.f - b2;
     for (long i = first_index(); i < n; i += grid_stride()) {
         const float gi = g[i];
@@ -120,8 +136,10 @@ extern "C" __global__ void eng_adam(float* p, const float* g, float* m, float* v
     }
 }
 
-// Muon's momentum: buf = mu buf + g; u = g + mu buf (Nesterov) or buf.
-extern "C" __global__ void eng_momentum(const float* g, float* buf, float* u, long n, float mu, int nesterov) {
+// Muon's momentum: buf = mu buf + g; u = g + mu buf (Nesterov) or buf; mu = mu_p[0] (device
+// memory: the momentum warm-up changes it between steps).
+extern "C" __global__ void eng_momentum(const float* g, float* buf, float* u, long n, const float* mu_p, int nesterov) {
+    const float mu = mu_p[0];
     for (long i = first_index(); i < n; i += grid_stride()) {
         const float b = buf[i] * mu + g[i];
         buf[i] = b;
@@ -130,8 +148,9 @@ extern "C" __global__ void eng_momentum(const float* g, float* buf, float* u, lo
 }
 
 // SGD with momentum (torch.optim.SGD): buf = g on the first step, else mu buf + g; p -= lr buf
-// (p -= lr g when mu = 0).
-extern "C" __global__ void eng_sgd(float* p, const float* g, float* buf, long n, float lr, float mu, int first) {
+// (p -= lr g when mu = 0); (lr, mu) = s[0..2] in device memory.
+extern "C" __global__ void eng_sgd(float* p, const float* g, float* buf, long n, const float* s, int first) {
+    const float lr = s[0], mu = s[1];
     for (long i = first_index(); i < n; i += grid_stride()) {
         if (mu == 0.f) {
             p[i] -= lr * g[i];

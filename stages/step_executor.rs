@@ -23,6 +23,7 @@ use super::{config, previous, resumed};
 use crate::data::batch::DeviceBatch;
 use crate::runtime::memory::Need;
 use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
+use crate::train::engine_trainer::EngineOptions;
 use crate::train::executor::ExecutorKind;
 use crate::train::params::{Precision, SessionParams};
 use crate::train::session::Session;
@@ -81,11 +82,15 @@ pub struct EngineParams {
     /// Fill every buffer that is dead (activations between micro-batches, scratch between
     /// passes) with NaN: a read of a value its pass did not write then shows as a NaN loss.
     pub poison: bool,
+    /// On a GPU: capture the forward pass, the backward pass and the optimizer step once each
+    /// as CUDA graphs and replay them every micro-batch and step (false: launch every kernel
+    /// as it comes, to compare or to debug). The CPU backends ignore it.
+    pub cuda_graph: bool,
 }
 
 impl Default for EngineParams {
     fn default() -> Self {
-        Self { dtype: Precision::F32, progress: true, poison: false }
+        Self { dtype: Precision::F32, progress: true, poison: false, cuda_graph: true }
     }
 }
 
@@ -145,7 +150,7 @@ impl Transform for Engine {
 
     fn build(p: EngineParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         p.check_backend(ctx)?;
-        let kind = ExecutorKind::Engine { poison: p.poison };
+        let kind = ExecutorKind::Engine(EngineOptions { poison: p.poison, cuda_graph: p.cuda_graph });
         Ok(Self(Session::new(p.session(), config(ctx)?, resumed(ctx), ctx.run_dir, ctx.consumers > 0, kind)?))
     }
 

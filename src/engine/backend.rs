@@ -150,6 +150,17 @@ pub struct AdamStep {
     pub bias2_sqrt: f64,
 }
 
+/// How a backend that captures units of work ([`Backend::begin_unit`]) has run them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphCounts {
+    /// Units captured (once per key, again when its sequence changed).
+    pub captured: u64,
+    /// Units replayed from a capture (the first run of a capture included).
+    pub replayed: u64,
+    /// Units run op by op (graphs switched off, or a capture that failed).
+    pub eager: u64,
+}
+
 /// Panics when a region of an op leaves an arena of `len` elements, or an output overlaps an
 /// input or another output (the rule every backend enforces).
 pub fn check_regions(len: usize, ins: &[Buf], outs: &[Buf]) {
@@ -205,6 +216,31 @@ pub trait Backend: Send {
 
     /// Whether every element of `src` is finite.
     fn all_finite(&self, src: Buf) -> bool;
+
+    /// `dst[0] += sum(src)` on the device (the micro-batches' losses summed with no host read;
+    /// the step reads the total once).
+    fn sum_into(&mut self, src: Buf, dst: Buf);
+
+    /// `clip_grad_norm_` on the device: `norm[0] = sqrt(sum(g^2))`, then `g *= max / (norm +
+    /// 1e-6)` when that factor is below 1.
+    fn clip_norm(&mut self, g: Buf, max: f64, norm: Buf);
+
+    /// Opens a unit of work named `key`: the ops until [`Backend::end_unit`] are one sequence
+    /// that the backend may defer and replay as a whole (the GPU backend captures it once as a
+    /// CUDA graph and replays it while the sequence stays the same). Inside a unit no op reads
+    /// the device from the host ([`Backend::sum`], [`Backend::download`]...); values that change
+    /// between replays (learning rates, momentum, bias corrections) are passed as op arguments
+    /// and the backend keeps them in device memory. The CPU backends run ops as they come.
+    fn begin_unit(&mut self, _key: &str) {}
+
+    /// Closes the unit [`Backend::begin_unit`] opened and runs (or replays) it.
+    fn end_unit(&mut self) {}
+
+    /// Units captured and replayed so far, for the log and the report (`None`: the backend runs
+    /// every op as it comes).
+    fn graph_counts(&self) -> Option<GraphCounts> {
+        None
+    }
 
     /// `C = alpha op(A) op(B) + beta C` (`beta = 0`: `C` is not read).
     fn gemm(&mut self, c: Mat, a: Mat, b: Mat, alpha: f64, beta: f64);

@@ -143,9 +143,9 @@ impl Schedule {
     }
 
     /// The forward pass of the micro-batch whose tokens the backend holds, through the loss
-    /// and its gradient (left in the logits, scaled by `grad_scale`): returns the sum of the
-    /// per-token losses.
-    pub fn forward(&self, be: &mut dyn Backend, looping: bool, grad_scale: f64) -> f64 {
+    /// and its gradient (left in the logits, scaled by `grad_scale`); the sum of the per-token
+    /// losses is added to the loss scalar (`layout.stats`, read once per step).
+    pub fn forward(&self, be: &mut dyn Backend, looping: bool, grad_scale: f64) {
         let l = &self.layout;
         let (n, d, eps) = (self.n(), self.cfg.model_dim, self.eps);
         // x0 = rms(E[x]).
@@ -169,7 +169,7 @@ impl Schedule {
         let v = self.cfg.vocab_size;
         be.gemm(l.logits.mat(n, v), l.nf.mat(n, d), self.w(self.head_name()).t(), 1.0, 0.0);
         be.softcap_ce(l.logits, l.losses, v, self.cfg.logit_softcap, grad_scale);
-        be.sum(l.losses)
+        be.sum_into(l.losses, l.loss_sum());
     }
 
     /// Skip row `j`: the weights and, with gates, the gate logits.

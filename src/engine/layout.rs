@@ -5,7 +5,8 @@
 //!    `c_q`, `c_k`, `c_v` are one `(D + 2 KVD, D)` matrix and one GEMM computes all three;
 //! 2. **gradients**, the same layout (one region: clipping is one reduction);
 //! 3. **optimizer state**: Muon's momentum per matrix, Adam's two moments per other tensor;
-//! 4. **constants**: the RoPE tables;
+//! 4. **constants**: the RoPE tables, and the step's device scalars (the loss summed over the
+//!    micro-batches, the gradient norm), read by the host once per step;
 //! 5. **activations** of one micro-batch, kept from the forward pass for the backward pass:
 //!    per position of the (looped) layer sequence, and the embedding and head's;
 //! 6. **scratch**: what lives inside one op sequence (the backward pass's running gradients,
@@ -175,6 +176,9 @@ pub struct Layout {
     pub cos: Buf,
     /// See `cos`.
     pub sin: Buf,
+    /// The step's device scalars: the loss sum ([`Layout::loss_sum`]), the gradient norm
+    /// ([`Layout::grad_norm`]), two spare.
+    pub stats: Buf,
     /// The embedding rows `(N, D)`, `1 / rms` of each, and the normed embedding `x0`.
     pub emb: Buf,
     /// See `emb`.
@@ -223,6 +227,8 @@ impl Layout {
         let state = bump.since(state_start);
         let half = cfg.rotary_dims() / 2;
         let (cos, sin) = (bump.take(t * half), bump.take(t * half));
+        // Four elements: the regions after it stay 16-byte aligned.
+        let stats = bump.take(4);
 
         let (n, d, kvd, f, v) = (rows * t, cfg.model_dim, cfg.kv_dim(), cfg.mlp_mult * cfg.model_dim, cfg.vocab_size);
         let act_start = bump.0;
@@ -325,6 +331,7 @@ impl Layout {
             scratch_region,
             cos,
             sin,
+            stats,
             emb,
             rstd0,
             x0,
@@ -351,6 +358,16 @@ impl Layout {
         self.len() == 0
     }
 
+    /// The device scalar the forward pass adds each micro-batch's loss sum to.
+    pub fn loss_sum(&self) -> Buf {
+        self.stats.sub(0, 1)
+    }
+
+    /// The device scalar clipping writes the gradient norm to.
+    pub fn grad_norm(&self) -> Buf {
+        self.stats.sub(1, 1)
+    }
+
     /// The slot of parameter `name` (panics on an unknown name: the schedule only asks for the
     /// names `param_shapes` gives).
     pub fn slot(&self, name: &str) -> &Slot {
@@ -369,7 +386,7 @@ impl Layout {
             ("parameters", self.params.len),
             ("gradients", self.grads.len),
             ("optimizer", self.state.len),
-            ("activations", self.activations.len + self.cos.len + self.sin.len),
+            ("activations", self.activations.len + self.cos.len + self.sin.len + self.stats.len),
             ("scratch", self.scratch_region.len),
         ]
     }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 
-use super::backend::Backend;
+use super::backend::{Backend, Buf, GraphCounts};
 use super::cpu::CpuBackend;
 use super::gpt::Schedule;
 use super::kernels::Capacity;
@@ -39,15 +39,37 @@ pub fn kernel_capacity(cfg: &ModelConfig, rows: usize, t: usize) -> anyhow::Resu
     })
 }
 
-/// What one micro-batch gave.
+/// What one micro-batch took (its loss stays on the device: [`Engine::loss_sum`]).
 #[derive(Clone, Copy, Debug)]
 pub struct MicroResult {
-    /// The sum of its tokens' losses.
-    pub loss_sum: f64,
-    /// The forward pass, the loss and its gradient included.
+    /// The forward pass, the loss and its gradient included (on a GPU: the time to enqueue it).
     pub forward: Duration,
     /// The backward pass.
     pub backward: Duration,
+}
+
+/// One optimizer step's settings (the schedule applied): clipping, Muon, the Adam groups.
+#[derive(Clone, Copy, Debug)]
+pub struct OptimizerStep {
+    /// Clip the gradients' global norm to this (0: no clipping).
+    pub clip: f64,
+    /// Muon over the block matrices.
+    pub muon: MuonStep,
+    /// `(lr, weight decay)` of each Adam group, in [`ADAM_GROUPS`] order.
+    pub adam: [(f64, f64); 3],
+    /// Adam's `(β1, β2)`.
+    pub betas: (f64, f64),
+    /// Adam's `ε`.
+    pub eps: f64,
+}
+
+/// What a step's device scalars held, read once at its end.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepStats {
+    /// The sum of every token loss of the step's micro-batches.
+    pub loss_sum: f64,
+    /// The gradients' global norm before clipping (`None`: no clipping).
+    pub grad_norm: Option<f64>,
 }
 
 /// The explicit training engine of one model (see the module doc of [`crate::engine`]).
@@ -76,13 +98,15 @@ impl Engine {
     }
 
     /// An engine for `cfg` on micro-batches of `rows x t` tokens on GPU `ordinal` (the
-    /// kernel backend over CUDA; GEMMs on the bf16 tensor cores when `bf16`, else full f32).
-    /// Errors name what the GPU attention cannot take (head width 64, sequences a multiple of
-    /// 64), a device that cannot start, and a build without the `cuda` feature.
-    pub fn gpu(cfg: &ModelConfig, rows: usize, t: usize, ordinal: usize, bf16: bool, poison: bool) -> anyhow::Result<Engine> {
+    /// kernel backend over CUDA; GEMMs on the bf16 tensor cores when `bf16`, else full f32;
+    /// each pass and the optimizer step captured once as a CUDA graph and replayed when
+    /// `graphs`, else launched op by op). Errors name what the GPU attention cannot take (head
+    /// width 64, sequences a multiple of 64), a device that cannot start, and a build without
+    /// the `cuda` feature.
+    pub fn gpu(cfg: &ModelConfig, rows: usize, t: usize, ordinal: usize, bf16: bool, graphs: bool, poison: bool) -> anyhow::Result<Engine> {
         cfg.check()?;
         let cap = kernel_capacity(cfg, rows, t)?;
-        let be = super::kernels::gpu_backend(ordinal, bf16, Layout::new(cfg, rows, t).len(), cap)?;
+        let be = super::kernels::gpu_backend(ordinal, bf16, graphs, Layout::new(cfg, rows, t).len(), cap)?;
         Engine::with_backend(cfg, rows, t, be, poison)
     }
 
@@ -157,30 +181,74 @@ impl Engine {
     }
 
     /// Forward and backward of one micro-batch (`x`, `y`: `rows * t` token ids each), adding
-    /// `grad_scale d(sum of token losses)/dp` to the gradients; returns the sum of its tokens'
-    /// losses and the two passes' times. `looping`: the looped layer sequence (depth recurrence
-    /// on).
+    /// `grad_scale d(sum of token losses)/dp` to the gradients and the sum of its tokens'
+    /// losses to [`Engine::loss_sum`]; returns the two passes' times. `looping`: the looped
+    /// layer sequence (depth recurrence on). Each pass is one unit of work
+    /// ([`Backend::begin_unit`]): no host read, a CUDA graph on the GPU.
     pub fn micro_step(&mut self, x: &[u32], y: &[u32], looping: bool, grad_scale: f64) -> MicroResult {
         let (acts, scratch) = (self.schedule.layout.activations, self.schedule.layout.scratch_region);
         let t0 = Instant::now();
         self.be.set_tokens(x, y);
-        let loss_sum = self.schedule.forward(self.be.as_mut(), looping, grad_scale);
+        self.be.begin_unit(if looping { "forward looped" } else { "forward" });
+        self.schedule.forward(self.be.as_mut(), looping, grad_scale);
         if self.poison {
             self.be.fill(scratch, f64::NAN);
         }
+        self.be.end_unit();
         let t1 = Instant::now();
+        self.be.begin_unit(if looping { "backward looped" } else { "backward" });
         self.schedule.backward(self.be.as_mut(), looping);
         if self.poison {
             self.be.fill(acts, f64::NAN);
             self.be.fill(scratch, f64::NAN);
         }
-        MicroResult { loss_sum, forward: t1 - t0, backward: t1.elapsed() }
+        self.be.end_unit();
+        MicroResult { forward: t1 - t0, backward: t1.elapsed() }
     }
 
-    /// Zeroes the gradients (the start of a step).
+    /// The sum of the token losses of the micro-batches since [`Engine::zero_grads`] (a read
+    /// from the device: it waits for the work before it).
+    pub fn loss_sum(&self) -> anyhow::Result<f64> {
+        self.scalar(self.schedule.layout.loss_sum())
+    }
+
+    fn scalar(&self, b: Buf) -> anyhow::Result<f64> {
+        Ok(self.be.download(b, &[1])?.to_dtype(DType::F64)?.to_vec1::<f64>()?[0])
+    }
+
+    /// Zeroes the gradients and the loss sum (the start of a step).
     pub fn zero_grads(&mut self) {
-        let g = self.schedule.layout.grads;
+        let (g, stats) = (self.schedule.layout.grads, self.schedule.layout.stats);
         self.be.fill(g, 0.0);
+        self.be.fill(stats, 0.0);
+    }
+
+    /// The optimizer step that ends a training step, as one unit of work (a CUDA graph on the
+    /// GPU: the schedule's values change, the launches do not): clipping, Muon, each Adam group
+    /// (groups without parameters skipped), the gradients zeroed; then the step's device
+    /// scalars are read (the one host read of a step) and the loss sum zeroed.
+    pub fn optimizer_step(&mut self, s: &OptimizerStep) -> anyhow::Result<StepStats> {
+        let l = &self.schedule.layout;
+        let (grads, norm, stats) = (l.grads, l.grad_norm(), l.stats);
+        self.be.begin_unit("optimizer");
+        if s.clip > 0.0 {
+            self.be.clip_norm(grads, s.clip, norm);
+        }
+        self.muon(s.muon);
+        for ((group, _), (lr, wd)) in ADAM_GROUPS.iter().zip(s.adam) {
+            self.adam(*group, lr, s.betas, s.eps, wd);
+        }
+        self.be.fill(grads, 0.0);
+        self.be.end_unit();
+        let loss_sum = self.loss_sum()?;
+        let grad_norm = if s.clip > 0.0 { Some(self.scalar(norm)?) } else { None };
+        self.be.fill(stats, 0.0);
+        Ok(StepStats { loss_sum, grad_norm })
+    }
+
+    /// How the backend ran its units of work (`None`: op by op, the CPU backends).
+    pub fn graph_counts(&self) -> Option<GraphCounts> {
+        self.be.graph_counts()
     }
 
     /// Whether every gradient is finite.
@@ -191,18 +259,6 @@ impl Engine {
     /// Whether every parameter is finite.
     pub fn params_finite(&self) -> bool {
         self.be.all_finite(self.schedule.layout.params)
-    }
-
-    /// `clip_grad_norm_`: scales the gradients by `max / (norm + 1e-6)` when their global norm
-    /// exceeds `max`; returns the norm before clipping.
-    pub fn clip(&mut self, max: f64) -> f64 {
-        let g = self.schedule.layout.grads;
-        let norm = self.be.sum_sq(g).sqrt();
-        let coef = max / (norm + 1e-6);
-        if coef < 1.0 {
-            self.be.scale(g, coef);
-        }
-        norm
     }
 
     /// One Muon step over the block matrices.

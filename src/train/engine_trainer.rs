@@ -13,18 +13,19 @@ use candle_core::{DType, Tensor};
 use crate::device::phase_clock::PhaseTimes;
 use crate::engine::Engine;
 use crate::engine::optim::MuonStep;
-use crate::engine::step::ADAM_GROUPS;
+use crate::engine::step::{ADAM_GROUPS, OptimizerStep};
 use crate::model::{Gpt, ParamGroup};
 use crate::train::config::TrainConfig;
+pub use crate::train::executor::EngineOptions;
 use crate::train::executor::{Executor, MicroTimes, StepOutcome};
 
 /// The engine of `model` on its GPU: GEMMs on the bf16 tensor cores when the model's matmuls
 /// are bf16, full f32 otherwise.
-fn gpu_engine(model: &Gpt, rows: usize, t: usize, poison: bool) -> anyhow::Result<Engine> {
+fn gpu_engine(model: &Gpt, rows: usize, t: usize, o: EngineOptions) -> anyhow::Result<Engine> {
     let candle_core::DeviceLocation::Cuda { gpu_id } = model.device().location() else {
         anyhow::bail!("the engine runs on the CPU or on a CUDA GPU, not {:?}", model.device().location());
     };
-    Engine::gpu(model.config(), rows, t, gpu_id, model.matmul_dtype() == DType::BF16, poison)
+    Engine::gpu(model.config(), rows, t, gpu_id, model.matmul_dtype() == DType::BF16, o.cuda_graph, o.poison)
 }
 
 /// The engine, the candle model mirroring its weights, and the step in progress.
@@ -34,7 +35,6 @@ pub struct EngineTrainer {
     cfg: TrainConfig,
     micro_steps: usize,
     micro_done: usize,
-    loss_sum: f64,
     step: u64,
     /// Tokens per micro-batch.
     tokens: usize,
@@ -44,16 +44,16 @@ pub struct EngineTrainer {
 impl EngineTrainer {
     /// An engine for `model` (its config, dtype, device and initial weights) on
     /// micro-batches of `rows x t` tokens, `micro_steps` per step.
-    pub fn new(model: Gpt, cfg: &TrainConfig, micro_steps: usize, (rows, t): (usize, usize), poison: bool) -> anyhow::Result<Self> {
+    pub fn new(model: Gpt, cfg: &TrainConfig, micro_steps: usize, (rows, t): (usize, usize), o: EngineOptions) -> anyhow::Result<Self> {
         anyhow::ensure!(micro_steps >= 1, "a step needs at least one micro-batch");
         let mut engine = if model.device().is_cpu() {
             anyhow::ensure!(
                 model.matmul_dtype() == model.dtype(),
                 "stage `step_executor` impl \"engine\": key `dtype` must be \"f32\" or \"f64\" on the CPU (bf16 matmuls are the GPU backend's)"
             );
-            Engine::cpu(model.config(), rows, t, model.dtype(), poison)?
+            Engine::cpu(model.config(), rows, t, model.dtype(), o.poison)?
         } else {
-            gpu_engine(&model, rows, t, poison)?
+            gpu_engine(&model, rows, t, o)?
         };
         engine.load_params(&model.state_dict().into_iter().collect())?;
         engine.zero_grads();
@@ -63,7 +63,6 @@ impl EngineTrainer {
             cfg: cfg.clone(),
             micro_steps,
             micro_done: 0,
-            loss_sum: 0.0,
             step: 0,
             tokens: rows * t,
             phases: PhaseTimes::default(),
@@ -110,10 +109,8 @@ impl Executor for EngineTrainer {
             anyhow::bail!("token id {bad} is outside the vocabulary of {vocab} (`model.vocab_size`)");
         }
         let n = self.tokens as f64;
+        // The loss stays on the device until the step ends (no host read per micro-batch).
         let r = self.engine.micro_step(&xs, &ys, self.mirror.looping(), 1.0 / (n * self.micro_steps as f64));
-        let value = r.loss_sum / n;
-        anyhow::ensure!(value.is_finite(), "the training loss is {value} at step {} micro-batch {}", self.step + 1, self.micro_done);
-        self.loss_sum += value;
         self.micro_done += 1;
         let times = MicroTimes { forward: r.forward, backward: r.backward };
         self.phases.forward += times.forward;
@@ -126,30 +123,31 @@ impl Executor for EngineTrainer {
         let t0 = Instant::now();
         let c = &self.cfg;
         let (lr_mul, frac, momentum) = c.schedule(self.step, elapsed_ms);
-        let grad_norm = (c.grad_clip_norm > 0.0).then(|| self.engine.clip(c.grad_clip_norm));
-        self.engine.muon(MuonStep {
+        let muon = MuonStep {
             lr: c.matrix_lr * lr_mul,
             momentum,
             nesterov: true,
             backend_steps: c.muon_backend_steps,
             row_norm: c.muon_row_norm,
             weight_decay: c.muon_weight_decay,
-        });
+        };
         let tied = self.mirror.config().tie_embeddings;
-        for (group, _) in ADAM_GROUPS {
+        let adam = ADAM_GROUPS.map(|(group, _)| {
             let (lr, wd) = match group {
                 ParamGroup::Embedding => (if tied { c.tied_embed_lr } else { c.embed_lr }, c.embed_weight_decay),
                 ParamGroup::Head => (c.head_lr, c.head_weight_decay),
                 _ => (c.scalar_lr, c.scalar_weight_decay),
             };
-            self.engine.adam(group, lr * lr_mul, (c.beta1, c.beta2), c.adam_eps, wd);
-        }
-        self.engine.zero_grads();
+            (lr * lr_mul, wd)
+        });
+        let clip = c.grad_clip_norm.max(0.0);
+        let stats = self.engine.optimizer_step(&OptimizerStep { clip, muon, adam, betas: (c.beta1, c.beta2), eps: c.adam_eps })?;
+        let train_loss = stats.loss_sum / (self.tokens * self.micro_steps) as f64;
+        anyhow::ensure!(train_loss.is_finite(), "the training loss is {train_loss} at step {}", self.step + 1);
         self.sync_mirror()?;
         let phases = PhaseTimes { optimizer: t0.elapsed(), ..std::mem::take(&mut self.phases) };
-        let outcome = StepOutcome { train_loss: self.loss_sum / self.micro_steps as f64, lr_mul, frac, momentum, grad_norm, phases };
+        let outcome = StepOutcome { train_loss, lr_mul, frac, momentum, grad_norm: stats.grad_norm, phases };
         self.micro_done = 0;
-        self.loss_sum = 0.0;
         self.step += 1;
         Ok(outcome)
     }
@@ -159,7 +157,6 @@ impl Executor for EngineTrainer {
         self.engine.zero_grads();
         self.phases = PhaseTimes::default();
         self.micro_done = 0;
-        self.loss_sum = 0.0;
         n
     }
 
@@ -201,9 +198,14 @@ impl Executor for EngineTrainer {
     fn report(&self) -> Option<serde_json::Value> {
         let (total, regions) = self.engine.arena_bytes();
         let map: serde_json::Map<String, serde_json::Value> = regions.iter().map(|(n, b)| (n.to_string(), (*b).into())).collect();
-        Some(
-            serde_json::json!({ "backend": format!("{}-{:?}", self.engine.device_name(), self.engine.dtype()).to_lowercase(), "arena_bytes": total, "regions": map }),
-        )
+        let backend = format!("{}-{:?}", self.engine.device_name(), self.engine.dtype()).to_lowercase();
+        let mut report = serde_json::json!({ "backend": backend, "arena_bytes": total, "regions": map });
+        if let Some(c) = self.engine.graph_counts() {
+            // Units of work (forward, backward, optimizer step) captured as CUDA graphs,
+            // replayed, and run op by op (first sightings, or graphs off).
+            report["graphs"] = serde_json::json!({ "captured": c.captured, "replayed": c.replayed, "eager": c.eager });
+        }
+        Some(report)
     }
 }
 
@@ -251,7 +253,8 @@ mod tests {
         };
         let (rows, t) = (2, 6);
         let mut candle: Box<dyn Executor> = Box::new(Trainer::new(model(), &cfg, 2).unwrap());
-        let mut engine: Box<dyn Executor> = Box::new(EngineTrainer::new(model(), &cfg, 2, (rows, t), false).unwrap());
+        let mut engine: Box<dyn Executor> =
+            Box::new(EngineTrainer::new(model(), &cfg, 2, (rows, t), EngineOptions { poison: false, cuda_graph: true }).unwrap());
         for step in 0..3 {
             for e in [&mut candle, &mut engine] {
                 if step == 1 {

@@ -50,11 +50,18 @@ pub struct StepOutcome {
 pub enum ExecutorKind {
     /// candle's autograd (`impl = "candle"`).
     Candle,
-    /// The explicit engine (`impl = "engine"`); `poison` fills its dead buffers with NaN.
-    Engine {
-        /// NaN in every dead buffer around each pass (a check for arena aliasing).
-        poison: bool,
-    },
+    /// The explicit engine (`impl = "engine"`) and how it runs.
+    Engine(EngineOptions),
+}
+
+/// How the engine runs, beside the model's own settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// NaN in every dead buffer around each pass (a check for arena aliasing).
+    pub poison: bool,
+    /// On a GPU: capture each pass and the optimizer step once as CUDA graphs and replay them
+    /// (off: every op launched as it comes).
+    pub cuda_graph: bool,
 }
 
 /// One optimizer step at a time, fed micro-batch by micro-batch.

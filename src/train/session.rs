@@ -159,8 +159,8 @@ impl Session {
         model.set_looping(c.model.enable_looping_at <= 0.0);
         let mut trainer: Box<dyn Executor> = match executor {
             ExecutorKind::Candle => Box::new(Trainer::new(model, &c.train, shape.micro_steps)?.with_phase_sync(p.sync_phases)),
-            ExecutorKind::Engine { poison } => Box::new(
-                EngineTrainer::new(model, &c.train, shape.micro_steps, (shape.rows, shape.seq_len), poison)
+            ExecutorKind::Engine(options) => Box::new(
+                EngineTrainer::new(model, &c.train, shape.micro_steps, (shape.rows, shape.seq_len), options)
                     .context("stage `step_executor`")?,
             ),
         };

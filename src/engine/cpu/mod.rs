@@ -128,6 +128,22 @@ impl<T: Real> Backend for CpuBackend<T> {
         self.get(src).iter().all(|x| x.to_f64().is_finite())
     }
 
+    fn sum_into(&mut self, src: Buf, dst: Buf) {
+        let total = flat::sum(self.get(src));
+        let (_, [d]) = self.io([src], [dst.sub(0, 1)]);
+        d[0] = T::from_f64(d[0].to_f64() + total);
+    }
+
+    fn clip_norm(&mut self, g: Buf, max: f64, norm: Buf) {
+        let n = flat::sum_sq(self.get(g)).sqrt();
+        let (_, [d]) = self.io([g], [norm.sub(0, 1)]);
+        d[0] = T::from_f64(n);
+        let coef = max / (n + 1e-6);
+        if coef < 1.0 {
+            self.scale(g, coef);
+        }
+    }
+
     fn gemm(&mut self, c: Mat, a: Mat, b: Mat, alpha: f64, beta: f64) {
         let ([a_s, b_s], [c_s]) = self.io([a.span(), b.span()], [c.span()]);
         gemm::gemm(c, c_s, a, a_s, b, b_s, alpha, beta);

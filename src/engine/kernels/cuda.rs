@@ -2,6 +2,10 @@
 //! once (static addresses, what CUDA graph replay needs), launches of `kernels/engine.cu` and
 //! `kernels/flash_mma.cu` (PTX compiled by build.rs) on one stream, and GEMM plans through
 //! `cublasLtMatmul` with the descriptors and the heuristic's algorithm cached per plan shape.
+//! A unit of work is captured from the stream into a CUDA graph (`cuStreamBeginCapture` in
+//! thread-local mode, so the other stages' threads keep allocating) and replayed with
+//! `cuGraphLaunch`; every address it holds is static, and the values that change between
+//! replays live in device memory (see [`super`]).
 //!
 //! GEMM maths: the arena is `f32`; [`GemmMath::Bf16`] (the default) multiplies on the bf16
 //! tensor cores with f32 accumulation (`CUBLAS_COMPUTE_32F_FAST_16BF`, cuBLAS rounds the inputs),
@@ -14,11 +18,11 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::cuda_backend::cudarc::cublaslt::{result as lt_result, sys as lt_sys};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg, sys as cu_sys,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 
-use super::{Arg, Device, Launch, Sizes, Space};
+use super::{Arg, Device, Launch, Sizes, Space, Work};
 use crate::engine::lt::{LtLayout, LtOp, LtPlan};
 
 /// The PTX of kernels/engine.cu.
@@ -74,7 +78,10 @@ unsafe impl Send for Prepared {}
 /// cuBLASLt's handle, workspace and plan cache.
 struct Lt {
     handle: lt_sys::cublasLtHandle_t,
-    workspace: CudaSlice<u8>,
+    /// Owns the memory `workspace_ptr` points into.
+    _workspace: CudaSlice<u8>,
+    /// The workspace's address, taken once (no stream bookkeeping while a graph is captured).
+    workspace_ptr: u64,
     math: GemmMath,
     cache: HashMap<ShapeKey, Prepared>,
 }
@@ -105,6 +112,13 @@ fn lt_err(e: impl std::fmt::Debug) -> anyhow::Error {
     anyhow::anyhow!("cuBLASLt: {e:?}")
 }
 
+/// A captured unit of work.
+struct Graph(CudaGraph);
+
+// SAFETY: a graph is used only through the device that owns it (`&mut` to capture, one
+// stream to launch), never from two threads at once.
+unsafe impl Send for Graph {}
+
 /// The engine's CUDA device: one GPU, one stream.
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
@@ -116,6 +130,8 @@ pub struct CudaDevice {
     half: Option<CudaSlice<u16>>,
     bases: HashMap<Space, u64>,
     lt: Mutex<Lt>,
+    /// Captured units by slot.
+    graphs: Vec<Option<Graph>>,
 }
 
 impl CudaDevice {
@@ -128,7 +144,8 @@ impl CudaDevice {
         let handle = lt_result::create_handle().map_err(lt_err)?;
         // SAFETY: cuBLASLt only needs the workspace's bytes, never their values.
         let workspace = unsafe { stream.alloc::<u8>(WORKSPACE) }.map_err(|e| anyhow::anyhow!("cuBLASLt workspace: {e:?}"))?;
-        let lt = Lt { handle, workspace, math, cache: HashMap::new() };
+        let workspace_ptr = workspace.device_ptr(&stream).0;
+        let lt = Lt { handle, _workspace: workspace, workspace_ptr, math, cache: HashMap::new() };
         Ok(Self {
             ctx,
             stream,
@@ -138,6 +155,7 @@ impl CudaDevice {
             half: None,
             bases: HashMap::new(),
             lt: Mutex::new(lt),
+            graphs: Vec::new(),
         })
     }
 
@@ -211,6 +229,60 @@ impl CudaDevice {
         }
         Ok(key)
     }
+
+    /// Launches `l` on the stream.
+    fn try_launch(&self, l: &Launch) -> anyhow::Result<()> {
+        let f = self.function(l.kernel);
+        let ptrs: Vec<u64> = l.args.iter().map(|a| if let Arg::Ptr(s, off) = *a { self.address(s, off) } else { 0 }).collect();
+        let mut b = self.stream.launch_builder(&f);
+        for (a, p) in l.args.iter().zip(&ptrs) {
+            match a {
+                Arg::Ptr(..) => b.arg(p),
+                Arg::I32(x) => b.arg(x),
+                Arg::I64(x) => b.arg(x),
+                Arg::F32(x) => b.arg(x),
+            };
+        }
+        let cfg = LaunchConfig { grid_dim: (l.grid[0], l.grid[1], l.grid[2]), block_dim: (l.block, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the arguments are the kernel's, in its order and types (the launcher in
+        // ops.rs mirrors each signature of kernels/engine.cu and flash_mma.cu, and the warp
+        // emulator's tests check that mirror); every pointer lies in a live allocation of this
+        // device (offsets checked against the arena by the backend).
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| anyhow::anyhow!("launching {}: {e:?}", l.kernel))
+    }
+
+    /// `cublasLtMatmul` of plan `p` on the stream.
+    fn try_gemm(&self, p: &LtPlan) -> anyhow::Result<()> {
+        let mut lt = self.lt.lock().expect("the cuBLASLt lock");
+        let key = Self::prepare(&mut lt, p)?;
+        let prepared = &lt.cache[&key];
+        let (a, b, c) = (self.address(Space::Arena, p.a_off), self.address(Space::Arena, p.b_off), self.address(Space::Arena, p.c_off));
+        let ws = lt.workspace_ptr;
+        // SAFETY: the plan's layouts lie inside the arena (checked by the backend before
+        // planning), the descriptors and algorithm were made for this shape, the scalars are
+        // host f32 (the default pointer mode), and the call is ordered on the device's stream.
+        unsafe {
+            lt_result::matmul(
+                lt.handle,
+                prepared.desc,
+                &p.alpha as *const f32 as *const c_void,
+                &p.beta as *const f32 as *const c_void,
+                a as *const c_void,
+                prepared.layouts[0],
+                b as *const c_void,
+                prepared.layouts[1],
+                c as *const c_void,
+                prepared.layouts[2],
+                c as *mut c_void,
+                prepared.layouts[2],
+                &prepared.algo,
+                ws as *mut c_void,
+                WORKSPACE,
+                self.stream.cu_stream() as lt_sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| anyhow::anyhow!("cublasLtMatmul {p:?}: {e:?}"))
+    }
 }
 
 impl Drop for CudaDevice {
@@ -246,57 +318,37 @@ impl Device for CudaDevice {
     }
 
     fn launch(&self, l: &Launch) {
-        let f = self.function(l.kernel);
-        let ptrs: Vec<u64> = l.args.iter().map(|a| if let Arg::Ptr(s, off) = *a { self.address(s, off) } else { 0 }).collect();
-        let mut b = self.stream.launch_builder(&f);
-        for (a, p) in l.args.iter().zip(&ptrs) {
-            match a {
-                Arg::Ptr(..) => b.arg(p),
-                Arg::I32(x) => b.arg(x),
-                Arg::I64(x) => b.arg(x),
-                Arg::F32(x) => b.arg(x),
-            };
-        }
-        let cfg = LaunchConfig { grid_dim: (l.grid[0], l.grid[1], l.grid[2]), block_dim: (l.block, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: the arguments are the kernel's, in its order and types (the launcher in
-        // ops.rs mirrors each signature of kernels/engine.cu and flash_mma.cu, and the warp
-        // emulator's tests check that mirror); every pointer lies in a live allocation of this
-        // device (offsets checked against the arena by the backend).
-        unsafe { b.launch(cfg) }.unwrap_or_else(|e| panic!("launching {}: {e:?}", l.kernel));
+        self.try_launch(l).unwrap_or_else(|e| panic!("{e:#}"));
     }
 
     fn gemm(&self, p: &LtPlan) {
-        let mut lt = self.lt.lock().expect("the cuBLASLt lock");
-        let key = Self::prepare(&mut lt, p).unwrap_or_else(|e| panic!("{e}"));
-        let prepared = &lt.cache[&key];
-        let (a, b, c) = (self.address(Space::Arena, p.a_off), self.address(Space::Arena, p.b_off), self.address(Space::Arena, p.c_off));
-        let (ws, _sync) = lt.workspace.device_ptr(&self.stream);
-        // SAFETY: the plan's layouts lie inside the arena (checked by the backend before
-        // planning), the descriptors and algorithm were made for this shape, the scalars are
-        // host f32 (the default pointer mode), and the call is ordered on the device's stream.
-        unsafe {
-            lt_result::matmul(
-                lt.handle,
-                prepared.desc,
-                &p.alpha as *const f32 as *const c_void,
-                &p.beta as *const f32 as *const c_void,
-                a as *const c_void,
-                prepared.layouts[0],
-                b as *const c_void,
-                prepared.layouts[1],
-                c as *const c_void,
-                prepared.layouts[2],
-                c as *mut c_void,
-                prepared.layouts[2],
-                &prepared.algo,
-                ws as *mut c_void,
-                WORKSPACE,
-                self.stream.cu_stream() as lt_sys::cudaStream_t,
-            )
-        }
-        .unwrap_or_else(|e| panic!("cublasLtMatmul {p:?}: {e:?}"));
+        self.try_gemm(p).unwrap_or_else(|e| panic!("{e:#}"));
     }
 
+    fn capture(&mut self, slot: usize, work: &[Work]) -> anyhow::Result<()> {
+        use cu_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        self.stream.begin_capture(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| anyhow::anyhow!("cuStreamBeginCapture: {e:?}"))?;
+        let recorded = work.iter().try_for_each(|w| match w {
+            Work::Launch(l) => self.try_launch(l),
+            Work::Gemm(p) => self.try_gemm(p),
+        });
+        // End the capture whatever happened, so the stream leaves capture mode.
+        let graph = self.stream.end_capture(cu_sys::CUgraphInstantiate_flags(0));
+        recorded?;
+        let graph = graph.map_err(|e| anyhow::anyhow!("cuStreamEndCapture / cuGraphInstantiate: {e:?}"))?;
+        let graph = graph.ok_or_else(|| anyhow::anyhow!("the captured graph is empty"))?;
+        graph.upload().map_err(|e| anyhow::anyhow!("cuGraphUpload: {e:?}"))?;
+        if self.graphs.len() <= slot {
+            self.graphs.resize_with(slot + 1, || None);
+        }
+        self.graphs[slot] = Some(Graph(graph));
+        Ok(())
+    }
+
+    fn replay(&self, slot: usize) -> anyhow::Result<()> {
+        let graph = self.graphs.get(slot).and_then(Option::as_ref).ok_or_else(|| anyhow::anyhow!("no graph captured in slot {slot}"))?;
+        graph.0.launch().map_err(|e| anyhow::anyhow!("cuGraphLaunch: {e:?}"))
+    }
     fn write(&mut self, space: Space, off: usize, words: &[u32]) -> anyhow::Result<()> {
         let slice = self.words.iter_mut().find(|w| w.0 == space).map(|w| &mut w.1);
         let slice = slice.ok_or_else(|| anyhow::anyhow!("the {space:?} space is not a 4-byte space"))?;

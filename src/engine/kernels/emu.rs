@@ -2,7 +2,9 @@
 //! and by `tests/warp_emu/engine_emu.cpp` (the kernels' source compiled for the CPU with the
 //! emulator's headers), launches go to that process over a pipe, one line each, and GEMM plans
 //! run through the CPU interpreter of cuBLASLt ([`crate::engine::lt::interpret`]) on the mapped
-//! arena. Everything the CUDA device would be given, the emulator is given.
+//! arena. Everything the CUDA device would be given, the emulator is given. A captured graph
+//! is the recorded work, replayed launch by launch with the arguments fixed at capture, as a
+//! CUDA graph replays its nodes.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -11,7 +13,7 @@ use std::sync::{Mutex, OnceLock};
 
 use memmap2::MmapMut;
 
-use super::{Arg, Device, Launch, Sizes, Space};
+use super::{Arg, Device, Launch, Sizes, Space, Work};
 use crate::engine::lt::{self, LtPlan};
 
 /// Builds the emulator into `dir/name`, with `engine_source` in place of kernels/engine.cu.
@@ -58,12 +60,14 @@ pub(super) struct EmuDevice {
     process: Option<Mutex<Process>>,
     /// Byte offset of each space in the file, and its elements.
     spaces: Vec<(Space, usize, usize)>,
+    /// Captured graphs by slot.
+    graphs: Vec<Vec<Work>>,
 }
 
 impl EmuDevice {
     /// A device running the emulator `exe`, its memory in `file` (created by `alloc`).
     pub(super) fn new(exe: &Path, file: PathBuf) -> Self {
-        Self { exe: exe.to_path_buf(), file, memory: None, process: None, spaces: Vec::new() }
+        Self { exe: exe.to_path_buf(), file, memory: None, process: None, spaces: Vec::new(), graphs: Vec::new() }
     }
 
     /// Byte offset of element `off` of `space`, checked.
@@ -149,6 +153,22 @@ impl Device for EmuDevice {
         let mut m = self.memory.as_ref().expect("the device is allocated").lock().expect("the memory lock");
         for (k, w) in words.iter().enumerate() {
             m[at + 4 * k..at + 4 * k + 4].copy_from_slice(&w.to_ne_bytes());
+        }
+        Ok(())
+    }
+
+    fn capture(&mut self, slot: usize, work: &[Work]) -> anyhow::Result<()> {
+        if self.graphs.len() <= slot {
+            self.graphs.resize(slot + 1, Vec::new());
+        }
+        self.graphs[slot] = work.to_vec();
+        Ok(())
+    }
+
+    fn replay(&self, slot: usize) -> anyhow::Result<()> {
+        let graph = self.graphs.get(slot).ok_or_else(|| anyhow::anyhow!("no graph captured in slot {slot}"))?;
+        for w in graph {
+            self.run(w);
         }
         Ok(())
     }

@@ -12,10 +12,21 @@
 //!   and the kernels are checked against the CPU backend ([`super::cpu`]) without a GPU.
 //!
 //! Memory is four spaces, each allocated once with static addresses: the `f32` arena (the
-//! engine's layout), `aux` (`f32`: reduction partials, per-channel partial sums, attention's
-//! log-sum-exp per layer and its delta), `half` (`bf16`: attention's operands) and `tokens`
-//! (`u32`: the micro-batch's ids and targets, and the ids' CSR that makes the embedding's
-//! gradient deterministic).
+//! engine's layout), `aux` (`f32`: reduction partials, the schedule's scalars, per-channel
+//! partial sums, attention's log-sum-exp per layer and its delta), `half` (`bf16`: attention's
+//! operands) and `tokens` (`u32`: the micro-batch's ids and targets, and the ids' CSR that makes
+//! the embedding's gradient deterministic).
+//!
+//! Units of work ([`Backend::begin_unit`](super::backend::Backend::begin_unit)): inside one,
+//! the backend collects the ops' [`Work`] instead of running it, and the values that change from
+//! step to step (learning rates, momentum, bias corrections) go to a table of schedule scalars
+//! in `aux` that the kernels read through a pointer. At the unit's end the table is written
+//! (one small copy) and the work runs: the first time a unit's key is seen op by op, the second
+//! time, if its work is the same launch for launch (same kernels, grids, pointers and constant
+//! arguments), captured as a graph ([`Device::capture`]: a CUDA graph on the GPU) and from then
+//! on replayed ([`Device::replay`]) as long as it stays the same; work that changed runs op by
+//! op and is captured again when it repeats. A unit never reads the device from the host, so a
+//! training step has one host read, at its end.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -27,6 +38,7 @@ mod tests;
 
 use std::collections::HashMap;
 
+use super::backend::{Backend, GraphCounts};
 use super::lt::LtPlan;
 
 /// A memory space of the device.
@@ -53,7 +65,7 @@ impl Space {
 }
 
 /// One kernel argument.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug)]
 pub enum Arg {
     /// A pointer to element `off` of a space.
     Ptr(Space, usize),
@@ -63,6 +75,20 @@ pub enum Arg {
     I64(i64),
     /// A float.
     F32(f32),
+}
+
+impl PartialEq for Arg {
+    /// Bitwise: a NaN argument (the poison fill's) equals itself, so work that fills with NaN
+    /// is still the same work from one step to the next.
+    fn eq(&self, other: &Arg) -> bool {
+        match (*self, *other) {
+            (Arg::Ptr(s, a), Arg::Ptr(t, b)) => s == t && a == b,
+            (Arg::I32(a), Arg::I32(b)) => a == b,
+            (Arg::I64(a), Arg::I64(b)) => a == b,
+            (Arg::F32(a), Arg::F32(b)) => a.to_bits() == b.to_bits(),
+            _ => false,
+        }
+    }
 }
 
 /// One kernel launch: `kernel<<<grid, block>>>(args...)`.
@@ -76,6 +102,15 @@ pub struct Launch {
     pub block: u32,
     /// The arguments, in the kernel's order.
     pub args: Vec<Arg>,
+}
+
+/// One piece of work for a device: a kernel launch or a GEMM.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Work {
+    /// A kernel launch.
+    Launch(Launch),
+    /// A cuBLASLt GEMM.
+    Gemm(LtPlan),
 }
 
 /// Elements of each space a backend needs.
@@ -105,18 +140,32 @@ pub trait Device: Send {
     fn write(&mut self, space: Space, off: usize, words: &[u32]) -> anyhow::Result<()>;
     /// Reads `len` 32-bit words from element `off` of a 4-byte space (waits for the work before).
     fn read(&self, space: Space, off: usize, len: usize) -> anyhow::Result<Vec<u32>>;
+    /// Records `work` as graph `slot` without running it (replacing a graph there): its
+    /// pointers and constants are fixed, what it reads from memory is read when replayed.
+    fn capture(&mut self, slot: usize, work: &[Work]) -> anyhow::Result<()>;
+    /// Runs graph `slot` (in order with every other call).
+    fn replay(&self, slot: usize) -> anyhow::Result<()>;
+
+    /// Runs one piece of work.
+    fn run(&self, w: &Work) {
+        match w {
+            Work::Launch(l) => self.launch(l),
+            Work::Gemm(p) => self.gemm(p),
+        }
+    }
 }
 
-/// The GPU backend on GPU `ordinal` with an arena of `len` elements (GEMMs in bf16 or f32).
+/// The GPU backend on GPU `ordinal` with an arena of `len` elements (GEMMs in bf16 or f32;
+/// units of work replayed as CUDA graphs when `graphs`).
 #[cfg(feature = "cuda")]
-pub fn gpu_backend(ordinal: usize, bf16: bool, len: usize, cap: Capacity) -> anyhow::Result<Box<dyn super::backend::Backend>> {
+pub fn gpu_backend(ordinal: usize, bf16: bool, graphs: bool, len: usize, cap: Capacity) -> anyhow::Result<Box<dyn Backend>> {
     let math = if bf16 { cuda::GemmMath::Bf16 } else { cuda::GemmMath::F32 };
-    Ok(Box::new(KernelBackend::new(cuda::CudaDevice::new(ordinal, math)?, len, cap)?))
+    Ok(Box::new(KernelBackend::new(cuda::CudaDevice::new(ordinal, math)?, len, cap)?.with_graphs(graphs)))
 }
 
 /// Without the `cuda` feature: the reason there is no GPU backend.
 #[cfg(not(feature = "cuda"))]
-pub fn gpu_backend(ordinal: usize, _bf16: bool, _len: usize, _cap: Capacity) -> anyhow::Result<Box<dyn super::backend::Backend>> {
+pub fn gpu_backend(ordinal: usize, _bf16: bool, _graphs: bool, _len: usize, _cap: Capacity) -> anyhow::Result<Box<dyn Backend>> {
     anyhow::bail!("the engine's GPU backend (cuda:{ordinal}) needs a `cuda` build (scripts/build-cuda.sh)")
 }
 
@@ -142,11 +191,16 @@ pub struct Capacity {
 /// Blocks of a reduction to a scalar (partials in `aux[0..REDUCE_BLOCKS]`, result after them).
 pub(super) const REDUCE_BLOCKS: usize = 256;
 
+/// Schedule scalars one unit of work may hold (Muon takes 3 per matrix, Adam 3 per tensor).
+const SCHED_CAP: usize = 16384;
+
 /// The `aux` space's regions.
 #[derive(Clone, Copy, Debug)]
 struct AuxLayout {
     /// Reduction partials, then the scalar result.
     reduce: usize,
+    /// The schedule scalars of the unit of work running ([`SCHED_CAP`] elements).
+    sched: usize,
     /// Per-op scratch (partial sums, attention's delta), reused by every op.
     scratch: usize,
     scratch_len: usize,
@@ -181,6 +235,22 @@ impl TokenLayout {
     }
 }
 
+/// The unit of work being collected.
+struct Unit {
+    key: String,
+    work: Vec<Work>,
+    /// The schedule scalars' bits, from `aux.sched`.
+    scalars: Vec<u32>,
+}
+
+/// What the backend remembers of a unit's key: its last work and whether that is captured.
+struct Seen {
+    /// The graph slot of this key.
+    slot: usize,
+    work: Vec<Work>,
+    captured: bool,
+}
+
 /// The engine's backend over a [`Device`] (see the module doc).
 pub struct KernelBackend<D: Device> {
     dev: D,
@@ -190,6 +260,11 @@ pub struct KernelBackend<D: Device> {
     tokens: TokenLayout,
     /// Log-sum-exp buffer index of each attention output (keyed by its arena offset).
     lse: HashMap<usize, usize>,
+    /// Capture repeated units as graphs.
+    graphs: bool,
+    unit: Option<Unit>,
+    seen: HashMap<String, Seen>,
+    counts: GraphCounts,
 }
 
 impl<D: Device> KernelBackend<D> {
@@ -204,16 +279,34 @@ impl<D: Device> KernelBackend<D> {
         let align = |x: usize| x.div_ceil(4) * 4;
         let (scratch_len, lse_len) = (align(scratch_len), align(cap.tokens * cap.heads));
         let reduce = 0;
-        let scratch = align(REDUCE_BLOCKS + 1);
+        let sched = align(REDUCE_BLOCKS + 1);
+        let scratch = sched + SCHED_CAP;
         let lse = scratch + scratch_len;
-        let aux = AuxLayout { reduce, scratch, scratch_len, lse, lse_len, lse_count: cap.attention_calls };
+        let aux = AuxLayout { reduce, sched, scratch, scratch_len, lse, lse_len, lse_count: cap.attention_calls };
         // q, k, v, o (or dout), dq, dk, dv: each rounded up to 16 bytes.
         let round = |x: usize| x.div_ceil(8) * 8;
         let (q, kv) = (round(cap.tokens * cap.attn_width), round(cap.tokens * cap.kv_width));
         let half_len = 4 * q + 4 * kv;
         let tokens = TokenLayout { n: cap.tokens, vocab: cap.vocab };
         dev.alloc(Sizes { arena: len, aux: lse + lse_len * cap.attention_calls, half: half_len, tokens: tokens.len() })?;
-        Ok(Self { dev, len, aux, half_len, tokens, lse: HashMap::new() })
+        Ok(Self {
+            dev,
+            len,
+            aux,
+            half_len,
+            tokens,
+            lse: HashMap::new(),
+            graphs: true,
+            unit: None,
+            seen: HashMap::new(),
+            counts: GraphCounts::default(),
+        })
+    }
+
+    /// Captures repeated units of work as graphs (the default) or runs them op by op.
+    pub fn with_graphs(mut self, on: bool) -> Self {
+        self.graphs = on;
+        self
     }
 
     /// The device.
@@ -221,8 +314,80 @@ impl<D: Device> KernelBackend<D> {
         &self.dev
     }
 
-    /// The device, mutably (graph capture).
-    pub fn device_mut(&mut self) -> &mut D {
-        &mut self.dev
+    /// Runs `w` now, or adds it to the open unit.
+    fn submit(&mut self, w: Work) {
+        match &mut self.unit {
+            Some(u) => u.work.push(w),
+            None => self.dev.run(&w),
+        }
+    }
+
+    /// Schedule scalars (values that change between replays of a unit): a pointer to them in
+    /// `aux`, where the open unit's table will hold them, or where they are written now.
+    fn sched(&mut self, values: &[f64]) -> Arg {
+        let words: Vec<u32> = values.iter().map(|&v| (v as f32).to_bits()).collect();
+        match &mut self.unit {
+            Some(u) => {
+                let at = u.scalars.len();
+                assert!(at + words.len() <= SCHED_CAP, "a unit of work holds at most {SCHED_CAP} schedule scalars");
+                u.scalars.extend(words);
+                Arg::Ptr(Space::Aux, self.aux.sched + at)
+            }
+            None => {
+                // In order on the device: the launch before has read the previous values.
+                self.dev.write(Space::Aux, self.aux.sched, &words).expect("writing schedule scalars to the device");
+                Arg::Ptr(Space::Aux, self.aux.sched)
+            }
+        }
+    }
+
+    /// Panics inside a unit of work: `what` would need the unit's work done (a host read) or
+    /// would reorder a host write before it.
+    fn outside_unit(&self, what: &str) {
+        if let Some(u) = &self.unit {
+            panic!("{what} inside the unit of work `{}` (a schedule bug: units never touch the device from the host)", u.key);
+        }
+    }
+
+    /// Runs the closed unit `u`: op by op the first time its key is seen or when its work
+    /// changed, captured on its second identical run, replayed after.
+    fn run_unit(&mut self, u: Unit) {
+        if !u.scalars.is_empty() {
+            self.dev.write(Space::Aux, self.aux.sched, &u.scalars).expect("writing schedule scalars to the device");
+        }
+        let next = self.seen.len();
+        let seen = self.seen.entry(u.key.clone()).or_insert_with(|| Seen { slot: next, work: Vec::new(), captured: false });
+        let same = seen.work == u.work;
+        if self.graphs && same {
+            if !seen.captured {
+                match self.dev.capture(seen.slot, &u.work) {
+                    Ok(()) => {
+                        seen.captured = true;
+                        self.counts.captured += 1;
+                    }
+                    Err(e) => {
+                        eprintln!("warning: capturing the unit `{}` as a graph failed ({e:#}); running every unit op by op", u.key);
+                        self.graphs = false;
+                    }
+                }
+            }
+            if seen.captured {
+                match self.dev.replay(seen.slot) {
+                    Ok(()) => {
+                        self.counts.replayed += 1;
+                        return;
+                    }
+                    Err(e) => panic!("replaying the unit `{}`: {e:#}", u.key),
+                }
+            }
+        }
+        for w in &u.work {
+            self.dev.run(w);
+        }
+        self.counts.eager += 1;
+        if !same {
+            seen.work = u.work;
+            seen.captured = false;
+        }
     }
 }

@@ -6,8 +6,8 @@
 
 use candle_core::{DType, Device as CandleDevice, Tensor};
 
-use super::{Arg, Device, KernelBackend, Launch, REDUCE_BLOCKS, Space};
-use crate::engine::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, Mat, check_regions};
+use super::{Arg, Device, KernelBackend, Launch, REDUCE_BLOCKS, Space, Unit, Work};
+use crate::engine::backend::{Activation, AdamStep, AttnShape, Backend, Buf, GraphCounts, HeadShape, Mat, check_regions};
 use crate::engine::lt;
 
 /// Rows per partial sum of a per-channel reduction (`PART` in kernels/engine.cu).
@@ -56,8 +56,8 @@ fn flag(x: bool) -> Arg {
 }
 
 impl<D: Device> KernelBackend<D> {
-    fn run(&self, kernel: &'static str, grid: [u32; 3], block: u32, args: Vec<Arg>) {
-        self.dev.launch(&Launch { kernel, grid, block, args });
+    fn run(&mut self, kernel: &'static str, grid: [u32; 3], block: u32, args: Vec<Arg>) {
+        self.submit(Work::Launch(Launch { kernel, grid, block, args }));
     }
 
     fn check<const I: usize, const O: usize>(&self, ins: [Buf; I], outs: [Buf; O]) {
@@ -77,20 +77,40 @@ impl<D: Device> KernelBackend<D> {
 
     /// `dst[c] += sum over the partials` after a `*_partial` launch wrote `rows / PART` blocks of
     /// `stride` values from scratch offset 0.
-    fn finish(&self, rows: usize, stride: usize, width: usize, dst: Buf) {
+    fn finish(&mut self, rows: usize, stride: usize, width: usize, dst: Buf) {
         let n = rows.div_ceil(PART);
         self.run("eng_colsum_finish", flat(width), BLOCK, vec![self.scratch(0, n * stride), i(n), i(stride), i(width), a(dst)]);
     }
 
-    /// The scalar reduction `mode` (0 sum, 1 sum of squares, 2 non-finite count) of `src`.
-    fn reduce(&self, src: Buf, mode: i32) -> f64 {
-        self.check([src], []);
+    /// The launches of the scalar reduction `mode` (0 sum, 1 sum of squares, 2 non-finite
+    /// count) of `src` into `out[0]` (added to it when `acc`).
+    fn reduction(&self, src: Buf, mode: i32, out: Arg, acc: bool) -> [Launch; 2] {
         let blocks = src.len.div_ceil(BLOCK as usize).clamp(1, REDUCE_BLOCKS);
         let part = Arg::Ptr(Space::Aux, self.aux.reduce);
-        self.run("eng_reduce_partial", [blocks as u32, 1, 1], BLOCK, vec![a(src), l(src.len), Arg::I32(mode), part]);
-        let out = self.aux.reduce + REDUCE_BLOCKS;
-        self.run("eng_reduce_finish", [1, 1, 1], 32, vec![part, i(blocks), Arg::Ptr(Space::Aux, out)]);
-        let word = self.dev.read(Space::Aux, out, 1).expect("reading a reduction's result from the device");
+        [
+            Launch {
+                kernel: "eng_reduce_partial",
+                grid: [blocks as u32, 1, 1],
+                block: BLOCK,
+                args: vec![a(src), l(src.len), Arg::I32(mode), part],
+            },
+            Launch { kernel: "eng_reduce_finish", grid: [1, 1, 1], block: 32, args: vec![part, i(blocks), out, flag(acc)] },
+        ]
+    }
+
+    /// Where a reduction leaves a result the host or a later kernel reads.
+    fn reduced(&self) -> usize {
+        self.aux.reduce + REDUCE_BLOCKS
+    }
+
+    /// The scalar reduction `mode` of `src`, read by the host (outside units only).
+    fn reduce(&self, src: Buf, mode: i32) -> f64 {
+        self.check([src], []);
+        self.outside_unit("a reduction read by the host");
+        for launch in self.reduction(src, mode, Arg::Ptr(Space::Aux, self.reduced()), false) {
+            self.dev.launch(&launch);
+        }
+        let word = self.dev.read(Space::Aux, self.reduced(), 1).expect("reading a reduction's result from the device");
         f32::from_bits(word[0]) as f64
     }
 
@@ -113,14 +133,14 @@ impl<D: Device> KernelBackend<D> {
     }
 
     /// `half[slot] = m` as contiguous bf16.
-    fn half_in(&self, m: Mat, slot: usize) {
+    fn half_in(&mut self, m: Mat, slot: usize) {
         assert!(!m.t, "attention's operands are read untransposed");
         let args = vec![a(m.span()), l(m.ld), Arg::Ptr(Space::Half, slot), l(m.rows), i(m.cols)];
         self.run("eng_to_bf16", flat(m.rows * m.cols), BLOCK, args);
     }
 
     /// `m (+)= half[slot]`.
-    fn half_out(&self, slot: usize, m: Mat, acc: bool) {
+    fn half_out(&mut self, slot: usize, m: Mat, acc: bool) {
         let args = vec![Arg::Ptr(Space::Half, slot), a(m.span()), l(m.ld), l(m.rows), i(m.cols), flag(acc)];
         self.run("eng_from_bf16", flat(m.rows * m.cols), BLOCK, args);
     }
@@ -155,6 +175,7 @@ impl<D: Device> Backend for KernelBackend<D> {
     fn upload(&mut self, dst: Buf, src: &Tensor) -> anyhow::Result<()> {
         anyhow::ensure!(src.elem_count() == dst.len, "uploading {} elements into a {}-element region", src.elem_count(), dst.len);
         self.check([], [dst]);
+        self.outside_unit("an upload");
         let v: Vec<f32> = src.to_device(&CandleDevice::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         let words: Vec<u32> = v.iter().map(|x| x.to_bits()).collect();
         self.dev.write(Space::Arena, dst.off, &words)
@@ -162,11 +183,13 @@ impl<D: Device> Backend for KernelBackend<D> {
 
     fn download(&self, src: Buf, shape: &[usize]) -> anyhow::Result<Tensor> {
         self.check([src], []);
+        self.outside_unit("a download");
         let v: Vec<f32> = self.dev.read(Space::Arena, src.off, src.len)?.into_iter().map(f32::from_bits).collect();
         Ok(Tensor::from_vec(v, shape, &CandleDevice::Cpu)?)
     }
 
     fn set_tokens(&mut self, x: &[u32], y: &[u32]) {
+        self.outside_unit("writing the micro-batch's tokens");
         let t = self.tokens;
         assert!(x.len() == t.n && y.len() == t.n, "{} ids and {} targets for a {}-token micro-batch", x.len(), y.len(), t.n);
         // The ids' CSR: for each vocabulary row, the positions of its tokens in ascending order.
@@ -216,9 +239,40 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.reduce(src, 2) == 0.0
     }
 
+    fn sum_into(&mut self, src: Buf, dst: Buf) {
+        self.check([src], [dst.sub(0, 1)]);
+        for launch in self.reduction(src, 0, a(dst), true) {
+            self.submit(Work::Launch(launch));
+        }
+    }
+
+    fn clip_norm(&mut self, g: Buf, max: f64, norm: Buf) {
+        self.check([g], [norm.sub(0, 1)]);
+        let sum_sq = Arg::Ptr(Space::Aux, self.reduced());
+        for launch in self.reduction(g, 1, sum_sq, false) {
+            self.submit(Work::Launch(launch));
+        }
+        let max = self.sched(&[max]);
+        self.run("eng_clip", flat(g.len), BLOCK, vec![a(g), l(g.len), sum_sq, max, a(norm)]);
+    }
+
+    fn begin_unit(&mut self, key: &str) {
+        self.outside_unit("opening a unit of work");
+        self.unit = Some(Unit { key: key.to_string(), work: Vec::new(), scalars: Vec::new() });
+    }
+
+    fn end_unit(&mut self) {
+        let u = self.unit.take().expect("end_unit without begin_unit");
+        self.run_unit(u);
+    }
+
+    fn graph_counts(&self) -> Option<GraphCounts> {
+        Some(self.counts)
+    }
+
     fn gemm(&mut self, c: Mat, a_: Mat, b: Mat, alpha: f64, beta: f64) {
         self.check([a_.span(), b.span()], [c.span()]);
-        self.dev.gemm(&lt::plan(c, a_, b, alpha, beta));
+        self.submit(Work::Gemm(lt::plan(c, a_, b, alpha, beta)));
     }
 
     fn embedding_fwd(&mut self, table: Buf, out: Buf, dim: usize) {
@@ -408,31 +462,21 @@ impl<D: Device> Backend for KernelBackend<D> {
 
     fn adam(&mut self, p: Buf, g: Buf, m: Buf, v: Buf, s: AdamStep) {
         self.check([g], [p, m, v]);
-        let args = vec![
-            a(p),
-            a(g),
-            a(m),
-            a(v),
-            l(p.len),
-            f(s.beta1),
-            f(s.beta2),
-            f(s.lr / s.bias1),
-            f(1.0 / s.bias2_sqrt),
-            f(s.eps),
-            f(1.0 - s.lr * s.weight_decay),
-            flag(s.weight_decay != 0.0),
-        ];
+        let sched = self.sched(&[s.lr / s.bias1, 1.0 / s.bias2_sqrt, 1.0 - s.lr * s.weight_decay]);
+        let args = vec![a(p), a(g), a(m), a(v), l(p.len), f(s.beta1), f(s.beta2), sched, f(s.eps), flag(s.weight_decay != 0.0)];
         self.run("eng_adam", flat(p.len), BLOCK, args);
     }
 
     fn momentum(&mut self, g: Buf, buf: Buf, u: Buf, mu: f64, nesterov: bool) {
         self.check([g], [buf, u]);
-        self.run("eng_momentum", flat(buf.len), BLOCK, vec![a(g), a(buf), a(u), l(buf.len), f(mu), flag(nesterov)]);
+        let mu = self.sched(&[mu]);
+        self.run("eng_momentum", flat(buf.len), BLOCK, vec![a(g), a(buf), a(u), l(buf.len), mu, flag(nesterov)]);
     }
 
     fn axpby(&mut self, x_scale: f64, x: Buf, y_scale: f64, y: Buf) {
         self.check([x], [y]);
-        self.run("eng_axpby", flat(y.len), BLOCK, vec![f(x_scale), a(x), f(y_scale), a(y), l(y.len)]);
+        let ab = self.sched(&[x_scale, y_scale]);
+        self.run("eng_axpby", flat(y.len), BLOCK, vec![ab, a(x), a(y), l(y.len)]);
     }
 
     fn row_normalize(&mut self, x: Buf, cols: usize, eps: f64) {
@@ -458,6 +502,7 @@ impl<D: Device> Backend for KernelBackend<D> {
 
     fn sgd(&mut self, p: Buf, g: Buf, buf: Buf, lr: f64, mu: f64, first: bool) {
         self.check([g], [p, buf]);
-        self.run("eng_sgd", flat(p.len), BLOCK, vec![a(p), a(g), a(buf), l(p.len), f(lr), f(mu), flag(first)]);
+        let s = self.sched(&[lr, mu]);
+        self.run("eng_sgd", flat(p.len), BLOCK, vec![a(p), a(g), a(buf), l(p.len), s, flag(first)]);
     }
 }

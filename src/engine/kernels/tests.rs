@@ -96,6 +96,40 @@ fn flat_ops_and_reductions_match_the_cpu() {
         assert!(!be.all_finite(c));
         be.axpby(0.5, a, -2.0, r.take(100));
         be.ema(r.take(50), b.sub(0, 50), 0.9);
+        // Device scalars: a sum added twice; clipping that scales and clipping that does not.
+        let total = r.take(1);
+        be.sum_into(b, total);
+        be.sum_into(a, total);
+        let (g, norm) = (r.take(100), r.take(2));
+        be.copy(g, b);
+        be.clip_norm(g, 0.5, norm.sub(0, 1));
+        be.clip_norm(g, 1e3, norm.sub(1, 1));
+    });
+}
+
+/// The optimizer ops inside a unit of work run three times with new learning rates and
+/// momentum each time: on the emulated GPU the first run is op by op, the second captured, the
+/// third replayed, and each must use its own values (read from the schedule scalars when
+/// replayed), as the CPU does.
+#[test]
+fn a_replayed_unit_reads_each_steps_schedule_scalars() {
+    check("unit", 2000, cap(), 2e-6, |be| {
+        let mut r = Bump::default();
+        let (p, g, m, v, buf, u) = (r.take(200), r.take(200), r.take(200), r.take(200), r.take(200), r.take(200));
+        be.fill(v, 0.5);
+        for k in 0..3 {
+            let x = 1.0 + k as f64;
+            be.begin_unit("optimizer");
+            let s = AdamStep { lr: 0.01 * x, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.04, bias1: 0.1 * x, bias2_sqrt: 0.2 * x };
+            be.adam(p, g, m, v, s);
+            be.momentum(g, buf, u, 0.8 + 0.05 * x, true);
+            be.axpby(-0.1 * x, u, 1.0 - 0.01 * x, p);
+            be.sgd(p, g, buf, 0.1 * x, 0.9, false);
+            be.end_unit();
+        }
+        if let Some(c) = be.graph_counts() {
+            assert_eq!((c.eager, c.captured, c.replayed), (1, 1, 2), "{c:?}");
+        }
     });
 }
 
@@ -298,7 +332,8 @@ fn the_engine_on_the_emulated_gpu_matches_the_cpu_engine() {
     for e in [&mut cpu, &mut gpu] {
         e.load_params(&params).unwrap();
         e.zero_grads();
-        losses.push(e.micro_step(&x, &y, true, 1.0 / (rows * t) as f64).loss_sum / (rows * t) as f64);
+        e.micro_step(&x, &y, true, 1.0 / (rows * t) as f64);
+        losses.push(e.loss_sum().unwrap() / (rows * t) as f64);
     }
     assert!((losses[0] - losses[1]).abs() <= 1e-3 * losses[0], "mean losses {losses:?}");
     compare("gradient", cpu.grads().unwrap(), gpu.grads().unwrap());
@@ -324,4 +359,67 @@ fn the_gpu_engine_refuses_shapes_its_attention_cannot_take() {
     let e = kernel_capacity(&cfg, 1, 100).unwrap_err().to_string();
     assert!(e.contains("multiple of 64") && e.contains("100"), "{e}");
     assert!(kernel_capacity(&cfg, 2, 128).is_ok());
+}
+
+/// The engine on the emulated GPU with its units captured and replayed as graphs, against the
+/// same engine launching op by op: three steps with a learning rate, a momentum and a clip
+/// that change every step give bit-identical losses, gradient norms and weights, and after the
+/// first sighting (op by op) and the capture, every unit is a replay (the step's launches do
+/// not change from step to step: its varying values are read from device memory).
+#[test]
+fn graph_replay_is_bit_identical_to_eager_and_every_step_replays() {
+    use crate::engine::Engine;
+    use crate::engine::layout::Layout;
+    use crate::engine::optim::MuonStep;
+    use crate::engine::step::{OptimizerStep, kernel_capacity};
+    use crate::engine::tests::{baseline_small, perturbed, tokens};
+    use crate::model::ModelConfig;
+    let cfg = ModelConfig { model_dim: 64, num_heads: 1, num_kv_heads: 1, num_layers: 2, ..baseline_small() };
+    let (rows, t) = (1, 64);
+    let params = perturbed(&cfg, 5).state_dict().into_iter().collect();
+    let mut runs = Vec::new();
+    for graphs in [false, true] {
+        let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join(format!("graphs-{graphs}.mem")));
+        let be = KernelBackend::new(dev, Layout::new(&cfg, rows, t).len(), kernel_capacity(&cfg, rows, t).unwrap()).unwrap();
+        let mut e = Engine::with_backend(&cfg, rows, t, Box::new(be.with_graphs(graphs)), true).unwrap();
+        e.load_params(&params).unwrap();
+        e.zero_grads();
+        let mut stats = Vec::new();
+        for step in 0..3u64 {
+            let (x, y) = (tokens(10 * step, rows * t, 48), tokens(10 * step + 5, rows * t, 48));
+            e.micro_step(&x, &y, false, 1.0 / (rows * t) as f64);
+            let k = step as f64;
+            let muon = MuonStep {
+                lr: 0.02 + 0.01 * k,
+                momentum: 0.85 + 0.05 * k,
+                nesterov: true,
+                backend_steps: 5,
+                row_norm: true,
+                weight_decay: 0.01,
+            };
+            let s = OptimizerStep {
+                clip: 0.3 + k,
+                muon,
+                adam: [(0.01 + 0.01 * k, 0.0), (0.02 - 0.005 * k, 0.01), (0.03, 0.0)],
+                betas: (0.9, 0.95),
+                eps: 1e-8,
+            };
+            stats.push(e.optimizer_step(&s).unwrap());
+        }
+        let weights: Vec<Vec<u32>> = e
+            .params()
+            .unwrap()
+            .iter()
+            .map(|(_, w)| w.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect())
+            .collect();
+        runs.push((stats, weights, e.graph_counts().unwrap()));
+    }
+    let ((eager_stats, eager_w, eager_c), (graph_stats, graph_w, graph_c)) = (&runs[0], &runs[1]);
+    assert_eq!(eager_stats, graph_stats);
+    assert!(eager_stats.iter().all(|s| s.loss_sum.is_finite() && s.grad_norm.is_some_and(f64::is_finite)), "{eager_stats:?}");
+    assert!(eager_w == graph_w, "the weights after graph replay differ from op-by-op launches");
+    assert_eq!((eager_c.captured, eager_c.replayed, eager_c.eager), (0, 0, 9));
+    // Forward, backward and optimizer: op by op in step 1, captured (and run) in step 2,
+    // replayed in step 3.
+    assert_eq!((graph_c.captured, graph_c.replayed, graph_c.eager), (3, 6, 3), "{graph_c:?}");
 }
