@@ -18,8 +18,11 @@
 #     with the executor's data-wait share and its input channel's recv-blocked p99.
 # (e) the engine's GPU backend (stages.train.impl = "engine", src/engine/kernels/): a small model
 #     trained 20 steps on cuda:0 by the engine (bf16 GEMMs), the engine (f32 GEMMs) and the candle
-#     executor (f32), their val_loss side by side (parity through training); then the baseline's
-#     STEPS steps on the engine, its steady ms/step beside (b)'s candle figure and (d)'s PyTorch.
+#     executor (f32), their val_loss side by side (parity through training); the engine bf16 run
+#     again with `cuda_graph = false` (every kernel launched from the host), its saved weights
+#     compared byte for byte with the graph-replayed run's (replay must be bit-identical to eager)
+#     and the report's graph counts; then the baseline's STEPS steps on the engine, its steady
+#     ms/step beside (b)'s candle figure and (d)'s PyTorch, and again with graphs off.
 # Its summary lines are appended to OUT_DIR/gpu-check.log (default OUT_DIR gpu-check-out), each
 # run's output and report beside them.
 #
@@ -188,6 +191,18 @@ if part e; then
       --set stages.upload.impl="\"$STREAM\"" > "$OUT/engine-parity-$impl-$dtype.out" || status=1
     echo "$impl $dtype: $(grep -h '^step.*val_loss' "$OUT/engine-parity-$impl-$dtype/train.log" | tail -1 || echo 'no val_loss')"
   done
+  # Graph replay against eager launches: the same run with cuda_graph = false.
+  first=${variants[0]// /-}
+  "$BIN" run pipelines/baseline.toml --out "$OUT/engine-parity-eager" "${common[@]}" "${small[@]}" \
+    --set stages.train.impl='"engine"' --set stages.train.dtype="\"$engine_dtype\"" --set stages.train.cuda_graph=false \
+    --set stages.pin.impl="\"$PINNED\"" --set stages.upload.impl="\"$STREAM\"" > "$OUT/engine-parity-eager.out" || status=1
+  if cmp -s "$OUT/engine-parity-$first/final_model.safetensors" "$OUT/engine-parity-eager/final_model.safetensors"; then
+    echo "graph replay vs eager: final weights bit-identical"
+  else
+    echo "graph replay vs eager: final weights DIFFER"; status=1
+  fi
+  python3 -c "import json,sys; print('graph counts:', json.load(open(sys.argv[1])).get('train', {}).get('engine', {}).get('graphs'))" \
+    "$OUT/engine-parity-$first/report.json" || true
   "$BIN" run pipelines/baseline.toml --out "$OUT/engine-throughput" "${common[@]}" --set train.iterations="$STEPS" \
     --set stages.train.impl='"engine"' --set stages.train.dtype="\"$engine_dtype\"" \
     --set stages.pin.impl="\"$PINNED\"" --set stages.upload.impl="\"$STREAM\"" > "$OUT/engine-throughput.out" || status=1
@@ -197,6 +212,11 @@ if part e; then
   if [[ -n ${engine_steady:-} && -n ${ours_steady:-} ]]; then
     python3 -c "import sys; print(f'engine / candle throughput: {float(sys.argv[2]) / float(sys.argv[1]):.2f}x')" "$engine_steady" "$ours_steady"
   fi
+  "$BIN" run pipelines/baseline.toml --out "$OUT/engine-throughput-eager" "${common[@]}" --set train.iterations="$STEPS" \
+    --set stages.train.impl='"engine"' --set stages.train.dtype="\"$engine_dtype\"" --set stages.train.cuda_graph=false \
+    --set stages.pin.impl="\"$PINNED\"" --set stages.upload.impl="\"$STREAM\"" > "$OUT/engine-throughput-eager.out" || status=1
+  eager_steady=$(steady "$OUT/engine-throughput-eager") || status=1
+  echo "engine without graphs: ${eager_steady:-?} ms/step (graphs: ${engine_steady:-?})"
 fi
 
 exit $status
