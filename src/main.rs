@@ -43,6 +43,36 @@ enum Command {
         #[arg(long, value_name = "RUN_DIR|CHECKPOINT")]
         resume: Option<PathBuf>,
     },
+    /// Run a config and variants of it one after another and compare them side by side.
+    ///
+    /// The base config runs first, then each value of each --vary (one key changed at a time,
+    /// or every combination with --grid), all with the same seed and data order, each in its
+    /// own run directory under the ablation directory (ablation.json, ablation.txt). Ctrl-C
+    /// lets the current run finish; rerun with the same --out to go on.
+    Ablate {
+        /// The pipeline config (TOML); its `[ablation]` table is used when no --vary is given.
+        config: PathBuf,
+        /// A key and the values to try: --vary stages.sampler.queue=2,100 (repeatable).
+        #[arg(long = "vary", value_name = "KEY=V1,V2")]
+        varies: Vec<String>,
+        /// Run every combination of the varied values instead of one key at a time.
+        #[arg(long)]
+        grid: bool,
+        /// Run every variant N times, with run.seed = the config's seed + 0..N, and report mean,
+        /// standard deviation and Welch's t-test of the score against the base.
+        #[arg(long, value_name = "N")]
+        seeds: Option<u32>,
+        /// The ablation directory (default: <[run] out_dir>/ablation-<name>-<UTC time>); an
+        /// existing one goes on where it stopped.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Override a config value in every run, as for `run`.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+        /// Print only errors, each run's outcome and the comparison.
+        #[arg(long, short)]
+        quiet: bool,
+    },
     /// Check a pipeline config without running it (exit 2 on any problem).
     Validate {
         /// The pipeline config (TOML).
@@ -187,6 +217,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let code = match cli.command {
         Command::Run { config, out, sets, quiet, resume } => cli::run::command(config, out, sets, quiet, resume),
+        Command::Ablate { config, varies, grid, seeds, out, sets, quiet } => {
+            cli::ablate::command(config, cli::ablate::Options { varies, grid, seeds, out, sets, quiet })
+        }
         Command::Validate { config, sets } => cli::validate::command(config, sets),
         Command::Report { run_dir, json } => cli::report::command(run_dir, json),
         Command::Stages { json } => cli::stages::command(json),

@@ -2,6 +2,7 @@
 //! calls one `command` here, which prints and returns the exit code.
 //!
 //! - [`run`]: `pipeline run` (plan, resume, memory, build, run, report) and the stop signals;
+//! - [`ablate`]: `pipeline ablate`, runs that vary settings, compared side by side;
 //! - [`validate`], [`report`], [`stages`]: check a config, print a report, list the stages;
 //! - [`data`], [`artifact`]: prepare shards, build and score an artifact;
 //! - [`check`]: `pipeline parity` and `pipeline attention-trial`.
@@ -35,6 +36,7 @@ macro_rules! err {
     }};
 }
 
+pub mod ablate;
 pub mod artifact;
 pub mod check;
 pub mod data;

@@ -8,6 +8,8 @@ use figment::value::Dict;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::report::ablation::plan::AblationConfig;
+
 use crate::data::batch::BatchShape;
 use crate::data::config::DataConfig;
 use crate::eval::validation::ValSettings;
@@ -207,6 +209,9 @@ pub struct Config {
     /// `[stages.NAME]`, raw until the graph builder resolves them.
     #[serde(default, skip_serializing)]
     pub stages: BTreeMap<String, Dict>,
+    /// `[ablation]`: what `pipeline ablate` varies (`pipeline run` ignores it).
+    #[serde(default, skip_serializing_if = "AblationConfig::is_empty")]
+    pub ablation: AblationConfig,
 }
 
 impl Tables for Config {
