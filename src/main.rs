@@ -73,6 +73,18 @@ enum Command {
         #[arg(long, short)]
         quiet: bool,
     },
+    /// Predict each channel's best depth from a finished run's recorded service times.
+    ///
+    /// Replays the chain that feeds the executor (or a loader's sink) as a queue with every
+    /// channel depth from 1 to 128, and prints the predicted input wait and throughput per depth
+    /// and the smallest depth within 1% of the best.
+    Advise {
+        /// The run directory (holding report.json).
+        run_dir: PathBuf,
+        /// Print the advice as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Check a pipeline config without running it (exit 2 on any problem).
     Validate {
         /// The pipeline config (TOML).
@@ -220,6 +232,7 @@ fn main() -> ExitCode {
         Command::Ablate { config, varies, grid, seeds, out, sets, quiet } => {
             cli::ablate::command(config, cli::ablate::Options { varies, grid, seeds, out, sets, quiet })
         }
+        Command::Advise { run_dir, json } => cli::advise::command(run_dir, json),
         Command::Validate { config, sets } => cli::validate::command(config, sets),
         Command::Report { run_dir, json } => cli::report::command(run_dir, json),
         Command::Stages { json } => cli::stages::command(json),

@@ -3,6 +3,7 @@
 //!
 //! - [`run`]: `pipeline run` (plan, resume, memory, build, run, report) and the stop signals;
 //! - [`ablate`]: `pipeline ablate`, runs that vary settings, compared side by side;
+//! - [`advise`]: `pipeline advise`, channel depths predicted from a run's service times;
 //! - [`validate`], [`report`], [`stages`]: check a config, print a report, list the stages;
 //! - [`data`], [`artifact`]: prepare shards, build and score an artifact;
 //! - [`check`]: `pipeline parity` and `pipeline attention-trial`.
@@ -37,6 +38,7 @@ macro_rules! err {
 }
 
 pub mod ablate;
+pub mod advise;
 pub mod artifact;
 pub mod check;
 pub mod data;

@@ -2,6 +2,7 @@
 //! verdict ([`verdict`]) computed from the stage and channel tables ([`tables`]).
 
 pub mod ablation;
+pub mod advise;
 pub mod document;
 pub mod tables;
 pub mod verdict;

@@ -96,9 +96,13 @@ impl Hist {
             p99: us(h.value_at_quantile(0.99)),
             max: us(h.max()),
             total_ms: self.sum_ns() / 1e6,
+            quantiles: (0..QUANTILES).map(|k| us(h.value_at_quantile((k as f64 + 0.5) / QUANTILES as f64))).collect(),
         }
     }
 }
+
+/// Points of [`Summary::quantiles`]: the distribution at 1% resolution.
+pub const QUANTILES: usize = 100;
 
 /// A latency distribution as reports show it. All durations are in microseconds except
 /// `total_ms`.
@@ -118,6 +122,11 @@ pub struct Summary {
     pub max: f64,
     /// Sum of all events (ms).
     pub total_ms: f64,
+    /// The distribution itself: the value (µs) at quantile `(k + 0.5) / 100` for `k` in
+    /// `0..100` (empty without events), for percentile plots and for drawing service times in
+    /// a simulation (`pipeline advise`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub quantiles: Vec<f64>,
 }
 
 #[cfg(test)]
