@@ -65,18 +65,19 @@ pub fn command(path: PathBuf, o: Options) -> i32 {
     }
     let mut runs: Vec<(Variant, Option<Figures>)> = variants.iter().map(|v| (v.clone(), kept(&dir, v))).collect();
     let mut failed = false;
-    for (k, (v, figures)) in runs.clone().iter().enumerate() {
+    for k in 0..runs.len() {
+        let v = runs[k].0.clone();
         if stop.after_current.load(Ordering::SeqCst) {
             break;
         }
         let label = format!("[{}/{}] {}", k + 1, variants.len(), v.dir);
-        if figures.is_some() {
+        if runs[k].1.is_some() {
             out!("ablate: {label}: complete already, kept");
             continue;
         }
         let control = Arc::new(Control::new());
         *stop.current.lock().expect("the current run's control") = Some(control.clone());
-        let outcome = run_variant(&dir, v, &loaded[k], control, o.quiet);
+        let outcome = run_variant(&dir, &v, &loaded[k], control, o.quiet);
         *stop.current.lock().expect("the current run's control") = None;
         let figures = match outcome {
             Ok(f) => f,

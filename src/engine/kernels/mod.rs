@@ -355,10 +355,22 @@ impl<D: Device> KernelBackend<D> {
         if !u.scalars.is_empty() {
             self.dev.write(Space::Aux, self.aux.sched, &u.scalars).expect("writing schedule scalars to the device");
         }
-        let next = self.seen.len();
-        let seen = self.seen.entry(u.key.clone()).or_insert_with(|| Seen { slot: next, work: Vec::new(), captured: false });
-        let same = seen.work == u.work;
-        if self.graphs && same {
+        if self.graphs {
+            if !self.seen.contains_key(&u.key) {
+                let slot = self.seen.len();
+                self.seen.insert(u.key.clone(), Seen { slot, work: Vec::new(), captured: false });
+            }
+            let seen = self.seen.get_mut(&u.key).expect("inserted above");
+            if seen.work != u.work {
+                // New or changed work: op by op now, captured when it repeats.
+                for w in &u.work {
+                    self.dev.run(w);
+                }
+                self.counts.eager += 1;
+                seen.work = u.work;
+                seen.captured = false;
+                return;
+            }
             if !seen.captured {
                 match self.dev.capture(seen.slot, &u.work) {
                     Ok(()) => {
@@ -381,13 +393,10 @@ impl<D: Device> KernelBackend<D> {
                 }
             }
         }
+        // Graphs off (or the capture above failed): op by op, no record of the work kept.
         for w in &u.work {
             self.dev.run(w);
         }
         self.counts.eager += 1;
-        if !same {
-            seen.work = u.work;
-            seen.captured = false;
-        }
     }
 }
