@@ -297,8 +297,14 @@ fn weights_have_the_state_dict_names_and_load_back() {
 fn iterations_end_the_run() {
     let c = corpus("iterations");
     let out = c.dir.join("run");
-    let (t, o) = train_ok(&config(&c), &out, &["train.iterations=3", "train.val_every=0"]);
+    let (t, o) = train_ok(&config(&c), &out, &["train.iterations=3", "train.val_every=0", "run.warmup_items=0"]);
     assert_eq!(u(&t, "steps"), 3, "{}", text(&o));
+    // The batches still in flight after the last step are dropped, and not timed as steps:
+    // the executor's service times (what `pipeline advise` simulates) are the 3 steps alone.
+    let r = report(&out);
+    let ex = &r.stages["train"];
+    assert_eq!(ex.service_us.count, 3, "{ex:?}");
+    assert_eq!(ex.items_dropped, ex.items_in - 3, "{ex:?}");
     assert_eq!(t["ended_by"], "iterations");
     assert_eq!(u(&t, "tokens"), 3 * 256);
     assert_eq!(validations(&t).iter().map(|v| v.0).collect::<Vec<_>>(), [3], "val_every = 0: only the final validation");

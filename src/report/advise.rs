@@ -131,6 +131,22 @@ impl Chain {
     }
 }
 
+/// What the run measured of `focus` over the time it spent in its loop (serving, waiting for
+/// input, blocked sending), not its whole steady window: a step executor's window runs on to
+/// the end of the run, through the evaluation after training, when it no longer takes items.
+fn measured(report: &Report, focus: &str) -> Prediction {
+    let st = &report.stages[focus];
+    let into: Vec<_> = report.channels.values().filter(|c| c.to == focus).collect();
+    // The consumer's wait covers its whole channel: every edge into it carries the same figure.
+    let wait_ms = into.iter().map(|c| c.recv_blocked_us.total_ms).fold(0.0, f64::max);
+    let send_ms: f64 = report.channels.values().filter(|c| c.from == focus).map(|c| c.send_blocked_us.total_ms).sum();
+    let active_s = (st.service_us.total_ms + wait_ms + send_ms) / 1e3;
+    if active_s <= 0.0 {
+        return Prediction { input_wait: report.verdict.input_bound_fraction, throughput_per_s: st.throughput_per_s };
+    }
+    Prediction { input_wait: wait_ms / 1e3 / active_s, throughput_per_s: st.service_us.count as f64 / active_s }
+}
+
 fn quantiles(s: &Summary) -> Option<&[f64]> {
     (s.count > 0 && !s.quantiles.is_empty()).then_some(s.quantiles.as_slice())
 }
@@ -168,7 +184,7 @@ pub fn advise(report: &Report) -> anyhow::Result<Advice> {
     let chain = Chain::of(report)?;
     let seed = 0x5eed;
     let focus = report.verdict.focus.clone();
-    let measured = Prediction { input_wait: report.verdict.input_bound_fraction, throughput_per_s: report.stages[&focus].throughput_per_s };
+    let measured = measured(report, &focus);
     let recorded = chain.predict(&chain.depths, seed);
     let sweep = |channel: String, recorded_depth: Option<usize>, set: &dyn Fn(usize) -> Vec<usize>| {
         let predictions: Vec<(usize, Prediction)> = DEPTHS.iter().map(|&d| (d, chain.predict(&set(d), seed))).collect();
@@ -198,11 +214,11 @@ pub fn render(a: &Advice) -> String {
     let _ = writeln!(o, "chain: {} (input wait of `{}`)", a.chain.join(" -> "), a.focus);
     let _ = writeln!(
         o,
-        "measured: input wait {:.1}%, {:.1} items/s; simulated at the recorded depths: {:.1}%, {:.1} items/s",
+        "measured: input wait {:.1}%, {} items/s; simulated at the recorded depths: {:.1}%, {} items/s",
         a.measured.input_wait * 100.0,
-        a.measured.throughput_per_s,
+        rate(a.measured.throughput_per_s),
         a.recorded.input_wait * 100.0,
-        a.recorded.throughput_per_s
+        rate(a.recorded.throughput_per_s)
     );
     let depths: Vec<String> = DEPTHS.iter().map(|d| format!("{d:>13}")).collect();
     let _ = writeln!(o, "\n{:<28} {:>6}  {}  advice", "channel (wait %, items/s)", "now", depths.join(""));
@@ -210,7 +226,7 @@ pub fn render(a: &Advice) -> String {
         let cells: Vec<String> = c
             .predictions
             .iter()
-            .map(|(_, p)| format!("{:>13}", format!("{:.1}% {:.0}", p.input_wait * 100.0, p.throughput_per_s)))
+            .map(|(_, p)| format!("{:>13}", format!("{:.1}% {}", p.input_wait * 100.0, rate(p.throughput_per_s))))
             .collect();
         let now = c.recorded_depth.map_or("-".to_string(), |d| d.to_string());
         let _ = writeln!(o, "{:<28} {:>6}  {}  depth {}", c.channel, now, cells.join(""), c.advised_depth);
@@ -220,6 +236,15 @@ pub fn render(a: &Advice) -> String {
         "\n(the smallest depth within 1% of the best throughput; stages as single servers drawing their recorded service times)"
     );
     o
+}
+
+/// A rate with three significant digits below 100 (a training step is a few items a second).
+fn rate(x: f64) -> String {
+    match x {
+        x if x < 10.0 => format!("{x:.2}"),
+        x if x < 100.0 => format!("{x:.1}"),
+        x => format!("{x:.0}"),
+    }
 }
 
 #[cfg(test)]

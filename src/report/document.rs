@@ -117,16 +117,16 @@ pub fn build(plan: &Plan, result: &RunResult, meta: &ReportMeta) -> Report {
     let mut stages = BTreeMap::new();
     let mut steady = vec![0.0f64; plan.stages.len()];
     for (i, (s, r)) in plan.stages.iter().zip(&result.stages).enumerate() {
-        let (items_in, items_out, service, busy, steady_s) = match &r.env {
+        let (items_in, items_out, items_dropped, service, busy, steady_s) = match &r.env {
             Some(env) => {
                 // The window runs to the end of the whole run, not of this stage: a stage that
                 // finished early (a source whose items sit in a deep queue) was idle since.
                 let steady_start = env.steady_start.unwrap_or(env.start);
                 let steady_s = clock.seconds(steady_start, result.end.max(r.end));
                 let busy = if steady_s > 0.0 { (env.service.sum_ns() * 1e-9 / steady_s).min(1.0) } else { 0.0 };
-                (env.items_in, env.items_out, env.service.summary(), busy, steady_s)
+                (env.items_in, env.items_out, env.items_dropped, env.service.summary(), busy, steady_s)
             }
-            None => (0, 0, Summary::default(), 0.0, 0.0),
+            None => (0, 0, 0, Summary::default(), 0.0, 0.0),
         };
         steady[i] = steady_s;
         let role = s.factory.role();
@@ -150,6 +150,7 @@ pub fn build(plan: &Plan, result: &RunResult, meta: &ReportMeta) -> Report {
                 items,
                 items_in,
                 items_out,
+                items_dropped,
                 busy_fraction: busy,
                 throughput_per_s: if steady_s > 0.0 { service.count as f64 / steady_s } else { 0.0 },
                 service_us: service,

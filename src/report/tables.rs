@@ -26,6 +26,10 @@ pub struct StageReport {
     pub items_in: u64,
     /// Items produced.
     pub items_out: u64,
+    /// Items received and dropped unprocessed ([`crate::runtime::stage::Ctx::discard`]): not
+    /// in the service times.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub items_dropped: u64,
     /// Share of steady wall time spent in the stage's own code.
     pub busy_fraction: f64,
     /// Service time per item.
@@ -42,6 +46,10 @@ pub struct StageReport {
     /// Stage-specific histograms (e.g. `write_us` of a checkpointer).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub extra_us: BTreeMap<String, Summary>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// `channels."FROM->TO"`.

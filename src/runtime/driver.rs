@@ -246,6 +246,7 @@ pub struct StageEnv {
     pub(crate) warmup: u64,
     pub(crate) items_in: u64,
     pub(crate) items_out: u64,
+    pub(crate) items_dropped: u64,
     pub(crate) service: Hist,
     pub(crate) start: u64,
     pub(crate) steady_start: Option<u64>,
@@ -263,6 +264,7 @@ impl StageEnv {
             warmup,
             items_in: 0,
             items_out: 0,
+            items_dropped: 0,
             service: Hist::in_units(tick),
             start,
             steady_start: None,
@@ -279,6 +281,16 @@ impl StageEnv {
         if !self.meter.recording && done >= self.warmup && self.meter.instrument {
             self.meter.recording = true;
             self.steady_start = Some(self.meter.last);
+        }
+    }
+
+    /// Records an item's service time, unless the stage discarded the item ([`Ctx::discard`]).
+    #[inline]
+    fn record_item(&mut self, start: u64, end: u64, ctx: &mut Ctx) {
+        if ctx.take_discarded() {
+            self.items_dropped += 1;
+        } else {
+            self.record_service(start, end);
         }
     }
 
@@ -367,7 +379,7 @@ impl<T: Transform> Runnable for TransformRun<T> {
             let sent = r.is_ok() && em.finish(end).is_ok();
             env.items_out += em.emitted;
             env.meter.blocked = blocked_in_call;
-            env.record_service(start, end);
+            env.record_item(start, end, ctx);
             if let Err(e) = r {
                 if e.is::<Stopped>() {
                     break;
@@ -404,7 +416,7 @@ impl<K: Sink> Runnable for SinkRun<K> {
             env.meter.blocked = 0;
             let r = self.0.consume(item, ctx);
             let end = env.meter.now();
-            env.record_service(start, end);
+            env.record_item(start, end, ctx);
             if let Err(e) = r {
                 if e.is::<Stopped>() {
                     break;

@@ -138,11 +138,12 @@ pub struct Ctx {
     control: Arc<Control>,
     extra: BTreeMap<String, Hist>,
     sections: Arc<Mutex<BTreeMap<String, serde_json::Value>>>,
+    discarded: bool,
 }
 
 impl Ctx {
     pub(crate) fn new(name: &str, control: Arc<Control>, sections: Arc<Mutex<BTreeMap<String, serde_json::Value>>>) -> Self {
-        Self { name: name.to_string(), control, extra: BTreeMap::new(), sections }
+        Self { name: name.to_string(), control, extra: BTreeMap::new(), sections, discarded: false }
     }
 
     /// The stage's name.
@@ -224,6 +225,19 @@ impl Ctx {
                 self.extra.insert(metric.to_string(), h);
             }
         }
+    }
+
+    /// Marks the item being processed as dropped unprocessed (a batch still in flight after a
+    /// step executor's last step): its time is not recorded as service, so the service-time
+    /// distribution (what `pipeline advise` simulates from) holds only real work, and it is
+    /// counted in the report's `items_dropped`.
+    pub fn discard(&mut self) {
+        self.discarded = true;
+    }
+
+    /// Whether the item just processed was discarded; resets the mark.
+    pub(crate) fn take_discarded(&mut self) -> bool {
+        std::mem::take(&mut self.discarded)
     }
 
     /// Publishes a top-level report section (e.g. `train`); a later call replaces it.

@@ -272,6 +272,7 @@ impl Session {
         if self.done || ctx.stopping() {
             // Batches still in flight after the last step, or after a stop (Ctrl-C, max_seconds),
             // are not part of the run: the step they would complete is dropped in `flush`.
+            ctx.discard();
             return Ok(());
         }
         if let Some(ending) = self.finish_only {
