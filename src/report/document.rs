@@ -198,6 +198,7 @@ pub fn build(plan: &Plan, result: &RunResult, meta: &ReportMeta) -> Report {
                     mean_occupancy: occ.sum as f64 / samples,
                     empty_fraction: occ.empty as f64 / samples,
                     full_fraction: occ.full as f64 / samples,
+                    occupancy_timeline: occ.timeline.points(),
                 },
             );
         }

@@ -75,6 +75,49 @@ pub struct OccupancySamples {
     pub empty: u64,
     /// Samples that found it full.
     pub full: u64,
+    /// The length over time, at most [`TIMELINE_POINTS`] points.
+    pub timeline: Timeline,
+}
+
+/// Most points a [`Timeline`] keeps.
+pub const TIMELINE_POINTS: usize = 512;
+
+/// A bounded series of a channel's sampled length over the run: each point is the mean of
+/// `width` consecutive samples; when the series is full, neighbours are merged in pairs and
+/// the width doubles, so a run of any length keeps between 256 and 512 points.
+#[derive(Clone, Debug, Default)]
+pub struct Timeline {
+    /// Samples per point.
+    width: u64,
+    /// Per point: seconds from the run's start to its first sample, sum of lengths, samples.
+    points: Vec<(f64, u64, u64)>,
+}
+
+impl Timeline {
+    /// Adds a sample of length `len` taken `t` seconds into the run.
+    pub fn push(&mut self, t: f64, len: u64) {
+        self.width = self.width.max(1);
+        match self.points.last_mut() {
+            Some(last) if last.2 < self.width => {
+                last.1 += len;
+                last.2 += 1;
+            }
+            _ => {
+                if self.points.len() == TIMELINE_POINTS {
+                    let merged = self.points.chunks(2).map(|c| c.iter().fold((c[0].0, 0, 0), |a, p| (a.0, a.1 + p.1, a.2 + p.2)));
+                    self.points = merged.collect();
+                    self.width *= 2;
+                    return self.push(t, len);
+                }
+                self.points.push((t, len, 1));
+            }
+        }
+    }
+
+    /// `(seconds into the run, mean length)` per point.
+    pub fn points(&self) -> Vec<[f64; 2]> {
+        self.points.iter().map(|&(t, sum, n)| [t, sum as f64 / n.max(1) as f64]).collect()
+    }
 }
 
 /// Everything a run measured, before it becomes a report.
@@ -257,6 +300,7 @@ pub fn run(plan: &Plan, run: &RunConfig, built: Built, control: Arc<Control>) ->
                     o.sum += len as u64;
                     o.empty += (len == 0) as u64;
                     o.full += (len >= plan.stages[i].queue) as u64;
+                    o.timeline.push(now.duration_since(started_at).as_secs_f64(), len as u64);
                 }
             }
             next_sample = now + interval;
@@ -332,5 +376,30 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         format!("panicked: {s}")
     } else {
         "panicked".to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The timeline stays within its bound, keeps the first sample's time, and every point is
+    /// the mean of equally many samples (a ramp's means stay on the ramp).
+    #[test]
+    fn timeline_is_bounded_and_averages() {
+        let mut t = Timeline::default();
+        for k in 0..10_000u64 {
+            t.push(k as f64 * 1e-3, k);
+        }
+        let p = t.points();
+        assert!((256..=TIMELINE_POINTS).contains(&p.len()), "{} points", p.len());
+        assert_eq!(p[0][0], 0.0);
+        let w = t.width as f64;
+        for pt in &p[..p.len() - 1] {
+            // A point starting at sample s averages s .. s + w - 1.
+            let s = pt[0] * 1e3;
+            assert!((pt[1] - (s + (w - 1.0) / 2.0)).abs() < 1e-6, "{pt:?} width {w}");
+        }
+        assert!(Timeline::default().points().is_empty());
     }
 }
