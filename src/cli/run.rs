@@ -190,7 +190,13 @@ pub fn run(
     write_resolved_config(loaded, &plan, &run_dir)?;
     on_start(&run_dir, &memory);
     let started = rundir::now_rfc3339();
-    let result = exec::run(&plan, &loaded.config.run, built, control);
+    let mut result = exec::run(&plan, &loaded.config.run, built, control);
+    if let Some(trace) = result.trace.take()
+        && let Err(e) = crate::runtime::trace::write(&trace, &run_dir.join("trace.json"))
+    {
+        // The run's measurements are in the report whatever becomes of its trace.
+        result.notes.push(format!("trace.json was not written: {e:#}"));
+    }
     let meta = ReportMeta {
         name: &name,
         config_path: &loaded.path,

@@ -19,11 +19,13 @@ use crate::runtime::clock::Clock;
 use crate::runtime::control::{Control, POLL};
 use crate::runtime::metrics::Hist;
 
-/// What travels on a channel: the item, the producer's clock reading, and the edge it came by.
+/// What travels on a channel: the item, the producer's clock reading, the edge it came by, and
+/// the item's id ([`crate::runtime::trace::item_id`]), which the trace's flow arrows follow.
 pub(crate) struct Envelope<T> {
     item: T,
     sent: u64,
     edge: u32,
+    id: u64,
 }
 
 /// Returned by a send or an emit when the graph is aborting or the consumer is gone; the
@@ -75,6 +77,8 @@ pub(crate) struct InStats {
     pub recv_blocked: Hist,
     /// Ticks spent waiting for the end of input after the last item (not an item's wait).
     pub tail_wait: u64,
+    /// The id of the item received last.
+    pub last_id: u64,
 }
 
 impl InStats {
@@ -85,6 +89,7 @@ impl InStats {
             residence: (0..edges).map(|_| Hist::in_units(ns_per_tick)).collect(),
             recv_blocked: Hist::in_units(ns_per_tick),
             tail_wait: 0,
+            last_id: 0,
         }
     }
 }
@@ -92,16 +97,33 @@ impl InStats {
 /// The sending half of a stage: one sender per downstream edge (fan-out clones the item).
 pub(crate) struct OutPort<T> {
     edges: Vec<(Sender<Envelope<T>>, u32)>,
+    /// The producing stage's index, for item ids.
+    origin: usize,
+    /// Items sent so far (each fan-out counts once).
+    seq: u64,
 }
 
 impl<T: Clone + Send + 'static> OutPort<T> {
-    /// Takes the type-erased senders the graph builder made; `None` if one is of another type.
-    pub fn from_erased(erased: Vec<(Box<dyn Any + Send>, u32)>) -> Option<Self> {
+    /// Takes the type-erased senders the graph builder made for stage `origin`; `None` if one
+    /// is of another type.
+    pub fn from_erased(erased: Vec<(Box<dyn Any + Send>, u32)>, origin: usize) -> Option<Self> {
         let mut edges = Vec::with_capacity(erased.len());
         for (tx, edge) in erased {
             edges.push((*tx.downcast::<Sender<Envelope<T>>>().ok()?, edge));
         }
-        Some(Self { edges })
+        Some(Self { edges, origin, seq: 0 })
+    }
+
+    /// Items sent so far: the sequence number the next item's id gets.
+    #[inline]
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// The id the next item sent gets.
+    #[inline]
+    pub fn next_id(&self) -> u64 {
+        crate::runtime::trace::item_id(self.origin, self.seq)
     }
 
     /// Sends `item` to every edge, stamped with a fresh clock reading.
@@ -120,12 +142,14 @@ impl<T: Clone + Send + 'static> OutPort<T> {
         stats: &mut [EdgeOutStats],
         ctl: &Control,
     ) -> Result<(), Stopped> {
+        let id = crate::runtime::trace::item_id(self.origin, self.seq);
+        self.seq += 1;
         let Some(((last_tx, last_edge), rest)) = self.edges.split_last() else { return Ok(()) };
         let (last_stats, rest_stats) = stats.split_last_mut().ok_or(Stopped)?;
         for ((tx, edge), st) in rest.iter().zip(rest_stats.iter_mut()) {
-            send_one(tx, Envelope { item: item.clone(), sent: stamp, edge: *edge }, meter, st, ctl)?;
+            send_one(tx, Envelope { item: item.clone(), sent: stamp, edge: *edge, id }, meter, st, ctl)?;
         }
-        send_one(last_tx, Envelope { item, sent: stamp, edge: *last_edge }, meter, last_stats, ctl)
+        send_one(last_tx, Envelope { item, sent: stamp, edge: *last_edge, id }, meter, last_stats, ctl)
     }
 }
 
@@ -180,6 +204,7 @@ impl<T: Send + 'static> InPort<T> {
             Ok(env) => {
                 let edge = env.edge as usize;
                 stats.items[edge] += 1;
+                stats.last_id = env.id;
                 if meter.recording {
                     stats.recv_blocked.record_zero();
                     stats.residence[edge].record(meter.last.saturating_sub(env.sent));
@@ -203,6 +228,7 @@ impl<T: Send + 'static> InPort<T> {
                     let t1 = meter.now();
                     let edge = env.edge as usize;
                     stats.items[edge] += 1;
+                    stats.last_id = env.id;
                     if meter.recording {
                         stats.recv_blocked.record(t1.saturating_sub(t0));
                         stats.residence[edge].record(t1.saturating_sub(env.sent));

@@ -48,6 +48,13 @@ pub struct RunConfig {
     pub drain_timeout_ms: u64,
     /// How often (µs) the length of every channel is sampled for its mean occupancy.
     pub sample_interval_us: u64,
+    /// Write `trace.json` (Chrome trace events, for Perfetto UI or chrome://tracing): a slice
+    /// per item on a track per stage, flow arrows along the channels, channel lengths as
+    /// counters. Needs `instrument`.
+    pub trace: bool,
+    /// Items per stage the trace keeps: the last ones (a ring), so a long run's trace stays
+    /// the size of a short one's.
+    pub trace_items: usize,
     /// The stage whose input-bound fraction the verdict reports. Empty: the graph's sink.
     pub focus: String,
     /// Stop gracefully after this many seconds, as Ctrl-C would (0: no limit).
@@ -73,6 +80,8 @@ impl Default for RunConfig {
             instrument: true,
             drain_timeout_ms: 10_000,
             sample_interval_us: 1_000,
+            trace: false,
+            trace_items: 10_000,
             focus: String::new(),
             max_seconds: 0.0,
             world_size: 1,

@@ -13,6 +13,7 @@ use crate::runtime::control::Control;
 use crate::runtime::message::{Message, MsgType};
 use crate::runtime::metrics::Hist;
 use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Params, Role, Sink, Source, Stopped, Transform};
+use crate::runtime::trace::ItemRecord;
 
 /// One registered stage implementation, type-erased. Made by [`SourceImpl`], [`TransformImpl`]
 /// or [`SinkImpl`]; never implemented by hand.
@@ -233,6 +234,8 @@ impl<K: Sink> StageFactory for SinkImpl<K> {
 /// Channels handed to a stage thread, type-erased until the stage's typed loop claims them.
 #[doc(hidden)]
 pub struct Wiring {
+    /// The stage's position in the plan (the origin of the ids its items carry).
+    pub(crate) index: usize,
     pub(crate) input: Option<Box<dyn Any + Send>>,
     pub(crate) outputs: Vec<(Box<dyn Any + Send>, u32)>,
 }
@@ -325,7 +328,7 @@ struct SourceRun<S>(S);
 
 impl<S: Source> Runnable for SourceRun<S> {
     fn run(mut self: Box<Self>, wiring: Wiring, env: &mut StageEnv, ctx: &mut Ctx) -> anyhow::Result<()> {
-        let mut out = OutPort::<S::Out>::from_erased(wiring.outputs).ok_or_else(|| wiring_error(ctx.name()))?;
+        let mut out = OutPort::<S::Out>::from_erased(wiring.outputs, wiring.index).ok_or_else(|| wiring_error(ctx.name()))?;
         produce_items(env, &mut out, ctx, |ctx| self.0.next(ctx))?;
         quiet_stop(self.0.flush(ctx))
     }
@@ -348,7 +351,13 @@ fn produce_items<T: Message>(
         let Some(item) = next(ctx).or_else(|e| if e.is::<Stopped>() { Ok(None) } else { Err(e) })? else { break };
         let end = env.meter.now();
         env.record_service(start, end);
-        if out.send_stamped(item, end, &mut env.meter, &mut env.outputs, &control).is_err() {
+        let id = out.next_id();
+        let sent = out.send_stamped(item, end, &mut env.meter, &mut env.outputs, &control);
+        if ctx.tracing() {
+            let r = ItemRecord { wait_from: start, start, end, sent: env.meter.last, in_id: 0, out_first: id, out_n: sent.is_ok() as u32 };
+            ctx.trace_item(r);
+        }
+        if sent.is_err() {
             break;
         }
         env.items_out += 1;
@@ -364,12 +373,14 @@ impl<T: Transform> Runnable for TransformRun<T> {
     fn run(mut self: Box<Self>, wiring: Wiring, env: &mut StageEnv, ctx: &mut Ctx) -> anyhow::Result<()> {
         let name = ctx.name().to_string();
         let mut inp = InPort::<T::In>::from_erased(wiring.input.ok_or_else(|| wiring_error(&name))?).ok_or_else(|| wiring_error(&name))?;
-        let mut out = OutPort::<T::Out>::from_erased(wiring.outputs).ok_or_else(|| wiring_error(&name))?;
+        let mut out = OutPort::<T::Out>::from_erased(wiring.outputs, wiring.index).ok_or_else(|| wiring_error(&name))?;
         let control = env.control.clone();
+        let mut wait_from = env.meter.last;
         while let Some(item) = inp.recv(&mut env.meter, &mut env.input, &control) {
             env.items_in += 1;
             let start = env.meter.last;
             env.meter.blocked = 0;
+            let (first_id, seq0) = (out.next_id(), out.seq());
             let mut em =
                 Emitter { port: &mut out, meter: &mut env.meter, stats: &mut env.outputs, control: &control, pending: None, emitted: 0 };
             let r = self.0.process(item, &mut em, ctx);
@@ -380,6 +391,11 @@ impl<T: Transform> Runnable for TransformRun<T> {
             env.items_out += em.emitted;
             env.meter.blocked = blocked_in_call;
             env.record_item(start, end, ctx);
+            if ctx.tracing() {
+                let (in_id, out_n) = (env.input.last_id, (out.seq() - seq0) as u32);
+                ctx.trace_item(ItemRecord { wait_from, start, end, sent: env.meter.last, in_id, out_first: first_id, out_n });
+            }
+            wait_from = env.meter.last;
             if let Err(e) = r {
                 if e.is::<Stopped>() {
                     break;
@@ -410,6 +426,7 @@ impl<K: Sink> Runnable for SinkRun<K> {
         let name = ctx.name().to_string();
         let mut inp = InPort::<K::In>::from_erased(wiring.input.ok_or_else(|| wiring_error(&name))?).ok_or_else(|| wiring_error(&name))?;
         let control = env.control.clone();
+        let mut wait_from = env.meter.last;
         while let Some(item) = inp.recv(&mut env.meter, &mut env.input, &control) {
             env.items_in += 1;
             let start = env.meter.last;
@@ -417,6 +434,11 @@ impl<K: Sink> Runnable for SinkRun<K> {
             let r = self.0.consume(item, ctx);
             let end = env.meter.now();
             env.record_item(start, end, ctx);
+            if ctx.tracing() {
+                let in_id = env.input.last_id;
+                ctx.trace_item(ItemRecord { wait_from, start, end, sent: end, in_id, out_first: 0, out_n: 0 });
+            }
+            wait_from = end;
             if let Err(e) = r {
                 if e.is::<Stopped>() {
                     break;

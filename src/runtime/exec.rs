@@ -23,6 +23,7 @@ use crate::runtime::driver::{ErasedChannelHandle, Runnable, StageEnv, Wiring};
 use crate::runtime::graph::Plan;
 use crate::runtime::metrics::Hist;
 use crate::runtime::stage::{BuildCtx, Ctx, Extensions};
+use crate::runtime::trace::{CounterTrace, StageTrace, TraceData};
 
 /// How long stages get to leave after an abort before they are reported as hung.
 pub const ABORT_GRACE: Duration = Duration::from_secs(3);
@@ -145,6 +146,8 @@ pub struct RunResult {
     pub notes: Vec<String>,
     /// Report sections published by stages (`train`, ...).
     pub sections: BTreeMap<String, serde_json::Value>,
+    /// What the trace recorded (`[run] trace = true`): [`crate::runtime::trace::write`] it.
+    pub trace: Option<TraceData>,
 }
 
 /// A stage that could not be built; the run does not start.
@@ -169,6 +172,7 @@ struct Done {
     state: StageState,
     env: StageEnv,
     extra: BTreeMap<String, Hist>,
+    trace: Option<StageTrace>,
     end: u64,
 }
 
@@ -213,7 +217,7 @@ pub fn run(plan: &Plan, run: &RunConfig, built: Built, control: Arc<Control>) ->
             let tx = channels[c].as_ref().expect("a consumer has an input channel").sender();
             outputs.push((tx, edge));
         }
-        wirings.push(Wiring { input, outputs });
+        wirings.push(Wiring { index: i, input, outputs });
     }
     // The builder's own senders must go, or consumers would never see their inputs end.
     drop(channels);
@@ -227,6 +231,9 @@ pub fn run(plan: &Plan, run: &RunConfig, built: Built, control: Arc<Control>) ->
         let runnable = runnables[i].take().expect("built once");
         let env = StageEnv::new(clock.clone(), control.clone(), run.instrument, run.warmup_items, s.inputs.len(), s.consumers.len());
         let mut ctx = Ctx::new(&s.name, control.clone(), sections.clone());
+        if run.trace {
+            ctx.set_trace(StageTrace::new(run.trace_items, clock.clone()));
+        }
         let (t_done, t_control, t_clock) = (done_tx.clone(), control.clone(), clock.clone());
         let spawned = std::thread::Builder::new().name(s.name.clone()).spawn(move || {
             let mut env = env;
@@ -240,7 +247,8 @@ pub fn run(plan: &Plan, run: &RunConfig, built: Built, control: Arc<Control>) ->
                 t_control.fail();
             }
             let extra = ctx.take_extra();
-            let _ = t_done.send(Done { index: i, state, env, extra, end: t_clock.now() });
+            let trace = ctx.take_trace();
+            let _ = t_done.send(Done { index: i, state, env, extra, trace, end: t_clock.now() });
         });
         match spawned {
             Ok(h) => handles.push((i, h)),
@@ -253,6 +261,7 @@ pub fn run(plan: &Plan, run: &RunConfig, built: Built, control: Arc<Control>) ->
                     state: StageState::Failed(format!("cannot start its thread: {e}")),
                     env,
                     extra: BTreeMap::new(),
+                    trace: None,
                     end: clock.now(),
                 });
             }
@@ -264,6 +273,9 @@ pub fn run(plan: &Plan, run: &RunConfig, built: Built, control: Arc<Control>) ->
     let n = plan.stages.len();
     let mut results: Vec<Option<Done>> = (0..n).map(|_| None).collect();
     let mut occupancy: Vec<Option<OccupancySamples>> = probes.iter().map(|p| p.as_ref().map(|_| OccupancySamples::default())).collect();
+    // Traced: each channel's length changes, as counters (a change per item at most twice).
+    let mut counters: Vec<Option<CounterTrace>> =
+        probes.iter().map(|p| p.as_ref().filter(|_| run.trace).map(|_| CounterTrace::new(run.trace_items.saturating_mul(2)))).collect();
     let interval = Duration::from_micros(run.sample_interval_us.max(50));
     let drain_timeout = Duration::from_millis(run.drain_timeout_ms);
     let max_run = (run.max_seconds > 0.0).then(|| Duration::from_secs_f64(run.max_seconds));
@@ -301,6 +313,9 @@ pub fn run(plan: &Plan, run: &RunConfig, built: Built, control: Arc<Control>) ->
                     o.empty += (len == 0) as u64;
                     o.full += (len >= plan.stages[i].queue) as u64;
                     o.timeline.push(now.duration_since(started_at).as_secs_f64(), len as u64);
+                    if let Some(c) = counters[i].as_mut() {
+                        c.sample(clock.now(), len);
+                    }
                 }
             }
             next_sample = now + interval;
@@ -342,6 +357,7 @@ pub fn run(plan: &Plan, run: &RunConfig, built: Built, control: Arc<Control>) ->
             let _ = h.join();
         }
     }
+    let mut traces: Vec<Option<StageTrace>> = results.iter_mut().map(|d| d.as_mut().and_then(|d| d.trace.take())).collect();
     let stages = results
         .into_iter()
         .enumerate()
@@ -354,6 +370,24 @@ pub fn run(plan: &Plan, run: &RunConfig, built: Built, control: Arc<Control>) ->
         })
         .collect();
     let sections = sections.lock().map(|s| s.clone()).unwrap_or_default();
+    let trace = run.trace.then(|| TraceData {
+        stages: plan.stages.iter().map(|s| s.name.clone()).collect(),
+        traces: std::mem::take(&mut traces),
+        counters: counters
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, c)| {
+                let s = &plan.stages[i];
+                let name = match s.inputs.as_slice() {
+                    [p] => format!("{}->{}", plan.stages[*p].name, s.name),
+                    _ => format!("{} input", s.name),
+                };
+                c.map(|c| (name, c))
+            })
+            .collect(),
+        clock: clock.clone(),
+        start,
+    });
     RunResult {
         clock,
         start,
@@ -366,6 +400,7 @@ pub fn run(plan: &Plan, run: &RunConfig, built: Built, control: Arc<Control>) ->
         stop_ms,
         notes,
         sections,
+        trace,
     }
 }
 

@@ -242,6 +242,12 @@ pub fn plan<C: Tables>(loaded: &Loaded<C>, registry: &Registry) -> Result<Plan, 
         cons.sort_unstable();
         stages.push(PlannedStage { name: d.name, factory: d.factory, params: d.params, inputs, consumers: cons, queue: d.queue });
     }
+    let run = loaded.config.run();
+    if run.trace && !run.instrument {
+        let msg = "run.trace needs run.instrument = true: the trace is made of the instrumentation's timings";
+        errors.push(loaded.origin_of("run.trace"), Some("run.trace".into()), msg);
+        return Err(errors);
+    }
     let mut plan = Plan { stages, focus: 0 };
     plan.focus = match choose_focus(&plan, &loaded.config.run().focus) {
         Ok(f) => f,

@@ -7,8 +7,9 @@
 //!   [`driver`]: the registry entries made from them and the loops that drive them;
 //!   [`registry`]: a list of stage implementations, passed into the planner.
 //! - [`graph`]: checks stage tables against a registry and orders them into a [`graph::Plan`].
-//! - [`exec`]: threads, stop and abort, occupancy sampling; [`channel`]: instrumented ports
-//!   on bounded channels (private hot path); [`control`], [`clock`], [`metrics`].
+//! - [`exec`]: threads, stop and abort, occupancy sampling; [`trace`]: the per-item trace;
+//!   [`channel`]: instrumented ports on bounded channels (private hot path); [`control`],
+//!   [`clock`], [`metrics`].
 //! - [`message`], [`pool`]: what travels on channels and reusable buffers.
 //! - [`memory`]: a run's memory estimate against its budget; [`inject`]: slowdown and fault
 //!   injection; [`catalog`]: `pipeline stages`.
@@ -32,3 +33,4 @@ pub mod pool;
 pub mod registry;
 pub mod rundir;
 pub mod stage;
+pub mod trace;

@@ -33,6 +33,7 @@ use crate::runtime::config::RunConfig;
 use crate::runtime::control::{Control, POLL, StopReason};
 use crate::runtime::message::Message;
 use crate::runtime::metrics::Hist;
+use crate::runtime::trace::{ItemRecord, StageTrace};
 
 /// Typed parameters of a stage implementation: the keys of its `[stages.NAME]` table besides
 /// `kind`, `impl`, `inputs` and `queue`. Use `#[serde(deny_unknown_fields, default)]` and a doc
@@ -139,11 +140,12 @@ pub struct Ctx {
     extra: BTreeMap<String, Hist>,
     sections: Arc<Mutex<BTreeMap<String, serde_json::Value>>>,
     discarded: bool,
+    trace: Option<StageTrace>,
 }
 
 impl Ctx {
     pub(crate) fn new(name: &str, control: Arc<Control>, sections: Arc<Mutex<BTreeMap<String, serde_json::Value>>>) -> Self {
-        Self { name: name.to_string(), control, extra: BTreeMap::new(), sections, discarded: false }
+        Self { name: name.to_string(), control, extra: BTreeMap::new(), sections, discarded: false, trace: None }
     }
 
     /// The stage's name.
@@ -233,6 +235,40 @@ impl Ctx {
     /// counted in the report's `items_dropped`.
     pub fn discard(&mut self) {
         self.discarded = true;
+    }
+
+    /// Records, for the run's trace (`[run] trace = true`), consecutive phases of the current
+    /// item's work that have just ended, in order (the last ends now): they show as slices
+    /// nested in the item's. A step executor's forward, backward and optimizer. Costs nothing
+    /// when the run is not traced.
+    pub fn trace_phases(&mut self, phases: &[(&'static str, Duration)]) {
+        if let Some(t) = self.trace.as_mut() {
+            t.phases_ending_now(phases);
+        }
+    }
+
+    /// Whether the run is traced.
+    #[inline]
+    pub(crate) fn tracing(&self) -> bool {
+        self.trace.is_some()
+    }
+
+    /// Starts recording this stage's trace.
+    pub(crate) fn set_trace(&mut self, t: StageTrace) {
+        self.trace = Some(t);
+    }
+
+    /// Records an item for the trace (when traced).
+    #[inline]
+    pub(crate) fn trace_item(&mut self, r: ItemRecord) {
+        if let Some(t) = self.trace.as_mut() {
+            t.items.push(r);
+        }
+    }
+
+    /// The trace recorded, taken at the thread's end.
+    pub(crate) fn take_trace(&mut self) -> Option<StageTrace> {
+        self.trace.take()
     }
 
     /// Whether the item just processed was discarded; resets the mark.

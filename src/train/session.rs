@@ -293,7 +293,8 @@ impl Session {
         if self.trainer.micro_done() == 0 {
             self.step_start_ms = self.train_ms();
         }
-        self.trainer.micro_step(&b.x, &b.y).with_context(|| format!("training step {}", self.trainer.step() + 1))?;
+        let t = self.trainer.micro_step(&b.x, &b.y).with_context(|| format!("training step {}", self.trainer.step() + 1))?;
+        ctx.trace_phases(&[("forward", t.forward), ("backward", t.backward)]);
         self.window.h2d += Duration::from_nanos(b.upload_ns);
         self.step_loader = Some((b.meta.state.clone(), b.meta.rolling));
         if self.trainer.micro_done() == self.trainer.micro_steps() {
@@ -546,7 +547,9 @@ impl Session {
     }
 
     fn end_step(&mut self, emitter: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
+        let t0 = Instant::now();
         let out = self.trainer.finish_step(self.step_start_ms)?;
+        ctx.trace_phases(&[("optimizer", t0.elapsed())]);
         self.add_phases(out.phases);
         self.window_steps += 1;
         self.last_loss = out.train_loss;
@@ -594,12 +597,13 @@ impl Session {
     /// A validation pass, with the training clock paused. A routine one (`final_pass` false)
     /// gives way to a stop (Ctrl-C, `run.max_seconds`): the stop's own path saves the weights
     /// and, unless interrupted, validates in full. The final one gives way only to an abort.
-    fn validate(&mut self, ctx: &Ctx, final_pass: bool) -> anyhow::Result<()> {
+    fn validate(&mut self, ctx: &mut Ctx, final_pass: bool) -> anyhow::Result<()> {
         self.pause();
         let t0 = Instant::now();
         let keep_going = || if final_pass { !ctx.aborted() } else { !ctx.stopping() };
         let acc = self.validator.run(self.trainer.model(), keep_going).context("validation")?;
         self.window.validation += t0.elapsed();
+        ctx.trace_phases(&[("validation", t0.elapsed())]);
         let step = self.trainer.step();
         let train_ms = self.train_ms();
         let Some(acc) = acc else {
@@ -620,7 +624,7 @@ impl Session {
 
     /// The final validation, unless the last step was just validated. The weights are saved
     /// first, so that a validation that fails (out of memory, say) does not take them along.
-    fn final_validation(&mut self, ctx: &Ctx) -> anyhow::Result<()> {
+    fn final_validation(&mut self, ctx: &mut Ctx) -> anyhow::Result<()> {
         let step = self.trainer.step();
         self.save_weights()?;
         if self.vals.last().is_none_or(|v| v.step != step) {
