@@ -135,16 +135,8 @@ impl Chain {
 /// input, blocked sending), not its whole steady window: a step executor's window runs on to
 /// the end of the run, through the evaluation after training, when it no longer takes items.
 fn measured(report: &Report, focus: &str) -> Prediction {
-    let st = &report.stages[focus];
-    let into: Vec<_> = report.channels.values().filter(|c| c.to == focus).collect();
-    // The consumer's wait covers its whole channel: every edge into it carries the same figure.
-    let wait_ms = into.iter().map(|c| c.recv_blocked_us.total_ms).fold(0.0, f64::max);
-    let send_ms: f64 = report.channels.values().filter(|c| c.from == focus).map(|c| c.send_blocked_us.total_ms).sum();
-    let active_s = (st.service_us.total_ms + wait_ms + send_ms) / 1e3;
-    if active_s <= 0.0 {
-        return Prediction { input_wait: report.verdict.input_bound_fraction, throughput_per_s: st.throughput_per_s };
-    }
-    Prediction { input_wait: wait_ms / 1e3 / active_s, throughput_per_s: st.service_us.count as f64 / active_s }
+    let t = crate::report::verdict::loop_time(focus, &report.stages[focus], &report.channels);
+    Prediction { input_wait: t.wait_fraction(), throughput_per_s: t.items_per_s() }
 }
 
 fn quantiles(s: &Summary) -> Option<&[f64]> {

@@ -110,19 +110,37 @@ pub fn exit_code(reason: StopReason, signal: Option<StopSignal>) -> i32 {
     }
 }
 
+/// Per stage, whether it is fed (through any chain of channels) by stage `from`.
+fn downstream(plan: &Plan, from: usize) -> Vec<bool> {
+    let mut seen = vec![false; plan.stages.len()];
+    let mut stack: Vec<usize> = plan.stages[from].consumers.clone();
+    while let Some(i) = stack.pop() {
+        if !std::mem::replace(&mut seen[i], true) {
+            stack.extend(plan.stages[i].consumers.iter().copied());
+        }
+    }
+    seen
+}
+
 /// Turns a run's measurements into a report.
 pub fn build(plan: &Plan, result: &RunResult, meta: &ReportMeta) -> Report {
     let clock = &result.clock;
     let wall_s = clock.seconds(result.start, result.end);
     let mut stages = BTreeMap::new();
     let mut steady = vec![0.0f64; plan.stages.len()];
+    let after_focus = downstream(plan, plan.focus);
+    // The steady phase ends when the focus stage (the executor, a loader's sink) ends: what
+    // runs after it (an evaluation after training) is no part of the stages that fed it.
+    let focus_end = result.stages.get(plan.focus).filter(|r| r.env.is_some()).map_or(result.end, |r| r.end.min(result.end));
     for (i, (s, r)) in plan.stages.iter().zip(&result.stages).enumerate() {
         let (items_in, items_out, items_dropped, service, busy, steady_s) = match &r.env {
             Some(env) => {
-                // The window runs to the end of the whole run, not of this stage: a stage that
-                // finished early (a source whose items sit in a deep queue) was idle since.
+                // The window runs to the end of the steady phase, not of this stage: a stage
+                // that finished early (a source whose items sit in a deep queue) was idle since.
+                // Stages after the focus stage run to the end of the whole run.
+                let end = if after_focus[i] { result.end.max(r.end) } else { focus_end };
                 let steady_start = env.steady_start.unwrap_or(env.start);
-                let steady_s = clock.seconds(steady_start, result.end.max(r.end));
+                let steady_s = clock.seconds(steady_start, end);
                 let busy = if steady_s > 0.0 { (env.service.sum_ns() * 1e-9 / steady_s).min(1.0) } else { 0.0 };
                 (env.items_in, env.items_out, env.items_dropped, env.service.summary(), busy, steady_s)
             }

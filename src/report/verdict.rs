@@ -2,8 +2,9 @@
 //!
 //! - **Bottleneck**: among the stages connected to the focus stage (by default the sink), the one
 //!   with the highest busy fraction (steady service time / steady wall time).
-//! - **Input-bound fraction**: the focus stage's time blocked waiting for input / its steady wall
-//!   time, classed as the TensorFlow profiler's input-pipeline analyzer does: under 5% "not
+//! - **Input-bound fraction**: the focus stage's time blocked waiting for input / the time it
+//!   spent in its loop (its own work, waiting for input, blocked sending: [`loop_time`]), i.e.
+//!   the share of a step spent waiting for data, classed as the TensorFlow profiler's input-pipeline analyzer does: under 5% "not
 //!   input-bound", 5 to 20% "moderately input-bound", 20% and over "highly input-bound".
 //! - **What if**: operational analysis (as Plumber does): each stage's demand is its mean
 //!   service time times its visit ratio (its items per focus item). Throughput cannot exceed
@@ -28,7 +29,7 @@ pub struct Verdict {
     pub bottleneck_busy_fraction: f64,
     /// The stage whose input wait is judged.
     pub focus: String,
-    /// The focus stage's time blocked on receive / its steady wall time.
+    /// The focus stage's time blocked on receive / its time in its loop ([`loop_time`]).
     pub input_bound_fraction: f64,
     /// "not input-bound", "moderately input-bound" or "highly input-bound".
     pub class: String,
@@ -55,6 +56,39 @@ pub fn classify(fraction: f64) -> &'static str {
     }
 }
 
+/// What a stage did over the time it spent in its item loop, from its steady items on: its
+/// own work, waiting for input and blocked sending (s), and the waiting part. Not its steady
+/// window, which runs on to the end of the run: a step executor's ends long after its last
+/// step when an evaluation follows training.
+pub struct LoopTime {
+    /// Work + input wait + blocked sends (s).
+    pub total_s: f64,
+    /// Input wait (s).
+    pub wait_s: f64,
+    /// Items worked on.
+    pub items: u64,
+}
+
+impl LoopTime {
+    /// Input wait / loop time (0 without time).
+    pub fn wait_fraction(&self) -> f64 {
+        if self.total_s > 0.0 { self.wait_s / self.total_s } else { 0.0 }
+    }
+
+    /// Items per second of loop time (0 without time).
+    pub fn items_per_s(&self) -> f64 {
+        if self.total_s > 0.0 { self.items as f64 / self.total_s } else { 0.0 }
+    }
+}
+
+/// [`LoopTime`] of stage `name`.
+pub fn loop_time(name: &str, stage: &StageReport, channels: &BTreeMap<String, ChannelReport>) -> LoopTime {
+    // The consumer's wait covers its whole channel: every edge into it carries the same figure.
+    let wait_ms = channels.values().filter(|c| c.to == name).map(|c| c.recv_blocked_us.total_ms).fold(0.0, f64::max);
+    let send_ms: f64 = channels.values().filter(|c| c.from == name).map(|c| c.send_blocked_us.total_ms).sum();
+    LoopTime { total_s: (stage.service_us.total_ms + wait_ms + send_ms) / 1e3, wait_s: wait_ms / 1e3, items: stage.service_us.count }
+}
+
 /// Stages connected to `focus` through any chain of edges (either direction), focus included.
 fn component(plan: &Plan, focus: usize) -> Vec<usize> {
     let n = plan.stages.len();
@@ -73,7 +107,7 @@ fn component(plan: &Plan, focus: usize) -> Vec<usize> {
 pub fn judge(plan: &Plan, stages: &BTreeMap<String, StageReport>, channels: &BTreeMap<String, ChannelReport>) -> Verdict {
     let focus = &plan.stages[plan.focus].name;
     let Some(fs) = stages.get(focus) else { return Verdict { focus: focus.clone(), ..Default::default() } };
-    let input_bound = channels.values().filter(|c| &c.to == focus).map(|c| c.recv_blocked_fraction).fold(0.0, f64::max);
+    let input_bound = loop_time(focus, fs, channels).wait_fraction();
     let class = classify(input_bound).to_string();
 
     let mut ranked: Vec<(&String, &StageReport)> =
