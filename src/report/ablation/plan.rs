@@ -107,9 +107,12 @@ pub fn plan(varies: &[Vary], grid: bool, seeds: u32, base_seed: u64) -> Result<V
     }
     let seeds = seeds.max(1);
     let mut out = Vec::new();
-    for s in &settings {
-        let name = if s.is_empty() { "base".to_string() } else { s.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",") };
-        for k in 0..seeds {
+    // Seed by seed, every variant in turn: what drifts over the ablation (a page cache
+    // warming, a neighbour's load) falls on every variant alike instead of on the first.
+    for k in 0..seeds {
+        for s in &settings {
+            let name =
+                if s.is_empty() { "base".to_string() } else { s.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",") };
             let mut sets: Vec<String> = s.iter().map(|(k, v)| format!("{k}={v}")).collect();
             let mut dir = dir_name(&name);
             if seeds > 1 {
@@ -166,6 +169,9 @@ mod tests {
         assert_eq!(seeded.len(), 9);
         assert_eq!(seeded[8].sets, ["stages.sampler.queue=100", "run.seed=44"]);
         assert_eq!((seeded[8].dir.as_str(), seeded[8].seed), ("stages.sampler.queue=100-seed44", 2));
+        // Seed by seed, the variants in turn.
+        let order: Vec<(&str, u32)> = seeded.iter().map(|v| (v.name.as_str(), v.seed)).collect();
+        assert_eq!(&order[..4], [("base", 0), ("stages.sampler.queue=2", 0), ("stages.sampler.queue=100", 0), ("base", 1)]);
         assert!(plan(&[q.clone(), q], false, 1, 0).unwrap_err().contains("varied twice"));
     }
 }
