@@ -103,7 +103,9 @@ fn seeds_from_the_ablation_table_give_means_and_a_welch_test() {
     let s = summary(&out);
     assert_eq!(s["runs"].as_array().unwrap().len(), 4);
     let seeds: Vec<String> = s["runs"].as_array().unwrap().iter().map(|r| r["variant"]["sets"].to_string()).collect();
-    assert!(seeds[0].contains("run.seed=1337") && seeds[1].contains("run.seed=1338"), "{seeds:?}");
+    // Seed by seed: base and the variant with the first seed, then both with the next.
+    assert!(seeds[0].contains("run.seed=1337") && seeds[1].contains("run.seed=1337"), "{seeds:?}");
+    assert!(seeds[2].contains("run.seed=1338") && !seeds[2].contains("matrix_lr"), "{seeds:?}");
     let v = &s["comparison"][1];
     assert_eq!(v["name"], "train.matrix_lr=0.1");
     assert!(v["figures"]["score_loss"]["std"].is_number(), "{v}");
