@@ -14,6 +14,8 @@
 //!   (`synthetic/blob count=1000000 size_bytes=64` -> `delay/sleep delay_us=0` ->
 //!   `delay/sleep delay_us=0` -> `drain/count`, every `queue = depth`).
 //! - `runtime_instrumented`: the same with `instrument = true` (the default), `warmup_items = 20`.
+//! - `runtime_traced`: instrumented and `trace = true` (the last 10,000 items of each stage kept,
+//!   `trace.json` written after the run, inside the timing).
 //!
 //! The runtime variants go through the library exactly as `pipeline run` does: the TOML is
 //! written to a temporary directory, loaded with `pipeline::runtime::config::load_with_env(.., false)`
@@ -34,7 +36,7 @@
 //! # How to run
 //!
 //! ```text
-//! cargo bench --bench hop                  # all six, then the summary table
+//! cargo bench --bench hop                  # all eight, then the summary table
 //! cargo bench --bench hop -- depth1024     # one depth only (the summary shows what ran)
 //! ```
 //!
@@ -79,7 +81,8 @@ const DEPTHS: [usize; 2] = [2, 1024];
 const RAW: &str = "raw_flume";
 const UNINSTR: &str = "runtime_uninstrumented";
 const INSTR: &str = "runtime_instrumented";
-const VARIANTS: [&str; 3] = [RAW, UNINSTR, INSTR];
+const TRACED: &str = "runtime_traced";
+const VARIANTS: [&str; 4] = [RAW, UNINSTR, INSTR, TRACED];
 
 /// One timed run: the whole-run wall time, and for runtime variants the report's own `wall_s`
 /// (stage threads only).
@@ -167,7 +170,7 @@ fn raw_flume_run(depth: usize) -> Duration {
 // ---------------------------------------------------------------------------------------------
 
 /// The config of the runtime chain.
-fn chain_toml(depth: usize, instrument: bool) -> String {
+fn chain_toml(depth: usize, instrument: bool, trace: bool) -> String {
     let count = items();
     format!(
         r#"[run]
@@ -175,6 +178,7 @@ name = "hop"
 seed = 0
 warmup_items = 20
 instrument = {instrument}
+trace = {trace}
 
 [stages.source]
 kind = "synthetic"
@@ -216,9 +220,9 @@ fn scratch() -> &'static Path {
 }
 
 /// Writes and loads the config of one runtime variant (environment ignored).
-fn load_chain(depth: usize, instrument: bool) -> Loaded<Config> {
-    let path = scratch().join(format!("hop-depth{depth}-instrument-{instrument}.toml"));
-    std::fs::write(&path, chain_toml(depth, instrument)).expect("cannot write the bench config");
+fn load_chain(depth: usize, instrument: bool, trace: bool) -> Loaded<Config> {
+    let path = scratch().join(format!("hop-depth{depth}-instrument-{instrument}-trace-{trace}.toml"));
+    std::fs::write(&path, chain_toml(depth, instrument, trace)).expect("cannot write the bench config");
     match pipeline::runtime::config::load_with_env(&path, &[], false) {
         Ok(l) => l,
         Err(e) => panic!("bench config does not load:\n{e}"),
@@ -284,8 +288,8 @@ fn bench_hops(c: &mut Criterion) {
                 total
             })
         });
-        for (name, instrument) in [(UNINSTR, false), (INSTR, true)] {
-            let loaded = load_chain(depth, instrument);
+        for (name, instrument, trace) in [(UNINSTR, false, false), (INSTR, true, false), (TRACED, true, true)] {
+            let loaded = load_chain(depth, instrument, trace);
             group.bench_function(name, |b| {
                 b.iter_custom(|iters| {
                     let mut total = Duration::ZERO;
@@ -361,6 +365,21 @@ fn print_summary() {
             b - a,
             100.0 * (b - a) / a,
             100.0 * (c - a) / a
+        );
+    }
+    println!();
+    println!("tracing overhead = median(traced) - median(instrumented), per item per hop (the traced runs also write trace.json):");
+    for depth in DEPTHS {
+        let (Some(ti), Some(tt)) = (runs.get(&(depth, INSTR)), runs.get(&(depth, TRACED))) else { continue };
+        let (c, d) = (med[&(depth, INSTR)], med[&(depth, TRACED)]);
+        let stage = |ts: &Vec<RunTiming>| median(ts.iter().filter_map(|t| t.stage_wall).map(ns_per_item_hop).collect());
+        let (ci, ct) = (stage(ti), stage(tt));
+        println!(
+            "  depth {depth:<5} {:+8.1} ns = {:+6.1}% of the instrumented hop; stage threads alone: {:+.1} ns = {:+.1}%",
+            d - c,
+            100.0 * (d - c) / c,
+            ct - ci,
+            100.0 * (ct - ci) / ci
         );
     }
 }
