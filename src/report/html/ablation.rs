@@ -1,9 +1,9 @@
 //! An ablation's `report.html` (beside `ablation.json`): the comparison table, a link to every
 //! run's own page, and every run's plots overlaid, one line per run: the focus stage's service
 //! time percentiles, step time and train loss against steps (training runs), then every stage's
-//! service time, every channel's residence and every channel's length over time.
+//! service time, every channel's residence and every channel's length over time (those with
+//! nothing to draw left out: each run's own page says why).
 
-use std::collections::BTreeSet;
 use std::fmt::Write;
 
 use super::plots::{self, Frame, Line, YAxis};
@@ -51,29 +51,35 @@ pub fn page(config: &str, runs: &[Run], lines: &[Comparison]) -> String {
     }
     o.push_str("<h2>Overlaid</h2>\n<div class=\"cards\">\n");
     let focus = with_report[0].1.verdict.focus.clone();
-    overlay_service(&mut o, &with_report, &focus);
+    overlay_service(&mut o, &with_report, &focus, true);
     overlay_steps(&mut o, &with_report);
     o.push_str("</div>\n<h2>Every stage and channel, overlaid</h2>\n<div class=\"cards\">\n");
-    let mut stages: Vec<String> = Vec::new();
+    // Stages in the runs' order, and channels by their consumer in that order.
+    let mut stages: Vec<&String> = Vec::new();
     for (_, r, _) in &with_report {
         for s in &r.run.stage_order {
-            if !stages.contains(s) && *s != focus {
-                stages.push(s.clone());
+            if !stages.contains(&s) {
+                stages.push(s);
             }
         }
     }
-    for s in &stages {
-        overlay_service(&mut o, &with_report, s);
+    for s in stages.iter().filter(|s| ***s != focus) {
+        overlay_service(&mut o, &with_report, s, false);
     }
-    let channels: BTreeSet<&String> = with_report.iter().flat_map(|(_, r, _)| r.channels.keys()).collect();
+    let mut channels: Vec<&String> = Vec::new();
+    for to in &stages {
+        for (_, r, _) in &with_report {
+            for (name, c) in &r.channels {
+                if &c.to == *to && !channels.contains(&name) {
+                    channels.push(name);
+                }
+            }
+        }
+    }
     for c in channels {
         let series: Vec<(String, &Summary)> =
             with_report.iter().filter_map(|(l, r, _)| r.channels.get(c).map(|ch| (l.clone(), &ch.residence_us))).collect();
-        o.push_str("<div class=\"card\">\n");
-        o.push_str(&figure(
-            plots::percentiles(&format!("{c}: residence per item"), &series, plots::SIZE),
-            &format!("{c}: no residence times"),
-        ));
+        let residence = plots::percentiles(&format!("{c}: residence per item"), &series, plots::SIZE);
         let lines: Vec<Line> = with_report
             .iter()
             .filter_map(|(l, r, _)| {
@@ -82,7 +88,13 @@ pub fn page(config: &str, runs: &[Run], lines: &[Comparison]) -> String {
             })
             .collect();
         let frame = Frame { title: &format!("{c}: length over time"), x: "seconds from the start", y: "items" };
-        o.push_str(&figure(plots::lines(&frame, &lines, YAxis::FromZero, plots::SIZE), "its length was not sampled over time"));
+        let length = plots::lines(&frame, &lines, YAxis::FromZero, plots::SIZE);
+        if matches!((&residence, &length), (Ok(None), Ok(None))) {
+            continue;
+        }
+        o.push_str("<div class=\"card\">\n");
+        o.push_str(&figure(residence, &format!("{c}: no residence times")));
+        o.push_str(&figure(length, "its length was not sampled over time"));
         o.push_str("</div>\n");
     }
     o.push_str("</div>\n");
@@ -125,9 +137,9 @@ fn run_list(o: &mut String, runs: &[Run]) {
         };
         let _ = writeln!(
             o,
-            "<tr><td class=\"l\">{}</td><td class=\"l\"><code>{}</code></td><td class=\"l\">{}</td><td>{wall}</td><td class=\"l\">{}</td><td class=\"l\">{link}</td></tr>",
+            "<tr><td class=\"l\">{}</td><td class=\"l\">{}</td><td class=\"l\">{}</td><td>{wall}</td><td class=\"l\">{}</td><td class=\"l\">{link}</td></tr>",
             escape(&r.variant.name),
-            escape(&r.variant.sets.join(" ")),
+            if r.variant.sets.is_empty() { "-".to_string() } else { format!("<code>{}</code>", escape(&r.variant.sets.join(" "))) },
             escape(&status),
             escape(&bottleneck)
         );
@@ -135,16 +147,17 @@ fn run_list(o: &mut String, runs: &[Run]) {
     o.push_str("</table>\n");
 }
 
-/// A card with `stage`'s service time percentiles of every run that has it.
-fn overlay_service(o: &mut String, runs: &[(String, &Report, &Run)], stage: &str) {
+/// A card with `stage`'s service time percentiles of every run that has it; with `always`, a
+/// card that says so when no run recorded any (else none).
+fn overlay_service(o: &mut String, runs: &[(String, &Report, &Run)], stage: &str, always: bool) {
     let series: Vec<(String, &Summary)> =
         runs.iter().filter_map(|(l, r, _)| r.stages.get(stage).map(|s| (l.clone(), &s.service_us))).collect();
-    if series.is_empty() {
+    let chart = plots::percentiles(&format!("{stage}: service time per item"), &series, plots::SIZE);
+    if series.is_empty() || (!always && matches!(chart, Ok(None))) {
         return;
     }
     o.push_str("<div class=\"card\">\n");
-    let title = format!("{stage}: service time per item");
-    o.push_str(&figure(plots::percentiles(&title, &series, plots::SIZE), &format!("{stage}: no service times recorded")));
+    o.push_str(&figure(chart, &format!("{stage}: no service times recorded")));
     let busy: Vec<String> =
         runs.iter().filter_map(|(l, r, _)| r.stages.get(stage).map(|s| format!("{} {:.1}%", escape(l), s.busy_fraction * 100.0))).collect();
     let _ = writeln!(o, "<p>busy: {}</p>\n</div>", busy.join(", "));

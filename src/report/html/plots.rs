@@ -149,7 +149,7 @@ pub fn percentiles(title: &str, series: &[(String, &Summary)], size: (u32, u32))
             .margin(10)
             .x_label_area_size(36)
             .y_label_area_size(66)
-            .build_cartesian_2d(Ticked { inner: (0.0..x_max).into(), ticks }, (lo..hi).log_scale())
+            .build_cartesian_2d(Ticked::<RangedCoordf64> { inner: (0.0..x_max).into(), ticks }, log_axis(lo, hi))
             .map_err(|e| anyhow!("{e}"))?;
         chart
             .configure_mesh()
@@ -160,7 +160,6 @@ pub fn percentiles(title: &str, series: &[(String, &Summary)], size: (u32, u32))
                 format!("{}%", short((p * 10.0).round() / 10.0))
             })
             .y_label_formatter(&|y| fmt_us(*y))
-            .y_labels(8)
             .label_style(("sans-serif", 13))
             .light_line_style(RGBColor(238, 238, 238))
             .draw()
@@ -192,14 +191,13 @@ pub fn lines(frame: &Frame, lines: &[Line], y_axis: YAxis, size: (u32, u32)) -> 
         if y_axis == YAxis::Log {
             let ys = || all().map(|p| p.1);
             let (lo, hi) = log_span(ys().fold(f64::INFINITY, f64::min), ys().fold(0.0, f64::max));
-            let mut chart = builder.build_cartesian_2d(x_lo..x_hi, (lo..hi).log_scale()).map_err(|e| anyhow!("{e}"))?;
+            let mut chart = builder.build_cartesian_2d(x_lo..x_hi, log_axis(lo, hi)).map_err(|e| anyhow!("{e}"))?;
             chart
                 .configure_mesh()
                 .x_desc(frame.x)
                 .y_desc(frame.y)
                 .x_label_formatter(&x_fmt)
                 .y_label_formatter(&|y| short(*y))
-                .y_labels(8)
                 .label_style(("sans-serif", 13))
                 .light_line_style(RGBColor(238, 238, 238))
                 .draw()
@@ -281,14 +279,15 @@ where
     Ok(())
 }
 
-/// A linear f64 axis with its ticks and grid lines at given values only (plotters'
-/// `WithKeyPoints` has no default label formatting on f64, which the mesh needs).
-struct Ticked {
-    inner: RangedCoordf64,
+/// An f64 axis (linear or log) with its ticks and grid lines at given values only: plotters'
+/// `WithKeyPoints` has no default label formatting on f64, which the mesh needs, and its log
+/// axis labels a span of less than a decade with one tick or none.
+struct Ticked<R> {
+    inner: R,
     ticks: Vec<f64>,
 }
 
-impl Ranged for Ticked {
+impl<R: Ranged<ValueType = f64>> Ranged for Ticked<R> {
     type FormatOption = plotters::coord::ranged1d::DefaultFormatting;
     type ValueType = f64;
 
@@ -303,6 +302,24 @@ impl Ranged for Ticked {
     fn range(&self) -> std::ops::Range<f64> {
         self.inner.range()
     }
+}
+
+/// A log axis from `lo` to `hi` (both > 0) with readable ticks: powers of ten over a wide span,
+/// 1-2-5 steps (or finer) over a narrow one, at least four where the span allows.
+fn log_axis(lo: f64, hi: f64) -> Ticked<LogCoord<f64>> {
+    // Mantissas in tenths, so that every tick is a whole number over a power of ten (exact).
+    const STEPS: [&[u32]; 5] =
+        [&[10], &[10, 30], &[10, 20, 50], &[10, 15, 20, 30, 50, 70], &[10, 12, 15, 20, 25, 30, 40, 50, 60, 70, 80, 90]];
+    let within = |steps: &[u32]| -> Vec<f64> {
+        let first = lo.log10().floor() as i32 - 1;
+        let last = hi.log10().ceil() as i32 - 1;
+        (first..=last)
+            .flat_map(|e| steps.iter().map(move |&m| if e >= 0 { m as f64 * 10f64.powi(e) } else { m as f64 / 10f64.powi(-e) }))
+            .filter(|t| *t >= lo && *t <= hi)
+            .collect()
+    };
+    let ticks = STEPS.iter().map(|s| within(s)).find(|t| t.len() >= 4).unwrap_or_else(|| within(STEPS[STEPS.len() - 1]));
+    Ticked { inner: (lo..hi).log_scale().into(), ticks }
 }
 
 /// A linear axis's range over `xs`, widened a little (and from 0 when `from_zero`); never empty.
@@ -382,6 +399,13 @@ mod tests {
         assert!(lines(&frame, &[Line::solid("neg", vec![(1.0, 0.0)])], YAxis::Log, SIZE).unwrap().is_none());
         let single = lines(&frame, &[l], YAxis::Log, SIZE).unwrap().unwrap();
         assert!(!single.contains("legend"), "one line needs no legend");
+    }
+
+    #[test]
+    fn log_ticks_fit_the_span() {
+        assert_eq!(log_axis(0.5, 2000.0).ticks, [1.0, 10.0, 100.0, 1000.0]);
+        assert_eq!(log_axis(7.0, 17.0).ticks, [7.0, 8.0, 9.0, 10.0, 12.0, 15.0]);
+        assert_eq!(log_axis(80.0, 700.0).ticks, [100.0, 150.0, 200.0, 300.0, 500.0, 700.0]);
     }
 
     #[test]
