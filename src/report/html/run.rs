@@ -256,3 +256,69 @@ fn channel_card(o: &mut String, name: &str, c: &ChannelReport) {
     }
     o.push_str("</div>\n");
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A report as a failed two-stage training run writes it (histograms, a timeline, a
+    /// failure whose message holds markup, validations).
+    fn report() -> Report {
+        let hist = |scale: f64| {
+            let q: Vec<f64> = (0..100).map(|k| scale * (1.0 + k as f64 / 10.0)).collect();
+            serde_json::json!({"count": 500, "mean": scale * 5.0, "p50": q[50], "p90": q[90], "p99": q[99], "max": scale * 20.0, "total_ms": 1.0, "quantiles": q})
+        };
+        let stage = |inputs: &[&str], role: &str, busy: f64| {
+            serde_json::json!({"kind": "delay", "impl": "sleep", "role": role, "inputs": inputs, "items": 500, "items_in": 500, "items_out": 500,
+                "busy_fraction": busy, "service_us": hist(100.0), "throughput_per_s": 900.0, "steady_s": 0.5, "state": "finished"})
+        };
+        let mut train = stage(&["feed"], "sink", 0.9);
+        train["state"] = "failed".into();
+        train["error"] = "bad <script>alert(1)</script> & more".into();
+        train["extra_us"] = serde_json::json!({"write_us": hist(3.0), "idle_us": {"count": 0, "mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0, "total_ms": 0.0}});
+        let zero = serde_json::json!({"count": 500, "mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0, "total_ms": 0.0, "quantiles": vec![0.0; 100]});
+        serde_json::from_value(serde_json::json!({
+            "run": {"name": "r", "config": "c.toml", "run_dir": "/tmp/r", "started": "2026-01-01T00:00:00Z", "wall_s": 1.5, "status": "failed",
+                "exit_code": 1, "error": "stage `train` failed: bad <script>", "warmup_items": 4, "instrument": true, "stage_order": ["feed", "train"]},
+            "stages": {"feed": stage(&[], "source", 0.1), "train": train},
+            "channels": {"feed->train": {"from": "feed", "to": "train", "capacity": 4, "items": 500, "send_blocked_us": zero,
+                "send_blocked_fraction": 0.0, "recv_blocked_us": hist(10.0), "recv_blocked_fraction": 0.02, "residence_us": hist(20.0),
+                "mean_occupancy": 3.1, "empty_fraction": 0.01, "full_fraction": 0.7, "littles_law_occupancy": 3.0,
+                "occupancy_timeline": [[0.0, 0.0], [0.5, 3.0], [1.0, 4.0]]}},
+            "verdict": {"bottleneck": "train", "bottleneck_busy_fraction": 0.9, "focus": "train", "input_bound_fraction": 0.02,
+                "class": "not input-bound", "explanation": "`train` is itself the bottleneck", "throughput_per_s": 900.0, "demand_ms": {"train": 1.1}},
+            "train": {"steps": 3, "ended_by": "iterations", "val_bpb": 3.0, "unigram_bpb": 3.5,
+                "validations": [{"step": 0, "val_loss": 7.0, "val_bpb": 4.0}, {"step": 3, "val_loss": 6.0, "val_bpb": 3.0}]}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn page_of_a_failed_training_run() {
+        let tsv = "step\ttrain_loss\tlr_mul\ttrain_time_ms\tdata_fingerprint\n1\t7.5\t1\t100\ta\n2\t7.0\t1\t190\tb\n3\t6.5\t1\t300\tc\n";
+        let page = page(&report(), Some(tsv));
+        assert_eq!(page.matches("<svg").count(), page.matches("</svg>").count());
+        assert!(!page.contains("<script"), "markup from the run left raw");
+        assert!(page.contains("bad &lt;script&gt;alert(1)&lt;/script&gt; &amp; more"));
+        for part in [
+            "id=\"stage-feed\"",
+            "id=\"stage-train\"",
+            "id=\"channel-feed--train\"",
+            "train: service time and own histograms",
+            "idle_us: no events",
+            "send-blocked: 0 throughout",
+            "feed-&gt;train: length over time",
+            "capacity 4",
+            "loss against steps",
+            "step time against steps",
+            "validation bits per byte",
+            "class=\"verdict not\"",
+        ] {
+            assert!(page.contains(part), "`{part}` not on the page");
+        }
+        // One channel: no chart of every channel against its capacity.
+        assert!(!page.contains("Channel occupancy"));
+        let loader = Report { train: Default::default(), ..report() };
+        assert!(!super::page(&loader, None).contains("<h2>Training</h2>"));
+    }
+}
