@@ -2,7 +2,7 @@
 //! (a stage's layer is one past its deepest input's), each box filled by its busy share on a
 //! white-to-red scale, each channel an arrow coloured and thickened by its blocked share (the
 //! larger of the producer's send wait and the consumer's input wait) and labelled with its
-//! capacity. Hovering a box or an arrow shows its figures (SVG `<title>`, no script).
+//! capacity and which wait that is. Hovering a box or an arrow shows its figures (SVG `<title>`, no script).
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -12,7 +12,7 @@ use crate::report::document::Report;
 
 /// A stage box's width and height, and the gaps between layers and between rows.
 const BOX: (f64, f64) = (160.0, 66.0);
-const GAP: (f64, f64) = (124.0, 34.0);
+const GAP: (f64, f64) = (150.0, 34.0);
 /// Layers side by side before the graph wraps onto a band below (a long chain stays readable).
 const LAYERS_PER_BAND: usize = 5;
 /// Space around the drawing, and under it for the legend.
@@ -160,9 +160,10 @@ pub fn svg(report: &Report) -> String {
             );
             let _ = writeln!(
                 o,
-                r##"<text x="{mx:.1}" y="{my:.1}" font-size="11" text-anchor="middle" stroke="#fff" stroke-width="3" paint-order="stroke">cap {} · {:.0}% blocked</text></g>"##,
+                r##"<text x="{mx:.1}" y="{my:.1}" font-size="10.5" text-anchor="middle" stroke="#fff" stroke-width="3" paint-order="stroke">cap {} · {:.0}% {}</text></g>"##,
                 c.capacity,
-                share * 100.0
+                share * 100.0,
+                if c.send_blocked_fraction >= c.recv_blocked_fraction { "send-blocked" } else { "recv-blocked" }
             );
         }
     }

@@ -103,7 +103,7 @@ dl.facts dd { margin: 0; }
 .status.completed { background: #2ca02c; } .status.failed { background: #d62728; } .status.interrupted { background: #ff7f0e; }
 .error { color: #a00; background: #fff0f0; border: 1px solid #e4b4b4; padding: 6px 10px; white-space: pre-wrap; }
 .none { color: #666; font-style: italic; }
-.cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(540px, 1fr)); gap: 14px; }
+.cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(440px, 1fr)); gap: 14px; }
 .card { background: #fff; border: 1px solid #ddd; border-radius: 6px; padding: 10px 12px; }
 .card p { margin: 0.2em 0; font-size: 0.9em; }
 figure { margin: 6px 0; }
@@ -114,6 +114,8 @@ figure { margin: 6px 0; }
 svg { max-width: 100%; height: auto; display: block; }
 .graph-box { background: #fff; border: 1px solid #ddd; border-radius: 6px; padding: 8px; overflow-x: auto; }
 footer { margin-top: 3em; color: #777; font-size: 0.8em; }
+nav { font-size: 0.9em; margin: 0.4em 0; }
+nav a { margin-right: 1em; }
 "#;
 
 /// Writes `RUN_DIR/report.html` for `report` (with `RUN_DIR/steps.tsv` when the run wrote one);

@@ -15,11 +15,17 @@ use crate::report::tables::{ChannelReport, StageReport};
 pub fn page(report: &Report, steps_tsv: Option<&str>) -> String {
     let mut body = String::new();
     header(&mut body, report);
+    let training = train::section(report, steps_tsv);
+    let _ = writeln!(
+        body,
+        "<nav><a href=\"#graph\">stage graph</a><a href=\"#stages\">stages</a><a href=\"#channels\">channels</a>{}</nav>",
+        if training.is_some() { "<a href=\"#training\">training</a>" } else { "" }
+    );
     verdict(&mut body, report);
-    let _ = writeln!(body, "<h2>Stage graph</h2>\n<div class=\"graph-box\">{}</div>", graph::svg(report));
+    let _ = writeln!(body, "<h2 id=\"graph\">Stage graph</h2>\n<div class=\"graph-box\">{}</div>", graph::svg(report));
     stages(&mut body, report);
     channels(&mut body, report);
-    if let Some(t) = train::section(report, steps_tsv) {
+    if let Some(t) = training {
         body.push_str(&t);
     }
     shell(&format!("pipeline report: {}", report.run.name), &body)
@@ -96,7 +102,7 @@ fn verdict(o: &mut String, report: &Report) {
 
 /// The stage table and a card per stage with its percentile plot.
 fn stages(o: &mut String, report: &Report) {
-    o.push_str("<h2>Stages</h2>\n<table>\n<tr><th class=\"l\">stage</th><th class=\"l\">kind/impl</th><th class=\"l\">role</th><th>items</th><th>busy</th><th>p50 µs</th><th>p90 µs</th><th>p99 µs</th><th>max µs</th><th>items/s</th><th class=\"l\">state</th></tr>\n");
+    o.push_str("<h2 id=\"stages\">Stages</h2>\n<table>\n<tr><th class=\"l\">stage</th><th class=\"l\">kind/impl</th><th class=\"l\">role</th><th>items</th><th>busy</th><th>p50 µs</th><th>p90 µs</th><th>p99 µs</th><th>max µs</th><th>items/s</th><th class=\"l\">state</th></tr>\n");
     let named = || report.run.stage_order.iter().filter_map(|n| report.stages.get(n).map(|s| (n, s)));
     for (name, s) in named() {
         let u = &s.service_us;
@@ -177,7 +183,7 @@ fn channels(o: &mut String, report: &Report) {
     if chans.is_empty() {
         return;
     }
-    o.push_str("<h2>Channels</h2>\n<table>\n<tr><th class=\"l\">channel</th><th>capacity</th><th>mean length</th><th>Little's law</th><th>empty</th><th>full</th><th>send-blocked p99 µs</th><th>send-blocked share</th><th>recv-blocked p99 µs</th><th>recv-blocked share</th><th>residence p50 µs</th><th>residence p99 µs</th></tr>\n");
+    o.push_str("<h2 id=\"channels\">Channels</h2>\n<table>\n<tr><th class=\"l\">channel</th><th>capacity</th><th>mean length</th><th>Little's law</th><th>empty</th><th>full</th><th>send-blocked p99 µs</th><th>send-blocked share</th><th>recv-blocked p99 µs</th><th>recv-blocked share</th><th>residence p50 µs</th><th>residence p99 µs</th></tr>\n");
     for (name, c) in &chans {
         let _ = writeln!(
             o,
@@ -214,7 +220,7 @@ fn channels(o: &mut String, report: &Report) {
         })
         .collect();
     if relative.len() > 1 {
-        o.push_str("<h2>Channel occupancy</h2>\n");
+        o.push_str("<h2 id=\"occupancy\">Channel occupancy</h2>\n");
         let frame = Frame { title: "every channel's length / its capacity", x: "seconds from the start", y: "share of capacity" };
         o.push_str(&figure(plots::lines(&frame, &relative, YAxis::FromZero, (1100, 340)), "no channel lengths were sampled"));
     }
@@ -319,6 +325,6 @@ mod tests {
         // One channel: no chart of every channel against its capacity.
         assert!(!page.contains("Channel occupancy"));
         let loader = Report { train: Default::default(), ..report() };
-        assert!(!super::page(&loader, None).contains("<h2>Training</h2>"));
+        assert!(!super::page(&loader, None).contains("id=\"training\""));
     }
 }

@@ -66,7 +66,7 @@ pub fn section(report: &Report, steps_tsv: Option<&str>) -> Option<String> {
     if t.is_empty() && steps.loss.is_empty() {
         return None;
     }
-    let mut o = String::from("<h2>Training</h2>\n");
+    let mut o = String::from("<h2 id=\"training\">Training</h2>\n");
     facts(&mut o, t);
     o.push_str("<div class=\"cards\">\n<div class=\"card\">\n");
     let mut loss = vec![Line::solid("train loss", steps.loss.clone())];
