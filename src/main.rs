@@ -95,11 +95,14 @@ enum Command {
     },
     /// Print the bottleneck report of a finished run.
     Report {
-        /// The run directory (holding report.json).
+        /// The run directory (holding report.json), or with --html an ablation directory.
         run_dir: PathBuf,
         /// Print report.json instead of the table.
         #[arg(long)]
         json: bool,
+        /// Write report.html again (a run's page, or an ablation's) and print its path.
+        #[arg(long, conflicts_with = "json")]
+        html: bool,
     },
     /// Data preparation.
     Data {
@@ -234,7 +237,7 @@ fn main() -> ExitCode {
         }
         Command::Advise { run_dir, json } => cli::advise::command(run_dir, json),
         Command::Validate { config, sets } => cli::validate::command(config, sets),
-        Command::Report { run_dir, json } => cli::report::command(run_dir, json),
+        Command::Report { run_dir, json, html } => cli::report::command(run_dir, json, html),
         Command::Stages { json } => cli::stages::command(json),
         Command::Parity { device, dtype, seed, json } => cli::check::parity(&device, &dtype, seed, json),
         Command::AttentionTrial { device, kernels, batch, seq_len, heads, kv_heads, head_dim, json } => {

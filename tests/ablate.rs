@@ -1,7 +1,8 @@
 //! `pipeline ablate` through the binary, on the tiny training setup: the base and its variants
 //! run with the same data order and are compared; a rerun keeps completed runs and redoes the
 //! rest; a bad key fails before anything runs; seeds give means and Welch's test; Ctrl-C lets
-//! the current run finish and starts no other.
+//! the current run finish and starts no other. Each run and the ablation write their
+//! report.html.
 
 mod common;
 
@@ -54,6 +55,15 @@ fn variants_run_compare_and_a_rerun_keeps_what_completed() {
     let table = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(table.contains("stages.pin.queue=4") && table.contains("same") && table.contains("x)"), "{table}");
     assert_eq!(std::fs::read_to_string(out.join("ablation.txt")).unwrap().lines().count(), 4);
+    // The ablation's page: the table, a link to each run's own page, the runs overlaid.
+    let page = common::html_page(&out.join("report.html"));
+    for dir in ["base", "stages.pin.queue=1", "stages.pin.queue=4"] {
+        assert!(page.contains(&format!("href=\"{dir}/report.html\"")), "no link to {dir}'s page");
+        common::html_page(&out.join(dir).join("report.html"));
+    }
+    for part in ["Comparison", "train: service time per item", "step time against steps", "train loss against steps"] {
+        assert!(page.contains(part), "`{part}` not on the ablation's page");
+    }
 
     let report = out.join("stages.pin.queue=1/report.json");
     let before = std::fs::metadata(&report).unwrap().modified().unwrap();

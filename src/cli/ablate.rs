@@ -1,8 +1,8 @@
 //! `pipeline ablate CONFIG --vary KEY=V1,V2 [...]`: the base config and each variant run one
 //! after another (same seed, same data order), each in its own run directory under one
 //! ablation directory, then compared side by side ([`crate::report::ablation`]): the table
-//! printed, `ablation.json` and `ablation.txt` written (after every run, so a stopped ablation
-//! keeps what it measured).
+//! printed, `ablation.json`, `ablation.txt` and `report.html` written (after every run, so a
+//! stopped ablation keeps what it measured).
 //!
 //! Every variant's config is loaded and planned before anything runs, so a typo in a key fails
 //! at once. Ctrl-C (or SIGTERM, SIGHUP) lets the current run finish and starts no other; a
@@ -18,6 +18,7 @@ use super::run::{self, RunError};
 use crate::report::ablation::figures::Figures;
 use crate::report::ablation::plan::{self, Variant, Vary};
 use crate::report::ablation::summary;
+use crate::report::html;
 use crate::runtime::config::{self, Loaded};
 use crate::runtime::control::{Control, StopSignal};
 use crate::runtime::{graph, rundir};
@@ -204,8 +205,9 @@ fn run_variant(dir: &Path, v: &Variant, loaded: &Loaded<Config>, control: Arc<Co
     }
 }
 
-/// Writes `ablation.json` (every run's settings and figures, and the comparison) and
-/// `ablation.txt` (the table).
+/// Writes `ablation.json` (every run's settings and figures, and the comparison),
+/// `ablation.txt` (the table) and `report.html` (the table and every run's plots overlaid; a
+/// failure to write it is a warning).
 fn write_summary(dir: &Path, config: &Path, runs: &[(Variant, Option<Figures>)]) -> anyhow::Result<()> {
     let lines = summary::compare(runs);
     let json = serde_json::json!({
@@ -215,7 +217,37 @@ fn write_summary(dir: &Path, config: &Path, runs: &[(Variant, Option<Figures>)])
         "significance_bar": { "nats": summary::BAR_NATS, "p": summary::BAR_P },
     });
     rundir::write_atomic(&dir.join(SUMMARY), &serde_json::to_vec_pretty(&json)?)?;
-    rundir::write_atomic(&dir.join("ablation.txt"), summary::render(&lines).as_bytes())
+    rundir::write_atomic(&dir.join("ablation.txt"), summary::render(&lines).as_bytes())?;
+    // The page is a view of the runs' reports: failing to write it fails nothing.
+    if let Err(e) = html::write_ablation(dir, config, runs, &lines) {
+        err!("warning: {} not written: {e:#}", dir.join(html::FILE).display());
+    }
+    Ok(())
+}
+
+/// Writes `ABL_DIR/report.html` again from `ablation.json` and the runs' directories (for
+/// `pipeline report ABL_DIR --html`); returns its path.
+pub fn rewrite_html(dir: &Path) -> anyhow::Result<PathBuf> {
+    use anyhow::Context;
+    let path = dir.join(SUMMARY);
+    let json: serde_json::Value =
+        serde_json::from_slice(&crate::runtime::files::read(&path)?).with_context(|| format!("{} is not JSON", path.display()))?;
+    let config = json["config"].as_str().unwrap_or("-");
+    let variants: Vec<Variant> = json["runs"]
+        .as_array()
+        .map(|rs| rs.iter().filter_map(|r| serde_json::from_value(r["variant"].clone()).ok()).collect())
+        .unwrap_or_default();
+    if variants.is_empty() {
+        anyhow::bail!("{} lists no runs", path.display());
+    }
+    let runs: Vec<(Variant, Option<Figures>)> = variants
+        .into_iter()
+        .map(|v| {
+            let figures = Figures::read(&dir.join(&v.dir)).ok();
+            (v, figures)
+        })
+        .collect();
+    html::write_ablation(dir, Path::new(config), &runs, &summary::compare(&runs))
 }
 
 /// What the signal thread tells the loop.

@@ -1,5 +1,6 @@
 //! `pipeline run` as a library call: plan, find a resumed run complete, estimate memory, make
-//! the run directory, build every stage, write the resolved config, run, write the report.
+//! the run directory, build every stage, write the resolved config, run, write the report
+//! (`report.json`, and `report.html` beside it).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -212,7 +213,19 @@ pub fn run(
         .and_then(|json| rundir::write_atomic(&run_dir.join("report.json"), &json))
         .err()
         .map(|e| format!("{e:#}"));
+    // The page beside it is a view of report.json: failing to write it fails nothing.
+    if report_error.is_none() {
+        write_html(&run_dir, &report);
+    }
     Ok(RunOutcome { report, run_dir, report_error })
+}
+
+/// Writes `RUN_DIR/report.html` from `report`; a failure is a warning naming the file, never
+/// the run's failure (report.json has everything the page shows).
+pub fn write_html(run_dir: &Path, report: &Report) {
+    if let Err(e) = crate::report::html::write_run(run_dir, report) {
+        err!("warning: {} not written: {e:#}", run_dir.join(crate::report::html::FILE).display());
+    }
 }
 
 /// The report of the process that last ran in `run_dir`, if it ran the same stages (names,

@@ -1,8 +1,10 @@
-//! What a run reports: `RUN_DIR/report.json` ([`document`]), its text table, and the bottleneck
-//! verdict ([`verdict`]) computed from the stage and channel tables ([`tables`]).
+//! What a run reports: `RUN_DIR/report.json` ([`document`]), its text table, the bottleneck
+//! verdict ([`verdict`]) computed from the stage and channel tables ([`tables`]), and the same as
+//! a self-contained page with plots, `report.html` ([`html`]).
 
 pub mod ablation;
 pub mod advise;
 pub mod document;
+pub mod html;
 pub mod tables;
 pub mod verdict;

@@ -117,3 +117,19 @@ pub fn assert_fails(o: &Output, fragments: &[&str]) {
         assert!(err.contains(f), "`{f}` not in stderr\n{}", text(o));
     }
 }
+
+/// Reads a `report.html` and checks that it is one self-contained, well-formed page: a whole
+/// document, every `<svg>`, `<div>` and `<table>` closed, no script, and no address but the SVG
+/// namespace's (nothing fetched). Returns its text.
+pub fn html_page(path: &Path) -> String {
+    let page = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert!(page.starts_with("<!DOCTYPE html>") && page.trim_end().ends_with("</html>"), "{}: not a whole page", path.display());
+    for tag in ["svg", "div", "table", "figure", "section"] {
+        let (open, close) = (page.matches(&format!("<{tag}")).count(), page.matches(&format!("</{tag}>")).count());
+        assert_eq!(open, close, "{}: {open} <{tag}> but {close} </{tag}>", path.display());
+    }
+    assert!(!page.to_lowercase().contains("<script"), "{}: holds a script", path.display());
+    let outside = page.replace("http://www.w3.org/2000/svg", "");
+    assert!(!outside.contains("http://") && !outside.contains("https://"), "{}: refers to the network", path.display());
+    page
+}

@@ -149,8 +149,9 @@ pub fn compare(runs: &[(Variant, Option<Figures>)]) -> Vec<Line> {
         .collect()
 }
 
-/// The comparison as a text table, one row per variant.
-pub fn render(lines: &[Line]) -> String {
+/// The comparison's table, one row per variant: the header and each row's cells, columns that
+/// every row leaves empty left out (what [`render`] prints and the HTML report shows).
+pub fn table(lines: &[Line]) -> (Vec<&'static str>, Vec<Vec<String>>) {
     use std::fmt::Write;
     let cell = |l: &Line, key: &str, digits: usize, scale: f64| -> String {
         let Some(s) = l.figures.get(key) else { return "-".into() };
@@ -210,24 +211,41 @@ pub fn render(lines: &[Line]) -> String {
         .collect();
     // Columns every row leaves empty are left out.
     let keep: Vec<usize> = (0..header.len()).filter(|&c| c < 2 || rows.iter().any(|r| r[c] != "-")).collect();
+    let header = keep.iter().map(|&c| header[c]).collect();
+    let rows = rows.into_iter().map(|r| keep.iter().map(|&c| r[c].clone()).collect()).collect();
+    (header, rows)
+}
+
+/// One sentence per variant with a significance test: its score against the base's and whether
+/// it clears the bar.
+pub fn significance(lines: &[Line]) -> Vec<String> {
+    lines
+        .iter()
+        .filter_map(|l| {
+            let s = l.significance.as_ref()?;
+            let verdict = if s.clears_bar { "clears" } else { "does not clear" };
+            Some(format!(
+                "{}: score {:+.4} nats vs base (Welch t {:.2}, df {:.1}, p {:.3}): {verdict} the bar ({BAR_NATS} nats at p <= {BAR_P})",
+                l.name, s.diff_nats, s.welch.t, s.welch.df, s.welch.p
+            ))
+        })
+        .collect()
+}
+
+/// The comparison as a text table, one row per variant, then the significance sentences.
+pub fn render(lines: &[Line]) -> String {
+    use std::fmt::Write;
+    let (header, rows) = table(lines);
     let widths: Vec<usize> =
-        keep.iter().map(|&c| rows.iter().map(|r| r[c].chars().count()).chain([header[c].len()]).max().unwrap_or(0)).collect();
+        (0..header.len()).map(|c| rows.iter().map(|r| r[c].chars().count()).chain([header[c].len()]).max().unwrap_or(0)).collect();
     let mut out = String::new();
-    let line =
-        |cells: Vec<&str>| keep.iter().zip(&widths).map(|(&c, w)| format!("{:<w$}", cells[c], w = *w)).collect::<Vec<_>>().join("  ");
-    let _ = writeln!(out, "{}", line(header.to_vec()).trim_end());
+    let line = |cells: Vec<&str>| cells.iter().zip(&widths).map(|(c, w)| format!("{:<w$}", c, w = *w)).collect::<Vec<_>>().join("  ");
+    let _ = writeln!(out, "{}", line(header.clone()).trim_end());
     for r in &rows {
         let _ = writeln!(out, "{}", line(r.iter().map(String::as_str).collect()).trim_end());
     }
-    for l in lines {
-        if let Some(s) = &l.significance {
-            let verdict = if s.clears_bar { "clears" } else { "does not clear" };
-            let _ = writeln!(
-                out,
-                "{}: score {:+.4} nats vs base (Welch t {:.2}, df {:.1}, p {:.3}): {verdict} the bar ({BAR_NATS} nats at p <= {BAR_P})",
-                l.name, s.diff_nats, s.welch.t, s.welch.df, s.welch.p
-            );
-        }
+    for s in significance(lines) {
+        let _ = writeln!(out, "{s}");
     }
     out
 }
