@@ -301,6 +301,10 @@ pub fn command(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bo
     match result {
         Ok(outcome) => {
             out!("{}", outcome.report.render());
+            let trace = outcome.run_dir.join("trace.json");
+            if loaded.config.run.trace && trace.is_file() {
+                out!("trace: {} (open it in https://ui.perfetto.dev or chrome://tracing)", trace.display());
+            }
             if let Some(e) = &outcome.report.run.error {
                 err!("error: {e}");
             }
