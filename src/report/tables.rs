@@ -82,7 +82,7 @@ pub struct ChannelReport {
     /// Throughput x mean residence: should be close to `mean_occupancy` (Little's law).
     pub littles_law_occupancy: f64,
     /// The sampled length over the run: `[seconds from the run's start, mean length]`, at most
-    /// 512 points (each the mean of equally many samples).
+    /// 256 points (each the mean of equally many samples).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub occupancy_timeline: Vec<[f64; 2]>,
 }
