@@ -1,6 +1,8 @@
 //! Scoring: the bits-per-byte metric ([`bpb`]), validation as the challenge scores it
-//! ([`validation`]), and sliding-window scoring with score-first test-time training ([`ttt`]).
+//! ([`validation`]), sliding-window scoring with score-first test-time training ([`ttt`]), and
+//! phased TTT with per-document LoRA ([`phased`]).
 
 pub mod bpb;
+pub mod phased;
 pub mod ttt;
 pub mod validation;

@@ -1,0 +1,8 @@
+//! Phased TTT, the test-time training of the records since PR #1626 (record spec §5): the
+//! validation stream cut into documents, each scored chunk by chunk with its own LoRA adapters
+//! trained on the chunks already scored, and after a prefix of documents the base model itself
+//! trained with SGD on the documents scored so far, in phases.
+//!
+//! [`docs`]: the documents, the work queue, each document's chunks and the phase boundaries.
+
+pub mod docs;
