@@ -3,6 +3,9 @@
 //! trained on the chunks already scored, and after a prefix of documents the base model itself
 //! trained with SGD on the documents scored so far, in phases.
 //!
-//! [`docs`]: the documents, the work queue, each document's chunks and the phase boundaries.
+//! [`docs`]: the documents, the work queue, each document's chunks and the phase boundaries;
+//! [`config`]: the settings and their checks; [`progress`]: the `ttp:` line.
 
+pub mod config;
 pub mod docs;
+pub mod progress;
