@@ -206,9 +206,15 @@ impl TttConfig {
     /// The learning rate of chunk `c` of `n_chunks`: `lr · ½ · (1 + cos(π · c / max(n_chunks − 1, 1)))`
     /// (from `lr` at chunk 0 to 0 at the last chunk, which is not trained on).
     pub fn chunk_lr(&self, c: usize, n_chunks: usize) -> f64 {
-        let last = n_chunks.saturating_sub(1).max(1) as f64;
-        self.lr * 0.5 * (1.0 + (std::f64::consts::PI * c as f64 / last).cos())
+        chunk_cosine(self.lr, c, n_chunks)
     }
+}
+
+/// `peak · ½ · (1 + cos(π · c / max(n_chunks − 1, 1)))`: a learning rate from `peak` at chunk 0
+/// to 0 at the last chunk, the decay of every TTT that trains chunk by chunk.
+pub fn chunk_cosine(peak: f64, c: usize, n_chunks: usize) -> f64 {
+    let last = n_chunks.saturating_sub(1).max(1) as f64;
+    peak * 0.5 * (1.0 + (std::f64::consts::PI * c as f64 / last).cos())
 }
 
 /// What happened to one chunk, in order: `Scored`, then (except for the last chunk) `Trained`.

@@ -118,8 +118,7 @@ impl PhasedConfig {
 
     /// The global SGD's learning rate at chunk `c` of `n`: `global_lr · ½(1 + cos(π·c / max(n − 1, 1)))`.
     pub fn global_chunk_lr(&self, c: usize, n: usize) -> f64 {
-        let last = n.saturating_sub(1).max(1) as f64;
-        self.global_lr * 0.5 * (1.0 + (std::f64::consts::PI * c as f64 / last).cos())
+        crate::eval::ttt::chunk_cosine(self.global_lr, c, n)
     }
 }
 
