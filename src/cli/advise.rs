@@ -11,16 +11,7 @@ use crate::report::document::Report;
 pub fn command(run_dir: PathBuf, json: bool) -> i32 {
     let advice = Report::load(&run_dir).and_then(|r| advise::advise(&r));
     match advice {
-        Ok(a) if json => match serde_json::to_string_pretty(&a) {
-            Ok(j) => {
-                out!("{j}");
-                0
-            }
-            Err(e) => {
-                err!("error: {e}");
-                1
-            }
-        },
+        Ok(a) if json => super::print_json(&a),
         Ok(a) => {
             out_raw!("{}", advise::render(&a));
             0

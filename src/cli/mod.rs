@@ -37,6 +37,21 @@ macro_rules! err {
     }};
 }
 
+/// Prints `value` as pretty JSON: exit code 0, or 1 (the error printed) when it cannot be
+/// serialised. What every `--json` flag prints through.
+fn print_json(value: &impl serde::Serialize) -> i32 {
+    match serde_json::to_string_pretty(value) {
+        Ok(s) => {
+            out!("{s}");
+            0
+        }
+        Err(e) => {
+            err!("error: {e}");
+            1
+        }
+    }
+}
+
 pub mod ablate;
 pub mod advise;
 pub mod artifact;

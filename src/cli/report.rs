@@ -12,16 +12,7 @@ pub fn command(run_dir: PathBuf, json: bool, html: bool) -> i32 {
         return write_html(&run_dir);
     }
     match Report::load(&run_dir) {
-        Ok(r) if json => match serde_json::to_string_pretty(&r) {
-            Ok(s) => {
-                out!("{s}");
-                0
-            }
-            Err(e) => {
-                err!("error: {e}");
-                1
-            }
-        },
+        Ok(r) if json => super::print_json(&r),
         Ok(r) => {
             out_raw!("{}", r.render());
             0
