@@ -6,5 +6,6 @@ pub mod ablation;
 pub mod advise;
 pub mod document;
 pub mod html;
+pub mod steps;
 pub mod tables;
 pub mod verdict;

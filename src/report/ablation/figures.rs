@@ -6,6 +6,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::report::document::Report;
+use crate::report::steps::Steps;
 
 /// One run's figures (`None`: the run has no such thing, e.g. no training in a loader run).
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -26,7 +27,8 @@ pub struct Figures {
     pub step_ms_p50: Option<f64>,
     /// 99th percentile step time (ms), steps 2 on.
     pub step_ms_p99: Option<f64>,
-    /// The focus stage's input wait: its time blocked on receive over its steady wall time.
+    /// The focus stage's input wait: the verdict's input-bound fraction (its time blocked on
+    /// receive over its loop time).
     pub input_wait: f64,
     /// Final validation loss of the trained weights (nats per token).
     pub val_loss: Option<f64>,
@@ -95,7 +97,9 @@ impl Figures {
             .map(|e| (num(e.get("val_loss")), num(e.get("val_bpb"))))
             .find(|(l, _)| l.is_some())
             .unwrap_or((num(t.get("val_loss")), num(t.get("val_bpb"))));
-        let (durations, step_fingerprints) = steps_tsv.map(step_table).unwrap_or_default();
+        let steps = steps_tsv.map(Steps::parse).unwrap_or_default();
+        let durations: Vec<f64> = steps.step_ms.iter().map(|&(_, ms)| ms).collect();
+        let step_fingerprints = steps.fingerprints;
         let data = section("data");
         let (fingerprint, fingerprint_at) = match step_fingerprints.last() {
             Some(f) => (Some(f.clone()), Some(step_fingerprints.len() as u64)),
@@ -128,15 +132,6 @@ impl Figures {
     }
 }
 
-/// `steps.tsv`'s step durations (ms, from the cumulative training time; the first step left
-/// out) and each row's data fingerprint.
-fn step_table(text: &str) -> (Vec<f64>, Vec<String>) {
-    let rows: Vec<Vec<&str>> = text.lines().skip(1).filter(|l| !l.trim().is_empty()).map(|l| l.split('\t').collect()).collect();
-    let times: Vec<f64> = rows.iter().filter_map(|r| r.get(3)?.parse().ok()).collect();
-    let durations = times.windows(2).map(|w| w[1] - w[0]).filter(|d| d.is_finite() && *d >= 0.0).collect();
-    (durations, rows.iter().filter_map(|r| r.get(4)).map(|s| s.trim().to_string()).collect())
-}
-
 /// The `q` quantile of `xs` (nearest rank), `None` when empty.
 fn percentile(xs: &[f64], q: f64) -> Option<f64> {
     if xs.is_empty() {
@@ -153,12 +148,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn step_table_and_percentiles() {
+    fn step_times_and_percentiles() {
         let tsv = "step\ttrain_loss\tlr_mul\ttrain_time_ms\tdata_fingerprint\n1\t7\t1\t700.0\taa\n2\t6\t1\t800.0\tbb\n3\t5\t1\t910.0\tcc\n4\t5\t1\t1010.0\tdd\n";
-        let (d, f) = step_table(tsv);
+        let steps = Steps::parse(tsv);
+        assert_eq!(steps.fingerprints, ["aa", "bb", "cc", "dd"]);
+        let d: Vec<f64> = steps.step_ms.iter().map(|&(_, ms)| ms).collect();
         assert_eq!(d.len(), 3);
         assert!((d[1] - 110.0).abs() < 1e-9);
-        assert_eq!(f, ["aa", "bb", "cc", "dd"]);
         assert_eq!(percentile(&d, 0.5), Some(100.0));
         assert_eq!(percentile(&d, 0.99).map(|x| x.round()), Some(110.0));
         assert_eq!(percentile(&[], 0.5), None);

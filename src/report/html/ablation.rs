@@ -7,12 +7,13 @@
 use std::fmt::Write;
 
 use super::plots::{self, Frame, Line, YAxis};
-use super::train::{self, Steps};
+use super::train;
 use super::{FILE, escape, figure, href, shell};
 use crate::report::ablation::figures::Figures;
 use crate::report::ablation::plan::Variant;
 use crate::report::ablation::summary::{self, Line as Comparison};
 use crate::report::document::Report;
+use crate::report::steps::Steps;
 use crate::runtime::metrics::Summary;
 
 /// One planned run of the ablation and what its directory holds.

@@ -10,47 +10,7 @@ use serde_json::{Map, Value};
 use super::plots::{self, Frame, Line, YAxis};
 use super::{escape, figure};
 use crate::report::document::Report;
-
-/// `steps.tsv` as columns: per row its step, train loss and the step's own time (ms: the
-/// difference of consecutive `train_time_ms`, so the first row has none).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Steps {
-    /// `(step, train_loss)`.
-    pub loss: Vec<(f64, f64)>,
-    /// `(step, ms)`, from the second row on.
-    pub step_ms: Vec<(f64, f64)>,
-}
-
-impl Steps {
-    /// Reads `steps.tsv` text (columns found by the header's names); rows that do not parse
-    /// are skipped.
-    pub fn parse(text: &str) -> Steps {
-        let mut lines = text.lines();
-        let header: Vec<&str> = lines.next().unwrap_or("").split('\t').map(str::trim).collect();
-        let col = |name: &str| header.iter().position(|h| *h == name);
-        let (Some(step), Some(loss), Some(time)) = (col("step"), col("train_loss"), col("train_time_ms")) else {
-            return Steps::default();
-        };
-        let mut out = Steps::default();
-        let mut previous: Option<f64> = None;
-        for row in lines.filter(|l| !l.trim().is_empty()) {
-            let cells: Vec<&str> = row.split('\t').collect();
-            let num = |i: usize| cells.get(i).and_then(|c| c.trim().parse::<f64>().ok()).filter(|x| x.is_finite());
-            let Some(s) = num(step) else { continue };
-            if let Some(l) = num(loss) {
-                out.loss.push((s, l));
-            }
-            let t = num(time);
-            if let (Some(t), Some(p)) = (t, previous)
-                && t >= p
-            {
-                out.step_ms.push((s, t - p));
-            }
-            previous = t.or(previous);
-        }
-        out
-    }
-}
+use crate::report::steps::Steps;
 
 /// `(step, value)` of each entry of `train.validations` that has `key`.
 pub fn validations(train: &Map<String, Value>, key: &str) -> Vec<(f64, f64)> {
@@ -148,16 +108,6 @@ fn facts(o: &mut String, t: &Map<String, Value>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn steps_tsv_gives_losses_and_step_times() {
-        let tsv = "step\ttrain_loss\tlr_mul\ttrain_time_ms\tdata_fingerprint\n1\t7\t1\t700.0\taa\n2\t6\t1\t800.0\tbb\nbad row\n3\t5\t1\t910.0\tcc\n";
-        let s = Steps::parse(tsv);
-        assert_eq!(s.loss, [(1.0, 7.0), (2.0, 6.0), (3.0, 5.0)]);
-        assert_eq!(s.step_ms.len(), 2);
-        assert!((s.step_ms[1].1 - 110.0).abs() < 1e-9 && s.step_ms[1].0 == 3.0);
-        assert_eq!(Steps::parse("no header"), Steps::default());
-    }
 
     #[test]
     fn validations_are_read_by_key() {
