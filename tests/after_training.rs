@@ -103,6 +103,12 @@ fn stages_after_training_report_and_log() {
     extra("eval", "sliding");
     extra("eval", "chunk_score");
     extra("eval", "chunk_train");
+    // The steady phase ends with the executor (the verdict's focus): its window stops before
+    // the artifact and the evaluation after training, whose windows run to the end of the run.
+    assert_eq!(r.verdict.focus, "train");
+    let after_s = ["sliding", "chunk_score", "chunk_train"].iter().map(|h| r.stages["eval"].extra_us[*h].total_ms).sum::<f64>() / 1e3;
+    let (train_s, eval_s) = (r.stages["train"].steady_s, r.stages["eval"].steady_s);
+    assert!(train_s + after_s / 2.0 < eval_s, "train's window {train_s} s, eval's {eval_s} s, evaluation after training {after_s} s");
 
     let avg = &r.sections["averaging"];
     assert_eq!(avg["kind"], "ema");

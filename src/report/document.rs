@@ -110,25 +110,15 @@ pub fn exit_code(reason: StopReason, signal: Option<StopSignal>) -> i32 {
     }
 }
 
-/// Per stage, whether it is fed (through any chain of channels) by stage `from`.
-fn downstream(plan: &Plan, from: usize) -> Vec<bool> {
-    let mut seen = vec![false; plan.stages.len()];
-    let mut stack: Vec<usize> = plan.stages[from].consumers.clone();
-    while let Some(i) = stack.pop() {
-        if !std::mem::replace(&mut seen[i], true) {
-            stack.extend(plan.stages[i].consumers.iter().copied());
-        }
-    }
-    seen
-}
-
 /// Turns a run's measurements into a report.
 pub fn build(plan: &Plan, result: &RunResult, meta: &ReportMeta) -> Report {
     let clock = &result.clock;
     let wall_s = clock.seconds(result.start, result.end);
     let mut stages = BTreeMap::new();
     let mut steady = vec![0.0f64; plan.stages.len()];
-    let after_focus = downstream(plan, plan.focus);
+    // The stages the focus stage feeds (the graph is acyclic: the focus stage is not one).
+    let mut after_focus = plan.reachable(plan.focus, false);
+    after_focus[plan.focus] = false;
     // The steady phase ends when the focus stage (the executor, a loader's sink) ends: what
     // runs after it (an evaluation after training) is no part of the stages that fed it.
     let focus_end = result.stages.get(plan.focus).filter(|r| r.env.is_some()).map_or(result.end, |r| r.end.min(result.end));

@@ -4,8 +4,9 @@
 //!   with the highest busy fraction (steady service time / steady wall time).
 //! - **Input-bound fraction**: the focus stage's time blocked waiting for input / the time it
 //!   spent in its loop (its own work, waiting for input, blocked sending: [`loop_time`]), i.e.
-//!   the share of a step spent waiting for data, classed as the TensorFlow profiler's input-pipeline analyzer does: under 5% "not
-//!   input-bound", 5 to 20% "moderately input-bound", 20% and over "highly input-bound".
+//!   the share of a step spent waiting for data, classed as the TensorFlow profiler's
+//!   input-pipeline analyzer does: under 5% "not input-bound", 5 to 20% "moderately
+//!   input-bound", 20% and over "highly input-bound".
 //! - **What if**: operational analysis (as Plumber does): each stage's demand is its mean
 //!   service time times its visit ratio (its items per focus item). Throughput cannot exceed
 //!   1 / the largest demand; with the bottleneck free, the next largest bounds it.
@@ -89,20 +90,6 @@ pub fn loop_time(name: &str, stage: &StageReport, channels: &BTreeMap<String, Ch
     LoopTime { total_s: (stage.service_us.total_ms + wait_ms + send_ms) / 1e3, wait_s: wait_ms / 1e3, items: stage.service_us.count }
 }
 
-/// Stages connected to `focus` through any chain of edges (either direction), focus included.
-fn component(plan: &Plan, focus: usize) -> Vec<usize> {
-    let n = plan.stages.len();
-    let mut seen = vec![false; n];
-    let mut stack = vec![focus];
-    while let Some(i) = stack.pop() {
-        if std::mem::replace(&mut seen[i], true) {
-            continue;
-        }
-        stack.extend(plan.stages[i].inputs.iter().chain(&plan.stages[i].consumers).copied());
-    }
-    (0..n).filter(|&i| seen[i]).collect()
-}
-
 /// Judges a run from its stage and channel reports.
 pub fn judge(plan: &Plan, stages: &BTreeMap<String, StageReport>, channels: &BTreeMap<String, ChannelReport>) -> Verdict {
     let focus = &plan.stages[plan.focus].name;
@@ -110,8 +97,10 @@ pub fn judge(plan: &Plan, stages: &BTreeMap<String, StageReport>, channels: &BTr
     let input_bound = loop_time(focus, fs, channels).wait_fraction();
     let class = classify(input_bound).to_string();
 
+    // Among the stages of the focus stage's graph (connected to it either way).
+    let connected = plan.reachable(plan.focus, true);
     let mut ranked: Vec<(&String, &StageReport)> =
-        component(plan, plan.focus).into_iter().map(|i| &plan.stages[i].name).filter_map(|n| stages.get_key_value(n)).collect();
+        (0..plan.stages.len()).filter(|&i| connected[i]).map(|i| &plan.stages[i].name).filter_map(|n| stages.get_key_value(n)).collect();
     ranked.sort_by(|a, b| b.1.busy_fraction.total_cmp(&a.1.busy_fraction).then(a.0.cmp(b.0)));
 
     let focus_items = fs.items.max(1) as f64;

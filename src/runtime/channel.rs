@@ -142,7 +142,7 @@ impl<T: Clone + Send + 'static> OutPort<T> {
         stats: &mut [EdgeOutStats],
         ctl: &Control,
     ) -> Result<(), Stopped> {
-        let id = crate::runtime::trace::item_id(self.origin, self.seq);
+        let id = self.next_id();
         self.seq += 1;
         let Some(((last_tx, last_edge), rest)) = self.edges.split_last() else { return Ok(()) };
         let (last_stats, rest_stats) = stats.split_last_mut().ok_or(Stopped)?;

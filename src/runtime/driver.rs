@@ -353,10 +353,15 @@ fn produce_items<T: Message>(
         env.record_service(start, end);
         let id = out.next_id();
         let sent = out.send_stamped(item, end, &mut env.meter, &mut env.outputs, &control);
-        if ctx.tracing() {
-            let r = ItemRecord { wait_from: start, start, end, sent: env.meter.last, in_id: 0, out_first: id, out_n: sent.is_ok() as u32 };
-            ctx.trace_item(r);
-        }
+        ctx.trace_item(ItemRecord {
+            wait_from: start,
+            start,
+            end,
+            sent: env.meter.last,
+            in_id: 0,
+            out_first: id,
+            out_n: sent.is_ok() as u32,
+        });
         if sent.is_err() {
             break;
         }
@@ -391,10 +396,8 @@ impl<T: Transform> Runnable for TransformRun<T> {
             env.items_out += em.emitted;
             env.meter.blocked = blocked_in_call;
             env.record_item(start, end, ctx);
-            if ctx.tracing() {
-                let (in_id, out_n) = (env.input.last_id, (out.seq() - seq0) as u32);
-                ctx.trace_item(ItemRecord { wait_from, start, end, sent: env.meter.last, in_id, out_first: first_id, out_n });
-            }
+            let (in_id, out_n) = (env.input.last_id, (out.seq() - seq0) as u32);
+            ctx.trace_item(ItemRecord { wait_from, start, end, sent: env.meter.last, in_id, out_first: first_id, out_n });
             wait_from = env.meter.last;
             if let Err(e) = r {
                 if e.is::<Stopped>() {
@@ -434,10 +437,7 @@ impl<K: Sink> Runnable for SinkRun<K> {
             let r = self.0.consume(item, ctx);
             let end = env.meter.now();
             env.record_item(start, end, ctx);
-            if ctx.tracing() {
-                let in_id = env.input.last_id;
-                ctx.trace_item(ItemRecord { wait_from, start, end, sent: end, in_id, out_first: 0, out_n: 0 });
-            }
+            ctx.trace_item(ItemRecord { wait_from, start, end, sent: end, in_id: env.input.last_id, out_first: 0, out_n: 0 });
             wait_from = end;
             if let Err(e) = r {
                 if e.is::<Stopped>() {

@@ -360,7 +360,7 @@ pub fn run(plan: &Plan, run: &RunConfig, built: Built, control: Arc<Control>) ->
             let _ = h.join();
         }
     }
-    let mut traces: Vec<Option<StageTrace>> = results.iter_mut().map(|d| d.as_mut().and_then(|d| d.trace.take())).collect();
+    let traces: Vec<Option<StageTrace>> = results.iter_mut().map(|d| d.as_mut().and_then(|d| d.trace.take())).collect();
     let stages = results
         .into_iter()
         .enumerate()
@@ -375,7 +375,7 @@ pub fn run(plan: &Plan, run: &RunConfig, built: Built, control: Arc<Control>) ->
     let sections = sections.lock().map(|s| s.clone()).unwrap_or_default();
     let trace = run.trace.then(|| TraceData {
         stages: plan.stages.iter().map(|s| s.name.clone()).collect(),
-        traces: std::mem::take(&mut traces),
+        traces,
         counters: counters
             .into_iter()
             .enumerate()

@@ -62,6 +62,25 @@ impl Plan {
         self.stages.iter().position(|s| s.name == name)
     }
 
+    /// Per stage, whether it is reached from stage `from` through a chain of channels: along
+    /// them only (the stages `from` feeds), or with `both_ways` in either direction (the graph
+    /// `from` is part of). `from` itself counts as reached.
+    pub fn reachable(&self, from: usize, both_ways: bool) -> Vec<bool> {
+        let mut seen = vec![false; self.stages.len()];
+        let mut stack = vec![from];
+        while let Some(i) = stack.pop() {
+            if std::mem::replace(&mut seen[i], true) {
+                continue;
+            }
+            let s = &self.stages[i];
+            stack.extend(&s.consumers);
+            if both_ways {
+                stack.extend(&s.inputs);
+            }
+        }
+        seen
+    }
+
     /// The resolved `[stages]` tables, as written to `RUN_DIR/config.toml`.
     pub fn stage_tables(&self) -> toml::Table {
         let mut out = toml::Table::new();

@@ -247,18 +247,12 @@ impl Ctx {
         }
     }
 
-    /// Whether the run is traced.
-    #[inline]
-    pub(crate) fn tracing(&self) -> bool {
-        self.trace.is_some()
-    }
-
     /// Starts recording this stage's trace.
     pub(crate) fn set_trace(&mut self, t: StageTrace) {
         self.trace = Some(t);
     }
 
-    /// Records an item for the trace (when traced).
+    /// Records an item for the trace; nothing when the run is not traced.
     #[inline]
     pub(crate) fn trace_item(&mut self, r: ItemRecord) {
         if let Some(t) = self.trace.as_mut() {
