@@ -21,12 +21,24 @@ use candle_core::{Result, Tensor};
 
 use super::Gpt;
 use super::formulation::Formulation;
+use super::lora::Site;
 use super::ops::{qk_norm_rope, xsa};
 
 impl Gpt {
-    /// Causal GQA self-attention of block `i` on the `(B*T, D)` input `x` (`b` batch rows):
-    /// per-head RMS norm, RoPE and the query gain on q and k, then the output projection.
-    pub(super) fn attention(&self, f: &Formulation, i: usize, x: &Tensor, b: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    /// Causal GQA self-attention of block `i` at layer-sequence position `slot` on the
+    /// `(B*T, D)` input `x` (`b` batch rows): per-head RMS norm, RoPE and the query gain on q
+    /// and k, then the output projection. The pass's LoRA adapters (if any) add to q, k, v
+    /// before the norm and, reading `x`, to the output.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention(
+        &self,
+        f: &Formulation,
+        (i, slot): (usize, usize),
+        x: &Tensor,
+        b: usize,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<Tensor> {
         let cfg = self.config();
         let (h, kvh) = (cfg.num_heads, cfg.num_kv_heads);
         let p = |s: &str| self.p(&format!("blocks.{i}.attn.{s}"));
@@ -35,14 +47,15 @@ impl Gpt {
         // does the gain, as the script casts it to q's dtype (`raw_logits` cast the rope tables).
         let x = f.cast_to_activations(x)?;
         f.observe(&x, || ["c_q", "c_k", "c_v"].map(|w| format!("blocks.{i}.attn.{w}.weight")).to_vec())?;
-        let q = qk_norm_rope(&f.linear(&x, &p("c_q.weight"))?, Some(&f.cast_to_activations(&p("q_gain"))?), cos, sin, h, self.qk_eps)?;
-        let k = qk_norm_rope(&f.linear(&x, &p("c_k.weight"))?, None, cos, sin, kvh, self.qk_eps)?;
-        let v = f.linear(&x, &p("c_v.weight"))?;
+        let q = f.adapt(slot, Site::Q, &x, f.linear(&x, &p("c_q.weight"))?)?;
+        let q = qk_norm_rope(&q, Some(&f.cast_to_activations(&p("q_gain"))?), cos, sin, h, self.qk_eps)?;
+        let k = qk_norm_rope(&f.adapt(slot, Site::K, &x, f.linear(&x, &p("c_k.weight"))?)?, None, cos, sin, kvh, self.qk_eps)?;
+        let v = f.adapt(slot, Site::V, &x, f.linear(&x, &p("c_v.weight"))?)?;
         let mut y = f.attention(&q, &k, &v, b, h, kvh)?;
         if cfg.xsa(i) {
             y = xsa(&y, &v, h, kvh)?;
         }
         f.observe(&y, || vec![format!("blocks.{i}.attn.proj.weight")])?;
-        f.linear(&y, &p("proj.weight"))
+        f.adapt(slot, Site::O, &x, f.linear(&y, &p("proj.weight"))?)
     }
 }

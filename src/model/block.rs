@@ -18,10 +18,19 @@ use super::formulation::Formulation;
 use super::ops::{resid_mix, scale_add};
 
 impl Gpt {
-    /// Block `i` on the stream `h` (`b` batch rows), with the pass's formulation `f` and RoPE
-    /// tables `cos`, `sin`.
+    /// Block `i`, at position `slot` of the layer sequence, on the stream `h` (`b` batch rows),
+    /// with the pass's formulation `f` and RoPE tables `cos`, `sin`.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn block(&self, f: &Formulation, i: usize, h: &Tensor, x0: &Tensor, b: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    pub(super) fn block(
+        &self,
+        f: &Formulation,
+        (i, slot): (usize, usize),
+        h: &Tensor,
+        x0: &Tensor,
+        b: usize,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<Tensor> {
         let p = |s: &str| self.p(&format!("blocks.{i}.{s}"));
         let scale = self.config().ln_scale_of(i);
         let norm = |u: &Tensor| -> Result<Tensor> {
@@ -34,13 +43,13 @@ impl Gpt {
         let u = resid_mix(h, x0, &p("resid_mix"))?;
         if self.config().parallel(i) {
             let n = norm(&u)?;
-            let a = self.attention(f, i, &n, b, cos, sin)?;
-            let m = self.mlp(f, i, &n)?;
+            let a = self.attention(f, (i, slot), &n, b, cos, sin)?;
+            let m = self.mlp(f, (i, slot), &n)?;
             return scale_add(&scale_add(&u, &a, &p("attn_scale"))?, &m, &p("mlp_scale"));
         }
-        let a = self.attention(f, i, &norm(&u)?, b, cos, sin)?;
+        let a = self.attention(f, (i, slot), &norm(&u)?, b, cos, sin)?;
         let u = scale_add(&u, &a, &p("attn_scale"))?;
-        let m = self.mlp(f, i, &norm(&u)?)?;
+        let m = self.mlp(f, (i, slot), &norm(&u)?)?;
         scale_add(&u, &m, &p("mlp_scale"))
     }
 }

@@ -12,12 +12,26 @@
 //!   norm, RoPE, attention and relu², and is added to the f32 residual stream by `scale_add`
 //!   as it is; the stream is normed straight into bf16 ([`rms_norm_to`]); flash attention runs
 //!   where [`Attention`] asks for it and the shapes allow.
+//!
+//! A pass may also carry [`PassExtras`]: per-document LoRA adapters, which [`Formulation::adapt`]
+//! adds where the blocks call it, and a document mask, under which attention runs the masked
+//! kernel (never flash).
 
 use candle_core::{DType, Result, Tensor};
 
 use super::flash_attn::{self, Attention, FlashKernels};
+use super::lora::{LoraPass, Site};
 use super::observe::{Observer, observe};
-use super::ops::{cast, causal_attention_tokens, rms_norm, rms_norm_to};
+use super::ops::{DocumentMask, cast, document_attention_tokens, rms_norm, rms_norm_to};
+
+/// What a forward pass may add to the model's own computation.
+#[derive(Clone, Copy, Default)]
+pub struct PassExtras<'a> {
+    /// Per-document LoRA adapters, one per batch row (test-time training, spec 5.4).
+    pub lora: Option<&'a LoraPass>,
+    /// A document mask over packed rows: attention stays inside each document (spec 5.5).
+    pub docs: Option<&'a DocumentMask>,
+}
 
 /// The formulation of one forward pass (see the module doc).
 #[derive(Clone, Copy)]
@@ -33,6 +47,8 @@ pub(super) struct Formulation<'a> {
     flash: Option<FlashKernels>,
     /// Who watches the products' inputs (GPTQ's calibration), if anyone.
     observer: Option<Observer<'a>>,
+    /// Adapters and a document mask, if the pass has them.
+    extras: PassExtras<'a>,
 }
 
 impl<'a> Formulation<'a> {
@@ -45,7 +61,35 @@ impl<'a> Formulation<'a> {
         let low = matmul.filter(|_| super::gpu_path(h));
         let flash =
             low.and_then(|low| attention.flash_kernels().filter(|_| flash_attn::unsupported(h.device(), low, t, head_dim).is_none()));
-        Self { param, matmul, low, flash, observer: None }
+        Self { param, matmul, low, flash, observer: None, extras: PassExtras::default() }
+    }
+
+    /// The same formulation with `extras` (a document mask turns flash attention off).
+    pub(super) fn with_extras(self, extras: PassExtras<'a>) -> Self {
+        let flash = self.flash.filter(|_| extras.docs.is_none_or(DocumentMask::is_causal));
+        Self { extras, flash, ..self }
+    }
+
+    /// `y` plus slot `slot`'s adapter at `site` on `x`, when the pass has adapters; else `y`.
+    pub(super) fn adapt(&self, slot: usize, site: Site, x: &Tensor, y: Tensor) -> Result<Tensor> {
+        match self.extras.lora {
+            Some(l) => {
+                let a = l.apply(slot, site, x, &y)?;
+                y + a
+            }
+            None => Ok(y),
+        }
+    }
+
+    /// The logits `y` plus the head's adapter on the final-normed `x`, when the pass has one.
+    pub(super) fn adapt_head(&self, x: &Tensor, y: Tensor) -> Result<Tensor> {
+        match self.extras.lora {
+            Some(l) => {
+                let a = l.head(x, &y)?;
+                y + a
+            }
+            None => Ok(y),
+        }
     }
 
     /// The same formulation, handing the products' inputs to `observer`.
@@ -97,11 +141,12 @@ impl<'a> Formulation<'a> {
     }
 
     /// Causal GQA attention of token-major `q` `(B*T, H*D)`, `k`, `v` `(B*T, K*D)`: flash
-    /// attention where chosen, else [`causal_attention_tokens`].
+    /// attention where chosen, else the fused or materialised attention (under the pass's
+    /// document mask, if it has one).
     pub(super) fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, batch: usize, heads: usize, kv_heads: usize) -> Result<Tensor> {
         match self.flash {
             Some(kernels) => flash_attn::flash_attention(q, k, v, batch, heads, kv_heads, kernels),
-            None => causal_attention_tokens(q, k, v, batch, heads, kv_heads),
+            None => document_attention_tokens(q, k, v, batch, heads, kv_heads, self.extras.docs),
         }
     }
 }

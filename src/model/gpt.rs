@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 use super::ModelConfig;
 use super::config::Init as InitKind;
 use super::flash_attn::{self, Attention, FlashKernels};
-use super::formulation::Formulation;
+use super::formulation::{Formulation, PassExtras};
 use super::init::Init;
 use super::observe::{InputObserver, Observer};
 use super::ops::{cast, embedding, gated_skip, rms_norm, rope_tables, scale_add, softcap, softcap_cross_entropy};
@@ -228,6 +228,14 @@ impl Gpt {
         self.token_losses(x, y)
     }
 
+    /// Per-position cross-entropy with the base weights frozen (read detached, so a backward
+    /// pass reaches only what `extras` brings: test-time LoRA adapters), under `extras`'
+    /// document mask if it has one.
+    pub fn frozen_token_losses(&self, x: &Tensor, y: &Tensor, extras: PassExtras<'_>) -> Result<Tensor> {
+        let _detached = self.detach_for_eval();
+        self.token_losses_with(x, y, extras)
+    }
+
     /// Forward passes read detached parameters until the guard drops.
     fn detach_for_eval(&self) -> impl Drop + '_ {
         struct Reset<'a>(&'a std::cell::Cell<bool>);
@@ -262,7 +270,7 @@ impl Gpt {
     /// by side), so that no reshape or transpose enters the autograd graph; the per-channel
     /// scales, the residual mix, QK norm with RoPE, attention and relu² are fused ops.
     fn raw_logits(&self, x: &Tensor) -> Result<Tensor> {
-        self.raw_logits_observed(x, None)
+        self.raw_logits_observed(x, None, PassExtras::default())
     }
 
     /// Hands the input of every matrix product of a forward pass over `x` `(B, T)` to `observer`
@@ -270,16 +278,34 @@ impl Gpt {
     pub fn observe_inputs(&self, x: &Tensor, observer: &mut dyn InputObserver) -> Result<()> {
         let _detached = self.detach_for_eval();
         let observer: RefCell<&mut dyn InputObserver> = RefCell::new(&mut *observer);
-        self.raw_logits_observed(x, Some(&observer)).map(drop)
+        self.raw_logits_observed(x, Some(&observer), PassExtras::default()).map(drop)
     }
 
-    /// [`Gpt::raw_logits`], with an observer of the products' inputs.
-    fn raw_logits_observed(&self, x: &Tensor, observer: Option<Observer<'_>>) -> Result<Tensor> {
+    /// [`Gpt::raw_logits`], with an observer of the products' inputs and the pass's extras
+    /// (adapters: as many as `x` has rows; a document mask: `x`'s shape).
+    fn raw_logits_observed<'a>(&self, x: &Tensor, observer: Option<Observer<'a>>, extras: PassExtras<'a>) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (b, t) = x.dims2()?;
         let emb = self.p("tok_emb.weight");
         let mut h = rms_norm(&embedding(&emb, &x.flatten_all()?)?)?;
-        let f = Formulation::choose(&h, self.dtype, self.matmul_dtype, self.attention, (t, cfg.head_dim())).observed(observer);
+        if let Some(l) = extras.lora
+            && (l.rows() != b || l.slots() != cfg.layer_sequence(self.looping).len())
+        {
+            candle_core::bail!(
+                "LoRA adapters for {} rows and {} slots, a pass of {b} rows and {} slots",
+                l.rows(),
+                l.slots(),
+                cfg.layer_sequence(self.looping).len()
+            );
+        }
+        if let Some(m) = extras.docs
+            && (m.rows(), m.t()) != (b, t)
+        {
+            candle_core::bail!("a document mask of {} rows of {} for a pass of {b} rows of {t}", m.rows(), m.t());
+        }
+        let f = Formulation::choose(&h, self.dtype, self.matmul_dtype, self.attention, (t, cfg.head_dim()))
+            .observed(observer)
+            .with_extras(extras);
         let x0 = h.clone();
         let (cos, sin) = rope_tables(t, cfg.rotary_dims(), cfg.rope_base_for(t), self.dtype, &self.device)?;
         // Under mixed precision on the GPU path q and k are bf16, and so are the rope tables (the
@@ -293,8 +319,8 @@ impl Gpt {
         let (encoder, decoder) = cfg.encoder_decoder(self.looping);
         let skip_count = cfg.skip_count();
         let mut skips = Vec::with_capacity(encoder.len());
-        for &i in &encoder {
-            h = self.block(&f, i, &h, &x0, b, &cos, &sin)?;
+        for (slot, &i) in encoder.iter().enumerate() {
+            h = self.block(&f, (i, slot), &h, &x0, b, &cos, &sin)?;
             skips.push(h.clone());
         }
         let skip_w = self.p("skip_weights");
@@ -308,17 +334,22 @@ impl Gpt {
                     None => scale_add(&h, &s, &skip_w.get(j)?)?,
                 };
             }
-            h = self.block(&f, i, &h, &x0, b, &cos, &sin)?;
+            h = self.block(&f, (i, encoder.len() + j), &h, &x0, b, &cos, &sin)?;
         }
         let (head, head_name) = if cfg.tie_embeddings { (emb, "tok_emb.weight") } else { (self.p("lm_head.weight"), "lm_head.weight") };
         let n = f.norm_in(&h)?;
         f.observe(&n, || vec![head_name.to_string()])?;
-        f.linear(&n, &head)
+        f.adapt_head(&n, f.linear(&n, &head)?)
     }
 
     /// Per-position cross-entropy `(B*T,)` of targets `y` `(B, T)` given inputs `x`.
     pub fn token_losses(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
-        let logits = self.raw_logits(x)?;
+        self.token_losses_with(x, y, PassExtras::default())
+    }
+
+    /// [`Gpt::token_losses`] with per-document adapters and/or a document mask.
+    pub fn token_losses_with(&self, x: &Tensor, y: &Tensor, extras: PassExtras<'_>) -> Result<Tensor> {
+        let logits = self.raw_logits_observed(x, None, extras)?;
         // Cross-entropy in float32 at least, as the script does (`logits.float()`; float64 stays
         // float64 for checks). On the GPU path the kernel reads bf16 logits as they are.
         let logits = match logits.dtype() {

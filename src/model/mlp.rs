@@ -14,12 +14,15 @@ use candle_core::{Result, Tensor};
 use super::Gpt;
 use super::MlpActivation;
 use super::formulation::Formulation;
+use super::lora::Site;
 use super::ops::{leaky_relu_sq, relu_sq};
 
 impl Gpt {
-    /// The MLP of block `i` on `x`.
-    pub(super) fn mlp(&self, f: &Formulation, i: usize, x: &Tensor) -> Result<Tensor> {
+    /// The MLP of block `i` at layer-sequence position `slot` on `x` (plus the pass's LoRA
+    /// adapter on `x`, if any).
+    pub(super) fn mlp(&self, f: &Formulation, (i, slot): (usize, usize), x: &Tensor) -> Result<Tensor> {
         let (fc, proj) = (self.p(&format!("blocks.{i}.mlp.fc.weight")), self.p(&format!("blocks.{i}.mlp.proj.weight")));
+        let xin = x;
         let x = f.cast_to_activations(x)?;
         f.observe(&x, || vec![format!("blocks.{i}.mlp.fc.weight")])?;
         let pre = f.linear(&x, &fc)?;
@@ -28,6 +31,6 @@ impl Gpt {
             MlpActivation::LeakyRelu2 => leaky_relu_sq(&pre, self.config().leaky_relu_slope)?,
         };
         f.observe(&up, || vec![format!("blocks.{i}.mlp.proj.weight")])?;
-        f.linear(&up, &proj)
+        f.adapt(slot, Site::Mlp, xin, f.linear(&up, &proj)?)
     }
 }

@@ -13,6 +13,8 @@
 //! - [`block`], [`attention`], [`mlp`]: one transformer block and its two sublayers, each
 //!   written once.
 //! - [`observe`]: watching the inputs of a pass's matrix products (GPTQ's calibration).
+//! - [`lora`]: per-document LoRA adapters a pass may carry ([`PassExtras`]; test-time
+//!   training), attached in [`attention`], [`mlp`] and the head.
 //! - [`formulation`]: how one forward pass computes (chosen once per pass from the device,
 //!   the parameters' dtype and the matmul dtype, see [`gpu_path`]): the products, the dtype of
 //!   the activations, the norm into a product, and the attention kernel.
@@ -58,10 +60,13 @@ mod config;
 pub(crate) mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(test)]
+mod extras_tests;
 pub mod flash_attn;
 mod formulation;
 mod gpt;
 mod init;
+pub mod lora;
 pub mod memory;
 mod mlp;
 pub mod observe;
@@ -71,6 +76,7 @@ mod reference;
 pub mod weights;
 
 pub use config::{Init, MlpActivation, ModelConfig};
+pub use formulation::PassExtras;
 pub use gpt::{Gpt, ParamGroup, group_of as gpt_group_of};
 use std::cell::Cell;
 

@@ -25,6 +25,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, D, DType, Device, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
 
+use super::doc_mask::DocumentMask;
 use super::{check_float, same_dtypes};
 use crate::model::cpu::host::float_dispatch;
 use crate::model::cpu::rows::{Rows, cpu_slice, row_offsets, unit_last};
@@ -132,12 +133,18 @@ impl AttnDims {
     }
 }
 
-/// In place on one row of raw scores `q_i . k_j` for `j < row.len()`: `row[..=i]` becomes
-/// `softmax(scale * row[..=i])`, the rest (the future) 0.
+/// Per query position of one sequence, the first key position it may see ([`DocumentMask::row`]);
+/// `None`: every earlier position (plain causal attention).
+type KeyStarts<'a> = Option<&'a [u32]>;
+
+/// In place on one row of raw scores `q_i . k_j` for `j < row.len()`: `row[lo..=i]` becomes
+/// `softmax(scale * row[lo..=i])`, the rest (earlier documents and the future) 0.
 #[inline(always)]
-fn causal_softmax_row<T: Real>(row: &mut [T], i: usize, scale: T) {
+fn causal_softmax_row<T: Real>(row: &mut [T], lo: usize, i: usize, scale: T) {
     let (live, future) = row.split_at_mut(i + 1);
     future.fill(T::from_f64(0.0));
+    let (hidden, live) = live.split_at_mut(lo);
+    hidden.fill(T::from_f64(0.0));
     for x in live.iter_mut() {
         *x *= scale;
     }
@@ -152,21 +159,23 @@ fn causal_softmax_row<T: Real>(row: &mut [T], i: usize, scale: T) {
 }
 
 /// Probabilities of query rows `i0..i0 + mb` (rows of `q`, a row-major `(T, D)` matrix) against
-/// keys `0..n` with `n = i0 + mb`: `p` becomes the `(mb, n)` matrix.
+/// keys `0..n` with `n = i0 + mb`: `p` becomes the `(mb, n)` matrix (0 at keys `lo` hides).
 #[inline(always)]
-fn causal_probs<T: Real>(q: &[T], kt: &[T], (t, d): (usize, usize), (i0, mb): (usize, usize), scale: T, p: &mut [T]) {
+#[allow(clippy::too_many_arguments)]
+fn causal_probs<T: Real>(q: &[T], kt: &[T], (t, d): (usize, usize), (i0, mb): (usize, usize), lo: KeyStarts<'_>, scale: T, p: &mut [T]) {
     let n = i0 + mb;
     p.fill(T::from_f64(0.0));
     gemm_acc((mb, n, d), |r, c| q[(i0 + r) * d + c], kt, t, p, n);
     for (r, row) in p.chunks_exact_mut(n).enumerate() {
-        causal_softmax_row(row, i0 + r, scale);
+        let i = i0 + r;
+        causal_softmax_row(row, lo.map_or(0, |l| l[i] as usize), i, scale);
     }
 }
 
 /// One (batch, query head): `q` has the head's `T` rows, `k` and `v` those of its KV head;
-/// `out` is the head's `(T, D)` output, zeroed.
+/// `out` is the head's `(T, D)` output, zeroed; `lo` the sequence's document mask, if any.
 #[inline(always)]
-fn attn_fwd_kernel<T: Real>(q: Rows<'_, T>, k: Rows<'_, T>, v: Rows<'_, T>, scale: T, out: &mut [T]) {
+fn attn_fwd_kernel<T: Real>(q: Rows<'_, T>, k: Rows<'_, T>, v: Rows<'_, T>, lo: KeyStarts<'_>, scale: T, out: &mut [T]) {
     let (t, d) = (q.count(), q.len);
     let zero = T::from_f64(0.0);
     let (q, kt, v) = (q.gather(), k.transposed(zero), v.gather());
@@ -175,17 +184,18 @@ fn attn_fwd_kernel<T: Real>(q: Rows<'_, T>, k: Rows<'_, T>, v: Rows<'_, T>, scal
         let mb = ATTN_BLOCK.min(t - i0);
         let n = i0 + mb;
         let p = &mut p[..mb * n];
-        causal_probs(&q, &kt, (t, d), (i0, mb), scale, p);
+        causal_probs(&q, &kt, (t, d), (i0, mb), lo, scale, p);
         gemm_acc((mb, d, n), |r, j| p[r * n + j], &v, d, &mut out[i0 * d..n * d], d);
     }
 }
 
 multiversion! {
     /// Attention output of one (batch, query head).
-    fn attn_fwd_head = attn_fwd_kernel(q: Rows<'_, T>, k: Rows<'_, T>, v: Rows<'_, T>, scale: T, out: &mut [T]);
+    fn attn_fwd_head = attn_fwd_kernel(q: Rows<'_, T>, k: Rows<'_, T>, v: Rows<'_, T>, lo: KeyStarts<'_>, scale: T, out: &mut [T]);
 }
 
-fn attn_fwd<T: Real>(q: &[T], ql: &Layout, k: &[T], kl: &Layout, v: &[T], vl: &Layout) -> Result<Vec<T>> {
+#[allow(clippy::too_many_arguments)]
+fn attn_fwd<T: Real>(q: &[T], ql: &Layout, k: &[T], kl: &Layout, v: &[T], vl: &Layout, mask: Option<&DocumentMask>) -> Result<Vec<T>> {
     let dims = AttnDims::new(ql.shape(), kl.shape(), vl.shape())?;
     let AttnDims { b, h, kh, t, d } = dims;
     let (qrows, krows, vrows) = (row_offsets(ql)?, row_offsets(kl)?, row_offsets(vl)?);
@@ -199,7 +209,8 @@ fn attn_fwd<T: Real>(q: &[T], ql: &Layout, k: &[T], kl: &Layout, v: &[T], vl: &L
     }
     out.par_chunks_mut(t * d).enumerate().for_each(|(bh, o)| {
         let kv = (bh / h) * kh + (bh % h) / group;
-        attn_fwd_head(q.sub(bh * t..(bh + 1) * t), k.sub(kv * t..(kv + 1) * t), v.sub(kv * t..(kv + 1) * t), scale, o);
+        let lo = mask.map(|m| m.row(bh / h));
+        attn_fwd_head(q.sub(bh * t..(bh + 1) * t), k.sub(kv * t..(kv + 1) * t), v.sub(kv * t..(kv + 1) * t), lo, scale, o);
     });
     Ok(out)
 }
@@ -220,7 +231,7 @@ struct AttnBwdIn<'a, T> {
 /// `P` recomputed, `dP = dO V^T`, `dS = P (dP - rowsum(dO * O)) scale`, `dQ += dS K`,
 /// `dK += dS^T Q`, `dV += P^T dO`.
 #[inline(always)]
-fn attn_bwd_kernel<T: Real>(x: &AttnBwdIn<'_, T>, scale: T, dq: &mut [T], dk: &mut [T], dv: &mut [T]) {
+fn attn_bwd_kernel<T: Real>(x: &AttnBwdIn<'_, T>, lo: KeyStarts<'_>, scale: T, dq: &mut [T], dk: &mut [T], dv: &mut [T]) {
     let (t, d) = (x.k.count(), x.k.len);
     let group = x.q.count() / t.max(1);
     let zero = T::from_f64(0.0);
@@ -234,7 +245,7 @@ fn attn_bwd_kernel<T: Real>(x: &AttnBwdIn<'_, T>, scale: T, dq: &mut [T], dk: &m
             let mb = ATTN_BLOCK.min(t - i0);
             let n = i0 + mb;
             let (p, ds) = (&mut p[..mb * n], &mut ds[..mb * n]);
-            causal_probs(&q, &kt, (t, d), (i0, mb), scale, p);
+            causal_probs(&q, &kt, (t, d), (i0, mb), lo, scale, p);
             ds.fill(zero);
             gemm_acc((mb, n, d), |r, c| go[(i0 + r) * d + c], &vt, t, ds, n);
             for (r, (dsr, pr)) in ds.chunks_exact_mut(n).zip(p.chunks_exact(n)).enumerate() {
@@ -255,11 +266,11 @@ fn attn_bwd_kernel<T: Real>(x: &AttnBwdIn<'_, T>, scale: T, dq: &mut [T], dk: &m
 
 multiversion! {
     /// Gradients of one (batch, KV head).
-    fn attn_bwd_group = attn_bwd_kernel(x: &AttnBwdIn<'_, T>, scale: T, dq: &mut [T], dk: &mut [T], dv: &mut [T]);
+    fn attn_bwd_group = attn_bwd_kernel(x: &AttnBwdIn<'_, T>, lo: KeyStarts<'_>, scale: T, dq: &mut [T], dk: &mut [T], dv: &mut [T]);
 }
 
 fn attn_bwd<T: Real>(q: &Tensor, k: &Tensor, v: &Tensor, o: &Tensor, go: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-    let (dq, dk, dv) = attn_bwd_vecs::<T>(q, k, v, o, go)?;
+    let (dq, dk, dv) = attn_bwd_vecs::<T>(q, k, v, o, go, None)?;
     let AttnDims { b, h, kh, t, d } = AttnDims::new(q.shape(), k.shape(), v.shape())?;
     let dq = Tensor::from_vec(dq, (b, h, t, d), &Device::Cpu)?;
     let dk = Tensor::from_vec(dk, (b, kh, t, d), &Device::Cpu)?;
@@ -271,7 +282,14 @@ fn attn_bwd<T: Real>(q: &Tensor, k: &Tensor, v: &Tensor, o: &Tensor, go: &Tensor
 /// `(B, K, T, D)` vectors.
 type AttnGrads<T> = (Vec<T>, Vec<T>, Vec<T>);
 
-fn attn_bwd_vecs<T: Real>(q: &Tensor, k: &Tensor, v: &Tensor, o: &Tensor, go: &Tensor) -> Result<AttnGrads<T>> {
+fn attn_bwd_vecs<T: Real>(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    go: &Tensor,
+    mask: Option<&DocumentMask>,
+) -> Result<AttnGrads<T>> {
     let go = unit_last(go)?;
     let dims = AttnDims::new(q.shape(), k.shape(), v.shape())?;
     let AttnDims { b, h, kh, t, d } = dims;
@@ -301,7 +319,7 @@ fn attn_bwd_vecs<T: Real>(q: &Tensor, k: &Tensor, v: &Tensor, o: &Tensor, go: &T
             let qr = ((kv / kh) * h + (kv % kh) * group) * t..((kv / kh) * h + (kv % kh + 1) * group) * t;
             let kr = kv * t..(kv + 1) * t;
             let x = AttnBwdIn { q: q.sub(qr.clone()), k: k.sub(kr.clone()), v: v.sub(kr), o: o.sub(qr.clone()), go: go.sub(qr) };
-            attn_bwd_group(&x, scale, dq, dk, dv);
+            attn_bwd_group(&x, mask.map(|m| m.row(kv / kh)), scale, dq, dk, dv);
         });
     }
     Ok((dq, dk, dv))
@@ -322,8 +340,8 @@ impl CustomOp3 for CausalAttention {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let out = match (s1, s2, s3) {
-            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => CpuStorage::F32(attn_fwd(q, l1, k, l2, v, l3)?),
-            (CpuStorage::F64(q), CpuStorage::F64(k), CpuStorage::F64(v)) => CpuStorage::F64(attn_fwd(q, l1, k, l2, v, l3)?),
+            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => CpuStorage::F32(attn_fwd(q, l1, k, l2, v, l3, None)?),
+            (CpuStorage::F64(q), CpuStorage::F64(k), CpuStorage::F64(v)) => CpuStorage::F64(attn_fwd(q, l1, k, l2, v, l3, None)?),
             _ => bail!("causal_attention: unsupported dtypes {:?}, {:?}, {:?}", s1.dtype(), s2.dtype(), s3.dtype()),
         };
         Ok((out, l1.shape().clone()))
@@ -375,7 +393,7 @@ pub(crate) fn attention_token_major_fwd<T: Real>(
                 (head_rows(ldq, (bi, t, d), hh), head_rows(ldk, (bi, t, d), hh / group), head_rows(ldv, (bi, t, d), hh / group));
             let rows = |data, offsets| Rows { data, offsets, len: d };
             let mut o = vec![T::from_f64(0.0); t * d];
-            attn_fwd_head(rows(q, &qo), rows(k, &ko), rows(v, &vo), scale, &mut o);
+            attn_fwd_head(rows(q, &qo), rows(k, &ko), rows(v, &vo), None, scale, &mut o);
             o
         })
         .collect();
@@ -439,7 +457,7 @@ pub(crate) fn attention_token_major_bwd<T: Real>(
             let rows = |data, offsets| Rows { data, offsets, len: d };
             let x = AttnBwdIn { q: rows(q, &qo), k: rows(k, &ko), v: rows(v, &vo), o: rows(o, &oo), go: rows(go, &oo) };
             let (mut dq, mut dk, mut dv) = (vec![zero; group * t * d], vec![zero; t * d], vec![zero; t * d]);
-            attn_bwd_group(&x, scale, &mut dq, &mut dk, &mut dv);
+            attn_bwd_group(&x, None, scale, &mut dq, &mut dk, &mut dv);
             (dq, dk, dv)
         })
         .collect();
@@ -472,6 +490,22 @@ pub(crate) fn attention_token_major_bwd<T: Real>(
 /// The same as [`super::causal_attention`] on the `(B, H, T, D)` heads of the inputs, with its
 /// output's heads put back side by side: returns `(N, H * D)`.
 pub fn causal_attention_tokens(q: &Tensor, k: &Tensor, v: &Tensor, batch: usize, heads: usize, kv_heads: usize) -> Result<Tensor> {
+    document_attention_tokens(q, k, v, batch, heads, kv_heads, None)
+}
+
+/// [`causal_attention_tokens`] under a [`DocumentMask`] (`None`: plain causal attention): each
+/// position sees only the earlier positions of its own segment. On the CPU the fused kernel
+/// skips the hidden keys; elsewhere the reference adds the mask to materialised scores.
+#[allow(clippy::too_many_arguments)]
+pub fn document_attention_tokens(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    mask: Option<&DocumentMask>,
+) -> Result<Tensor> {
     let (n, width) = q.dims2()?;
     if batch == 0 || heads == 0 || kv_heads == 0 || n % batch != 0 || width % heads != 0 {
         bail!("causal_attention_tokens: q {:?} does not split into {batch} rows of {heads} heads", q.shape());
@@ -480,20 +514,31 @@ pub fn causal_attention_tokens(q: &Tensor, k: &Tensor, v: &Tensor, batch: usize,
     if k.dims() != [n, kv_heads * d] || v.dims() != k.dims() {
         bail!("causal_attention_tokens: k {:?} and v {:?} are not ({n}, {kv_heads} * {d})", k.shape(), v.shape());
     }
+    let mask = mask.filter(|m| !m.is_causal());
+    if let Some(m) = mask
+        && (m.rows(), m.t()) != (batch, t)
+    {
+        bail!("document_attention_tokens: a mask of {} rows of {} for {batch} rows of {t}", m.rows(), m.t());
+    }
     if !q.device().is_cpu() || crate::model::gpu_path(q) {
         let split = |x: &Tensor, h: usize| x.reshape((batch, t, h, d))?.transpose(1, 2);
-        let y = causal_attention(&split(q, heads)?, &split(k, kv_heads)?, &split(v, kv_heads)?)?;
+        let (qh, kh, vh) = (split(q, heads)?, split(k, kv_heads)?, split(v, kv_heads)?);
+        let y = match mask {
+            Some(m) => causal_attention_reference(&qh, &kh, &vh, &m.additive(q.dtype(), q.device())?)?,
+            None => causal_attention(&qh, &kh, &vh)?,
+        };
         return y.transpose(1, 2)?.reshape((n, width));
     }
     check_float("causal_attention_tokens", q.dtype())?;
     same_dtypes("causal_attention_tokens", &[q, k, v])?;
     let kv = Shape::from((batch, kv_heads, t, d));
     let dims = AttnDims::new(&Shape::from((batch, heads, t, d)), &kv, &kv)?;
-    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, AttentionTokens { dims })
+    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, AttentionTokens { dims, mask: mask.cloned() })
 }
 
 struct AttentionTokens {
     dims: AttnDims,
+    mask: Option<DocumentMask>,
 }
 
 /// The `(B, heads, T, D)` view of a contiguous token-major `(B * T, heads * D)` layout.
@@ -522,13 +567,14 @@ impl AttentionTokens {
     fn fwd<T: Real>(&self, q: &[T], ql: &Layout, k: &[T], kl: &Layout, v: &[T], vl: &Layout) -> Result<Vec<T>> {
         let AttnDims { b, h, kh, t, d } = self.dims;
         let (ql, kl, vl) = (heads_view(ql, (b, t, d), h), heads_view(kl, (b, t, d), kh), heads_view(vl, (b, t, d), kh));
-        Ok(heads_to_tokens(&attn_fwd(q, &ql, k, &kl, v, &vl)?, (b, h, t, d)))
+        Ok(heads_to_tokens(&attn_fwd(q, &ql, k, &kl, v, &vl, self.mask.as_ref())?, (b, h, t, d)))
     }
 
     fn bwd<T: Real>(&self, q: &Tensor, k: &Tensor, v: &Tensor, o: &Tensor, go: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let AttnDims { b, h, kh, t, d } = self.dims;
         let split = |x: &Tensor, heads: usize| x.detach().contiguous()?.reshape((b, t, heads, d))?.transpose(1, 2);
-        let (dq, dk, dv) = attn_bwd_vecs::<T>(&split(q, h)?, &split(k, kh)?, &split(v, kh)?, &split(o, h)?, &split(go, h)?)?;
+        let (dq, dk, dv) =
+            attn_bwd_vecs::<T>(&split(q, h)?, &split(k, kh)?, &split(v, kh)?, &split(o, h)?, &split(go, h)?, self.mask.as_ref())?;
         let back = |x: Vec<T>, heads: usize| Tensor::from_vec(heads_to_tokens(&x, (b, heads, t, d)), (b * t, heads * d), &Device::Cpu);
         Ok((back(dq, h)?, back(dk, kh)?, back(dv, kh)?))
     }
@@ -700,6 +746,47 @@ mod tests {
         check_finite_differences(&|x| causal_attention_tokens(&x[0], &x[1], &x[2], b, h, kh), &[q, k, v], "causal_attention_tokens");
     }
 
+    /// Packed rows under a document mask: the fused kernel matches the reference with the
+    /// additive mask (values and gradients), and each segment gets what it gets as a row of its
+    /// own.
+    #[test]
+    fn document_masked_attention_keeps_to_its_segments() {
+        let mut rng = fastrand::Rng::with_seed(27);
+        let (b, h, kh, t, d) = (2, 4, 2, 37, 5);
+        // Row 0: BOS at 0, 9, 10 and 30; row 1: one BOS at 20 (its first segment has none).
+        let mut x = vec![7u32; b * t];
+        for p in [0, 9, 10, 30, t + 20] {
+            x[p] = 1;
+        }
+        let mask = DocumentMask::at_token(&x, t, 1).unwrap();
+        let q = rand(&mut rng, &[b * t, h * d], 1.5, DType::F64);
+        let k = rand(&mut rng, &[b * t, kh * d], 1.5, DType::F64);
+        let v = rand(&mut rng, &[b * t, kh * d], 1.0, DType::F64);
+        let masked_ref = |x: &[Tensor]| -> Result<Tensor> {
+            let split = |y: &Tensor, heads: usize| y.reshape((b, t, heads, d))?.transpose(1, 2);
+            let add = mask.additive(DType::F64, &Device::Cpu)?;
+            causal_attention_reference(&split(&x[0], h)?, &split(&x[1], kh)?, &split(&x[2], kh)?, &add)?
+                .transpose(1, 2)?
+                .reshape((b * t, h * d))
+        };
+        let fused = |x: &[Tensor]| document_attention_tokens(&x[0], &x[1], &x[2], b, h, kh, Some(&mask));
+        let got = fused(&[q.clone(), k.clone(), v.clone()]).unwrap();
+        assert_close(&got, &masked_ref(&[q.clone(), k.clone(), v.clone()]).unwrap(), 1e-12, "masked forward");
+        check_grads(&fused, &masked_ref, &[q.clone(), k.clone(), v.clone()], "masked attention gradients");
+        for bi in 0..b {
+            for (s, len) in mask.segments(bi) {
+                let rows = |x: &Tensor| x.narrow(0, bi * t + s, len).unwrap();
+                let alone = causal_attention_tokens(&rows(&q), &rows(&k), &rows(&v), 1, h, kh).unwrap();
+                assert_close(&rows(&got), &alone, 1e-12, &format!("row {bi} segment at {s}"));
+            }
+        }
+        let plain = causal_attention_tokens(&q, &k, &v, b, h, kh).unwrap();
+        let diff = (plain - &got).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
+        assert!(diff > 1e-3, "the mask must change the positions after a BOS");
+        let wrong = DocumentMask::at_token(&x[..t], t, 1).unwrap();
+        assert!(document_attention_tokens(&q, &k, &v, b, h, kh, Some(&wrong)).is_err(), "a mask of 1 row for 2");
+    }
+
     #[test]
     fn bad_inputs_are_errors() {
         let mut rng = fastrand::Rng::with_seed(10);
@@ -721,14 +808,14 @@ mod tests {
         let k = q.sub(t..2 * t);
         let scale = 1.0 / (d as f32).sqrt();
         let (mut a, mut b) = (vec![0.0f32; t * d], vec![0.0f32; t * d]);
-        attn_fwd_kernel(q.sub(0..t), k, k, scale, &mut a);
-        attn_fwd_head(q.sub(0..t), k, k, scale, &mut b);
+        attn_fwd_kernel(q.sub(0..t), k, k, None, scale, &mut a);
+        attn_fwd_head(q.sub(0..t), k, k, None, scale, &mut b);
         assert_near(&a, &b, "attention forward");
         let x = AttnBwdIn { q, k, v: k, o: q, go: q };
         let mut a = (vec![0.0f32; 2 * t * d], vec![0.0f32; t * d], vec![0.0f32; t * d]);
         let mut b = a.clone();
-        attn_bwd_kernel(&x, scale, &mut a.0, &mut a.1, &mut a.2);
-        attn_bwd_group(&x, scale, &mut b.0, &mut b.1, &mut b.2);
+        attn_bwd_kernel(&x, None, scale, &mut a.0, &mut a.1, &mut a.2);
+        attn_bwd_group(&x, None, scale, &mut b.0, &mut b.1, &mut b.2);
         assert_near(&a.0, &b.0, "dq");
         assert_near(&a.1, &b.1, "dk");
         assert_near(&a.2, &b.2, "dv");

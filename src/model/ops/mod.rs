@@ -13,6 +13,7 @@
 //! | [`rope`] | the RoPE tables and the reference rotation |
 //! | [`attention`] | causal GQA attention, `(B, H, T, D)` heads or token-major matrices |
 //! | [`causal_softmax`] | the masked softmax of materialised scores (GPU attention) |
+//! | [`doc_mask`] | the document mask of packed rows (attention kept inside documents) |
 //! | [`softcap_ce`] | logit soft-cap and cross-entropy |
 //! | [`scale_add`] | `base + x * s`, per-channel `s` |
 //! | [`resid_mix`] | `h * mix[0] + x0 * mix[1]` |
@@ -40,6 +41,7 @@ use candle_core::{DType, Result, Tensor, bail};
 pub mod attention;
 pub mod cast;
 pub mod causal_softmax;
+pub mod doc_mask;
 pub mod embedding;
 pub mod leaky_relu_sq;
 pub mod qk_norm_rope;
@@ -56,9 +58,12 @@ pub(crate) mod testing;
 pub mod xsa;
 
 pub(crate) use attention::{AttentionGrads, attention_token_major_bwd, attention_token_major_fwd};
-pub use attention::{causal_attention, causal_attention_reference, causal_attention_tokens, causal_mask, repeat_kv, softmax_last};
+pub use attention::{
+    causal_attention, causal_attention_reference, causal_attention_tokens, causal_mask, document_attention_tokens, repeat_kv, softmax_last,
+};
 pub use cast::cast;
 pub use causal_softmax::causal_softmax;
+pub use doc_mask::DocumentMask;
 pub use embedding::embedding;
 pub use leaky_relu_sq::leaky_relu_sq;
 pub use qk_norm_rope::{norm_rope, qk_norm_rope};

@@ -1,0 +1,123 @@
+//! A document mask for packed rows (what FlashAttention's `cu_seqlens` express): a row of `T`
+//! positions holds several documents one after another, and attention must stay inside each.
+//! With `start(i)` the first position of the segment holding position `i`:
+//!
+//! ```text
+//! position i sees key j  <=>  start(i) <= j <= i
+//! ```
+//!
+//! Segments start at the row's first position and at every position whose input token is the
+//! BOS token (spec 5.5: `cu_seqlens` at BOS positions; a row is at most one training sequence,
+//! so no segment is longer than the row). Every op of the model but attention acts per
+//! position, and RoPE makes a score depend only on `i - j`, so a masked row computes what its
+//! segments would compute as separate rows (to rounding).
+//!
+//! The fused CPU attention kernel reads [`DocumentMask::row`] and skips the hidden keys in its
+//! softmax; every other device adds [`DocumentMask::additive`] to the materialised scores.
+
+use candle_core::{DType, Device, Result, Tensor, bail};
+
+/// Per position of a batch of packed rows, the first key position it may see.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DocumentMask {
+    /// Positions per row.
+    t: usize,
+    /// `start(i)` of every position, row after row (`B * T` entries).
+    starts: Vec<u32>,
+}
+
+impl DocumentMask {
+    /// The mask of input rows `x` (`rows * t` token ids, row-major): a segment starts at each
+    /// row's first position and at every `bos`.
+    pub fn at_token(x: &[u32], t: usize, bos: u32) -> Result<Self> {
+        if t == 0 || x.len() % t != 0 || t > u32::MAX as usize {
+            bail!("document mask: {} tokens do not form rows of {t}", x.len());
+        }
+        let mut starts = Vec::with_capacity(x.len());
+        for row in x.chunks_exact(t) {
+            let mut start = 0u32;
+            for (i, &tok) in row.iter().enumerate() {
+                if tok == bos {
+                    start = i as u32;
+                }
+                starts.push(start);
+            }
+        }
+        Ok(Self { t, starts })
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        self.starts.len() / self.t
+    }
+
+    /// Positions per row.
+    pub fn t(&self) -> usize {
+        self.t
+    }
+
+    /// `start(i)` for the positions of row `b`.
+    pub fn row(&self, b: usize) -> &[u32] {
+        &self.starts[b * self.t..(b + 1) * self.t]
+    }
+
+    /// The segments of row `b` as `(start, len)` pairs, in order (FlashAttention's `cu_seqlens`
+    /// of one row).
+    pub fn segments(&self, b: usize) -> Vec<(usize, usize)> {
+        let row = self.row(b);
+        let mut out: Vec<(usize, usize)> = Vec::new();
+        for (i, &s) in row.iter().enumerate() {
+            match out.last_mut() {
+                Some((start, len)) if *start == s as usize => *len += 1,
+                _ => out.push((i, 1)),
+            }
+        }
+        out
+    }
+
+    /// Whether every row is one segment (the mask is plain causal attention).
+    pub fn is_causal(&self) -> bool {
+        self.starts.iter().all(|&s| s == 0)
+    }
+
+    /// The additive mask `(B, 1, T, T)`: 0 where position `i` sees key `j`, -inf elsewhere (the
+    /// future and earlier documents), for scores `(B, H, T, T)`.
+    pub fn additive(&self, dtype: DType, device: &Device) -> Result<Tensor> {
+        let t = self.t;
+        let mut v = vec![f32::NEG_INFINITY; self.rows() * t * t];
+        for (b, block) in v.chunks_exact_mut(t * t).enumerate() {
+            for (i, (row, &s)) in block.chunks_exact_mut(t).zip(self.row(b)).enumerate() {
+                row[s as usize..=i].fill(0.0);
+            }
+        }
+        Tensor::from_vec(v, (self.rows(), 1, t, t), device)?.to_dtype(dtype)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_start_at_every_bos_and_at_each_row() {
+        let x = [5, 1, 7, 8, 1, 1, 9, 3, 2, 1, 4, 4];
+        let m = DocumentMask::at_token(&x, 6, 1).unwrap();
+        assert_eq!(m.rows(), 2);
+        assert_eq!(m.row(0), [0, 1, 1, 1, 4, 5]);
+        assert_eq!(m.row(1), [0, 0, 0, 3, 3, 3]);
+        assert_eq!(m.segments(0), [(0, 1), (1, 3), (4, 1), (5, 1)]);
+        assert_eq!(m.segments(1), [(0, 3), (3, 3)]);
+        assert!(!m.is_causal());
+        assert!(DocumentMask::at_token(&[2, 3, 4], 3, 1).unwrap().is_causal());
+        assert!(DocumentMask::at_token(&x, 5, 1).is_err(), "12 tokens are not rows of 5");
+    }
+
+    #[test]
+    fn the_additive_mask_hides_the_future_and_earlier_documents() {
+        let m = DocumentMask::at_token(&[1, 7, 1, 8], 4, 1).unwrap();
+        let a = m.additive(DType::F32, &Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let seen: Vec<Vec<bool>> = a.chunks(4).map(|r| r.iter().map(|x| *x == 0.0).collect()).collect();
+        let want = [[true, false, false, false], [true, true, false, false], [false, false, true, false], [false, false, true, true]];
+        assert_eq!(seen, want.map(|r| r.to_vec()).to_vec());
+    }
+}
