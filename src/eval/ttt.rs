@@ -33,7 +33,8 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
 use crate::eval::bpb::{BpbAccumulator, ByteTables};
-use crate::model::Gpt;
+use crate::model::ops::DocumentMask;
+use crate::model::{Gpt, PassExtras};
 use crate::optim::Sgd;
 
 /// Sliding-window geometry (spec §2.5; the record: `seq_len` 2048, `stride` 64, 32 windows per
@@ -208,6 +209,17 @@ impl TttConfig {
     pub fn chunk_lr(&self, c: usize, n_chunks: usize) -> f64 {
         chunk_cosine(self.lr, c, n_chunks)
     }
+
+    /// How a chunk is trained on: whole sequences of `seq_len`, plain causal rows.
+    pub(crate) fn training(&self) -> SeqTraining {
+        SeqTraining {
+            seq_len: self.sliding.seq_len,
+            epochs: self.epochs,
+            batch_seqs: self.batch_seqs,
+            grad_clip: self.grad_clip,
+            doc_bos: None,
+        }
+    }
 }
 
 /// `peak · ½ · (1 + cos(π · c / max(n_chunks − 1, 1)))`: a learning rate from `peak` at chunk 0
@@ -341,7 +353,7 @@ pub fn score_first_ttt(
             trained.end <= scored_end,
             "internal: chunk {c} would train on targets {trained:?}, scored only up to {scored_end}"
         );
-        let Some(steps) = train_chunk(model, tokens, start, seqs, cfg, &mut sgd, lr, &keep_going)? else {
+        let Some(steps) = train_sequences(model, tokens, start, seqs, &cfg.training(), &mut sgd, lr, &keep_going)? else {
             return Ok(None);
         };
         on_event(&TttEvent::Trained { chunk: c, targets: trained, lr, steps, elapsed: t0.elapsed() });
@@ -418,21 +430,39 @@ fn score_windows(
     Ok(true)
 }
 
+/// How SGD trains on whole sequences of a token stream: score-first TTT's chunks, phased TTT's
+/// global SGD.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SeqTraining {
+    /// Inputs per sequence.
+    pub seq_len: usize,
+    /// Passes over the sequences.
+    pub epochs: usize,
+    /// Sequences per SGD step (at most).
+    pub batch_seqs: usize,
+    /// Maximum global gradient norm; 0: no clipping.
+    pub grad_clip: f64,
+    /// With `Some(bos)`, attention stays inside documents: each row is masked at its BOS tokens
+    /// ([`crate::model::ops::DocumentMask`]); `None`: plain causal rows.
+    pub doc_bos: Option<u32>,
+}
+
 /// Trains on `seqs` consecutive sequences of `seq_len` inputs from `tokens[start ..]` (targets
-/// shifted by one): `epochs` passes, batches of up to `batch_seqs` sequences, one clipped SGD
-/// step each. Returns the steps taken, or `None` when `keep_going` said stop.
+/// shifted by one): `epochs` passes, batches of up to `batch_seqs` sequences, one step each of
+/// mean cross-entropy, backward, gradient norm clipped to `grad_clip` (torch's
+/// `clip_grad_norm_`), [`Sgd`]. Returns the steps taken, or `None` when `keep_going` said stop.
 #[allow(clippy::too_many_arguments)]
-fn train_chunk(
+pub(crate) fn train_sequences(
     model: &Gpt,
     tokens: &[u32],
     start: usize,
     seqs: usize,
-    cfg: &TttConfig,
+    cfg: &SeqTraining,
     sgd: &mut Sgd,
     lr: f64,
     keep_going: &impl Fn() -> bool,
 ) -> anyhow::Result<Option<usize>> {
-    let t = cfg.sliding.seq_len;
+    let t = cfg.seq_len;
     let mut steps = 0;
     for _ in 0..cfg.epochs {
         for first in (0..seqs).step_by(cfg.batch_seqs) {
@@ -441,9 +471,11 @@ fn train_chunk(
             }
             let rows = cfg.batch_seqs.min(seqs - first);
             let base = start + first * t;
-            let x = Tensor::from_slice(&tokens[base..base + rows * t], (rows, t), model.device())?;
+            let inputs = &tokens[base..base + rows * t];
+            let x = Tensor::from_slice(inputs, (rows, t), model.device())?;
             let y = Tensor::from_slice(&tokens[base + 1..base + rows * t + 1], (rows, t), model.device())?;
-            let loss = model.loss(&x, &y)?;
+            let mask = cfg.doc_bos.map(|bos| DocumentMask::at_token(inputs, t, bos)).transpose()?;
+            let loss = model.token_losses_with(&x, &y, PassExtras { lora: None, docs: mask.as_ref() })?.mean_all()?;
             let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             anyhow::ensure!(value.is_finite(), "the TTT training loss is {value} on the sequences from target {base}");
             let mut store = loss.backward()?;

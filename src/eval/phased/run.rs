@@ -1,0 +1,261 @@
+//! The phased TTT loop (record spec §5.4, §5.5), scoring every target of the validation stream
+//! once:
+//!
+//! ```text
+//! for batch in work_queue (longest first):
+//!     fresh LoRA (A drawn, B = 0) and AdamW for its documents
+//!     for c in 0 .. max chunks:
+//!         forward the documents with a chunk c (window <= context, base frozen, their adapters)
+//!         score chunk c of each                                   (final: never rescored)
+//!         loss = sum over documents not at their last chunk of mean NLL over chunk c
+//!         backward, one AdamW step on the adapters
+//!     while a phase boundary b_k <= documents scored:
+//!         global SGD of the base on the first b_k scored documents (global.rs)
+//! ```
+//!
+//! The legality conditions (§5.6) hold by construction and are checked as the loop runs: a
+//! chunk is scored before the update it takes part in, from a window of its own document's
+//! earlier tokens; adapters live for one batch; a last chunk is never trained on; the base
+//! changes only at pauses, from documents already scored completely; a target scored twice is
+//! an error. [`PhasedEvent`]s report each step in order (the tests follow them).
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Tensor};
+
+use super::config::PhasedConfig;
+use super::docs::{Chunk, Document, chunks, phase_boundaries, segment, work_queue};
+use super::global::{GlobalStats, global_sgd};
+use super::progress::Progress;
+use crate::eval::bpb::{BpbAccumulator, ByteTables};
+use crate::model::lora::Lora;
+use crate::model::{Gpt, PassExtras};
+use crate::optim::Adam;
+
+/// What happened, in order.
+#[derive(Debug)]
+pub enum PhasedEvent<'a> {
+    /// Targets of a document were scored (stream target indices).
+    Scored { doc: usize, targets: Range<usize> },
+    /// A document's adapters took one step on these targets (already scored).
+    Adapted { doc: usize, targets: Range<usize> },
+    /// A global SGD phase starts on these documents, in stream order of its training stream.
+    PhaseStart { phase: usize, docs: &'a [usize] },
+    /// A global SGD chunk `chunk` of `of` was trained on: targets of the phase's stream.
+    GlobalChunk { phase: usize, chunk: usize, of: usize, targets: Range<usize> },
+    /// A batch of documents is done: its `ttp:` line.
+    Batch { line: &'a str },
+}
+
+/// One global SGD phase, as it ran.
+#[derive(Clone, Debug)]
+pub struct PhaseReport {
+    /// 1-based.
+    pub phase: usize,
+    /// Documents it trained on (`b_k`).
+    pub docs: usize,
+    /// Documents scored when it paused the queue.
+    pub scored_at_pause: usize,
+    /// Batches done when it paused the queue.
+    pub after_batch: usize,
+    /// When it paused, from the start of the evaluation.
+    pub paused_at: Duration,
+    /// What the global SGD did.
+    pub stats: GlobalStats,
+}
+
+/// Where the evaluation's time went.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PhasedTimes {
+    /// Forward passes and the scores' sums (the same forward serves the update).
+    pub score: Duration,
+    /// Backward passes and AdamW steps of the adapters.
+    pub adapt: Duration,
+    /// Global SGD phases.
+    pub global: Duration,
+}
+
+/// The result of [`phased_ttt`].
+#[derive(Debug)]
+pub struct PhasedOutcome {
+    /// Every target's one score.
+    pub acc: BpbAccumulator,
+    /// Every stream target's NLL as scored, in stream order.
+    pub nll: Vec<f32>,
+    /// Documents.
+    pub docs: usize,
+    /// Batches of the work queue.
+    pub batches: usize,
+    /// The phases that ran (fewer than configured when the stream has fewer documents than a
+    /// boundary).
+    pub phases: Vec<PhaseReport>,
+    /// The configured boundaries.
+    pub boundaries: Vec<usize>,
+    /// Time spent scoring, adapting, and in global SGD.
+    pub times: PhasedTimes,
+}
+
+/// Phased TTT of `tokens` (`N + 1` tokens with documents starting at `bos`; ids checked by the
+/// caller): returns every target's score. `model` is trained in place at the phases (after the
+/// call it holds the adapted base). `seed` draws the adapters (batch `i` from `seed + i`).
+/// `keep_going` is asked before every forward pass or SGD step: false gives `Ok(None)`.
+pub fn phased_ttt(
+    model: &Gpt,
+    tokens: &[u32],
+    tables: Arc<ByteTables>,
+    (cfg, bos, seed): (&PhasedConfig, u32, u64),
+    mut on_event: impl FnMut(&PhasedEvent<'_>),
+    keep_going: impl Fn() -> bool,
+) -> anyhow::Result<Option<PhasedOutcome>> {
+    cfg.check()?;
+    anyhow::ensure!(tokens.len() >= 2, "{} validation tokens: at least 2 are needed to score one target", tokens.len());
+    let t_start = Instant::now();
+    let docs = segment(tokens, bos);
+    let queue = work_queue(&docs, cfg.batch_docs);
+    let boundaries = if cfg.phases > 0 { phase_boundaries(cfg.prefix_docs, cfg.phases) } else { Vec::new() };
+    let mut run = Run {
+        model,
+        tokens,
+        cfg,
+        acc: BpbAccumulator::new(tables.clone()),
+        nll: vec![f32::NAN; tokens.len() - 1],
+        scored: vec![false; tokens.len() - 1],
+        times: PhasedTimes::default(),
+    };
+    let mut progress = Progress::default();
+    // Documents completely scored: (orig_batch_idx, position in batch, document).
+    let mut done: Vec<(usize, usize, usize)> = Vec::with_capacity(docs.len());
+    let mut phases = Vec::new();
+    for (b, batch) in queue.iter().enumerate() {
+        let before = (run.acc.nll_sum(), run.acc.tokens(), run.acc.bytes());
+        let batch_docs: Vec<Document> = batch.docs.iter().map(|&d| docs[d]).collect();
+        let lora_seed = seed.wrapping_add(batch.index as u64);
+        if !run.batch(&batch.docs, &batch_docs, lora_seed, &mut on_event, &keep_going)? {
+            return Ok(None);
+        }
+        progress.add(run.acc.nll_sum() - before.0, run.acc.tokens() - before.1, run.acc.bytes() - before.2);
+        done.extend(batch.docs.iter().enumerate().map(|(pos, &d)| (batch.index, pos, d)));
+        while let Some(&boundary) = boundaries.get(phases.len())
+            && done.len() >= boundary
+        {
+            let phase = phases.len() + 1;
+            let paused_at = t_start.elapsed();
+            let mut order = done.clone();
+            order.sort_unstable();
+            let used: Vec<usize> = order[..boundary].iter().map(|&(_, _, d)| d).collect();
+            on_event(&PhasedEvent::PhaseStart { phase, docs: &used });
+            let t0 = Instant::now();
+            let spans: Vec<Document> = used.iter().map(|&d| docs[d]).collect();
+            let Some(stats) = global_sgd(
+                model,
+                tokens,
+                &spans,
+                (cfg, bos),
+                |c, n, targets| on_event(&PhasedEvent::GlobalChunk { phase, chunk: c, of: n, targets }),
+                &keep_going,
+            )?
+            else {
+                return Ok(None);
+            };
+            run.times.global += t0.elapsed();
+            phases.push(PhaseReport { phase, docs: boundary, scored_at_pause: done.len(), after_batch: b + 1, paused_at, stats });
+        }
+        let lens: Vec<usize> = batch_docs.iter().map(|d| d.len).collect();
+        let line = progress.line(queue.len(), &lens, phases.len() == boundaries.len());
+        on_event(&PhasedEvent::Batch { line: &line });
+    }
+    if let Some(miss) = run.scored.iter().position(|s| !s) {
+        anyhow::bail!("internal: target {miss} of {} was never scored", run.scored.len());
+    }
+    Ok(Some(PhasedOutcome { acc: run.acc, nll: run.nll, docs: docs.len(), batches: queue.len(), phases, boundaries, times: run.times }))
+}
+
+/// The state of one evaluation that the batches share.
+struct Run<'a> {
+    model: &'a Gpt,
+    tokens: &'a [u32],
+    cfg: &'a PhasedConfig,
+    acc: BpbAccumulator,
+    nll: Vec<f32>,
+    scored: Vec<bool>,
+    times: PhasedTimes,
+}
+
+impl Run<'_> {
+    /// The chunk loop over one batch of documents (`ids` into the stream's list, `docs` their
+    /// spans) with fresh adapters drawn from `seed`. False when `keep_going` said stop.
+    fn batch(
+        &mut self,
+        ids: &[usize],
+        docs: &[Document],
+        seed: u64,
+        on_event: &mut impl FnMut(&PhasedEvent<'_>),
+        keep_going: &impl Fn() -> bool,
+    ) -> anyhow::Result<bool> {
+        let cfg = self.cfg;
+        let plans: Vec<Vec<Chunk>> = docs.iter().map(|d| chunks(d.pred_len(), cfg.chunk, cfg.context)).collect();
+        let rounds = plans.iter().map(Vec::len).max().unwrap_or(0);
+        let model = self.model;
+        let lora = Lora::new(model.config(), model.looping(), (docs.len(), cfg.lora_rank), seed, model.dtype(), model.device())?;
+        let mut adam =
+            Adam::new(lora.vars(), cfg.lora_lr, cfg.lora_betas, cfg.lora_eps)?.with_weight_decay(cfg.lora_weight_decay).with_prefix("lora");
+        for c in 0..rounds {
+            if !keep_going() {
+                return Ok(false);
+            }
+            let t0 = Instant::now();
+            // The documents with a chunk c, their rows in this pass.
+            let active: Vec<u32> = (0..docs.len()).filter(|&r| c < plans[r].len()).map(|r| r as u32).collect();
+            let width = active.iter().map(|&r| plans[r as usize][c].window.len()).max().unwrap_or(0);
+            let (mut x, mut y) = (vec![0u32; active.len() * width], vec![0u32; active.len() * width]);
+            for (row, &r) in active.iter().enumerate() {
+                let (d, w) = (docs[r as usize], &plans[r as usize][c].window);
+                x[row * width..][..w.len()].copy_from_slice(&self.tokens[d.start + w.start..d.start + w.end]);
+                y[row * width..][..w.len()].copy_from_slice(&self.tokens[d.start + w.start + 1..d.start + w.end + 1]);
+            }
+            let shape = (active.len(), width);
+            let (xt, yt) = (Tensor::from_slice(&x, shape, model.device())?, Tensor::from_slice(&y, shape, model.device())?);
+            let pass = lora.pass(Some(&active))?;
+            let nll_t = model.frozen_token_losses(&xt, &yt, PassExtras { lora: Some(&pass), docs: None })?;
+            let nll = nll_t.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            // Score: each chunk's targets, final.
+            let mut weights = vec![0f32; active.len() * width];
+            let mut train = Vec::new();
+            for (row, &r) in active.iter().enumerate() {
+                let (d, ch) = (docs[r as usize], &plans[r as usize][c]);
+                let local = row * width + ch.scored.start - ch.window.start..row * width + ch.scored.end - ch.window.start;
+                let targets = d.start + ch.scored.start..d.start + ch.scored.end;
+                for t in targets.clone() {
+                    anyhow::ensure!(!self.scored[t], "internal: target {t} scored twice");
+                    self.scored[t] = true;
+                }
+                self.nll[targets.clone()].copy_from_slice(&nll[local.clone()]);
+                self.acc.add(&x[local.clone()], &y[local.clone()], &nll[local.clone()]);
+                on_event(&PhasedEvent::Scored { doc: ids[r as usize], targets: targets.clone() });
+                if !ch.last {
+                    weights[local.clone()].fill(1.0 / local.len() as f32);
+                    train.push((ids[r as usize], targets));
+                }
+            }
+            self.times.score += t0.elapsed();
+            if train.is_empty() {
+                continue;
+            }
+            // Update: Σ over the documents not at their last chunk of the chunk's mean NLL.
+            let t0 = Instant::now();
+            let w = Tensor::from_vec(weights, active.len() * width, model.device())?.to_dtype(nll_t.dtype())?;
+            let loss = (nll_t * w)?.sum_all()?;
+            let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            anyhow::ensure!(value.is_finite(), "the LoRA TTT loss is {value} at chunk {c} of the batch of documents from {}", ids[0]);
+            let grads = loss.backward()?;
+            adam.step(&grads, cfg.lora_lr)?;
+            for (doc, targets) in train {
+                on_event(&PhasedEvent::Adapted { doc, targets });
+            }
+            self.times.adapt += t0.elapsed();
+        }
+        Ok(true)
+    }
+}
