@@ -54,6 +54,7 @@ pub static REGISTRY: Registry = Registry::new(&[
     &TransformImpl::<artifact::Gptq>::new(),
     &SinkImpl::<ttt_eval::ScoreFirst>::new(),
     &SinkImpl::<ttt_eval::Sliding>::new(),
+    &SinkImpl::<ttt_eval::Phased>::new(),
 ]);
 
 /// The GPT application's config (`[data]`, `[model]`, `[train]`, `[run]`), which every stage

@@ -335,6 +335,36 @@ batch_seqs = 8
 "#
 }
 
+/// [`after_training`] with phased TTT (small chunks, batches of 3 documents, 2 phases over the
+/// first 4) and the sliding score first.
+pub fn after_training_phased() -> String {
+    ema_and_checkpoints(5, 2)
+        + r#"
+[stages.artifact]
+kind = "artifact"
+impl = "quantize"
+inputs = ["ckpt"]
+
+[stages.eval]
+kind = "ttt_eval"
+impl = "phased"
+inputs = ["artifact"]
+lora_rank = 4
+lora_lr = 0.003
+chunk = 16
+context = 64
+batch_docs = 3
+prefix_docs = 4
+phases = 2
+global_chunk_tokens = 128
+global_seq_len = 32
+global_batch_seqs = 4
+sliding_first = true
+stride = 16
+batch_windows = 8
+"#
+}
+
 /// [`after_training`] with the sliding-window evaluation only (its keys a subset of
 /// score-first's), for tests that need the stages but not TTT's time.
 pub fn after_training_sliding() -> String {

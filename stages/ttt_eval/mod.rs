@@ -10,10 +10,14 @@
 //!   (final scores) before SGD trains on it, so no target is ever scored by weights that saw
 //!   it ([`crate::eval::ttt`] has the rules and the tests that prove them).
 //!
-//! Both score the validation split as training scored it (`train.val_max_tokens`) and log in
+//! - `phased`: phased TTT (spec §5), in [`phased`].
+//!
+//! All score the validation split as training scored it (`train.val_max_tokens`) and log in
 //! the records' format, `<label>_sliding_window val_loss:… val_bpb:… eval_time:…ms` and
 //! `<label>_ttt …`. Histograms: `sliding` (the whole pass), `chunk_score` and `chunk_train`
 //! (per TTT chunk). Snapshots of steps, and a run ended by Ctrl-C, are not evaluated.
+
+mod phased;
 
 use std::time::{Duration, Instant};
 
@@ -27,6 +31,7 @@ use crate::eval::validation::Validator;
 use crate::runtime::stage::{BuildCtx, Ctx, Sink};
 use crate::train::log::StageLog;
 use crate::train::snapshot::TrainSnapshot;
+pub use phased::{Phased, PhasedParams};
 
 /// Parameters of `ttt_eval/sliding`.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
