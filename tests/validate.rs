@@ -136,6 +136,21 @@ fn unknown_stage_param_is_named_with_its_stage() {
     rejects("unknown-param", &cfg, Some("stages.mid.delay_uss"), "unknown key `delay_uss`; expected one of: delay_us");
 }
 
+/// A key of another implementation of the stage's kind is set aside with a note, not refused:
+/// `impl` alone switches implementations (an ablation's `--vary stages.X.impl=...`).
+#[test]
+fn a_sibling_implementations_key_is_set_aside() {
+    let cfg = BASE.replace("impl = \"count\"\ninputs = [\"post\"]\nqueue = 2\n", "impl = \"count\"\ninputs = [\"post\"]\nqueue = 2\nwrite_order = true\n");
+    assert_ne!(cfg, BASE);
+    let out = validate("set-aside", Some(&cfg), &[], &[]);
+    assert_eq!(out.code, Some(0), "stderr:\n{}", out.stderr);
+    assert!(
+        out.stdout.contains("note: stages.sink: `write_order` taken by other drain implementations, not by `count`: set aside"),
+        "stdout:\n{}",
+        out.stdout
+    );
+}
+
 #[test]
 fn unknown_run_key() {
     let cfg = edit("run", "seed = 0", "seedd = 1");

@@ -192,6 +192,7 @@ pub fn run(
     on_start(&run_dir, &memory);
     let started = rundir::now_rfc3339();
     let mut result = exec::run(&plan, &loaded.config.run, built, control);
+    result.notes.extend(plan.stages.iter().filter_map(|s| s.set_aside_note()));
     if let Some(trace) = result.trace.take()
         && let Err(e) = crate::runtime::trace::write(&trace, &run_dir.join("trace.json"))
     {

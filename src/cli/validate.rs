@@ -26,6 +26,9 @@ pub fn command(path: PathBuf, sets: Vec<String>) -> i32 {
             let names: Vec<String> =
                 plan.stages.iter().map(|s| format!("{} ({}/{})", s.name, s.factory.kind(), s.factory.name())).collect();
             out!("{}: ok, {} stages: {}", path.display(), plan.stages.len(), names.join(" -> "));
+            for note in plan.stages.iter().filter_map(|s| s.set_aside_note()) {
+                out!("note: {note}");
+            }
             0
         }
         Err(e) => {

@@ -38,6 +38,10 @@ pub struct PlannedStage {
     pub consumers: Vec<usize>,
     /// Capacity of its input channel (0 for a source).
     pub queue: usize,
+    /// Keys of its table that another implementation of its kind takes and this one does not:
+    /// set aside rather than refused, so that `impl` alone switches implementations (in an
+    /// ablation, or with `--set`). A key no implementation of the kind takes is an error.
+    pub set_aside: Vec<String>,
 }
 
 impl PlannedStage {
@@ -45,6 +49,19 @@ impl PlannedStage {
     /// in the graph, no run yet.
     pub fn check_ctx<'a>(&'a self, run: &'a RunConfig, ext: &'a Extensions) -> BuildCtx<'a> {
         BuildCtx { stage: &self.name, run, ext, run_dir: None, consumers: self.consumers.len(), queue: self.queue }
+    }
+
+    /// A note naming the keys set aside ([`PlannedStage::set_aside`]), if any.
+    pub fn set_aside_note(&self) -> Option<String> {
+        (!self.set_aside.is_empty()).then(|| {
+            format!(
+                "stages.{}: {} taken by other {} implementations, not by `{}`: set aside",
+                self.name,
+                self.set_aside.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", "),
+                self.factory.kind(),
+                self.factory.name()
+            )
+        })
     }
 }
 
@@ -119,6 +136,7 @@ struct Draft {
     params: toml::Table,
     inputs: Vec<String>,
     queue: usize,
+    set_aside: Vec<String>,
 }
 
 /// Checks the stage tables of `loaded` against the implementations of `registry` and orders
@@ -259,7 +277,15 @@ pub fn plan<C: Tables>(loaded: &Loaded<C>, registry: &Registry) -> Result<Plan, 
         let inputs = d.inputs.iter().map(|s| new_index[idx[s]]).collect();
         let mut cons: Vec<usize> = consumers[old].iter().map(|&c| new_index[c]).collect();
         cons.sort_unstable();
-        stages.push(PlannedStage { name: d.name, factory: d.factory, params: d.params, inputs, consumers: cons, queue: d.queue });
+        stages.push(PlannedStage {
+            name: d.name,
+            factory: d.factory,
+            params: d.params,
+            inputs,
+            consumers: cons,
+            queue: d.queue,
+            set_aside: d.set_aside,
+        });
     }
     let run = loaded.config.run();
     if run.trace && !run.instrument {
@@ -341,6 +367,7 @@ fn draft_stage<C>(loaded: &Loaded<C>, registry: &Registry, name: &str, table: &D
         }
         Some(q) => q as usize,
     };
+    let set_aside = set_aside_sibling_keys(factory, &impls, &mut params);
     let params = match factory.resolve(&Value::from(params)) {
         Ok(p) => p,
         Err(e) => {
@@ -352,7 +379,24 @@ fn draft_stage<C>(loaded: &Loaded<C>, registry: &Registry, name: &str, table: &D
             return None;
         }
     };
-    Some(Draft { name: name.to_string(), factory, params, inputs: head.inputs, queue })
+    Some(Draft { name: name.to_string(), factory, params, inputs: head.inputs, queue, set_aside })
+}
+
+/// The parameter names an implementation takes (its schema's properties).
+fn param_names(f: &dyn StageFactory) -> Vec<String> {
+    f.schema().get("properties").and_then(|p| p.as_object()).map(|p| p.keys().cloned().collect()).unwrap_or_default()
+}
+
+/// Removes from `params` (and returns, sorted) the keys `factory` does not take but a sibling
+/// implementation of its kind does.
+fn set_aside_sibling_keys(factory: &dyn StageFactory, siblings: &[&'static dyn StageFactory], params: &mut Dict) -> Vec<String> {
+    let own = param_names(factory);
+    let others: Vec<String> = siblings.iter().filter(|s| s.name() != factory.name()).flat_map(|s| param_names(*s)).collect();
+    let aside: Vec<String> = params.keys().filter(|k| !own.contains(k) && others.contains(k)).cloned().collect();
+    for k in &aside {
+        params.remove(k);
+    }
+    aside
 }
 
 /// Kahn's algorithm; on a cycle, returns the names along one cycle (first name repeated last).
