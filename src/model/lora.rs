@@ -112,6 +112,14 @@ impl Lora {
         Ok(Self { rows, rank, slots, head })
     }
 
+    /// Scalar parameters of adapters for `rows` documents at rank `rank` on a model of `cfg`
+    /// (looped when `looping`), without making them (memory estimates).
+    pub fn count(cfg: &ModelConfig, looping: bool, (rows, rank): (usize, usize)) -> usize {
+        let per_slot: usize = Site::ALL.iter().map(|s| s.dims(cfg)).map(|(i, o)| i + o).sum();
+        let n = cfg.layer_sequence(looping).len() * per_slot + cfg.model_dim + cfg.vocab_size;
+        rows.saturating_mul(rank).saturating_mul(n)
+    }
+
     /// Documents (batch rows) the adapters serve.
     pub fn rows(&self) -> usize {
         self.rows
@@ -226,6 +234,7 @@ mod tests {
     fn shapes_init_and_names_follow_the_spec() {
         let l = Lora::new(&cfg(), false, (3, 4), 1, DType::F64, &Device::Cpu).unwrap();
         assert_eq!((l.rows(), l.rank(), l.slots()), (3, 4, 3));
+        assert_eq!(l.param_count(), Lora::count(&cfg(), false, (3, 4)));
         let vars = l.vars();
         assert_eq!(vars.len(), 2 * (5 * 3 + 1));
         let dims = |n: &str| vars.iter().find(|(k, _)| k == n).unwrap().1.dims().to_vec();

@@ -159,7 +159,14 @@ impl Sink for Phased {
         // The larger of: a scoring batch (documents x context) and a global SGD batch.
         let rows = p.batch_docs.max(cfg.global_batch_seqs);
         let sliding = SlidingConfig { seq_len: cfg.context.max(cfg.global_seq_len), stride: 1, batch_windows: rows };
-        eval_memory(ctx, &sliding, Some(rows))
+        let mut needs = eval_memory(ctx, &sliding, Some(rows))?;
+        // The adapters of one batch with their gradients and AdamW's two moments, in f32.
+        let m = &config(ctx)?.model;
+        let lora = crate::model::lora::Lora::count(m, m.recurrent(), (p.batch_docs, p.lora_rank)) as u64 * 16;
+        let keys = [format!("stages.{}.batch_docs", ctx.stage), format!("stages.{}.lora_rank", ctx.stage)];
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        needs.push(crate::runtime::memory::Need::device("LoRA adapters, gradients and AdamW moments", lora, &keys).transient());
+        Ok(needs)
     }
 
     fn build(p: PhasedParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
