@@ -140,7 +140,10 @@ fn unknown_stage_param_is_named_with_its_stage() {
 /// `impl` alone switches implementations (an ablation's `--vary stages.X.impl=...`).
 #[test]
 fn a_sibling_implementations_key_is_set_aside() {
-    let cfg = BASE.replace("impl = \"count\"\ninputs = [\"post\"]\nqueue = 2\n", "impl = \"count\"\ninputs = [\"post\"]\nqueue = 2\nwrite_order = true\n");
+    let cfg = BASE.replace(
+        "impl = \"count\"\ninputs = [\"post\"]\nqueue = 2\n",
+        "impl = \"count\"\ninputs = [\"post\"]\nqueue = 2\nwrite_order = true\n",
+    );
     assert_ne!(cfg, BASE);
     let out = validate("set-aside", Some(&cfg), &[], &[]);
     assert_eq!(out.code, Some(0), "stderr:\n{}", out.stderr);

@@ -43,11 +43,11 @@ fn stream(seed: u64) -> Vec<u32> {
     let mut rng = fastrand::Rng::with_seed(seed);
     let mut out: Vec<u32> = vec![7, 9, 11];
     for _ in 0..14 {
-        out.push(BOS);
         let motif: Vec<u32> = (0..rng.usize(2..6)).map(|_| rng.u32(2..VOCAB as u32)).collect();
-        for i in 0..rng.usize(5..90) {
-            out.push(if rng.f64() < 0.1 { rng.u32(2..VOCAB as u32) } else { motif[i % motif.len()] });
-        }
+        let body: Vec<u32> =
+            (0..rng.usize(5..90)).map(|i| if rng.f64() < 0.1 { rng.u32(2..VOCAB as u32) } else { motif[i % motif.len()] }).collect();
+        out.push(BOS);
+        out.extend(body);
     }
     out
 }

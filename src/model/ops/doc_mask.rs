@@ -30,7 +30,7 @@ impl DocumentMask {
     /// The mask of input rows `x` (`rows * t` token ids, row-major): a segment starts at each
     /// row's first position and at every `bos`.
     pub fn at_token(x: &[u32], t: usize, bos: u32) -> Result<Self> {
-        if t == 0 || x.len() % t != 0 || t > u32::MAX as usize {
+        if t == 0 || !x.len().is_multiple_of(t) || t > u32::MAX as usize {
             bail!("document mask: {} tokens do not form rows of {t}", x.len());
         }
         let mut starts = Vec::with_capacity(x.len());
