@@ -36,7 +36,9 @@ fn documents_of_a_real_shard_are_the_written_ones_and_tile_the_targets() {
     for (k, d) in docs[..docs.len() - 1].iter().enumerate() {
         let span = &tokens[d.start..d.start + d.len];
         assert_eq!((span[0], span[span.len() - 1]), (tok.bos, tok.bos));
-        assert_eq!(tok.decode(&span[1..span.len() - 1]).unwrap(), written[k], "document {k}");
+        // As the tokenizer gives the text back (its NFKC normalisation turns `ᵀ` into `T`, ...).
+        let want = tok.decode(&tok.encode(&written[k]).unwrap()).unwrap();
+        assert_eq!(tok.decode(&span[1..span.len() - 1]).unwrap(), want, "document {k}");
     }
     // Every document's chunks score its targets once, from windows inside the document.
     for d in &docs {
