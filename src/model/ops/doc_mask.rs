@@ -18,12 +18,15 @@
 use candle_core::{DType, Device, Result, Tensor, bail};
 
 /// Per position of a batch of packed rows, the first key position it may see.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct DocumentMask {
     /// Positions per row.
     t: usize,
     /// `start(i)` of every position, row after row (`B * T` entries).
     starts: Vec<u32>,
+    /// [`DocumentMask::additive`] as first made: every attention layer of a pass reads the same
+    /// `(B, 1, T, T)` mask, so it is built and moved to the device once.
+    additive: std::sync::OnceLock<Tensor>,
 }
 
 impl DocumentMask {
@@ -43,7 +46,7 @@ impl DocumentMask {
                 starts.push(start);
             }
         }
-        Ok(Self { t, starts })
+        Ok(Self { t, starts, additive: std::sync::OnceLock::new() })
     }
 
     /// Number of rows.
@@ -81,8 +84,22 @@ impl DocumentMask {
     }
 
     /// The additive mask `(B, 1, T, T)`: 0 where position `i` sees key `j`, -inf elsewhere (the
-    /// future and earlier documents), for scores `(B, H, T, T)`.
+    /// future and earlier documents), for scores `(B, H, T, T)`. Made once and kept for the
+    /// first `dtype` and device asked for (a pass asks for one).
     pub fn additive(&self, dtype: DType, device: &Device) -> Result<Tensor> {
+        if let Some(m) = self.additive.get()
+            && m.dtype() == dtype
+            && m.device().same_device(device)
+        {
+            return Ok(m.clone());
+        }
+        let m = self.make_additive(dtype, device)?;
+        // Only the first is kept; another dtype or device is made again each time.
+        let _ = self.additive.set(m.clone());
+        Ok(m)
+    }
+
+    fn make_additive(&self, dtype: DType, device: &Device) -> Result<Tensor> {
         let t = self.t;
         let mut v = vec![f32::NEG_INFINITY; self.rows() * t * t];
         for (b, block) in v.chunks_exact_mut(t * t).enumerate() {
@@ -119,5 +136,9 @@ mod tests {
         let seen: Vec<Vec<bool>> = a.chunks(4).map(|r| r.iter().map(|x| *x == 0.0).collect()).collect();
         let want = [[true, false, false, false], [true, true, false, false], [false, false, true, false], [false, false, true, true]];
         assert_eq!(seen, want.map(|r| r.to_vec()).to_vec());
+        let again = m.additive(DType::F32, &Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(again, a, "the kept mask");
+        let wide = m.additive(DType::F64, &Device::Cpu).unwrap();
+        assert_eq!(wide.dtype(), DType::F64, "another dtype is made, not the kept one returned");
     }
 }
