@@ -224,8 +224,7 @@ impl Gpt {
     /// Per-position cross-entropy like [`Gpt::token_losses`], without building an autograd
     /// graph (evaluation).
     pub fn eval_token_losses(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
-        let _detached = self.detach_for_eval();
-        self.token_losses(x, y)
+        self.frozen_token_losses(x, y, PassExtras::default())
     }
 
     /// Per-position cross-entropy with the base weights frozen (read detached, so a backward
