@@ -520,7 +520,7 @@ fn clip_grad_norm(model: &Gpt, grads: &mut GradStore, max: f64) -> anyhow::Resul
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::cell::Cell;
     use std::collections::HashMap;
 
@@ -529,11 +529,11 @@ mod tests {
     use super::*;
     use crate::model::ModelConfig;
 
-    const VOCAB: usize = 32;
+    pub(crate) const VOCAB: usize = 32;
 
     /// A tiny float64 model whose parameters are all moved off their initial values (the zero
     /// output projections would otherwise make attention, and so the context, irrelevant).
-    fn model() -> Gpt {
+    pub(crate) fn model() -> Gpt {
         let cfg = ModelConfig { vocab_size: VOCAB, num_layers: 2, model_dim: 16, num_heads: 2, num_kv_heads: 1, ..ModelConfig::default() };
         let m = Gpt::new(&cfg, 3, DType::F64, &Device::Cpu).unwrap();
         let mut rng = fastrand::Rng::with_seed(17);
@@ -547,7 +547,7 @@ mod tests {
 
     /// Hand-made byte tables: id 0 is a boundary (0 bytes), the others 1 to 3 bytes, every third
     /// one with a leading space.
-    fn tables() -> Arc<ByteTables> {
+    pub(crate) fn tables() -> Arc<ByteTables> {
         Arc::new(ByteTables {
             base_bytes: (0..VOCAB).map(|i| if i == 0 { 0 } else { 1 + (i % 3) as u16 }).collect(),
             leading_space: (0..VOCAB).map(|i| i % 3 == 0 && i > 0).collect(),

@@ -3,39 +3,15 @@
 //! only on documents scored completely, and no score moved by a token that comes after it.
 
 use std::collections::HashMap;
-use std::sync::Arc;
-
-use candle_core::{DType, Device, Tensor};
 
 use super::config::PhasedConfig;
 use super::docs::segment;
 use super::run::{PhasedEvent, PhasedOutcome, phased_ttt};
-use crate::eval::bpb::ByteTables;
-use crate::model::{Gpt, ModelConfig};
+// Score-first TTT's tiny float64 model (every parameter moved off its initial value) and its
+// hand-made byte tables.
+use crate::eval::ttt::tests::{VOCAB, model, tables};
 
-const VOCAB: usize = 32;
 const BOS: u32 = 1;
-
-fn model() -> Gpt {
-    let cfg = ModelConfig { vocab_size: VOCAB, num_layers: 2, model_dim: 16, num_heads: 2, num_kv_heads: 1, ..ModelConfig::default() };
-    let m = Gpt::new(&cfg, 3, DType::F64, &Device::Cpu).unwrap();
-    let mut rng = fastrand::Rng::with_seed(17);
-    for (_, v, _) in m.params() {
-        let old: Vec<f64> = v.flatten_all().unwrap().to_vec1().unwrap();
-        let new: Vec<f64> = old.iter().map(|x| x + rng.f64() * 0.6 - 0.3).collect();
-        v.set(&Tensor::from_vec(new, v.dims(), &Device::Cpu).unwrap()).unwrap();
-    }
-    m
-}
-
-fn tables() -> Arc<ByteTables> {
-    Arc::new(ByteTables {
-        base_bytes: (0..VOCAB).map(|i| if i <= 1 { 0 } else { 1 + (i % 3) as u16 }).collect(),
-        leading_space: (0..VOCAB).map(|i| i % 3 == 0 && i > 0).collect(),
-        is_boundary: (0..VOCAB).map(|i| i <= 1).collect(),
-        has_space_piece: true,
-    })
-}
 
 /// A stream of 14 documents of 5 to 90 tokens (some text before the first BOS too), each a
 /// repeated motif with noise so that adaptation has something to learn.
