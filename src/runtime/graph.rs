@@ -391,8 +391,13 @@ fn param_names(f: &dyn StageFactory) -> Vec<String> {
 /// implementation of its kind does.
 fn set_aside_sibling_keys(factory: &dyn StageFactory, siblings: &[&'static dyn StageFactory], params: &mut Dict) -> Vec<String> {
     let own = param_names(factory);
+    let foreign: Vec<&String> = params.keys().filter(|k| !own.contains(k)).collect();
+    if foreign.is_empty() {
+        // The usual case: the siblings' schemas need not be made.
+        return Vec::new();
+    }
     let others: Vec<String> = siblings.iter().filter(|s| s.name() != factory.name()).flat_map(|s| param_names(*s)).collect();
-    let aside: Vec<String> = params.keys().filter(|k| !own.contains(k) && others.contains(k)).cloned().collect();
+    let aside: Vec<String> = foreign.into_iter().filter(|k| others.contains(k)).cloned().collect();
     for k in &aside {
         params.remove(k);
     }
