@@ -67,6 +67,8 @@ fn phased_stage_logs_and_reports_like_the_records() {
     let ev = &r.sections["eval"];
     let (sl, tt) = (&ev["sliding"], &ev["ttt"]);
     assert_eq!(tt["kind"], "phased");
+    let aside = "stages.eval: `batch_seqs`, `chunk_tokens`, `epochs` taken by other ttt_eval implementations, not by `phased`: set aside";
+    assert!(r.run.notes.iter().any(|n| n == aside), "{:?}", r.run.notes);
     assert_eq!(sl["val_tokens"], tt["val_tokens"], "phased TTT scores every target the sliding pass scores, once");
     assert_ne!(sl["val_bpb"], tt["val_bpb"]);
     let phases = tt["phases"].as_array().unwrap();

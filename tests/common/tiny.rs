@@ -336,20 +336,10 @@ batch_seqs = 8
 }
 
 /// [`after_training`] with phased TTT (small chunks, batches of 3 documents, 2 phases over the
-/// first 4) and the sliding score first.
+/// first 4) and the sliding score first; score-first's own keys stay in the table, set aside.
 pub fn after_training_phased() -> String {
-    ema_and_checkpoints(5, 2)
-        + r#"
-[stages.artifact]
-kind = "artifact"
-impl = "quantize"
-inputs = ["ckpt"]
-
-[stages.eval]
-kind = "ttt_eval"
-impl = "phased"
-inputs = ["artifact"]
-lora_rank = 4
+    after_training().replace("impl = \"score_first\"", "impl = \"phased\"")
+        + r#"lora_rank = 4
 lora_lr = 0.003
 chunk = 16
 context = 64
@@ -360,8 +350,6 @@ global_chunk_tokens = 128
 global_seq_len = 32
 global_batch_seqs = 4
 sliding_first = true
-stride = 16
-batch_windows = 8
 "#
 }
 
