@@ -46,21 +46,27 @@ pub fn vocab_size(path: &Path) -> anyhow::Result<usize> {
     Ok(read_model(path)?.1.pieces().len())
 }
 
+/// The BOS id of a sentencepiece model (1 unless its trainer spec says otherwise), checked to
+/// be one of its pieces.
+fn bos_of(path: &Path, model: &sentencepiece_model::SentencePieceModel) -> anyhow::Result<u32> {
+    let bos = model.trainer().and_then(|t| t.bos_id).unwrap_or(1);
+    anyhow::ensure!(bos >= 0 && (bos as usize) < model.pieces().len(), "{}: the model has no BOS piece (bos_id {bos})", path.display());
+    Ok(bos as u32)
+}
+
+/// The BOS id of a sentencepiece model file, without building its encoder.
+pub fn bos_id(path: &Path) -> anyhow::Result<u32> {
+    bos_of(path, &read_model(path)?.1)
+}
+
 impl Tokenizer {
     /// Loads a `.model` file.
     pub fn load(path: &Path) -> anyhow::Result<Self> {
         let (bytes, model) = read_model(path)?;
-        let bos = model.trainer().and_then(|t| t.bos_id).unwrap_or(1);
-        anyhow::ensure!(bos >= 0 && (bos as usize) < model.pieces().len(), "{}: the model has no BOS piece (bos_id {bos})", path.display());
+        let bos = bos_of(path, &model)?;
         let encoder = kitoken::Kitoken::from_sentencepiece_slice(&bytes)
             .map_err(|e| anyhow::anyhow!("{}: cannot build an encoder from this model: {e}", path.display()))?;
-        Ok(Self {
-            path: path.to_path_buf(),
-            vocab_size: model.pieces().len(),
-            bos: bos as u32,
-            sha256: hex(&sha2::Sha256::digest(&bytes)),
-            encoder,
-        })
+        Ok(Self { path: path.to_path_buf(), vocab_size: model.pieces().len(), bos, sha256: hex(&sha2::Sha256::digest(&bytes)), encoder })
     }
 
     /// Token ids of `text` (no BOS, no EOS).

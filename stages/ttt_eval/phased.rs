@@ -177,7 +177,7 @@ impl Sink for Phased {
             .tokenizer
             .as_ref()
             .ok_or_else(|| anyhow::anyhow!("`data.tokenizer` is not set: phased TTT finds documents at its BOS"))?;
-        let bos = crate::data::tokenizer::Tokenizer::load(tokenizer)?.bos;
+        let bos = crate::data::tokenizer::bos_id(tokenizer)?;
         Ok(Self { cfg: p.config(c.train.seq_len), bos, seed: ctx.seed(), p, ev: Evaluator::new(ctx)? })
     }
 
