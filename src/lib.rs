@@ -10,6 +10,8 @@
 //!   directories, the `[run]` config and raw stage tables. It knows no GPT.
 //! - [`report`]: `report.json`, the text table and the bottleneck verdict.
 //! - [`device`]: which device a run names, and everything CUDA-specific behind one API.
+//! - [`dist`]: data parallelism's collectives (MPI on CPU ranks, NCCL on GPU ranks) behind one
+//!   trait, and where a rank stands (its launcher's environment).
 //! - [`data`]: shards, tokenizer, batches and the loader state, staging buffers.
 //! - [`model`]: the GPT, its ops (one file each: reference, CPU kernel, GPU launch).
 //! - [`optim`]: Muon, Adam and SGD over candle variables, and the LR schedule.
@@ -29,6 +31,8 @@ pub mod runtime;
 pub mod report;
 
 pub mod device;
+
+pub mod dist;
 
 pub mod data;
 

@@ -18,6 +18,7 @@ const FLOORS: &[(&str, u32)] = &[
     ("runtime", 0),
     ("report", 1),
     ("device", 1),
+    ("dist", 2),
     ("data", 2),
     ("model", 3),
     ("optim", 4),
