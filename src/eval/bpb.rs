@@ -143,6 +143,11 @@ impl BpbAccumulator {
         Self { tables, nll_sum: 0.0, tokens: 0, bytes: 0 }
     }
 
+    /// An accumulator holding these sums (the ranks' sums added up).
+    pub fn from_sums(tables: Arc<ByteTables>, nll_sum: f64, tokens: u64, bytes: u64) -> Self {
+        Self { tables, nll_sum, tokens, bytes }
+    }
+
     /// The tables it counts bytes with.
     pub fn tables(&self) -> &Arc<ByteTables> {
         &self.tables

@@ -55,6 +55,8 @@ pub struct Validator {
     end: usize,
     /// The glob the shards came from.
     pattern: String,
+    /// The ranks sharing the split: their sums are added up after each pass.
+    ranks: std::sync::Arc<dyn crate::dist::Collective>,
 }
 
 /// What a validation load reads: the same for every stage of a run, so loaded once.
@@ -119,7 +121,16 @@ impl Validator {
         let seqs = (data.tokens.len() - 1) / t.seq_len;
         let (world, rank) = (settings.world_size, settings.rank);
         let batch_rows = tokens_per_pass(settings, micro_steps) / t.seq_len;
-        Ok(Self { data, seq_len: t.seq_len, batch_rows, first: seqs * rank / world, end: seqs * (rank + 1) / world, pattern })
+        let ranks = std::sync::Arc::new(crate::dist::single::Single);
+        Ok(Self { data, seq_len: t.seq_len, batch_rows, first: seqs * rank / world, end: seqs * (rank + 1) / world, pattern, ranks })
+    }
+
+    /// Shares the split with the ranks of `ranks` (loaded with their world size and this
+    /// rank): each pass ends with the sums of loss, targets and bytes added up over them, in
+    /// f64, so every rank gets the whole split's score.
+    pub fn with_ranks(mut self, ranks: std::sync::Arc<dyn crate::dist::Collective>) -> Self {
+        self.ranks = ranks;
+        self
     }
 }
 
@@ -234,6 +245,10 @@ impl Validator {
             let nll = model.eval_token_losses(&xt, &yt)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
             acc.add(x, y, &nll);
             s += rows;
+        }
+        if self.ranks.world() > 1 {
+            let sums = self.ranks.all_reduce_host(&[acc.nll_sum(), acc.tokens() as f64, acc.bytes() as f64], crate::dist::ReduceOp::Sum)?;
+            acc = BpbAccumulator::from_sums(self.data.tables.clone(), sums[0], sums[1] as u64, sums[2] as u64);
         }
         Ok(Some(acc))
     }

@@ -30,6 +30,10 @@ pub struct Muon {
     /// Decoupled weight decay: `P ← P·(1 − lr·wd)` before the update; 0: none.
     weight_decay: f64,
     prefix: String,
+    /// Several ranks: each orthogonalises its share, the updates are summed over them.
+    shard: Option<std::sync::Arc<dyn crate::dist::Collective>>,
+    /// Wall time of the last step's update exchange (zero unsharded).
+    last_comm: std::time::Duration,
 }
 
 /// The floor on a row's L2 norm in MuonEq-R ([`Muon::with_row_norm`]), as the record's
@@ -67,6 +71,8 @@ impl Muon {
             row_norm: false,
             weight_decay: 0.0,
             prefix: "muon".to_string(),
+            shard: None,
+            last_comm: std::time::Duration::ZERO,
         })
     }
 
@@ -91,6 +97,19 @@ impl Muon {
     pub fn with_ns_dtype(mut self, dtype: DType) -> Self {
         self.ns_dtype = Some(dtype);
         self
+    }
+
+    /// Shards the orthogonalisation over the ranks of `ranks` (the records' distributed Muon):
+    /// parameter `i` is orthogonalised by rank `i mod W`, and one all-reduce (sum) of the
+    /// updates gives every rank all of them. Momentum buffers stay whole on every rank (their
+    /// gradients are the averaged ones), so every rank's state is the same.
+    pub fn set_shard(&mut self, ranks: std::sync::Arc<dyn crate::dist::Collective>) {
+        self.shard = Some(ranks);
+    }
+
+    /// Wall time of the last step's update exchange between ranks (zero unsharded).
+    pub fn last_comm(&self) -> std::time::Duration {
+        self.last_comm
     }
 
     /// Replaces the state-name prefix (default `muon`).
@@ -174,18 +193,55 @@ impl Muon {
                 None => groups.push((var.dims().to_vec(), vec![(i, u, new_buf)])),
             }
         }
+        // Sharded (several ranks): parameter `i` is orthogonalised by rank `i mod W` only; the
+        // others hold zeros in its place, and one sum over the ranks gives every rank every
+        // update (adding zeros is exact, so the result is the unsharded one bit for bit).
+        let (rank, world) = self.shard.as_ref().map_or((0, 1), |c| (c.rank(), c.world()));
+        let mut planned = Vec::with_capacity(groups.len());
         for (dims, members) in groups {
-            let us: Vec<&Tensor> = members.iter().map(|(_, u, _)| u).collect();
-            let mut stack = Tensor::stack(&us, 0)?;
-            if self.row_norm {
-                stack = row_normalize(&stack)?;
-            }
-            let o = match self.ns_dtype {
-                Some(d) if d != stack.dtype() => newton_schulz5_stack(&stack.to_dtype(d)?, self.backend_steps)?.to_dtype(stack.dtype())?,
-                _ => newton_schulz5_stack(&stack, self.backend_steps)?,
-            };
+            let owned: Vec<usize> = (0..members.len()).filter(|&j| members[j].0 % world == rank).collect();
             let scale = (dims[0] as f64 / dims[1] as f64).max(1.0).sqrt();
-            let step = o.affine(scale, 0.0)?.affine(lr, 0.0)?;
+            let mine = if owned.is_empty() {
+                None
+            } else {
+                let us: Vec<&Tensor> = owned.iter().map(|&j| &members[j].1).collect();
+                let mut stack = Tensor::stack(&us, 0)?;
+                if self.row_norm {
+                    stack = row_normalize(&stack)?;
+                }
+                let o = match self.ns_dtype {
+                    Some(d) if d != stack.dtype() => {
+                        newton_schulz5_stack(&stack.to_dtype(d)?, self.backend_steps)?.to_dtype(stack.dtype())?
+                    }
+                    _ => newton_schulz5_stack(&stack, self.backend_steps)?,
+                };
+                Some(o.affine(scale, 0.0)?.affine(lr, 0.0)?)
+            };
+            let step = match mine {
+                Some(m) if owned.len() == members.len() => m,
+                mine => {
+                    let zeros = members[0].1.zeros_like()?;
+                    let rows: Vec<Tensor> = (0..members.len())
+                        .map(|j| match (&mine, owned.iter().position(|&o| o == j)) {
+                            (Some(m), Some(k)) => m.get(k),
+                            _ => Ok(zeros.clone()),
+                        })
+                        .collect::<Result<_>>()?;
+                    Tensor::stack(&rows, 0)?
+                }
+            };
+            planned.push((members, step));
+        }
+        if let Some(c) = self.shard.as_ref().filter(|c| c.world() > 1) {
+            let steps: Vec<Tensor> = planned.iter().map(|(_, s)| s.clone()).collect();
+            let (summed, stats) = crate::dist::bucket::all_reduce_tensors(c.as_ref(), &steps, crate::dist::ReduceOp::Sum, usize::MAX)
+                .map_err(|e| candle_core::Error::Msg(format!("sharded Muon: {e:#}")))?;
+            self.last_comm = stats.comm;
+            for ((_, s), r) in planned.iter_mut().zip(summed) {
+                *s = r;
+            }
+        }
+        for (members, step) in planned {
             for (j, (i, _, new_buf)) in members.into_iter().enumerate() {
                 let var = &self.params[i].1;
                 var.set(&(self.decayed(var, lr)? - step.get(j)?)?)?;

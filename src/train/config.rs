@@ -231,7 +231,9 @@ impl Config {
         BatchShape::new(t.seq_len, t.batch_tokens, t.grad_accum_steps, self.run.world_size, self.run.rank)
     }
 
-    /// What validation reads of this config ([`ValSettings`]).
+    /// What validation reads of this config ([`ValSettings`]): the whole split on one rank.
+    /// The step executor shares it among the ranks of a data-parallel run (it holds their
+    /// collective); the stages after training score it whole on every rank.
     pub fn validation(&self) -> ValSettings {
         ValSettings {
             val: self.data.val.clone(),
@@ -240,8 +242,8 @@ impl Config {
             val_batch_tokens: self.train.val_batch_tokens,
             val_max_tokens: self.train.val_max_tokens,
             vocab: self.model.vocab_size,
-            world_size: self.run.world_size,
-            rank: self.run.rank,
+            world_size: 1,
+            rank: 0,
         }
     }
 

@@ -146,7 +146,8 @@ impl Executor for EngineTrainer {
         anyhow::ensure!(train_loss.is_finite(), "the training loss is {train_loss} at step {}", self.step + 1);
         self.sync_mirror()?;
         let phases = PhaseTimes { optimizer: t0.elapsed(), ..std::mem::take(&mut self.phases) };
-        let outcome = StepOutcome { train_loss, lr_mul, frac, momentum, grad_norm: stats.grad_norm, phases };
+        let outcome =
+            StepOutcome { train_loss, lr_mul, frac, momentum, grad_norm: stats.grad_norm, phases, comm: std::time::Duration::ZERO };
         self.micro_done = 0;
         self.step += 1;
         Ok(outcome)

@@ -43,6 +43,9 @@ pub struct StepOutcome {
     /// ended since the previous step, i.e. this step's micro-batches and usually the previous
     /// step's update; the host's times would only be the time to queue the work.
     pub phases: PhaseTimes,
+    /// Wall time of the step's collectives on several ranks (the gradient all-reduce and the
+    /// sharded Muon's update exchange); zero on one rank.
+    pub comm: Duration,
 }
 
 /// Which executor a `step_executor` stage trains with.

@@ -15,7 +15,6 @@ pub fn check(p: &SessionParams, c: &Config) -> anyhow::Result<()> {
     if matches!(crate::device::parse(&c.run.device)?, crate::device::DeviceName::Cpu) && p.dtype == Precision::Bf16 {
         anyhow::bail!("`dtype` = \"bf16\" is for GPUs: on `run.device` = \"cpu\" use \"f32\" (or \"f64\" for checks)");
     }
-    single_rank(c)?;
     c.batch_shape()?;
     check_train(&c.train)?;
     anyhow::ensure!(c.data.val.is_some(), "`data.val` is not set: the step executor validates on the validation shards");
@@ -110,7 +109,7 @@ pub(crate) fn check_train(t: &TrainConfig) -> anyhow::Result<()> {
 pub(crate) fn single_rank(c: &Config) -> anyhow::Result<()> {
     anyhow::ensure!(
         c.run.world_size == 1,
-        "`run.world_size` = {}: training on several ranks needs the `cuda` build (NCCL); this executor trains one rank",
+        "`run.world_size` = {}: the explicit engine (`impl = \"engine\"`) trains one rank; several ranks train with `impl = \"candle\"`",
         c.run.world_size
     );
     Ok(())

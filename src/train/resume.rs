@@ -72,7 +72,7 @@ pub(crate) fn resume(trainer: &mut dyn Executor, ck: &Checkpoint, shape: BatchSh
         .with_context(|| format!("{}: it holds no step-executor state (made by another version?)", what()))?;
     let (a, b) = (history.shape, shape);
     anyhow::ensure!(
-        (a.seq_len, a.rows, a.micro_steps, a.world_size, a.rank) == (b.seq_len, b.rows, b.micro_steps, b.world_size, b.rank),
+        (a.seq_len, a.rows, a.micro_steps, a.world_size) == (b.seq_len, b.rows, b.micro_steps, b.world_size),
         "{}: it was made with seq_len {}, {} rows x {} micro-batches on {} rank(s); `[train]`/`[run]` now give seq_len {}, {} rows x {} micro-batches on {} rank(s) (`train.seq_len`, `train.batch_tokens`, `train.grad_accum_steps`, `run.world_size` must not change)",
         what(),
         a.seq_len,
@@ -83,6 +83,15 @@ pub(crate) fn resume(trainer: &mut dyn Executor, ck: &Checkpoint, shape: BatchSh
         b.rows,
         b.micro_steps,
         b.world_size
+    );
+    // A checkpoint holds rank 0's loader state. The sequential stream's is every rank's (they
+    // all take the same chunk); the shuffled sampler's is rank 0's own.
+    anyhow::ensure!(
+        b.world_size == 1 || !matches!(ck.meta.loader, Some(crate::data::batch::LoaderState::Shuffled { .. })),
+        "{}: it was made on {} ranks with the shuffled sampler, whose state differs per rank, and it holds rank 0's only, \
+         so it cannot continue on several ranks (a run to resume on several ranks samples with `impl = \"sequential\"`)",
+        what(),
+        a.world_size
     );
     anyhow::ensure!(
         ck.meta.data == data,

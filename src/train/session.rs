@@ -48,6 +48,12 @@ use crate::train::trainer::Trainer;
 /// A training session: the model, its trainer and validator, the clocks, the log, and what
 /// the snapshots and the report are made of.
 pub struct Session {
+    /// The ranks training together (a world of one without a launcher).
+    ranks: std::sync::Arc<dyn crate::dist::Collective>,
+    /// Several ranks: the ranks agreed at a step's end to stop (one of them was asked to).
+    agreed_stop: bool,
+    /// The steps' collectives' wall time so far (several ranks).
+    comm_total: Duration,
     trainer: Box<dyn Executor>,
     validator: Validator,
     log: TrainLog,
@@ -116,11 +122,17 @@ impl Session {
         executor: ExecutorKind,
     ) -> anyhow::Result<Self> {
         requirements::check(&p, c)?;
+        if matches!(executor, ExecutorKind::Engine(_)) {
+            requirements::single_rank(c)?;
+        }
         // A checkpoint made after the last step: no step is trained, ever again.
         let finish_only = resume.and_then(|ck| resume::training_end(ck.meta.step, ck.meta.train_ms, &c.train));
         let shape = c.batch_shape()?;
         let device = crate::device::open(&c.run)?;
-        let validator = Validator::load(&c.validation(), shape.micro_steps)?;
+        let ranks = crate::dist::world();
+        // The executor's validation is shared by the ranks, each scoring 1/W of the split.
+        let settings = crate::eval::validation::ValSettings { world_size: ranks.world(), rank: ranks.rank(), ..c.validation() };
+        let validator = Validator::load(&settings, shape.micro_steps)?.with_ranks(ranks.clone());
         let (param_dtype, matmul_dtype) = p.dtype.dtypes();
         let mut model = Gpt::new(&c.model, c.run.seed, param_dtype, &device)?.with_matmul_dtype(matmul_dtype).with_attention(p.attention);
         let mut flash = model.flash_kernels(c.train.seq_len).context("stage `step_executor`, key `attention`")?;
@@ -158,7 +170,9 @@ impl Session {
         // (a resume takes the checkpoint's layout).
         model.set_looping(c.model.enable_looping_at <= 0.0);
         let mut trainer: Box<dyn Executor> = match executor {
-            ExecutorKind::Candle => Box::new(Trainer::new(model, &c.train, shape.micro_steps)?.with_phase_sync(p.sync_phases)),
+            ExecutorKind::Candle => {
+                Box::new(Trainer::new(model, &c.train, shape.micro_steps)?.with_phase_sync(p.sync_phases).with_ranks(ranks.clone()))
+            }
             ExecutorKind::Engine(options) => Box::new(
                 EngineTrainer::new(model, &c.train, shape.micro_steps, (shape.rows, shape.seq_len), options)
                     .context("stage `step_executor`")?,
@@ -247,6 +261,9 @@ impl Session {
             finish_only,
             step_end_ms: train_ms,
             step_loader: None,
+            ranks,
+            agreed_stop: false,
+            comm_total: Duration::ZERO,
             last_weights: None,
         })
     }
@@ -269,7 +286,10 @@ impl Session {
     /// One micro-batch (what `process` does, errors left to it).
     fn take(&mut self, b: DeviceBatch, out: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
         let arrived = Instant::now();
-        if self.done || ctx.stopping() {
+        // Several ranks stop together, at the end of the step where they agreed to
+        // (`agree_after_step`): until then a rank asked to stop trains on what is in flight.
+        let stop_now = ctx.stopping() && (self.ranks.world() == 1 || self.agreed_stop);
+        if self.done || stop_now {
             // Batches still in flight after the last step, or after a stop (Ctrl-C, max_seconds),
             // are not part of the run: the step they would complete is dropped in `flush`.
             ctx.discard();
@@ -415,6 +435,16 @@ impl Session {
             self.log.finish();
             return Ok(());
         }
+        if self.ranks.world() > 1 && !self.agreed_stop && ctx.stop_reason() != StopReason::Failed {
+            // The other ranks are inside a step this one will not finish: they would wait for
+            // it forever. The job is ended (`pipeline launch`, MPI), this rank named.
+            anyhow::bail!(
+                "rank {} of {} stopped inside step {} (its input ended) while the other ranks train on; every rank is stopped",
+                self.ranks.rank(),
+                self.ranks.world(),
+                self.trainer.step() + 1
+            );
+        }
         self.dropped_micro = self.trainer.discard_partial_step();
         if self.dropped_micro > 0 {
             self.log.line(&format!(
@@ -540,6 +570,33 @@ impl Session {
         }
     }
 
+    /// The largest of every rank's `values` (the values themselves on one rank).
+    fn agree_max(&self, values: &[f64]) -> anyhow::Result<Vec<f64>> {
+        if self.ranks.world() == 1 {
+            return Ok(values.to_vec());
+        }
+        self.ranks.all_reduce_host(values, crate::dist::ReduceOp::Max).context("the ranks' agreement at the end of a step")
+    }
+
+    /// After a step, several ranks agree on the training time (the slowest rank's, so that the
+    /// wall-clock cap ends them at the same step) and on stopping: a stop asked of any rank
+    /// (Ctrl-C, `run.max_seconds`) stops all after this step. Returns the training time.
+    fn agree_after_step(&mut self, ctx: &mut Ctx) -> anyhow::Result<f64> {
+        let local = self.train_ms();
+        if self.ranks.world() == 1 {
+            return Ok(local);
+        }
+        let agreed = self.agree_max(&[local, if ctx.stopping() { 1.0 } else { 0.0 }])?;
+        if agreed[1] > 0.0 {
+            self.agreed_stop = true;
+            if !ctx.stopping() {
+                self.log.line(&format!("note: another rank was asked to stop: every rank stops after step {}", self.trainer.step()));
+                ctx.request_stop();
+            }
+        }
+        Ok(agreed[0])
+    }
+
     fn pause(&mut self) {
         if let Some(m) = self.mark.take() {
             self.train_before_mark += m.elapsed();
@@ -548,8 +605,16 @@ impl Session {
 
     fn end_step(&mut self, emitter: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
         let t0 = Instant::now();
-        let out = self.trainer.finish_step(self.step_start_ms)?;
+        // Several ranks: the LR schedule reads one clock, the slowest rank's.
+        let start_ms = self.agree_max(&[self.step_start_ms])?[0];
+        let out = self.trainer.finish_step(start_ms)?;
         ctx.trace_phases(&[("optimizer", t0.elapsed())]);
+        self.comm_total += out.comm;
+        if self.ranks.world() > 1 {
+            // The step's collectives (gradient all-reduce, sharded Muon's exchange), also inside
+            // the optimizer phase above.
+            ctx.record("allreduce", out.comm.as_nanos() as u64);
+        }
         self.add_phases(out.phases);
         self.window_steps += 1;
         self.last_loss = out.train_loss;
@@ -559,7 +624,7 @@ impl Session {
             self.rolling = rolling;
         }
         let (step, total) = (self.trainer.step(), self.cfg.iterations);
-        let train_ms = self.train_ms();
+        let train_ms = self.agree_after_step(ctx)?;
         self.step_end_ms = train_ms;
         self.switch_looping(step, train_ms);
         self.steps.row(step, out.train_loss, out.lr_mul, train_ms, self.rolling);
@@ -600,7 +665,9 @@ impl Session {
     fn validate(&mut self, ctx: &mut Ctx, final_pass: bool) -> anyhow::Result<()> {
         self.pause();
         let t0 = Instant::now();
-        let keep_going = || if final_pass { !ctx.aborted() } else { !ctx.stopping() };
+        // Several ranks score the split together: none may leave the pass early alone.
+        let ranks = self.ranks.world() > 1;
+        let keep_going = || ranks || if final_pass { !ctx.aborted() } else { !ctx.stopping() };
         let acc = self.validator.run(self.trainer.model(), keep_going).context("validation")?;
         self.window.validation += t0.elapsed();
         ctx.trace_phases(&[("validation", t0.elapsed())]);
@@ -707,6 +774,9 @@ impl Session {
                     "optimizer": share(per_step.optimizer),
                 },
                 "dropped_micro_batches": self.dropped_micro,
+                "world_size": self.ranks.world(),
+                "comm_ms_per_step": if steps > 0 { self.comm_total.as_secs_f64() * 1e3 / steps as f64 } else { 0.0 },
+                "comm_share_pct": if train_ms > 0.0 { 100.0 * self.comm_total.as_secs_f64() * 1e3 / train_ms } else { 0.0 },
                 "resumed_from_step": (self.resumed_from > 0).then_some(self.resumed_from),
                 "weights": self.weights_path.as_ref().filter(|p| p.exists()).map(|p| p.display().to_string()),
             }),

@@ -15,6 +15,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::device::phase_clock::{Phase, PhaseClock, PhaseTimes};
+use crate::dist::{Collective, ReduceOp};
 use crate::model::{Gpt, ParamGroup};
 use crate::optim::{Adam, Muon};
 use crate::train::config::TrainConfig;
@@ -40,6 +41,8 @@ pub struct Trainer {
     clock: PhaseClock,
     /// The host's phase times of the step in progress (used when the clock is inert).
     host_phases: PhaseTimes,
+    /// The ranks training together (a world of one: no collective).
+    ranks: std::sync::Arc<dyn Collective>,
 }
 
 impl Trainer {
@@ -90,7 +93,17 @@ impl Trainer {
             sync_phases: false,
             clock: PhaseClock::new(&Device::Cpu),
             host_phases: PhaseTimes::default(),
+            ranks: std::sync::Arc::new(crate::dist::single::Single),
         })
+    }
+
+    /// Trains as one of the ranks of `ranks` (data parallel): each step's gradients are
+    /// averaged over the ranks before clipping, and Muon orthogonalises only this rank's share
+    /// of the matrices, the updates then summed over the ranks (the records' sharded Muon).
+    pub fn with_ranks(mut self, ranks: std::sync::Arc<dyn Collective>) -> Self {
+        self.muon.set_shard(ranks.clone());
+        self.ranks = ranks;
+        self
     }
 
     /// The model.
@@ -212,8 +225,11 @@ impl Trainer {
         let m0 = self.clock.mark()?;
         let c = &self.cfg;
         let (lr_mul, frac, momentum) = c.schedule(self.step, elapsed_ms);
+        let comm = self.average_gradients()?;
+        let c = &self.cfg;
         let grad_norm = if c.grad_clip_norm > 0.0 { Some(self.clip(c.grad_clip_norm)?) } else { None };
         self.muon.step(&self.grads, self.muon.base_lr() * lr_mul, momentum)?;
+        let comm = comm + self.muon.last_comm();
         for adam in &mut self.adams {
             adam.step(&self.grads, adam.base_lr() * lr_mul)?;
         }
@@ -222,12 +238,34 @@ impl Trainer {
         self.clock.span(Phase::Optimizer, m0, m1);
         let host = PhaseTimes { optimizer: t0.elapsed(), ..std::mem::take(&mut self.host_phases) };
         let phases = if self.device_timed() { self.clock.take_ended()?.unwrap_or_default() } else { host };
-        let outcome = StepOutcome { train_loss: self.loss_sum / self.micro_steps as f64, lr_mul, frac, momentum, grad_norm, phases };
+        let outcome = StepOutcome { train_loss: self.loss_sum / self.micro_steps as f64, lr_mul, frac, momentum, grad_norm, phases, comm };
         self.grads = GradStore::default();
         self.micro_done = 0;
         self.loss_sum = 0.0;
         self.step += 1;
         Ok(outcome)
+    }
+
+    /// Several ranks: every gradient replaced by its mean over the ranks (DDP's all-reduce, in
+    /// buckets of [`crate::dist::bucket::DEFAULT_BUCKET_ELEMS`]); returns the collectives' wall
+    /// time. Every rank's autograd produced gradients for the same parameters.
+    fn average_gradients(&mut self) -> anyhow::Result<std::time::Duration> {
+        if self.ranks.world() == 1 {
+            return Ok(std::time::Duration::ZERO);
+        }
+        let vars: Vec<Var> =
+            self.model.params().iter().filter(|(_, v, _)| self.grads.get(v.as_tensor()).is_some()).map(|(_, v, _)| v.clone()).collect();
+        let grads: Vec<Tensor> = vars.iter().filter_map(|v| self.grads.get(v.as_tensor()).cloned()).collect();
+        let (mean, stats) = crate::dist::bucket::all_reduce_tensors(
+            self.ranks.as_ref(),
+            &grads,
+            ReduceOp::Mean,
+            crate::dist::bucket::DEFAULT_BUCKET_ELEMS,
+        )?;
+        for (v, g) in vars.iter().zip(mean) {
+            self.grads.insert(v.as_tensor(), g);
+        }
+        Ok(stats.comm)
     }
 
     /// Drops the micro-batches of an unfinished step (the run ended inside it).
