@@ -43,6 +43,29 @@ enum Command {
         #[arg(long, value_name = "RUN_DIR|CHECKPOINT")]
         resume: Option<PathBuf>,
     },
+    /// Run a config on N local ranks (data parallel), as `torchrun --standalone` does.
+    ///
+    /// CPU ranks run under `mpirun` (the binary needs the `mpi` feature); GPU ranks get NCCL's
+    /// id from the launcher. One rank's failure stops every rank, naming it.
+    Launch {
+        /// Ranks to start (each takes 1/N of every step's micro-batches).
+        #[arg(long)]
+        nproc: usize,
+        /// The pipeline config (TOML).
+        config: PathBuf,
+        /// Run directory (default: <[run] out_dir>/<name>-<UTC time>), written by rank 0.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Override a config value in every rank, as for `run`.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+        /// Print only errors and the final report.
+        #[arg(long, short)]
+        quiet: bool,
+        /// Continue from a checkpoint, as for `run`.
+        #[arg(long, value_name = "RUN_DIR|CHECKPOINT")]
+        resume: Option<PathBuf>,
+    },
     /// Run a config and variants of it one after another and compare them side by side.
     ///
     /// The base config runs first, then each value of each --vary (one key changed at a time,
@@ -231,7 +254,15 @@ enum DataCommand {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let code = match cli.command {
-        Command::Run { config, out, sets, quiet, resume } => cli::run::command(config, out, sets, quiet, resume),
+        Command::Run { config, out, sets, quiet, resume } => {
+            let code = cli::run::command(config, out, sets, quiet, resume);
+            // Among several ranks: finalise MPI, or end every rank when this one failed.
+            cli::ranks::leave(code);
+            code
+        }
+        Command::Launch { nproc, config, out, sets, quiet, resume } => {
+            cli::launch::command(config, cli::launch::Options { nproc, sets, out, resume, quiet })
+        }
         Command::Ablate { config, varies, grid, seeds, out, sets, quiet } => {
             cli::ablate::command(config, cli::ablate::Options { varies, grid, seeds, out, sets, quiet })
         }

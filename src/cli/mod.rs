@@ -2,6 +2,7 @@
 //! calls one `command` here, which prints and returns the exit code.
 //!
 //! - [`run`]: `pipeline run` (plan, resume, memory, build, run, report) and the stop signals;
+//! - [`launch`], [`ranks`]: `pipeline launch --nproc N`, and a run process among several ranks;
 //! - [`ablate`]: `pipeline ablate`, runs that vary settings, compared side by side;
 //! - [`advise`]: `pipeline advise`, channel depths predicted from a run's service times;
 //! - [`validate`], [`report`], [`stages`]: check a config, print a report, list the stages;
@@ -57,6 +58,8 @@ pub mod advise;
 pub mod artifact;
 pub mod check;
 pub mod data;
+pub mod launch;
+pub mod ranks;
 pub mod report;
 pub mod run;
 pub mod stages;

@@ -164,13 +164,24 @@ pub fn run(
     // by the allocator halfway through building it.
     let memory = graph::memory(&plan, loaded, &ext, gpu_free(&loaded.config.run));
     graph::check_memory(&memory, loaded)?;
+    // Several ranks: rank 0 makes the run directory and writes every file; the others build
+    // their stages without one (they write nothing) and learn its name for their messages.
+    let ranks = crate::dist::world();
+    let writer = ranks.rank() == 0;
     let (run_dir, fresh) = match continued {
         Some(d) => (d, false),
-        None => (rundir::create(out, &loaded.config.run.out_dir, &name)?, true),
+        None if writer => (rundir::create(out, &loaded.config.run.out_dir, &name)?, true),
+        None => (PathBuf::new(), false),
+    };
+    let run_dir = if ranks.world() > 1 {
+        let all = ranks.all_gather_bytes(run_dir.to_string_lossy().as_bytes())?;
+        PathBuf::from(String::from_utf8_lossy(&all[0]).into_owned())
+    } else {
+        run_dir
     };
     // Build every stage before anything is written: a stage that cannot be built leaves the
     // run directory as it was.
-    let built = match exec::build(&plan, &loaded.config.run, &ext, Some(&run_dir)) {
+    let built = match exec::build(&plan, &loaded.config.run, &ext, writer.then_some(run_dir.as_path())) {
         Ok(b) => b,
         Err(e) => {
             // Nothing ran: leave no new run directory behind.
@@ -188,12 +199,14 @@ pub fn run(
             return Err(RunError::Config(errors));
         }
     };
-    write_resolved_config(loaded, &plan, &run_dir)?;
-    on_start(&run_dir, &memory);
+    if writer {
+        write_resolved_config(loaded, &plan, &run_dir)?;
+        on_start(&run_dir, &memory);
+    }
     let started = rundir::now_rfc3339();
     let mut result = exec::run(&plan, &loaded.config.run, built, control);
     result.notes.extend(plan.stages.iter().filter_map(|s| s.set_aside_note()));
-    if let Some(trace) = result.trace.take()
+    if let Some(trace) = result.trace.take().filter(|_| writer)
         && let Err(e) = crate::runtime::trace::write(&trace, &run_dir.join("trace.json"))
     {
         // The run's measurements are in the report whatever becomes of its trace.
@@ -207,7 +220,20 @@ pub fn run(
         warmup_items: loaded.config.run.warmup_items,
         instrument: loaded.config.run.instrument,
     };
-    let report = document::build(&plan, &result, &meta);
+    let mut report = document::build(&plan, &result, &meta);
+    if ranks.world() > 1 {
+        if report.run.error.is_some() {
+            // This rank failed: its peers may wait in a collective it will never enter. Its
+            // caller ends every rank (`ranks::leave`), naming it.
+            return Ok(RunOutcome { report, run_dir, report_error: None });
+        }
+        merge_ranks(&mut report, ranks.as_ref())?;
+    }
+    if !writer {
+        ranks.barrier()?;
+        super::ranks::mark_clean();
+        return Ok(RunOutcome { report, run_dir, report_error: None });
+    }
     // The run happened: whatever becomes of report.json, the caller gets the report to show.
     let report_error = serde_json::to_vec_pretty(&report)
         .map_err(anyhow::Error::from)
@@ -218,7 +244,23 @@ pub fn run(
     if report_error.is_none() {
         write_html(&run_dir, &report);
     }
+    if ranks.world() > 1 {
+        // The other ranks leave once rank 0's files are written.
+        ranks.barrier()?;
+        super::ranks::mark_clean();
+    }
     Ok(RunOutcome { report, run_dir, report_error })
+}
+
+/// Every rank's stage tables gathered, and merged into rank 0's report (the `ranks` section).
+fn merge_ranks(report: &mut Report, ranks: &dyn crate::dist::Collective) -> anyhow::Result<()> {
+    let mine = serde_json::to_vec(&report.stages)?;
+    let all = ranks.all_gather_bytes(&mine)?;
+    if ranks.rank() == 0 {
+        let tables = all.iter().map(|b| serde_json::from_slice(b)).collect::<Result<Vec<_>, _>>()?;
+        crate::report::ranks::add_to(report, &tables, ranks.backend());
+    }
+    Ok(())
 }
 
 /// Writes `RUN_DIR/report.html` from `report`; a failure is a warning naming the file, never
@@ -286,12 +328,24 @@ pub fn command(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bo
         err!("error: cannot install the handler of SIGINT, SIGTERM and SIGHUP: {e}");
         return 1;
     }
-    let loaded = match crate::runtime::config::load::<Config>(&path, &sets) {
+    let mut loaded = match crate::runtime::config::load::<Config>(&path, &sets) {
         Ok(l) => l,
         Err(e) => {
             err!("error: {e}");
             return 2;
         }
+    };
+    let placement = match super::ranks::join(&mut loaded) {
+        Ok(p) => p,
+        Err(e) => {
+            err!("error: {e:#}");
+            return 2;
+        }
+    };
+    // Rank 0 speaks for the job; the others print only their errors, named.
+    let (quiet, who) = match placement.rank {
+        0 => (quiet, String::new()),
+        r => (true, format!("rank {r}: ")),
     };
     let result = run(&loaded, out.as_deref(), resume.as_deref(), control, |dir, memory| {
         if !quiet {
@@ -300,6 +354,12 @@ pub fn command(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bo
         }
     });
     match result {
+        Ok(outcome) if placement.rank > 0 => {
+            if let Some(e) = &outcome.report.run.error {
+                err!("{who}error: {e}");
+            }
+            outcome.exit_code()
+        }
         Ok(outcome) => {
             out!("{}", outcome.report.render());
             let trace = outcome.run_dir.join("trace.json");
@@ -333,7 +393,7 @@ pub fn command(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bo
             0
         }
         Err(e) => {
-            err!("error: {e}");
+            err!("{who}error: {e}");
             e.exit_code()
         }
     }
