@@ -121,9 +121,11 @@ fn every_readme_command_exists() {
 #[test]
 fn quick_start_is_the_demo_and_the_tests() {
     let commands = readme_commands();
-    assert_eq!(commands[..2], ["scripts/demo.sh".to_string(), "cargo test --locked".to_string()]);
+    assert_eq!(commands[..2], ["scripts/demo.sh".to_string(), "scripts/test.sh".to_string()]);
     let ci = std::fs::read_to_string(root().join(".ci/run")).unwrap();
-    assert!(ci.contains("\ncargo test --locked"), "CI no longer runs the README's test command");
+    assert!(ci.contains("\nscripts/test.sh"), "CI no longer runs the README's test command");
+    let script = std::fs::read_to_string(root().join("scripts/test.sh")).unwrap();
+    assert!(script.contains("exec cargo test --locked"), "scripts/test.sh no longer runs cargo test --locked");
 }
 
 /// Every relative link of the README and of the docs pages points at a file that exists.
