@@ -49,6 +49,18 @@ const VARIANT: &str = "variant.json";
 /// Runs the ablation; returns the exit code (0: every run completed; 1: a run failed or a file
 /// could not be written; 2: bad config or flags; the signal's code when stopped).
 pub fn command(path: PathBuf, o: Options) -> i32 {
+    // Every rank would run the whole ablation on its own: refuse instead.
+    if let Ok(p) = crate::dist::Placement::from_env()
+        && p.world > 1
+    {
+        err!(
+            "error: `pipeline ablate` runs on one rank; this process is rank {} of {} ({}): run it without mpirun or srun",
+            p.rank,
+            p.world,
+            p.source
+        );
+        return 2;
+    }
     let stop = Arc::new(Stop::default());
     if let Err(e) = handle_signals(stop.clone()) {
         err!("error: cannot install the handler of SIGINT, SIGTERM and SIGHUP: {e}");

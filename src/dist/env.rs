@@ -7,9 +7,10 @@
 //! | `pipeline launch`, torchrun | `RANK` | `WORLD_SIZE` | `LOCAL_RANK` |
 //! | Open MPI's `mpirun` | `OMPI_COMM_WORLD_RANK` | `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` |
 //! | MPICH's `mpiexec` (Hydra), Intel MPI | `PMI_RANK` | `PMI_SIZE` | `MPI_LOCALRANKID` |
-//! | Slurm's `srun` | `SLURM_PROCID` | `SLURM_NTASKS` | `SLURM_LOCALID` |
+//! | Slurm's `srun` | `SLURM_PROCID` | `SLURM_STEP_NUM_TASKS` | `SLURM_LOCALID` |
 //!
-//! Without any of them the process is rank 0 of 1. The local rank picks the GPU on a
+//! Without any of them the process is rank 0 of 1. (Slurm's batch script itself sees
+//! `SLURM_NTASKS` but not `SLURM_STEP_NUM_TASKS`: it is one process, not a rank.) The local rank picks the GPU on a
 //! `cuda` device (`cuda:LOCAL_RANK`).
 
 /// A rank's place in the job.
@@ -30,7 +31,7 @@ pub const SOURCES: [(&str, &str, &str, &str); 4] = [
     ("pipeline launch / torchrun (RANK, WORLD_SIZE, LOCAL_RANK)", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
     ("Open MPI (OMPI_COMM_WORLD_*)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
     ("MPICH / Intel MPI (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-    ("Slurm (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID)", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+    ("Slurm srun (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID)", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID"),
 ];
 
 impl Placement {
@@ -51,8 +52,8 @@ impl Placement {
             v.trim().parse::<usize>().map_err(|_| anyhow::anyhow!("environment variable {k}={v:?} is not a rank count or index"))
         };
         for (source, rank_k, world_k, local_k) in SOURCES {
-            // Slurm sets SLURM_PROCID in every job step, also for a single `srun` task: its
-            // world size decides.
+            // Slurm: the step's task count, set by `srun` only (a batch script also sees
+            // SLURM_PROCID=0 and the allocation's SLURM_NTASKS, but is one process).
             let (Some(rank), Some(world)) = (get(rank_k), get(world_k)) else { continue };
             let (rank, world) = (num(rank_k, rank)?, num(world_k, world)?);
             anyhow::ensure!(world >= 1, "environment variable {world_k}=0: a job has at least one rank");
