@@ -199,14 +199,15 @@ fn no_module_cycle() {
 #[test]
 fn cuda_cfgs_stay_behind_the_device_model_and_engine_areas() {
     for s in sources() {
-        // The areas that own GPU code: the device, the model's ops, the engine's backend.
-        if s.area == "device" || s.area == "model" || s.area == "engine" {
+        // The areas that own GPU code: the device, the model's ops, the engine's backend, the
+        // collectives' NCCL backend.
+        if s.area == "device" || s.area == "model" || s.area == "engine" || s.area == "dist" {
             continue;
         }
         let hit = s.code.iter().position(|l| l.contains("feature = \"cuda\""));
         assert!(
             hit.is_none(),
-            "{}:{}: a `cuda` cfg outside device/, model/ and engine/: use the device's API (it has a stand-in without the feature)",
+            "{}:{}: a `cuda` cfg outside device/, model/, engine/ and dist/: use the device's API (it has a stand-in without the feature)",
             s.path.display(),
             hit.unwrap_or(0) + 1
         );

@@ -123,7 +123,7 @@ fn exit_code(status: std::process::ExitStatus) -> i32 {
 
 /// N processes started here (GPU ranks), watched until all end or one fails.
 fn own_ranks(exe: &Path, args: &[String], n: usize, threads: &str, device: &str) -> anyhow::Result<i32> {
-    let id = nccl_id(device)?;
+    let id = Some(crate::dist::new_nccl_id(device)?);
     let mut children: Vec<Option<Child>> = Vec::with_capacity(n);
     for rank in 0..n {
         let mut cmd = Command::new(exe);
@@ -182,14 +182,4 @@ fn stop_all(children: &mut [Option<Child>]) {
         let _ = c.kill();
         let _ = c.wait();
     }
-}
-
-#[cfg(feature = "cuda")]
-fn nccl_id(_device: &str) -> anyhow::Result<Option<String>> {
-    Ok(Some(crate::dist::nccl::new_id_hex()?))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn nccl_id(device: &str) -> anyhow::Result<Option<String>> {
-    anyhow::bail!("device `{device}`: GPU ranks need the `cuda` build (NCCL); CPU ranks: `--set run.device=cpu` with the `mpi` build")
 }

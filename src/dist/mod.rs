@@ -209,3 +209,15 @@ fn start_gpu(device: &str, p: &Placement) -> anyhow::Result<Arc<dyn Collective>>
 /// The environment variable that carries NCCL's unique id (256 hex digits) from `pipeline
 /// launch` to its ranks. Not `PIPELINE_…`: that prefix is the config's environment layer.
 pub const NCCL_ID_VAR: &str = "LAUNCH_NCCL_ID";
+
+/// A new NCCL unique id as hex, for `pipeline launch` to hand to its GPU ranks in
+/// [`NCCL_ID_VAR`]; an error naming the missing build without the `cuda` feature.
+pub fn new_nccl_id(device: &str) -> anyhow::Result<String> {
+    #[cfg(feature = "cuda")]
+    {
+        let _ = device;
+        nccl::new_id_hex()
+    }
+    #[cfg(not(feature = "cuda"))]
+    anyhow::bail!("device `{device}`: GPU ranks need the `cuda` build (NCCL); CPU ranks: `--set run.device=cpu` with the `mpi` build")
+}

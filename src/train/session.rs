@@ -12,6 +12,12 @@
 //! (so the process ends promptly); when the input ends or `run.max_seconds` passes, the final
 //! validation runs too. A step left half-accumulated is dropped, and said so.
 //!
+//! Several ranks (data parallel): after each step they agree on the clock and on stopping,
+//! and validation is shared among them (see docs/ranks.md).
+//!
+//! Long because the loop's states (steps, validation, stops, resume, the ranks' agreement)
+//! all read and move the same session fields; splitting them would pass those fields around.
+//!
 //! Output: a [`TrainSnapshot`] before the first step, after every step and at the end, for the
 //! stages after training. The session pays for one copy of the parameters per snapshot
 //! (histogram `snapshot`); with no stage after it, it makes none. Every step also gets a row
