@@ -588,11 +588,7 @@ impl Session {
     /// wall-clock cap ends them at the same step) and on stopping: a stop asked of any rank
     /// (Ctrl-C, `run.max_seconds`) stops all after this step. Returns the training time.
     fn agree_after_step(&mut self, ctx: &mut Ctx) -> anyhow::Result<f64> {
-        let local = self.train_ms();
-        if self.ranks.world() == 1 {
-            return Ok(local);
-        }
-        let agreed = self.agree_max(&[local, if ctx.stopping() { 1.0 } else { 0.0 }])?;
+        let agreed = self.agree_max(&[self.train_ms(), if ctx.stopping() { 1.0 } else { 0.0 }])?;
         if agreed[1] > 0.0 {
             self.agreed_stop = true;
             if !ctx.stopping() {

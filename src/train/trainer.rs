@@ -253,9 +253,8 @@ impl Trainer {
         if self.ranks.world() == 1 {
             return Ok(std::time::Duration::ZERO);
         }
-        let vars: Vec<Var> =
-            self.model.params().iter().filter(|(_, v, _)| self.grads.get(v.as_tensor()).is_some()).map(|(_, v, _)| v.clone()).collect();
-        let grads: Vec<Tensor> = vars.iter().filter_map(|v| self.grads.get(v.as_tensor()).cloned()).collect();
+        let (vars, grads): (Vec<Var>, Vec<Tensor>) =
+            self.model.params().iter().filter_map(|(_, v, _)| Some((v.clone(), self.grads.get(v.as_tensor())?.clone()))).unzip();
         let (mean, stats) = crate::dist::bucket::all_reduce_tensors(
             self.ranks.as_ref(),
             &grads,
