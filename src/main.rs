@@ -23,48 +23,44 @@ struct Cli {
     command: Command,
 }
 
+/// What `run` takes, and `launch` passes on to every rank.
+#[derive(clap::Args)]
+struct RunArgs {
+    /// The pipeline config (TOML).
+    config: PathBuf,
+    /// Run directory (default: <[run] out_dir>/<name>-<UTC time>).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Override a config value: --set stages.mid.delay_us=2000 (repeatable; read as TOML).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Print only errors and the final report, no progress lines.
+    #[arg(long, short)]
+    quiet: bool,
+    /// Continue a run from a checkpoint: a run directory (its newest checkpoint) or a
+    /// checkpoint file. The run goes on in that run directory unless --out names another.
+    #[arg(long, value_name = "RUN_DIR|CHECKPOINT")]
+    resume: Option<PathBuf>,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Run a pipeline and write its run directory (config.toml, report.json).
     Run {
-        /// The pipeline config (TOML).
-        config: PathBuf,
-        /// Run directory (default: <[run] out_dir>/<name>-<UTC time>).
-        #[arg(long)]
-        out: Option<PathBuf>,
-        /// Override a config value: --set stages.mid.delay_us=2000 (repeatable; read as TOML).
-        #[arg(long = "set", value_name = "KEY=VALUE")]
-        sets: Vec<String>,
-        /// Print only errors and the final report, no progress lines.
-        #[arg(long, short)]
-        quiet: bool,
-        /// Continue a run from a checkpoint: a run directory (its newest checkpoint) or a
-        /// checkpoint file. The run goes on in that run directory unless --out names another.
-        #[arg(long, value_name = "RUN_DIR|CHECKPOINT")]
-        resume: Option<PathBuf>,
+        #[command(flatten)]
+        args: RunArgs,
     },
     /// Run a config on N local ranks (data parallel), as `torchrun --standalone` does.
     ///
     /// CPU ranks run under `mpirun` (the binary needs the `mpi` feature); GPU ranks get NCCL's
-    /// id from the launcher. One rank's failure stops every rank, naming it.
+    /// id from the launcher. One rank's failure stops every rank, naming it. Rank 0 writes the
+    /// run directory; every rank gets the same flags.
     Launch {
         /// Ranks to start (each takes 1/N of every step's micro-batches).
         #[arg(long)]
         nproc: usize,
-        /// The pipeline config (TOML).
-        config: PathBuf,
-        /// Run directory (default: <[run] out_dir>/<name>-<UTC time>), written by rank 0.
-        #[arg(long)]
-        out: Option<PathBuf>,
-        /// Override a config value in every rank, as for `run`.
-        #[arg(long = "set", value_name = "KEY=VALUE")]
-        sets: Vec<String>,
-        /// Print only errors and the final report.
-        #[arg(long, short)]
-        quiet: bool,
-        /// Continue from a checkpoint, as for `run`.
-        #[arg(long, value_name = "RUN_DIR|CHECKPOINT")]
-        resume: Option<PathBuf>,
+        #[command(flatten)]
+        args: RunArgs,
     },
     /// Run a config and variants of it one after another and compare them side by side.
     ///
@@ -254,13 +250,13 @@ enum DataCommand {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let code = match cli.command {
-        Command::Run { config, out, sets, quiet, resume } => {
+        Command::Run { args: RunArgs { config, out, sets, quiet, resume } } => {
             let code = cli::run::command(config, out, sets, quiet, resume);
             // Among several ranks: finalise MPI, or end every rank when this one failed.
             cli::ranks::leave(code);
             code
         }
-        Command::Launch { nproc, config, out, sets, quiet, resume } => {
+        Command::Launch { nproc, args: RunArgs { config, out, sets, quiet, resume } } => {
             cli::launch::command(config, cli::launch::Options { nproc, sets, out, resume, quiet })
         }
         Command::Ablate { config, varies, grid, seeds, out, sets, quiet } => {
