@@ -167,3 +167,38 @@ fn rank_pid(r: usize) -> Option<u32> {
     }
     None
 }
+
+/// Bad rank settings are refused before anything runs, exit 2, each naming what is wrong; none
+/// of these needs MPI.
+#[test]
+fn bad_rank_settings_are_refused() {
+    let c = tiny::corpus("dp-bad");
+    let cfg = config(&c);
+    let run = |env: &[(&str, &str)], args: &[&str]| {
+        let mut cmd = bin();
+        cmd.args(args).arg(&cfg).arg("--out").arg(scratch("dp-bad-run"));
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.output().unwrap()
+    };
+    // A config asking for 2 ranks, started alone.
+    let o = run(&[], &["run", "--set", "run.world_size=2"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("was started alone") && text(&o).contains("pipeline launch --nproc 2"), "{}", text(&o));
+    // A rank past the world size in the launcher's environment.
+    let o = run(&[("RANK", "2"), ("WORLD_SIZE", "2")], &["run"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("RANK=2") && text(&o).contains("WORLD_SIZE=2"), "{}", text(&o));
+    // --nproc against the config's world size, and --nproc 0.
+    let o = run(&[], &["launch", "--nproc", "3", "--set", "run.world_size=2"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("`run.world_size` = 2") && text(&o).contains("--nproc is 3"), "{}", text(&o));
+    let o = run(&[], &["launch", "--nproc", "0"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("--nproc must be at least 1"), "{}", text(&o));
+    // An ablation started as one of several ranks.
+    let o = run(&[("RANK", "0"), ("WORLD_SIZE", "2")], &["ablate", "--vary", "train.iterations=1,2"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("`pipeline ablate` runs on one rank"), "{}", text(&o));
+}
