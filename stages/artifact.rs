@@ -21,6 +21,11 @@
 //! sets the record's. Hessians and GPTQ are what `train.gptq_reserve_seconds` is kept for: the
 //! log and the report say how long they took against it.
 //!
+//! Several ranks (data parallel): they share the scoring passes; rank 0 alone calibrates,
+//! quantizes and writes the file, then sends its bytes to the other ranks, which restore the
+//! same weights from them (the record's ranks all read rank 0's file), so that every rank
+//! hands the evaluation stage the same `quantized` weights.
+//!
 //! Histograms: `hessian_batch` (each calibration batch), `quantize` (GPTQ or rounding),
 //! `compress` (serialize, shuffle, compress), `write`, `restore` (read back + check +
 //! dequantize), `eval` (each scoring pass). The reserve counts the Hessians and the
@@ -173,6 +178,8 @@ pub struct ArtifactStage {
     method: Method,
     path: Option<PathBuf>,
     validator: Option<Validator>,
+    /// The ranks of a data-parallel run (a world of one otherwise).
+    ranks: Arc<dyn crate::dist::Collective>,
     config: crate::train::config::Config,
     log: StageLog,
     /// The code count, measured on its own thread from the start (a few seconds of Brotli).
@@ -218,7 +225,7 @@ impl ArtifactStage {
         }
         if p.eval || gptq {
             let shape = c.batch_shape()?;
-            let tokens = crate::eval::validation::tokens_per_pass(&c.validation(), shape.micro_steps);
+            let tokens = crate::eval::validation::tokens_per_pass(&c.validation(), c.run.world_size, shape.micro_steps);
             let mut keys = vec!["train.val_batch_tokens"];
             keys.extend(MODEL_KEYS);
             needs.push(
@@ -237,12 +244,14 @@ impl ArtifactStage {
         Self::check(&p, ctx, gptq)?;
         let validator = if p.eval {
             let shape = config(ctx)?.batch_shape()?;
-            Some(Validator::load(&config(ctx)?.validation(), shape.micro_steps)?)
+            Some(Validator::shared(&config(ctx)?.validation(), shape.micro_steps, crate::dist::world())?)
         } else {
             None
         };
         let code = match p.code_bytes {
             Some(n) => std::thread::spawn(move || CodeBytes::Given(n)),
+            // No file to write here (a rank other than 0): nothing to count.
+            None if ctx.run_dir.is_none() => std::thread::spawn(|| CodeBytes::Unknown),
             None => std::thread::Builder::new().name("code-size".into()).spawn(CodeBytes::measure)?,
         };
         Ok(Self {
@@ -250,6 +259,7 @@ impl ArtifactStage {
             method: p.method(gptq),
             p,
             validator,
+            ranks: crate::dist::world(),
             config: config(ctx)?.clone(),
             log: StageLog::new(ctx.run_dir),
             code: Some(code),
@@ -257,10 +267,9 @@ impl ArtifactStage {
     }
 
     fn process(&mut self, mut snap: TrainSnapshot, out: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
-        if snap.is_final_for_eval()
-            && let Some(path) = self.path.clone()
-        {
-            let restored = ctx.finishing(|ctx| self.make(&snap, &path, ctx))?;
+        // Several ranks all take part (the scores are shared); rank 0 alone has the path.
+        if snap.is_final_for_eval() && (self.path.is_some() || self.ranks.world() > 1) {
+            let restored = ctx.finishing(|ctx| self.make(&snap, ctx))?;
             if let Some(r) = restored {
                 snap.eval = Some(EvalWeights { label: "quantized".into(), tensors: Arc::new(r) });
             }
@@ -270,17 +279,16 @@ impl ArtifactStage {
     }
 
     /// Writes the artifact of `snap`'s evaluation weights, in the record's order (spec 4.6);
-    /// returns the restored weights (`None` when an abort cut it short).
-    fn make(
-        &mut self,
-        snap: &TrainSnapshot,
-        path: &std::path::Path,
-        ctx: &mut Ctx,
-    ) -> anyhow::Result<Option<Vec<(String, candle_core::Tensor)>>> {
-        let q = self.p.quant();
+    /// returns the restored weights (`None` when an abort cut it short). Several ranks: each
+    /// scores its share of the validation; rank 0 alone calibrates, quantizes and writes the
+    /// file (the record's ranks each compute Hessians, and all but rank 0's are dropped), then
+    /// sends its bytes to the others, which restore the same weights from them.
+    fn make(&mut self, snap: &TrainSnapshot, ctx: &mut Ctx) -> anyhow::Result<Option<Vec<(String, candle_core::Tensor)>>> {
         let (label, weights) = snap.eval_weights();
         let label = label.to_string();
-        let mut section = serde_json::json!({"path": path.display().to_string(), "weights": label, "method": self.method.name()});
+        let path = self.path.clone();
+        let shown = path.as_ref().map_or_else(|| "rank 0's artifact".to_string(), |p| p.display().to_string());
+        let mut section = serde_json::json!({"path": shown, "weights": label, "method": self.method.name()});
         // 1. The weights as trained (the record's diagnostic `pre-quantization post-ema`).
         let before = match &self.validator {
             Some(v) => {
@@ -293,8 +301,59 @@ impl ArtifactStage {
             }
             None => None,
         };
-        // 2. Hessians (GPTQ) and quantization: what the reserve is for; then compression and
-        // the file.
+        // 2. The file (rank 0), then every rank's restored copy of it.
+        let written = match &path {
+            Some(path) => self.produce(weights, &label, path, &mut section, ctx)?,
+            None => None,
+        };
+        let restored = if self.ranks.world() == 1 {
+            written
+        } else {
+            let bytes = match (&written, &path) {
+                (Some(_), Some(p)) => std::fs::read(p).with_context(|| format!("cannot read the artifact {}", p.display()))?,
+                _ => Vec::new(),
+            };
+            let sent = self.ranks.all_gather_bytes(&bytes).context("sending rank 0's artifact to the other ranks")?;
+            match sent.first() {
+                // Rank 0 was stopped (Ctrl-C) before writing it: no rank goes on.
+                None => None,
+                Some(b) if b.is_empty() => None,
+                Some(_) if written.is_some() => written,
+                Some(b) => Some(crate::artifact::roundtrip::restore_bytes(b, &self.config.model, &shown)?),
+            }
+        };
+        let Some(restored) = restored else { return Ok(None) };
+        // 3. The restored weights, looped as every evaluation after training (`quantized`).
+        if let Some(v) = &self.validator {
+            let t0 = Instant::now();
+            let Some(after) = self.score(v, &restored, ctx)? else { return Ok(None) };
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            self.log.line(&after.score_line("quantized", ms));
+            for l in baseline_lines(&self.p.quant(), &after, ms) {
+                self.log.line(&l);
+            }
+            section["after"] = serde_json::json!({"val_loss": after.val_loss(), "val_bpb": after.val_bpb(), "eval_ms": ms});
+            section["val_tokens"] = serde_json::json!(after.tokens());
+            if let Some(b) = before {
+                section["bpb_loss"] = serde_json::json!(after.val_bpb() - b.val_bpb());
+            }
+        }
+        ctx.publish("artifact", section);
+        Ok(Some(restored))
+    }
+
+    /// Hessians (GPTQ) and quantization, what the reserve is for; then compression, the file
+    /// at `path`, its sizes against the cap (logged, and added to `section`). Returns the
+    /// weights restored from the file (`None` when an abort cut the Hessians short).
+    fn produce(
+        &mut self,
+        weights: &[(String, candle_core::Tensor)],
+        label: &str,
+        path: &std::path::Path,
+        section: &mut serde_json::Value,
+        ctx: &mut Ctx,
+    ) -> anyhow::Result<Option<Vec<(String, candle_core::Tensor)>>> {
+        let q = self.p.quant();
         let mut calibration_ms = 0.0;
         let hessians = match &self.method {
             Method::Gptq { calibration_batches, .. } => {
@@ -362,22 +421,6 @@ impl ArtifactStage {
         for (k, v) in more.as_object().expect("an object") {
             section[k] = v.clone();
         }
-        // 3. The restored weights, looped as every evaluation after training (`quantized`).
-        if let Some(v) = &self.validator {
-            let t0 = Instant::now();
-            let Some(after) = self.score(v, &w.restored, ctx)? else { return Ok(None) };
-            let ms = t0.elapsed().as_secs_f64() * 1e3;
-            self.log.line(&after.score_line("quantized", ms));
-            for l in baseline_lines(&q, &after, ms) {
-                self.log.line(&l);
-            }
-            section["after"] = serde_json::json!({"val_loss": after.val_loss(), "val_bpb": after.val_bpb(), "eval_ms": ms});
-            section["val_tokens"] = serde_json::json!(after.tokens());
-            if let Some(b) = before {
-                section["bpb_loss"] = serde_json::json!(after.val_bpb() - b.val_bpb());
-            }
-        }
-        ctx.publish("artifact", section);
         Ok(Some(w.restored))
     }
 

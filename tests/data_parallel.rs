@@ -24,8 +24,30 @@ fn no_mpi() -> Option<&'static str> {
     None
 }
 
+/// The stages after training: the artifact (rounded to nearest: the same file whatever the
+/// world size) scored before and after, then the sliding score and score-first TTT, whose
+/// 8-sequence chunks train in steps of 3, 3 and 2 sequences (shares of 1 and 2 on two ranks).
+const AFTER_TRAINING: &str = r#"
+[stages.artifact]
+kind = "artifact"
+impl = "quantize"
+inputs = ["train"]
+code_bytes = 1
+
+[stages.eval]
+kind = "ttt_eval"
+impl = "score_first"
+inputs = ["artifact"]
+stride = 8
+batch_windows = 5
+chunk_tokens = 256
+epochs = 2
+batch_seqs = 3
+"#;
+
 /// The training test config with the demo's model (4 layers, 128 wide, 4 heads, 2 KV heads),
-/// the sequential sampler (the same windows whatever the world size), 8 rows a step.
+/// the sequential sampler (the same windows whatever the world size), 8 rows a step, and the
+/// stages after training ([`AFTER_TRAINING`]).
 fn config(c: &Corpus) -> std::path::PathBuf {
     let base = std::fs::read_to_string(tiny::config(c)).unwrap();
     let toml = base
@@ -38,7 +60,7 @@ fn config(c: &Corpus) -> std::path::PathBuf {
         .replace("val_every = 25", "val_every = 0");
     assert!(toml.contains("model_dim = 128") && toml.contains("\"sequential\""), "the tiny config changed: {toml}");
     let path = c.dir.join("dp.toml");
-    std::fs::write(&path, toml).unwrap();
+    std::fs::write(&path, toml + AFTER_TRAINING).unwrap();
     path
 }
 
@@ -68,6 +90,12 @@ fn weights(run: &Path) -> Vec<(String, Vec<f32>)> {
 /// point, and the sharded Muon adds only zeros); summing instead of averaging the ranks'
 /// gradients moves the embedding by 8e-3. The validation score is the same to 1e-5, the two
 /// ranks each scoring half the split.
+///
+/// After training, the ranks share the artifact's scores, the sliding windows and the TTT
+/// steps: every score matches one rank's to 1e-5 bits per byte over the same number of
+/// targets. Measured: the scores before TTT to the last digit, TTT's to 4e-10 (its gradients
+/// are summed in another order). Leaving the ranks' sliding sums un-added moves that score by
+/// 3e-2; leaving their TTT gradients unsummed moves TTT's by 7e-2.
 #[test]
 fn two_ranks_train_the_weights_of_one() {
     if let Some(why) = no_mpi() {
@@ -112,6 +140,25 @@ fn two_ranks_train_the_weights_of_one() {
     assert_eq!(ranks["backend"], "mpi");
     assert_eq!(ranks["stages"]["train"]["items"].as_array().unwrap().len(), 2);
     assert!(r.stages["train"].extra_us.get("allreduce").is_some_and(|h| h.count == 4), "{:?}", r.stages["train"].extra_us.keys());
+    // The stages after training, shared by the ranks, score as one rank does.
+    let r1 = report(&one);
+    let scores = |r: &pipeline::report::document::Report| {
+        let (a, e) = (&r.sections["artifact"], &r.sections["eval"]);
+        let tokens = |s: &serde_json::Value| s["val_tokens"].as_u64().unwrap();
+        [(&a["before"], tokens(a)), (&a["after"], tokens(a)), (&e["sliding"], tokens(&e["sliding"])), (&e["ttt"], tokens(&e["ttt"]))]
+            .map(|(s, n)| (s["val_bpb"].as_f64().unwrap(), n))
+    };
+    let (s1, s2) = (scores(&r1), scores(&r));
+    eprintln!("after training, 1 rank: {s1:?}\n             2 ranks: {s2:?}");
+    for (name, (a, b)) in ["pre-quantization", "quantized", "sliding", "ttt"].iter().zip(s1.iter().zip(&s2)) {
+        assert!((a.0 - b.0).abs() < 1e-5, "{name}: {} (1 rank) vs {} (2 ranks)", a.0, b.0);
+        assert_eq!(a.1, b.1, "{name}: the ranks scored every target between them");
+    }
+    assert_eq!(r.sections["eval"]["ttt"]["chunks"], r1.sections["eval"]["ttt"]["chunks"]);
+    assert_eq!(
+        std::fs::read(one.join("final_model.int8.zlib.pgqz")).unwrap(),
+        std::fs::read(two.join("final_model.int8.zlib.pgqz")).unwrap()
+    );
 }
 
 /// A rank killed mid-run ends the whole job: a non-zero exit, the killed rank named by MPI,

@@ -149,7 +149,7 @@ pub fn calibrate(
     let t0 = Instant::now();
     let model = model_from(config, state)?;
     let shape = config.batch_shape()?;
-    let rows_per_pass = tokens_per_pass(&config.validation(), shape.micro_steps) / shape.seq_len;
+    let rows_per_pass = tokens_per_pass(&config.validation(), config.run.world_size, shape.micro_steps) / shape.seq_len;
     let h = collect_from_training_data(&model, config, batches, rows_per_pass, targets(state), keep_going)
         .context("collecting GPTQ's Hessians")?;
     Ok(h.map(|h| {
@@ -204,15 +204,21 @@ pub fn write_and_restore(
 /// `model` (the first differing key), and dequantizes it to f32 on the CPU.
 pub fn restore(path: &Path, model: &ModelConfig) -> anyhow::Result<Vec<(String, Tensor)>> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read the artifact {}", path.display()))?;
-    let qz = from_bytes(&bytes).with_context(|| format!("cannot read the artifact {}", path.display()))?;
+    restore_bytes(&bytes, model, &path.display().to_string())
+}
+
+/// [`restore`] of an artifact's bytes (`name` says where they came from, for errors): what
+/// the other ranks of a data-parallel run restore from rank 0's file, sent to them.
+pub fn restore_bytes(bytes: &[u8], model: &ModelConfig, name: &str) -> anyhow::Result<Vec<(String, Tensor)>> {
+    let qz = from_bytes(bytes).with_context(|| format!("cannot read the artifact {name}"))?;
     if let Some(saved) = qz.info().and_then(|i| i.get("model")) {
         let then: ModelConfig = serde_json::from_value(saved.clone())
-            .with_context(|| format!("the artifact {} names a `[model]` this version does not read", path.display()))?;
+            .with_context(|| format!("the artifact {name} names a `[model]` this version does not read"))?;
         if let Some((key, x, y)) = then.differences(model).into_iter().next() {
-            anyhow::bail!("the artifact {} was made for `model.{key}` = {x}; the config gives {y}", path.display());
+            anyhow::bail!("the artifact {name} was made for `model.{key}` = {x}; the config gives {y}");
         }
     }
-    qz.dequantize(Some(DType::F32), &Device::Cpu).with_context(|| format!("cannot restore the artifact {}", path.display()))
+    qz.dequantize(Some(DType::F32), &Device::Cpu).with_context(|| format!("cannot restore the artifact {name}"))
 }
 
 /// The size lines of the log: the script's `Serialized model ...` line, the code's, and the

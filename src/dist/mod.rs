@@ -13,12 +13,15 @@
 //! ([`install`]), and read by whoever needs it ([`world`]); a process that installed none is a
 //! world of one. [`bucket`] all-reduces a list of tensors (the gradients) as a few flat buffers.
 //!
-//! Every rank must call the same collectives in the same order: only the step executor's thread
-//! (training, validation, the step's agreement) and the main thread (the report's merge, after
-//! the graph ends) use the installed collective.
+//! Every rank must call the same collectives in the same order. The installed collective is
+//! used, one after another, by the step executor's thread (training, validation, the step's
+//! agreement), then by the stages after training (`artifact`, `ttt_eval`: their passes split
+//! by [`share`]), each once the final snapshot reaches it, which the executor sends after its
+//! last collective; and by the main thread (the report's merge) once the graph has ended.
 
 pub mod bucket;
 pub mod env;
+pub mod share;
 pub mod single;
 
 #[cfg(feature = "mpi")]

@@ -148,6 +148,16 @@ impl BpbAccumulator {
         Self { tables, nll_sum, tokens, bytes }
     }
 
+    /// The sums of every rank of `ranks` added up in f64, on every rank (the score of a pass
+    /// the ranks shared); unchanged for a world of one.
+    pub fn all_reduced(self, ranks: &dyn crate::dist::Collective) -> anyhow::Result<Self> {
+        if ranks.world() == 1 {
+            return Ok(self);
+        }
+        let sums = ranks.all_reduce_host(&[self.nll_sum, self.tokens as f64, self.bytes as f64], crate::dist::ReduceOp::Sum)?;
+        Ok(Self::from_sums(self.tables, sums[0], sums[1] as u64, sums[2] as u64))
+    }
+
     /// The tables it counts bytes with.
     pub fn tables(&self) -> &Arc<ByteTables> {
         &self.tables

@@ -32,6 +32,9 @@ use std::time::{Duration, Instant};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
+use crate::dist::share::{all_go_on, rounds, share};
+use crate::dist::single::Single;
+use crate::dist::{Collective, ReduceOp};
 use crate::eval::bpb::{BpbAccumulator, ByteTables};
 use crate::model::ops::DocumentMask;
 use crate::model::{Gpt, PassExtras};
@@ -134,11 +137,30 @@ pub fn sliding_eval(
     cfg: &SlidingConfig,
     keep_going: impl Fn() -> bool,
 ) -> anyhow::Result<Option<BpbAccumulator>> {
+    sliding_eval_shared(model, tokens, tables, cfg, &Single, keep_going)
+}
+
+/// [`sliding_eval`] shared by the ranks of `ranks` (record spec §2.5): each scores a contiguous
+/// share of the windows ([`crate::dist::share`]), and the sums are added up over the ranks in
+/// f64, so that every rank returns the whole score. Every rank holds the same weights and
+/// tokens. The ranks agree before each batch whether to go on: one rank's stop stops all.
+pub fn sliding_eval_shared(
+    model: &Gpt,
+    tokens: &[u32],
+    tables: Arc<ByteTables>,
+    cfg: &SlidingConfig,
+    ranks: &dyn Collective,
+    keep_going: impl Fn() -> bool,
+) -> anyhow::Result<Option<BpbAccumulator>> {
     cfg.check()?;
     let n = check_tokens(model, tokens, &tables)?;
     let mut acc = BpbAccumulator::new(tables);
-    let done = score_windows(model, tokens, &windows(n, cfg), cfg, &keep_going, |_, prev, targets, nll| acc.add(prev, targets, nll))?;
-    Ok(done.then_some(acc))
+    let done =
+        score_windows(model, tokens, &windows(n, cfg), cfg, ranks, &keep_going, |_, prev, targets, nll| acc.add(prev, targets, nll))?;
+    if !done {
+        return Ok(None);
+    }
+    Ok(Some(acc.all_reduced(ranks)?))
 }
 
 /// Score-first TTT settings (spec §4.7). The defaults are the record's: `seq_len` 2048, `stride`
@@ -302,6 +324,26 @@ pub fn score_first_ttt(
     tokens: &[u32],
     tables: Arc<ByteTables>,
     cfg: &TttConfig,
+    on_event: impl FnMut(&TttEvent),
+    keep_going: impl Fn() -> bool,
+) -> anyhow::Result<Option<TttOutcome>> {
+    score_first_ttt_shared(model, tokens, tables, cfg, &Single, on_event, keep_going)
+}
+
+/// [`score_first_ttt`] shared by the ranks of `ranks` (record spec §4.7), every rank starting
+/// from the same weights: each chunk's windows are split among the ranks as
+/// [`sliding_eval_shared`] splits them and its sums added up over the ranks before the chunk
+/// is trained on (the events carry the whole chunk's sums); each SGD step's sequences are split
+/// among the ranks ([`train_sequences`]), and its gradient summed over them, so that every rank
+/// takes the same step and the weights stay the same on every rank. The result does not
+/// depend on the number of ranks, up to the order of floating-point sums.
+#[allow(clippy::too_many_arguments)]
+pub fn score_first_ttt_shared(
+    model: &Gpt,
+    tokens: &[u32],
+    tables: Arc<ByteTables>,
+    cfg: &TttConfig,
+    ranks: &dyn Collective,
     mut on_event: impl FnMut(&TttEvent),
     keep_going: impl Fn() -> bool,
 ) -> anyhow::Result<Option<TttOutcome>> {
@@ -324,10 +366,12 @@ pub fn score_first_ttt(
         };
         anyhow::ensure!(targets.start == scored_end, "internal: chunk {c} scores from target {} after {scored_end}", targets.start);
         let mut chunk_acc = BpbAccumulator::new(tables.clone());
-        let done = score_windows(model, tokens, chunk_wins, &cfg.sliding, &keep_going, |_, prev, tgt, nll| chunk_acc.add(prev, tgt, nll))?;
+        let done =
+            score_windows(model, tokens, chunk_wins, &cfg.sliding, ranks, &keep_going, |_, prev, tgt, nll| chunk_acc.add(prev, tgt, nll))?;
         if !done {
             return Ok(None);
         }
+        let chunk_acc = chunk_acc.all_reduced(ranks)?;
         scored_end = targets.end;
         on_event(&TttEvent::Scored {
             chunk: c,
@@ -353,7 +397,7 @@ pub fn score_first_ttt(
             trained.end <= scored_end,
             "internal: chunk {c} would train on targets {trained:?}, scored only up to {scored_end}"
         );
-        let Some(steps) = train_sequences(model, tokens, start, seqs, &cfg.training(), &mut sgd, lr, &keep_going)? else {
+        let Some(steps) = train_sequences(model, tokens, start, seqs, &cfg.training(), &mut sgd, lr, ranks, &keep_going)? else {
             return Ok(None);
         };
         on_event(&TttEvent::Trained { chunk: c, targets: trained, lr, steps, elapsed: t0.elapsed() });
@@ -397,22 +441,29 @@ fn chunk_plan(n: usize, cfg: &TttConfig) -> (Vec<Window>, Vec<Range<usize>>) {
     (wins, ranges)
 }
 
-/// Scores `wins` in batches of `cfg.batch_windows` padded `(rows, seq_len)` rows; for every
-/// window calls `sink(first target index, prev, targets, nll)` with its scored positions.
-/// Asks `keep_going` before each batch; false: `Ok(false)`.
+/// Scores this rank's share of `wins` ([`crate::dist::share`]) in batches of
+/// `cfg.batch_windows` padded `(rows, seq_len)` rows; for every window calls
+/// `sink(first target index, prev, targets, nll)` with its scored positions. Before each
+/// round of batches the ranks agree whether to go on (`keep_going` on any rank false:
+/// `Ok(false)` on all); every rank runs as many rounds as the longest share takes.
+#[allow(clippy::too_many_arguments)]
 fn score_windows(
     model: &Gpt,
     tokens: &[u32],
     wins: &[Window],
     cfg: &SlidingConfig,
+    ranks: &dyn Collective,
     keep_going: &impl Fn() -> bool,
     mut sink: impl FnMut(usize, &[u32], &[u32], &[f32]),
 ) -> anyhow::Result<bool> {
     let t = cfg.seq_len;
-    for batch in wins.chunks(cfg.batch_windows) {
-        if !keep_going() {
+    let mine = &wins[share(wins.len(), ranks.rank(), ranks.world())];
+    let mut batches = mine.chunks(cfg.batch_windows);
+    for _ in 0..rounds(wins.len(), ranks.world(), cfg.batch_windows) {
+        if !all_go_on(ranks, keep_going())? {
             return Ok(false);
         }
+        let Some(batch) = batches.next() else { continue };
         let rows = batch.len();
         let (mut x, mut y) = (vec![0u32; rows * t], vec![0u32; rows * t]);
         for (r, w) in batch.iter().enumerate() {
@@ -450,7 +501,16 @@ pub(crate) struct SeqTraining {
 /// Trains on `seqs` consecutive sequences of `seq_len` inputs from `tokens[start ..]` (targets
 /// shifted by one): `epochs` passes, batches of up to `batch_seqs` sequences, one step each of
 /// mean cross-entropy, backward, gradient norm clipped to `grad_clip` (torch's
-/// `clip_grad_norm_`), [`Sgd`]. Returns the steps taken, or `None` when `keep_going` said stop.
+/// `clip_grad_norm_`), [`Sgd`]. Returns the steps taken, or `None` when `keep_going` said stop
+/// (on any rank: the ranks agree before each step).
+///
+/// Several ranks share each batch: rank `r` takes the contiguous share
+/// [`crate::dist::share`]`(rows, r, W)` of its rows, and its mean loss weighted by
+/// `rows_r / rows`; the gradients are summed over the ranks (a rank without rows adds zeros),
+/// which gives every rank the gradient of the whole batch's mean loss: the same step as one
+/// rank, up to the order of the sums. (The record's ranks each average their own rows, then
+/// the ranks' means; the two agree when the rows divide evenly, as the record's 16 per chunk
+/// on 8 GPUs do.)
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn train_sequences(
     model: &Gpt,
@@ -460,33 +520,43 @@ pub(crate) fn train_sequences(
     cfg: &SeqTraining,
     sgd: &mut Sgd,
     lr: f64,
+    ranks: &dyn Collective,
     keep_going: &impl Fn() -> bool,
 ) -> anyhow::Result<Option<usize>> {
     let t = cfg.seq_len;
     let mut steps = 0;
     for _ in 0..cfg.epochs {
         for first in (0..seqs).step_by(cfg.batch_seqs) {
-            if !keep_going() {
+            if !all_go_on(ranks, keep_going())? {
                 return Ok(None);
             }
             let rows = cfg.batch_seqs.min(seqs - first);
-            let base = start + first * t;
-            let inputs = &tokens[base..base + rows * t];
-            let x = Tensor::from_slice(inputs, (rows, t), model.device())?;
-            let y = Tensor::from_slice(&tokens[base + 1..base + rows * t + 1], (rows, t), model.device())?;
-            let mask = cfg.doc_bos.map(|bos| DocumentMask::at_token(inputs, t, bos)).transpose()?;
-            let loss = model.token_losses_with(&x, &y, PassExtras { lora: None, docs: mask.as_ref() })?.mean_all()?;
-            let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            anyhow::ensure!(value.is_finite(), "the TTT training loss is {value} on the sequences from target {base}");
-            let mut store = loss.backward()?;
-            // Only the parameters' gradients are kept; the activations' go with `store`.
+            let mine = share(rows, ranks.rank(), ranks.world());
             let mut grads = GradStore::default();
-            for (_, var, _) in model.params() {
-                if let Some(g) = store.remove(var.as_tensor()) {
-                    grads.insert(var.as_tensor(), g);
+            if !mine.is_empty() {
+                let base = start + (first + mine.start) * t;
+                let local = mine.len();
+                let inputs = &tokens[base..base + local * t];
+                let x = Tensor::from_slice(inputs, (local, t), model.device())?;
+                let y = Tensor::from_slice(&tokens[base + 1..base + local * t + 1], (local, t), model.device())?;
+                let mask = cfg.doc_bos.map(|bos| DocumentMask::at_token(inputs, t, bos)).transpose()?;
+                let mut loss = model.token_losses_with(&x, &y, PassExtras { lora: None, docs: mask.as_ref() })?.mean_all()?;
+                let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                anyhow::ensure!(value.is_finite(), "the TTT training loss is {value} on the sequences from target {base}");
+                if local != rows {
+                    loss = (loss * (local as f64 / rows as f64))?;
+                }
+                let mut store = loss.backward()?;
+                // Only the parameters' gradients are kept; the activations' go with `store`.
+                for (_, var, _) in model.params() {
+                    if let Some(g) = store.remove(var.as_tensor()) {
+                        grads.insert(var.as_tensor(), g);
+                    }
                 }
             }
-            drop(store);
+            if ranks.world() > 1 {
+                grads = sum_over_ranks(model, grads, ranks)?;
+            }
             if cfg.grad_clip > 0.0 {
                 clip_grad_norm(model, &mut grads, cfg.grad_clip)?;
             }
@@ -495,6 +565,25 @@ pub(crate) fn train_sequences(
         }
     }
     Ok(Some(steps))
+}
+
+/// Every parameter's gradient summed over the ranks (a parameter without one here counts as
+/// zeros), in buckets ([`crate::dist::bucket`]).
+fn sum_over_ranks(model: &Gpt, mut grads: GradStore, ranks: &dyn Collective) -> anyhow::Result<GradStore> {
+    let vars: Vec<Var> = model.params().iter().map(|(_, v, _)| v.clone()).collect();
+    let mine: Vec<Tensor> = vars
+        .iter()
+        .map(|v| match grads.remove(v.as_tensor()) {
+            Some(g) => Ok(g),
+            None => v.as_tensor().zeros_like(),
+        })
+        .collect::<candle_core::Result<_>>()?;
+    let (summed, _) = crate::dist::bucket::all_reduce_tensors(ranks, &mine, ReduceOp::Sum, crate::dist::bucket::DEFAULT_BUCKET_ELEMS)?;
+    let mut out = GradStore::default();
+    for (v, g) in vars.iter().zip(summed) {
+        out.insert(v.as_tensor(), g);
+    }
+    Ok(out)
 }
 
 /// `torch.nn.utils.clip_grad_norm_`: the global L2 norm of all gradients (summed in `f64`);
@@ -582,7 +671,7 @@ pub(crate) mod tests {
     fn sliding_losses(m: &Gpt, tokens: &[u32], sc: &SlidingConfig) -> Vec<f32> {
         let n = tokens.len() - 1;
         let mut out = vec![None; n];
-        let done = score_windows(m, tokens, &windows(n, sc), sc, &|| true, |first, prev, tgt, nll| {
+        let done = score_windows(m, tokens, &windows(n, sc), sc, &Single, &|| true, |first, prev, tgt, nll| {
             for (k, &l) in nll.iter().enumerate() {
                 assert_eq!((prev[k], tgt[k]), (tokens[first + k], tokens[first + k + 1]));
                 assert!(out[first + k].replace(l).is_none(), "target {} scored twice", first + k);

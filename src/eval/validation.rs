@@ -19,7 +19,8 @@ use crate::model::Gpt;
 
 /// What the validation reads and how it cuts the stream: the application fills it from its
 /// config (`[data] val`, `tokenizer`; `[train] seq_len`, `val_batch_tokens`, `val_max_tokens`;
-/// `[model] vocab_size`; `[run]` ranks). Errors name those keys.
+/// `[model] vocab_size`). Errors name those keys. The ranks that share the split are not
+/// settings: [`Validator::shared`] takes their collective.
 #[derive(Clone, Debug, Default)]
 pub struct ValSettings {
     /// Glob of the validation shards (`data.val`).
@@ -34,10 +35,6 @@ pub struct ValSettings {
     pub val_max_tokens: usize,
     /// The model's vocabulary (`model.vocab_size`).
     pub vocab: usize,
-    /// Ranks sharing the split (`run.world_size`).
-    pub world_size: usize,
-    /// This rank (`run.rank`).
-    pub rank: usize,
 }
 
 /// Training tokens read (at most) to count unigram frequencies.
@@ -91,8 +88,17 @@ fn file_key(path: &Path) -> anyhow::Result<(PathBuf, u64, Option<SystemTime>)> {
 
 impl Validator {
     /// Reads `[data] val` and `[data] tokenizer` and checks them against `[model]`; errors name
-    /// the key or the file. Stages that load the same split share one copy of it.
+    /// the key or the file. Stages that load the same split share one copy of it. This process
+    /// scores the whole split.
     pub fn load(settings: &ValSettings, micro_steps: usize) -> anyhow::Result<Self> {
+        Self::shared(settings, micro_steps, std::sync::Arc::new(crate::dist::single::Single))
+    }
+
+    /// As [`Validator::load`], the split shared by the ranks of `ranks`: this rank scores its
+    /// contiguous share of the sequences, in passes of `train.val_batch_tokens / (W · A)`
+    /// tokens, and each pass ends with the sums of loss, targets and bytes added up over the
+    /// ranks in f64, so that every rank gets the whole split's score.
+    pub fn shared(settings: &ValSettings, micro_steps: usize, ranks: std::sync::Arc<dyn crate::dist::Collective>) -> anyhow::Result<Self> {
         let pattern = settings.val.clone().context("`data.val` is not set: the step executor validates on the validation shards")?;
         let tok_path =
             settings.tokenizer.as_deref().context("`data.tokenizer` is not set: val_bpb counts bytes with the sentencepiece model")?;
@@ -119,18 +125,9 @@ impl Validator {
         };
         drop(loaded);
         let seqs = (data.tokens.len() - 1) / t.seq_len;
-        let (world, rank) = (settings.world_size, settings.rank);
-        let batch_rows = tokens_per_pass(settings, micro_steps) / t.seq_len;
-        let ranks = std::sync::Arc::new(crate::dist::single::Single);
-        Ok(Self { data, seq_len: t.seq_len, batch_rows, first: seqs * rank / world, end: seqs * (rank + 1) / world, pattern, ranks })
-    }
-
-    /// Shares the split with the ranks of `ranks` (loaded with their world size and this
-    /// rank): each pass ends with the sums of loss, targets and bytes added up over them, in
-    /// f64, so every rank gets the whole split's score.
-    pub fn with_ranks(mut self, ranks: std::sync::Arc<dyn crate::dist::Collective>) -> Self {
-        self.ranks = ranks;
-        self
+        let batch_rows = tokens_per_pass(settings, ranks.world(), micro_steps) / t.seq_len;
+        let mine = crate::dist::share::share(seqs, ranks.rank(), ranks.world());
+        Ok(Self { data, seq_len: t.seq_len, batch_rows, first: mine.start, end: mine.end, pattern, ranks })
     }
 }
 
@@ -158,9 +155,9 @@ pub fn split_tokens(settings: &ValSettings) -> anyhow::Result<Option<u64>> {
 
 /// Tokens one validation forward pass takes on this rank: `train.val_batch_tokens` shared by
 /// the ranks and micro-batches, in whole sequences, at least one.
-pub fn tokens_per_pass(settings: &ValSettings, micro_steps: usize) -> usize {
+pub fn tokens_per_pass(settings: &ValSettings, world_size: usize, micro_steps: usize) -> usize {
     let t = settings;
-    (t.val_batch_tokens / (settings.world_size * micro_steps).max(1) / t.seq_len).max(1) * t.seq_len
+    (t.val_batch_tokens / (world_size * micro_steps).max(1) / t.seq_len).max(1) * t.seq_len
 }
 
 /// The refusal of a split of `tokens` tokens, shorter than one sequence.
@@ -227,15 +224,21 @@ impl Validator {
     }
 
     /// Scores this rank's sequences with `model`; `keep_going` is asked between batches: false
-    /// cuts the pass short and gives `None` (a partial score is no score).
+    /// cuts the pass short and gives `None` (a partial score is no score). Several ranks agree
+    /// before each batch whether to go on (one rank's false stops them all) and run as many
+    /// rounds as the longest share takes.
     pub fn run(&self, model: &Gpt, keep_going: impl Fn() -> bool) -> anyhow::Result<Option<BpbAccumulator>> {
         let mut acc = BpbAccumulator::new(self.data.tables.clone());
         let tokens = &self.data.tokens;
         let t = self.seq_len;
         let mut s = self.first;
-        while s < self.end {
-            if !keep_going() {
+        let seqs = (tokens.len() - 1) / t;
+        for _ in 0..crate::dist::share::rounds(seqs, self.ranks.world(), self.batch_rows) {
+            if !crate::dist::share::all_go_on(self.ranks.as_ref(), keep_going())? {
                 return Ok(None);
+            }
+            if s == self.end {
+                continue;
             }
             let rows = self.batch_rows.min(self.end - s);
             let x = &tokens[s * t..(s + rows) * t];
@@ -246,11 +249,7 @@ impl Validator {
             acc.add(x, y, &nll);
             s += rows;
         }
-        if self.ranks.world() > 1 {
-            let sums = self.ranks.all_reduce_host(&[acc.nll_sum(), acc.tokens() as f64, acc.bytes() as f64], crate::dist::ReduceOp::Sum)?;
-            acc = BpbAccumulator::from_sums(self.data.tables.clone(), sums[0], sums[1] as u64, sums[2] as u64);
-        }
-        Ok(Some(acc))
+        Ok(Some(acc.all_reduced(self.ranks.as_ref())?))
     }
 
     /// Unigram bits per byte of the scored targets (all ranks' share), with add-one smoothed
@@ -325,8 +324,6 @@ mod tests {
             val_batch_tokens: 524_288,
             val_max_tokens: 0,
             vocab,
-            world_size: 1,
-            rank: 0,
         };
         (c, dir)
     }

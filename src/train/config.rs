@@ -231,9 +231,8 @@ impl Config {
         BatchShape::new(t.seq_len, t.batch_tokens, t.grad_accum_steps, self.run.world_size, self.run.rank)
     }
 
-    /// What validation reads of this config ([`ValSettings`]): the whole split on one rank.
-    /// The step executor shares it among the ranks of a data-parallel run (it holds their
-    /// collective); the stages after training score it whole on every rank.
+    /// What validation reads of this config ([`ValSettings`]). Which ranks share the split is
+    /// the collective's business ([`crate::eval::validation::Validator::shared`]).
     pub fn validation(&self) -> ValSettings {
         ValSettings {
             val: self.data.val.clone(),
@@ -242,8 +241,6 @@ impl Config {
             val_batch_tokens: self.train.val_batch_tokens,
             val_max_tokens: self.train.val_max_tokens,
             vocab: self.model.vocab_size,
-            world_size: 1,
-            rank: 0,
         }
     }
 

@@ -48,7 +48,8 @@ pub fn memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>> {
     let t = shape.seq_len;
     let validation = c.validation();
     let train = training_bytes(m, shape.rows * t, t, probs, act_bytes);
-    let val = forward_bytes(m, crate::eval::validation::tokens_per_pass(&validation, shape.micro_steps), t, probs, act_bytes);
+    let val =
+        forward_bytes(m, crate::eval::validation::tokens_per_pass(&validation, shape.world_size, shape.micro_steps), t, probs, act_bytes);
     let mut act_keys = vec!["train.batch_tokens", "train.grad_accum_steps", "train.seq_len"];
     act_keys.extend(MODEL_KEYS);
     let mut needs = vec![

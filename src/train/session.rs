@@ -137,8 +137,7 @@ impl Session {
         let device = crate::device::open(&c.run)?;
         let ranks = crate::dist::world();
         // The executor's validation is shared by the ranks, each scoring 1/W of the split.
-        let settings = crate::eval::validation::ValSettings { world_size: ranks.world(), rank: ranks.rank(), ..c.validation() };
-        let validator = Validator::load(&settings, shape.micro_steps)?.with_ranks(ranks.clone());
+        let validator = Validator::shared(&c.validation(), shape.micro_steps, ranks.clone())?;
         let (param_dtype, matmul_dtype) = p.dtype.dtypes();
         let mut model = Gpt::new(&c.model, c.run.seed, param_dtype, &device)?.with_matmul_dtype(matmul_dtype).with_attention(p.attention);
         let mut flash = model.flash_kernels(c.train.seq_len).context("stage `step_executor`, key `attention`")?;
@@ -667,9 +666,9 @@ impl Session {
     fn validate(&mut self, ctx: &mut Ctx, final_pass: bool) -> anyhow::Result<()> {
         self.pause();
         let t0 = Instant::now();
-        // Several ranks score the split together: none may leave the pass early alone.
-        let ranks = self.ranks.world() > 1;
-        let keep_going = || ranks || if final_pass { !ctx.aborted() } else { !ctx.stopping() };
+        // Several ranks score the split together and agree before each batch whether to go
+        // on: one rank's stop cuts the pass short on all.
+        let keep_going = || if final_pass { !ctx.aborted() } else { !ctx.stopping() };
         let acc = self.validator.run(self.trainer.model(), keep_going).context("validation")?;
         self.window.validation += t0.elapsed();
         ctx.trace_phases(&[("validation", t0.elapsed())]);

@@ -12,6 +12,12 @@
 //!
 //! - `phased`: phased TTT (spec §5), in [`phased`].
 //!
+//! Several ranks (data parallel) share `sliding` and `score_first` as the records do: each
+//! scores a contiguous share of the windows (of each chunk), and each TTT step's sequences are
+//! split among them with the gradient summed, so that the weights stay the same on every rank
+//! and the score does not depend on the number of ranks. `phased` runs on rank 0 alone (its
+//! sliding score, when asked for, is shared).
+//!
 //! All score the validation split as training scored it (`train.val_max_tokens`) and log in
 //! the records' format, `<label>_sliding_window val_loss:… val_bpb:… eval_time:…ms` and
 //! `<label>_ttt …`. Histograms: `sliding` (the whole pass), `chunk_score` and `chunk_train`
@@ -26,7 +32,7 @@ use serde::{Deserialize, Serialize};
 
 use super::config;
 use crate::eval::bpb::BpbAccumulator;
-use crate::eval::ttt::{SlidingConfig, TttConfig, TttEvent, score_first_ttt, sliding_eval};
+use crate::eval::ttt::{SlidingConfig, TttConfig, TttEvent, score_first_ttt_shared, sliding_eval_shared};
 use crate::eval::validation::Validator;
 use crate::runtime::stage::{BuildCtx, Ctx, Sink};
 use crate::train::log::StageLog;
@@ -113,9 +119,12 @@ fn sliding_cfg(seq_len: usize, stride: usize, batch_windows: usize, train_seq_le
     SlidingConfig { seq_len: if seq_len == 0 { train_seq_len } else { seq_len }, stride, batch_windows }
 }
 
-/// What both implementations share: the validation stream, the log, the config.
+/// What the implementations share: the validation stream, the log, the config, the ranks.
 struct Evaluator {
     validator: Validator,
+    /// The ranks of a data-parallel run (a world of one otherwise): they share the sliding
+    /// windows and the TTT batches, every rank holding the same weights.
+    ranks: std::sync::Arc<dyn crate::dist::Collective>,
     config: crate::train::config::Config,
     log: StageLog,
     done: bool,
@@ -127,6 +136,7 @@ impl Evaluator {
         let shape = config(ctx)?.batch_shape()?;
         Ok(Self {
             validator: Validator::load(&config(ctx)?.validation(), shape.micro_steps)?,
+            ranks: crate::dist::world(),
             config: config(ctx)?.clone(),
             log: StageLog::new(ctx.run_dir),
             done: false,
@@ -139,7 +149,10 @@ impl Evaluator {
         let model = crate::artifact::roundtrip::model_from(&self.config, weights)?;
         let t0 = Instant::now();
         let tables = self.validator.tables().clone();
-        let Some(acc) = sliding_eval(&model, self.validator.tokens(), tables, cfg, || !ctx.aborted())? else { return Ok(None) };
+        let tokens = self.validator.tokens();
+        let Some(acc) = sliding_eval_shared(&model, tokens, tables, cfg, self.ranks.as_ref(), || !ctx.aborted())? else {
+            return Ok(None);
+        };
         ctx.record("sliding", t0.elapsed().as_nanos() as u64);
         let mut section = self.scored(&format!("{label}_sliding_window"), &acc, t0);
         section["seq_len"] = serde_json::json!(cfg.seq_len);
@@ -169,11 +182,12 @@ impl Evaluator {
         let tables = self.validator.tables().clone();
         let mut times: Vec<(&'static str, Duration)> = Vec::new();
         let aborted = || ctx.aborted();
-        let outcome = score_first_ttt(
+        let outcome = score_first_ttt_shared(
             &model,
             self.validator.tokens(),
             tables,
             cfg,
+            self.ranks.as_ref(),
             |e| match e {
                 TttEvent::Scored { elapsed, .. } => times.push(("chunk_score", *elapsed)),
                 TttEvent::Trained { elapsed, .. } => times.push(("chunk_train", *elapsed)),

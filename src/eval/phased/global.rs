@@ -67,7 +67,8 @@ pub fn global_sgd(
         let chunk_len = ((c + 1) * cfg.global_chunk_tokens).min(targets) - start;
         let seqs = chunk_len / cfg.global_seq_len;
         let lr = cfg.global_chunk_lr(c, n);
-        let Some(steps) = train_sequences(model, &stream, start, seqs, &how, &mut sgd, lr, keep_going)? else {
+        let Some(steps) = train_sequences(model, &stream, start, seqs, &how, &mut sgd, lr, &crate::dist::single::Single, keep_going)?
+        else {
             return Ok(None);
         };
         stats.steps += steps;
