@@ -201,6 +201,7 @@ impl Atomic {
             train_ms: snap.train_ms,
             train_loss: snap.train_loss,
             loader: st.loader.as_deref().cloned(),
+            rank_loaders: st.rank_loaders.to_vec(),
             rolling: st.rolling,
             data: st.data.clone(),
             seed: self.seed,

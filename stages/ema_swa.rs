@@ -370,6 +370,7 @@ mod tests {
         let state = TrainerState {
             optimizer: Arc::new(Vec::new()),
             loader: None,
+            rank_loaders: Arc::default(),
             rolling: 0,
             history: serde_json::Value::Null,
             data: String::new(),

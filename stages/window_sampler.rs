@@ -70,7 +70,7 @@ impl WindowStage {
         Self::check(&params)?;
         let shape = config(ctx)?.batch_shape()?;
         let vocab = if params.check_tokens { config(ctx)?.data.tokenizer_vocab()? } else { None };
-        let resume = resumed(ctx).and_then(|c| c.meta.loader.clone());
+        let resume = resumed(ctx).and_then(|c| crate::train::resume::loader_for(c, &shape));
         Ok(Self { order, params, shape, seed: ctx.run.seed, vocab, shards: Vec::new(), sampler: None, pool: None, resume })
     }
 

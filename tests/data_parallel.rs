@@ -249,3 +249,91 @@ fn bad_rank_settings_are_refused() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("`pipeline ablate` runs on one rank"), "{}", text(&o));
 }
+
+/// The test config of [`resume_across_ranks`]: [`config`]'s model and steps, without the
+/// stages after training, with `sampler` and a checkpoint after every step.
+fn resume_config(c: &Corpus, sampler: &str) -> std::path::PathBuf {
+    let dp = std::fs::read_to_string(config(c)).unwrap();
+    let base = dp.split("\n[stages.artifact]").next().unwrap();
+    let toml = base.replace("impl = \"sequential\"", &format!("impl = \"{sampler}\""))
+        + "\n[stages.ckpt]\nkind = \"checkpoint\"\nimpl = \"atomic\"\ninputs = [\"train\"]\nevery = 1\n";
+    let path = c.dir.join(format!("resume-{sampler}.toml"));
+    std::fs::write(&path, toml).unwrap();
+    path
+}
+
+/// Runs `launch` to the end; panics with its output unless it succeeds.
+fn launch_ok(config: &Path, out: &Path, nproc: usize, sets: &[&str], resume: Option<&Path>) {
+    let mut cmd = bin();
+    cmd.arg("launch").arg("--nproc").arg(nproc.to_string()).arg(config).arg("--out").arg(out).arg("-q");
+    if let Some(r) = resume {
+        cmd.arg("--resume").arg(r);
+    }
+    for s in sets {
+        cmd.arg("--set").arg(s);
+    }
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let status = wait_or_kill(&mut child, Duration::from_secs(300), "pipeline launch");
+    let o = child.wait_with_output().unwrap();
+    assert!(status.success(), "{}", text(&o));
+}
+
+/// Checkpoints of several ranks resume exactly, and with another world size where the data
+/// order allows it:
+///
+/// - the sequential stream does not depend on the world size (`W · A` fixed): 2 steps on one
+///   rank x 2 micro-batches, resumed on 2 ranks x 1 for 2 more (`train.iterations` 2, then 4:
+///   the tiny config's schedule has no warm-down), end with the weights of 4 steps on one
+///   rank, bit for bit;
+/// - the shuffled sampler's state differs by rank, and the checkpoint holds every rank's:
+///   2 + 2 steps on 2 ranks end with the weights of 4 uninterrupted steps, bit for bit; the same
+///   checkpoint on one rank is refused, exit 2, saying which world size it needs.
+#[test]
+fn resume_across_ranks() {
+    if let Some(why) = no_mpi() {
+        eprintln!("{why}");
+        return;
+    }
+    let c = tiny::corpus("dp-resume");
+    let same = |a: &Path, b: &Path| {
+        let (wa, wb) = (weights(a), weights(b));
+        assert_eq!(wa.len(), wb.len());
+        for ((na, xa), (_, xb)) in wa.iter().zip(&wb) {
+            assert!(xa == xb, "{na} differs between {} and {}", a.display(), b.display());
+        }
+    };
+    let seq = resume_config(&c, "sequential");
+    let full = scratch("dp-resume-full");
+    tiny::train_ok(&seq, &full, &["train.grad_accum_steps=2"]);
+    let half = scratch("dp-resume-half");
+    tiny::train_ok(&seq, &half, &["train.grad_accum_steps=2", "train.iterations=2"]);
+    let two = scratch("dp-resume-two");
+    launch_ok(&seq, &two, 2, &["train.grad_accum_steps=1"], Some(&half));
+    assert_eq!(tiny::u(&report(&two).train, "steps"), 4);
+    same(&full, &two);
+
+    // The shuffled sampler deals the shards by rank: two of them.
+    let tokens = tiny::shard_tokens(&c.dir.join("shards/fineweb_train_000000.bin"));
+    let (a, b) = tokens.split_at(tokens.len() / 2);
+    pipeline::data::shard::write_shard(&c.dir.join("shards/fineweb_train_000000.bin"), a).unwrap();
+    pipeline::data::shard::write_shard(&c.dir.join("shards/fineweb_train_000001.bin"), b).unwrap();
+    let shuf = resume_config(&c, "shuffled");
+    let sets = ["train.grad_accum_steps=1"];
+    let full = scratch("dp-resume-sfull");
+    launch_ok(&shuf, &full, 2, &sets, None);
+    let half = scratch("dp-resume-shalf");
+    launch_ok(&shuf, &half, 2, &[sets[0], "train.iterations=2"], None);
+    let two = scratch("dp-resume-stwo");
+    launch_ok(&shuf, &two, 2, &sets, Some(&half));
+    same(&full, &two);
+    let o = bin()
+        .args(["run", "-q", "--set", "train.grad_accum_steps=2", "--resume"])
+        .arg(&half)
+        .arg(&shuf)
+        .arg("--out")
+        .arg(scratch("dp-resume-one"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("with the shuffled sampler") && text(&o).contains("`run.world_size` = 2"), "{}", text(&o));
+}

@@ -67,6 +67,11 @@ pub struct CheckpointMeta {
     /// The sampler's state after the step's last micro-batch (None for runs whose input has no
     /// state).
     pub loader: Option<crate::data::batch::LoaderState>,
+    /// Several ranks whose samplers' states differ (the shuffled sampler): every rank's, in
+    /// rank order (`loader` is rank 0's); empty otherwise, and in checkpoints made before it
+    /// was kept.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rank_loaders: Vec<crate::data::batch::LoaderState>,
     /// Rolling data-order fingerprint up to this step.
     pub rolling: u64,
     /// Fingerprint of the training data (hex string; computed by the caller, see
@@ -502,6 +507,7 @@ mod tests {
                 micro_batches: 40,
                 rolling: 0xdead_beef_cafe_f00d,
             }),
+            rank_loaders: Vec::new(),
             rolling: 0x0123_4567_89ab_cdef,
             data: "00112233aabbccdd".into(),
             seed: 1337,

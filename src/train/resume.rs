@@ -7,7 +7,7 @@ use std::path::Path;
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
-use crate::data::batch::BatchShape;
+use crate::data::batch::{BatchShape, LoaderState};
 use crate::model::ModelConfig;
 use crate::report::document::Report;
 use crate::train::checkpoint::Checkpoint;
@@ -71,9 +71,11 @@ pub(crate) fn resume(trainer: &mut dyn Executor, ck: &Checkpoint, shape: BatchSh
     let history: History = serde_json::from_value(ck.meta.extra.clone())
         .with_context(|| format!("{}: it holds no step-executor state (made by another version?)", what()))?;
     let (a, b) = (history.shape, shape);
+    // The same rows of the same length per micro-batch, and the same micro-batches per step
+    // over all ranks (`W · A`): the same global batch.
     anyhow::ensure!(
-        (a.seq_len, a.rows, a.micro_steps, a.world_size) == (b.seq_len, b.rows, b.micro_steps, b.world_size),
-        "{}: it was made with seq_len {}, {} rows x {} micro-batches on {} rank(s); `[train]`/`[run]` now give seq_len {}, {} rows x {} micro-batches on {} rank(s) (`train.seq_len`, `train.batch_tokens`, `train.grad_accum_steps`, `run.world_size` must not change)",
+        (a.seq_len, a.rows, a.micro_steps * a.world_size) == (b.seq_len, b.rows, b.micro_steps * b.world_size),
+        "{}: it was made with seq_len {}, {} rows x {} micro-batches on {} rank(s); `[train]`/`[run]` now give seq_len {}, {} rows x {} micro-batches on {} rank(s) (`train.seq_len`, `train.batch_tokens` and the micro-batches of a step over all ranks, `run.world_size` x `train.grad_accum_steps`, must not change)",
         what(),
         a.seq_len,
         a.rows,
@@ -84,14 +86,27 @@ pub(crate) fn resume(trainer: &mut dyn Executor, ck: &Checkpoint, shape: BatchSh
         b.micro_steps,
         b.world_size
     );
-    // A checkpoint holds rank 0's loader state. The sequential stream's is every rank's (they
-    // all take the same chunk); the shuffled sampler's is rank 0's own.
+    let shuffled = matches!(ck.meta.loader, Some(LoaderState::Shuffled { .. }));
+    // Another world size takes the same data only where the data order does not depend on it:
+    // the sequential stream (rank r of W takes the r-th slice of each chunk of W · A slices).
+    // The shuffled sampler deals shards by rank and seeds each rank's generator with it.
     anyhow::ensure!(
-        b.world_size == 1 || !matches!(ck.meta.loader, Some(crate::data::batch::LoaderState::Shuffled { .. })),
-        "{}: it was made on {} ranks with the shuffled sampler, whose state differs per rank, and it holds rank 0's only, \
-         so it cannot continue on several ranks (a run to resume on several ranks samples with `impl = \"sequential\"`)",
+        a.world_size == b.world_size || !shuffled,
+        "{}: it was made on {} rank(s) with the shuffled sampler, whose order depends on the ranks (each owns the shards \
+         `index % W == rank` and its own generator); it continues on {} rank(s) only with `run.world_size` = {} \
+         (the sequential sampler's order does not depend on the world size)",
         what(),
+        a.world_size,
+        b.world_size,
         a.world_size
+    );
+    anyhow::ensure!(
+        b.world_size == 1 || !shuffled || ck.meta.rank_loaders.len() == b.world_size,
+        "{}: it was made on {} ranks with the shuffled sampler, whose state differs per rank, and it holds {} rank state(s) \
+         (made by a version that kept rank 0's only?), so it cannot continue on several ranks",
+        what(),
+        a.world_size,
+        ck.meta.rank_loaders.len()
     );
     anyhow::ensure!(
         ck.meta.data == data,
@@ -105,6 +120,25 @@ pub(crate) fn resume(trainer: &mut dyn Executor, ck: &Checkpoint, shape: BatchSh
     trainer.set_looping(history.looping);
     trainer.restore(ck.meta.step, &ck.section("optim.")).with_context(|| format!("{}: the optimizer state does not fit", what()))?;
     Ok(history)
+}
+
+/// Where this rank's sampler continues from `ck` on `shape` (checked by [`resume`]): its own
+/// state where the checkpoint holds every rank's (the shuffled sampler on several ranks), else
+/// the checkpoint's (the sequential stream's position is every rank's), its count of
+/// micro-batches recounted in this run's micro-batches per step when the world size changed
+/// (`steps · A`).
+pub fn loader_for(ck: &Checkpoint, shape: &BatchShape) -> Option<LoaderState> {
+    let mut state = match ck.meta.rank_loaders.get(shape.rank) {
+        Some(mine) if ck.meta.rank_loaders.len() == shape.world_size => mine.clone(),
+        _ => ck.meta.loader.clone()?,
+    };
+    let then = serde_json::from_value::<History>(ck.meta.extra.clone()).ok().map(|h| h.shape);
+    if let (Some(then), LoaderState::Sequential { micro_batches, .. }) = (then, &mut state)
+        && then.micro_steps != shape.micro_steps
+    {
+        *micro_batches = *micro_batches / then.micro_steps.max(1) as u64 * shape.micro_steps as u64;
+    }
+    Some(state)
 }
 
 /// Whether training that has taken `step` steps in `train_ms` of training time is over as `t`

@@ -95,6 +95,9 @@ pub struct Session {
     emit: bool,
     /// The sampler's state after the last micro-batch taken, and the rolling fingerprint.
     loader: Option<Arc<LoaderState>>,
+    /// Several ranks with the shuffled sampler: every rank's sampler state after the last
+    /// step, gathered at its end (a checkpoint resumes each rank from its own).
+    rank_loaders: Arc<Vec<LoaderState>>,
     rolling: u64,
     /// The last step's LR multiplier.
     lr_mul: f64,
@@ -257,7 +260,8 @@ impl Session {
             dropped_micro: 0,
             saved_at: None,
             emit,
-            loader: resume.and_then(|ck| ck.meta.loader.clone()).map(Arc::new),
+            loader: resume.and_then(|ck| resume::loader_for(ck, &shape)).map(Arc::new),
+            rank_loaders: Arc::new(resume.map(|ck| ck.meta.rank_loaders.clone()).unwrap_or_default()),
             rolling,
             lr_mul,
             steps,
@@ -362,6 +366,7 @@ impl Session {
         let state = TrainerState {
             optimizer: Arc::new(self.trainer.optimizer_state()?),
             loader: self.loader.clone(),
+            rank_loaders: self.rank_loaders.clone(),
             rolling: self.rolling,
             history,
             data: self.data.clone(),
@@ -441,13 +446,16 @@ impl Session {
             return Ok(());
         }
         if self.ranks.world() > 1 && !self.agreed_stop && ctx.stop_reason() != StopReason::Failed {
-            // The other ranks are inside a step this one will not finish: they would wait for
+            // The other ranks may be inside a step this one will not take: they would wait for
             // it forever. The job is ended (`pipeline launch`, MPI), this rank named.
+            let step = self.trainer.step();
+            let partial = self.trainer.discard_partial_step();
             anyhow::bail!(
-                "rank {} of {} stopped inside step {} (its input ended) while the other ranks train on; every rank is stopped",
+                "rank {} of {}: its input ended after step {step} (and {partial} micro-batch(es) of step {}), but several ranks \
+                 end only together, where they agree: at `train.iterations`, `run.max_seconds` or Ctrl-C; every rank is stopped",
                 self.ranks.rank(),
                 self.ranks.world(),
-                self.trainer.step() + 1
+                step + 1
             );
         }
         self.dropped_micro = self.trainer.discard_partial_step();
@@ -604,6 +612,18 @@ impl Session {
         }
     }
 
+    /// Several ranks with the shuffled sampler, whose states differ by rank: every rank's
+    /// state after this step, for the checkpoints (a few hundred bytes per rank).
+    fn gather_loaders(&mut self) -> anyhow::Result<()> {
+        let Some(mine) = self.loader.as_deref().filter(|l| self.ranks.world() > 1 && matches!(l, LoaderState::Shuffled { .. })) else {
+            return Ok(());
+        };
+        let all = self.ranks.all_gather_bytes(&serde_json::to_vec(mine)?).context("gathering the ranks' sampler states")?;
+        let states = all.iter().map(|b| serde_json::from_slice(b)).collect::<Result<Vec<LoaderState>, _>>()?;
+        self.rank_loaders = Arc::new(states);
+        Ok(())
+    }
+
     fn end_step(&mut self, emitter: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
         let t0 = Instant::now();
         // Several ranks: the LR schedule reads one clock, the slowest rank's.
@@ -623,6 +643,7 @@ impl Session {
         if let Some((state, rolling)) = self.step_loader.take() {
             self.loader = Some(state);
             self.rolling = rolling;
+            self.gather_loaders()?;
         }
         let (step, total) = (self.trainer.step(), self.cfg.iterations);
         let train_ms = self.agree_after_step(ctx)?;

@@ -74,6 +74,9 @@ pub struct TrainerState {
     pub optimizer: Tensors,
     /// The sampler's state after the step's last micro-batch.
     pub loader: Option<Arc<LoaderState>>,
+    /// Several ranks whose samplers' states differ (the shuffled sampler): every rank's, in
+    /// rank order, so that a checkpoint resumes each; empty otherwise.
+    pub rank_loaders: Arc<Vec<LoaderState>>,
     /// Rolling data-order fingerprint up to this step.
     pub rolling: u64,
     /// The executor's history (validations, ...), opaque to other stages.
