@@ -37,9 +37,7 @@ impl Step {
     fn new(executor: &str, rows: usize, seq: usize) -> Self {
         let cfg = TrainConfig { max_wallclock_seconds: 0.0, ..TrainConfig::default() };
         let trainer: Box<dyn Executor> = match executor {
-            "engine" => {
-                Box::new(EngineTrainer::new(demo_model(), &cfg, 1, (rows, seq), EngineOptions { poison: false, cuda_graph: true }).unwrap())
-            }
+            "engine" => Box::new(EngineTrainer::new(demo_model(), &cfg, 1, (rows, seq), EngineOptions::default()).unwrap()),
             _ => Box::new(Trainer::new(demo_model(), &cfg, 1).unwrap()),
         };
         let mut rng = fastrand::Rng::with_seed(1);

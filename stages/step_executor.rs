@@ -86,11 +86,29 @@ pub struct EngineParams {
     /// as CUDA graphs and replay them every micro-batch and step (false: launch every kernel
     /// as it comes, to compare or to debug). The CPU backends ignore it.
     pub cuda_graph: bool,
+    /// Several ranks: send each bucket of gradients to be averaged over the ranks as soon as
+    /// the backward pass of the step's last micro-batch has finished it, while the pass goes on
+    /// (false: every bucket after the pass, to measure what the overlap saves).
+    pub overlap_allreduce: bool,
+    /// Several ranks: the size of a gradient bucket in MiB (DDP's `bucket_cap_mb`, 25).
+    pub bucket_mib: f64,
+    /// Several ranks: the size of the first gradient bucket in MiB (DDP's 1: the head's and
+    /// the last blocks' gradients leave early in the backward pass).
+    pub first_bucket_mib: f64,
 }
 
 impl Default for EngineParams {
     fn default() -> Self {
-        Self { dtype: Precision::F32, progress: true, poison: false, cuda_graph: true }
+        let o = EngineOptions::default();
+        Self {
+            dtype: Precision::F32,
+            progress: true,
+            poison: false,
+            cuda_graph: true,
+            overlap_allreduce: o.overlap,
+            bucket_mib: o.bucket_mib,
+            first_bucket_mib: o.first_bucket_mib,
+        }
     }
 }
 
@@ -103,7 +121,16 @@ impl EngineParams {
 
     /// Refuses what the backend of `run.device` cannot run, naming the key.
     fn check_backend(&self, ctx: &BuildCtx) -> anyhow::Result<()> {
-        let device = &config(ctx)?.run.device;
+        for (key, v) in [("bucket_mib", self.bucket_mib), ("first_bucket_mib", self.first_bucket_mib)] {
+            anyhow::ensure!(v > 0.0 && v.is_finite(), "key `{key}` = {v} must be a positive number of MiB");
+        }
+        let c = config(ctx)?;
+        let device = &c.run.device;
+        anyhow::ensure!(
+            device == "cpu" || c.run.world_size == 1,
+            "`run.world_size` = {}: the engine exchanges gradients between CPU ranks only (a GPU pass is one unit of work that cannot be read halfway); GPU ranks train with `impl = \"candle\"` (NCCL)",
+            c.run.world_size
+        );
         if device == "cpu" {
             anyhow::ensure!(
                 self.dtype != Precision::Bf16,
@@ -150,7 +177,13 @@ impl Transform for Engine {
 
     fn build(p: EngineParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         p.check_backend(ctx)?;
-        let kind = ExecutorKind::Engine(EngineOptions { poison: p.poison, cuda_graph: p.cuda_graph });
+        let kind = ExecutorKind::Engine(EngineOptions {
+            poison: p.poison,
+            cuda_graph: p.cuda_graph,
+            overlap: p.overlap_allreduce,
+            bucket_mib: p.bucket_mib,
+            first_bucket_mib: p.first_bucket_mib,
+        });
         Ok(Self(Session::new(p.session(), config(ctx)?, resumed(ctx), ctx.run_dir, ctx.consumers > 0, kind)?))
     }
 

@@ -236,6 +236,15 @@ impl Schedule {
     /// The backward pass of the micro-batch [`Schedule::forward`] just ran, adding every
     /// parameter's gradient into the gradient region.
     pub fn backward(&self, be: &mut dyn Backend, looping: bool) {
+        self.backward_with(be, looping, &mut |_, _| {});
+    }
+
+    /// [`Schedule::backward`], calling `at(be, event)` at each of its [`Schedule::grad_events`]
+    /// points, in order: `0` once the head's gradient is in, `k` (1 to `P`) once position
+    /// `P - k` of the `P`-position layer sequence is done (its skip included), `P + 1` at the
+    /// end. The gradients [`Schedule::grad_events`] says are final at an event may be read (and
+    /// replaced) from then on: no later op of the pass touches them.
+    pub fn backward_with(&self, be: &mut dyn Backend, looping: bool, at: &mut dyn FnMut(&mut dyn Backend, usize)) {
         let (l, sc) = (&self.layout, self.layout.scratch);
         let (n, d, v) = (self.n(), self.cfg.model_dim, self.cfg.vocab_size);
         let plan = self.plan(looping);
@@ -246,6 +255,7 @@ impl Schedule {
         be.gemm(sc.dn.mat(n, d), l.logits.mat(n, v), self.w(head), 1.0, 0.0);
         be.rms_norm_bwd(last, l.rstdf, sc.dn, sc.g, d, 1.0, false);
         be.fill(sc.dx0, 0.0);
+        at(be, 0);
         let (mut g, mut g2) = (sc.g, sc.g2);
         for (pos, step) in plan.iter().enumerate().rev() {
             let p = &l.positions[pos];
@@ -270,11 +280,52 @@ impl Schedule {
                 be.skip_bwd(g, before, l.positions[e].out, w, z, g2, l.dskip[e], dw);
                 std::mem::swap(&mut g, &mut g2);
             }
+            at(be, plan.len() - pos);
         }
         // G is now the gradient of the first block's input, x0 itself.
         be.axpby(1.0, g, 1.0, sc.dx0);
         be.rms_norm_bwd(l.emb, l.rstd0, sc.dx0, sc.demb, d, 1.0, false);
         be.embedding_bwd(sc.demb, self.grad("tok_emb.weight"), d);
+        at(be, plan.len() + 1);
+    }
+
+    /// For each parameter (the layout's slots, in order), the event of
+    /// [`Schedule::backward_with`] after which the backward pass adds nothing more to its
+    /// gradient: the head's at `0` (tied to the embedding: at the end), a block's once the
+    /// first position (in forward order) that runs it is done, the skip weights and gates once
+    /// the first decoder position that pops a skip is done, the embedding's at the end (`P + 1`).
+    /// A parameter the pass never touches (an empty skip table) is final at `0`.
+    pub fn grad_events(&self, looping: bool) -> Vec<usize> {
+        let plan = self.plan(looping);
+        let p = plan.len();
+        // Position `pos` is done at event `p - pos`: the first use in forward order is the last
+        // in the backward pass.
+        let first_use = |used: &dyn Fn(&Step) -> bool| plan.iter().position(used).map_or(0, |pos| p - pos);
+        self.layout
+            .slots
+            .iter()
+            .map(|s| {
+                let name = s.name.as_str();
+                if name == "tok_emb.weight" {
+                    p + 1
+                } else if name == "lm_head.weight" {
+                    0
+                } else if name == "skip_weights" || name == "skip_gates" {
+                    first_use(&|st| st.pops.is_some())
+                } else if let Some(i) = name.strip_prefix("blocks.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok())
+                {
+                    first_use(&|st| st.layer == i)
+                } else {
+                    // A parameter this schedule does not know: final only at the end.
+                    p + 1
+                }
+            })
+            .collect()
+    }
+
+    /// The number of positions of the layer sequence (`P` of [`Schedule::grad_events`]).
+    pub fn positions(&self, looping: bool) -> usize {
+        self.plan(looping).len()
     }
 
     /// Backward of block `i` at a position whose input stream was `h`: `g` holds the gradient

@@ -599,7 +599,7 @@ mod tests {
                 same(&cpu.grads().unwrap(), &lt.grads().unwrap(), &format!("{what} step {step} gradients"));
                 for e in [&mut cpu, &mut lt] {
                     let muon = MuonStep { lr: 0.05, momentum: 0.95, nesterov: true, backend_steps: 5, row_norm: true, weight_decay: 0.01 };
-                    e.muon(muon);
+                    e.muon(muon).unwrap();
                     for (group, _) in ADAM_GROUPS {
                         e.adam(group, 0.01, (0.9, 0.95), 1e-8, 0.0);
                     }

@@ -17,13 +17,16 @@
 //! - [`gpt`]: the schedule, the model op by op, forward and backward;
 //! - [`optim`]: Muon (Newton-Schulz batched per shape) and Adam/AdamW over the arena;
 //! - [`step`]: [`Engine`], what a training step does with them, and the exchange of
-//!   parameters and optimizer state as named tensors (the candle executor's names).
+//!   parameters and optimizer state as named tensors (the candle executor's names);
+//! - [`exchange`]: several ranks: the gradients averaged over the ranks in buckets that leave
+//!   while the backward pass runs.
 //!
 //! The `step_executor` stage's `impl = "engine"` trains with it ([`crate::train`]); the
 //! checks against candle's autograd are in `tests.rs`.
 
 pub mod backend;
 pub mod cpu;
+pub mod exchange;
 pub mod gpt;
 pub mod kernels;
 pub mod layout;

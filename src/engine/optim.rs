@@ -4,8 +4,14 @@
 //! place. SGD (test-time training) and the EMA are single backend ops
 //! ([`Backend::sgd`], [`Backend::ema`]).
 
-use super::backend::{AdamStep, Backend};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use candle_core::Tensor;
+
+use super::backend::{AdamStep, Backend, Buf};
 use super::layout::Layout;
+use crate::dist::{Collective, ReduceOp};
 use crate::model::ParamGroup;
 use crate::optim::{NS5_COEFFS, NS5_EPS, ROW_NORM_EPS};
 
@@ -29,15 +35,30 @@ pub struct MuonStep {
 /// One Muon step over every matrix: per shape, the updates `U` stacked, normalised, run
 /// through the quintic Newton-Schulz iteration as one batch, scaled by `sqrt(max(1, rows /
 /// cols))` and subtracted.
-pub fn muon(be: &mut dyn Backend, l: &Layout, s: MuonStep) {
+///
+/// Sharded over `ranks` (the records' sharded Muon): every rank updates every momentum buffer,
+/// but orthogonalises only the matrices it owns (matrix `i`, in `state_dict` order among the
+/// matrices, belongs to rank `i mod W`) and zeroes the others' `O`; one all-reduce (sum) of the
+/// stacks then gives every rank every `O` (adding zeros is exact: the result is one rank's bit
+/// for bit). Returns the exchange's wall time (zero on one rank).
+pub fn muon(be: &mut dyn Backend, l: &Layout, s: MuonStep, ranks: Option<&dyn Collective>) -> anyhow::Result<Duration> {
+    let (rank, world) = ranks.map_or((0, 1), |c| (c.rank(), c.world()));
+    let matrix_index: HashMap<usize, usize> =
+        l.slots.iter().enumerate().filter(|(_, s)| s.group == ParamGroup::Matrix).enumerate().map(|(k, (i, _))| (i, k)).collect();
     let (a, b, c) = NS5_COEFFS;
     for g in &l.muon {
         let (k, (r, cols)) = (g.members.len(), g.shape);
         let len = r * cols;
+        let owned: Vec<bool> = g.members.iter().map(|m| matrix_index[m] % world == rank).collect();
         // buf = mu buf + G; U = G + mu buf (Nesterov) or buf.
         for (j, &m) in g.members.iter().enumerate() {
             let slot = &l.slots[m];
             be.momentum(slot.grad, slot.state0, g.u.sub(j * len, len), s.momentum, s.nesterov);
+        }
+        if !owned.iter().any(|&o| o) {
+            // None of this shape is this rank's: the others send every O.
+            be.fill(g.u, 0.0);
+            continue;
         }
         if s.row_norm {
             be.row_normalize(g.u, cols, ROW_NORM_EPS);
@@ -53,7 +74,7 @@ pub fn muon(be: &mut dyn Backend, l: &Layout, s: MuonStep) {
         let (m, n) = if tall { (cols, r) } else { (r, cols) };
         let (mut x, mut x2) = (g.x, g.x2);
         for _ in 0..s.backend_steps {
-            for j in 0..k {
+            for j in (0..k).filter(|&j| owned[j]) {
                 let xj = x.sub(j * len, len).mat(m, n);
                 let (aj, bj) = (g.a.sub(j * m * m, m * m).mat(m, m), g.b.sub(j * m * m, m * m).mat(m, m));
                 // A = X X^T; B = A A (then b A + c B); X' = a X + B X.
@@ -61,7 +82,7 @@ pub fn muon(be: &mut dyn Backend, l: &Layout, s: MuonStep) {
                 be.gemm(bj, aj, aj, 1.0, 0.0);
             }
             be.axpby(b, g.a, c, g.b);
-            for j in 0..k {
+            for j in (0..k).filter(|&j| owned[j]) {
                 let bj = g.b.sub(j * m * m, m * m).mat(m, m);
                 be.gemm(x2.sub(j * len, len).mat(m, n), bj, x.sub(j * len, len).mat(m, n), 1.0, 0.0);
             }
@@ -74,12 +95,42 @@ pub fn muon(be: &mut dyn Backend, l: &Layout, s: MuonStep) {
         } else {
             be.copy(g.u, x);
         }
+        // Another rank's matrices: zeros here (what this rank computed for them is not O).
+        for j in (0..k).filter(|&j| !owned[j]) {
+            be.fill(g.u.sub(j * len, len), 0.0);
+        }
+    }
+    let mut comm = Duration::ZERO;
+    if let Some(c) = ranks.filter(|c| c.world() > 1) {
+        let regions: Vec<Buf> = l.muon.iter().map(|g| g.u).collect();
+        comm = all_reduce_regions(be, &regions, c, ReduceOp::Sum).map_err(|e| e.context("sharded Muon's exchange of updates"))?;
+    }
+    for g in &l.muon {
+        let (r, cols) = g.shape;
+        let len = r * cols;
         let scale = (r as f64 / cols as f64).max(1.0).sqrt();
         for (j, &mi) in g.members.iter().enumerate() {
             // P = P (1 - lr wd) - lr scale O.
             be.axpby(-s.lr * scale, g.u.sub(j * len, len), 1.0 - s.lr * s.weight_decay, l.slots[mi].value);
         }
     }
+    Ok(comm)
+}
+
+/// `regions` of the arena combined over the ranks by `op`, in place, as one flat buffer through
+/// the host; returns the collective's wall time.
+pub fn all_reduce_regions(be: &mut dyn Backend, regions: &[Buf], ranks: &dyn Collective, op: ReduceOp) -> anyhow::Result<Duration> {
+    let parts: Vec<Tensor> = regions.iter().map(|r| be.download(*r, &[r.len])).collect::<anyhow::Result<_>>()?;
+    let flat = Tensor::cat(&parts, 0)?;
+    let t0 = Instant::now();
+    let out = ranks.all_reduce(&flat, op)?;
+    let took = t0.elapsed();
+    let mut at = 0;
+    for r in regions {
+        be.upload(*r, &out.narrow(0, at, r.len)?)?;
+        at += r.len;
+    }
+    Ok(took)
 }
 
 /// One Adam step of the parameters in `group`, the `t`-th (counted from 1).

@@ -10,6 +10,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::backend::{Backend, Buf, GraphCounts};
 use super::cpu::CpuBackend;
+use super::exchange::{Exchange, ExchangeStats};
 use super::gpt::Schedule;
 use super::kernels::Capacity;
 use super::layout::Layout;
@@ -80,6 +81,10 @@ pub struct Engine {
     poison: bool,
     /// Steps each Adam group has taken (its bias correction's `t`).
     adam_steps: [u64; 3],
+    /// Several ranks: the gradient exchange (none on one rank).
+    exchange: Option<Exchange>,
+    /// Wall time of the last optimizer step's collectives (sharded Muon's exchange).
+    last_comm: Duration,
 }
 
 impl Engine {
@@ -119,7 +124,7 @@ impl Engine {
         let schedule = Schedule::new(cfg, rows, t, rms_eps(dtype));
         let len = schedule.layout.len();
         anyhow::ensure!(be.len() == len, "the backend's arena holds {} elements, this model's layout {len}", be.len());
-        let mut e = Engine { be, schedule, poison, adam_steps: [0; 3] };
+        let mut e = Engine { be, schedule, poison, adam_steps: [0; 3], exchange: None, last_comm: Duration::ZERO };
         let (cos, sin) = rope_tables(t, cfg.rotary_dims(), cfg.rope_base_for(t), dtype, &Device::Cpu)?;
         let l = &e.schedule.layout;
         let (c, s) = (l.cos, l.sin);
@@ -186,6 +191,62 @@ impl Engine {
     /// layer sequence (depth recurrence on). Each pass is one unit of work
     /// ([`Backend::begin_unit`]): no host read, a CUDA graph on the GPU.
     pub fn micro_step(&mut self, x: &[u32], y: &[u32], looping: bool, grad_scale: f64) -> MicroResult {
+        self.micro_step_with(x, y, looping, grad_scale, &mut |_, _| {})
+    }
+
+    /// Trains as one of `ranks` (data parallel), from now on: the last micro-batch of each
+    /// step goes through [`Engine::exchanged_micro_step`], which averages the gradients over the
+    /// ranks in buckets of `buckets` = `(first, rest)` elements, sent while the backward pass
+    /// runs when `overlap`; Muon is sharded ([`optim::muon`]). A world of one changes nothing.
+    /// Errors on a backend that cannot exchange (a GPU's: see [`super::exchange`]).
+    pub fn set_ranks(
+        &mut self,
+        ranks: std::sync::Arc<dyn crate::dist::Collective>,
+        buckets: (usize, usize),
+        overlap: bool,
+    ) -> anyhow::Result<()> {
+        if ranks.world() > 1 {
+            self.exchange = Some(Exchange::new(&self.schedule, self.be.as_ref(), ranks, buckets, overlap)?);
+        }
+        Ok(())
+    }
+
+    /// The gradient exchange, when several ranks train.
+    pub fn exchange(&self) -> Option<&Exchange> {
+        self.exchange.as_ref()
+    }
+
+    /// [`Engine::micro_step`] for the last micro-batch of a step: on several ranks
+    /// ([`Engine::set_ranks`]) every gradient is the ranks' mean when it returns, each bucket
+    /// sent as soon as the backward pass has finished it. On one rank, the plain micro-step.
+    pub fn exchanged_micro_step(
+        &mut self,
+        x: &[u32],
+        y: &[u32],
+        looping: bool,
+        grad_scale: f64,
+    ) -> anyhow::Result<(MicroResult, ExchangeStats)> {
+        let Some(exchange) = self.exchange.take() else {
+            return Ok((self.micro_step(x, y, looping, grad_scale), ExchangeStats::default()));
+        };
+        let mut pass = exchange.pass(looping);
+        let r = self.micro_step_with(x, y, looping, grad_scale, &mut |be, event| pass.at(&exchange, be, event));
+        let stats = exchange.finish(self.be.as_mut(), pass);
+        self.exchange = Some(exchange);
+        Ok((r, stats?))
+    }
+
+    /// [`Engine::micro_step`], calling `at(backend, event)` at each event of the backward pass
+    /// ([`Schedule::backward_with`]). On a backend that batches a pass into one unit of work
+    /// (the GPU's), `at` must not read the arena.
+    pub fn micro_step_with(
+        &mut self,
+        x: &[u32],
+        y: &[u32],
+        looping: bool,
+        grad_scale: f64,
+        at: &mut dyn FnMut(&mut dyn Backend, usize),
+    ) -> MicroResult {
         let (acts, scratch) = (self.schedule.layout.activations, self.schedule.layout.scratch_region);
         let t0 = Instant::now();
         self.be.set_tokens(x, y);
@@ -197,7 +258,7 @@ impl Engine {
         self.be.end_unit();
         let t1 = Instant::now();
         self.be.begin_unit(if looping { "backward looped" } else { "backward" });
-        self.schedule.backward(self.be.as_mut(), looping);
+        self.schedule.backward_with(self.be.as_mut(), looping, at);
         if self.poison {
             self.be.fill(acts, f64::NAN);
             self.be.fill(scratch, f64::NAN);
@@ -234,7 +295,8 @@ impl Engine {
         if s.clip > 0.0 {
             self.be.clip_norm(grads, s.clip, norm);
         }
-        self.muon(s.muon);
+        let ranks = self.exchange.as_ref().map(|x| x.ranks().clone());
+        self.last_comm = optim::muon(self.be.as_mut(), &self.schedule.layout, s.muon, ranks.as_deref())?;
         for ((group, _), (lr, wd)) in ADAM_GROUPS.iter().zip(s.adam) {
             self.adam(*group, lr, s.betas, s.eps, wd);
         }
@@ -261,9 +323,15 @@ impl Engine {
         self.be.all_finite(self.schedule.layout.params)
     }
 
-    /// One Muon step over the block matrices.
-    pub fn muon(&mut self, s: MuonStep) {
-        optim::muon(self.be.as_mut(), &self.schedule.layout, s);
+    /// One Muon step over the block matrices (on one rank).
+    pub fn muon(&mut self, s: MuonStep) -> anyhow::Result<()> {
+        optim::muon(self.be.as_mut(), &self.schedule.layout, s, None).map(|_| ())
+    }
+
+    /// Wall time of the last optimizer step's collectives (sharded Muon's exchange; zero on
+    /// one rank).
+    pub fn last_comm(&self) -> Duration {
+        self.last_comm
     }
 
     /// One Adam step of `group` (its step count advances first).

@@ -182,3 +182,46 @@ fn sgd_and_ema_loops_equal_their_candle_twins() {
         assert!(rel_err(&want_avg, &flat(&be.download(avg, &[n]).unwrap())) < 1e-14, "ema step {step}");
     }
 }
+
+/// The backward pass's events ([`crate::engine::gpt::Schedule::grad_events`]) are honest: what
+/// a gradient holds at the event that names it final is what it holds at the end of the pass,
+/// bit for bit, for every parameter (the exchange between ranks sends it then), looped and
+/// not, tied head and untied, with gradients already accumulated from an earlier micro-batch.
+/// And they are early enough to be worth it: the head's (untied) at 0, every block's before the
+/// end.
+#[test]
+fn gradients_are_final_at_their_events() {
+    let untied = ModelConfig { tie_embeddings: false, ..record_small() };
+    for (cfg, looping) in [(baseline_small(), false), (record_small(), false), (record_small(), true), (untied, true)] {
+        let (rows, t) = (2, 6);
+        let m = perturbed(&cfg, 3);
+        let mut e = Engine::cpu(&cfg, rows, t, DType::F64, false).unwrap();
+        e.load_params(&m.state_dict().into_iter().collect()).unwrap();
+        e.zero_grads();
+        let (x, y) = (tokens(5, rows * t, cfg.vocab_size as u32), tokens(6, rows * t, cfg.vocab_size as u32));
+        e.micro_step(&x, &y, looping, 0.5);
+        let slots = e.schedule().layout.slots.clone();
+        let events = e.schedule().grad_events(looping);
+        let p = e.schedule().positions(looping);
+        let mut seen = Vec::new();
+        let mut at_event: Vec<Option<Vec<f64>>> = vec![None; slots.len()];
+        e.micro_step_with(&x, &y, looping, 0.5, &mut |be, event| {
+            seen.push(event);
+            for (i, s) in slots.iter().enumerate().filter(|(i, _)| events[*i] == event) {
+                at_event[i] = Some(flat(&be.download(s.grad, &[s.grad.len]).unwrap()));
+            }
+        });
+        assert_eq!(seen, (0..=p + 1).collect::<Vec<_>>(), "events in order, each once");
+        let end: HashMap<String, Tensor> = e.grads().unwrap().into_iter().collect();
+        for (i, s) in slots.iter().enumerate() {
+            let then = at_event[i].as_ref().unwrap();
+            assert!(then == &flat(&end[&s.name]), "{} (looping {looping}): changed after its event {}", s.name, events[i]);
+            if s.name.starts_with("blocks.") {
+                assert!(events[i] <= p, "{}: final only at the end", s.name);
+            }
+            if s.name == "lm_head.weight" {
+                assert_eq!(events[i], 0);
+            }
+        }
+    }
+}

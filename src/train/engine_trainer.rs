@@ -6,12 +6,13 @@
 //! ([`crate::engine::kernels`]).
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use candle_core::{DType, Tensor};
 
 use crate::device::phase_clock::PhaseTimes;
 use crate::engine::Engine;
+use crate::engine::exchange::ExchangeStats;
 use crate::engine::optim::MuonStep;
 use crate::engine::step::{ADAM_GROUPS, OptimizerStep};
 use crate::model::{Gpt, ParamGroup};
@@ -39,6 +40,8 @@ pub struct EngineTrainer {
     /// Tokens per micro-batch.
     tokens: usize,
     phases: PhaseTimes,
+    /// The step's gradient exchange so far (several ranks).
+    exchanged: ExchangeStats,
 }
 
 impl EngineTrainer {
@@ -66,7 +69,18 @@ impl EngineTrainer {
             step: 0,
             tokens: rows * t,
             phases: PhaseTimes::default(),
+            exchanged: ExchangeStats::default(),
         })
+    }
+
+    /// Trains as one of `ranks` (data parallel; a world of one changes nothing): the last
+    /// micro-batch of each step averages the gradients over the ranks in buckets sent while its
+    /// backward pass runs (`overlap`), DDP's sizes from `o`; Muon is sharded. Errors on a GPU,
+    /// whose engine does not exchange gradients yet.
+    pub fn with_ranks(mut self, ranks: std::sync::Arc<dyn crate::dist::Collective>, o: &EngineOptions) -> anyhow::Result<Self> {
+        let elems = |mib: f64| ((mib * (1 << 20) as f64) / self.engine.dtype().size_in_bytes() as f64).max(1.0) as usize;
+        self.engine.set_ranks(ranks, (elems(o.first_bucket_mib), elems(o.bucket_mib)), o.overlap)?;
+        Ok(self)
     }
 
     /// The engine.
@@ -110,9 +124,20 @@ impl Executor for EngineTrainer {
         }
         let n = self.tokens as f64;
         // The loss stays on the device until the step ends (no host read per micro-batch).
-        let r = self.engine.micro_step(&xs, &ys, self.mirror.looping(), 1.0 / (n * self.micro_steps as f64));
+        let (looping, scale) = (self.mirror.looping(), 1.0 / (n * self.micro_steps as f64));
+        let r = if self.micro_done + 1 == self.micro_steps {
+            // The step's last micro-batch: on several ranks its backward pass sends the
+            // gradients to be averaged as it finishes them.
+            let (r, x) = self.engine.exchanged_micro_step(&xs, &ys, looping, scale)?;
+            self.exchanged = x;
+            r
+        } else {
+            self.engine.micro_step(&xs, &ys, looping, scale)
+        };
         self.micro_done += 1;
-        let times = MicroTimes { forward: r.forward, backward: r.backward };
+        // The wait for the exchange ends the backward phase (the all-reduce is part of it).
+        let backward = r.backward + if self.micro_done == self.micro_steps { self.exchanged.exposed } else { Duration::ZERO };
+        let times = MicroTimes { forward: r.forward, backward };
         self.phases.forward += times.forward;
         self.phases.backward += times.backward;
         Ok(times)
@@ -146,8 +171,11 @@ impl Executor for EngineTrainer {
         anyhow::ensure!(train_loss.is_finite(), "the training loss is {train_loss} at step {}", self.step + 1);
         self.sync_mirror()?;
         let phases = PhaseTimes { optimizer: t0.elapsed(), ..std::mem::take(&mut self.phases) };
-        let outcome =
-            StepOutcome { train_loss, lr_mul, frac, momentum, grad_norm: stats.grad_norm, phases, comm: std::time::Duration::ZERO };
+        let x = std::mem::take(&mut self.exchanged);
+        // What the step waited for: the exchange after the backward pass, and Muon's.
+        let comm = x.exposed + self.engine.last_comm();
+        let overlapped = x.comm.saturating_sub(x.exposed);
+        let outcome = StepOutcome { train_loss, lr_mul, frac, momentum, grad_norm: stats.grad_norm, phases, comm, overlapped };
         self.micro_done = 0;
         self.step += 1;
         Ok(outcome)
@@ -157,6 +185,7 @@ impl Executor for EngineTrainer {
         let n = self.micro_done;
         self.engine.zero_grads();
         self.phases = PhaseTimes::default();
+        self.exchanged = ExchangeStats::default();
         self.micro_done = 0;
         n
     }
@@ -254,8 +283,7 @@ mod tests {
         };
         let (rows, t) = (2, 6);
         let mut candle: Box<dyn Executor> = Box::new(Trainer::new(model(), &cfg, 2).unwrap());
-        let mut engine: Box<dyn Executor> =
-            Box::new(EngineTrainer::new(model(), &cfg, 2, (rows, t), EngineOptions { poison: false, cuda_graph: true }).unwrap());
+        let mut engine: Box<dyn Executor> = Box::new(EngineTrainer::new(model(), &cfg, 2, (rows, t), EngineOptions::default()).unwrap());
         for step in 0..3 {
             for e in [&mut candle, &mut engine] {
                 if step == 1 {

@@ -43,13 +43,17 @@ pub struct StepOutcome {
     /// ended since the previous step, i.e. this step's micro-batches and usually the previous
     /// step's update; the host's times would only be the time to queue the work.
     pub phases: PhaseTimes,
-    /// Wall time of the step's collectives on several ranks (the gradient all-reduce and the
-    /// sharded Muon's update exchange); zero on one rank.
+    /// Wall time the step waited for its collectives on several ranks (the gradient
+    /// all-reduce and the sharded Muon's update exchange); zero on one rank. Without overlap
+    /// that is all of their time.
     pub comm: Duration,
+    /// Time of the gradient all-reduce that ran while the backward pass went on (the engine
+    /// sends buckets as the pass finishes them): collective time the step did not wait for.
+    pub overlapped: Duration,
 }
 
 /// Which executor a `step_executor` stage trains with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ExecutorKind {
     /// candle's autograd (`impl = "candle"`).
     Candle,
@@ -58,13 +62,32 @@ pub enum ExecutorKind {
 }
 
 /// How the engine runs, beside the model's own settings.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct EngineOptions {
     /// NaN in every dead buffer around each pass (a check for arena aliasing).
     pub poison: bool,
     /// On a GPU: capture each pass and the optimizer step once as CUDA graphs and replay them
     /// (off: every op launched as it comes).
     pub cuda_graph: bool,
+    /// Several ranks: send each bucket of gradients to be averaged as soon as the backward pass
+    /// has finished it (false: all of them after the pass).
+    pub overlap: bool,
+    /// Several ranks: the size of a gradient bucket, MiB (DDP's 25).
+    pub bucket_mib: f64,
+    /// Several ranks: the size of the first bucket, MiB (DDP's 1: the exchange starts early).
+    pub first_bucket_mib: f64,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            poison: false,
+            cuda_graph: true,
+            overlap: true,
+            bucket_mib: crate::engine::exchange::DEFAULT_BUCKET_MIB,
+            first_bucket_mib: crate::engine::exchange::DEFAULT_FIRST_BUCKET_MIB,
+        }
+    }
 }
 
 /// One optimizer step at a time, fed micro-batch by micro-batch.

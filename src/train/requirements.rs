@@ -107,15 +107,6 @@ pub(crate) fn check_train(t: &TrainConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub(crate) fn single_rank(c: &Config) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        c.run.world_size == 1,
-        "`run.world_size` = {}: the explicit engine (`impl = \"engine\"`) trains one rank; several ranks train with `impl = \"candle\"`",
-        c.run.world_size
-    );
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -60,6 +60,8 @@ pub struct Session {
     agreed_stop: bool,
     /// The steps' collectives' wall time so far (several ranks).
     comm_total: Duration,
+    /// Collective time hidden under the backward pass (the engine's overlapped all-reduce).
+    overlapped_total: Duration,
     trainer: Box<dyn Executor>,
     validator: Validator,
     log: TrainLog,
@@ -131,9 +133,6 @@ impl Session {
         executor: ExecutorKind,
     ) -> anyhow::Result<Self> {
         requirements::check(&p, c)?;
-        if matches!(executor, ExecutorKind::Engine(_)) {
-            requirements::single_rank(c)?;
-        }
         // A checkpoint made after the last step: no step is trained, ever again.
         let finish_only = resume.and_then(|ck| resume::training_end(ck.meta.step, ck.meta.train_ms, &c.train));
         let shape = c.batch_shape()?;
@@ -183,6 +182,7 @@ impl Session {
             }
             ExecutorKind::Engine(options) => Box::new(
                 EngineTrainer::new(model, &c.train, shape.micro_steps, (shape.rows, shape.seq_len), options)
+                    .and_then(|e| e.with_ranks(ranks.clone(), &options))
                     .context("stage `step_executor`")?,
             ),
         };
@@ -273,6 +273,7 @@ impl Session {
             ranks,
             agreed_stop: false,
             comm_total: Duration::ZERO,
+            overlapped_total: Duration::ZERO,
             last_weights: None,
         })
     }
@@ -631,10 +632,14 @@ impl Session {
         let out = self.trainer.finish_step(start_ms)?;
         ctx.trace_phases(&[("optimizer", t0.elapsed())]);
         self.comm_total += out.comm;
+        self.overlapped_total += out.overlapped;
         if self.ranks.world() > 1 {
-            // The step's collectives (gradient all-reduce, sharded Muon's exchange), also inside
-            // the optimizer phase above.
+            // What the step waited for its collectives (gradient all-reduce, sharded Muon's
+            // exchange), also inside the phases above (candle: the optimizer; the engine: the
+            // backward pass for the all-reduce, the optimizer for Muon's), and the all-reduce
+            // time that ran under the backward pass instead.
             ctx.record("allreduce", out.comm.as_nanos() as u64);
+            ctx.record("allreduce_overlapped", out.overlapped.as_nanos() as u64);
         }
         self.add_phases(out.phases);
         self.window_steps += 1;
@@ -799,6 +804,7 @@ impl Session {
                 "world_size": self.ranks.world(),
                 "comm_ms_per_step": if steps > 0 { self.comm_total.as_secs_f64() * 1e3 / steps as f64 } else { 0.0 },
                 "comm_share_pct": if train_ms > 0.0 { 100.0 * self.comm_total.as_secs_f64() * 1e3 / train_ms } else { 0.0 },
+                "comm_overlapped_ms_per_step": if steps > 0 { self.overlapped_total.as_secs_f64() * 1e3 / steps as f64 } else { 0.0 },
                 "resumed_from_step": (self.resumed_from > 0).then_some(self.resumed_from),
                 "weights": self.weights_path.as_ref().filter(|p| p.exists()).map(|p| p.display().to_string()),
             }),

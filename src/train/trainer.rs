@@ -238,7 +238,16 @@ impl Trainer {
         self.clock.span(Phase::Optimizer, m0, m1);
         let host = PhaseTimes { optimizer: t0.elapsed(), ..std::mem::take(&mut self.host_phases) };
         let phases = if self.device_timed() { self.clock.take_ended()?.unwrap_or_default() } else { host };
-        let outcome = StepOutcome { train_loss: self.loss_sum / self.micro_steps as f64, lr_mul, frac, momentum, grad_norm, phases, comm };
+        let outcome = StepOutcome {
+            train_loss: self.loss_sum / self.micro_steps as f64,
+            lr_mul,
+            frac,
+            momentum,
+            grad_norm,
+            phases,
+            comm,
+            overlapped: std::time::Duration::ZERO,
+        };
         self.grads = GradStore::default();
         self.micro_done = 0;
         self.loss_sum = 0.0;

@@ -338,7 +338,7 @@ fn the_engine_on_the_emulated_gpu_matches_the_cpu_engine() {
     assert!((losses[0] - losses[1]).abs() <= 1e-3 * losses[0], "mean losses {losses:?}");
     compare("gradient", cpu.grads().unwrap(), gpu.grads().unwrap());
     for e in [&mut cpu, &mut gpu] {
-        e.muon(MuonStep { lr: 0.05, momentum: 0.95, nesterov: true, backend_steps: 5, row_norm: true, weight_decay: 0.01 });
+        e.muon(MuonStep { lr: 0.05, momentum: 0.95, nesterov: true, backend_steps: 5, row_norm: true, weight_decay: 0.01 }).unwrap();
         for (group, _) in ADAM_GROUPS {
             e.adam(group, 0.01, (0.9, 0.95), 1e-8, 0.0);
         }

@@ -1,0 +1,277 @@
+//! The engine's gradient exchange between ranks (data parallel): after a step's last
+//! micro-batch every gradient is replaced by its mean over the ranks, as DDP's all-reduce does,
+//! in buckets that leave as soon as the backward pass has finished their gradients, so that the
+//! collectives run while the pass goes on.
+//!
+//! ```text
+//! backward pass (compute thread)              exchange thread
+//!   head          event 0  -> bucket 0 ready ---> all-reduce(bucket 0)      (the last blocks'
+//!   position P-1  event 1                         ...                        gradients and the
+//!   ...           event k  -> bucket 1 ready ---> all-reduce(bucket 1)       head leave first)
+//!   embedding     event P+1 -> the rest     ---> all-reduce(...)
+//! wait for every bucket; write the means back into the gradient region
+//! ```
+//!
+//! Buckets follow DDP's policy: parameters in the order their gradients become final
+//! ([`Schedule::grad_events`]), packed until a bucket holds `bucket_elems` (the first one only
+//! `first_bucket_elems`, so that the exchange starts early); a bucket leaves at the event where
+//! its last gradient is final. Every rank makes the same buckets and sends them in the same
+//! order, from one thread, so the collectives match across ranks. A bucket travels through the
+//! host ([`Backend::download`], the collective, [`Backend::upload`]): on the CPU backends that is
+//! a copy; the GPU backend batches a pass's work into one unit and cannot be read in the middle
+//! of it, so the engine does not exchange on a GPU ([`Exchange::new`] refuses it).
+//!
+//! The caller must make no other collective call between the start of the pass and
+//! [`Exchange::finish`]: the exchange thread's calls would interleave with them in a different
+//! order on different ranks.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::Tensor;
+
+use super::backend::{Backend, Buf};
+use super::gpt::Schedule;
+use crate::dist::{Collective, ReduceOp};
+
+/// DDP's default bucket: 25 MiB of f32.
+pub const DEFAULT_BUCKET_MIB: f64 = 25.0;
+
+/// DDP's first bucket: 1 MiB of f32 (small, so that the exchange starts early in the pass).
+pub const DEFAULT_FIRST_BUCKET_MIB: f64 = 1.0;
+
+/// One bucket: gradients (regions of the arena) that travel together.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bucket {
+    /// The slots (parameters) it carries, in the order they became final.
+    pub slots: Vec<usize>,
+    /// Their gradient regions.
+    pub regions: Vec<Buf>,
+    /// The event of the backward pass after which all of them are final.
+    pub ready: usize,
+    /// Elements.
+    pub elems: usize,
+}
+
+/// The buckets of a layer sequence (looped or not), in the order they leave.
+pub fn plan_buckets(schedule: &Schedule, looping: bool, first_bucket_elems: usize, bucket_elems: usize) -> Vec<Bucket> {
+    let slots = &schedule.layout.slots;
+    let events = schedule.grad_events(looping);
+    // Final first leaves first; among equals, the later parameter first (DDP's reverse order).
+    let mut order: Vec<usize> = (0..slots.len()).filter(|&i| slots[i].grad.len > 0).collect();
+    order.sort_by_key(|&i| (events[i], std::cmp::Reverse(i)));
+    let mut out: Vec<Bucket> = Vec::new();
+    let mut cur = Bucket { slots: Vec::new(), regions: Vec::new(), ready: 0, elems: 0 };
+    for i in order {
+        cur.slots.push(i);
+        cur.regions.push(slots[i].grad);
+        cur.ready = cur.ready.max(events[i]);
+        cur.elems += slots[i].grad.len;
+        let cap = if out.is_empty() { first_bucket_elems.min(bucket_elems) } else { bucket_elems };
+        if cur.elems >= cap.max(1) {
+            out.push(std::mem::replace(&mut cur, Bucket { slots: Vec::new(), regions: Vec::new(), ready: 0, elems: 0 }));
+        }
+    }
+    if !cur.slots.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// What one step's exchange did.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ExchangeStats {
+    /// Buckets sent.
+    pub buckets: usize,
+    /// Elements averaged.
+    pub elems: usize,
+    /// Wall time of the collectives on the exchange thread (packing included).
+    pub comm: Duration,
+    /// Time the compute thread waited for the exchange after the backward pass: the part of
+    /// `comm` the step paid for (all of it without overlap).
+    pub exposed: Duration,
+}
+
+/// What the exchange thread returns per bucket: the averaged values and the collective's time.
+type Done = anyhow::Result<(Tensor, Duration)>;
+
+/// The exchange of one engine: its buckets per layer sequence and its thread.
+pub struct Exchange {
+    ranks: Arc<dyn Collective>,
+    /// Buckets of the unlooped and the looped layer sequence.
+    plans: [Vec<Bucket>; 2],
+    /// Send buckets as they become ready (false: all after the pass, for comparison).
+    overlap: bool,
+    jobs: Option<flume::Sender<Tensor>>,
+    done: flume::Receiver<Done>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Exchange {
+    /// The exchange of `schedule`'s gradients among `ranks` in buckets of `bucket_elems` (the
+    /// first `first_bucket_elems`), sent while the backward pass runs when `overlap`. Errors
+    /// for a backend that cannot be read in the middle of a pass (a GPU's) and when the thread
+    /// cannot start.
+    pub fn new(
+        schedule: &Schedule,
+        be: &dyn Backend,
+        ranks: Arc<dyn Collective>,
+        (first_bucket_elems, bucket_elems): (usize, usize),
+        overlap: bool,
+    ) -> anyhow::Result<Exchange> {
+        anyhow::ensure!(
+            be.device_name() == "cpu",
+            "the engine exchanges gradients between ranks on the CPU backends only (on {} a pass is one unit of work that cannot be read halfway); GPU ranks train with `impl = \"candle\"` (NCCL)",
+            be.device_name()
+        );
+        let plans = [false, true].map(|looping| plan_buckets(schedule, looping, first_bucket_elems, bucket_elems));
+        let (jobs, rx) = flume::unbounded::<Tensor>();
+        let (tx, done) = flume::unbounded::<Done>();
+        let c = ranks.clone();
+        let thread = std::thread::Builder::new().name("grad-exchange".into()).spawn(move || {
+            for t in rx.iter() {
+                let t0 = Instant::now();
+                let r = c.all_reduce(&t, ReduceOp::Mean).map(|m| (m, t0.elapsed()));
+                if tx.send(r).is_err() {
+                    break;
+                }
+            }
+        })?;
+        Ok(Exchange { ranks, plans, overlap, jobs: Some(jobs), done, thread: Some(thread) })
+    }
+
+    /// The buckets of a layer sequence, in the order they leave.
+    pub fn buckets(&self, looping: bool) -> &[Bucket] {
+        &self.plans[looping as usize]
+    }
+
+    /// The ranks.
+    pub fn ranks(&self) -> &Arc<dyn Collective> {
+        &self.ranks
+    }
+
+    /// One pass's exchange: call [`Pass::at`] at every event of the backward pass, then
+    /// [`Exchange::finish`].
+    pub fn pass(&self, looping: bool) -> Pass {
+        Pass { looping, overlap: self.overlap, sent: 0, error: None }
+    }
+
+    /// Sends the bucket `i` of the layer sequence: its gradients packed into one tensor.
+    fn send(&self, be: &dyn Backend, looping: bool, i: usize) -> anyhow::Result<()> {
+        let b = &self.plans[looping as usize][i];
+        let parts: Vec<Tensor> = b.regions.iter().map(|r| be.download(*r, &[r.len])).collect::<anyhow::Result<_>>()?;
+        let flat = if parts.len() == 1 { parts.into_iter().next().unwrap_or_else(|| unreachable!()) } else { Tensor::cat(&parts, 0)? };
+        let jobs = self.jobs.as_ref().ok_or_else(|| anyhow::anyhow!("the gradient exchange is closed"))?;
+        jobs.send(flat).map_err(|_| anyhow::anyhow!("the gradient exchange thread has ended"))
+    }
+
+    /// Ends a pass: sends what is left, waits for every bucket and writes the ranks' means into
+    /// the gradient region. Errors when a bucket could not be read or reduced.
+    pub fn finish(&self, be: &mut dyn Backend, mut pass: Pass) -> anyhow::Result<ExchangeStats> {
+        let looping = pass.looping;
+        let plan = &self.plans[looping as usize];
+        let t0 = Instant::now();
+        if pass.error.is_none() {
+            pass.overlap = true;
+            pass.at(self, be, usize::MAX);
+        }
+        let mut stats = ExchangeStats::default();
+        // Every sent bucket is received, even after an error, so that none is left behind for
+        // the next pass.
+        let mut error = pass.error.take();
+        for b in &plan[..pass.sent] {
+            let r = self.done.recv().map_err(|_| anyhow::anyhow!("the gradient exchange thread has ended")).and_then(|r| r);
+            match r {
+                Ok((mean, took)) if error.is_none() => {
+                    stats.comm += took;
+                    stats.buckets += 1;
+                    stats.elems += b.elems;
+                    let mut at = 0;
+                    for region in &b.regions {
+                        be.upload(*region, &mean.narrow(0, at, region.len)?)?;
+                        at += region.len;
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => error = error.or(Some(e.context("the gradient all-reduce"))),
+            }
+        }
+        if let Some(e) = error {
+            return Err(e);
+        }
+        anyhow::ensure!(pass.sent == plan.len(), "internal: {} of {} gradient buckets were sent", pass.sent, plan.len());
+        stats.exposed = t0.elapsed();
+        Ok(stats)
+    }
+}
+
+impl Drop for Exchange {
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One backward pass's progress through the buckets.
+pub struct Pass {
+    looping: bool,
+    overlap: bool,
+    /// Buckets sent so far.
+    sent: usize,
+    /// The first error (later buckets are not sent).
+    error: Option<anyhow::Error>,
+}
+
+impl Pass {
+    /// The backward pass reached `event`: sends every bucket whose gradients are now final
+    /// (only at the end without overlap).
+    pub fn at(&mut self, x: &Exchange, be: &dyn Backend, event: usize) {
+        let plan = &x.plans[self.looping as usize];
+        if !self.overlap || self.error.is_some() {
+            return;
+        }
+        while self.sent < plan.len() && plan[self.sent].ready <= event {
+            if let Err(e) = x.send(be, self.looping, self.sent) {
+                self.error = Some(e);
+                return;
+            }
+            self.sent += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::tests::record_small;
+
+    /// Every parameter travels in exactly one bucket, buckets leave in event order, and only
+    /// the last bucket may be smaller than its cap.
+    #[test]
+    fn buckets_cover_every_gradient_once_in_event_order() {
+        let s = Schedule::new(&record_small(), 2, 6, 1e-6);
+        for looping in [false, true] {
+            for (first, cap) in [(1, 1), (300, 1000), (1 << 20, 1 << 20)] {
+                let plan = plan_buckets(&s, looping, first, cap);
+                let mut seen: Vec<usize> = plan.iter().flat_map(|b| b.slots.clone()).collect();
+                seen.sort_unstable();
+                let want: Vec<usize> = (0..s.layout.slots.len()).filter(|&i| s.layout.slots[i].grad.len > 0).collect();
+                assert_eq!(seen, want, "looping {looping} first {first} cap {cap}");
+                assert!(plan.windows(2).all(|w| w[0].ready <= w[1].ready));
+                let events = s.grad_events(looping);
+                for b in &plan {
+                    assert_eq!(b.ready, b.slots.iter().map(|&i| events[i]).max().unwrap());
+                    assert_eq!(b.elems, b.regions.iter().map(|r| r.len).sum::<usize>());
+                }
+                for (k, b) in plan.iter().enumerate().take(plan.len().saturating_sub(1)) {
+                    assert!(b.elems >= if k == 0 { first.min(cap) } else { cap });
+                }
+            }
+            // One bucket per parameter with a cap of 1; one bucket in all with a huge cap.
+            assert_eq!(plan_buckets(&s, looping, 1, 1).len(), s.layout.slots.iter().filter(|x| x.grad.len > 0).count());
+            assert_eq!(plan_buckets(&s, looping, usize::MAX, usize::MAX).len(), 1);
+        }
+    }
+}
