@@ -208,6 +208,49 @@ fn two_engine_ranks_train_the_weights_of_one() {
     }
 }
 
+/// Phased TTT on two ranks: the work queue's batches (one document each here) dealt in rounds
+/// of two, the ranks pausing together for each phase and splitting its global SGD steps. With
+/// the phases' boundaries (2 and 4 documents) on round ends, the pauses fall where one rank's
+/// do, so two ranks give one rank's score, over the same targets, to float summation order
+/// (the global SGD's gradients summed over the ranks; measured: 1e-9 bpb or less). Rank 0 logs
+/// every batch's `ttp:` line and both phases.
+#[test]
+fn two_ranks_share_phased_ttt() {
+    if let Some(why) = no_mpi() {
+        eprintln!("{why}");
+        return;
+    }
+    let c = tiny::corpus("dp-phased");
+    let path = tiny::config_plus(&c, "dp-phased", &tiny::after_training_phased().replace("batch_docs = 3", "batch_docs = 1"));
+    let toml = std::fs::read_to_string(&path).unwrap();
+    assert!(toml.contains("impl = \"shuffled\"") && toml.contains("batch_docs = 1"), "the tiny config changed: {toml}");
+    std::fs::write(&path, toml.replace("impl = \"shuffled\"", "impl = \"sequential\"")).unwrap();
+    let one = scratch("dp-phased-one");
+    // The first 2,048 tokens of the split: a few documents, a hundred-odd chunks.
+    let split = "train.val_max_tokens=2048";
+    tiny::train_ok(&path, &one, &["train.iterations=6", "train.grad_accum_steps=2", split]);
+    let two = scratch("dp-phased-two");
+    launch_ok(&path, &two, 2, &["train.iterations=6", "train.grad_accum_steps=1", split], None);
+    let (r1, r2) = (report(&one), report(&two));
+    let (a, b) = (&r1.sections["eval"]["ttt"], &r2.sections["eval"]["ttt"]);
+    eprintln!("phased TTT, 1 rank: {} bpb, 2 ranks: {} bpb", a["val_bpb"], b["val_bpb"]);
+    assert_eq!(a["val_tokens"], b["val_tokens"], "every target once, between the ranks");
+    assert_eq!(a["batches"], b["batches"]);
+    let (pa, pb) = (a["phases"].as_array().unwrap(), b["phases"].as_array().unwrap());
+    assert_eq!(pa.len(), 2, "{a}");
+    for (x, y) in pa.iter().zip(pb) {
+        for k in ["documents", "after_batch", "tokens", "trained_chunks", "steps"] {
+            assert_eq!(x[k], y[k], "phase {}: {k}", x["phase"]);
+        }
+    }
+    let d = (a["val_bpb"].as_f64().unwrap() - b["val_bpb"].as_f64().unwrap()).abs();
+    assert!(d < 1e-6, "phased TTT: 2 ranks differ from 1 by {d} bpb");
+    let log = std::fs::read_to_string(two.join("train.log")).unwrap();
+    let batches = b["batches"].as_u64().unwrap();
+    assert_eq!(log.lines().filter(|l| l.starts_with("ttp: b")).count() as u64, batches, "{log}");
+    assert!(log.lines().any(|l| l.starts_with("ttpp: phase 2/2 done: 4 documents")), "{log}");
+}
+
 /// A rank killed mid-run ends the whole job: a non-zero exit, the killed rank named by MPI,
 /// every process gone, well before the run would have ended.
 #[test]

@@ -15,8 +15,9 @@
 //! Several ranks (data parallel) share `sliding` and `score_first` as the records do: each
 //! scores a contiguous share of the windows (of each chunk), and each TTT step's sequences are
 //! split among them with the gradient summed, so that the weights stay the same on every rank
-//! and the score does not depend on the number of ranks. `phased` runs on rank 0 alone (its
-//! sliding score, when asked for, is shared).
+//! and the score does not depend on the number of ranks. `phased` deals its work queue's
+//! batches of documents to the ranks in rounds and pauses them together for each phase, whose
+//! global SGD steps they split ([`crate::eval::phased::run`]).
 //!
 //! All score the validation split as training scored it (`train.val_max_tokens`) and log in
 //! the records' format, `<label>_sliding_window val_loss:… val_bpb:… eval_time:…ms` and

@@ -204,11 +204,6 @@ impl Evaluator {
         (cfg, bos, seed): (&PhasedConfig, u32, u64),
         ctx: &mut Ctx,
     ) -> anyhow::Result<Option<serde_json::Value>> {
-        if self.ranks.rank() != 0 {
-            // Rank 0 scores the documents alone: the record's queue shared by the ranks
-            // (claimed through a file counter, phases paused by all-gathers) is not done here.
-            return Ok(None);
-        }
         let (label, weights) = snap.eval_weights();
         let model = crate::artifact::roundtrip::model_from(&self.config, weights)?;
         let t0 = Instant::now();
@@ -222,6 +217,7 @@ impl Evaluator {
             self.validator.tokens(),
             tables,
             (cfg, bos, seed),
+            self.ranks.as_ref(),
             |e| match e {
                 PhasedEvent::Batch { line } => {
                     log.line(line);

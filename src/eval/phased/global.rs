@@ -11,8 +11,9 @@
 //!         clip the global norm, SGD with momentum (fresh for the phase, no weight decay)
 //! ```
 //!
-//! Every parameter trains (the dequantized base, as the record does). One process holds the
-//! whole batch, so the record's all-reduce over ranks is the identity here.
+//! Every parameter trains (the dequantized base, as the record does). Several ranks split each
+//! step's sequences and sum their gradients ([`train_sequences`]), so every rank takes the step
+//! one rank would take.
 
 use candle_core::Var;
 
@@ -45,6 +46,7 @@ pub fn global_sgd(
     tokens: &[u32],
     docs: &[Document],
     (cfg, bos): (&PhasedConfig, u32),
+    ranks: &dyn crate::dist::Collective,
     mut on_chunk: impl FnMut(usize, usize, std::ops::Range<usize>),
     keep_going: &impl Fn() -> bool,
 ) -> anyhow::Result<Option<GlobalStats>> {
@@ -67,8 +69,7 @@ pub fn global_sgd(
         let chunk_len = ((c + 1) * cfg.global_chunk_tokens).min(targets) - start;
         let seqs = chunk_len / cfg.global_seq_len;
         let lr = cfg.global_chunk_lr(c, n);
-        let Some(steps) = train_sequences(model, &stream, start, seqs, &how, &mut sgd, lr, &crate::dist::single::Single, keep_going)?
-        else {
+        let Some(steps) = train_sequences(model, &stream, start, seqs, &how, &mut sgd, lr, ranks, keep_going)? else {
             return Ok(None);
         };
         stats.steps += steps;

@@ -23,12 +23,14 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use candle_core::{DType, Tensor};
 
 use super::config::PhasedConfig;
 use super::docs::{Chunk, Document, chunks, phase_boundaries, segment, work_queue};
 use super::global::{GlobalStats, global_sgd};
 use super::progress::Progress;
+use crate::dist::{Collective, ReduceOp};
 use crate::eval::bpb::{BpbAccumulator, ByteTables};
 use crate::model::lora::Lora;
 use crate::model::{Gpt, PassExtras};
@@ -100,12 +102,25 @@ pub struct PhasedOutcome {
 /// Phased TTT of `tokens` (`N + 1` tokens with documents starting at `bos`; ids checked by the
 /// caller): returns every target's score. `model` is trained in place at the phases (after the
 /// call it holds the adapted base). `seed` draws the adapters (batch `i` from `seed + i`).
-/// `keep_going` is asked before every forward pass or SGD step: false gives `Ok(None)`.
+/// `keep_going` is asked before every forward pass or SGD step: false (on any rank) gives
+/// `Ok(None)`.
+///
+/// Several ranks (`ranks`) share the work queue in rounds: in round `k` rank `r` takes queue
+/// entry `k·W + r`; after each round the ranks add up what each scored (one small all-reduce,
+/// which is also their agreement to go on) and pause together for a phase once the documents of
+/// the rounds done reach its boundary, then train the base with every step's sequences split
+/// among them ([`global_sgd`]). Every rank knows the queue, so each knows which documents the
+/// others scored without sending them. (The record's ranks claim entries from a shared file
+/// counter instead, as they finish: the same work, in an order that depends on timing; here
+/// the order, and so the score, is the same in every run of a given world size.) With one rank
+/// this is the loop above, batch by batch. The returned sums are every rank's; `nll` holds
+/// this rank's targets only (NaN elsewhere).
 pub fn phased_ttt(
     model: &Gpt,
     tokens: &[u32],
     tables: Arc<ByteTables>,
     (cfg, bos, seed): (&PhasedConfig, u32, u64),
+    ranks: &dyn Collective,
     mut on_event: impl FnMut(&PhasedEvent<'_>),
     keep_going: impl Fn() -> bool,
 ) -> anyhow::Result<Option<PhasedOutcome>> {
@@ -115,6 +130,7 @@ pub fn phased_ttt(
     let docs = segment(tokens, bos);
     let queue = work_queue(&docs, cfg.batch_docs);
     let boundaries = if cfg.phases > 0 { phase_boundaries(cfg.prefix_docs, cfg.phases) } else { Vec::new() };
+    let (rank, world) = (ranks.rank(), ranks.world());
     let mut run = Run {
         model,
         tokens,
@@ -125,18 +141,30 @@ pub fn phased_ttt(
         times: PhasedTimes::default(),
     };
     let mut progress = Progress::default();
-    // Documents completely scored: (orig_batch_idx, position in batch, document).
+    // Documents completely scored (by any rank): (orig_batch_idx, position in batch, document).
     let mut done: Vec<(usize, usize, usize)> = Vec::with_capacity(docs.len());
     let mut phases = Vec::new();
-    for (b, batch) in queue.iter().enumerate() {
+    let mut mine_targets = 0;
+    for round in 0..queue.len().div_ceil(world) {
+        let entries = round * world..((round + 1) * world).min(queue.len());
         let before = (run.acc.nll_sum(), run.acc.tokens(), run.acc.bytes());
-        let batch_docs: Vec<Document> = batch.docs.iter().map(|&d| docs[d]).collect();
-        let lora_seed = seed.wrapping_add(batch.index as u64);
-        if !run.batch(&batch.docs, &batch_docs, lora_seed, &mut on_event, &keep_going)? {
-            return Ok(None);
+        let mut going = true;
+        if let Some(batch) = queue.get(round * world + rank) {
+            let batch_docs: Vec<Document> = batch.docs.iter().map(|&d| docs[d]).collect();
+            mine_targets += batch_docs.iter().map(Document::pred_len).sum::<usize>();
+            let lora_seed = seed.wrapping_add(batch.index as u64);
+            going = run.batch(&batch.docs, &batch_docs, lora_seed, &mut on_event, &keep_going)?;
         }
-        progress.add(run.acc.nll_sum() - before.0, run.acc.tokens() - before.1, run.acc.bytes() - before.2);
-        done.extend(batch.docs.iter().enumerate().map(|(pos, &d)| (batch.index, pos, d)));
+        let scored = (run.acc.nll_sum() - before.0, run.acc.tokens() - before.1, run.acc.bytes() - before.2);
+        // What each rank's entry of the round scored, and whether all go on.
+        let Some(round_sums) = round_sums(ranks, going, scored)? else {
+            return Ok(None);
+        };
+        for (q, sums) in entries.clone().zip(round_sums) {
+            progress.add(sums.0, sums.1, sums.2);
+            let batch = &queue[q];
+            done.extend(batch.docs.iter().enumerate().map(|(pos, &d)| (batch.index, pos, d)));
+        }
         while let Some(&boundary) = boundaries.get(phases.len())
             && done.len() >= boundary
         {
@@ -153,6 +181,7 @@ pub fn phased_ttt(
                 tokens,
                 &spans,
                 (cfg, bos),
+                ranks,
                 |c, n, targets| on_event(&PhasedEvent::GlobalChunk { phase, chunk: c, of: n, targets }),
                 &keep_going,
             )?
@@ -160,16 +189,43 @@ pub fn phased_ttt(
                 return Ok(None);
             };
             run.times.global += t0.elapsed();
-            phases.push(PhaseReport { phase, docs: boundary, scored_at_pause: done.len(), after_batch: b + 1, paused_at, stats });
+            phases.push(PhaseReport { phase, docs: boundary, scored_at_pause: done.len(), after_batch: entries.end, paused_at, stats });
         }
-        let lens: Vec<usize> = batch_docs.iter().map(|d| d.len).collect();
-        let line = progress.line(queue.len(), &lens, phases.len() == boundaries.len());
-        on_event(&PhasedEvent::Batch { line: &line });
+        for q in entries {
+            let lens: Vec<usize> = queue[q].docs.iter().map(|&d| docs[d].len).collect();
+            let line = progress.line(queue.len(), &lens, phases.len() == boundaries.len());
+            on_event(&PhasedEvent::Batch { line: &line });
+        }
     }
-    if let Some(miss) = run.scored.iter().position(|s| !s) {
-        anyhow::bail!("internal: target {miss} of {} was never scored", run.scored.len());
+    let scored = run.scored.iter().filter(|&&s| s).count();
+    anyhow::ensure!(scored == mine_targets, "internal: {scored} targets scored on rank {rank}, its documents have {mine_targets}");
+    let acc = run.acc.all_reduced(ranks)?;
+    anyhow::ensure!(
+        acc.tokens() == run.scored.len() as u64,
+        "internal: {} of {} targets were scored by the {world} rank(s)",
+        acc.tokens(),
+        run.scored.len()
+    );
+    Ok(Some(PhasedOutcome { acc, nll: run.nll, docs: docs.len(), batches: queue.len(), phases, boundaries, times: run.times }))
+}
+
+/// The sums `(nll, targets, bytes)` each rank scored in a round, in rank order, or `None` when
+/// a rank was asked to stop. One all-reduce; a world of one asks nobody.
+fn round_sums(ranks: &dyn Collective, going: bool, mine: (f64, u64, u64)) -> anyhow::Result<Option<Vec<(f64, u64, u64)>>> {
+    let world = ranks.world();
+    if world == 1 {
+        return Ok(going.then(|| vec![mine]));
     }
-    Ok(Some(PhasedOutcome { acc: run.acc, nll: run.nll, docs: docs.len(), batches: queue.len(), phases, boundaries, times: run.times }))
+    // [stop, then (nll, targets, bytes) per rank]: each rank fills its own place.
+    let mut v = vec![0.0; 1 + 3 * world];
+    v[0] = if going { 0.0 } else { 1.0 };
+    let at = 1 + 3 * ranks.rank();
+    v[at..at + 3].copy_from_slice(&[mine.0, mine.1 as f64, mine.2 as f64]);
+    let all = ranks.all_reduce_host(&v, ReduceOp::Sum).context("phased TTT: the ranks' sums of a round")?;
+    if all[0] > 0.0 {
+        return Ok(None);
+    }
+    Ok(Some((0..world).map(|r| (all[1 + 3 * r], all[2 + 3 * r] as u64, all[3 + 3 * r] as u64)).collect()))
 }
 
 /// The state of one evaluation that the batches share.

@@ -61,6 +61,7 @@ fn run(tokens: &[u32], cfg: &PhasedConfig) -> (PhasedOutcome, Vec<Ev>) {
         tokens,
         tables(),
         (cfg, BOS, 5),
+        &crate::dist::single::Single,
         |e| {
             events.push(match e {
                 PhasedEvent::Scored { doc, targets } => Ev::Scored(*doc, targets.clone()),
@@ -178,6 +179,6 @@ fn adaptation_lowers_the_loss_on_repetitive_documents() {
             assert_eq!(adapted.nll[i].to_bits(), bare.nll[i].to_bits(), "target {i} of a first chunk");
         }
     }
-    let stopped = phased_ttt(&model(), &tokens, tables(), (&cfg(), BOS, 5), |_| {}, || false).unwrap();
+    let stopped = phased_ttt(&model(), &tokens, tables(), (&cfg(), BOS, 5), &crate::dist::single::Single, |_| {}, || false).unwrap();
     assert!(stopped.is_none(), "a stop request gives no score");
 }
