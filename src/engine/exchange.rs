@@ -158,9 +158,7 @@ impl Exchange {
 
     /// Sends the bucket `i` of the layer sequence: its gradients packed into one tensor.
     fn send(&self, be: &dyn Backend, looping: bool, i: usize) -> anyhow::Result<()> {
-        let b = &self.plans[looping as usize][i];
-        let parts: Vec<Tensor> = b.regions.iter().map(|r| be.download(*r, &[r.len])).collect::<anyhow::Result<_>>()?;
-        let flat = if parts.len() == 1 { parts.into_iter().next().unwrap_or_else(|| unreachable!()) } else { Tensor::cat(&parts, 0)? };
+        let flat = pack(be, &self.plans[looping as usize][i].regions)?;
         let jobs = self.jobs.as_ref().ok_or_else(|| anyhow::anyhow!("the gradient exchange is closed"))?;
         jobs.send(flat).map_err(|_| anyhow::anyhow!("the gradient exchange thread has ended"))
     }
@@ -186,11 +184,7 @@ impl Exchange {
                     stats.comm += took;
                     stats.buckets += 1;
                     stats.elems += b.elems;
-                    let mut at = 0;
-                    for region in &b.regions {
-                        be.upload(*region, &mean.narrow(0, at, region.len)?)?;
-                        at += region.len;
-                    }
+                    unpack(be, &b.regions, &mean)?;
                 }
                 Ok(_) => {}
                 Err(e) => error = error.or(Some(e.context("the gradient all-reduce"))),
@@ -203,6 +197,33 @@ impl Exchange {
         stats.exposed = t0.elapsed();
         Ok(stats)
     }
+}
+
+/// `regions` of the arena, one after another, as one flat host tensor.
+fn pack(be: &dyn Backend, regions: &[Buf]) -> anyhow::Result<Tensor> {
+    let mut parts: Vec<Tensor> = regions.iter().map(|r| be.download(*r, &[r.len])).collect::<anyhow::Result<_>>()?;
+    Ok(if parts.len() == 1 { parts.remove(0) } else { Tensor::cat(&parts, 0)? })
+}
+
+/// [`pack`]'s inverse: `flat` written back into `regions`.
+fn unpack(be: &mut dyn Backend, regions: &[Buf], flat: &Tensor) -> anyhow::Result<()> {
+    let mut at = 0;
+    for r in regions {
+        be.upload(*r, &flat.narrow(0, at, r.len)?)?;
+        at += r.len;
+    }
+    Ok(())
+}
+
+/// `regions` of the arena combined over the ranks by `op`, in place, now (on the calling
+/// thread); returns the collective's wall time. Sharded Muon's exchange of updates.
+pub fn all_reduce_regions(be: &mut dyn Backend, regions: &[Buf], ranks: &dyn Collective, op: ReduceOp) -> anyhow::Result<Duration> {
+    let flat = pack(be, regions)?;
+    let t0 = Instant::now();
+    let out = ranks.all_reduce(&flat, op)?;
+    let took = t0.elapsed();
+    unpack(be, regions, &out)?;
+    Ok(took)
 }
 
 impl Drop for Exchange {

@@ -5,9 +5,7 @@
 //! ([`Backend::sgd`], [`Backend::ema`]).
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
-
-use candle_core::Tensor;
+use std::time::Duration;
 
 use super::backend::{AdamStep, Backend, Buf};
 use super::layout::Layout;
@@ -103,7 +101,8 @@ pub fn muon(be: &mut dyn Backend, l: &Layout, s: MuonStep, ranks: Option<&dyn Co
     let mut comm = Duration::ZERO;
     if let Some(c) = ranks.filter(|c| c.world() > 1) {
         let regions: Vec<Buf> = l.muon.iter().map(|g| g.u).collect();
-        comm = all_reduce_regions(be, &regions, c, ReduceOp::Sum).map_err(|e| e.context("sharded Muon's exchange of updates"))?;
+        comm = super::exchange::all_reduce_regions(be, &regions, c, ReduceOp::Sum)
+            .map_err(|e| e.context("sharded Muon's exchange of updates"))?;
     }
     for g in &l.muon {
         let (r, cols) = g.shape;
@@ -115,22 +114,6 @@ pub fn muon(be: &mut dyn Backend, l: &Layout, s: MuonStep, ranks: Option<&dyn Co
         }
     }
     Ok(comm)
-}
-
-/// `regions` of the arena combined over the ranks by `op`, in place, as one flat buffer through
-/// the host; returns the collective's wall time.
-pub fn all_reduce_regions(be: &mut dyn Backend, regions: &[Buf], ranks: &dyn Collective, op: ReduceOp) -> anyhow::Result<Duration> {
-    let parts: Vec<Tensor> = regions.iter().map(|r| be.download(*r, &[r.len])).collect::<anyhow::Result<_>>()?;
-    let flat = Tensor::cat(&parts, 0)?;
-    let t0 = Instant::now();
-    let out = ranks.all_reduce(&flat, op)?;
-    let took = t0.elapsed();
-    let mut at = 0;
-    for r in regions {
-        be.upload(*r, &out.narrow(0, at, r.len)?)?;
-        at += r.len;
-    }
-    Ok(took)
 }
 
 /// One Adam step of the parameters in `group`, the `t`-th (counted from 1).
