@@ -23,6 +23,11 @@
 #     compared byte for byte with the graph-replayed run's (replay must be bit-identical to eager)
 #     and the report's graph counts; then the baseline's STEPS steps on the engine, its steady
 #     ms/step beside (b)'s candle figure and (d)'s PyTorch, and again with graphs off.
+# (f) NCCL at world size 1 (issue 27's target: under 1% of the step): the baseline's STEPS steps
+#     as a plain run (no collective) and under `pipeline launch --nproc 1` (every step's gradient
+#     all-reduce, sharded Muon's exchange and the step's agreements through NCCL with one rank,
+#     as `torchrun --nproc 1`), twice each, interleaved; steady ms/step side by side, the
+#     overhead in percent, and the report's comm_ms_per_step. Needs libnccl.so on the path.
 # Its summary lines are appended to OUT_DIR/gpu-check.log (default OUT_DIR gpu-check-out), each
 # run's output and report beside them.
 #
@@ -33,7 +38,7 @@
 # it trains PT_STEPS steps (default 40) on the same shards, and the script prints its steady
 # ms/step beside ours and the ratio.
 #
-# PARTS=... runs only the parts named (default "abcde"; d only with TRAIN_GPT), so that the check
+# PARTS=... runs only the parts named (default "abcdef"; d only with TRAIN_GPT), so that the check
 # fits a device machine's per-command limit in two calls, e.g. PARTS=ab then PARTS=cd. Without b
 # in the same call, OURS_MS=<steady ms/step> gives (d) our figure for the ratio, and
 # ATTENTION=flash|flash_mma (default: auto's choice in b, else flash) the ablation's kernel.
@@ -49,8 +54,8 @@ OUT=${4:-gpu-check-out}
 STEPS=${STEPS:-30}
 ABLATION_S=${ABLATION_S:-60}
 SMOKE=${SMOKE:-0}
-PARTS=${PARTS:-abcde}
-[[ $PARTS =~ ^[abcde]+$ ]] || { echo "PARTS=$PARTS: name parts a, b, c, d, e (e.g. PARTS=ab)" >&2; exit 2; }
+PARTS=${PARTS:-abcdef}
+[[ $PARTS =~ ^[abcdef]+$ ]] || { echo "PARTS=$PARTS: name parts a, b, c, d, e, f (e.g. PARTS=ab)" >&2; exit 2; }
 part() { [[ $PARTS == *"$1"* ]]; }
 DEVICE=cuda:0
 PINNED=pinned STREAM=stream
@@ -217,6 +222,34 @@ if part e; then
     --set stages.pin.impl="\"$PINNED\"" --set stages.upload.impl="\"$STREAM\"" > "$OUT/engine-throughput-eager.out" || status=1
   eager_steady=$(steady "$OUT/engine-throughput-eager") || status=1
   echo "engine without graphs: ${eager_steady:-?} ms/step (graphs: ${engine_steady:-?})"
+fi
+
+if part f; then
+  echo "== (f) NCCL at world size 1 against no collective: baseline, $STEPS steps, two rounds"
+  for round in 1 2; do
+    for how in plain nccl1; do
+      dir="$OUT/world1-$how-$round"
+      args=(pipelines/baseline.toml --out "$dir" "${common[@]}" --set train.iterations="$STEPS"
+            --set stages.pin.impl="\"$PINNED\"" --set stages.upload.impl="\"$STREAM\"")
+      if [[ $how == plain ]]; then
+        "$BIN" run "${args[@]}" > "$dir.out" 2>&1 || status=1
+      else
+        "$BIN" launch --nproc 1 "${args[@]}" > "$dir.out" 2>&1 || status=1
+      fi
+      ms=$(steady "$dir") || status=1
+      comm=$(python3 - "$dir" <<'PY'
+import json, sys
+t = json.load(open(sys.argv[1] + "/report.json"))["train"]
+print(f"{t.get('comm_ms_per_step', 0):.2f}")
+PY
+      ) || comm="?"
+      echo "world size 1, $how, round $round: steady ${ms:-?} ms/step, collectives ${comm} ms/step"
+      eval "ms_${how}_$round=${ms:-nan}"
+    done
+  done
+  python3 -c 'import sys; p = sorted(map(float, sys.argv[1:3])); n = sorted(map(float, sys.argv[3:5]));
+print(f"NCCL world of one: {n[0]:.1f} ms/step against {p[0]:.1f} without a collective (best of two): {100 * (n[0] / p[0] - 1):+.2f}% (target: under 1%)")' \
+    "$ms_plain_1" "$ms_plain_2" "$ms_nccl1_1" "$ms_nccl1_2" || status=1
 fi
 
 exit $status

@@ -13,15 +13,20 @@ use std::time::Duration;
 use common::tiny::{self, Corpus};
 use common::{bin, report, scratch, text, wait_or_kill};
 
-/// Why these tests cannot run here, if they cannot.
-fn no_mpi() -> Option<&'static str> {
+/// Each test's ranks take every core: the tests that start them run one at a time (the guard
+/// of [`no_mpi`]), so that none is starved into its hang detector by another's ranks.
+static RANKS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Why these tests cannot run here, if they cannot; otherwise the guard that lets this test's
+/// ranks run alone.
+fn no_mpi() -> Result<std::sync::MutexGuard<'static, ()>, &'static str> {
     if !cfg!(feature = "mpi") {
-        return Some("skipped: the binary is built without the `mpi` feature (scripts/test.sh turns it on where MPI is installed)");
+        return Err("skipped: the binary is built without the `mpi` feature (scripts/test.sh turns it on where MPI is installed)");
     }
     if std::process::Command::new("mpirun").arg("--version").output().is_err() {
-        return Some("skipped: `mpirun` is not installed (Debian: apt-get install openmpi-bin libopenmpi-dev)");
+        return Err("skipped: `mpirun` is not installed (Debian: apt-get install openmpi-bin libopenmpi-dev)");
     }
-    None
+    Ok(RANKS.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
 /// The stages after training: the artifact (rounded to nearest: the same file whatever the
@@ -46,8 +51,8 @@ batch_seqs = 3
 "#;
 
 /// The training test config with the demo's model (4 layers, 128 wide, 4 heads, 2 KV heads),
-/// the sequential sampler (the same windows whatever the world size), 8 rows a step, and the
-/// stages after training ([`AFTER_TRAINING`]).
+/// the sequential sampler (the same windows whatever the world size), 8 rows a step, the first
+/// 2,048 validation tokens, and the stages after training ([`AFTER_TRAINING`]).
 fn config(c: &Corpus) -> std::path::PathBuf {
     let base = std::fs::read_to_string(tiny::config(c)).unwrap();
     let toml = base
@@ -57,8 +62,12 @@ fn config(c: &Corpus) -> std::path::PathBuf {
         )
         .replace("impl = \"shuffled\"", "impl = \"sequential\"")
         .replace("iterations = 50", "iterations = 4")
-        .replace("val_every = 25", "val_every = 0");
-    assert!(toml.contains("model_dim = 128") && toml.contains("\"sequential\""), "the tiny config changed: {toml}");
+        .replace("val_every = 25", "val_every = 0")
+        .replace("val_batch_tokens = 1024", "val_batch_tokens = 1024\nval_max_tokens = 2048");
+    assert!(
+        toml.contains("model_dim = 128") && toml.contains("\"sequential\"") && toml.contains("val_max_tokens"),
+        "the tiny config changed: {toml}"
+    );
     let path = c.dir.join("dp.toml");
     std::fs::write(&path, toml + AFTER_TRAINING).unwrap();
     path
@@ -98,10 +107,10 @@ fn weights(run: &Path) -> Vec<(String, Vec<f32>)> {
 /// 3e-2; leaving their TTT gradients unsummed moves TTT's by 7e-2.
 #[test]
 fn two_ranks_train_the_weights_of_one() {
-    if let Some(why) = no_mpi() {
-        eprintln!("{why}");
-        return;
-    }
+    let _alone = match no_mpi() {
+        Ok(guard) => guard,
+        Err(why) => return eprintln!("{why}"),
+    };
     let c = tiny::corpus("dp-equal");
     let cfg = config(&c);
     let one = scratch("dp-one");
@@ -161,6 +170,47 @@ fn two_ranks_train_the_weights_of_one() {
     );
 }
 
+/// The tiny config (2 layers, 32 wide) on `executor`, with the sequential sampler (the same
+/// windows whatever the world size), 4 steps, no validation during training.
+fn tiny_sequential(c: &Corpus, executor: &str) -> std::path::PathBuf {
+    let toml = std::fs::read_to_string(tiny::config(c)).unwrap();
+    let toml = toml
+        .replace("impl = \"shuffled\"", "impl = \"sequential\"")
+        .replace("iterations = 50", "iterations = 4")
+        .replace("val_every = 25", "val_every = 0")
+        .replace("impl = \"candle\"", &format!("impl = \"{executor}\""));
+    assert!(toml.contains("\"sequential\"") && toml.contains("iterations = 4"), "the tiny config changed: {toml}");
+    let path = c.dir.join(format!("{executor}.toml"));
+    std::fs::write(&path, toml).unwrap();
+    path
+}
+
+/// `pipeline launch --nproc 1` trains through the transport (MPI with one rank), as `torchrun
+/// --nproc 1` does, so that the collectives' cost against a plain run can be measured (on a GPU
+/// the target is under 1% of the step): the weights are the plain run's bit for bit, the
+/// report times an all-reduce every step, and the rank finalises MPI at its end (exit 0).
+#[test]
+fn a_launched_world_of_one_runs_its_collectives() {
+    let _alone = match no_mpi() {
+        Ok(guard) => guard,
+        Err(why) => return eprintln!("{why}"),
+    };
+    let c = tiny::corpus("dp-one");
+    let path = tiny_sequential(&c, "candle");
+    let plain = scratch("dp-one-plain");
+    tiny::train_ok(&path, &plain, &[]);
+    let launched = scratch("dp-one-launched");
+    launch_ok(&path, &launched, 1, &[], None);
+    let (a, b) = (weights(&plain), weights(&launched));
+    assert!(a == b, "a launched world of one trains other weights than a plain run");
+    let (r1, r2) = (report(&plain), report(&launched));
+    assert_eq!(tiny::u(&r2.train, "world_size"), 1);
+    assert_eq!(tiny::f(&r1.train, "comm_ms_per_step"), 0.0);
+    assert!(tiny::f(&r2.train, "comm_ms_per_step") > 0.0, "{:?}", r2.train.get("comm_ms_per_step"));
+    assert!(r2.stages["train"].extra_us.get("allreduce").is_some_and(|h| h.count == 4));
+    assert!(!r1.stages["train"].extra_us.contains_key("allreduce"));
+}
+
 /// The explicit engine on two ranks trains the weights of one rank with both micro-batches,
 /// with its gradient all-reduce overlapped with the backward pass and without. The tiny model
 /// (2 layers, 25,028 parameters) in buckets of 2.5 Ki elements (the first 512) makes about ten
@@ -172,23 +222,12 @@ fn two_ranks_train_the_weights_of_one() {
 /// them moves the weights by 2e-3, which fails it.
 #[test]
 fn two_engine_ranks_train_the_weights_of_one() {
-    if let Some(why) = no_mpi() {
-        eprintln!("{why}");
-        return;
-    }
+    let _alone = match no_mpi() {
+        Ok(guard) => guard,
+        Err(why) => return eprintln!("{why}"),
+    };
     let c = tiny::corpus("dp-engine");
-    let toml = std::fs::read_to_string(tiny::config(&c)).unwrap();
-    let toml = toml
-        .replace("impl = \"shuffled\"", "impl = \"sequential\"")
-        .replace("iterations = 50", "iterations = 4")
-        .replace("val_every = 25", "val_every = 0")
-        .replace("impl = \"candle\"", "impl = \"engine\"");
-    assert!(
-        toml.contains("\"sequential\"") && toml.contains("\"engine\"") && toml.contains("iterations = 4"),
-        "the tiny config changed: {toml}"
-    );
-    let path = c.dir.join("engine.toml");
-    std::fs::write(&path, toml).unwrap();
+    let path = tiny_sequential(&c, "engine");
     let one = scratch("dp-engine-one");
     tiny::train_ok(&path, &one, &["train.grad_accum_steps=2"]);
     let small = ["stages.train.bucket_mib=0.01", "stages.train.first_bucket_mib=0.002"];
@@ -216,10 +255,10 @@ fn two_engine_ranks_train_the_weights_of_one() {
 /// every batch's `ttp:` line and both phases.
 #[test]
 fn two_ranks_share_phased_ttt() {
-    if let Some(why) = no_mpi() {
-        eprintln!("{why}");
-        return;
-    }
+    let _alone = match no_mpi() {
+        Ok(guard) => guard,
+        Err(why) => return eprintln!("{why}"),
+    };
     let c = tiny::corpus("dp-phased");
     let path = tiny::config_plus(&c, "dp-phased", &tiny::after_training_phased().replace("batch_docs = 3", "batch_docs = 1"));
     let toml = std::fs::read_to_string(&path).unwrap();
@@ -255,10 +294,10 @@ fn two_ranks_share_phased_ttt() {
 /// every process gone, well before the run would have ended.
 #[test]
 fn a_killed_rank_stops_every_rank() {
-    if let Some(why) = no_mpi() {
-        eprintln!("{why}");
-        return;
-    }
+    let _alone = match no_mpi() {
+        Ok(guard) => guard,
+        Err(why) => return eprintln!("{why}"),
+    };
     let c = tiny::corpus("dp-kill");
     let cfg = config(&c);
     let out = scratch("dp-kill");
@@ -309,6 +348,8 @@ fn rank_pid(r: usize) -> Option<u32> {
 /// of these needs MPI.
 #[test]
 fn bad_rank_settings_are_refused() {
+    // Not alongside another test's ranks (their processes are looked for by environment).
+    let _alone = RANKS.lock().unwrap_or_else(|e| e.into_inner());
     let c = tiny::corpus("dp-bad");
     let cfg = config(&c);
     let run = |env: &[(&str, &str)], args: &[&str]| {
@@ -384,10 +425,10 @@ fn launch_ok(config: &Path, out: &Path, nproc: usize, sets: &[&str], resume: Opt
 ///   checkpoint on one rank is refused, exit 2, saying which world size it needs.
 #[test]
 fn resume_across_ranks() {
-    if let Some(why) = no_mpi() {
-        eprintln!("{why}");
-        return;
-    }
+    let _alone = match no_mpi() {
+        Ok(guard) => guard,
+        Err(why) => return eprintln!("{why}"),
+    };
     let c = tiny::corpus("dp-resume");
     let same = |a: &Path, b: &Path| {
         let (wa, wb) = (weights(a), weights(b));

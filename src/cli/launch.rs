@@ -10,7 +10,9 @@
 //!   first that fails is named, and the others get SIGTERM (then SIGKILL after 10 s).
 //!
 //! Each rank gets `RAYON_NUM_THREADS` = cores / N unless it is set, so N ranks do not run N
-//! times as many threads as the machine has cores. Ctrl-C reaches every rank (one process
+//! times as many threads as the machine has cores, and `LAUNCH_COLLECTIVE=1`: even `--nproc 1`
+//! trains through the transport (its collectives against a plain `pipeline run`'s none, as
+//! `torchrun --nproc 1` does). Ctrl-C reaches every rank (one process
 //! group); the launcher waits for them and returns the job's exit code.
 
 use std::path::{Path, PathBuf};
@@ -103,7 +105,8 @@ fn over_mpi(exe: &Path, args: &[String], n: usize, threads: &str) -> anyhow::Res
             cmd.arg("--allow-run-as-root");
         }
     }
-    cmd.arg(exe).args(args).env("RAYON_NUM_THREADS", threads);
+    // The collective even for --nproc 1 (its cost against a plain run is then measurable).
+    cmd.arg(exe).args(args).env("RAYON_NUM_THREADS", threads).env(crate::dist::COLLECTIVE_VAR, "1");
     let status = cmd.status().map_err(|e| anyhow::anyhow!("cannot start mpirun: {e}"))?;
     Ok(exit_code(status))
 }
@@ -131,7 +134,8 @@ fn own_ranks(exe: &Path, args: &[String], n: usize, threads: &str, device: &str)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", n.to_string())
             .env("LOCAL_RANK", rank.to_string())
-            .env("RAYON_NUM_THREADS", threads);
+            .env("RAYON_NUM_THREADS", threads)
+            .env(crate::dist::COLLECTIVE_VAR, "1");
         if let Some(id) = &id {
             cmd.env(crate::dist::NCCL_ID_VAR, id);
         }

@@ -51,9 +51,6 @@ pub fn mark_clean() {
 /// collective, else every rank is ended now (this rank's error printed first, its rank named).
 pub fn leave(code: i32) {
     let Some(c) = crate::dist::installed() else { return };
-    if c.world() == 1 {
-        return;
-    }
     if CLEAN.load(Ordering::SeqCst) {
         c.finish();
     } else {

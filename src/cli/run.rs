@@ -244,8 +244,9 @@ pub fn run(
     if report_error.is_none() {
         write_html(&run_dir, &report);
     }
-    if ranks.world() > 1 {
-        // The other ranks leave once rank 0's files are written.
+    if !ranks.is_identity() {
+        // The other ranks leave once rank 0's files are written (a launcher's world of one:
+        // MPI_Finalize, not an abort, at its end).
         ranks.barrier()?;
         super::ranks::mark_clean();
     }

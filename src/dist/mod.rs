@@ -59,6 +59,13 @@ pub trait Collective: Send + Sync {
     /// The backend's name (`single`, `mpi`, `nccl`), for logs and the report.
     fn backend(&self) -> &'static str;
 
+    /// Whether every operation is the identity with nothing sent ([`single::Single`]): the
+    /// training code skips its collectives then. A launcher's world of one (`pipeline launch
+    /// --nproc 1`, as `torchrun --nproc 1`) is not: it runs them, through its transport.
+    fn is_identity(&self) -> bool {
+        false
+    }
+
     /// Every rank's `t` combined by `op`, on every rank.
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> anyhow::Result<Tensor>;
 
@@ -133,11 +140,13 @@ pub fn installed() -> Option<Arc<dyn Collective>> {
 }
 
 /// Starts this process's collective from its launcher's environment ([`env`]) for a run on
-/// `device` ("cpu" or "cuda:N"): nothing for a world of one; MPI for CPU ranks; NCCL for GPU
-/// ranks. Returns where the process stands.
+/// `device` ("cpu" or "cuda:N"): MPI for CPU ranks; NCCL for GPU ranks; nothing for a world of
+/// one, unless `pipeline launch` started it ([`COLLECTIVE_VAR`]: `--nproc 1` runs every
+/// collective through the transport, as `torchrun --nproc 1` does, which is how its cost is
+/// measured). Returns where the process stands.
 pub fn start(device: &str) -> anyhow::Result<Placement> {
     let placement = Placement::from_env()?;
-    if placement.world == 1 {
+    if placement.world == 1 && std::env::var_os(COLLECTIVE_VAR).is_none() {
         return Ok(placement);
     }
     let c: Arc<dyn Collective> = if device == "cpu" { start_cpu(&placement)? } else { start_gpu(device, &placement)? };
@@ -208,6 +217,11 @@ fn id_over_mpi(p: &Placement) -> anyhow::Result<candle_core::cuda_backend::cudar
 fn start_gpu(device: &str, p: &Placement) -> anyhow::Result<Arc<dyn Collective>> {
     anyhow::bail!("rank {} of {} on device `{device}` needs the `cuda` build (NCCL)", p.rank, p.world)
 }
+
+/// The environment variable with which `pipeline launch` asks its ranks for the collective even
+/// in a world of one (`--nproc 1`). Not `PIPELINE_…`: that prefix is the config's environment
+/// layer.
+pub const COLLECTIVE_VAR: &str = "LAUNCH_COLLECTIVE";
 
 /// The environment variable that carries NCCL's unique id (256 hex digits) from `pipeline
 /// launch` to its ranks. Not `PIPELINE_…`: that prefix is the config's environment layer.

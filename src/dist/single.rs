@@ -22,6 +22,10 @@ impl Collective for Single {
         "single"
     }
 
+    fn is_identity(&self) -> bool {
+        true
+    }
+
     fn all_reduce(&self, t: &Tensor, _op: ReduceOp) -> anyhow::Result<Tensor> {
         Ok(t.clone())
     }

@@ -99,7 +99,7 @@ pub fn muon(be: &mut dyn Backend, l: &Layout, s: MuonStep, ranks: Option<&dyn Co
         }
     }
     let mut comm = Duration::ZERO;
-    if let Some(c) = ranks.filter(|c| c.world() > 1) {
+    if let Some(c) = ranks.filter(|c| !c.is_identity()) {
         let regions: Vec<Buf> = l.muon.iter().map(|g| g.u).collect();
         comm = super::exchange::all_reduce_regions(be, &regions, c, ReduceOp::Sum)
             .map_err(|e| e.context("sharded Muon's exchange of updates"))?;

@@ -197,7 +197,8 @@ impl Engine {
     /// Trains as one of `ranks` (data parallel), from now on: the last micro-batch of each
     /// step goes through [`Engine::exchanged_micro_step`], which averages the gradients over the
     /// ranks in buckets of `buckets` = `(first, rest)` elements, sent while the backward pass
-    /// runs when `overlap`; Muon is sharded ([`optim::muon`]). A world of one changes nothing.
+    /// runs when `overlap`; Muon is sharded ([`optim::muon`]). A world of one without a transport
+    /// ([`crate::dist::Collective::is_identity`]) changes nothing.
     /// Errors on a backend that cannot exchange (a GPU's: see [`super::exchange`]).
     pub fn set_ranks(
         &mut self,
@@ -205,7 +206,7 @@ impl Engine {
         buckets: (usize, usize),
         overlap: bool,
     ) -> anyhow::Result<()> {
-        if ranks.world() > 1 {
+        if !ranks.is_identity() {
             self.exchange = Some(Exchange::new(&self.schedule, self.be.as_ref(), ranks, buckets, overlap)?);
         }
         Ok(())

@@ -232,7 +232,7 @@ impl Muon {
             };
             planned.push((members, step));
         }
-        if let Some(c) = self.shard.as_ref().filter(|c| c.world() > 1) {
+        if let Some(c) = self.shard.as_ref().filter(|c| !c.is_identity()) {
             let steps: Vec<Tensor> = planned.iter().map(|(_, s)| s.clone()).collect();
             let (summed, stats) = crate::dist::bucket::all_reduce_tensors(c.as_ref(), &steps, crate::dist::ReduceOp::Sum, usize::MAX)
                 .map_err(|e| candle_core::Error::Msg(format!("sharded Muon: {e:#}")))?;

@@ -586,7 +586,7 @@ impl Session {
 
     /// The largest of every rank's `values` (the values themselves on one rank).
     fn agree_max(&self, values: &[f64]) -> anyhow::Result<Vec<f64>> {
-        if self.ranks.world() == 1 {
+        if self.ranks.is_identity() {
             return Ok(values.to_vec());
         }
         self.ranks.all_reduce_host(values, crate::dist::ReduceOp::Max).context("the ranks' agreement at the end of a step")
@@ -633,7 +633,7 @@ impl Session {
         ctx.trace_phases(&[("optimizer", t0.elapsed())]);
         self.comm_total += out.comm;
         self.overlapped_total += out.overlapped;
-        if self.ranks.world() > 1 {
+        if !self.ranks.is_identity() {
             // What the step waited for its collectives (gradient all-reduce, sharded Muon's
             // exchange), also inside the phases above (candle: the optimizer; the engine: the
             // backward pass for the all-reduce, the optimizer for Muon's), and the all-reduce

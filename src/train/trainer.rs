@@ -259,7 +259,7 @@ impl Trainer {
     /// buckets of [`crate::dist::bucket::DEFAULT_BUCKET_ELEMS`]); returns the collectives' wall
     /// time. Every rank's autograd produced gradients for the same parameters.
     fn average_gradients(&mut self) -> anyhow::Result<std::time::Duration> {
-        if self.ranks.world() == 1 {
+        if self.ranks.is_identity() {
             return Ok(std::time::Duration::ZERO);
         }
         let (vars, grads): (Vec<Var>, Vec<Tensor>) =

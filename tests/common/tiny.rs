@@ -275,7 +275,9 @@ pub fn run_args(config: &Path, args: &[&str]) -> Output {
 }
 
 /// Collects a child's output (draining the pipes on threads, so a chatty child never blocks
-/// on a full pipe), killing it after 180 s: a hang fails the test instead of the whole suite.
+/// on a full pipe), killing it after 420 s: a hang fails the test instead of the whole suite.
+/// (A hang detector, not a timing: a debug run with its stages after training takes two
+/// minutes on a slow 2-core machine alone, more beside another test.)
 pub fn finish(mut child: Child, config: &Path) -> Output {
     let mut so = child.stdout.take().unwrap();
     let mut se = child.stderr.take().unwrap();
@@ -289,7 +291,7 @@ pub fn finish(mut child: Child, config: &Path) -> Output {
         std::io::Read::read_to_end(&mut se, &mut v).unwrap();
         v
     });
-    let status = wait_or_kill(&mut child, Duration::from_secs(180), &format!("pipeline run {}", config.display()));
+    let status = wait_or_kill(&mut child, Duration::from_secs(420), &format!("pipeline run {}", config.display()));
     Output { status, stdout: ho.join().unwrap(), stderr: he.join().unwrap() }
 }
 
