@@ -14,19 +14,21 @@ use common::tiny::{self, Corpus};
 use common::{bin, report, scratch, text, wait_or_kill};
 
 /// Each test's ranks take every core: the tests that start them run one at a time (the guard
-/// of [`no_mpi`]), so that none is starved into its hang detector by another's ranks.
+/// of [`with_mpi`]), so that none is starved into its hang detector by another's ranks.
 static RANKS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// Why these tests cannot run here, if they cannot; otherwise the guard that lets this test's
-/// ranks run alone.
-fn no_mpi() -> Result<std::sync::MutexGuard<'static, ()>, &'static str> {
+/// The guard that lets this test's ranks run alone; `None`, saying why, when these tests cannot
+/// run here.
+fn with_mpi() -> Option<std::sync::MutexGuard<'static, ()>> {
     if !cfg!(feature = "mpi") {
-        return Err("skipped: the binary is built without the `mpi` feature (scripts/test.sh turns it on where MPI is installed)");
+        eprintln!("skipped: the binary is built without the `mpi` feature (scripts/test.sh turns it on where MPI is installed)");
+        return None;
     }
     if std::process::Command::new("mpirun").arg("--version").output().is_err() {
-        return Err("skipped: `mpirun` is not installed (Debian: apt-get install openmpi-bin libopenmpi-dev)");
+        eprintln!("skipped: `mpirun` is not installed (Debian: apt-get install openmpi-bin libopenmpi-dev)");
+        return None;
     }
-    Ok(RANKS.lock().unwrap_or_else(|e| e.into_inner()))
+    Some(RANKS.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
 /// The stages after training: the artifact (rounded to nearest: the same file whatever the
@@ -107,10 +109,7 @@ fn weights(run: &Path) -> Vec<(String, Vec<f32>)> {
 /// 3e-2; leaving their TTT gradients unsummed moves TTT's by 7e-2.
 #[test]
 fn two_ranks_train_the_weights_of_one() {
-    let _alone = match no_mpi() {
-        Ok(guard) => guard,
-        Err(why) => return eprintln!("{why}"),
-    };
+    let Some(_alone) = with_mpi() else { return };
     let c = tiny::corpus("dp-equal");
     let cfg = config(&c);
     let one = scratch("dp-one");
@@ -191,10 +190,7 @@ fn tiny_sequential(c: &Corpus, executor: &str) -> std::path::PathBuf {
 /// report times an all-reduce every step, and the rank finalises MPI at its end (exit 0).
 #[test]
 fn a_launched_world_of_one_runs_its_collectives() {
-    let _alone = match no_mpi() {
-        Ok(guard) => guard,
-        Err(why) => return eprintln!("{why}"),
-    };
+    let Some(_alone) = with_mpi() else { return };
     let c = tiny::corpus("dp-one");
     let path = tiny_sequential(&c, "candle");
     let plain = scratch("dp-one-plain");
@@ -222,10 +218,7 @@ fn a_launched_world_of_one_runs_its_collectives() {
 /// them moves the weights by 2e-3, which fails it.
 #[test]
 fn two_engine_ranks_train_the_weights_of_one() {
-    let _alone = match no_mpi() {
-        Ok(guard) => guard,
-        Err(why) => return eprintln!("{why}"),
-    };
+    let Some(_alone) = with_mpi() else { return };
     let c = tiny::corpus("dp-engine");
     let path = tiny_sequential(&c, "engine");
     let one = scratch("dp-engine-one");
@@ -255,10 +248,7 @@ fn two_engine_ranks_train_the_weights_of_one() {
 /// every batch's `ttp:` line and both phases.
 #[test]
 fn two_ranks_share_phased_ttt() {
-    let _alone = match no_mpi() {
-        Ok(guard) => guard,
-        Err(why) => return eprintln!("{why}"),
-    };
+    let Some(_alone) = with_mpi() else { return };
     let c = tiny::corpus("dp-phased");
     let path = tiny::config_plus(&c, "dp-phased", &tiny::after_training_phased().replace("batch_docs = 3", "batch_docs = 1"));
     let toml = std::fs::read_to_string(&path).unwrap();
@@ -294,10 +284,7 @@ fn two_ranks_share_phased_ttt() {
 /// every process gone, well before the run would have ended.
 #[test]
 fn a_killed_rank_stops_every_rank() {
-    let _alone = match no_mpi() {
-        Ok(guard) => guard,
-        Err(why) => return eprintln!("{why}"),
-    };
+    let Some(_alone) = with_mpi() else { return };
     let c = tiny::corpus("dp-kill");
     let cfg = config(&c);
     let out = scratch("dp-kill");
@@ -425,10 +412,7 @@ fn launch_ok(config: &Path, out: &Path, nproc: usize, sets: &[&str], resume: Opt
 ///   checkpoint on one rank is refused, exit 2, saying which world size it needs.
 #[test]
 fn resume_across_ranks() {
-    let _alone = match no_mpi() {
-        Ok(guard) => guard,
-        Err(why) => return eprintln!("{why}"),
-    };
+    let Some(_alone) = with_mpi() else { return };
     let c = tiny::corpus("dp-resume");
     let same = |a: &Path, b: &Path| {
         let (wa, wb) = (weights(a), weights(b));

@@ -232,8 +232,8 @@ pub fn spawn_run(c: &Corpus, out: &Path, sets: &[&str]) -> Child {
     cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap()
 }
 
-/// Waits until train.log has a line for which `pred` holds (failing after 60 s or if the child
-/// ends first).
+/// Waits until train.log has a line for which `pred` holds (failing if the child ends first, or
+/// after 240 s: a hang detector, generous because CI's 2 cores run two tests at once).
 pub fn wait_for_line(child: &mut Child, out: &Path, pred: impl Fn(&str) -> bool) {
     wait_for_line_every(child, out, Duration::from_millis(10), pred)
 }
@@ -242,7 +242,7 @@ pub fn wait_for_line(child: &mut Child, out: &Path, pred: impl Fn(&str) -> bool)
 pub fn wait_for_line_every(child: &mut Child, out: &Path, every: Duration, pred: impl Fn(&str) -> bool) {
     let t0 = Instant::now();
     while !std::fs::read_to_string(out.join("train.log")).is_ok_and(|l| l.lines().any(&pred)) {
-        if t0.elapsed() > Duration::from_secs(60) || child.try_wait().unwrap().is_some() {
+        if t0.elapsed() > Duration::from_secs(240) || child.try_wait().unwrap().is_some() {
             let _ = child.kill();
             let _ = child.wait();
             panic!("the awaited line never came: {:?}", std::fs::read_to_string(out.join("train.log")));
