@@ -18,7 +18,7 @@
 //! size of a short one's end. Recording costs a few stores per item into memory allocated
 //! before the run; nothing is written until the run has ended.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::path::Path;
 use std::time::Duration;
@@ -184,8 +184,9 @@ pub fn render(data: &TraceData) -> String {
         let _ = write!(o, ",\n{{\"ph\":\"M\",\"pid\":1,\"tid\":{tid},\"name\":\"thread_name\",\"args\":{{\"name\":{}}}}}", json_str(name));
         let _ = write!(o, ",\n{{\"ph\":\"M\",\"pid\":1,\"tid\":{tid},\"name\":\"thread_sort_index\",\"args\":{{\"sort_index\":{tid}}}}}");
     }
-    // Where each sent id was taken in: a flow is drawn only when both ends are still kept.
-    let taken: HashSet<u64> = data.traces.iter().flatten().flat_map(|t| t.items.iter()).map(|r| r.in_id).filter(|&id| id != 0).collect();
+    // When each sent id was taken in: a flow is drawn only when both ends are still kept.
+    let taken: HashMap<u64, u64> =
+        data.traces.iter().flatten().flat_map(|t| t.items.iter()).filter(|r| r.in_id != 0).map(|r| (r.in_id, r.start)).collect();
     let sent: HashSet<u64> =
         data.traces.iter().flatten().flat_map(|t| t.items.iter()).flat_map(|r| (0..r.out_n as u64).map(move |k| r.out_first + k)).collect();
     for (tid, (name, trace)) in data.stages.iter().zip(&data.traces).enumerate() {
@@ -203,12 +204,14 @@ pub fn render(data: &TraceData) -> String {
             if r.in_id != 0 && sent.contains(&r.in_id) {
                 flow(&mut o, tid, "f", r.in_id, us(r.start));
             }
-            // Arrows out start inside this slice (its last instant), one per item sent.
-            let at = (us(r.start) + us(r.end)) / 2.0;
+            // Arrows out start inside this slice, one per item sent: at its middle, or where the
+            // consumer took the item if that came first (an item sent early in the slice, or a
+            // thread descheduled between its send and the slice's end).
+            let mid = (us(r.start) + us(r.end)) / 2.0;
             for k in 0..r.out_n as u64 {
                 let id = r.out_first + k;
-                if taken.contains(&id) {
-                    flow(&mut o, tid, "s", id, at);
+                if let Some(&took) = taken.get(&id) {
+                    flow(&mut o, tid, "s", id, mid.min(us(took)));
                 }
             }
         }
@@ -330,5 +333,35 @@ mod tests {
         assert_eq!((s[0]["tid"].as_u64(), f[0]["tid"].as_u64()), (Some(0), Some(1)));
         let wait = ev.iter().find(|e| e["name"] == "wait for input").unwrap();
         assert!((wait["ts"].as_f64().unwrap() - 5.0).abs() < 0.01 && (wait["dur"].as_f64().unwrap() - 7.0).abs() < 0.01, "{wait}");
+    }
+    /// An item taken before the middle of the slice that sent it (sent early in a long slice,
+    /// or the producer descheduled between its send and its slice's end): the arrow starts no
+    /// later than it ends, where the consumer took the item.
+    #[test]
+    fn an_arrow_never_starts_after_its_end() {
+        let clock = Clock::new();
+        let t0 = clock.now();
+        let tick = |us: f64| t0 + (us * 1e3 / clock.ns_per_tick()) as u64;
+        let id = item_id(0, 0);
+        let rec = |start: f64, end: f64, in_id: u64, out_n: u32| ItemRecord {
+            wait_from: tick(start),
+            start: tick(start),
+            end: tick(end),
+            sent: tick(end),
+            in_id,
+            out_first: if out_n > 0 { id } else { 0 },
+            out_n,
+        };
+        let mut a = StageTrace::new(4, clock.clone());
+        a.items.push(rec(0.0, 100.0, 0, 1));
+        let mut b = StageTrace::new(4, clock.clone());
+        b.items.push(rec(20.0, 30.0, id, 0));
+        let data =
+            TraceData { stages: vec!["src".into(), "sink".into()], traces: vec![Some(a), Some(b)], counters: Vec::new(), clock, start: t0 };
+        let v: serde_json::Value = serde_json::from_str(&render(&data)).unwrap();
+        let ev = v["traceEvents"].as_array().unwrap();
+        let ts = |ph: &str| ev.iter().find(|e| e["ph"] == ph).unwrap()["ts"].as_f64().unwrap();
+        assert!(ts("s") <= ts("f"), "the arrow starts at {} after it ends at {}", ts("s"), ts("f"));
+        assert!((ts("s") - 20.0).abs() < 0.01, "{}", ts("s"));
     }
 }
