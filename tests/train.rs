@@ -365,9 +365,10 @@ fn ctrl_c_saves_the_weights_and_reports_interrupted() {
 /// still end as interrupted with its trained weights saved, as after Ctrl-C during a step.
 #[test]
 fn ctrl_c_during_validation_still_saves_the_weights() {
-    // 3 copies of the val documents: a validation takes seconds in a debug build, many times the
-    // drain timeout, and the step-0 one comes before the awaited line.
-    let c = corpus_with("ctrlc-val", 3);
+    // 8 copies of the val documents (177,664 tokens): a validation takes about 2 s in the test
+    // build (measured on 2 cores), four times the drain timeout; the step-0 one comes before
+    // the awaited line.
+    let c = corpus_with("ctrlc-val", 8);
     let out = c.dir.join("run");
     let mut child = spawn_run(&c, &out, &["train.iterations=100000", "train.val_every=2", "run.drain_timeout_ms=500"]);
     // The step-2 train line is logged just before the step-2 validation starts.
