@@ -60,7 +60,7 @@ pub trait Collective: Send + Sync {
     fn backend(&self) -> &'static str;
 
     /// Whether every operation is the identity with nothing sent ([`single::Single`]): the
-    /// training code skips its collectives then. A launcher's world of one (`pipeline launch
+    /// code skips its collectives then (training, validation and the evaluations alike). A launcher's world of one (`pipeline launch
     /// --nproc 1`, as `torchrun --nproc 1`) is not: it runs them, through its transport.
     fn is_identity(&self) -> bool {
         false
@@ -121,11 +121,6 @@ pub fn world() -> Arc<dyn Collective> {
         Some(c) => c.clone(),
         None => Arc::new(single::Single),
     }
-}
-
-/// Whether a collective of more than one rank is installed.
-pub fn is_distributed() -> bool {
-    WORLD.get().is_some_and(|c| c.world() > 1)
 }
 
 /// The installed collective's rank and world size, `(0, 1)` when none is.

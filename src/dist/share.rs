@@ -24,9 +24,10 @@ pub fn rounds(n: usize, world: usize, per_round: usize) -> usize {
 }
 
 /// Whether every rank wants to go on (`mine` is this rank's wish): true only when all do. One
-/// rank's stop (Ctrl-C) thus stops every rank at the same round. A world of one asks nobody.
+/// rank's stop (Ctrl-C) thus stops every rank at the same round. A world of one without a
+/// transport asks nobody.
 pub fn all_go_on(c: &dyn Collective, mine: bool) -> anyhow::Result<bool> {
-    if c.world() == 1 {
+    if c.is_identity() {
         return Ok(mine);
     }
     let stop = c.all_reduce_host(&[if mine { 0.0 } else { 1.0 }], ReduceOp::Max)?;

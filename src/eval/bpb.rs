@@ -149,9 +149,9 @@ impl BpbAccumulator {
     }
 
     /// The sums of every rank of `ranks` added up in f64, on every rank (the score of a pass
-    /// the ranks shared); unchanged for a world of one.
+    /// the ranks shared); unchanged for a world of one without a transport.
     pub fn all_reduced(self, ranks: &dyn crate::dist::Collective) -> anyhow::Result<Self> {
-        if ranks.world() == 1 {
+        if ranks.is_identity() {
             return Ok(self);
         }
         let sums = ranks.all_reduce_host(&[self.nll_sum, self.tokens as f64, self.bytes as f64], crate::dist::ReduceOp::Sum)?;

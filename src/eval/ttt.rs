@@ -554,7 +554,7 @@ pub(crate) fn train_sequences(
                     }
                 }
             }
-            if ranks.world() > 1 {
+            if !ranks.is_identity() {
                 grads = sum_over_ranks(model, grads, ranks)?;
             }
             if cfg.grad_clip > 0.0 {

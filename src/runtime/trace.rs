@@ -334,6 +334,7 @@ mod tests {
         let wait = ev.iter().find(|e| e["name"] == "wait for input").unwrap();
         assert!((wait["ts"].as_f64().unwrap() - 5.0).abs() < 0.01 && (wait["dur"].as_f64().unwrap() - 7.0).abs() < 0.01, "{wait}");
     }
+
     /// An item taken before the middle of the slice that sent it (sent early in a long slice,
     /// or the producer descheduled between its send and its slice's end): the arrow starts no
     /// later than it ends, where the consumer took the item.

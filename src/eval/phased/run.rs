@@ -210,10 +210,10 @@ pub fn phased_ttt(
 }
 
 /// The sums `(nll, targets, bytes)` each rank scored in a round, in rank order, or `None` when
-/// a rank was asked to stop. One all-reduce; a world of one asks nobody.
+/// a rank was asked to stop. One all-reduce; a world of one without a transport asks nobody.
 fn round_sums(ranks: &dyn Collective, going: bool, mine: (f64, u64, u64)) -> anyhow::Result<Option<Vec<(f64, u64, u64)>>> {
     let world = ranks.world();
-    if world == 1 {
+    if ranks.is_identity() {
         return Ok(going.then(|| vec![mine]));
     }
     // [stop, then (nll, targets, bytes) per rank]: each rank fills its own place.
