@@ -276,8 +276,8 @@ pub fn run_args(config: &Path, args: &[&str]) -> Output {
 
 /// Collects a child's output (draining the pipes on threads, so a chatty child never blocks
 /// on a full pipe), killing it after 420 s: a hang fails the test instead of the whole suite.
-/// (A hang detector, not a timing: a debug run with its stages after training takes two
-/// minutes on a slow 2-core machine alone, more beside another test.)
+/// (A hang detector, not a timing: generous, because CI's 2 cores run two tests at once and a
+/// run with its stages after training took minutes there before the dev profile was optimised.)
 pub fn finish(mut child: Child, config: &Path) -> Output {
     let mut so = child.stdout.take().unwrap();
     let mut se = child.stderr.take().unwrap();
