@@ -21,13 +21,29 @@ use std::collections::HashMap;
 use super::backend::Buf;
 use crate::model::{ModelConfig, ParamGroup, gpt_group_of};
 
-/// A bump allocator of arena offsets.
+/// Elements every region of the arena starts on: 64 `f32` (256 bytes), the alignment
+/// cuBLASLt's heuristic assumes of an operand by default and more than any vector load of the
+/// kernels needs (16 bytes). `cudaMalloc` returns 256-byte aligned memory, so an offset that is a
+/// multiple of this is an aligned address. (Views inside a region, such as the key columns of
+/// the fused qkv product, can still start anywhere: the GPU backend gives cuBLASLt each
+/// operand's real alignment, [`super::lt::LtPlan::alignments`].)
+pub const ALIGN: usize = 64;
+
+/// A bump allocator of arena offsets, each region starting on a multiple of its alignment.
 #[derive(Default)]
-pub(crate) struct Bump(pub(crate) usize);
+pub(crate) struct Bump(pub(crate) usize, usize);
 
 impl Bump {
-    /// The next `len` elements.
+    /// An allocator whose every region starts on a multiple of `align` elements.
+    pub(crate) fn aligned(align: usize) -> Self {
+        Bump(0, align)
+    }
+
+    /// The next `len` elements (from the next multiple of the alignment).
     pub(crate) fn take(&mut self, len: usize) -> Buf {
+        if self.1 > 1 {
+            self.0 = self.0.next_multiple_of(self.1);
+        }
         let b = Buf { off: self.0, len };
         self.0 += len;
         b
@@ -210,28 +226,38 @@ pub struct Layout {
 impl Layout {
     /// The layout for `cfg` and micro-batches of `rows x t` tokens.
     pub fn new(cfg: &ModelConfig, rows: usize, t: usize) -> Layout {
-        let mut bump = Bump::default();
+        let mut bump = Bump::aligned(ALIGN);
         let shapes = cfg.param_shapes();
         let sizes: Vec<usize> = shapes.iter().map(|(_, s)| s.iter().product()).collect();
-        let params = bump.take(sizes.iter().sum());
+        // Each parameter on an aligned offset within the parameter region (and so within the
+        // gradient region, laid out alike), except the key and value weights, which follow the
+        // query weight with no gap: the three are one matrix, one GEMM.
+        let mut starts = Vec::with_capacity(sizes.len());
+        let mut at = 0;
+        for ((name, _), n) in shapes.iter().zip(&sizes) {
+            if !(name.ends_with(".attn.c_k.weight") || name.ends_with(".attn.c_v.weight")) {
+                at = usize::next_multiple_of(at, ALIGN);
+            }
+            starts.push(at);
+            at += n;
+        }
+        let params = bump.take(at);
         let grads = bump.take(params.len);
-        let state_start = bump.0;
-        let (mut slots, mut at) = (Vec::with_capacity(shapes.len()), 0);
-        for ((name, shape), n) in shapes.into_iter().zip(sizes) {
+        let state_start = bump.0.next_multiple_of(ALIGN);
+        let mut slots = Vec::with_capacity(shapes.len());
+        for (((name, shape), n), at) in shapes.into_iter().zip(sizes).zip(starts) {
             let group = gpt_group_of(&name, shape.len());
             let state0 = bump.take(n);
             let state1 = bump.take(if group == ParamGroup::Matrix { 0 } else { n });
             slots.push(Slot { name, shape, group, value: params.sub(at, n), grad: grads.sub(at, n), state0, state1 });
-            at += n;
         }
         let state = bump.since(state_start);
         let half = cfg.rotary_dims() / 2;
         let (cos, sin) = (bump.take(t * half), bump.take(t * half));
-        // Four elements: the regions after it stay 16-byte aligned.
         let stats = bump.take(4);
 
         let (n, d, kvd, f, v) = (rows * t, cfg.model_dim, cfg.kv_dim(), cfg.mlp_mult * cfg.model_dim, cfg.vocab_size);
-        let act_start = bump.0;
+        let act_start = bump.0.next_multiple_of(ALIGN);
         let (emb, rstd0, x0) = (bump.take(n * d), bump.take(n), bump.take(n * d));
         let layers = cfg.layer_sequence(true);
         // Decoder position p pops a skip while p - encoders < skip_count, in either layout.
@@ -276,7 +302,7 @@ impl Layout {
         let (rstdf, nf, logits, losses) = (bump.take(n), bump.take(n * d), bump.take(n * v), bump.take(n));
         let activations = bump.since(act_start);
 
-        let scratch_start = bump.0;
+        let scratch_start = bump.0.next_multiple_of(ALIGN);
         let dskip = (0..cfg.skip_count()).map(|_| bump.take(n * d)).collect();
         let scratch = Scratch {
             g: bump.take(n * d),
@@ -380,14 +406,15 @@ impl Layout {
     }
 
     /// The arena's regions and their sizes in elements, for the log and the report:
-    /// `(name, elements)`.
+    /// `(name, elements)`, each with the alignment padding up to the next (so they sum to the
+    /// arena); the constants (RoPE tables, the step's scalars) count with the activations.
     pub fn regions(&self) -> [(&'static str, usize); 5] {
         [
-            ("parameters", self.params.len),
-            ("gradients", self.grads.len),
-            ("optimizer", self.state.len),
-            ("activations", self.activations.len + self.cos.len + self.sin.len + self.stats.len),
-            ("scratch", self.scratch_region.len),
+            ("parameters", self.grads.off - self.params.off),
+            ("gradients", self.state.off - self.grads.off),
+            ("optimizer", self.cos.off - self.state.off),
+            ("activations", self.scratch_region.off - self.cos.off),
+            ("scratch", self.len() - self.scratch_region.off),
         ]
     }
 }
@@ -410,7 +437,8 @@ mod tests {
         assert_eq!((q.value.end(), k.value.end()), (k.value.off, v.value.off));
         assert_eq!((q.grad.end(), k.grad.end()), (k.grad.off, v.grad.off));
         assert_eq!(l.positions.len(), 17);
-        assert_eq!(l.params.len, cfg.param_shapes().iter().map(|(_, s)| s.iter().product::<usize>()).sum::<usize>());
+        let elems = cfg.param_shapes().iter().map(|(_, s)| s.iter().product::<usize>()).sum::<usize>();
+        assert!(l.params.len >= elems && l.params.len < elems + ALIGN * l.slots.len(), "{} for {elems}", l.params.len);
         let mut all: Vec<Buf> = l.slots.iter().flat_map(|s| [s.value, s.grad, s.state0, s.state1]).collect();
         all.extend(
             l.positions.iter().flat_map(|p| [p.u, p.n1, p.qkv, p.q, p.k, p.att, p.y, p.ao, p.u2, p.n2, p.pre, p.mo, p.out, p.skipped]),
@@ -419,5 +447,57 @@ mod tests {
         for w in all.windows(2) {
             assert!(!w[0].overlaps(w[1]), "{:?} and {:?} overlap", w[0], w[1]);
         }
+    }
+
+    /// Every region and every parameter, gradient, optimizer state, activation and scratch
+    /// buffer starts on a multiple of [`ALIGN`] elements (256 bytes: what cuBLASLt assumes of
+    /// an operand and what 16-byte vector loads need), on shapes where nothing is a multiple of
+    /// anything: 5 query heads (a 5-element query gain), 1 key/value head, an odd vocabulary and
+    /// sequence, a 3-row micro-batch. Only the key and value weights follow the query weight
+    /// unaligned, as one matrix with it. (The bump allocator without alignment puts the first
+    /// parameter after the 5-element gain at an odd offset.)
+    #[test]
+    fn every_buffer_starts_aligned_on_odd_shapes() {
+        let cfg =
+            ModelConfig { vocab_size: 1001, model_dim: 320, num_heads: 5, num_kv_heads: 1, rope_dims: Some(16), ..ModelConfig::record() };
+        let l = Layout::new(&cfg, 3, 67);
+        let aligned = |what: &str, b: Buf| assert!(b.len == 0 || b.off.is_multiple_of(ALIGN), "{what} starts at {}", b.off);
+        for s in &l.slots {
+            let fused = s.name.ends_with(".attn.c_k.weight") || s.name.ends_with(".attn.c_v.weight");
+            if !fused {
+                aligned(&s.name, s.value);
+                aligned(&s.name, s.grad);
+            }
+            aligned(&s.name, s.state0);
+            aligned(&s.name, s.state1);
+        }
+        assert!(l.slots.iter().any(|s| s.name.ends_with("q_gain") && s.value.len == 5), "the model has a 5-element gain");
+        for (what, b) in [("params", l.params), ("grads", l.grads), ("state", l.state), ("cos", l.cos), ("sin", l.sin)] {
+            aligned(what, b);
+        }
+        for (what, b) in [("stats", l.stats), ("emb", l.emb), ("rstd0", l.rstd0), ("x0", l.x0), ("rstdf", l.rstdf), ("nf", l.nf)] {
+            aligned(what, b);
+        }
+        for (what, b) in [("logits", l.logits), ("losses", l.losses), ("activations", l.activations), ("scratch", l.scratch_region)] {
+            aligned(what, b);
+        }
+        for p in &l.positions {
+            for b in [p.skipped, p.u, p.rstd1, p.n1, p.qkv, p.q, p.k, p.rq, p.rk, p.att, p.y, p.ao, p.u2, p.rstd2, p.n2, p.pre, p.mo, p.out]
+            {
+                aligned("a position's activation", b);
+            }
+        }
+        let s = &l.scratch;
+        for b in [s.g, s.g2, s.dn, s.dao, s.dmo, s.dy, s.datt, s.dq, s.dk, s.dqkv, s.act, s.dact, s.dx0, s.demb] {
+            aligned("scratch", b);
+        }
+        for g in &l.muon {
+            for b in [g.u, g.x, g.x2, g.a, g.b] {
+                aligned("muon", b);
+            }
+        }
+        l.dskip.iter().for_each(|&b| aligned("dskip", b));
+        let total: usize = l.regions().iter().map(|(_, n)| n).sum();
+        assert_eq!(total, l.len());
     }
 }
