@@ -57,6 +57,22 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 
 __device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + expf(-z)); }
 
+// For this lane's `id`: `below`, the lanes under it holding the same id, and `same`, all lanes
+// holding it (itself included).
+__device__ __forceinline__ void warp_match(unsigned id, int* below, int* same) {
+    const int lane = threadIdx.x & 31;
+    int b = 0, t = 1;
+    for (int m = 1; m < 32; ++m) {
+        const unsigned other = __shfl_xor_sync(0xffffffffu, id, m);
+        if (other == id) {
+            ++t;
+            if ((lane ^ m) < lane) ++b;
+        }
+    }
+    *below = b;
+    *same = t;
+}
+
 }  // namespace eng
 
 using namespace eng;
@@ -224,7 +240,8 @@ extern "C" __global__ void eng_embedding_fwd(const float* table, const unsigned*
 }
 
 // dtable[v] += the sum of dout[i] over the tokens i with id v, in token order: block v reads its
-// tokens from the CSR the host built (pos[off[v]..off[v + 1]], ascending), a thread per channel.
+// tokens from the ids' CSR (pos[off[v]..off[v + 1]], ascending; eng_csr_* below), a thread per
+// channel.
 extern "C" __global__ void eng_embedding_bwd(const float* dout, const int* off, const int* pos, float* dtable, int dim) {
     const int v = blockIdx.x, lo = off[v], hi = off[v + 1];
     if (lo == hi) return;
@@ -232,6 +249,88 @@ extern "C" __global__ void eng_embedding_bwd(const float* dout, const int* off, 
         float s = dtable[(long)v * dim + c];
         for (int k = lo; k < hi; ++k) s += dout[(long)pos[k] * dim + c];
         dtable[(long)v * dim + c] = s;
+    }
+}
+
+// ---- the ids' CSR (for the embedding's gradient), built on the device ---------------------
+//
+// off[v] is where vocabulary row v's tokens start in pos, and pos lists the positions of the
+// micro-batch's ids row by row, each row's in ascending order: what a stable counting sort of
+// the ids gives. Three launches, no atomics, so the CSR (and the gradient summed in its order)
+// is the same on every run. The ids are cut into chunks of `chunk` positions, one warp each:
+//   eng_csr_count  counts each chunk's ids per row into cnt (chunks x vocab);
+//   eng_csr_scan   one block turns the counts into off and, in place, each chunk's first slot
+//                  in each row (rows before it, then the same row's earlier chunks);
+//   eng_csr_fill   each chunk's warp writes its positions in order from those slots.
+// Within a chunk a warp takes 32 ids at a time; a lane learns how many lanes hold its id and
+// how many of those are below it by 31 shuffles, and the lowest such lane adds them up.
+// Ids outside [0, vocab) are skipped (the sampler has checked them against the tokenizer).
+
+// cnt[c][v] = the ids equal to v among positions [c chunk, (c + 1) chunk). One warp per chunk.
+extern "C" __global__ void eng_csr_count(const unsigned* ids, long n, int vocab, int chunk, unsigned* cnt) {
+    const long c = blockIdx.x, start = c * chunk, end = start + chunk < n ? start + chunk : n;
+    unsigned* row = cnt + c * (long)vocab;
+    const int lane = threadIdx.x;
+    for (int v = lane; v < vocab; v += 32) row[v] = 0;
+    __syncwarp();
+    for (long i0 = start; i0 < end; i0 += 32) {
+        const long i = i0 + lane;
+        const unsigned id = i < end && ids[i] < (unsigned)vocab ? ids[i] : 0xffffffffu;
+        int below, same;
+        eng::warp_match(id, &below, &same);
+        if (id != 0xffffffffu && below == 0) row[id] += same;
+        __syncwarp();
+    }
+}
+
+// off[v] = the ids below row v in all; cnt[c][v] becomes off[v] + the ids of row v in chunks
+// before c; off[vocab] = the ids in all. One block of 256 threads, thread t owning a run of rows.
+extern "C" __global__ void eng_csr_scan(unsigned* cnt, int chunks, int vocab, unsigned* off) {
+    __shared__ unsigned sums[256];
+    const int t = threadIdx.x, per = (vocab + (int)blockDim.x - 1) / (int)blockDim.x;
+    const int v0 = t * per < vocab ? t * per : vocab, v1 = v0 + per < vocab ? v0 + per : vocab;
+    unsigned s = 0;
+    for (int v = v0; v < v1; ++v)
+        for (int c = 0; c < chunks; ++c) s += cnt[(long)c * vocab + v];
+    sums[t] = s;
+    __syncthreads();
+    if (t == 0) {
+        unsigned run = 0;
+        for (int k = 0; k < (int)blockDim.x; ++k) {
+            const unsigned x = sums[k];
+            sums[k] = run;
+            run += x;
+        }
+        off[vocab] = run;
+    }
+    __syncthreads();
+    unsigned run = sums[t];
+    for (int v = v0; v < v1; ++v) {
+        off[v] = run;
+        for (int c = 0; c < chunks; ++c) {
+            const long k = (long)c * vocab + v;
+            const unsigned x = cnt[k];
+            cnt[k] = run;
+            run += x;
+        }
+    }
+}
+
+// pos[slot] = position for every id, each chunk's warp in position order from the slots
+// eng_csr_scan left in its row of cnt.
+extern "C" __global__ void eng_csr_fill(const unsigned* ids, long n, int vocab, int chunk, unsigned* cnt, unsigned* pos) {
+    const long c = blockIdx.x, start = c * chunk, end = start + chunk < n ? start + chunk : n;
+    unsigned* next = cnt + c * (long)vocab;
+    const int lane = threadIdx.x;
+    for (long i0 = start; i0 < end; i0 += 32) {
+        const long i = i0 + lane;
+        const unsigned id = i < end && ids[i] < (unsigned)vocab ? ids[i] : 0xffffffffu;
+        int below, same;
+        eng::warp_match(id, &below, &same);
+        if (id != 0xffffffffu) pos[next[id] + below] = (unsigned)i;
+        __syncwarp();
+        if (id != 0xffffffffu && below == 0) next[id] += same;
+        __syncwarp();
     }
 }
 

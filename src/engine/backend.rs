@@ -150,6 +150,44 @@ pub struct AdamStep {
     pub bias2_sqrt: f64,
 }
 
+/// A micro-batch's token ids, inputs `x` and targets `y` (`rows * t` each), wherever they are.
+#[derive(Clone, Copy, Debug)]
+pub enum Tokens<'a> {
+    /// On the host.
+    Host {
+        /// Inputs.
+        x: &'a [u32],
+        /// Targets.
+        y: &'a [u32],
+    },
+    /// `u32` tensors on any device (the upload stage's): the GPU backend copies them device to
+    /// device, with no host read; other backends read them.
+    Tensors {
+        /// Inputs.
+        x: &'a Tensor,
+        /// Targets.
+        y: &'a Tensor,
+    },
+}
+
+impl Tokens<'_> {
+    /// The ids and targets on the host (a read for tensors on a GPU).
+    pub fn to_host(&self) -> anyhow::Result<(Vec<u32>, Vec<u32>)> {
+        Ok(match *self {
+            Tokens::Host { x, y } => (x.to_vec(), y.to_vec()),
+            Tokens::Tensors { x, y } => (x.flatten_all()?.to_vec1()?, y.flatten_all()?.to_vec1()?),
+        })
+    }
+
+    /// How many ids and targets.
+    pub fn lens(&self) -> (usize, usize) {
+        match *self {
+            Tokens::Host { x, y } => (x.len(), y.len()),
+            Tokens::Tensors { x, y } => (x.elem_count(), y.elem_count()),
+        }
+    }
+}
+
 /// How a backend that captures units of work ([`Backend::begin_unit`]) has run them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GraphCounts {
@@ -196,8 +234,24 @@ pub trait Backend: Send {
     /// `src` as a CPU tensor of `shape` in the arena's dtype.
     fn download(&self, src: Buf, shape: &[usize]) -> anyhow::Result<Tensor>;
 
+    /// `src` as a tensor of `shape` on `device`, in the arena's dtype. The default goes through
+    /// the host; the GPU backend copies into a tensor on its own GPU device to device (ordered
+    /// after its work with an event, no host wait).
+    fn download_to(&self, src: Buf, shape: &[usize], device: &candle_core::Device) -> anyhow::Result<Tensor> {
+        Ok(self.download(src, shape)?.to_device(device)?)
+    }
+
     /// The token ids of the next micro-batch: inputs `x` and targets `y`, `rows * t` each.
     fn set_tokens(&mut self, x: &[u32], y: &[u32]);
+
+    /// [`Backend::set_tokens`] from wherever the ids are. The default reads them to the host;
+    /// the GPU backend copies tensors on its GPU device to device and builds what it derives
+    /// from them (the ids' CSR) there, so a micro-batch costs the host no read.
+    fn load_tokens(&mut self, tokens: Tokens<'_>) -> anyhow::Result<()> {
+        let (x, y) = tokens.to_host()?;
+        self.set_tokens(&x, &y);
+        Ok(())
+    }
 
     /// `dst = value`.
     fn fill(&mut self, dst: Buf, value: f64);

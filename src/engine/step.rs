@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 
-use super::backend::{Backend, Buf, GraphCounts};
+use super::backend::{Backend, Buf, GraphCounts, Tokens};
 use super::cpu::CpuBackend;
 use super::exchange::{Exchange, ExchangeStats};
 use super::gpt::Schedule;
@@ -102,16 +102,26 @@ impl Engine {
         Engine::with_backend(cfg, rows, t, be, poison)
     }
 
-    /// An engine for `cfg` on micro-batches of `rows x t` tokens on GPU `ordinal` (the
-    /// kernel backend over CUDA; GEMMs on the bf16 tensor cores when `bf16`, else full f32;
-    /// each pass and the optimizer step captured once as a CUDA graph and replayed when
-    /// `graphs`, else launched op by op). Errors name what the GPU attention cannot take (head
-    /// width 64, sequences a multiple of 64), a device that cannot start, and a build without
-    /// the `cuda` feature.
-    pub fn gpu(cfg: &ModelConfig, rows: usize, t: usize, ordinal: usize, bf16: bool, graphs: bool, poison: bool) -> anyhow::Result<Engine> {
+    /// An engine for `cfg` on micro-batches of `rows x t` tokens on the GPU of `device` (a
+    /// candle CUDA device, [`crate::device::open`]: the kernel backend shares its context on a
+    /// stream of its own; GEMMs on the bf16 tensor cores when `bf16`, else full f32; each pass
+    /// and the optimizer step captured once as a CUDA graph and replayed when `graphs`, else
+    /// launched op by op). Errors name what the GPU attention cannot take (head width 64,
+    /// sequences a multiple of 64), a device that cannot start, and a build without the `cuda`
+    /// feature.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gpu(
+        cfg: &ModelConfig,
+        rows: usize,
+        t: usize,
+        device: &Device,
+        bf16: bool,
+        graphs: bool,
+        poison: bool,
+    ) -> anyhow::Result<Engine> {
         cfg.check()?;
         let cap = kernel_capacity(cfg, rows, t)?;
-        let be = super::kernels::gpu_backend(ordinal, bf16, graphs, Layout::new(cfg, rows, t).len(), cap)?;
+        let be = super::kernels::gpu_backend(device, bf16, graphs, Layout::new(cfg, rows, t).len(), cap)?;
         Engine::with_backend(cfg, rows, t, be, poison)
     }
 
@@ -180,6 +190,17 @@ impl Engine {
         self.schedule.layout.slots.iter().map(|s| Ok((s.name.clone(), self.be.download(s.value, &s.shape)?))).collect()
     }
 
+    /// Every parameter as a named tensor on `device`, in `state_dict` order, copied out of
+    /// the arena in one piece ([`Backend::download_to`]: device to device on the GPU backend).
+    pub fn params_on(&self, device: &Device) -> anyhow::Result<Vec<(String, Tensor)>> {
+        let l = &self.schedule.layout;
+        let all = self.be.download_to(l.params, &[l.params.len], device)?;
+        l.slots
+            .iter()
+            .map(|s| Ok((s.name.clone(), all.narrow(0, s.value.off - l.params.off, s.value.len)?.reshape(s.shape.as_slice())?)))
+            .collect()
+    }
+
     /// Every gradient summed so far, named as its parameter.
     pub fn grads(&self) -> anyhow::Result<Vec<(String, Tensor)>> {
         self.schedule.layout.slots.iter().map(|s| Ok((s.name.clone(), self.be.download(s.grad, &s.shape)?))).collect()
@@ -191,7 +212,13 @@ impl Engine {
     /// layer sequence (depth recurrence on). Each pass is one unit of work
     /// ([`Backend::begin_unit`]): no host read, a CUDA graph on the GPU.
     pub fn micro_step(&mut self, x: &[u32], y: &[u32], looping: bool, grad_scale: f64) -> MicroResult {
-        self.micro_step_with(x, y, looping, grad_scale, &mut |_, _| {})
+        self.micro_step_with(Tokens::Host { x, y }, looping, grad_scale, &mut |_, _| {}).expect("host token ids reach the backend")
+    }
+
+    /// [`Engine::micro_step`] on token ids wherever they are ([`Tokens`]: on the GPU backend,
+    /// tensors on its GPU reach it device to device).
+    pub fn micro_step_tokens(&mut self, tokens: Tokens<'_>, looping: bool, grad_scale: f64) -> anyhow::Result<MicroResult> {
+        self.micro_step_with(tokens, looping, grad_scale, &mut |_, _| {})
     }
 
     /// Trains as one of `ranks` (data parallel), from now on: the last micro-batch of each
@@ -217,40 +244,38 @@ impl Engine {
         self.exchange.as_ref()
     }
 
-    /// [`Engine::micro_step`] for the last micro-batch of a step: on several ranks
+    /// [`Engine::micro_step_tokens`] for the last micro-batch of a step: on several ranks
     /// ([`Engine::set_ranks`]) every gradient is the ranks' mean when it returns, each bucket
     /// sent as soon as the backward pass has finished it. On one rank, the plain micro-step.
     pub fn exchanged_micro_step(
         &mut self,
-        x: &[u32],
-        y: &[u32],
+        tokens: Tokens<'_>,
         looping: bool,
         grad_scale: f64,
     ) -> anyhow::Result<(MicroResult, ExchangeStats)> {
         let Some(exchange) = self.exchange.take() else {
-            return Ok((self.micro_step(x, y, looping, grad_scale), ExchangeStats::default()));
+            return Ok((self.micro_step_tokens(tokens, looping, grad_scale)?, ExchangeStats::default()));
         };
         let mut pass = exchange.pass(looping);
-        let r = self.micro_step_with(x, y, looping, grad_scale, &mut |be, event| pass.at(&exchange, be, event));
+        let r = self.micro_step_with(tokens, looping, grad_scale, &mut |be, event| pass.at(&exchange, be, event));
         let stats = exchange.finish(self.be.as_mut(), pass);
         self.exchange = Some(exchange);
-        Ok((r, stats?))
+        Ok((r?, stats?))
     }
 
-    /// [`Engine::micro_step`], calling `at(backend, event)` at each event of the backward pass
-    /// ([`Schedule::backward_with`]). On a backend that batches a pass into one unit of work
-    /// (the GPU's), `at` must not read the arena.
+    /// [`Engine::micro_step_tokens`], calling `at(backend, event)` at each event of the
+    /// backward pass ([`Schedule::backward_with`]). On a backend that batches a pass into one
+    /// unit of work (the GPU's), `at` must not read the arena.
     pub fn micro_step_with(
         &mut self,
-        x: &[u32],
-        y: &[u32],
+        tokens: Tokens<'_>,
         looping: bool,
         grad_scale: f64,
         at: &mut dyn FnMut(&mut dyn Backend, usize),
-    ) -> MicroResult {
+    ) -> anyhow::Result<MicroResult> {
         let (acts, scratch) = (self.schedule.layout.activations, self.schedule.layout.scratch_region);
         let t0 = Instant::now();
-        self.be.set_tokens(x, y);
+        self.be.load_tokens(tokens)?;
         self.be.begin_unit(if looping { "forward looped" } else { "forward" });
         self.schedule.forward(self.be.as_mut(), looping, grad_scale);
         if self.poison {
@@ -265,7 +290,7 @@ impl Engine {
             self.be.fill(scratch, f64::NAN);
         }
         self.be.end_unit();
-        MicroResult { forward: t1 - t0, backward: t1.elapsed() }
+        Ok(MicroResult { forward: t1 - t0, backward: t1.elapsed() })
     }
 
     /// The sum of the token losses of the micro-batches since [`Engine::zero_grads`] (a read

@@ -205,12 +205,13 @@ fn gradients_are_final_at_their_events() {
         let p = e.schedule().positions(looping);
         let mut seen = Vec::new();
         let mut at_event: Vec<Option<Vec<f64>>> = vec![None; slots.len()];
-        e.micro_step_with(&x, &y, looping, 0.5, &mut |be, event| {
+        e.micro_step_with(crate::engine::backend::Tokens::Host { x: &x, y: &y }, looping, 0.5, &mut |be, event| {
             seen.push(event);
             for (i, s) in slots.iter().enumerate().filter(|(i, _)| events[*i] == event) {
                 at_event[i] = Some(flat(&be.download(s.grad, &[s.grad.len]).unwrap()));
             }
-        });
+        })
+        .unwrap();
         assert_eq!(seen, (0..=p + 1).collect::<Vec<_>>(), "events in order, each once");
         let end: HashMap<String, Tensor> = e.grads().unwrap().into_iter().collect();
         for (i, s) in slots.iter().enumerate() {

@@ -7,6 +7,23 @@
 //! `cuGraphLaunch`; every address it holds is static, and the values that change between
 //! replays live in device memory (see [`super`]).
 //!
+//! **Streams.** The engine runs on a stream of its own, made non-blocking in the context the
+//! rest of the program shares (candle's, [`crate::device::open`]): not the legacy NULL stream,
+//! on which `cuStreamBeginCapture` is refused (every capture would fail and every unit run op by
+//! op), and not candle's stream, where the other stages' threads queue work that a capture
+//! would swallow. What crosses between the two is ordered by CUDA events, never a host wait:
+//! a micro-batch's token tensors are copied device to device after candle's stream has made
+//! them, and candle's stream waits for that copy before it can free them
+//! ([`Device::write_tensor`]); the weights go out device to device into fresh tensors on
+//! candle's stream after the engine's step, and the engine's stream waits for that copy before
+//! its next step overwrites them ([`Device::tensor`]).
+//!
+//! **Alignment.** Each plan's cache key and heuristic preferences carry the real alignment of
+//! its A, B and C addresses (`CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES`, [`LtPlan::alignments`]):
+//! the arena's regions start on 256 bytes ([`crate::engine::layout::ALIGN`]), but a view such
+//! as the key columns of the fused qkv product can start anywhere, and an algorithm chosen for
+//! 256-byte alignment may load 16 bytes at a time from it.
+//!
 //! GEMM maths: the arena is `f32`; [`GemmMath::Bf16`] (the default) multiplies on the bf16
 //! tensor cores with f32 accumulation (`CUBLAS_COMPUTE_32F_FAST_16BF`, cuBLAS rounds the inputs),
 //! so weight gradients accumulate in f32 across micro-batches with `beta = 1`; `Tf32` and `F32`
@@ -18,7 +35,8 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::cuda_backend::cudarc::cublaslt::{result as lt_result, sys as lt_sys};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg, sys as cu_sys,
+    CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg, result as cu_result, sys as cu_sys,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 
@@ -51,16 +69,20 @@ struct ShapeKey {
     layouts: [(u64, u64, i64); 3],
     batch: (u32, i64, i64, i64),
     reads_c: bool,
+    /// The alignment in bytes of A, B and C that the algorithm was chosen for.
+    align: [u32; 3],
 }
 
 impl ShapeKey {
-    fn of(p: &LtPlan) -> Self {
+    /// `p`'s key when the arena starts at byte address `base`.
+    fn of(p: &LtPlan, base: u64) -> Self {
         let l = |x: LtLayout| (x.rows, x.cols, x.ld);
         ShapeKey {
             ops: (p.trans_a == LtOp::T, p.trans_b == LtOp::T),
             layouts: [l(p.a), l(p.b), l(p.c)],
             batch: (p.batch, p.stride_a, p.stride_b, p.stride_c),
             reads_c: p.beta != 0.0,
+            align: p.alignments(base),
         }
     }
 }
@@ -119,10 +141,14 @@ struct Graph(CudaGraph);
 // stream to launch), never from two threads at once.
 unsafe impl Send for Graph {}
 
-/// The engine's CUDA device: one GPU, one stream.
+/// The engine's CUDA device: one GPU, one stream of its own.
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
+    /// The engine's stream (non-blocking, never the NULL stream: see the module doc).
     stream: Arc<CudaStream>,
+    /// Recorded on the engine's stream / on candle's, to order one after the other.
+    ours: CudaEvent,
+    theirs: CudaEvent,
     modules: [Arc<CudaModule>; 2],
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
     /// The 4-byte spaces and the bf16 one, and every space's base address.
@@ -135,10 +161,18 @@ pub struct CudaDevice {
 }
 
 impl CudaDevice {
-    /// The device of GPU `ordinal`, its GEMMs in `math`.
-    pub fn new(ordinal: usize, math: GemmMath) -> anyhow::Result<Self> {
-        let ctx = CudaContext::new(ordinal).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: {e:?}"))?;
-        let stream = ctx.default_stream();
+    /// The engine's device on the GPU of `device` (a candle CUDA device, [`crate::device::open`]),
+    /// its GEMMs in `math`: the same context, a stream of its own.
+    pub fn new(device: &candle_core::Device, math: GemmMath) -> anyhow::Result<Self> {
+        let candle_core::Device::Cuda(candle) = device else {
+            anyhow::bail!("the engine's GPU backend runs on a CUDA device, not {:?}", device.location());
+        };
+        let ctx = candle.cuda_stream().context().clone();
+        let ordinal = ctx.ordinal();
+        let stream = ctx.new_stream().map_err(|e| anyhow::anyhow!("cuda:{ordinal}: a stream for the engine: {e:?}"))?;
+        anyhow::ensure!(!is_legacy_stream(&stream), "cuda:{ordinal}: the engine's stream is the NULL stream, which cannot be captured");
+        let event = || ctx.new_event(None).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: an event: {e:?}"));
+        let (ours, theirs) = (event()?, event()?);
         let load = |src: &str| ctx.load_module(Ptx::from_src(src)).map_err(|e| anyhow::anyhow!("loading the engine's kernels: {e:?}"));
         let modules = [load(ENGINE_PTX)?, load(FLASH_PTX)?];
         let handle = lt_result::create_handle().map_err(lt_err)?;
@@ -149,6 +183,8 @@ impl CudaDevice {
         Ok(Self {
             ctx,
             stream,
+            ours,
+            theirs,
             modules,
             functions: Mutex::new(HashMap::new()),
             words: Vec::new(),
@@ -162,6 +198,19 @@ impl CudaDevice {
     /// The stream every launch runs on (graph capture, events).
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// Whether the engine's stream is the legacy NULL stream or the per-thread default stream
+    /// (never: [`CudaDevice::new`] refuses it; `pipeline engine-check` prints it).
+    pub fn on_default_stream(&self) -> bool {
+        is_legacy_stream(&self.stream)
+    }
+
+    /// Orders `later` after the work queued on `earlier` so far (an event, no host wait).
+    fn order(&self, earlier: &CudaStream, later: &CudaStream) -> anyhow::Result<()> {
+        let event = if std::ptr::eq(earlier, self.stream.as_ref()) { &self.ours } else { &self.theirs };
+        event.record(earlier).map_err(|e| anyhow::anyhow!("recording an event: {e:?}"))?;
+        later.wait(event).map_err(|e| anyhow::anyhow!("waiting for an event: {e:?}"))
     }
 
     fn function(&self, name: &'static str) -> CudaFunction {
@@ -183,9 +232,10 @@ impl CudaDevice {
         self.words.iter().find(|w| w.0 == space).map(|w| &w.1).ok_or_else(|| anyhow::anyhow!("the {space:?} space is not a 4-byte space"))
     }
 
-    /// The descriptors and algorithm of `p`'s shape, made once and cached.
-    fn prepare(lt: &mut Lt, p: &LtPlan) -> anyhow::Result<ShapeKey> {
-        let key = ShapeKey::of(p);
+    /// The descriptors and algorithm of `p`'s shape and alignment (the arena at byte address
+    /// `base`), made once and cached.
+    fn prepare(lt: &mut Lt, p: &LtPlan, base: u64) -> anyhow::Result<ShapeKey> {
+        let key = ShapeKey::of(p, base);
         if lt.cache.contains_key(&key) {
             return Ok(key);
         }
@@ -222,6 +272,16 @@ impl CudaDevice {
             use lt_sys::cublasLtMatmulPreferenceAttributes_t as P;
             lt_result::set_matmul_pref_attribute(pref, P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws as *const _ as *const c_void, 8)
                 .map_err(lt_err)?;
+            // The operands' real alignment (D is C): the default promises 256 bytes.
+            let [al_a, al_b, al_c] = key.align;
+            for (attr, bytes) in [
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, al_a),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, al_b),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, al_c),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, al_c),
+            ] {
+                lt_result::set_matmul_pref_attribute(pref, attr, &bytes as *const u32 as *const c_void, 4).map_err(lt_err)?;
+            }
             let heuristic = lt_result::get_matmul_algo_heuristic(lt.handle, desc, layouts[0], layouts[1], layouts[2], layouts[2], pref);
             let _ = lt_result::destroy_matmul_pref(pref);
             let heuristic = heuristic.map_err(|e| anyhow::anyhow!("cuBLASLt has no algorithm for {p:?}: {e:?}"))?;
@@ -254,7 +314,7 @@ impl CudaDevice {
     /// `cublasLtMatmul` of plan `p` on the stream.
     fn try_gemm(&self, p: &LtPlan) -> anyhow::Result<()> {
         let mut lt = self.lt.lock().expect("the cuBLASLt lock");
-        let key = Self::prepare(&mut lt, p)?;
+        let key = Self::prepare(&mut lt, p, self.bases[&Space::Arena])?;
         let prepared = &lt.cache[&key];
         let (a, b, c) = (self.address(Space::Arena, p.a_off), self.address(Space::Arena, p.b_off), self.address(Space::Arena, p.c_off));
         let ws = lt.workspace_ptr;
@@ -283,6 +343,12 @@ impl CudaDevice {
         }
         .map_err(|e| anyhow::anyhow!("cublasLtMatmul {p:?}: {e:?}"))
     }
+}
+
+/// Whether `stream` is the legacy NULL stream or the per-thread default stream.
+fn is_legacy_stream(stream: &CudaStream) -> bool {
+    let s = stream.cu_stream();
+    s.is_null() || s as usize == 0x2 // CU_STREAM_PER_THREAD
 }
 
 impl Drop for CudaDevice {
@@ -355,6 +421,55 @@ impl Device for CudaDevice {
         anyhow::ensure!(off + words.len() <= slice.len(), "writing {} words at {off} of the {space:?} space", words.len());
         let mut dst = slice.slice_mut(off..off + words.len());
         self.stream.memcpy_htod(words, &mut dst).map_err(|e| anyhow::anyhow!("copy to the GPU: {e:?}"))
+    }
+
+    fn write_tensor(&mut self, space: Space, off: usize, t: &candle_core::Tensor) -> anyhow::Result<()> {
+        let (storage, layout) = t.storage_and_layout();
+        let candle_core::Storage::Cuda(cs) = &*storage else {
+            drop(storage);
+            let words: Vec<u32> = t.flatten_all()?.to_vec1()?;
+            return self.write(space, off, &words);
+        };
+        anyhow::ensure!(t.dtype() == candle_core::DType::U32, "token ids must be u32, not {:?}", t.dtype());
+        anyhow::ensure!(layout.is_contiguous(), "token ids must be a contiguous tensor");
+        anyhow::ensure!(cs.device.cuda_stream().context() == &self.ctx, "the token ids are on another GPU");
+        let n = t.elem_count();
+        anyhow::ensure!(off + n <= self.slice(space)?.len(), "writing {n} words at {off} of the {space:?} space");
+        let theirs = cs.device.cuda_stream();
+        let src = cs.as_cuda_slice::<u32>()?.device_ptr(&theirs).0 + 4 * layout.start_offset() as u64;
+        let dst = self.address(space, off);
+        // After candle's stream made the tensor; candle's stream (which frees it) after the copy.
+        self.order(&theirs, &self.stream)?;
+        // SAFETY: `n` u32 from `src` lie in the tensor's contiguous storage (checked above), and
+        // `n` words from `dst` in this device's space; both streams are ordered around the copy.
+        unsafe { cu_result::memcpy_dtod_async(dst, src, 4 * n, self.stream.cu_stream()) }
+            .map_err(|e| anyhow::anyhow!("copying the token ids on the GPU: {e:?}"))?;
+        self.order(&self.stream, &theirs)
+    }
+
+    fn tensor(&self, off: usize, len: usize, shape: &[usize], device: &candle_core::Device) -> anyhow::Result<candle_core::Tensor> {
+        let candle_core::Device::Cuda(target) = device else {
+            let v: Vec<f32> = self.read(Space::Arena, off, len)?.into_iter().map(f32::from_bits).collect();
+            return Ok(candle_core::Tensor::from_vec(v, shape, &candle_core::Device::Cpu)?.to_device(device)?);
+        };
+        anyhow::ensure!(target.cuda_stream().context() == &self.ctx, "copying the engine's weights to another GPU");
+        anyhow::ensure!(off + len <= self.slice(Space::Arena)?.len(), "reading {len} elements at {off} of the arena");
+        let theirs = target.cuda_stream();
+        // SAFETY: every element is written by the copy below before anything on `theirs` reads it.
+        let mut dst =
+            unsafe { theirs.alloc::<f32>(len.max(1)) }.map_err(|e| anyhow::anyhow!("a tensor for the engine's weights: {e:?}"))?;
+        // After the engine's work so far; the engine's next writes after the copy.
+        self.order(&self.stream, &theirs)?;
+        {
+            let (ptr, _record) = dst.device_ptr_mut(&theirs);
+            // SAFETY: `len` f32 in the fresh allocation and in the arena from `off` (checked).
+            unsafe { cu_result::memcpy_dtod_async(ptr, self.address(Space::Arena, off), 4 * len, theirs.cu_stream()) }
+                .map_err(|e| anyhow::anyhow!("copying the engine's weights on the GPU: {e:?}"))?;
+        }
+        self.order(&theirs, &self.stream)?;
+        let storage = candle_core::CudaStorage::wrap_cuda_slice(dst, target.clone());
+        let t = candle_core::Tensor::from_storage(candle_core::Storage::Cuda(storage), len, candle_core::op::BackpropOp::none(), false);
+        Ok(t.reshape(shape)?)
     }
 
     fn read(&self, space: Space, off: usize, len: usize) -> anyhow::Result<Vec<u32>> {

@@ -140,6 +140,21 @@ pub trait Device: Send {
     fn write(&mut self, space: Space, off: usize, words: &[u32]) -> anyhow::Result<()>;
     /// Reads `len` 32-bit words from element `off` of a 4-byte space (waits for the work before).
     fn read(&self, space: Space, off: usize, len: usize) -> anyhow::Result<Vec<u32>>;
+    /// Writes the elements of the 32-bit tensor `t` (`u32` ids) at element `off` of a 4-byte
+    /// space, in order with the device's work. The default reads `t` to the host; the CUDA
+    /// device copies a tensor on its GPU device to device, after the work queued on the
+    /// tensor's stream and before anything later queued there (CUDA events, no host wait).
+    fn write_tensor(&mut self, space: Space, off: usize, t: &candle_core::Tensor) -> anyhow::Result<()> {
+        let words: Vec<u32> = t.flatten_all()?.to_vec1()?;
+        self.write(space, off, &words)
+    }
+    /// `len` `f32` elements of the arena from `off` as a tensor of `shape` on `device`. The
+    /// default reads them to the host; the CUDA device copies into a new tensor on its GPU
+    /// device to device, on that device's stream after the work queued so far on its own.
+    fn tensor(&self, off: usize, len: usize, shape: &[usize], device: &candle_core::Device) -> anyhow::Result<candle_core::Tensor> {
+        let v: Vec<f32> = self.read(Space::Arena, off, len)?.into_iter().map(f32::from_bits).collect();
+        Ok(candle_core::Tensor::from_vec(v, shape, &candle_core::Device::Cpu)?.to_device(device)?)
+    }
     /// Records `work` as graph `slot` without running it (replacing a graph there): its
     /// pointers and constants are fixed, what it reads from memory is read when replayed.
     fn capture(&mut self, slot: usize, work: &[Work]) -> anyhow::Result<()>;
@@ -155,18 +170,25 @@ pub trait Device: Send {
     }
 }
 
-/// The GPU backend on GPU `ordinal` with an arena of `len` elements (GEMMs in bf16 or f32;
-/// units of work replayed as CUDA graphs when `graphs`).
+/// The GPU backend on `device` (a candle CUDA device: the engine shares its context, on a
+/// stream of its own) with an arena of `len` elements (GEMMs in bf16 or f32; units of work
+/// replayed as CUDA graphs when `graphs`).
 #[cfg(feature = "cuda")]
-pub fn gpu_backend(ordinal: usize, bf16: bool, graphs: bool, len: usize, cap: Capacity) -> anyhow::Result<Box<dyn Backend>> {
+pub fn gpu_backend(device: &candle_core::Device, bf16: bool, graphs: bool, len: usize, cap: Capacity) -> anyhow::Result<Box<dyn Backend>> {
     let math = if bf16 { cuda::GemmMath::Bf16 } else { cuda::GemmMath::F32 };
-    Ok(Box::new(KernelBackend::new(cuda::CudaDevice::new(ordinal, math)?, len, cap)?.with_graphs(graphs)))
+    Ok(Box::new(KernelBackend::new(cuda::CudaDevice::new(device, math)?, len, cap)?.with_graphs(graphs)))
 }
 
 /// Without the `cuda` feature: the reason there is no GPU backend.
 #[cfg(not(feature = "cuda"))]
-pub fn gpu_backend(ordinal: usize, _bf16: bool, _graphs: bool, _len: usize, _cap: Capacity) -> anyhow::Result<Box<dyn Backend>> {
-    anyhow::bail!("the engine's GPU backend (cuda:{ordinal}) needs a `cuda` build (scripts/build-cuda.sh)")
+pub fn gpu_backend(
+    device: &candle_core::Device,
+    _bf16: bool,
+    _graphs: bool,
+    _len: usize,
+    _cap: Capacity,
+) -> anyhow::Result<Box<dyn Backend>> {
+    anyhow::bail!("the engine's GPU backend ({:?}) needs a `cuda` build (scripts/build-cuda.sh)", device.location())
 }
 
 /// How much scratch a model's backend needs (from the engine's schedule).
@@ -210,11 +232,18 @@ struct AuxLayout {
     lse_count: usize,
 }
 
-/// The `tokens` space: x, y, then the ids' CSR (offsets per vocabulary row, then positions).
+/// Positions per chunk of the ids' CSR build (`eng_csr_*` in kernels/engine.cu: one warp per
+/// chunk, and a `chunks x vocab` table of counts).
+pub(super) const CSR_CHUNK: usize = 2048;
+
+/// The `tokens` space: x, y, then the ids' CSR (offsets per vocabulary row, then positions),
+/// then the CSR build's counts (`chunks x vocab`).
 #[derive(Clone, Copy, Debug)]
 struct TokenLayout {
     n: usize,
     vocab: usize,
+    /// Positions per chunk of the CSR build.
+    chunk: usize,
 }
 
 impl TokenLayout {
@@ -230,8 +259,14 @@ impl TokenLayout {
     fn csr_pos(&self) -> usize {
         2 * self.n + self.vocab + 1
     }
-    fn len(&self) -> usize {
+    fn chunks(&self) -> usize {
+        self.n.div_ceil(self.chunk).max(1)
+    }
+    fn counts(&self) -> usize {
         3 * self.n + self.vocab + 1
+    }
+    fn len(&self) -> usize {
+        self.counts() + self.chunks() * self.vocab
     }
 }
 
@@ -269,7 +304,14 @@ pub struct KernelBackend<D: Device> {
 
 impl<D: Device> KernelBackend<D> {
     /// A backend with an arena of `len` elements on `dev`, scratch sized by `cap`.
-    pub fn new(mut dev: D, len: usize, cap: Capacity) -> anyhow::Result<Self> {
+    pub fn new(dev: D, len: usize, cap: Capacity) -> anyhow::Result<Self> {
+        Self::with_csr_chunk(dev, len, cap, CSR_CHUNK)
+    }
+
+    /// [`KernelBackend::new`] building the ids' CSR in chunks of `chunk` positions (tests use
+    /// small ones to cross chunk edges on small micro-batches).
+    pub(super) fn with_csr_chunk(mut dev: D, len: usize, cap: Capacity, chunk: usize) -> anyhow::Result<Self> {
+        anyhow::ensure!(chunk >= 1, "a CSR chunk of {chunk} positions");
         let parts = cap.tokens.div_ceil(ops::PART);
         // Partial sums (2 x width per block of rows), the q/k gain's per-(row, head) values and
         // their partials, attention's delta: the largest of them.
@@ -287,7 +329,7 @@ impl<D: Device> KernelBackend<D> {
         let round = |x: usize| x.div_ceil(8) * 8;
         let (q, kv) = (round(cap.tokens * cap.attn_width), round(cap.tokens * cap.kv_width));
         let half_len = 4 * q + 4 * kv;
-        let tokens = TokenLayout { n: cap.tokens, vocab: cap.vocab };
+        let tokens = TokenLayout { n: cap.tokens, vocab: cap.vocab, chunk };
         dev.alloc(Sizes { arena: len, aux: lse + lse_len * cap.attention_calls, half: half_len, tokens: tokens.len() })?;
         Ok(Self {
             dev,

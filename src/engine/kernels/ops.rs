@@ -188,28 +188,41 @@ impl<D: Device> Backend for KernelBackend<D> {
         Ok(Tensor::from_vec(v, shape, &CandleDevice::Cpu)?)
     }
 
+    fn download_to(&self, src: Buf, shape: &[usize], device: &CandleDevice) -> anyhow::Result<Tensor> {
+        self.check([src], []);
+        self.outside_unit("a download");
+        self.dev.tensor(src.off, src.len, shape, device)
+    }
+
     fn set_tokens(&mut self, x: &[u32], y: &[u32]) {
+        self.load_tokens(crate::engine::backend::Tokens::Host { x, y }).expect("writing the micro-batch's tokens to the device");
+    }
+
+    fn load_tokens(&mut self, tokens: crate::engine::backend::Tokens<'_>) -> anyhow::Result<()> {
+        use crate::engine::backend::Tokens;
         self.outside_unit("writing the micro-batch's tokens");
         let t = self.tokens;
-        assert!(x.len() == t.n && y.len() == t.n, "{} ids and {} targets for a {}-token micro-batch", x.len(), y.len(), t.n);
-        // The ids' CSR: for each vocabulary row, the positions of its tokens in ascending order.
-        let mut off = vec![0u32; t.vocab + 1];
-        for &id in x {
-            assert!((id as usize) < t.vocab, "token id {id} outside the {}-row vocabulary", t.vocab);
-            off[id as usize + 1] += 1;
+        let (nx, ny) = tokens.lens();
+        anyhow::ensure!(nx == t.n && ny == t.n, "{nx} ids and {ny} targets for a {}-token micro-batch", t.n);
+        match tokens {
+            Tokens::Host { x, y } => {
+                self.dev.write(Space::Tokens, t.x(), x)?;
+                self.dev.write(Space::Tokens, t.y(), y)?;
+            }
+            Tokens::Tensors { x, y } => {
+                self.dev.write_tensor(Space::Tokens, t.x(), x)?;
+                self.dev.write_tensor(Space::Tokens, t.y(), y)?;
+            }
         }
-        for v in 0..t.vocab {
-            off[v + 1] += off[v];
-        }
-        let mut fill = off.clone();
-        let mut pos = vec![0u32; t.n];
-        for (n, &id) in x.iter().enumerate() {
-            pos[fill[id as usize] as usize] = n as u32;
-            fill[id as usize] += 1;
-        }
-        for (o, d) in [(t.x(), x), (t.y(), y), (t.csr_off(), &off[..]), (t.csr_pos(), &pos[..])] {
-            self.dev.write(Space::Tokens, o, d).expect("writing the micro-batch's tokens to the device");
-        }
+        // The ids' CSR for the embedding's gradient, on the device (kernels/engine.cu).
+        let (ids, n, vocab, chunk) = (Arg::Ptr(Space::Tokens, t.x()), l(t.n), i(t.vocab), i(t.chunk));
+        let (counts, off, pos) =
+            (Arg::Ptr(Space::Tokens, t.counts()), Arg::Ptr(Space::Tokens, t.csr_off()), Arg::Ptr(Space::Tokens, t.csr_pos()));
+        let chunks = [t.chunks() as u32, 1, 1];
+        self.dev.launch(&Launch { kernel: "eng_csr_count", grid: chunks, block: 32, args: vec![ids, n, vocab, chunk, counts] });
+        self.dev.launch(&Launch { kernel: "eng_csr_scan", grid: [1, 1, 1], block: BLOCK, args: vec![counts, i(t.chunks()), vocab, off] });
+        self.dev.launch(&Launch { kernel: "eng_csr_fill", grid: chunks, block: 32, args: vec![ids, n, vocab, chunk, counts, pos] });
+        Ok(())
     }
 
     fn fill(&mut self, dst: Buf, value: f64) {

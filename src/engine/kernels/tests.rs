@@ -259,6 +259,43 @@ fn head_ops_match_the_cpu() {
     });
 }
 
+/// The ids' CSR built on the device (`eng_csr_count`, `_scan`, `_fill`) is the stable counting
+/// sort the embedding's gradient reads: for chunks of 64 positions over 150 ids (three chunks,
+/// the last partial and not a multiple of a warp), repeated ids within a warp and across
+/// chunks, unused rows, and an id outside the vocabulary (skipped), the offsets and positions
+/// equal the host's, and building it twice gives the same.
+#[test]
+fn the_device_builds_the_ids_csr_in_token_order() {
+    use super::{Device, Space};
+    let (n, vocab) = (150, 40);
+    let cap = Capacity { tokens: n, vocab, width: 8, attn_width: 8, kv_width: 8, heads: 1, attention_calls: 1 };
+    let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join("csr.mem"));
+    let mut be = KernelBackend::with_csr_chunk(dev, 16, cap, 64).unwrap();
+    let mut rng = fastrand::Rng::with_seed(3);
+    // Ids from few rows (many repeats in a warp), every other row unused; one out of range.
+    let mut x: Vec<u32> = (0..n).map(|_| rng.u32(0..8) * 4).collect();
+    x[77] = vocab as u32 + 3;
+    let y = vec![0; n];
+    let t = be.tokens;
+    for round in 0..2 {
+        be.set_tokens(&x, &y);
+        let off = be.device().read(Space::Tokens, t.csr_off(), vocab + 1).unwrap();
+        let pos = be.device().read(Space::Tokens, t.csr_pos(), n).unwrap();
+        let mut want_off = vec![0u32; vocab + 1];
+        for &id in x.iter().filter(|&&id| (id as usize) < vocab) {
+            want_off[id as usize + 1] += 1;
+        }
+        for v in 0..vocab {
+            want_off[v + 1] += want_off[v];
+        }
+        assert_eq!(off, want_off, "round {round}: offsets");
+        let valid = want_off[vocab] as usize;
+        let mut want_pos: Vec<u32> = (0..n as u32).filter(|&i| (x[i as usize] as usize) < vocab).collect();
+        want_pos.sort_by_key(|&i| x[i as usize]); // stable: positions ascending within a row
+        assert_eq!(&pos[..valid], &want_pos[..], "round {round}: positions");
+    }
+}
+
 #[test]
 fn softcap_cross_entropy_matches_the_cpu() {
     check("loss", 3 * N * VOCAB, cap(), 2e-5, |be| {
