@@ -1,9 +1,12 @@
 //! The explicit engine ([`crate::engine`]) as a session's [`Executor`]: the schedule of
 //! [`crate::train::trainer`] (LR multiplier, training fraction, Muon momentum warm-up,
-//! clipping, Muon then Adam per group) with each step's work done on the engine's arena, and
-//! the weights copied into a candle [`Gpt`] after every step for validation, snapshots and the
-//! saved weights. On the CPU backends or, in a `cuda` build, the GPU backend
-//! ([`crate::engine::kernels`]).
+//! clipping, Muon then Adam per group) with each step's work done on the engine's arena. A
+//! candle [`Gpt`] mirrors the weights for what reads them (validation, the snapshots the stages
+//! after training take, the saved weights): it is synced only when one of them asks
+//! ([`Executor::synced_model`]), not after every step, and on a GPU device to device (one copy
+//! of the parameter region, ordered by CUDA events). The micro-batch's token tensors reach the
+//! engine as they are: on a GPU device to device, with no host read. On the CPU backends or,
+//! in a `cuda` build, the GPU backend ([`crate::engine::kernels`]).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -12,6 +15,7 @@ use candle_core::{DType, Tensor};
 
 use crate::device::phase_clock::PhaseTimes;
 use crate::engine::Engine;
+use crate::engine::backend::Tokens;
 use crate::engine::exchange::ExchangeStats;
 use crate::engine::optim::MuonStep;
 use crate::engine::step::{ADAM_GROUPS, OptimizerStep};
@@ -23,10 +27,8 @@ use crate::train::executor::{Executor, MicroTimes, StepOutcome};
 /// The engine of `model` on its GPU: GEMMs on the bf16 tensor cores when the model's matmuls
 /// are bf16, full f32 otherwise.
 fn gpu_engine(model: &Gpt, rows: usize, t: usize, o: EngineOptions) -> anyhow::Result<Engine> {
-    let candle_core::DeviceLocation::Cuda { gpu_id } = model.device().location() else {
-        anyhow::bail!("the engine runs on the CPU or on a CUDA GPU, not {:?}", model.device().location());
-    };
-    Engine::gpu(model.config(), rows, t, gpu_id, model.matmul_dtype() == DType::BF16, o.cuda_graph, o.poison)
+    anyhow::ensure!(model.device().is_cuda(), "the engine runs on the CPU or on a CUDA GPU, not {:?}", model.device().location());
+    Engine::gpu(model.config(), rows, t, model.device(), model.matmul_dtype() == DType::BF16, o.cuda_graph, o.poison)
 }
 
 /// The engine, the candle model mirroring its weights, and the step in progress.
@@ -42,6 +44,10 @@ pub struct EngineTrainer {
     phases: PhaseTimes,
     /// The step's gradient exchange so far (several ranks).
     exchanged: ExchangeStats,
+    /// The engine has weights the mirror does not (a step since the last sync).
+    stale: bool,
+    /// Times the mirror was synced (report field `train.engine.mirror_syncs`).
+    syncs: u64,
 }
 
 impl EngineTrainer {
@@ -70,6 +76,8 @@ impl EngineTrainer {
             tokens: rows * t,
             phases: PhaseTimes::default(),
             exchanged: ExchangeStats::default(),
+            stale: false,
+            syncs: 0,
         })
     }
 
@@ -88,10 +96,22 @@ impl EngineTrainer {
         &self.engine
     }
 
-    /// Copies the engine's weights into the mirror model.
+    /// Copies the engine's weights into the mirror model when it does not hold them yet: the
+    /// parameter region in one copy (device to device on a GPU), then each parameter set.
     fn sync_mirror(&mut self) -> anyhow::Result<()> {
-        let params: HashMap<String, Tensor> = self.engine.params()?.into_iter().collect();
-        self.mirror.load_state(&params)
+        if !self.stale {
+            return Ok(());
+        }
+        let params: HashMap<String, Tensor> = self.engine.params_on(self.mirror.device())?.into_iter().collect();
+        self.mirror.load_state(&params)?;
+        self.stale = false;
+        self.syncs += 1;
+        Ok(())
+    }
+
+    /// Times the mirror has been synced.
+    pub fn mirror_syncs(&self) -> u64 {
+        self.syncs
     }
 }
 
@@ -100,39 +120,49 @@ impl Executor for EngineTrainer {
         &self.mirror
     }
 
+    fn synced_model(&mut self) -> anyhow::Result<&Gpt> {
+        self.sync_mirror()?;
+        Ok(&self.mirror)
+    }
+
     fn set_looping(&mut self, on: bool) {
         self.mirror.set_looping(on);
     }
 
     fn load_weights(&mut self, tensors: &HashMap<String, Tensor>) -> anyhow::Result<()> {
         self.mirror.load_state(tensors)?;
-        self.engine.load_params(tensors)
+        self.engine.load_params(tensors)?;
+        self.stale = false;
+        Ok(())
     }
 
     fn micro_step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<MicroTimes> {
         crate::train::executor::check_micro_batch(self.micro_done, self.micro_steps, self.step, self.cfg.iterations)?;
-        let (xs, ys): (Vec<u32>, Vec<u32>) = (x.flatten_all()?.to_vec1()?, y.flatten_all()?.to_vec1()?);
         anyhow::ensure!(
-            xs.len() == self.tokens && ys.len() == self.tokens,
+            x.elem_count() == self.tokens && y.elem_count() == self.tokens,
             "a micro-batch of {} tokens, the engine was laid out for {}",
-            xs.len(),
+            x.elem_count(),
             self.tokens
         );
-        let vocab = self.mirror.config().vocab_size as u32;
-        if let Some(bad) = xs.iter().chain(&ys).find(|&&id| id >= vocab) {
-            anyhow::bail!("token id {bad} is outside the vocabulary of {vocab} (`model.vocab_size`)");
+        if x.device().is_cpu() {
+            // On a GPU this would be a host read per micro-batch; the sampler has checked the
+            // ids against the tokenizer (`check_tokens`) before they get here.
+            let vocab = self.mirror.config().vocab_size as u32;
+            let max = x.max_all()?.to_scalar::<u32>()?.max(y.max_all()?.to_scalar::<u32>()?);
+            anyhow::ensure!(max < vocab, "token id {max} is outside the vocabulary of {vocab} (`model.vocab_size`)");
         }
+        let tokens = Tokens::Tensors { x, y };
         let n = self.tokens as f64;
         // The loss stays on the device until the step ends (no host read per micro-batch).
         let (looping, scale) = (self.mirror.looping(), 1.0 / (n * self.micro_steps as f64));
         let r = if self.micro_done + 1 == self.micro_steps {
             // The step's last micro-batch: on several ranks its backward pass sends the
             // gradients to be averaged as it finishes them.
-            let (r, x) = self.engine.exchanged_micro_step(&xs, &ys, looping, scale)?;
+            let (r, x) = self.engine.exchanged_micro_step(tokens, looping, scale)?;
             self.exchanged = x;
             r
         } else {
-            self.engine.micro_step(&xs, &ys, looping, scale)
+            self.engine.micro_step_tokens(tokens, looping, scale)?
         };
         self.micro_done += 1;
         // The wait for the exchange ends the backward phase (the all-reduce is part of it).
@@ -169,7 +199,8 @@ impl Executor for EngineTrainer {
         let stats = self.engine.optimizer_step(&OptimizerStep { clip, muon, adam, betas: (c.beta1, c.beta2), eps: c.adam_eps })?;
         let train_loss = stats.loss_sum / (self.tokens * self.micro_steps) as f64;
         anyhow::ensure!(train_loss.is_finite(), "the training loss is {train_loss} at step {}", self.step + 1);
-        self.sync_mirror()?;
+        // The mirror is synced when something reads the weights (`synced_model`).
+        self.stale = true;
         let phases = PhaseTimes { optimizer: t0.elapsed(), ..std::mem::take(&mut self.phases) };
         let x = std::mem::take(&mut self.exchanged);
         // What the step waited for: the exchange after the backward pass, and Muon's.
@@ -229,7 +260,7 @@ impl Executor for EngineTrainer {
         let (total, regions) = self.engine.arena_bytes();
         let map: serde_json::Map<String, serde_json::Value> = regions.iter().map(|(n, b)| (n.to_string(), (*b).into())).collect();
         let backend = format!("{}-{:?}", self.engine.device_name(), self.engine.dtype()).to_lowercase();
-        let mut report = serde_json::json!({ "backend": backend, "arena_bytes": total, "regions": map });
+        let mut report = serde_json::json!({ "backend": backend, "arena_bytes": total, "regions": map, "mirror_syncs": self.syncs });
         if let Some(c) = self.engine.graph_counts() {
             // Units of work (forward, backward, optimizer step) captured as CUDA graphs,
             // replayed, and run op by op (first sightings, or graphs off).
@@ -253,8 +284,8 @@ mod tests {
         (Tensor::from_vec(x, (rows, t), &Device::Cpu).unwrap(), Tensor::from_vec(y, (rows, t), &Device::Cpu).unwrap())
     }
 
-    fn weights(e: &dyn Executor) -> Vec<(String, Vec<f64>)> {
-        e.model().state_dict().into_iter().map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f64>().unwrap())).collect()
+    fn weights(e: &mut dyn Executor) -> Vec<(String, Vec<f64>)> {
+        e.synced_model().unwrap().state_dict().into_iter().map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f64>().unwrap())).collect()
     }
 
     /// Three steps of two micro-batches each, in f64, with every training element of the record
@@ -302,7 +333,7 @@ mod tests {
             let (ga, gb) = (outs[0].grad_norm.unwrap(), outs[1].grad_norm.unwrap());
             assert!((ga - gb).abs() < 1e-9 * ga, "step {step}: grad norm {ga} vs {gb}");
         }
-        for ((name, a), (_, b)) in weights(candle.as_ref()).iter().zip(weights(engine.as_ref())) {
+        for ((name, a), (_, b)) in weights(candle.as_mut()).iter().zip(weights(engine.as_mut())) {
             let err = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
             assert!(err < 1e-9, "{name}: max difference {err:e}");
         }
@@ -320,5 +351,39 @@ mod tests {
             let err = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
             assert!(err < 1e-9, "{name}: max difference {err:e}");
         }
+    }
+
+    /// The mirror is synced only when something reads the weights: three steps leave it
+    /// untouched (the engine's arena has moved on), the first read copies once and gives the
+    /// engine's weights, a second read without a step copies nothing, and the next step makes
+    /// it stale again.
+    #[test]
+    fn the_mirror_is_synced_only_when_the_weights_are_read() {
+        let mcfg = crate::engine::tests::baseline_small();
+        let cfg = TrainConfig { max_wallclock_seconds: 0.0, ..TrainConfig::default() };
+        let model = Gpt::new(&mcfg, 3, DType::F32, &Device::Cpu).unwrap();
+        let initial: Vec<Vec<f32>> = model.state_dict().iter().map(|(_, t)| t.flatten_all().unwrap().to_vec1().unwrap()).collect();
+        let (rows, t) = (2, 6);
+        let mut e = EngineTrainer::new(model, &cfg, 1, (rows, t), EngineOptions::default()).unwrap();
+        for step in 0..3 {
+            let (x, y) = batch(step, rows, t, mcfg.vocab_size as u32);
+            e.micro_step(&x, &y).unwrap();
+            e.finish_step(0.0).unwrap();
+        }
+        assert_eq!(e.mirror_syncs(), 0, "no step synced the mirror");
+        let stale: Vec<Vec<f32>> = e.model().state_dict().iter().map(|(_, t)| t.flatten_all().unwrap().to_vec1().unwrap()).collect();
+        assert_eq!(stale, initial, "the mirror still holds the initial weights");
+        let engine: Vec<Vec<f32>> = e.engine().params().unwrap().iter().map(|(_, t)| t.flatten_all().unwrap().to_vec1().unwrap()).collect();
+        let synced: Vec<Vec<f32>> =
+            e.synced_model().unwrap().state_dict().iter().map(|(_, t)| t.flatten_all().unwrap().to_vec1().unwrap()).collect();
+        assert_eq!(synced, engine, "the synced mirror holds the engine's weights");
+        assert_ne!(synced, initial);
+        e.synced_model().unwrap();
+        assert_eq!(e.mirror_syncs(), 1, "a second read without a step copies nothing");
+        let (x, y) = batch(9, rows, t, mcfg.vocab_size as u32);
+        e.micro_step(&x, &y).unwrap();
+        e.finish_step(0.0).unwrap();
+        e.synced_model().unwrap();
+        assert_eq!(e.mirror_syncs(), 2);
     }
 }

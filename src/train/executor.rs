@@ -1,9 +1,9 @@
 //! What a training session trains with: [`Executor`], the one interface the session, resume
 //! and the checkpoints use, implemented by the candle executor ([`crate::train::trainer::Trainer`],
 //! autograd) and the explicit engine ([`crate::train::engine_trainer::EngineTrainer`]). Both
-//! hold the model's weights as of the last finished step in a [`Gpt`] (validation, snapshots
-//! and the saved weights read it) and name their optimizer state alike, so a checkpoint of
-//! either continues in either.
+//! give the model's weights as of the last finished step as a [`Gpt`]
+//! ([`Executor::synced_model`]: validation, snapshots and the saved weights read it) and name
+//! their optimizer state alike, so a checkpoint of either continues in either.
 
 use std::collections::HashMap;
 
@@ -92,8 +92,17 @@ impl Default for EngineOptions {
 
 /// One optimizer step at a time, fed micro-batch by micro-batch.
 pub trait Executor: Send {
-    /// The model with the weights of the last finished step (or the initial ones).
+    /// The model: its config, layout, looping switch and parameter names. Its weights are
+    /// those of the last finished step only for the candle executor; read weights through
+    /// [`Executor::synced_model`].
     fn model(&self) -> &Gpt;
+
+    /// The model with the weights of the last finished step (or the initial ones): what
+    /// validation, snapshots and the saved weights read. The engine copies them from its arena
+    /// here, when a step has changed them since the last call, rather than after every step.
+    fn synced_model(&mut self) -> anyhow::Result<&Gpt> {
+        Ok(self.model())
+    }
 
     /// Switches depth recurrence on or off for the steps that follow.
     fn set_looping(&mut self, on: bool);

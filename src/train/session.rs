@@ -153,7 +153,10 @@ impl Session {
             model = model.with_attention(choice.kernels.attention());
             flash = Some(choice.kernels);
             auto_choice = Some(choice);
-        } else if p.attention == Attention::Auto && flash.is_some() {
+        } else if p.attention == Attention::Auto && flash.is_some() && executor == ExecutorKind::Candle {
+            // The engine trains with kernels of its own (kernels/flash_mma.cu through its
+            // backend): candle's attention serves only the mirror's validation, which "auto"
+            // leaves on the WMMA kernels without a trial.
             let m = &c.model;
             let at = AttentionShape {
                 batch: shape.rows,
@@ -217,6 +220,12 @@ impl Session {
         if !device.is_cpu() {
             let timing = if p.sync_phases { "device (synchronised per phase)" } else { "device (CUDA events, no sync per phase)" };
             log.line(&format!("attention:{} phase_times:{timing}", flash.map_or("materialized", |k| k.name())));
+            if let ExecutorKind::Engine(_) = executor {
+                log.line(&format!(
+                    "attention: the engine trains with its own kernels (flash_mma); {} is the candle mirror's, for validation (no attention trial)",
+                    flash.map_or("materialized", |k| k.name())
+                ));
+            }
             if let Some(choice) = &auto_choice {
                 log.line(&format!("attention_auto: {}", choice.line));
             }
@@ -344,8 +353,9 @@ impl Session {
             Some((s, w)) if *s == step => w.clone(),
             _ => {
                 let t0 = Instant::now();
-                let mut copied = Vec::with_capacity(self.trainer.model().params().len());
-                for (name, t) in self.trainer.model().state_dict() {
+                let model = self.trainer.synced_model()?;
+                let mut copied = Vec::with_capacity(model.params().len());
+                for (name, t) in model.state_dict() {
                     // A copy (the optimizers update the parameters in place), detached: a copy of
                     // a variable would record the op, and every average made from it would
                     // chain to the previous one, holding all of them alive.
@@ -511,9 +521,19 @@ impl Session {
         self.done = true;
         self.trainer.discard_partial_step();
         if self.started {
-            let finite = self.trainer.model().params().iter().all(|(_, v, _)| {
-                v.as_tensor().to_dtype(DType::F64).and_then(|t| t.sum_all()).and_then(|t| t.to_scalar::<f64>()).is_ok_and(f64::is_finite)
-            });
+            let finite = match self.trainer.synced_model() {
+                Ok(m) => m.params().iter().all(|(_, v, _)| {
+                    v.as_tensor()
+                        .to_dtype(DType::F64)
+                        .and_then(|t| t.sum_all())
+                        .and_then(|t| t.to_scalar::<f64>())
+                        .is_ok_and(f64::is_finite)
+                }),
+                Err(e) => {
+                    self.log.line(&format!("note: the weights could not be read after the failure: {e:#}"));
+                    false
+                }
+            };
             if !finite {
                 self.log.line("note: the run failed with non-finite weights; they were not saved");
             } else if let Err(e) = self.save_weights() {
@@ -695,7 +715,7 @@ impl Session {
         // Several ranks score the split together and agree before each batch whether to go
         // on: one rank's stop cuts the pass short on all.
         let keep_going = || if final_pass { !ctx.aborted() } else { !ctx.stopping() };
-        let acc = self.validator.run(self.trainer.model(), keep_going).context("validation")?;
+        let acc = self.validator.run(self.trainer.synced_model()?, keep_going).context("validation")?;
         self.window.validation += t0.elapsed();
         ctx.trace_phases(&[("validation", t0.elapsed())]);
         let step = self.trainer.step();
@@ -750,7 +770,7 @@ impl Session {
 
     fn save_weights(&mut self) -> anyhow::Result<()> {
         if let Some(path) = &self.weights_path {
-            crate::model::weights::save(path, &self.trainer.model().state_dict())?;
+            crate::model::weights::save(path, &self.trainer.synced_model()?.state_dict())?;
             self.saved_at = Some(self.trainer.step());
             self.log.line(&format!("saved weights: {} (step {})", path.display(), self.trainer.step()));
         }
