@@ -373,19 +373,28 @@ impl Engine {
     /// The optimizer state with the candle optimizers' names: `muon.{p}.momentum_buffer`,
     /// `{adam_*}.{p}.exp_avg`, `.exp_avg_sq` and `{adam_*}.step` (groups with parameters only).
     pub fn optimizer_state(&self) -> anyhow::Result<Vec<(String, Tensor)>> {
+        self.optimizer_state_on(&Device::Cpu)
+    }
+
+    /// [`Engine::optimizer_state`] as tensors on `device` (the step counts stay on the CPU),
+    /// copied out of the arena's optimizer region in one piece ([`Backend::download_to`]:
+    /// device to device on the GPU backend, no host copy of the moments per snapshot).
+    pub fn optimizer_state_on(&self, device: &Device) -> anyhow::Result<Vec<(String, Tensor)>> {
+        let l = &self.schedule.layout;
+        let all = self.be.download_to(l.state, &[l.state.len], device)?;
+        let part = |b: Buf, shape: &[usize]| -> anyhow::Result<Tensor> { Ok(all.narrow(0, b.off - l.state.off, b.len)?.reshape(shape)?) };
         let mut out = Vec::new();
-        let slots = &self.schedule.layout.slots;
-        for s in slots.iter().filter(|s| s.group == ParamGroup::Matrix) {
-            out.push((format!("muon.{}.momentum_buffer", s.name), self.be.download(s.state0, &s.shape)?));
+        for s in l.slots.iter().filter(|s| s.group == ParamGroup::Matrix) {
+            out.push((format!("muon.{}.momentum_buffer", s.name), part(s.state0, &s.shape)?));
         }
         for (i, (group, prefix)) in ADAM_GROUPS.iter().enumerate() {
-            let members: Vec<_> = slots.iter().filter(|s| s.group == *group).collect();
+            let members: Vec<_> = l.slots.iter().filter(|s| s.group == *group).collect();
             if members.is_empty() {
                 continue;
             }
             for s in members {
-                out.push((format!("{prefix}.{}.exp_avg", s.name), self.be.download(s.state0, &s.shape)?));
-                out.push((format!("{prefix}.{}.exp_avg_sq", s.name), self.be.download(s.state1, &s.shape)?));
+                out.push((format!("{prefix}.{}.exp_avg", s.name), part(s.state0, &s.shape)?));
+                out.push((format!("{prefix}.{}.exp_avg_sq", s.name), part(s.state1, &s.shape)?));
             }
             out.push((format!("{prefix}.step"), Tensor::new(&[self.adam_steps[i] as i64], &Device::Cpu)?));
         }

@@ -234,7 +234,8 @@ impl Executor for EngineTrainer {
     }
 
     fn optimizer_state(&self) -> anyhow::Result<Vec<(String, Tensor)>> {
-        self.engine.optimizer_state()
+        // On the model's device (device to device on a GPU), as the candle executor's state is.
+        self.engine.optimizer_state_on(self.mirror.device())
     }
 
     fn restore(&mut self, step: u64, optimizer: &HashMap<String, Tensor>) -> anyhow::Result<()> {
