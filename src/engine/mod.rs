@@ -8,6 +8,8 @@
 //! optimizers are flat loops over the same arena ([`optim`]).
 //!
 //! - [`backend`]: the [`backend::Backend`] trait, every op the schedule runs;
+//! - [`cases`]: one check per op against the f64 CPU backend, for every device (the tests'
+//!   warp emulator, `pipeline engine-check` on a GPU or the CPU);
 //! - [`cpu`]: its CPU backends, f64 (checks) and f32 (speed), one generic implementation;
 //! - [`kernels`]: the GPU backend, over a device that runs kernel launches and cuBLASLt plans
 //!   (CUDA, or the warp emulator in tests);
@@ -25,6 +27,7 @@
 //! checks against candle's autograd are in `tests.rs`.
 
 pub mod backend;
+pub mod cases;
 pub mod cpu;
 pub mod exchange;
 pub mod gpt;

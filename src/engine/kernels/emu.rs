@@ -62,12 +62,27 @@ pub(super) struct EmuDevice {
     spaces: Vec<(Space, usize, usize)>,
     /// Captured graphs by slot.
     graphs: Vec<Vec<Work>>,
+    /// Every kernel launched so far.
+    launched: Mutex<std::collections::BTreeSet<String>>,
 }
 
 impl EmuDevice {
     /// A device running the emulator `exe`, its memory in `file` (created by `alloc`).
     pub(super) fn new(exe: &Path, file: PathBuf) -> Self {
-        Self { exe: exe.to_path_buf(), file, memory: None, process: None, spaces: Vec::new(), graphs: Vec::new() }
+        Self {
+            exe: exe.to_path_buf(),
+            file,
+            memory: None,
+            process: None,
+            spaces: Vec::new(),
+            graphs: Vec::new(),
+            launched: Mutex::new(Default::default()),
+        }
+    }
+
+    /// The names of every kernel launched so far.
+    pub(super) fn launched(&self) -> std::collections::BTreeSet<String> {
+        self.launched.lock().expect("the launch record").clone()
     }
 
     /// Byte offset of element `off` of `space`, checked.
@@ -120,6 +135,7 @@ impl Device for EmuDevice {
     }
 
     fn launch(&self, l: &Launch) {
+        self.launched.lock().expect("the launch record").insert(l.kernel.to_string());
         let mut line = format!("launch {} {} {} {} {}", l.kernel, l.grid[0], l.grid[1], l.grid[2], l.block);
         for a in &l.args {
             line += &match *a {

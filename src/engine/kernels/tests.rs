@@ -1,187 +1,82 @@
-//! Every op of the GPU backend ([`KernelBackend`] over the warp emulator: the kernels of
+//! The GPU backend ([`KernelBackend`] over the warp emulator: the kernels of
 //! `kernels/engine.cu` and `kernels/flash_mma.cu` compiled for the CPU, launched exactly as the
-//! CUDA device launches them) against its CPU reference ([`CpuBackend<f64>`]), on one random
-//! arena: the whole arena is compared after each op, so a write outside an op's outputs fails
-//! too. Shapes cross the kernels' edges: rows not a multiple of a block (8) or of a partial sum
-//! (64), rows wider than a warp and not a multiple of it, strided views.
+//! CUDA device launches them) against the CPU: every op check of [`crate::engine::cases`] (the
+//! table `pipeline engine-check` runs on a real GPU), a test that the table launches every
+//! kernel the engine has, the ids' CSR, the whole engine, and graph replay.
 
-use candle_core::{Device as CandleDevice, Tensor};
-
+use std::collections::BTreeSet;
 use std::path::Path;
+
+use candle_core::Tensor;
 
 use super::emu::{self, EmuDevice};
 use super::{Capacity, KernelBackend};
-use crate::engine::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, Mat};
-use crate::engine::cpu::CpuBackend;
-use crate::engine::layout::Bump;
+use crate::engine::backend::Backend;
+use crate::engine::cases;
 
-/// Tokens (rows) of the row ops: more than one partial sum (64), not a multiple of 8.
-const N: usize = 70;
-/// Row width: wider than a warp, not a multiple of 32.
-const W: usize = 48;
-const VOCAB: usize = 40;
-
-fn capacity(tokens: usize, heads: usize, d: usize, kv_heads: usize) -> Capacity {
-    Capacity { tokens, vocab: VOCAB, width: 2 * W, attn_width: heads * d, kv_width: kv_heads * d, heads, attention_calls: 2 }
-}
-
-fn emulated(exe: &Path, len: usize, cap: Capacity, name: &str) -> KernelBackend<EmuDevice> {
+/// The emulated backend sized for every case, on the emulator `exe`.
+fn case_backend(exe: &Path, name: &str) -> KernelBackend<EmuDevice> {
     let file = emu::temp_dir().join(format!("{name}.mem"));
-    KernelBackend::new(EmuDevice::new(exe, file), len, cap).expect("the emulated device allocates")
+    KernelBackend::new(EmuDevice::new(exe, file), cases::arena_len(), cases::capacity()).expect("the emulated device allocates")
 }
 
-fn tokens(seed: u64) -> (Vec<u32>, Vec<u32>) {
-    let mut rng = fastrand::Rng::with_seed(seed);
-    let x = (0..N).map(|_| rng.u32(0..VOCAB as u32 / 2) * 2).collect(); // some rows unused, some repeated
-    let y = (0..N).map(|_| rng.u32(0..VOCAB as u32)).collect();
-    (x, y)
-}
-
-/// Runs `op` on the emulated backend and on the f64 CPU backend from the same random arena of
-/// `len` values in [-1, 1) and compares every element: `|gpu - cpu| <= tol max(1, |cpu|)`.
-fn check(name: &str, len: usize, cap: Capacity, tol: f64, op: impl Fn(&mut dyn Backend)) {
-    check_on(emu::emulator(), name, len, cap, tol, op)
-}
-
-/// [`check`] on the emulator `exe`.
-fn check_on(exe: &Path, name: &str, len: usize, cap: Capacity, tol: f64, op: impl Fn(&mut dyn Backend)) {
-    let mut rng = fastrand::Rng::with_seed(name.len() as u64 * 7919);
-    let init: Vec<f32> = (0..len).map(|_| rng.f32() * 2.0 - 1.0).collect();
-    let init = Tensor::from_vec(init, len, &CandleDevice::Cpu).unwrap();
-    let all = Buf { off: 0, len };
-    let mut gpu = emulated(exe, len, cap, name);
-    let mut cpu = CpuBackend::<f64>::new(len);
-    gpu.upload(all, &init).unwrap();
-    cpu.upload(all, &init).unwrap();
-    op(&mut gpu);
-    op(&mut cpu);
-    let got: Vec<f32> = gpu.download(all, &[len]).unwrap().to_vec1().unwrap();
-    let want: Vec<f64> = cpu.download(all, &[len]).unwrap().to_vec1().unwrap();
-    let mut worst = (0.0f64, 0usize);
-    for (k, (&g, &w)) in got.iter().zip(&want).enumerate() {
-        let err = if g.is_nan() && w.is_nan() { 0.0 } else { (g as f64 - w).abs() / w.abs().max(1.0) };
-        let err = if err.is_nan() { f64::INFINITY } else { err };
-        if err > worst.0 {
-            worst = (err, k);
-        }
-    }
-    let k = worst.1;
+/// Runs the case called `name` on `be`; panics naming the element when it is out of bound.
+fn check_case(be: &mut KernelBackend<EmuDevice>, name: &str) {
+    let case = cases::cases().into_iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no case `{name}`"));
+    let r = cases::run(&case, be, 1).unwrap();
     assert!(
-        worst.0 <= tol,
-        "{name}: element {k} is {} on the emulated GPU, {} on the CPU (error {:.2e} > {tol:.0e})",
-        got[k],
-        want[k],
-        worst.0
+        r.ok(),
+        "{}: element {} is {} on the emulated GPU, {} on the CPU (error {:.2e} > {:.0e})",
+        r.name,
+        r.at,
+        r.got,
+        r.want,
+        r.err,
+        r.bound
     );
 }
 
-fn cap() -> Capacity {
-    capacity(N, 3, 16, 1)
-}
-
+/// Every op check of the table on one emulated backend, each within its bound; the unit case
+/// ran op by op, was captured, then replayed.
 #[test]
-fn flat_ops_and_reductions_match_the_cpu() {
-    check("flat", 600, cap(), 1e-6, |be| {
-        let mut r = Bump::default();
-        let (a, b, c) = (r.take(100), r.take(100), r.take(100));
-        be.fill(a, 0.25);
-        be.scale(b, -3.0);
-        be.copy(c, b);
-        let (s, q) = (be.sum(b), be.sum_sq(c));
-        // The reductions' values land in the arena, so the comparison covers them.
-        be.fill(r.take(1), s / 10.0);
-        be.fill(r.take(1), q / 100.0);
-        assert!(be.all_finite(c));
-        be.fill(c.sub(5, 1), f64::NAN);
-        assert!(!be.all_finite(c));
-        be.axpby(0.5, a, -2.0, r.take(100));
-        be.ema(r.take(50), b.sub(0, 50), 0.9);
-        // Device scalars: a sum added twice; clipping that scales and clipping that does not.
-        let total = r.take(1);
-        be.sum_into(b, total);
-        be.sum_into(a, total);
-        let (g, norm) = (r.take(100), r.take(2));
-        be.copy(g, b);
-        be.clip_norm(g, 0.5, norm.sub(0, 1));
-        be.clip_norm(g, 1e3, norm.sub(1, 1));
-    });
-}
-
-/// The optimizer ops inside a unit of work run three times with new learning rates and
-/// momentum each time: on the emulated GPU the first run is op by op, the second captured, the
-/// third replayed, and each must use its own values (read from the schedule scalars when
-/// replayed), as the CPU does.
-#[test]
-fn a_replayed_unit_reads_each_steps_schedule_scalars() {
-    check("unit", 2000, cap(), 2e-6, |be| {
-        let mut r = Bump::default();
-        let (p, g, m, v, buf, u) = (r.take(200), r.take(200), r.take(200), r.take(200), r.take(200), r.take(200));
-        be.fill(v, 0.5);
-        for k in 0..3 {
-            let x = 1.0 + k as f64;
-            be.begin_unit("optimizer");
-            let s = AdamStep { lr: 0.01 * x, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.04, bias1: 0.1 * x, bias2_sqrt: 0.2 * x };
-            be.adam(p, g, m, v, s);
-            be.momentum(g, buf, u, 0.8 + 0.05 * x, true);
-            be.axpby(-0.1 * x, u, 1.0 - 0.01 * x, p);
-            be.sgd(p, g, buf, 0.1 * x, 0.9, false);
-            be.end_unit();
+fn every_op_case_matches_the_cpu_on_the_emulated_gpu() {
+    let mut be = case_backend(emu::emulator(), "cases");
+    let mut failed = Vec::new();
+    for case in cases::cases() {
+        let r = cases::run(&case, &mut be, 1).unwrap();
+        if !r.ok() {
+            failed.push(format!("{}: error {:.2e} > {:.0e} at element {} ({} vs {})", r.name, r.err, r.bound, r.at, r.got, r.want));
         }
-        if let Some(c) = be.graph_counts() {
-            assert_eq!((c.eager, c.captured, c.replayed), (1, 1, 2), "{c:?}");
-        }
-    });
+    }
+    assert!(failed.is_empty(), "cases out of bound:\n{}", failed.join("\n"));
+    let c = be.graph_counts().unwrap();
+    assert_eq!((c.eager, c.captured, c.replayed), (1, 1, 2), "{c:?}");
 }
 
+/// The table launches every kernel the engine's backend can launch (the emulator's list of
+/// kernels/engine.cu and flash_mma.cu), so `pipeline engine-check` checks each on a GPU.
 #[test]
-fn optimizer_ops_match_the_cpu() {
-    check("optim", 3000, cap(), 2e-6, |be| {
-        let mut r = Bump::default();
-        let (p, g, m, v) = (r.take(300), r.take(300), r.take(300), r.take(300));
-        let sq: Vec<f32> = (0..300).map(|k| (k as f32 * 0.37).sin().powi(2)).collect();
-        be.upload(v, &Tensor::from_vec(sq, 300, &CandleDevice::Cpu).unwrap()).unwrap();
-        let s = AdamStep { lr: 0.01, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.04, bias1: 0.19, bias2_sqrt: 0.3 };
-        be.adam(p, g, m, v, s);
-        be.adam(p, g, m, v, AdamStep { weight_decay: 0.0, ..s });
-        let (buf, u) = (r.take(300), r.take(300));
-        be.momentum(g, buf, u, 0.95, true);
-        be.momentum(g, buf, u, 0.85, false);
-        be.sgd(p, g, buf, 0.1, 0.9, true);
-        be.sgd(p, g, buf, 0.1, 0.9, false);
-        be.sgd(p, g, buf, 0.1, 0.0, false);
-        // Newton-Schulz helpers: 3 matrices of 7 x 11.
-        let x = r.take(3 * 77);
-        be.row_normalize(x, 11, 1e-7);
-        be.normalize_each(x, 3, 1e-7);
-        be.transpose_each(x, r.take(3 * 77), 3, 7, 11);
-    });
+fn the_op_cases_launch_every_kernel() {
+    let src = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/warp_emu/engine_emu.cpp")).unwrap();
+    let all: BTreeSet<String> = src
+        .split("K(")
+        .skip(1)
+        .filter_map(|t| t.split(')').next())
+        .filter(|k| k.starts_with("eng_") || k.starts_with("flash_"))
+        .map(str::to_string)
+        .collect();
+    assert!(all.len() > 40 && all.contains("eng_csr_fill") && all.contains("flash_bwd_dkdv_mma_bf16"), "{all:?}");
+    let mut be = case_backend(emu::emulator(), "coverage");
+    for case in cases::cases() {
+        cases::run(&case, &mut be, 2).unwrap();
+    }
+    let launched = be.device().launched();
+    let missing: Vec<&String> = all.iter().filter(|k| !launched.contains(*k)).collect();
+    assert!(missing.is_empty(), "kernels no case launches: {missing:?}");
 }
 
-#[test]
-fn gemm_plans_match_the_cpu_for_every_layout() {
-    check("gemm", 4000, cap(), 1e-5, |be| {
-        let mut r = Bump::default();
-        let (m, n, k) = (13, 9, 37);
-        let wide = r.take(m * 50).mat(m, 50); // a is a column view of a wider matrix
-        let a = wide.cols(3, k);
-        let at = r.take(k * m).mat(k, m).t();
-        let b = r.take(k * n).mat(k, n);
-        let bt = r.take(n * k).mat(n, k).t();
-        let c = r.take(m * n).mat(m, n);
-        be.gemm(c, a, b, 1.0, 0.0);
-        be.gemm(c, at, bt, 0.5, 1.0);
-        be.gemm(c, a, bt, 1.0, 1.0);
-        be.gemm(c, at, b, -1.0, 0.5);
-    });
-}
-
-#[test]
-fn row_ops_match_the_cpu() {
-    check_rows(emu::emulator(), "rows");
-}
-
-/// An RMS norm backward that divides by one column too many fails the comparison: the harness
-/// sees a wrong kernel.
+/// An RMS norm backward that divides by one column too many fails its case: the harness sees
+/// a wrong kernel.
 #[test]
 #[should_panic(expected = "on the emulated GPU")]
 fn a_wrong_kernel_fails_the_comparison() {
@@ -192,71 +87,8 @@ fn a_wrong_kernel_fails_the_comparison() {
     std::fs::create_dir_all(&dir).unwrap();
     let mutant = dir.join("engine_mutant.cu");
     std::fs::write(&mutant, src.replace(from, "c = scale * warp_sum(s) * inv * inv * inv / (cols + 1);")).unwrap();
-    check_rows(&emu::build(&dir, "engine_emu_mutant", Some(&mutant)), "rows_mutant");
-}
-
-fn check_rows(exe: &Path, name: &str) {
-    let len = 40 * N * W;
-    check_on(exe, name, len, cap(), 2e-5, |be| {
-        let (x, y) = tokens(5);
-        be.set_tokens(&x, &y);
-        let mut r = Bump::default();
-        let nw = N * W;
-        let (h, x0, mix, out, rstd) = (r.take(nw), r.take(nw), r.take(2 * W), r.take(nw), r.take(N));
-        be.rms_norm_fwd(h, out, rstd, W, 0.7, 1e-6);
-        let (dy, dx) = (r.take(nw), r.take(nw));
-        be.rms_norm_bwd(h, rstd, dy, dx, W, 0.7, false);
-        be.rms_norm_bwd(h, rstd, dy, dx, W, 1.3, true);
-        let u = r.take(nw);
-        be.resid_mix_fwd(h, x0, mix, u);
-        let (dh, dx0, dmix) = (r.take(nw), r.take(nw), r.take(2 * W));
-        be.resid_mix_bwd(dy, h, x0, mix, dh, dx0, dmix);
-        let s = r.take(W);
-        be.scale_add_fwd(h, x0, s, r.take(nw));
-        be.scale_add_fwd(u, x0, s, u);
-        be.scale_add_bwd(dy, x0, s, r.take(nw), r.take(W));
-        let (w, z) = (r.take(W), r.take(W));
-        be.skip_fwd(h, x0, w, None, r.take(nw));
-        be.skip_fwd(h, x0, w, Some(z), r.take(nw));
-        be.skip_bwd(dy, h, x0, w, None, r.take(nw), r.take(nw), r.take(W));
-        be.skip_bwd(dy, h, x0, w, Some((z, r.take(W))), r.take(nw), r.take(nw), r.take(W));
-        let pre = r.take(nw);
-        let act = Activation { slope: 0.5 };
-        be.act_fwd(pre, r.take(nw), act);
-        be.act_bwd(pre, dy, r.take(nw), act);
-        be.act_fwd(pre, r.take(nw), Activation { slope: 0.0 });
-        let table = r.take(VOCAB * W);
-        be.embedding_fwd(table, r.take(nw), W);
-        be.embedding_bwd(dy, r.take(VOCAB * W), W);
-    });
-}
-
-#[test]
-fn head_ops_match_the_cpu() {
-    // 3 query heads of 16 on 1 KV head, q inside a fused qkv row (a strided view), 6 of 16
-    // dims rotated, positions modulo t = 10.
-    let (heads, d, kvh) = (3, 16, 1);
-    let qkv_w = heads * d + 2 * kvh * d;
-    let len = 12 * N * qkv_w;
-    check("heads", len, cap(), 2e-5, |be| {
-        let mut r = Bump::default();
-        let qkv = r.take(N * qkv_w).mat(N, qkv_w);
-        let q = qkv.cols(0, heads * d);
-        let v = qkv.cols(heads * d + kvh * d, kvh * d);
-        let s = HeadShape { rows: N, heads, d, rot: 6, t: 10 };
-        let (cos, sin, gain) = (r.take(10 * 3), r.take(10 * 3), r.take(heads));
-        let (out, rstd) = (r.take(N * heads * d), r.take(N * heads));
-        be.qk_norm_rope_fwd(q, out, rstd, Some(gain), cos, sin, s, 1e-6);
-        be.qk_norm_rope_fwd(q, r.take(N * heads * d), r.take(N * heads), None, cos, sin, s, 1e-6);
-        let dy = r.take(N * heads * d);
-        let dqkv = r.take(N * qkv_w).mat(N, qkv_w);
-        be.qk_norm_rope_bwd(q, rstd, dy, dqkv.cols(0, heads * d), Some((gain, r.take(heads))), cos, sin, s);
-        be.qk_norm_rope_bwd(q, rstd, dy, dqkv.cols(0, heads * d), None, cos, sin, s);
-        let a = AttnShape { batch: 7, t: 10, heads, kv_heads: kvh, d };
-        let y = r.take(N * heads * d);
-        be.xsa_fwd(y, v, r.take(N * heads * d), a);
-        be.xsa_bwd(dy, y, v, r.take(N * heads * d), dqkv.cols(heads * d + kvh * d, kvh * d), a);
-    });
+    let mut be = case_backend(&emu::build(&dir, "engine_emu_mutant", Some(&mutant)), "mutant");
+    check_case(&mut be, "rms_norm_bwd (write, then accumulate)");
 }
 
 /// The ids' CSR built on the device (`eng_csr_count`, `_scan`, `_fill`) is the stable counting
@@ -294,42 +126,6 @@ fn the_device_builds_the_ids_csr_in_token_order() {
         want_pos.sort_by_key(|&i| x[i as usize]); // stable: positions ascending within a row
         assert_eq!(&pos[..valid], &want_pos[..], "round {round}: positions");
     }
-}
-
-#[test]
-fn softcap_cross_entropy_matches_the_cpu() {
-    check("loss", 3 * N * VOCAB, cap(), 2e-5, |be| {
-        let (x, y) = tokens(9);
-        be.set_tokens(&x, &y);
-        let mut r = Bump::default();
-        let logits = r.take(N * VOCAB);
-        be.scale(logits, 20.0);
-        be.softcap_ce(logits, r.take(N), VOCAB, 15.0, 1.0 / N as f64);
-    });
-}
-
-/// Attention in bf16 (flash_mma's kernels) against the CPU's f64: two sequences of 64 tokens,
-/// two query heads of 64 on one KV head, q, k, v inside a fused qkv matrix.
-#[test]
-fn attention_matches_the_cpu_to_bf16_precision() {
-    let (batch, t, heads, kvh, d) = (2, 64, 2, 1, 64);
-    let n = batch * t;
-    let w = (heads + 2 * kvh) * d;
-    let cap = capacity(n, heads, d, kvh);
-    check("attention", 6 * n * w, cap, 3e-2, |be| {
-        // As the schedule calls it: q and k their own buffers (after the norm and RoPE), v a
-        // view of the fused qkv product; dq, dk their own, dv a view of dqkv (added to, XSA).
-        let mut r = Bump::default();
-        let (q, k) = (r.take(n * heads * d).mat(n, heads * d), r.take(n * kvh * d).mat(n, kvh * d));
-        let v = r.take(n * w).mat(n, w).cols((heads + kvh) * d, kvh * d);
-        let s = AttnShape { batch, t, heads, kv_heads: kvh, d };
-        let out = r.take(n * heads * d);
-        be.attention_fwd(q, k, v, out, s);
-        let dout = r.take(n * heads * d);
-        let (dq, dk) = (r.take(n * heads * d).mat(n, heads * d), r.take(n * kvh * d).mat(n, kvh * d));
-        let dv: Mat = r.take(n * w).mat(n, w).cols((heads + kvh) * d, kvh * d);
-        be.attention_bwd(q, k, v, out, dout, dq, dk, dv, true, s);
-    });
 }
 
 /// The whole engine on the emulated GPU against the f64 CPU engine: record-mini's switches

@@ -1,0 +1,512 @@
+//! The engine's op checks: one case per backend op (and per variant that takes another kernel
+//! path: accumulate or write, gated or not, with or without the query gain), each a short
+//! sequence of ops on an arena of random values, run on the backend under test and on the f64
+//! CPU backend ([`CpuBackend<f64>`], every op's reference) from the same values; the **whole**
+//! arena is compared afterwards, so a write outside an op's outputs fails too.
+//!
+//! The one table serves every device: the warp emulator in the tests (`engine::kernels`, where
+//! a test also checks that the table launches every kernel the engine has), the real GPU and
+//! the f32 CPU backend in `pipeline engine-check` ([`crate::check::engine`]).
+//!
+//! The arena's values are multiples of 1/64 in [-1, 1]: exact in bf16, so a GEMM on the bf16
+//! tensor cores (`CUBLAS_COMPUTE_32F_FAST_16BF` rounds its inputs) loses nothing to rounding
+//! and the GEMM cases' bound holds for every GEMM maths: they check layouts and plans, not
+//! precision (the model check does that). Shapes cross the kernels' edges: rows not a multiple
+//! of a block (8) or of a partial sum (64), rows wider than a warp and not a multiple of it,
+//! strided views, a vocabulary with unused and repeated rows.
+
+use candle_core::{Device, Tensor};
+
+use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, Mat};
+use super::cpu::CpuBackend;
+use super::kernels::Capacity;
+use super::layout::Bump;
+
+/// Tokens (rows) of the row ops: more than two partial sums (64), not a multiple of 8.
+pub const N: usize = 130;
+/// Row width: wider than a warp, not a multiple of 32.
+const W: usize = 48;
+/// Vocabulary of the embedding and loss cases.
+const VOCAB: usize = 40;
+/// Head ops: 3 query heads of 16 on 1 key/value head, 6 of 16 dims rotated, positions mod 10.
+const HEADS: (usize, usize, usize) = (3, 16, 1);
+/// Attention: 2 sequences of 64 tokens, 2 query heads of 64 on 1 key/value head (the GPU
+/// kernels' head width).
+const ATTN: (usize, usize, usize, usize, usize) = (2, 64, 2, 1, 64);
+
+/// Bounds (largest `|device - f64| / max(1, |f64|)` over the arena): flat loops and the
+/// optimizers do a few f32 operations per element; GEMMs sum 37 exact products in f32; rows
+/// sum up to 48 values, head rows 16 with a square root; attention rounds q, k, v and the
+/// probabilities to bf16 (4e-3 per rounding, 7e-3 measured in the emulator).
+const FLAT: f64 = 1e-6;
+const OPTIM: f64 = 2e-6;
+const GEMM: f64 = 1e-5;
+const ROWS: f64 = 2e-5;
+const ATTENTION: f64 = 3e-2;
+
+/// One op check.
+pub struct Case {
+    /// The op (and variant) it checks, as `pipeline engine-check` prints it.
+    pub name: &'static str,
+    /// Arena elements it uses (from 0).
+    pub len: usize,
+    /// The largest error that passes.
+    pub bound: f64,
+    /// The ops, on a backend whose arena holds at least `len` random elements.
+    pub run: fn(&mut dyn Backend),
+}
+
+/// The scratch a kernel backend needs to run every case ([`Case::len`] elements of arena
+/// aside): the largest of each case's needs.
+pub fn capacity() -> Capacity {
+    let (b, t, h, kvh, d) = ATTN;
+    Capacity {
+        tokens: N.max(b * t),
+        vocab: VOCAB,
+        width: 2 * W,
+        attn_width: (HEADS.0 * HEADS.1).max(h * d),
+        kv_width: (HEADS.2 * HEADS.1).max(kvh * d),
+        heads: HEADS.0.max(h),
+        attention_calls: 2,
+    }
+}
+
+/// The largest arena a case uses.
+pub fn arena_len() -> usize {
+    cases().iter().map(|c| c.len).max().unwrap_or(0)
+}
+
+/// Token ids of the embedding and loss cases: even rows only (half the vocabulary unused,
+/// others repeated), targets anywhere.
+fn tokens(seed: u64) -> (Vec<u32>, Vec<u32>) {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let x = (0..N).map(|_| rng.u32(0..VOCAB as u32 / 2) * 2).collect();
+    let y = (0..N).map(|_| rng.u32(0..VOCAB as u32)).collect();
+    (x, y)
+}
+
+/// `rows x cols` from the bump allocator.
+fn mat(r: &mut Bump, rows: usize, cols: usize) -> Mat {
+    r.take(rows * cols).mat(rows, cols)
+}
+
+/// The qkv row of the head cases and its q and v views.
+fn qkv_views(r: &mut Bump) -> (Mat, Mat, Mat) {
+    let (heads, d, kvh) = HEADS;
+    let w = heads * d + 2 * kvh * d;
+    let qkv = mat(r, N, w);
+    (qkv, qkv.cols(0, heads * d), qkv.cols(heads * d + kvh * d, kvh * d))
+}
+
+fn head_shape() -> HeadShape {
+    HeadShape { rows: N, heads: HEADS.0, d: HEADS.1, rot: 6, t: 10 }
+}
+
+fn adam_step(wd: f64) -> AdamStep {
+    AdamStep { lr: 0.01, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: wd, bias1: 0.19, bias2_sqrt: 0.3 }
+}
+
+/// Every op check, in the order `pipeline engine-check` prints them.
+pub fn cases() -> Vec<Case> {
+    let nw = N * W;
+    let (heads, d, kvh) = HEADS;
+    let head_len = 12 * N * (heads * d + 2 * kvh * d);
+    let (ab, at, ah, akv, ad) = ATTN;
+    let attn_len = 6 * ab * at * (ah + 2 * akv) * ad;
+    vec![
+        Case { name: "fill", len: 300, bound: FLAT, run: |be| be.fill(Buf { off: 10, len: 100 }, 0.25) },
+        Case { name: "scale", len: 300, bound: FLAT, run: |be| be.scale(Buf { off: 10, len: 100 }, -3.0) },
+        Case { name: "copy", len: 300, bound: FLAT, run: |be| be.copy(Buf { off: 150, len: 100 }, Buf { off: 10, len: 100 }) },
+        Case {
+            name: "sum, sum_sq (host reads)",
+            len: 300,
+            bound: FLAT,
+            run: |be| {
+                let b = Buf { off: 0, len: 250 };
+                // The values land in the arena, so the comparison covers them.
+                let (s, q) = (be.sum(b), be.sum_sq(b));
+                be.fill(Buf { off: 260, len: 1 }, s / 10.0);
+                be.fill(Buf { off: 261, len: 1 }, q / 100.0);
+            },
+        },
+        Case {
+            name: "all_finite",
+            len: 300,
+            bound: FLAT,
+            run: |be| {
+                // Its answers land in the arena (1 finite, 0 not) for the comparison.
+                let b = Buf { off: 0, len: 250 };
+                let finite = be.all_finite(b);
+                be.fill(Buf { off: 260, len: 1 }, if finite { 1.0 } else { 0.0 });
+                be.fill(b.sub(5, 1), f64::NAN);
+                let finite = be.all_finite(b);
+                be.fill(Buf { off: 261, len: 1 }, if finite { 1.0 } else { 0.0 });
+                be.fill(b.sub(5, 1), 0.5);
+            },
+        },
+        Case { name: "axpby", len: 300, bound: FLAT, run: |be| be.axpby(0.5, Buf { off: 0, len: 100 }, -2.0, Buf { off: 100, len: 100 }) },
+        Case { name: "ema", len: 300, bound: FLAT, run: |be| be.ema(Buf { off: 0, len: 100 }, Buf { off: 100, len: 100 }, 0.9) },
+        Case {
+            name: "sum_into (device scalar)",
+            len: 300,
+            bound: FLAT,
+            run: |be| {
+                let total = Buf { off: 299, len: 1 };
+                be.sum_into(Buf { off: 0, len: 100 }, total);
+                be.sum_into(Buf { off: 100, len: 150 }, total);
+            },
+        },
+        Case {
+            name: "clip_norm (clips, then not)",
+            len: 300,
+            bound: FLAT,
+            run: |be| {
+                let (g, norm) = (Buf { off: 0, len: 200 }, Buf { off: 290, len: 2 });
+                be.clip_norm(g, 0.5, norm.sub(0, 1));
+                be.clip_norm(g, 1e3, norm.sub(1, 1));
+            },
+        },
+        Case {
+            name: "adam (decoupled decay)",
+            len: 1200,
+            bound: OPTIM,
+            run: |be| {
+                let mut r = Bump::default();
+                let (p, g, m, v) = (r.take(300), r.take(300), r.take(300), r.take(300));
+                be.fill(v, 0.5); // a second moment is never negative
+                be.adam(p, g, m, v, adam_step(0.04));
+            },
+        },
+        Case {
+            name: "adam (no decay)",
+            len: 1200,
+            bound: OPTIM,
+            run: |be| {
+                let mut r = Bump::default();
+                let (p, g, m, v) = (r.take(300), r.take(300), r.take(300), r.take(300));
+                be.fill(v, 0.25);
+                be.adam(p, g, m, v, adam_step(0.0));
+            },
+        },
+        Case {
+            name: "momentum (Nesterov, then plain)",
+            len: 900,
+            bound: OPTIM,
+            run: |be| {
+                let (g, buf, u) = (Buf { off: 0, len: 300 }, Buf { off: 300, len: 300 }, Buf { off: 600, len: 300 });
+                be.momentum(g, buf, u, 0.95, true);
+                be.momentum(g, buf, u, 0.85, false);
+            },
+        },
+        Case {
+            name: "sgd (first, momentum, none)",
+            len: 900,
+            bound: OPTIM,
+            run: |be| {
+                let (p, g, buf) = (Buf { off: 0, len: 300 }, Buf { off: 300, len: 300 }, Buf { off: 600, len: 300 });
+                be.sgd(p, g, buf, 0.1, 0.9, true);
+                be.sgd(p, g, buf, 0.1, 0.9, false);
+                be.sgd(p, g, buf, 0.1, 0.0, false);
+            },
+        },
+        Case { name: "row_normalize", len: 300, bound: OPTIM, run: |be| be.row_normalize(Buf { off: 0, len: 231 }, 11, 1e-7) },
+        Case { name: "normalize_each", len: 300, bound: OPTIM, run: |be| be.normalize_each(Buf { off: 0, len: 231 }, 3, 1e-7) },
+        Case {
+            name: "transpose_each",
+            len: 500,
+            bound: OPTIM,
+            run: |be| be.transpose_each(Buf { off: 0, len: 231 }, Buf { off: 250, len: 231 }, 3, 7, 11),
+        },
+        Case {
+            name: "unit replayed (schedule scalars)",
+            len: 1200,
+            bound: OPTIM,
+            run: |be| {
+                // Three runs of one unit of work with new learning rates and momentum each
+                // time: op by op, captured, replayed (a GPU backend); each must read its own.
+                let mut r = Bump::default();
+                let (p, g, m, v, buf, u) = (r.take(200), r.take(200), r.take(200), r.take(200), r.take(200), r.take(200));
+                be.fill(v, 0.5);
+                for k in 0..3 {
+                    let x = 1.0 + k as f64;
+                    be.begin_unit("engine-check optimizer");
+                    let s = AdamStep { lr: 0.01 * x, bias1: 0.1 * x, bias2_sqrt: 0.2 * x, ..adam_step(0.04) };
+                    be.adam(p, g, m, v, s);
+                    be.momentum(g, buf, u, 0.8 + 0.05 * x, true);
+                    be.axpby(-0.1 * x, u, 1.0 - 0.01 * x, p);
+                    be.sgd(p, g, buf, 0.1 * x, 0.9, false);
+                    be.end_unit();
+                }
+            },
+        },
+        Case { name: "gemm a b", len: 4000, bound: GEMM, run: |be| gemm_case(be, false, false, 1.0, 0.0) },
+        Case { name: "gemm a^T b^T (beta 1)", len: 4000, bound: GEMM, run: |be| gemm_case(be, true, true, 0.5, 1.0) },
+        Case { name: "gemm a b^T (beta 1)", len: 4000, bound: GEMM, run: |be| gemm_case(be, false, true, 1.0, 1.0) },
+        Case { name: "gemm a^T b (beta 0.5)", len: 4000, bound: GEMM, run: |be| gemm_case(be, true, false, -1.0, 0.5) },
+        Case {
+            name: "rms_norm_fwd",
+            len: 4 * nw,
+            bound: ROWS,
+            run: |be| {
+                be.rms_norm_fwd(Buf { off: 0, len: N * W }, Buf { off: N * W, len: N * W }, Buf { off: 2 * N * W, len: N }, W, 0.7, 1e-6)
+            },
+        },
+        Case {
+            name: "rms_norm_bwd (write, then accumulate)",
+            len: 5 * nw,
+            bound: ROWS,
+            run: |be| {
+                let mut r = Bump::default();
+                let (x, rstd, dy, dx) = (r.take(N * W), r.take(N), r.take(N * W), r.take(N * W));
+                be.fill(rstd, 1.5);
+                be.rms_norm_bwd(x, rstd, dy, dx, W, 0.7, false);
+                be.rms_norm_bwd(x, rstd, dy, dx, W, 1.3, true);
+            },
+        },
+        Case {
+            name: "resid_mix_fwd",
+            len: 4 * nw,
+            bound: ROWS,
+            run: |be| {
+                let mut r = Bump::default();
+                let (h, x0, mix, out) = (r.take(N * W), r.take(N * W), r.take(2 * W), r.take(N * W));
+                be.resid_mix_fwd(h, x0, mix, out);
+            },
+        },
+        Case {
+            name: "resid_mix_bwd",
+            len: 8 * nw,
+            bound: ROWS,
+            run: |be| {
+                let mut r = Bump::default();
+                let (du, h, x0, mix) = (r.take(N * W), r.take(N * W), r.take(N * W), r.take(2 * W));
+                let (dh, dx0, dmix) = (r.take(N * W), r.take(N * W), r.take(2 * W));
+                be.resid_mix_bwd(du, h, x0, mix, dh, dx0, dmix);
+            },
+        },
+        Case {
+            name: "scale_add_fwd (then in place)",
+            len: 4 * nw,
+            bound: ROWS,
+            run: |be| {
+                let mut r = Bump::default();
+                let (base, x, s, out) = (r.take(N * W), r.take(N * W), r.take(W), r.take(N * W));
+                be.scale_add_fwd(base, x, s, out);
+                be.scale_add_fwd(out, x, s, out);
+            },
+        },
+        Case {
+            name: "scale_add_bwd",
+            len: 4 * nw,
+            bound: ROWS,
+            run: |be| {
+                let mut r = Bump::default();
+                let (dy, x, s, dx, ds) = (r.take(N * W), r.take(N * W), r.take(W), r.take(N * W), r.take(W));
+                be.scale_add_bwd(dy, x, s, dx, ds);
+            },
+        },
+        Case { name: "skip_fwd", len: 4 * nw, bound: ROWS, run: |be| skip_case(be, false) },
+        Case { name: "skip_fwd (gated)", len: 4 * nw, bound: ROWS, run: |be| skip_case(be, true) },
+        Case { name: "skip_bwd", len: 7 * nw, bound: ROWS, run: |be| skip_bwd_case(be, false) },
+        Case { name: "skip_bwd (gated)", len: 7 * nw, bound: ROWS, run: |be| skip_bwd_case(be, true) },
+        Case {
+            name: "act_fwd (leaky relu^2, then relu^2)",
+            len: 3 * nw,
+            bound: ROWS,
+            run: |be| {
+                let (pre, out) = (Buf { off: 0, len: N * W }, Buf { off: N * W, len: N * W });
+                be.act_fwd(pre, out, Activation { slope: 0.5 });
+                be.act_fwd(pre, Buf { off: 2 * N * W, len: N * W }, Activation { slope: 0.0 });
+            },
+        },
+        Case {
+            name: "act_bwd",
+            len: 3 * nw,
+            bound: ROWS,
+            run: |be| {
+                be.act_bwd(
+                    Buf { off: 0, len: N * W },
+                    Buf { off: N * W, len: N * W },
+                    Buf { off: 2 * N * W, len: N * W },
+                    Activation { slope: 0.5 },
+                )
+            },
+        },
+        Case {
+            name: "embedding_fwd",
+            len: 2 * nw + VOCAB * W,
+            bound: ROWS,
+            run: |be| {
+                let (x, y) = tokens(5);
+                be.set_tokens(&x, &y);
+                be.embedding_fwd(Buf { off: 0, len: VOCAB * W }, Buf { off: VOCAB * W, len: N * W }, W);
+            },
+        },
+        Case {
+            name: "embedding_bwd (the ids' CSR)",
+            len: 2 * nw + VOCAB * W,
+            bound: ROWS,
+            run: |be| {
+                let (x, y) = tokens(6);
+                be.set_tokens(&x, &y);
+                be.embedding_bwd(Buf { off: 0, len: N * W }, Buf { off: N * W, len: VOCAB * W }, W);
+            },
+        },
+        Case { name: "qk_norm_rope_fwd (gain)", len: head_len, bound: ROWS, run: |be| qk_fwd_case(be, true) },
+        Case { name: "qk_norm_rope_fwd", len: head_len, bound: ROWS, run: |be| qk_fwd_case(be, false) },
+        Case { name: "qk_norm_rope_bwd (gain)", len: head_len, bound: ROWS, run: |be| qk_bwd_case(be, true) },
+        Case { name: "qk_norm_rope_bwd", len: head_len, bound: ROWS, run: |be| qk_bwd_case(be, false) },
+        Case {
+            name: "xsa_fwd",
+            len: head_len,
+            bound: ROWS,
+            run: |be| {
+                let mut r = Bump::default();
+                let (_, _, v) = qkv_views(&mut r);
+                let a = AttnShape { batch: 13, t: 10, heads: HEADS.0, kv_heads: HEADS.2, d: HEADS.1 };
+                let y = r.take(N * HEADS.0 * HEADS.1);
+                be.xsa_fwd(y, v, r.take(N * HEADS.0 * HEADS.1), a);
+            },
+        },
+        Case {
+            name: "xsa_bwd",
+            len: head_len,
+            bound: ROWS,
+            run: |be| {
+                let mut r = Bump::default();
+                let (_, _, v) = qkv_views(&mut r);
+                let a = AttnShape { batch: 13, t: 10, heads: HEADS.0, kv_heads: HEADS.2, d: HEADS.1 };
+                let width = HEADS.0 * HEADS.1;
+                let (dout, y, dy) = (r.take(N * width), r.take(N * width), r.take(N * width));
+                let (_, _, dv) = qkv_views(&mut r);
+                be.xsa_bwd(dout, y, v, dy, dv, a);
+            },
+        },
+        Case {
+            name: "softcap_ce (loss and its gradient)",
+            len: 3 * N * VOCAB,
+            bound: ROWS,
+            run: |be| {
+                let (x, y) = tokens(9);
+                be.set_tokens(&x, &y);
+                let logits = Buf { off: 0, len: N * VOCAB };
+                be.scale(logits, 20.0);
+                be.softcap_ce(logits, Buf { off: N * VOCAB, len: N }, VOCAB, 15.0, 1.0 / N as f64);
+            },
+        },
+        Case { name: "attention_fwd, attention_bwd (bf16 flash)", len: attn_len, bound: ATTENTION, run: attention_case },
+    ]
+}
+
+fn gemm_case(be: &mut dyn Backend, ta: bool, tb: bool, alpha: f64, beta: f64) {
+    let mut r = Bump::default();
+    let (m, n, k) = (13, 9, 37);
+    // a a column view of a wider matrix, or a stored transpose; b likewise.
+    let a = if ta { mat(&mut r, k, m).t() } else { mat(&mut r, m, 50).cols(3, k) };
+    let b = if tb { mat(&mut r, n, k).t() } else { mat(&mut r, k, n) };
+    let c = mat(&mut r, m, n);
+    be.gemm(c, a, b, alpha, beta);
+}
+
+fn skip_case(be: &mut dyn Backend, gated: bool) {
+    let mut r = Bump::default();
+    let (h, s, w, z, out) = (r.take(N * W), r.take(N * W), r.take(W), r.take(W), r.take(N * W));
+    be.skip_fwd(h, s, w, gated.then_some(z), out);
+}
+
+fn skip_bwd_case(be: &mut dyn Backend, gated: bool) {
+    let mut r = Bump::default();
+    let (dy, h, s, w, z, dz) = (r.take(N * W), r.take(N * W), r.take(N * W), r.take(W), r.take(W), r.take(W));
+    let (dh, ds, dw) = (r.take(N * W), r.take(N * W), r.take(W));
+    be.skip_bwd(dy, h, s, w, gated.then_some((z, dz)), dh, ds, dw);
+}
+
+fn qk_fwd_case(be: &mut dyn Backend, gain: bool) {
+    let mut r = Bump::default();
+    let (_, q, _) = qkv_views(&mut r);
+    let (heads, d, _) = HEADS;
+    let (cos, sin, g) = (r.take(10 * 3), r.take(10 * 3), r.take(heads));
+    let (out, rstd) = (r.take(N * heads * d), r.take(N * heads));
+    be.qk_norm_rope_fwd(q, out, rstd, gain.then_some(g), cos, sin, head_shape(), 1e-6);
+}
+
+fn qk_bwd_case(be: &mut dyn Backend, gain: bool) {
+    let mut r = Bump::default();
+    let (_, q, _) = qkv_views(&mut r);
+    let (heads, d, _) = HEADS;
+    let (cos, sin, g, dg) = (r.take(10 * 3), r.take(10 * 3), r.take(heads), r.take(heads));
+    let (rstd, dy) = (r.take(N * heads), r.take(N * heads * d));
+    be.fill(rstd, 1.25);
+    let (_, dq, _) = qkv_views(&mut r);
+    be.qk_norm_rope_bwd(q, rstd, dy, dq, gain.then_some((g, dg)), cos, sin, head_shape());
+}
+
+/// As the schedule calls it: q and k their own buffers (after the norm and RoPE), v a view of
+/// the fused qkv product; dq, dk their own, dv a view of dqkv, added to (XSA wrote first).
+fn attention_case(be: &mut dyn Backend) {
+    let (batch, t, heads, kvh, d) = ATTN;
+    let n = batch * t;
+    let w = (heads + 2 * kvh) * d;
+    let mut r = Bump::default();
+    let (q, k) = (mat(&mut r, n, heads * d), mat(&mut r, n, kvh * d));
+    let v = mat(&mut r, n, w).cols((heads + kvh) * d, kvh * d);
+    let s = AttnShape { batch, t, heads, kv_heads: kvh, d };
+    let out = r.take(n * heads * d);
+    be.attention_fwd(q, k, v, out, s);
+    let dout = r.take(n * heads * d);
+    let (dq, dk) = (mat(&mut r, n, heads * d), mat(&mut r, n, kvh * d));
+    let dv = mat(&mut r, n, w).cols((heads + kvh) * d, kvh * d);
+    be.attention_bwd(q, k, v, out, dout, dq, dk, dv, true, s);
+}
+
+/// The outcome of one case on one backend.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CaseResult {
+    /// The case's name.
+    pub name: &'static str,
+    /// The largest `|device - f64| / max(1, |f64|)` over the arena (infinite for a NaN where
+    /// the reference has none).
+    pub err: f64,
+    /// The arena element where it is.
+    pub at: usize,
+    /// The device's value there, and the reference's.
+    pub got: f64,
+    /// See `got`.
+    pub want: f64,
+    /// The case's bound.
+    pub bound: f64,
+}
+
+impl CaseResult {
+    /// Whether the error is within the bound.
+    pub fn ok(&self) -> bool {
+        self.err <= self.bound
+    }
+}
+
+/// Runs `case` on `dut` (whose arena holds at least `case.len` elements; only those are set
+/// and compared) and on the f64 CPU backend, from the same arena of multiples of 1/64 drawn
+/// from `seed`, and compares the arenas.
+pub fn run(case: &Case, dut: &mut dyn Backend, seed: u64) -> anyhow::Result<CaseResult> {
+    anyhow::ensure!(dut.len() >= case.len, "case `{}` needs {} elements, the backend has {}", case.name, case.len, dut.len());
+    let mut rng = fastrand::Rng::with_seed(seed ^ (case.name.len() as u64 * 7919));
+    let init: Vec<f32> = (0..case.len).map(|_| rng.i32(-64..=64) as f32 / 64.0).collect();
+    let init = Tensor::from_vec(init, case.len, &Device::Cpu)?;
+    let all = Buf { off: 0, len: case.len };
+    let mut reference = CpuBackend::<f64>::new(case.len);
+    dut.upload(all, &init)?;
+    reference.upload(all, &init)?;
+    (case.run)(dut);
+    (case.run)(&mut reference);
+    let got: Vec<f64> = dut.download(all, &[case.len])?.to_dtype(candle_core::DType::F64)?.to_vec1()?;
+    let want: Vec<f64> = reference.download(all, &[case.len])?.to_vec1()?;
+    let mut worst = CaseResult { name: case.name, err: 0.0, at: 0, got: 0.0, want: 0.0, bound: case.bound };
+    for (k, (&g, &w)) in got.iter().zip(&want).enumerate() {
+        let err = if g.is_nan() && w.is_nan() { 0.0 } else { (g - w).abs() / w.abs().max(1.0) };
+        let err = if err.is_nan() { f64::INFINITY } else { err };
+        if err > worst.err {
+            worst = CaseResult { err, at: k, got: g, want: w, ..worst };
+        }
+    }
+    Ok(worst)
+}
