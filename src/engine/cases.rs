@@ -4,6 +4,9 @@
 //! CPU backend ([`CpuBackend<f64>`], every op's reference) from the same values; the **whole**
 //! arena is compared afterwards, so a write outside an op's outputs fails too.
 //!
+//! The whole-engine check ([`model_check`]) runs one micro-batch of a small model with every
+//! element of the record, then one optimizer step, against the f64 CPU engine.
+//!
 //! The one table serves every device: the warp emulator in the tests (`engine::kernels`, where
 //! a test also checks that the table launches every kernel the engine has), the real GPU and
 //! the f32 CPU backend in `pipeline engine-check` ([`crate::check::engine`]).
@@ -15,12 +18,17 @@
 //! of a block (8) or of a partial sum (64), rows wider than a warp and not a multiple of it,
 //! strided views, a vocabulary with unused and repeated rows.
 
-use candle_core::{Device, Tensor};
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
 
 use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, Mat};
 use super::cpu::CpuBackend;
 use super::kernels::Capacity;
 use super::layout::Bump;
+use super::optim::MuonStep;
+use super::step::{ADAM_GROUPS, Engine};
+use crate::model::{Gpt, Init, MlpActivation, ModelConfig};
 
 /// Tokens (rows) of the row ops: more than two partial sums (64), not a multiple of 8.
 pub const N: usize = 130;
@@ -509,4 +517,143 @@ pub fn run(case: &Case, dut: &mut dyn Backend, seed: u64) -> anyhow::Result<Case
         }
     }
     Ok(worst)
+}
+
+/// A model of `cfg` with every parameter perturbed (the zero-initialised projections would
+/// leave most gradients zero), in f64 on the CPU.
+pub(crate) fn perturbed(cfg: &ModelConfig, seed: u64) -> Gpt {
+    let mut m = Gpt::new(cfg, seed, DType::F64, &Device::Cpu).expect("a model of a checked config");
+    let mut rng = fastrand::Rng::with_seed(seed + 100);
+    let state: HashMap<String, Tensor> = m
+        .state_dict()
+        .into_iter()
+        .map(|(n, t)| {
+            let noise: Vec<f64> = (0..t.elem_count()).map(|_| 0.1 * (rng.f64() * 2.0 - 1.0)).collect();
+            let noise = Tensor::from_vec(noise, t.dims(), &Device::Cpu).expect("noise of the tensor's shape");
+            (n, (t + noise).expect("same shapes"))
+        })
+        .collect();
+    m.load_state(&state).expect("the model's own tensors");
+    m
+}
+
+/// The model of the whole-engine check: every element of the record (XSA, gated skips, partial
+/// RoPE, QK gain, LeakyReLU², parallel residuals, depth recurrence, `ln_scale`, an untied
+/// head) at a small width, with heads 64 wide (the GPU attention's).
+pub fn check_model() -> ModelConfig {
+    ModelConfig {
+        vocab_size: 96,
+        num_layers: 4,
+        model_dim: 128,
+        num_heads: 2,
+        num_kv_heads: 1,
+        mlp_mult: 4,
+        mlp_activation: MlpActivation::LeakyRelu2,
+        leaky_relu_slope: 0.5,
+        qk_gain_init: 5.25,
+        rope_dims: Some(16),
+        rope_train_seq_len: Some(64),
+        ln_scale: true,
+        xsa_last_n: 2,
+        skip_gates: true,
+        loop_start: 1,
+        loop_end: 2,
+        num_loops: 1,
+        enable_looping_at: 0.5,
+        parallel_residual_start: Some(3),
+        tie_embeddings: false,
+        init: Init::Orthogonal,
+        ..ModelConfig::default()
+    }
+}
+
+/// The micro-batch of the whole-engine check: one sequence of 64 tokens.
+pub const CHECK_ROWS_T: (usize, usize) = (1, 64);
+
+/// How far the whole engine may be from the f64 CPU engine.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct ModelBounds {
+    /// The loss's relative error.
+    pub loss: f64,
+    /// A tensor's `‖device − f64‖` may be `tensor · ‖f64‖ + floor`: the floor is for the small
+    /// sums of many terms (the query gains' gradients, about 2e-3 in norm) that rounding
+    /// moves more than their share.
+    pub tensor: f64,
+    /// See `tensor`.
+    pub floor: f64,
+}
+
+impl ModelBounds {
+    /// The f32 CPU backend: every op in f32. Measured on the check model (the test
+    /// `the_f32_cpu_engine_matches_the_f64_one`): loss 4e-8, tensors up to 2e-5 of their norm.
+    pub const CPU_F32: ModelBounds = ModelBounds { loss: 1e-5, tensor: 1e-3, floor: 1e-6 };
+    /// The GPU backend with f32 GEMMs: attention in bf16 (flash_mma), the rest f32. Measured in
+    /// the warp emulator (the same kernels): loss 1.4e-5, tensors up to 2.5e-2 of their norm
+    /// (a key weight's gradient: bf16 attention through six virtual layers), half the bound.
+    pub const GPU_F32_GEMMS: ModelBounds = ModelBounds { loss: 1e-3, tensor: 5e-2, floor: 4e-4 };
+    /// The GPU backend with bf16 GEMMs (the training default): every product's inputs rounded
+    /// to bf16 too. Measured in the warp emulator with bf16-rounding GEMMs
+    /// (`model_bounds_of_bf16_gemms`): loss 3.9e-5, a query gain's gradient 1.2e-1 of its
+    /// (small) norm, the skip gates' weights 4.2e-2, each under 0.4 of its bound.
+    pub const GPU_BF16_GEMMS: ModelBounds = ModelBounds { loss: 2e-3, tensor: 1e-1, floor: 1e-3 };
+}
+
+/// One compared quantity of the whole-engine check.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Compared {
+    /// `loss`, `grad NAME` or `weight NAME` (after one Muon and Adam step).
+    pub name: String,
+    /// `|device − f64| / |f64|` (the loss) or `‖device − f64‖ / ‖f64‖` (a tensor).
+    pub rel_err: f64,
+    /// The largest `rel_err` that passes (a tensor's includes the floor over its norm).
+    pub bound: f64,
+}
+
+impl Compared {
+    /// Whether the error is within the bound (a NaN is not).
+    pub fn ok(&self) -> bool {
+        self.rel_err <= self.bound
+    }
+}
+
+/// The whole engine `dut` (built for [`check_model`] on [`CHECK_ROWS_T`]) against the f64
+/// CPU engine: one looped micro-batch's loss and every gradient, then every weight after one
+/// Muon and one Adam step, each against `bounds`.
+pub fn model_check(dut: &mut Engine, bounds: ModelBounds, seed: u64) -> anyhow::Result<Vec<Compared>> {
+    let cfg = check_model();
+    let (rows, t) = CHECK_ROWS_T;
+    let n = rows * t;
+    let mut reference = Engine::cpu(&cfg, rows, t, DType::F64, false)?;
+    let params: HashMap<String, Tensor> = perturbed(&cfg, seed).state_dict().into_iter().collect();
+    let mut rng = fastrand::Rng::with_seed(seed + 7);
+    let x: Vec<u32> = (0..n).map(|_| rng.u32(0..cfg.vocab_size as u32)).collect();
+    let y: Vec<u32> = (0..n).map(|_| rng.u32(0..cfg.vocab_size as u32)).collect();
+    let mut losses = Vec::new();
+    for e in [&mut reference, &mut *dut] {
+        e.load_params(&params)?;
+        e.zero_grads();
+        e.micro_step(&x, &y, true, 1.0 / n as f64);
+        losses.push(e.loss_sum()? / n as f64);
+    }
+    let mut out = vec![Compared { name: "loss".into(), rel_err: (losses[1] - losses[0]).abs() / losses[0].abs(), bound: bounds.loss }];
+    let tensors = |what: &str, a: Vec<(String, Tensor)>, b: Vec<(String, Tensor)>, out: &mut Vec<Compared>| -> anyhow::Result<()> {
+        for ((name, a), (_, b)) in a.iter().zip(&b) {
+            let a: Vec<f64> = a.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+            let b: Vec<f64> = b.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+            let diff = a.iter().zip(&b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
+            let norm = a.iter().map(|x| x * x).sum::<f64>().sqrt().max(f64::MIN_POSITIVE);
+            let rel_err = if diff.is_nan() { f64::INFINITY } else { diff / norm };
+            out.push(Compared { name: format!("{what} {name}"), rel_err, bound: bounds.tensor + bounds.floor / norm });
+        }
+        Ok(())
+    };
+    tensors("grad", reference.grads()?, dut.grads()?, &mut out)?;
+    for e in [&mut reference, &mut *dut] {
+        e.muon(MuonStep { lr: 0.05, momentum: 0.95, nesterov: true, backend_steps: 5, row_norm: true, weight_decay: 0.01 })?;
+        for (group, _) in ADAM_GROUPS {
+            e.adam(group, 0.01, (0.9, 0.95), 1e-8, 0.0);
+        }
+    }
+    tensors("weight", reference.params()?, dut.params()?, &mut out)?;
+    Ok(out)
 }

@@ -228,6 +228,13 @@ fn overlap(x: i128, lx: i128, y: i128, ly: i128) -> bool {
 /// an `ld` below the rows, an element outside the arena, a batch count of 0, or a C whose
 /// span overlaps A's, B's or another batch's C's. `T`: any candle element type (f64, f32, bf16, ...).
 pub fn interpret<T: WithDType>(p: &LtPlan, arena: &mut [T]) {
+    interpret_rounding(p, arena, false)
+}
+
+/// [`interpret`], with every element of A and B rounded to bf16 first when `bf16_inputs`: what
+/// `CUBLAS_COMPUTE_32F_FAST_16BF` does on the tensor cores (the accumulation stays wide), so
+/// that the warp emulator can stand for the GPU's bf16 GEMM maths.
+pub fn interpret_rounding<T: WithDType>(p: &LtPlan, arena: &mut [T], bf16_inputs: bool) {
     let len = arena.len();
     assert!(p.batch >= 1, "lt plan: batch count 0");
     let la = check_operand("A", p.a, p.trans_a, (p.m, p.k), (p.a_off, p.stride_a), p.batch, len);
@@ -255,7 +262,8 @@ pub fn interpret<T: WithDType>(p: &LtPlan, arena: &mut [T]) {
         let bt = |q: usize, col: usize| if p.trans_b == LtOp::N { b0 + q + col * ldb } else { b0 + col + q * ldb };
         for col in 0..p.n as usize {
             for r in 0..p.m as usize {
-                let dot: f64 = (0..p.k as usize).map(|q| arena[at(r, q)].to_f64() * arena[bt(q, col)].to_f64()).sum();
+                let round = |x: f64| if bf16_inputs { half::bf16::from_f64(x).to_f64() } else { x };
+                let dot: f64 = (0..p.k as usize).map(|q| round(arena[at(r, q)].to_f64()) * round(arena[bt(q, col)].to_f64())).sum();
                 let ci = c0 + r + col * ldc;
                 // beta = 0: C is not read (NaN there does not propagate).
                 let old = if beta == 0.0 { 0.0 } else { beta * arena[ci].to_f64() };

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Tensor};
 
 use super::Engine;
-use crate::model::{Gpt, Init, MlpActivation, ModelConfig};
+use crate::model::{Init, MlpActivation, ModelConfig};
 
 /// The baseline's elements at a small size (tied head, relu², sequential blocks, U-Net skips).
 pub(crate) fn baseline_small() -> ModelConfig {
@@ -43,23 +43,7 @@ pub(crate) fn record_small() -> ModelConfig {
     }
 }
 
-/// A model of `cfg` with every parameter perturbed (the zero-initialised projections would
-/// leave most gradients zero).
-pub(crate) fn perturbed(cfg: &ModelConfig, seed: u64) -> Gpt {
-    let mut m = Gpt::new(cfg, seed, DType::F64, &Device::Cpu).unwrap();
-    let mut rng = fastrand::Rng::with_seed(seed + 100);
-    let state: HashMap<String, Tensor> = m
-        .state_dict()
-        .into_iter()
-        .map(|(n, t)| {
-            let noise: Vec<f64> = (0..t.elem_count()).map(|_| 0.1 * (rng.f64() * 2.0 - 1.0)).collect();
-            let noise = Tensor::from_vec(noise, t.dims(), &Device::Cpu).unwrap();
-            (n, (t + noise).unwrap())
-        })
-        .collect();
-    m.load_state(&state).unwrap();
-    m
-}
+pub(crate) use super::cases::perturbed;
 
 /// `n` token ids below `vocab` from `seed`.
 pub(crate) fn tokens(seed: u64, n: usize, vocab: u32) -> Vec<u32> {

@@ -64,6 +64,8 @@ pub(super) struct EmuDevice {
     graphs: Vec<Vec<Work>>,
     /// Every kernel launched so far.
     launched: Mutex<std::collections::BTreeSet<String>>,
+    /// GEMMs with their inputs rounded to bf16 (the GPU's default maths), else in f32.
+    bf16_gemms: bool,
 }
 
 impl EmuDevice {
@@ -77,7 +79,14 @@ impl EmuDevice {
             spaces: Vec::new(),
             graphs: Vec::new(),
             launched: Mutex::new(Default::default()),
+            bf16_gemms: false,
         }
+    }
+
+    /// GEMMs as the GPU's bf16 tensor cores compute them (inputs rounded to bf16).
+    pub(super) fn with_bf16_gemms(mut self) -> Self {
+        self.bf16_gemms = true;
+        self
     }
 
     /// The names of every kernel launched so far.
@@ -160,7 +169,7 @@ impl Device for EmuDevice {
         // SAFETY: the arena's bytes are 4-aligned (the map is page-aligned, the arena first) and
         // any bit pattern is an f32.
         let arena = unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr() as *mut f32, len) };
-        lt::interpret(plan, arena);
+        lt::interpret_rounding(plan, arena, self.bf16_gemms);
     }
 
     fn write(&mut self, space: Space, off: usize, words: &[u32]) -> anyhow::Result<()> {
