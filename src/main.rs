@@ -179,6 +179,32 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Check the explicit engine's backend on a device against the CPU in f64 and time it: every
+    /// op case (each kernel and GEMM layout) one line each, the whole engine's loss, gradients
+    /// and weights on a small model with every record element, graph replay against op-by-op
+    /// launches and the device-to-device paths (GPU), then per-op timings at the baseline's
+    /// shapes. Exit 1 when an error is beyond its bound.
+    EngineCheck {
+        /// The device: "cpu" (the f32 CPU backend) or "cuda:N".
+        #[arg(long, default_value = "cuda:0")]
+        device: String,
+        /// GEMM maths: bf16 (tensor cores, the GPU default) or f32 (the CPU's only).
+        #[arg(long)]
+        dtype: Option<String>,
+        /// Shapes of the timings: baseline (the GPU default: 9 layers, width 512, 64 x 1024
+        /// tokens), small (the CPU default: a check of the plumbing), or none.
+        #[arg(long)]
+        timing: Option<String>,
+        /// Rows per micro-batch of the timings instead of the shape's (fewer for a smaller GPU).
+        #[arg(long)]
+        rows: Option<usize>,
+        /// Seed of the arenas, weights and tokens.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Time one flash-attention implementation's forward and backward pass at a micro-batch's
     /// shapes, after checking it against the materialised attention in f32 (what `attention =
     /// "auto"` runs, one process per implementation). Exit 0 with the outcome, even a rejection.
@@ -267,6 +293,9 @@ fn main() -> ExitCode {
         Command::Report { run_dir, json, html } => cli::report::command(run_dir, json, html),
         Command::Stages { json } => cli::stages::command(json),
         Command::Parity { device, dtype, seed, json } => cli::check::parity(&device, &dtype, seed, json),
+        Command::EngineCheck { device, dtype, timing, rows, seed, json } => {
+            cli::check::engine_check(&device, dtype.as_deref(), timing.as_deref(), rows, seed, json)
+        }
         Command::AttentionTrial { device, kernels, batch, seq_len, heads, kv_heads, head_dim, json } => {
             cli::check::attention_trial(&device, &kernels, AttentionShape { batch, t: seq_len, heads, kv_heads, head_dim }, json)
         }

@@ -116,3 +116,47 @@ fn engine_on_a_gpu_without_a_cuda_build_is_refused_naming_the_key() {
     assert!(t.contains("`run.device`") && t.contains("cuda"), "{t}");
     assert!(!t.contains("panicked"), "{t}");
 }
+
+/// `pipeline engine-check --device cpu`: every op case on one line within its bound, the whole
+/// engine's f32 CPU backend against f64, and per-op timings (the small shape), exit 0; its
+/// JSON has the same verdict and one entry per case.
+#[test]
+fn engine_check_on_the_cpu_passes_and_times_every_op() {
+    let o = common::bin().args(["engine-check", "--device", "cpu"]).output().unwrap();
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    for line in ["ops against the CPU in f64", "rms_norm_bwd (write, then accumulate)", "embedding_bwd (the ids' CSR)", "cpu f32: loss"] {
+        assert!(out.contains(line), "`{line}` missing:\n{out}");
+    }
+    assert!(out.contains("micro-batch, op by op") && out.contains("attention_bwd") && out.contains("as the trainer runs it"), "{out}");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.lines().last().unwrap().contains("engine-check: ok"), "{out}");
+    let o = common::bin().args(["engine-check", "--device", "cpu", "--timing", "none", "--json"]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(r["ok"], true);
+    let ops = r["ops"].as_array().unwrap();
+    assert!(ops.len() >= 40 && ops.iter().all(|l| l["ok"] == true), "{r}");
+    assert_eq!(r["models"][0]["maths"], "cpu f32");
+    assert!(r["timings"].is_null() && r["graphs"].is_null());
+}
+
+/// Bad arguments exit 2 naming the flag; a GPU in a CPU build exits 1 naming the build script.
+#[test]
+fn engine_check_refuses_bad_arguments() {
+    for (args, want) in [
+        (&["--device", "cpu", "--dtype", "fp8"][..], "--dtype"),
+        (&["--device", "cpu", "--dtype", "bf16"], "GPU backend's"),
+        (&["--device", "cpu", "--timing", "huge"], "--timing"),
+        (&["--device", "cpu", "--rows", "0"], "--rows"),
+    ] {
+        let o = common::bin().arg("engine-check").args(args).output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{args:?}\n{}", text(&o));
+        common::assert_fails(&o, &[want]);
+    }
+    if !pipeline::device::CUDA_BUILD {
+        let o = common::bin().args(["engine-check", "--device", "cuda:0"]).output().unwrap();
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+        common::assert_fails(&o, &["scripts/build-cuda.sh"]);
+    }
+}

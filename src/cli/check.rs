@@ -1,4 +1,5 @@
-//! `pipeline parity` and `pipeline attention-trial`: a device against the CPU, and one flash
+//! `pipeline parity`, `pipeline engine-check` and `pipeline attention-trial`: a device against
+//! the CPU (the candle executor's kernels; the engine's backend), and one flash
 //! implementation's trial (what `attention = "auto"` runs in a child process).
 
 use crate::model::attention_trial::{AttentionShape, TrialSettings};
@@ -29,6 +30,57 @@ pub fn parity(device: &str, dtype: &str, seed: u64, json: bool) -> i32 {
                 out!("bounds: {}", r.rule);
                 let verdict = if r.ok { "ok, every error within its bound" } else { "FAILED" };
                 out!("max rel_err {:.3e}, worst error / bound {:.2}: {verdict}", r.max_rel_err, r.worst_ratio);
+            }
+            if r.ok { 0 } else { 1 }
+        }
+        Err(e) => {
+            err!("error: {e:#}");
+            1
+        }
+    }
+}
+
+/// Checks the engine's backend on `device` against the CPU in f64 and times it
+/// ([`crate::check::engine`]); prints the report (text or JSON); exit 1 when an error is beyond
+/// its bound, 2 on a bad argument.
+pub fn engine_check(device: &str, dtype: Option<&str>, timing: Option<&str>, rows: Option<usize>, seed: u64, json: bool) -> i32 {
+    use crate::check::engine::{Options, TimingShape};
+    let gpu = !matches!(crate::device::parse(device), Ok(crate::device::DeviceName::Cpu));
+    let bf16 = match dtype.unwrap_or(if gpu { "bf16" } else { "f32" }) {
+        "bf16" if gpu => true,
+        "bf16" => {
+            err!("error: --dtype bf16 is the GPU backend's GEMM maths; on the CPU the engine checks its f32 backend (--dtype f32)");
+            return 2;
+        }
+        "f32" => false,
+        other => {
+            err!("error: --dtype {other:?}: use bf16 or f32");
+            return 2;
+        }
+    };
+    let timing = match timing.unwrap_or(if gpu { "baseline" } else { "small" }) {
+        "baseline" => TimingShape::Baseline,
+        "small" => TimingShape::Small,
+        "none" => TimingShape::None,
+        other => {
+            err!("error: --timing {other:?}: use baseline, small or none");
+            return 2;
+        }
+    };
+    if rows == Some(0) {
+        err!("error: --rows must be at least 1");
+        return 2;
+    }
+    let o = Options { device: device.to_string(), bf16, timing, rows, seed };
+    match crate::check::engine::run(&o) {
+        Ok(r) => {
+            if json {
+                let code = super::print_json(&r);
+                if code != 0 {
+                    return code;
+                }
+            } else {
+                out_raw!("{}", crate::check::engine::text(&r));
             }
             if r.ok { 0 } else { 1 }
         }

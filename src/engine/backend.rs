@@ -296,6 +296,27 @@ pub trait Backend: Send {
         None
     }
 
+    /// Waits until the device has done the work queued so far (the CPU backends run every op
+    /// as it comes: nothing to wait for).
+    fn synchronize(&self) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    /// Records a timing mark after the work queued so far (a CUDA event on a GPU) and returns
+    /// its number; `None` when the backend has no device clock (its ops run as they come and
+    /// the host's clock times them). For per-op timings ([`super::timed::Timed`]).
+    fn timing_mark(&mut self) -> Option<usize> {
+        None
+    }
+
+    /// Milliseconds of device time from mark `from` to mark `to` (waits for `to`).
+    fn timing_ms(&self, _from: usize, _to: usize) -> anyhow::Result<f64> {
+        anyhow::bail!("this backend has no device clock")
+    }
+
+    /// Forgets every timing mark.
+    fn timing_reset(&self) {}
+
     /// `C = alpha op(A) op(B) + beta C` (`beta = 0`: `C` is not read).
     fn gemm(&mut self, c: Mat, a: Mat, b: Mat, alpha: f64, beta: f64);
 

@@ -402,7 +402,7 @@ pub fn cases() -> Vec<Case> {
                 be.softcap_ce(logits, Buf { off: N * VOCAB, len: N }, VOCAB, 15.0, 1.0 / N as f64);
             },
         },
-        Case { name: "attention_fwd, attention_bwd (bf16 flash)", len: attn_len, bound: ATTENTION, run: attention_case },
+        Case { name: "attention_fwd, attention_bwd", len: attn_len, bound: ATTENTION, run: attention_case },
     ]
 }
 

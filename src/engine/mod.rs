@@ -20,6 +20,7 @@
 //! - [`optim`]: Muon (Newton-Schulz batched per shape) and Adam/AdamW over the arena;
 //! - [`step`]: [`Engine`], what a training step does with them, and the exchange of
 //!   parameters and optimizer state as named tensors (the candle executor's names);
+//! - [`timed`]: per-op timings of any backend (`pipeline engine-check`);
 //! - [`exchange`]: several ranks: the gradients averaged over the ranks in buckets that leave
 //!   while the backward pass runs.
 //!
@@ -40,5 +41,6 @@ pub mod optim;
 pub mod step;
 #[cfg(test)]
 pub(crate) mod tests;
+pub mod timed;
 
 pub use step::Engine;

@@ -158,6 +158,8 @@ pub struct CudaDevice {
     lt: Mutex<Lt>,
     /// Captured units by slot.
     graphs: Vec<Option<Graph>>,
+    /// Timing marks (events with timing) recorded so far.
+    marks: Mutex<Vec<CudaEvent>>,
 }
 
 impl CudaDevice {
@@ -192,6 +194,7 @@ impl CudaDevice {
             bases: HashMap::new(),
             lt: Mutex::new(lt),
             graphs: Vec::new(),
+            marks: Mutex::new(Vec::new()),
         })
     }
 
@@ -421,6 +424,30 @@ impl Device for CudaDevice {
         anyhow::ensure!(off + words.len() <= slice.len(), "writing {} words at {off} of the {space:?} space", words.len());
         let mut dst = slice.slice_mut(off..off + words.len());
         self.stream.memcpy_htod(words, &mut dst).map_err(|e| anyhow::anyhow!("copy to the GPU: {e:?}"))
+    }
+
+    fn synchronize(&self) -> anyhow::Result<()> {
+        self.stream.synchronize().map_err(|e| anyhow::anyhow!("waiting for the engine's stream: {e:?}"))
+    }
+
+    fn timing_mark(&self) -> Option<usize> {
+        let event = self.ctx.new_event(Some(cu_sys::CUevent_flags::CU_EVENT_DEFAULT)).ok()?;
+        event.record(&self.stream).ok()?;
+        let mut marks = self.marks.lock().expect("the timing marks");
+        marks.push(event);
+        Some(marks.len() - 1)
+    }
+
+    fn timing_ms(&self, from: usize, to: usize) -> anyhow::Result<f64> {
+        let marks = self.marks.lock().expect("the timing marks");
+        let (a, b) = (marks.get(from), marks.get(to));
+        let (Some(a), Some(b)) = (a, b) else { anyhow::bail!("no timing marks {from} and {to}") };
+        b.synchronize().map_err(|e| anyhow::anyhow!("waiting for a timing mark: {e:?}"))?;
+        Ok(a.elapsed_ms(b).map_err(|e| anyhow::anyhow!("reading a timing mark: {e:?}"))? as f64)
+    }
+
+    fn timing_reset(&self) {
+        self.marks.lock().expect("the timing marks").clear();
     }
 
     fn write_tensor(&mut self, space: Space, off: usize, t: &candle_core::Tensor) -> anyhow::Result<()> {

@@ -161,6 +161,25 @@ pub trait Device: Send {
     /// Runs graph `slot` (in order with every other call).
     fn replay(&self, slot: usize) -> anyhow::Result<()>;
 
+    /// Waits until the device has done the work queued so far.
+    fn synchronize(&self) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    /// Records a timing mark after the work queued so far (a CUDA event); `None` without a
+    /// device clock (the emulator: its launches run as they come).
+    fn timing_mark(&self) -> Option<usize> {
+        None
+    }
+
+    /// Milliseconds between two marks (waits for the later one).
+    fn timing_ms(&self, _from: usize, _to: usize) -> anyhow::Result<f64> {
+        anyhow::bail!("this device has no clock")
+    }
+
+    /// Forgets every timing mark.
+    fn timing_reset(&self) {}
+
     /// Runs one piece of work.
     fn run(&self, w: &Work) {
         match w {
@@ -441,4 +460,54 @@ impl<D: Device> KernelBackend<D> {
         }
         self.counts.eager += 1;
     }
+}
+
+/// The engine's stream on the GPU of `device`: `(its handle, whether it is a default stream)`
+/// (`pipeline engine-check` prints it; a default stream cannot be captured into graphs).
+#[cfg(feature = "cuda")]
+pub fn stream_check(device: &candle_core::Device) -> anyhow::Result<(String, bool)> {
+    let dev = cuda::CudaDevice::new(device, cuda::GemmMath::F32)?;
+    Ok((format!("{:p}", dev.stream().cu_stream()), dev.on_default_stream()))
+}
+
+/// What crosses between the engine and candle's tensors on the GPU of `device`, device to
+/// device: `(what, ok, detail)` for token ids from CUDA tensors (a view at an offset, as the
+/// uploader makes them) against the same ids from the host, the CSR built from each, and the
+/// arena copied into a CUDA tensor against the arena read by the host (bit for bit).
+#[cfg(feature = "cuda")]
+pub fn transfer_check(device: &candle_core::Device) -> anyhow::Result<Vec<(String, bool, String)>> {
+    use candle_core::{Device as CandleDevice, Tensor};
+
+    use super::backend::{Backend, Buf, Tokens};
+    let cap = super::cases::capacity();
+    let len = 4096;
+    let mut be = KernelBackend::new(cuda::CudaDevice::new(device, cuda::GemmMath::F32)?, len, cap)?;
+    let t = be.tokens;
+    let mut rng = fastrand::Rng::with_seed(11);
+    let x: Vec<u32> = (0..t.n).map(|_| rng.u32(0..t.vocab as u32 / 3) * 3).collect();
+    let y: Vec<u32> = (0..t.n).map(|_| rng.u32(0..t.vocab as u32)).collect();
+    let read_all = |be: &KernelBackend<cuda::CudaDevice>| be.dev.read(Space::Tokens, 0, t.counts());
+    be.set_tokens(&x, &y);
+    let host = read_all(&be)?;
+    // Zero the space between, so that a copy that does not happen shows.
+    be.dev.write(Space::Tokens, 0, &vec![0; t.counts()])?;
+    let both = Tensor::from_vec([x.clone(), y.clone()].concat(), (2, t.n), &CandleDevice::Cpu)?.to_device(device)?;
+    let (tx, ty) = (both.get(0)?, both.get(1)?);
+    be.load_tokens(Tokens::Tensors { x: &tx, y: &ty })?;
+    let dev = read_all(&be)?;
+    let differ = host.iter().zip(&dev).filter(|(a, b)| a != b).count();
+    let mut out = vec![(
+        "token ids and their CSR from CUDA tensors".to_string(),
+        differ == 0,
+        format!("{differ} of {} words differ from the host's", host.len()),
+    )];
+    let values: Vec<f32> = (0..len).map(|i| (i as f32 * 0.731).sin()).collect();
+    let all = Buf { off: 0, len };
+    be.upload(all, &Tensor::from_vec(values, len, &CandleDevice::Cpu)?)?;
+    let via_host: Vec<u32> = be.download(all, &[len])?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect();
+    let on_device = be.download_to(Buf { off: 64, len: len - 64 }, &[len - 64], device)?;
+    let copied: Vec<u32> = on_device.to_device(&CandleDevice::Cpu)?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect();
+    let differ = via_host[64..].iter().zip(&copied).filter(|(a, b)| a != b).count();
+    out.push(("arena into a CUDA tensor".to_string(), differ == 0, format!("{differ} of {} values differ from the host read", len - 64)));
+    Ok(out)
 }

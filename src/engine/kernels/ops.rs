@@ -283,6 +283,23 @@ impl<D: Device> Backend for KernelBackend<D> {
         Some(self.counts)
     }
 
+    fn synchronize(&self) -> anyhow::Result<()> {
+        self.dev.synchronize()
+    }
+
+    fn timing_mark(&mut self) -> Option<usize> {
+        self.outside_unit("a timing mark");
+        self.dev.timing_mark()
+    }
+
+    fn timing_ms(&self, from: usize, to: usize) -> anyhow::Result<f64> {
+        self.dev.timing_ms(from, to)
+    }
+
+    fn timing_reset(&self) {
+        self.dev.timing_reset()
+    }
+
     fn gemm(&mut self, c: Mat, a_: Mat, b: Mat, alpha: f64, beta: f64) {
         self.check([a_.span(), b.span()], [c.span()]);
         self.submit(Work::Gemm(lt::plan(c, a_, b, alpha, beta)));
