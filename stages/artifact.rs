@@ -48,7 +48,7 @@ use crate::artifact::roundtrip::{
 };
 use crate::eval::bpb::BpbAccumulator;
 use crate::eval::validation::Validator;
-use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
+use crate::runtime::stage::{BuildCtx, Ctx, Demand, Emitter, Transform};
 use crate::train::log::StageLog;
 use crate::train::snapshot::{EvalWeights, TrainSnapshot};
 
@@ -447,6 +447,11 @@ macro_rules! artifact_impl {
             type In = TrainSnapshot;
             type Out = TrainSnapshot;
             const OUTPUT_OPTIONAL: bool = true;
+
+            /// The final weights only (what it quantizes and scores).
+            fn demand(_p: &ArtifactParams) -> Demand {
+                Demand::LAST
+            }
 
             fn check(p: &ArtifactParams, ctx: &BuildCtx) -> anyhow::Result<()> {
                 ArtifactStage::check(p, ctx, $gptq)

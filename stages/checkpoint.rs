@@ -23,7 +23,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{config, resumed};
-use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
+use crate::runtime::stage::{BuildCtx, Ctx, Demand, Emitter, Transform};
 use crate::train::checkpoint::{AveragerMeta, CheckpointMeta, VERSION};
 use crate::train::log::StageLog;
 use crate::train::snapshot::{Moment, TrainSnapshot};
@@ -100,6 +100,11 @@ impl Transform for Atomic {
     type In = TrainSnapshot;
     type Out = TrainSnapshot;
     const OUTPUT_OPTIONAL: bool = true;
+
+    /// The snapshots it saves: every `every`-th step's, and the last (0: the last only).
+    fn demand(p: &AtomicParams) -> Demand {
+        Demand::every(p.every)
+    }
 
     fn check(p: &AtomicParams, _ctx: &BuildCtx) -> anyhow::Result<()> {
         anyhow::ensure!(p.keep >= 1, "`keep` must be at least 1");

@@ -22,7 +22,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{config, resumed};
-use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
+use crate::runtime::stage::{BuildCtx, Ctx, Demand, Emitter, Transform};
 use crate::train::checkpoint::Checkpoint;
 use crate::train::log::StageLog;
 use crate::train::snapshot::{AveragerState, EvalWeights, Moment, Tensors, TrainSnapshot};
@@ -278,6 +278,11 @@ impl Transform for Ema {
     type Out = TrainSnapshot;
     const OUTPUT_OPTIONAL: bool = true;
 
+    /// Every step.
+    fn demand(_p: &EmaParams) -> Demand {
+        Demand::ALL
+    }
+
     fn check(p: &EmaParams, _ctx: &BuildCtx) -> anyhow::Result<()> {
         anyhow::ensure!(p.decay > 0.0 && p.decay < 1.0, "`decay` must be in (0, 1); found {}", p.decay);
         Ok(())
@@ -308,6 +313,11 @@ impl Transform for Swa {
     type In = TrainSnapshot;
     type Out = TrainSnapshot;
     const OUTPUT_OPTIONAL: bool = true;
+
+    /// The steps it may fold in (every `every`-th) and the last.
+    fn demand(p: &SwaParams) -> Demand {
+        Demand::every(p.every)
+    }
 
     fn check(p: &SwaParams, _ctx: &BuildCtx) -> anyhow::Result<()> {
         anyhow::ensure!(p.every >= 1, "`every` must be at least 1");
@@ -346,6 +356,11 @@ impl Transform for Passthrough {
     type In = TrainSnapshot;
     type Out = TrainSnapshot;
     const OUTPUT_OPTIONAL: bool = true;
+
+    /// Nothing of its own: what its consumers need.
+    fn demand(_p: &NoneParams) -> Demand {
+        Demand::LAST
+    }
 
     fn build(_p: NoneParams, _ctx: &BuildCtx) -> anyhow::Result<Self> {
         Ok(Self)

@@ -81,6 +81,38 @@ mod tests {
     use crate::runtime::stage::Role;
     const REGISTRY: &[&dyn crate::runtime::driver::StageFactory] = super::REGISTRY.all();
 
+    /// What the stages after training need of the step executor's snapshots, planned from the
+    /// repository's configs: an EMA needs every step; checkpoints alone every `every`-th
+    /// (joined over several consumers); the artifact and the evaluation only the last.
+    #[test]
+    fn the_step_executor_is_asked_only_for_the_snapshots_its_consumers_need() {
+        use crate::runtime::stage::Demand;
+        let demand = |sets: &[&str]| {
+            let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            let loaded =
+                crate::runtime::config::load::<crate::train::config::Config>(&root.join("pipelines/baseline.toml"), &sets).unwrap();
+            let plan = crate::runtime::graph::plan(&loaded, &super::REGISTRY).unwrap();
+            plan.stages[plan.index("train").unwrap()].demand
+        };
+        // The baseline: checkpoints every 1000 steps, then the artifact and the evaluation.
+        assert_eq!(demand(&[]), Demand::every(1000));
+        assert!(demand(&[]).wants(2000) && !demand(&[]).wants(1500));
+        assert_eq!(demand(&["stages.ckpt.every=0"]), Demand::LAST);
+        assert!(!Demand::LAST.wants(0));
+        // An EMA in front of the checkpoints needs every step.
+        let ema =
+            ["stages.avg.kind=\"ema_swa\"", "stages.avg.impl=\"ema\"", "stages.avg.inputs=[\"train\"]", "stages.ckpt.inputs=[\"avg\"]"];
+        assert_eq!(demand(&ema), Demand::ALL);
+        // A pass-through averager asks nothing of its own; SWA every 50 joins with 1000 to 50.
+        let none =
+            ["stages.avg.kind=\"ema_swa\"", "stages.avg.impl=\"none\"", "stages.avg.inputs=[\"train\"]", "stages.ckpt.inputs=[\"avg\"]"];
+        assert_eq!(demand(&none), Demand::every(1000));
+        let swa =
+            ["stages.avg.kind=\"ema_swa\"", "stages.avg.impl=\"swa\"", "stages.avg.inputs=[\"train\"]", "stages.ckpt.inputs=[\"avg\"]"];
+        assert_eq!(demand(&swa), Demand::every(50));
+    }
+
     #[test]
     fn no_duplicate_kind_impl_pairs() {
         for (i, a) in REGISTRY.iter().enumerate() {

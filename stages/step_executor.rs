@@ -57,7 +57,7 @@ impl Transform for Candle {
     }
 
     fn build(p: SessionParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
-        Ok(Self(Session::new(p, config(ctx)?, resumed(ctx), ctx.run_dir, ctx.consumers > 0, ExecutorKind::Candle)?))
+        Ok(Self(Session::new(p, config(ctx)?, resumed(ctx), ctx.run_dir, (ctx.consumers > 0).then_some(ctx.demand), ExecutorKind::Candle)?))
     }
 
     fn process(&mut self, b: DeviceBatch, out: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
@@ -184,7 +184,7 @@ impl Transform for Engine {
             bucket_mib: p.bucket_mib,
             first_bucket_mib: p.first_bucket_mib,
         });
-        Ok(Self(Session::new(p.session(), config(ctx)?, resumed(ctx), ctx.run_dir, ctx.consumers > 0, kind)?))
+        Ok(Self(Session::new(p.session(), config(ctx)?, resumed(ctx), ctx.run_dir, (ctx.consumers > 0).then_some(ctx.demand), kind)?))
     }
 
     fn process(&mut self, b: DeviceBatch, out: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {

@@ -12,7 +12,7 @@ use crate::runtime::clock::Clock;
 use crate::runtime::control::Control;
 use crate::runtime::message::{Message, MsgType};
 use crate::runtime::metrics::Hist;
-use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Params, Role, Sink, Source, Stopped, Transform};
+use crate::runtime::stage::{BuildCtx, Ctx, Demand, Emitter, Params, Role, Sink, Source, Stopped, Transform};
 use crate::runtime::trace::ItemRecord;
 
 /// One registered stage implementation, type-erased. Made by [`SourceImpl`], [`TransformImpl`]
@@ -45,6 +45,10 @@ pub trait StageFactory: Sync {
     fn memory(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>>;
     /// Runs the implementation's `nothing_left` on resolved parameters.
     fn nothing_left(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Option<String>>;
+    /// Which of its producer's items it needs, from resolved parameters (a source: none).
+    fn demand(&self, _params: &toml::Table) -> anyhow::Result<Demand> {
+        Ok(Demand::LAST)
+    }
     /// Builds a runnable stage from resolved parameters.
     fn instantiate(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Box<dyn Runnable>>;
     /// Makes the bounded input channel of this stage (none for a source).
@@ -185,6 +189,9 @@ impl<T: Transform> StageFactory for TransformImpl<T> {
     fn output_optional(&self) -> bool {
         T::OUTPUT_OPTIONAL
     }
+    fn demand(&self, params: &toml::Table) -> anyhow::Result<Demand> {
+        Ok(T::demand(&typed_params::<T::Params>(params)?))
+    }
     fn instantiate(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Box<dyn Runnable>> {
         Ok(Box::new(TransformRun(T::build(typed_params(params)?, ctx)?)))
     }
@@ -218,6 +225,9 @@ impl<K: Sink> StageFactory for SinkImpl<K> {
     }
     fn output(&self) -> Option<MsgType> {
         None
+    }
+    fn demand(&self, params: &toml::Table) -> anyhow::Result<Demand> {
+        Ok(K::demand(&typed_params::<K::Params>(params)?))
     }
     fn instantiate(&self, params: &toml::Table, ctx: &BuildCtx) -> anyhow::Result<Box<dyn Runnable>> {
         Ok(Box::new(SinkRun(K::build(typed_params(params)?, ctx)?)))

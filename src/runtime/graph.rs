@@ -16,7 +16,7 @@ use crate::runtime::config::{Loaded, RunConfig, Tables, push_figment_error};
 use crate::runtime::driver::StageFactory;
 use crate::runtime::error::ConfigErrors;
 use crate::runtime::registry::Registry;
-use crate::runtime::stage::{BuildCtx, Extensions, Role};
+use crate::runtime::stage::{BuildCtx, Demand, Extensions, Role};
 
 /// Keys every stage table may have besides its implementation's parameters.
 pub const RESERVED_KEYS: [&str; 4] = ["kind", "impl", "inputs", "queue"];
@@ -38,6 +38,9 @@ pub struct PlannedStage {
     pub consumers: Vec<usize>,
     /// Capacity of its input channel (0 for a source).
     pub queue: usize,
+    /// Which of its output items its consumers need ([`Demand`]: each consumer's own need
+    /// joined with what it passes on to its consumers).
+    pub demand: Demand,
     /// Keys of its table that another implementation of its kind takes and this one does not:
     /// set aside rather than refused, so that `impl` alone switches implementations (in an
     /// ablation, or with `--set`). A key no implementation of the kind takes is an error.
@@ -48,7 +51,7 @@ impl PlannedStage {
     /// What its `check` and `memory` see: `[run]`, the application's extensions and its place
     /// in the graph, no run yet.
     pub fn check_ctx<'a>(&'a self, run: &'a RunConfig, ext: &'a Extensions) -> BuildCtx<'a> {
-        BuildCtx { stage: &self.name, run, ext, run_dir: None, consumers: self.consumers.len(), queue: self.queue }
+        BuildCtx { stage: &self.name, run, ext, run_dir: None, consumers: self.consumers.len(), queue: self.queue, demand: self.demand }
     }
 
     /// A note naming the keys set aside ([`PlannedStage::set_aside`]), if any.
@@ -284,8 +287,20 @@ pub fn plan<C: Tables>(loaded: &Loaded<C>, registry: &Registry) -> Result<Plan, 
             inputs,
             consumers: cons,
             queue: d.queue,
+            demand: Demand::LAST,
             set_aside: d.set_aside,
         });
+    }
+    // What each stage's consumers need of its output, consumers first (reverse topological
+    // order): a consumer's own need joined with what its own consumers need of it. A stage
+    // whose parameters do not parse needs everything (its own error is reported elsewhere).
+    for i in (0..stages.len()).rev() {
+        let mut demand = Demand::LAST;
+        for &c in &stages[i].consumers {
+            let own = stages[c].factory.demand(&stages[c].params).unwrap_or(Demand::ALL);
+            demand = demand.join(own).join(stages[c].demand);
+        }
+        stages[i].demand = demand;
     }
     let run = loaded.config.run();
     if run.trace && !run.instrument {

@@ -105,6 +105,47 @@ pub struct BuildCtx<'a> {
     /// The capacity of this stage's input channel (`queue`; 0 for a source): items that may
     /// wait for it, which its memory estimate counts.
     pub queue: usize,
+    /// Which of this stage's output items its consumers need ([`Demand`]): a producer whose
+    /// items are costly may skip the others (the last item always goes).
+    pub demand: Demand,
+}
+
+/// Which items of a producer a stage needs, by the producer's own count (its
+/// [`Transform::demand`] and [`Sink::demand`]): every `n`-th, or only the last. The planner
+/// joins what the consumers of a stage need, each with what its own consumers need (a stage
+/// that is not given an item cannot pass it on), into [`BuildCtx::demand`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Demand {
+    /// `Some(n)`: items whose count is a multiple of `n`; `None`: the last only.
+    every: Option<u64>,
+}
+
+impl Demand {
+    /// Every item.
+    pub const ALL: Demand = Demand { every: Some(1) };
+    /// The last item only.
+    pub const LAST: Demand = Demand { every: None };
+
+    /// Every `n`-th item and the last (`n` = 0: the last only).
+    pub fn every(n: u64) -> Demand {
+        Demand { every: (n > 0).then_some(n) }
+    }
+
+    /// What either needs: every item a multiple of `gcd(n, m)` (at least the items of both).
+    pub fn join(self, other: Demand) -> Demand {
+        fn gcd(a: u64, b: u64) -> u64 {
+            if b == 0 { a } else { gcd(b, a % b) }
+        }
+        match (self.every, other.every) {
+            (Some(a), Some(b)) => Demand { every: Some(gcd(a, b)) },
+            (a, b) => Demand { every: a.or(b) },
+        }
+    }
+
+    /// Whether item `count` (the producer's count, not the last) is needed.
+    pub fn wants(self, count: u64) -> bool {
+        self.every.is_some_and(|n| count.is_multiple_of(n))
+    }
 }
 
 impl<'a> BuildCtx<'a> {
@@ -337,6 +378,11 @@ pub trait Transform: Sized + Send + 'static {
     /// True when nothing has to read the output (a step executor's snapshots serve optional
     /// stages after training): the graph then accepts the stage without consumers.
     const OUTPUT_OPTIONAL: bool = false;
+    /// Which of its producer's items it needs for its own work ([`Demand`]; what it passes on
+    /// to its consumers is added by the planner). Default: every item.
+    fn demand(_params: &Self::Params) -> Demand {
+        Demand::ALL
+    }
     /// Builds the stage.
     fn build(params: Self::Params, ctx: &BuildCtx) -> anyhow::Result<Self>;
     /// See [`Source::check`].
@@ -378,6 +424,10 @@ pub trait Sink: Sized + Send + 'static {
     type Params: Params;
     /// What it takes.
     type In: Message;
+    /// Which of its producer's items it needs ([`Demand`]). Default: every item.
+    fn demand(_params: &Self::Params) -> Demand {
+        Demand::ALL
+    }
     /// Builds the stage.
     fn build(params: Self::Params, ctx: &BuildCtx) -> anyhow::Result<Self>;
     /// See [`Source::check`].
@@ -429,5 +479,22 @@ impl<T: Message> Emitter<'_, T> {
             Some(item) => self.port.send_stamped(item, stamp, self.meter, self.stats, self.control),
             None => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Demand;
+
+    /// Joining demands keeps every item either needs; the last alone needs nothing else.
+    #[test]
+    fn demands_join_to_what_either_needs() {
+        assert_eq!(Demand::every(6).join(Demand::every(4)), Demand::every(2));
+        assert_eq!(Demand::every(6).join(Demand::LAST), Demand::every(6));
+        assert_eq!(Demand::LAST.join(Demand::LAST), Demand::LAST);
+        assert_eq!(Demand::ALL.join(Demand::every(1000)), Demand::ALL);
+        assert_eq!(Demand::every(0), Demand::LAST);
+        assert!(Demand::every(3).wants(0) && Demand::every(3).wants(9) && !Demand::every(3).wants(4));
+        assert!((0..5).all(|k| Demand::ALL.wants(k)) && (0..5).all(|k| !Demand::LAST.wants(k)));
     }
 }

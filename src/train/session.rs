@@ -38,7 +38,7 @@ use crate::model::Gpt;
 use crate::model::attention_trial::AttentionShape;
 use crate::model::flash_attn::Attention;
 use crate::runtime::control::StopReason;
-use crate::runtime::stage::{Ctx, Emitter};
+use crate::runtime::stage::{Ctx, Demand, Emitter};
 use crate::train::attention_choice;
 use crate::train::checkpoint::Checkpoint;
 use crate::train::config::{Config, TrainConfig};
@@ -93,8 +93,11 @@ pub struct Session {
     dropped_micro: usize,
     /// The step whose weights were last saved.
     saved_at: Option<u64>,
-    /// Whether any stage reads the snapshots.
-    emit: bool,
+    /// Which steps' snapshots the stages after training need (`None`: no stage reads them):
+    /// every step for an EMA, every N-th for checkpoints, the last only for the artifact and
+    /// evaluation. A snapshot is a read of the weights (the engine's mirror is synced for it)
+    /// and a copy of them, so steps nobody needs get none.
+    snapshots: Option<Demand>,
     /// The sampler's state after the last micro-batch taken, and the rolling fingerprint.
     loader: Option<Arc<LoaderState>>,
     /// Several ranks with the shuffled sampler: every rank's sampler state after the last
@@ -122,14 +125,14 @@ pub struct Session {
 impl Session {
     /// A session on `c` with `p`, continuing from `resume` when given, writing its log,
     /// step table and weights under `run_dir` (none under `pipeline validate`'s checks), and
-    /// making snapshots only when `emit` (a stage reads them). Runs `attention = "auto"`'s
-    /// trials on a GPU.
+    /// making snapshots of the steps `snapshots` names (`None`: no stage reads them; the final
+    /// snapshot always goes). Runs `attention = "auto"`'s trials on a GPU.
     pub fn new(
         p: SessionParams,
         c: &Config,
         resume: Option<&Checkpoint>,
         run_dir: Option<&Path>,
-        emit: bool,
+        snapshots: Option<Demand>,
         executor: ExecutorKind,
     ) -> anyhow::Result<Self> {
         requirements::check(&p, c)?;
@@ -268,7 +271,7 @@ impl Session {
             ending: None,
             dropped_micro: 0,
             saved_at: None,
-            emit,
+            snapshots,
             loader: resume.and_then(|ck| resume::loader_for(ck, &shape)).map(Arc::new),
             rank_loaders: Arc::new(resume.map(|ck| ck.meta.rank_loaders.clone()).unwrap_or_default()),
             rolling,
@@ -343,12 +346,16 @@ impl Session {
         Ok(())
     }
 
-    /// Emits a snapshot (when a stage reads them), timing the copy of the parameters.
+    /// Emits a snapshot (when a stage reads it: the final one, or a step's the stages after
+    /// training need), timing the copy of the parameters.
     fn send(&mut self, moment: Moment, out: &mut Emitter<'_, TrainSnapshot>, ctx: &mut Ctx) -> anyhow::Result<()> {
-        if !self.emit {
+        let Some(demand) = self.snapshots else {
+            return Ok(());
+        };
+        let step = self.trainer.step();
+        if matches!(moment, Moment::Start | Moment::Step) && !demand.wants(step) {
             return Ok(());
         }
-        let step = self.trainer.step();
         let weights = match &self.last_weights {
             Some((s, w)) if *s == step => w.clone(),
             _ => {

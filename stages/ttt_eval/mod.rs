@@ -35,7 +35,7 @@ use super::config;
 use crate::eval::bpb::BpbAccumulator;
 use crate::eval::ttt::{SlidingConfig, TttConfig, TttEvent, score_first_ttt_shared, sliding_eval_shared};
 use crate::eval::validation::Validator;
-use crate::runtime::stage::{BuildCtx, Ctx, Sink};
+use crate::runtime::stage::{BuildCtx, Ctx, Demand, Sink};
 use crate::train::log::StageLog;
 use crate::train::snapshot::TrainSnapshot;
 pub use phased::{Phased, PhasedParams};
@@ -266,6 +266,11 @@ impl Sink for Sliding {
     type Params = SlidingParams;
     type In = TrainSnapshot;
 
+    /// The final weights only.
+    fn demand(_p: &SlidingParams) -> Demand {
+        Demand::LAST
+    }
+
     fn check(p: &SlidingParams, ctx: &BuildCtx) -> anyhow::Result<()> {
         let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, config(ctx)?.train.seq_len);
         TttConfig { sliding: cfg, ..ScoreFirstParams::default().ttt(config(ctx)?.train.seq_len) }.check()
@@ -305,6 +310,11 @@ impl Sink for ScoreFirst {
         "Legal score-first TTT on the final weights: each validation chunk scored before SGD trains on it; sliding-window score too.";
     type Params = ScoreFirstParams;
     type In = TrainSnapshot;
+
+    /// The final weights only.
+    fn demand(_p: &ScoreFirstParams) -> Demand {
+        Demand::LAST
+    }
 
     fn check(p: &ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<()> {
         p.ttt(config(ctx)?.train.seq_len).check()

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use super::{Evaluator, ScoreFirstParams, config, eval_memory, sliding_cfg};
 use crate::eval::phased::{PhasedConfig, PhasedEvent, phased_ttt};
 use crate::eval::ttt::SlidingConfig;
-use crate::runtime::stage::{BuildCtx, Ctx, Sink};
+use crate::runtime::stage::{BuildCtx, Ctx, Demand, Sink};
 use crate::train::snapshot::TrainSnapshot;
 
 /// Parameters of `ttt_eval/phased`. The defaults are PR #1626's (spec §5.7).
@@ -146,6 +146,11 @@ impl Sink for Phased {
     const DOC: &'static str = "Phased TTT on the final weights: per-document LoRA trained chunk by chunk after scoring, and global SGD of the base at phase pauses.";
     type Params = PhasedParams;
     type In = TrainSnapshot;
+
+    /// The final weights only.
+    fn demand(_p: &PhasedParams) -> Demand {
+        Demand::LAST
+    }
 
     fn check(p: &PhasedParams, ctx: &BuildCtx) -> anyhow::Result<()> {
         let seq_len = config(ctx)?.train.seq_len;
