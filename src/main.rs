@@ -204,6 +204,9 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        /// Also write the report as JSON to this file (the text goes to stdout).
+        #[arg(long)]
+        json_out: Option<PathBuf>,
     },
     /// Time one flash-attention implementation's forward and backward pass at a micro-batch's
     /// shapes, after checking it against the materialised attention in f32 (what `attention =
@@ -293,8 +296,8 @@ fn main() -> ExitCode {
         Command::Report { run_dir, json, html } => cli::report::command(run_dir, json, html),
         Command::Stages { json } => cli::stages::command(json),
         Command::Parity { device, dtype, seed, json } => cli::check::parity(&device, &dtype, seed, json),
-        Command::EngineCheck { device, dtype, timing, rows, seed, json } => {
-            cli::check::engine_check(&device, dtype.as_deref(), timing.as_deref(), rows, seed, json)
+        Command::EngineCheck { device, dtype, timing, rows, seed, json, json_out } => {
+            cli::check::engine_check(&device, dtype.as_deref(), timing.as_deref(), rows, seed, json, json_out.as_deref())
         }
         Command::AttentionTrial { device, kernels, batch, seq_len, heads, kv_heads, head_dim, json } => {
             cli::check::attention_trial(&device, &kernels, AttentionShape { batch, t: seq_len, heads, kv_heads, head_dim }, json)

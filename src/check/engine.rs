@@ -239,26 +239,14 @@ pub fn run(o: &Options) -> anyhow::Result<EngineCheck> {
     Ok(EngineCheck { backend: name, stream, ops, models, graphs, transfers, timings, ok })
 }
 
-#[cfg(feature = "cuda")]
 fn stream_flag(device: &Device) -> anyhow::Result<Flag> {
     let (handle, default) = crate::engine::kernels::stream_check(device)?;
     let detail = if default { format!("{handle}: a default stream") } else { format!("{handle}: its own, non-blocking") };
     Ok(Flag { what: "the engine's stream is not the NULL stream".into(), ok: !default, detail })
 }
 
-#[cfg(not(feature = "cuda"))]
-fn stream_flag(_device: &Device) -> anyhow::Result<Flag> {
-    anyhow::bail!("a GPU device in a build without the `cuda` feature")
-}
-
-#[cfg(feature = "cuda")]
 fn transfer_flags(device: &Device) -> anyhow::Result<Vec<Flag>> {
     Ok(crate::engine::kernels::transfer_check(device)?.into_iter().map(|(what, ok, detail)| Flag { what, ok, detail }).collect())
-}
-
-#[cfg(not(feature = "cuda"))]
-fn transfer_flags(_device: &Device) -> anyhow::Result<Vec<Flag>> {
-    Ok(Vec::new())
 }
 
 /// Three steps of the check model with graphs off and on, learning rates, momentum and the

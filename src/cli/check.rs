@@ -41,9 +41,17 @@ pub fn parity(device: &str, dtype: &str, seed: u64, json: bool) -> i32 {
 }
 
 /// Checks the engine's backend on `device` against the CPU in f64 and times it
-/// ([`crate::check::engine`]); prints the report (text or JSON); exit 1 when an error is beyond
-/// its bound, 2 on a bad argument.
-pub fn engine_check(device: &str, dtype: Option<&str>, timing: Option<&str>, rows: Option<usize>, seed: u64, json: bool) -> i32 {
+/// ([`crate::check::engine`]); prints the report (text or JSON) and writes its JSON to
+/// `json_out` when given; exit 1 when an error is beyond its bound, 2 on a bad argument.
+pub fn engine_check(
+    device: &str,
+    dtype: Option<&str>,
+    timing: Option<&str>,
+    rows: Option<usize>,
+    seed: u64,
+    json: bool,
+    json_out: Option<&std::path::Path>,
+) -> i32 {
     use crate::check::engine::{Options, TimingShape};
     let gpu = !matches!(crate::device::parse(device), Ok(crate::device::DeviceName::Cpu));
     let bf16 = match dtype.unwrap_or(if gpu { "bf16" } else { "f32" }) {
@@ -74,6 +82,14 @@ pub fn engine_check(device: &str, dtype: Option<&str>, timing: Option<&str>, row
     let o = Options { device: device.to_string(), bf16, timing, rows, seed };
     match crate::check::engine::run(&o) {
         Ok(r) => {
+            if let Some(path) = json_out {
+                let written =
+                    serde_json::to_vec_pretty(&r).map_err(anyhow::Error::from).and_then(|b| crate::runtime::rundir::write_atomic(path, &b));
+                if let Err(e) = written {
+                    err!("error: writing {}: {e:#}", path.display());
+                    return 1;
+                }
+            }
             if json {
                 let code = super::print_json(&r);
                 if code != 0 {

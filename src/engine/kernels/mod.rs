@@ -511,3 +511,15 @@ pub fn transfer_check(device: &candle_core::Device) -> anyhow::Result<Vec<(Strin
     out.push(("arena into a CUDA tensor".to_string(), differ == 0, format!("{differ} of {} values differ from the host read", len - 64)));
     Ok(out)
 }
+
+/// Without the `cuda` feature: the reason there is no GPU stream.
+#[cfg(not(feature = "cuda"))]
+pub fn stream_check(device: &candle_core::Device) -> anyhow::Result<(String, bool)> {
+    anyhow::bail!("the engine's GPU backend ({:?}) needs a `cuda` build (scripts/build-cuda.sh)", device.location())
+}
+
+/// Without the `cuda` feature: nothing crosses to a GPU.
+#[cfg(not(feature = "cuda"))]
+pub fn transfer_check(device: &candle_core::Device) -> anyhow::Result<Vec<(String, bool, String)>> {
+    anyhow::bail!("the engine's GPU backend ({:?}) needs a `cuda` build (scripts/build-cuda.sh)", device.location())
+}
