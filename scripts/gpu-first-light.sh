@@ -1,0 +1,229 @@
+#!/usr/bin/env bash
+# The engine's first light on a GPU: one command that checks it and measures it, under 8
+# minutes on one H100, its results in one folder of at most 8 files (docs/gpu.md says how to
+# prepare and read it).
+#
+#   scripts/gpu-first-light.sh [IN] [OUT]        # on the GPU machine, from the repository's root
+#
+# IN (default first-light/, ignored by git; scripts/first-light-pack.sh fills it here) holds:
+#   pipeline.xz                      the `cuda` binary (scripts/build-cuda.sh), xz-compressed
+#   sp1024/fineweb_{train,val}_*.bin a few challenge-format SP1024 shards (the baseline's data)
+#   sp8192/fineweb_{train,val}_*.bin a few SP8192 shards (the 04-09 record's data)
+#   tokenizers/fineweb_1024_bpe.model, tokenizers/fineweb_8192_bpe.model
+#   train_gpt.py                     optional: the challenge's script, fetched by whoever runs
+#                                    this (never committed), trained on the same shards and GPU
+# OUT (default $OUT when set, else first-light-out/) gets:
+#   summary.txt        every figure and verdict of the run (also the end of stdout)
+#   engine-check.txt   (a) `pipeline engine-check`: every op, the whole engine, graphs, the
+#   engine-check.json      device-to-device paths, per-op timings at the baseline's shapes
+#   runs.tar.gz        every run's train.log, report.json, steps.tsv and output
+#   gpu.txt            nvidia-smi, and GPU memory sampled during the record run
+#
+# Parts:
+#   (a) engine-check on cuda:0 (bf16 GEMMs; the whole engine in f32 GEMMs too);
+#   (b) the baseline (pipelines/baseline.toml, 524,288 tokens a step) for STEPS steps (default
+#       30) on the engine (bf16, graphs on) and on the candle executor, side by side, and the
+#       challenge's train_gpt.py for PT_STEPS (default 40) on the same shards when given;
+#   (c) the engine's baseline run again with graphs off: final weights bit-identical to (b)'s,
+#       ms/step with and without graphs, and the report's graph counts;
+#   (d) pipelines/record.toml on the engine for RECORD_STEPS (default 20) steps: ms/step, the
+#       arena, and peak GPU memory (nvidia-smi sampled every 200 ms); if it runs out of memory
+#       at the record's 8 micro-batches of 48 x 2048, again with 16 of 24 x 2048;
+#   (e) everything above into OUT.
+#
+# SMOKE=1 runs every part on the CPU with a tiny model (the binary from BIN, the data
+# in IN as above but any tokenizer, SMOKE_VOCAB its vocabulary): a check of this script, not a
+# measurement; tests/first_light.rs runs it in CI. Exit 1 when a check fails or a run breaks.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+IN=${1:-first-light}
+OUT=${2:-${OUT:-first-light-out}}
+SMOKE=${SMOKE:-0}
+STEPS=${STEPS:-30}
+PT_STEPS=${PT_STEPS:-40}
+RECORD_STEPS=${RECORD_STEPS:-20}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+work=$(mktemp -d "${TMPDIR:-/tmp}/first-light.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+runs=$work/runs
+mkdir -p "$runs"
+summary=$OUT/summary.txt
+: > "$summary"
+say() { echo "$*" | tee -a "$summary"; }
+status=0
+fail() { say "FAILED: $*"; status=1; }
+
+# --- the binary, the libraries, the data ---------------------------------------------------
+if [[ -n ${BIN:-} ]]; then
+  : # the binary given
+elif [[ -f $IN/pipeline.xz ]]; then
+  BIN=$work/pipeline
+  xz -dc "$IN/pipeline.xz" > "$BIN" && chmod +x "$BIN" || { echo "cannot unpack $IN/pipeline.xz" >&2; exit 1; }
+else
+  echo "no binary: put the cuda build at $IN/pipeline.xz (scripts/first-light-pack.sh) or set BIN" >&2
+  exit 1
+fi
+for f in "$IN"/sp1024/fineweb_train_000000.bin "$IN"/sp1024/fineweb_val_000000.bin "$IN"/sp8192/fineweb_train_000000.bin \
+         "$IN"/tokenizers/fineweb_1024_bpe.model "$IN"/tokenizers/fineweb_8192_bpe.model; do
+  [[ -f $f ]] || { echo "missing $f (scripts/first-light-pack.sh prepares $IN)" >&2; exit 1; }
+done
+IN=$(cd "$IN" && pwd)
+# cuBLAS, cuRAND, NVRTC and NCCL come from the machine's PyTorch cu13 install (the driver
+# supplies libcuda).
+if libdir=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' 2>/dev/null) && [[ -d $libdir ]]; then
+  export LD_LIBRARY_PATH="$libdir:${LD_LIBRARY_PATH:-}"
+fi
+
+DEVICE=cuda:0 PIN=pinned UPLOAD=stream DTYPE=bf16
+tiny=() tiny_baseline=() tiny_record=()
+if [[ $SMOKE == 1 ]]; then
+  DEVICE=cpu PIN=pageable UPLOAD=sync DTYPE=f32 STEPS=6 PT_STEPS=0 RECORD_STEPS=4
+  vocab=${SMOKE_VOCAB:?SMOKE=1 needs SMOKE_VOCAB, the vocabulary of the tokenizers in IN}
+  tiny=(--set run.device='"cpu"' --set model.model_dim=64 --set model.num_heads=2 --set model.num_kv_heads=1
+        --set model.vocab_size="$vocab" --set train.batch_tokens=1024 --set train.seq_len=128 --set train.grad_accum_steps=2
+        --set train.val_batch_tokens=1024 --set train.val_max_tokens=4096)
+  tiny_baseline=(--set model.num_layers=2 --set stages.eval.stride=64)
+  # The record's 11 blocks (its layer switches name them), at width 64.
+  tiny_record=(--set model.num_layers=11 --set model.rope_train_seq_len=128 --set stages.eval.seq_len=128 --set stages.eval.stride=64
+               --set stages.eval.chunk_tokens=512 --set stages.eval.batch_seqs=2 --set stages.eval.batch_windows=2)
+fi
+
+{ echo "== gpu-first-light $(date -u +%FT%TZ)"; nvidia-smi 2>&1 || echo "(no nvidia-smi)"; } > "$OUT/gpu.txt"
+gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
+say "== gpu-first-light $(date -u +%FT%TZ) on ${gpu:-$DEVICE}$([[ $SMOKE == 1 ]] && echo ' (SMOKE: CPU, tiny model; not a measurement)')"
+say "binary: $("$BIN" --version 2>&1 | head -1)"
+
+# A run's steady ms/step (steps 3 to the last of steps.tsv: start-up and first loads out).
+steady() {
+  python3 - "$1/steps.tsv" <<'PY'
+import sys
+rows = [l.split("\t") for l in open(sys.argv[1]).read().split("\n")[1:] if l.strip()]
+t = {int(r[0]): float(r[3]) for r in rows}
+last = max(t)
+first = 2 if last >= 4 else 1
+print(f"{(t[last] - t[first]) / (last - first):.1f}")
+PY
+}
+# A field of a run's report.json (a Python expression on `r`).
+field() {
+  python3 - "$1/report.json" "$2" <<'PY' 2>/dev/null || echo "?"
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(eval(sys.argv[2]))
+PY
+}
+# pipeline run CONFIG NAME SETTINGS...: its output in runs/NAME.out, 0 when it completed.
+train() {
+  local config=$1 name=$2
+  shift 2
+  "$BIN" run "$config" --out "$runs/$name" -q "$@" > "$runs/$name.out" 2>&1
+}
+
+common1024=(--set "data.train=\"$IN/sp1024/fineweb_train_*.bin\"" --set "data.val=\"$IN/sp1024/fineweb_val_*.bin\""
+            --set "data.tokenizer=\"$IN/tokenizers/fineweb_1024_bpe.model\"" --set train.val_every=0 --set train.val_max_tokens=65536
+            --set train.max_wallclock_seconds=0 --set train.log_every=10 --set stages.pin.impl="\"$PIN\"" --set stages.upload.impl="\"$UPLOAD\""
+            --set stages.train.dtype="\"$DTYPE\"" "${tiny[@]}" "${tiny_baseline[@]}")
+
+# --- (a) engine-check -----------------------------------------------------------------------
+say "== (a) pipeline engine-check --device $DEVICE"
+check=(engine-check --device "$DEVICE" --json-out "$OUT/engine-check.json")
+[[ $SMOKE == 1 ]] && check+=(--timing small)
+"$BIN" "${check[@]}" > "$OUT/engine-check.txt" 2>&1 || fail "engine-check (engine-check.txt)"
+grep -E '^(engine-check|stream|graphs|transfer)|micro-batch: |optimizer step: |FAILED' "$OUT/engine-check.txt" | tee -a "$summary"
+
+# --- (b) the baseline: engine, candle, PyTorch ------------------------------------------------
+say "== (b) baseline, $STEPS steps: engine ($DTYPE, graphs on) and candle, side by side"
+declare -A ms
+for impl in engine candle; do
+  if train pipelines/baseline.toml "baseline-$impl" "${common1024[@]}" --set train.iterations="$STEPS" --set stages.train.impl="\"$impl\""; then
+    ms[$impl]=$(steady "$runs/baseline-$impl")
+    say "baseline $impl: steady ${ms[$impl]} ms/step, $(field "$runs/baseline-$impl" "round(r['train']['tokens_per_s'])") tokens/s, final val_loss $(field "$runs/baseline-$impl" "round(r['train']['val_loss'], 4)")"
+  else
+    fail "baseline on $impl (runs/baseline-$impl.out): $(tail -2 "$runs/baseline-$impl.out" | tr '\n' ' ')"
+  fi
+done
+say "engine graphs: $(field "$runs/baseline-engine" "r['train']['engine'].get('graphs')"); mirror syncs: $(field "$runs/baseline-engine" "r['train']['engine'].get('mirror_syncs')")"
+if [[ -n ${ms[engine]:-} && -n ${ms[candle]:-} ]]; then
+  say "engine / candle throughput: $(python3 -c "print(f'{${ms[candle]} / ${ms[engine]}:.2f}x')") (target: above 1x; candle measured 910 ms on an H100 on 2026-11-22)"
+fi
+if [[ -f $IN/train_gpt.py && $PT_STEPS -gt 0 ]]; then
+  mkdir -p "$runs/pytorch"
+  (cd "$runs/pytorch" && PYTHONUNBUFFERED=1 DATA_PATH=$IN/sp1024 TOKENIZER_PATH=$IN/tokenizers/fineweb_1024_bpe.model ITERATIONS=$PT_STEPS \
+    WARMUP_STEPS=5 VAL_LOSS_EVERY=0 TRAIN_LOG_EVERY=5 MAX_WALLCLOCK_SECONDS=0 RUN_ID=first-light timeout 300 python3 "$IN/train_gpt.py") \
+    > "$runs/pytorch.out" 2>&1 || fail "train_gpt.py (runs/pytorch.out): $(tail -2 "$runs/pytorch.out" | tr '\n' ' ')"
+  pt=$(python3 - "$runs/pytorch.out" <<'PY'
+import re, sys
+steps = [(int(m[1]), float(m[2])) for m in re.finditer(r"^step:(\d+)/\d+ train_loss:\S+ train_time:(\d+)ms", open(sys.argv[1]).read(), re.M)]
+if len(steps) >= 2:
+    (s0, t0), (s1, t1) = steps[1], steps[-1]
+    print(f"{(t1 - t0) / (s1 - s0):.1f}")
+PY
+  )
+  if [[ -n $pt ]]; then
+    say "pytorch train_gpt.py: steady $pt ms/step (same shards, same GPU)"
+    for impl in engine candle; do
+      [[ -n ${ms[$impl]:-} ]] && say "$impl / pytorch throughput: $(python3 -c "print(f'{$pt / ${ms[$impl]}:.2f}x')")"
+    done
+  else
+    fail "no step lines in runs/pytorch.out"
+  fi
+else
+  say "pytorch: not run ($IN/train_gpt.py not given)"
+fi
+
+# --- (c) graph replay against op-by-op launches ------------------------------------------------
+say "== (c) the engine's baseline again with graphs off"
+if train pipelines/baseline.toml baseline-eager "${common1024[@]}" --set train.iterations="$STEPS" --set stages.train.impl='"engine"' \
+     --set stages.train.cuda_graph=false; then
+  eager=$(steady "$runs/baseline-eager")
+  say "engine without graphs: steady $eager ms/step (with graphs: ${ms[engine]:-?})"
+  if cmp -s "$runs/baseline-engine/final_model.safetensors" "$runs/baseline-eager/final_model.safetensors"; then
+    say "graph replay vs op by op: final weights bit-identical"
+  else
+    fail "graph replay vs op by op: final weights differ"
+  fi
+else
+  fail "the eager engine run (runs/baseline-eager.out): $(tail -2 "$runs/baseline-eager.out" | tr '\n' ' ')"
+fi
+
+# --- (d) the record on the engine ---------------------------------------------------------------
+say "== (d) pipelines/record.toml on the engine, $RECORD_STEPS steps"
+record=(--set "data.train=\"$IN/sp8192/fineweb_train_*.bin\"" --set "data.val=\"$IN/sp8192/fineweb_val_*.bin\""
+        --set "data.tokenizer=\"$IN/tokenizers/fineweb_8192_bpe.model\"" --set train.iterations="$RECORD_STEPS" --set train.val_every=0
+        --set train.val_max_tokens=65536 --set train.max_wallclock_seconds=0 --set train.gptq_reserve_seconds=0 --set train.log_every=5
+        --set stages.train.impl='"engine"' --set stages.train.dtype="\"$DTYPE\"" --set stages.pin.impl="\"$PIN\""
+        --set stages.upload.impl="\"$UPLOAD\"" --set stages.artifact.calibration_batches=2 --set stages.eval.epochs=1 "${tiny[@]}"
+        "${tiny_record[@]}")
+sampler=""
+if command -v nvidia-smi > /dev/null; then
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$work/memory.log" 2>/dev/null &
+  sampler=$!
+fi
+accum=""
+if ! train pipelines/record.toml record "${record[@]}"; then
+  if grep -qiE "out of memory|CUDA_ERROR_OUT_OF_MEMORY|memory" "$runs/record.out" && [[ $SMOKE != 1 ]]; then
+    say "record at 8 micro-batches of 48 x 2048: out of memory; again with 16 of 24 x 2048"
+    mv "$runs/record.out" "$runs/record-oom.out"
+    rm -rf "$runs/record"
+    accum=16
+    train pipelines/record.toml record "${record[@]}" --set train.grad_accum_steps=16 || fail "record run (runs/record.out): $(tail -2 "$runs/record.out" | tr '\n' ' ')"
+  else
+    fail "record run (runs/record.out): $(tail -2 "$runs/record.out" | tr '\n' ' ')"
+  fi
+fi
+[[ -n $sampler ]] && kill "$sampler" 2>/dev/null
+if [[ -f $runs/record/steps.tsv ]]; then
+  say "record on the engine$([[ -n $accum ]] && echo ", $accum micro-batches a step"): steady $(steady "$runs/record") ms/step, arena $(field "$runs/record" "round(r['train']['engine']['arena_bytes'] / 2**30, 1)") GiB, graphs $(field "$runs/record" "r['train']['engine'].get('graphs')")"
+  grep -E "^(step:$RECORD_STEPS/|final |looping|pre-quantization|final_.*roundtrip )" "$runs/record/train.log" 2>/dev/null | head -6 | tee -a "$summary"
+fi
+if [[ -s $work/memory.log ]]; then
+  peak=$(sort -n "$work/memory.log" | tail -1)
+  say "peak GPU memory during the record run: $peak MiB (nvidia-smi, every 200 ms)"
+  { echo "== GPU memory used during the record run (MiB, every 200 ms)"; cat "$work/memory.log"; } >> "$OUT/gpu.txt"
+fi
+
+# --- (e) the results ------------------------------------------------------------------------------
+(cd "$work" && find runs \( -name '*.safetensors' -o -name '*.pgqz' \) -delete; tar czf "$OUT/runs.tar.gz" runs)
+say "== $( [[ $status == 0 ]] && echo 'first light: every check passed' || echo 'first light: FAILED (see above)' ); files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+exit $status
