@@ -16,13 +16,8 @@
 # (c) ablation: the same training for the same wall time (ABLATION_S, default 60 s each):
 #     prefetch depth 2 vs 100, pinned vs pageable staging, stream vs sync upload, side by side
 #     with the executor's data-wait share and its input channel's recv-blocked p99.
-# (e) the engine's GPU backend (stages.train.impl = "engine", src/engine/kernels/): a small model
-#     trained 20 steps on cuda:0 by the engine (bf16 GEMMs), the engine (f32 GEMMs) and the candle
-#     executor (f32), their val_loss side by side (parity through training); the engine bf16 run
-#     again with `cuda_graph = false` (every kernel launched from the host), its saved weights
-#     compared byte for byte with the graph-replayed run's (replay must be bit-identical to eager)
-#     and the report's graph counts; then the baseline's STEPS steps on the engine, its steady
-#     ms/step beside (b)'s candle figure and (d)'s PyTorch, and again with graphs off.
+# (e) the engine's GPU backend is scripts/gpu-first-light.sh's (engine-check, the baseline and
+#     the record on the engine, graph replay against eager, in one call): no part here.
 # (f) NCCL at world size 1 (issue 27's target: under 1% of the step): the baseline's STEPS steps
 #     as a plain run (no collective) and under `pipeline launch --nproc 1` (every step's gradient
 #     all-reduce, sharded Muon's exchange and the step's agreements through NCCL with one rank,
@@ -38,7 +33,7 @@
 # it trains PT_STEPS steps (default 40) on the same shards, and the script prints its steady
 # ms/step beside ours and the ratio.
 #
-# PARTS=... runs only the parts named (default "abcdef"; d only with TRAIN_GPT), so that the check
+# PARTS=... runs only the parts named (default "abcdf"; d only with TRAIN_GPT), so that the check
 # fits a device machine's per-command limit in two calls, e.g. PARTS=ab then PARTS=cd. Without b
 # in the same call, OURS_MS=<steady ms/step> gives (d) our figure for the ratio, and
 # ATTENTION=flash|flash_mma (default: auto's choice in b, else flash) the ablation's kernel.
@@ -54,8 +49,8 @@ OUT=${4:-gpu-check-out}
 STEPS=${STEPS:-30}
 ABLATION_S=${ABLATION_S:-60}
 SMOKE=${SMOKE:-0}
-PARTS=${PARTS:-abcdef}
-[[ $PARTS =~ ^[abcdef]+$ ]] || { echo "PARTS=$PARTS: name parts a, b, c, d, e, f (e.g. PARTS=ab)" >&2; exit 2; }
+PARTS=${PARTS:-abcdf}
+[[ $PARTS =~ ^[abcdf]+$ ]] || { echo "PARTS=$PARTS: name parts a, b, c, d, f (e.g. PARTS=ab; the engine's checks are scripts/gpu-first-light.sh)" >&2; exit 2; }
 part() { [[ $PARTS == *"$1"* ]]; }
 DEVICE=cuda:0
 PINNED=pinned STREAM=stream
@@ -183,47 +178,6 @@ else:
     print("no steady figure of ours in this call for the ratio: run part b with it, or give OURS_MS")
 PY
 fi
-if part e; then
-  echo "== (e) engine: parity through 20 steps of a small model, then the baseline, $STEPS steps"
-  small=(--set model.num_layers=4 --set model.model_dim=256 --set model.num_heads=4 --set model.num_kv_heads=2
-         --set train.batch_tokens=32768 --set train.seq_len=1024 --set train.val_every=20 --set train.iterations=20)
-  variants=("engine bf16" "engine f32" "candle f32") engine_dtype=bf16
-  [[ $SMOKE == 1 ]] && variants=("engine f32" "candle f32") engine_dtype=f32 small=(--set train.val_every=5 --set train.iterations=5)
-  for v in "${variants[@]}"; do
-    read -r impl dtype <<< "$v"
-    "$BIN" run pipelines/baseline.toml --out "$OUT/engine-parity-$impl-$dtype" "${common[@]}" "${small[@]}" \
-      --set stages.train.impl="\"$impl\"" --set stages.train.dtype="\"$dtype\"" --set stages.pin.impl="\"$PINNED\"" \
-      --set stages.upload.impl="\"$STREAM\"" > "$OUT/engine-parity-$impl-$dtype.out" || status=1
-    echo "$impl $dtype: $(grep -h '^step.*val_loss' "$OUT/engine-parity-$impl-$dtype/train.log" | tail -1 || echo 'no val_loss')"
-  done
-  # Graph replay against eager launches: the same run with cuda_graph = false.
-  first=${variants[0]// /-}
-  "$BIN" run pipelines/baseline.toml --out "$OUT/engine-parity-eager" "${common[@]}" "${small[@]}" \
-    --set stages.train.impl='"engine"' --set stages.train.dtype="\"$engine_dtype\"" --set stages.train.cuda_graph=false \
-    --set stages.pin.impl="\"$PINNED\"" --set stages.upload.impl="\"$STREAM\"" > "$OUT/engine-parity-eager.out" || status=1
-  if cmp -s "$OUT/engine-parity-$first/final_model.safetensors" "$OUT/engine-parity-eager/final_model.safetensors"; then
-    echo "graph replay vs eager: final weights bit-identical"
-  else
-    echo "graph replay vs eager: final weights DIFFER"; status=1
-  fi
-  python3 -c "import json,sys; print('graph counts:', json.load(open(sys.argv[1])).get('train', {}).get('engine', {}).get('graphs'))" \
-    "$OUT/engine-parity-$first/report.json" || true
-  "$BIN" run pipelines/baseline.toml --out "$OUT/engine-throughput" "${common[@]}" --set train.iterations="$STEPS" \
-    --set stages.train.impl='"engine"' --set stages.train.dtype="\"$engine_dtype\"" \
-    --set stages.pin.impl="\"$PINNED\"" --set stages.upload.impl="\"$STREAM\"" > "$OUT/engine-throughput.out" || status=1
-  summary "$OUT/engine-throughput" "baseline, engine $engine_dtype" || status=1
-  engine_steady=$(steady "$OUT/engine-throughput") || status=1
-  echo "engine steady (steps 3-$STEPS): ${engine_steady:-?} ms/step; candle: ${ours_steady:-?} ms/step"
-  if [[ -n ${engine_steady:-} && -n ${ours_steady:-} ]]; then
-    python3 -c "import sys; print(f'engine / candle throughput: {float(sys.argv[2]) / float(sys.argv[1]):.2f}x')" "$engine_steady" "$ours_steady"
-  fi
-  "$BIN" run pipelines/baseline.toml --out "$OUT/engine-throughput-eager" "${common[@]}" --set train.iterations="$STEPS" \
-    --set stages.train.impl='"engine"' --set stages.train.dtype="\"$engine_dtype\"" --set stages.train.cuda_graph=false \
-    --set stages.pin.impl="\"$PINNED\"" --set stages.upload.impl="\"$STREAM\"" > "$OUT/engine-throughput-eager.out" || status=1
-  eager_steady=$(steady "$OUT/engine-throughput-eager") || status=1
-  echo "engine without graphs: ${eager_steady:-?} ms/step (graphs: ${engine_steady:-?})"
-fi
-
 if part f; then
   echo "== (f) NCCL at world size 1 against no collective: baseline, $STEPS steps, two rounds"
   for round in 1 2; do

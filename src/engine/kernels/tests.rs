@@ -73,6 +73,22 @@ fn the_op_cases_launch_every_kernel() {
     assert!(missing.is_empty(), "kernels no case launches: {missing:?}");
 }
 
+/// The CUDA device takes a stream of its own (`new_stream`: non-blocking), never a default
+/// one: on cudarc's `default_stream()` (the legacy NULL stream) `cuStreamBeginCapture` is
+/// refused and every unit would run op by op; on the per-thread stream the capture would take
+/// in other stages' work. The source is read (no GPU here; on a GPU `CudaDevice::new` also
+/// refuses a default stream, and `pipeline engine-check` prints the handle it got).
+#[test]
+fn the_cuda_device_launches_on_a_stream_of_its_own() {
+    let src = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("src/engine/kernels/cuda.rs")).unwrap();
+    let code: String = src.lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join("\n");
+    assert!(code.contains("ctx.new_stream()"), "the engine's stream is not made with new_stream()");
+    for default in ["default_stream()", "per_thread_stream()"] {
+        assert!(!code.contains(default), "src/engine/kernels/cuda.rs takes {default}");
+    }
+    assert!(code.contains("is_legacy_stream(&stream)"), "CudaDevice::new no longer refuses a default stream");
+}
+
 /// An RMS norm backward that divides by one column too many fails its case: the harness sees
 /// a wrong kernel.
 #[test]
