@@ -249,53 +249,12 @@ fn transfer_flags(device: &Device) -> anyhow::Result<Vec<Flag>> {
     Ok(crate::engine::kernels::transfer_check(device)?.into_iter().map(|(what, ok, detail)| Flag { what, ok, detail }).collect())
 }
 
-/// Three steps of the check model with graphs off and on, learning rates, momentum and the
-/// clip changing every step: bit-identical, and with graphs on every unit of the third step a
-/// replay (forward, backward, optimizer: 3 op by op, 3 captured, 6 replayed).
+/// Graph replay against op-by-op launches on the check model ([`cases::graph_check`]).
 fn graph_check(device: &Device, bf16: bool, seed: u64) -> anyhow::Result<GraphLine> {
     let cfg = cases::check_model();
-    let (rows, t) = cases::CHECK_ROWS_T;
-    let params = cases::perturbed(&cfg, seed).state_dict().into_iter().collect();
-    let mut runs = Vec::new();
-    for graphs in [false, true] {
-        let mut e = engine(device, &cfg, (rows, t), bf16, graphs)?;
-        e.load_params(&params)?;
-        e.zero_grads();
-        let mut stats = Vec::new();
-        let mut rng = fastrand::Rng::with_seed(seed);
-        for step in 0..3u64 {
-            let x: Vec<u32> = (0..rows * t).map(|_| rng.u32(0..cfg.vocab_size as u32)).collect();
-            let y: Vec<u32> = (0..rows * t).map(|_| rng.u32(0..cfg.vocab_size as u32)).collect();
-            e.micro_step(&x, &y, true, 1.0 / (rows * t) as f64);
-            let k = step as f64;
-            let muon = MuonStep {
-                lr: 0.02 + 0.01 * k,
-                momentum: 0.85 + 0.05 * k,
-                nesterov: true,
-                backend_steps: 5,
-                row_norm: true,
-                weight_decay: 0.01,
-            };
-            let s = OptimizerStep {
-                clip: 0.3 + k,
-                muon,
-                adam: [(0.01 + 0.01 * k, 0.0), (0.02 - 0.005 * k, 0.01), (0.03, 0.0)],
-                betas: (0.9, 0.95),
-                eps: 1e-8,
-            };
-            stats.push(e.optimizer_step(&s)?);
-        }
-        let weights: Vec<Vec<u32>> = e
-            .params()?
-            .iter()
-            .map(|(_, w)| Ok(w.flatten_all()?.to_vec1::<f32>()?.iter().map(|x| x.to_bits()).collect()))
-            .collect::<anyhow::Result<_>>()?;
-        runs.push((stats, weights, e.graph_counts().unwrap_or_default()));
-    }
-    let identical = runs[0].0 == runs[1].0 && runs[0].1 == runs[1].1;
-    let c = runs[1].2;
-    let counts = (c.captured, c.replayed, c.eager);
-    Ok(GraphLine { identical, counts, ok: identical && counts == (3, 6, 3) })
+    let shape = cases::CHECK_ROWS_T;
+    let g = cases::graph_check(&cfg, shape, seed, &mut |graphs| engine(device, &cfg, shape, bf16, graphs))?;
+    Ok(GraphLine { identical: g.identical, counts: g.counts, ok: g.ok() })
 }
 
 /// The timings' model and micro-batch.

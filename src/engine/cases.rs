@@ -27,7 +27,7 @@ use super::cpu::CpuBackend;
 use super::kernels::Capacity;
 use super::layout::Bump;
 use super::optim::MuonStep;
-use super::step::{ADAM_GROUPS, Engine};
+use super::step::{ADAM_GROUPS, Engine, OptimizerStep};
 use crate::model::{Gpt, Init, MlpActivation, ModelConfig};
 
 /// Tokens (rows) of the row ops: more than two partial sums (64), not a multiple of 8.
@@ -537,22 +537,20 @@ pub(crate) fn perturbed(cfg: &ModelConfig, seed: u64) -> Gpt {
     m
 }
 
-/// The model of the whole-engine check: every element of the record (XSA, gated skips, partial
-/// RoPE, QK gain, LeakyReLU², parallel residuals, depth recurrence, `ln_scale`, an untied
-/// head) at a small width, with heads 64 wide (the GPU attention's).
-pub fn check_model() -> ModelConfig {
+/// Record-mini's switches (every element of the record) at a small size.
+pub(crate) fn record_small() -> ModelConfig {
     ModelConfig {
-        vocab_size: 96,
+        vocab_size: 48,
         num_layers: 4,
-        model_dim: 128,
-        num_heads: 2,
-        num_kv_heads: 1,
+        model_dim: 32,
+        num_heads: 4,
+        num_kv_heads: 2,
         mlp_mult: 4,
         mlp_activation: MlpActivation::LeakyRelu2,
         leaky_relu_slope: 0.5,
         qk_gain_init: 5.25,
-        rope_dims: Some(16),
-        rope_train_seq_len: Some(64),
+        rope_dims: Some(4),
+        rope_train_seq_len: Some(6),
         ln_scale: true,
         xsa_last_n: 2,
         skip_gates: true,
@@ -561,9 +559,24 @@ pub fn check_model() -> ModelConfig {
         num_loops: 1,
         enable_looping_at: 0.5,
         parallel_residual_start: Some(3),
-        tie_embeddings: false,
         init: Init::Orthogonal,
         ..ModelConfig::default()
+    }
+}
+
+/// The model of the whole-engine check: every element of the record (XSA, gated skips, partial
+/// RoPE, QK gain, LeakyReLU², parallel residuals, depth recurrence, `ln_scale`) with an untied
+/// head, at width 128 with heads 64 wide (the GPU attention's).
+pub fn check_model() -> ModelConfig {
+    ModelConfig {
+        vocab_size: 96,
+        model_dim: 128,
+        num_heads: 2,
+        num_kv_heads: 1,
+        rope_dims: Some(16),
+        rope_train_seq_len: Some(64),
+        tie_embeddings: false,
+        ..record_small()
     }
 }
 
@@ -656,4 +669,81 @@ pub fn model_check(dut: &mut Engine, bounds: ModelBounds, seed: u64) -> anyhow::
     }
     tensors("weight", reference.params()?, dut.params()?, &mut out)?;
     Ok(out)
+}
+
+/// How an engine ran three steps with units replayed as graphs against op by op
+/// ([`graph_check`]).
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct GraphOutcome {
+    /// Losses, gradient norms and weights identical bit for bit.
+    pub identical: bool,
+    /// With graphs: units captured, replayed and run op by op.
+    pub counts: (u64, u64, u64),
+    /// Without graphs: units run op by op (every one).
+    pub eager: u64,
+}
+
+impl GraphOutcome {
+    /// Identical, and with graphs each unit (forward, backward, optimizer) ran op by op in the
+    /// first step, was captured in the second and replayed from then on.
+    pub fn ok(&self) -> bool {
+        self.identical && self.counts == (3, 6, 3) && self.eager == 9
+    }
+}
+
+/// Three steps of `cfg` on `rows x t` tokens from the weights of `perturbed(cfg, seed)`, with a
+/// learning rate, momentum and clip that change every step, on `make(false)` (every unit op by
+/// op) and on `make(true)` (units captured and replayed): the losses, gradient norms and
+/// weights must be the same bit for bit, since a replay reads each step's values from device
+/// memory.
+pub fn graph_check(
+    cfg: &ModelConfig,
+    (rows, t): (usize, usize),
+    seed: u64,
+    make: &mut dyn FnMut(bool) -> anyhow::Result<Engine>,
+) -> anyhow::Result<GraphOutcome> {
+    let params: HashMap<String, Tensor> = perturbed(cfg, seed).state_dict().into_iter().collect();
+    let mut runs = Vec::new();
+    for graphs in [false, true] {
+        let mut e = make(graphs)?;
+        e.load_params(&params)?;
+        e.zero_grads();
+        let mut stats = Vec::new();
+        let mut rng = fastrand::Rng::with_seed(seed);
+        for step in 0..3u64 {
+            let x: Vec<u32> = (0..rows * t).map(|_| rng.u32(0..cfg.vocab_size as u32)).collect();
+            let y: Vec<u32> = (0..rows * t).map(|_| rng.u32(0..cfg.vocab_size as u32)).collect();
+            e.micro_step(&x, &y, cfg.recurrent(), 1.0 / (rows * t) as f64);
+            let k = step as f64;
+            let muon = MuonStep {
+                lr: 0.02 + 0.01 * k,
+                momentum: 0.85 + 0.05 * k,
+                nesterov: true,
+                backend_steps: 5,
+                row_norm: true,
+                weight_decay: 0.01,
+            };
+            let s = OptimizerStep {
+                clip: 0.3 + k,
+                muon,
+                adam: [(0.01 + 0.01 * k, 0.0), (0.02 - 0.005 * k, 0.01), (0.03, 0.0)],
+                betas: (0.9, 0.95),
+                eps: 1e-8,
+            };
+            stats.push(e.optimizer_step(&s)?);
+        }
+        let weights: Vec<Vec<u32>> = e
+            .params()?
+            .iter()
+            .map(|(_, w)| Ok(w.flatten_all()?.to_vec1::<f32>()?.iter().map(|x| x.to_bits()).collect()))
+            .collect::<anyhow::Result<_>>()?;
+        anyhow::ensure!(stats.iter().all(|s| s.loss_sum.is_finite()), "non-finite losses in the graph check: {stats:?}");
+        runs.push((stats, weights, e.graph_counts().unwrap_or_default()));
+    }
+    let (eager, graphs) = (&runs[0], &runs[1]);
+    Ok(GraphOutcome {
+        identical: eager.0 == graphs.0 && eager.1 == graphs.1,
+        counts: (graphs.2.captured, graphs.2.replayed, graphs.2.eager),
+        eager: eager.2.eager,
+    })
 }

@@ -9,39 +9,14 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Tensor};
 
 use super::Engine;
-use crate::model::{Init, MlpActivation, ModelConfig};
+use crate::model::ModelConfig;
 
 /// The baseline's elements at a small size (tied head, relu², sequential blocks, U-Net skips).
 pub(crate) fn baseline_small() -> ModelConfig {
     ModelConfig { vocab_size: 48, num_layers: 4, model_dim: 32, num_heads: 4, num_kv_heads: 2, mlp_mult: 2, ..ModelConfig::default() }
 }
 
-/// Record-mini's switches (every element of the record) at a small size.
-pub(crate) fn record_small() -> ModelConfig {
-    ModelConfig {
-        vocab_size: 48,
-        num_layers: 4,
-        model_dim: 32,
-        num_heads: 4,
-        num_kv_heads: 2,
-        mlp_mult: 4,
-        mlp_activation: MlpActivation::LeakyRelu2,
-        leaky_relu_slope: 0.5,
-        qk_gain_init: 5.25,
-        rope_dims: Some(4),
-        rope_train_seq_len: Some(6),
-        ln_scale: true,
-        xsa_last_n: 2,
-        skip_gates: true,
-        loop_start: 1,
-        loop_end: 2,
-        num_loops: 1,
-        enable_looping_at: 0.5,
-        parallel_residual_start: Some(3),
-        init: Init::Orthogonal,
-        ..ModelConfig::default()
-    }
-}
+pub(crate) use super::cases::record_small;
 
 pub(crate) use super::cases::perturbed;
 

@@ -219,64 +219,25 @@ fn the_gpu_engine_refuses_shapes_its_attention_cannot_take() {
 }
 
 /// The engine on the emulated GPU with its units captured and replayed as graphs, against the
-/// same engine launching op by op: three steps with a learning rate, a momentum and a clip
-/// that change every step give bit-identical losses, gradient norms and weights, and after the
-/// first sighting (op by op) and the capture, every unit is a replay (the step's launches do
-/// not change from step to step: its varying values are read from device memory).
+/// same engine launching op by op ([`cases::graph_check`], what `pipeline engine-check` runs on a
+/// GPU): three steps with a learning rate, a momentum and a clip that change every step give
+/// bit-identical losses, gradient norms and weights, and after the first sighting (op by op)
+/// and the capture, every unit is a replay.
 #[test]
 fn graph_replay_is_bit_identical_to_eager_and_every_step_replays() {
     use crate::engine::Engine;
     use crate::engine::layout::Layout;
-    use crate::engine::optim::MuonStep;
-    use crate::engine::step::{OptimizerStep, kernel_capacity};
-    use crate::engine::tests::{baseline_small, perturbed, tokens};
+    use crate::engine::step::kernel_capacity;
+    use crate::engine::tests::baseline_small;
     use crate::model::ModelConfig;
     let cfg = ModelConfig { model_dim: 64, num_heads: 1, num_kv_heads: 1, num_layers: 2, ..baseline_small() };
     let (rows, t) = (1, 64);
-    let params = perturbed(&cfg, 5).state_dict().into_iter().collect();
-    let mut runs = Vec::new();
-    for graphs in [false, true] {
+    let mut make = |graphs: bool| {
         let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join(format!("graphs-{graphs}.mem")));
-        let be = KernelBackend::new(dev, Layout::new(&cfg, rows, t).len(), kernel_capacity(&cfg, rows, t).unwrap()).unwrap();
-        let mut e = Engine::with_backend(&cfg, rows, t, Box::new(be.with_graphs(graphs)), true).unwrap();
-        e.load_params(&params).unwrap();
-        e.zero_grads();
-        let mut stats = Vec::new();
-        for step in 0..3u64 {
-            let (x, y) = (tokens(10 * step, rows * t, 48), tokens(10 * step + 5, rows * t, 48));
-            e.micro_step(&x, &y, false, 1.0 / (rows * t) as f64);
-            let k = step as f64;
-            let muon = MuonStep {
-                lr: 0.02 + 0.01 * k,
-                momentum: 0.85 + 0.05 * k,
-                nesterov: true,
-                backend_steps: 5,
-                row_norm: true,
-                weight_decay: 0.01,
-            };
-            let s = OptimizerStep {
-                clip: 0.3 + k,
-                muon,
-                adam: [(0.01 + 0.01 * k, 0.0), (0.02 - 0.005 * k, 0.01), (0.03, 0.0)],
-                betas: (0.9, 0.95),
-                eps: 1e-8,
-            };
-            stats.push(e.optimizer_step(&s).unwrap());
-        }
-        let weights: Vec<Vec<u32>> = e
-            .params()
-            .unwrap()
-            .iter()
-            .map(|(_, w)| w.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect())
-            .collect();
-        runs.push((stats, weights, e.graph_counts().unwrap()));
-    }
-    let ((eager_stats, eager_w, eager_c), (graph_stats, graph_w, graph_c)) = (&runs[0], &runs[1]);
-    assert_eq!(eager_stats, graph_stats);
-    assert!(eager_stats.iter().all(|s| s.loss_sum.is_finite() && s.grad_norm.is_some_and(f64::is_finite)), "{eager_stats:?}");
-    assert!(eager_w == graph_w, "the weights after graph replay differ from op-by-op launches");
-    assert_eq!((eager_c.captured, eager_c.replayed, eager_c.eager), (0, 0, 9));
-    // Forward, backward and optimizer: op by op in step 1, captured (and run) in step 2,
-    // replayed in step 3.
-    assert_eq!((graph_c.captured, graph_c.replayed, graph_c.eager), (3, 6, 3), "{graph_c:?}");
+        let be = KernelBackend::new(dev, Layout::new(&cfg, rows, t).len(), kernel_capacity(&cfg, rows, t)?)?;
+        Engine::with_backend(&cfg, rows, t, Box::new(be.with_graphs(graphs)), true)
+    };
+    let g = cases::graph_check(&cfg, (rows, t), 5, &mut make).unwrap();
+    assert!(g.identical, "the weights after graph replay differ from op-by-op launches");
+    assert!(g.ok(), "{g:?}");
 }
