@@ -233,10 +233,15 @@ extern "C" __global__ void eng_colsum_partial(const float* a, long rows, int col
 
 // ---- embedding ---------------------------------------------------------------------------
 
-// out[i] = table[ids[i]] (rows of dim), thread per element.
-extern "C" __global__ void eng_embedding_fwd(const float* table, const unsigned* ids, float* out, long n, int dim) {
+// out[i] = table[ids[i]] (rows of dim), thread per element. An id outside the vocabulary (the
+// sampler's check switched off, or shards of another tokenizer) gives its row NaN rather than
+// a read past the table: the loss turns NaN and the trainer stops before the update.
+extern "C" __global__ void eng_embedding_fwd(const float* table, const unsigned* ids, float* out, long n, int dim, int vocab) {
     const long total = n * dim;
-    for (long i = first_index(); i < total; i += grid_stride()) out[i] = table[(long)ids[i / dim] * dim + i % dim];
+    for (long i = first_index(); i < total; i += grid_stride()) {
+        const unsigned id = ids[i / dim];
+        out[i] = id < (unsigned)vocab ? table[(long)id * dim + i % dim] : CUDART_NAN_F;
+    }
 }
 
 // dtable[v] += the sum of dout[i] over the tokens i with id v, in token order: block v reads its
@@ -666,7 +671,8 @@ extern "C" __global__ void eng_softcap_ce(float* logits, const unsigned* targets
     for (int j = threadIdx.x; j < vocab; j += blockDim.x) s += expf(cap * tanhf(xr[j] * inv_c) - mx);
     const float sum = block_sum(s, sh);
     const unsigned y = targets[r];
-    const float ty = tanhf(xr[y] * inv_c);
+    // A target outside the vocabulary gives the row a NaN loss (not a read past the row).
+    const float ty = y < (unsigned)vocab ? tanhf(xr[y] * inv_c) : CUDART_NAN_F;
     __syncthreads();  // every thread has read xr[y] before it is overwritten
     if (threadIdx.x == 0) losses[r] = logf(sum) + mx - cap * ty;
     const float a = scale / sum;

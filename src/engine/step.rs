@@ -312,9 +312,16 @@ impl Engine {
 
     /// The optimizer step that ends a training step, as one unit of work (a CUDA graph on the
     /// GPU: the schedule's values change, the launches do not): clipping, Muon, each Adam group
-    /// (groups without parameters skipped), the gradients zeroed; then the step's device
-    /// scalars are read (the one host read of a step) and the loss sum zeroed.
+    /// (groups without parameters skipped), the gradients zeroed; then the gradient norm is read
+    /// and the loss sum zeroed. The step's loss sum is read first (a host read that waits for
+    /// the backward pass): when it is not finite the update is skipped, so that the arena keeps
+    /// the weights of the last finished step (what a failed run saves), and the caller fails the
+    /// step on the returned loss.
     pub fn optimizer_step(&mut self, s: &OptimizerStep) -> anyhow::Result<StepStats> {
+        let loss_sum = self.loss_sum()?;
+        if !loss_sum.is_finite() {
+            return Ok(StepStats { loss_sum, grad_norm: None });
+        }
         let l = &self.schedule.layout;
         let (grads, norm, stats) = (l.grads, l.grad_norm(), l.stats);
         self.be.begin_unit("optimizer");
@@ -322,13 +329,16 @@ impl Engine {
             self.be.clip_norm(grads, s.clip, norm);
         }
         let ranks = self.exchange.as_ref().map(|x| x.ranks().clone());
-        self.last_comm = optim::muon(self.be.as_mut(), &self.schedule.layout, s.muon, ranks.as_deref())?;
-        for ((group, _), (lr, wd)) in ADAM_GROUPS.iter().zip(s.adam) {
-            self.adam(*group, lr, s.betas, s.eps, wd);
+        let muon = optim::muon(self.be.as_mut(), &self.schedule.layout, s.muon, ranks.as_deref());
+        if muon.is_ok() {
+            for ((group, _), (lr, wd)) in ADAM_GROUPS.iter().zip(s.adam) {
+                self.adam(*group, lr, s.betas, s.eps, wd);
+            }
+            self.be.fill(grads, 0.0);
         }
-        self.be.fill(grads, 0.0);
+        // Closed whatever happened: a unit left open would refuse every later read.
         self.be.end_unit();
-        let loss_sum = self.loss_sum()?;
+        self.last_comm = muon?;
         let grad_norm = if s.clip > 0.0 { Some(self.scalar(norm)?) } else { None };
         self.be.fill(stats, 0.0);
         Ok(StepStats { loss_sum, grad_norm })
@@ -441,5 +451,46 @@ impl Engine {
         }
         self.adam_steps = steps;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::tests::{baseline_small, perturbed, tokens};
+
+    fn flat(v: Vec<(String, Tensor)>) -> Vec<Vec<f64>> {
+        v.into_iter().map(|(_, t)| t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()).collect()
+    }
+
+    /// A step whose loss is not finite leaves every weight and the optimizer state as the last
+    /// finished step left them (what a failed run saves) and returns the loss for the caller to
+    /// fail on; a finite one updates them.
+    #[test]
+    fn a_non_finite_loss_skips_the_update() {
+        let cfg = baseline_small();
+        let (rows, t) = (2, 6);
+        let mut e = Engine::cpu(&cfg, rows, t, DType::F64, false).unwrap();
+        e.load_params(&perturbed(&cfg, 3).state_dict().into_iter().collect()).unwrap();
+        e.zero_grads();
+        let step = OptimizerStep {
+            clip: 0.5,
+            muon: MuonStep { lr: 0.05, momentum: 0.95, nesterov: true, backend_steps: 5, row_norm: false, weight_decay: 0.0 },
+            adam: [(0.01, 0.0); 3],
+            betas: (0.9, 0.95),
+            eps: 1e-8,
+        };
+        let (x, y) = (tokens(1, rows * t, cfg.vocab_size as u32), tokens(2, rows * t, cfg.vocab_size as u32));
+        e.micro_step(&x, &y, false, 1.0 / (rows * t) as f64);
+        let (weights, state) = (flat(e.params().unwrap()), flat(e.optimizer_state().unwrap()));
+        let loss = e.schedule.layout.loss_sum();
+        e.be.fill(loss, f64::NAN);
+        let s = e.optimizer_step(&step).unwrap();
+        assert!(s.loss_sum.is_nan() && s.grad_norm.is_none(), "{s:?}");
+        assert!(flat(e.params().unwrap()) == weights && flat(e.optimizer_state().unwrap()) == state, "the update ran");
+        e.be.fill(loss, 1.0);
+        let s = e.optimizer_step(&step).unwrap();
+        assert!(s.loss_sum == 1.0 && s.grad_norm.is_some());
+        assert!(flat(e.params().unwrap()) != weights, "a finite loss updates the weights");
     }
 }

@@ -171,6 +171,13 @@ impl CudaDevice {
         };
         let ctx = candle.cuda_stream().context().clone();
         let ordinal = ctx.ordinal();
+        // What `order` relies on: candle's tensors live on one real stream (every thread's:
+        // `crate::device::open`), whose own events are off, so an event recorded on it orders
+        // everything queued there.
+        anyhow::ensure!(
+            !is_legacy_stream(&candle.cuda_stream()) && !ctx.is_event_tracking(),
+            "cuda:{ordinal}: the engine needs candle's device as `crate::device::open` makes it (one shared stream, event tracking off)"
+        );
         let stream = ctx.new_stream().map_err(|e| anyhow::anyhow!("cuda:{ordinal}: a stream for the engine: {e:?}"))?;
         anyhow::ensure!(!is_legacy_stream(&stream), "cuda:{ordinal}: the engine's stream is the NULL stream, which cannot be captured");
         let event = || ctx.new_event(None).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: an event: {e:?}"));
@@ -348,10 +355,11 @@ impl CudaDevice {
     }
 }
 
-/// Whether `stream` is the legacy NULL stream or the per-thread default stream.
+/// Whether `stream` is a default stream: the NULL stream, `CU_STREAM_LEGACY` (0x1) or
+/// `CU_STREAM_PER_THREAD` (0x2).
 fn is_legacy_stream(stream: &CudaStream) -> bool {
     let s = stream.cu_stream();
-    s.is_null() || s as usize == 0x2 // CU_STREAM_PER_THREAD
+    s.is_null() || s as usize == 0x1 || s as usize == 0x2
 }
 
 impl Drop for CudaDevice {

@@ -471,17 +471,38 @@ pub fn stream_check(device: &candle_core::Device) -> anyhow::Result<(String, boo
 }
 
 /// What crosses between the engine and candle's tensors on the GPU of `device`, device to
-/// device: `(what, ok, detail)` for token ids from CUDA tensors (a view at an offset, as the
-/// uploader makes them) against the same ids from the host, the CSR built from each, and the
-/// arena copied into a CUDA tensor against the arena read by the host (bit for bit).
+/// device, each while the stream it must wait for is still busy (a missing event then shows as
+/// stale values): `(what, ok, detail)` for token ids from CUDA tensors (a view at an offset,
+/// as the uploader makes them, written by candle's stream behind queued products) against the
+/// same ids from the host, with the CSR built from each; and the arena copied into a CUDA
+/// tensor after engine work still queued (products, then a scaling the copy must see) and
+/// before a fill the copy must not see, against the host's expectation, bit for bit.
 #[cfg(feature = "cuda")]
 pub fn transfer_check(device: &candle_core::Device) -> anyhow::Result<Vec<(String, bool, String)>> {
     use candle_core::{Device as CandleDevice, Tensor};
 
     use super::backend::{Backend, Buf, Tokens};
+    // A few milliseconds of products on candle's stream.
+    let busy_candle = || -> anyhow::Result<()> {
+        let a = (Tensor::ones((2048, 2048), candle_core::DType::F32, device)? * 1e-3)?;
+        let mut b = a.clone();
+        for _ in 0..16 {
+            b = b.matmul(&a)?;
+        }
+        drop(b);
+        Ok(())
+    };
     let cap = super::cases::capacity();
-    let len = 4096;
+    let (small, side) = (4096, 1024);
+    let len = small + 3 * side * side;
     let mut be = KernelBackend::new(cuda::CudaDevice::new(device, cuda::GemmMath::F32)?, len, cap)?;
+    // A few milliseconds of products on the engine's stream (outside the checked region).
+    let m = |k: usize| Buf { off: small + k * side * side, len: side * side }.mat(side, side);
+    let busy_engine = |be: &mut KernelBackend<cuda::CudaDevice>| {
+        for _ in 0..200 {
+            be.gemm(m(2), m(0), m(1), 1.0, 0.0);
+        }
+    };
     let t = be.tokens;
     let mut rng = fastrand::Rng::with_seed(11);
     let x: Vec<u32> = (0..t.n).map(|_| rng.u32(0..t.vocab as u32 / 3) * 3).collect();
@@ -491,6 +512,7 @@ pub fn transfer_check(device: &candle_core::Device) -> anyhow::Result<Vec<(Strin
     let host = read_all(&be)?;
     // Zero the space between, so that a copy that does not happen shows.
     be.dev.write(Space::Tokens, 0, &vec![0; t.counts()])?;
+    busy_candle()?;
     let both = Tensor::from_vec([x.clone(), y.clone()].concat(), (2, t.n), &CandleDevice::Cpu)?.to_device(device)?;
     let (tx, ty) = (both.get(0)?, both.get(1)?);
     be.load_tokens(Tokens::Tensors { x: &tx, y: &ty })?;
@@ -501,14 +523,22 @@ pub fn transfer_check(device: &candle_core::Device) -> anyhow::Result<Vec<(Strin
         differ == 0,
         format!("{differ} of {} words differ from the host's", host.len()),
     )];
-    let values: Vec<f32> = (0..len).map(|i| (i as f32 * 0.731).sin()).collect();
-    let all = Buf { off: 0, len };
-    be.upload(all, &Tensor::from_vec(values, len, &CandleDevice::Cpu)?)?;
-    let via_host: Vec<u32> = be.download(all, &[len])?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect();
-    let on_device = be.download_to(Buf { off: 64, len: len - 64 }, &[len - 64], device)?;
+    let values: Vec<f32> = (0..small).map(|i| (i as f32 * 0.731).sin()).collect();
+    let region = Buf { off: 64, len: small - 64 };
+    be.upload(Buf { off: 0, len: small }, &Tensor::from_vec(values.clone(), small, &CandleDevice::Cpu)?)?;
+    busy_candle()?;
+    busy_engine(&mut be);
+    be.scale(region, -2.0);
+    let on_device = be.download_to(region, &[region.len], device)?;
+    be.fill(region, 7.0);
     let copied: Vec<u32> = on_device.to_device(&CandleDevice::Cpu)?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect();
-    let differ = via_host[64..].iter().zip(&copied).filter(|(a, b)| a != b).count();
-    out.push(("arena into a CUDA tensor".to_string(), differ == 0, format!("{differ} of {} values differ from the host read", len - 64)));
+    let want: Vec<u32> = values[64..].iter().map(|v| (v * -2.0).to_bits()).collect();
+    let differ = want.iter().zip(&copied).filter(|(a, b)| a != b).count();
+    out.push((
+        "arena into a CUDA tensor".to_string(),
+        differ == 0,
+        format!("{differ} of {} values differ from the arena between the engine's work before and after the copy", region.len),
+    ));
     Ok(out)
 }
 

@@ -309,7 +309,8 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.check([table], [out]);
         let n = out.len / dim;
         let ids = Arg::Ptr(Space::Tokens, self.tokens.x());
-        self.run("eng_embedding_fwd", flat(out.len), BLOCK, vec![a(table), ids, a(out), l(n), i(dim)]);
+        let vocab = i(table.len / dim);
+        self.run("eng_embedding_fwd", flat(out.len), BLOCK, vec![a(table), ids, a(out), l(n), i(dim), vocab]);
     }
 
     fn embedding_bwd(&mut self, dout: Buf, dtable: Buf, dim: usize) {

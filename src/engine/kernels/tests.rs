@@ -89,6 +89,30 @@ fn the_cuda_device_launches_on_a_stream_of_its_own() {
     assert!(code.contains("is_legacy_stream(&stream)"), "CudaDevice::new no longer refuses a default stream");
 }
 
+/// Token ids outside the vocabulary (the sampler's check switched off) give NaN rather than
+/// reads past the table: the embedding's rows of a bad id, and the loss of a bad target, so the
+/// step's loss is NaN and the trainer stops before its update.
+#[test]
+fn ids_outside_the_vocabulary_give_nan_not_stray_reads() {
+    use crate::engine::backend::Buf;
+    let mut be = case_backend(emu::emulator(), "bad-ids");
+    let (n, w, vocab) = (cases::N, 8, cases::capacity().vocab);
+    let mut x = vec![1u32; n];
+    let mut y = vec![2u32; n];
+    (x[3], y[5]) = (vocab as u32 + 7, vocab as u32);
+    be.set_tokens(&x, &y);
+    let (table, out) = (Buf { off: 0, len: vocab * w }, Buf { off: vocab * w, len: n * w });
+    be.fill(table, 0.5);
+    be.embedding_fwd(table, out, w);
+    let rows: Vec<f32> = be.download(out, &[n * w]).unwrap().to_vec1().unwrap();
+    assert!(rows[3 * w..4 * w].iter().all(|v| v.is_nan()) && rows.iter().filter(|v| v.is_nan()).count() == w, "{rows:?}");
+    let (logits, losses) = (Buf { off: 0, len: n * vocab }, Buf { off: n * vocab, len: n });
+    be.fill(logits, 0.1);
+    be.softcap_ce(logits, losses, vocab, 30.0, 1.0);
+    let l: Vec<f32> = be.download(losses, &[n]).unwrap().to_vec1().unwrap();
+    assert!(l[5].is_nan() && l.iter().enumerate().all(|(k, v)| k == 5 || v.is_finite()), "{l:?}");
+}
+
 /// An RMS norm backward that divides by one column too many fails its case: the harness sees
 /// a wrong kernel.
 #[test]
