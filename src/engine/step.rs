@@ -187,7 +187,7 @@ impl Engine {
 
     /// Every parameter as a named CPU tensor in the arena's dtype, in `state_dict` order.
     pub fn params(&self) -> anyhow::Result<Vec<(String, Tensor)>> {
-        self.schedule.layout.slots.iter().map(|s| Ok((s.name.clone(), self.be.download(s.value, &s.shape)?))).collect()
+        self.params_on(&Device::Cpu)
     }
 
     /// Every parameter as a named tensor on `device`, in `state_dict` order, copied out of

@@ -138,19 +138,8 @@ impl Executor for EngineTrainer {
 
     fn micro_step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<MicroTimes> {
         crate::train::executor::check_micro_batch(self.micro_done, self.micro_steps, self.step, self.cfg.iterations)?;
-        anyhow::ensure!(
-            x.elem_count() == self.tokens && y.elem_count() == self.tokens,
-            "a micro-batch of {} tokens, the engine was laid out for {}",
-            x.elem_count(),
-            self.tokens
-        );
-        if x.device().is_cpu() {
-            // On a GPU this would be a host read per micro-batch; the sampler has checked the
-            // ids against the tokenizer (`check_tokens`) before they get here.
-            let vocab = self.mirror.config().vocab_size as u32;
-            let max = x.max_all()?.to_scalar::<u32>()?.max(y.max_all()?.to_scalar::<u32>()?);
-            anyhow::ensure!(max < vocab, "token id {max} is outside the vocabulary of {vocab} (`model.vocab_size`)");
-        }
+        // The session has checked the shapes and, on the CPU, the ids against the vocabulary
+        // (`Session::check_batch`, as for the candle executor); the backend checks the length.
         let tokens = Tokens::Tensors { x, y };
         let n = self.tokens as f64;
         // The loss stays on the device until the step ends (no host read per micro-batch).
