@@ -168,7 +168,7 @@ impl Transform for Engine {
     }
 
     fn memory(p: &EngineParams, ctx: &BuildCtx) -> anyhow::Result<Vec<Need>> {
-        requirements::memory(&p.session(), config(ctx)?)
+        requirements::engine_memory(&p.session(), config(ctx)?)
     }
 
     fn nothing_left(_p: &EngineParams, ctx: &BuildCtx) -> Option<String> {

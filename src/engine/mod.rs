@@ -20,6 +20,8 @@
 //! - [`optim`]: Muon (Newton-Schulz batched per shape) and Adam/AdamW over the arena;
 //! - [`step`]: [`Engine`], what a training step does with them, and the exchange of
 //!   parameters and optimizer state as named tensors (the candle executor's names);
+//! - [`support`]: every `[model]` key and what the engine does with it (implements or
+//!   refuses it, naming the key);
 //! - [`timed`]: per-op timings of any backend (`pipeline engine-check`);
 //! - [`exchange`]: several ranks: the gradients averaged over the ranks in buckets that leave
 //!   while the backward pass runs.
@@ -39,6 +41,7 @@ pub mod lt;
 mod op_checks;
 pub mod optim;
 pub mod step;
+pub mod support;
 #[cfg(test)]
 pub(crate) mod tests;
 pub mod timed;

@@ -92,7 +92,7 @@ impl Engine {
     /// the check backend; `F32`: the fast one), with every parameter zero until
     /// [`Engine::load_params`]. `poison`: NaN in every dead buffer (checks for aliasing).
     pub fn cpu(cfg: &ModelConfig, rows: usize, t: usize, dtype: DType, poison: bool) -> anyhow::Result<Engine> {
-        cfg.check()?;
+        super::support::check(cfg)?;
         let len = Layout::new(cfg, rows, t).len();
         let be: Box<dyn Backend> = match dtype {
             DType::F64 => Box::new(CpuBackend::<f64>::new(len)),
@@ -119,7 +119,7 @@ impl Engine {
         graphs: bool,
         poison: bool,
     ) -> anyhow::Result<Engine> {
-        cfg.check()?;
+        super::support::check(cfg)?;
         let cap = kernel_capacity(cfg, rows, t)?;
         let be = super::kernels::gpu_backend(device, bf16, graphs, Layout::new(cfg, rows, t).len(), cap)?;
         Engine::with_backend(cfg, rows, t, be, poison)
@@ -129,7 +129,7 @@ impl Engine {
     /// hold `Layout::new(cfg, rows, t).len()` elements (all zero) in the dtype it computes in;
     /// the rest as [`Engine::cpu`].
     pub(crate) fn with_backend(cfg: &ModelConfig, rows: usize, t: usize, be: Box<dyn Backend>, poison: bool) -> anyhow::Result<Engine> {
-        cfg.check()?;
+        super::support::check(cfg)?;
         let dtype = be.dtype();
         let schedule = Schedule::new(cfg, rows, t, rms_eps(dtype));
         let len = schedule.layout.len();

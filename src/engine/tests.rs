@@ -89,6 +89,23 @@ fn record_loss_and_gradients_equal_candle_autograd_in_f64() {
     }
 }
 
+/// The element table's test: each model element ([`crate::model::ELEMENTS`]) alone on the
+/// small baseline, engine against candle's autograd in f64, loss and every gradient to 1e-9
+/// (looped for depth recurrence). An element in the table that the engine ignores or gets wrong
+/// fails here, naming it.
+#[test]
+fn every_model_element_alone_matches_candle_in_f64() {
+    for e in crate::model::ELEMENTS {
+        let mut cfg = baseline_small();
+        (e.enable)(&mut cfg);
+        let run = std::panic::catch_unwind(|| compare(&cfg, e.looped, false, 1, 1e-9));
+        if let Err(p) = run {
+            let why = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+            panic!("model element `{}` (keys {:?}): the engine differs from candle: {why}", e.name, e.keys);
+        }
+    }
+}
+
 /// Two micro-batches of the same tokens at half the scale give one micro-batch's gradients:
 /// accumulation in place is exact to rounding.
 #[test]

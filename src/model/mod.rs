@@ -58,6 +58,7 @@ mod block;
 pub mod compare;
 mod config;
 pub(crate) mod cpu;
+pub mod elements;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(test)]
@@ -76,6 +77,7 @@ mod reference;
 pub mod weights;
 
 pub use config::{Init, MlpActivation, ModelConfig};
+pub use elements::{ELEMENTS, Element};
 pub use formulation::PassExtras;
 pub use gpt::{Gpt, ParamGroup, group_of as gpt_group_of};
 use std::cell::Cell;

@@ -63,11 +63,62 @@ pub fn memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>> {
         act_keys[0] = "train.val_batch_tokens";
         needs.push(Need::device("activations of one validation batch", val, &act_keys).transient());
     }
-    // The validation split, read whole (u16) and kept as u32 ids.
-    if let Some(tokens) = crate::eval::validation::split_tokens(&validation)? {
-        let kept = if c.train.val_max_tokens > 0 { tokens.min(c.train.val_max_tokens as u64 + 1) } else { tokens };
-        needs.push(Need::host("validation tokens", tokens * 2 + kept * 4, &["data.val", "train.val_max_tokens"]));
+    needs.extend(validation_tokens(c)?);
+    Ok(needs)
+}
+
+/// The validation split, read whole (u16) and kept as u32 ids.
+fn validation_tokens(c: &Config) -> anyhow::Result<Option<Need>> {
+    let Some(tokens) = crate::eval::validation::split_tokens(&c.validation())? else { return Ok(None) };
+    let kept = if c.train.val_max_tokens > 0 { tokens.min(c.train.val_max_tokens as u64 + 1) } else { tokens };
+    Ok(Some(Need::host("validation tokens", tokens * 2 + kept * 4, &["data.val", "train.val_max_tokens"])))
+}
+
+/// What a session on the engine (`impl = "engine"`) holds at its peak: the engine's arena,
+/// region by region, exactly as [`crate::engine::layout::Layout`] sizes it (in the arena's
+/// dtype: f64 for f64 runs, else f32); on a GPU the kernel backend's other spaces and
+/// cuBLASLt's workspace ([`crate::engine::kernels::Capacity::scratch_bytes`]); the candle
+/// model that mirrors the weights, and the activations of its validation pass; the validation
+/// split.
+pub fn engine_memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>> {
+    use crate::model::memory::{MODEL_KEYS, ParamCounts, forward_bytes};
+    crate::engine::support::check(&c.model)?;
+    let shape = c.batch_shape()?;
+    let m = &c.model;
+    let t = shape.seq_len;
+    let elem = if p.dtype == Precision::F64 { 8 } else { 4 };
+    let layout = crate::engine::layout::Layout::new(m, shape.rows, t);
+    let act_keys = ["train.batch_tokens", "train.grad_accum_steps", "train.seq_len", "model.model_dim", "model.num_layers", "model.vocab_size"];
+    let mut needs: Vec<Need> = layout
+        .regions()
+        .into_iter()
+        .map(|(what, n)| {
+            let keys: &[&str] = if matches!(what, "activations" | "scratch") { &act_keys } else { &MODEL_KEYS };
+            Need::device(format!("engine arena: {what}"), (n as u64).saturating_mul(elem), keys)
+        })
+        .collect();
+    let on_cpu = matches!(crate::device::parse(&c.run.device)?, crate::device::DeviceName::Cpu);
+    if !on_cpu {
+        // An error here is the backend check's to report (head width, sequence length).
+        if let Ok(cap) = crate::engine::step::kernel_capacity(m, shape.rows, t) {
+            needs.push(Need::device("engine kernel scratch (aux, bf16 attention operands, token CSR, cuBLASLt workspace)", cap.scratch_bytes() as u64, &act_keys));
+        }
     }
+    // The mirror: f32 weights (f64 in f64 runs), and its validation pass's activations.
+    let mirror = if p.dtype == Precision::F64 { 8 } else { 4 };
+    needs.push(Need::device("candle mirror of the weights", ParamCounts::of(m).total.saturating_mul(mirror), &MODEL_KEYS));
+    let validation = c.validation();
+    let probs = on_cpu || p.attention == Attention::Materialized;
+    let act_bytes = match p.dtype {
+        Precision::F64 => 8,
+        Precision::F32 => 4,
+        Precision::Bf16 => 3,
+    };
+    let val = forward_bytes(m, crate::eval::validation::tokens_per_pass(&validation, shape.world_size, shape.micro_steps), t, probs, act_bytes);
+    let mut val_keys = vec!["train.val_batch_tokens", "train.seq_len"];
+    val_keys.extend(MODEL_KEYS);
+    needs.push(Need::device("activations of one validation batch (candle mirror)", val, &val_keys).transient());
+    needs.extend(validation_tokens(c)?);
     Ok(needs)
 }
 
@@ -110,6 +161,30 @@ pub(crate) fn check_train(t: &TrainConfig) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The engine's memory check is its arena, region by region, to the byte: the sum of the
+    /// `engine arena` needs is what an engine of that config allocates; the candle formula's
+    /// activations do not appear.
+    #[test]
+    fn the_engine_memory_check_is_its_arena() {
+        let mut c = Config::default();
+        c.model = crate::model::ModelConfig { vocab_size: 64, num_layers: 3, model_dim: 32, num_heads: 4, num_kv_heads: 2, ..Default::default() };
+        (c.train.seq_len, c.train.batch_tokens, c.train.grad_accum_steps) = (16, 64, 2);
+        for (precision, dtype) in [(Precision::F32, candle_core::DType::F32), (Precision::F64, candle_core::DType::F64)] {
+            let p = SessionParams { dtype: precision, ..SessionParams::default() };
+            let needs = engine_memory(&p, &c).unwrap();
+            let arena: u64 = needs.iter().filter(|n| n.what.starts_with("engine arena")).map(|n| n.bytes).sum();
+            let shape = c.batch_shape().unwrap();
+            let e = crate::engine::Engine::cpu(&c.model, shape.rows, shape.seq_len, dtype, false).unwrap();
+            assert_eq!(arena, e.arena_bytes().0 as u64, "{precision:?}");
+            assert_eq!(needs.iter().filter(|n| n.what.starts_with("engine arena")).count(), 5);
+            assert!(!needs.iter().any(|n| n.what == "activations of one micro-batch"), "the candle formula is not the engine's");
+        }
+        // A key the engine does not take is refused, naming it.
+        c.model.num_kv_heads = 3;
+        let e = engine_memory(&SessionParams::default(), &c).unwrap_err().to_string();
+        assert!(e.contains("`model.num_kv_heads`"), "{e}");
+    }
 
     /// Every new `[train]` key out of range is refused with an error naming it; the defaults
     /// and the record's values pass.

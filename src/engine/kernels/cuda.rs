@@ -47,8 +47,8 @@ use crate::engine::lt::{LtLayout, LtOp, LtPlan};
 const ENGINE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/engine.ptx"));
 /// The PTX of kernels/flash_mma.cu.
 const FLASH_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_mma.ptx"));
-/// cuBLASLt's workspace (NVIDIA's recommendation for Hopper).
-const WORKSPACE: usize = 32 << 20;
+/// cuBLASLt's workspace ([`super::LT_WORKSPACE`]).
+const WORKSPACE: usize = super::LT_WORKSPACE;
 
 /// The tensor-core maths of the GEMMs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

@@ -229,6 +229,43 @@ pub struct Capacity {
     pub attention_calls: usize,
 }
 
+impl Capacity {
+    /// The four spaces' sizes for an arena of `len` elements, the aux space's layout, the half
+    /// space's length and the tokens' layout (ids' CSR in chunks of `chunk` positions).
+    fn spaces(&self, len: usize, chunk: usize) -> (Sizes, AuxLayout, usize, TokenLayout) {
+        let parts = self.tokens.div_ceil(ops::PART);
+        // Partial sums (2 x width per block of rows), the q/k gain's per-(row, head) values and
+        // their partials, attention's delta: the largest of them.
+        let scratch_len = (2 * parts * self.width).max(self.tokens * self.heads + parts * self.heads).max(self.tokens * self.heads);
+        // Every region starts 16-byte aligned (flash attention copies its statistics with
+        // 16-byte cp.async).
+        let align = |x: usize| x.div_ceil(4) * 4;
+        let (scratch_len, lse_len) = (align(scratch_len), align(self.tokens * self.heads));
+        let reduce = 0;
+        let sched = align(REDUCE_BLOCKS + 1);
+        let scratch = sched + SCHED_CAP;
+        let lse = scratch + scratch_len;
+        let aux = AuxLayout { reduce, sched, scratch, scratch_len, lse, lse_len, lse_count: self.attention_calls };
+        // q, k, v, o (or dout), dq, dk, dv: each rounded up to 16 bytes.
+        let round = |x: usize| x.div_ceil(8) * 8;
+        let (q, kv) = (round(self.tokens * self.attn_width), round(self.tokens * self.kv_width));
+        let half_len = 4 * q + 4 * kv;
+        let tokens = TokenLayout { n: self.tokens, vocab: self.vocab, chunk };
+        let sizes = Sizes { arena: len, aux: lse + lse_len * self.attention_calls, half: half_len, tokens: tokens.len() };
+        (sizes, aux, half_len, tokens)
+    }
+
+    /// Bytes the GPU backend allocates besides its arena (`aux`, `half`, `tokens` and
+    /// cuBLASLt's workspace): what the memory check adds to the engine's arena on a GPU.
+    pub fn scratch_bytes(&self) -> usize {
+        let (s, ..) = self.spaces(0, CSR_CHUNK);
+        s.aux * Space::Aux.elem_bytes() + s.half * Space::Half.elem_bytes() + s.tokens * Space::Tokens.elem_bytes() + LT_WORKSPACE
+    }
+}
+
+/// cuBLASLt's workspace on a GPU, in bytes (NVIDIA's recommendation for Hopper).
+pub const LT_WORKSPACE: usize = 32 << 20;
+
 /// Blocks of a reduction to a scalar (partials in `aux[0..REDUCE_BLOCKS]`, result after them).
 pub(super) const REDUCE_BLOCKS: usize = 256;
 
@@ -331,25 +368,8 @@ impl<D: Device> KernelBackend<D> {
     /// small ones to cross chunk edges on small micro-batches).
     pub(super) fn with_csr_chunk(mut dev: D, len: usize, cap: Capacity, chunk: usize) -> anyhow::Result<Self> {
         anyhow::ensure!(chunk >= 1, "a CSR chunk of {chunk} positions");
-        let parts = cap.tokens.div_ceil(ops::PART);
-        // Partial sums (2 x width per block of rows), the q/k gain's per-(row, head) values and
-        // their partials, attention's delta: the largest of them.
-        let scratch_len = (2 * parts * cap.width).max(cap.tokens * cap.heads + parts * cap.heads).max(cap.tokens * cap.heads);
-        // Every region starts 16-byte aligned (flash attention copies its statistics with
-        // 16-byte cp.async).
-        let align = |x: usize| x.div_ceil(4) * 4;
-        let (scratch_len, lse_len) = (align(scratch_len), align(cap.tokens * cap.heads));
-        let reduce = 0;
-        let sched = align(REDUCE_BLOCKS + 1);
-        let scratch = sched + SCHED_CAP;
-        let lse = scratch + scratch_len;
-        let aux = AuxLayout { reduce, sched, scratch, scratch_len, lse, lse_len, lse_count: cap.attention_calls };
-        // q, k, v, o (or dout), dq, dk, dv: each rounded up to 16 bytes.
-        let round = |x: usize| x.div_ceil(8) * 8;
-        let (q, kv) = (round(cap.tokens * cap.attn_width), round(cap.tokens * cap.kv_width));
-        let half_len = 4 * q + 4 * kv;
-        let tokens = TokenLayout { n: cap.tokens, vocab: cap.vocab, chunk };
-        dev.alloc(Sizes { arena: len, aux: lse + lse_len * cap.attention_calls, half: half_len, tokens: tokens.len() })?;
+        let (sizes, aux, half_len, tokens) = cap.spaces(len, chunk);
+        dev.alloc(sizes)?;
         Ok(Self {
             dev,
             len,

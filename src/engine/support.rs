@@ -1,0 +1,52 @@
+//! What of the model the engine implements, key by key: [`check`] destructures
+//! [`ModelConfig`] without `..`, so a new `[model]` key does not compile until the engine says
+//! here what it does with it: implement it (and name where) or refuse it with an error naming
+//! the key. The element table ([`crate::model::ELEMENTS`]) and its test
+//! (`engine::tests::every_model_element_alone_matches_candle_in_f64`) check that what is named
+//! implemented is implemented: engine equals candle in f64 with each element alone.
+
+use crate::model::ModelConfig;
+
+/// An error naming the first `[model]` key of `cfg` the engine does not implement (after
+/// [`ModelConfig::check`]'s own checks). Every key is listed with where the engine reads it.
+pub fn check(cfg: &ModelConfig) -> anyhow::Result<()> {
+    cfg.check()?;
+    let ModelConfig {
+        // Shapes: the layout's regions and every GEMM's (`layout`, `gpt`).
+        vocab_size: _,
+        num_layers: _,
+        model_dim: _,
+        num_heads: _,
+        num_kv_heads: _,
+        mlp_mult: _,
+        // The head: the embedding's transpose or `lm_head.weight` (`layout`, `gpt::head`).
+        tie_embeddings: _,
+        // The RoPE tables (`Engine::with_backend`, from `rope_base_for` and `rotary_dims`).
+        rope_base: _,
+        rope_dims: _,
+        rope_train_seq_len: _,
+        // The loss (`Backend::softcap_ce`).
+        logit_softcap: _,
+        // Initial values: candle makes the weights, the engine loads them (`Engine::load_params`).
+        qk_gain_init: _,
+        tied_embed_init_std: _,
+        init: _,
+        // The MLP (`Backend::act_fwd`/`act_bwd`).
+        mlp_activation: _,
+        leaky_relu_slope: _,
+        // The block's norms (`Backend::rms_norm_fwd`'s scale).
+        ln_scale: _,
+        // The block's wiring (`gpt`'s forward and backward of a block).
+        parallel_residual_start: _,
+        xsa_last_n: _,
+        // The U-Net's skips (`Backend::skip_fwd`/`skip_bwd`).
+        skip_gates: _,
+        // The layer sequence (`ModelConfig::layer_sequence`; the trainer switches looping on at
+        // `enable_looping_at`).
+        loop_start: _,
+        loop_end: _,
+        num_loops: _,
+        enable_looping_at: _,
+    } = cfg;
+    Ok(())
+}
