@@ -89,6 +89,47 @@ fn crate_paths(line: &str) -> Vec<Vec<&str>> {
     out
 }
 
+/// The paths a line of module `module` names, made absolute (without `crate::`): `crate::`
+/// paths as they are, `self::` and `super::` (any number of them) from `module`'s place, and
+/// one level of `{...}` groups after a relative path spread into its members.
+fn module_paths(module: &str, line: &str) -> Vec<Vec<String>> {
+    let mut out: Vec<Vec<String>> = crate_paths(line).into_iter().map(|p| p.into_iter().map(String::from).collect()).collect();
+    let own: Vec<&str> = module.split("::").collect();
+    let bytes = line.as_bytes();
+    let mut i = 0;
+    while i < line.len() {
+        let at_word = i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_' || bytes[i - 1] == b':');
+        let rest = &line[i..];
+        if !(at_word && (rest.starts_with("super::") || rest.starts_with("self::"))) {
+            i += rest.chars().next().map_or(1, char::len_utf8);
+            continue;
+        }
+        let mut base: Vec<&str> = own.clone();
+        let mut tail = rest;
+        if let Some(t) = tail.strip_prefix("self::") {
+            tail = t;
+        }
+        while let Some(t) = tail.strip_prefix("super::") {
+            base.pop();
+            tail = t;
+        }
+        let end = tail.find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':')).unwrap_or(tail.len());
+        let path: Vec<String> = base.iter().map(|s| s.to_string()).chain(tail[..end].split("::").filter(|s| !s.is_empty()).map(String::from)).collect();
+        if tail[end..].starts_with('{') {
+            let group = &tail[end + 1..];
+            let close = group.find('}').unwrap_or(group.len());
+            for member in group[..close].split(',') {
+                let m: Vec<String> = member.trim().split(" as ").next().unwrap_or("").split("::").filter(|s| !s.is_empty() && *s != "self").map(String::from).collect();
+                out.push(path.iter().cloned().chain(m).collect());
+            }
+        } else if !path.is_empty() {
+            out.push(path);
+        }
+        i += rest.len() - tail.len() + end.max(1);
+    }
+    out
+}
+
 fn floor(area: &str) -> Option<u32> {
     FLOORS.iter().find(|(a, _)| *a == area).map(|&(_, f)| f)
 }
@@ -102,8 +143,8 @@ fn every_area_refers_only_to_lower_floors() {
             continue;
         };
         for (n, line) in s.code.iter().enumerate() {
-            for path in crate_paths(line) {
-                let Some(&area) = path.first() else { continue };
+            for path in module_paths(&s.module, line) {
+                let Some(area) = path.first().map(String::as_str) else { continue };
                 if area == s.area {
                     continue;
                 }
@@ -145,7 +186,7 @@ fn no_module_cycle() {
     for s in &all {
         let out = edges.entry(s.module.as_str()).or_default();
         for line in &s.code {
-            for path in crate_paths(line) {
+            for path in module_paths(&s.module, line) {
                 // The longest module prefix of the path is the module referred to.
                 let target = (1..=path.len()).rev().map(|k| path[..k].join("::")).find(|m| modules.contains(m.as_str()));
                 if let Some(t) = target {
@@ -234,6 +275,13 @@ fn the_scan_sees_references() {
     // references to the runtime.
     assert_eq!(crate_paths("use crate::runtime::stage::{Source, Ctx};"), vec![vec!["runtime", "stage"]]);
     assert_eq!(crate_paths("let x = pipeline_crate::a; y(crate::data::batch::X)"), vec![vec!["data", "batch", "X"]]);
+    // `super::` and `self::` from the module's place, groups spread.
+    let p = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert_eq!(module_paths("model::cuda::flash_attn", "use super::super::flash_attn::TILE;"), vec![p(&["model", "flash_attn", "TILE"])]);
+    assert_eq!(
+        module_paths("engine::step", "use super::{layout::Layout, gpt as g}; self::x::y(); my_super::z"),
+        vec![p(&["engine", "layout", "Layout"]), p(&["engine", "gpt"]), p(&["engine", "step", "x", "y"])]
+    );
     let stages: Vec<Source> = sources().into_iter().filter(|s| s.area == "stages").collect();
     assert!(stages.len() > 5);
     assert!(stages.iter().any(|s| s.code.iter().any(|l| crate_paths(l).iter().any(|p| p.first() == Some(&"runtime")))));

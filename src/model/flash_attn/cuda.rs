@@ -1,7 +1,7 @@
 //! Flash attention's op and kernel launches (`kernels/flash_attn.cu`, `kernels/flash_mma.cu`):
 //! one kernel computes the output and each query row's log-sum-exp, the backward pass
 //! recomputes the probabilities tile by tile (dk/dv and dq in two deterministic kernels). When
-//! it runs is decided in [`crate::model::flash_attn`].
+//! it runs is decided in the parent module, [`super`].
 
 use std::sync::Mutex;
 
@@ -11,7 +11,7 @@ use candle_core::cuda_backend::{CudaDType, CudaStorage, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, bail};
 
-use crate::model::flash_attn::{FlashKernels, HEAD_DIM, TILE};
+use super::{FlashKernels, HEAD_DIM, TILE};
 
 /// The PTX of kernels/flash_attn.cu (the WMMA kernels and delta).
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx"));

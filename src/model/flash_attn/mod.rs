@@ -1,5 +1,5 @@
 //! Which attention kernel the model runs, and the entry to flash attention (its op and launches:
-//! [`super::cuda::flash_attn`], `kernels/flash_attn.cu`, `kernels/flash_mma.cu`).
+//! `cuda` (its op and launches, `cuda` builds only), `kernels/flash_attn.cu`, `kernels/flash_mma.cu`).
 //!
 //! [`Attention::Materialized`] is the attention of [`super::ops::attention`]: on a GPU the two score
 //! products on cuBLAS around a one-kernel causal softmax, the `(B, H, T, T)` probabilities kept
@@ -164,4 +164,6 @@ mod imp {
 
 /// The flash attention op of a `cuda` build.
 #[cfg(feature = "cuda")]
-use super::cuda::flash_attn as imp;
+mod cuda;
+#[cfg(feature = "cuda")]
+use cuda as imp;
