@@ -1,5 +1,5 @@
 // Causal flash attention with grouped KV heads, bf16 in and out, float32 softmax and
-// accumulation, on tensor cores (WMMA 16x16x16). Launched from src/model/cuda/flash_attn.rs; the CPU
+// accumulation, on tensor cores (WMMA 16x16x16). Launched from src/model/flash_attn/cuda.rs; the CPU
 // reference it is checked against is the token-major attention of src/model/ops/attention.rs.
 //
 // Layout: token-major matrices as the model keeps them. q and o are (B*T, H*64), k and v are

@@ -5,7 +5,7 @@
 // runs in registers and the probabilities become the next product's A operand without a trip
 // through shared memory; B operands come from shared memory by ldmatrix; key/value (or
 // query/gradient) tiles are double-buffered with cp.async so the next tile loads while this one
-// is multiplied. Launched from src/model/cuda/flash_attn.rs (`attention = "flash_mma"`); the backward
+// is multiplied. Launched from src/model/flash_attn/cuda.rs (`attention = "flash_mma"`); the backward
 // pass takes delta from flash_attn.cu's flash_delta_bf16. Checked on the CPU by the warp
 // emulator (tests/warp_emu, `cargo test --test warp_emulation`) and on a GPU by
 // `pipeline parity`, both against float64 references.

@@ -286,3 +286,64 @@ fn the_scan_sees_references() {
     assert!(stages.len() > 5);
     assert!(stages.iter().any(|s| s.code.iter().any(|l| crate_paths(l).iter().any(|p| p.first() == Some(&"runtime")))));
 }
+
+/// Every repository file a comment or a doc names (`src/...rs`, `kernels/...cu`,
+/// `docs/...md`, ...) exists: a map that names moved or deleted files is a wrong map.
+#[test]
+fn every_file_the_comments_and_docs_name_exists() {
+    let mut files: Vec<PathBuf> = Vec::new();
+    fn walk(dir: &std::path::Path, out: &mut Vec<PathBuf>) {
+        let Ok(entries) = std::fs::read_dir(dir) else { return };
+        for p in entries.map(|e| e.unwrap().path()) {
+            if p.is_dir() {
+                walk(&p, out);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    for d in ["src", "stages", "tests", "kernels", "docs", "scripts", "benches", "pipelines", ".ci"] {
+        walk(&root().join(d), &mut files);
+    }
+    files.extend(["build.rs", "README.md", "Cargo.toml"].map(|f| root().join(f)));
+    let prefixes = ["src/", "stages/", "kernels/", "tests/", "scripts/", "docs/", "pipelines/", "benches/"];
+    let exts = [".rs", ".cu", ".cuh", ".cpp", ".h", ".md", ".sh", ".toml", ".py"];
+    let mut missing = Vec::new();
+    for f in files {
+        let ext = f.extension().and_then(|e| e.to_str()).unwrap_or("");
+        let Ok(text) = std::fs::read_to_string(&f) else { continue };
+        for (n, line) in text.lines().enumerate() {
+            let t = line.trim_start();
+            // Comments only (a string in code may name a test's scratch file); all of a doc.
+            let prose = match ext {
+                "md" => true,
+                "rs" | "cu" | "cuh" | "cpp" | "h" => t.starts_with("//"),
+                "sh" | "py" | "toml" | "" => t.starts_with('#'),
+                _ => false,
+            };
+            if !prose {
+                continue;
+            }
+            for p in prefixes {
+                let mut rest = line;
+                while let Some(i) = rest.find(p) {
+                    let before = rest[..i].chars().next_back();
+                    let tail = &rest[i..];
+                    let end = tail.find(|c: char| !(c.is_ascii_alphanumeric() || "_./-".contains(c))).unwrap_or(tail.len());
+                    let name = tail[..end].trim_end_matches('.');
+                    rest = &tail[end.max(1)..];
+                    // A placeholder (`src/...rs`, `kernels/NAME.cu`) names no file.
+                    let stem = std::path::Path::new(name).file_stem().and_then(|s| s.to_str()).unwrap_or("");
+                    let placeholder = name.contains("...") || stem.chars().all(|c| c.is_ascii_uppercase() || c == '_');
+                    if before.is_some_and(|c| c.is_ascii_alphanumeric() || "_/.-".contains(c)) || !exts.iter().any(|e| name.ends_with(e)) || placeholder {
+                        continue;
+                    }
+                    if !root().join(name).exists() {
+                        missing.push(format!("{}:{}: names {name}, which does not exist", f.strip_prefix(root()).unwrap().display(), n + 1));
+                    }
+                }
+            }
+        }
+    }
+    assert!(missing.is_empty(), "stale file names:\n{}", missing.join("\n"));
+}

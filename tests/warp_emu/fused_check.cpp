@@ -7,7 +7,7 @@
 // Prints one line per check and exits non-zero on any failure. Driven by tests/warp_emulation.rs.
 //
 // Usage: fused_check [rows len seed] (rows of `len` values; the launches are the ones of
-// src/model/gpu_kernels.rs: a warp per row and 8 rows per block, or a thread per channel and
+// src/model/cuda/kernels.rs: a warp per row and 8 rows per block, or a thread per channel and
 // 64 rows per partial sum). Built with -DFUSED_SOURCE='"path"' it checks another copy of the
 // kernels (the test's deliberately broken one).
 #include "warp_emu.h"
@@ -201,7 +201,7 @@ int main(int argc, char** argv) {
     // norm_rope: per-head RMS norm then RoPE, the warp-per-row kernels and the 16-byte-chunk
     // ones, forward and backward, against double; `n` tokens of 3 heads at positions n % 5,
     // head dims 16, 64 and 128 (chunks of 2 to 32 lanes per row). The epsilon is the one
-    // src/model/ops.rs gives the dtype (bf16's is 2^-7).
+    // src/model/ops/rms_norm.rs (rms_eps) gives the dtype (bf16's is 2^-7).
     for (int hd : {16, 64, 128}) {
         const int heads = 3, seq = 5, half = hd / 2;
         const long hr = n * heads;  // head rows
