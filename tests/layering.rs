@@ -114,12 +114,21 @@ fn module_paths(module: &str, line: &str) -> Vec<Vec<String>> {
             tail = t;
         }
         let end = tail.find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':')).unwrap_or(tail.len());
-        let path: Vec<String> = base.iter().map(|s| s.to_string()).chain(tail[..end].split("::").filter(|s| !s.is_empty()).map(String::from)).collect();
+        let path: Vec<String> =
+            base.iter().map(|s| s.to_string()).chain(tail[..end].split("::").filter(|s| !s.is_empty()).map(String::from)).collect();
         if tail[end..].starts_with('{') {
             let group = &tail[end + 1..];
             let close = group.find('}').unwrap_or(group.len());
             for member in group[..close].split(',') {
-                let m: Vec<String> = member.trim().split(" as ").next().unwrap_or("").split("::").filter(|s| !s.is_empty() && *s != "self").map(String::from).collect();
+                let m: Vec<String> = member
+                    .trim()
+                    .split(" as ")
+                    .next()
+                    .unwrap_or("")
+                    .split("::")
+                    .filter(|s| !s.is_empty() && *s != "self")
+                    .map(String::from)
+                    .collect();
                 out.push(path.iter().cloned().chain(m).collect());
             }
         } else if !path.is_empty() {
@@ -335,11 +344,18 @@ fn every_file_the_comments_and_docs_name_exists() {
                     // A placeholder (`src/...rs`, `kernels/NAME.cu`) names no file.
                     let stem = std::path::Path::new(name).file_stem().and_then(|s| s.to_str()).unwrap_or("");
                     let placeholder = name.contains("...") || stem.chars().all(|c| c.is_ascii_uppercase() || c == '_');
-                    if before.is_some_and(|c| c.is_ascii_alphanumeric() || "_/.-".contains(c)) || !exts.iter().any(|e| name.ends_with(e)) || placeholder {
+                    if before.is_some_and(|c| c.is_ascii_alphanumeric() || "_/.-".contains(c))
+                        || !exts.iter().any(|e| name.ends_with(e))
+                        || placeholder
+                    {
                         continue;
                     }
                     if !root().join(name).exists() {
-                        missing.push(format!("{}:{}: names {name}, which does not exist", f.strip_prefix(root()).unwrap().display(), n + 1));
+                        missing.push(format!(
+                            "{}:{}: names {name}, which does not exist",
+                            f.strip_prefix(root()).unwrap().display(),
+                            n + 1
+                        ));
                     }
                 }
             }

@@ -1,5 +1,6 @@
 //! What leaves a run: the quantized, compressed artifact. [`quant`]: the quantization scheme
-//! (round to nearest or GPTQ, per-row scales, fp16 passthrough) and the container's format;
+//! (round to nearest or GPTQ, per-row scales, fp16 passthrough); [`format`]: the artifact's
+//! bytes (header, safetensors container, manifest) written and read back with every check;
 //! [`gptq`]: the GPTQ algorithm for one matrix; [`hessian`]: the calibration pass that collects
 //! each matrix's Hessian; [`codec`]: the compressors and the byte shuffle; [`code_size`]: the
 //! code bytes the challenge counts against its cap; [`roundtrip`]: the post-training round trip
@@ -8,6 +9,7 @@
 
 pub mod code_size;
 pub mod codec;
+pub mod format;
 pub mod gptq;
 pub mod hessian;
 pub mod quant;

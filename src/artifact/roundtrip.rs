@@ -19,9 +19,10 @@ use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
 use super::code_size::CodeSize;
+use super::format::from_bytes;
 use super::gptq::GptqConfig;
 use super::hessian::{Hessians, collect_from_training_data, targets};
-use super::quant::{ARTIFACT_CAP_BYTES, ArtifactStats, QuantConfig, Rounding, from_bytes, quantize};
+use super::quant::{ARTIFACT_CAP_BYTES, ArtifactStats, QuantConfig, Rounding, quantize};
 use crate::eval::bpb::BpbAccumulator;
 use crate::eval::validation::{Validator, tokens_per_pass};
 use crate::model::{Gpt, ModelConfig};

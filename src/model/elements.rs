@@ -32,14 +32,14 @@ pub const SHAPE_KEYS: [&str; 5] = ["vocab_size", "num_layers", "model_dim", "num
 
 /// Every model element, in the order the record spec lists them.
 pub const ELEMENTS: &[Element] = &[
+    Element { name: "grouped-query attention", keys: &["num_kv_heads"], since: "baseline", looped: false, enable: |c| c.num_kv_heads = 1 },
     Element {
-        name: "grouped-query attention",
-        keys: &["num_kv_heads"],
+        name: "untied output head",
+        keys: &["tie_embeddings"],
         since: "baseline",
         looped: false,
-        enable: |c| c.num_kv_heads = 1,
+        enable: |c| c.tie_embeddings = false,
     },
-    Element { name: "untied output head", keys: &["tie_embeddings"], since: "baseline", looped: false, enable: |c| c.tie_embeddings = false },
     Element { name: "logit soft-cap", keys: &["logit_softcap"], since: "baseline", looped: false, enable: |c| c.logit_softcap = 15.0 },
     Element { name: "QK gain", keys: &["qk_gain_init"], since: "04-09", looped: false, enable: |c| c.qk_gain_init = 5.25 },
     Element {

@@ -58,9 +58,9 @@ mod block;
 pub mod compare;
 mod config;
 pub(crate) mod cpu;
-pub mod elements;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod elements;
 #[cfg(test)]
 mod extras_tests;
 pub mod flash_attn;

@@ -88,7 +88,8 @@ pub fn engine_memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>>
     let t = shape.seq_len;
     let elem = if p.dtype == Precision::F64 { 8 } else { 4 };
     let layout = crate::engine::layout::Layout::new(m, shape.rows, t);
-    let act_keys = ["train.batch_tokens", "train.grad_accum_steps", "train.seq_len", "model.model_dim", "model.num_layers", "model.vocab_size"];
+    let act_keys =
+        ["train.batch_tokens", "train.grad_accum_steps", "train.seq_len", "model.model_dim", "model.num_layers", "model.vocab_size"];
     let mut needs: Vec<Need> = layout
         .regions()
         .into_iter()
@@ -101,7 +102,11 @@ pub fn engine_memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>>
     if !on_cpu {
         // An error here is the backend check's to report (head width, sequence length).
         if let Ok(cap) = crate::engine::step::kernel_capacity(m, shape.rows, t) {
-            needs.push(Need::device("engine kernel scratch (aux, bf16 attention operands, token CSR, cuBLASLt workspace)", cap.scratch_bytes() as u64, &act_keys));
+            needs.push(Need::device(
+                "engine kernel scratch (aux, bf16 attention operands, token CSR, cuBLASLt workspace)",
+                cap.scratch_bytes() as u64,
+                &act_keys,
+            ));
         }
     }
     // The mirror: f32 weights (f64 in f64 runs), and its validation pass's activations.
@@ -114,7 +119,8 @@ pub fn engine_memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>>
         Precision::F32 => 4,
         Precision::Bf16 => 3,
     };
-    let val = forward_bytes(m, crate::eval::validation::tokens_per_pass(&validation, shape.world_size, shape.micro_steps), t, probs, act_bytes);
+    let val =
+        forward_bytes(m, crate::eval::validation::tokens_per_pass(&validation, shape.world_size, shape.micro_steps), t, probs, act_bytes);
     let mut val_keys = vec!["train.val_batch_tokens", "train.seq_len"];
     val_keys.extend(MODEL_KEYS);
     needs.push(Need::device("activations of one validation batch (candle mirror)", val, &val_keys).transient());
@@ -168,7 +174,8 @@ mod tests {
     #[test]
     fn the_engine_memory_check_is_its_arena() {
         let mut c = Config::default();
-        c.model = crate::model::ModelConfig { vocab_size: 64, num_layers: 3, model_dim: 32, num_heads: 4, num_kv_heads: 2, ..Default::default() };
+        c.model =
+            crate::model::ModelConfig { vocab_size: 64, num_layers: 3, model_dim: 32, num_heads: 4, num_kv_heads: 2, ..Default::default() };
         (c.train.seq_len, c.train.batch_tokens, c.train.grad_accum_steps) = (16, 64, 2);
         for (precision, dtype) in [(Precision::F32, candle_core::DType::F32), (Precision::F64, candle_core::DType::F64)] {
             let p = SessionParams { dtype: precision, ..SessionParams::default() };

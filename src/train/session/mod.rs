@@ -15,8 +15,8 @@
 //! Several ranks (data parallel): after each step they agree on the clock and on stopping,
 //! and validation is shared among them (see docs/ranks.md).
 //!
-//! Long because the loop's states (steps, validation, stops, resume, the ranks' agreement)
-//! all read and move the same session fields; splitting them would pass those fields around.
+//! The loop is this file; what it writes is beside it: [`startup`] (the log's opening lines)
+//! and [`report`] (the report's `train` section).
 //!
 //! Output: a [`TrainSnapshot`] before the first step, after every step and at the end, for the
 //! stages after training. The session pays for one copy of the parameters per snapshot
@@ -44,12 +44,18 @@ use crate::train::checkpoint::Checkpoint;
 use crate::train::config::{Config, TrainConfig};
 use crate::train::engine_trainer::EngineTrainer;
 use crate::train::executor::{Executor, ExecutorKind};
-use crate::train::log::{Phases, StepTable, TrainLog, train_line, training_elements_line, val_line};
+use crate::train::log::{Phases, StepTable, TrainLog, train_line, val_line};
 use crate::train::params::SessionParams;
 use crate::train::requirements;
 use crate::train::resume::{self, History, ValPoint, data_fingerprint, trained_attention};
 use crate::train::snapshot::{Ending, Moment, TrainSnapshot, TrainerState};
 use crate::train::trainer::Trainer;
+
+mod report;
+mod startup;
+
+use report::peak_rss_kib;
+use startup::{looping_line, startup_lines};
 
 /// A training session: the model, its trainer and validator, the clocks, the log, and what
 /// the snapshots and the report are made of.
@@ -783,166 +789,4 @@ impl Session {
         }
         Ok(())
     }
-
-    fn publish(&mut self, ctx: &Ctx) {
-        self.total.add(&self.window);
-        self.window = Phases::default();
-        let steps = self.trainer.step();
-        let train_ms = self.train_ms();
-        let tokens = steps * (self.shape.tokens() * self.shape.micro_steps * self.shape.world_size) as u64;
-        let per_step = self.total.per(steps);
-        // H2D is timed on the upload stage's thread and overlaps the executor's time: it is
-        // reported, but not part of the executor's shares.
-        let busy = per_step.data_wait + per_step.forward + per_step.backward + per_step.optimizer;
-        let share = |x: f64| if busy > 0.0 { (1000.0 * x / busy).round() / 10.0 } else { 0.0 };
-        let last = self.last_val.as_ref();
-        let val_time_ms = self.total.validation.as_secs_f64() * 1e3;
-        ctx.publish(
-            "train",
-            serde_json::json!({
-                "steps": steps,
-                "iterations": self.cfg.iterations,
-                "ended_by": self.ending,
-                "tokens": tokens,
-                "tokens_per_s": if train_ms > 0.0 { tokens as f64 / (train_ms / 1e3) } else { 0.0 },
-                "train_time_ms": train_ms,
-                "step_avg_ms": if steps > 0 { train_ms / steps as f64 } else { 0.0 },
-                "train_loss": self.last_loss,
-                "val_loss": last.map(|a| a.val_loss()),
-                "val_bpb": last.map(|a| a.val_bpb()),
-                "val_tokens": last.map(|a| a.tokens()),
-                "val_bytes": last.map(|a| a.bytes()),
-                "val_split_tokens": self.validator.split_targets(),
-                "unigram_bpb": self.unigram_bpb,
-                "attention": self.attention,
-                "attention_auto": self.auto_choice,
-                "val_time_ms": val_time_ms,
-                "validations": self.vals,
-                "model_params": self.trainer.model().param_count(),
-                "engine": self.trainer.report(),
-                "timing_ms_per_step": per_step,
-                "timing_share_pct": {
-                    "data_wait": share(per_step.data_wait),
-                    "forward": share(per_step.forward),
-                    "backward": share(per_step.backward),
-                    "optimizer": share(per_step.optimizer),
-                },
-                "dropped_micro_batches": self.dropped_micro,
-                "world_size": self.ranks.world(),
-                "comm_ms_per_step": if steps > 0 { self.comm_total.as_secs_f64() * 1e3 / steps as f64 } else { 0.0 },
-                "comm_share_pct": if train_ms > 0.0 { 100.0 * self.comm_total.as_secs_f64() * 1e3 / train_ms } else { 0.0 },
-                "comm_overlapped_ms_per_step": if steps > 0 { self.overlapped_total.as_secs_f64() * 1e3 / steps as f64 } else { 0.0 },
-                "resumed_from_step": (self.resumed_from > 0).then_some(self.resumed_from),
-                "weights": self.weights_path.as_ref().filter(|p| p.exists()).map(|p| p.display().to_string()),
-            }),
-        );
-    }
-}
-
-/// The record's model elements that are on (`model_elements: ...`), or none for the baseline's
-/// model (whose log stays the challenge script's).
-fn model_elements_line(m: &crate::model::ModelConfig) -> Option<String> {
-    let mut on = Vec::new();
-    if m.mlp_activation == crate::model::MlpActivation::LeakyRelu2 {
-        on.push(format!("mlp:leaky_relu2({})", m.leaky_relu_slope));
-    }
-    if let Some(r) = m.rope_dims {
-        on.push(format!("rope_dims:{r}/{}", m.head_dim()));
-    }
-    if let Some(l) = m.rope_train_seq_len {
-        on.push(format!("rope_train_seq_len:{l}"));
-    }
-    if m.ln_scale {
-        on.push("ln_scale".into());
-    }
-    if m.xsa_last_n > 0 {
-        on.push(format!("xsa_last_n:{}", m.xsa_last_n));
-    }
-    if m.skip_gates {
-        on.push("skip_gates".into());
-    }
-    if let Some(p) = m.parallel_residual_start {
-        on.push(format!("parallel_residual_start:{p}"));
-    }
-    if m.init == crate::model::Init::Orthogonal {
-        on.push("init:orthogonal".into());
-    }
-    (!on.is_empty()).then(|| format!("model_elements: {}", on.join(" ")))
-}
-
-/// `layer_loop:enabled step:<s> frac:<f> encoder:[...] decoder:[...]`, as the record logs it.
-fn looping_line(cfg: &crate::model::ModelConfig, step: u64, frac: f64) -> String {
-    let (enc, dec) = cfg.encoder_decoder(true);
-    format!("layer_loop:enabled step:{step} frac:{frac:.3} encoder:{enc:?} decoder:{dec:?}")
-}
-
-fn startup_lines(log: &mut TrainLog, c: &Config, trainer: &dyn Executor, v: &Validator, shape: BatchShape, unigram: Option<f64>) {
-    let t = &c.train;
-    let m = &c.model;
-    let tok = c.data.tokenizer.as_deref().map(|p| p.display().to_string()).unwrap_or_default();
-    log.line(&format!("val_bpb:enabled tokenizer_kind=sentencepiece tokenizer_path={tok}"));
-    if let Some(g) = &c.data.train {
-        let n = crate::data::shard::glob_sorted(g).map(|v| v.len()).unwrap_or(0);
-        let dir =
-            std::path::Path::new(g).parent().and_then(|p| p.file_name()).map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        log.line(&format!("train_loader:dataset:{dir} train_shards:{n}"));
-    }
-    let cap = if v.targets() < v.split_targets() {
-        format!(" scored:{} (train.val_max_tokens = {})", v.targets(), t.val_max_tokens)
-    } else {
-        String::new()
-    };
-    log.line(&format!("val_loader:shards pattern={} tokens:{}{cap}", v.pattern(), v.split_targets()));
-    log.line(&format!("model_params:{}", trainer.model().param_count()));
-    for line in trainer.startup_lines() {
-        log.line(&line);
-    }
-    log.line(&format!("world_size:{} grad_accum_steps:{}", shape.world_size, shape.micro_steps));
-    log.line(&format!("attention_mode:gqa num_heads:{} num_kv_heads:{}", m.num_heads, m.num_kv_heads));
-    if let Some(line) = model_elements_line(m) {
-        log.line(&line);
-    }
-    if m.recurrent() {
-        let (enc, dec) = m.encoder_decoder(false);
-        log.line(&format!(
-            "layer_loop:blocks {}..={} x{} from training fraction {} unlooped encoder:{enc:?} decoder:{dec:?}",
-            m.loop_start,
-            m.loop_end,
-            m.num_loops + 1,
-            m.enable_looping_at
-        ));
-        if trainer.model().looping() && trainer.step() == 0 {
-            log.line(&looping_line(m, 0, 0.0));
-        } else if trainer.model().looping() {
-            let (enc, dec) = m.encoder_decoder(true);
-            log.line(&format!("layer_loop:enabled (the checkpoint's layout) encoder:{enc:?} decoder:{dec:?}"));
-        }
-    }
-    let (embed_lr, head_lr) = if m.tie_embeddings { (t.tied_embed_lr, 0.0) } else { (t.embed_lr, t.head_lr) };
-    log.line(&format!(
-        "tie_embeddings:{} embed_lr:{embed_lr} head_lr:{head_lr} matrix_lr:{} scalar_lr:{}",
-        if m.tie_embeddings { "True" } else { "False" },
-        t.matrix_lr,
-        t.scalar_lr
-    ));
-    // The record's keys only when set, so that the baseline's lines stay the script's.
-    let reserve =
-        if t.gptq_reserve_seconds != 0.0 { format!(" gptq_reserve_seconds:{:.3}", t.gptq_reserve_seconds) } else { String::new() };
-    log.line(&format!(
-        "train_batch_tokens:{} train_seq_len:{} iterations:{} warmup_steps:0 max_wallclock_seconds:{:.3}{reserve}",
-        t.batch_tokens, t.seq_len, t.iterations, t.max_wallclock_seconds
-    ));
-    if let Some(line) = training_elements_line(t) {
-        log.line(&line);
-    }
-    log.line(&format!("seed:{}", c.run.seed));
-    if let Some(u) = unigram {
-        log.line(&format!("val_unigram_bpb:{u:.4} (token frequencies of the training shards: the bar to beat)"));
-    }
-}
-
-/// Peak resident set size of this process (Linux `VmHWM`), KiB.
-fn peak_rss_kib() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    s.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()
 }
