@@ -1,4 +1,4 @@
-//! The backend trait: every op the engine's schedule ([`super::gpt`]) and its optimizers
+//! The backend trait: every op the engine's schedule ([`super::schedule`]) and its optimizers
 //! ([`super::optim`]) run, on regions of one arena addressed by static offsets ([`Buf`],
 //! [`Mat`]). The schedule knows the model and the order; a backend knows how to compute an op
 //! on its device and in its precision. Two CPU backends implement it

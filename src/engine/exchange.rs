@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 
 use super::backend::{Backend, Buf};
-use super::gpt::Schedule;
+use super::schedule::Schedule;
 use crate::dist::{Collective, ReduceOp};
 
 /// DDP's default bucket: 25 MiB of f32.

@@ -4,7 +4,7 @@
 //! Why: autograd allocates every node's output and every input's gradient, sums gradients node
 //! by node, and cannot fuse across a block or choose a GEMM's `beta`. Here every tensor has a
 //! static offset in one allocation ([`layout`]); the backward pass is written out in reverse
-//! order ([`gpt`]) with weight gradients accumulated in place by GEMMs with `beta = 1`; the
+//! order ([`schedule`]) with weight gradients accumulated in place by GEMMs with `beta = 1`; the
 //! optimizers are flat loops over the same arena ([`optim`]).
 //!
 //! - [`backend`]: the [`backend::Backend`] trait, every op the schedule runs;
@@ -16,7 +16,7 @@
 //! - [`layout`]: the arena's regions and every tensor's offset;
 //! - [`lt`]: every GEMM as a column-major cuBLASLt call (the GPU backend's), and a CPU
 //!   interpreter of those calls that checks the layouts without a GPU;
-//! - [`gpt`]: the schedule, the model op by op, forward and backward;
+//! - [`schedule`]: the schedule, the model op by op, forward and backward;
 //! - [`optim`]: Muon (Newton-Schulz batched per shape) and Adam/AdamW over the arena;
 //! - [`step`]: [`Engine`], what a training step does with them, and the exchange of
 //!   parameters and optimizer state as named tensors (the candle executor's names);
@@ -33,13 +33,13 @@ pub mod backend;
 pub mod cases;
 pub mod cpu;
 pub mod exchange;
-pub mod gpt;
 pub mod kernels;
 pub mod layout;
 pub mod lt;
 #[cfg(test)]
 mod op_checks;
 pub mod optim;
+pub mod schedule;
 pub mod step;
 pub mod support;
 #[cfg(test)]

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use super::backend::{Backend, Buf, GraphCounts, Tokens};
 use super::cpu::CpuBackend;
 use super::exchange::{Exchange, ExchangeStats};
-use super::gpt::Schedule;
+use super::schedule::Schedule;
 use super::kernels::Capacity;
 use super::layout::Layout;
 use super::optim::{self, MuonStep};

@@ -159,7 +159,7 @@ fn sgd_and_ema_loops_equal_their_candle_twins() {
     }
 }
 
-/// The backward pass's events ([`crate::engine::gpt::Schedule::grad_events`]) are honest: what
+/// The backward pass's events ([`crate::engine::schedule::Schedule::grad_events`]) are honest: what
 /// a gradient holds at the event that names it final is what it holds at the end of the pass,
 /// bit for bit, for every parameter (the exchange between ranks sends it then), looped and
 /// not, tied head and untied, with gradients already accumulated from an earlier micro-batch.
