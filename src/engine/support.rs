@@ -12,14 +12,14 @@ use crate::model::ModelConfig;
 pub fn check(cfg: &ModelConfig) -> anyhow::Result<()> {
     cfg.check()?;
     let ModelConfig {
-        // Shapes: the layout's regions and every GEMM's (`layout`, `gpt`).
+        // Shapes: the layout's regions and every GEMM's (`layout`, `schedule`).
         vocab_size: _,
         num_layers: _,
         model_dim: _,
         num_heads: _,
         num_kv_heads: _,
         mlp_mult: _,
-        // The head: the embedding's transpose or `lm_head.weight` (`layout`, `gpt::head`).
+        // The head: the embedding's transpose or `lm_head.weight` (`layout`, `schedule`).
         tie_embeddings: _,
         // The RoPE tables (`Engine::with_backend`, from `rope_base_for` and `rotary_dims`).
         rope_base: _,
@@ -36,7 +36,7 @@ pub fn check(cfg: &ModelConfig) -> anyhow::Result<()> {
         leaky_relu_slope: _,
         // The block's norms (`Backend::rms_norm_fwd`'s scale).
         ln_scale: _,
-        // The block's wiring (`gpt`'s forward and backward of a block).
+        // The block's wiring (`schedule`'s forward and backward of a block).
         parallel_residual_start: _,
         xsa_last_n: _,
         // The U-Net's skips (`Backend::skip_fwd`/`skip_bwd`).
