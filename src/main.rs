@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use pipeline::cli;
-use pipeline::model::attention_trial::AttentionShape;
+use pipeline::train::attention_trial::AttentionShape;
 
 /// mimalloc keeps freed tensor buffers for reuse: with glibc's allocator every large CPU
 /// tensor was a fresh mmap, and page faults plus TLB shootdowns on munmap took about a fifth

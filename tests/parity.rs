@@ -59,7 +59,7 @@ fn attention_trial_processes_report_why_flash_cannot_run() {
     assert_eq!(r["name"], "flash_mma");
     assert!(r["rejected"].as_str().is_some_and(|w| w.starts_with("failed: flash attention cannot run here")), "{r}");
 
-    let shape = pipeline::model::attention_trial::AttentionShape { batch: 2, t: 128, heads: 2, kv_heads: 1, head_dim: 64 };
+    let shape = pipeline::train::attention_trial::AttentionShape { batch: 2, t: 128, heads: 2, kv_heads: 1, head_dim: 64 };
     let exe = std::path::Path::new(env!("CARGO_BIN_EXE_pipeline"));
     let err = pipeline::train::attention_choice::choose_flash(exe, "cpu", shape, pipeline::train::attention_choice::TIMEOUT)
         .unwrap_err()

@@ -2,7 +2,7 @@
 //! the CPU (the candle executor's kernels; the engine's backend), and one flash
 //! implementation's trial (what `attention = "auto"` runs in a child process).
 
-use crate::model::attention_trial::{AttentionShape, TrialSettings};
+use crate::train::attention_trial::{AttentionShape, TrialSettings};
 
 /// Compares `device` in `dtype` with the CPU in f64 and prints each comparison; exit 1 when
 /// one is out of its bound.
@@ -118,13 +118,13 @@ pub fn attention_trial(device: &str, kernels: &str, shape: AttentionShape, json:
         err!("error: --batch, --seq-len, --heads, --kv-heads and --head-dim must be positive, --heads a multiple of --kv-heads");
         return 2;
     }
-    let result = crate::device::open_named(device).and_then(|d| crate::model::attention_trial::check_flash(&d, kernels, shape));
+    let result = crate::device::open_named(device).and_then(|d| crate::train::attention_trial::check_flash(&d, kernels, shape));
     match result {
         Ok(o) => {
             if json {
                 out!("{}", serde_json::to_string(&o).unwrap_or_default());
             } else {
-                out!("{}", crate::model::attention_trial::summary(std::slice::from_ref(&o), shape, TrialSettings::flash()));
+                out!("{}", crate::train::attention_trial::summary(std::slice::from_ref(&o), shape, TrialSettings::flash()));
             }
             0
         }

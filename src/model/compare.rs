@@ -1,5 +1,5 @@
 //! Error measures for comparing a device's numbers with a reference: the parity check
-//! ([`crate::check::parity`]), the attention trial ([`crate::model::attention_trial`]) and tests.
+//! ([`crate::check::parity`]), the attention trial ([`crate::train::attention_trial`]) and tests.
 
 /// The largest of `errors` (0 for none), NaN if any is NaN: `f64::max` drops NaNs, so a NaN
 /// error folded with it would pass any tolerance.

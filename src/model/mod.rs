@@ -26,10 +26,11 @@
 //!   reference formulation, its CPU kernel, its GPU launch and its tests.
 //! - [`cpu`]: what the CPU kernels share: SIMD helpers and their AVX2 dispatch, row access,
 //!   storage conversions.
-//! - `cuda` (`cuda` builds only): the launches of `kernels/fused.cu` and flash attention's op.
+//! - `cuda` (`cuda` builds only): the launches of `kernels/fused.cu`.
 //! - [`flash_attn`]: which attention kernel a GPU run takes ([`flash_attn::Attention`],
-//!   [`flash_attn::FlashKernels`], [`flash_attn::unsupported`]); [`attention_trial`]:
-//!   `attention = "auto"`'s timed trial of the flash implementations.
+//!   [`flash_attn::FlashKernels`], [`flash_attn::unsupported`]) and, in `cuda` builds, its op
+//!   and launches (`attention = "auto"`'s timed trial of the flash implementations is
+//!   `train::attention_trial`'s).
 //! - `init`: the initial values (uniform, normal, orthogonal) from one seeded generator.
 //! - [`memory`]: what a model takes in memory, from its shapes alone; [`weights`]: state-dict
 //!   files (safetensors with the script's names); [`compare`]: error measures against a
@@ -53,7 +54,6 @@
 //! in `kernels/fused.cu` launched through `cuda::kernels`.
 
 mod attention;
-pub mod attention_trial;
 mod block;
 pub mod compare;
 mod config;

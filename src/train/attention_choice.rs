@@ -1,5 +1,5 @@
 //! `attention = "auto"` on a GPU: the step executor's choice between the two flash
-//! implementations. Each one's trial ([`crate::model::attention_trial::check_flash`]) runs in
+//! implementations. Each one's trial ([`crate::train::attention_trial::check_flash`]) runs in
 //! a child process of this binary (`pipeline attention-trial`), with a time limit: a kernel
 //! that faults the GPU leaves a CUDA context that cannot recover, and one that hangs never
 //! returns, so neither may run in the training process before it has been seen to work. The
@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::model::attention_trial::{AttentionShape, Outcome, TrialSettings, choose, summary};
+use crate::train::attention_trial::{AttentionShape, Outcome, TrialSettings, choose, summary};
 use crate::model::flash_attn::FlashKernels;
 
 /// How much faster a challenger must be to replace the incumbent (a fraction of its time).

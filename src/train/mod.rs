@@ -2,9 +2,11 @@
 //! `step_executor` stage, with its parameters in [`params`]) with what it needs before it starts ([`requirements`]) and how it
 //! continues from a checkpoint ([`resume`]), one optimizer step ([`trainer`] on candle's autograd, [`engine_trainer`] on the explicit engine, both an [`executor::Executor`]), what the session
 //! hands on ([`snapshot`]), exact-resume checkpoints ([`checkpoint`]), the challenge-format
-//! training log ([`log`]) and `attention = "auto"`'s choice ([`attention_choice`]).
+//! training log ([`log`]) and `attention = "auto"`'s choice ([`attention_choice`], over the timed
+//! trials of [`attention_trial`]).
 
 pub mod attention_choice;
+pub mod attention_trial;
 pub mod checkpoint;
 pub mod config;
 pub mod engine_trainer;

@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 pub enum Attention {
     /// Flash attention where it applies (CUDA, bf16, head dim 64, seq_len a multiple of 64),
     /// the materialised one elsewhere. The step executor resolves it to the faster flash
-    /// implementation that agrees with the materialised attention ([`super::attention_trial`]);
+    /// implementation that agrees with the materialised attention (`train::attention_trial`);
     /// a model left on it runs the WMMA kernels.
     #[default]
     Auto,

@@ -35,7 +35,7 @@ use crate::data::batch::{BatchShape, DeviceBatch, LoaderState};
 use crate::eval::bpb::BpbAccumulator;
 use crate::eval::validation::Validator;
 use crate::model::Gpt;
-use crate::model::attention_trial::AttentionShape;
+use crate::train::attention_trial::AttentionShape;
 use crate::model::flash_attn::Attention;
 use crate::runtime::control::StopReason;
 use crate::runtime::stage::{Ctx, Demand, Emitter};

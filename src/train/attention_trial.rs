@@ -17,8 +17,8 @@ use std::time::Instant;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
-use super::flash_attn::{self, FlashKernels};
-use super::ops;
+use crate::model::flash_attn::{self, FlashKernels};
+use crate::model::ops;
 use crate::model::compare::{Blocks, blockwise_rel_err, worst};
 
 /// Largest blockwise relative error of a bf16 flash implementation against the f32 reference.
