@@ -24,7 +24,9 @@ mod rows;
 use candle_core::{DType, Device, Tensor};
 
 use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, Mat, check_regions};
+use crate::model::cpu::rows::{Rows, dense_offsets};
 use crate::model::cpu::simd::Real;
+use crate::model::ops::rms_norm;
 
 /// A CPU backend over an arena of `T` (`f64`: the check backend; `f32`: the fast one).
 pub(crate) struct CpuBackend<T> {
@@ -165,12 +167,16 @@ impl<T: Real> Backend for CpuBackend<T> {
 
     fn rms_norm_fwd(&mut self, x: Buf, out: Buf, rstd: Buf, cols: usize, scale: f64, eps: f64) {
         let ([x], [o, r]) = self.io([x], [out, rstd]);
-        rows::rms_norm_fwd(x, o, r, cols, scale, eps);
+        let offsets = dense_offsets(x.len() / cols, cols);
+        rms_norm::forward_rows(Rows { data: x, offsets: &offsets, len: cols }, o, Some(r), scale, eps);
     }
 
     fn rms_norm_bwd(&mut self, x: Buf, rstd: Buf, dy: Buf, dx: Buf, cols: usize, scale: f64, accumulate: bool) {
         let ([x, r, g], [d]) = self.io([x, rstd, dy], [dx]);
-        rows::rms_norm_bwd(x, r, g, d, cols, scale, accumulate);
+        let offsets = dense_offsets(x.len() / cols, cols);
+        let (x, g) = (Rows { data: x, offsets: &offsets, len: cols }, Rows { data: g, offsets: &offsets, len: cols });
+        // `eps` is unused: `r` comes from the saved `rstd`.
+        rms_norm::backward_rows(x, g, Some(r), d, scale, 0.0, accumulate);
     }
 
     fn resid_mix_fwd(&mut self, h: Buf, x0: Buf, mix: Buf, out: Buf) {

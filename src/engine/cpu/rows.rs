@@ -59,59 +59,6 @@ pub(super) fn embedding_bwd<T: Real>(dout: &[T], ids: &[u32], dtable: &mut [T], 
     });
 }
 
-#[inline(always)]
-fn rms_fwd_kernel<T: Real>(x: &[T], out: &mut [T], rstd: &mut [T], cols: usize, scale: f64, eps: f64) {
-    for ((xr, o), r) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)).zip(rstd.iter_mut()) {
-        let inv = 1.0 / (dot_f64(xr, xr) / cols as f64 + eps).sqrt();
-        *r = T::from_f64(inv);
-        let a = T::from_f64(inv * scale);
-        for (o, &x) in o.iter_mut().zip(xr) {
-            *o = x * a;
-        }
-    }
-}
-
-multiversion! {
-    fn rms_fwd_rows = rms_fwd_kernel(x: &[T], out: &mut [T], rstd: &mut [T], cols: usize, scale: f64, eps: f64);
-}
-
-pub(super) fn rms_norm_fwd<T: Real>(x: &[T], out: &mut [T], rstd: &mut [T], cols: usize, scale: f64, eps: f64) {
-    out.par_chunks_mut(ROWS * cols).zip(rstd.par_chunks_mut(ROWS)).enumerate().for_each(|(c, (o, r))| {
-        rms_fwd_rows(&x[c * ROWS * cols..c * ROWS * cols + o.len()], o, r, cols, scale, eps);
-    });
-}
-
-/// `dx (+)= scale (dy / r - x sum(dy x) / (cols r^3))`, with `1 / r` saved by the forward pass.
-#[inline(always)]
-fn rms_bwd_kernel<T: Real>(x: &[T], rstd: &[T], dy: &[T], dx: &mut [T], cols: usize, scale: f64, acc: bool) {
-    for (((xr, &r), g), d) in x.chunks_exact(cols).zip(rstd).zip(dy.chunks_exact(cols)).zip(dx.chunks_exact_mut(cols)) {
-        let inv = r.to_f64();
-        let a = T::from_f64(scale * inv);
-        let c = T::from_f64(scale * dot_f64(xr, g) * inv * inv * inv / cols as f64);
-        if acc {
-            for ((d, &x), &g) in d.iter_mut().zip(xr).zip(g) {
-                *d += g * a - x * c;
-            }
-        } else {
-            for ((d, &x), &g) in d.iter_mut().zip(xr).zip(g) {
-                *d = g * a - x * c;
-            }
-        }
-    }
-}
-
-multiversion! {
-    fn rms_bwd_rows = rms_bwd_kernel(x: &[T], rstd: &[T], dy: &[T], dx: &mut [T], cols: usize, scale: f64, acc: bool);
-}
-
-pub(super) fn rms_norm_bwd<T: Real>(x: &[T], rstd: &[T], dy: &[T], dx: &mut [T], cols: usize, scale: f64, acc: bool) {
-    dx.par_chunks_mut(ROWS * cols).enumerate().for_each(|(c, d)| {
-        let (r0, n) = (c * ROWS, d.len() / cols);
-        let span = r0 * cols..(r0 + n) * cols;
-        rms_bwd_rows(&x[span.clone()], &rstd[r0..r0 + n], &dy[span], d, cols, scale, acc);
-    });
-}
-
 pub(super) fn resid_mix_fwd<T: Real>(h: &[T], x0: &[T], mix: &[T], out: &mut [T]) {
     let cols = mix.len() / 2;
     let (m0, m1) = mix.split_at(cols);

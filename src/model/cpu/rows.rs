@@ -53,6 +53,12 @@ pub(crate) fn row_offsets(layout: &Layout) -> Result<Vec<usize>> {
     Ok(offsets)
 }
 
+/// The offsets of `rows` rows of `len` one after the other (`0, len, 2 len, ..`): a contiguous
+/// row-major matrix read as [`Rows`] (the engine's buffers).
+pub(crate) fn dense_offsets(rows: usize, len: usize) -> Vec<usize> {
+    (0..rows).map(|r| r * len).collect()
+}
+
 /// The element offset of each index of a 1-D layout.
 pub(crate) fn offsets_1d(layout: &Layout) -> Result<Vec<usize>> {
     let n = layout.shape().dims1()?;

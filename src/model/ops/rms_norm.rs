@@ -82,53 +82,106 @@ struct RmsNorm;
 /// Rows per rayon task.
 const RMS_ROWS: usize = 64;
 
+/// Forward rows: `y = x / r`, then `y * scale` when `scale != 1` (the engine's pre-norm scale;
+/// the model passes 1, which skips the product); `1 / r` into `rstd` when given (the engine saves
+/// it for the backward pass).
 #[inline(always)]
-fn rms_fwd_kernel<T: Real>(x: Rows<'_, T>, eps: f64, out: &mut [T]) {
+fn rms_fwd_kernel<T: Real>(x: Rows<'_, T>, eps: f64, scale: f64, out: &mut [T], mut rstd: Option<&mut [T]>) {
     let d = x.len;
+    let s = T::from_f64(scale);
     for (r, y) in out.chunks_exact_mut(d).enumerate() {
         let row = x.row(r);
-        let rms = T::from_f64((dot_f64(row, row) / d as f64 + eps).sqrt());
+        let rms = (dot_f64(row, row) / d as f64 + eps).sqrt();
+        if let Some(rstd) = rstd.as_deref_mut() {
+            rstd[r] = T::from_f64(1.0 / rms);
+        }
+        let rms = T::from_f64(rms);
         for (y, &x) in y.iter_mut().zip(row) {
             *y = x / rms;
+        }
+        if scale != 1.0 {
+            for y in y.iter_mut() {
+                *y = *y * s;
+            }
         }
     }
 }
 
 multiversion! {
     /// RMS norm of the rows of `x`.
-    fn rms_fwd_rows = rms_fwd_kernel(x: Rows<'_, T>, eps: f64, out: &mut [T]);
+    fn rms_fwd_rows = rms_fwd_kernel(x: Rows<'_, T>, eps: f64, scale: f64, out: &mut [T], rstd: Option<&mut [T]>);
 }
 
-/// `dx = (g - y * mean(g * y)) / r` with `y = x / r`, that is `g / r - x * sum(g * x) / (d r^3)`.
+/// `dx (+)= scale (g / r - x sum(g x) / (d r^3))`, that is `scale (g - y mean(g y)) / r` with
+/// `y = x / r`; `r` recomputed from `x` (the model) or `1 / rstd` as the forward pass saved it
+/// (the engine). With `scale = 1` the products by it are exact: the model's arithmetic.
 #[inline(always)]
-fn rms_bwd_kernel<T: Real>(x: Rows<'_, T>, g: Rows<'_, T>, eps: f64, out: &mut [T]) {
+fn rms_bwd_kernel<T: Real>(x: Rows<'_, T>, g: Rows<'_, T>, rstd: Option<&[T]>, eps: f64, scale: f64, acc: bool, out: &mut [T]) {
     let d = x.len;
     for (r, dx) in out.chunks_exact_mut(d).enumerate() {
         let (xr, gr) = (x.row(r), g.row(r));
-        let rms = (dot_f64(xr, xr) / d as f64 + eps).sqrt();
-        let a = T::from_f64(1.0 / rms);
-        let c = T::from_f64(dot_f64(xr, gr) / (d as f64 * rms * rms * rms));
-        for ((dx, &x), &g) in dx.iter_mut().zip(xr).zip(gr) {
-            *dx = g * a - x * c;
+        let rms = match rstd {
+            Some(rstd) => 1.0 / rstd[r].to_f64(),
+            None => (dot_f64(xr, xr) / d as f64 + eps).sqrt(),
+        };
+        let a = T::from_f64(scale / rms);
+        let c = T::from_f64(scale * dot_f64(xr, gr) / (d as f64 * rms * rms * rms));
+        if acc {
+            for ((dx, &x), &g) in dx.iter_mut().zip(xr).zip(gr) {
+                *dx += g * a - x * c;
+            }
+        } else {
+            for ((dx, &x), &g) in dx.iter_mut().zip(xr).zip(gr) {
+                *dx = g * a - x * c;
+            }
         }
     }
 }
 
 multiversion! {
     /// RMS norm gradient rows.
-    fn rms_bwd_rows = rms_bwd_kernel(x: Rows<'_, T>, g: Rows<'_, T>, eps: f64, out: &mut [T]);
+    fn rms_bwd_rows = rms_bwd_kernel(x: Rows<'_, T>, g: Rows<'_, T>, rstd: Option<&[T]>, eps: f64, scale: f64, acc: bool, out: &mut [T]);
+}
+
+/// The forward pass on the CPU, for the model's op and the engine's backend: the rows of `x`
+/// normed (then scaled by `scale`) into `out` (`x.count()` rows of `x.len`), `1 / r` of each row
+/// into `rstd` when given. [`RMS_ROWS`] rows per rayon task.
+pub(crate) fn forward_rows<T: Real>(x: Rows<'_, T>, out: &mut [T], rstd: Option<&mut [T]>, scale: f64, eps: f64) {
+    let d = x.len;
+    if d == 0 {
+        return;
+    }
+    match rstd {
+        Some(rstd) => out.par_chunks_mut(RMS_ROWS * d).zip(rstd.par_chunks_mut(RMS_ROWS)).enumerate().for_each(|(c, (out, r))| {
+            rms_fwd_rows(x.sub(c * RMS_ROWS..c * RMS_ROWS + out.len() / d), eps, scale, out, Some(r));
+        }),
+        None => out.par_chunks_mut(RMS_ROWS * d).enumerate().for_each(|(c, out)| {
+            rms_fwd_rows(x.sub(c * RMS_ROWS..c * RMS_ROWS + out.len() / d), eps, scale, out, None);
+        }),
+    }
+}
+
+/// The backward pass on the CPU, for the model's op and the engine's backend: `dx` of the rows
+/// of `x` given their gradient rows `g`, written (`acc` false) or added (`acc` true) into `out`;
+/// `r` from `rstd` (`1 / r` per row) when given, else recomputed with `eps`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_rows<T: Real>(x: Rows<'_, T>, g: Rows<'_, T>, rstd: Option<&[T]>, out: &mut [T], scale: f64, eps: f64, acc: bool) {
+    let d = x.len;
+    if d == 0 {
+        return;
+    }
+    out.par_chunks_mut(RMS_ROWS * d).enumerate().for_each(|(c, out)| {
+        let rows = c * RMS_ROWS..c * RMS_ROWS + out.len() / d;
+        let r = rstd.map(|r| &r[rows.clone()]);
+        rms_bwd_rows(x.sub(rows.clone()), g.sub(rows), r, eps, scale, acc, out);
+    });
 }
 
 /// RMS norm rows with `eps`: the epsilon of the input's dtype ([`ops::rms_eps`]), which for bf16
 /// rows computed in f32 is bf16's.
 fn rms_fwd<T: Real>(x: &[T], rows: &[usize], d: usize, eps: f64) -> Vec<T> {
-    let x = Rows { data: x, offsets: rows, len: d };
     let mut out = vec![T::from_f64(0.0); rows.len() * d];
-    if d > 0 {
-        out.par_chunks_mut(RMS_ROWS * d).enumerate().for_each(|(c, out)| {
-            rms_fwd_rows(x.sub(c * RMS_ROWS..c * RMS_ROWS + out.len() / d), eps, out);
-        });
-    }
+    forward_rows(Rows { data: x, offsets: rows, len: d }, &mut out, None, 1.0, eps);
     out
 }
 
@@ -136,12 +189,7 @@ fn rms_fwd<T: Real>(x: &[T], rows: &[usize], d: usize, eps: f64) -> Vec<T> {
 fn rms_bwd<T: Real>(x: &[T], xrows: &[usize], g: &[T], grows: &[usize], d: usize, eps: f64) -> Vec<T> {
     let (xr, gr) = (Rows { data: x, offsets: xrows, len: d }, Rows { data: g, offsets: grows, len: d });
     let mut out = vec![T::from_f64(0.0); xrows.len() * d];
-    if d > 0 {
-        out.par_chunks_mut(RMS_ROWS * d).enumerate().for_each(|(c, out)| {
-            let rows = c * RMS_ROWS..c * RMS_ROWS + out.len() / d;
-            rms_bwd_rows(xr.sub(rows.clone()), gr.sub(rows), eps, out);
-        });
-    }
+    backward_rows(xr, gr, None, &mut out, 1.0, eps, false);
     out
 }
 
@@ -372,12 +420,12 @@ mod tests {
         let offsets: Vec<usize> = (0..rows).map(|r| r * v).collect();
         let x = Rows { data: &data, offsets: &offsets, len: v };
         let (mut a, mut b) = (vec![0.0f32; rows * v], vec![0.0f32; rows * v]);
-        rms_fwd_kernel(x, rms_eps(DType::F32), &mut a);
-        rms_fwd_rows(x, rms_eps(DType::F32), &mut b);
+        rms_fwd_kernel(x, rms_eps(DType::F32), 1.0, &mut a, None);
+        rms_fwd_rows(x, rms_eps(DType::F32), 1.0, &mut b, None);
         assert_near(&a, &b, "rms forward");
         let (mut a, mut b) = (vec![0.0f32; rows * v], vec![0.0f32; rows * v]);
-        rms_bwd_kernel(x, x, rms_eps(DType::F32), &mut a);
-        rms_bwd_rows(x, x, rms_eps(DType::F32), &mut b);
+        rms_bwd_kernel(x, x, None, rms_eps(DType::F32), 1.0, false, &mut a);
+        rms_bwd_rows(x, x, None, rms_eps(DType::F32), 1.0, false, &mut b);
         assert_near(&a, &b, "rms backward");
     }
 }
