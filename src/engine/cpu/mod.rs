@@ -4,13 +4,19 @@
 //! element type is the only difference, so the f64 backend checks the very code the f32 one
 //! runs.
 //!
+//! The maths of the model's ops lives once, in [`crate::model::ops`]: the row functions of
+//! `rms_norm`, `resid_mix`, `scale_add`, `relu_sq` (both activations) and `attention` are those
+//! the candle model's CPU kernels run, called here on the arena's slices. What is left here is
+//! the engine's own glue, the ops not moved yet and the ops the model composes from candle ops:
+//!
 //! - [`gemm`]: matrix products through the `gemm` crate (candle's own CPU GEMM: packed,
 //!   register-tiled, AVX2/AVX-512 kernels, rayon), with `beta` and strided views;
-//! - [`rows`]: the row ops (norms, residual mix, scaled adds, skips, QK norm + RoPE, XSA, the
-//!   activation, the embedding);
+//! - [`rows`]: the row ops of the ops the model composes (the skip gate, XSA), QK norm + RoPE
+//!   and the embedding;
 //! - [`loss`]: the soft-capped cross-entropy fused with its gradient;
 //! - [`flat`]: the flat loops (fills, copies, reductions, the optimizers, the EMA);
-//! - attention: the kernels of [`crate::model::ops::attention`] on token-major views.
+//! - the per-channel sums of [`crate::model::ops`] added into the engine's buffers
+//!   ([`add_into`]), and its buffers read as [`Rows`].
 //!
 //! The arena is one `Vec<T>`; [`CpuBackend::io`] hands out the input and output slices of an
 //! op after checking that no output overlaps another region of the call, which is what makes
@@ -26,7 +32,7 @@ use candle_core::{DType, Device, Tensor};
 use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, Mat, check_regions};
 use crate::model::cpu::rows::{Rows, dense_offsets};
 use crate::model::cpu::simd::Real;
-use crate::model::ops::rms_norm;
+use crate::model::ops::{relu_sq, resid_mix, rms_norm, scale_add};
 
 /// A CPU backend over an arena of `T` (`f64`: the check backend; `f32`: the fast one).
 pub(crate) struct CpuBackend<T> {
@@ -68,6 +74,14 @@ impl<T: Real> CpuBackend<T> {
     /// The elements of `b`.
     fn get(&self, b: Buf) -> &[T] {
         &self.arena[b.off..b.end()]
+    }
+}
+
+/// `acc += sums`, per channel: a per-channel gradient of [`crate::model::ops`] (summed in f64 in
+/// fixed row blocks) added to the engine's buffer.
+fn add_into<T: Real>(acc: &mut [T], sums: &[f64]) {
+    for (a, &s) in acc.iter_mut().zip(sums) {
+        *a += T::from_f64(s);
     }
 }
 
@@ -181,28 +195,29 @@ impl<T: Real> Backend for CpuBackend<T> {
 
     fn resid_mix_fwd(&mut self, h: Buf, x0: Buf, mix: Buf, out: Buf) {
         let ([h, x0, m], [o]) = self.io([h, x0, mix], [out]);
-        rows::resid_mix_fwd(h, x0, m, o);
+        resid_mix::forward_rows(h, x0, m, o);
     }
 
     fn resid_mix_bwd(&mut self, du: Buf, h: Buf, x0: Buf, mix: Buf, dh: Buf, dx0: Buf, dmix: Buf) {
         let ([g, h, x0, m], [dh, dx0, dm]) = self.io([du, h, x0, mix], [dh, dx0, dmix]);
-        rows::resid_mix_bwd(g, h, x0, m, dh, dx0, dm);
+        // dx0 is added to: the first block's x0 is the embedding's stream too.
+        add_into(dm, &resid_mix::backward_rows(g, h, x0, m, dh, dx0, true));
     }
 
     fn scale_add_fwd(&mut self, base: Buf, x: Buf, s: Buf, out: Buf) {
         if base == out {
             let ([x, s], [o]) = self.io([x, s], [out]);
-            rows::scale_add_in_place(o, x, s);
+            scale_add::forward_rows(x, s, o);
         } else {
             let ([b, x, s], [o]) = self.io([base, x, s], [out]);
             o.copy_from_slice(b);
-            rows::scale_add_in_place(o, x, s);
+            scale_add::forward_rows(x, s, o);
         }
     }
 
     fn scale_add_bwd(&mut self, dy: Buf, x: Buf, s: Buf, dx: Buf, ds: Buf) {
         let ([g, x, s], [dx, ds]) = self.io([dy, x, s], [dx, ds]);
-        rows::scale_add_bwd(g, x, s, dx, ds);
+        add_into(ds, &scale_add::backward_rows(g, x, s, dx));
     }
 
     fn skip_fwd(&mut self, h: Buf, s: Buf, w: Buf, z: Option<Buf>, out: Buf) {
@@ -255,12 +270,12 @@ impl<T: Real> Backend for CpuBackend<T> {
 
     fn act_fwd(&mut self, pre: Buf, out: Buf, a: Activation) {
         let ([p], [o]) = self.io([pre], [out]);
-        rows::act_fwd(p, o, T::from_f64(a.slope));
+        relu_sq::forward_elems(p, o, T::from_f64(a.slope));
     }
 
     fn act_bwd(&mut self, pre: Buf, dout: Buf, dpre: Buf, a: Activation) {
         let ([p, g], [d]) = self.io([pre, dout], [dpre]);
-        rows::act_bwd(p, g, d, T::from_f64(a.slope));
+        relu_sq::backward_elems(p, g, d, T::from_f64(a.slope));
     }
 
     fn softcap_ce(&mut self, logits: Buf, losses: Buf, vocab: usize, cap: f64, grad_scale: f64) {

@@ -7,7 +7,7 @@
 use rayon::prelude::*;
 
 use crate::engine::backend::{AttnShape, HeadShape};
-use crate::model::cpu::simd::{Real, dot_f64, multiversion};
+use crate::model::cpu::simd::{Real, dot_f64};
 
 /// Rows per rayon task.
 const ROWS: usize = 64;
@@ -55,72 +55,6 @@ pub(super) fn embedding_bwd<T: Real>(dout: &[T], ids: &[u32], dtable: &mut [T], 
                     *d += g;
                 }
             }
-        }
-    });
-}
-
-pub(super) fn resid_mix_fwd<T: Real>(h: &[T], x0: &[T], mix: &[T], out: &mut [T]) {
-    let cols = mix.len() / 2;
-    let (m0, m1) = mix.split_at(cols);
-    out.par_chunks_mut(ROWS * cols).enumerate().for_each(|(c, o)| {
-        let base = c * ROWS * cols;
-        for (r, orow) in o.chunks_exact_mut(cols).enumerate() {
-            let (hr, xr) = (&h[base + r * cols..][..cols], &x0[base + r * cols..][..cols]);
-            for i in 0..cols {
-                orow[i] = hr[i] * m0[i] + xr[i] * m1[i];
-            }
-        }
-    });
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(super) fn resid_mix_bwd<T: Real>(du: &[T], h: &[T], x0: &[T], mix: &[T], dh: &mut [T], dx0: &mut [T], dmix: &mut [T]) {
-    let cols = mix.len() / 2;
-    let rows = du.len() / cols;
-    let (m0, m1) = mix.split_at(cols);
-    dh.par_chunks_mut(ROWS * cols).zip(dx0.par_chunks_mut(ROWS * cols)).enumerate().for_each(|(c, (dh, dx0))| {
-        let base = c * ROWS * cols;
-        for (i, (a, b)) in dh.iter_mut().zip(dx0.iter_mut()).enumerate() {
-            let g = du[base + i];
-            *a = g * m0[i % cols];
-            *b += g * m1[i % cols];
-        }
-    });
-    let (d0, d1) = dmix.split_at_mut(cols);
-    column_sums(rows, cols, d0, |r, s| {
-        for ((s, &g), &x) in s.iter_mut().zip(&du[r * cols..(r + 1) * cols]).zip(&h[r * cols..(r + 1) * cols]) {
-            *s += g.to_f64() * x.to_f64();
-        }
-    });
-    column_sums(rows, cols, d1, |r, s| {
-        for ((s, &g), &x) in s.iter_mut().zip(&du[r * cols..(r + 1) * cols]).zip(&x0[r * cols..(r + 1) * cols]) {
-            *s += g.to_f64() * x.to_f64();
-        }
-    });
-}
-
-/// `out += x s` per channel.
-pub(super) fn scale_add_in_place<T: Real>(out: &mut [T], x: &[T], s: &[T]) {
-    let cols = s.len();
-    out.par_chunks_mut(ROWS * cols).enumerate().for_each(|(c, o)| {
-        let base = c * ROWS * cols;
-        for (i, o) in o.iter_mut().enumerate() {
-            *o += x[base + i] * s[i % cols];
-        }
-    });
-}
-
-pub(super) fn scale_add_bwd<T: Real>(dy: &[T], x: &[T], s: &[T], dx: &mut [T], ds: &mut [T]) {
-    let cols = s.len();
-    dx.par_chunks_mut(ROWS * cols).enumerate().for_each(|(c, d)| {
-        let base = c * ROWS * cols;
-        for (i, d) in d.iter_mut().enumerate() {
-            *d = dy[base + i] * s[i % cols];
-        }
-    });
-    column_sums(dy.len() / cols, cols, ds, |r, acc| {
-        for ((a, &g), &x) in acc.iter_mut().zip(&dy[r * cols..(r + 1) * cols]).zip(&x[r * cols..(r + 1) * cols]) {
-            *a += g.to_f64() * x.to_f64();
         }
     });
 }
@@ -391,46 +325,5 @@ pub(super) fn xsa_bwd<T: Real>(dout: &[T], y: &[T], (v, ld): (&[T], usize), dy: 
                 }
             }
         }
-    });
-}
-
-#[inline(always)]
-fn act_fwd_kernel<T: Real>(pre: &[T], out: &mut [T], slope: T) {
-    let zero = T::from_f64(0.0);
-    for (o, &x) in out.iter_mut().zip(pre) {
-        let l = if x > zero { x } else { x * slope };
-        *o = l * l;
-    }
-}
-
-multiversion! {
-    fn act_fwd_rows = act_fwd_kernel(pre: &[T], out: &mut [T], slope: T);
-}
-
-pub(super) fn act_fwd<T: Real>(pre: &[T], out: &mut [T], slope: T) {
-    const CHUNK: usize = 1 << 14;
-    out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| act_fwd_rows(&pre[c * CHUNK..c * CHUNK + o.len()], o, slope));
-}
-
-/// `d/dx leaky_relu(x)^2 = 2 x` for `x > 0`, else `2 slope^2 x`.
-#[inline(always)]
-fn act_bwd_kernel<T: Real>(pre: &[T], dout: &[T], dpre: &mut [T], slope: T) {
-    let (zero, two) = (T::from_f64(0.0), T::from_f64(2.0));
-    for ((d, &x), &g) in dpre.iter_mut().zip(pre).zip(dout) {
-        let l = if x > zero { x } else { x * slope };
-        let dl = if x > zero { T::from_f64(1.0) } else { slope };
-        *d = g * two * l * dl;
-    }
-}
-
-multiversion! {
-    fn act_bwd_rows = act_bwd_kernel(pre: &[T], dout: &[T], dpre: &mut [T], slope: T);
-}
-
-pub(super) fn act_bwd<T: Real>(pre: &[T], dout: &[T], dpre: &mut [T], slope: T) {
-    const CHUNK: usize = 1 << 14;
-    dpre.par_chunks_mut(CHUNK).enumerate().for_each(|(c, d)| {
-        let r = c * CHUNK..c * CHUNK + d.len();
-        act_bwd_rows(&pre[r.clone()], &dout[r], d, slope)
     });
 }

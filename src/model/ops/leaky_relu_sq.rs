@@ -6,8 +6,9 @@
 //! ```
 //!
 //! For `a` in [0, 1], `l(x) = max(x, a x)`, which is how it runs on every device: candle's
-//! `maximum` and `sqr`, whose backward passes give `dx` above (composed first; a fused kernel
-//! belongs to the GPU engine). The reference it is tested against is the scalar formula.
+//! `maximum` and `sqr`, whose backward passes give `dx` above. The engine's fused CPU form is
+//! [`super::relu_sq`]'s kernel with the slope. The reference it is tested against is the
+//! scalar formula.
 
 use candle_core::{Result, Tensor, bail};
 

@@ -1,11 +1,15 @@
-//! The MLP's activation, squared ReLU, elementwise:
+//! The MLP's activation, squared ReLU, elementwise, and on the CPU its leaky form (slope `a`
+//! in [0, 1], [`super::leaky_relu_sq`]):
 //!
 //! ```text
-//! y = relu(x)^2;   dx = 2 relu(x) g
+//! l(x) = x (x > 0), a x (x <= 0; exactly 0 for a = 0)
+//! y = l(x)^2;   dx = 2 l(x) l'(x) g      (a = 0: y = relu(x)^2, dx = 2 relu(x) g)
 //! ```
 //!
 //! - reference: `x.relu()?.sqr()` (the fallback off the CPU and GPU paths);
-//! - CPU kernel: [`ReluSq`] and [`ReluSqBwd`], [`ELEMS`] elements per rayon task;
+//! - CPU kernel: [`forward_elems`] and [`backward_elems`], [`ELEMS`] elements per rayon task,
+//!   called by [`ReluSq`] and [`ReluSqBwd`] (the model's ops, `a = 0`) and by the engine's
+//!   `CpuBackend` (either activation);
 //! - GPU: `relu_sq_fwd` / `_bwd` of `kernels/fused.cu`.
 
 use candle_core::backend::BackendStorage;
@@ -34,38 +38,65 @@ struct ReluSq;
 /// Elements per rayon task.
 const ELEMS: usize = 1 << 14;
 
+/// `l(x)`: `x` for `x > 0`, else `slope x`; exactly 0 (relu) for `slope = 0`.
 #[inline(always)]
-fn relu_sq_kernel<T: Real>(x: &[T], out: &mut [T]) {
+fn leak<T: Real>(x: T, slope: T) -> T {
     let zero = T::from_f64(0.0);
+    if x > zero {
+        x
+    } else if slope == zero {
+        zero
+    } else {
+        x * slope
+    }
+}
+
+/// `y = l(x)^2`.
+#[inline(always)]
+fn relu_sq_kernel<T: Real>(x: &[T], out: &mut [T], slope: T) {
     for (o, &x) in out.iter_mut().zip(x) {
-        let r = if x > zero { x } else { zero };
+        let r = leak(x, slope);
         *o = r * r;
     }
 }
 
 multiversion! {
-    /// `relu(x)^2` of a block.
-    fn relu_sq_block = relu_sq_kernel(x: &[T], out: &mut [T]);
+    /// `l(x)^2` of a block.
+    fn relu_sq_block = relu_sq_kernel(x: &[T], out: &mut [T], slope: T);
 }
 
-/// `dx = 2 relu(x) g`.
+/// `dx = 2 l(x) l'(x) g`: `g (l + l)` for `x > 0`, else `g ((l + l) slope)`.
 #[inline(always)]
-fn relu_sq_bwd_kernel<T: Real>(x: &[T], g: &[T], out: &mut [T]) {
+fn relu_sq_bwd_kernel<T: Real>(x: &[T], g: &[T], out: &mut [T], slope: T) {
     let zero = T::from_f64(0.0);
     for ((o, &x), &g) in out.iter_mut().zip(x).zip(g) {
-        let r = if x > zero { x } else { zero };
-        *o = g * (r + r);
+        let r = leak(x, slope);
+        let d = if x > zero { r + r } else { (r + r) * slope };
+        *o = g * d;
     }
 }
 
 multiversion! {
-    /// Gradient of `relu(x)^2` on a block.
-    fn relu_sq_bwd_block = relu_sq_bwd_kernel(x: &[T], g: &[T], out: &mut [T]);
+    /// Gradient of `l(x)^2` on a block.
+    fn relu_sq_bwd_block = relu_sq_bwd_kernel(x: &[T], g: &[T], out: &mut [T], slope: T);
+}
+
+/// The forward pass on the CPU, for the model's op (`slope` 0) and the engine's backend
+/// (relu² or the leaky relu² of [`super::leaky_relu_sq`]): `out = l(x)^2`, [`ELEMS`] elements
+/// per rayon task.
+pub(crate) fn forward_elems<T: Real>(x: &[T], out: &mut [T], slope: T) {
+    out.par_chunks_mut(ELEMS).zip(x.par_chunks(ELEMS)).for_each(|(o, x)| relu_sq_block(x, o, slope));
+}
+
+/// The backward pass on the CPU, for the model's op and the engine's backend: `out = 2 l(x)
+/// l'(x) g`.
+pub(crate) fn backward_elems<T: Real>(x: &[T], g: &[T], out: &mut [T], slope: T) {
+    out.par_chunks_mut(ELEMS).zip(x.par_chunks(ELEMS)).zip(g.par_chunks(ELEMS)).for_each(|((o, x), g)| relu_sq_bwd_block(x, g, o, slope));
 }
 
 fn relu_sq_fwd<T: Real>(x: &[T]) -> Vec<T> {
     let mut out = vec![T::from_f64(0.0); x.len()];
-    out.par_chunks_mut(ELEMS).zip(x.par_chunks(ELEMS)).for_each(|(o, x)| relu_sq_block(x, o));
+    forward_elems(x, &mut out, T::from_f64(0.0));
     out
 }
 
@@ -111,8 +142,9 @@ impl CustomOp2 for ReluSqBwd {
         }
         let out = float_dispatch!(xs.dtype(), "relu_sq", |T| {
             let (x, g) = (elems::<T>(xs, xl)?, elems::<T>(gs, gl)?);
-            let mut out = vec![<T as candle_core::WithDType>::from_f64(0.0); x.len()];
-            out.par_chunks_mut(ELEMS).zip(x.par_chunks(ELEMS)).zip(g.par_chunks(ELEMS)).for_each(|((o, x), g)| relu_sq_bwd_block(x, g, o));
+            let zero = <T as candle_core::WithDType>::from_f64(0.0);
+            let mut out = vec![zero; x.len()];
+            backward_elems(x, g, &mut out, zero);
             wrap(out)
         });
         Ok((out, xl.shape().clone()))

@@ -7,8 +7,9 @@
 //! ```
 //!
 //! - reference: the broadcasting composite (the fallback off the CPU and GPU paths);
-//! - CPU kernel: [`ResidMix`], [`ROWS`] rows per rayon task, `dmix` summed in f64 per task and
-//!   the tasks' sums added in order;
+//! - CPU kernel: [`forward_rows`] and [`backward_rows`], [`ROWS`] rows per rayon task, `dmix`
+//!   summed in f64 per task and the tasks' sums added in order; [`ResidMix`] (the model's op)
+//!   and the engine's `CpuBackend` both call them;
 //! - GPU: `resid_mix` of `kernels/fused.cu`; backward [`super::scale_cols`] and `column_dot`.
 
 use candle_core::backend::BackendStorage;
@@ -65,10 +66,12 @@ multiversion! {
     fn mix_rows = mix_kernel(h: &[T], x0: &[T], m0: &[T], m1: &[T], out: &mut [T]);
 }
 
-/// `dh = g * m0`, `dx0 = g * m1` for `mix = [m0, m1]`; adds `g * h` and `g * x0` to the sums
+/// `dh = g * m0`, `dx0 = g * m1` (`dx0 += g * m1` with `acc_dx0`: the engine's first block,
+/// whose `x0` is also the stream) for `mix = [m0, m1]`; adds `g * h` and `g * x0` to the sums
 /// `dm = [dm0, dm1]`.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn mix_bwd_kernel<T: Real>(g: &[T], h: &[T], x0: &[T], mix: &[T], dh: &mut [T], dx0: &mut [T], dm: &mut [f64]) {
+fn mix_bwd_kernel<T: Real>(g: &[T], h: &[T], x0: &[T], mix: &[T], dh: &mut [T], dx0: &mut [T], acc_dx0: bool, dm: &mut [f64]) {
     let c = mix.len() / 2;
     let (m0, m1) = mix.split_at(c);
     let (dm0, dm1) = dm.split_at_mut(c);
@@ -77,7 +80,11 @@ fn mix_bwd_kernel<T: Real>(g: &[T], h: &[T], x0: &[T], mix: &[T], dh: &mut [T], 
         for i in 0..c {
             let gi = g[i];
             dh[i] = gi * m0[i];
-            dx0[i] = gi * m1[i];
+            if acc_dx0 {
+                dx0[i] += gi * m1[i];
+            } else {
+                dx0[i] = gi * m1[i];
+            }
             dm0[i] += (gi * h[i]).to_f64();
             dm1[i] += (gi * x0[i]).to_f64();
         }
@@ -86,16 +93,43 @@ fn mix_bwd_kernel<T: Real>(g: &[T], h: &[T], x0: &[T], mix: &[T], dh: &mut [T], 
 
 multiversion! {
     /// Gradient rows of the residual mix.
-    fn mix_bwd_rows = mix_bwd_kernel(g: &[T], h: &[T], x0: &[T], mix: &[T], dh: &mut [T], dx0: &mut [T], dm: &mut [f64]);
+    fn mix_bwd_rows = mix_bwd_kernel(g: &[T], h: &[T], x0: &[T], mix: &[T], dh: &mut [T], dx0: &mut [T], acc_dx0: bool, dm: &mut [f64]);
 }
 
-fn mix_fwd<T: Real>(h: &[T], x0: &[T], mix: &[T]) -> Vec<T> {
+/// The forward pass on the CPU, for the model's op and the engine's backend: `out` of the
+/// `(rows, C)` matrices `h` and `x0`, `mix` `(2, C)`; [`ROWS`] rows per rayon task.
+pub(crate) fn forward_rows<T: Real>(h: &[T], x0: &[T], mix: &[T], out: &mut [T]) {
     let c = mix.len() / 2;
     let (m0, m1) = mix.split_at(c);
-    let mut out = vec![T::from_f64(0.0); h.len()];
     out.par_chunks_mut(ROWS * c).zip(h.par_chunks(ROWS * c)).zip(x0.par_chunks(ROWS * c)).for_each(|((o, h), x0)| {
         mix_rows(h, x0, m0, m1, o);
     });
+}
+
+/// The backward pass on the CPU, for the model's op and the engine's backend: `dh` written,
+/// `dx0` written (or added to, `acc_dx0`); returns `dmix` `(2, C)` row-major in f64, summed per
+/// block of [`ROWS`] rows and the blocks added in order.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_rows<T: Real>(g: &[T], h: &[T], x0: &[T], mix: &[T], dh: &mut [T], dx0: &mut [T], acc_dx0: bool) -> Vec<f64> {
+    let c = mix.len() / 2;
+    let parts: Vec<Vec<f64>> = dh
+        .par_chunks_mut(ROWS * c)
+        .zip(dx0.par_chunks_mut(ROWS * c))
+        .zip(g.par_chunks(ROWS * c))
+        .zip(h.par_chunks(ROWS * c))
+        .zip(x0.par_chunks(ROWS * c))
+        .map(|((((dh, dx0), g), h), x0)| {
+            let mut dm = vec![0.0; 2 * c];
+            mix_bwd_rows(g, h, x0, mix, dh, dx0, acc_dx0, &mut dm);
+            dm
+        })
+        .collect();
+    add_partials(parts, 2 * c)
+}
+
+fn mix_fwd<T: Real>(h: &[T], x0: &[T], mix: &[T]) -> Vec<T> {
+    let mut out = vec![T::from_f64(0.0); h.len()];
+    forward_rows(h, x0, mix, &mut out);
     out
 }
 
@@ -106,19 +140,8 @@ fn mix_bwd<T: Real>(h: &Tensor, x0: &Tensor, mix: &Tensor, grad: &Tensor) -> Res
     let c = mv.len() / 2;
     let zero = T::from_f64(0.0);
     let (mut dh, mut dx0) = (vec![zero; hv.len()], vec![zero; hv.len()]);
-    let parts: Vec<Vec<f64>> = dh
-        .par_chunks_mut(ROWS * c)
-        .zip(dx0.par_chunks_mut(ROWS * c))
-        .zip(gv.par_chunks(ROWS * c))
-        .zip(hv.par_chunks(ROWS * c))
-        .zip(xv.par_chunks(ROWS * c))
-        .map(|((((dh, dx0), g), h), x0)| {
-            let mut dm = vec![0.0; 2 * c];
-            mix_bwd_rows(g, h, x0, mv, dh, dx0, &mut dm);
-            dm
-        })
-        .collect();
-    let dm = tensor_from_f64::<T>(&add_partials(parts, 2 * c), (2, c))?;
+    let sums = backward_rows(gv, hv, xv, mv, &mut dh, &mut dx0, false);
+    let dm = tensor_from_f64::<T>(&sums, (2, c))?;
     Ok((Tensor::from_vec(dh, h.shape(), &Device::Cpu)?, Tensor::from_vec(dx0, h.shape(), &Device::Cpu)?, dm))
 }
 

@@ -9,8 +9,9 @@
 //! `x` may be the narrower dtype of a mixed pair (a bf16 product added to the f32 stream).
 //!
 //! - reference: `base + x.broadcast_mul(s)` (the fallback off the CPU and GPU paths);
-//! - CPU kernel: [`ScaleAdd`], [`ROWS`] rows per rayon task, `ds` summed in f64 per task and
-//!   the tasks' sums added in order;
+//! - CPU kernel: [`forward_rows`] and [`backward_rows`], [`ROWS`] rows per rayon task, `ds`
+//!   summed in f64 per task and the tasks' sums added in order; [`ScaleAdd`] (the model's op)
+//!   and the engine's `CpuBackend` both call them;
 //! - GPU: `scale_add` of `kernels/fused.cu`; backward [`super::scale_cols`] and `column_dot`.
 
 use candle_core::backend::BackendStorage;
@@ -59,19 +60,20 @@ fn scale_add_bwd_gpu(x: &Tensor, s: &Tensor, grad: &Tensor) -> Result<(Tensor, T
 
 struct ScaleAdd;
 
+/// `out += x * s` on rows: `out` holds `base` and receives `base + x * s`.
 #[inline(always)]
-fn scale_add_kernel<T: Real>(base: &[T], x: &[T], s: &[T], out: &mut [T]) {
+fn scale_add_kernel<T: Real>(x: &[T], s: &[T], out: &mut [T]) {
     let c = s.len();
-    for ((o, b), x) in out.chunks_exact_mut(c).zip(base.chunks_exact(c)).zip(x.chunks_exact(c)) {
-        for (((o, &b), &x), &s) in o.iter_mut().zip(b).zip(x).zip(s) {
-            *o = b + x * s;
+    for (o, x) in out.chunks_exact_mut(c).zip(x.chunks_exact(c)) {
+        for ((o, &x), &s) in o.iter_mut().zip(x).zip(s) {
+            *o = *o + x * s;
         }
     }
 }
 
 multiversion! {
-    /// Rows of `base + x * s`.
-    fn scale_add_rows = scale_add_kernel(base: &[T], x: &[T], s: &[T], out: &mut [T]);
+    /// Rows of `base + x * s`, in place.
+    fn scale_add_rows = scale_add_kernel(x: &[T], s: &[T], out: &mut [T]);
 }
 
 /// `dx = g * s` into `dx`; adds `g * x` to the per-channel sums `ds`.
@@ -91,12 +93,33 @@ multiversion! {
     fn scale_add_bwd_rows = scale_add_bwd_kernel(g: &[T], x: &[T], s: &[T], dx: &mut [T], ds: &mut [f64]);
 }
 
-fn scale_add_fwd<T: Real>(base: &[T], x: &[T], s: &[T]) -> Vec<T> {
+/// The forward pass on the CPU, for the model's op and the engine's backend: `out += x * s`
+/// per channel (`out` holds `base`), [`ROWS`] rows per rayon task.
+pub(crate) fn forward_rows<T: Real>(x: &[T], s: &[T], out: &mut [T]) {
     let c = s.len();
-    let mut out = vec![T::from_f64(0.0); base.len()];
-    out.par_chunks_mut(ROWS * c).zip(base.par_chunks(ROWS * c)).zip(x.par_chunks(ROWS * c)).for_each(|((o, b), x)| {
-        scale_add_rows(b, x, s, o);
-    });
+    out.par_chunks_mut(ROWS * c).zip(x.par_chunks(ROWS * c)).for_each(|(o, x)| scale_add_rows(x, s, o));
+}
+
+/// The backward pass on the CPU, for the model's op and the engine's backend: `dx = g * s`
+/// written; returns `ds` in f64, summed per block of [`ROWS`] rows and the blocks added in order.
+pub(crate) fn backward_rows<T: Real>(g: &[T], x: &[T], s: &[T], dx: &mut [T]) -> Vec<f64> {
+    let c = s.len();
+    let parts: Vec<Vec<f64>> = dx
+        .par_chunks_mut(ROWS * c)
+        .zip(g.par_chunks(ROWS * c))
+        .zip(x.par_chunks(ROWS * c))
+        .map(|((dx, g), x)| {
+            let mut ds = vec![0.0; c];
+            scale_add_bwd_rows(g, x, s, dx, &mut ds);
+            ds
+        })
+        .collect();
+    add_partials(parts, c)
+}
+
+fn scale_add_fwd<T: Real>(base: &[T], x: &[T], s: &[T]) -> Vec<T> {
+    let mut out = base.to_vec();
+    forward_rows(x, s, &mut out);
     out
 }
 
@@ -104,19 +127,9 @@ fn scale_add_bwd<T: Real>(x: &Tensor, s: &Tensor, grad: &Tensor) -> Result<(Tens
     let grad = grad.contiguous()?;
     let (xh, sh, gh) = (Held::new(x), Held::new(s), Held::new(&grad));
     let (xv, sv, gv) = (xh.slice::<T>("x")?, sh.slice::<T>("scale")?, gh.slice::<T>("grad")?);
-    let c = sv.len();
     let mut dx = vec![T::from_f64(0.0); xv.len()];
-    let parts: Vec<Vec<f64>> = dx
-        .par_chunks_mut(ROWS * c)
-        .zip(gv.par_chunks(ROWS * c))
-        .zip(xv.par_chunks(ROWS * c))
-        .map(|((dx, g), x)| {
-            let mut ds = vec![0.0; c];
-            scale_add_bwd_rows(g, x, sv, dx, &mut ds);
-            ds
-        })
-        .collect();
-    let ds = tensor_from_f64::<T>(&add_partials(parts, c), c)?;
+    let sums = backward_rows(gv, xv, sv, &mut dx);
+    let ds = tensor_from_f64::<T>(&sums, sv.len())?;
     Ok((Tensor::from_vec(dx, x.shape(), &Device::Cpu)?, ds))
 }
 
