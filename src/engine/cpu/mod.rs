@@ -5,15 +5,15 @@
 //! runs.
 //!
 //! The maths of the model's ops lives once, in [`crate::model::ops`]: the row functions of
-//! `rms_norm`, `resid_mix`, `scale_add`, `relu_sq` (both activations) and `attention` are those
-//! the candle model's CPU kernels run, called here on the arena's slices. What is left here is
-//! the engine's own glue, the ops not moved yet and the ops the model composes from candle ops:
+//! `rms_norm`, `resid_mix`, `scale_add`, `relu_sq` (both activations), `qk_norm_rope`,
+//! `softcap_ce` and `attention` are those the candle model's CPU kernels run, called here on
+//! the arena's slices. What is left here is the engine's own glue and the ops the model composes
+//! from candle ops:
 //!
 //! - [`gemm`]: matrix products through the `gemm` crate (candle's own CPU GEMM: packed,
 //!   register-tiled, AVX2/AVX-512 kernels, rayon), with `beta` and strided views;
-//! - [`rows`]: the row ops of the ops the model composes (the skip gate, XSA), QK norm + RoPE
-//!   and the embedding;
-//! - [`loss`]: the soft-capped cross-entropy fused with its gradient;
+//! - [`rows`]: the row ops of the ops the model composes (the skip gate, XSA) and the
+//!   embedding;
 //! - [`flat`]: the flat loops (fills, copies, reductions, the optimizers, the EMA);
 //! - the per-channel sums of [`crate::model::ops`] added into the engine's buffers
 //!   ([`add_into`]), and its buffers read as [`Rows`].
@@ -24,7 +24,6 @@
 
 mod flat;
 mod gemm;
-mod loss;
 mod rows;
 
 use candle_core::{DType, Device, Tensor};
@@ -32,7 +31,8 @@ use candle_core::{DType, Device, Tensor};
 use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, Mat, check_regions};
 use crate::model::cpu::rows::{Rows, dense_offsets};
 use crate::model::cpu::simd::Real;
-use crate::model::ops::{relu_sq, resid_mix, rms_norm, scale_add};
+use crate::model::ops::qk_norm_rope::{self, RopeRows};
+use crate::model::ops::{relu_sq, resid_mix, rms_norm, scale_add, softcap_ce};
 
 /// A CPU backend over an arena of `T` (`f64`: the check backend; `f32`: the fast one).
 pub(crate) struct CpuBackend<T> {
@@ -236,14 +236,18 @@ impl<T: Real> Backend for CpuBackend<T> {
     fn qk_norm_rope_fwd(&mut self, x: Mat, out: Buf, rstd: Buf, gain: Option<Buf>, cos: Buf, sin: Buf, s: HeadShape, eps: f64) {
         let gain = gain.unwrap_or_default();
         let ([xs, g, c, sn], [o, r]) = self.io([x.span(), gain, cos, sin], [out, rstd]);
-        rows::qk_norm_rope_fwd((xs, x.ld), o, r, (!g.is_empty()).then_some(g), (c, sn), s, eps);
+        let geo = RopeRows { heads: s.heads, d: s.d, half: s.rot / 2, seq: s.t, eps, cos: c, sin: sn };
+        qk_norm_rope::forward_rows(&geo, (xs, x.ld), (!g.is_empty()).then_some(g), o, Some(r));
     }
 
     fn qk_norm_rope_bwd(&mut self, x: Mat, rstd: Buf, dy: Buf, dx: Mat, gain: Option<(Buf, Buf)>, cos: Buf, sin: Buf, s: HeadShape) {
         let (g, dg) = gain.unwrap_or_default();
         let ([xs, r, gy, g, c, sn], [dxs, dg]) = self.io([x.span(), rstd, dy, g, cos, sin], [dx.span(), dg]);
-        let gain = (!g.is_empty()).then_some((g, dg));
-        rows::qk_norm_rope_bwd((xs, x.ld), r, gy, (dxs, dx.ld), gain, (c, sn), s);
+        // `eps` is unused: each head's `r` comes from the saved `rstd`.
+        let geo = RopeRows { heads: s.heads, d: s.d, half: s.rot / 2, seq: s.t, eps: 0.0, cos: c, sin: sn };
+        let gain = (!g.is_empty()).then_some(g);
+        let dgain = qk_norm_rope::backward_rows(&geo, s.rows, (xs, x.ld), gy, gain, Some(r), (dxs, dx.ld));
+        add_into(dg, &dgain);
     }
 
     fn attention_fwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, s: AttnShape) {
@@ -281,7 +285,7 @@ impl<T: Real> Backend for CpuBackend<T> {
     fn softcap_ce(&mut self, logits: Buf, losses: Buf, vocab: usize, cap: f64, grad_scale: f64) {
         let y = std::mem::take(&mut self.y);
         let ([], [l, out]) = self.io([], [logits, losses]);
-        loss::softcap_ce(l, &y, out, vocab, cap, grad_scale);
+        softcap_ce::fused_rows(l, &y, out, vocab, cap, grad_scale);
         self.y = y;
     }
 

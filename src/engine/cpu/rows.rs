@@ -1,16 +1,16 @@
-//! The engine's row ops on the CPU: each a loop over `cols`-wide rows, [`ROWS`] rows per rayon
-//! task, the per-channel sums of a backward pass summed in f64 per task and the tasks' sums
-//! added in task order (so a gradient does not depend on the thread schedule). The maths of
-//! each op is on the [`crate::engine::backend::Backend`] method it implements and, in full,
-//! beside the candle op it matches (`crate::model::ops::*`).
+//! The engine's row ops on the CPU that the model has no kernel for (it composes them from
+//! candle ops): the sigmoid-gated skip ([`crate::model::ops::skip_gate`]), XSA
+//! ([`crate::model::ops::xsa`]) and the embedding lookup and its gradient. Each a loop over
+//! `cols`-wide rows, [`ROWS`] rows per rayon task, the per-channel sums of a backward pass summed
+//! in f64 per task and the tasks' sums added in task order (so a gradient does not depend on the
+//! thread schedule). The ops the model runs fused kernels for are those kernels, in
+//! [`crate::model::ops`].
 
 use rayon::prelude::*;
 
-use crate::engine::backend::{AttnShape, HeadShape};
+use crate::engine::backend::AttnShape;
+use crate::model::cpu::rows::{ROWS, split_rows};
 use crate::model::cpu::simd::{Real, dot_f64};
-
-/// Rows per rayon task.
-const ROWS: usize = 64;
 
 /// Per-channel f64 sums over row blocks, added in block order into `acc` (`+=`).
 fn column_sums<T: Real>(rows: usize, cols: usize, acc: &mut [T], per_row: impl Fn(usize, &mut [f64]) + Sync) {
@@ -124,137 +124,6 @@ pub(super) fn skip_bwd<T: Real>(
             *d += r * g * (one - g);
         }
     }
-}
-
-/// One head: `y = rope(x / r) * gain`; returns `1 / r`.
-#[inline(always)]
-fn norm_rope_head<T: Real>(x: &[T], y: &mut [T], (cos, sin): (&[T], &[T]), gain: T, eps: f64) -> T {
-    let d = x.len();
-    let half = cos.len();
-    let inv = T::from_f64(1.0 / (dot_f64(x, x) / d as f64 + eps).sqrt());
-    for i in 0..half {
-        let (a, b) = (x[i] * inv, x[i + half] * inv);
-        y[i] = (a * cos[i] + b * sin[i]) * gain;
-        y[i + half] = (b * cos[i] - a * sin[i]) * gain;
-    }
-    for i in 2 * half..d {
-        y[i] = x[i] * inv * gain;
-    }
-    inv
-}
-
-pub(super) fn qk_norm_rope_fwd<T: Real>(
-    (x, ld): (&[T], usize),
-    out: &mut [T],
-    rstd: &mut [T],
-    gain: Option<&[T]>,
-    (cos, sin): (&[T], &[T]),
-    s: HeadShape,
-    eps: f64,
-) {
-    let (w, half) = (s.heads * s.d, s.rot / 2);
-    out.par_chunks_mut(w).zip(rstd.par_chunks_mut(s.heads)).enumerate().for_each(|(n, (o, r))| {
-        let p = n % s.t;
-        let tables = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
-        for h in 0..s.heads {
-            let g = gain.map_or(T::from_f64(1.0), |g| g[h]);
-            r[h] = norm_rope_head(&x[n * ld + h * s.d..][..s.d], &mut o[h * s.d..(h + 1) * s.d], tables, g, eps);
-        }
-    });
-}
-
-/// Backward of one head: `dz = dy gain`, `dxn = rope^T(dz)`, `dx = (dxn - xn mean(dxn xn)) / r`;
-/// returns `sum(dy . rope(xn))`, the gain's gradient.
-#[inline(always)]
-fn norm_rope_head_bwd<T: Real>(x: &[T], inv: T, dy: &[T], dx: &mut [T], (cos, sin): (&[T], &[T]), gain: T) -> f64 {
-    let d = x.len();
-    let half = cos.len();
-    let mut dgain = 0.0;
-    // dx first holds dxn, the gradient of the normed head.
-    for i in 0..half {
-        let (a, b) = (x[i] * inv, x[i + half] * inv);
-        let (ya, yb) = (a * cos[i] + b * sin[i], b * cos[i] - a * sin[i]);
-        dgain += dy[i].to_f64() * ya.to_f64() + dy[i + half].to_f64() * yb.to_f64();
-        let (ga, gb) = (dy[i] * gain, dy[i + half] * gain);
-        dx[i] = ga * cos[i] - gb * sin[i];
-        dx[i + half] = ga * sin[i] + gb * cos[i];
-    }
-    for i in 2 * half..d {
-        dgain += dy[i].to_f64() * (x[i] * inv).to_f64();
-        dx[i] = dy[i] * gain;
-    }
-    let mut dot = 0.0;
-    for i in 0..d {
-        dot += dx[i].to_f64() * (x[i] * inv).to_f64();
-    }
-    let c = T::from_f64(dot / d as f64);
-    for i in 0..d {
-        dx[i] = (dx[i] - x[i] * inv * c) * inv;
-    }
-    dgain
-}
-
-pub(super) fn qk_norm_rope_bwd<T: Real>(
-    (x, ld): (&[T], usize),
-    rstd: &[T],
-    dy: &[T],
-    (dx, ldx): (&mut [T], usize),
-    gain: Option<(&[T], &mut [T])>,
-    (cos, sin): (&[T], &[T]),
-    s: HeadShape,
-) {
-    let (w, half) = (s.heads * s.d, s.rot / 2);
-    let g = gain.as_ref().map(|(g, _)| *g);
-    // Row blocks of the (strided) gradient view: each task writes its own rows.
-    let blocks: Vec<(usize, &mut [T])> = split_rows(dx, ldx, w, s.rows);
-    let parts: Vec<Vec<f64>> = blocks
-        .into_par_iter()
-        .map(|(r0, block)| {
-            let mut dgain = vec![0.0; s.heads];
-            let n_rows = if block.is_empty() { 0 } else { (block.len() - w) / ldx + 1 };
-            for r in 0..n_rows {
-                let n = r0 + r;
-                let p = n % s.t;
-                let tables = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
-                for (h, dg) in dgain.iter_mut().enumerate() {
-                    let gh = g.map_or(T::from_f64(1.0), |g| g[h]);
-                    let xs = &x[n * ld + h * s.d..][..s.d];
-                    let out = &mut block[r * ldx + h * s.d..][..s.d];
-                    *dg += norm_rope_head_bwd(xs, rstd[n * s.heads + h], &dy[n * w + h * s.d..][..s.d], out, tables, gh);
-                }
-            }
-            dgain
-        })
-        .collect();
-    if let Some((_, dg)) = gain {
-        let mut total = vec![0.0; s.heads];
-        for p in parts {
-            for (t, x) in total.iter_mut().zip(p) {
-                *t += x;
-            }
-        }
-        for (d, t) in dg.iter_mut().zip(total) {
-            *d += T::from_f64(t);
-        }
-    }
-}
-
-/// A strided `(rows, width)` view with row stride `ld` cut into blocks of [`ROWS`] rows: each
-/// block the slice from its first row's start to its last row's end, with its first row.
-fn split_rows<T>(data: &mut [T], ld: usize, width: usize, rows: usize) -> Vec<(usize, &mut [T])> {
-    let mut out = Vec::with_capacity(rows.div_ceil(ROWS));
-    let mut rest = data;
-    let mut r0 = 0;
-    while r0 < rows {
-        let n = ROWS.min(rows - r0);
-        let span = (n - 1) * ld + width;
-        let take = if r0 + n < rows { n * ld } else { rest.len() };
-        let (block, tail) = std::mem::take(&mut rest).split_at_mut(take);
-        out.push((r0, &mut block[..span]));
-        rest = tail;
-        r0 += n;
-    }
-    out
 }
 
 /// The unit value vector of KV head `g` of row `n`, and its norm before the floor.

@@ -2,7 +2,8 @@
 //! dimension is contiguous, wherever they start), their offsets ([`row_offsets`]), contiguous
 //! element slices of a storage ([`elems`], [`elems_as`], [`Held`]), and the ordered sum of
 //! per-task partial sums ([`add_partials`]) that keeps per-channel gradients independent of
-//! thread scheduling.
+//! thread scheduling; for the engine's buffers, contiguous matrices as [`Rows`]
+//! ([`dense_offsets`]) and strided views cut into row blocks ([`split_rows`]).
 
 use std::borrow::Cow;
 
@@ -170,6 +171,26 @@ pub(crate) fn add_partials(parts: Vec<Vec<f64>>, len: usize) -> Vec<f64> {
         }
     }
     total
+}
+
+/// A strided `(rows, width)` view with row stride `ld` cut into blocks of [`ROWS`] rows: each
+/// block the slice from its first row's start to its last row's end, with its first row (so
+/// that rayon tasks can each write their own rows of a view such as a column block of a wider
+/// matrix).
+pub(crate) fn split_rows<T>(data: &mut [T], ld: usize, width: usize, rows: usize) -> Vec<(usize, &mut [T])> {
+    let mut out = Vec::with_capacity(rows.div_ceil(ROWS));
+    let mut rest = data;
+    let mut r0 = 0;
+    while r0 < rows {
+        let n = ROWS.min(rows - r0);
+        let span = (n - 1) * ld + width;
+        let take = if r0 + n < rows { n * ld } else { rest.len() };
+        let (block, tail) = std::mem::take(&mut rest).split_at_mut(take);
+        out.push((r0, &mut block[..span]));
+        rest = tail;
+        r0 += n;
+    }
+    out
 }
 
 /// A CPU tensor of `shape` in `T` from f64 values (the per-channel sums of a backward pass).

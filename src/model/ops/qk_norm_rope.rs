@@ -14,7 +14,9 @@
 //! - reference: the composite of [`super::rms_norm_reference`], [`super::rope`] and a broadcast
 //!   gain on `(B, H, T, D)` heads (in the tests), and, for the GPU kernels, the f64 row
 //!   functions of [`NormRope`] (`fwd_rows`, `bwd_rows`);
-//! - CPU kernel: [`QkNormRope`], with the gain folded in, [`ROWS`] rows per rayon task;
+//! - CPU kernel: [`forward_rows`] and [`backward_rows`], with the gain folded in, [`ROWS`] rows
+//!   per rayon task, called by [`QkNormRope`] (the model's op) and by the engine's `CpuBackend`
+//!   (which reads strided views, saves `1 / r_h` and reuses it in the backward pass);
 //! - GPU: [`norm_rope`] (`norm_rope_fwd` / `_bwd` of `kernels/fused.cu`, with the
 //!   16-byte-chunk forms `norm_rope_vec_*`), then the gain as [`super::scale_cols`]; partial
 //!   RoPE there is the candle composite (the fused norm, then RoPE of the first `R` dims), until
@@ -27,7 +29,7 @@ use rayon::prelude::*;
 use super::scale_cols::scale_cols;
 use super::{check_float, same_dtypes};
 use crate::model::cpu::host::{self, float_dispatch, wrap};
-use crate::model::cpu::rows::{Held, ROWS, add_partials, elems, tensor_from_f64};
+use crate::model::cpu::rows::{Held, ROWS, add_partials, elems, split_rows, tensor_from_f64};
 use crate::model::cpu::simd::{Real, dot_f64, multiversion};
 use crate::model::ops;
 
@@ -107,28 +109,37 @@ struct QkNormRope {
 }
 
 /// The geometry of one call: `heads` heads of `d` per row, the first `2 * half` of each
-/// rotated, row `n` at position `n % seq`, the tables in `T`.
-struct RopeRows<'a, T> {
-    heads: usize,
-    d: usize,
-    half: usize,
-    seq: usize,
-    eps: f64,
-    cos: &'a [T],
-    sin: &'a [T],
+/// rotated, row `n` at position `n % seq`, the `(seq, half)` tables in `T`.
+pub(crate) struct RopeRows<'a, T> {
+    pub(crate) heads: usize,
+    pub(crate) d: usize,
+    pub(crate) half: usize,
+    pub(crate) seq: usize,
+    /// The RMS norm's epsilon.
+    pub(crate) eps: f64,
+    pub(crate) cos: &'a [T],
+    pub(crate) sin: &'a [T],
 }
 
-/// Rows `n0..` of the forward pass: `out` and `x` hold whole rows of `heads * d`.
+/// Rows `n0..` of the forward pass: `out` holds whole rows of `heads * d`; row `n` of `x`
+/// starts at `n * ldx`. `1 / r` of each head into `rstd` (`heads` per row, from row `n0`) when
+/// given.
 #[inline(always)]
-fn qk_fwd_kernel<T: Real>(g: &RopeRows<'_, T>, n0: usize, x: &[T], gain: Option<&[T]>, out: &mut [T]) {
+fn qk_fwd_kernel<T: Real>(g: &RopeRows<'_, T>, n0: usize, (x, ldx): (&[T], usize), gain: Option<&[T]>, out: &mut [T], mut rstd: Option<&mut [T]>) {
     let (half, d) = (g.half, g.d);
     let eps = g.eps;
-    for (r, (orow, xrow)) in out.chunks_exact_mut(g.heads * d).zip(x.chunks_exact(g.heads * d)).enumerate() {
+    let w = g.heads * d;
+    for (r, orow) in out.chunks_exact_mut(w).enumerate() {
+        let xrow = &x[(n0 + r) * ldx..][..w];
         let pos = (n0 + r) % g.seq;
         let (cos, sin) = (&g.cos[pos * half..(pos + 1) * half], &g.sin[pos * half..(pos + 1) * half]);
         for (h, (o, xh)) in orow.chunks_exact_mut(d).zip(xrow.chunks_exact(d)).enumerate() {
             // As `ops::rms_norm`, then `ops::rope`, then the gain, rounding for rounding.
-            let rms = T::from_f64((dot_f64(xh, xh) / d as f64 + eps).sqrt());
+            let rms = (dot_f64(xh, xh) / d as f64 + eps).sqrt();
+            if let Some(rstd) = rstd.as_deref_mut() {
+                rstd[r * g.heads + h] = T::from_f64(1.0 / rms);
+            }
+            let rms = T::from_f64(rms);
             let (x1, rest) = xh.split_at(half);
             let (x2, xp) = rest.split_at(half);
             let (o1, rest) = o.split_at_mut(half);
@@ -154,22 +165,39 @@ fn qk_fwd_kernel<T: Real>(g: &RopeRows<'_, T>, n0: usize, x: &[T], gain: Option<
 
 multiversion! {
     /// Forward rows of `qk_norm_rope`.
-    fn qk_fwd_rows = qk_fwd_kernel(g: &RopeRows<'_, T>, n0: usize, x: &[T], gain: Option<&[T]>, out: &mut [T]);
+    fn qk_fwd_rows = qk_fwd_kernel(g: &RopeRows<'_, T>, n0: usize, x: (&[T], usize), gain: Option<&[T]>, out: &mut [T], rstd: Option<&mut [T]>);
 }
 
-/// Gradient rows `n0..`: `dx` of `x` given the output gradient `go`; with a gain, adds each
-/// head's `sum(go * rope(norm(x)))` to `dgain`.
+/// Gradient rows `n0..n0 + rows`: `dx` of `x` given the output gradient `go` (contiguous rows
+/// of `heads * d`), row `r` of the block written at `dx[r * lddx..]`; `r` of each head
+/// recomputed from `x` or, given `rstd`, `1 / rstd` as the forward pass saved it. With a gain,
+/// adds each head's `sum(go * rope(norm(x)))` to `dgain`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn qk_bwd_kernel<T: Real>(g: &RopeRows<'_, T>, n0: usize, x: &[T], go: &[T], gain: Option<&[T]>, dx: &mut [T], dgain: &mut [f64]) {
+fn qk_bwd_kernel<T: Real>(
+    g: &RopeRows<'_, T>,
+    (n0, rows): (usize, usize),
+    (x, ldx): (&[T], usize),
+    go: &[T],
+    gain: Option<&[T]>,
+    rstd: Option<&[T]>,
+    (dx, lddx): (&mut [T], usize),
+    dgain: &mut [f64],
+) {
     let (half, d) = (g.half, g.d);
     let eps = g.eps;
     let w = g.heads * d;
-    for (r, ((dxrow, xrow), gorow)) in dx.chunks_exact_mut(w).zip(x.chunks_exact(w)).zip(go.chunks_exact(w)).enumerate() {
-        let pos = (n0 + r) % g.seq;
+    for r in 0..rows {
+        let n = n0 + r;
+        let (xrow, gorow) = (&x[n * ldx..][..w], &go[n * w..][..w]);
+        let dxrow = &mut dx[r * lddx..][..w];
+        let pos = n % g.seq;
         let (cos, sin) = (&g.cos[pos * half..(pos + 1) * half], &g.sin[pos * half..(pos + 1) * half]);
         for (h, ((dxh, xh), goh)) in dxrow.chunks_exact_mut(d).zip(xrow.chunks_exact(d)).zip(gorow.chunks_exact(d)).enumerate() {
-            let rms = (dot_f64(xh, xh) / d as f64 + eps).sqrt();
+            let rms = match rstd {
+                Some(rstd) => 1.0 / rstd[n * g.heads + h].to_f64(),
+                None => (dot_f64(xh, xh) / d as f64 + eps).sqrt(),
+            };
             let (x1, rest) = xh.split_at(half);
             let (x2, xp) = rest.split_at(half);
             let (g1, rest) = goh.split_at(half);
@@ -213,7 +241,48 @@ fn qk_bwd_kernel<T: Real>(g: &RopeRows<'_, T>, n0: usize, x: &[T], go: &[T], gai
 
 multiversion! {
     /// Gradient rows of `qk_norm_rope`.
-    fn qk_bwd_rows = qk_bwd_kernel(g: &RopeRows<'_, T>, n0: usize, x: &[T], go: &[T], gain: Option<&[T]>, dx: &mut [T], dgain: &mut [f64]);
+    fn qk_bwd_rows = qk_bwd_kernel(g: &RopeRows<'_, T>, rows: (usize, usize), x: (&[T], usize), go: &[T], gain: Option<&[T]>, rstd: Option<&[T]>, dx: (&mut [T], usize), dgain: &mut [f64]);
+}
+
+/// The forward pass on the CPU, for the model's op and the engine's backend: the rows of `x`
+/// (row `n` at `n * ldx`, `heads * d` wide) into the contiguous `out`, `1 / r` per (row, head)
+/// into `rstd` when given; [`ROWS`] rows per rayon task.
+pub(crate) fn forward_rows<T: Real>(geo: &RopeRows<'_, T>, x: (&[T], usize), gain: Option<&[T]>, out: &mut [T], rstd: Option<&mut [T]>) {
+    let w = geo.heads * geo.d;
+    match rstd {
+        Some(rstd) => out.par_chunks_mut(ROWS * w).zip(rstd.par_chunks_mut(ROWS * geo.heads)).enumerate().for_each(|(c, (o, r))| {
+            qk_fwd_rows(geo, c * ROWS, x, gain, o, Some(r));
+        }),
+        None => out.par_chunks_mut(ROWS * w).enumerate().for_each(|(c, o)| qk_fwd_rows(geo, c * ROWS, x, gain, o, None)),
+    }
+}
+
+/// The backward pass on the CPU, for the model's op and the engine's backend: `dx` (row `n` at
+/// `n * lddx`) of the `rows` rows of `x` given `go`, written; `r` from `rstd` when given. Returns
+/// the gain's gradient in f64 (empty without a gain), summed per block of [`ROWS`] rows and the
+/// blocks added in order.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_rows<T: Real>(
+    geo: &RopeRows<'_, T>,
+    rows: usize,
+    x: (&[T], usize),
+    go: &[T],
+    gain: Option<&[T]>,
+    rstd: Option<&[T]>,
+    (dx, lddx): (&mut [T], usize),
+) -> Vec<f64> {
+    let w = geo.heads * geo.d;
+    let nh = if gain.is_some() { geo.heads } else { 0 };
+    let parts: Vec<Vec<f64>> = split_rows(dx, lddx, w, rows)
+        .into_par_iter()
+        .map(|(n0, block)| {
+            let mut dgain = vec![0.0; nh];
+            let n = if block.is_empty() { 0 } else { (block.len() - w) / lddx + 1 };
+            qk_bwd_rows(geo, (n0, n), x, go, gain, rstd, (block, lddx), &mut dgain);
+            dgain
+        })
+        .collect();
+    add_partials(parts, nh)
 }
 
 impl QkNormRope {
@@ -221,14 +290,14 @@ impl QkNormRope {
         (self.cos.iter().map(|&c| T::from_f64(c)).collect(), self.sin.iter().map(|&s| T::from_f64(s)).collect())
     }
 
+    fn geometry<'a, T>(&self, cos: &'a [T], sin: &'a [T]) -> RopeRows<'a, T> {
+        RopeRows { heads: self.heads, d: self.d, half: self.half, seq: self.seq, eps: self.eps, cos, sin }
+    }
+
     fn fwd<T: Real>(&self, x: &[T], gain: Option<&[T]>) -> Vec<T> {
         let (cos, sin) = self.tables::<T>();
-        let g = RopeRows { heads: self.heads, d: self.d, half: self.half, seq: self.seq, eps: self.eps, cos: &cos, sin: &sin };
-        let w = self.heads * self.d;
         let mut out = vec![T::from_f64(0.0); x.len()];
-        out.par_chunks_mut(ROWS * w).zip(x.par_chunks(ROWS * w)).enumerate().for_each(|(c, (o, x))| {
-            qk_fwd_rows(&g, c * ROWS, x, gain, o);
-        });
+        forward_rows(&self.geometry(&cos, &sin), (x, self.heads * self.d), gain, &mut out, None);
         out
     }
 
@@ -242,22 +311,11 @@ impl QkNormRope {
             None => None,
         };
         let (cos, sin) = self.tables::<T>();
-        let geo = RopeRows { heads: self.heads, d: self.d, half: self.half, seq: self.seq, eps: self.eps, cos: &cos, sin: &sin };
         let w = self.heads * self.d;
         let mut dx = vec![T::from_f64(0.0); xv.len()];
-        let parts: Vec<Vec<f64>> = dx
-            .par_chunks_mut(ROWS * w)
-            .zip(xv.par_chunks(ROWS * w))
-            .zip(gv.par_chunks(ROWS * w))
-            .enumerate()
-            .map(|(c, ((dx, x), go))| {
-                let mut dgain = vec![0.0; if gainv.is_some() { self.heads } else { 0 }];
-                qk_bwd_rows(&geo, c * ROWS, x, go, gainv, dx, &mut dgain);
-                dgain
-            })
-            .collect();
+        let sums = backward_rows(&self.geometry(&cos, &sin), xv.len() / w, (xv, w), gv, gainv, None, (&mut dx, w));
         let dgain = match gain {
-            Some(_) => Some(tensor_from_f64::<T>(&add_partials(parts, self.heads), self.heads)?),
+            Some(_) => Some(tensor_from_f64::<T>(&sums, self.heads)?),
             None => None,
         };
         Ok((Tensor::from_vec(dx, x.shape(), &Device::Cpu)?, dgain))

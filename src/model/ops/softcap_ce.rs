@@ -12,7 +12,8 @@
 //!
 //! - reference: [`softcap`] then [`cross_entropy_rows`], candle composites;
 //! - CPU kernel: [`SoftcapCe`] and [`SoftcapCeBwd`], one pass per row, [`CE_ROWS`] rows per
-//!   rayon task, compiled twice ([`multiversion!`]);
+//!   rayon task, compiled twice ([`multiversion!`]); the engine's `CpuBackend` runs the same two
+//!   kernels through [`fused_rows`] (loss, then the gradient over the logits in place);
 //! - GPU: `softcap_ce_fwd` / `_bwd` of `kernels/fused.cu` (launched by
 //!   [`crate::model::cuda::kernels`]), f32 losses, bf16 logits read as they are.
 
@@ -161,6 +162,27 @@ fn softcap_ce_bwd<T: Real>(logits: &[T], rows: &[usize], v: usize, targets: &[us
         });
     }
     out
+}
+
+/// The loss and its gradient in one call on the CPU, for the engine's backend (llm.c's fused
+/// classifier): the losses of the `(N, vocab)` rows of `logits` into `losses`, then the logits
+/// overwritten with their gradient for `dloss = scale` per row (`1 / (N A)`: the mean over the
+/// micro-batch's `N` tokens and its share of an `A`-micro-batch step). Each block of [`CE_ROWS`]
+/// rows runs the model's two kernels on a copy of its logits, so the arithmetic is the model's
+/// forward pass then its backward pass. The targets must be below `vocab`.
+pub(crate) fn fused_rows<T: Real>(logits: &mut [T], targets: &[u32], losses: &mut [T], vocab: usize, cap: f64, scale: f64) {
+    if vocab == 0 {
+        return;
+    }
+    logits.par_chunks_mut(CE_ROWS * vocab).zip(losses.par_chunks_mut(CE_ROWS)).enumerate().for_each(|(c, (l, loss))| {
+        let n = loss.len();
+        let x = l.to_vec();
+        let offsets = crate::model::cpu::rows::dense_offsets(n, vocab);
+        let x = Rows { data: &x, offsets: &offsets, len: vocab };
+        let targets: Vec<usize> = targets[c * CE_ROWS..c * CE_ROWS + n].iter().map(|&y| y as usize).collect();
+        ce_fwd_rows(x, &targets, cap, loss);
+        ce_bwd_rows(x, &targets, loss, &vec![T::from_f64(scale); n], cap, l);
+    });
 }
 
 impl CustomOp2 for SoftcapCe {
