@@ -179,8 +179,7 @@ fn qk_bwd_kernel<T: Real>(
     (n0, rows): (usize, usize),
     (x, ldx): (&[T], usize),
     go: &[T],
-    gain: Option<&[T]>,
-    rstd: Option<&[T]>,
+    (gain, rstd): (Option<&[T]>, Option<&[T]>),
     (dx, lddx): (&mut [T], usize),
     dgain: &mut [f64],
 ) {
@@ -241,7 +240,7 @@ fn qk_bwd_kernel<T: Real>(
 
 multiversion! {
     /// Gradient rows of `qk_norm_rope`.
-    fn qk_bwd_rows = qk_bwd_kernel(g: &RopeRows<'_, T>, rows: (usize, usize), x: (&[T], usize), go: &[T], gain: Option<&[T]>, rstd: Option<&[T]>, dx: (&mut [T], usize), dgain: &mut [f64]);
+    fn qk_bwd_rows = qk_bwd_kernel(g: &RopeRows<'_, T>, rows: (usize, usize), x: (&[T], usize), go: &[T], gain_rstd: (Option<&[T]>, Option<&[T]>), dx: (&mut [T], usize), dgain: &mut [f64]);
 }
 
 /// The forward pass on the CPU, for the model's op and the engine's backend: the rows of `x`
@@ -278,7 +277,7 @@ pub(crate) fn backward_rows<T: Real>(
         .map(|(n0, block)| {
             let mut dgain = vec![0.0; nh];
             let n = if block.is_empty() { 0 } else { (block.len() - w) / lddx + 1 };
-            qk_bwd_rows(geo, (n0, n), x, go, gain, rstd, (block, lddx), &mut dgain);
+            qk_bwd_rows(geo, (n0, n), x, go, (gain, rstd), (block, lddx), &mut dgain);
             dgain
         })
         .collect();

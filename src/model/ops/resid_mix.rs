@@ -69,9 +69,8 @@ multiversion! {
 /// `dh = g * m0`, `dx0 = g * m1` (`dx0 += g * m1` with `acc_dx0`: the engine's first block,
 /// whose `x0` is also the stream) for `mix = [m0, m1]`; adds `g * h` and `g * x0` to the sums
 /// `dm = [dm0, dm1]`.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn mix_bwd_kernel<T: Real>(g: &[T], h: &[T], x0: &[T], mix: &[T], dh: &mut [T], dx0: &mut [T], acc_dx0: bool, dm: &mut [f64]) {
+fn mix_bwd_kernel<T: Real>(g: &[T], h: &[T], x0: &[T], mix: &[T], dh: &mut [T], (dx0, acc_dx0): (&mut [T], bool), dm: &mut [f64]) {
     let c = mix.len() / 2;
     let (m0, m1) = mix.split_at(c);
     let (dm0, dm1) = dm.split_at_mut(c);
@@ -93,7 +92,7 @@ fn mix_bwd_kernel<T: Real>(g: &[T], h: &[T], x0: &[T], mix: &[T], dh: &mut [T], 
 
 multiversion! {
     /// Gradient rows of the residual mix.
-    fn mix_bwd_rows = mix_bwd_kernel(g: &[T], h: &[T], x0: &[T], mix: &[T], dh: &mut [T], dx0: &mut [T], acc_dx0: bool, dm: &mut [f64]);
+    fn mix_bwd_rows = mix_bwd_kernel(g: &[T], h: &[T], x0: &[T], mix: &[T], dh: &mut [T], dx0: (&mut [T], bool), dm: &mut [f64]);
 }
 
 /// The forward pass on the CPU, for the model's op and the engine's backend: `out` of the
@@ -120,7 +119,7 @@ pub(crate) fn backward_rows<T: Real>(g: &[T], h: &[T], x0: &[T], mix: &[T], dh: 
         .zip(x0.par_chunks(ROWS * c))
         .map(|((((dh, dx0), g), h), x0)| {
             let mut dm = vec![0.0; 2 * c];
-            mix_bwd_rows(g, h, x0, mix, dh, dx0, acc_dx0, &mut dm);
+            mix_bwd_rows(g, h, x0, mix, dh, (dx0, acc_dx0), &mut dm);
             dm
         })
         .collect();

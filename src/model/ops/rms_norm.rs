@@ -101,7 +101,7 @@ fn rms_fwd_kernel<T: Real>(x: Rows<'_, T>, eps: f64, scale: f64, out: &mut [T], 
         }
         if scale != 1.0 {
             for y in y.iter_mut() {
-                *y = *y * s;
+                *y *= s;
             }
         }
     }

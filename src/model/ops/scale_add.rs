@@ -66,7 +66,7 @@ fn scale_add_kernel<T: Real>(x: &[T], s: &[T], out: &mut [T]) {
     let c = s.len();
     for (o, x) in out.chunks_exact_mut(c).zip(x.chunks_exact(c)) {
         for ((o, &x), &s) in o.iter_mut().zip(x).zip(s) {
-            *o = *o + x * s;
+            *o += x * s;
         }
     }
 }
