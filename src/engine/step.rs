@@ -11,10 +11,10 @@ use candle_core::{DType, Device, Tensor};
 use super::backend::{Backend, Buf, GraphCounts, Tokens};
 use super::cpu::CpuBackend;
 use super::exchange::{Exchange, ExchangeStats};
-use super::schedule::Schedule;
 use super::kernels::Capacity;
 use super::layout::Layout;
 use super::optim::{self, MuonStep};
+use super::schedule::Schedule;
 use crate::model::ops::{rms_eps, rope_tables};
 use crate::model::{ModelConfig, ParamGroup};
 

@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::train::attention_trial::{AttentionShape, Outcome, TrialSettings, choose, summary};
 use crate::model::flash_attn::FlashKernels;
+use crate::train::attention_trial::{AttentionShape, Outcome, TrialSettings, choose, summary};
 
 /// How much faster a challenger must be to replace the incumbent (a fraction of its time).
 pub const MARGIN: f64 = 0.05;

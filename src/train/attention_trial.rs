@@ -17,9 +17,9 @@ use std::time::Instant;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
+use crate::model::compare::{Blocks, blockwise_rel_err, worst};
 use crate::model::flash_attn::{self, FlashKernels};
 use crate::model::ops;
-use crate::model::compare::{Blocks, blockwise_rel_err, worst};
 
 /// Largest blockwise relative error of a bf16 flash implementation against the f32 reference.
 /// Rounding the inputs and the results to bf16 alone puts the worst 64-row tile of a head at

@@ -6,14 +6,13 @@
 //!
 //! The maths of the model's ops lives once, in [`crate::model::ops`]: the row functions of
 //! `rms_norm`, `resid_mix`, `scale_add`, `relu_sq` (both activations), `qk_norm_rope`,
-//! `softcap_ce` and `attention` are those the candle model's CPU kernels run, called here on
-//! the arena's slices. What is left here is the engine's own glue and the ops the model composes
-//! from candle ops:
+//! `softcap_ce` and `attention` are those the candle model's CPU kernels run; those of
+//! `skip_gate`, `xsa` and `embedding` are the row kernels beside the candle composites they are
+//! tested against. All are called here on the arena's slices. What is left here is the
+//! engine's own glue:
 //!
 //! - [`gemm`]: matrix products through the `gemm` crate (candle's own CPU GEMM: packed,
 //!   register-tiled, AVX2/AVX-512 kernels, rayon), with `beta` and strided views;
-//! - [`rows`]: the row ops of the ops the model composes (the skip gate, XSA) and the
-//!   embedding;
 //! - [`flat`]: the flat loops (fills, copies, reductions, the optimizers, the EMA);
 //! - the per-channel sums of [`crate::model::ops`] added into the engine's buffers
 //!   ([`add_into`]), and its buffers read as [`Rows`].
@@ -24,7 +23,6 @@
 
 mod flat;
 mod gemm;
-mod rows;
 
 use candle_core::{DType, Device, Tensor};
 
@@ -32,7 +30,12 @@ use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, M
 use crate::model::cpu::rows::{Rows, dense_offsets};
 use crate::model::cpu::simd::Real;
 use crate::model::ops::qk_norm_rope::{self, RopeRows};
-use crate::model::ops::{relu_sq, resid_mix, rms_norm, scale_add, softcap_ce};
+use crate::model::ops::{embedding, relu_sq, resid_mix, rms_norm, scale_add, skip_gate, softcap_ce, xsa};
+
+/// The head geometry of the model's XSA row kernels.
+fn heads(s: AttnShape) -> xsa::HeadsShape {
+    xsa::HeadsShape { heads: s.heads, kv_heads: s.kv_heads, d: s.d }
+}
 
 /// A CPU backend over an arena of `T` (`f64`: the check backend; `f32`: the fast one).
 pub(crate) struct CpuBackend<T> {
@@ -168,14 +171,14 @@ impl<T: Real> Backend for CpuBackend<T> {
     fn embedding_fwd(&mut self, table: Buf, out: Buf, dim: usize) {
         let x = std::mem::take(&mut self.x);
         let ([t], [o]) = self.io([table], [out]);
-        rows::embedding_fwd(t, &x, o, dim);
+        embedding::embedding_rows_fwd(t, &x, o, dim);
         self.x = x;
     }
 
     fn embedding_bwd(&mut self, dout: Buf, dtable: Buf, dim: usize) {
         let x = std::mem::take(&mut self.x);
         let ([g], [d]) = self.io([dout], [dtable]);
-        rows::embedding_bwd(g, &x, d, dim);
+        embedding::embedding_rows_bwd(g, &x, d, dim);
         self.x = x;
     }
 
@@ -223,14 +226,14 @@ impl<T: Real> Backend for CpuBackend<T> {
     fn skip_fwd(&mut self, h: Buf, s: Buf, w: Buf, z: Option<Buf>, out: Buf) {
         let z = z.unwrap_or_default();
         let ([h, s, w, z], [o]) = self.io([h, s, w, z], [out]);
-        rows::skip_fwd(h, s, w, (!z.is_empty()).then_some(z), o);
+        skip_gate::skip_rows_fwd(h, s, w, (!z.is_empty()).then_some(z), o);
     }
 
     fn skip_bwd(&mut self, dy: Buf, h: Buf, s: Buf, w: Buf, z: Option<(Buf, Buf)>, dh: Buf, ds: Buf, dw: Buf) {
         let (z, dz) = z.unwrap_or_default();
         let ([g, h, s, w, z], [dh, ds, dw, dz]) = self.io([dy, h, s, w, z], [dh, ds, dw, dz]);
         let gate = (!z.is_empty()).then_some((z, dz));
-        rows::skip_bwd(g, h, s, w, gate, dh, ds, dw);
+        skip_gate::skip_rows_bwd(g, h, s, w, gate, dh, ds, dw);
     }
 
     fn qk_norm_rope_fwd(&mut self, x: Mat, out: Buf, rstd: Buf, gain: Option<Buf>, cos: Buf, sin: Buf, s: HeadShape, eps: f64) {
@@ -264,12 +267,12 @@ impl<T: Real> Backend for CpuBackend<T> {
 
     fn xsa_fwd(&mut self, y: Buf, v: Mat, out: Buf, s: AttnShape) {
         let ([y, vs], [o]) = self.io([y, v.span()], [out]);
-        rows::xsa_fwd(y, (vs, v.ld), o, s);
+        xsa::xsa_rows_fwd(y, (vs, v.ld), o, heads(s));
     }
 
     fn xsa_bwd(&mut self, dout: Buf, y: Buf, v: Mat, dy: Buf, dv: Mat, s: AttnShape) {
         let ([g, y, vs], [dy, dvs]) = self.io([dout, y, v.span()], [dy, dv.span()]);
-        rows::xsa_bwd(g, y, (vs, v.ld), dy, (dvs, dv.ld), s);
+        xsa::xsa_rows_bwd(g, y, (vs, v.ld), dy, (dvs, dv.ld), heads(s));
     }
 
     fn act_fwd(&mut self, pre: Buf, out: Buf, a: Activation) {

@@ -7,6 +7,8 @@
 
 use std::borrow::Cow;
 
+use rayon::prelude::*;
+
 use candle_core::{CpuStorage, Device, Layout, Result, Shape, Storage, Tensor, WithDType, bail};
 
 use super::host::values_as;
@@ -159,6 +161,29 @@ impl<'a> Held<'a> {
     pub(crate) fn slice<T: Real>(&self, what: &str) -> Result<&[T]> {
         let Some((a, b)) = self.1.contiguous_offsets() else { bail!("fused op: {what} is not contiguous") };
         Ok(&cpu_slice::<T>(&self.0, what)?[a..b])
+    }
+}
+
+/// Per-channel f64 sums over row blocks, added in block order into `acc` (`+=`).
+pub(crate) fn column_sums<T: Real>(rows: usize, cols: usize, acc: &mut [T], per_row: impl Fn(usize, &mut [f64]) + Sync) {
+    let parts: Vec<Vec<f64>> = (0..rows.div_ceil(ROWS))
+        .into_par_iter()
+        .map(|blk| {
+            let mut s = vec![0.0; cols];
+            for r in blk * ROWS..((blk + 1) * ROWS).min(rows) {
+                per_row(r, &mut s);
+            }
+            s
+        })
+        .collect();
+    let mut total = vec![0.0f64; cols];
+    for p in parts {
+        for (t, x) in total.iter_mut().zip(p) {
+            *t += x;
+        }
+    }
+    for (a, t) in acc.iter_mut().zip(total) {
+        *a += T::from_f64(t);
     }
 }
 

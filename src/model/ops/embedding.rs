@@ -8,11 +8,15 @@
 //! gradient (`index_add`) runs one thread per channel over every token in turn (9 ms per
 //! 16,384 tokens on an H100, more than any other kernel of a step); the kernel here
 //! (`kernels/fused.cu`) gives each vocabulary row a block that gathers its tokens' gradients in
-//! token order, so the sum is deterministic. The CPU implementation is its reference; CPU
-//! training keeps candle's `index_select`.
+//! token order, so the sum is deterministic. The CPU implementation ([`embedding_rows_bwd`], in
+//! f64) is its reference and the engine's CPU backward pass; candle's CPU training keeps
+//! `index_select`.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, bail};
+use rayon::prelude::*;
+
+use crate::model::cpu::simd::Real;
 
 /// Rows `ids` of `weight` `(V, C)` for `ids` `(N,)` of u32: `(N, C)`, differentiable in `weight`.
 pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
@@ -25,6 +29,35 @@ pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
         return weight.contiguous()?.apply_op2(&ids.contiguous()?, Embedding);
     }
     weight.index_select(ids, 0)
+}
+
+/// `out[n] = table[ids[n]]` for `dim`-wide rows (the engine's CPU lookup; candle's CPU training
+/// runs `index_select`).
+pub(crate) fn embedding_rows_fwd<T: Real>(table: &[T], ids: &[u32], out: &mut [T], dim: usize) {
+    out.par_chunks_mut(dim).zip(ids.par_iter()).for_each(|(o, &id)| {
+        let id = id as usize;
+        o.copy_from_slice(&table[id * dim..(id + 1) * dim]);
+    });
+}
+
+/// `dtable[v] += sum over n with ids[n] = v of dout[n]`, each row's sum in token order (the
+/// maths of the module doc): the engine's CPU backward pass, and the backward op's CPU
+/// implementation in f64 (the GPU kernel's reference). Every id must be below the table's rows.
+pub(crate) fn embedding_rows_bwd<T: Real>(dout: &[T], ids: &[u32], dtable: &mut [T], dim: usize) {
+    // Rows of the table split among tasks, each scanning every id: no two tasks write a row,
+    // and each row's sum runs in token order.
+    let per = (dtable.len() / dim).div_ceil(rayon::current_num_threads().max(1)).max(1);
+    dtable.par_chunks_mut(per * dim).enumerate().for_each(|(c, block)| {
+        let lo = c * per;
+        for (n, &id) in ids.iter().enumerate() {
+            let id = id as usize;
+            if id >= lo && id < lo + block.len() / dim {
+                for (d, &g) in block[(id - lo) * dim..(id - lo + 1) * dim].iter_mut().zip(&dout[n * dim..(n + 1) * dim]) {
+                    *d += g;
+                }
+            }
+        }
+    });
 }
 
 struct Embedding;
@@ -76,16 +109,11 @@ impl CustomOp2 for EmbeddingBwd {
             bail!("embedding backward: {} ids for a gradient of {n} rows", ids.len());
         }
         let g_values = crate::model::cpu::host::to_f64("embedding backward", g, gl)?;
-        let mut dw = vec![0.0f64; self.vocab * c];
-        for (i, &id) in ids.iter().enumerate() {
-            let v = id as usize;
-            if v >= self.vocab {
-                bail!("embedding backward: token id {v} is outside the vocabulary of {}", self.vocab);
-            }
-            for (d, x) in dw[v * c..(v + 1) * c].iter_mut().zip(&g_values[i * c..(i + 1) * c]) {
-                *d += x;
-            }
+        if let Some(&v) = ids.iter().find(|&&v| v as usize >= self.vocab) {
+            bail!("embedding backward: token id {v} is outside the vocabulary of {}", self.vocab);
         }
+        let mut dw = vec![0.0f64; self.vocab * c];
+        embedding_rows_bwd(&g_values, ids, &mut dw, c);
         let out = crate::model::cpu::host::from_f64("embedding backward", dw, g.dtype())?;
         Ok((out, Shape::from((self.vocab, c))))
     }

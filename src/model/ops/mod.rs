@@ -1,10 +1,12 @@
 //! The model's ops, one file per op (its backward pass included). Each file holds, in this
 //! order: what the op computes (the module doc, in maths), the reference formulation it is
 //! tested against (plain candle ops or float64 code), the public function the model calls,
-//! the CPU kernel (the `CustomOp`'s `cpu_fwd` and its row kernels, multi-threaded with rayon,
-//! compiled twice by [`crate::model::cpu::simd::multiversion!`]), the GPU launch (the
-//! `cuda_fwd`, calling [`crate::model::cuda::kernels`]), and the tests comparing the kernel with
-//! the reference.
+//! the CPU kernel (the forward and backward over row slices, multi-threaded with rayon,
+//! compiled twice by [`crate::model::cpu::simd::multiversion!`]: the `CustomOp`'s `cpu_fwd`
+//! calls them, and so does the engine's CPU backend, `crate::engine::cpu`, so that each op's
+//! CPU maths is written once), the GPU launch (the `cuda_fwd`, calling
+//! [`crate::model::cuda::kernels`], whose device maths is in `kernels/ops/`), and the tests
+//! comparing the kernel with the reference.
 //!
 //! | file | op |
 //! |---|---|
@@ -17,12 +19,12 @@
 //! | [`softcap_ce`] | logit soft-cap and cross-entropy |
 //! | [`scale_add`] | `base + x * s`, per-channel `s` |
 //! | [`resid_mix`] | `h * mix[0] + x0 * mix[1]` |
-//! | [`relu_sq`] | `relu(x)^2` |
+//! | [`relu_sq`] | `relu(x)^2`, and the engine's leaky variant through the same kernel |
 //! | [`leaky_relu_sq`] | `leaky_relu(x, a)^2` (composed) |
-//! | [`skip_gate`] | the sigmoid-gated U-Net skip (composed) |
-//! | [`xsa`] | exclusive self-attention: a head's output less its own value's direction (composed) |
+//! | [`skip_gate`] | the sigmoid-gated U-Net skip (composed; row kernels for the engine) |
+//! | [`xsa`] | exclusive self-attention: a head's output less its own value's direction (composed; row kernels for the engine) |
 //! | [`scale_cols`] | `x * s` and the per-channel sum `column_dot` (GPU backward passes) |
-//! | [`embedding`] | the token-embedding lookup (GPU backward kernel) |
+//! | [`embedding`] | the token-embedding lookup (GPU backward kernel; its CPU reference is the engine's backward) |
 //! | [`cast`] | f32 <-> bf16 casts (GPU kernel) |
 //!
 //! Where an op runs: on the CPU its fused kernel; on the GPU path ([`crate::model::gpu_path`]:

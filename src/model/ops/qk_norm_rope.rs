@@ -125,7 +125,14 @@ pub(crate) struct RopeRows<'a, T> {
 /// starts at `n * ldx`. `1 / r` of each head into `rstd` (`heads` per row, from row `n0`) when
 /// given.
 #[inline(always)]
-fn qk_fwd_kernel<T: Real>(g: &RopeRows<'_, T>, n0: usize, (x, ldx): (&[T], usize), gain: Option<&[T]>, out: &mut [T], mut rstd: Option<&mut [T]>) {
+fn qk_fwd_kernel<T: Real>(
+    g: &RopeRows<'_, T>,
+    n0: usize,
+    (x, ldx): (&[T], usize),
+    gain: Option<&[T]>,
+    out: &mut [T],
+    mut rstd: Option<&mut [T]>,
+) {
     let (half, d) = (g.half, g.d);
     let eps = g.eps;
     let w = g.heads * d;

@@ -9,9 +9,14 @@
 //!
 //! Composed from candle ops on every device (`exp`, `recip`, broadcast products), whose backward
 //! passes give the gradients of `h`, `s`, `w` and `z`; the reference it is tested against is the
-//! scalar formula.
+//! scalar formula. The engine's CPU backend runs the row kernels [`skip_rows_fwd`] and
+//! [`skip_rows_bwd`], checked here against the composite.
 
 use candle_core::{Result, Tensor};
+use rayon::prelude::*;
+
+use crate::model::cpu::rows::{ROWS, column_sums};
+use crate::model::cpu::simd::Real;
 
 /// `sigmoid(z) * h + (1 - sigmoid(z)) * (w * s)` for the `(N, C)` stream `h`, the encoder output
 /// `s` `(N, C)` and the per-channel rows `w`, `z` `(C,)`.
@@ -20,6 +25,78 @@ pub fn gated_skip(h: &Tensor, s: &Tensor, w: &Tensor, z: &Tensor) -> Result<Tens
     // sigmoid(z) = 1 / (1 + exp(-z)).
     let g = (z.neg()?.exp()? + 1.0)?.recip()?;
     k.broadcast_add(&(h - &k)?.broadcast_mul(&g)?)
+}
+
+/// `sigmoid(z)` as candle's composite computes it: `1 / (1 + exp(-z))`.
+fn sigmoid<T: Real>(z: T) -> T {
+    T::from_f64(1.0) / (T::from_f64(1.0) + (T::from_f64(0.0) - z).exp())
+}
+
+/// The skip on `w.len()`-wide rows (the engine's CPU kernel): `out = k + g (h - k)` with
+/// `k = w s`, `g = sigmoid(z)`; without `z` the baseline's `out = h + k`.
+pub(crate) fn skip_rows_fwd<T: Real>(h: &[T], s: &[T], w: &[T], z: Option<&[T]>, out: &mut [T]) {
+    let cols = w.len();
+    let gate: Option<Vec<T>> = z.map(|z| z.iter().map(|&z| sigmoid(z)).collect());
+    out.par_chunks_mut(ROWS * cols).enumerate().for_each(|(c, o)| {
+        let base = c * ROWS * cols;
+        for (i, o) in o.iter_mut().enumerate() {
+            let (j, col) = (base + i, i % cols);
+            let k = s[j] * w[col];
+            *o = match &gate {
+                Some(g) => k + (h[j] - k) * g[col],
+                None => h[j] + k,
+            };
+        }
+    });
+}
+
+/// The skip's gradients: `dh = g dy`, `ds = (1 - g) w dy` (written), `dw += sum_rows (1 - g) dy s`
+/// and `dz += g (1 - g) sum_rows dy (h - k)` (per-channel sums in f64 over fixed row blocks,
+/// added in order); without `z`, `g = 1` for `dh` and the skip's share is 1.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn skip_rows_bwd<T: Real>(
+    dy: &[T],
+    h: &[T],
+    s: &[T],
+    w: &[T],
+    z: Option<(&[T], &mut [T])>,
+    dh: &mut [T],
+    ds: &mut [T],
+    dw: &mut [T],
+) {
+    let cols = w.len();
+    let rows = dy.len() / cols;
+    let one = T::from_f64(1.0);
+    let gate: Option<Vec<T>> = z.as_ref().map(|(z, _)| z.iter().map(|&z| sigmoid(z)).collect());
+    // The stream's and the skip's shares of the output's gradient: (g, 1 - g), or (1, 1).
+    let shares = |col: usize| gate.as_ref().map_or((one, one), |g| (g[col], one - g[col]));
+    dh.par_chunks_mut(ROWS * cols).zip(ds.par_chunks_mut(ROWS * cols)).enumerate().for_each(|(c, (dh, ds))| {
+        let base = c * ROWS * cols;
+        for (i, (a, b)) in dh.iter_mut().zip(ds.iter_mut()).enumerate() {
+            let (j, col) = (base + i, i % cols);
+            let (gh, gk) = shares(col);
+            *a = dy[j] * gh;
+            *b = dy[j] * gk * w[col];
+        }
+    });
+    column_sums(rows, cols, dw, |r, acc| {
+        for (col, a) in acc.iter_mut().enumerate() {
+            let j = r * cols + col;
+            *a += (dy[j] * shares(col).1).to_f64() * s[j].to_f64();
+        }
+    });
+    if let (Some((_, dz)), Some(g)) = (z, &gate) {
+        let mut raw = vec![T::from_f64(0.0); cols];
+        column_sums(rows, cols, &mut raw, |r, acc| {
+            for (col, a) in acc.iter_mut().enumerate() {
+                let j = r * cols + col;
+                *a += dy[j].to_f64() * (h[j] - s[j] * w[col]).to_f64();
+            }
+        });
+        for ((d, r), &g) in dz.iter_mut().zip(raw).zip(g) {
+            *d += r * g * (one - g);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -71,6 +148,42 @@ mod tests {
         let y = flat(&gated_skip(&h, &s, &ones, &zeros).unwrap());
         for ((y, h), s) in y.iter().zip(flat(&h)).zip(flat(&s)) {
             assert!((y - 0.5 * (h + s)).abs() < 1e-15);
+        }
+    }
+
+    /// The engine's row kernels give the composite's output and gradients (f64), gated and not.
+    #[test]
+    fn row_kernels_match_the_composite() {
+        let (n, c) = (70, 9);
+        for gated in [true, false] {
+            let h = Var::from_tensor(&seeded(&[n, c], 11)).unwrap();
+            let s = Var::from_tensor(&seeded(&[n, c], 12)).unwrap();
+            let w = Var::from_tensor(&seeded(&[c], 13)).unwrap();
+            let z = Var::from_tensor(&seeded(&[c], 14)).unwrap();
+            let y = if gated {
+                gated_skip(h.as_tensor(), s.as_tensor(), w.as_tensor(), z.as_tensor()).unwrap()
+            } else {
+                (h.as_tensor() + s.as_tensor().broadcast_mul(w.as_tensor()).unwrap()).unwrap()
+            };
+            let up = seeded(&[n, c], 15);
+            let grads = (&y * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            let (hv, sv, wv, zv, uv) = (flat(h.as_tensor()), flat(s.as_tensor()), flat(w.as_tensor()), flat(z.as_tensor()), flat(&up));
+            let mut out = vec![0.0; n * c];
+            skip_rows_fwd(&hv, &sv, &wv, gated.then_some(zv.as_slice()), &mut out);
+            let (mut dh, mut ds, mut dw, mut dz) = (vec![0.0; n * c], vec![0.0; n * c], vec![0.0; c], vec![0.0; c]);
+            skip_rows_bwd(&uv, &hv, &sv, &wv, gated.then_some((zv.as_slice(), dz.as_mut_slice())), &mut dh, &mut ds, &mut dw);
+            let close = |a: &[f64], b: &[f64], what: &str| {
+                for (x, y) in a.iter().zip(b) {
+                    assert!((x - y).abs() < 1e-12, "gated {gated}: {what}: {x} vs {y}");
+                }
+            };
+            close(&out, &flat(&y), "y");
+            close(&dh, &flat(grads.get(h.as_tensor()).unwrap()), "dh");
+            close(&ds, &flat(grads.get(s.as_tensor()).unwrap()), "ds");
+            close(&dw, &flat(grads.get(w.as_tensor()).unwrap()), "dw");
+            if gated {
+                close(&dz, &flat(grads.get(z.as_tensor()).unwrap()), "dz");
+            }
         }
     }
 }
