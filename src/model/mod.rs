@@ -24,7 +24,8 @@
 //! - [`ops`]: one file per op (RMS norm, QK norm + RoPE, attention, soft-capped cross-entropy,
 //!   the residual adds and mix, relu², embedding, casts, ...), each with its maths, its
 //!   reference formulation, its CPU kernel, its GPU launch and its tests.
-//! - [`cpu`]: what the CPU kernels share: SIMD helpers and their AVX2 dispatch, row access,
+//! - [`host`]: what the CPU kernels share (the engine's CPU backend runs them too): SIMD
+//!   helpers and their AVX2 dispatch, row access,
 //!   storage conversions.
 //! - `cuda` (`cuda` builds only): the launches of `kernels/fused.cu`.
 //! - [`flash_attn`]: which attention kernel a GPU run takes ([`flash_attn::Attention`],
@@ -57,7 +58,6 @@ mod attention;
 mod block;
 pub mod compare;
 mod config;
-pub(crate) mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod elements;
@@ -66,6 +66,7 @@ mod extras_tests;
 pub mod flash_attn;
 mod formulation;
 mod gpt;
+pub(crate) mod host;
 mod init;
 pub mod lora;
 pub mod memory;

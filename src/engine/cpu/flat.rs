@@ -6,7 +6,7 @@
 use rayon::prelude::*;
 
 use crate::engine::backend::AdamStep;
-use crate::model::cpu::simd::{Real, dot_f64, multiversion, sum_f64};
+use crate::model::host::simd::{Real, dot_f64, multiversion, sum_f64};
 
 /// Elements per rayon task.
 const CHUNK: usize = 1 << 15;

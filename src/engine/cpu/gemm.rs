@@ -9,7 +9,7 @@
 //! (NaN-filled) output region is simply overwritten.
 
 use crate::engine::backend::Mat;
-use crate::model::cpu::simd::Real;
+use crate::model::host::simd::Real;
 
 /// Row and column strides of an operand as read (transposed or not).
 fn strides(m: Mat) -> (isize, isize) {

@@ -27,8 +27,8 @@ mod gemm;
 use candle_core::{DType, Device, Tensor};
 
 use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, Mat, check_regions};
-use crate::model::cpu::rows::{Rows, dense_offsets};
-use crate::model::cpu::simd::Real;
+use crate::model::host::rows::{Rows, dense_offsets};
+use crate::model::host::simd::Real;
 use crate::model::ops::qk_norm_rope::{self, RopeRows};
 use crate::model::ops::{embedding, relu_sq, resid_mix, rms_norm, scale_add, skip_gate, softcap_ce, xsa};
 

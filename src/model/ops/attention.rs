@@ -27,9 +27,9 @@ use rayon::prelude::*;
 
 use super::doc_mask::DocumentMask;
 use super::{check_float, same_dtypes};
-use crate::model::cpu::host::float_dispatch;
-use crate::model::cpu::rows::{Rows, cpu_slice, row_offsets, unit_last};
-use crate::model::cpu::simd::{Real, dot, gemm_acc, max_of, multiversion, sum_f64};
+use crate::model::host::convert::float_dispatch;
+use crate::model::host::rows::{Rows, cpu_slice, row_offsets, unit_last};
+use crate::model::host::simd::{Real, dot, gemm_acc, max_of, multiversion, sum_f64};
 
 /// Softmax over the last dimension (the shift by the row maximum is detached: softmax does not
 /// depend on it).

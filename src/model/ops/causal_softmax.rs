@@ -41,11 +41,11 @@ fn t_of(l: &Layout) -> usize {
 }
 
 fn to_f64(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
-    crate::model::cpu::host::to_f64("causal_softmax", s, l)
+    crate::model::host::convert::to_f64("causal_softmax", s, l)
 }
 
 fn from_f64(v: Vec<f64>, dtype: DType) -> Result<CpuStorage> {
-    crate::model::cpu::host::from_f64("causal_softmax", v, dtype)
+    crate::model::host::convert::from_f64("causal_softmax", v, dtype)
 }
 
 /// The reference forward pass, row by row in f64 (row `r` is query position `r % T`).

@@ -16,7 +16,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
 
-use crate::model::cpu::simd::Real;
+use crate::model::host::simd::Real;
 
 /// Rows `ids` of `weight` `(V, C)` for `ids` `(N,)` of u32: `(N, C)`, differentiable in `weight`.
 pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
@@ -108,13 +108,13 @@ impl CustomOp2 for EmbeddingBwd {
         if ids.len() != n {
             bail!("embedding backward: {} ids for a gradient of {n} rows", ids.len());
         }
-        let g_values = crate::model::cpu::host::to_f64("embedding backward", g, gl)?;
+        let g_values = crate::model::host::convert::to_f64("embedding backward", g, gl)?;
         if let Some(&v) = ids.iter().find(|&&v| v as usize >= self.vocab) {
             bail!("embedding backward: token id {v} is outside the vocabulary of {}", self.vocab);
         }
         let mut dw = vec![0.0f64; self.vocab * c];
         embedding_rows_bwd(&g_values, ids, &mut dw, c);
-        let out = crate::model::cpu::host::from_f64("embedding backward", dw, g.dtype())?;
+        let out = crate::model::host::convert::from_f64("embedding backward", dw, g.dtype())?;
         Ok((out, Shape::from((self.vocab, c))))
     }
 

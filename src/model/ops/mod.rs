@@ -2,7 +2,7 @@
 //! order: what the op computes (the module doc, in maths), the reference formulation it is
 //! tested against (plain candle ops or float64 code), the public function the model calls,
 //! the CPU kernel (the forward and backward over row slices, multi-threaded with rayon,
-//! compiled twice by [`crate::model::cpu::simd::multiversion!`]: the `CustomOp`'s `cpu_fwd`
+//! compiled twice by [`crate::model::host::simd::multiversion!`]: the `CustomOp`'s `cpu_fwd`
 //! calls them, and so does the engine's CPU backend, `crate::engine::cpu`, so that each op's
 //! CPU maths is written once), the GPU launch (the `cuda_fwd`, calling
 //! [`crate::model::cuda::kernels`], whose device maths is in `kernels/ops/`), and the tests

@@ -28,9 +28,9 @@ use rayon::prelude::*;
 
 use super::scale_cols::scale_cols;
 use super::{check_float, same_dtypes};
-use crate::model::cpu::host::{self, float_dispatch, wrap};
-use crate::model::cpu::rows::{Held, ROWS, add_partials, elems, split_rows, tensor_from_f64};
-use crate::model::cpu::simd::{Real, dot_f64, multiversion};
+use crate::model::host::convert::{self, float_dispatch, wrap};
+use crate::model::host::rows::{Held, ROWS, add_partials, elems, split_rows, tensor_from_f64};
+use crate::model::host::simd::{Real, dot_f64, multiversion};
 use crate::model::ops;
 
 /// Per-head RMS norm, then RoPE, then (when given) a per-head gain, of a query or key
@@ -387,11 +387,11 @@ struct NormRopeBwd {
 }
 
 fn host(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
-    host::to_f64("norm_rope", s, l)
+    convert::to_f64("norm_rope", s, l)
 }
 
 fn storage(v: Vec<f64>, dtype: DType) -> Result<CpuStorage> {
-    host::from_f64("norm_rope", v, dtype)
+    convert::from_f64("norm_rope", v, dtype)
 }
 
 /// Row geometry: `(d, seq)` from the table's layout, checked against `x`'s element count.

@@ -17,9 +17,9 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape
 use rayon::prelude::*;
 
 use super::check_float;
-use crate::model::cpu::host::{float_dispatch, narrowed, widened, wrap};
-use crate::model::cpu::rows::elems;
-use crate::model::cpu::simd::{Real, multiversion};
+use crate::model::host::convert::{float_dispatch, narrowed, widened, wrap};
+use crate::model::host::rows::elems;
+use crate::model::host::simd::{Real, multiversion};
 
 /// `relu(x)^2`, elementwise: `x.relu().sqr()`.
 pub fn relu_sq(x: &Tensor) -> Result<Tensor> {

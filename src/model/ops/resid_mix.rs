@@ -18,9 +18,9 @@ use rayon::prelude::*;
 
 use super::scale_cols::{ScaleCols, column_dot};
 use super::{check_float, last_dim, same_dtypes};
-use crate::model::cpu::host::{float_dispatch, narrowed, widened, wrap};
-use crate::model::cpu::rows::{Held, ROWS, add_partials, elems, tensor_from_f64};
-use crate::model::cpu::simd::{Real, multiversion};
+use crate::model::host::convert::{float_dispatch, narrowed, widened, wrap};
+use crate::model::host::rows::{Held, ROWS, add_partials, elems, tensor_from_f64};
+use crate::model::host::simd::{Real, multiversion};
 
 /// The residual mix `h * mix[0] + x0 * mix[1]` for `h` and `x0` of the same shape `(.., C)` and
 /// `mix` of shape `(2, C)`.

@@ -18,9 +18,9 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, D, DType, Layout, Result, Sh
 use rayon::prelude::*;
 
 use super::{check_float, mixed_pair, same_or_narrower};
-use crate::model::cpu::host::{self, to_storage, values_as};
-use crate::model::cpu::rows::{Rows, row_offsets, unit_last};
-use crate::model::cpu::simd::{Real, dot_f64, multiversion};
+use crate::model::host::convert::{self, to_storage, values_as};
+use crate::model::host::rows::{Rows, row_offsets, unit_last};
+use crate::model::host::simd::{Real, dot_f64, multiversion};
 
 /// `eps` of PyTorch's `F.rms_norm(eps=None)`: the machine epsilon of the input's dtype.
 pub fn rms_eps(dtype: DType) -> f64 {
@@ -204,13 +204,13 @@ impl CustomOp1 for RmsNorm {
         // The epsilon of the dtype held, as the kernel's: bf16 rows run in f32 with bf16's, and
         // their output is rounded once.
         let eps = rms_eps(s.dtype());
-        let out = match &*host::widened(s) {
+        let out = match &*convert::widened(s) {
             CpuStorage::F32(x) => CpuStorage::F32(rms_fwd(x, &rows, d, eps)),
             CpuStorage::F64(x) => CpuStorage::F64(rms_fwd(x, &rows, d, eps)),
             s => bail!("rms_norm: unsupported dtype {:?}", s.dtype()),
         };
         let out = (out, l.shape().clone());
-        if s.dtype() == DType::BF16 { host::narrowed(out) } else { Ok(out) }
+        if s.dtype() == DType::BF16 { convert::narrowed(out) } else { Ok(out) }
     }
 
     #[cfg(feature = "cuda")]
@@ -285,13 +285,13 @@ impl CustomOp2 for RmsNormBwd {
         }
         // As the forward pass: the epsilon of x's dtype, bf16 in f32 and rounded once.
         let eps = rms_eps(xs.dtype());
-        let out = match &*host::widened(xs) {
+        let out = match &*convert::widened(xs) {
             CpuStorage::F32(x) => CpuStorage::F32(rms_bwd(x, &xrows, &values_as::<f32>(gs)?, &grows, d, eps)),
             CpuStorage::F64(x) => CpuStorage::F64(rms_bwd(x, &xrows, &values_as::<f64>(gs)?, &grows, d, eps)),
             _ => bail!("rms_norm backward: unsupported dtypes {:?}, {:?}", xs.dtype(), gs.dtype()),
         };
         let out = (out, xl.shape().clone());
-        if xs.dtype() == DType::BF16 { host::narrowed(out) } else { Ok(out) }
+        if xs.dtype() == DType::BF16 { convert::narrowed(out) } else { Ok(out) }
     }
 
     #[cfg(feature = "cuda")]

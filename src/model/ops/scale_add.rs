@@ -20,9 +20,9 @@ use rayon::prelude::*;
 
 use super::scale_cols::{ScaleCols, column_dot};
 use super::{check_float, last_dim, mixed_pair, same_dtypes};
-use crate::model::cpu::host::{float_dispatch, narrowed, widened, wrap};
-use crate::model::cpu::rows::{Held, ROWS, add_partials, elems, elems_as, tensor_from_f64};
-use crate::model::cpu::simd::{Real, multiversion};
+use crate::model::host::convert::{float_dispatch, narrowed, widened, wrap};
+use crate::model::host::rows::{Held, ROWS, add_partials, elems, elems_as, tensor_from_f64};
+use crate::model::host::simd::{Real, multiversion};
 
 /// `base + x * s` for `base` and `x` of the same shape `(.., C)` and a per-channel `s` of shape
 /// `(C,)`: `base + x.broadcast_mul(s)`, in `base`'s dtype.

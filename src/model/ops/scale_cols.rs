@@ -19,9 +19,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, bail};
 
 use super::last_dim;
-use crate::model::cpu::host::{self, float_dispatch, narrowed, widened, wrap};
-use crate::model::cpu::rows::{elems, elems_as};
-use crate::model::cpu::simd::Real;
+use crate::model::host::convert::{self, float_dispatch, narrowed, widened, wrap};
+use crate::model::host::rows::{elems, elems_as};
+use crate::model::host::simd::Real;
 
 /// `x * s` for `x` `(.., C)` and `s` `(C,)` (one dtype), written in the dtype held (`x`'s, or
 /// the narrower of a mixed pair): the per-channel scale of a gradient in the GPU backward passes
@@ -44,7 +44,7 @@ impl CustomOp2 for ScaleCols {
         let out = float_dispatch!(xs.dtype(), "scale_cols", |T| {
             let (x, sc) = (elems::<T>(xs, xl)?, elems::<T>(ss, sl)?);
             let c = sc.len().max(1);
-            host::to_storage(&x.chunks(c).flat_map(|row| row.iter().zip(sc).map(|(&a, &b)| a * b)).collect::<Vec<T>>(), self.0)?
+            convert::to_storage(&x.chunks(c).flat_map(|row| row.iter().zip(sc).map(|(&a, &b)| a * b)).collect::<Vec<T>>(), self.0)?
         });
         Ok((out, xl.shape().clone()))
     }

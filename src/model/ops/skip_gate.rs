@@ -15,8 +15,8 @@
 use candle_core::{Result, Tensor};
 use rayon::prelude::*;
 
-use crate::model::cpu::rows::{ROWS, column_sums};
-use crate::model::cpu::simd::Real;
+use crate::model::host::rows::{ROWS, column_sums};
+use crate::model::host::simd::Real;
 
 /// `sigmoid(z) * h + (1 - sigmoid(z)) * (w * s)` for the `(N, C)` stream `h`, the encoder output
 /// `s` `(N, C)` and the per-channel rows `w`, `z` `(C,)`.

@@ -22,9 +22,9 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, D, DType, Layout, Result, Sh
 use rayon::prelude::*;
 
 use super::check_float;
-use crate::model::cpu::host::{self};
-use crate::model::cpu::rows::{Rows, offsets_1d, row_offsets, unit_last};
-use crate::model::cpu::simd::{Real, max_of, multiversion, sum_f64};
+use crate::model::host::convert;
+use crate::model::host::rows::{Rows, offsets_1d, row_offsets, unit_last};
+use crate::model::host::simd::{Real, max_of, multiversion, sum_f64};
 use crate::model::ops;
 
 /// `cap * tanh(z / cap)`.
@@ -177,7 +177,7 @@ pub(crate) fn fused_rows<T: Real>(logits: &mut [T], targets: &[u32], losses: &mu
     logits.par_chunks_mut(CE_ROWS * vocab).zip(losses.par_chunks_mut(CE_ROWS)).enumerate().for_each(|(c, (l, loss))| {
         let n = loss.len();
         let x = l.to_vec();
-        let offsets = crate::model::cpu::rows::dense_offsets(n, vocab);
+        let offsets = crate::model::host::rows::dense_offsets(n, vocab);
         let x = Rows { data: &x, offsets: &offsets, len: vocab };
         let targets: Vec<usize> = targets[c * CE_ROWS..c * CE_ROWS + n].iter().map(|&y| y as usize).collect();
         ce_fwd_rows(x, &targets, cap, loss);
@@ -199,7 +199,7 @@ impl CustomOp2 for SoftcapCe {
         let rows = row_offsets(l1)?;
         let out = match s1 {
             // The kernel's: bf16 logits read into f32, f32 losses.
-            CpuStorage::BF16(_) => return self.cpu_fwd(&host::widened(s1), l1, s2, l2),
+            CpuStorage::BF16(_) => return self.cpu_fwd(&convert::widened(s1), l1, s2, l2),
             CpuStorage::F32(x) => CpuStorage::F32(softcap_ce_fwd(x, &rows, v, &targets, self.cap)),
             CpuStorage::F64(x) => CpuStorage::F64(softcap_ce_fwd(x, &rows, v, &targets, self.cap)),
             s => bail!("softcap_cross_entropy: unsupported dtype {:?}", s.dtype()),
@@ -254,7 +254,7 @@ impl CustomOp3 for SoftcapCeBwd {
         };
         if s1.dtype() == DType::BF16 {
             // The kernel's: bf16 logits read into f32 (with f32 losses), their gradient in bf16.
-            return host::narrowed(self.cpu_fwd(&host::widened(s1), l1, s2, l2, s3, l3)?);
+            return convert::narrowed(self.cpu_fwd(&convert::widened(s1), l1, s2, l2, s3, l3)?);
         }
         let rows = row_offsets(l1)?;
         let out = match (s1, s3) {

@@ -17,8 +17,8 @@
 use candle_core::{D, Result, Tensor, bail};
 use rayon::prelude::*;
 
-use crate::model::cpu::rows::{ROWS, split_rows};
-use crate::model::cpu::simd::{Real, dot_f64};
+use crate::model::host::rows::{ROWS, split_rows};
+use crate::model::host::simd::{Real, dot_f64};
 
 /// XSA of the attention output `y` `(N, H * D)` given the values `v` `(N, K * D)` of the same
 /// `N` token rows (heads side by side in the columns, `H` a multiple of `K`).

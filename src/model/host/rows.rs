@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use candle_core::{CpuStorage, Device, Layout, Result, Shape, Storage, Tensor, WithDType, bail};
 
-use super::host::values_as;
+use super::convert::values_as;
 use super::simd::Real;
 
 /// Rows per rayon task for the elementwise ops and the per-channel sums.

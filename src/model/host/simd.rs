@@ -100,11 +100,11 @@ pub(crate) fn tanh_f32(x: f32) -> f32 {
 macro_rules! multiversion {
     ($(#[$doc:meta])* fn $name:ident = $kernel:ident($($arg:ident: $ty:ty),* $(,)?);) => {
         $(#[$doc])*
-        fn $name<T: $crate::model::cpu::simd::Real>($($arg: $ty),*) {
+        fn $name<T: $crate::model::host::simd::Real>($($arg: $ty),*) {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx2,fma")]
-                fn wide<T: $crate::model::cpu::simd::Real>($($arg: $ty),*) {
+                fn wide<T: $crate::model::host::simd::Real>($($arg: $ty),*) {
                     $kernel::<T>($($arg),*)
                 }
                 if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
