@@ -16,44 +16,36 @@
 //   block adds them in order.
 //
 // Maths is float32 with float32 accumulation inside a row (the CPU reference accumulates in
-// float64: the comparison's tolerance says so).
+// float64: the comparison's tolerance says so), with the correctly rounded transcendental
+// functions (`ops::Precise`). The device maths of the ops the model's fused kernels
+// (kernels/fused.cu) have too lives in kernels/ops/, one header per op, shared by both: RMS norm,
+// the MLP's activation, the per-channel scales and their column sums, qk norm + RoPE, the
+// soft-capped cross-entropy, and the warp and block reductions. This file keeps the entry
+// points, their launch geometry and the ops only the engine has.
 #include <cuda_bf16.h>
 #include <math_constants.h>
+
+#include "ops/act.cuh"
+#include "ops/colsum.cuh"
+#include "ops/common.cuh"
+#include "ops/qk_norm_rope.cuh"
+#include "ops/reduce.cuh"
+#include "ops/rms_norm.cuh"
+#include "ops/scale.cuh"
+#include "ops/softcap_ce.cuh"
 
 namespace eng {
 
 constexpr int PART = 64;  // rows per partial sum of a per-channel reduction
 
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-// The row (or work item) this warp owns, or -1 past the end.
-__device__ __forceinline__ long warp_item(long items) {
-    long r = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    return r < items ? r : -1;
-}
+using ops::block_sum;
+using ops::Precise;
+using ops::warp_max;
+using ops::warp_row;
+using ops::warp_sum;
 
 __device__ __forceinline__ long first_index() { return (long)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ long grid_stride() { return (long)gridDim.x * blockDim.x; }
-
-// The block's sum of v (256 threads), valid in every thread; `sh` holds 8 floats.
-__device__ __forceinline__ float block_sum(float v, float* sh) {
-    v = warp_sum(v);
-    const int w = threadIdx.x / 32, lane = threadIdx.x & 31;
-    __syncthreads();
-    if (lane == 0) sh[w] = v;
-    __syncthreads();
-    float s = 0.f;
-    for (int i = 0; i < (int)blockDim.x / 32; ++i) s += sh[i];
-    return s;
-}
 
 __device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + expf(-z)); }
 
@@ -180,7 +172,7 @@ extern "C" __global__ void eng_sgd(float* p, const float* g, float* buf, long n,
 
 // Each row of `cols` divided by max(its norm, eps) (MuonEq-R's row equalisation). Warp per row.
 extern "C" __global__ void eng_row_normalize(float* x, long rows, int cols, float eps) {
-    const long r = warp_item(rows);
+    const long r = warp_row(rows);
     if (r < 0) return;
     const int lane = threadIdx.x & 31;
     float* xr = x + r * cols;
@@ -212,23 +204,18 @@ extern "C" __global__ void eng_transpose_each(const float* src, float* dst, int 
 
 // ---- per-channel sums --------------------------------------------------------------------
 
+// The two passes of ops/colsum.cuh.
+
 // dst[c] += the sum over p of part[p * stride + c] for c < width, p in order.
 extern "C" __global__ void eng_colsum_finish(const float* part, int parts, int stride, int width, float* dst) {
-    for (long c = first_index(); c < width; c += grid_stride()) {
-        float s = 0.f;
-        for (int p = 0; p < parts; ++p) s += part[(long)p * stride + c];
-        dst[c] += s;
-    }
+    for (long c = first_index(); c < width; c += grid_stride()) dst[c] += ops::column_total(part, parts, stride, c);
 }
 
 // part[blk][c] = the sum of a[r][c] over the block's PART rows (blockIdx.y).
 extern "C" __global__ void eng_colsum_partial(const float* a, long rows, int cols, float* part) {
     const long r0 = (long)blockIdx.y * PART, r1 = min(r0 + PART, rows);
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
-        float s = 0.f;
-        for (long r = r0; r < r1; ++r) s += a[r * cols + c];
-        part[(long)blockIdx.y * cols + c] = s;
-    }
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x)
+        part[(long)blockIdx.y * cols + c] = ops::column_sum(a, r0, r1, cols, c);
 }
 
 // ---- embedding ---------------------------------------------------------------------------
@@ -341,45 +328,34 @@ extern "C" __global__ void eng_csr_fill(const unsigned* ids, long n, int vocab, 
 
 // ---- RMS norm ----------------------------------------------------------------------------
 
-// out = x scale / r, rstd = 1 / r with r = sqrt(mean(x^2) + eps). Warp per row.
+// ops/rms_norm.cuh with the scale folded in. Warp per row.
+
+// out = x scale / r, rstd = 1 / r with r = sqrt(mean(x^2) + eps).
 extern "C" __global__ void eng_rms_norm_fwd(const float* x, float* out, float* rstd, long rows, int cols, float scale, float eps) {
-    const long r = warp_item(rows);
+    const long r = warp_row(rows);
     if (r < 0) return;
-    const int lane = threadIdx.x & 31;
-    const float* xr = x + r * cols;
-    float s = 0.f;
-    for (int j = lane; j < cols; j += 32) s += xr[j] * xr[j];
-    const float inv = 1.f / sqrtf(warp_sum(s) / cols + eps);
-    if (lane == 0) rstd[r] = inv;
-    const float a = inv * scale;
-    for (int j = lane; j < cols; j += 32) out[r * cols + j] = xr[j] * a;
+    const float inv = ops::rms_norm_row<Precise>(x + r * cols, out + r * cols, cols, eps, scale);
+    if ((threadIdx.x & 31) == 0) rstd[r] = inv;
 }
 
 // dx (+)= scale (dy / r - x sum(dy x) / (cols r^3)), with 1 / r from the forward pass.
 extern "C" __global__ void eng_rms_norm_bwd(const float* x, const float* rstd, const float* dy, float* dx, long rows, int cols, float scale,
                                             int acc) {
-    const long r = warp_item(rows);
+    const long r = warp_row(rows);
     if (r < 0) return;
-    const int lane = threadIdx.x & 31;
     const float* xr = x + r * cols;
     const float* gr = dy + r * cols;
-    float s = 0.f;
-    for (int j = lane; j < cols; j += 32) s += xr[j] * gr[j];
-    const float inv = rstd[r];
-    const float a = scale * inv, c = scale * warp_sum(s) * inv * inv * inv / cols;
-    for (int j = lane; j < cols; j += 32) {
-        const float d = gr[j] * a - xr[j] * c;
-        dx[r * cols + j] = acc ? dx[r * cols + j] + d : d;
-    }
+    ops::rms_norm_bwd_row(xr, gr, dx + r * cols, cols, rstd[r], ops::row_dot(xr, gr, cols), scale, acc != 0);
 }
 
 // ---- residual mix, scaled add, skips -----------------------------------------------------
+// (ops/scale.cuh; the per-channel sums of ops/colsum.cuh)
 
 // out = h mix[0] + x0 mix[1] per channel (mix: 2 x cols).
 extern "C" __global__ void eng_resid_mix_fwd(const float* h, const float* x0, const float* mix, float* out, long n, int cols) {
     for (long i = first_index(); i < n; i += grid_stride()) {
         const int c = (int)(i % cols);
-        out[i] = h[i] * mix[c] + x0[i] * mix[cols + c];
+        out[i] = ops::mixed(h[i], x0[i], mix[c], mix[cols + c]);
     }
 }
 
@@ -387,8 +363,8 @@ extern "C" __global__ void eng_resid_mix_fwd(const float* h, const float* x0, co
 extern "C" __global__ void eng_resid_mix_bwd(const float* du, const float* mix, float* dh, float* dx0, long n, int cols) {
     for (long i = first_index(); i < n; i += grid_stride()) {
         const int c = (int)(i % cols);
-        dh[i] = du[i] * mix[c];
-        dx0[i] += du[i] * mix[cols + c];
+        dh[i] = ops::scaled(du[i], mix[c]);
+        dx0[i] = ops::add_scaled(dx0[i], du[i], mix[cols + c]);
     }
 }
 
@@ -409,22 +385,19 @@ extern "C" __global__ void eng_resid_mix_partial(const float* du, const float* h
 
 // out = base + x s per channel (base may be out: in place).
 extern "C" __global__ void eng_scale_add_fwd(const float* base, const float* x, const float* s, float* out, long n, int cols) {
-    for (long i = first_index(); i < n; i += grid_stride()) out[i] = base[i] + x[i] * s[i % cols];
+    for (long i = first_index(); i < n; i += grid_stride()) out[i] = ops::add_scaled(base[i], x[i], s[i % cols]);
 }
 
 // dx = dy s per channel.
 extern "C" __global__ void eng_scale_cols(const float* dy, const float* s, float* dx, long n, int cols) {
-    for (long i = first_index(); i < n; i += grid_stride()) dx[i] = dy[i] * s[i % cols];
+    for (long i = first_index(); i < n; i += grid_stride()) dx[i] = ops::scaled(dy[i], s[i % cols]);
 }
 
 // part[blk][c] = sum over the block's rows of a[r][c] b[r][c].
 extern "C" __global__ void eng_dot_partial(const float* a, const float* b, long rows, int cols, float* part) {
     const long r0 = (long)blockIdx.y * PART, r1 = min(r0 + PART, rows);
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
-        float s = 0.f;
-        for (long r = r0; r < r1; ++r) s += a[r * cols + c] * b[r * cols + c];
-        part[(long)blockIdx.y * cols + c] = s;
-    }
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x)
+        part[(long)blockIdx.y * cols + c] = ops::column_dot(a, b, r0, r1, cols, c);
 }
 
 // U-Net skip: k = s w; out = h + k, or with a gate g = sigmoid(z): out = k + (h - k) g.
@@ -468,8 +441,7 @@ extern "C" __global__ void eng_skip_partial(const float* dy, const float* h, con
 // dz[c] += (sum of the raw partials) g (1 - g), g = sigmoid(z[c]): the partials' second half.
 extern "C" __global__ void eng_skip_gate_finish(const float* part, int parts, int cols, const float* z, float* dz) {
     for (long c = first_index(); c < cols; c += grid_stride()) {
-        float s = 0.f;
-        for (int p = 0; p < parts; ++p) s += part[(long)p * 2 * cols + cols + c];
+        const float s = ops::column_total(part + cols, parts, 2L * cols, c);
         const float g = sigmoid(z[c]);
         dz[c] += s * g * (1.f - g);
     }
@@ -477,12 +449,13 @@ extern "C" __global__ void eng_skip_gate_finish(const float* part, int parts, in
 
 // ---- per-head RMS norm + partial RoPE + gain ---------------------------------------------
 
-// Warp per (row, head): xn = x / r; y[i] = (a cos + b sin) gain, y[i + half] = (b cos - a sin)
-// gain for the rotated pairs (a, b) = (xn[i], xn[i + half]), i < half = rot / 2; y = xn gain
-// past rot. Row n is at position n % t; x has row stride ldx, out is contiguous.
+// ops/qk_norm_rope.cuh: warp per (row, head): xn = x / r; y[i] = (a cos + b sin) gain,
+// y[i + half] = (b cos - a sin) gain for the rotated pairs (a, b) = (xn[i], xn[i + half]),
+// i < half = rot / 2; y = xn gain past rot. Row n is at position n % t; x has row stride ldx,
+// out is contiguous; rstd keeps 1 / r for the backward pass.
 extern "C" __global__ void eng_qk_norm_rope_fwd(const float* x, long ldx, float* out, float* rstd, const float* gain, int has_gain,
                                                 const float* cos, const float* sin, long rows, int heads, int d, int rot, int t, float eps) {
-    const long item = warp_item(rows * heads);
+    const long item = warp_row(rows * heads);
     if (item < 0) return;
     const int lane = threadIdx.x & 31, h = (int)(item % heads), half = rot / 2;
     const long n = item / heads;
@@ -490,34 +463,17 @@ extern "C" __global__ void eng_qk_norm_rope_fwd(const float* x, long ldx, float*
     float* yh = out + item * d;
     const float* cr = cos + (long)(n % t) * half;
     const float* sr = sin + (long)(n % t) * half;
-    float s = 0.f;
-    for (int j = lane; j < d; j += 32) s += xh[j] * xh[j];
-    const float inv = 1.f / sqrtf(warp_sum(s) / d + eps);
     const float g = has_gain ? gain[h] : 1.f;
+    const float inv = ops::norm_rope_row<Precise, true>(xh, yh, cr, sr, d, half, eps, g);
     if (lane == 0) rstd[item] = inv;
-    for (int i = lane; i < half; i += 32) {
-        const float a = xh[i] * inv, b = xh[i + half] * inv;
-        yh[i] = (a * cr[i] + b * sr[i]) * g;
-        yh[i + half] = (b * cr[i] - a * sr[i]) * g;
-    }
-    for (int i = 2 * half + lane; i < d; i += 32) yh[i] = xh[i] * inv * g;
-}
-
-// The gradient of the normed head, dxn = rope^T(dy gain), at i (a rotated pair's two values
-// when i < half, else one value).
-__device__ __forceinline__ void rope_bwd_pair(const float* gy, const float* cr, const float* sr, float g, int i, int half, float& da,
-                                              float& db) {
-    const float ga = gy[i] * g, gb = gy[i + half] * g;
-    da = ga * cr[i] - gb * sr[i];
-    db = ga * sr[i] + gb * cr[i];
 }
 
 // Warp per (row, head): dxn = rope^T(dy gain); dx = (dxn - xn mean(dxn xn)) / r (written, row
-// stride ldx); part[item] = sum(dy rope(xn)) (the gain's gradient before the sum over rows).
+// stride lddx); part[item] = sum(dy rope(xn)) (the gain's gradient before the sum over rows).
 extern "C" __global__ void eng_qk_norm_rope_bwd(const float* x, long ldx, const float* rstd, const float* dy, float* dx, long lddx,
                                                 const float* gain, int has_gain, const float* cos, const float* sin, long rows, int heads,
                                                 int d, int rot, int t, float* part) {
-    const long item = warp_item(rows * heads);
+    const long item = warp_row(rows * heads);
     if (item < 0) return;
     const int lane = threadIdx.x & 31, h = (int)(item % heads), half = rot / 2;
     const long n = item / heads;
@@ -529,11 +485,10 @@ extern "C" __global__ void eng_qk_norm_rope_bwd(const float* x, long ldx, const 
     const float inv = rstd[item], g = has_gain ? gain[h] : 1.f;
     float dg = 0.f, dot = 0.f;
     for (int i = lane; i < half; i += 32) {
-        const float a = xh[i] * inv, b = xh[i + half] * inv;
-        dg += gy[i] * (a * cr[i] + b * sr[i]) + gy[i + half] * (b * cr[i] - a * sr[i]);
-        float da, db;
-        rope_bwd_pair(gy, cr, sr, g, i, half, da, db);
-        dot += da * a + db * b;
+        const float a = xh[i] * inv, b = xh[i + half] * inv, c = cr[i], s = sr[i];
+        dg += gy[i] * ops::rope_lo(a, b, c, s) + gy[i + half] * ops::rope_hi(a, b, c, s);
+        const float ga = gy[i] * g, gb = gy[i + half] * g;
+        dot += ops::unrope_lo(ga, gb, c, s) * a + ops::unrope_hi(ga, gb, c, s) * b;
     }
     for (int i = 2 * half + lane; i < d; i += 32) {
         dg += gy[i] * xh[i] * inv;
@@ -541,14 +496,8 @@ extern "C" __global__ void eng_qk_norm_rope_bwd(const float* x, long ldx, const 
     }
     dot = warp_sum(dot);
     dg = warp_sum(dg);
-    const float c = dot / d;
-    for (int i = lane; i < half; i += 32) {
-        float da, db;
-        rope_bwd_pair(gy, cr, sr, g, i, half, da, db);
-        dh[i] = (da - xh[i] * inv * c) * inv;
-        dh[i + half] = (db - xh[i + half] * inv * c) * inv;
-    }
-    for (int i = 2 * half + lane; i < d; i += 32) dh[i] = (gy[i] * g - xh[i] * inv * c) * inv;
+    // dx = dxn / r - x k with k = mean(dxn xn) / r^2.
+    ops::norm_rope_bwd_row<true>(xh, gy, dh, cr, sr, d, half, inv, dot / d * inv * inv, g);
     if (lane == 0) part[item] = dg;
 }
 
@@ -574,7 +523,7 @@ __device__ __forceinline__ float unit_value(const float* v, long ldv, long n, in
 
 // Warp per (row, KV head): out = y - (y . u) u for each query head of the group.
 extern "C" __global__ void eng_xsa_fwd(const float* y, const float* v, long ldv, float* out, long rows, int heads, int kv_heads, int d) {
-    const long item = warp_item(rows * kv_heads);
+    const long item = warp_row(rows * kv_heads);
     if (item < 0) return;
     const int lane = threadIdx.x & 31, kv = (int)(item % kv_heads), group = heads / kv_heads;
     const long n = item / kv_heads;
@@ -596,7 +545,7 @@ extern "C" __global__ void eng_xsa_fwd(const float* y, const float* v, long ldv,
 // ((y . u) g + (g . u) y); dv = (du - u (du . u)) / |v| (du / 1e-12 below the floor), written.
 extern "C" __global__ void eng_xsa_bwd(const float* dout, const float* y, const float* v, long ldv, float* dy, float* dv, long lddv, long rows,
                                        int heads, int kv_heads, int d) {
-    const long item = warp_item(rows * kv_heads);
+    const long item = warp_row(rows * kv_heads);
     if (item < 0) return;
     const int lane = threadIdx.x & 31, kv = (int)(item % kv_heads), group = heads / kv_heads;
     const long n = item / kv_heads;
@@ -631,26 +580,22 @@ extern "C" __global__ void eng_xsa_bwd(const float* dout, const float* y, const 
     }
 }
 
-// ---- the MLP's activation ----------------------------------------------------------------
+// ---- the MLP's activation (ops/act.cuh) -------------------------------------------------
 
 // out = leaky_relu(x)^2 (slope 0: relu^2).
 extern "C" __global__ void eng_act_fwd(const float* pre, float* out, long n, float slope) {
-    for (long i = first_index(); i < n; i += grid_stride()) {
-        const float x = pre[i], l = x > 0.f ? x : x * slope;
-        out[i] = l * l;
-    }
+    for (long i = first_index(); i < n; i += grid_stride()) out[i] = ops::act_sq(ops::leaky_relu(pre[i], slope));
 }
 
-// dpre = dout 2 l l' with l = leaky_relu(x), l' = 1 or slope.
+// dpre = 2 l l' dout with l = leaky_relu(x), l' = 1 or slope.
 extern "C" __global__ void eng_act_bwd(const float* pre, const float* dout, float* dpre, long n, float slope) {
     for (long i = first_index(); i < n; i += grid_stride()) {
         const float x = pre[i];
-        const float l = x > 0.f ? x : x * slope, dl = x > 0.f ? 1.f : slope;
-        dpre[i] = dout[i] * 2.f * l * dl;
+        dpre[i] = ops::act_sq_grad(ops::leaky_relu(x, slope), ops::leaky_relu_slope(x, slope), dout[i]);
     }
 }
 
-// ---- soft-capped cross-entropy fused with its gradient -----------------------------------
+// ---- soft-capped cross-entropy fused with its gradient (ops/softcap_ce.cuh) --------------
 
 // Block (256 threads) per row: t = tanh(x / cap), z = cap t; loss = logsumexp(z) - z[y]; the
 // logits are overwritten by scale (softmax(z) - [j == y]) (1 - t^2).
@@ -660,26 +605,21 @@ extern "C" __global__ void eng_softcap_ce(float* logits, const unsigned* targets
     float* xr = logits + r * vocab;
     const float inv_c = 1.f / cap;
     float m = -CUDART_INF_F;
-    for (int j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, cap * tanhf(xr[j] * inv_c));
-    m = warp_max(m);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) sh[threadIdx.x / 32] = m;
-    __syncthreads();
-    float mx = -CUDART_INF_F;
-    for (int i = 0; i < (int)blockDim.x / 32; ++i) mx = fmaxf(mx, sh[i]);
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, cap * ops::softcap_tanh(xr[j], inv_c));
+    const float mx = ops::block_max(m, sh);
     float s = 0.f;
-    for (int j = threadIdx.x; j < vocab; j += blockDim.x) s += expf(cap * tanhf(xr[j] * inv_c) - mx);
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) s += Precise::exp(cap * ops::softcap_tanh(xr[j], inv_c) - mx);
     const float sum = block_sum(s, sh);
     const unsigned y = targets[r];
     // A target outside the vocabulary gives the row a NaN loss (not a read past the row).
-    const float ty = y < (unsigned)vocab ? tanhf(xr[y] * inv_c) : CUDART_NAN_F;
+    const float ty = ops::target_tanh(xr, y, vocab, inv_c);
     __syncthreads();  // every thread has read xr[y] before it is overwritten
-    if (threadIdx.x == 0) losses[r] = logf(sum) + mx - cap * ty;
+    if (threadIdx.x == 0) losses[r] = ops::softcap_ce_loss(sum, mx, cap, ty);
     const float a = scale / sum;
     for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
-        const float t = tanhf(xr[j] * inv_c);
-        const float p = expf(cap * t - mx) * a;
-        xr[j] = ((unsigned)j == y ? p - scale : p) * (1.f - t * t);
+        const float t = ops::softcap_tanh(xr[j], inv_c);
+        const float p = Precise::exp(cap * t - mx) * a;
+        xr[j] = ((unsigned)j == y ? p - scale : p) * ops::tanh_slope(t);
     }
 }
 
@@ -705,7 +645,7 @@ extern "C" __global__ void eng_from_bf16(const __nv_bfloat16* src, float* dst, l
 // as flash attention's backward kernels read it: delta[(b heads + h) t + i] for token n = b t + i.
 // Warp per (token, head).
 extern "C" __global__ void eng_attn_delta(const float* o, const float* dout, float* delta, long rows, int t, int heads, int d) {
-    const long item = warp_item(rows * heads);
+    const long item = warp_row(rows * heads);
     if (item < 0) return;
     const int lane = threadIdx.x & 31;
     float s = 0.f;

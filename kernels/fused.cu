@@ -1,37 +1,37 @@
 // The GPU kernels of the model's fused ops (see src/model/cuda/kernels.rs for the launches and
-// src/model/ops/, one file per op, for the CPU references they are checked against). Every kernel gives one warp to one row: the rows here are short (a head's 64
-// values, a token's 512 channels, a query's 1024 keys), so a warp reads a row with coalesced
-// loads, reduces it with shuffles and writes it once; blocks hold 8 rows.
+// src/model/ops/, one file per op, for the CPU references they are checked against). The device
+// maths of the ops the explicit engine (kernels/engine.cu) has too lives in kernels/ops/, one
+// header per op, shared by both; this file keeps the entry points, their launch geometry and
+// the ops only the model has (causal softmax, the 16-byte-chunk norm_rope, the ballot search of
+// the embedding's gradient, the casts). Every kernel gives one warp to one row: the rows here
+// are short (a head's 64 values, a token's 512 channels, a query's 1024 keys), so a warp reads a
+// row with coalesced loads, reduces it with shuffles and writes it once; blocks hold 8 rows.
 //
 // Arithmetic is in float32 whatever the storage type (float32 or bfloat16). Under mixed
 // precision the residual stream is float32 and the products around it bfloat16: the RMS norm,
 // scale and sum kernels then read one type and write the other (the `_f32_bf16` instantiations),
 // so that no separate cast pass runs; their results equal a float32 kernel followed by a cast.
+// The transcendental functions are the fast intrinsics (`ops::Fast`: rsqrtf, __expf).
 #include <cuda_bf16.h>
 #include <math_constants.h>
 
+#include "ops/act.cuh"
+#include "ops/colsum.cuh"
+#include "ops/common.cuh"
+#include "ops/qk_norm_rope.cuh"
+#include "ops/reduce.cuh"
+#include "ops/rms_norm.cuh"
+#include "ops/scale.cuh"
+#include "ops/softcap_ce.cuh"
+
 namespace {
 
-__device__ __forceinline__ float load(const float* p, long i) { return p[i]; }
-__device__ __forceinline__ float load(const __nv_bfloat16* p, long i) { return __bfloat162float(p[i]); }
-__device__ __forceinline__ void store(float* p, long i, float v) { p[i] = v; }
-__device__ __forceinline__ void store(__nv_bfloat16* p, long i, float v) { p[i] = __float2bfloat16(v); }
-
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// The row this warp owns, or -1 past the end.
-__device__ __forceinline__ long warp_row(long rows) {
-    long r = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    return r < rows ? r : -1;
-}
+using ops::Fast;
+using ops::load;
+using ops::store;
+using ops::warp_max;
+using ops::warp_row;
+using ops::warp_sum;
 
 // p[r, j] = exp(scale * s[r, j] - m) / z over the keys j <= i of row r's query position
 // i = r % t (m the row's maximum, z its sum); 0 for the future keys j > i.
@@ -67,70 +67,47 @@ __device__ void causal_softmax_bwd(const T* p, const T* g, T* ds, long rows, int
     for (int j = lane; j < t; j += 32) store(dr, j, j <= i ? scale * load(pr, j) * (load(gr, j) - dot) : 0.f);
 }
 
-// y = x / sqrt(mean(x^2) + eps) over rows of d, stored as TY.
+// RMS norm (ops/rms_norm.cuh, scale 1) over rows of d: y = x / sqrt(mean(x^2) + eps), stored
+// as TY; dx for a gradient g stored as TG, recomputing 1 / r.
 template <typename T, typename TY = T>
 __device__ void rms_norm_fwd(const T* x, TY* y, long rows, int d, float eps) {
     long r = warp_row(rows);
     if (r < 0) return;
-    int lane = threadIdx.x & 31;
-    const T* xr = x + r * d;
-    TY* yr = y + r * d;
-    float ss = 0.f;
-    for (int j = lane; j < d; j += 32) {
-        float v = load(xr, j);
-        ss += v * v;
-    }
-    float inv = rsqrtf(warp_sum(ss) / d + eps);
-    for (int j = lane; j < d; j += 32) store(yr, j, load(xr, j) * inv);
+    ops::rms_norm_row<Fast>(x + r * d, y + r * d, d, eps, 1.f);
 }
 
-// dx = g / rms - x * sum(g * x) / (d * rms^3), for a gradient g stored as TG.
 template <typename T, typename TG = T>
 __device__ void rms_norm_bwd(const T* x, const TG* g, T* dx, long rows, int d, float eps) {
     long r = warp_row(rows);
     if (r < 0) return;
-    int lane = threadIdx.x & 31;
     const T* xr = x + r * d;
     const TG* gr = g + r * d;
-    T* dr = dx + r * d;
-    float ss = 0.f, xg = 0.f;
-    for (int j = lane; j < d; j += 32) {
-        float v = load(xr, j);
-        ss += v * v;
-        xg += v * load(gr, j);
-    }
-    ss = warp_sum(ss);
-    xg = warp_sum(xg);
-    float inv = rsqrtf(ss / d + eps);
-    float c = xg / d * inv * inv * inv;
-    for (int j = lane; j < d; j += 32) store(dr, j, load(gr, j) * inv - load(xr, j) * c);
+    float ss, xg;
+    ops::row_sum_sq_dot(xr, gr, d, ss, xg);
+    ops::rms_norm_bwd_row(xr, gr, dx + r * d, d, ops::rms_rstd<Fast>(ss, d, eps), xg, 1.f, false);
 }
 
-// relu(x)^2 and its gradient 2 relu(x) g, elementwise (rows only for the launch geometry).
+// relu(x)^2 and its gradient 2 relu(x) g (ops/act.cuh), elementwise (rows only for the launch
+// geometry).
 template <typename T>
 __device__ void relu_sq_fwd(const T* x, T* y, long rows, int d, float) {
     long r = warp_row(rows);
     if (r < 0) return;
-    for (int j = threadIdx.x & 31; j < d; j += 32) {
-        float v = fmaxf(load(x, r * d + j), 0.f);
-        store(y, r * d + j, v * v);
-    }
+    for (int j = threadIdx.x & 31; j < d; j += 32) store(y, r * d + j, ops::act_sq(ops::relu(load(x, r * d + j))));
 }
 
 template <typename T>
 __device__ void relu_sq_bwd(const T* x, const T* g, T* dx, long rows, int d, float) {
     long r = warp_row(rows);
     if (r < 0) return;
-    for (int j = threadIdx.x & 31; j < d; j += 32) {
-        float v = fmaxf(load(x, r * d + j), 0.f);
-        store(dx, r * d + j, 2.f * v * load(g, r * d + j));
-    }
+    for (int j = threadIdx.x & 31; j < d; j += 32)
+        store(dx, r * d + j, ops::act_sq_grad(ops::relu(load(x, r * d + j)), 1.f, load(g, r * d + j)));
 }
 
-// Soft-capped cross-entropy per row of v logits (spec: z = cap tanh(x / cap), loss =
-// logsumexp(z) - z[target]), in float32 whatever the logits' storage (bf16 logits read as they
-// are: the script's `logits.float()` without a pass of its own). A target outside 0..v gives a
-// NaN loss (the CPU op reports it as an error; the GPU cannot stop the step).
+// Soft-capped cross-entropy per row of v logits (ops/softcap_ce.cuh), in float32 whatever the
+// logits' storage (bf16 logits read as they are: the script's `logits.float()` without a pass of
+// its own). A target outside 0..v gives a NaN loss (the CPU op reports it as an error; the GPU
+// cannot stop the step).
 template <typename T>
 __device__ void softcap_ce_fwd(const T* x, const unsigned* targets, float* loss, long rows, int v, float cap) {
     long r = warp_row(rows);
@@ -140,16 +117,15 @@ __device__ void softcap_ce_fwd(const T* x, const unsigned* targets, float* loss,
     float inv = 1.f / cap, m = -CUDART_INF_F;
     for (int j = lane; j < v; j += 32) m = fmaxf(m, load(xr, j));
     // tanh is increasing: the largest logit gives the largest capped one.
-    float zmax = cap * tanhf(warp_max(m) * inv), s = 0.f;
-    for (int j = lane; j < v; j += 32) s += __expf(cap * tanhf(load(xr, j) * inv) - zmax);
+    float zmax = cap * ops::softcap_tanh(warp_max(m), inv), s = 0.f;
+    for (int j = lane; j < v; j += 32) s += Fast::exp(cap * ops::softcap_tanh(load(xr, j), inv) - zmax);
     s = warp_sum(s);
     unsigned y = targets[r];
-    if (lane == 0) loss[r] = y < (unsigned)v ? logf(s) + zmax - cap * tanhf(load(xr, y) * inv) : CUDART_NAN_F;
+    if (lane == 0) loss[r] = ops::softcap_ce_loss(s, zmax, cap, ops::target_tanh(xr, y, v, inv));
 }
 
-// Its gradient for per-row loss gradients g: dx = (softmax(z) - onehot(target)) (1 - tanh^2) g,
-// the row's logsumexp recovered from its loss as loss + z[target]. `lg` is (2, rows): the
-// losses, then their gradients.
+// Its gradient for per-row loss gradients g, the row's logsumexp recovered from its loss as
+// loss + z[target]. `lg` is (2, rows): the losses, then their gradients.
 template <typename T>
 __device__ void softcap_ce_bwd(const T* x, const unsigned* targets, const float* lg, T* dx, long rows, int v, float cap) {
     long r = warp_row(rows);
@@ -159,43 +135,30 @@ __device__ void softcap_ce_bwd(const T* x, const unsigned* targets, const float*
     T* dr = dx + r * v;
     float inv = 1.f / cap, g = lg[rows + r];
     unsigned y = targets[r];
-    float ty = y < (unsigned)v ? tanhf(load(xr, y) * inv) : CUDART_NAN_F;
+    float ty = ops::target_tanh(xr, y, v, inv);
     float lse = lg[r] + cap * ty;
     for (int j = lane; j < v; j += 32) {
-        float t = tanhf(load(xr, j) * inv);
-        float d = __expf(cap * t - lse) * (1.f - t * t) * g;
-        if (j == (int)y) d -= (1.f - ty * ty) * g;
+        float t = ops::softcap_tanh(load(xr, j), inv);
+        float d = Fast::exp(cap * t - lse) * ops::tanh_slope(t) * g;
+        if (j == (int)y) d -= ops::tanh_slope(ty) * g;
         store(dr, j, d);
     }
 }
 
-// Per-head RMS norm then RoPE on token-major rows: row r is head (r % heads) of token
-// n = r / heads, at position p = n % seq; `table` is (seq, d) = [cos | sin] of (seq, d/2) each.
-// With y = x / rms: out[i] = y[i] cos + y[i+h] sin, out[i+h] = y[i+h] cos - y[i] sin.
+// Per-head RMS norm then RoPE (ops/qk_norm_rope.cuh: every value rotated, no gain) on
+// token-major rows: row r is head (r % heads) of token n = r / heads, at position p = n % seq;
+// `table` is (seq, d) = [cos | sin] of (seq, d/2) each.
 template <typename T>
 __device__ void norm_rope_fwd(const T* x, const T* table, T* out, long rows, int d, float eps, int heads, int seq) {
     long r = warp_row(rows);
     if (r < 0) return;
-    int lane = threadIdx.x & 31, half = d / 2;
-    const T* xr = x + r * d;
+    const int half = d / 2;
     const T* tr = table + (long)((r / heads) % seq) * d;
-    T* orow = out + r * d;
-    float ss = 0.f;
-    for (int j = lane; j < d; j += 32) {
-        float v = load(xr, j);
-        ss += v * v;
-    }
-    float inv = rsqrtf(warp_sum(ss) / d + eps);
-    for (int i = lane; i < half; i += 32) {
-        float y1 = load(xr, i) * inv, y2 = load(xr, i + half) * inv;
-        float c = load(tr, i), s = load(tr, half + i);
-        store(orow, i, y1 * c + y2 * s);
-        store(orow, i + half, y2 * c - y1 * s);
-    }
+    ops::norm_rope_row<Fast, false>(x + r * d, out + r * d, tr, tr + half, d, half, eps, 1.f);
 }
 
-// The gradient of norm_rope_fwd: rotate g back (dy1 = g1 cos - g2 sin, dy2 = g1 sin + g2 cos),
-// then the RMS norm's backward pass dx = dy / rms - x sum(x dy) / (d rms^3).
+// Its gradient: one sweep for sum(x^2) and sum(x dy) (dy the rotated-back gradient), then the
+// write.
 template <typename T>
 __device__ void norm_rope_bwd(const T* x, const T* g, const T* table, T* dx, long rows, int d, float eps, int heads,
                               int seq) {
@@ -205,26 +168,19 @@ __device__ void norm_rope_bwd(const T* x, const T* g, const T* table, T* dx, lon
     const T* xr = x + r * d;
     const T* gr = g + r * d;
     const T* tr = table + (long)((r / heads) % seq) * d;
-    T* dr = dx + r * d;
     float ss = 0.f, xdy = 0.f;
     for (int i = lane; i < half; i += 32) {
         float x1 = load(xr, i), x2 = load(xr, i + half);
         float g1 = load(gr, i), g2 = load(gr, i + half);
         float c = load(tr, i), s = load(tr, half + i);
         ss += x1 * x1 + x2 * x2;
-        xdy += x1 * (g1 * c - g2 * s) + x2 * (g1 * s + g2 * c);
+        xdy += x1 * ops::unrope_lo(g1, g2, c, s) + x2 * ops::unrope_hi(g1, g2, c, s);
     }
     ss = warp_sum(ss);
     xdy = warp_sum(xdy);
-    float inv = rsqrtf(ss / d + eps);
+    float inv = ops::rms_rstd<Fast>(ss, d, eps);
     float k = xdy / d * inv * inv * inv;
-    for (int i = lane; i < half; i += 32) {
-        float x1 = load(xr, i), x2 = load(xr, i + half);
-        float g1 = load(gr, i), g2 = load(gr, i + half);
-        float c = load(tr, i), s = load(tr, half + i);
-        store(dr, i, (g1 * c - g2 * s) * inv - x1 * k);
-        store(dr, i + half, (g1 * s + g2 * c) * inv - x2 * k);
-    }
+    ops::norm_rope_bwd_row<false>(xr, gr, dx + r * d, tr, tr + half, d, half, inv, k, 1.f);
 }
 
 // The same two kernels on 16-byte chunks: a row of d values is L = d / E chunks of E = 16 /
@@ -262,10 +218,7 @@ __device__ __forceinline__ uint4 shfl_xor(const uint4& u, int o) {
                  __shfl_xor_sync(0xffffffffu, u.z, o), __shfl_xor_sync(0xffffffffu, u.w, o)};
 }
 // The sum of v over the L lanes of this lane's row (an aligned group of L lanes).
-__device__ __forceinline__ float group_sum(float s, int L) {
-    for (int o = L / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    return s;
-}
+using ops::group_sum;
 
 // This lane's row and chunk, whether the row exists, and its chunks of x and of the row's cos
 // and sin (zeros past the last row).
@@ -304,14 +257,14 @@ __device__ void norm_rope_vec_fwd(const T* x, const T* table, T* out, long rows,
     constexpr int E = RopeChunk<T>::E;
     float ss = 0.f;
     for (int e = 0; e < E; ++e) ss += k.x[e] * k.x[e];
-    const float inv = rsqrtf(group_sum(ss, k.L) / d + eps);
+    const float inv = ops::rms_rstd<Fast>(group_sum(ss, k.L), d, eps);
     float p[E], o[E];
     unpack(shfl_xor(k.xu, k.L / 2), p);
     // First half: y1 c + y2 s (this lane y1, the partner y2); second half: y2 c - y1 s.
     const bool first = k.c < k.L / 2;
     for (int e = 0; e < E; ++e) {
         const float y = k.x[e] * inv, q = p[e] * inv;
-        o[e] = first ? y * k.cs[e] + q * k.sn[e] : y * k.cs[e] - q * k.sn[e];
+        o[e] = first ? ops::rope_lo(y, q, k.cs[e], k.sn[e]) : ops::rope_hi(q, y, k.cs[e], k.sn[e]);
     }
     if (k.live) *reinterpret_cast<uint4*>(out + k.r * d + k.c * E) = pack(o);
 }
@@ -329,27 +282,27 @@ __device__ void norm_rope_vec_bwd(const T* x, const T* g, const T* table, T* dx,
     const bool first = k.c < k.L / 2;
     float ss = 0.f, xdy = 0.f;
     for (int e = 0; e < E; ++e) {
-        dy[e] = first ? gv[e] * k.cs[e] - p[e] * k.sn[e] : p[e] * k.sn[e] + gv[e] * k.cs[e];
+        dy[e] = first ? ops::unrope_lo(gv[e], p[e], k.cs[e], k.sn[e]) : ops::unrope_hi(p[e], gv[e], k.cs[e], k.sn[e]);
         ss += k.x[e] * k.x[e];
         xdy += k.x[e] * dy[e];
     }
     ss = group_sum(ss, k.L);
     xdy = group_sum(xdy, k.L);
-    const float inv = rsqrtf(ss / d + eps);
+    const float inv = ops::rms_rstd<Fast>(ss, d, eps);
     const float kk = xdy / d * inv * inv * inv;
     float o[E];
     for (int e = 0; e < E; ++e) o[e] = dy[e] * inv - k.x[e] * kk;
     if (k.live) *reinterpret_cast<uint4*>(dx + k.r * d + k.c * E) = pack(o);
 }
 
-// Per-channel scales on rows of d channels (s, mix: the extra inputs, of d and 2 d values):
-// x * s (stored as TO), base + x * s (x stored as TX), and the residual mix
+// Per-channel scales on rows of d channels (ops/scale.cuh; s, mix: the extra inputs, of d and
+// 2 d values): x * s (stored as TO), base + x * s (x stored as TX), and the residual mix
 // h * mix[0] + x0 * mix[1].
 template <typename T, typename TO = T>
 __device__ void scale_cols(const T* x, const T* sc, TO* y, long rows, int d, float) {
     long r = warp_row(rows);
     if (r < 0) return;
-    for (int j = threadIdx.x & 31; j < d; j += 32) store(y, r * d + j, load(x, r * d + j) * load(sc, j));
+    for (int j = threadIdx.x & 31; j < d; j += 32) store(y, r * d + j, ops::scaled(load(x, r * d + j), load(sc, j)));
 }
 
 template <typename T, typename TX = T>
@@ -357,7 +310,7 @@ __device__ void scale_add(const T* base, const TX* x, const T* sc, T* y, long ro
     long r = warp_row(rows);
     if (r < 0) return;
     for (int j = threadIdx.x & 31; j < d; j += 32)
-        store(y, r * d + j, load(base, r * d + j) + load(x, r * d + j) * load(sc, j));
+        store(y, r * d + j, ops::add_scaled(load(base, r * d + j), load(x, r * d + j), load(sc, j)));
 }
 
 template <typename T>
@@ -365,7 +318,7 @@ __device__ void resid_mix(const T* h, const T* x0, const T* mix, T* y, long rows
     long r = warp_row(rows);
     if (r < 0) return;
     for (int j = threadIdx.x & 31; j < d; j += 32)
-        store(y, r * d + j, load(h, r * d + j) * load(mix, j) + load(x0, r * d + j) * load(mix, d + j));
+        store(y, r * d + j, ops::mixed(load(h, r * d + j), load(x0, r * d + j), load(mix, j), load(mix, d + j)));
 }
 
 // The gradient of an embedding lookup: dw[v, j] = sum of g[i, j] over the tokens i with
@@ -389,26 +342,21 @@ __device__ void embedding_bwd(const unsigned* ids, const T* g, T* dw, long n, in
     if (j < c) store(dw, (long)v * c + j, acc);
 }
 
-// Per-channel sums over rows of a * b (a, b: rows x c), in two deterministic passes: partial
-// sums of `chunk` rows per block row (thread per channel, loads coalesced across channels), then
-// the partials added in chunk order. float32 accumulation whatever the storage types.
+// Per-channel sums over rows of a * b (a, b: rows x c) in ops/colsum.cuh's two passes: partial
+// sums of `chunk` rows per block row, then the partials added in chunk order.
 template <typename T, typename TB = T>
 __device__ void column_dot_partial(const T* a, const TB* b, float* partial, long rows, int c, int chunk) {
     int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= c) return;
     long r0 = (long)blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
-    float acc = 0.f;
-    for (long r = r0; r < r1; ++r) acc += load(a, r * c + j) * load(b, r * c + j);
-    partial[(long)blockIdx.y * c + j] = acc;
+    partial[(long)blockIdx.y * c + j] = ops::column_dot(a, b, r0, r1, c, j);
 }
 
 template <typename T>
 __device__ void column_dot_sum(const float* partial, T* out, int chunks, int c) {
     int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= c) return;
-    float acc = 0.f;
-    for (int k = 0; k < chunks; ++k) acc += partial[(long)k * c + j];
-    store(out, j, acc);
+    store(out, j, ops::column_total(partial, chunks, c, j));
 }
 
 }  // namespace

@@ -6,7 +6,9 @@
 //!   fails a kernel that reads shared memory another warp may still be writing (a missing
 //!   barrier or copy wait);
 //! - the mixed-precision row kernels of `kernels/fused.cu` against their one-type kernels
-//!   followed by a cast (bit for bit), and those against double.
+//!   followed by a cast (bit for bit), and those against double. Their device maths is in
+//!   `kernels/ops/`, shared with the engine's kernels (whose own check is
+//!   `cargo test --lib engine::kernels`).
 //!
 //! Some tests break a kernel on purpose to show that each kind of mistake is caught.
 
@@ -23,7 +25,10 @@ fn build_check(check: &str, name: &str, kernels: Option<(&str, &Path)>) -> PathB
     let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
     let mut cmd = Command::new("g++");
     cmd.args(["-std=c++20", "-O1", "-pthread", "-fno-strict-aliasing", "-o"]).arg(&exe);
+    // The emulator's stand-ins for CUDA's headers first; then kernels/, for the ops' shared
+    // device maths (`#include "ops/..."`) of a kernel file copied outside it.
     cmd.arg("-I").arg(root().join("tests/warp_emu/include"));
+    cmd.arg("-I").arg(root().join("kernels"));
     if let Some((define, k)) = kernels {
         cmd.arg(format!("-D{define}=\"{}\"", k.display()));
     }
@@ -44,17 +49,31 @@ fn run(exe: &Path, shape: &[&str]) -> (Output, String) {
     (out, text)
 }
 
-/// A copy of `kernels/{file}` with `from` replaced by `to` (which must occur exactly once).
-fn mutant_of(file: &str, name: &str, from: &str, to: &str) -> PathBuf {
-    let src = std::fs::read_to_string(root().join("kernels").join(file)).expect("the kernel file");
-    assert_eq!(src.matches(from).count(), 1, "`{from}` should occur once in kernels/{file}");
-    let path = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}.cu"));
-    std::fs::write(&path, src.replace(from, to)).expect("temp dir is writable");
-    path
+/// A copy of `kernels/{main}` and of the shared headers `kernels/ops/` in the test's temp dir
+/// (`{name}-src/`), with `from` replaced by `to` in `kernels/{file}` (`main` or a header; `from`
+/// must occur exactly once there). Returns the copy of `main`, whose `#include "ops/..."`
+/// finds the copied headers next to it.
+fn mutant_of(main: &str, file: &str, name: &str, from: &str, to: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-src"));
+    std::fs::create_dir_all(dir.join("ops")).expect("temp dir is writable");
+    let mut files = vec![PathBuf::from(main)];
+    for e in std::fs::read_dir(root().join("kernels/ops")).expect("kernels/ops exists") {
+        files.push(Path::new("ops").join(e.expect("kernels/ops is readable").file_name()));
+    }
+    assert!(files.iter().any(|f| f == Path::new(file)), "kernels/{file} is not {main} or a header of kernels/ops");
+    for f in files {
+        let mut src = std::fs::read_to_string(root().join("kernels").join(&f)).expect("the kernel file");
+        if f == Path::new(file) {
+            assert_eq!(src.matches(from).count(), 1, "`{from}` should occur once in kernels/{file}");
+            src = src.replace(from, to);
+        }
+        std::fs::write(dir.join(&f), src).expect("temp dir is writable");
+    }
+    dir.join(main)
 }
 
 fn mutant(name: &str, from: &str, to: &str) -> PathBuf {
-    mutant_of("flash_mma.cu", name, from, to)
+    mutant_of("flash_mma.cu", "flash_mma.cu", name, from, to)
 }
 
 /// Several tiles each way, two query heads per KV head, two sequences; then a group of four
@@ -104,11 +123,13 @@ fn mixed_precision_row_kernels_equal_a_cast_and_the_f32_kernel() {
     }
 }
 
-/// A warp reduction that skips its last step is caught by the comparison with double.
+/// A warp reduction (kernels/ops/reduce.cuh) that skips its last step is caught by the
+/// comparison with double.
 #[test]
 fn a_broken_row_reduction_fails_the_comparison() {
     let k = mutant_of(
         "fused.cu",
+        "ops/reduce.cuh",
         "fused_sum",
         "v += __shfl_xor_sync(0xffffffffu, v, o);",
         "v += o > 1 ? __shfl_xor_sync(0xffffffffu, v, o) : 0.f;",
@@ -118,12 +139,19 @@ fn a_broken_row_reduction_fails_the_comparison() {
     assert!(text.lines().any(|l| l.starts_with("rms_norm_fwd_f32 vs double") && l.ends_with("FAILED")), "{text}");
 }
 
-/// The 16-byte-chunk norm_rope kernels reduce each row over its group of lanes: a reduction that
-/// stops one step short (each lane sums half its row) is caught in every head size, forward and
-/// backward, while the warp-per-row kernels still pass.
+/// The 16-byte-chunk norm_rope kernels reduce each row over its group of lanes (`group_sum` of
+/// kernels/ops/reduce.cuh): a reduction that stops one step short (each lane sums half its row)
+/// is caught in every head size, forward and backward, while the warp-per-row kernels still
+/// pass.
 #[test]
 fn a_short_group_reduction_fails_the_norm_rope_comparison() {
-    let k = mutant_of("fused.cu", "rope_group", "for (int o = L / 2; o > 0; o >>= 1)", "for (int o = L / 4; o > 0; o >>= 1)");
+    let k = mutant_of(
+        "fused.cu",
+        "ops/reduce.cuh",
+        "rope_group",
+        "for (int o = L / 2; o > 0; o >>= 1)",
+        "for (int o = L / 4; o > 0; o >>= 1)",
+    );
     let (out, text) = run(&build_check("fused_check", "rope_group", Some(("FUSED_SOURCE", &k))), &["37", "70", "3"]);
     assert_eq!(out.status.code(), Some(1), "{text}");
     let failed = |prefix: &str| text.lines().filter(|l| l.starts_with(prefix) && l.ends_with("FAILED")).count();

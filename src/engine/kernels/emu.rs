@@ -23,7 +23,10 @@ pub(super) fn build(dir: &Path, name: &str, engine_source: Option<&Path>) -> Pat
     let exe = dir.join(name);
     let mut cmd = Command::new("g++");
     cmd.args(["-std=c++20", "-O1", "-pthread", "-fno-strict-aliasing", "-o"]).arg(&exe);
+    // The emulator's stand-ins for CUDA's headers first; then kernels/, for the ops' shared
+    // device maths (`#include "ops/..."`) of a copy of engine.cu outside it.
     cmd.arg("-I").arg(root.join("tests/warp_emu/include"));
+    cmd.arg("-I").arg(root.join("kernels"));
     if let Some(src) = engine_source {
         cmd.arg(format!("-DENGINE_SOURCE=\"{}\"", src.display()));
     }
@@ -33,6 +36,32 @@ pub(super) fn build(dir: &Path, name: &str, engine_source: Option<&Path>) -> Pat
         .unwrap_or_else(|e| panic!("cannot run g++ (the warp emulator needs a C++20 compiler): {e}"));
     assert!(out.status.success(), "g++ failed on the engine's emulator:\n{}", String::from_utf8_lossy(&out.stderr));
     exe
+}
+
+/// A copy of kernels/engine.cu and its headers (kernels/ops/) in `dir/name/`, with `from`
+/// replaced by `to` in `file` (a path under kernels/, where `from` must occur once): a kernel
+/// broken on purpose, for [`build`]'s `engine_source`. Returns the copy of engine.cu, whose
+/// `#include "ops/..."` then finds the copied headers next to it.
+pub(super) fn mutant(dir: &Path, name: &str, file: &str, from: &str, to: &str) -> PathBuf {
+    let kernels = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    let copy = dir.join(name);
+    std::fs::create_dir_all(copy.join("ops")).expect("temp dir is writable");
+    let mut files = vec![PathBuf::from("engine.cu")];
+    for e in std::fs::read_dir(kernels.join("ops")).expect("kernels/ops exists") {
+        files.push(Path::new("ops").join(e.expect("kernels/ops is readable").file_name()));
+    }
+    let mut mutated = false;
+    for f in files {
+        let mut src = std::fs::read_to_string(kernels.join(&f)).expect("a kernel source");
+        if f == Path::new(file) {
+            assert_eq!(src.matches(from).count(), 1, "`{from}` should occur once in kernels/{file}");
+            src = src.replace(from, to);
+            mutated = true;
+        }
+        std::fs::write(copy.join(&f), src).expect("temp dir is writable");
+    }
+    assert!(mutated, "kernels/{file} is not engine.cu or a header of kernels/ops");
+    copy.join("engine.cu")
 }
 
 /// A directory of this test process for the emulator's files.
