@@ -1,6 +1,7 @@
 //! Build script: only for `--features cuda`.
 //!
-//! 1. Compiles `kernels/*.cu` (the fused ops' GPU kernels) to PTX in `OUT_DIR` with nvcc
+//! 1. Compiles `kernels/*.cu` (the fused ops' and the engine's GPU kernels; the device maths
+//!    they share is in the headers of `kernels/ops/`) to PTX in `OUT_DIR` with nvcc
 //!    (`$CUDA_ROOT/bin/nvcc`, else `nvcc` on the PATH) for `CUDA_COMPUTE_CAP` (default 90);
 //!    the launchers embed it (src/model/cuda/kernels.rs, src/model/flash_attn/cuda.rs,
 //!    src/engine/kernels/cuda.rs) and the driver loads it at first use.
@@ -56,7 +57,8 @@ fn compile_kernels() {
         let ptx = out.join(cu.with_extension("ptx").file_name().expect("a file name"));
         let status = Command::new(&nvcc)
             // `-I kernels`: kernels include their shared headers with angle brackets (see
-            // kernels/mma_sm80.cuh), so that the warp emulator's tests can swap them.
+            // kernels/mma_sm80.cuh), so that the warp emulator's tests can swap them. The ops'
+            // headers (`#include "ops/..."`) are found next to the including file.
             .args(["--ptx", "-O3", "-std=c++17", "-I", "kernels", &format!("-arch=compute_{cap}"), "-o"])
             .arg(&ptx)
             .arg(&cu)

@@ -6,7 +6,8 @@
 // together against the CPU backend.
 //
 // Built with -DENGINE_SOURCE='"path"' it runs another copy of kernels/engine.cu (a test's
-// deliberately broken one). Usage: engine_emu MEMORY_FILE BYTES. One command per line:
+// deliberately broken one; its `#include "ops/..."` finds the headers of kernels/ops/ next to
+// the copy, else through `-I kernels`). Usage: engine_emu MEMORY_FILE BYTES. One command per line:
 //   launch NAME GX GY GZ BLOCK ARG...   ARG: pOFFSET (a byte offset into the memory), iN (int),
 //                                        lN (long), fHEX (a float's bits in hex)
 //   quit

@@ -9,7 +9,7 @@
 // Usage: fused_check [rows len seed] (rows of `len` values; the launches are the ones of
 // src/model/cuda/kernels.rs: a warp per row and 8 rows per block, or a thread per channel and
 // 64 rows per partial sum). Built with -DFUSED_SOURCE='"path"' it checks another copy of the
-// kernels (the test's deliberately broken one).
+// kernels (the test's deliberately broken one, with its copy of the headers of kernels/ops/).
 #include "warp_emu.h"
 #ifdef FUSED_SOURCE
 #include FUSED_SOURCE

@@ -193,7 +193,7 @@ inline bool __all_sync(unsigned mask, bool pred) {
     return __ballot_sync(mask, pred) == 0xffffffffu;
 }
 
-// Device maths and vector types of the row kernels (kernels/fused.cu). The fast-maths
+// Device maths and vector types of the row kernels (kernels/ops/, kernels/fused.cu). The fast-maths
 // intrinsics are the exact functions here: the emulator checks logic, not the device's ulps.
 inline float rsqrtf(float x) {
     return 1.0f / sqrtf(x);

@@ -1,5 +1,6 @@
 //! [`Backend`] for [`KernelBackend`]: each op as the launches of `kernels/engine.cu` (the
-//! kernel's maths is in its comment there and, as the reference, in [`crate::engine::cpu`]),
+//! kernel's maths is in its comment there, the device maths it shares with the model's fused
+//! kernels in the headers of `kernels/ops/`, and, as the reference, in [`crate::engine::cpu`]),
 //! attention as `kernels/flash_mma.cu`'s launches around casts to `bf16`, GEMMs as cuBLASLt
 //! plans. Grids: flat kernels [`flat`], warp-per-row kernels [`warps`], per-channel partial sums
 //! a block per [`PART`] rows.

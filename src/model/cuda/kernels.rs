@@ -1,5 +1,6 @@
 //! Launches of the fused ops' GPU kernels (`kernels/fused.cu`, compiled to PTX by build.rs;
-//! `cuda` builds only). Most kernels work on rows ([`rows_op`]): one warp per row of `len`
+//! `cuda` builds only; the device maths they share with the engine's kernels is in the
+//! headers of `kernels/ops/`). Most kernels work on rows ([`rows_op`]): one warp per row of `len`
 //! elements, eight rows per block, the inputs and the output contiguous, of one dtype (`f32`
 //! or `bf16`) and one shape, plus small extra inputs such as a table; the embedding gradient has
 //! its own launch. The CPU references they are checked against are the CPU implementations of
