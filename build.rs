@@ -3,8 +3,8 @@
 //! 1. Compiles `kernels/*.cu` (the fused ops' and the engine's GPU kernels; the device maths
 //!    they share is in the headers of `kernels/ops/`) to PTX in `OUT_DIR` with nvcc
 //!    (`$CUDA_ROOT/bin/nvcc`, else `nvcc` on the PATH) for `CUDA_COMPUTE_CAP` (default 90);
-//!    the launchers embed it (src/model/cuda/kernels.rs, src/model/flash_attn/cuda.rs,
-//!    src/engine/kernels/cuda.rs) and the driver loads it at first use.
+//!    the launchers embed it (src/model/cuda/fused.rs, src/model/flash_attn/cuda.rs,
+//!    src/engine/gpu/cuda.rs) and the driver loads it at first use.
 //! 2. candle's kernels ask the linker for the shared CUDA runtime (`-lcudart`); pointing that
 //!    name at the static runtime of the CUDA tree (`CUDA_ROOT`, set by scripts/build-cuda.sh)
 //!    keeps the GPU binary free of a libcudart dependency, so it starts on machines without

@@ -1,10 +1,10 @@
-// The GPU kernels of the training engine's backend (src/engine/kernels/: the launches, one per
+// The GPU kernels of the training engine's backend (src/engine/gpu/: the launches, one per
 // `Backend` op; src/engine/cpu/: the CPU reference each kernel is checked against, in the warp
-// emulator by `cargo test --lib engine::kernels`). The arena is float32; every kernel reads and
+// emulator by `cargo test --lib engine::gpu`). The arena is float32; every kernel reads and
 // writes it by element offsets the schedule fixed once, so a step's launches are the same every
 // step (what lets a CUDA graph replay them).
 //
-// Shapes of launch (the launcher in src/engine/kernels/ops.rs picks the grids):
+// Shapes of launch (the launcher in src/engine/gpu/ops.rs picks the grids):
 // - flat kernels: a grid-stride loop over n elements, 256 threads per block;
 // - row kernels: one warp per row (or per row and head), 8 rows per 256-thread block, lanes
 //   strided over the row so that loads coalesce;

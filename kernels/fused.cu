@@ -1,4 +1,4 @@
-// The GPU kernels of the model's fused ops (see src/model/cuda/kernels.rs for the launches and
+// The GPU kernels of the model's fused ops (see src/model/cuda/fused.rs for the launches and
 // src/model/ops/, one file per op, for the CPU references they are checked against). The device
 // maths of the ops the explicit engine (kernels/engine.cu) has too lives in kernels/ops/, one
 // header per op, shared by both; this file keeps the entry points, their launch geometry and

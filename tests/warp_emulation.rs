@@ -8,7 +8,7 @@
 //! - the mixed-precision row kernels of `kernels/fused.cu` against their one-type kernels
 //!   followed by a cast (bit for bit), and those against double. Their device maths is in
 //!   `kernels/ops/`, shared with the engine's kernels (whose own check is
-//!   `cargo test --lib engine::kernels`).
+//!   `cargo test --lib engine::gpu`).
 //!
 //! Some tests break a kernel on purpose to show that each kind of mistake is caught.
 
@@ -145,13 +145,8 @@ fn a_broken_row_reduction_fails_the_comparison() {
 /// pass.
 #[test]
 fn a_short_group_reduction_fails_the_norm_rope_comparison() {
-    let k = mutant_of(
-        "fused.cu",
-        "ops/reduce.cuh",
-        "rope_group",
-        "for (int o = L / 2; o > 0; o >>= 1)",
-        "for (int o = L / 4; o > 0; o >>= 1)",
-    );
+    let k =
+        mutant_of("fused.cu", "ops/reduce.cuh", "rope_group", "for (int o = L / 2; o > 0; o >>= 1)", "for (int o = L / 4; o > 0; o >>= 1)");
     let (out, text) = run(&build_check("fused_check", "rope_group", Some(("FUSED_SOURCE", &k))), &["37", "70", "3"]);
     assert_eq!(out.status.code(), Some(1), "{text}");
     let failed = |prefix: &str| text.lines().filter(|l| l.starts_with(prefix) && l.ends_with("FAILED")).count();

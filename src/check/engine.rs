@@ -177,17 +177,11 @@ pub struct EngineCheck {
 
 /// The engine's backend on `device` with an arena of `len`: the f32 CPU backend, or the GPU's
 /// with the GEMM maths and graphs asked for.
-fn backend(
-    device: &Device,
-    bf16: bool,
-    graphs: bool,
-    len: usize,
-    cap: crate::engine::kernels::Capacity,
-) -> anyhow::Result<Box<dyn Backend>> {
+fn backend(device: &Device, bf16: bool, graphs: bool, len: usize, cap: crate::engine::gpu::Capacity) -> anyhow::Result<Box<dyn Backend>> {
     if device.is_cpu() {
         return Ok(Box::new(CpuBackend::<f32>::new(len)));
     }
-    crate::engine::kernels::gpu_backend(device, bf16, graphs, len, cap)
+    crate::engine::gpu::gpu_backend(device, bf16, graphs, len, cap)
 }
 
 /// An engine for `cfg` on `rows x t` tokens on `device`.
@@ -240,13 +234,13 @@ pub fn run(o: &Options) -> anyhow::Result<EngineCheck> {
 }
 
 fn stream_flag(device: &Device) -> anyhow::Result<Flag> {
-    let (handle, default) = crate::engine::kernels::stream_check(device)?;
+    let (handle, default) = crate::engine::gpu::stream_check(device)?;
     let detail = if default { format!("{handle}: a default stream") } else { format!("{handle}: its own, non-blocking") };
     Ok(Flag { what: "the engine's stream is not the NULL stream".into(), ok: !default, detail })
 }
 
 fn transfer_flags(device: &Device) -> anyhow::Result<Vec<Flag>> {
-    Ok(crate::engine::kernels::transfer_check(device)?.into_iter().map(|(what, ok, detail)| Flag { what, ok, detail }).collect())
+    Ok(crate::engine::gpu::transfer_check(device)?.into_iter().map(|(what, ok, detail)| Flag { what, ok, detail }).collect())
 }
 
 /// Graph replay against op-by-op launches on the check model ([`cases::graph_check`]).

@@ -7,7 +7,7 @@
 //! The whole-engine check ([`model_check`]) runs one micro-batch of a small model with every
 //! element of the record, then one optimizer step, against the f64 CPU engine.
 //!
-//! The one table serves every device: the warp emulator in the tests (`engine::kernels`, where
+//! The one table serves every device: the warp emulator in the tests (`engine::gpu`, where
 //! a test also checks that the table launches every kernel the engine has), the real GPU and
 //! the f32 CPU backend in `pipeline engine-check` ([`crate::check::engine`]).
 //!
@@ -24,7 +24,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, Mat};
 use super::cpu::CpuBackend;
-use super::kernels::Capacity;
+use super::gpu::Capacity;
 use super::layout::Bump;
 use super::optim::MuonStep;
 use super::step::{ADAM_GROUPS, Engine, OptimizerStep};

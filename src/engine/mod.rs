@@ -11,7 +11,7 @@
 //! - [`cases`]: one check per op against the f64 CPU backend, for every device (the tests'
 //!   warp emulator, `pipeline engine-check` on a GPU or the CPU);
 //! - [`cpu`]: its CPU backends, f64 (checks) and f32 (speed), one generic implementation;
-//! - [`kernels`]: the GPU backend, over a device that runs kernel launches and cuBLASLt plans
+//! - [`gpu`]: the GPU backend, over a device that runs kernel launches and cuBLASLt plans
 //!   (CUDA, or the warp emulator in tests);
 //! - [`layout`]: the arena's regions and every tensor's offset;
 //! - [`lt`]: every GEMM as a column-major cuBLASLt call (the GPU backend's), and a CPU
@@ -33,7 +33,7 @@ pub mod backend;
 pub mod cases;
 pub mod cpu;
 pub mod exchange;
-pub mod kernels;
+pub mod gpu;
 pub mod layout;
 pub mod lt;
 #[cfg(test)]

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use super::backend::{Backend, Buf, GraphCounts, Tokens};
 use super::cpu::CpuBackend;
 use super::exchange::{Exchange, ExchangeStats};
-use super::kernels::Capacity;
+use super::gpu::Capacity;
 use super::layout::Layout;
 use super::optim::{self, MuonStep};
 use super::schedule::Schedule;
@@ -121,7 +121,7 @@ impl Engine {
     ) -> anyhow::Result<Engine> {
         super::support::check(cfg)?;
         let cap = kernel_capacity(cfg, rows, t)?;
-        let be = super::kernels::gpu_backend(device, bf16, graphs, Layout::new(cfg, rows, t).len(), cap)?;
+        let be = super::gpu::gpu_backend(device, bf16, graphs, Layout::new(cfg, rows, t).len(), cap)?;
         Engine::with_backend(cfg, rows, t, be, poison)
     }
 

@@ -6,7 +6,7 @@
 //! ([`Executor::synced_model`]), not after every step, and on a GPU device to device (one copy
 //! of the parameter region, ordered by CUDA events). The micro-batch's token tensors reach the
 //! engine as they are: on a GPU device to device, with no host read. On the CPU backends or,
-//! in a `cuda` build, the GPU backend ([`crate::engine::kernels`]).
+//! in a `cuda` build, the GPU backend ([`crate::engine::gpu`]).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

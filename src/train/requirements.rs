@@ -77,7 +77,7 @@ fn validation_tokens(c: &Config) -> anyhow::Result<Option<Need>> {
 /// What a session on the engine (`impl = "engine"`) holds at its peak: the engine's arena,
 /// region by region, exactly as [`crate::engine::layout::Layout`] sizes it (in the arena's
 /// dtype: f64 for f64 runs, else f32); on a GPU the kernel backend's other spaces and
-/// cuBLASLt's workspace ([`crate::engine::kernels::Capacity::scratch_bytes`]); the candle
+/// cuBLASLt's workspace ([`crate::engine::gpu::Capacity::scratch_bytes`]); the candle
 /// model that mirrors the weights, and the activations of its validation pass; the validation
 /// split.
 pub fn engine_memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>> {

@@ -1,4 +1,4 @@
-// The warp emulator as a device for the engine's GPU backend (src/engine/kernels/emu.rs): a
+// The warp emulator as a device for the engine's GPU backend (src/engine/gpu/emu.rs): a
 // process that maps the device memory file the Rust side created, reads launches from stdin,
 // runs each kernel of kernels/engine.cu and kernels/flash_mma.cu in the emulator on that memory,
 // and answers `ok` on stdout. The Rust side computes every launch exactly as it would for the

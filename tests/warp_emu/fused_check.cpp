@@ -7,7 +7,7 @@
 // Prints one line per check and exits non-zero on any failure. Driven by tests/warp_emulation.rs.
 //
 // Usage: fused_check [rows len seed] (rows of `len` values; the launches are the ones of
-// src/model/cuda/kernels.rs: a warp per row and 8 rows per block, or a thread per channel and
+// src/model/cuda/fused.rs: a warp per row and 8 rows per block, or a thread per channel and
 // 64 rows per partial sum). Built with -DFUSED_SOURCE='"path"' it checks another copy of the
 // kernels (the test's deliberately broken one, with its copy of the headers of kernels/ops/).
 #include "warp_emu.h"

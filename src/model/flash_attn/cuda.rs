@@ -87,7 +87,7 @@ fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a,
     if !l.is_contiguous() {
         bail!("flash attention: input is not contiguous, layout {l:?}");
     }
-    super::kernels::view(s, l)
+    crate::model::cuda::fused::view(s, l)
 }
 
 fn cuda(t: &Tensor) -> Result<(candle_core::StorageRef<'_>, &Layout)> {

@@ -45,7 +45,7 @@ impl CustomOp1 for Cast {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::model::cuda::kernels::cast(s, l, self.0)?, l.shape().clone()))
+        Ok((crate::model::cuda::fused::cast(s, l, self.0)?, l.shape().clone()))
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {

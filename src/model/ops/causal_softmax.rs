@@ -88,7 +88,7 @@ impl CustomOp1 for CausalSoftmax {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::model::cuda::kernels::rows_op("causal_softmax_fwd", &[(s, l)], t_of(l), self.scale as f32)?;
+        let out = crate::model::cuda::fused::rows_op("causal_softmax_fwd", &[(s, l)], t_of(l), self.scale as f32)?;
         Ok((out, l.shape().clone()))
     }
 
@@ -119,7 +119,7 @@ impl CustomOp2 for CausalSoftmaxBwd {
         g: &candle_core::CudaStorage,
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::model::cuda::kernels::rows_op("causal_softmax_bwd", &[(p, pl), (g, gl)], t_of(pl), self.scale as f32)?;
+        let out = crate::model::cuda::fused::rows_op("causal_softmax_bwd", &[(p, pl), (g, gl)], t_of(pl), self.scale as f32)?;
         Ok((out, pl.shape().clone()))
     }
 }

@@ -127,7 +127,7 @@ impl CustomOp2 for EmbeddingBwd {
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let c = gl.shape().dims2()?.1;
-        Ok((crate::model::cuda::kernels::embedding_bwd((ids, il), (g, gl), self.vocab)?, Shape::from((self.vocab, c))))
+        Ok((crate::model::cuda::fused::embedding_bwd((ids, il), (g, gl), self.vocab)?, Shape::from((self.vocab, c))))
     }
 }
 

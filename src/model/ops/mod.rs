@@ -5,7 +5,7 @@
 //! compiled twice by [`crate::model::host::simd::multiversion!`]: the `CustomOp`'s `cpu_fwd`
 //! calls them, and so does the engine's CPU backend, `crate::engine::cpu`, so that each op's
 //! CPU maths is written once), the GPU launch (the `cuda_fwd`, calling
-//! [`crate::model::cuda::kernels`], whose device maths is in `kernels/ops/`), and the tests
+//! [`crate::model::cuda::fused`], whose device maths is in `kernels/ops/`), and the tests
 //! comparing the kernel with the reference.
 //!
 //! | file | op |

@@ -455,7 +455,7 @@ fn launch(
     let (d, seq) = geometry(xl, tl)?;
     let eps = eps as f32;
     let chunked = kernel.replacen("norm_rope_", "norm_rope_vec_", 1);
-    let out = crate::model::cuda::kernels::rows_op_chunked(kernel, &chunked, inputs, &[(ts, tl)], d, eps, &[heads as i32, seq as i32])?;
+    let out = crate::model::cuda::fused::rows_op_chunked(kernel, &chunked, inputs, &[(ts, tl)], d, eps, &[heads as i32, seq as i32])?;
     Ok((out, xl.shape().clone()))
 }
 

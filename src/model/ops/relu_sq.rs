@@ -116,7 +116,7 @@ impl CustomOp1 for ReluSq {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let d = l.dims().last().copied().unwrap_or(1);
-        Ok((crate::model::cuda::kernels::rows_op("relu_sq_fwd", &[(s, l)], d, 0.0)?, l.shape().clone()))
+        Ok((crate::model::cuda::fused::rows_op("relu_sq_fwd", &[(s, l)], d, 0.0)?, l.shape().clone()))
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -159,7 +159,7 @@ impl CustomOp2 for ReluSqBwd {
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let d = xl.dims().last().copied().unwrap_or(1);
-        Ok((crate::model::cuda::kernels::rows_op("relu_sq_bwd", &[(xs, xl), (gs, gl)], d, 0.0)?, xl.shape().clone()))
+        Ok((crate::model::cuda::fused::rows_op("relu_sq_bwd", &[(xs, xl), (gs, gl)], d, 0.0)?, xl.shape().clone()))
     }
 }
 

@@ -176,7 +176,7 @@ impl CustomOp3 for ResidMix {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let c = l3.shape().elem_count() / 2;
-        Ok((crate::model::cuda::kernels::rows_op_with("resid_mix", &[(s1, l1), (s2, l2)], &[(s3, l3)], c, 0.0, &[])?, l1.shape().clone()))
+        Ok((crate::model::cuda::fused::rows_op_with("resid_mix", &[(s1, l1), (s2, l2)], &[(s3, l3)], c, 0.0, &[])?, l1.shape().clone()))
     }
 
     fn bwd(

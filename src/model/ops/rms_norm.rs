@@ -216,7 +216,7 @@ impl CustomOp1 for RmsNorm {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let d = l.dims().last().copied().unwrap_or(0);
-        let out = crate::model::cuda::kernels::rows_op("rms_norm_fwd", &[(s, l)], d, rms_eps(s.dtype()) as f32)?;
+        let out = crate::model::cuda::fused::rows_op("rms_norm_fwd", &[(s, l)], d, rms_eps(s.dtype()) as f32)?;
         Ok((out, l.shape().clone()))
     }
 
@@ -254,7 +254,7 @@ impl CustomOp1 for RmsNormTo {
             bail!("rms_norm_to: no GPU kernel from {:?} to {:?}", s.dtype(), self.0);
         }
         let d = l.dims().last().copied().unwrap_or(0);
-        let out = crate::model::cuda::kernels::rows_op_mixed("rms_norm_fwd", &[(s, l)], &[], self.0, d, rms_eps(s.dtype()) as f32, &[])?;
+        let out = crate::model::cuda::fused::rows_op_mixed("rms_norm_fwd", &[(s, l)], &[], self.0, d, rms_eps(s.dtype()) as f32, &[])?;
         Ok((out, l.shape().clone()))
     }
 
@@ -307,7 +307,7 @@ impl CustomOp2 for RmsNormBwd {
             bail!("rms_norm backward: no GPU kernel for x {:?} with gradient {:?}", xs.dtype(), gs.dtype());
         }
         let eps = rms_eps(xs.dtype()) as f32;
-        let out = crate::model::cuda::kernels::rows_op_mixed("rms_norm_bwd", &[(xs, xl), (gs, gl)], &[], xs.dtype(), d, eps, &[])?;
+        let out = crate::model::cuda::fused::rows_op_mixed("rms_norm_bwd", &[(xs, xl), (gs, gl)], &[], xs.dtype(), d, eps, &[])?;
         Ok((out, xl.shape().clone()))
     }
 }

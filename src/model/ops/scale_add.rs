@@ -167,7 +167,7 @@ impl CustomOp3 for ScaleAdd {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let c = l3.shape().elem_count();
-        let out = crate::model::cuda::kernels::rows_op_mixed("scale_add", &[(s1, l1), (s2, l2)], &[(s3, l3)], s1.dtype(), c, 0.0, &[])?;
+        let out = crate::model::cuda::fused::rows_op_mixed("scale_add", &[(s1, l1), (s2, l2)], &[(s3, l3)], s1.dtype(), c, 0.0, &[])?;
         Ok((out, l1.shape().clone()))
     }
 

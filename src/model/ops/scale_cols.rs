@@ -61,7 +61,7 @@ impl CustomOp2 for ScaleCols {
         if xs.dtype() != ss.dtype() || !super::same_or_narrower(xs.dtype(), self.0) {
             bail!("scale_cols: no GPU kernel for x {:?}, scale {:?} to {:?}", xs.dtype(), ss.dtype(), self.0);
         }
-        let out = crate::model::cuda::kernels::rows_op_mixed("scale_cols", &[(xs, xl)], &[(ss, sl)], self.0, c, 0.0, &[])?;
+        let out = crate::model::cuda::fused::rows_op_mixed("scale_cols", &[(xs, xl)], &[(ss, sl)], self.0, c, 0.0, &[])?;
         Ok((out, xl.shape().clone()))
     }
 
@@ -130,7 +130,7 @@ impl CustomOp2 for ColumnDot {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let c = l1.shape().dims2()?.1;
-        Ok((crate::model::cuda::kernels::column_dot((s1, l1), (s2, l2))?, Shape::from(c)))
+        Ok((crate::model::cuda::fused::column_dot((s1, l1), (s2, l2))?, Shape::from(c)))
     }
 }
 

@@ -15,7 +15,7 @@
 //!   rayon task, compiled twice ([`multiversion!`]); the engine's `CpuBackend` runs the same two
 //!   kernels through [`fused_rows`] (loss, then the gradient over the logits in place);
 //! - GPU: `softcap_ce_fwd` / `_bwd` of `kernels/fused.cu` (launched by
-//!   [`crate::model::cuda::kernels`]), f32 losses, bf16 logits read as they are.
+//!   [`crate::model::cuda::fused`]), f32 losses, bf16 logits read as they are.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, D, DType, Layout, Result, Shape, Tensor, bail};
@@ -216,7 +216,7 @@ impl CustomOp2 for SoftcapCe {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let n = l1.shape().dims2()?.0;
-        Ok((crate::model::cuda::kernels::softcap_ce_fwd((s1, l1), (s2, l2), self.cap as f32)?, Shape::from(n)))
+        Ok((crate::model::cuda::fused::softcap_ce_fwd((s1, l1), (s2, l2), self.cap as f32)?, Shape::from(n)))
     }
 
     fn bwd(&self, logits: &Tensor, targets: &Tensor, res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -275,7 +275,7 @@ impl CustomOp3 for SoftcapCeBwd {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::model::cuda::kernels::softcap_ce_bwd((s1, l1), (s2, l2), (s3, l3), self.cap as f32)?, l1.shape().clone()))
+        Ok((crate::model::cuda::fused::softcap_ce_bwd((s1, l1), (s2, l2), (s3, l3), self.cap as f32)?, l1.shape().clone()))
     }
 }
 

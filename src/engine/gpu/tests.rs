@@ -80,11 +80,11 @@ fn the_op_cases_launch_every_kernel() {
 /// refuses a default stream, and `pipeline engine-check` prints the handle it got).
 #[test]
 fn the_cuda_device_launches_on_a_stream_of_its_own() {
-    let src = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("src/engine/kernels/cuda.rs")).unwrap();
+    let src = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("src/engine/gpu/cuda.rs")).unwrap();
     let code: String = src.lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join("\n");
     assert!(code.contains("ctx.new_stream()"), "the engine's stream is not made with new_stream()");
     for default in ["default_stream()", "per_thread_stream()"] {
-        assert!(!code.contains(default), "src/engine/kernels/cuda.rs takes {default}");
+        assert!(!code.contains(default), "src/engine/gpu/cuda.rs takes {default}");
     }
     assert!(code.contains("is_legacy_stream(&stream)"), "CudaDevice::new no longer refuses a default stream");
 }
