@@ -155,21 +155,6 @@ extern "C" __global__ void eng_momentum(const float* g, float* buf, float* u, lo
     }
 }
 
-// SGD with momentum (torch.optim.SGD): buf = g on the first step, else mu buf + g; p -= lr buf
-// (p -= lr g when mu = 0); (lr, mu) = s[0..2] in device memory.
-extern "C" __global__ void eng_sgd(float* p, const float* g, float* buf, long n, const float* s, int first) {
-    const float lr = s[0], mu = s[1];
-    for (long i = first_index(); i < n; i += grid_stride()) {
-        if (mu == 0.f) {
-            p[i] -= lr * g[i];
-        } else {
-            const float b = first ? g[i] : mu * buf[i] + g[i];
-            buf[i] = b;
-            p[i] -= lr * b;
-        }
-    }
-}
-
 // Each row of `cols` divided by max(its norm, eps) (MuonEq-R's row equalisation). Warp per row.
 extern "C" __global__ void eng_row_normalize(float* x, long rows, int cols, float eps) {
     const long r = warp_row(rows);

@@ -412,11 +412,4 @@ pub trait Backend: Send {
 
     /// Each of `count` stored `(rows, cols)` matrices of `src` transposed into `dst`.
     fn transpose_each(&mut self, src: Buf, dst: Buf, count: usize, rows: usize, cols: usize);
-
-    /// `avg = decay avg + (1 - decay) p` (the EMA of the weights).
-    fn ema(&mut self, avg: Buf, p: Buf, decay: f64);
-
-    /// SGD with momentum (torch's, no dampening): `buf = mu buf + g` (`buf = g` on the first
-    /// step), `p -= lr buf` (`mu = 0`: `p -= lr g`).
-    fn sgd(&mut self, p: Buf, g: Buf, buf: Buf, lr: f64, mu: f64, first: bool);
 }

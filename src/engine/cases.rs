@@ -153,7 +153,6 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case { name: "axpby", len: 300, bound: FLAT, run: |be| be.axpby(0.5, Buf { off: 0, len: 100 }, -2.0, Buf { off: 100, len: 100 }) },
-        Case { name: "ema", len: 300, bound: FLAT, run: |be| be.ema(Buf { off: 0, len: 100 }, Buf { off: 100, len: 100 }, 0.9) },
         Case {
             name: "sum_into (device scalar)",
             len: 300,
@@ -206,17 +205,6 @@ pub fn cases() -> Vec<Case> {
                 be.momentum(g, buf, u, 0.85, false);
             },
         },
-        Case {
-            name: "sgd (first, momentum, none)",
-            len: 900,
-            bound: OPTIM,
-            run: |be| {
-                let (p, g, buf) = (Buf { off: 0, len: 300 }, Buf { off: 300, len: 300 }, Buf { off: 600, len: 300 });
-                be.sgd(p, g, buf, 0.1, 0.9, true);
-                be.sgd(p, g, buf, 0.1, 0.9, false);
-                be.sgd(p, g, buf, 0.1, 0.0, false);
-            },
-        },
         Case { name: "row_normalize", len: 300, bound: OPTIM, run: |be| be.row_normalize(Buf { off: 0, len: 231 }, 11, 1e-7) },
         Case { name: "normalize_each", len: 300, bound: OPTIM, run: |be| be.normalize_each(Buf { off: 0, len: 231 }, 3, 1e-7) },
         Case {
@@ -242,7 +230,6 @@ pub fn cases() -> Vec<Case> {
                     be.adam(p, g, m, v, s);
                     be.momentum(g, buf, u, 0.8 + 0.05 * x, true);
                     be.axpby(-0.1 * x, u, 1.0 - 0.01 * x, p);
-                    be.sgd(p, g, buf, 0.1 * x, 0.9, false);
                     be.end_unit();
                 }
             },

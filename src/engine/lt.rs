@@ -588,12 +588,6 @@ mod tests {
         fn transpose_each(&mut self, src: Buf, dst: Buf, count: usize, rows: usize, cols: usize) {
             self.0.transpose_each(src, dst, count, rows, cols)
         }
-        fn ema(&mut self, avg: Buf, p: Buf, decay: f64) {
-            self.0.ema(avg, p, decay)
-        }
-        fn sgd(&mut self, p: Buf, g: Buf, buf: Buf, lr: f64, mu: f64, first: bool) {
-            self.0.sgd(p, g, buf, lr, mu, first)
-        }
     }
 
     /// `want` and `got`, named tensors in the same order, equal to a relative 1e-12 each.

@@ -1,8 +1,8 @@
 //! The optimizers as flat loops over the arena: Muon with Newton-Schulz batched per shape, and
 //! Adam/AdamW per group, each the update of its candle twin in [`crate::optim`] (the formulas
 //! are there), reading the gradient region and updating the parameter and state regions in
-//! place. SGD (test-time training) and the EMA are single backend ops
-//! ([`Backend::sgd`], [`Backend::ema`]).
+//! place. (Test-time training's SGD and the EMA of the weights run on the candle model, after
+//! training: the engine has no ops for them.)
 
 use std::collections::HashMap;
 use std::time::Duration;

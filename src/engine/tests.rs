@@ -1,8 +1,8 @@
 //! The engine against candle's autograd (the model of [`crate::model`]): loss and every
 //! gradient to 1e-9 in f64, for the baseline's elements and for every element of the record
 //! (record-mini's switches at a small width), looped and not; the same with poison on (every
-//! dead buffer NaN), which catches a read of a buffer the pass did not write; and the
-//! optimizers' flat loops against the candle optimizers.
+//! dead buffer NaN), which catches a read of a buffer the pass did not write; each model element
+//! of [`crate::model::ELEMENTS`] alone; and when each gradient is final.
 
 use std::collections::HashMap;
 
@@ -120,43 +120,6 @@ fn gradients_accumulate_over_micro_batches() {
 fn poisoned_dead_buffers_change_nothing() {
     compare(&record_small(), true, true, 2, 1e-9);
     compare(&baseline_small(), false, true, 1, 1e-9);
-}
-
-/// SGD with momentum (test-time training's optimizer) and the EMA as flat loops on the arena
-/// equal candle's `Sgd` and the EMA formula over several steps.
-#[test]
-fn sgd_and_ema_loops_equal_their_candle_twins() {
-    use super::backend::{Backend, Buf};
-    use super::cpu::CpuBackend;
-    use candle_core::Var;
-    use candle_core::backprop::GradStore;
-    let n = 37;
-    let mut rng = fastrand::Rng::with_seed(5);
-    let mut vals = |_| (0..n).map(|_| rng.f64() - 0.5).collect::<Vec<f64>>();
-    let (p0, grads): (Vec<f64>, Vec<Vec<f64>>) = (vals(0), (0..3).map(&mut vals).collect());
-    let var = Var::from_tensor(&Tensor::from_vec(p0.clone(), n, &Device::Cpu).unwrap()).unwrap();
-    let mut sgd = crate::optim::Sgd::new(vec![("w".into(), var.clone())], 0.9).unwrap();
-    let mut be = CpuBackend::<f64>::new(4 * n);
-    let (p, g, buf, avg) = (Buf { off: 0, len: n }, Buf { off: n, len: n }, Buf { off: 2 * n, len: n }, Buf { off: 3 * n, len: n });
-    let t = |v: &[f64]| Tensor::from_vec(v.to_vec(), n, &Device::Cpu).unwrap();
-    be.upload(p, &t(&p0)).unwrap();
-    be.upload(avg, &t(&p0)).unwrap();
-    let mut want_avg = p0.clone();
-    for (step, gv) in grads.iter().enumerate() {
-        let mut store = GradStore::default();
-        store.insert(var.as_tensor(), t(gv));
-        sgd.step(&store, 0.1).unwrap();
-        be.upload(g, &t(gv)).unwrap();
-        be.sgd(p, g, buf, 0.1, 0.9, step == 0);
-        let now = flat(&be.download(p, &[n]).unwrap());
-        let want = flat(var.as_tensor());
-        assert!(rel_err(&want, &now) < 1e-14, "sgd step {step}");
-        be.ema(avg, p, 0.75);
-        for (a, x) in want_avg.iter_mut().zip(&now) {
-            *a = 0.75 * *a + 0.25 * x;
-        }
-        assert!(rel_err(&want_avg, &flat(&be.download(avg, &[n]).unwrap())) < 1e-14, "ema step {step}");
-    }
 }
 
 /// The backward pass's events ([`crate::engine::schedule::Schedule::grad_events`]) are honest: what

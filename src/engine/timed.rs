@@ -276,12 +276,6 @@ impl Backend for Timed {
         let shape = format!("{count}x{rows}x{cols}");
         self.time("transpose_each", shape, bytes(&[src, dst]), 0.0, |b| b.transpose_each(src, dst, count, rows, cols))
     }
-    fn ema(&mut self, avg: Buf, p: Buf, decay: f64) {
-        self.time("ema", p.len.to_string(), bytes(&[avg, p, avg]), 0.0, |b| b.ema(avg, p, decay))
-    }
-    fn sgd(&mut self, p: Buf, g: Buf, buf: Buf, lr: f64, mu: f64, first: bool) {
-        self.time("sgd", p.len.to_string(), bytes(&[p, g, buf, p, buf]), 0.0, |b| b.sgd(p, g, buf, lr, mu, first))
-    }
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! The engine's flat loops on the CPU: fills, scales and reductions over arena regions, and the
 //! optimizers' elementwise updates (Adam/AdamW, Muon's momentum and row normalisation, the
-//! Newton-Schulz helpers, SGD, the EMA), each the formula of the candle optimizer it replaces
+//! Newton-Schulz helpers), each the formula of the candle optimizer it replaces
 //! ([`crate::optim`]) as one pass over a region.
 
 use rayon::prelude::*;
@@ -93,25 +93,6 @@ pub(super) fn transpose_each<T: Real>(src: &[T], dst: &mut [T], count: usize, ro
         for r in 0..rows {
             for c in 0..cols {
                 d[c * rows + r] = s[r * cols + c];
-            }
-        }
-    });
-}
-
-pub(super) fn ema<T: Real>(avg: &mut [T], p: &[T], decay: f64) {
-    let (a, b) = (T::from_f64(decay), T::from_f64(1.0 - decay));
-    axpby(b, p, a, avg);
-}
-
-pub(super) fn sgd<T: Real>(p: &mut [T], g: &[T], buf: &mut [T], lr: T, mu: T, first: bool) {
-    let zero = T::from_f64(0.0);
-    p.par_chunks_mut(CHUNK).zip(buf.par_chunks_mut(CHUNK)).enumerate().for_each(|(i, (p, b))| {
-        for ((p, b), &g) in p.iter_mut().zip(b.iter_mut()).zip(&g[i * CHUNK..]) {
-            if mu == zero {
-                *p -= lr * g;
-            } else {
-                *b = if first { g } else { mu * *b + g };
-                *p -= lr * *b;
             }
         }
     });

@@ -13,7 +13,7 @@
 //!
 //! - [`gemm`]: matrix products through the `gemm` crate (candle's own CPU GEMM: packed,
 //!   register-tiled, AVX2/AVX-512 kernels, rayon), with `beta` and strided views;
-//! - [`flat`]: the flat loops (fills, copies, reductions, the optimizers, the EMA);
+//! - [`flat`]: the flat loops (fills, copies, reductions, the optimizers);
 //! - the per-channel sums of [`crate::model::ops`] added into the engine's buffers
 //!   ([`add_into`]), and its buffers read as [`Rows`].
 //!
@@ -320,15 +320,5 @@ impl<T: Real> Backend for CpuBackend<T> {
     fn transpose_each(&mut self, src: Buf, dst: Buf, count: usize, rows: usize, cols: usize) {
         let ([s], [d]) = self.io([src], [dst]);
         flat::transpose_each(s, d, count, rows, cols);
-    }
-
-    fn ema(&mut self, avg: Buf, p: Buf, decay: f64) {
-        let ([p], [a]) = self.io([p], [avg]);
-        flat::ema(a, p, decay);
-    }
-
-    fn sgd(&mut self, p: Buf, g: Buf, buf: Buf, lr: f64, mu: f64, first: bool) {
-        let ([g], [p, b]) = self.io([g], [p, buf]);
-        flat::sgd(p, g, b, T::from_f64(lr), T::from_f64(mu), first);
     }
 }

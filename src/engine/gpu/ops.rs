@@ -527,14 +527,4 @@ impl<D: Device> Backend for KernelBackend<D> {
         let grid = [flat(rows * cols)[0], count as u32, 1];
         self.run("eng_transpose_each", grid, BLOCK, vec![a(src), a(dst), i(rows), i(cols)]);
     }
-
-    fn ema(&mut self, avg: Buf, p: Buf, decay: f64) {
-        self.axpby(1.0 - decay, p, decay, avg);
-    }
-
-    fn sgd(&mut self, p: Buf, g: Buf, buf: Buf, lr: f64, mu: f64, first: bool) {
-        self.check([g], [p, buf]);
-        let s = self.sched(&[lr, mu]);
-        self.run("eng_sgd", flat(p.len), BLOCK, vec![a(p), a(g), a(buf), l(p.len), s, flag(first)]);
-    }
 }
