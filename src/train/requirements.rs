@@ -173,9 +173,9 @@ mod tests {
     /// activations do not appear.
     #[test]
     fn the_engine_memory_check_is_its_arena() {
-        let mut c = Config::default();
-        c.model =
+        let model =
             crate::model::ModelConfig { vocab_size: 64, num_layers: 3, model_dim: 32, num_heads: 4, num_kv_heads: 2, ..Default::default() };
+        let mut c = Config { model, ..Config::default() };
         (c.train.seq_len, c.train.batch_tokens, c.train.grad_accum_steps) = (16, 64, 2);
         for (precision, dtype) in [(Precision::F32, candle_core::DType::F32), (Precision::F64, candle_core::DType::F64)] {
             let p = SessionParams { dtype: precision, ..SessionParams::default() };
