@@ -66,9 +66,52 @@ fn sources() -> Vec<Source> {
             continue;
         }
         let text = std::fs::read_to_string(&path).unwrap();
-        let body = text.split("\n#[cfg(test)]").next().unwrap();
-        let code = body.lines().map(|l| if l.trim_start().starts_with("//") { String::new() } else { l.to_string() }).collect();
+        let code =
+            without_test_items(&text).into_iter().map(|l| if l.trim_start().starts_with("//") { String::new() } else { l }).collect();
         out.push(Source { module: parts.join("::"), area: parts[0].clone(), path, code, text });
+    }
+    out
+}
+
+/// The lines of `text` with every `#[cfg(test)]` item blanked (a `mod x;` line, or an item up
+/// to the end of its braces), so that what follows a test module is still read. Lines stay in
+/// place (blank), so that line numbers hold.
+fn without_test_items(text: &str) -> Vec<String> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out: Vec<String> = lines.iter().map(|l| l.to_string()).collect();
+    let mut i = 0;
+    while i < lines.len() {
+        if lines[i].trim() != "#[cfg(test)]" {
+            i += 1;
+            continue;
+        }
+        // Blank the attribute, any further attributes, then the item: up to a `;` ending the
+        // line before any brace opens, or until the braces opened close.
+        let mut depth = 0i64;
+        let mut opened = false;
+        let mut j = i;
+        while j < lines.len() {
+            let l = lines[j];
+            out[j] = String::new();
+            // Braces inside strings and chars are rare in item heads; comments are skipped.
+            let code = l.split("//").next().unwrap_or("");
+            for c in code.chars() {
+                match c {
+                    '{' => {
+                        depth += 1;
+                        opened = true;
+                    }
+                    '}' => depth -= 1,
+                    _ => {}
+                }
+            }
+            j += 1;
+            let head = j - 1 > i && !l.trim_start().starts_with("#[");
+            if (opened && depth <= 0) || (!opened && head && code.trim_end().ends_with(';')) {
+                break;
+            }
+        }
+        i = j;
     }
     out
 }
@@ -284,6 +327,9 @@ fn the_scan_sees_references() {
     // references to the runtime.
     assert_eq!(crate_paths("use crate::runtime::stage::{Source, Ctx};"), vec![vec!["runtime", "stage"]]);
     assert_eq!(crate_paths("let x = pipeline_crate::a; y(crate::data::batch::X)"), vec![vec!["data", "batch", "X"]]);
+    // Test items are skipped, not everything after the first.
+    let kept = without_test_items("use a;\n#[cfg(test)]\nmod emu;\nuse b;\n#[cfg(test)]\nmod tests {\n    use c;\n}\nuse d;");
+    assert_eq!(kept, ["use a;", "", "", "use b;", "", "", "", "", "use d;"]);
     // `super::` and `self::` from the module's place, groups spread.
     let p = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     assert_eq!(module_paths("model::cuda::flash_attn", "use super::super::flash_attn::TILE;"), vec![p(&["model", "flash_attn", "TILE"])]);
@@ -296,8 +342,9 @@ fn the_scan_sees_references() {
     assert!(stages.iter().any(|s| s.code.iter().any(|l| crate_paths(l).iter().any(|p| p.first() == Some(&"runtime")))));
 }
 
-/// Every repository file a comment or a doc names (`src/...rs`, `kernels/...cu`,
-/// `docs/...md`, ...) exists: a map that names moved or deleted files is a wrong map.
+/// Every repository file or folder a comment or a doc names (`src/...rs`, `kernels/...cu`,
+/// `docs/...md`, `src/engine/gpu/`, ...) exists: a map that names moved or deleted files is a
+/// wrong map.
 #[test]
 fn every_file_the_comments_and_docs_name_exists() {
     let mut files: Vec<PathBuf> = Vec::new();
@@ -344,8 +391,10 @@ fn every_file_the_comments_and_docs_name_exists() {
                     // A placeholder (`src/...rs`, `kernels/NAME.cu`) names no file.
                     let stem = std::path::Path::new(name).file_stem().and_then(|s| s.to_str()).unwrap_or("");
                     let placeholder = name.contains("...") || stem.chars().all(|c| c.is_ascii_uppercase() || c == '_');
+                    // A folder (`src/engine/gpu/`) must exist too.
+                    let folder = name.ends_with('/') && name.matches('/').count() >= 2;
                     if before.is_some_and(|c| c.is_ascii_alphanumeric() || "_/.-".contains(c))
-                        || !exts.iter().any(|e| name.ends_with(e))
+                        || !(folder || exts.iter().any(|e| name.ends_with(e)))
                         || placeholder
                     {
                         continue;

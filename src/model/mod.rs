@@ -51,8 +51,13 @@
 //!   forward assembly, with the layer order from `ModelConfig::layer_sequence`;
 //! - orthogonal init: `init.rs`.
 //!
-//! A new op gets its own file in [`ops`] with the same parts as the others, and a GPU kernel
-//! in `kernels/fused.cu` launched through `cuda::kernels`.
+//! Every element is a row of the table [`elements::ELEMENTS`] (its keys, how to turn it on),
+//! which the engine's test against this model walks (docs/architecture.md, "Where a model
+//! element plugs in").
+//!
+//! A new op gets its own file in [`ops`] with the same parts as the others, its device maths in
+//! `kernels/ops/<op>.cuh`, and an entry point in `kernels/fused.cu` launched through
+//! `cuda::fused`.
 
 mod attention;
 mod block;

@@ -111,7 +111,10 @@ pub fn engine_memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>>
     }
     // The mirror: f32 weights (f64 in f64 runs), and its validation pass's activations.
     let mirror = if p.dtype == Precision::F64 { 8 } else { 4 };
-    needs.push(Need::device("candle mirror of the weights", ParamCounts::of(m).total.saturating_mul(mirror), &MODEL_KEYS));
+    let weights = ParamCounts::of(m).total.saturating_mul(mirror);
+    needs.push(Need::device("candle mirror of the weights", weights, &MODEL_KEYS));
+    // A sync copies the arena's parameters out whole before the mirror takes them.
+    needs.push(Need::device("the mirror's sync (a copy of the weights)", weights, &MODEL_KEYS).transient());
     let validation = c.validation();
     let probs = on_cpu || p.attention == Attention::Materialized;
     let act_bytes = match p.dtype {
@@ -187,7 +190,8 @@ mod tests {
             assert_eq!(needs.iter().filter(|n| n.what.starts_with("engine arena")).count(), 5);
             assert!(!needs.iter().any(|n| n.what == "activations of one micro-batch"), "the candle formula is not the engine's");
         }
-        // A key the engine does not take is refused, naming it.
+        // A model the engine's check refuses (here the model's own check, which it runs first)
+        // is refused, naming the key.
         c.model.num_kv_heads = 3;
         let e = engine_memory(&SessionParams::default(), &c).unwrap_err().to_string();
         assert!(e.contains("`model.num_kv_heads`"), "{e}");

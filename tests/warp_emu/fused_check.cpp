@@ -25,7 +25,7 @@ typedef __nv_bfloat16 bf;
 
 static void nothing() {}
 
-// A warp per row, eight rows per block (gpu_kernels::launch_rows).
+// A warp per row, eight rows per block (model::cuda::fused::launch_rows).
 template <class... P, class... A>
 static void rows(void (*kernel)(P...), long n_rows, A... args) {
     emu::launch(kernel, dim3{static_cast<unsigned>((n_rows + 7) / 8), 1, 1}, 256, nothing, args...);

@@ -277,12 +277,12 @@ impl<T: Real> Backend for CpuBackend<T> {
 
     fn act_fwd(&mut self, pre: Buf, out: Buf, a: Activation) {
         let ([p], [o]) = self.io([pre], [out]);
-        relu_sq::forward_elems(p, o, T::from_f64(a.slope));
+        relu_sq::forward_elems(p, o, Some(T::from_f64(a.slope)));
     }
 
     fn act_bwd(&mut self, pre: Buf, dout: Buf, dpre: Buf, a: Activation) {
         let ([p, g], [d]) = self.io([pre, dout], [dpre]);
-        relu_sq::backward_elems(p, g, d, T::from_f64(a.slope));
+        relu_sq::backward_elems(p, g, d, Some(T::from_f64(a.slope)));
     }
 
     fn softcap_ce(&mut self, logits: Buf, losses: Buf, vocab: usize, cap: f64, grad_scale: f64) {

@@ -34,6 +34,9 @@ pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
 /// `out[n] = table[ids[n]]` for `dim`-wide rows (the engine's CPU lookup; candle's CPU training
 /// runs `index_select`).
 pub(crate) fn embedding_rows_fwd<T: Real>(table: &[T], ids: &[u32], out: &mut [T], dim: usize) {
+    if dim == 0 {
+        return;
+    }
     out.par_chunks_mut(dim).zip(ids.par_iter()).for_each(|(o, &id)| {
         let id = id as usize;
         o.copy_from_slice(&table[id * dim..(id + 1) * dim]);
@@ -44,6 +47,9 @@ pub(crate) fn embedding_rows_fwd<T: Real>(table: &[T], ids: &[u32], out: &mut [T
 /// maths of the module doc): the engine's CPU backward pass, and the backward op's CPU
 /// implementation in f64 (the GPU kernel's reference). Every id must be below the table's rows.
 pub(crate) fn embedding_rows_bwd<T: Real>(dout: &[T], ids: &[u32], dtable: &mut [T], dim: usize) {
+    if dim == 0 {
+        return;
+    }
     // Rows of the table split among tasks, each scanning every id: no two tasks write a row,
     // and each row's sum runs in token order.
     let per = (dtable.len() / dim).div_ceil(rayon::current_num_threads().max(1)).max(1);

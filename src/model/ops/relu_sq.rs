@@ -38,22 +38,24 @@ struct ReluSq;
 /// Elements per rayon task.
 const ELEMS: usize = 1 << 14;
 
-/// `l(x)`: `x` for `x > 0`, else `slope x`; exactly 0 (relu) for `slope = 0`.
+/// `l(x)`: `x` for `x > 0`, else `slope x` (`Some(slope)`: the engine's, whose relu² is slope
+/// 0, so that a NaN passes as on the GPU and a poisoned read shows); `None`: relu, exactly 0
+/// (the candle op's, a NaN included).
 #[inline(always)]
-fn leak<T: Real>(x: T, slope: T) -> T {
-    let zero = T::from_f64(0.0);
-    if x > zero {
+fn leak<T: Real>(x: T, slope: Option<T>) -> T {
+    if x > T::from_f64(0.0) {
         x
-    } else if slope == zero {
-        zero
     } else {
-        x * slope
+        match slope {
+            None => T::from_f64(0.0),
+            Some(s) => x * s,
+        }
     }
 }
 
 /// `y = l(x)^2`.
 #[inline(always)]
-fn relu_sq_kernel<T: Real>(x: &[T], out: &mut [T], slope: T) {
+fn relu_sq_kernel<T: Real>(x: &[T], out: &mut [T], slope: Option<T>) {
     for (o, &x) in out.iter_mut().zip(x) {
         let r = leak(x, slope);
         *o = r * r;
@@ -62,41 +64,41 @@ fn relu_sq_kernel<T: Real>(x: &[T], out: &mut [T], slope: T) {
 
 multiversion! {
     /// `l(x)^2` of a block.
-    fn relu_sq_block = relu_sq_kernel(x: &[T], out: &mut [T], slope: T);
+    fn relu_sq_block = relu_sq_kernel(x: &[T], out: &mut [T], slope: Option<T>);
 }
 
 /// `dx = 2 l(x) l'(x) g`: `g (l + l)` for `x > 0`, else `g ((l + l) slope)`.
 #[inline(always)]
-fn relu_sq_bwd_kernel<T: Real>(x: &[T], g: &[T], out: &mut [T], slope: T) {
+fn relu_sq_bwd_kernel<T: Real>(x: &[T], g: &[T], out: &mut [T], slope: Option<T>) {
     let zero = T::from_f64(0.0);
     for ((o, &x), &g) in out.iter_mut().zip(x).zip(g) {
         let r = leak(x, slope);
-        let d = if x > zero { r + r } else { (r + r) * slope };
+        let d = if x > zero { r + r } else { (r + r) * slope.unwrap_or(zero) };
         *o = g * d;
     }
 }
 
 multiversion! {
     /// Gradient of `l(x)^2` on a block.
-    fn relu_sq_bwd_block = relu_sq_bwd_kernel(x: &[T], g: &[T], out: &mut [T], slope: T);
+    fn relu_sq_bwd_block = relu_sq_bwd_kernel(x: &[T], g: &[T], out: &mut [T], slope: Option<T>);
 }
 
-/// The forward pass on the CPU, for the model's op (`slope` 0) and the engine's backend
-/// (relu² or the leaky relu² of [`super::leaky_relu_sq`]): `out = l(x)^2`, [`ELEMS`] elements
-/// per rayon task.
-pub(crate) fn forward_elems<T: Real>(x: &[T], out: &mut [T], slope: T) {
+/// The forward pass on the CPU, for the model's op (`slope` `None`) and the engine's backend
+/// (`Some`: relu² at 0 or the leaky relu² of [`super::leaky_relu_sq`]): `out = l(x)^2`,
+/// [`ELEMS`] elements per rayon task.
+pub(crate) fn forward_elems<T: Real>(x: &[T], out: &mut [T], slope: Option<T>) {
     out.par_chunks_mut(ELEMS).zip(x.par_chunks(ELEMS)).for_each(|(o, x)| relu_sq_block(x, o, slope));
 }
 
 /// The backward pass on the CPU, for the model's op and the engine's backend: `out = 2 l(x)
 /// l'(x) g`.
-pub(crate) fn backward_elems<T: Real>(x: &[T], g: &[T], out: &mut [T], slope: T) {
+pub(crate) fn backward_elems<T: Real>(x: &[T], g: &[T], out: &mut [T], slope: Option<T>) {
     out.par_chunks_mut(ELEMS).zip(x.par_chunks(ELEMS)).zip(g.par_chunks(ELEMS)).for_each(|((o, x), g)| relu_sq_bwd_block(x, g, o, slope));
 }
 
 fn relu_sq_fwd<T: Real>(x: &[T]) -> Vec<T> {
     let mut out = vec![T::from_f64(0.0); x.len()];
-    forward_elems(x, &mut out, T::from_f64(0.0));
+    forward_elems(x, &mut out, None);
     out
 }
 
@@ -144,7 +146,7 @@ impl CustomOp2 for ReluSqBwd {
             let (x, g) = (elems::<T>(xs, xl)?, elems::<T>(gs, gl)?);
             let zero = <T as candle_core::WithDType>::from_f64(0.0);
             let mut out = vec![zero; x.len()];
-            backward_elems(x, g, &mut out, zero);
+            backward_elems(x, g, &mut out, None);
             wrap(out)
         });
         Ok((out, xl.shape().clone()))
@@ -168,6 +170,24 @@ mod tests {
     use candle_core::{DType, Tensor};
 
     use super::*;
+
+    /// The candle op's relu maps a NaN to 0, as its GPU kernel (`fmaxf`); the engine's slope 0
+    /// lets it through, as the engine's GPU kernel does, so that a read of a poisoned buffer
+    /// shows.
+    #[test]
+    fn nan_is_zero_for_the_op_and_passes_for_the_engine() {
+        let x = [f64::NAN, -1.0, 2.0];
+        let (mut op, mut engine) = ([0.0; 3], [0.0; 3]);
+        forward_elems(&x, &mut op, None);
+        forward_elems(&x, &mut engine, Some(0.0));
+        assert_eq!(op, [0.0, 0.0, 4.0]);
+        assert!(engine[0].is_nan() && engine[1] == 0.0 && engine[2] == 4.0);
+        let (mut dop, mut dengine) = ([0.0; 3], [0.0; 3]);
+        backward_elems(&x, &[1.0; 3], &mut dop, None);
+        backward_elems(&x, &[1.0; 3], &mut dengine, Some(0.0));
+        assert_eq!(dop, [0.0, 0.0, 4.0]);
+        assert!(dengine[0].is_nan() && dengine[2] == 4.0);
+    }
     use crate::model::ops::testing::{assert_close, check_finite_differences, check_grads, flat, rand};
 
     /// Likewise for relu²'s backward op.
