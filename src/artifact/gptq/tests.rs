@@ -1,5 +1,6 @@
 //! Tests of [`super`].
 
+use super::solver::{Block, block_tile_kernel};
 use super::*;
 use crate::artifact::synthetic::{correlated_hessian, normal};
 
