@@ -140,7 +140,10 @@ fn drain_timeout_turns_a_stuck_drain_into_an_abort() {
     // The sink takes 5 s per item: the drain cannot finish within 300 ms.
     let (mut child, _lines) =
         start_endless(&out, &["stages.sink.delay_us=5000000", "run.drain_timeout_ms=300", "stages.source.delay_us=0"]);
-    std::thread::sleep(Duration::from_millis(200));
+    // Long enough for the source's first items to be in flight on a loaded machine: with
+    // nothing produced yet the drain has nothing to do and finishes in time (a 200 ms wait
+    // failed so under a parallel build).
+    std::thread::sleep(Duration::from_millis(1000));
     sigint(&child);
     let status = wait_or_kill(&mut child, Duration::from_secs(20), "stuck drain");
     assert_eq!(status.code(), Some(130));
