@@ -15,7 +15,7 @@
 //!   register-tiled, AVX2/AVX-512 kernels, rayon), with `beta` and strided views;
 //! - [`flat`]: the flat loops (fills, copies, reductions, the optimizers);
 //! - the per-channel sums of [`crate::model::ops`] added into the engine's buffers
-//!   ([`add_into`]), and its buffers read as [`Rows`].
+//!   (`add_into`), and its buffers read as [`Rows`].
 //!
 //! The arena is one `Vec<T>`; [`CpuBackend::io`] hands out the input and output slices of an
 //! op after checking that no output overlaps another region of the call, which is what makes
@@ -27,7 +27,7 @@ mod gemm;
 use candle_core::{DType, Device, Tensor};
 
 use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, Mat, check_regions};
-use crate::model::host::rows::{Rows, dense_offsets};
+use crate::model::host::rows::{Rows, add_into, dense_offsets};
 use crate::model::host::simd::Real;
 use crate::model::ops::qk_norm_rope::{self, RopeRows};
 use crate::model::ops::{embedding, relu_sq, resid_mix, rms_norm, scale_add, skip_gate, softcap_ce, xsa};
@@ -77,14 +77,6 @@ impl<T: Real> CpuBackend<T> {
     /// The elements of `b`.
     fn get(&self, b: Buf) -> &[T] {
         &self.arena[b.off..b.end()]
-    }
-}
-
-/// `acc += sums`, per channel: a per-channel gradient of [`crate::model::ops`] (summed in f64 in
-/// fixed row blocks) added to the engine's buffer.
-fn add_into<T: Real>(acc: &mut [T], sums: &[f64]) {
-    for (a, &s) in acc.iter_mut().zip(sums) {
-        *a += T::from_f64(s);
     }
 }
 

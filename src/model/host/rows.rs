@@ -176,14 +176,14 @@ pub(crate) fn column_sums<T: Real>(rows: usize, cols: usize, acc: &mut [T], per_
             s
         })
         .collect();
-    let mut total = vec![0.0f64; cols];
-    for p in parts {
-        for (t, x) in total.iter_mut().zip(p) {
-            *t += x;
-        }
-    }
-    for (a, t) in acc.iter_mut().zip(total) {
-        *a += T::from_f64(t);
+    add_into(acc, &add_partials(parts, cols));
+}
+
+/// `acc += sums`, per channel: per-channel sums (in f64, from fixed row blocks) added to a
+/// buffer of the working type.
+pub(crate) fn add_into<T: Real>(acc: &mut [T], sums: &[f64]) {
+    for (a, &s) in acc.iter_mut().zip(sums) {
+        *a += T::from_f64(s);
     }
 }
 
