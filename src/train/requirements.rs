@@ -3,6 +3,8 @@
 
 use anyhow::Context;
 
+use crate::data::batch::BatchShape;
+
 use crate::model::flash_attn::Attention;
 use crate::runtime::memory::Need;
 use crate::train::config::{Config, TrainConfig};
@@ -30,26 +32,16 @@ pub fn check(p: &SessionParams, c: &Config) -> anyhow::Result<()> {
 /// What a session holds at its peak: weights, gradients, optimizer state, the activations of
 /// one micro-batch or validation batch (whichever is larger), and the validation split.
 pub fn memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>> {
-    use crate::model::memory::{MODEL_KEYS, ParamCounts, forward_bytes, training_bytes};
+    use crate::model::memory::{MODEL_KEYS, ParamCounts, training_bytes};
     c.model.check()?;
     let shape = c.batch_shape()?;
     let m = &c.model;
     let counts = ParamCounts::of(m);
-    // f32 master weights and optimizer state in every mode but f64; bf16 products between
-    // f32 norms and residuals average out at about 3 bytes an activation.
-    let (param_bytes, act_bytes) = match p.dtype {
-        Precision::F64 => (8, 8),
-        Precision::F32 => (4, 4),
-        Precision::Bf16 => (4, 3),
-    };
+    let (param_bytes, act_bytes) = elem_bytes(p.dtype);
     let on_cpu = matches!(crate::device::parse(&c.run.device)?, crate::device::DeviceName::Cpu);
-    // The attention probabilities are stored on the CPU and by the materialised attention.
-    let probs = on_cpu || p.attention == Attention::Materialized;
     let t = shape.seq_len;
-    let validation = c.validation();
-    let train = training_bytes(m, shape.rows * t, t, probs, act_bytes);
-    let val =
-        forward_bytes(m, crate::eval::validation::tokens_per_pass(&validation, shape.world_size, shape.micro_steps), t, probs, act_bytes);
+    let train = training_bytes(m, shape.rows * t, t, stores_probs(p, on_cpu), act_bytes);
+    let val = validation_pass_bytes(p, c, shape, on_cpu);
     let mut act_keys = vec!["train.batch_tokens", "train.grad_accum_steps", "train.seq_len"];
     act_keys.extend(MODEL_KEYS);
     let mut needs = vec![
@@ -67,6 +59,28 @@ pub fn memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>> {
     Ok(needs)
 }
 
+/// Bytes per parameter and per activation: f32 master weights and optimizer state in every mode
+/// but f64; bf16 products between f32 norms and residuals average out at about 3 bytes an
+/// activation.
+fn elem_bytes(p: Precision) -> (u64, u64) {
+    match p {
+        Precision::F64 => (8, 8),
+        Precision::F32 => (4, 4),
+        Precision::Bf16 => (4, 3),
+    }
+}
+
+/// Whether the attention probabilities are stored: on the CPU, and by the materialised attention.
+fn stores_probs(p: &SessionParams, on_cpu: bool) -> bool {
+    on_cpu || p.attention == Attention::Materialized
+}
+
+/// The activations of one validation pass of the candle model.
+fn validation_pass_bytes(p: &SessionParams, c: &Config, shape: BatchShape, on_cpu: bool) -> u64 {
+    let tokens = crate::eval::validation::tokens_per_pass(&c.validation(), shape.world_size, shape.micro_steps);
+    crate::model::memory::forward_bytes(&c.model, tokens, shape.seq_len, stores_probs(p, on_cpu), elem_bytes(p.dtype).1)
+}
+
 /// The validation split, read whole (u16) and kept as u32 ids.
 fn validation_tokens(c: &Config) -> anyhow::Result<Option<Need>> {
     let Some(tokens) = crate::eval::validation::split_tokens(&c.validation())? else { return Ok(None) };
@@ -81,12 +95,13 @@ fn validation_tokens(c: &Config) -> anyhow::Result<Option<Need>> {
 /// model that mirrors the weights, and the activations of its validation pass; the validation
 /// split.
 pub fn engine_memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>> {
-    use crate::model::memory::{MODEL_KEYS, ParamCounts, forward_bytes};
+    use crate::model::memory::{MODEL_KEYS, ParamCounts};
     crate::engine::support::check(&c.model)?;
     let shape = c.batch_shape()?;
     let m = &c.model;
     let t = shape.seq_len;
-    let elem = if p.dtype == Precision::F64 { 8 } else { 4 };
+    // The arena and the mirror hold f32 (f64 in f64 runs), as the candle executor's weights.
+    let elem = elem_bytes(p.dtype).0;
     let layout = crate::engine::layout::Layout::new(m, shape.rows, t);
     let act_keys =
         ["train.batch_tokens", "train.grad_accum_steps", "train.seq_len", "model.model_dim", "model.num_layers", "model.vocab_size"];
@@ -109,21 +124,12 @@ pub fn engine_memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>>
             ));
         }
     }
-    // The mirror: f32 weights (f64 in f64 runs), and its validation pass's activations.
-    let mirror = if p.dtype == Precision::F64 { 8 } else { 4 };
-    let weights = ParamCounts::of(m).total.saturating_mul(mirror);
+    // The mirror's weights, and its validation pass's activations.
+    let weights = ParamCounts::of(m).total.saturating_mul(elem);
     needs.push(Need::device("candle mirror of the weights", weights, &MODEL_KEYS));
     // A sync copies the arena's parameters out whole before the mirror takes them.
     needs.push(Need::device("the mirror's sync (a copy of the weights)", weights, &MODEL_KEYS).transient());
-    let validation = c.validation();
-    let probs = on_cpu || p.attention == Attention::Materialized;
-    let act_bytes = match p.dtype {
-        Precision::F64 => 8,
-        Precision::F32 => 4,
-        Precision::Bf16 => 3,
-    };
-    let val =
-        forward_bytes(m, crate::eval::validation::tokens_per_pass(&validation, shape.world_size, shape.micro_steps), t, probs, act_bytes);
+    let val = validation_pass_bytes(p, c, shape, on_cpu);
     let mut val_keys = vec!["train.val_batch_tokens", "train.seq_len"];
     val_keys.extend(MODEL_KEYS);
     needs.push(Need::device("activations of one validation batch (candle mirror)", val, &val_keys).transient());
