@@ -632,3 +632,68 @@ fn artifact_gptq_on_saved_weights() {
     assert!(s.lines().any(|l| l.starts_with("quantized val_loss:")), "{s}");
     assert!(out.join("final_model.int6.brotli.pgqz").is_file());
 }
+
+/// `trace = true` writes what another trainer needs to take the same steps and compare
+/// (scripts/compare-record.py): the initial weights, every micro-batch as trained (targets the
+/// inputs shifted by one, windows of the training shards), a row per step whose losses are the
+/// run's own, and weights after the listed and the last steps equal to the run's; on both
+/// executors. (A resumed run is refused a trace: tests/checkpoint_faults.rs.)
+#[test]
+fn the_trace_holds_the_initial_weights_every_batch_and_every_step() {
+    let c = corpus("trace");
+    let cfg = config(&c);
+    let shard: Vec<u16> = shard_tokens(&c.dir.join("shards/fineweb_train_000000.bin"));
+    for executor in ["candle", "engine"] {
+        let out = c.dir.join(executor);
+        let sets = [
+            "train.iterations=3",
+            "train.val_every=0",
+            "train.grad_accum_steps=2",
+            "train.grad_clip_norm=1.0",
+            "stages.train.trace=true",
+            "stages.train.trace_weights_at=[2]",
+            "train.save_weights=true",
+        ];
+        let impl_set = format!("stages.train.impl={executor}");
+        let mut all: Vec<&str> = sets.to_vec();
+        all.push(&impl_set);
+        let (_, o) = train_ok(&cfg, &out, &all);
+        let trace = out.join("trace");
+        let meta: Value = serde_json::from_str(&std::fs::read_to_string(trace.join("trace.json")).unwrap()).unwrap();
+        let (rows, seq, micro) = (meta["rows"].as_u64().unwrap() as usize, meta["seq_len"].as_u64().unwrap() as usize, 2usize);
+        assert_eq!((rows * seq * micro, meta["micro_steps"].as_u64()), (256, Some(2)), "{meta}");
+        let bytes = std::fs::read(trace.join("batches.u16")).unwrap();
+        let tokens: Vec<u16> = bytes.chunks(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+        assert_eq!(tokens.len(), 3 * micro * 2 * rows * seq, "{executor}");
+        for mb in tokens.chunks(2 * rows * seq) {
+            let (x, y) = mb.split_at(rows * seq);
+            for r in 0..rows {
+                let (xr, yr) = (&x[r * seq..(r + 1) * seq], &y[r * seq..(r + 1) * seq]);
+                assert_eq!(&xr[1..], &yr[..seq - 1], "{executor}: targets are the inputs shifted by one");
+                let mut window = xr.to_vec();
+                window.push(yr[seq - 1]);
+                assert!(shard.windows(seq + 1).any(|w| w == window.as_slice()), "{executor}: a traced row is not a window of the shard");
+            }
+        }
+        let ours: Vec<String> = std::fs::read_to_string(out.join("steps.tsv")).unwrap().lines().skip(1).map(String::from).collect();
+        let traced: Vec<String> = std::fs::read_to_string(trace.join("steps.tsv")).unwrap().lines().skip(1).map(String::from).collect();
+        assert_eq!(traced.len(), 3, "{executor}: {traced:?}");
+        for (a, b) in ours.iter().zip(&traced) {
+            let (a, b): (Vec<&str>, Vec<&str>) = (a.split('\t').collect(), b.split('\t').collect());
+            assert_eq!((a[0], a[1]), (b[0], b[1]), "{executor}: the trace's step and loss are the run's");
+            assert!(b[2].parse::<f64>().unwrap() > 0.0, "{executor}: clipping on, so a gradient norm: {b:?}");
+        }
+        let load = |p: &Path| candle_core::safetensors::load(p, &Device::Cpu).unwrap();
+        let last = load(&trace.join("weights_3.safetensors"));
+        let saved = load(&out.join("final_model.safetensors"));
+        let init = load(&trace.join("weights_0.safetensors"));
+        assert!(trace.join("weights_2.safetensors").is_file() && !trace.join("weights_1.safetensors").exists(), "{}", text(&o));
+        for (name, t) in &saved {
+            let a: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+            let b: Vec<f32> = last[name].flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(a, b, "{executor}: {name} after the last step");
+        }
+        let proj: Vec<f32> = init["blocks.0.attn.proj.weight"].flatten_all().unwrap().to_vec1().unwrap();
+        assert!(proj.iter().all(|&v| v == 0.0), "{executor}: weights_0 is the zero-initialised projection before any step");
+    }
+}

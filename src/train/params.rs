@@ -54,10 +54,24 @@ pub struct SessionParams {
     /// from CUDA events recorded at the phase boundaries; on, from the host's clock after each
     /// wait (slower: the GPU idles while the host queues the next phase). No effect on the CPU.
     pub sync_phases: bool,
+    /// Write `RUN_DIR/trace/`: the weights before the first step, every micro-batch's tokens
+    /// and a row per step (loss, gradient norm, LR multiplier, momentum, looping), so that
+    /// another trainer can take the same steps and compare (`scripts/compare-record.py`,
+    /// docs/record.md). Costs a copy of each batch to the host; refused with `--resume`.
+    pub trace: bool,
+    /// With `trace`: also save the weights after these steps (the last step's always are).
+    pub trace_weights_at: Vec<u64>,
 }
 
 impl Default for SessionParams {
     fn default() -> Self {
-        Self { dtype: Precision::F32, progress: true, attention: Attention::Auto, sync_phases: false }
+        Self {
+            dtype: Precision::F32,
+            progress: true,
+            attention: Attention::Auto,
+            sync_phases: false,
+            trace: false,
+            trace_weights_at: Vec::new(),
+        }
     }
 }

@@ -49,7 +49,8 @@ use crate::train::params::SessionParams;
 use crate::train::requirements;
 use crate::train::resume::{self, History, ValPoint, data_fingerprint, trained_attention};
 use crate::train::snapshot::{Ending, Moment, TrainSnapshot, TrainerState};
-use crate::train::trainer::Trainer;
+use crate::train::trace::Trace;
+use crate::train::trainer::{StepOutcome, Trainer};
 
 mod report;
 mod startup;
@@ -126,6 +127,8 @@ pub struct Session {
     step_loader: Option<(Arc<LoaderState>, u64)>,
     /// The last snapshot's copy of the parameters, with its step.
     last_weights: Option<(u64, crate::train::snapshot::Tensors)>,
+    /// `trace = true`: `RUN_DIR/trace/` ([`crate::train::trace`]).
+    trace: Option<Trace>,
 }
 
 impl Session {
@@ -246,6 +249,15 @@ impl Session {
             }
         }
         let resumed_from = trainer.step();
+        let trace = match (p.trace, run_dir) {
+            (false, _) => None,
+            (true, None) => None,
+            (true, Some(dir)) => {
+                anyhow::ensure!(resume.is_none(), "key `trace`: a trace starts at step 0, and this run resumes a checkpoint");
+                anyhow::ensure!(ranks.world() == 1, "key `trace`: a trace is one rank's batches; this run has {} ranks", ranks.world());
+                Some(Trace::create(dir, shape, &p.trace_weights_at)?)
+            }
+        };
         let steps = StepTable::new(run_dir, resume.map(|ck| ck.meta.step))?;
         let (train_ms, vals, last_loss, rolling, lr_mul) = match (resume, history) {
             (Some(ck), Some(h)) => (ck.meta.train_ms, h.validations, ck.meta.train_loss, ck.meta.rolling, h.lr_mul.unwrap_or(1.0)),
@@ -293,6 +305,7 @@ impl Session {
             comm_total: Duration::ZERO,
             overlapped_total: Duration::ZERO,
             last_weights: None,
+            trace,
         })
     }
 }
@@ -332,6 +345,9 @@ impl Session {
             if self.cfg.val_every > 0 && self.trainer.step() == 0 {
                 self.validate(ctx, false)?;
             }
+            if let Some(trace) = &self.trace {
+                trace.weights(0, &self.trainer.synced_model()?.state_dict())?;
+            }
             self.send(Moment::Start, out, ctx)?;
             self.mark = Some(Instant::now());
         } else if let Some(t) = self.idle_since {
@@ -340,6 +356,9 @@ impl Session {
         self.check_batch(&b)?;
         if self.trainer.micro_done() == 0 {
             self.step_start_ms = self.train_ms();
+        }
+        if let Some(trace) = self.trace.as_mut() {
+            trace.batch(&b.x, &b.y)?;
         }
         let t = self.trainer.micro_step(&b.x, &b.y).with_context(|| format!("training step {}", self.trainer.step() + 1))?;
         ctx.trace_phases(&[("forward", t.forward), ("backward", t.backward)]);
@@ -686,6 +705,9 @@ impl Session {
         let (step, total) = (self.trainer.step(), self.cfg.iterations);
         let train_ms = self.agree_after_step(ctx)?;
         self.step_end_ms = train_ms;
+        if self.trace.is_some() {
+            self.trace_step(step, &out, train_ms)?;
+        }
         self.switch_looping(step, train_ms);
         self.steps.row(step, out.train_loss, out.lr_mul, train_ms, self.rolling);
         self.send(Moment::Step, emitter, ctx)?;
@@ -777,6 +799,21 @@ impl Session {
         }
         if self.saved_at != Some(self.trainer.step()) {
             self.save_weights()?;
+        }
+        Ok(())
+    }
+
+    /// The trace's row of `step` and, when it wants them, the weights after it.
+    fn trace_step(&mut self, step: u64, out: &StepOutcome, train_ms: f64) -> anyhow::Result<()> {
+        let looping = self.trainer.model().looping();
+        let last = resume::training_end(step, train_ms, &self.cfg).is_some();
+        let Some(trace) = self.trace.as_mut() else { return Ok(()) };
+        trace.step(step, out, looping)?;
+        if trace.wants_weights(step, last) {
+            let state = self.trainer.synced_model()?.state_dict();
+            if let Some(trace) = &self.trace {
+                trace.weights(step, &state)?;
+            }
         }
         Ok(())
     }

@@ -1,0 +1,669 @@
+#!/usr/bin/env python3
+"""Step-by-step comparison of a `pipeline` run with the challenge's own training code.
+
+`pipeline` trains with `trace = true` (RUN_DIR/trace/: the weights before step 1, every
+micro-batch's tokens, a row per step); this script then runs the *record's own* training code
+(the 04-09 record's `train_model()`, or the baseline `train_gpt.py`'s `main()`) on the CPU in f32
+from the same weights on the same batches, and prints, per step, both train losses, gradient
+norms, LR multipliers and momenta, the weights' largest difference at the traced steps, and the
+validation scores at the end. It names the first step and the first tensor where the two part
+beyond rounding.
+
+What is replaced in the record's code, and only this (each text patch must apply, or the script
+stops naming it): FlashAttention-3 by exact attention in f32; `torch.compile` by the eager
+function; bf16 (autocast, `.bfloat16()` weights, Newton-Schulz and Muon's update buffer) by
+f32; DDP by one process; its data loader by the trace's batches; its micro-batch count
+(`8 // world_size`) by the run's; its warm-up steps (which it undoes) are skipped. The record's
+GPT, parameter groups, optimizers, schedules, clipping, looping switch and EMA run as written.
+
+Needs torch, numpy and sentencepiece (`pip install torch numpy sentencepiece`) and the record's
+script, fetched by you from the public repository (never commit it):
+
+    git clone https://github.com/openai/parameter-golf /tmp/parameter-golf
+    REC=/tmp/parameter-golf/records/track_10min_16mb/2026-04-09_SP8192_3LayerRecur_ParResid_QK525_LegalTTT
+    ./target/release/pipeline run pipelines/record-mini.toml --out runs/cmp \\
+        --set stages.sampler.impl=sequential --set stages.train.trace=true \\
+        --set 'stages.train.trace_weights_at=[1,2,5,10,20,50,100,150,200]'
+    python3 scripts/compare-record.py --record $REC/train_gpt.py --run runs/cmp
+
+`--init record` starts the record's code from its own initialisation (`--seed`) instead of the
+run's weights, on the same batches: the figure to set beside ours over seeds. The baseline:
+`--record /tmp/parameter-golf/train_gpt.py` on a run of pipelines/demo.toml (flavour detected).
+Exit code 0 when the train losses agree within `--loss-tol` over the first `--strict-steps`
+steps, 1 when they do not, 2 on bad input.
+"""
+
+import argparse
+import base64
+import json
+import lzma
+import math
+import os
+import re
+import struct
+import sys
+import tempfile
+import time
+import tomllib
+import types
+from pathlib import Path
+
+
+def fail(msg):
+    print(f"compare-record: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The record's source: unpacked, flavour, patches
+# ---------------------------------------------------------------------------------------------
+
+
+def record_source(path):
+    """The record's Python source; the 04-09 record ships lzma+base85-packed."""
+    text = Path(path).read_text(encoding="utf-8")
+    m = re.search(r'b85decode\("(.*?)"\)', text, re.S)
+    if m and len(text) < 40000 and "exec(" in text:
+        raw = base64.b85decode(m.group(1))
+        if "FORMAT_RAW" in text:
+            return lzma.decompress(raw, format=lzma.FORMAT_RAW, filters=[{"id": lzma.FILTER_LZMA2}]).decode()
+        return lzma.decompress(raw).decode()
+    return text
+
+
+def flavour(src):
+    if "def train_model(h,device,val_data)" in src and "class Optimizers" in src:
+        return "record"
+    if "class DistributedTokenLoader" in src and "def main() -> None:" in src:
+        return "baseline"
+    fail("the script is neither the 04-09 record's train_gpt.py nor the baseline's (no train_model/Optimizers, no main/DistributedTokenLoader)")
+
+
+# (name, old, new): every one must occur in the source.
+PATCHES = {
+    "record": [
+        ("Newton-Schulz in f32", "X=G.bfloat16()", "X=G.float()"),
+        ("Muon's update buffer in f32", "dtype=torch.bfloat16);curr=0", "dtype=torch.float32);curr=0"),
+        ("f32 weights", "base_model=GPT(h).to(device).bfloat16();restore_fp32_params(base_model)", "base_model=GPT(h).to(device)"),
+    ],
+    "baseline": [
+        ("Newton-Schulz in f32", "X = G.bfloat16()", "X = G.float()"),
+        (
+            "Muon's update buffer in f32",
+            "updates_flat = torch.zeros(total_params, device=params[0].device, dtype=torch.bfloat16)",
+            "updates_flat = torch.zeros(total_params, device=params[0].device, dtype=torch.float32)",
+        ),
+        ("f32 weights", ").to(device).bfloat16()", ").to(device)"),
+        ("the CPU", 'device = torch.device("cuda", local_rank)', 'device = torch.device("cpu")'),
+        ("no CUDA check", "if not torch.cuda.is_available():", "if False:"),
+        ("no set_device", "torch.cuda.set_device(device)", "pass"),
+        ("the run's micro-batches", "grad_accum_steps = 8 // world_size", 'grad_accum_steps = int(os.environ["CMP_GRAD_ACCUM"])'),
+        ("exact attention on the CPU", "enable_math_sdp(False)", "enable_math_sdp(True)"),
+    ],
+}
+
+
+def py311_fstrings(src):
+    """The record is written for Python 3.12, whose f-strings may hold the quote they are in
+    (`f"{", ".join(xs)}"`); before 3.12 such a string is a syntax error. Rewrites the strings
+    nested inside the braces of `f"..."` with single quotes (same value)."""
+    out, i, n = [], 0, len(src)
+    while i < n:
+        if src.startswith('f"', i) and not src.startswith('f"""', i) and (i == 0 or not (src[i - 1].isalnum() or src[i - 1] == "_")):
+            out.append('f"')
+            i += 2
+            depth = 0
+            while i < n:
+                c = src[i]
+                if depth == 0:
+                    if c == "\\":
+                        out.append(src[i : i + 2])
+                        i += 2
+                        continue
+                    if c == '"':
+                        out.append(c)
+                        i += 1
+                        break
+                    if c == "{":
+                        if src.startswith("{{", i):
+                            out.append("{{")
+                            i += 2
+                            continue
+                        depth = 1
+                    out.append(c)
+                    i += 1
+                    continue
+                if c == "{":
+                    depth += 1
+                elif c == "}":
+                    depth -= 1
+                elif c == '"':
+                    j = src.index('"', i + 1)
+                    out.append("'" + src[i + 1 : j] + "'")
+                    i = j + 1
+                    continue
+                out.append(c)
+                i += 1
+        else:
+            out.append(src[i])
+            i += 1
+    return "".join(out)
+
+
+def patched(src, kind):
+    for name, old, new in PATCHES[kind]:
+        if old not in src:
+            fail(f"patch '{name}' does not apply: {old!r} is not in the record's script (another version?)")
+        src = src.replace(old, new)
+    return src
+
+
+# ---------------------------------------------------------------------------------------------
+# Our run: config, trace, reports
+# ---------------------------------------------------------------------------------------------
+
+
+def read_safetensors(path):
+    import numpy as np
+    import torch
+
+    data = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    base = 8 + n
+    out = {}
+    dtypes = {"F32": np.float32, "F64": np.float64, "F16": np.float16}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        if meta["dtype"] not in dtypes:
+            fail(f"{path}: tensor {name} has dtype {meta['dtype']} (f32 expected: trace an f32 run)")
+        a, b = meta["data_offsets"]
+        arr = np.frombuffer(data[base + a : base + b], dtype=dtypes[meta["dtype"]]).reshape(meta["shape"])
+        out[name] = torch.from_numpy(arr.astype(np.float32).copy())
+    return out
+
+
+def read_tsv(path):
+    lines = Path(path).read_text().splitlines()
+    head = lines[0].split("\t")
+    return [dict(zip(head, line.split("\t"))) for line in lines[1:] if line.strip()]
+
+
+def our_run(run_dir):
+    run = Path(run_dir)
+    cfg_path = run / "config.toml"
+    trace = run / "trace"
+    if not cfg_path.is_file():
+        fail(f"{cfg_path} is missing: --run takes the run directory of `pipeline run`")
+    if not (trace / "trace.json").is_file():
+        fail(f"{trace}/trace.json is missing: run with `--set stages.<step_executor>.trace=true`")
+    cfg = tomllib.loads(cfg_path.read_text())
+    meta = json.loads((trace / "trace.json").read_text())
+    rows = read_tsv(trace / "steps.tsv")
+    report = json.loads((run / "report.json").read_text()) if (run / "report.json").is_file() else {}
+    return cfg, meta, rows, report
+
+
+def stage(cfg, kind):
+    for name, s in cfg.get("stages", {}).items():
+        if s.get("kind") == kind:
+            return name, s
+    return None, {}
+
+
+def env_for(cfg, kind, meta):
+    """The record's hyperparameters (its environment variables) from our resolved config."""
+    m, t = cfg["model"], cfg["train"]
+    if t.get("max_wallclock_seconds", 0) > 0:
+        fail("the run has a wall-clock cap (train.max_wallclock_seconds > 0): its schedule depends on time; trace a run with --set train.max_wallclock_seconds=0")
+    _, ex = stage(cfg, "step_executor")
+    if ex.get("dtype", "f32") != "f32":
+        fail(f"the run trained in {ex.get('dtype')}: trace an f32 run")
+    e = {
+        "VOCAB_SIZE": m["vocab_size"],
+        "NUM_LAYERS": m["num_layers"],
+        "MODEL_DIM": m["model_dim"],
+        "NUM_HEADS": m["num_heads"],
+        "NUM_KV_HEADS": m["num_kv_heads"],
+        "MLP_MULT": m["mlp_mult"],
+        "TIE_EMBEDDINGS": int(m["tie_embeddings"]),
+        "ROPE_BASE": m["rope_base"],
+        "LOGIT_SOFTCAP": m["logit_softcap"],
+        "QK_GAIN_INIT": m["qk_gain_init"],
+        "TIED_EMBED_INIT_STD": m["tied_embed_init_std"],
+        "ITERATIONS": t["iterations"],
+        "TRAIN_SEQ_LEN": t["seq_len"],
+        "TRAIN_BATCH_TOKENS": meta["rows"] * meta["seq_len"] * meta["micro_steps"],
+        "MAX_WALLCLOCK_SECONDS": 0,
+        "WARMUP_STEPS": 0,
+        "VAL_LOSS_EVERY": 0,
+        "TRAIN_LOG_EVERY": 0,
+        "VAL_BATCH_SIZE": t["val_batch_tokens"],
+        "VAL_BATCH_TOKENS": t["val_batch_tokens"],
+        "MATRIX_LR": t["matrix_lr"],
+        "SCALAR_LR": t["scalar_lr"],
+        "TIED_EMBED_LR": t["tied_embed_lr"],
+        "EMBED_LR": t["embed_lr"],
+        "HEAD_LR": t["head_lr"],
+        "BETA1": t["beta1"],
+        "BETA2": t["beta2"],
+        "ADAM_EPS": t["adam_eps"],
+        "MUON_MOMENTUM": t["muon_momentum"],
+        "MUON_MOMENTUM_WARMUP_START": t["muon_momentum_warmup_start"],
+        "MUON_MOMENTUM_WARMUP_STEPS": t["muon_momentum_warmup_steps"],
+        "MUON_BACKEND_STEPS": t["muon_backend_steps"],
+        "GRAD_CLIP_NORM": t["grad_clip_norm"],
+        "CMP_GRAD_ACCUM": meta["micro_steps"],
+    }
+    if kind == "baseline":
+        val = os.path.abspath(cfg["data"]["val"])
+        if os.path.basename(val) != "fineweb_val_*.bin":
+            fail(f"the baseline reads DATA_PATH/fineweb_val_*.bin; the run's data.val is {cfg['data']['val']}")
+        e["DATA_PATH"] = os.path.dirname(val)
+        e["TOKENIZER_PATH"] = os.path.abspath(cfg["data"]["tokenizer"])
+        e["WARMDOWN_ITERS"] = t["warmdown_iters"]
+        return {k: str(v) for k, v in e.items()}
+    _, ema = stage(cfg, "ema_swa")
+    loops = m.get("num_loops", 0)
+    e.update(
+        {
+            "EMBEDDING_DIM": m["model_dim"],
+            "XSA_LAST_N": m.get("xsa_last_n", 0),
+            "SKIP_GATES_ENABLED": int(m.get("skip_gates", False)),
+            "ROPE_DIMS": m.get("rope_dims") or 0,
+            "ROPE_TRAIN_SEQ_LEN": m.get("rope_train_seq_len") or t["seq_len"],
+            "LN_SCALE": int(m.get("ln_scale", False)),
+            "NUM_LOOPS": loops,
+            "LOOP_START": m.get("loop_start", 0),
+            "LOOP_END": m.get("loop_end", 0),
+            "ENABLE_LOOPING_AT": m.get("enable_looping_at", 0.0),
+            "PARALLEL_RESIDUAL_START": m["parallel_residual_start"] if m.get("parallel_residual_start") is not None else -1,
+            "WARMDOWN_FRAC": t["warmdown_frac"],
+            "MIN_LR": t["min_lr"],
+            "MUON_ROW_NORMALIZE": int(t["muon_row_norm"]),
+            "MUON_WD": t["muon_weight_decay"],
+            "EMBED_WD": t["embed_weight_decay"],
+            "ADAM_WD": t["scalar_weight_decay"],
+            "EMA_DECAY": ema.get("decay", 0.0),
+            "EVAL_SEQ_LEN": t["seq_len"],
+        }
+    )
+    # What the record hard-codes, which our keys must then hold.
+    needs = [
+        (m.get("mlp_activation") == "leaky_relu2" and m.get("leaky_relu_slope") == 0.5, "model.mlp_activation = \"leaky_relu2\" with leaky_relu_slope = 0.5"),
+        (m.get("init") == "orthogonal", 'model.init = "orthogonal"'),
+        (ema and ema.get("start_step", 0) == 0, "an ema stage from step 0"),
+    ]
+    for ok, what in needs:
+        if not ok:
+            fail(f"the record's code has {what}; this run does not")
+    return {k: str(v) for k, v in e.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The comparison
+# ---------------------------------------------------------------------------------------------
+
+
+def exact_attention(q, k, v, causal=True):
+    """FlashAttention-3's `flash_attn_func(q, k, v, causal=True)` in f32: (B, T, H, D) in and out,
+    grouped-query heads by repetition."""
+    import torch
+
+    b, t, h, d = q.shape
+    rep = h // k.shape[2]
+    qh = q.transpose(1, 2)
+    kh = k.transpose(1, 2).repeat_interleave(rep, dim=1)
+    vh = v.transpose(1, 2).repeat_interleave(rep, dim=1)
+    s = (qh @ kh.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+    if causal:
+        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill(mask, float("-inf"))
+    return (s.softmax(-1) @ vh).transpose(1, 2)
+
+
+class StopRun(Exception):
+    pass
+
+
+class Comparison:
+    def __init__(self, args, cfg, meta, rows, kind):
+        import numpy as np
+
+        self.args, self.cfg, self.meta, self.kind = args, cfg, meta, kind
+        self.ours = {int(r["step"]): r for r in rows}
+        self.steps = len(rows)
+        trace = Path(args.run) / "trace"
+        shape = (meta["micro_steps"], 2, meta["rows"], meta["seq_len"])
+        tokens = np.fromfile(trace / "batches.u16", dtype="<u2")
+        per_step = int(np.prod(shape))
+        if tokens.size != per_step * self.steps:
+            fail(f"{trace}/batches.u16 holds {tokens.size} tokens; {self.steps} steps of {shape} need {per_step * self.steps}")
+        self.batches = tokens.reshape((self.steps,) + shape)
+        self.weights_at = sorted(int(p.stem.split("_")[1]) for p in trace.glob("weights_*.safetensors"))
+        self.trace = trace
+        self.micro = 0  # micro-batches served
+        self.losses = []  # this step's micro-batch losses
+        self.norm = float("nan")
+        self.groups = {}
+        self.looping = None
+        self.done = 0  # steps finished
+        self.table = []
+        self.first_loss = None
+        self.first_weight = None
+        self.weight_checks = []
+        self.vals = {}
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def next_batch(self):
+        import torch
+
+        step, m = divmod(self.micro, self.meta["micro_steps"])
+        if m == 0 and step > 0:
+            self.step_end(step)
+        if step >= self.steps:
+            fail(f"the record's code asked for step {step + 1}, the trace has {self.steps}")
+        b = torch.from_numpy(self.batches[step, m].astype("int64"))
+        self.micro += 1
+        return b[0], b[1]
+
+    def step_end(self, step):
+        """Step `step` (1-based) has finished on the record's side."""
+        if step <= self.done:
+            return
+        self.done = step
+        ours = self.ours.get(step)
+        loss = sum(self.losses) / max(len(self.losses), 1)
+        self.losses = []
+        row = {"step": step, "record_loss": loss, "record_grad_norm": self.norm, **self.groups, "record_looping": self.looping}
+        if ours:
+            ol = float(ours["train_loss"])
+            row.update(
+                {
+                    "our_loss": ol,
+                    "loss_rel": abs(loss - ol) / abs(ol),
+                    "our_grad_norm": float(ours["grad_norm"]),
+                    "our_lr_mul": float(ours["lr_mul"]),
+                    "our_momentum": float(ours["momentum"]),
+                    "our_looping": bool(int(ours["looping"])),
+                }
+            )
+            if self.first_loss is None and self.args.init == "ours" and row["loss_rel"] > self.args.loss_tol:
+                self.first_loss = step
+        self.table.append(row)
+        if step in self.weights_at and self.args.init == "ours":
+            self.compare_weights(step)
+        self.norm = float("nan")
+        if self.args.progress and (step <= 5 or step % 25 == 0):
+            print(f"  record's code: step {step}/{self.steps} loss {loss:.6f}", file=sys.stderr, flush=True)
+
+    def compare_weights(self, step):
+        ours = read_safetensors(self.trace / f"weights_{step}.safetensors")
+        theirs = {k: v.detach().float() for k, v in self.model.state_dict().items()}
+        worst = (0.0, None)
+        per = {}
+        for name, w in ours.items():
+            if name not in theirs:
+                fail(f"weights_{step}: our tensor {name} has no counterpart in the record's GPT")
+            t = theirs[name]
+            # Relative to the tensor's norm: Adam's first steps move the weights of a tiny
+            # gradient by about +-lr whichever its rounding, so an element's largest difference
+            # is not a measure of parting.
+            scale = max(float(w.norm()), 1e-12)
+            d = float((t - w).norm()) / scale
+            per[name] = d
+            if d > worst[0]:
+                worst = (d, name)
+        self.weight_checks.append({"step": step, "worst_rel": worst[0], "worst_tensor": worst[1], "per_tensor": per})
+        if self.first_weight is None and worst[0] > self.args.weight_tol:
+            firsts = [n for n, d in per.items() if d > self.args.weight_tol]
+            self.first_weight = (step, worst[1], worst[0], firsts)
+
+    # -- runs --------------------------------------------------------------------------------
+
+    def install(self, mod):
+        import torch
+
+        cmp = self
+        our_init = None
+        if self.args.init_weights:
+            our_init = read_safetensors(self.args.init_weights)
+        elif self.args.init == "ours":
+            our_init = read_safetensors(self.trace / "weights_0.safetensors")
+
+        class TraceLoader:
+            def __init__(self, *a, **k):
+                pass
+
+            def next_batch(self, *a, **k):
+                return cmp.next_batch()
+
+        orig_init = mod.GPT._init_weights
+
+        def _init_weights(model):
+            orig_init(model)
+            cmp.model = model
+            if our_init is not None:
+                sd = model.state_dict()
+                missing = sorted(set(sd) - set(our_init))
+                extra = sorted(set(our_init) - set(sd))
+                if missing or extra:
+                    fail(f"the run's weights do not fit the record's GPT: missing {missing}, unexpected {extra}")
+                for name, w in our_init.items():
+                    if tuple(sd[name].shape) != tuple(w.shape):
+                        fail(f"{name}: ours {tuple(w.shape)}, the record's {tuple(sd[name].shape)}")
+                with torch.no_grad():
+                    model.load_state_dict(our_init, strict=True)
+
+        orig_forward = mod.GPT.forward
+
+        def forward(model, *a, **k):
+            out = orig_forward(model, *a, **k)
+            if model.training and torch.is_grad_enabled():
+                cmp.losses.append(float(out.detach()))
+                cmp.looping = bool(getattr(model, "looping_active", False))
+            return out
+
+        orig_clip = torch.nn.utils.clip_grad_norm_
+
+        def clip(params, max_norm, *a, **k):
+            n = orig_clip(params, max_norm, *a, **k)
+            cmp.norm = float(n)
+            return n
+
+        orig_muon_step = mod.Muon.step
+
+        def muon_step(opt, *a, **k):
+            g = opt.param_groups[0]
+            cmp.groups = {"record_lr_mul": g["lr"] / g.get("base_lr", g["lr"]), "record_momentum": g["momentum"]}
+            return orig_muon_step(opt, *a, **k)
+
+        orig_eval = mod.eval_val
+
+        def eval_val(*a, **k):
+            if cmp.micro > 0:
+                cmp.step_end(cmp.micro // cmp.meta["micro_steps"])
+            out = orig_eval(*a, **k)
+            label = "final" if "final" not in cmp.vals else "ema"
+            cmp.vals[label] = (float(out[0]), float(out[1]))
+            if cmp.kind == "baseline":
+                raise StopRun()
+            return out
+
+        mod.GPT._init_weights = _init_weights
+        mod.GPT.forward = forward
+        mod.Muon.step = muon_step
+        mod.eval_val = eval_val
+        torch.nn.utils.clip_grad_norm_ = clip
+        if self.kind == "record":
+            mod.ShuffledSequenceLoader = TraceLoader
+        else:
+            mod.DistributedTokenLoader = TraceLoader
+            orig_load = mod.load_validation_tokens
+
+            def load_validation_tokens(pattern, seq_len):
+                return cmp.trim_val(orig_load(pattern, seq_len))
+
+            mod.load_validation_tokens = load_validation_tokens
+
+    def trim_val(self, tokens):
+        n = self.cfg["train"].get("val_max_tokens", 0)
+        seq = self.cfg["train"]["seq_len"]
+        if n and tokens.numel() - 1 > n:
+            n = n // seq * seq
+            tokens = tokens[: n + 1]
+        return tokens
+
+    def run(self, mod):
+        import torch
+
+        torch.manual_seed(self.args.seed)
+        if self.kind == "record":
+            h = mod.Hyperparameters()
+            h.grad_accum_steps = self.meta["micro_steps"]
+            h.world_size, h.rank, h.distributed, h.is_main_process = 1, 0, False, True
+            h.tokenizer_path = self.cfg["data"]["tokenizer"]
+            h.val_files = self.cfg["data"]["val"]
+            h.logfile = None
+            val = mod.ValidationData(h, torch.device("cpu"))
+            val.val_tokens = self.trim_val(val.val_tokens)
+            model, _ = mod.train_model(h, torch.device("cpu"), val)
+            mod.eval_val(h, torch.device("cpu"), val, model)
+        else:
+            cwd = os.getcwd()
+            with tempfile.TemporaryDirectory() as tmp:
+                os.chdir(tmp)
+                try:
+                    mod.main()
+                except StopRun:
+                    pass
+                finally:
+                    os.chdir(cwd)
+
+
+def load_record(src, kind, env):
+    import torch
+
+    os.environ.update(env)
+    torch.compile = lambda model=None, **k: model if model is not None else (lambda f: f)
+    for name in ("synchronize", "set_device", "manual_seed_all", "reset_peak_memory_stats"):
+        setattr(torch.cuda, name, lambda *a, **k: None)
+    torch.cuda.max_memory_allocated = lambda *a, **k: 0
+    torch.cuda.max_memory_reserved = lambda *a, **k: 0
+    fa = types.ModuleType("flash_attn_interface")
+    fa.flash_attn_func = exact_attention
+    sys.modules["flash_attn_interface"] = fa
+    mod = types.ModuleType("record_train_gpt")
+    mod.__file__ = "record_train_gpt.py"
+    src = patched(src, kind)
+    if sys.version_info < (3, 12):
+        src = py311_fstrings(src)
+    code = compile(src, "record_train_gpt.py", "exec")
+    exec(code, mod.__dict__)
+    return mod
+
+
+def our_vals(report):
+    """Our final and post-EMA validation (loss, bpb) from report.json."""
+    out = {}
+    tr = report.get("train") or {}
+    if "val_bpb" in tr:
+        out["final"] = (tr["val_loss"], tr["val_bpb"])
+    art = report.get("artifact") or {}
+    if art.get("weights") == "ema" and art.get("before"):
+        out["ema"] = (art["before"]["val_loss"], art["before"]["val_bpb"])
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--record", required=True, help="the record's train_gpt.py (04-09 record or the baseline), fetched by you")
+    ap.add_argument("--run", required=True, help="a pipeline run directory made with trace = true")
+    ap.add_argument("--init", choices=["ours", "record"], default="ours", help="start from the run's weights (default) or the record's own initialisation")
+    ap.add_argument("--init-weights", help="start from these weights (a safetensors file with the state_dict names, e.g. another run's trace/weights_0.safetensors) on the run's batches; no step-by-step comparison")
+    ap.add_argument("--seed", type=int, default=None, help="torch's seed for --init record (default: the run's run.seed)")
+    ap.add_argument("--loss-tol", type=float, default=1e-4, help="relative train-loss difference that counts as parting (default 1e-4)")
+    ap.add_argument("--strict-steps", type=int, default=20, help="steps that must agree within --loss-tol for exit code 0 (default 20)")
+    ap.add_argument("--weight-tol", type=float, default=1e-3, help="largest weight difference ||record - ours|| / ||ours|| of a tensor that counts as rounding (default 1e-3)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    ap.add_argument("--json", help="write the whole comparison here as JSON")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    args = ap.parse_args()
+    args.progress = not args.quiet
+    if args.init_weights:
+        args.init = "given"
+    try:
+        import numpy  # noqa: F401
+        import sentencepiece  # noqa: F401
+        import torch
+    except ImportError as e:
+        fail(f"{e.name} is not installed: pip install torch numpy sentencepiece")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    cfg, meta, rows, report = our_run(args.run)
+    if args.seed is None:
+        args.seed = int(cfg["run"]["seed"])
+    src = record_source(args.record)
+    kind = flavour(src)
+    env = env_for(cfg, kind, meta)
+    mod = load_record(src, kind, env)
+    cmp = Comparison(args, cfg, meta, rows, kind)
+    cmp.install(mod)
+    t0 = time.time()
+    print(f"record's code: {kind} ({args.record}); run: {args.run}; {cmp.steps} steps; init: {args.init}; seed {args.seed}", flush=True)
+    cmp.run(mod)
+    if cmp.done < cmp.steps:
+        cmp.step_end(cmp.steps)
+    print(f"record's code ran {cmp.done} steps in {time.time() - t0:.0f} s")
+    print()
+    print(f"{'step':>5} {'our loss':>10} {'record':>10} {'rel diff':>9} {'our |g|':>9} {'record':>9} {'lr_mul':>13} {'momentum':>13} loop")
+    for r in cmp.table:
+        s = r["step"]
+        if not (s <= 20 or s % 25 == 0 or s == cmp.steps or s == cmp.first_loss):
+            continue
+        print(
+            f"{s:>5} {r.get('our_loss', float('nan')):>10.6f} {r['record_loss']:>10.6f} {r.get('loss_rel', float('nan')):>9.2e} "
+            f"{r.get('our_grad_norm', float('nan')):>9.4f} {r['record_grad_norm']:>9.4f} "
+            f"{r.get('our_lr_mul', float('nan')):>6.4f}/{r.get('record_lr_mul', float('nan')):<6.4f} "
+            f"{r.get('our_momentum', float('nan')):>6.4f}/{r.get('record_momentum', float('nan')):<6.4f} "
+            f"{int(bool(r.get('our_looping')))}/{int(bool(r['record_looping']))}"
+        )
+    if cmp.weight_checks:
+        print()
+        print("weights (largest ||record - ours|| / ||ours|| over the tensors):")
+        for w in cmp.weight_checks:
+            print(f"  step {w['step']:>4}: {w['worst_rel']:.2e} in {w['worst_tensor']}")
+    ours_v = our_vals(report)
+    print()
+    for label in ("final", "ema"):
+        o, r = ours_v.get(label), cmp.vals.get(label)
+        if r:
+            os_ = f"val_loss {o[0]:.5f} val_bpb {o[1]:.5f}" if o else "(not in report.json)"
+            d = f"  diff {o[1] - r[1]:+.5f} bpb" if o else ""
+            print(f"{label:>5}: ours {os_}  record's code val_loss {r[0]:.5f} val_bpb {r[1]:.5f}{d}")
+    print()
+    strict = [r for r in cmp.table[: args.strict_steps] if "loss_rel" in r]
+    worst = max((r["loss_rel"] for r in strict), default=float("nan"))
+    if args.init == "ours":
+        if cmp.first_loss is None:
+            print(f"train losses agree within {args.loss_tol:g} (relative) at every step; worst over the first {len(strict)}: {worst:.2e}")
+        else:
+            print(f"train losses part first at step {cmp.first_loss} (beyond {args.loss_tol:g} relative); worst over the first {len(strict)}: {worst:.2e}")
+        if cmp.first_weight:
+            step, name, d, firsts = cmp.first_weight
+            print(f"weights part first at traced step {step}: {name} ({d:.2e}); beyond {args.weight_tol:g} there: {', '.join(firsts[:8])}")
+        elif cmp.weight_checks:
+            print(f"weights agree within {args.weight_tol:g} at every traced step")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"kind": kind, "init": args.init, "seed": args.seed, "steps": cmp.table, "weights": cmp.weight_checks, "vals": {"record": cmp.vals, "ours": ours_v}}, indent=1))
+    ok = args.init != "ours" or (strict and worst <= args.loss_tol)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

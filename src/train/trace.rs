@@ -1,0 +1,161 @@
+//! The training trace (`[stages.train] trace = true`): what another trainer needs to take the
+//! same steps from the same weights and to compare itself with this one step by step
+//! (`scripts/compare-record.py` runs the record's own training code on it, docs/record.md).
+//!
+//! `RUN_DIR/trace/` holds:
+//!
+//! - `weights_0.safetensors`: the weights before the first step (the `state_dict` names), and
+//!   `weights_N.safetensors` after each step `N` of `trace_weights_at` and after the last;
+//! - `batches.u16`: every micro-batch's tokens in the order trained, each as `rows x seq_len`
+//!   inputs then `rows x seq_len` targets, little-endian u16 (the shards' own type), so that
+//!   `numpy.fromfile(path, "<u2").reshape(steps, micro_steps, 2, rows, seq_len)` reads them;
+//! - `steps.tsv`: one row per step: the mean training loss, the global gradient norm before
+//!   clipping (`nan` without clipping), the LR multiplier, the Muon momentum, the training
+//!   fraction and whether the layer loop was on during the step (losses in full precision);
+//! - `trace.json`: the geometry (`rows`, `seq_len`, `micro_steps`) and the files above.
+//!
+//! The trace starts at step 0: a resumed run is refused (its first steps are in another
+//! process's trace).
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use candle_core::Tensor;
+
+use crate::data::batch::BatchShape;
+use crate::train::executor::StepOutcome;
+
+/// The header of `trace/steps.tsv`.
+pub const TRACE_STEPS_HEADER: &str = "step\ttrain_loss\tgrad_norm\tlr_mul\tmomentum\tfrac\tlooping";
+
+/// An open trace under `RUN_DIR/trace/`.
+pub struct Trace {
+    dir: PathBuf,
+    batches: BufWriter<File>,
+    steps: BufWriter<File>,
+    weights_at: Vec<u64>,
+}
+
+impl Trace {
+    /// Creates `run_dir/trace/` (refusing one that has files: a trace is one run's, whole) and
+    /// writes `trace.json` for batches of `shape`; the weights after each step of `weights_at`
+    /// will be saved.
+    pub fn create(run_dir: &Path, shape: BatchShape, weights_at: &[u64]) -> anyhow::Result<Self> {
+        let dir = run_dir.join("trace");
+        if dir.is_dir() && std::fs::read_dir(&dir).with_context(|| format!("cannot read {}", dir.display()))?.next().is_some() {
+            anyhow::bail!("key `trace`: {} already holds a trace (a trace starts at step 0 and is one run's)", dir.display());
+        }
+        std::fs::create_dir_all(&dir).with_context(|| format!("key `trace`: cannot create {}", dir.display()))?;
+        let meta = serde_json::json!({
+            "rows": shape.rows,
+            "seq_len": shape.seq_len,
+            "micro_steps": shape.micro_steps,
+            "batches": "batches.u16",
+            "batches_layout": "[steps, micro_steps, 2 (inputs, targets), rows, seq_len] little-endian u16",
+            "steps": "steps.tsv",
+            "weights": "weights_N.safetensors: before step 1 (N = 0) and after step N",
+            "weights_at": weights_at,
+        });
+        crate::runtime::rundir::write_atomic(&dir.join("trace.json"), serde_json::to_string_pretty(&meta)?.as_bytes())?;
+        let open = |name: &str| -> anyhow::Result<BufWriter<File>> {
+            let path = dir.join(name);
+            Ok(BufWriter::new(File::create(&path).with_context(|| format!("key `trace`: cannot create {}", path.display()))?))
+        };
+        let batches = open("batches.u16")?;
+        let mut steps = open("steps.tsv")?;
+        writeln!(steps, "{TRACE_STEPS_HEADER}")?;
+        Ok(Self { dir, batches, steps, weights_at: weights_at.to_vec() })
+    }
+
+    /// Appends one micro-batch's inputs and targets (`rows x seq_len` u32 tensors, on any
+    /// device). A token above u16 is an error (the shards hold u16).
+    pub fn batch(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
+        for t in [x, y] {
+            let tokens = t.flatten_all()?.to_vec1::<u32>()?;
+            let mut bytes = Vec::with_capacity(tokens.len() * 2);
+            for tok in tokens {
+                let tok = u16::try_from(tok).with_context(|| format!("trace: token {tok} does not fit the shards' u16"))?;
+                bytes.extend_from_slice(&tok.to_le_bytes());
+            }
+            self.batches.write_all(&bytes).with_context(|| format!("cannot write {}", self.dir.join("batches.u16").display()))?;
+        }
+        Ok(())
+    }
+
+    /// Appends step `step`'s row (`looping`: whether the loop was on during it).
+    pub fn step(&mut self, step: u64, out: &StepOutcome, looping: bool) -> anyhow::Result<()> {
+        let path = self.dir.join("steps.tsv");
+        writeln!(
+            self.steps,
+            "{step}\t{}\t{}\t{}\t{}\t{}\t{}",
+            out.train_loss,
+            out.grad_norm.unwrap_or(f64::NAN),
+            out.lr_mul,
+            out.momentum,
+            out.frac,
+            u8::from(looping)
+        )
+        .and_then(|_| self.steps.flush())
+        .and_then(|_| self.batches.flush())
+        .with_context(|| format!("cannot write {}", path.display()))
+    }
+
+    /// Whether the weights after `step` belong in the trace (`last`: the run's last step).
+    pub fn wants_weights(&self, step: u64, last: bool) -> bool {
+        step == 0 || last || self.weights_at.contains(&step)
+    }
+
+    /// Saves the weights after `step` as `weights_{step}.safetensors`.
+    pub fn weights(&self, step: u64, state: &[(String, Tensor)]) -> anyhow::Result<()> {
+        crate::model::weights::save(&self.dir.join(format!("weights_{step}.safetensors")), state)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+
+    fn outcome(loss: f64) -> StepOutcome {
+        StepOutcome {
+            train_loss: loss,
+            lr_mul: 0.5,
+            frac: 0.25,
+            momentum: 0.93,
+            grad_norm: None,
+            phases: Default::default(),
+            comm: Default::default(),
+            overlapped: Default::default(),
+        }
+    }
+
+    /// The tokens come back in the documented layout, the rows in full precision, and a
+    /// second trace in the same folder is refused.
+    #[test]
+    fn a_trace_reads_back_as_documented() {
+        let run = std::env::temp_dir().join(format!("trace-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&run);
+        let shape = BatchShape { rows: 2, seq_len: 3, micro_steps: 1, world_size: 1, rank: 0 };
+        let mut t = Trace::create(&run, shape, &[5]).unwrap();
+        let x = Tensor::new(&[[1u32, 2, 3], [4, 5, 6]], &Device::Cpu).unwrap();
+        let y = Tensor::new(&[[2u32, 3, 4], [5, 6, 65535]], &Device::Cpu).unwrap();
+        t.batch(&x, &y).unwrap();
+        t.step(1, &outcome(1.0 / 3.0), true).unwrap();
+        let bytes = std::fs::read(run.join("trace/batches.u16")).unwrap();
+        let tokens: Vec<u16> = bytes.chunks(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+        assert_eq!(tokens, [1, 2, 3, 4, 5, 6, 2, 3, 4, 5, 6, 65535]);
+        let rows = std::fs::read_to_string(run.join("trace/steps.tsv")).unwrap();
+        let row: Vec<&str> = rows.lines().nth(1).unwrap().split('\t').collect();
+        assert_eq!(row[1].parse::<f64>().unwrap(), 1.0 / 3.0);
+        assert_eq!((row[2], row[6]), ("NaN", "1"));
+        assert!(t.wants_weights(0, false) && t.wants_weights(5, false) && t.wants_weights(7, true) && !t.wants_weights(6, false));
+        let big = Tensor::new(&[[65536u32]], &Device::Cpu).unwrap();
+        assert!(t.batch(&big, &big).is_err());
+        let again = Trace::create(&run, shape, &[]).err().unwrap();
+        assert!(format!("{again:#}").contains("already holds a trace"), "{again:#}");
+        let _ = std::fs::remove_dir_all(&run);
+    }
+}
