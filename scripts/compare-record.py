@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Step-by-step comparison of a `pipeline` run with the challenge's own training code.
 
-`pipeline` trains with `trace = true` (RUN_DIR/trace/: the weights before step 1, every
+`pipeline` trains with `step_trace = true` (RUN_DIR/step_trace/: the weights before step 1, every
 micro-batch's tokens, a row per step); this script then runs the *record's own* training code
 (the 04-09 record's `train_model()`, or the baseline `train_gpt.py`'s `main()`) on the CPU in f32
 from the same weights on the same batches, and prints, per step, both train losses, gradient
@@ -22,8 +22,8 @@ script, fetched by you from the public repository (never commit it):
     git clone https://github.com/openai/parameter-golf /tmp/parameter-golf
     REC=/tmp/parameter-golf/records/track_10min_16mb/2026-04-09_SP8192_3LayerRecur_ParResid_QK525_LegalTTT
     ./target/release/pipeline run pipelines/record-mini.toml --out runs/cmp \\
-        --set stages.sampler.impl=sequential --set stages.train.trace=true \\
-        --set 'stages.train.trace_weights_at=[1,2,5,10,20,50,100,150,200]'
+        --set stages.sampler.impl=sequential --set stages.train.step_trace=true \\
+        --set 'stages.train.step_trace_weights_at=[1,2,5,10,20,50,100,150,200]'
     python3 scripts/compare-record.py --record $REC/train_gpt.py --run runs/cmp
 
 `--init record` starts the record's code from its own initialisation (`--seed`) instead of the
@@ -99,6 +99,7 @@ PATCHES = {
         ("no set_device", "torch.cuda.set_device(device)", "pass"),
         ("the run's micro-batches", "grad_accum_steps = 8 // world_size", 'grad_accum_steps = int(os.environ["CMP_GRAD_ACCUM"])'),
         ("exact attention on the CPU", "enable_math_sdp(False)", "enable_math_sdp(True)"),
+        ("no nvidia-smi", 'subprocess.run(["nvidia-smi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, check=False).stdout', '"(no nvidia-smi: CPU)"'),
     ],
 }
 
@@ -184,6 +185,21 @@ def read_safetensors(path):
     return out
 
 
+def write_safetensors(path, tensors):
+    """`tensors` (name -> f32 torch tensor) as a safetensors file (what `train.init_weights` reads)."""
+    header, blobs, off = {}, [], 0
+    for name in sorted(tensors):
+        b = tensors[name].detach().float().contiguous().numpy().tobytes()
+        header[name] = {"dtype": "F32", "shape": list(tensors[name].shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+    tmp.replace(path)
+
+
 def read_tsv(path):
     lines = Path(path).read_text().splitlines()
     head = lines[0].split("\t")
@@ -193,11 +209,11 @@ def read_tsv(path):
 def our_run(run_dir):
     run = Path(run_dir)
     cfg_path = run / "config.toml"
-    trace = run / "trace"
+    trace = run / "step_trace"
     if not cfg_path.is_file():
         fail(f"{cfg_path} is missing: --run takes the run directory of `pipeline run`")
     if not (trace / "trace.json").is_file():
-        fail(f"{trace}/trace.json is missing: run with `--set stages.<step_executor>.trace=true`")
+        fail(f"{trace}/trace.json is missing: run with `--set stages.<step_executor>.step_trace=true`")
     cfg = tomllib.loads(cfg_path.read_text())
     meta = json.loads((trace / "trace.json").read_text())
     rows = read_tsv(trace / "steps.tsv")
@@ -334,7 +350,7 @@ class Comparison:
         self.args, self.cfg, self.meta, self.kind = args, cfg, meta, kind
         self.ours = {int(r["step"]): r for r in rows}
         self.steps = len(rows)
-        trace = Path(args.run) / "trace"
+        trace = Path(args.run) / "step_trace"
         shape = (meta["micro_steps"], 2, meta["rows"], meta["seq_len"])
         tokens = np.fromfile(trace / "batches.u16", dtype="<u2")
         per_step = int(np.prod(shape))
@@ -543,7 +559,7 @@ class Comparison:
                     os.chdir(cwd)
 
 
-def load_record(src, kind, env):
+def load_record(src, kind, env, path):
     import torch
 
     os.environ.update(env)
@@ -556,7 +572,7 @@ def load_record(src, kind, env):
     fa.flash_attn_func = exact_attention
     sys.modules["flash_attn_interface"] = fa
     mod = types.ModuleType("record_train_gpt")
-    mod.__file__ = "record_train_gpt.py"
+    mod.__file__ = os.path.abspath(path)  # the baseline reads its own code for its size line
     src = patched(src, kind)
     if sys.version_info < (3, 12):
         src = py311_fstrings(src)
@@ -580,9 +596,10 @@ def our_vals(report):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--record", required=True, help="the record's train_gpt.py (04-09 record or the baseline), fetched by you")
-    ap.add_argument("--run", required=True, help="a pipeline run directory made with trace = true")
+    ap.add_argument("--run", required=True, help="a pipeline run directory made with step_trace = true")
     ap.add_argument("--init", choices=["ours", "record"], default="ours", help="start from the run's weights (default) or the record's own initialisation")
-    ap.add_argument("--init-weights", help="start from these weights (a safetensors file with the state_dict names, e.g. another run's trace/weights_0.safetensors) on the run's batches; no step-by-step comparison")
+    ap.add_argument("--init-weights", help="start from these weights (a safetensors file with the state_dict names, e.g. another run's step_trace/weights_0.safetensors) on the run's batches; no step-by-step comparison")
+    ap.add_argument("--export-init", metavar="PATH", help="write the record's own initial weights for --seed to PATH (safetensors, for `--set train.init_weights=PATH`) and stop")
     ap.add_argument("--seed", type=int, default=None, help="torch's seed for --init record (default: the run's run.seed)")
     ap.add_argument("--loss-tol", type=float, default=1e-4, help="relative train-loss difference that counts as parting (default 1e-4)")
     ap.add_argument("--strict-steps", type=int, default=20, help="steps that must agree within --loss-tol for exit code 0 (default 20)")
@@ -611,7 +628,15 @@ def main():
     src = record_source(args.record)
     kind = flavour(src)
     env = env_for(cfg, kind, meta)
-    mod = load_record(src, kind, env)
+    mod = load_record(src, kind, env, args.record)
+    if args.export_init:
+        torch.manual_seed(args.seed)
+        model = mod.GPT(mod.Hyperparameters()) if kind == "record" else None
+        if model is None:
+            fail("--export-init takes the 04-09 record's script (the baseline builds its GPT inside main())")
+        write_safetensors(args.export_init, model.state_dict())
+        print(f"wrote the record's initial weights for seed {args.seed} to {args.export_init}")
+        return
     cmp = Comparison(args, cfg, meta, rows, kind)
     cmp.install(mod)
     t0 = time.time()

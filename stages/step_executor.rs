@@ -95,10 +95,10 @@ pub struct EngineParams {
     /// Several ranks: the size of the first gradient bucket in MiB (DDP's 1: the head's and
     /// the last blocks' gradients leave early in the backward pass).
     pub first_bucket_mib: f64,
-    /// Write `RUN_DIR/trace/` for a step-by-step comparison, as `candle`'s key of that name.
-    pub trace: bool,
-    /// With `trace`: also save the weights after these steps, as `candle`'s key.
-    pub trace_weights_at: Vec<u64>,
+    /// Write `RUN_DIR/step_trace/` for a step-by-step comparison, as `candle`'s key of that name.
+    pub step_trace: bool,
+    /// With `step_trace`: also save the weights after these steps, as `candle`'s key.
+    pub step_trace_weights_at: Vec<u64>,
 }
 
 impl Default for EngineParams {
@@ -112,8 +112,8 @@ impl Default for EngineParams {
             overlap_allreduce: o.overlap,
             bucket_mib: o.bucket_mib,
             first_bucket_mib: o.first_bucket_mib,
-            trace: false,
-            trace_weights_at: Vec::new(),
+            step_trace: false,
+            step_trace_weights_at: Vec::new(),
         }
     }
 }
@@ -125,8 +125,8 @@ impl EngineParams {
         SessionParams {
             dtype: self.dtype,
             progress: self.progress,
-            trace: self.trace,
-            trace_weights_at: self.trace_weights_at.clone(),
+            step_trace: self.step_trace,
+            step_trace_weights_at: self.step_trace_weights_at.clone(),
             ..SessionParams::default()
         }
     }

@@ -299,14 +299,14 @@ fn resume_with_other_training_data_is_refused() {
     assert_eq!(snapshot(&out), before);
 }
 
-/// A trace starts at step 0: `--resume` with `trace = true` is refused, naming the key, and the
+/// A trace starts at step 0: `--resume` with `step_trace = true` is refused, naming the key, and the
 /// run's directory gets no trace.
 #[test]
 fn a_resumed_run_is_refused_a_trace() {
     let c = corpus("trace-resume");
     let run = c.dir.join("run");
     let cfg = checkpointed_run(&c, "trace-resume", &run, 3);
-    let o = resume(&cfg, &run, &["train.iterations=5", "stages.train.trace=true"]);
-    assert_fails(&o, &["key `trace`", "resumes a checkpoint"]);
-    assert!(!run.join("trace").exists(), "{}", text(&o));
+    let o = resume(&cfg, &run, &["train.iterations=5", "stages.train.step_trace=true"]);
+    assert_fails(&o, &["key `step_trace`", "resumes a checkpoint"]);
+    assert!(!run.join("step_trace").exists(), "{}", text(&o));
 }

@@ -633,7 +633,7 @@ fn artifact_gptq_on_saved_weights() {
     assert!(out.join("final_model.int6.brotli.pgqz").is_file());
 }
 
-/// `trace = true` writes what another trainer needs to take the same steps and compare
+/// `step_trace = true` writes what another trainer needs to take the same steps and compare
 /// (scripts/compare-record.py): the initial weights, every micro-batch as trained (targets the
 /// inputs shifted by one, windows of the training shards), a row per step whose losses are the
 /// run's own, and weights after the listed and the last steps equal to the run's; on both
@@ -650,15 +650,15 @@ fn the_trace_holds_the_initial_weights_every_batch_and_every_step() {
             "train.val_every=0",
             "train.grad_accum_steps=2",
             "train.grad_clip_norm=1.0",
-            "stages.train.trace=true",
-            "stages.train.trace_weights_at=[2]",
+            "stages.train.step_trace=true",
+            "stages.train.step_trace_weights_at=[2]",
             "train.save_weights=true",
         ];
         let impl_set = format!("stages.train.impl={executor}");
         let mut all: Vec<&str> = sets.to_vec();
         all.push(&impl_set);
         let (_, o) = train_ok(&cfg, &out, &all);
-        let trace = out.join("trace");
+        let trace = out.join("step_trace");
         let meta: Value = serde_json::from_str(&std::fs::read_to_string(trace.join("trace.json")).unwrap()).unwrap();
         let (rows, seq, micro) = (meta["rows"].as_u64().unwrap() as usize, meta["seq_len"].as_u64().unwrap() as usize, 2usize);
         assert_eq!((rows * seq * micro, meta["micro_steps"].as_u64()), (256, Some(2)), "{meta}");

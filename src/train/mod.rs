@@ -1,7 +1,7 @@
 //! Training: the application's config ([`config`]), the loop ([`session`], driven by the
 //! `step_executor` stage, with its parameters in [`params`]) with what it needs before it starts ([`requirements`]) and how it
 //! continues from a checkpoint ([`resume`]), one optimizer step ([`trainer`] on candle's autograd, [`engine_trainer`] on the explicit engine, both an [`executor::Executor`]), what the session
-//! hands on ([`snapshot`]) and its optional step-by-step trace ([`trace`]), exact-resume checkpoints ([`checkpoint`]), the challenge-format
+//! hands on ([`snapshot`]) and its optional step-by-step trace ([`step_trace`]), exact-resume checkpoints ([`checkpoint`]), the challenge-format
 //! training log ([`log`]) and `attention = "auto"`'s choice ([`attention_choice`], over the timed
 //! trials of [`attention_trial`]).
 
@@ -17,5 +17,5 @@ pub mod requirements;
 pub mod resume;
 pub mod session;
 pub mod snapshot;
-pub mod trace;
+pub mod step_trace;
 pub mod trainer;

@@ -54,13 +54,13 @@ pub struct SessionParams {
     /// from CUDA events recorded at the phase boundaries; on, from the host's clock after each
     /// wait (slower: the GPU idles while the host queues the next phase). No effect on the CPU.
     pub sync_phases: bool,
-    /// Write `RUN_DIR/trace/`: the weights before the first step, every micro-batch's tokens
+    /// Write `RUN_DIR/step_trace/`: the weights before the first step, every micro-batch's tokens
     /// and a row per step (loss, gradient norm, LR multiplier, momentum, looping), so that
     /// another trainer can take the same steps and compare (`scripts/compare-record.py`,
     /// docs/record.md). Costs a copy of each batch to the host; refused with `--resume`.
-    pub trace: bool,
-    /// With `trace`: also save the weights after these steps (the last step's always are).
-    pub trace_weights_at: Vec<u64>,
+    pub step_trace: bool,
+    /// With `step_trace`: also save the weights after these steps (the last step's always are).
+    pub step_trace_weights_at: Vec<u64>,
 }
 
 impl Default for SessionParams {
@@ -70,8 +70,8 @@ impl Default for SessionParams {
             progress: true,
             attention: Attention::Auto,
             sync_phases: false,
-            trace: false,
-            trace_weights_at: Vec::new(),
+            step_trace: false,
+            step_trace_weights_at: Vec::new(),
         }
     }
 }

@@ -49,7 +49,7 @@ use crate::train::params::SessionParams;
 use crate::train::requirements;
 use crate::train::resume::{self, History, ValPoint, data_fingerprint, trained_attention};
 use crate::train::snapshot::{Ending, Moment, TrainSnapshot, TrainerState};
-use crate::train::trace::Trace;
+use crate::train::step_trace::Trace;
 use crate::train::trainer::{StepOutcome, Trainer};
 
 mod report;
@@ -127,7 +127,7 @@ pub struct Session {
     step_loader: Option<(Arc<LoaderState>, u64)>,
     /// The last snapshot's copy of the parameters, with its step.
     last_weights: Option<(u64, crate::train::snapshot::Tensors)>,
-    /// `trace = true`: `RUN_DIR/trace/` ([`crate::train::trace`]).
+    /// `step_trace = true`: `RUN_DIR/step_trace/` ([`crate::train::step_trace`]).
     trace: Option<Trace>,
 }
 
@@ -249,13 +249,17 @@ impl Session {
             }
         }
         let resumed_from = trainer.step();
-        let trace = match (p.trace, run_dir) {
+        let trace = match (p.step_trace, run_dir) {
             (false, _) => None,
             (true, None) => None,
             (true, Some(dir)) => {
-                anyhow::ensure!(resume.is_none(), "key `trace`: a trace starts at step 0, and this run resumes a checkpoint");
-                anyhow::ensure!(ranks.world() == 1, "key `trace`: a trace is one rank's batches; this run has {} ranks", ranks.world());
-                Some(Trace::create(dir, shape, &p.trace_weights_at)?)
+                anyhow::ensure!(resume.is_none(), "key `step_trace`: a trace starts at step 0, and this run resumes a checkpoint");
+                anyhow::ensure!(
+                    ranks.world() == 1,
+                    "key `step_trace`: a trace is one rank's batches; this run has {} ranks",
+                    ranks.world()
+                );
+                Some(Trace::create(dir, shape, &p.step_trace_weights_at)?)
             }
         };
         let steps = StepTable::new(run_dir, resume.map(|ck| ck.meta.step))?;

@@ -1,11 +1,11 @@
-//! The training trace (`[stages.train] trace = true`): what another trainer needs to take the
+//! The training trace (`[stages.train] step_trace = true`): what another trainer needs to take the
 //! same steps from the same weights and to compare itself with this one step by step
 //! (`scripts/compare-record.py` runs the record's own training code on it, docs/record.md).
 //!
-//! `RUN_DIR/trace/` holds:
+//! `RUN_DIR/step_trace/` holds:
 //!
 //! - `weights_0.safetensors`: the weights before the first step (the `state_dict` names), and
-//!   `weights_N.safetensors` after each step `N` of `trace_weights_at` and after the last;
+//!   `weights_N.safetensors` after each step `N` of `step_trace_weights_at` and after the last;
 //! - `batches.u16`: every micro-batch's tokens in the order trained, each as `rows x seq_len`
 //!   inputs then `rows x seq_len` targets, little-endian u16 (the shards' own type), so that
 //!   `numpy.fromfile(path, "<u2").reshape(steps, micro_steps, 2, rows, seq_len)` reads them;
@@ -27,10 +27,10 @@ use candle_core::Tensor;
 use crate::data::batch::BatchShape;
 use crate::train::executor::StepOutcome;
 
-/// The header of `trace/steps.tsv`.
+/// The header of `step_trace/steps.tsv`.
 pub const TRACE_STEPS_HEADER: &str = "step\ttrain_loss\tgrad_norm\tlr_mul\tmomentum\tfrac\tlooping";
 
-/// An open trace under `RUN_DIR/trace/`.
+/// An open trace under `RUN_DIR/step_trace/`.
 pub struct Trace {
     dir: PathBuf,
     batches: BufWriter<File>,
@@ -43,11 +43,11 @@ impl Trace {
     /// writes `trace.json` for batches of `shape`; the weights after each step of `weights_at`
     /// will be saved.
     pub fn create(run_dir: &Path, shape: BatchShape, weights_at: &[u64]) -> anyhow::Result<Self> {
-        let dir = run_dir.join("trace");
+        let dir = run_dir.join("step_trace");
         if dir.is_dir() && std::fs::read_dir(&dir).with_context(|| format!("cannot read {}", dir.display()))?.next().is_some() {
-            anyhow::bail!("key `trace`: {} already holds a trace (a trace starts at step 0 and is one run's)", dir.display());
+            anyhow::bail!("key `step_trace`: {} already holds a trace (a trace starts at step 0 and is one run's)", dir.display());
         }
-        std::fs::create_dir_all(&dir).with_context(|| format!("key `trace`: cannot create {}", dir.display()))?;
+        std::fs::create_dir_all(&dir).with_context(|| format!("key `step_trace`: cannot create {}", dir.display()))?;
         let meta = serde_json::json!({
             "rows": shape.rows,
             "seq_len": shape.seq_len,
@@ -61,7 +61,7 @@ impl Trace {
         crate::runtime::rundir::write_atomic(&dir.join("trace.json"), serde_json::to_string_pretty(&meta)?.as_bytes())?;
         let open = |name: &str| -> anyhow::Result<BufWriter<File>> {
             let path = dir.join(name);
-            Ok(BufWriter::new(File::create(&path).with_context(|| format!("key `trace`: cannot create {}", path.display()))?))
+            Ok(BufWriter::new(File::create(&path).with_context(|| format!("key `step_trace`: cannot create {}", path.display()))?))
         };
         let batches = open("batches.u16")?;
         let mut steps = open("steps.tsv")?;
@@ -144,10 +144,10 @@ mod tests {
         let y = Tensor::new(&[[2u32, 3, 4], [5, 6, 65535]], &Device::Cpu).unwrap();
         t.batch(&x, &y).unwrap();
         t.step(1, &outcome(1.0 / 3.0), true).unwrap();
-        let bytes = std::fs::read(run.join("trace/batches.u16")).unwrap();
+        let bytes = std::fs::read(run.join("step_trace/batches.u16")).unwrap();
         let tokens: Vec<u16> = bytes.chunks(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
         assert_eq!(tokens, [1, 2, 3, 4, 5, 6, 2, 3, 4, 5, 6, 65535]);
-        let rows = std::fs::read_to_string(run.join("trace/steps.tsv")).unwrap();
+        let rows = std::fs::read_to_string(run.join("step_trace/steps.tsv")).unwrap();
         let row: Vec<&str> = rows.lines().nth(1).unwrap().split('\t').collect();
         assert_eq!(row[1].parse::<f64>().unwrap(), 1.0 / 3.0);
         assert_eq!((row[2], row[6]), ("NaN", "1"));
