@@ -400,6 +400,43 @@ mod tests {
         assert_eq!((groups(ParamGroup::Matrix), groups(ParamGroup::Embedding), groups(ParamGroup::Scalar)), (54, 1, 37));
     }
 
+    /// The 04-09 record's `Optimizers` sorts its parameters so (its `CONTROL_TENSOR_NAME_PATTERNS`
+    /// and `p.ndim < 2` to AdamW at `SCALAR_LR`, other block matrices to Muon, `skip_weights` and
+    /// `skip_gates` appended to the scalars, the embedding alone at `TIED_EMBED_LR`), which
+    /// scripts/compare-record.py confirms step by step (docs/record.md): each of the record's
+    /// names, one by one.
+    #[test]
+    fn the_record_groups_its_parameters_as_its_optimizers_do() {
+        let record_patterns = [
+            "attn_scale",
+            "attn_scales",
+            "mlp_scale",
+            "mlp_scales",
+            "resid_mix",
+            "resid_mixes",
+            "q_gain",
+            "skip_weight",
+            "skip_weights",
+            "skip_gates",
+        ];
+        let cfg = ModelConfig::record();
+        let mut counts = std::collections::HashMap::new();
+        for (name, shape) in cfg.param_shapes() {
+            let want = if name == "tok_emb.weight" {
+                ParamGroup::Embedding
+            } else if let Some(rest) = name.strip_prefix("blocks.") {
+                let control = record_patterns.iter().any(|p| rest.contains(p));
+                if shape.len() == 2 && !control { ParamGroup::Matrix } else { ParamGroup::Scalar }
+            } else {
+                assert!(name == "skip_weights" || name == "skip_gates", "{name}: not a parameter the record's optimizers know");
+                ParamGroup::Scalar
+            };
+            assert_eq!(group_of(&name, shape.len()), want, "{name} {shape:?}");
+            *counts.entry(format!("{want:?}")).or_insert(0) += 1;
+        }
+        assert_eq!((counts["Matrix"], counts["Embedding"], counts["Scalar"]), (66, 1, 46), "{counts:?}");
+    }
+
     #[test]
     fn initial_loss_is_about_ln_vocab_and_seeded_init_repeats() {
         let cfg = tiny();

@@ -554,19 +554,31 @@ mod tests {
     }
 
     /// With `warmdown_frac` and no cap the step fraction drives the LR, and each step reports
-    /// the fraction it used: 10 iterations, warm-down over the last half.
+    /// the fraction it used: 10 iterations, warm-down over the last half. The fraction and the
+    /// Muon momentum are those of the step's 0-based index, as the record's loop computes them
+    /// before `step += 1` (the first step at full LR and the warm-up's start momentum).
     #[test]
     fn warmdown_frac_schedules_on_the_step_fraction() {
-        let cfg = TrainConfig { iterations: 10, warmdown_frac: 0.5, max_wallclock_seconds: 0.0, ..TrainConfig::default() };
+        let cfg = TrainConfig {
+            iterations: 10,
+            warmdown_frac: 0.5,
+            max_wallclock_seconds: 0.0,
+            muon_momentum_warmup_start: 0.92,
+            muon_momentum: 0.99,
+            muon_momentum_warmup_steps: 4,
+            ..TrainConfig::default()
+        };
         let mut t = Trainer::new(Gpt::new(&tiny(), 1, DType::F64, &Device::Cpu).unwrap(), &cfg, 1).unwrap();
         let (x, y) = batch(6, 2, 5);
         let mut seen = Vec::new();
         for _ in 0..10 {
             t.micro_step(&x, &y).unwrap();
             let out = t.finish_step(1e6).unwrap();
-            seen.push((out.frac, out.lr_mul));
+            seen.push((out.frac, out.lr_mul, out.momentum));
         }
-        for (step, (frac, lr_mul)) in seen.into_iter().enumerate() {
+        for (step, (frac, lr_mul, momentum)) in seen.into_iter().enumerate() {
+            let f = (step as f64 / 4.0).min(1.0);
+            assert!((momentum - ((1.0 - f) * 0.92 + f * 0.99)).abs() < 1e-12, "step {step}: momentum {momentum}");
             let want = if step < 5 { 1.0 } else { (10 - step) as f64 / 5.0 };
             assert!((frac - step as f64 / 10.0).abs() < 1e-12, "step {step}: frac {frac}");
             assert!((lr_mul - want).abs() < 1e-12, "step {step}: lr_mul {lr_mul}, want {want}");
