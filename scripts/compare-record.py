@@ -593,7 +593,36 @@ def our_vals(report):
     return out
 
 
+def self_test():
+    """The parts that need no torch, checked on made-up sources (the tests run this)."""
+    nested = 'xs = ["b", "a"]\ns = f"{", ".join(sorted(xs))}: {len(xs)} {{kept}} {"q"!r}"\n'
+    fixed = py311_fstrings(nested)
+    scope = {}
+    exec(compile(fixed, "nested", "exec"), scope)
+    assert scope["s"] == "a, b: 2 {kept} 'q'", scope["s"]
+    assert py311_fstrings('f"plain {x}" + "f\\"{y}"') == 'f"plain {x}" + "f\\"{y}"'
+    plain = "def train_model(h,device,val_data):pass\nclass Optimizers:pass\nX=G.bfloat16()\n"
+    packed = 'import lzma as L,base64 as B\nexec(L.decompress(B.b85decode("%s"),format=L.FORMAT_RAW,filters=[{"id":L.FILTER_LZMA2}]))' % base64.b85encode(
+        lzma.compress(plain.encode(), format=lzma.FORMAT_RAW, filters=[{"id": lzma.FILTER_LZMA2}])
+    ).decode()
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "train_gpt.py"
+        path.write_text(packed)
+        src = record_source(path)
+    assert src == plain and flavour(src) == "record"
+    try:
+        patched(src, "record")
+    except SystemExit as e:
+        assert e.code == 2
+    else:
+        raise AssertionError("a patch that does not apply must stop the script")
+    print("compare-record self-test: ok")
+
+
 def main():
+    if sys.argv[1:] == ["--self-test"]:
+        self_test()
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--record", required=True, help="the record's train_gpt.py (04-09 record or the baseline), fetched by you")
     ap.add_argument("--run", required=True, help="a pipeline run directory made with step_trace = true")

@@ -2,7 +2,7 @@
 //! with every `[model]` element on: the depth-recurrence switch mid-run with its log line,
 //! exact resume across the switch (Ctrl-C after it, `--resume`, the rest: bit for bit the
 //! uninterrupted run), and a checkpoint refused by a config of another architecture, with the
-//! differing key named.
+//! differing key named; and the parts of scripts/compare-record.py that need no torch.
 
 mod common;
 
@@ -101,4 +101,18 @@ fn looping_switches_mid_run_and_resume_across_it_is_exact() {
         assert_eq!(o.status.code(), Some(2), "{}", text(&o));
         assert_fails(&o, &[key, "the architecture must not change on resume"]);
     }
+}
+
+/// scripts/compare-record.py's own checks of what needs no torch (unpacking the record's packed
+/// script, the Python 3.12 f-strings rewritten for 3.11, a patch that does not apply stopping
+/// it with code 2); skipped, said so, where there is no python3.
+#[test]
+fn the_comparison_script_checks_itself() {
+    let script = common::root().join("scripts/compare-record.py");
+    let Ok(o) = std::process::Command::new("python3").arg(&script).arg("--self-test").output() else {
+        eprintln!("the_comparison_script_checks_itself: skipped: no python3");
+        return;
+    };
+    assert!(o.status.success(), "{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("self-test: ok"));
 }
