@@ -657,6 +657,7 @@ def main():
     src = record_source(args.record)
     kind = flavour(src)
     env = env_for(cfg, kind, meta)
+    env["SEED"] = str(args.seed)  # the baseline's main() seeds torch itself
     mod = load_record(src, kind, env, args.record)
     if args.export_init:
         torch.manual_seed(args.seed)
