@@ -610,10 +610,15 @@ def self_test():
         path.write_text(packed)
         src = record_source(path)
     assert src == plain and flavour(src) == "record"
+    import contextlib
+    import io
+
+    said = io.StringIO()
     try:
-        patched(src, "record")
+        with contextlib.redirect_stderr(said):
+            patched(src, "record")
     except SystemExit as e:
-        assert e.code == 2
+        assert e.code == 2 and "does not apply" in said.getvalue(), said.getvalue()
     else:
         raise AssertionError("a patch that does not apply must stop the script")
     print("compare-record self-test: ok")
