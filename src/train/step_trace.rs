@@ -6,7 +6,8 @@
 //!
 //! - `weights_0.safetensors`: the weights before the first step (the `state_dict` names), and
 //!   `weights_N.safetensors` after each step `N` of `step_trace_weights_at` and after the last;
-//! - `batches.u16`: every micro-batch's tokens in the order trained, each as `rows x seq_len`
+//! - `batches.u16`: every micro-batch's tokens in the order trained (those of a step dropped
+//!   unfinished are not written), each as `rows x seq_len`
 //!   inputs then `rows x seq_len` targets, little-endian u16 (the shards' own type), so that
 //!   `numpy.fromfile(path, "<u2").reshape(steps, micro_steps, 2, rows, seq_len)` reads them;
 //! - `steps.tsv`: one row per step: the mean training loss, the global gradient norm before
@@ -34,6 +35,9 @@ pub const TRACE_STEPS_HEADER: &str = "step\ttrain_loss\tgrad_norm\tlr_mul\tmomen
 pub struct Trace {
     dir: PathBuf,
     batches: BufWriter<File>,
+    /// The tokens of the step in progress, written with its row (a step dropped unfinished,
+    /// after Ctrl-C or the input's end, leaves none behind).
+    pending: Vec<u8>,
     steps: BufWriter<File>,
     weights_at: Vec<u64>,
 }
@@ -66,26 +70,30 @@ impl Trace {
         let batches = open("batches.u16")?;
         let mut steps = open("steps.tsv")?;
         writeln!(steps, "{TRACE_STEPS_HEADER}")?;
-        Ok(Self { dir, batches, steps, weights_at: weights_at.to_vec() })
+        Ok(Self { dir, batches, pending: Vec::new(), steps, weights_at: weights_at.to_vec() })
     }
 
-    /// Appends one micro-batch's inputs and targets (`rows x seq_len` u32 tensors, on any
-    /// device). A token above u16 is an error (the shards hold u16).
+    /// Takes one micro-batch's inputs and targets (`rows x seq_len` u32 tensors, on any
+    /// device) for the step in progress; they reach `batches.u16` with the step's row. A token
+    /// above u16 is an error (the shards hold u16).
     pub fn batch(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
         for t in [x, y] {
-            let tokens = t.flatten_all()?.to_vec1::<u32>()?;
-            let mut bytes = Vec::with_capacity(tokens.len() * 2);
-            for tok in tokens {
+            for tok in t.flatten_all()?.to_vec1::<u32>()? {
                 let tok = u16::try_from(tok).with_context(|| format!("trace: token {tok} does not fit the shards' u16"))?;
-                bytes.extend_from_slice(&tok.to_le_bytes());
+                self.pending.extend_from_slice(&tok.to_le_bytes());
             }
-            self.batches.write_all(&bytes).with_context(|| format!("cannot write {}", self.dir.join("batches.u16").display()))?;
         }
         Ok(())
     }
 
     /// Appends step `step`'s row (`looping`: whether the loop was on during it).
     pub fn step(&mut self, step: u64, out: &StepOutcome, looping: bool) -> anyhow::Result<()> {
+        let batches = self.dir.join("batches.u16");
+        self.batches
+            .write_all(&self.pending)
+            .and_then(|_| self.batches.flush())
+            .with_context(|| format!("cannot write {}", batches.display()))?;
+        self.pending.clear();
         let path = self.dir.join("steps.tsv");
         writeln!(
             self.steps,
@@ -98,7 +106,6 @@ impl Trace {
             u8::from(looping)
         )
         .and_then(|_| self.steps.flush())
-        .and_then(|_| self.batches.flush())
         .with_context(|| format!("cannot write {}", path.display()))
     }
 
@@ -132,8 +139,9 @@ mod tests {
         }
     }
 
-    /// The tokens come back in the documented layout, the rows in full precision, and a
-    /// second trace in the same folder is refused.
+    /// The tokens come back in the documented layout once their step's row is written (an
+    /// unfinished step's never do), the rows in full precision, a token beyond u16 is an error,
+    /// and a second trace in the same folder is refused.
     #[test]
     fn a_trace_reads_back_as_documented() {
         let run = std::env::temp_dir().join(format!("trace-test-{}", std::process::id()));
@@ -143,7 +151,11 @@ mod tests {
         let x = Tensor::new(&[[1u32, 2, 3], [4, 5, 6]], &Device::Cpu).unwrap();
         let y = Tensor::new(&[[2u32, 3, 4], [5, 6, 65535]], &Device::Cpu).unwrap();
         t.batch(&x, &y).unwrap();
+        assert_eq!(std::fs::metadata(run.join("step_trace/batches.u16")).unwrap().len(), 0, "a step's tokens wait for its row");
         t.step(1, &outcome(1.0 / 3.0), true).unwrap();
+        // A step that never ends (Ctrl-C inside it) leaves no tokens behind.
+        t.batch(&x, &y).unwrap();
+        drop(t);
         let bytes = std::fs::read(run.join("step_trace/batches.u16")).unwrap();
         let tokens: Vec<u16> = bytes.chunks(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
         assert_eq!(tokens, [1, 2, 3, 4, 5, 6, 2, 3, 4, 5, 6, 65535]);
@@ -151,10 +163,11 @@ mod tests {
         let row: Vec<&str> = rows.lines().nth(1).unwrap().split('\t').collect();
         assert_eq!(row[1].parse::<f64>().unwrap(), 1.0 / 3.0);
         assert_eq!((row[2], row[6]), ("NaN", "1"));
+        let mut t = Trace::create(&run.join("again"), shape, &[5]).unwrap();
         assert!(t.wants_weights(0, false) && t.wants_weights(5, false) && t.wants_weights(7, true) && !t.wants_weights(6, false));
         let big = Tensor::new(&[[65536u32]], &Device::Cpu).unwrap();
         assert!(t.batch(&big, &big).is_err());
-        let again = Trace::create(&run, shape, &[]).err().unwrap();
+        let again = Trace::create(&run.join("again"), shape, &[]).err().unwrap();
         assert!(format!("{again:#}").contains("already holds a trace"), "{again:#}");
         let _ = std::fs::remove_dir_all(&run);
     }
