@@ -5,13 +5,14 @@
 //! `RUN_DIR/step_trace/` holds:
 //!
 //! - `weights_0.safetensors`: the weights before the first step (the `state_dict` names), and
-//!   `weights_N.safetensors` after each step `N` of `step_trace_weights_at` and after the last;
+//!   `weights_N.safetensors` after each step `N` of `step_trace_weights_at` and after the last
+//!   step of a run that ends at `train.iterations` or the wall-clock cap;
 //! - `batches.u16`: every micro-batch's tokens in the order trained (those of a step dropped
 //!   unfinished are not written), each as `rows x seq_len`
 //!   inputs then `rows x seq_len` targets, little-endian u16 (the shards' own type), so that
 //!   `numpy.fromfile(path, "<u2").reshape(steps, micro_steps, 2, rows, seq_len)` reads them;
 //! - `steps.tsv`: one row per step: the mean training loss, the global gradient norm before
-//!   clipping (`nan` without clipping), the LR multiplier, the Muon momentum, the training
+//!   clipping (`NaN` without clipping), the LR multiplier, the Muon momentum, the training
 //!   fraction and whether the layer loop was on during the step (losses in full precision);
 //! - `trace.json`: the geometry (`rows`, `seq_len`, `micro_steps`) and the files above.
 //!
@@ -43,7 +44,7 @@ pub struct Trace {
 }
 
 impl Trace {
-    /// Creates `run_dir/trace/` (refusing one that has files: a trace is one run's, whole) and
+    /// Creates `run_dir/step_trace/` (refusing one that has files: a trace is one run's, whole) and
     /// writes `trace.json` for batches of `shape`; the weights after each step of `weights_at`
     /// will be saved.
     pub fn create(run_dir: &Path, shape: BatchShape, weights_at: &[u64]) -> anyhow::Result<Self> {
