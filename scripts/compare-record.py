@@ -440,11 +440,11 @@ class Comparison:
             scale = max(float(w.norm()), 1e-12)
             d = float((t - w).norm()) / scale
             per[name] = d
-            if d > worst[0]:
+            if not math.isnan(worst[0]) and not d <= worst[0]:  # a NaN is the worst, and stays
                 worst = (d, name)
         self.weight_checks.append({"step": step, "worst_rel": worst[0], "worst_tensor": worst[1], "per_tensor": per})
-        if self.first_weight is None and worst[0] > self.args.weight_tol:
-            firsts = [n for n, d in per.items() if d > self.args.weight_tol]
+        if self.first_weight is None and not worst[0] <= self.args.weight_tol:
+            firsts = [n for n, d in per.items() if not d <= self.args.weight_tol]
             self.first_weight = (step, worst[1], worst[0], firsts)
 
     # -- runs --------------------------------------------------------------------------------

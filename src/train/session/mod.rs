@@ -249,10 +249,9 @@ impl Session {
             }
         }
         let resumed_from = trainer.step();
-        let trace = match (p.step_trace, run_dir) {
-            (false, _) => None,
-            (true, None) => None,
-            (true, Some(dir)) => {
+        let trace = match run_dir.filter(|_| p.step_trace) {
+            None => None,
+            Some(dir) => {
                 anyhow::ensure!(resume.is_none(), "key `step_trace`: a trace starts at step 0, and this run resumes a checkpoint");
                 anyhow::ensure!(
                     ranks.world() == 1,
@@ -709,14 +708,12 @@ impl Session {
         let (step, total) = (self.trainer.step(), self.cfg.iterations);
         let train_ms = self.agree_after_step(ctx)?;
         self.step_end_ms = train_ms;
-        if self.trace.is_some() {
-            self.trace_step(step, &out, train_ms)?;
-        }
+        let ending = resume::training_end(step, train_ms, &self.cfg);
+        let last = ending.is_some();
+        self.trace_step(step, &out, last)?;
         self.switch_looping(step, train_ms);
         self.steps.row(step, out.train_loss, out.lr_mul, train_ms, self.rolling);
         self.send(Moment::Step, emitter, ctx)?;
-        let ending = resume::training_end(step, train_ms, &self.cfg);
-        let last = ending.is_some();
         // As the script: no train lines at all when log_every is 0.
         if self.cfg.log_every > 0 && (step <= 10 || step.is_multiple_of(self.cfg.log_every) || last) {
             self.log.line(&train_line(step, total, out.train_loss, train_ms));
@@ -807,17 +804,13 @@ impl Session {
         Ok(())
     }
 
-    /// The trace's row of `step` and, when it wants them, the weights after it.
-    fn trace_step(&mut self, step: u64, out: &StepOutcome, train_ms: f64) -> anyhow::Result<()> {
-        let looping = self.trainer.model().looping();
-        let last = resume::training_end(step, train_ms, &self.cfg).is_some();
+    /// With a trace: its row of `step` (the loop as it was during the step: called before the
+    /// switch) and, when it wants them, the weights after it (`last`: the run's last step).
+    fn trace_step(&mut self, step: u64, out: &StepOutcome, last: bool) -> anyhow::Result<()> {
         let Some(trace) = self.trace.as_mut() else { return Ok(()) };
-        trace.step(step, out, looping)?;
+        trace.step(step, out, self.trainer.model().looping())?;
         if trace.wants_weights(step, last) {
-            let state = self.trainer.synced_model()?.state_dict();
-            if let Some(trace) = &self.trace {
-                trace.weights(step, &state)?;
-            }
+            trace.weights(step, &self.trainer.synced_model()?.state_dict())?;
         }
         Ok(())
     }
