@@ -20,7 +20,7 @@
 //! process's trace).
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
@@ -35,11 +35,12 @@ pub const TRACE_STEPS_HEADER: &str = "step\ttrain_loss\tgrad_norm\tlr_mul\tmomen
 /// An open trace under `RUN_DIR/step_trace/`.
 pub struct Trace {
     dir: PathBuf,
-    batches: BufWriter<File>,
+    /// `batches.u16` and `steps.tsv`, each written a step at a time (so unbuffered).
+    batches: File,
     /// The tokens of the step in progress, written with its row (a step dropped unfinished,
     /// after Ctrl-C or the input's end, leaves none behind).
     pending: Vec<u8>,
-    steps: BufWriter<File>,
+    steps: File,
     weights_at: Vec<u64>,
 }
 
@@ -64,13 +65,14 @@ impl Trace {
             "weights_at": weights_at,
         });
         crate::runtime::rundir::write_atomic(&dir.join("trace.json"), serde_json::to_string_pretty(&meta)?.as_bytes())?;
-        let open = |name: &str| -> anyhow::Result<BufWriter<File>> {
+        let open = |name: &str, head: &str| -> anyhow::Result<File> {
             let path = dir.join(name);
-            Ok(BufWriter::new(File::create(&path).with_context(|| format!("key `step_trace`: cannot create {}", path.display()))?))
+            let mut f = File::create(&path).with_context(|| format!("key `step_trace`: cannot create {}", path.display()))?;
+            f.write_all(head.as_bytes()).with_context(|| format!("key `step_trace`: cannot write {}", path.display()))?;
+            Ok(f)
         };
-        let batches = open("batches.u16")?;
-        let mut steps = open("steps.tsv")?;
-        writeln!(steps, "{TRACE_STEPS_HEADER}")?;
+        let batches = open("batches.u16", "")?;
+        let steps = open("steps.tsv", &format!("{TRACE_STEPS_HEADER}\n"))?;
         Ok(Self { dir, batches, pending: Vec::new(), steps, weights_at: weights_at.to_vec() })
     }
 
@@ -90,24 +92,19 @@ impl Trace {
     /// Appends step `step`'s row (`looping`: whether the loop was on during it).
     pub fn step(&mut self, step: u64, out: &StepOutcome, looping: bool) -> anyhow::Result<()> {
         let batches = self.dir.join("batches.u16");
-        self.batches
-            .write_all(&self.pending)
-            .and_then(|_| self.batches.flush())
-            .with_context(|| format!("cannot write {}", batches.display()))?;
+        self.batches.write_all(&self.pending).with_context(|| format!("cannot write {}", batches.display()))?;
         self.pending.clear();
-        let path = self.dir.join("steps.tsv");
-        writeln!(
-            self.steps,
-            "{step}\t{}\t{}\t{}\t{}\t{}\t{}",
+        let row = format!(
+            "{step}\t{}\t{}\t{}\t{}\t{}\t{}\n",
             out.train_loss,
             out.grad_norm.unwrap_or(f64::NAN),
             out.lr_mul,
             out.momentum,
             out.frac,
             u8::from(looping)
-        )
-        .and_then(|_| self.steps.flush())
-        .with_context(|| format!("cannot write {}", path.display()))
+        );
+        let path = self.dir.join("steps.tsv");
+        self.steps.write_all(row.as_bytes()).with_context(|| format!("cannot write {}", path.display()))
     }
 
     /// Whether the weights after `step` belong in the trace (`last`: the run's last step).
