@@ -224,6 +224,8 @@ if [[ -s $work/memory.log ]]; then
 fi
 
 # --- (e) the results ------------------------------------------------------------------------------
-(cd "$work" && find runs \( -name '*.safetensors' -o -name '*.pgqz' \) -delete; tar czf "$OUT/runs.tar.gz" runs)
+# Weights stay behind (train_gpt.py's final_model.pt alone is 67 MB): the device tool brings
+# back files of at most 16 MiB.
+(cd "$work" && find runs \( -name '*.safetensors' -o -name '*.pgqz' -o -name '*.pt' -o -name '*.ptz' \) -delete; tar czf "$OUT/runs.tar.gz" runs)
 say "== $( [[ $status == 0 ]] && echo 'first light: every check passed' || echo 'first light: FAILED (see above)' ); files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
 exit $status

@@ -6,8 +6,8 @@
 //! and its twins): a list of [`Need`]s, each on the host or on the run's device, with the config
 //! keys that size it, held for the whole run or only while the stage works (activations, an
 //! evaluation's model: [`Need::transient`]). A place's peak is everything held for the run plus
-//! the largest transient need, as stages work one after another (training, then the artifact,
-//! then evaluation). [`crate::runtime::graph::memory`] collects them; [`Estimate::check`] compares each
+//! the largest stage's transient needs together, as stages work one after another (training,
+//! then the artifact, then evaluation). [`crate::runtime::graph::memory`] collects them; [`Estimate::check`] compares each
 //! place's total with its budget: `[run] max_memory_gb` when set, else on the host what the
 //! kernel says is available (`MemAvailable`, and a cgroup's `memory.max` when lower, as in a
 //! container), on a GPU its free memory as the driver reports it.
@@ -122,12 +122,21 @@ impl Estimate {
         if self.device_is_host { Place::Host } else { n.place }
     }
 
-    /// Peak bytes at `place`: every need held for the run, plus the largest transient one.
+    /// Peak bytes at `place`: every need held for the run, plus the largest stage's working
+    /// set (its transient needs together: a stage may hold all of them at once, as the engine
+    /// holds its arena's activations while validating through its mirror).
     pub fn total(&self, place: Place) -> u64 {
         let here = || self.needs.iter().filter(move |n| self.place_of(n) == place);
         // Saturating: an absurd config's estimate must stay absurd, not wrap to a small one.
         let held = here().filter(|n| !n.transient).fold(0u64, |a, n| a.saturating_add(n.bytes));
-        held.saturating_add(here().filter(|n| n.transient).map(|n| n.bytes).max().unwrap_or(0))
+        let mut working: Vec<(&str, u64)> = Vec::new();
+        for n in here().filter(|n| n.transient) {
+            match working.iter_mut().find(|(stage, _)| *stage == n.stage) {
+                Some((_, bytes)) => *bytes = bytes.saturating_add(n.bytes),
+                None => working.push((&n.stage, n.bytes)),
+            }
+        }
+        held.saturating_add(working.iter().map(|&(_, b)| b).max().unwrap_or(0))
     }
 
     /// One line per place: the total, the budget, the largest parts.
@@ -250,6 +259,17 @@ mod tests {
         assert!(msg.contains("`train.batch_tokens`, `model.model_dim`, `model.num_layers`"), "{msg}");
         assert_eq!(key.as_deref(), Some("train.batch_tokens"));
         assert!(Estimate::new(needs(), true, 9.5, None).check().is_empty());
+    }
+
+    /// A stage's transient needs add up (it may hold them at once); different stages' do not.
+    #[test]
+    fn a_stages_working_set_is_its_transient_needs_together() {
+        let mut n = needs();
+        n.push(Need { stage: "eval".into(), ..Need::device("adapters", 2 << 30, &["model.model_dim"]).transient() });
+        // 3 + 1 held, then eval's 4 + 2 over train's 5.
+        assert_eq!(Estimate::new(n.clone(), true, 0.0, None).total(Place::Host), 10 << 30);
+        n.push(Need { stage: "train".into(), ..Need::device("validation", 2 << 30, &["model.model_dim"]).transient() });
+        assert_eq!(Estimate::new(n, true, 0.0, None).total(Place::Host), 11 << 30);
     }
 
     #[test]

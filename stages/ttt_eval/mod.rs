@@ -321,8 +321,9 @@ impl Sink for ScoreFirst {
     }
 
     fn memory(p: &ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
-        let cfg = p.ttt(config(ctx)?.train.seq_len);
-        eval_memory(ctx, &cfg.sliding, Some(cfg.batch_seqs))
+        let c = config(ctx)?;
+        let cfg = p.ttt(c.train.seq_len);
+        eval_memory(ctx, &cfg.sliding, Some(cfg.rows_per_rank(c.run.world_size)))
     }
 
     fn build(p: ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<Self> {

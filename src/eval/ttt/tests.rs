@@ -576,3 +576,21 @@ fn ttt_stops_when_asked_and_checks_its_config() {
     let out = score_first_ttt(&model(), &tokens[..11], tables(), &aligned(), |e| events.push(e.clone()), || true).unwrap().unwrap();
     assert_eq!((out.chunks, out.acc.tokens(), events.len()), (1, 10, 1));
 }
+
+/// The memory estimate's rows: a step trains on at most a chunk's whole sequences, shared
+/// between the ranks, never more than `batch_seqs` (the record's 32 over chunks of 16).
+#[test]
+fn a_ranks_rows_are_bounded_by_the_chunk_and_shared() {
+    let cfg = |chunk_tokens, batch_seqs| TttConfig {
+        sliding: SlidingConfig { seq_len: 2048, stride: 64, batch_windows: 32 },
+        chunk_tokens,
+        batch_seqs,
+        ..TttConfig::default()
+    };
+    assert_eq!(cfg(32768, 32).rows_per_rank(1), 16);
+    assert_eq!(cfg(32768, 32).rows_per_rank(8), 2);
+    assert_eq!(cfg(32768, 4).rows_per_rank(1), 4);
+    assert_eq!(cfg(32768, 4).rows_per_rank(3), 2);
+    assert_eq!(cfg(131072, 32).rows_per_rank(1), 32);
+    assert_eq!(cfg(1024, 32).rows_per_rank(1), 1, "a chunk shorter than a sequence trains one");
+}
