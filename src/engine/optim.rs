@@ -11,7 +11,7 @@ use super::backend::{AdamStep, Backend, Buf};
 use super::layout::Layout;
 use crate::dist::{Collective, ReduceOp};
 use crate::model::ParamGroup;
-use crate::optim::{NS5_COEFFS, NS5_EPS, ROW_NORM_EPS};
+use crate::optim::{NS5_EPS, NewtonSchulz, ROW_NORM_EPS};
 
 /// Muon's settings for one step.
 #[derive(Clone, Copy, Debug)]
@@ -24,6 +24,8 @@ pub struct MuonStep {
     pub nesterov: bool,
     /// Newton-Schulz iterations.
     pub backend_steps: usize,
+    /// Each iteration's coefficients.
+    pub ns: NewtonSchulz,
     /// MuonEq-R row normalisation.
     pub row_norm: bool,
     /// Decoupled weight decay (0: none).
@@ -31,7 +33,7 @@ pub struct MuonStep {
 }
 
 /// One Muon step over every matrix: per shape, the updates `U` stacked, normalised, run
-/// through the quintic Newton-Schulz iteration as one batch, scaled by `sqrt(max(1, rows /
+/// through the Newton-Schulz iteration (`s.ns`'s coefficients) as one batch, scaled by `sqrt(max(1, rows /
 /// cols))` and subtracted.
 ///
 /// Sharded over `ranks` (the records' sharded Muon): every rank updates every momentum buffer,
@@ -43,7 +45,6 @@ pub fn muon(be: &mut dyn Backend, l: &Layout, s: MuonStep, ranks: Option<&dyn Co
     let (rank, world) = ranks.map_or((0, 1), |c| (c.rank(), c.world()));
     let matrix_index: HashMap<usize, usize> =
         l.slots.iter().enumerate().filter(|(_, s)| s.group == ParamGroup::Matrix).enumerate().map(|(k, (i, _))| (i, k)).collect();
-    let (a, b, c) = NS5_COEFFS;
     for g in &l.muon {
         let (k, (r, cols)) = (g.members.len(), g.shape);
         let len = r * cols;
@@ -71,7 +72,8 @@ pub fn muon(be: &mut dyn Backend, l: &Layout, s: MuonStep, ranks: Option<&dyn Co
         }
         let (m, n) = if tall { (cols, r) } else { (r, cols) };
         let (mut x, mut x2) = (g.x, g.x2);
-        for _ in 0..s.backend_steps {
+        for i in 0..s.backend_steps {
+            let (a, b, c) = s.ns.at(i);
             for j in (0..k).filter(|&j| owned[j]) {
                 let xj = x.sub(j * len, len).mat(m, n);
                 let (aj, bj) = (g.a.sub(j * m * m, m * m).mat(m, m), g.b.sub(j * m * m, m * m).mat(m, m));

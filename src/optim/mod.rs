@@ -104,7 +104,7 @@ mod state;
 
 pub use adam::Adam;
 pub use muon::{Muon, ROW_NORM_EPS};
-pub use newton_schulz::{NS5_COEFFS, NS5_EPS, newton_schulz5};
+pub use newton_schulz::{NS5_COEFFS, NS5_EPS, NewtonSchulz, POLAR_EXPRESS_COEFFS, newton_schulz, newton_schulz5};
 pub use schedule::{lr_multiplier, lr_multiplier_frac, momentum_at, training_frac};
 pub use sgd::Sgd;
 

@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Result, Tensor, Var, bail};
 
-use super::newton_schulz::newton_schulz5_stack;
+use super::newton_schulz::{NewtonSchulz, newton_schulz5_stack};
 use super::state::{reject_unexpected, state_name, take_state};
 
 /// Muon (§3.6) over a list of named 2-D parameters, Nesterov on by default.
@@ -23,6 +23,8 @@ pub struct Muon {
     momentum: f64,
     nesterov: bool,
     backend_steps: usize,
+    /// Each Newton-Schulz iteration's coefficients.
+    coeffs: NewtonSchulz,
     /// Newton-Schulz runs in this dtype when set (the record: bf16 on the GPU).
     ns_dtype: Option<DType>,
     /// MuonEq-R: each row of `U` divided by its L2 norm before Newton-Schulz.
@@ -67,6 +69,7 @@ impl Muon {
             momentum,
             nesterov: true,
             backend_steps,
+            coeffs: NewtonSchulz::Quintic,
             ns_dtype: None,
             row_norm: false,
             weight_decay: 0.0,
@@ -74,6 +77,13 @@ impl Muon {
             shard: None,
             last_comm: std::time::Duration::ZERO,
         })
+    }
+
+    /// Newton-Schulz coefficients per iteration (the 04-27 record: Polar Express; default the
+    /// fixed quintic).
+    pub fn with_coefficients(mut self, coeffs: NewtonSchulz) -> Self {
+        self.coeffs = coeffs;
+        self
     }
 
     /// MuonEq-R (the 04-09 record): when `on`, each row of `U = G + μ·buf` is divided by its L2
@@ -211,9 +221,9 @@ impl Muon {
                 }
                 let o = match self.ns_dtype {
                     Some(d) if d != stack.dtype() => {
-                        newton_schulz5_stack(&stack.to_dtype(d)?, self.backend_steps)?.to_dtype(stack.dtype())?
+                        newton_schulz5_stack(&stack.to_dtype(d)?, self.backend_steps, self.coeffs)?.to_dtype(stack.dtype())?
                     }
-                    _ => newton_schulz5_stack(&stack, self.backend_steps)?,
+                    _ => newton_schulz5_stack(&stack, self.backend_steps, self.coeffs)?,
                 };
                 Some(o.affine(scale, 0.0)?.affine(lr, 0.0)?)
             };

@@ -38,7 +38,20 @@ fn ref_t(a: &[f64], r: usize, c: usize) -> Vec<f64> {
 
 /// The record's NS5 in f64.
 fn ref_ns5(g: &[f64], rows: usize, cols: usize, steps: usize) -> Vec<f64> {
-    let (a, b, c) = (3.4445, -4.7750, 2.0315);
+    ref_ns(g, rows, cols, &[(3.4445, -4.7750, 2.0315); 8][..steps])
+}
+
+/// The 04-27 record's `_PE_COEFFS`, typed again from its `train_gpt.py`.
+const RECORD_PE: [(f64, f64, f64); 5] = [
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+];
+
+/// Newton-Schulz in f64 with iteration `i` using `coeffs[i]`.
+fn ref_ns(g: &[f64], rows: usize, cols: usize, coeffs: &[(f64, f64, f64)]) -> Vec<f64> {
     let norm = g.iter().map(|v| v * v).sum::<f64>().sqrt();
     let mut x: Vec<f64> = g.iter().map(|v| v / (norm + 1e-7)).collect();
     let transposed = rows > cols;
@@ -48,7 +61,7 @@ fn ref_ns5(g: &[f64], rows: usize, cols: usize, steps: usize) -> Vec<f64> {
     } else {
         (rows, cols)
     };
-    for _ in 0..steps {
+    for &(a, b, c) in coeffs {
         let xt = ref_t(&x, r, cc);
         let am = ref_matmul(&x, &xt, r, cc, r);
         let aa = ref_matmul(&am, &am, r, r, r);
@@ -193,6 +206,42 @@ fn newton_schulz5_matches_f64_reference_and_orthogonalizes() {
             }
         }
     }
+}
+
+/// Polar Express: candle against the record's coefficients in f64, for each step count it
+/// has; five of its steps bring every normalized singular value in [1e-3, 1] within 0.15 of 1,
+/// where five of the quintic's leave some 0.5 away; a sixth step is refused naming the key.
+#[test]
+fn polar_express_matches_the_records_coefficients_and_orthogonalizes_closer() {
+    let mut rng = fastrand::Rng::with_seed(0x9e);
+    for &(rows, cols) in &[(8usize, 8usize), (12, 5), (5, 12)] {
+        let data = random_f32(&mut rng, rows * cols);
+        let g = Tensor::from_slice(&data, (rows, cols), &Device::Cpu).unwrap();
+        for steps in 1..=5 {
+            let got = flat(&newton_schulz(&g, steps, NewtonSchulz::PolarExpress).unwrap());
+            let want = ref_ns(&to_f64(&data), rows, cols, &RECORD_PE[..steps]);
+            let err = max_abs_diff(&got, &want) / max_abs(&want);
+            assert!(err < 1e-4, "{rows}x{cols}, {steps} steps: relative error {err}");
+        }
+        let quintic = flat(&newton_schulz(&g, 5, NewtonSchulz::Quintic).unwrap());
+        assert!(max_abs_diff(&quintic, &ref_ns5(&to_f64(&data), rows, cols, 5)) < 1e-4);
+    }
+    let map = |coeffs: &[(f64, f64, f64)], mut s: f64| {
+        for &(a, b, c) in coeffs {
+            s = a * s + b * s.powi(3) + c * s.powi(5);
+        }
+        s
+    };
+    let sigmas: Vec<f64> = (0..=300).map(|i| 10f64.powf(-3.0 + 3.0 * i as f64 / 300.0)).collect();
+    let worst = |coeffs: &[(f64, f64, f64)]| sigmas.iter().map(|&s| (map(coeffs, s) - 1.0).abs()).fold(0.0, f64::max);
+    let pe: Vec<_> = (0..5).map(|i| NewtonSchulz::PolarExpress.at(i)).collect();
+    let q: Vec<_> = (0..5).map(|i| NewtonSchulz::Quintic.at(i)).collect();
+    assert!(worst(&pe) < 0.15, "Polar Express: {}", worst(&pe));
+    assert!(worst(&q) > 0.4, "quintic: {}", worst(&q));
+    NewtonSchulz::PolarExpress.check(5, "train.muon_backend_steps").unwrap();
+    NewtonSchulz::Quintic.check(9, "train.muon_backend_steps").unwrap();
+    let e = NewtonSchulz::PolarExpress.check(6, "train.muon_backend_steps").unwrap_err().to_string();
+    assert!(e.contains("`train.muon_backend_steps` = 6") && e.contains("at most 5"), "{e}");
 }
 
 #[test]

@@ -70,6 +70,10 @@ pub struct TrainConfig {
     pub muon_momentum_warmup_steps: u64,
     /// Newton-Schulz iterations per Muon step [MUON_BACKEND_STEPS].
     pub muon_backend_steps: usize,
+    /// Newton-Schulz coefficients: "quintic" (the same `(3.4445, -4.7750, 2.0315)` every
+    /// iteration; the baseline and the 04-09 record) or "polar_express" (per-iteration tuples,
+    /// at most 5 steps; the 04-27 record).
+    pub muon_ns: crate::optim::NewtonSchulz,
     /// MuonEq-R: each row of the Muon update divided by its L2 norm before Newton-Schulz (the
     /// 04-09 record: true).
     pub muon_row_norm: bool,
@@ -131,6 +135,7 @@ impl Default for TrainConfig {
             muon_momentum_warmup_start: 0.85,
             muon_momentum_warmup_steps: 500,
             muon_backend_steps: 5,
+            muon_ns: crate::optim::NewtonSchulz::Quintic,
             muon_row_norm: false,
             muon_weight_decay: 0.0,
             embed_weight_decay: 0.0,

@@ -172,6 +172,7 @@ impl Executor for EngineTrainer {
             momentum,
             nesterov: true,
             backend_steps: c.muon_backend_steps,
+            ns: c.muon_ns,
             row_norm: c.muon_row_norm,
             weight_decay: c.muon_weight_decay,
         };
@@ -278,8 +279,8 @@ mod tests {
         e.synced_model().unwrap().state_dict().into_iter().map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f64>().unwrap())).collect()
     }
 
-    /// Three steps of two micro-batches each, in f64, with every training element of the record
-    /// on (MuonEq-R, decoupled decay in Muon and every Adam group, clipping, the momentum
+    /// Three steps of two micro-batches each, in f64, with every training element of the records
+    /// on (Polar Express, MuonEq-R, decoupled decay in Muon and every Adam group, clipping, the momentum
     /// warm-up, an untied head, looping switched on after the first step): the engine's weights
     /// and optimizer state are the candle executor's to 1e-9, and so are the losses.
     #[test]
@@ -288,6 +289,7 @@ mod tests {
         mcfg.tie_embeddings = false;
         let cfg = TrainConfig {
             max_wallclock_seconds: 0.0,
+            muon_ns: crate::optim::NewtonSchulz::PolarExpress,
             muon_row_norm: true,
             muon_weight_decay: 0.095,
             embed_weight_decay: 0.085,

@@ -245,11 +245,19 @@ pub fn val_line(step: u64, total: u64, val_loss: f64, val_bpb: f64, train_ms: f6
 /// whose log stays the script's): after the hyper-parameter lines at the start.
 pub fn training_elements_line(t: &TrainConfig) -> Option<String> {
     let wd = [t.muon_weight_decay, t.embed_weight_decay, t.scalar_weight_decay, t.head_weight_decay];
-    let on = t.muon_row_norm || wd.iter().any(|&w| w != 0.0) || t.warmdown_frac != 0.0 || t.min_lr != 0.0;
+    let pe = t.muon_ns == crate::optim::NewtonSchulz::PolarExpress;
+    let on = t.muon_row_norm || wd.iter().any(|&w| w != 0.0) || t.warmdown_frac != 0.0 || t.min_lr != 0.0 || pe;
     on.then(|| {
         format!(
-            "muon_row_norm:{} muon_wd:{} embed_wd:{} scalar_wd:{} head_wd:{} warmdown_frac:{} min_lr:{}",
-            t.muon_row_norm, wd[0], wd[1], wd[2], wd[3], t.warmdown_frac, t.min_lr
+            "muon_row_norm:{} muon_wd:{} embed_wd:{} scalar_wd:{} head_wd:{} warmdown_frac:{} min_lr:{}{}",
+            t.muon_row_norm,
+            wd[0],
+            wd[1],
+            wd[2],
+            wd[3],
+            t.warmdown_frac,
+            t.min_lr,
+            if pe { " muon_ns:polar_express" } else { "" }
         )
     })
 }

@@ -145,7 +145,7 @@ pub(crate) fn check_train(t: &TrainConfig) -> anyhow::Result<()> {
     anyhow::ensure!(t.iterations >= 1, "`train.iterations` must be at least 1");
     anyhow::ensure!(t.max_wallclock_seconds >= 0.0, "`train.max_wallclock_seconds` must not be negative");
     anyhow::ensure!(t.grad_clip_norm >= 0.0, "`train.grad_clip_norm` must not be negative");
-    anyhow::ensure!(t.muon_backend_steps >= 1, "`train.muon_backend_steps` must be at least 1");
+    t.muon_ns.check(t.muon_backend_steps, "train.muon_backend_steps")?;
     anyhow::ensure!((0.0..1.0).contains(&t.beta1) && (0.0..1.0).contains(&t.beta2), "`train.beta1` and `train.beta2` must be in [0, 1)");
     for (k, v) in [
         ("matrix_lr", t.matrix_lr),
@@ -220,7 +220,10 @@ mod tests {
         check_train(&record).unwrap();
         // Without a cap the reserve takes nothing off, and is not refused.
         check_train(&TrainConfig { max_wallclock_seconds: 0.0, gptq_reserve_seconds: 12.0, ..TrainConfig::default() }).unwrap();
-        let bad: [(&str, TrainConfig); 11] = [
+        let polar = TrainConfig { muon_ns: crate::optim::NewtonSchulz::PolarExpress, ..record.clone() };
+        check_train(&polar).unwrap();
+        let bad: [(&str, TrainConfig); 12] = [
+            ("train.muon_backend_steps", TrainConfig { muon_backend_steps: 6, ..polar.clone() }),
             ("train.warmdown_frac", TrainConfig { warmdown_frac: 1.5, ..record.clone() }),
             ("train.warmdown_frac", TrainConfig { warmdown_frac: -0.1, ..record.clone() }),
             ("train.warmdown_frac", TrainConfig { warmdown_frac: f64::NAN, ..record.clone() }),

@@ -60,6 +60,7 @@ impl Trainer {
         let embed_lr = if model.config().tie_embeddings { cfg.tied_embed_lr } else { cfg.embed_lr };
         let mut muon = Muon::new(group(ParamGroup::Matrix), cfg.matrix_lr, cfg.muon_momentum, cfg.muon_backend_steps)?
             .with_prefix("muon")
+            .with_coefficients(cfg.muon_ns)
             .with_row_norm(cfg.muon_row_norm)
             .with_weight_decay(cfg.muon_weight_decay);
         if model.matmul_dtype() != model.dtype() {
