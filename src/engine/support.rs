@@ -47,6 +47,26 @@ pub fn check(cfg: &ModelConfig) -> anyhow::Result<()> {
         loop_end: _,
         num_loops: _,
         enable_looping_at: _,
+        // The 04-27 record's elements, not yet in the engine: refused, naming the key.
+        smear_gate,
+        smear_gate_window: _,
+        bos_id: _,
+        document_attention,
+        attn_gate,
+        attn_gate_window: _,
+        attn_gate_init_std: _,
+        attn_gate_scale: _,
+        parallel_decoder_start,
+        parallel_final_lane: _,
     } = cfg;
+    let lanes = parallel_decoder_start.is_some_and(|s| s > 0);
+    for (on, key) in
+        [(*smear_gate, "smear_gate"), (*document_attention, "document_attention"), (*attn_gate, "attn_gate"), (lanes, "parallel_decoder_start")]
+    {
+        anyhow::ensure!(
+            !on,
+            "`model.{key}`: the explicit engine does not implement this 04-27 element yet; train it with `stages.train.impl = \"candle\"`"
+        );
+    }
     Ok(())
 }

@@ -98,6 +98,12 @@ fn every_model_element_alone_matches_candle_in_f64() {
     for e in crate::model::ELEMENTS {
         let mut cfg = baseline_small();
         (e.enable)(&mut cfg);
+        if !e.engine {
+            // Not in the engine yet: refused before anything is built, naming one of its keys.
+            let why = crate::engine::support::check(&cfg).expect_err(e.name).to_string();
+            assert!(e.keys.iter().any(|k| why.contains(&format!("`model.{k}`"))), "{}: {why}", e.name);
+            continue;
+        }
         let run = std::panic::catch_unwind(|| compare(&cfg, e.looped, false, 1, 1e-9));
         if let Err(p) = run {
             let why = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();

@@ -7,6 +7,7 @@
 //! v = x Wv^T
 //! a = causal_attention(q, k, v)
 //! a = xsa(a, v)                                 (physical blocks under model.xsa_last_n)
+//! a = a * sigmoid(s attn_gate_w[h] . x[:W])      (per head, under model.attn_gate)
 //! y = a Wproj^T
 //! ```
 //!
@@ -22,7 +23,7 @@ use candle_core::{Result, Tensor};
 use super::Gpt;
 use super::formulation::Formulation;
 use super::lora::Site;
-use super::ops::{qk_norm_rope, xsa};
+use super::ops::{attn_gate, qk_norm_rope, xsa};
 
 impl Gpt {
     /// Causal GQA self-attention of block `i` at layer-sequence position `slot` on the
@@ -54,6 +55,9 @@ impl Gpt {
         let mut y = f.attention(&q, &k, &v, b, h, kvh)?;
         if cfg.xsa(i) {
             y = xsa(&y, &v, h, kvh)?;
+        }
+        if cfg.attn_gate {
+            y = attn_gate(&y, &x, &f.cast_to_activations(&p("attn_gate_w"))?, cfg.attn_gate_scale)?;
         }
         f.observe(&y, || vec![format!("blocks.{i}.attn.proj.weight")])?;
         f.adapt(slot, Site::O, &x, f.linear(&y, &p("proj.weight"))?)

@@ -8,6 +8,18 @@
 //!   y = u + mlp(norm(u) s) * mlp_scale          y = u + attention(n) * attn_scale + mlp(n) * mlp_scale
 //! ```
 //!
+//! From `model.parallel_decoder_start` on, a block runs on the two-lane decoder's lanes
+//! `(l0, l1)` instead ([`Gpt::lane_block`]):
+//!
+//! ```text
+//! a = attention(norm(l0 * resid_mix[0] + x0 * resid_mix[1]) s) * attn_scale
+//! m = mlp(norm(l1) s) * mlp_scale
+//! l0' = resid[i, 0] l0 + post[i, 0, 0] a + post[i, 1, 0] m
+//! l1' = resid[i, 1] l1 + post[i, 0, 1] a + post[i, 1, 1] m
+//! ```
+//!
+//! (`resid` = `parallel_resid_lambdas`, `post` = `parallel_post_lambdas`).
+//!
 //! Under mixed precision on the GPU path the attention and MLP outputs stay in the matmul dtype
 //! and are added to the stream by `scale_add` as they are (no cast pass either way).
 
@@ -15,7 +27,7 @@ use candle_core::{Result, Tensor};
 
 use super::Gpt;
 use super::formulation::Formulation;
-use super::ops::{resid_mix, scale_add};
+use super::ops::{cast, resid_mix, scale_add};
 
 impl Gpt {
     /// Block `i`, at position `slot` of the layer sequence, on the stream `h` (`b` batch rows),
@@ -51,5 +63,38 @@ impl Gpt {
         let u = scale_add(&u, &a, &p("attn_scale"))?;
         let m = self.mlp(f, (i, slot), &norm(&u)?)?;
         scale_add(&u, &m, &p("mlp_scale"))
+    }
+
+    /// Block `i` on the two-lane decoder's lanes `(l0, l1)`: the lanes it hands on.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn lane_block(
+        &self,
+        f: &Formulation,
+        (i, slot): (usize, usize),
+        (l0, l1): (&Tensor, &Tensor),
+        x0: &Tensor,
+        b: usize,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let p = |s: &str| self.p(&format!("blocks.{i}.{s}"));
+        let scale = self.config().ln_scale_of(i);
+        let norm = |u: &Tensor| -> Result<Tensor> {
+            let n = f.norm_in(u)?;
+            match scale {
+                Some(s) => n.affine(s, 0.0),
+                None => Ok(n),
+            }
+        };
+        let dtype = l0.dtype();
+        let u = resid_mix(l0, x0, &p("resid_mix"))?;
+        let a = cast(&self.attention(f, (i, slot), &norm(&u)?, b, cos, sin)?, dtype)?.broadcast_mul(&p("attn_scale"))?;
+        let m = cast(&self.mlp(f, (i, slot), &norm(l1)?)?, dtype)?.broadcast_mul(&p("mlp_scale"))?;
+        let (resid, post) = (self.p("parallel_resid_lambdas").get(i)?, self.p("parallel_post_lambdas").get(i)?);
+        let lane = |l: &Tensor, k: usize| -> Result<Tensor> {
+            let mix = |t: &Tensor, w: Tensor| t.broadcast_mul(&w);
+            mix(l, resid.get(k)?)? + mix(&a, post.get(0)?.get(k)?)? + mix(&m, post.get(1)?.get(k)?)?
+        };
+        Ok((lane(l0, 0)?, lane(l1, 1)?))
     }
 }

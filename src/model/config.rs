@@ -84,6 +84,61 @@ pub struct ModelConfig {
     /// baseline) or "orthogonal" (gain 1, for `c_q`, `c_k`, `c_v`, `fc` when both dims are at
     /// least 64; the record). The zero-initialised projections stay zero either way.
     pub init: Init,
+    /// SmearGate on the embedding lane (the 04-27 record): before the embedding's norm,
+    /// `e_t <- e_t + smear_lambda * sigmoid(smear_gate . e_t[:smear_gate_window]) * e_{t-1}`,
+    /// both parameters zero at init (so the model starts as without it), and no smear onto a
+    /// token that is `bos_id` (the BOS fix: a document's first token does not see the last
+    /// one of the document before it).
+    pub smear_gate: bool,
+    /// The leading channels of `e_t` that drive the smear's gate (the record: 12, its
+    /// GATE_WINDOW); at most `model_dim`.
+    pub smear_gate_window: usize,
+    /// The token that starts a document (the tokenizer's BOS: 1 in the challenge's): SmearGate
+    /// does not smear onto it, and `document_attention` starts a segment at it. Checked against
+    /// the tokenizer when either is on.
+    pub bos_id: u32,
+    /// Document-masked attention (the 04-27 record's variable-length attention over packed
+    /// rows): in every pass, training, validation and evaluation alike, a position attends only
+    /// to the positions of its own document, documents starting at each `bos_id` (and at each
+    /// row's start).
+    pub document_attention: bool,
+    /// Sparse attention-output gate (the 04-27 record): each head's attention output is scaled
+    /// by `sigmoid(attn_gate_scale * attn_gate_w[h] . x_t[:attn_gate_window])`, `x` the
+    /// block's normed attention input, before the output projection; `attn_gate_w` is
+    /// `(heads, attn_gate_window)` per block, an Adam control tensor.
+    pub attn_gate: bool,
+    /// The leading channels of `x_t` the attention gate reads (the record: 12, GATE_WINDOW);
+    /// at most `model_dim`.
+    pub attn_gate_window: usize,
+    /// Standard deviation of `attn_gate_w`'s normal initialisation; 0: zeros, every gate 0.5
+    /// at init (the record: 0).
+    pub attn_gate_init_std: f64,
+    /// The factor inside the gate's sigmoid (the record: 0.5).
+    pub attn_gate_scale: f64,
+    /// Two-lane parallel decoder (the 04-27 record: 8): from this physical block on, the
+    /// decoder carries two streams; attention reads lane 0 (mixed with `x0` by `resid_mix`),
+    /// the MLP reads lane 1, and each lane becomes `resid[i, l] * lane_l + post[i, 0, l] *
+    /// attn + post[i, 1, l] * mlp` with the learned `parallel_resid_lambdas` (init 1.1) and
+    /// `parallel_post_lambdas` (init 1); U-Net skips enter lane 0. Absent or 0: one stream.
+    /// Not with `parallel_residual_start`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parallel_decoder_start: Option<usize>,
+    /// What the two lanes hand to the final norm: "mean" (the record), "attn" (lane 0) or
+    /// "mlp" (lane 1).
+    pub parallel_final_lane: FinalLane,
+}
+
+/// The two-lane decoder's output (`model.parallel_final_lane`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FinalLane {
+    /// `(lane0 + lane1) / 2`.
+    #[default]
+    Mean,
+    /// Lane 0, the attention's.
+    Attn,
+    /// Lane 1, the MLP's.
+    Mlp,
 }
 
 /// How the block matrices are initialised (`model.init`).
@@ -124,6 +179,16 @@ impl Default for ModelConfig {
             num_loops: 0,
             enable_looping_at: 0.0,
             init: Init::Default,
+            smear_gate: false,
+            smear_gate_window: 12,
+            bos_id: 1,
+            document_attention: false,
+            attn_gate: false,
+            attn_gate_window: 12,
+            attn_gate_init_std: 0.0,
+            attn_gate_scale: 1.0,
+            parallel_decoder_start: None,
+            parallel_final_lane: FinalLane::Mean,
         }
     }
 }
@@ -150,6 +215,23 @@ impl ModelConfig {
             enable_looping_at: 0.35,
             init: Init::Orthogonal,
             ..ModelConfig::default()
+        }
+    }
+
+    /// The 04-27 record's `[model]` (PR #1855; `pipelines/record-0427.toml`): the 04-09's with
+    /// SmearGate, document-masked attention, the sparse attention gate, the two-lane decoder
+    /// from block 8 in place of the parallel residuals, QK gain 5.0 and RoPE never rescaled: 35,945,671 parameters.
+    pub fn record_0427() -> ModelConfig {
+        ModelConfig {
+            qk_gain_init: 5.0,
+            rope_train_seq_len: None,
+            parallel_residual_start: None,
+            parallel_decoder_start: Some(8),
+            smear_gate: true,
+            document_attention: true,
+            attn_gate: true,
+            attn_gate_scale: 0.5,
+            ..ModelConfig::record()
         }
     }
 
@@ -240,6 +322,41 @@ impl ModelConfig {
                 self.num_layers
             );
         }
+        for (on, key, w) in [(self.smear_gate, "smear_gate_window", self.smear_gate_window), (self.attn_gate, "attn_gate_window", self.attn_gate_window)] {
+            anyhow::ensure!(
+                !on || (1..=self.model_dim).contains(&w),
+                "`model.{key}` ({w}) must be between 1 and the width `model.model_dim` ({})",
+                self.model_dim
+            );
+        }
+        anyhow::ensure!(
+            (self.bos_id as usize) < self.vocab_size,
+            "`model.bos_id` ({}) must be a token of the vocabulary `model.vocab_size` ({})",
+            self.bos_id,
+            self.vocab_size
+        );
+        anyhow::ensure!(
+            self.attn_gate_init_std.is_finite() && self.attn_gate_init_std >= 0.0,
+            "`model.attn_gate_init_std` must be finite and at least 0; found {}",
+            self.attn_gate_init_std
+        );
+        anyhow::ensure!(self.attn_gate_scale.is_finite(), "`model.attn_gate_scale` must be finite; found {}", self.attn_gate_scale);
+        if let Some(start) = self.lanes_from() {
+            anyhow::ensure!(
+                start < self.num_layers,
+                "`model.parallel_decoder_start` ({start}) must name a block below `model.num_layers` ({}); 0 or left out: one stream",
+                self.num_layers
+            );
+            anyhow::ensure!(
+                !self.recurrent() || start > self.loop_end,
+                "`model.parallel_decoder_start` ({start}) must come after the loop range (`model.loop_end` = {}): the lanes run the blocks past it",
+                self.loop_end
+            );
+            anyhow::ensure!(
+                self.parallel_residual_start.is_none(),
+                "`model.parallel_decoder_start` and `model.parallel_residual_start` are two forms of parallel blocks: set one"
+            );
+        }
         anyhow::ensure!(
             (0.0..=1.0).contains(&self.enable_looping_at),
             "`model.enable_looping_at` is a fraction of training time in [0, 1]; found {}",
@@ -298,6 +415,17 @@ impl ModelConfig {
         (enc, dec)
     }
 
+    /// The first block of the two-lane decoder, when it has one (`parallel_decoder_start`, 0
+    /// meaning none as the record's PARALLEL_START_LAYER=0 does).
+    pub fn lanes_from(&self) -> Option<usize> {
+        self.parallel_decoder_start.filter(|&s| s > 0)
+    }
+
+    /// Whether physical block `layer` runs on the two-lane decoder's lanes.
+    pub fn two_lane(&self, layer: usize) -> bool {
+        self.lanes_from().is_some_and(|start| layer >= start)
+    }
+
     /// Whether physical block `layer` runs attention and MLP in parallel.
     pub fn parallel(&self, layer: usize) -> bool {
         self.parallel_residual_start.is_some_and(|start| layer >= start)
@@ -348,6 +476,17 @@ impl ModelConfig {
                 (p("mlp_scale"), vec![d]),
                 (p("resid_mix"), vec![2, d]),
             ]);
+            if self.attn_gate {
+                out.push((p("attn.attn_gate_w"), vec![self.num_heads, self.attn_gate_window]));
+            }
+        }
+        if self.lanes_from().is_some() {
+            out.push(("parallel_post_lambdas".to_string(), vec![self.num_layers, 2, 2]));
+            out.push(("parallel_resid_lambdas".to_string(), vec![self.num_layers, 2]));
+        }
+        if self.smear_gate {
+            out.push(("smear_gate.weight".to_string(), vec![1, self.smear_gate_window]));
+            out.push(("smear_lambda".to_string(), vec![1]));
         }
         if !self.tie_embeddings {
             out.push(("lm_head.weight".to_string(), vec![v, d]));
@@ -379,6 +518,27 @@ mod tests {
         assert!((cfg.rope_base_for(4096) - rescaled).abs() < 1e-9);
         assert!((0..11).all(|l| cfg.xsa(l)));
         assert!(!cfg.parallel(6) && cfg.parallel(7) && cfg.parallel(10));
+    }
+
+    /// The 04-27 record: its log's parameter count, its optimizer groups (the new tensors are
+    /// Adam's), and `pipelines/record-0427.toml`'s `[model]` is this config.
+    #[test]
+    fn the_04_27_record_has_its_parameter_count_and_config() {
+        let cfg = ModelConfig::record_0427();
+        cfg.check().unwrap();
+        let shapes = cfg.param_shapes();
+        let count: usize = shapes.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+        assert_eq!(count, 35_945_671, "model_params of the 04-27 record's log");
+        use crate::model::ParamGroup::*;
+        for (name, s) in &shapes {
+            if name.contains("attn_gate") || name.contains("smear") || name.starts_with("parallel_") {
+                assert_eq!(crate::model::gpt_group_of(name, s.len()), Scalar, "{name}");
+            }
+        }
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/pipelines/record-0427.toml")).unwrap();
+        let table: toml::Table = text.parse().unwrap();
+        let model: ModelConfig = table["model"].clone().try_into().unwrap();
+        assert_eq!(model.differences(&cfg), vec![], "pipelines/record-0427.toml's [model]");
     }
 
     /// Layer orders for several loop settings: the sequence, its halves and the skip count.

@@ -22,6 +22,9 @@ pub struct Element {
     /// Whether the engine's forward pass runs it a step at a time from the looping switch
     /// (depth recurrence): the comparison then runs looped.
     pub looped: bool,
+    /// Whether the explicit engine implements it (else its support check refuses it, naming
+    /// one of `keys`; the element test checks either).
+    pub engine: bool,
     /// Turns the element on in `cfg` (a small baseline), at the record's value where it fits a
     /// small model, leaving every other key alone.
     pub enable: fn(&mut ModelConfig),
@@ -32,41 +35,45 @@ pub const SHAPE_KEYS: [&str; 5] = ["vocab_size", "num_layers", "model_dim", "num
 
 /// Every model element, in the order the record spec lists them.
 pub const ELEMENTS: &[Element] = &[
-    Element { name: "grouped-query attention", keys: &["num_kv_heads"], since: "baseline", looped: false, enable: |c| c.num_kv_heads = 1 },
+    Element { name: "grouped-query attention", keys: &["num_kv_heads"], since: "baseline", looped: false, engine: true, enable: |c| c.num_kv_heads = 1 },
     Element {
         name: "untied output head",
         keys: &["tie_embeddings"],
         since: "baseline",
         looped: false,
+        engine: true,
         enable: |c| c.tie_embeddings = false,
     },
-    Element { name: "logit soft-cap", keys: &["logit_softcap"], since: "baseline", looped: false, enable: |c| c.logit_softcap = 15.0 },
-    Element { name: "QK gain", keys: &["qk_gain_init"], since: "04-09", looped: false, enable: |c| c.qk_gain_init = 5.25 },
+    Element { name: "logit soft-cap", keys: &["logit_softcap"], since: "baseline", looped: false, engine: true, enable: |c| c.logit_softcap = 15.0 },
+    Element { name: "QK gain", keys: &["qk_gain_init"], since: "04-09", looped: false, engine: true, enable: |c| c.qk_gain_init = 5.25 },
     Element {
         name: "LeakyReLU²",
         keys: &["mlp_activation", "leaky_relu_slope"],
         since: "04-09",
         looped: false,
+        engine: true,
         enable: |c| {
             c.mlp_activation = MlpActivation::LeakyRelu2;
             // Not the record's 0.5, which is the default: an engine that hard-coded it would pass.
             c.leaky_relu_slope = 0.3;
         },
     },
-    Element { name: "LN scale", keys: &["ln_scale"], since: "04-09", looped: false, enable: |c| c.ln_scale = true },
+    Element { name: "LN scale", keys: &["ln_scale"], since: "04-09", looped: false, engine: true, enable: |c| c.ln_scale = true },
     Element {
         name: "parallel residuals",
         keys: &["parallel_residual_start"],
         since: "04-09",
         looped: false,
+        engine: true,
         enable: |c| c.parallel_residual_start = Some(c.num_layers / 2),
     },
-    Element { name: "skip gates", keys: &["skip_gates"], since: "04-09", looped: false, enable: |c| c.skip_gates = true },
+    Element { name: "skip gates", keys: &["skip_gates"], since: "04-09", looped: false, engine: true, enable: |c| c.skip_gates = true },
     Element {
         name: "partial RoPE",
         keys: &["rope_dims"],
         since: "04-09",
         looped: false,
+        engine: true,
         enable: |c| c.rope_dims = Some((c.head_dim() / 4).max(2) / 2 * 2),
     },
     Element {
@@ -75,17 +82,19 @@ pub const ELEMENTS: &[Element] = &[
         since: "04-09",
         // Shorter than the comparison's sequences, so that the base is rescaled.
         looped: false,
+        engine: true,
         enable: |c| {
             c.rope_train_seq_len = Some(4);
             c.rope_base = 20_000.0;
         },
     },
-    Element { name: "XSA", keys: &["xsa_last_n"], since: "04-09", looped: false, enable: |c| c.xsa_last_n = c.num_layers / 2 },
+    Element { name: "XSA", keys: &["xsa_last_n"], since: "04-09", looped: false, engine: true, enable: |c| c.xsa_last_n = c.num_layers / 2 },
     Element {
         name: "depth recurrence",
         keys: &["loop_start", "loop_end", "num_loops", "enable_looping_at"],
         since: "04-09",
         looped: true,
+        engine: true,
         enable: |c| {
             c.loop_start = 1;
             c.loop_end = c.num_layers.saturating_sub(2).max(1);
@@ -99,9 +108,58 @@ pub const ELEMENTS: &[Element] = &[
         keys: &["init", "tied_embed_init_std"],
         since: "04-09",
         looped: false,
+        engine: true,
         enable: |c| {
             c.init = Init::Orthogonal;
             c.tied_embed_init_std = 0.02;
+        },
+    },
+    Element {
+        name: "SmearGate",
+        keys: &["smear_gate", "smear_gate_window"],
+        since: "04-27",
+        looped: false,
+        engine: false,
+        enable: |c| {
+            c.smear_gate = true;
+            c.smear_gate_window = (c.model_dim / 4).max(1);
+        },
+    },
+    Element {
+        name: "document-masked attention",
+        keys: &["document_attention", "bos_id"],
+        since: "04-27",
+        looped: false,
+        engine: false,
+        enable: |c| {
+            c.document_attention = true;
+            // A token the comparison's random batches hold, so that rows split.
+            c.bos_id = 3;
+        },
+    },
+    Element {
+        name: "sparse attention gate",
+        keys: &["attn_gate", "attn_gate_window", "attn_gate_init_std", "attn_gate_scale"],
+        since: "04-27",
+        looped: false,
+        engine: false,
+        enable: |c| {
+            c.attn_gate = true;
+            c.attn_gate_window = (c.model_dim / 4).max(1);
+            // Drawn, so that the gates differ between heads (the record's zeros give 0.5 on all).
+            c.attn_gate_init_std = 0.5;
+            c.attn_gate_scale = 0.5;
+        },
+    },
+    Element {
+        name: "two-lane parallel decoder",
+        keys: &["parallel_decoder_start", "parallel_final_lane"],
+        since: "04-27",
+        looped: false,
+        engine: false,
+        enable: |c| {
+            c.parallel_decoder_start = Some(c.num_layers - 1);
+            c.parallel_final_lane = super::config::FinalLane::Attn;
         },
     },
 ];
@@ -117,7 +175,9 @@ mod tests {
 
     /// The `[model]` keys: those of the record's config, whose optional keys are all set.
     fn model_keys() -> Vec<String> {
-        let r = ModelConfig::record();
+        // Every optional key set (the two forms of parallel blocks are never set together in a
+        // run; only the names matter here).
+        let r = ModelConfig { parallel_decoder_start: Some(8), ..ModelConfig::record() };
         assert!(r.parallel_residual_start.is_some() && r.rope_dims.is_some() && r.rope_train_seq_len.is_some());
         match serde_json::to_value(&r).unwrap() {
             serde_json::Value::Object(m) => m.keys().cloned().collect(),

@@ -35,7 +35,7 @@ pub struct PassExtras<'a> {
 
 /// The formulation of one forward pass (see the module doc).
 #[derive(Clone, Copy)]
-pub(super) struct Formulation<'a> {
+pub(super) struct Formulation<'a, 'e> {
     /// The parameters' dtype (the residual stream's).
     param: DType,
     /// The matmul dtype when it differs from the parameters'.
@@ -47,11 +47,12 @@ pub(super) struct Formulation<'a> {
     flash: Option<FlashKernels>,
     /// Who watches the products' inputs (GPTQ's calibration), if anyone.
     observer: Option<Observer<'a>>,
-    /// Adapters and a document mask, if the pass has them.
-    extras: PassExtras<'a>,
+    /// Adapters and a document mask, if the pass has them (a lifetime of their own: the model
+    /// may make a pass's mask itself, under `model.document_attention`).
+    extras: PassExtras<'e>,
 }
 
-impl<'a> Formulation<'a> {
+impl<'a, 'e> Formulation<'a, 'e> {
     /// The formulation of a pass over the stream `h` (on the model's device, in the
     /// parameters' dtype `param`) of sequences of `t` tokens with `head_dim`-wide heads.
     /// Flash attention only runs under mixed precision on the GPU path, and where it does not
@@ -65,7 +66,7 @@ impl<'a> Formulation<'a> {
     }
 
     /// The same formulation with `extras` (a document mask turns flash attention off).
-    pub(super) fn with_extras(self, extras: PassExtras<'a>) -> Self {
+    pub(super) fn with_extras(self, extras: PassExtras<'e>) -> Self {
         let flash = self.flash.filter(|_| extras.docs.is_none_or(DocumentMask::is_causal));
         Self { extras, flash, ..self }
     }

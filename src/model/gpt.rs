@@ -14,7 +14,8 @@ use super::flash_attn::{self, Attention, FlashKernels};
 use super::formulation::{Formulation, PassExtras};
 use super::init::Init;
 use super::observe::{InputObserver, Observer};
-use super::ops::{cast, embedding, gated_skip, rms_norm, rope_tables, scale_add, softcap, softcap_cross_entropy};
+use super::config::FinalLane;
+use super::ops::{DocumentMask, cast, embedding, gated_skip, rms_norm, rope_tables, scale_add, smear_gate, softcap, softcap_cross_entropy};
 
 /// Which optimizer group a parameter belongs to (as the challenge script splits them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,7 +32,7 @@ pub enum ParamGroup {
 }
 
 /// Names that mark a block tensor as a control tensor (Adam, fp32), as in the challenge script.
-const CONTROL_PATTERNS: [&str; 6] = ["attn_scale", "mlp_scale", "resid_mix", "q_gain", "skip_weight", "skip_gate"];
+const CONTROL_PATTERNS: [&str; 7] = ["attn_scale", "mlp_scale", "resid_mix", "q_gain", "skip_weight", "skip_gate", "attn_gate"];
 
 /// The baseline GPT.
 pub struct Gpt {
@@ -82,12 +83,18 @@ impl Gpt {
                 "attn.q_gain" => vec![cfg.qk_gain_init; n],
                 // sigmoid(0) = 0.5: stream and skip weighed equally at init.
                 "skip_gates" => vec![0.0; n],
+                // The attention gate: sigmoid(0) = 0.5 on every head at init unless drawn.
+                "attn.attn_gate_w" if cfg.attn_gate_init_std > 0.0 => init.normal(n, cfg.attn_gate_init_std),
+                "attn.attn_gate_w" => vec![0.0; n],
+                // The smear: a zero gain on a zero-weight gate, so the model starts without it.
+                "smear_gate.weight" | "smear_lambda" => vec![0.0; n],
+                "parallel_resid_lambdas" => vec![1.1; n],
                 "resid_mix" => {
                     let mut mix = vec![1.0; n / 2];
                     mix.extend(vec![0.0; n - n / 2]);
                     mix
                 }
-                // skip_weights, attn_scale, mlp_scale.
+                // skip_weights, attn_scale, mlp_scale, parallel_post_lambdas.
                 _ => vec![1.0; n],
             };
             specs.push((name, shape, values));
@@ -282,11 +289,25 @@ impl Gpt {
 
     /// [`Gpt::raw_logits`], with an observer of the products' inputs and the pass's extras
     /// (adapters: as many as `x` has rows; a document mask: `x`'s shape).
-    fn raw_logits_observed<'a>(&self, x: &Tensor, observer: Option<Observer<'a>>, extras: PassExtras<'a>) -> Result<Tensor> {
+    fn raw_logits_observed<'a>(&self, x: &Tensor, observer: Option<Observer<'a>>, extras: PassExtras<'_>) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (b, t) = x.dims2()?;
+        // Under `model.document_attention` a pass without a mask of its own gets its rows' (on
+        // a GPU the ids come to the host for it: 4 bytes a token).
+        let own_mask;
+        let extras = if cfg.document_attention && extras.docs.is_none() {
+            let ids: Vec<u32> = x.flatten_all()?.to_vec1()?;
+            own_mask = DocumentMask::at_token(&ids, t, cfg.bos_id)?;
+            PassExtras { docs: Some(&own_mask), ..extras }
+        } else {
+            extras
+        };
         let emb = self.p("tok_emb.weight");
-        let mut h = rms_norm(&embedding(&emb, &x.flatten_all()?)?)?;
+        let mut e = embedding(&emb, &x.flatten_all()?)?;
+        if cfg.smear_gate {
+            e = smear_gate(&e, x, &self.p("smear_gate.weight"), &self.p("smear_lambda"), cfg.bos_id)?;
+        }
+        let mut h = rms_norm(&e)?;
         if let Some(l) = extras.lora
             && (l.rows() != b || l.slots() != cfg.layer_sequence(self.looping).len())
         {
@@ -324,16 +345,39 @@ impl Gpt {
         }
         let skip_w = self.p("skip_weights");
         let gates = cfg.skip_gates.then(|| self.p("skip_gates"));
+        let skip = |h: &Tensor, s: &Tensor, j: usize| -> Result<Tensor> {
+            match &gates {
+                Some(z) => gated_skip(h, s, &skip_w.get(j)?, &z.get(j)?),
+                None => scale_add(h, s, &skip_w.get(j)?),
+            }
+        };
+        // The two-lane decoder's lanes, once a block at or past `parallel_decoder_start` has
+        // run (both start as the stream; skips enter lane 0).
+        let mut lanes: Option<(Tensor, Tensor)> = None;
         for (j, &i) in decoder.iter().enumerate() {
+            if cfg.two_lane(i) {
+                let (mut l0, l1) = lanes.take().unwrap_or_else(|| (h.clone(), h.clone()));
+                if j < skip_count
+                    && let Some(s) = skips.pop()
+                {
+                    l0 = skip(&l0, &s, j)?;
+                }
+                lanes = Some(self.lane_block(&f, (i, encoder.len() + j), (&l0, &l1), &x0, b, &cos, &sin)?);
+                continue;
+            }
             if j < skip_count
                 && let Some(s) = skips.pop()
             {
-                h = match &gates {
-                    Some(z) => gated_skip(&h, &s, &skip_w.get(j)?, &z.get(j)?)?,
-                    None => scale_add(&h, &s, &skip_w.get(j)?)?,
-                };
+                h = skip(&h, &s, j)?;
             }
             h = self.block(&f, (i, encoder.len() + j), &h, &x0, b, &cos, &sin)?;
+        }
+        if let Some((l0, l1)) = lanes {
+            h = match cfg.parallel_final_lane {
+                FinalLane::Mean => ((l0 + l1)? * 0.5)?,
+                FinalLane::Attn => l0,
+                FinalLane::Mlp => l1,
+            };
         }
         let (head, head_name) = if cfg.tie_embeddings { (emb, "tok_emb.weight") } else { (self.p("lm_head.weight"), "lm_head.weight") };
         let n = f.norm_in(&h)?;
@@ -476,6 +520,98 @@ mod tests {
         let x = Tensor::from_vec((0..10u32).map(|i| (i * 5 + 1) % 16).collect::<Vec<_>>(), (2, 5), &Device::Cpu).unwrap();
         let y = Tensor::from_vec((0..10u32).map(|i| (i * 3 + 2) % 16).collect::<Vec<_>>(), (2, 5), &Device::Cpu).unwrap();
         crate::model::reference::assert_gradients_match_finite_differences(&m, &x, &y);
+    }
+
+    /// A tiny f64 model with `cfg`, every parameter moved off its initial value (the 04-27
+    /// elements start as identities: zero gates and gains).
+    fn moved(cfg: &ModelConfig, seed: u64) -> Gpt {
+        let m = Gpt::new(cfg, 9, DType::F64, &Device::Cpu).unwrap();
+        let mut rng = fastrand::Rng::with_seed(seed);
+        for (_, v, _) in m.params() {
+            let vals: Vec<f64> = (0..v.elem_count()).map(|_| rng.f64() * 0.8 - 0.4).collect();
+            v.set(&Tensor::from_vec(vals, v.dims(), &Device::Cpu).unwrap()).unwrap();
+        }
+        m
+    }
+
+    /// Each 04-27 element alone on the tiny model: it changes the loss (it is wired in) and
+    /// autograd's gradients of every parameter, its own included, match finite differences.
+    #[test]
+    fn the_04_27_elements_are_wired_in_and_differentiate() {
+        let x = Tensor::from_vec((0..12u32).map(|i| (i * 5 + 1) % 16).collect::<Vec<_>>(), (2, 6), &Device::Cpu).unwrap();
+        let y = Tensor::from_vec((0..12u32).map(|i| (i * 3 + 2) % 16).collect::<Vec<_>>(), (2, 6), &Device::Cpu).unwrap();
+        for name in ["SmearGate", "document-masked attention", "sparse attention gate", "two-lane parallel decoder"] {
+            let mut cfg = tiny();
+            (crate::model::elements::element(name).unwrap().enable)(&mut cfg);
+            let m = moved(&cfg, 11);
+            // The same weights without the element: its own parameters left out.
+            let mut off = tiny();
+            off.vocab_size = cfg.vocab_size;
+            let mut plain = Gpt::new(&off, 9, DType::F64, &Device::Cpu).unwrap();
+            let shared: HashMap<String, Tensor> =
+                m.state_dict().into_iter().filter(|(n, _)| plain.param(n).is_some()).collect();
+            plain.load_state(&shared).unwrap();
+            let (a, b) = (m.loss(&x, &y).unwrap().to_scalar::<f64>().unwrap(), plain.loss(&x, &y).unwrap().to_scalar::<f64>().unwrap());
+            assert!((a - b).abs() > 1e-6, "{name}: the loss does not move ({a} vs {b})");
+            crate::model::reference::assert_gradients_match_finite_differences(&m, &x, &y);
+        }
+    }
+
+    /// Causality with every 04-27 element on: changing the input at position `k` leaves every
+    /// earlier position's loss as it was (no element reads ahead), and moves position `k`'s.
+    #[test]
+    fn the_04_27_model_reads_no_future_token() {
+        let mut cfg = tiny();
+        for name in ["SmearGate", "document-masked attention", "sparse attention gate", "two-lane parallel decoder"] {
+            (crate::model::elements::element(name).unwrap().enable)(&mut cfg);
+        }
+        let m = moved(&cfg, 17);
+        let ids: Vec<u32> = vec![5, 7, 2, 9, 3, 4, 6, 8];
+        let y = Tensor::from_vec(vec![7u32, 2, 9, 3, 4, 6, 8, 1], (1, 8), &Device::Cpu).unwrap();
+        let losses = |ids: &[u32]| {
+            let x = Tensor::from_vec(ids.to_vec(), (1, ids.len()), &Device::Cpu).unwrap();
+            m.token_losses(&x, &y).unwrap().to_vec1::<f64>().unwrap()
+        };
+        let base = losses(&ids);
+        for k in 1..ids.len() {
+            let mut changed = ids.clone();
+            changed[k] = (changed[k] + 5) % 16;
+            let l = losses(&changed);
+            for p in 0..k {
+                assert!((l[p] - base[p]).abs() < 1e-12, "position {p} moved when token {k} changed");
+            }
+            assert!((l[k] - base[k]).abs() > 1e-9, "position {k} did not move with its own token");
+        }
+    }
+
+    /// SmearGate's BOS fix under a document mask: a packed row's second document scores as it
+    /// does alone; without the fix (a `bos_id` the row does not hold, the mask still at the
+    /// document) the first document's last token leaks into it.
+    #[test]
+    fn smear_with_the_bos_fix_keeps_documents_apart() {
+        let mut cfg = tiny();
+        (crate::model::elements::element("SmearGate").unwrap().enable)(&mut cfg);
+        let bos = cfg.bos_id;
+        let row: Vec<u32> = vec![5, 7, 2, bos, 9, 4, 6];
+        let targets: Vec<u32> = vec![7, 2, bos, 9, 4, 6, 8];
+        let losses = |m: &Gpt, x: &[u32], y: &[u32], mask_bos: u32| -> Vec<f64> {
+            let mask = crate::model::ops::DocumentMask::at_token(x, x.len(), mask_bos).unwrap();
+            let xt = Tensor::from_vec(x.to_vec(), (1, x.len()), &Device::Cpu).unwrap();
+            let yt = Tensor::from_vec(y.to_vec(), (1, y.len()), &Device::Cpu).unwrap();
+            let extras = PassExtras { docs: Some(&mask), ..Default::default() };
+            m.token_losses_with(&xt, &yt, extras).unwrap().to_vec1::<f64>().unwrap()
+        };
+        let m = moved(&cfg, 13);
+        let packed = losses(&m, &row, &targets, bos);
+        let alone = losses(&m, &row[3..], &targets[3..], bos);
+        for (p, a) in packed[3..].iter().zip(&alone) {
+            assert!((p - a).abs() < 1e-10, "packed {p} vs alone {a}");
+        }
+        // The smear without its fix: the model's BOS is a token the row lacks.
+        let leaky = moved(&ModelConfig { bos_id: 0, ..cfg.clone() }, 13);
+        let packed = losses(&leaky, &row, &targets, bos);
+        let alone = losses(&leaky, &row[3..], &targets[3..], bos);
+        assert!((packed[3] - alone[0]).abs() > 1e-6, "without the fix the document's first token must see the last one's smear");
     }
 
     fn formulation_cfg() -> ModelConfig {

@@ -82,7 +82,7 @@ pub mod ops;
 mod reference;
 pub mod weights;
 
-pub use config::{Init, MlpActivation, ModelConfig};
+pub use config::{FinalLane, Init, MlpActivation, ModelConfig};
 pub use elements::{ELEMENTS, Element};
 pub use formulation::PassExtras;
 pub use gpt::{Gpt, ParamGroup, group_of as gpt_group_of};

@@ -22,6 +22,16 @@ pub fn check(p: &SessionParams, c: &Config) -> anyhow::Result<()> {
     anyhow::ensure!(c.data.val.is_some(), "`data.val` is not set: the step executor validates on the validation shards");
     let tok = c.data.tokenizer.as_deref().context("`data.tokenizer` is not set: val_bpb counts bytes with the sentencepiece model")?;
     crate::eval::validation::load_tables(tok, c.model.vocab_size)?;
+    if c.model.smear_gate || c.model.document_attention {
+        // The BOS fix and the document mask must know where documents start in these shards.
+        let bos = crate::data::tokenizer::bos_id(tok).with_context(|| format!("`data.tokenizer` = {}", tok.display()))?;
+        anyhow::ensure!(
+            bos == c.model.bos_id,
+            "`model.bos_id` = {} but the tokenizer {} starts documents with {bos}: SmearGate's BOS fix and the document mask would miss them",
+            c.model.bos_id,
+            tok.display()
+        );
+    }
     crate::eval::validation::check_split(&c.validation())?;
     if let Some(w) = &c.train.init_weights {
         anyhow::ensure!(w.is_file(), "`train.init_weights` = {} is not a file", w.display());

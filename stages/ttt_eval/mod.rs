@@ -228,7 +228,8 @@ impl Evaluator {
 
 /// An evaluator's memory: its snapshots, a model, and the larger of a sliding batch's forward
 /// pass and (with TTT: `batch_seqs`) a training batch with its gradients and momentum.
-fn eval_memory(ctx: &BuildCtx, sliding: &SlidingConfig, ttt_batch: Option<usize>) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
+/// `ttt_batch`: the rows one rank trains on at once, and the key that sets them.
+fn eval_memory(ctx: &BuildCtx, sliding: &SlidingConfig, ttt_batch: Option<(usize, &str)>) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
     use crate::model::memory::{MODEL_KEYS, ParamCounts, forward_bytes, snapshots_need, training_bytes};
     let m = &config(ctx)?.model;
     m.check()?;
@@ -238,8 +239,8 @@ fn eval_memory(ctx: &BuildCtx, sliding: &SlidingConfig, ttt_batch: Option<usize>
     let mut needs = vec![snapshots_need(m, ctx.stage, ctx.queue)];
     let mut keys: Vec<String> = vec![format!("stages.{}.batch_windows", ctx.stage)];
     let (what, bytes) = match ttt_batch {
-        Some(rows) if training_bytes(m, rows * t, t, true, 4).saturating_add(total.saturating_mul(8)) > score => {
-            keys[0] = format!("stages.{}.batch_seqs", ctx.stage);
+        Some((rows, key)) if training_bytes(m, rows * t, t, true, 4).saturating_add(total.saturating_mul(8)) > score => {
+            keys[0] = format!("stages.{}.{key}", ctx.stage);
             (
                 "TTT model, gradients, momentum and activations",
                 total.saturating_mul(12).saturating_add(training_bytes(m, rows * t, t, true, 4)),
@@ -323,7 +324,7 @@ impl Sink for ScoreFirst {
     fn memory(p: &ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
         let c = config(ctx)?;
         let cfg = p.ttt(c.train.seq_len);
-        eval_memory(ctx, &cfg.sliding, Some(cfg.rows_per_rank(c.run.world_size)))
+        eval_memory(ctx, &cfg.sliding, Some((cfg.rows_per_rank(c.run.world_size), "batch_seqs")))
     }
 
     fn build(p: ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<Self> {

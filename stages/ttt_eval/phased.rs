@@ -163,8 +163,9 @@ impl Sink for Phased {
         let cfg = p.config(seq_len);
         // The larger of: a scoring batch (documents x context) and a global SGD batch.
         let rows = p.batch_docs.max(cfg.global_batch_seqs);
+        let key = if p.batch_docs >= cfg.global_batch_seqs { "batch_docs" } else { "global_batch_seqs" };
         let sliding = SlidingConfig { seq_len: cfg.context.max(cfg.global_seq_len), stride: 1, batch_windows: rows };
-        let mut needs = eval_memory(ctx, &sliding, Some(rows))?;
+        let mut needs = eval_memory(ctx, &sliding, Some((rows, key)))?;
         // The adapters of one batch with their gradients and AdamW's two moments, in f32.
         let m = &config(ctx)?.model;
         let lora = crate::model::lora::Lora::count(m, m.recurrent(), (p.batch_docs, p.lora_rank)) as u64 * 16;

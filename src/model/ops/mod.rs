@@ -22,6 +22,8 @@
 //! | [`relu_sq`] | `relu(x)^2`, and the engine's leaky variant through the same kernel |
 //! | [`leaky_relu_sq`] | `leaky_relu(x, a)^2` (composed) |
 //! | [`skip_gate`] | the sigmoid-gated U-Net skip (composed; row kernels for the engine) |
+//! | [`smear_gate`] | SmearGate: a gated share of the previous token's embedding, none onto BOS (composed) |
+//! | [`attn_gate`] | the sparse attention-output gate, a sigmoid per head (composed) |
 //! | [`xsa`] | exclusive self-attention: a head's output less its own value's direction (composed; row kernels for the engine) |
 //! | [`scale_cols`] | `x * s` and the per-channel sum `column_dot` (GPU backward passes) |
 //! | [`embedding`] | the token-embedding lookup (GPU backward kernel; its CPU reference is the engine's backward) |
@@ -41,6 +43,7 @@
 use candle_core::{DType, Result, Tensor, bail};
 
 pub mod attention;
+pub mod attn_gate;
 pub mod cast;
 pub mod causal_softmax;
 pub mod doc_mask;
@@ -54,6 +57,7 @@ pub mod rope;
 pub mod scale_add;
 pub mod scale_cols;
 pub mod skip_gate;
+pub mod smear_gate;
 pub mod softcap_ce;
 #[cfg(test)]
 pub(crate) mod testing;
@@ -63,6 +67,7 @@ pub(crate) use attention::{AttentionGrads, attention_token_major_bwd, attention_
 pub use attention::{
     causal_attention, causal_attention_reference, causal_attention_tokens, causal_mask, document_attention_tokens, repeat_kv, softmax_last,
 };
+pub use attn_gate::attn_gate;
 pub use cast::cast;
 pub use causal_softmax::causal_softmax;
 pub use doc_mask::DocumentMask;
@@ -76,6 +81,7 @@ pub use rope::{rope, rope_tables};
 pub use scale_add::scale_add;
 pub use scale_cols::scale_cols;
 pub use skip_gate::gated_skip;
+pub use smear_gate::smear_gate;
 pub use softcap_ce::{cross_entropy_rows, softcap, softcap_cross_entropy};
 pub use xsa::xsa;
 

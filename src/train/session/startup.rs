@@ -35,6 +35,19 @@ fn model_elements_line(m: &crate::model::ModelConfig) -> Option<String> {
     if m.init == crate::model::Init::Orthogonal {
         on.push("init:orthogonal".into());
     }
+    if m.smear_gate {
+        // The BOS fix is part of the element: the log says which token it masks.
+        on.push(format!("smear_gate:window{} bos_masked:{}", m.smear_gate_window, m.bos_id));
+    }
+    if m.document_attention {
+        on.push(format!("document_attention:bos{}", m.bos_id));
+    }
+    if m.attn_gate {
+        on.push(format!("attn_gate:window{} scale:{} init_std:{}", m.attn_gate_window, m.attn_gate_scale, m.attn_gate_init_std));
+    }
+    if let Some(p) = m.lanes_from() {
+        on.push(format!("parallel_decoder_start:{p} final_lane:{}", serde_json::to_value(m.parallel_final_lane).unwrap_or_default().as_str().unwrap_or("?")));
+    }
     (!on.is_empty()).then(|| format!("model_elements: {}", on.join(" ")))
 }
 
@@ -113,5 +126,32 @@ pub(super) fn startup_lines(
     log.line(&format!("seed:{}", c.run.seed));
     if let Some(u) = unigram {
         log.line(&format!("val_unigram_bpb:{u:.4} (token frequencies of the training shards: the bar to beat)"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The 04-27 elements are logged, the smear with the token its BOS fix masks; the baseline
+    /// logs none.
+    #[test]
+    fn the_04_27_elements_are_logged() {
+        assert_eq!(model_elements_line(&crate::model::ModelConfig::default()), None);
+        let m = crate::model::ModelConfig {
+            smear_gate: true,
+            document_attention: true,
+            attn_gate: true,
+            attn_gate_scale: 0.5,
+            parallel_decoder_start: Some(8),
+            ..crate::model::ModelConfig::default()
+        };
+        let line = model_elements_line(&m).unwrap();
+        assert!(line.contains("smear_gate:window12 bos_masked:1"), "{line}");
+        assert!(line.contains("document_attention:bos1"), "{line}");
+        assert!(line.contains("attn_gate:window12 scale:0.5 init_std:0"), "{line}");
+        assert!(line.contains("parallel_decoder_start:8 final_lane:mean"), "{line}");
+        let off = crate::model::ModelConfig { parallel_decoder_start: Some(0), ..crate::model::ModelConfig::default() };
+        assert_eq!(model_elements_line(&off), None, "0: one stream");
     }
 }
