@@ -203,9 +203,17 @@ impl Gpt {
         self.params.iter().map(|(n, v, _)| (n.clone(), v.as_tensor().clone())).collect()
     }
 
-    /// Replaces every parameter from `tensors`; errors name a missing tensor or a shape that
-    /// differs from this model's.
+    /// Replaces every parameter from `tensors` (our layout, or the 04-27 record's banked one:
+    /// [`super::banks`]); errors name a missing tensor or a shape that differs from this
+    /// model's.
     pub fn load_state(&mut self, tensors: &HashMap<String, Tensor>) -> anyhow::Result<()> {
+        let unbanked;
+        let tensors = if tensors.contains_key("qo_bank") {
+            unbanked = super::banks::from_banks(tensors.clone())?;
+            &unbanked
+        } else {
+            tensors
+        };
         for (name, var, _) in &self.params {
             let t = tensors.get(name).ok_or_else(|| anyhow::anyhow!("tensor `{name}` is missing"))?;
             anyhow::ensure!(t.dims() == var.dims(), "tensor `{name}` has shape {:?}, this model's is {:?}", t.dims(), var.dims());

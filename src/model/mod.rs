@@ -60,6 +60,7 @@
 //! `cuda::fused`.
 
 mod attention;
+pub mod banks;
 mod block;
 pub mod compare;
 mod config;

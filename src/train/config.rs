@@ -17,6 +17,27 @@ use crate::model::ModelConfig;
 use crate::runtime::config::{RunConfig, Tables};
 use crate::runtime::stage::Extensions;
 
+/// The layout of saved weights (`train.weights_layout`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightsLayout {
+    /// One tensor per block matrix (`blocks.i.attn.c_q.weight`, ...).
+    #[default]
+    Blocks,
+    /// The 04-27 record's banks ([`crate::model::banks`]).
+    Banks,
+}
+
+impl WeightsLayout {
+    /// `state` (our `state_dict` of a `layers`-block model) in this layout.
+    pub fn apply(self, state: Vec<(String, candle_core::Tensor)>, layers: usize) -> anyhow::Result<Vec<(String, candle_core::Tensor)>> {
+        match self {
+            Self::Blocks => Ok(state),
+            Self::Banks => crate::model::banks::to_banks(&state, layers),
+        }
+    }
+}
+
 /// `[train]`: the shape of a training step, its schedule, optimizers, validation and logging.
 /// Defaults are the challenge baseline's (`train_gpt.py`; its environment variable in brackets).
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -105,6 +126,11 @@ pub struct TrainConfig {
     pub timing_every: u64,
     /// Save the final weights as `RUN_DIR/final_model.safetensors` (PyTorch `state_dict` names).
     pub save_weights: bool,
+    /// The tensor names of the saved weights (`final_model.safetensors`, a step trace's):
+    /// "blocks" (one tensor per block matrix, as the baseline's and the 04-09 record's GPT hold
+    /// them) or "banks" (the 04-27 record's `qo_bank`, `kv_bank`, `mlp_up_bank`,
+    /// `mlp_down_bank`: what its GPT's `load_state_dict` reads). Either loads back.
+    pub weights_layout: WeightsLayout,
     /// Start from these weights (a safetensors file with the model's tensor names) instead of
     /// the seeded initialisation.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -148,6 +174,7 @@ impl Default for TrainConfig {
             log_every: 200,
             timing_every: 200,
             save_weights: true,
+            weights_layout: WeightsLayout::Blocks,
             init_weights: None,
         }
     }

@@ -81,6 +81,8 @@ pub struct Session {
     /// `attention = "auto"`'s trials and choice.
     auto_choice: Option<attention_choice::Choice>,
     weights_path: Option<std::path::PathBuf>,
+    /// The saved weights' tensor names (`train.weights_layout`).
+    weights_layout: crate::train::config::WeightsLayout,
     started: bool,
     done: bool,
     /// Training time before `mark` (validation excluded).
@@ -276,6 +278,7 @@ impl Session {
             unigram_bpb,
             attention: (!device.is_cpu()).then(|| flash.map_or("materialized", |k| k.name())),
             auto_choice,
+            weights_layout: c.train.weights_layout,
             weights_path: (c.train.save_weights).then(|| run_dir.map(|d| d.join("final_model.safetensors"))).flatten(),
             started: false,
             done: false,
@@ -810,14 +813,16 @@ impl Session {
         let Some(trace) = self.trace.as_mut() else { return Ok(()) };
         trace.step(step, out, self.trainer.model().looping())?;
         if trace.wants_weights(step, last) {
-            trace.weights(step, &self.trainer.synced_model()?.state_dict())?;
+            let model = self.trainer.synced_model()?;
+            trace.weights(step, &self.weights_layout.apply(model.state_dict(), model.config().num_layers)?)?;
         }
         Ok(())
     }
 
     fn save_weights(&mut self) -> anyhow::Result<()> {
         if let Some(path) = &self.weights_path {
-            crate::model::weights::save(path, &self.trainer.synced_model()?.state_dict())?;
+            let model = self.trainer.synced_model()?;
+            crate::model::weights::save(path, &self.weights_layout.apply(model.state_dict(), model.config().num_layers)?)?;
             self.saved_at = Some(self.trainer.step());
             self.log.line(&format!("saved weights: {} (step {})", path.display(), self.trainer.step()));
         }
