@@ -30,6 +30,15 @@ use super::formulation::Formulation;
 use super::ops::{cast, resid_mix, scale_add};
 
 impl Gpt {
+    /// Block `i`'s norm of its input `u`: `norm(u)`, times `1/sqrt(i + 1)` under `ln_scale`.
+    fn block_norm(&self, f: &Formulation, i: usize, u: &Tensor) -> Result<Tensor> {
+        let n = f.norm_in(u)?;
+        match self.config().ln_scale_of(i) {
+            Some(s) => n.affine(s, 0.0),
+            None => Ok(n),
+        }
+    }
+
     /// Block `i`, at position `slot` of the layer sequence, on the stream `h` (`b` batch rows),
     /// with the pass's formulation `f` and RoPE tables `cos`, `sin`.
     #[allow(clippy::too_many_arguments)]
@@ -44,14 +53,7 @@ impl Gpt {
         sin: &Tensor,
     ) -> Result<Tensor> {
         let p = |s: &str| self.p(&format!("blocks.{i}.{s}"));
-        let scale = self.config().ln_scale_of(i);
-        let norm = |u: &Tensor| -> Result<Tensor> {
-            let n = f.norm_in(u)?;
-            match scale {
-                Some(s) => n.affine(s, 0.0),
-                None => Ok(n),
-            }
-        };
+        let norm = |u: &Tensor| self.block_norm(f, i, u);
         let u = resid_mix(h, x0, &p("resid_mix"))?;
         if self.config().parallel(i) {
             let n = norm(&u)?;
@@ -78,14 +80,7 @@ impl Gpt {
         sin: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
         let p = |s: &str| self.p(&format!("blocks.{i}.{s}"));
-        let scale = self.config().ln_scale_of(i);
-        let norm = |u: &Tensor| -> Result<Tensor> {
-            let n = f.norm_in(u)?;
-            match scale {
-                Some(s) => n.affine(s, 0.0),
-                None => Ok(n),
-            }
-        };
+        let norm = |u: &Tensor| self.block_norm(f, i, u);
         let dtype = l0.dtype();
         let u = resid_mix(l0, x0, &p("resid_mix"))?;
         let a = cast(&self.attention(f, (i, slot), &norm(&u)?, b, cos, sin)?, dtype)?.broadcast_mul(&p("attn_scale"))?;
