@@ -29,6 +29,15 @@ script, fetched by you from the public repository (never commit it):
 `--init record` starts the record's code from its own initialisation (`--seed`) instead of the
 run's weights, on the same batches: the figure to set beside ours over seeds. The baseline:
 `--record /tmp/parameter-golf/train_gpt.py` on a run of pipelines/demo.toml (flavour detected).
+
+The 04-27 record (`records/track_10min_16mb/2026-04-27_SP8192_LQER_SparseGate_BOSSmearFix_9HpStack_1.0611/
+train_gpt.py`) on a run of pipelines/record-0427-mini.toml: besides the above, Triton is a
+stand-in whose kernels are never called (its unfused MLP and cross-entropy run), its auxiliary
+CUDA stream is inert, and its document-packed rows are the trace's rows: the dense attention
+call runs, kept inside documents at BOS by the exact attention (what its varlen call computes
+within a row), and its validation scores the same rows of EVAL_SEQ_LEN so (its flat row would
+also smear across the rows' edges). The byte counts its CaseOps sidecar gives come from the
+tokenizer's tables, as the 04-09 record counts them.
 Exit code 0 when the train losses agree within `--loss-tol` over the first `--strict-steps`
 steps (and always with `--init record`, `--init-weights` or `--export-init`, which judge
 nothing), 1 when they part (a NaN parts), 2 on bad input (a patch that does not apply, a run
@@ -73,11 +82,13 @@ def record_source(path):
 
 
 def flavour(src):
+    if "class DocumentPackingLoader" in src and "_PE_COEFFS" in src and "def train_model(h, device, val_data)" in src:
+        return "record0427"
     if "def train_model(h,device,val_data)" in src and "class Optimizers" in src:
         return "record"
     if "class DistributedTokenLoader" in src and "def main() -> None:" in src:
         return "baseline"
-    fail("the script is neither the 04-09 record's train_gpt.py nor the baseline's (no train_model/Optimizers, no main/DistributedTokenLoader)")
+    fail("the script is none of the 04-27 record's, the 04-09 record's or the baseline's train_gpt.py (no DocumentPackingLoader/_PE_COEFFS, no train_model/Optimizers, no main/DistributedTokenLoader)")
 
 
 # (name, old, new): every one must occur in the source.
@@ -86,6 +97,21 @@ PATCHES = {
         ("Newton-Schulz in f32", "X=G.bfloat16()", "X=G.float()"),
         ("Muon's update buffer in f32", "dtype=torch.bfloat16);curr=0", "dtype=torch.float32);curr=0"),
         ("f32 weights", "base_model=GPT(h).to(device).bfloat16();restore_fp32_params(base_model)", "base_model=GPT(h).to(device)"),
+    ],
+    "record0427": [
+        ("Newton-Schulz in f32", "X = G.bfloat16()", "X = G.float()"),
+        ("Muon's gradient in f32", "g = p.grad.bfloat16()", "g = p.grad.float()"),
+        ("f32 weights", "base_model = GPT(h).to(device).bfloat16()", "base_model = GPT(h).to(device)"),
+        # The fused MLP is a Triton kernel (GPU only); its unfused form is the same maths.
+        ("the unfused MLP", "self.use_fused = True", "self.use_fused = False"),
+        # Validation as our rows: sequences of EVAL_SEQ_LEN, attention kept inside documents
+        # by the attention shim (the record's varlen call takes one flat row, whose SmearGate
+        # would also cross the rows' edges).
+        (
+            "validation in rows",
+            "logits = run_forward_logits(\n                    x[None], cu_seqlens=cu_seqlens, max_seqlen=max_seqlen\n                ).detach()",
+            "logits = run_forward_logits(_cmp_rows(x, seq_len)).detach()",
+        ),
     ],
     "baseline": [
         ("Newton-Schulz in f32", "X = G.bfloat16()", "X = G.float()"),
@@ -290,6 +316,8 @@ def env_for(cfg, kind, meta):
         return {k: str(v) for k, v in e.items()}
     _, ema = stage(cfg, "ema_swa")
     loops = m.get("num_loops", 0)
+    if kind == "record0427":
+        return env_0427(cfg, e, ema)
     e.update(
         {
             "EMBEDDING_DIM": m["model_dim"],
@@ -325,9 +353,76 @@ def env_for(cfg, kind, meta):
     return {k: str(v) for k, v in e.items()}
 
 
+def env_0427(cfg, e, ema):
+    """The 04-27 record's variables (docs/record.md's table), and what its code hard-codes."""
+    m, t = cfg["model"], cfg["train"]
+    lanes = m.get("parallel_decoder_start") or 0
+    windows = {m["smear_gate_window"] if m.get("smear_gate") else None, m["attn_gate_window"] if m.get("attn_gate") else None} - {None}
+    e.update(
+        {
+            "XSA_LAST_N": m.get("xsa_last_n", 0),
+            "SKIP_GATES_ENABLED": int(m.get("skip_gates", False)),
+            "ROPE_DIMS": m.get("rope_dims") or 0,
+            "ROPE_TRAIN_SEQ_LEN": m.get("rope_train_seq_len") or t["seq_len"],
+            "ROPE_YARN": int(m.get("rope_train_seq_len") is not None),
+            "LN_SCALE": int(m.get("ln_scale", False)),
+            "NUM_LOOPS": m.get("num_loops", 0),
+            "LOOP_START": m.get("loop_start", 0),
+            "LOOP_END": m.get("loop_end", 0),
+            "ENABLE_LOOPING_AT": m.get("enable_looping_at", 0.0),
+            "PARALLEL_START_LAYER": lanes,
+            "PARALLEL_FINAL_LANE": m.get("parallel_final_lane", "mean"),
+            "SMEAR_GATE_ENABLED": int(m.get("smear_gate", False)),
+            "SPARSE_ATTN_GATE_ENABLED": int(m.get("attn_gate", False)),
+            "SPARSE_ATTN_GATE_INIT_STD": m.get("attn_gate_init_std", 0.0),
+            "SPARSE_ATTN_GATE_SCALE": m.get("attn_gate_scale", 1.0),
+            "GATE_WINDOW": windows.pop() if windows else 12,
+            "WARMDOWN_FRAC": t["warmdown_frac"],
+            "MIN_LR": t["min_lr"],
+            "MUON_ROW_NORMALIZE": int(t["muon_row_norm"]),
+            "MUON_WD": t["muon_weight_decay"],
+            "EMBED_WD": t["embed_weight_decay"],
+            "ADAM_WD": t["scalar_weight_decay"],
+            "EMA_DECAY": ema.get("decay", 0.0),
+            "EVAL_SEQ_LEN": t["seq_len"],
+            "FUSED_CE_ENABLED": 0,
+            "CASEOPS_ENABLED": 0,
+        }
+    )
+    needs = [
+        (m.get("mlp_activation") == "leaky_relu2" and m.get("leaky_relu_slope") == 0.5, 'model.mlp_activation = "leaky_relu2" with leaky_relu_slope = 0.5'),
+        (m.get("init") == "orthogonal", 'model.init = "orthogonal"'),
+        (ema and ema.get("start_step", 0) == 0, "an ema stage from step 0"),
+        (t.get("muon_ns") == "polar_express", 'train.muon_ns = "polar_express"'),
+        (m.get("parallel_residual_start") is None, "no model.parallel_residual_start (its parallel blocks are the two lanes)"),
+        (len(windows) == 0, "one GATE_WINDOW: model.smear_gate_window equal to model.attn_gate_window"),
+        (m.get("document_attention") and m.get("bos_id", 1) == 1, "model.document_attention = true with bos_id = 1 (it keeps every pass inside documents at BOS_ID = 1)"),
+        (lanes > 0, "model.parallel_decoder_start set (its GPT always has the lanes' parameters)"),
+        (t.get("weights_layout") == "banks", 'train.weights_layout = "banks" (its GPT\'s tensor names)'),
+    ]
+    for ok, what in needs:
+        if not ok:
+            fail(f"the 04-27 record's code has {what}; this run does not")
+    return {k: str(v) for k, v in e.items()}
+
+
 # ---------------------------------------------------------------------------------------------
 # The comparison
 # ---------------------------------------------------------------------------------------------
+
+# The document mask the attention shim applies (04-27: attention inside documents), per pass:
+# `(B, T, T)` booleans, True where a query may see a key; None: plain causal.
+DOC_MASK = [None]
+
+
+def doc_mask_of(x, bos=1):
+    """Rows `x` (B, T) -> (B, T, T): position i sees key j when j <= i and no BOS lies in (j, i]."""
+    import torch
+
+    b, t = x.shape
+    seg = torch.cumsum((x == bos).long(), dim=1)  # the document index of each position
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    return (seg[:, :, None] == seg[:, None, :]) & causal
 
 
 def exact_attention(q, k, v, causal=True):
@@ -341,7 +436,9 @@ def exact_attention(q, k, v, causal=True):
     kh = k.transpose(1, 2).repeat_interleave(rep, dim=1)
     vh = v.transpose(1, 2).repeat_interleave(rep, dim=1)
     s = (qh @ kh.transpose(-1, -2)) * (1.0 / math.sqrt(d))
-    if causal:
+    if DOC_MASK[0] is not None:
+        s = s.masked_fill(~DOC_MASK[0][:, None, :, :], float("-inf"))
+    elif causal:
         mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
         s = s.masked_fill(mask, float("-inf"))
     return (s.softmax(-1) @ vh).transpose(1, 2)
@@ -523,7 +620,29 @@ class Comparison:
         mod.Muon.step = muon_step
         mod.eval_val = eval_val
         torch.nn.utils.clip_grad_norm_ = clip
-        if self.kind == "record":
+        if self.kind == "record0427":
+
+            class PackedTraceLoader:
+                """Our rows as they are (B, T), without `cu_seqlens`: the dense attention call
+                then runs, with the shim keeping it inside documents."""
+
+                def __init__(self, *a, **k):
+                    pass
+
+                def next_batch(self, *a, **k):
+                    x, y = cmp.next_batch()
+                    DOC_MASK[0] = doc_mask_of(x)
+                    return x, y, None, 0
+
+            def rows(x, seq_len):
+                r = x.reshape(-1, seq_len)
+                DOC_MASK[0] = doc_mask_of(r)
+                return r
+
+            mod.DocumentPackingLoader = PackedTraceLoader
+            mod._cmp_rows = rows
+            mod.BOS_ID = 1  # what its loader sets on reading the first shard
+        elif self.kind == "record":
             mod.ShuffledSequenceLoader = TraceLoader
         else:
             mod.DistributedTokenLoader = TraceLoader
@@ -542,11 +661,34 @@ class Comparison:
             tokens = tokens[: n + 1]
         return tokens
 
+    def token_bytes(self, val):
+        """The bytes of each validation target (the sidecar the 04-27 record reads with CaseOps):
+        a piece's bytes, plus its leading space unless the previous token is a boundary, as
+        our byte tables and the 04-09 record count them."""
+        import torch
+
+        tok = val.val_tokens.long()
+        prev = torch.cat([tok[:1], tok[:-1]])
+        n = val.base_bytes_lut[tok].long() + (val.has_leading_space_lut[tok] & ~val.is_boundary_token_lut[prev]).long()
+        return n.to(torch.int32)
+
     def run(self, mod):
         import torch
 
         torch.manual_seed(self.args.seed)
-        if self.kind == "record":
+        if self.kind == "record0427":
+            h = mod.Hyperparameters()
+            h.grad_accum_steps = self.meta["micro_steps"]
+            h.world_size, h.rank, h.distributed, h.is_main_process = 1, 0, False, True
+            h.tokenizer_path = self.cfg["data"]["tokenizer"]
+            h.val_files = self.cfg["data"]["val"]
+            h.logfile = None
+            val = mod.ValidationData(h, torch.device("cpu"))
+            val.val_tokens = self.trim_val(val.val_tokens)
+            val.val_bytes = self.token_bytes(val)
+            model = mod.train_model(h, torch.device("cpu"), val)[0]
+            mod.eval_val(h, torch.device("cpu"), val, model)
+        elif self.kind == "record":
             h = mod.Hyperparameters()
             h.grad_accum_steps = self.meta["micro_steps"]
             h.world_size, h.rank, h.distributed, h.is_main_process = 1, 0, False, True
@@ -569,6 +711,50 @@ class Comparison:
                     os.chdir(cwd)
 
 
+def install_gpu_stubs():
+    """What the 04-27 record's script touches of a GPU at import and in training, made inert
+    on the CPU: Triton (its kernels are only decorated: the comparison runs the unfused
+    paths), an auxiliary CUDA stream (its Adam steps run in order here)."""
+    import contextlib
+
+    import torch
+    import torch._dynamo  # noqa: F401  (torch's own Triton probe, before the stand-in is there)
+    import torch.optim  # noqa: F401
+
+    class Anything(types.ModuleType):
+        """A module whose every attribute is a do-nothing callable (decorators return what they
+        decorate)."""
+
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+
+            def stub(*a, **k):
+                if len(a) == 1 and callable(a[0]) and not k:
+                    return a[0]
+                return lambda f=None, *b, **c: f
+
+            return stub
+
+    triton = Anything("triton")
+    tl = Anything("triton.language")
+    tl.constexpr = object
+    triton.language = tl
+    desc = types.ModuleType("triton.tools.tensor_descriptor")
+    desc.TensorDescriptor = object
+    tools = types.ModuleType("triton.tools")
+    tools.tensor_descriptor = desc
+    sys.modules.update({"triton": triton, "triton.language": tl, "triton.tools": tools, "triton.tools.tensor_descriptor": desc})
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    torch.cuda.Stream = lambda *a, **k: Stream()
+    torch.cuda.current_stream = lambda *a, **k: Stream()
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+
+
 def load_record(src, kind, env, path):
     import torch
 
@@ -580,7 +766,10 @@ def load_record(src, kind, env, path):
     torch.cuda.max_memory_reserved = lambda *a, **k: 0
     fa = types.ModuleType("flash_attn_interface")
     fa.flash_attn_func = exact_attention
+    fa.flash_attn_varlen_func = lambda *a, **k: fail("the record's code called flash_attn_varlen_func: the comparison feeds rows")
     sys.modules["flash_attn_interface"] = fa
+    if kind == "record0427":
+        install_gpu_stubs()
     mod = types.ModuleType("record_train_gpt")
     mod.__file__ = os.path.abspath(path)  # the baseline reads its own code for its size line
     src = patched(src, kind)
@@ -620,6 +809,8 @@ def self_test():
         path.write_text(packed)
         src = record_source(path)
     assert src == plain and flavour(src) == "record"
+    newer = "_PE_COEFFS = ()\nclass DocumentPackingLoader: pass\ndef train_model(h, device, val_data): pass\nclass Optimizers: pass\n"
+    assert flavour(newer) == "record0427"
     import contextlib
     import io
 
@@ -639,7 +830,7 @@ def main():
         self_test()
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--record", required=True, help="the record's train_gpt.py (04-09 record or the baseline), fetched by you")
+    ap.add_argument("--record", required=True, help="the record's train_gpt.py (the 04-27 or 04-09 record's, or the baseline's), fetched by you")
     ap.add_argument("--run", required=True, help="a pipeline run directory made with step_trace = true")
     ap.add_argument("--init", choices=["ours", "record"], default=None, help="start from the run's weights (default) or the record's own initialisation")
     ap.add_argument("--init-weights", help="start from these weights (a safetensors file with the state_dict names, e.g. another run's step_trace/weights_0.safetensors) on the run's batches; both losses are printed, no parting judged")
@@ -677,9 +868,9 @@ def main():
     mod = load_record(src, kind, env, args.record)
     if args.export_init:
         torch.manual_seed(args.seed)
-        model = mod.GPT(mod.Hyperparameters()) if kind == "record" else None
+        model = mod.GPT(mod.Hyperparameters()) if kind in ("record", "record0427") else None
         if model is None:
-            fail("--export-init takes the 04-09 record's script (the baseline builds its GPT inside main())")
+            fail("--export-init takes a record's script (the baseline builds its GPT inside main())")
         write_safetensors(args.export_init, model.state_dict())
         print(f"wrote the record's initial weights for seed {args.seed} to {args.export_init}")
         return

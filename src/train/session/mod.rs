@@ -351,8 +351,11 @@ impl Session {
             if self.cfg.val_every > 0 && self.trainer.step() == 0 {
                 self.validate(ctx, false)?;
             }
-            if let Some(trace) = &self.trace {
-                trace.weights(0, &self.trainer.synced_model()?.state_dict())?;
+            if self.trace.is_some() {
+                let state = self.state_to_save()?;
+                if let Some(trace) = &self.trace {
+                    trace.weights(0, &state)?;
+                }
             }
             self.send(Moment::Start, out, ctx)?;
             self.mark = Some(Instant::now());
@@ -810,19 +813,29 @@ impl Session {
     /// With a trace: its row of `step` (the loop as it was during the step: called before the
     /// switch) and, when it wants them, the weights after it (`last`: the run's last step).
     fn trace_step(&mut self, step: u64, out: &StepOutcome, last: bool) -> anyhow::Result<()> {
+        let looping = self.trainer.model().looping();
         let Some(trace) = self.trace.as_mut() else { return Ok(()) };
-        trace.step(step, out, self.trainer.model().looping())?;
+        trace.step(step, out, looping)?;
         if trace.wants_weights(step, last) {
-            let model = self.trainer.synced_model()?;
-            trace.weights(step, &self.weights_layout.apply(model.state_dict(), model.config().num_layers)?)?;
+            let state = self.state_to_save()?;
+            if let Some(trace) = &self.trace {
+                trace.weights(step, &state)?;
+            }
         }
         Ok(())
     }
 
+    /// The weights as they are saved (`final_model.safetensors`, a trace's): the model's
+    /// `state_dict` in `train.weights_layout`.
+    fn state_to_save(&mut self) -> anyhow::Result<Vec<(String, candle_core::Tensor)>> {
+        let model = self.trainer.synced_model()?;
+        self.weights_layout.apply(model.state_dict(), model.config().num_layers)
+    }
+
     fn save_weights(&mut self) -> anyhow::Result<()> {
-        if let Some(path) = &self.weights_path {
-            let model = self.trainer.synced_model()?;
-            crate::model::weights::save(path, &self.weights_layout.apply(model.state_dict(), model.config().num_layers)?)?;
+        if let Some(path) = self.weights_path.clone() {
+            let state = self.state_to_save()?;
+            crate::model::weights::save(&path, &state)?;
             self.saved_at = Some(self.trainer.step());
             self.log.line(&format!("saved weights: {} (step {})", path.display(), self.trainer.step()));
         }
