@@ -676,7 +676,7 @@ class Comparison:
         import torch
 
         torch.manual_seed(self.args.seed)
-        if self.kind == "record0427":
+        if self.kind in ("record", "record0427"):
             h = mod.Hyperparameters()
             h.grad_accum_steps = self.meta["micro_steps"]
             h.world_size, h.rank, h.distributed, h.is_main_process = 1, 0, False, True
@@ -685,19 +685,10 @@ class Comparison:
             h.logfile = None
             val = mod.ValidationData(h, torch.device("cpu"))
             val.val_tokens = self.trim_val(val.val_tokens)
-            val.val_bytes = self.token_bytes(val)
+            if self.kind == "record0427":
+                val.val_bytes = self.token_bytes(val)
+            # The 04-09 record's train_model returns (model, compiled); the 04-27's a third too.
             model = mod.train_model(h, torch.device("cpu"), val)[0]
-            mod.eval_val(h, torch.device("cpu"), val, model)
-        elif self.kind == "record":
-            h = mod.Hyperparameters()
-            h.grad_accum_steps = self.meta["micro_steps"]
-            h.world_size, h.rank, h.distributed, h.is_main_process = 1, 0, False, True
-            h.tokenizer_path = self.cfg["data"]["tokenizer"]
-            h.val_files = self.cfg["data"]["val"]
-            h.logfile = None
-            val = mod.ValidationData(h, torch.device("cpu"))
-            val.val_tokens = self.trim_val(val.val_tokens)
-            model, _ = mod.train_model(h, torch.device("cpu"), val)
             mod.eval_val(h, torch.device("cpu"), val, model)
         else:
             cwd = os.getcwd()
