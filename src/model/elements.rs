@@ -158,7 +158,9 @@ pub const ELEMENTS: &[Element] = &[
         looped: false,
         engine: false,
         enable: |c| {
-            c.parallel_decoder_start = Some(c.num_layers - 1);
+            // Two lane blocks or more, so that lane 1 reaches lane 0 (and the loss) through the
+            // second block's MLP term.
+            c.parallel_decoder_start = Some((c.num_layers / 2).max(1));
             c.parallel_final_lane = super::config::FinalLane::Attn;
         },
     },

@@ -22,7 +22,9 @@ use candle_core::{Result, Tensor};
 pub fn attn_gate(y: &Tensor, x: &Tensor, w: &Tensor, scale: f64) -> Result<Tensor> {
     let (n, width) = y.dims2()?;
     let (heads, win) = w.dims2()?;
-    let z = x.narrow(1, 0, win)?.matmul(&w.t()?)?.affine(scale, 0.0)?;
+    // Contiguous: a narrowed left operand has a row stride cuBLAS's product refuses (candle's
+    // CPU backend takes any).
+    let z = x.narrow(1, 0, win)?.contiguous()?.matmul(&w.t()?)?.affine(scale, 0.0)?;
     let g = (z.neg()?.exp()? + 1.0)?.recip()?;
     y.reshape((n, heads, width / heads))?.broadcast_mul(&g.unsqueeze(2)?)?.reshape((n, width))
 }
