@@ -315,94 +315,89 @@ def env_for(cfg, kind, meta):
         e["WARMDOWN_ITERS"] = t["warmdown_iters"]
         return {k: str(v) for k, v in e.items()}
     _, ema = stage(cfg, "ema_swa")
-    loops = m.get("num_loops", 0)
+    e.update(record_keys(m, t, ema))
     if kind == "record0427":
-        return env_0427(cfg, e, ema)
+        return env_0427(cfg, e)
     e.update(
         {
             "EMBEDDING_DIM": m["model_dim"],
-            "XSA_LAST_N": m.get("xsa_last_n", 0),
-            "SKIP_GATES_ENABLED": int(m.get("skip_gates", False)),
-            "ROPE_DIMS": m.get("rope_dims") or 0,
-            "ROPE_TRAIN_SEQ_LEN": m.get("rope_train_seq_len") or t["seq_len"],
-            "LN_SCALE": int(m.get("ln_scale", False)),
-            "NUM_LOOPS": loops,
-            "LOOP_START": m.get("loop_start", 0),
-            "LOOP_END": m.get("loop_end", 0),
-            "ENABLE_LOOPING_AT": m.get("enable_looping_at", 0.0),
             "PARALLEL_RESIDUAL_START": m["parallel_residual_start"] if m.get("parallel_residual_start") is not None else -1,
-            "WARMDOWN_FRAC": t["warmdown_frac"],
-            "MIN_LR": t["min_lr"],
-            "MUON_ROW_NORMALIZE": int(t["muon_row_norm"]),
-            "MUON_WD": t["muon_weight_decay"],
-            "EMBED_WD": t["embed_weight_decay"],
-            "ADAM_WD": t["scalar_weight_decay"],
-            "EMA_DECAY": ema.get("decay", 0.0),
-            "EVAL_SEQ_LEN": t["seq_len"],
         }
     )
-    # What the record hard-codes, which our keys must then hold.
-    needs = [
-        (m.get("mlp_activation") == "leaky_relu2" and m.get("leaky_relu_slope") == 0.5, "model.mlp_activation = \"leaky_relu2\" with leaky_relu_slope = 0.5"),
-        (m.get("init") == "orthogonal", 'model.init = "orthogonal"'),
-        (ema and ema.get("start_step", 0) == 0, "an ema stage from step 0"),
-    ]
-    for ok, what in needs:
-        if not ok:
-            fail(f"the record's code has {what}; this run does not")
+    require(record_needs(m, ema), "the record's code")
     return {k: str(v) for k, v in e.items()}
 
 
-def env_0427(cfg, e, ema):
+def record_keys(m, t, ema):
+    """The variables both records read alike."""
+    return {
+        "XSA_LAST_N": m.get("xsa_last_n", 0),
+        "SKIP_GATES_ENABLED": int(m.get("skip_gates", False)),
+        "ROPE_DIMS": m.get("rope_dims") or 0,
+        "ROPE_TRAIN_SEQ_LEN": m.get("rope_train_seq_len") or t["seq_len"],
+        "LN_SCALE": int(m.get("ln_scale", False)),
+        "NUM_LOOPS": m.get("num_loops", 0),
+        "LOOP_START": m.get("loop_start", 0),
+        "LOOP_END": m.get("loop_end", 0),
+        "ENABLE_LOOPING_AT": m.get("enable_looping_at", 0.0),
+        "WARMDOWN_FRAC": t["warmdown_frac"],
+        "MIN_LR": t["min_lr"],
+        "MUON_ROW_NORMALIZE": int(t["muon_row_norm"]),
+        "MUON_WD": t["muon_weight_decay"],
+        "EMBED_WD": t["embed_weight_decay"],
+        "ADAM_WD": t["scalar_weight_decay"],
+        "EMA_DECAY": ema.get("decay", 0.0),
+        "EVAL_SEQ_LEN": t["seq_len"],
+    }
+
+
+def record_needs(m, ema):
+    """What both records hard-code, which our keys must then hold: (holds, what)."""
+    return [
+        (m.get("mlp_activation") == "leaky_relu2" and m.get("leaky_relu_slope") == 0.5, 'model.mlp_activation = "leaky_relu2" with leaky_relu_slope = 0.5'),
+        (m.get("init") == "orthogonal", 'model.init = "orthogonal"'),
+        (ema and ema.get("start_step", 0) == 0, "an ema stage from step 0"),
+    ]
+
+
+def require(needs, whose):
+    for ok, what in needs:
+        if not ok:
+            fail(f"{whose} has {what}; this run does not")
+
+
+def env_0427(cfg, e):
     """The 04-27 record's variables (docs/record.md's table), and what its code hard-codes."""
     m, t = cfg["model"], cfg["train"]
     lanes = m.get("parallel_decoder_start") or 0
     windows = {m["smear_gate_window"] if m.get("smear_gate") else None, m["attn_gate_window"] if m.get("attn_gate") else None} - {None}
     e.update(
         {
-            "XSA_LAST_N": m.get("xsa_last_n", 0),
-            "SKIP_GATES_ENABLED": int(m.get("skip_gates", False)),
-            "ROPE_DIMS": m.get("rope_dims") or 0,
-            "ROPE_TRAIN_SEQ_LEN": m.get("rope_train_seq_len") or t["seq_len"],
             "ROPE_YARN": int(m.get("rope_train_seq_len") is not None),
-            "LN_SCALE": int(m.get("ln_scale", False)),
-            "NUM_LOOPS": m.get("num_loops", 0),
-            "LOOP_START": m.get("loop_start", 0),
-            "LOOP_END": m.get("loop_end", 0),
-            "ENABLE_LOOPING_AT": m.get("enable_looping_at", 0.0),
             "PARALLEL_START_LAYER": lanes,
             "PARALLEL_FINAL_LANE": m.get("parallel_final_lane", "mean"),
             "SMEAR_GATE_ENABLED": int(m.get("smear_gate", False)),
             "SPARSE_ATTN_GATE_ENABLED": int(m.get("attn_gate", False)),
             "SPARSE_ATTN_GATE_INIT_STD": m.get("attn_gate_init_std", 0.0),
             "SPARSE_ATTN_GATE_SCALE": m.get("attn_gate_scale", 1.0),
-            "GATE_WINDOW": windows.pop() if windows else 12,
-            "WARMDOWN_FRAC": t["warmdown_frac"],
-            "MIN_LR": t["min_lr"],
-            "MUON_ROW_NORMALIZE": int(t["muon_row_norm"]),
-            "MUON_WD": t["muon_weight_decay"],
-            "EMBED_WD": t["embed_weight_decay"],
-            "ADAM_WD": t["scalar_weight_decay"],
-            "EMA_DECAY": ema.get("decay", 0.0),
-            "EVAL_SEQ_LEN": t["seq_len"],
+            "GATE_WINDOW": next(iter(windows)) if len(windows) == 1 else 12,
             "FUSED_CE_ENABLED": 0,
             "CASEOPS_ENABLED": 0,
         }
     )
-    needs = [
-        (m.get("mlp_activation") == "leaky_relu2" and m.get("leaky_relu_slope") == 0.5, 'model.mlp_activation = "leaky_relu2" with leaky_relu_slope = 0.5'),
-        (m.get("init") == "orthogonal", 'model.init = "orthogonal"'),
-        (ema and ema.get("start_step", 0) == 0, "an ema stage from step 0"),
-        (t.get("muon_ns") == "polar_express", 'train.muon_ns = "polar_express"'),
-        (m.get("parallel_residual_start") is None, "no model.parallel_residual_start (its parallel blocks are the two lanes)"),
-        (len(windows) == 0, "one GATE_WINDOW: model.smear_gate_window equal to model.attn_gate_window"),
-        (m.get("document_attention") and m.get("bos_id", 1) == 1, "model.document_attention = true with bos_id = 1 (it keeps every pass inside documents at BOS_ID = 1)"),
-        (lanes > 0, "model.parallel_decoder_start set (its GPT always has the lanes' parameters)"),
-        (t.get("weights_layout") == "banks", 'train.weights_layout = "banks" (its GPT\'s tensor names)'),
-    ]
-    for ok, what in needs:
-        if not ok:
-            fail(f"the 04-27 record's code has {what}; this run does not")
+    _, ema = stage(cfg, "ema_swa")
+    require(
+        record_needs(m, ema)
+        + [
+            (t.get("muon_ns") == "polar_express", 'train.muon_ns = "polar_express"'),
+            (m.get("parallel_residual_start") is None, "no model.parallel_residual_start (its parallel blocks are the two lanes)"),
+            (len(windows) <= 1, "one GATE_WINDOW: model.smear_gate_window equal to model.attn_gate_window"),
+            (m.get("document_attention") and m.get("bos_id", 1) == 1, "model.document_attention = true with bos_id = 1 (it keeps every pass inside documents at BOS_ID = 1)"),
+            (lanes > 0, "model.parallel_decoder_start set (its GPT always has the lanes' parameters)"),
+            (t.get("weights_layout") == "banks", 'train.weights_layout = "banks" (its GPT\'s tensor names)'),
+        ],
+        "the 04-27 record's code",
+    )
     return {k: str(v) for k, v in e.items()}
 
 
