@@ -565,6 +565,43 @@ mod tests {
         }
     }
 
+    /// The lane block against its formula, each lambda a different value (so that a swapped
+    /// index shows): `l_k' = resid[i,k] l_k + post[i,0,k] a + post[i,1,k] m`, with `a` the
+    /// attention of lane 0 mixed with `x0` and `m` the MLP of lane 1, each times its scale.
+    #[test]
+    fn the_lane_block_is_its_formula() {
+        let mut cfg = tiny();
+        cfg.parallel_decoder_start = Some(1);
+        cfg.ln_scale = true;
+        let m = moved(&cfg, 21);
+        let (b, t, d) = (2, 4, cfg.model_dim);
+        let l0 = crate::model::ops::testing::seeded(&[b * t, d], 1);
+        let l1 = crate::model::ops::testing::seeded(&[b * t, d], 2);
+        let x0 = crate::model::ops::testing::seeded(&[b * t, d], 3);
+        let f = Formulation::choose(&l0, DType::F64, None, Attention::Auto, (t, cfg.head_dim()));
+        let (cos, sin) = rope_tables(t, cfg.rotary_dims(), cfg.rope_base_for(t), DType::F64, &Device::Cpu).unwrap();
+        let i = 2;
+        let (n0, n1) = m.lane_block(&f, (i, 1), (&l0, &l1), &x0, b, &cos, &sin).unwrap();
+        let p = |s: &str| m.p(&format!("blocks.{i}.{s}"));
+        let s = 1.0 / 3f64.sqrt();
+        let u = crate::model::ops::resid_mix(&l0, &x0, &p("resid_mix")).unwrap();
+        let a = m.attention(&f, (i, 1), &f.norm_in(&u).unwrap().affine(s, 0.0).unwrap(), b, &cos, &sin).unwrap();
+        let a = a.broadcast_mul(&p("attn_scale")).unwrap();
+        let mm = m.mlp(&f, (i, 1), &f.norm_in(&l1).unwrap().affine(s, 0.0).unwrap()).unwrap().broadcast_mul(&p("mlp_scale")).unwrap();
+        let resid: Vec<f64> = m.p("parallel_resid_lambdas").flatten_all().unwrap().to_vec1().unwrap();
+        let post: Vec<f64> = m.p("parallel_post_lambdas").flatten_all().unwrap().to_vec1().unwrap();
+        let flat = crate::model::ops::testing::flat;
+        let (lv, av, mv) = ([flat(&l0), flat(&l1)], flat(&a), flat(&mm));
+        for (k, got) in [flat(&n0), flat(&n1)].iter().enumerate() {
+            for (j, g) in got.iter().enumerate() {
+                let want = resid[i * 2 + k] * lv[k][j] + post[i * 4 + k] * av[j] + post[i * 4 + 2 + k] * mv[j];
+                assert!((g - want).abs() < 1e-12, "lane {k}[{j}]: {g} vs {want}");
+            }
+        }
+        // The lambdas differ, so a swapped index would not pass.
+        assert!(resid[i * 2] != resid[i * 2 + 1] && post[i * 4 + 1] != post[i * 4 + 2]);
+    }
+
     /// Causality with every 04-27 element on: changing the input at position `k` leaves every
     /// earlier position's loss as it was (no element reads ahead), and moves position `k`'s.
     #[test]
