@@ -273,7 +273,15 @@ fn timings(device: &Device, bf16: bool, shape: TimingShape, rows: Option<usize>,
     let y: Vec<u32> = (0..n).map(|_| rng.u32(0..cfg.vocab_size as u32)).collect();
     let step = OptimizerStep {
         clip: 1.0,
-        muon: MuonStep { lr: 0.02, momentum: 0.95, nesterov: true, backend_steps: 5, ns: crate::optim::NewtonSchulz::Quintic, row_norm: false, weight_decay: 0.0 },
+        muon: MuonStep {
+            lr: 0.02,
+            momentum: 0.95,
+            nesterov: true,
+            backend_steps: 5,
+            ns: crate::optim::NewtonSchulz::Quintic,
+            row_norm: false,
+            weight_decay: 0.0,
+        },
         adam: [(0.05, 0.0), (0.04, 0.0), (0.008, 0.0)],
         betas: (0.9, 0.95),
         eps: 1e-8,

@@ -649,7 +649,15 @@ pub fn model_check(dut: &mut Engine, bounds: ModelBounds, seed: u64) -> anyhow::
     };
     tensors("grad", reference.grads()?, dut.grads()?, &mut out)?;
     for e in [&mut reference, &mut *dut] {
-        e.muon(MuonStep { lr: 0.05, momentum: 0.95, nesterov: true, backend_steps: 5, ns: crate::optim::NewtonSchulz::Quintic, row_norm: true, weight_decay: 0.01 })?;
+        e.muon(MuonStep {
+            lr: 0.05,
+            momentum: 0.95,
+            nesterov: true,
+            backend_steps: 5,
+            ns: crate::optim::NewtonSchulz::Quintic,
+            row_norm: true,
+            weight_decay: 0.01,
+        })?;
         for (group, _) in ADAM_GROUPS {
             e.adam(group, 0.01, (0.9, 0.95), 1e-8, 0.0);
         }

@@ -632,7 +632,15 @@ mod tests {
                 assert!((losses[0] - losses[1]).abs() <= 1e-12 * losses[0].abs(), "{what} step {step}: loss {losses:?}");
                 same(&cpu.grads().unwrap(), &lt.grads().unwrap(), &format!("{what} step {step} gradients"));
                 for e in [&mut cpu, &mut lt] {
-                    let muon = MuonStep { lr: 0.05, momentum: 0.95, nesterov: true, backend_steps: 5, ns: crate::optim::NewtonSchulz::Quintic, row_norm: true, weight_decay: 0.01 };
+                    let muon = MuonStep {
+                        lr: 0.05,
+                        momentum: 0.95,
+                        nesterov: true,
+                        backend_steps: 5,
+                        ns: crate::optim::NewtonSchulz::Quintic,
+                        row_norm: true,
+                        weight_decay: 0.01,
+                    };
                     e.muon(muon).unwrap();
                     for (group, _) in ADAM_GROUPS {
                         e.adam(group, 0.01, (0.9, 0.95), 1e-8, 0.0);
@@ -684,7 +692,16 @@ mod tests {
         e.zero_grads();
         let (x, y) = (tokens(1, rows * t, cfg.vocab_size as u32), tokens(2, rows * t, cfg.vocab_size as u32));
         e.micro_step(&x, &y, true, 1.0 / (rows * t) as f64);
-        e.muon(MuonStep { lr: 0.05, momentum: 0.95, nesterov: true, backend_steps: 2, ns: crate::optim::NewtonSchulz::Quintic, row_norm: true, weight_decay: 0.0 }).unwrap();
+        e.muon(MuonStep {
+            lr: 0.05,
+            momentum: 0.95,
+            nesterov: true,
+            backend_steps: 2,
+            ns: crate::optim::NewtonSchulz::Quintic,
+            row_norm: true,
+            weight_decay: 0.0,
+        })
+        .unwrap();
         let plans = plans.lock().unwrap();
         assert!(plans.len() > 20, "{} plans", plans.len());
         let base = 7 << 20; // a 256-byte aligned allocation

@@ -475,7 +475,15 @@ mod tests {
         e.zero_grads();
         let step = OptimizerStep {
             clip: 0.5,
-            muon: MuonStep { lr: 0.05, momentum: 0.95, nesterov: true, backend_steps: 5, ns: crate::optim::NewtonSchulz::Quintic, row_norm: false, weight_decay: 0.0 },
+            muon: MuonStep {
+                lr: 0.05,
+                momentum: 0.95,
+                nesterov: true,
+                backend_steps: 5,
+                ns: crate::optim::NewtonSchulz::Quintic,
+                row_norm: false,
+                weight_decay: 0.0,
+            },
             adam: [(0.01, 0.0); 3],
             betas: (0.9, 0.95),
             eps: 1e-8,

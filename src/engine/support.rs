@@ -60,9 +60,12 @@ pub fn check(cfg: &ModelConfig) -> anyhow::Result<()> {
         parallel_final_lane: _,
     } = cfg;
     let lanes = parallel_decoder_start.is_some_and(|s| s > 0);
-    for (on, key) in
-        [(*smear_gate, "smear_gate"), (*document_attention, "document_attention"), (*attn_gate, "attn_gate"), (lanes, "parallel_decoder_start")]
-    {
+    for (on, key) in [
+        (*smear_gate, "smear_gate"),
+        (*document_attention, "document_attention"),
+        (*attn_gate, "attn_gate"),
+        (lanes, "parallel_decoder_start"),
+    ] {
         anyhow::ensure!(
             !on,
             "`model.{key}`: the explicit engine does not implement this 04-27 element yet; train it with `stages.train.impl = \"candle\"`"

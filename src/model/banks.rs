@@ -61,10 +61,7 @@ pub fn from_banks(mut tensors: HashMap<String, Tensor>) -> anyhow::Result<HashMa
     if !BANKS.iter().any(|(b, _, _)| tensors.contains_key(*b)) {
         return Ok(tensors);
     }
-    let layers = tensors
-        .get("mlp_up_bank")
-        .ok_or_else(|| anyhow::anyhow!("a banked file without `mlp_up_bank`"))?
-        .dim(0)?;
+    let layers = tensors.get("mlp_up_bank").ok_or_else(|| anyhow::anyhow!("a banked file without `mlp_up_bank`"))?.dim(0)?;
     for (bank, first, second) in BANKS {
         let t = tensors.remove(bank).ok_or_else(|| anyhow::anyhow!("a banked file without `{bank}`"))?;
         let halves: Vec<&str> = std::iter::once(first).chain(second).collect();
@@ -95,7 +92,8 @@ mod tests {
     /// and the 04-27 tensors), 35,945,671 values; back to ours bit for bit.
     #[test]
     fn the_04_27_model_banks_and_unbanks_exactly() {
-        let cfg = ModelConfig { vocab_size: 64, model_dim: 32, num_heads: 4, num_kv_heads: 2, rope_dims: Some(4), ..ModelConfig::record_0427() };
+        let cfg =
+            ModelConfig { vocab_size: 64, model_dim: 32, num_heads: 4, num_kv_heads: 2, rope_dims: Some(4), ..ModelConfig::record_0427() };
         let m = Gpt::new(&cfg, 5, DType::F32, &Device::Cpu).unwrap();
         let banks = to_banks(&m.state_dict(), cfg.num_layers).unwrap();
         let shape = |n: &str| banks.iter().find(|(k, _)| k == n).map(|(_, t)| t.dims().to_vec());
@@ -110,13 +108,15 @@ mod tests {
         let count: usize = banks.iter().map(|(_, t)| t.elem_count()).sum();
         assert_eq!(count, m.param_count());
         // qo_bank[L + 3] is block 3's output projection.
-        let proj: Vec<f32> = m.state_dict().into_iter().find(|(n, _)| n == "blocks.3.attn.proj.weight").unwrap().1.flatten_all().unwrap().to_vec1().unwrap();
+        let proj: Vec<f32> =
+            m.state_dict().into_iter().find(|(n, _)| n == "blocks.3.attn.proj.weight").unwrap().1.flatten_all().unwrap().to_vec1().unwrap();
         let row: Vec<f32> = banks[0].1.get(11 + 3).unwrap().flatten_all().unwrap().to_vec1().unwrap();
         assert_eq!(proj, row);
         // Back: every tensor bit for bit, and the model loads the banked file as it is.
         let back = from_banks(banks.into_iter().collect()).unwrap();
         for (n, t) in m.state_dict() {
-            let (a, b): (Vec<f32>, Vec<f32>) = (t.flatten_all().unwrap().to_vec1().unwrap(), back[&n].flatten_all().unwrap().to_vec1().unwrap());
+            let (a, b): (Vec<f32>, Vec<f32>) =
+                (t.flatten_all().unwrap().to_vec1().unwrap(), back[&n].flatten_all().unwrap().to_vec1().unwrap());
             assert_eq!(a, b, "{n}");
         }
         let mut other = Gpt::new(&cfg, 6, DType::F32, &Device::Cpu).unwrap();

@@ -322,7 +322,9 @@ impl ModelConfig {
                 self.num_layers
             );
         }
-        for (on, key, w) in [(self.smear_gate, "smear_gate_window", self.smear_gate_window), (self.attn_gate, "attn_gate_window", self.attn_gate_window)] {
+        for (on, key, w) in
+            [(self.smear_gate, "smear_gate_window", self.smear_gate_window), (self.attn_gate, "attn_gate_window", self.attn_gate_window)]
+        {
             anyhow::ensure!(
                 !on || (1..=self.model_dim).contains(&w),
                 "`model.{key}` ({w}) must be between 1 and the width `model.model_dim` ({})",

@@ -35,7 +35,14 @@ pub const SHAPE_KEYS: [&str; 5] = ["vocab_size", "num_layers", "model_dim", "num
 
 /// Every model element, in the order the record spec lists them.
 pub const ELEMENTS: &[Element] = &[
-    Element { name: "grouped-query attention", keys: &["num_kv_heads"], since: "baseline", looped: false, engine: true, enable: |c| c.num_kv_heads = 1 },
+    Element {
+        name: "grouped-query attention",
+        keys: &["num_kv_heads"],
+        since: "baseline",
+        looped: false,
+        engine: true,
+        enable: |c| c.num_kv_heads = 1,
+    },
     Element {
         name: "untied output head",
         keys: &["tie_embeddings"],
@@ -44,7 +51,14 @@ pub const ELEMENTS: &[Element] = &[
         engine: true,
         enable: |c| c.tie_embeddings = false,
     },
-    Element { name: "logit soft-cap", keys: &["logit_softcap"], since: "baseline", looped: false, engine: true, enable: |c| c.logit_softcap = 15.0 },
+    Element {
+        name: "logit soft-cap",
+        keys: &["logit_softcap"],
+        since: "baseline",
+        looped: false,
+        engine: true,
+        enable: |c| c.logit_softcap = 15.0,
+    },
     Element { name: "QK gain", keys: &["qk_gain_init"], since: "04-09", looped: false, engine: true, enable: |c| c.qk_gain_init = 5.25 },
     Element {
         name: "LeakyReLU²",
@@ -88,7 +102,14 @@ pub const ELEMENTS: &[Element] = &[
             c.rope_base = 20_000.0;
         },
     },
-    Element { name: "XSA", keys: &["xsa_last_n"], since: "04-09", looped: false, engine: true, enable: |c| c.xsa_last_n = c.num_layers / 2 },
+    Element {
+        name: "XSA",
+        keys: &["xsa_last_n"],
+        since: "04-09",
+        looped: false,
+        engine: true,
+        enable: |c| c.xsa_last_n = c.num_layers / 2,
+    },
     Element {
         name: "depth recurrence",
         keys: &["loop_start", "loop_end", "num_loops", "enable_looping_at"],

@@ -9,12 +9,12 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 use super::ModelConfig;
+use super::config::FinalLane;
 use super::config::Init as InitKind;
 use super::flash_attn::{self, Attention, FlashKernels};
 use super::formulation::{Formulation, PassExtras};
 use super::init::Init;
 use super::observe::{InputObserver, Observer};
-use super::config::FinalLane;
 use super::ops::{DocumentMask, cast, embedding, gated_skip, rms_norm, rope_tables, scale_add, smear_gate, softcap, softcap_cross_entropy};
 
 /// Which optimizer group a parameter belongs to (as the challenge script splits them).
@@ -556,8 +556,7 @@ mod tests {
             let mut off = tiny();
             off.vocab_size = cfg.vocab_size;
             let mut plain = Gpt::new(&off, 9, DType::F64, &Device::Cpu).unwrap();
-            let shared: HashMap<String, Tensor> =
-                m.state_dict().into_iter().filter(|(n, _)| plain.param(n).is_some()).collect();
+            let shared: HashMap<String, Tensor> = m.state_dict().into_iter().filter(|(n, _)| plain.param(n).is_some()).collect();
             plain.load_state(&shared).unwrap();
             let (a, b) = (m.loss(&x, &y).unwrap().to_scalar::<f64>().unwrap(), plain.loss(&x, &y).unwrap().to_scalar::<f64>().unwrap());
             assert!((a - b).abs() > 1e-6, "{name}: the loss does not move ({a} vs {b})");

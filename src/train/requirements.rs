@@ -124,7 +124,11 @@ pub fn engine_memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>>
             // H100 the record's 34 GB went to 2 GB before the artifact stage began): the
             // artifact's and the evaluation's models do not sit beside them.
             let working = matches!(what, "activations" | "scratch");
-            let need = Need::device(format!("engine arena: {what}"), (n as u64).saturating_mul(elem), if working { &act_keys } else { &MODEL_KEYS });
+            let need = Need::device(
+                format!("engine arena: {what}"),
+                (n as u64).saturating_mul(elem),
+                if working { &act_keys } else { &MODEL_KEYS },
+            );
             if working { need.transient() } else { need }
         })
         .collect();
@@ -132,11 +136,14 @@ pub fn engine_memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>>
     if !on_cpu {
         // An error here is the backend check's to report (head width, sequence length).
         if let Ok(cap) = crate::engine::step::kernel_capacity(m, shape.rows, t) {
-            needs.push(Need::device(
-                "engine kernel scratch (aux, bf16 attention operands, token CSR, cuBLASLt workspace)",
-                cap.scratch_bytes() as u64,
-                &act_keys,
-            ).transient());
+            needs.push(
+                Need::device(
+                    "engine kernel scratch (aux, bf16 attention operands, token CSR, cuBLASLt workspace)",
+                    cap.scratch_bytes() as u64,
+                    &act_keys,
+                )
+                .transient(),
+            );
         }
     }
     // The mirror's weights, and its validation pass's activations.

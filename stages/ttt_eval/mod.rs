@@ -229,7 +229,11 @@ impl Evaluator {
 /// An evaluator's memory: its snapshots, a model, and the larger of a sliding batch's forward
 /// pass and (with TTT: `batch_seqs`) a training batch with its gradients and momentum.
 /// `ttt_batch`: the rows one rank trains on at once, and the key that sets them.
-fn eval_memory(ctx: &BuildCtx, sliding: &SlidingConfig, ttt_batch: Option<(usize, &str)>) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
+fn eval_memory(
+    ctx: &BuildCtx,
+    sliding: &SlidingConfig,
+    ttt_batch: Option<(usize, &str)>,
+) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
     use crate::model::memory::{MODEL_KEYS, ParamCounts, forward_bytes, snapshots_need, training_bytes};
     let m = &config(ctx)?.model;
     m.check()?;

@@ -46,7 +46,10 @@ fn model_elements_line(m: &crate::model::ModelConfig) -> Option<String> {
         on.push(format!("attn_gate:window{} scale:{} init_std:{}", m.attn_gate_window, m.attn_gate_scale, m.attn_gate_init_std));
     }
     if let Some(p) = m.lanes_from() {
-        on.push(format!("parallel_decoder_start:{p} final_lane:{}", serde_json::to_value(m.parallel_final_lane).unwrap_or_default().as_str().unwrap_or("?")));
+        on.push(format!(
+            "parallel_decoder_start:{p} final_lane:{}",
+            serde_json::to_value(m.parallel_final_lane).unwrap_or_default().as_str().unwrap_or("?")
+        ));
     }
     (!on.is_empty()).then(|| format!("model_elements: {}", on.join(" ")))
 }
