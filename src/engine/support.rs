@@ -56,15 +56,14 @@ pub fn check(cfg: &ModelConfig) -> anyhow::Result<()> {
         attn_gate_window: _,
         attn_gate_init_std: _,
         attn_gate_scale: _,
-        parallel_decoder_start,
+        parallel_decoder_start: _,
         parallel_final_lane: _,
     } = cfg;
-    let lanes = parallel_decoder_start.is_some_and(|s| s > 0);
     for (on, key) in [
         (*smear_gate, "smear_gate"),
         (*document_attention, "document_attention"),
         (*attn_gate, "attn_gate"),
-        (lanes, "parallel_decoder_start"),
+        (cfg.lanes_from().is_some(), "parallel_decoder_start"),
     ] {
         anyhow::ensure!(
             !on,

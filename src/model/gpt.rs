@@ -517,21 +517,14 @@ mod tests {
     /// non-trivial first) against candle's backward pass.
     #[test]
     fn gradients_match_finite_differences() {
-        let cfg = ModelConfig { tie_embeddings: false, ..tiny() };
-        let m = Gpt::new(&cfg, 9, DType::F64, &Device::Cpu).unwrap();
-        let mut rng = fastrand::Rng::with_seed(11);
-        for (_, v, _) in m.params() {
-            let n = v.elem_count();
-            let vals: Vec<f64> = (0..n).map(|_| rng.f64() * 0.8 - 0.4).collect();
-            v.set(&Tensor::from_vec(vals, v.dims(), &Device::Cpu).unwrap()).unwrap();
-        }
+        let m = moved(&ModelConfig { tie_embeddings: false, ..tiny() }, 11);
         let x = Tensor::from_vec((0..10u32).map(|i| (i * 5 + 1) % 16).collect::<Vec<_>>(), (2, 5), &Device::Cpu).unwrap();
         let y = Tensor::from_vec((0..10u32).map(|i| (i * 3 + 2) % 16).collect::<Vec<_>>(), (2, 5), &Device::Cpu).unwrap();
         crate::model::reference::assert_gradients_match_finite_differences(&m, &x, &y);
     }
 
-    /// A tiny f64 model with `cfg`, every parameter moved off its initial value (the 04-27
-    /// elements start as identities: zero gates and gains).
+    /// A tiny f64 model with `cfg`, every parameter moved off its initial value (zero
+    /// projections, and the 04-27 elements' zero gates and gains, would hide their gradients).
     fn moved(cfg: &ModelConfig, seed: u64) -> Gpt {
         let m = Gpt::new(cfg, 9, DType::F64, &Device::Cpu).unwrap();
         let mut rng = fastrand::Rng::with_seed(seed);

@@ -328,9 +328,7 @@ impl Sink for ScoreFirst {
     fn memory(p: &ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
         let c = config(ctx)?;
         let cfg = p.ttt(c.train.seq_len);
-        // The key that bounds the rows: a chunk's sequences when fewer than `batch_seqs`.
-        let key = if cfg.chunk_tokens / cfg.sliding.seq_len < cfg.batch_seqs { "chunk_tokens" } else { "batch_seqs" };
-        eval_memory(ctx, &cfg.sliding, Some((cfg.rows_per_rank(c.run.world_size), key)))
+        eval_memory(ctx, &cfg.sliding, Some(cfg.rows_per_rank(c.run.world_size)))
     }
 
     fn build(p: ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<Self> {

@@ -112,13 +112,15 @@ impl TttConfig {
         chunk_cosine(self.lr, c, n_chunks)
     }
 
-    /// The most sequences one rank of `world` trains on at once: a step's rows are at most
-    /// `batch_seqs` and at most a chunk's whole sequences (`chunk_tokens / seq_len`: the
-    /// record's 32768-token chunks hold 16 of 2048, under its `batch_seqs` of 32), shared
-    /// between the ranks as [`train_sequences`] shares them. What the memory estimate counts.
-    pub fn rows_per_rank(&self, world: usize) -> usize {
-        let rows = self.batch_seqs.min((self.chunk_tokens / self.sliding.seq_len).max(1));
-        rows.div_ceil(world.max(1))
+    /// The most sequences one rank of `world` trains on at once, and the key that bounds them:
+    /// a step's rows are at most `batch_seqs` and at most a chunk's whole sequences
+    /// (`chunk_tokens / seq_len`: the record's 32768-token chunks hold 16 of 2048, under its
+    /// `batch_seqs` of 32), shared between the ranks as [`train_sequences`] shares them. What
+    /// the memory estimate counts, and the key its refusal names.
+    pub fn rows_per_rank(&self, world: usize) -> (usize, &'static str) {
+        let chunk = (self.chunk_tokens / self.sliding.seq_len).max(1);
+        let (rows, key) = if chunk < self.batch_seqs { (chunk, "chunk_tokens") } else { (self.batch_seqs, "batch_seqs") };
+        (rows.div_ceil(world.max(1)), key)
     }
 
     /// How a chunk is trained on: whole sequences of `seq_len`, plain causal rows.

@@ -587,10 +587,10 @@ fn a_ranks_rows_are_bounded_by_the_chunk_and_shared() {
         batch_seqs,
         ..TttConfig::default()
     };
-    assert_eq!(cfg(32768, 32).rows_per_rank(1), 16);
-    assert_eq!(cfg(32768, 32).rows_per_rank(8), 2);
-    assert_eq!(cfg(32768, 4).rows_per_rank(1), 4);
-    assert_eq!(cfg(32768, 4).rows_per_rank(3), 2);
-    assert_eq!(cfg(131072, 32).rows_per_rank(1), 32);
-    assert_eq!(cfg(1024, 32).rows_per_rank(1), 1, "a chunk shorter than a sequence trains one");
+    assert_eq!(cfg(32768, 32).rows_per_rank(1), (16, "chunk_tokens"));
+    assert_eq!(cfg(32768, 32).rows_per_rank(8), (2, "chunk_tokens"));
+    assert_eq!(cfg(32768, 4).rows_per_rank(1), (4, "batch_seqs"));
+    assert_eq!(cfg(32768, 4).rows_per_rank(3), (2, "batch_seqs"));
+    assert_eq!(cfg(131072, 32).rows_per_rank(1), (32, "batch_seqs"));
+    assert_eq!(cfg(1024, 32).rows_per_rank(1), (1, "chunk_tokens"), "a chunk shorter than a sequence trains one");
 }

@@ -81,8 +81,6 @@ pub struct Session {
     /// `attention = "auto"`'s trials and choice.
     auto_choice: Option<attention_choice::Choice>,
     weights_path: Option<std::path::PathBuf>,
-    /// The saved weights' tensor names (`train.weights_layout`).
-    weights_layout: crate::train::config::WeightsLayout,
     started: bool,
     done: bool,
     /// Training time before `mark` (validation excluded).
@@ -278,7 +276,6 @@ impl Session {
             unigram_bpb,
             attention: (!device.is_cpu()).then(|| flash.map_or("materialized", |k| k.name())),
             auto_choice,
-            weights_layout: c.train.weights_layout,
             weights_path: (c.train.save_weights).then(|| run_dir.map(|d| d.join("final_model.safetensors"))).flatten(),
             started: false,
             done: false,
@@ -829,7 +826,7 @@ impl Session {
     /// `state_dict` in `train.weights_layout`.
     fn state_to_save(&mut self) -> anyhow::Result<Vec<(String, candle_core::Tensor)>> {
         let model = self.trainer.synced_model()?;
-        self.weights_layout.apply(model.state_dict(), model.config().num_layers)
+        self.cfg.weights_layout.apply(model.state_dict(), model.config().num_layers)
     }
 
     fn save_weights(&mut self) -> anyhow::Result<()> {
