@@ -137,6 +137,8 @@ impl EngineParams {
             anyhow::ensure!(v > 0.0 && v.is_finite(), "key `{key}` = {v} must be a positive number of MiB");
         }
         let c = config(ctx)?;
+        // What of the model the engine implements (a refused element names its key).
+        crate::engine::support::check(&c.model)?;
         let device = &c.run.device;
         anyhow::ensure!(
             device == "cpu" || c.run.world_size == 1,

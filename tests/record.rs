@@ -10,7 +10,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::tiny::*;
-use common::{assert_fails, report, text, wait_or_kill};
+use common::{assert_fails, bin, report, text, wait_or_kill};
 
 /// Every model element of the record on the tiny model (3 blocks, head dim 16): blocks 1..=1
 /// run twice once looped ([0, 1, 1, 2]), looping on at half of training.
@@ -115,4 +115,40 @@ fn the_comparison_script_checks_itself() {
     };
     assert!(o.status.success(), "{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stdout).contains("self-test: ok"));
+}
+
+/// The 04-27 keys' bad values are refused by `pipeline validate` (exit 2, no panic), each
+/// naming its key: a gate window outside the width, a lane start past the layers or inside the
+/// loop, both forms of parallel blocks at once, a `bos_id` the tokenizer does not start
+/// documents with, Polar Express past its five steps, and a new element on the explicit engine.
+#[test]
+fn the_04_27_keys_refuse_bad_values_by_name() {
+    let c = corpus("record0427-bad");
+    let cfg = config(&c);
+    let cases: [(&[&str], &[&str]); 8] = [
+        (&["model.smear_gate=true", "model.smear_gate_window=4096"], &["`model.smear_gate_window` (4096)"]),
+        (&["model.attn_gate=true", "model.attn_gate_window=0"], &["`model.attn_gate_window` (0)"]),
+        (&["model.num_layers=3", "model.parallel_decoder_start=3"], &["`model.parallel_decoder_start` (3)"]),
+        (
+            &["model.num_layers=3", "model.num_loops=1", "model.loop_start=1", "model.loop_end=1", "model.parallel_decoder_start=1"],
+            &["`model.parallel_decoder_start` (1) must come after the loop range"],
+        ),
+        (
+            &["model.num_layers=3", "model.parallel_residual_start=1", "model.parallel_decoder_start=2"],
+            &["`model.parallel_residual_start`"],
+        ),
+        (&["model.document_attention=true", "model.bos_id=2"], &["`model.bos_id` = 2", "starts documents with 1"]),
+        (&["train.muon_ns=\"polar_express\"", "train.muon_backend_steps=6"], &["`train.muon_backend_steps` = 6"]),
+        (&["stages.train.impl=\"engine\"", "model.smear_gate=true"], &["`model.smear_gate`", "explicit engine"]),
+    ];
+    for (sets, fragments) in cases {
+        let mut cmd = bin();
+        cmd.arg("validate").arg(&cfg);
+        for s in sets {
+            cmd.arg("--set").arg(s);
+        }
+        let o = cmd.output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{sets:?}: {}", text(&o));
+        assert_fails(&o, fragments);
+    }
 }
