@@ -565,6 +565,134 @@ extern "C" __global__ void eng_xsa_bwd(const float* dout, const float* y, const 
     }
 }
 
+// ---- the 04-27 record's SmearGate (src/model/ops/smear_gate.rs) --------------------------
+
+// The gate of row r of the `cols`-wide embedding rows e: lambda sigmoid(w . e_r[:win]), 0 at a
+// sequence's first position and where the row's id is bos (the BOS fix); its sigmoid (0 there
+// too) in *s. Every lane of the warp gets both.
+__device__ __forceinline__ float smear_gate_of(const float* e, const unsigned* ids, const float* w, float lambda, long r, int cols,
+                                               int win, int t, int bos, float* s) {
+    if (r % t == 0 || ids[r] == (unsigned)bos) {
+        *s = 0.f;
+        return 0.f;
+    }
+    float z = 0.f;
+    for (int c = threadIdx.x & 31; c < win; c += 32) z += w[c] * e[r * cols + c];
+    *s = sigmoid(warp_sum(z));
+    return lambda * *s;
+}
+
+// Warp per row: out_r = e_r + g_r e_{r-1} (out_r = e_r at a sequence's first position).
+extern "C" __global__ void eng_smear_fwd(const float* e, const unsigned* ids, const float* w, const float* lambda, float* out, long rows,
+                                         int cols, int win, int t, int bos) {
+    const long r = warp_row(rows);
+    if (r < 0) return;
+    float s;
+    const float g = smear_gate_of(e, ids, w, lambda[0], r, cols, win, t, bos, &s);
+    const bool first = r % t == 0;
+    for (int c = threadIdx.x & 31; c < cols; c += 32) out[r * cols + c] = first ? e[r * cols + c] : e[r * cols + c] + e[(r - 1) * cols + c] * g;
+}
+
+// Warp per row, with G = dout and dg_r = G_r . e_{r-1}: de_r = G_r + g_{r+1} G_{r+1} + [c < win]
+// dz_r w with dz_r = dg_r lambda s_r (1 - s_r); (dz_r, dg_r s_r) into rowv[2r], rowv[2r + 1] for
+// eng_smear_partial (both 0 where the gate is off).
+extern "C" __global__ void eng_smear_bwd(const float* dout, const float* e, const unsigned* ids, const float* w, const float* lambda,
+                                         float* de, float* rowv, long rows, int cols, int win, int t, int bos) {
+    const long r = warp_row(rows);
+    if (r < 0) return;
+    const int lane = threadIdx.x & 31;
+    const float l = lambda[0];
+    float s, s_next;
+    smear_gate_of(e, ids, w, l, r, cols, win, t, bos, &s);
+    const bool has_next = r + 1 < rows && (r + 1) % t != 0;
+    const float g_next = has_next ? smear_gate_of(e, ids, w, l, r + 1, cols, win, t, bos, &s_next) : 0.f;
+    float dz = 0.f, dl = 0.f;
+    if (r % t != 0 && ids[r] != (unsigned)bos) {
+        float dg = 0.f;
+        for (int c = lane; c < cols; c += 32) dg += dout[r * cols + c] * e[(r - 1) * cols + c];
+        dg = warp_sum(dg);
+        dz = dg * l * s * (1.f - s);
+        dl = dg * s;
+    }
+    for (int c = lane; c < cols; c += 32) {
+        float d = dout[r * cols + c];
+        if (has_next) d += g_next * dout[(r + 1) * cols + c];
+        if (c < win) d += dz * w[c];
+        de[r * cols + c] = d;
+    }
+    if (lane == 0) {
+        rowv[2 * r] = dz;
+        rowv[2 * r + 1] = dl;
+    }
+}
+
+// part[blk][c] = the block's sum of dz_r e_r[c] for c < win, and of dl_r at c = win (w's and
+// lambda's gradients before colsum_finish adds the blocks).
+extern "C" __global__ void eng_smear_partial(const float* e, const float* rowv, long rows, int cols, int win, float* part) {
+    const long r0 = (long)blockIdx.y * PART, r1 = min(r0 + PART, rows);
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c <= win; c += gridDim.x * blockDim.x) {
+        float a = 0.f;
+        for (long r = r0; r < r1; ++r) a += c < win ? rowv[2 * r] * e[r * cols + c] : rowv[2 * r + 1];
+        part[(long)blockIdx.y * (win + 1) + c] = a;
+    }
+}
+
+// ---- the 04-27 record's sparse attention-output gate (src/model/ops/attn_gate.rs) ---------
+
+// g = sigmoid(scale w[h] . x[n, :win]) of row n (row stride ldx), head h; every lane gets it.
+__device__ __forceinline__ float attn_gate_of(const float* x, long ldx, const float* w, long n, int h, int win, float scale) {
+    float z = 0.f;
+    for (int c = threadIdx.x & 31; c < win; c += 32) z += x[n * ldx + c] * w[h * win + c];
+    return sigmoid(warp_sum(z) * scale);
+}
+
+// Warp per (row, head): out[n, h, :] = g y[n, h, :].
+extern "C" __global__ void eng_attn_gate_fwd(const float* y, const float* x, long ldx, const float* w, float* out, long rows, int heads,
+                                             int d, int win, float scale) {
+    const long item = warp_row(rows * heads);
+    if (item < 0) return;
+    const long n = item / heads;
+    const int h = (int)(item % heads);
+    const float g = attn_gate_of(x, ldx, w, n, h, win, scale);
+    for (int k = threadIdx.x & 31; k < d; k += 32) out[item * d + k] = g * y[item * d + k];
+}
+
+// Warp per (row, head): dy[n, h, :] = g G[n, h, :]; dz[n, h] = scale g (1 - g) (G . y)[n, h].
+extern "C" __global__ void eng_attn_gate_bwd(const float* dout, const float* y, const float* x, long ldx, const float* w, float* dy,
+                                             float* dz, long rows, int heads, int d, int win, float scale) {
+    const long item = warp_row(rows * heads);
+    if (item < 0) return;
+    const long n = item / heads;
+    const int h = (int)(item % heads);
+    const float g = attn_gate_of(x, ldx, w, n, h, win, scale);
+    float dg = 0.f;
+    for (int k = threadIdx.x & 31; k < d; k += 32) {
+        dg += dout[item * d + k] * y[item * d + k];
+        dy[item * d + k] = g * dout[item * d + k];
+    }
+    dg = warp_sum(dg);
+    if ((threadIdx.x & 31) == 0) dz[item] = scale * g * (1.f - g) * dg;
+}
+
+// ---- document starts (src/model/ops/doc_mask.rs) ------------------------------------------
+
+// starts[r t + p] = the first position of the document holding position p of row r: the last
+// position at or before p whose id is bos, else 0. Warp per row, 32 positions at a time: a
+// ballot of the BOS positions, each lane taking the highest at or below it (or the carry).
+extern "C" __global__ void eng_doc_starts(const unsigned* ids, unsigned* starts, long rows, int t, int bos) {
+    const long r = warp_row(rows);
+    if (r < 0) return;
+    const int lane = threadIdx.x & 31;
+    unsigned carry = 0;
+    for (int p0 = 0; p0 < t; p0 += 32) {
+        const int p = p0 + lane;
+        const unsigned mask = __ballot_sync(0xffffffffu, p < t && ids[r * t + p] == (unsigned)bos);
+        const unsigned upto = mask & (0xffffffffu >> (31 - lane));
+        if (p < t) starts[r * t + p] = upto ? (unsigned)(p0 + 31 - __clz(upto)) : carry;
+        if (mask) carry = (unsigned)(p0 + 31 - __clz(mask));
+    }
+}
+
 // ---- the MLP's activation (ops/act.cuh) -------------------------------------------------
 
 // out = leaky_relu(x)^2 (slope 0: relu^2).

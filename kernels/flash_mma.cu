@@ -158,16 +158,30 @@ __device__ __forceinline__ void next_stage(int i, int n, Load load) {
 
 }  // namespace
 
+// The kernels' bodies take a document mask as a template switch: with DOCS, `starts[b t + i]` is
+// the first key position query i of sequence b may see (src/model/ops/doc_mask.rs; rising
+// along a sequence), so a key is visible when starts[i] <= key <= i, and key tiles wholly before
+// a query tile's first start are skipped. Without it (`starts` unread) the kernels are plain
+// causal attention. The extern "C" entry points below instantiate both.
+
 // Forward: o and lse2 for query tile (T/64 - 1 - blockIdx.x) of (batch, head) blockIdx.y.
 // scale_log2 = log2(e) / sqrt(64).
-extern "C" __global__ void __launch_bounds__(THREADS)
-    flash_fwd_mma_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse2, int t, int heads, int kv_heads,
-                       float scale_log2) {
+template <bool DOCS>
+__device__ __forceinline__ void flash_fwd(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse2, int t, int heads, int kv_heads,
+                                          float scale_log2, const unsigned* starts) {
     __shared__ __align__(16) bf16 ks[2][TILE * LDT];
     __shared__ __align__(16) bf16 vs[2][TILE * LDT];
     const QueryTile at(t, heads, kv_heads);
     const int lane = at.lane;
-    auto load = [&](int kt, int st) { load_kv(ks[st], vs[st], k + at.kv, v + at.kv, kt, at.ldk); };
+    // The lane rows' first visible keys, and the first key tile any row of the block sees.
+    int lo[2] = {0, 0}, kt0 = 0;
+    if (DOCS) {
+        const long base = (long)at.b * t;
+        lo[0] = (int)starts[base + at.row0 + at.g];
+        lo[1] = (int)starts[base + at.row0 + at.g + 8];
+        kt0 = (int)starts[base + at.qt * TILE] / TILE;
+    }
+    auto load = [&](int i, int st) { load_kv(ks[st], vs[st], k + at.kv, v + at.kv, kt0 + i, at.ldk); };
     load(0, 0);
 
     FragA qa;
@@ -175,13 +189,15 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     Acc acc, s;
     zero(acc);
     float m[2] = {-CUDART_INF_F, -CUDART_INF_F}, l[2] = {0.f, 0.f};  // l: this lane's part of the row sums
-    const int tiles = at.qt + 1;
-    for (int kt = 0; kt < tiles; ++kt) {
-        const int st = kt & 1;
-        next_stage(kt, tiles, load);
+    const int tiles = at.qt + 1 - kt0;
+    for (int i = 0; i < tiles; ++i) {
+        const int st = i & 1, kt = kt0 + i;
+        next_stage(i, tiles, load);
         mul_bt(s, qa, ks[st], lane);
-        // Online softmax (every row sees key kt*64 <= its own, so its max stays finite); only
-        // the diagonal tile has masked keys.
+        // Online softmax. Causal only: every row sees key kt*64 <= its own, so its max stays
+        // finite, and only the diagonal tile has masked keys. Under a document mask a row may see
+        // nothing of a tile before its document's: its max is then -inf, and 0 stands in for it
+        // in the exponentials (which are all 0) until a visible key comes (its own at the latest).
         const bool diagonal = kt == at.qt;
         float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
 #pragma unroll
@@ -189,15 +205,17 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = kt * TILE + n * 8 + 2 * at.t + (e & 1);
-                s[n][e] = !diagonal || at.visible(key, e >> 1) ? s[n][e] * scale_log2 : -CUDART_INF_F;
+                const bool seen = (!diagonal || at.visible(key, e >> 1)) && (!DOCS || key >= lo[e >> 1]);
+                s[n][e] = seen ? s[n][e] * scale_log2 : -CUDART_INF_F;
                 mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
             }
         }
-        float alpha[2];
+        float alpha[2], base[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const float mn = fmaxf(m[r], row_max(mx[r]));
-            alpha[r] = exp2f(m[r] - mn);
+            base[r] = DOCS && mn == -CUDART_INF_F ? 0.f : mn;
+            alpha[r] = exp2f(m[r] - base[r]);
             m[r] = mn;
             l[r] *= alpha[r];
         }
@@ -205,7 +223,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         for (int n = 0; n < NT; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                s[n][e] = exp2f(s[n][e] - m[e >> 1]);
+                s[n][e] = exp2f(s[n][e] - base[e >> 1]);
                 l[e >> 1] += s[n][e];
                 acc[n][e] *= alpha[e >> 1];
             }
@@ -223,14 +241,22 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 }
 
 // dq for query tile (T/64 - 1 - blockIdx.x) of (batch, head) blockIdx.y. scale = 1/sqrt(64).
-extern "C" __global__ void __launch_bounds__(THREADS)
-    flash_bwd_dq_mma_bf16(const bf16* q, const bf16* k, const bf16* v, const bf16* go, const float* lse2, const float* delta, bf16* dq,
-                          int t, int heads, int kv_heads, float scale_log2, float scale) {
+template <bool DOCS>
+__device__ __forceinline__ void flash_bwd_dq(const bf16* q, const bf16* k, const bf16* v, const bf16* go, const float* lse2,
+                                             const float* delta, bf16* dq, int t, int heads, int kv_heads, float scale_log2, float scale,
+                                             const unsigned* starts) {
     __shared__ __align__(16) bf16 ks[2][TILE * LDT];
     __shared__ __align__(16) bf16 vs[2][TILE * LDT];
     const QueryTile at(t, heads, kv_heads);
     const int lane = at.lane;
-    auto load = [&](int kt, int st) { load_kv(ks[st], vs[st], k + at.kv, v + at.kv, kt, at.ldk); };
+    int lo[2] = {0, 0}, kt0 = 0;
+    if (DOCS) {
+        const long base = (long)at.b * t;
+        lo[0] = (int)starts[base + at.row0 + at.g];
+        lo[1] = (int)starts[base + at.row0 + at.g + 8];
+        kt0 = (int)starts[base + at.qt * TILE] / TILE;
+    }
+    auto load = [&](int i, int st) { load_kv(ks[st], vs[st], k + at.kv, v + at.kv, kt0 + i, at.ldk); };
     load(0, 0);
 
     FragA qa, ga;
@@ -240,10 +266,10 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     const float li[2] = {lse2[stat], lse2[stat + 8]}, di[2] = {delta[stat], delta[stat + 8]};
     Acc acc, s, dp;
     zero(acc);
-    const int tiles = at.qt + 1;
-    for (int kt = 0; kt < tiles; ++kt) {
-        const int st = kt & 1;
-        next_stage(kt, tiles, load);
+    const int tiles = at.qt + 1 - kt0;
+    for (int i = 0; i < tiles; ++i) {
+        const int st = i & 1, kt = kt0 + i;
+        next_stage(i, tiles, load);
         mul_bt(s, qa, ks[st], lane);   // S = Q K^T
         mul_bt(dp, ga, vs[st], lane);  // dP = dO V^T
         const bool diagonal = kt == at.qt;
@@ -252,7 +278,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = e >> 1, key = kt * TILE + n * 8 + 2 * at.t + (e & 1);
-                const float p = !diagonal || at.visible(key, r) ? exp2f(s[n][e] * scale_log2 - li[r]) : 0.f;
+                const bool seen = (!diagonal || at.visible(key, r)) && (!DOCS || key >= lo[r]);
+                const float p = seen ? exp2f(s[n][e] * scale_log2 - li[r]) : 0.f;
                 s[n][e] = p * (dp[n][e] - di[r]);  // dS
             }
         }
@@ -264,13 +291,15 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 
 // dk and dv for key tile blockIdx.x of (batch, KV head) blockIdx.y, summed over the group's
 // query heads in order (and over query tiles in order within a head).
-extern "C" __global__ void __launch_bounds__(THREADS)
-    flash_bwd_dkdv_mma_bf16(const bf16* q, const bf16* k, const bf16* v, const bf16* go, const float* lse2, const float* delta,
-                            bf16* dk, bf16* dv, int t, int heads, int kv_heads, float scale_log2, float scale) {
+template <bool DOCS>
+__device__ __forceinline__ void flash_bwd_dkdv(const bf16* q, const bf16* k, const bf16* v, const bf16* go, const float* lse2,
+                                               const float* delta, bf16* dk, bf16* dv, int t, int heads, int kv_heads, float scale_log2,
+                                               float scale, const unsigned* starts) {
     __shared__ __align__(16) bf16 qs[2][TILE * LDT];
     __shared__ __align__(16) bf16 gs[2][TILE * LDT];
     __shared__ __align__(16) float ls[2][TILE];
     __shared__ __align__(16) float dl[2][TILE];
+    __shared__ __align__(16) unsigned lo[2][TILE];  // the query tile's first visible keys (DOCS)
     const int nt = t / TILE, kt = blockIdx.x;  // the longest columns (kt = 0) first
     const int b = blockIdx.y / kv_heads, kvh = blockIdx.y % kv_heads, group = heads / kv_heads;
     const long ldq = (long)heads * D, ldk = (long)kv_heads * D;
@@ -287,6 +316,9 @@ extern "C" __global__ void __launch_bounds__(THREADS)
             cp_async_16(ls[st] + 4 * threadIdx.x, lse2 + stat + 4 * threadIdx.x);
         } else if (threadIdx.x < TILE / 2) {
             cp_async_16(dl[st] + 4 * (threadIdx.x - TILE / 4), delta + stat + 4 * (threadIdx.x - TILE / 4));
+        } else if (DOCS && threadIdx.x < 3 * TILE / 4) {
+            const int c = 4 * (threadIdx.x - TILE / 2);
+            cp_async_16(lo[st] + c, starts + (long)b * t + qt * TILE + c);
         }
         cp_async_commit();
     };
@@ -308,7 +340,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int c = n * 8 + 2 * tq + (e & 1), key = row0 + g + 8 * (e >> 1);
-                s[n][e] = !diagonal || key <= q0 + c ? exp2f(s[n][e] * scale_log2 - ls[st][c]) : 0.f;  // P^T
+                const bool seen = (!diagonal || key <= q0 + c) && (!DOCS || key >= (int)lo[st][c]);
+                s[n][e] = seen ? exp2f(s[n][e] * scale_log2 - ls[st][c]) : 0.f;  // P^T
             }
         }
         mul_add(dva, s, gs[st], lane);  // dv += P^T dO
@@ -324,4 +357,43 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     const long out = ((long)b * t + row0) * ldk + kvh * D;
     store_rows(dk + out, ldk, dka, scale, scale, g, tq);
     store_rows(dv + out, ldk, dva, 1.f, 1.f, g, tq);
+}
+
+// ---- entry points: causal, and causal within documents (`starts` as above) ---------------
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    flash_fwd_mma_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse2, int t, int heads, int kv_heads,
+                       float scale_log2) {
+    flash_fwd<false>(q, k, v, o, lse2, t, heads, kv_heads, scale_log2, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    flash_fwd_mma_docs_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse2, int t, int heads, int kv_heads,
+                            float scale_log2, const unsigned* starts) {
+    flash_fwd<true>(q, k, v, o, lse2, t, heads, kv_heads, scale_log2, starts);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    flash_bwd_dq_mma_bf16(const bf16* q, const bf16* k, const bf16* v, const bf16* go, const float* lse2, const float* delta, bf16* dq,
+                          int t, int heads, int kv_heads, float scale_log2, float scale) {
+    flash_bwd_dq<false>(q, k, v, go, lse2, delta, dq, t, heads, kv_heads, scale_log2, scale, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    flash_bwd_dq_mma_docs_bf16(const bf16* q, const bf16* k, const bf16* v, const bf16* go, const float* lse2, const float* delta,
+                               bf16* dq, int t, int heads, int kv_heads, float scale_log2, float scale, const unsigned* starts) {
+    flash_bwd_dq<true>(q, k, v, go, lse2, delta, dq, t, heads, kv_heads, scale_log2, scale, starts);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    flash_bwd_dkdv_mma_bf16(const bf16* q, const bf16* k, const bf16* v, const bf16* go, const float* lse2, const float* delta,
+                            bf16* dk, bf16* dv, int t, int heads, int kv_heads, float scale_log2, float scale) {
+    flash_bwd_dkdv<false>(q, k, v, go, lse2, delta, dk, dv, t, heads, kv_heads, scale_log2, scale, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    flash_bwd_dkdv_mma_docs_bf16(const bf16* q, const bf16* k, const bf16* v, const bf16* go, const float* lse2, const float* delta,
+                                 bf16* dk, bf16* dv, int t, int heads, int kv_heads, float scale_log2, float scale,
+                                 const unsigned* starts) {
+    flash_bwd_dkdv<true>(q, k, v, go, lse2, delta, dk, dv, t, heads, kv_heads, scale_log2, scale, starts);
 }

@@ -139,7 +139,10 @@ fn the_04_27_keys_refuse_bad_values_by_name() {
         ),
         (&["model.document_attention=true", "model.bos_id=2"], &["`model.bos_id` = 2", "starts documents with 1"]),
         (&["train.muon_ns=\"polar_express\"", "train.muon_backend_steps=6"], &["`train.muon_backend_steps` = 6"]),
-        (&["stages.train.impl=\"engine\"", "model.smear_gate=true"], &["`model.smear_gate`", "explicit engine"]),
+        (
+            &["stages.train.impl=\"engine\"", "model.num_layers=4", "model.parallel_decoder_start=2"],
+            &["`model.parallel_decoder_start`", "explicit engine"],
+        ),
     ];
     for (sets, fragments) in cases {
         let mut cmd = bin();

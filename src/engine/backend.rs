@@ -100,7 +100,9 @@ pub struct Activation {
 }
 
 /// Shapes of one causal attention call on token-major matrices: `batch` sequences of `t`
-/// tokens, `heads` query heads and `kv_heads` key/value heads of width `d`.
+/// tokens, `heads` query heads and `kv_heads` key/value heads of width `d`; with `docs`, the
+/// document mask of the micro-batch's input ids (a segment starts at each sequence's first
+/// position and at every id equal to `docs`: [`crate::model::ops::DocumentMask::at_token`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnShape {
     /// Sequences.
@@ -113,6 +115,8 @@ pub struct AttnShape {
     pub kv_heads: usize,
     /// Head width.
     pub d: usize,
+    /// Attend within documents: the BOS id that starts one (`None`: plain causal attention).
+    pub docs: Option<u32>,
 }
 
 /// Shapes of the per-head RMS norm + RoPE op: rows of `heads` heads of width `d`, the first
@@ -367,7 +371,8 @@ pub trait Backend: Send {
     fn qk_norm_rope_bwd(&mut self, x: Mat, rstd: Buf, dy: Buf, dx: Mat, gain: Option<(Buf, Buf)>, cos: Buf, sin: Buf, s: HeadShape);
 
     /// Causal GQA attention of token-major `q` `(N, H d)`, `k`, `v` `(N, K d)` views into `out`
-    /// `(N, H d)`, scale `1/sqrt(d)`.
+    /// `(N, H d)`, scale `1/sqrt(d)`; under `s.docs` each position sees only the keys of its own
+    /// document (from the micro-batch's ids).
     fn attention_fwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, s: AttnShape);
 
     /// Backward of [`Backend::attention_fwd`] (probabilities recomputed): `dq`, `dk` written,
@@ -382,6 +387,30 @@ pub trait Backend: Send {
 
     /// Backward of [`Backend::xsa_fwd`]: `dy` and `dv` (a view of the qkv gradient) written.
     fn xsa_bwd(&mut self, dout: Buf, y: Buf, v: Mat, dy: Buf, dv: Mat, s: AttnShape);
+
+    /// SmearGate (the 04-27 record; [`crate::model::ops::smear_gate`]) on the `cols`-wide
+    /// embedding rows `e` of the micro-batch, sequences of `t`: `out_r = e_r + g_r e_{r-1}` with
+    /// `g_r = lambda sigmoid(w . e_r[:W])` (`W = w.len`), `g_r = 0` at a sequence's first position
+    /// and where the input id is `bos` (the BOS fix).
+    #[allow(clippy::too_many_arguments)]
+    fn smear_fwd(&mut self, e: Buf, w: Buf, lambda: Buf, out: Buf, cols: usize, t: usize, bos: u32);
+
+    /// Backward of [`Backend::smear_fwd`]: `de_r = dout_r + g_{r+1} dout_{r+1} + [c < W] dz_r w`
+    /// (written), `dw += sum_r dz_r e_r[:W]`, `dlambda += sum_r (dout_r . e_{r-1}) sigmoid_r`,
+    /// with `dz_r = (dout_r . e_{r-1}) lambda s_r (1 - s_r)` where `g_r` is not forced to 0.
+    #[allow(clippy::too_many_arguments)]
+    fn smear_bwd(&mut self, dout: Buf, e: Buf, w: Buf, lambda: Buf, de: Buf, dw: Buf, dlambda: Buf, cols: usize, t: usize, bos: u32);
+
+    /// The sparse attention-output gate (the 04-27 record; [`crate::model::ops::attn_gate`]):
+    /// `out[n, h] = sigmoid(scale w[h] . x[n]) y[n, h]` for the `heads` heads of the `(N, H d)`
+    /// rows `y`, `x` the `(N, W)` view of the gate's input, `w` `(H, W)`.
+    fn attn_gate_fwd(&mut self, y: Buf, x: Mat, w: Buf, out: Buf, heads: usize, scale: f64);
+
+    /// Backward of [`Backend::attn_gate_fwd`]: `dy = g dout` and `dz[n, h] = scale g (1 - g)
+    /// (dout[n, h] . y[n, h])`, both written (the schedule turns `dz` into the gradients of `w`
+    /// and `x` with two GEMMs).
+    #[allow(clippy::too_many_arguments)]
+    fn attn_gate_bwd(&mut self, dout: Buf, y: Buf, x: Mat, w: Buf, dy: Buf, dz: Buf, heads: usize, scale: f64);
 
     /// `out = leaky_relu(pre, slope)^2`.
     fn act_fwd(&mut self, pre: Buf, out: Buf, a: Activation);

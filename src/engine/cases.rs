@@ -358,7 +358,7 @@ pub fn cases() -> Vec<Case> {
             run: |be| {
                 let mut r = Bump::default();
                 let (_, _, v) = qkv_views(&mut r);
-                let a = AttnShape { batch: 13, t: 10, heads: HEADS.0, kv_heads: HEADS.2, d: HEADS.1 };
+                let a = AttnShape { batch: 13, t: 10, heads: HEADS.0, kv_heads: HEADS.2, d: HEADS.1, docs: None };
                 let y = r.take(N * HEADS.0 * HEADS.1);
                 be.xsa_fwd(y, v, r.take(N * HEADS.0 * HEADS.1), a);
             },
@@ -370,7 +370,7 @@ pub fn cases() -> Vec<Case> {
             run: |be| {
                 let mut r = Bump::default();
                 let (_, _, v) = qkv_views(&mut r);
-                let a = AttnShape { batch: 13, t: 10, heads: HEADS.0, kv_heads: HEADS.2, d: HEADS.1 };
+                let a = AttnShape { batch: 13, t: 10, heads: HEADS.0, kv_heads: HEADS.2, d: HEADS.1, docs: None };
                 let width = HEADS.0 * HEADS.1;
                 let (dout, y, dy) = (r.take(N * width), r.take(N * width), r.take(N * width));
                 let (_, _, dv) = qkv_views(&mut r);
@@ -389,8 +389,60 @@ pub fn cases() -> Vec<Case> {
                 be.softcap_ce(logits, Buf { off: N * VOCAB, len: N }, VOCAB, 15.0, 1.0 / N as f64);
             },
         },
-        Case { name: "attention_fwd, attention_bwd", len: attn_len, bound: ATTENTION, run: attention_case },
+        Case { name: "attention_fwd, attention_bwd", len: attn_len, bound: ATTENTION, run: |be| attention_case(be, None) },
+        Case {
+            name: "attention_fwd, attention_bwd (documents)",
+            len: attn_len,
+            bound: ATTENTION,
+            run: |be| {
+                // BOS at a sequence's start, in a tile's middle, twice in a row, on a tile's edge.
+                let (mut x, y) = tokens(10);
+                let bos = 1;
+                for p in [0, 17, 64 + 40, 64 + 41, 64 + 63] {
+                    x[p] = bos;
+                }
+                be.set_tokens(&x, &y);
+                attention_case(be, Some(bos));
+            },
+        },
+        Case { name: "smear_fwd", len: 3 * nw, bound: ROWS, run: |be| smear_case(be, false, 12) },
+        Case { name: "smear_bwd (window past a warp)", len: 5 * nw, bound: ROWS, run: |be| smear_case(be, true, 40) },
+        Case { name: "attn_gate_fwd", len: head_len, bound: ROWS, run: |be| attn_gate_case(be, false) },
+        Case { name: "attn_gate_bwd", len: head_len, bound: ROWS, run: |be| attn_gate_case(be, true) },
     ]
+}
+
+/// SmearGate over `N` rows of `W` in sequences of 10 with a window of `win`, forward or
+/// backward; the BOS (4) mid-sequence and at a sequence's start.
+fn smear_case(be: &mut dyn Backend, backward: bool, win: usize) {
+    let (mut x, y) = tokens(11);
+    for p in [25, 30, 31] {
+        x[p] = 4;
+    }
+    be.set_tokens(&x, &y);
+    let mut r = Bump::default();
+    let (e, w, lambda) = (r.take(N * W), r.take(win), r.take(1));
+    if backward {
+        let (dout, de, dw, dl) = (r.take(N * W), r.take(N * W), r.take(win), r.take(1));
+        be.smear_bwd(dout, e, w, lambda, de, dw, dl, W, 10, 4);
+    } else {
+        be.smear_fwd(e, w, lambda, r.take(N * W), W, 10, 4);
+    }
+}
+
+/// The sparse attention gate on `N` rows of the head cases' heads, its input a 12-column view
+/// of a `W`-wide matrix, forward or backward.
+fn attn_gate_case(be: &mut dyn Backend, backward: bool) {
+    let (heads, d, _) = HEADS;
+    let mut r = Bump::default();
+    let x = mat(&mut r, N, W).cols(0, 12);
+    let (y, w) = (r.take(N * heads * d), r.take(heads * 12));
+    if backward {
+        let (dout, dy, dz) = (r.take(N * heads * d), r.take(N * heads * d), r.take(N * heads));
+        be.attn_gate_bwd(dout, y, x, w, dy, dz, heads, 0.5);
+    } else {
+        be.attn_gate_fwd(y, x, w, r.take(N * heads * d), heads, 0.5);
+    }
 }
 
 fn gemm_case(be: &mut dyn Backend, ta: bool, tb: bool, alpha: f64, beta: f64) {
@@ -438,14 +490,14 @@ fn qk_bwd_case(be: &mut dyn Backend, gain: bool) {
 
 /// As the schedule calls it: q and k their own buffers (after the norm and RoPE), v a view of
 /// the fused qkv product; dq, dk their own, dv a view of dqkv, added to (XSA wrote first).
-fn attention_case(be: &mut dyn Backend) {
+fn attention_case(be: &mut dyn Backend, docs: Option<u32>) {
     let (batch, t, heads, kvh, d) = ATTN;
     let n = batch * t;
     let w = (heads + 2 * kvh) * d;
     let mut r = Bump::default();
     let (q, k) = (mat(&mut r, n, heads * d), mat(&mut r, n, kvh * d));
     let v = mat(&mut r, n, w).cols((heads + kvh) * d, kvh * d);
-    let s = AttnShape { batch, t, heads, kv_heads: kvh, d };
+    let s = AttnShape { batch, t, heads, kv_heads: kvh, d, docs };
     let out = r.take(n * heads * d);
     be.attention_fwd(q, k, v, out, s);
     let dout = r.take(n * heads * d);

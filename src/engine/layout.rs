@@ -101,6 +101,8 @@ pub struct PositionBufs {
     pub att: Buf,
     /// The attention output after XSA (positions of XSA blocks) `(N, D)`.
     pub y: Buf,
+    /// The attention output after the sparse attention gate (`model.attn_gate`) `(N, D)`.
+    pub yg: Buf,
     /// The attention sublayer's output `y Wo^T` `(N, D)`.
     pub ao: Buf,
     /// `u + attn_scale ao` (sequential blocks) `(N, D)`.
@@ -136,6 +138,10 @@ pub struct Scratch {
     pub dy: Buf,
     /// See `dy`.
     pub datt: Buf,
+    /// The sparse attention gate's pre-sigmoid gradients `(N, H)` (`model.attn_gate`).
+    pub dz: Buf,
+    /// Gradient of the embedding rows before SmearGate `(N, D)` (`model.smear_gate`).
+    pub dsmear: Buf,
     /// Gradients of the normed-and-rotated queries `(N, D)` and keys `(N, KVD)`.
     pub dq: Buf,
     /// See `dq`.
@@ -197,6 +203,8 @@ pub struct Layout {
     pub stats: Buf,
     /// The embedding rows `(N, D)`, `1 / rms` of each, and the normed embedding `x0`.
     pub emb: Buf,
+    /// The embedding rows after SmearGate `(N, D)` (`model.smear_gate`; what `x0` norms).
+    pub smeared: Buf,
     /// See `emb`.
     pub rstd0: Buf,
     /// See `emb`.
@@ -259,6 +267,7 @@ impl Layout {
         let (n, d, kvd, f, v) = (rows * t, cfg.model_dim, cfg.kv_dim(), cfg.mlp_mult * cfg.model_dim, cfg.vocab_size);
         let act_start = bump.0.next_multiple_of(ALIGN);
         let (emb, rstd0, x0) = (bump.take(n * d), bump.take(n), bump.take(n * d));
+        let smeared = bump.take(if cfg.smear_gate { n * d } else { 0 });
         let layers = cfg.layer_sequence(true);
         // Decoder position p pops a skip while p - encoders < skip_count, in either layout.
         let pops = |pos: usize| {
@@ -289,6 +298,7 @@ impl Layout {
                     rk: bump.take(n * cfg.num_kv_heads),
                     att: bump.take(n * d),
                     y: bump.take(if xsa { n * d } else { 0 }),
+                    yg: bump.take(if cfg.attn_gate { n * d } else { 0 }),
                     ao: bump.take(n * d),
                     u2: bump.take(if seq { n * d } else { 0 }),
                     rstd2: bump.take(if seq { n } else { 0 }),
@@ -312,6 +322,8 @@ impl Layout {
             dmo: bump.take(n * d),
             dy: bump.take(n * d),
             datt: bump.take(n * d),
+            dz: bump.take(if cfg.attn_gate { n * cfg.num_heads } else { 0 }),
+            dsmear: bump.take(if cfg.smear_gate { n * d } else { 0 }),
             dq: bump.take(n * d),
             dk: bump.take(n * kvd),
             dqkv: bump.take(n * (d + 2 * kvd)),
@@ -359,6 +371,7 @@ impl Layout {
             sin,
             stats,
             emb,
+            smeared,
             rstd0,
             x0,
             rstdf,

@@ -513,6 +513,18 @@ mod tests {
             }
             interpret(&p, self.0.arena_mut());
         }
+        fn smear_fwd(&mut self, e: Buf, w: Buf, lambda: Buf, out: Buf, cols: usize, t: usize, bos: u32) {
+            self.0.smear_fwd(e, w, lambda, out, cols, t, bos)
+        }
+        fn smear_bwd(&mut self, dout: Buf, e: Buf, w: Buf, lambda: Buf, de: Buf, dw: Buf, dlambda: Buf, cols: usize, t: usize, bos: u32) {
+            self.0.smear_bwd(dout, e, w, lambda, de, dw, dlambda, cols, t, bos)
+        }
+        fn attn_gate_fwd(&mut self, y: Buf, x: Mat, w: Buf, out: Buf, heads: usize, scale: f64) {
+            self.0.attn_gate_fwd(y, x, w, out, heads, scale)
+        }
+        fn attn_gate_bwd(&mut self, dout: Buf, y: Buf, x: Mat, w: Buf, dy: Buf, dz: Buf, heads: usize, scale: f64) {
+            self.0.attn_gate_bwd(dout, y, x, w, dy, dz, heads, scale)
+        }
         fn embedding_fwd(&mut self, table: Buf, out: Buf, dim: usize) {
             self.0.embedding_fwd(table, out, dim)
         }

@@ -246,7 +246,7 @@ fn qk_norm_rope() {
 /// (`dq`, `dk` contiguous, as the schedule passes them); `dv` written and accumulated.
 #[test]
 fn attention() {
-    let s = AttnShape { batch: 2, t: 5, heads: 4, kv_heads: 2, d: 4 };
+    let s = AttnShape { batch: 2, t: 5, heads: 4, kv_heads: 2, d: 4, docs: None };
     let (n, hd, kvd) = (s.batch * s.t, s.heads * s.d, s.kv_heads * s.d);
     let wide = hd + 2 * kvd;
     for dv_acc in [false, true] {
@@ -267,7 +267,7 @@ fn attention() {
 /// column views of 10-wide matrices.
 #[test]
 fn xsa() {
-    let s = AttnShape { batch: 2, t: 33, heads: 4, kv_heads: 2, d: 4 };
+    let s = AttnShape { batch: 2, t: 33, heads: 4, kv_heads: 2, d: 4, docs: None };
     let (n, hd, kvd, ld) = (s.batch * s.t, s.heads * s.d, s.kv_heads * s.d, 10);
     let mut lab = Lab::new(7);
     let (y, v) = (lab.buf(n * hd), lab.buf(n * ld).mat(n, ld).cols(1, kvd));

@@ -1,19 +1,23 @@
 //! The GPT's forward pass and its hand-written backward pass over the arena ([`Layout`]), as
-//! one schedule of [`Backend`] ops: the model of [`crate::model`] (the baseline and the 04-09
-//! record's elements), op for op, written out in the order it runs. The math of each step is
+//! one schedule of [`Backend`] ops: the model of [`crate::model`] (the baseline's, the 04-09
+//! record's and three of the 04-27 record's elements: SmearGate, document-masked attention,
+//! the sparse attention gate), op for op, written out in the order it runs. The math of each step is
 //! beside it; `N` rows of the micro-batch, `D` model width, `V` vocabulary, `s` the block's
 //! `ln_scale` factor (1 without it).
 //!
 //! ```text
 //! forward                                   backward (reverse order, G = dL/d stream)
-//! x0 = rms(E[x])                            dE[x] += rms'(dx0)
+//! x0 = rms(smear(E[x]))                     dE[x] += smear'(rms'(dx0)) (smear: model.smear_gate)
 //! per position p of the layer sequence, physical block i:
 //!   h  = skip(h, enc[j]) (decoder pops)      G += dskip[e] (encoder outputs popped later)
 //!   u  = h mix0 + x0 mix1                   G = G mix0, dx0 += G mix1, dmix += colsum
 //!   n1 = s rms(u)
 //!   qkv = n1 Wqkv^T                          dWqkv += dqkv^T n1, dn1 = dqkv Wqkv
 //!   q = rope(rms_h(qkv_q)) gain, k = rope(rms_h(qkv_k)), v = qkv_v
-//!   a = attn(q, k, v); y = xsa(a, v)         attention recomputes its probabilities
+//!   a = attn(q, k, v); y = xsa(a, v)         attention recomputes its probabilities (and
+//!                                            stays within documents: model.document_attention)
+//!   y = sigmoid(s W n1[:, :Wg]) y per head   dW += dz^T n1[:, :Wg], dn1[:, :Wg] += dz W
+//!                                            (model.attn_gate)
 //!   ao = y Wo^T                              dWo += dao^T y
 //!   sequential: u2 = u + attn_scale ao; n2 = s rms(u2); out = u2 + mlp_scale mlp(n2)
 //!   parallel:   out = u + attn_scale ao + mlp_scale mlp(n1)
@@ -71,7 +75,8 @@ impl Schedule {
 
     fn attn_shape(&self) -> AttnShape {
         let c = &self.cfg;
-        AttnShape { batch: self.layout.rows, t: self.layout.t, heads: c.num_heads, kv_heads: c.num_kv_heads, d: c.head_dim() }
+        let docs = c.document_attention.then_some(c.bos_id);
+        AttnShape { batch: self.layout.rows, t: self.layout.t, heads: c.num_heads, kv_heads: c.num_kv_heads, d: c.head_dim(), docs }
     }
 
     fn head_shape(&self, heads: usize) -> HeadShape {
@@ -150,7 +155,12 @@ impl Schedule {
         let (n, d, eps) = (self.n(), self.cfg.model_dim, self.eps);
         // x0 = rms(E[x]).
         be.embedding_fwd(self.value("tok_emb.weight"), l.emb, d);
-        be.rms_norm_fwd(l.emb, l.x0, l.rstd0, d, 1.0, eps);
+        // SmearGate (x0 = rms(smear(E[x]))): each row takes in a gated share of the one before.
+        if self.cfg.smear_gate {
+            let (w, lambda) = (self.value("smear_gate.weight"), self.value("smear_lambda"));
+            be.smear_fwd(l.emb, w, lambda, l.smeared, d, l.t, self.cfg.bos_id);
+        }
+        be.rms_norm_fwd(self.embedded(), l.x0, l.rstd0, d, 1.0, eps);
         let plan = self.plan(looping);
         let mut h = l.x0;
         for (pos, step) in plan.iter().enumerate() {
@@ -170,6 +180,18 @@ impl Schedule {
         be.gemm(l.logits.mat(n, v), l.nf.mat(n, d), self.w(self.head_name()).t(), 1.0, 0.0);
         be.softcap_ce(l.logits, l.losses, v, self.cfg.logit_softcap, grad_scale);
         be.sum_into(l.losses, l.loss_sum());
+    }
+
+    /// The embedding rows `x0` norms: after SmearGate when it is on.
+    fn embedded(&self) -> Buf {
+        if self.cfg.smear_gate { self.layout.smeared } else { self.layout.emb }
+    }
+
+    /// Block `i`'s sparse attention gate: its weights `(H, W)` and their gradient as stored
+    /// matrices, and the gate input's `(N, W)` view of `n1`.
+    fn attn_gate_parts(&self, i: usize, n1: Buf) -> (Mat, Mat, Mat) {
+        let name = BlockNames(i).name("attn.attn_gate_w");
+        (self.w(&name), self.dw(&name), n1.mat(self.n(), self.cfg.model_dim).cols(0, self.cfg.attn_gate_window))
     }
 
     /// Skip row `j`: the weights and, with gates, the gate logits.
@@ -219,6 +241,14 @@ impl Schedule {
             p.y
         } else {
             p.att
+        };
+        // The sparse gate: head h of row n times sigmoid(scale w[h] . n1[n, :W]).
+        let y = if self.cfg.attn_gate {
+            let (w, _, x) = self.attn_gate_parts(i, p.n1);
+            be.attn_gate_fwd(y, x, w.span(), p.yg, heads, self.cfg.attn_gate_scale);
+            p.yg
+        } else {
+            y
         };
         be.gemm(p.ao.mat(n, d), y.mat(n, d), self.w(&b.name("attn.proj.weight")).t(), 1.0, 0.0);
     }
@@ -284,8 +314,16 @@ impl Schedule {
         }
         // G is now the gradient of the first block's input, x0 itself.
         be.axpby(1.0, g, 1.0, sc.dx0);
-        be.rms_norm_bwd(l.emb, l.rstd0, sc.dx0, sc.demb, d, 1.0, false);
-        be.embedding_bwd(sc.demb, self.grad("tok_emb.weight"), d);
+        be.rms_norm_bwd(self.embedded(), l.rstd0, sc.dx0, sc.demb, d, 1.0, false);
+        let demb = if self.cfg.smear_gate {
+            let (w, lambda) = (self.value("smear_gate.weight"), self.value("smear_lambda"));
+            let (dw, dlambda) = (self.grad("smear_gate.weight"), self.grad("smear_lambda"));
+            be.smear_bwd(sc.demb, l.emb, w, lambda, sc.dsmear, dw, dlambda, d, l.t, self.cfg.bos_id);
+            sc.dsmear
+        } else {
+            sc.demb
+        };
+        be.embedding_bwd(demb, self.grad("tok_emb.weight"), d);
         at(be, plan.len() + 1);
     }
 
@@ -361,20 +399,30 @@ impl Schedule {
     fn attention_bwd(&self, be: &mut dyn Backend, i: usize, p: &PositionBufs, dao: Buf, accumulate: bool) {
         let (l, sc, b, n, d) = (&self.layout, self.layout.scratch, BlockNames(i), self.n(), self.cfg.model_dim);
         let kvd = self.cfg.kv_dim();
-        let xsa = self.cfg.xsa(i);
+        let (xsa, gate) = (self.cfg.xsa(i), self.cfg.attn_gate);
         let y = if xsa { p.y } else { p.att };
+        let yo = if gate { p.yg } else { y };
         let wo = b.name("attn.proj.weight");
-        // ao = y Wo^T: dWo += dao^T y; dy = dao Wo.
-        be.gemm(self.dw(&wo), dao.mat(n, d).t(), y.mat(n, d), 1.0, 1.0);
+        // ao = yo Wo^T: dWo += dao^T yo; dyo = dao Wo.
+        be.gemm(self.dw(&wo), dao.mat(n, d).t(), yo.mat(n, d), 1.0, 1.0);
         be.gemm(sc.dy.mat(n, d), dao.mat(n, d), self.w(&wo), 1.0, 0.0);
         let (xq, xk, xv) = self.qkv_views(p.qkv);
         let (dxq, dxk, dxv) = self.qkv_views(sc.dqkv);
         let shape = self.attn_shape();
+        // Through the gate (dy and dz; the GEMMs of w's and n1's gradients follow n1's below),
+        // then XSA: each writes the buffer the other of `dy`, `datt` is not.
+        let mut dcur = sc.dy;
+        if gate {
+            let (w, _, x) = self.attn_gate_parts(i, p.n1);
+            be.attn_gate_bwd(sc.dy, y, x, w.span(), sc.datt, sc.dz, self.cfg.num_heads, self.cfg.attn_gate_scale);
+            dcur = sc.datt;
+        }
         let datt = if xsa {
-            be.xsa_bwd(sc.dy, p.att, xv, sc.datt, dxv, shape);
-            sc.datt
+            let out = if dcur == sc.dy { sc.datt } else { sc.dy };
+            be.xsa_bwd(dcur, p.att, xv, out, dxv, shape);
+            out
         } else {
-            sc.dy
+            dcur
         };
         be.attention_bwd(p.q.mat(n, d), p.k.mat(n, kvd), xv, p.att, datt, sc.dq.mat(n, d), sc.dk.mat(n, kvd), dxv, xsa, shape);
         let (heads, kv_heads) = (self.cfg.num_heads, self.cfg.num_kv_heads);
@@ -385,6 +433,13 @@ impl Schedule {
         let dqkv = sc.dqkv.mat(n, d + 2 * kvd);
         be.gemm(self.wqkv(i, true), dqkv.t(), p.n1.mat(n, d), 1.0, 1.0);
         be.gemm(sc.dn.mat(n, d), dqkv, self.wqkv(i, false), 1.0, if accumulate { 1.0 } else { 0.0 });
+        if gate {
+            // z = scale x[:, :W] w^T: dw += dz^T x; dn1[:, :W] += dz w (scale is in dz).
+            let (w, dw, x) = self.attn_gate_parts(i, p.n1);
+            let dz = sc.dz.mat(n, self.cfg.num_heads);
+            be.gemm(dw, dz.t(), x, 1.0, 1.0);
+            be.gemm(sc.dn.mat(n, d).cols(0, self.cfg.attn_gate_window), dz, w, 1.0, 1.0);
+        }
     }
 
     /// Backward of block `i`'s MLP on input `x` from `dmo` into `dn` (added when `accumulate`).

@@ -44,7 +44,15 @@ fn compare(cfg: &ModelConfig, looping: bool, poison: bool, micro: usize, tol: f6
     let (rows, t) = (3, 6);
     let mut m = perturbed(cfg, 7);
     m.set_looping(looping);
-    let x = tokens(1, rows * t, cfg.vocab_size as u32);
+    let mut x = tokens(1, rows * t, cfg.vocab_size as u32);
+    if cfg.document_attention || cfg.smear_gate {
+        // A document starts mid-row in every row (and a row with a BOS at its start), so that
+        // the document mask and SmearGate's BOS fix bite.
+        for r in 0..rows {
+            x[r * t + t / 2] = cfg.bos_id;
+        }
+        x[0] = cfg.bos_id;
+    }
     let y = tokens(2, rows * t, cfg.vocab_size as u32);
     let xt = Tensor::from_vec(x.clone(), (rows, t), &Device::Cpu).unwrap();
     let yt = Tensor::from_vec(y.clone(), (rows, t), &Device::Cpu).unwrap();
@@ -87,6 +95,59 @@ fn record_loss_and_gradients_equal_candle_autograd_in_f64() {
     for looping in [false, true] {
         compare(&record_small(), looping, false, 1, 1e-9);
     }
+}
+
+/// The 04-27 record's elements the engine has, together on the record's small model (looped
+/// and not, poisoned, over two micro-batches): SmearGate with the BOS fix, the sparse attention
+/// gate, attention within documents.
+#[test]
+fn the_04_27_elements_together_equal_candle_autograd_in_f64() {
+    let cfg = record_0427_small();
+    for looping in [false, true] {
+        compare(&cfg, looping, false, 1, 1e-9);
+    }
+    compare(&cfg, true, true, 2, 1e-9);
+}
+
+/// [`record_small`] with the 04-27 elements the engine implements.
+pub(crate) fn record_0427_small() -> ModelConfig {
+    ModelConfig {
+        smear_gate: true,
+        smear_gate_window: 8,
+        attn_gate: true,
+        attn_gate_window: 6,
+        attn_gate_init_std: 0.5,
+        attn_gate_scale: 0.5,
+        document_attention: true,
+        bos_id: 1,
+        ..record_small()
+    }
+}
+
+/// The masks bite in the comparison: with a BOS mid-row, the loss under the document mask (and
+/// under SmearGate's BOS fix) differs from the loss without it, on the engine as on candle.
+#[test]
+fn the_document_mask_and_the_bos_fix_change_the_loss() {
+    let (rows, t) = (3, 6);
+    let loss = |cfg: &ModelConfig| {
+        let m = perturbed(cfg, 7);
+        let mut x = tokens(1, rows * t, cfg.vocab_size as u32);
+        for r in 0..rows {
+            x[r * t + t / 2] = 1;
+        }
+        let y = tokens(2, rows * t, cfg.vocab_size as u32);
+        let mut e = Engine::cpu(cfg, rows, t, DType::F64, false).unwrap();
+        e.load_params(&m.state_dict().into_iter().collect()).unwrap();
+        e.zero_grads();
+        e.micro_step(&x, &y, false, 1.0);
+        e.loss_sum().unwrap()
+    };
+    let with = loss(&record_0427_small());
+    let without_docs = loss(&ModelConfig { document_attention: false, ..record_0427_small() });
+    // The BOS fix off: a BOS id no token holds.
+    let without_fix = loss(&ModelConfig { document_attention: false, bos_id: 47, ..record_0427_small() });
+    assert!((with - without_docs).abs() > 1e-6 * with.abs(), "{with} vs {without_docs}");
+    assert!((without_docs - without_fix).abs() > 1e-9 * with.abs(), "{without_docs} vs {without_fix}");
 }
 
 /// The element table's test: each model element ([`crate::model::ELEMENTS`]) alone on the

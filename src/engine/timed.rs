@@ -244,6 +244,22 @@ impl Backend for Timed {
     fn xsa_bwd(&mut self, dout: Buf, y: Buf, v: Mat, dy: Buf, dv: Mat, s: AttnShape) {
         self.time("xsa_bwd", rows_cols(y, s.heads * s.d), bytes(&[dout, y, dy]), 0.0, |b| b.xsa_bwd(dout, y, v, dy, dv, s))
     }
+    fn smear_fwd(&mut self, e: Buf, w: Buf, lambda: Buf, out: Buf, cols: usize, t: usize, bos: u32) {
+        self.time("smear_fwd", rows_cols(e, cols), bytes(&[e, e, out]), 0.0, |b| b.smear_fwd(e, w, lambda, out, cols, t, bos))
+    }
+    fn smear_bwd(&mut self, dout: Buf, e: Buf, w: Buf, lambda: Buf, de: Buf, dw: Buf, dlambda: Buf, cols: usize, t: usize, bos: u32) {
+        let by = bytes(&[dout, dout, e, e, de]);
+        self.time("smear_bwd", rows_cols(e, cols), by, 0.0, |b| b.smear_bwd(dout, e, w, lambda, de, dw, dlambda, cols, t, bos))
+    }
+    fn attn_gate_fwd(&mut self, y: Buf, x: Mat, w: Buf, out: Buf, heads: usize, scale: f64) {
+        self.time("attn_gate_fwd", rows_cols(y, y.len / x.rows.max(1)), bytes(&[y, out]), 0.0, |b| {
+            b.attn_gate_fwd(y, x, w, out, heads, scale)
+        })
+    }
+    fn attn_gate_bwd(&mut self, dout: Buf, y: Buf, x: Mat, w: Buf, dy: Buf, dz: Buf, heads: usize, scale: f64) {
+        let shape = rows_cols(y, y.len / x.rows.max(1));
+        self.time("attn_gate_bwd", shape, bytes(&[dout, y, dy, dz]), 0.0, |b| b.attn_gate_bwd(dout, y, x, w, dy, dz, heads, scale))
+    }
     fn act_fwd(&mut self, pre: Buf, out: Buf, a: Activation) {
         self.time("act_fwd", pre.len.to_string(), bytes(&[pre, out]), 0.0, |b| b.act_fwd(pre, out, a))
     }

@@ -140,7 +140,7 @@ pub const ELEMENTS: &[Element] = &[
         keys: &["smear_gate", "smear_gate_window"],
         since: "04-27",
         looped: false,
-        engine: false,
+        engine: true,
         enable: |c| {
             c.smear_gate = true;
             c.smear_gate_window = (c.model_dim / 4).max(1);
@@ -151,7 +151,7 @@ pub const ELEMENTS: &[Element] = &[
         keys: &["document_attention", "bos_id"],
         since: "04-27",
         looped: false,
-        engine: false,
+        engine: true,
         enable: |c| {
             c.document_attention = true;
             // A token the comparison's random batches hold, so that rows split.
@@ -163,7 +163,7 @@ pub const ELEMENTS: &[Element] = &[
         keys: &["attn_gate", "attn_gate_window", "attn_gate_init_std", "attn_gate_scale"],
         since: "04-27",
         looped: false,
-        engine: false,
+        engine: true,
         enable: |c| {
             c.attn_gate = true;
             c.attn_gate_window = (c.model_dim / 4).max(1);

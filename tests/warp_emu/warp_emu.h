@@ -214,6 +214,9 @@ inline unsigned __float_as_uint(float f) {
 inline int __ffs(unsigned x) {
     return __builtin_ffs(static_cast<int>(x));
 }
+inline int __clz(unsigned x) {
+    return x ? __builtin_clz(x) : 32;
+}
 template <class T>
 T min(T a, T b) {
     return b < a ? b : a;

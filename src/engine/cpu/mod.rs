@@ -30,7 +30,9 @@ use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, M
 use crate::model::host::rows::{Rows, add_into, dense_offsets};
 use crate::model::host::simd::Real;
 use crate::model::ops::qk_norm_rope::{self, RopeRows};
-use crate::model::ops::{embedding, relu_sq, resid_mix, rms_norm, scale_add, skip_gate, softcap_ce, xsa};
+use crate::model::ops::{
+    DocumentMask, attn_gate, embedding, relu_sq, resid_mix, rms_norm, scale_add, skip_gate, smear_gate, softcap_ce, xsa,
+};
 
 /// The head geometry of the model's XSA row kernels.
 fn heads(s: AttnShape) -> xsa::HeadsShape {
@@ -72,6 +74,14 @@ impl<T: Real> CpuBackend<T> {
             let outs = outs.map(|b| &mut *std::ptr::slice_from_raw_parts_mut(base.add(b.off), b.len));
             (ins, outs)
         }
+    }
+
+    /// The document mask of the micro-batch's ids under `s.docs` (`None` without).
+    fn document_mask(&self, s: AttnShape) -> Option<DocumentMask> {
+        let bos = s.docs?;
+        let n = s.batch * s.t;
+        assert!(self.x.len() >= n, "a document mask over {} ids for {} x {} positions", self.x.len(), s.batch, s.t);
+        Some(DocumentMask::at_token(&self.x[..n], s.t, bos).expect("the ids form rows of t"))
     }
 
     /// The elements of `b`.
@@ -246,15 +256,46 @@ impl<T: Real> Backend for CpuBackend<T> {
     }
 
     fn attention_fwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, s: AttnShape) {
+        let mask = self.document_mask(s);
         let ([qs, ks, vs], [o]) = self.io([q.span(), k.span(), v.span()], [out]);
-        crate::model::ops::attention_token_major_fwd((qs, q.ld), (ks, k.ld), (vs, v.ld), o, (s.batch, s.t, s.heads, s.kv_heads, s.d));
+        let dims = (s.batch, s.t, s.heads, s.kv_heads, s.d);
+        crate::model::ops::attention_token_major_fwd((qs, q.ld), (ks, k.ld), (vs, v.ld), o, dims, mask.as_ref());
     }
 
     fn attention_bwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, dout: Buf, dq: Mat, dk: Mat, dv: Mat, dv_acc: bool, s: AttnShape) {
+        let mask = self.document_mask(s);
         let ([qs, ks, vs, o, g], [dqs, dks, dvs]) = self.io([q.span(), k.span(), v.span(), out, dout], [dq.span(), dk.span(), dv.span()]);
         let dims = (s.batch, s.t, s.heads, s.kv_heads, s.d);
         let grads = crate::model::ops::AttentionGrads { dq: (dqs, dq.ld), dk: (dks, dk.ld), dv: (dvs, dv.ld), dv_acc };
-        crate::model::ops::attention_token_major_bwd((qs, q.ld), (ks, k.ld), (vs, v.ld), (o, g), grads, dims);
+        crate::model::ops::attention_token_major_bwd((qs, q.ld), (ks, k.ld), (vs, v.ld), (o, g), grads, dims, mask.as_ref());
+    }
+
+    fn smear_fwd(&mut self, e: Buf, w: Buf, lambda: Buf, out: Buf, cols: usize, t: usize, bos: u32) {
+        let ids = std::mem::take(&mut self.x);
+        let ([e, w, l], [o]) = self.io([e, w, lambda], [out]);
+        assert_eq!(ids.len() * cols, e.len(), "SmearGate over {} rows with {} ids", e.len() / cols.max(1), ids.len());
+        smear_gate::smear_rows_fwd(e, &ids, w, l[0], o, smear_gate::SmearRows { cols, t, bos });
+        self.x = ids;
+    }
+
+    fn smear_bwd(&mut self, dout: Buf, e: Buf, w: Buf, lambda: Buf, de: Buf, dw: Buf, dlambda: Buf, cols: usize, t: usize, bos: u32) {
+        let ids = std::mem::take(&mut self.x);
+        let ([g, e, w, l], [de, dw, dl]) = self.io([dout, e, w, lambda], [de, dw, dlambda]);
+        assert_eq!(ids.len() * cols, e.len(), "SmearGate over {} rows with {} ids", e.len() / cols.max(1), ids.len());
+        smear_gate::smear_rows_bwd(g, e, &ids, w, l[0], de, dw, dl, smear_gate::SmearRows { cols, t, bos });
+        self.x = ids;
+    }
+
+    fn attn_gate_fwd(&mut self, y: Buf, x: Mat, w: Buf, out: Buf, heads: usize, scale: f64) {
+        let ([ys, xs, ws], [o]) = self.io([y, x.span(), w], [out]);
+        let hd = y.len / x.rows / heads;
+        attn_gate::attn_gate_rows_fwd(ys, (xs, x.ld), ws, o, (heads, hd), scale);
+    }
+
+    fn attn_gate_bwd(&mut self, dout: Buf, y: Buf, x: Mat, w: Buf, dy: Buf, dz: Buf, heads: usize, scale: f64) {
+        let ([g, ys, xs, ws], [d, z]) = self.io([dout, y, x.span(), w], [dy, dz]);
+        let hd = y.len / x.rows / heads;
+        attn_gate::attn_gate_rows_bwd(g, ys, (xs, x.ld), ws, d, z, (heads, hd), scale);
     }
 
     fn xsa_fwd(&mut self, y: Buf, v: Mat, out: Buf, s: AttnShape) {

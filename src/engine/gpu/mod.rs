@@ -235,8 +235,12 @@ impl Capacity {
     fn spaces(&self, len: usize, chunk: usize) -> (Sizes, AuxLayout, usize, TokenLayout) {
         let parts = self.tokens.div_ceil(ops::PART);
         // Partial sums (2 x width per block of rows), the q/k gain's per-(row, head) values and
-        // their partials, attention's delta: the largest of them.
-        let scratch_len = (2 * parts * self.width).max(self.tokens * self.heads + parts * self.heads).max(self.tokens * self.heads);
+        // their partials, attention's delta, SmearGate's partials (up to `width + 1` values per
+        // block) and per-row values (two per row): the largest of them.
+        let scratch_len = (2 * parts * self.width)
+            .max(self.tokens * self.heads + parts * self.heads)
+            .max(self.tokens * self.heads)
+            .max(parts * (self.width + 1) + 2 * self.tokens);
         // Every region starts 16-byte aligned (flash attention copies its statistics with
         // 16-byte cp.async).
         let align = |x: usize| x.div_ceil(4) * 4;
@@ -293,7 +297,7 @@ struct AuxLayout {
 pub(super) const CSR_CHUNK: usize = 2048;
 
 /// The `tokens` space: x, y, then the ids' CSR (offsets per vocabulary row, then positions),
-/// then the CSR build's counts (`chunks x vocab`).
+/// then the CSR build's counts (`chunks x vocab`), then each position's document start.
 #[derive(Clone, Copy, Debug)]
 struct TokenLayout {
     n: usize,
@@ -321,8 +325,13 @@ impl TokenLayout {
     fn counts(&self) -> usize {
         3 * self.n + self.vocab + 1
     }
+    /// Each position's document start (`eng_doc_starts`, for attention within documents),
+    /// 16-byte aligned for flash attention's copies.
+    fn starts(&self) -> usize {
+        (self.counts() + self.chunks() * self.vocab).div_ceil(4) * 4
+    }
     fn len(&self) -> usize {
-        self.counts() + self.chunks() * self.vocab
+        self.starts() + self.n
     }
 }
 

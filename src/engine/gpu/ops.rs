@@ -160,6 +160,39 @@ impl<D: Device> KernelBackend<D> {
     }
 }
 
+impl<D: Device> KernelBackend<D> {
+    /// Under `s.docs`, launches `eng_doc_starts` on the micro-batch's ids and returns where it
+    /// left each position's document start (the `*_docs_bf16` flash kernels' last argument).
+    fn document_starts(&mut self, s: AttnShape) -> Option<Arg> {
+        let bos = s.docs?;
+        let t = self.tokens;
+        assert!(s.batch * s.t <= t.n, "attention within documents over {} x {} positions, {} ids", s.batch, s.t, t.n);
+        let (ids, starts) = (Arg::Ptr(Space::Tokens, t.x()), Arg::Ptr(Space::Tokens, t.starts()));
+        self.run("eng_doc_starts", warps(s.batch), BLOCK, vec![ids, starts, l(s.batch), i(s.t), i(bos as usize)]);
+        Some(starts)
+    }
+
+    /// Rows of SmearGate's `cols`-wide rows `e`, checked against the micro-batch's ids.
+    fn smear_rows(&self, e: Buf, cols: usize, t: usize) -> usize {
+        let rows = e.len / cols;
+        assert!(
+            rows * cols == e.len && rows == self.tokens.n && rows.is_multiple_of(t),
+            "SmearGate over {} elements of width {cols}, sequences of {t}, {} ids",
+            e.len,
+            self.tokens.n
+        );
+        rows
+    }
+
+    /// `(rows, head width, window)` of a gate call on `y` `(rows, heads d)` with `x` `(rows, W)`
+    /// and `w` `(heads, W)`.
+    fn gate_shape(y: Buf, x: Mat, w: Buf, heads: usize) -> (usize, usize, usize) {
+        let (rows, win) = (x.rows, x.cols);
+        assert!(!x.t && w.len == heads * win && y.len.is_multiple_of(rows * heads), "a gate of {heads} heads on {y:?} with {x:?}, {w:?}");
+        (rows, y.len / (rows * heads), win)
+    }
+}
+
 impl<D: Device> Backend for KernelBackend<D> {
     fn dtype(&self) -> DType {
         DType::F32
@@ -427,8 +460,15 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.half_in(v, h[2]);
         let lse = self.lse(out);
         let half = |k: usize| Arg::Ptr(Space::Half, h[k]);
-        let args = vec![half(0), half(1), half(2), half(3), lse, i(s.t), i(s.heads), i(s.kv_heads), scale_log2];
-        self.run("flash_fwd_mma_bf16", qgrid, FLASH_THREADS, args);
+        let mut args = vec![half(0), half(1), half(2), half(3), lse, i(s.t), i(s.heads), i(s.kv_heads), scale_log2];
+        let kernel = match self.document_starts(s) {
+            Some(starts) => {
+                args.push(starts);
+                "flash_fwd_mma_docs_bf16"
+            }
+            None => "flash_fwd_mma_bf16",
+        };
+        self.run(kernel, qgrid, FLASH_THREADS, args);
         let n = s.batch * s.t;
         self.half_out(h[3], out.mat(n, s.heads * s.d), false);
     }
@@ -448,12 +488,21 @@ impl<D: Device> Backend for KernelBackend<D> {
         let half = |k: usize| Arg::Ptr(Space::Half, h[k]);
         let (t, heads, kvh) = (i(s.t), i(s.heads), i(s.kv_heads));
         let common = [half(0), half(1), half(2), half(3), lse, delta];
+        let starts = self.document_starts(s);
         let mut dq_args = common.to_vec();
         dq_args.extend([half(4), t, heads, kvh, scale_log2, scale]);
-        self.run("flash_bwd_dq_mma_bf16", qgrid, FLASH_THREADS, dq_args);
         let mut dkdv_args = common.to_vec();
         dkdv_args.extend([half(5), half(6), t, heads, kvh, scale_log2, scale]);
-        self.run("flash_bwd_dkdv_mma_bf16", kvgrid, FLASH_THREADS, dkdv_args);
+        let (dq_kernel, dkdv_kernel) = match starts {
+            Some(p) => {
+                dq_args.push(p);
+                dkdv_args.push(p);
+                ("flash_bwd_dq_mma_docs_bf16", "flash_bwd_dkdv_mma_docs_bf16")
+            }
+            None => ("flash_bwd_dq_mma_bf16", "flash_bwd_dkdv_mma_bf16"),
+        };
+        self.run(dq_kernel, qgrid, FLASH_THREADS, dq_args);
+        self.run(dkdv_kernel, kvgrid, FLASH_THREADS, dkdv_args);
         self.half_out(h[4], dq, false);
         self.half_out(h[5], dk, false);
         self.half_out(h[6], dv, dv_acc);
@@ -473,6 +522,44 @@ impl<D: Device> Backend for KernelBackend<D> {
         let rows = s.batch * s.t;
         let args = vec![a(dout), a(y), a(v.span()), l(v.ld), a(dy), a(dv.span()), l(dv.ld), l(rows), i(s.heads), i(s.kv_heads), i(s.d)];
         self.run("eng_xsa_bwd", warps(rows * s.kv_heads), BLOCK, args);
+    }
+
+    fn smear_fwd(&mut self, e: Buf, w: Buf, lambda: Buf, out: Buf, cols: usize, t: usize, bos: u32) {
+        self.check([e, w, lambda], [out]);
+        let rows = self.smear_rows(e, cols, t);
+        let ids = Arg::Ptr(Space::Tokens, self.tokens.x());
+        let args = vec![a(e), ids, a(w), a(lambda), a(out), l(rows), i(cols), i(w.len), i(t), i(bos as usize)];
+        self.run("eng_smear_fwd", warps(rows), BLOCK, args);
+    }
+
+    fn smear_bwd(&mut self, dout: Buf, e: Buf, w: Buf, lambda: Buf, de: Buf, dw: Buf, dlambda: Buf, cols: usize, t: usize, bos: u32) {
+        self.check([dout, e, w, lambda], [de, dw, dlambda]);
+        let rows = self.smear_rows(e, cols, t);
+        let (win, n) = (w.len, rows.div_ceil(PART));
+        // Scratch: the partials ((win + 1) per block of rows), then (dz, dl) per row.
+        let (part, rowv) = (self.scratch(0, n * (win + 1)), self.scratch(n * (win + 1), 2 * rows));
+        let ids = Arg::Ptr(Space::Tokens, self.tokens.x());
+        let args = vec![a(dout), a(e), ids, a(w), a(lambda), a(de), rowv, l(rows), i(cols), i(win), i(t), i(bos as usize)];
+        self.run("eng_smear_bwd", warps(rows), BLOCK, args);
+        self.run("eng_smear_partial", parts(rows, win + 1), BLOCK, vec![a(e), rowv, l(rows), i(cols), i(win), part]);
+        self.run("eng_colsum_finish", flat(win), BLOCK, vec![part, i(n), i(win + 1), i(win), a(dw)]);
+        let lambda_part = self.scratch(win, n * (win + 1) - win);
+        self.run("eng_colsum_finish", flat(1), BLOCK, vec![lambda_part, i(n), i(win + 1), i(1), a(dlambda)]);
+    }
+
+    fn attn_gate_fwd(&mut self, y: Buf, x: Mat, w: Buf, out: Buf, heads: usize, scale: f64) {
+        self.check([y, x.span(), w], [out]);
+        let (rows, d, win) = Self::gate_shape(y, x, w, heads);
+        let args = vec![a(y), a(x.span()), l(x.ld), a(w), a(out), l(rows), i(heads), i(d), i(win), f(scale)];
+        self.run("eng_attn_gate_fwd", warps(rows * heads), BLOCK, args);
+    }
+
+    fn attn_gate_bwd(&mut self, dout: Buf, y: Buf, x: Mat, w: Buf, dy: Buf, dz: Buf, heads: usize, scale: f64) {
+        self.check([dout, y, x.span(), w], [dy, dz]);
+        let (rows, d, win) = Self::gate_shape(y, x, w, heads);
+        assert_eq!(dz.len, rows * heads, "the gate's dz is (rows, heads)");
+        let args = vec![a(dout), a(y), a(x.span()), l(x.ld), a(w), a(dy), a(dz), l(rows), i(heads), i(d), i(win), f(scale)];
+        self.run("eng_attn_gate_bwd", warps(rows * heads), BLOCK, args);
     }
 
     fn act_fwd(&mut self, pre: Buf, out: Buf, act: Activation) {

@@ -375,14 +375,15 @@ fn head_rows(ld: usize, (b, t, d): (usize, usize, usize), head: usize) -> Vec<us
 
 /// [`causal_attention_tokens`]'s forward on plain slices (the engine's CPU backend): `q`, `k`,
 /// `v` token-major views `(slice, row stride)` (k and v may be column blocks of one fused
-/// product), `out` the contiguous `(B T, H D)` output. The kernels are this file's, one task
-/// per (batch, head).
+/// product), `out` the contiguous `(B T, H D)` output; under a document mask each position
+/// sees only its own segment's keys. The kernels are this file's, one task per (batch, head).
 pub(crate) fn attention_token_major_fwd<T: Real>(
     (q, ldq): (&[T], usize),
     (k, ldk): (&[T], usize),
     (v, ldv): (&[T], usize),
     out: &mut [T],
     (b, t, h, kh, d): TokenDims,
+    mask: Option<&DocumentMask>,
 ) {
     let (group, scale) = (h / kh, T::from_f64(1.0 / (d as f64).sqrt()));
     let heads: Vec<Vec<T>> = (0..b * h)
@@ -393,7 +394,7 @@ pub(crate) fn attention_token_major_fwd<T: Real>(
                 (head_rows(ldq, (bi, t, d), hh), head_rows(ldk, (bi, t, d), hh / group), head_rows(ldv, (bi, t, d), hh / group));
             let rows = |data, offsets| Rows { data, offsets, len: d };
             let mut o = vec![T::from_f64(0.0); t * d];
-            attn_fwd_head(rows(q, &qo), rows(k, &ko), rows(v, &vo), None, scale, &mut o);
+            attn_fwd_head(rows(q, &qo), rows(k, &ko), rows(v, &vo), mask.map(|m| m.row(bi)), scale, &mut o);
             o
         })
         .collect();
@@ -436,7 +437,7 @@ fn by_sequence<T>((data, ld): (&mut [T], usize), b: usize, t: usize) -> Vec<&mut
 
 /// The backward pass of [`attention_token_major_fwd`] (probabilities recomputed per block of
 /// query rows), one task per (batch, KV head); `(o, go)` are the forward output and its
-/// gradient, contiguous `(B T, H D)`.
+/// gradient, contiguous `(B T, H D)`; `mask` as the forward pass had it.
 pub(crate) fn attention_token_major_bwd<T: Real>(
     (q, ldq): (&[T], usize),
     (k, ldk): (&[T], usize),
@@ -444,6 +445,7 @@ pub(crate) fn attention_token_major_bwd<T: Real>(
     (o, go): (&[T], &[T]),
     grads: AttentionGrads<'_, T>,
     (b, t, h, kh, d): TokenDims,
+    mask: Option<&DocumentMask>,
 ) {
     let (group, scale, w) = (h / kh, T::from_f64(1.0 / (d as f64).sqrt()), h * d);
     let zero = T::from_f64(0.0);
@@ -457,7 +459,7 @@ pub(crate) fn attention_token_major_bwd<T: Real>(
             let rows = |data, offsets| Rows { data, offsets, len: d };
             let x = AttnBwdIn { q: rows(q, &qo), k: rows(k, &ko), v: rows(v, &vo), o: rows(o, &oo), go: rows(go, &oo) };
             let (mut dq, mut dk, mut dv) = (vec![zero; group * t * d], vec![zero; t * d], vec![zero; t * d]);
-            attn_bwd_group(&x, None, scale, &mut dq, &mut dk, &mut dv);
+            attn_bwd_group(&x, mask.map(|m| m.row(bi)), scale, &mut dq, &mut dk, &mut dv);
             (dq, dk, dv)
         })
         .collect();

@@ -13,9 +13,21 @@
 //!
 //! Composed from candle ops on every device (a product with `w^T`, `exp`, `recip`, a broadcast
 //! over each head's width), whose backward passes give the gradients of `y`, `x` and `w`; the
-//! reference it is tested against is the scalar formula.
+//! reference it is tested against is the scalar formula. The engine's CPU backend runs the row
+//! kernels below ([`attn_gate_rows_fwd`], [`attn_gate_rows_bwd`]); its GPU kernels
+//! (`eng_attn_gate_*` in kernels/engine.cu) are checked against those. Backward, with `G` the
+//! output's gradient:
+//!
+//! ```text
+//! dy[n, h, :] = g[n, h] G[n, h, :]
+//! dz[n, h]    = s g (1 - g) (G[n, h, :] . y[n, h, :])
+//! dw         += dz^T x[:, :W]          dx[:, :W] += dz w      (two GEMMs in the engine)
+//! ```
 
 use candle_core::{Result, Tensor};
+use rayon::prelude::*;
+
+use crate::model::host::simd::Real;
 
 /// `y` `(N, H*hd)` with head `h` of row `n` scaled by `sigmoid(scale * w[h] . x[n, :W])`, `w`
 /// `(H, W)`, `x` `(N, D)`.
@@ -27,6 +39,56 @@ pub fn attn_gate(y: &Tensor, x: &Tensor, w: &Tensor, scale: f64) -> Result<Tenso
     let z = x.narrow(1, 0, win)?.contiguous()?.matmul(&w.t()?)?.affine(scale, 0.0)?;
     let g = (z.neg()?.exp()? + 1.0)?.recip()?;
     y.reshape((n, heads, width / heads))?.broadcast_mul(&g.unsqueeze(2)?)?.reshape((n, width))
+}
+
+/// `g[n, h]` for row `n` of the `(N, W)` view `(x, ldx)`, `w` `(H, W)`.
+fn gates<'a, T: Real>((x, ldx): (&'a [T], usize), w: &'a [T], n: usize, heads: usize, scale: T) -> impl Iterator<Item = T> + 'a {
+    let win = w.len() / heads;
+    let zero = T::from_f64(0.0);
+    (0..heads).map(move |h| {
+        let z = w[h * win..(h + 1) * win].iter().zip(&x[n * ldx..n * ldx + win]).fold(zero, |a, (&w, &x)| a + x * w) * scale;
+        T::from_f64(1.0) / (T::from_f64(1.0) + (zero - z).exp())
+    })
+}
+
+/// [`attn_gate`] on the engine's rows: `y` and `out` contiguous `(N, H hd)` (`heads`, `hd`), `x`
+/// the gate input's `(N, W)` view (slice from its first element, row stride), `w` `(H, W)`.
+pub(crate) fn attn_gate_rows_fwd<T: Real>(y: &[T], x: (&[T], usize), w: &[T], out: &mut [T], (heads, hd): (usize, usize), scale: f64) {
+    let (width, scale) = (heads * hd, T::from_f64(scale));
+    out.par_chunks_mut(width).enumerate().for_each(|(n, o)| {
+        for (h, g) in gates(x, w, n, heads, scale).enumerate() {
+            for k in h * hd..(h + 1) * hd {
+                o[k] = g * y[n * width + k];
+            }
+        }
+    });
+}
+
+/// The gradients of [`attn_gate_rows_fwd`] (the module doc's formulas): `dy` `(N, H hd)` and
+/// `dz` `(N, H)` written.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attn_gate_rows_bwd<T: Real>(
+    dout: &[T],
+    y: &[T],
+    x: (&[T], usize),
+    w: &[T],
+    dy: &mut [T],
+    dz: &mut [T],
+    (heads, hd): (usize, usize),
+    scale: f64,
+) {
+    let (width, scale) = (heads * hd, T::from_f64(scale));
+    let one = T::from_f64(1.0);
+    dy.par_chunks_mut(width).zip(dz.par_chunks_mut(heads)).enumerate().for_each(|(n, (d, z))| {
+        for (h, g) in gates(x, w, n, heads, scale).enumerate() {
+            let mut dg = T::from_f64(0.0);
+            for k in h * hd..(h + 1) * hd {
+                d[k] = g * dout[n * width + k];
+                dg += dout[n * width + k] * y[n * width + k];
+            }
+            z[h] = scale * g * (one - g) * dg;
+        }
+    });
 }
 
 #[cfg(test)]

@@ -13,9 +13,26 @@
 //!
 //! Composed from candle ops on every device (the product, `exp`, `recip`, broadcasts), whose
 //! backward passes give the gradients of `e`, `w` and `lambda`; the reference it is tested
-//! against is the scalar formula.
+//! against is the scalar formula. The engine's CPU backend runs the row kernels below
+//! ([`smear_rows_fwd`], [`smear_rows_bwd`]), tested against the composite; its GPU kernels
+//! (`eng_smear_*` in kernels/engine.cu) are checked against those.
+//!
+//! The backward pass, with `s_t = sigmoid(w . e_t[:W])`, `k_t = [x_t != bos]` (0 at a row's
+//! first position) and `G` the output's gradient:
+//!
+//! ```text
+//! dg_t     = G_t . e_{t-1}
+//! dz_t     = dg_t lambda k_t s_t (1 - s_t)
+//! de_t     = G_t + g_{t+1} G_{t+1} + [c < W] dz_t w
+//! dw      += sum_t dz_t e_t[:W]
+//! dlambda += sum_t dg_t k_t s_t
+//! ```
 
 use candle_core::{Result, Tensor};
+use rayon::prelude::*;
+
+use crate::model::host::rows::column_sums;
+use crate::model::host::simd::Real;
 
 /// SmearGate over the `(B*T, D)` embedding rows `e` of input ids `ids` `(B, T)` (u32): gate
 /// `w` `(1, W)`, gain `lambda` `(1,)`, no smear onto tokens equal to `bos`.
@@ -36,6 +53,105 @@ pub fn smear_gate(e: &Tensor, ids: &Tensor, w: &Tensor, lambda: &Tensor, bos: u3
     let keep = ids.narrow(1, 1, t - 1)?.ne(bos)?.to_dtype(e.dtype())?.unsqueeze(2)?;
     let smeared = (&cur + prev.broadcast_mul(&(g * keep)?)?)?;
     Tensor::cat(&[&e3.narrow(1, 0, 1)?, &smeared], 1)?.reshape((b * t, d))
+}
+
+/// The geometry of the row kernels: `cols`-wide rows, sequences of `t`, no smear onto `bos`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SmearRows {
+    /// Row width (the model's).
+    pub(crate) cols: usize,
+    /// Positions per sequence.
+    pub(crate) t: usize,
+    /// The BOS id.
+    pub(crate) bos: u32,
+}
+
+/// `(g_r, s_r)` of row `r`: the gate (0 at a sequence's start and at a BOS) and its sigmoid.
+fn gate_of<T: Real>(e: &[T], ids: &[u32], w: &[T], lambda: T, r: usize, g: SmearRows) -> (T, T) {
+    let zero = T::from_f64(0.0);
+    if r.is_multiple_of(g.t) || ids[r] == g.bos {
+        return (zero, zero);
+    }
+    let row = &e[r * g.cols..];
+    let z = w.iter().zip(row).fold(zero, |a, (&w, &x)| a + w * x);
+    let s = T::from_f64(1.0) / (T::from_f64(1.0) + (zero - z).exp());
+    (lambda * s, s)
+}
+
+/// [`smear_gate`] on the engine's rows: `out_r = e_r + g_r e_{r-1}` for the `rows x cols`
+/// embedding rows `e` of input ids `ids`, gate `w` (`W` values), gain `lambda`.
+pub(crate) fn smear_rows_fwd<T: Real>(e: &[T], ids: &[u32], w: &[T], lambda: T, out: &mut [T], g: SmearRows) {
+    let cols = g.cols;
+    out.par_chunks_mut(cols).enumerate().for_each(|(r, o)| {
+        let (gate, _) = gate_of(e, ids, w, lambda, r, g);
+        let cur = &e[r * cols..(r + 1) * cols];
+        if r.is_multiple_of(g.t) {
+            o.copy_from_slice(cur);
+            return;
+        }
+        let prev = &e[(r - 1) * cols..r * cols];
+        for ((o, &c), &p) in o.iter_mut().zip(cur).zip(prev) {
+            *o = c + p * gate;
+        }
+    });
+}
+
+/// The gradients of [`smear_rows_fwd`] (the module doc's formulas): `de` written, `dw` and
+/// `dlambda` (one value) added to (sums in f64 over fixed row blocks, added in order).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn smear_rows_bwd<T: Real>(
+    dout: &[T],
+    e: &[T],
+    ids: &[u32],
+    w: &[T],
+    lambda: T,
+    de: &mut [T],
+    dw: &mut [T],
+    dlambda: &mut [T],
+    g: SmearRows,
+) {
+    let (cols, win) = (g.cols, w.len());
+    let rows = e.len() / cols;
+    let one = T::from_f64(1.0);
+    // Per row: (dz_r, dg_r k_r s_r), 0 where the gate is off.
+    let per_row: Vec<(T, T)> = (0..rows)
+        .into_par_iter()
+        .map(|r| {
+            // The gate's sigmoid, 0 where the gate is off (so are both values then).
+            let (_, s) = gate_of(e, ids, w, lambda, r, g);
+            if r.is_multiple_of(g.t) || ids[r] == g.bos {
+                return (T::from_f64(0.0), T::from_f64(0.0));
+            }
+            let (gr, prev) = (&dout[r * cols..(r + 1) * cols], &e[(r - 1) * cols..r * cols]);
+            let dg = gr.iter().zip(prev).fold(T::from_f64(0.0), |a, (&x, &y)| a + x * y);
+            (dg * lambda * s * (one - s), dg * s)
+        })
+        .collect();
+    de.par_chunks_mut(cols).enumerate().for_each(|(r, d)| {
+        d.copy_from_slice(&dout[r * cols..(r + 1) * cols]);
+        if !(r + 1).is_multiple_of(g.t) && r + 1 < rows {
+            let (next, _) = gate_of(e, ids, w, lambda, r + 1, g);
+            for (d, &x) in d.iter_mut().zip(&dout[(r + 1) * cols..(r + 2) * cols]) {
+                *d += next * x;
+            }
+        }
+        let dz = per_row[r].0;
+        for (d, &wc) in d.iter_mut().zip(w) {
+            *d += dz * wc;
+        }
+    });
+    let mut sums = vec![T::from_f64(0.0); win + 1];
+    column_sums(rows, win + 1, &mut sums, |r, acc| {
+        let (dz, dl) = per_row[r];
+        for (c, a) in acc[..win].iter_mut().enumerate() {
+            *a += (dz * e[r * cols + c]).to_f64();
+        }
+        acc[win] += dl.to_f64();
+    });
+    for (d, &s) in dw.iter_mut().zip(&sums) {
+        *d += s;
+    }
+    dlambda[0] += sums[win];
 }
 
 /// 1 where a token of `ids` is not `bos`, row-major (tests).
