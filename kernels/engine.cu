@@ -674,6 +674,71 @@ extern "C" __global__ void eng_attn_gate_bwd(const float* dout, const float* y, 
     if ((threadIdx.x & 31) == 0) dz[item] = scale * g * (1.f - g) * dg;
 }
 
+// ---- the 04-27 record's two-lane decoder (src/model/ops/lanes.rs) --------------------------
+
+// A = sa ao, M = sm mo per channel; out_k = r[k] l_k + p[0, k] A + p[1, k] M (l0 may be l1).
+extern "C" __global__ void eng_lanes_fwd(const float* l0, const float* l1, const float* ao, const float* mo, const float* sa,
+                                         const float* sm, const float* r, const float* p, float* out0, float* out1, long n, int cols) {
+    for (long i = first_index(); i < n; i += grid_stride()) {
+        const int c = (int)(i % cols);
+        const float a = sa[c] * ao[i], m = sm[c] * mo[i];
+        out0[i] = r[0] * l0[i] + p[0] * a + p[2] * m;
+        out1[i] = r[1] * l1[i] + p[1] * a + p[3] * m;
+    }
+}
+
+// dl_k = r[k] G_k; dao = sa dA, dmo = sm dM with dA = p[0, 0] G_0 + p[0, 1] G_1, dM alike.
+extern "C" __global__ void eng_lanes_bwd(const float* g0, const float* g1, const float* sa, const float* sm, const float* r,
+                                         const float* p, float* dl0, float* dl1, float* dao, float* dmo, long n, int cols) {
+    for (long i = first_index(); i < n; i += grid_stride()) {
+        const int c = (int)(i % cols);
+        dl0[i] = r[0] * g0[i];
+        dl1[i] = r[1] * g1[i];
+        dao[i] = sa[c] * (p[0] * g0[i] + p[1] * g1[i]);
+        dmo[i] = sm[c] * (p[2] * g0[i] + p[3] * g1[i]);
+    }
+}
+
+// part[blk] = eight per-channel sums over the block's rows, `cols` each: dA ao, dM mo (the
+// scales' gradients), then G_0 l_0, G_1 l_1, G_0 A, G_1 A, G_0 M, G_1 M (eng_lanes_finish adds
+// those over the channels into the lambdas' gradients).
+extern "C" __global__ void eng_lanes_partial(const float* g0, const float* g1, const float* l0, const float* l1, const float* ao,
+                                             const float* mo, const float* sa, const float* sm, const float* p, long rows, int cols,
+                                             float* part) {
+    const long r0 = (long)blockIdx.y * PART, r1 = min(r0 + PART, rows);
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
+        float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (long r = r0; r < r1; ++r) {
+            const long i = r * cols + c;
+            const float a = sa[c] * ao[i], m = sm[c] * mo[i];
+            s[0] += (p[0] * g0[i] + p[1] * g1[i]) * ao[i];
+            s[1] += (p[2] * g0[i] + p[3] * g1[i]) * mo[i];
+            s[2] += g0[i] * l0[i];
+            s[3] += g1[i] * l1[i];
+            s[4] += g0[i] * a;
+            s[5] += g1[i] * a;
+            s[6] += g0[i] * m;
+            s[7] += g1[i] * m;
+        }
+        for (int k = 0; k < 8; ++k) part[((long)blockIdx.y * 8 + k) * cols + c] = s[k];
+    }
+}
+
+// One block of six warps: warp q adds sum q + 2 of eng_lanes_partial over every block and
+// channel (in a fixed order) into dr[0], dr[1], dp[0], dp[1], dp[2], dp[3].
+extern "C" __global__ void eng_lanes_finish(const float* part, int parts, int cols, float* dr, float* dp) {
+    const int q = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (q >= 6) return;
+    float s = 0.f;
+    for (int b = 0; b < parts; ++b)
+        for (int c = lane; c < cols; c += 32) s += part[((long)b * 8 + q + 2) * cols + c];
+    s = warp_sum(s);
+    if (lane == 0) {
+        if (q < 2) dr[q] += s;
+        else dp[q - 2] += s;
+    }
+}
+
 // ---- document starts (src/model/ops/doc_mask.rs) ------------------------------------------
 
 // starts[r t + p] = the first position of the document holding position p of row r: the last

@@ -120,12 +120,12 @@ fn the_comparison_script_checks_itself() {
 /// The 04-27 keys' bad values are refused by `pipeline validate` (exit 2, no panic), each
 /// naming its key: a gate window outside the width, a lane start past the layers or inside the
 /// loop, both forms of parallel blocks at once, a `bos_id` the tokenizer does not start
-/// documents with, Polar Express past its five steps, and a new element on the explicit engine.
+/// documents with, and Polar Express past its five steps.
 #[test]
 fn the_04_27_keys_refuse_bad_values_by_name() {
     let c = corpus("record0427-bad");
     let cfg = config(&c);
-    let cases: [(&[&str], &[&str]); 8] = [
+    let cases: [(&[&str], &[&str]); 7] = [
         (&["model.smear_gate=true", "model.smear_gate_window=4096"], &["`model.smear_gate_window` (4096)"]),
         (&["model.attn_gate=true", "model.attn_gate_window=0"], &["`model.attn_gate_window` (0)"]),
         (&["model.num_layers=3", "model.parallel_decoder_start=3"], &["`model.parallel_decoder_start` (3)"]),
@@ -139,10 +139,6 @@ fn the_04_27_keys_refuse_bad_values_by_name() {
         ),
         (&["model.document_attention=true", "model.bos_id=2"], &["`model.bos_id` = 2", "starts documents with 1"]),
         (&["train.muon_ns=\"polar_express\"", "train.muon_backend_steps=6"], &["`train.muon_backend_steps` = 6"]),
-        (
-            &["stages.train.impl=\"engine\"", "model.num_layers=4", "model.parallel_decoder_start=2"],
-            &["`model.parallel_decoder_start`", "explicit engine"],
-        ),
     ];
     for (sets, fragments) in cases {
         let mut cmd = bin();

@@ -93,7 +93,7 @@ fn flash_mma_kernels_match_attention_in_double() {
 /// A causal mask off by one (the diagonal key hidden from dk/dv) is a numerical failure.
 #[test]
 fn a_wrong_mask_fails_the_comparison() {
-    let k = mutant("flash_mma_mask", "!diagonal || key <= q0 + c ?", "!diagonal || key < q0 + c ?");
+    let k = mutant("flash_mma_mask", "(!diagonal || key <= q0 + c)", "(!diagonal || key < q0 + c)");
     let (out, text) = run(&build("flash_mma_mask", Some(&k)), &["1", "128", "4", "2", "5"]);
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(text.lines().any(|l| l.starts_with("dk ") && l.ends_with("FAILED")), "{text}");

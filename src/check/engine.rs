@@ -4,7 +4,8 @@
 //! 1. on a GPU, the engine's stream (its own, never the NULL stream graph capture refuses);
 //! 2. every op case of [`crate::engine::cases`] (one line per op and variant: every kernel and
 //!    GEMM layout the backend launches) against the f64 CPU backend, each within its bound;
-//! 3. the whole engine (a small model with every record element, [`cases::model_check`]): loss,
+//! 3. the whole engine (two small models, one with the 04-09 record's elements, one with the
+//!    04-27 record's: [`cases::check_models`], [`cases::model_check`]): loss,
 //!    every gradient and every weight after one Muon and Adam step, against the f64 CPU
 //!    engine, with the GEMM maths asked for and, on a GPU, the other one too;
 //! 4. on a GPU, graph replay against op-by-op launches (three steps whose learning rates
@@ -80,6 +81,8 @@ pub struct OpLine {
 /// The whole engine with one GEMM maths.
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelLine {
+    /// Which check model ([`cases::check_models`]): `04-09 elements` or `04-27 elements`.
+    pub model: String,
     /// `bf16 GEMMs`, `f32 GEMMs` or `cpu f32`.
     pub maths: String,
     /// Its bounds.
@@ -207,17 +210,19 @@ pub fn run(o: &Options) -> anyhow::Result<EngineCheck> {
     drop(be);
     let mut models = Vec::new();
     let maths: Vec<bool> = if gpu { vec![o.bf16, !o.bf16] } else { vec![false] };
-    for bf16 in maths {
-        let (label, bounds) = match (gpu, bf16) {
-            (false, _) => ("cpu f32", ModelBounds::CPU_F32),
-            (true, true) => ("bf16 GEMMs", ModelBounds::GPU_BF16_GEMMS),
-            (true, false) => ("f32 GEMMs", ModelBounds::GPU_F32_GEMMS),
-        };
-        let mut e = engine(&device, &cases::check_model(), cases::CHECK_ROWS_T, bf16, true)?;
-        let compared = cases::model_check(&mut e, bounds, o.seed)?;
-        let worst_ratio = compared.iter().map(|c| c.rel_err / c.bound).fold(0.0, f64::max);
-        let ok = compared.iter().all(cases::Compared::ok);
-        models.push(ModelLine { maths: label.into(), bounds, compared, worst_ratio, ok });
+    for (model, cfg) in cases::check_models() {
+        for &bf16 in &maths {
+            let (label, bounds) = match (gpu, bf16) {
+                (false, _) => ("cpu f32", ModelBounds::CPU_F32),
+                (true, true) => ("bf16 GEMMs", ModelBounds::GPU_BF16_GEMMS),
+                (true, false) => ("f32 GEMMs", ModelBounds::GPU_F32_GEMMS),
+            };
+            let mut e = engine(&device, &cfg, cases::CHECK_ROWS_T, bf16, true)?;
+            let compared = cases::model_check(&mut e, &cfg, bounds, o.seed)?;
+            let worst_ratio = compared.iter().map(|c| c.rel_err / c.bound).fold(0.0, f64::max);
+            let ok = compared.iter().all(cases::Compared::ok);
+            models.push(ModelLine { model: model.into(), maths: label.into(), bounds, compared, worst_ratio, ok });
+        }
     }
     let graphs = if gpu { Some(graph_check(&device, o.bf16, o.seed)?) } else { None };
     let transfers = if gpu { transfer_flags(&device)? } else { Vec::new() };
@@ -393,7 +398,8 @@ pub fn text(r: &EngineCheck) -> String {
     for m in &r.models {
         let _ = writeln!(
             s,
-            "engine against the CPU engine in f64, {}: loss, {} gradients and weights after Muon + Adam (bounds: loss {:.0e}, tensors {:.0e} of their norm + {:.0e}):",
+            "engine against the CPU engine in f64, {}, {}: loss, {} gradients and weights after Muon + Adam (bounds: loss {:.0e}, tensors {:.0e} of their norm + {:.0e}):",
+            m.model,
             m.maths,
             (m.compared.len() - 1) / 2,
             m.bounds.loss,

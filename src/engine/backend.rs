@@ -135,6 +135,21 @@ pub struct HeadShape {
     pub t: usize,
 }
 
+/// The parameters of one block's two-lane mix ([`Backend::lanes_fwd`]), or their gradients:
+/// `attn_scale` and `mlp_scale` `(C,)`, the block's `parallel_resid_lambdas` row `(2,)` and its
+/// `parallel_post_lambdas` `(2, 2)`, all in device memory.
+#[derive(Clone, Copy, Debug)]
+pub struct LaneBufs {
+    /// `attn_scale`.
+    pub sa: Buf,
+    /// `mlp_scale`.
+    pub sm: Buf,
+    /// `r`: `parallel_resid_lambdas[i]`.
+    pub r: Buf,
+    /// `p`: `parallel_post_lambdas[i]`, row-major (`p[0, k]` attention into lane `k`).
+    pub p: Buf,
+}
+
 /// One Adam step's scalars (see [`crate::optim::Adam::step`] for the update).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamStep {
@@ -411,6 +426,17 @@ pub trait Backend: Send {
     /// and `x` with two GEMMs).
     #[allow(clippy::too_many_arguments)]
     fn attn_gate_bwd(&mut self, dout: Buf, y: Buf, x: Mat, w: Buf, dy: Buf, dz: Buf, heads: usize, scale: f64);
+
+    /// The two-lane decoder's mix (the 04-27 record; [`crate::model::ops::lanes`]): for `k` in
+    /// 0, 1, `out[k] = r[k] l[k] + p[0, k] sa ao + p[1, k] sm mo`. `l[0]` and `l[1]` may be one
+    /// buffer (the lanes' first block).
+    fn lanes_fwd(&mut self, l: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, out: [Buf; 2]);
+
+    /// Backward of [`Backend::lanes_fwd`] from the lanes' gradients `g`: `dl[k] = r[k] g[k]`,
+    /// `dao = sa dA`, `dmo = sm dM` written (`dA = p[0, 0] g[0] + p[0, 1] g[1]`, `dM` alike);
+    /// the parameters' gradients `dw` added to.
+    #[allow(clippy::too_many_arguments)]
+    fn lanes_bwd(&mut self, g: [Buf; 2], l: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, dl: [Buf; 2], dao: Buf, dmo: Buf, dw: LaneBufs);
 
     /// `out = leaky_relu(pre, slope)^2`.
     fn act_fwd(&mut self, pre: Buf, out: Buf, a: Activation);

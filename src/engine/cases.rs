@@ -22,7 +22,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 
-use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, Mat};
+use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, LaneBufs, Mat};
 use super::cpu::CpuBackend;
 use super::gpu::Capacity;
 use super::layout::Bump;
@@ -407,6 +407,8 @@ pub fn cases() -> Vec<Case> {
         },
         Case { name: "smear_fwd", len: 3 * nw, bound: ROWS, run: |be| smear_case(be, false, 12) },
         Case { name: "smear_bwd (window past a warp)", len: 5 * nw, bound: ROWS, run: |be| smear_case(be, true, 40) },
+        Case { name: "lanes_fwd (then one lane as both)", len: 7 * nw, bound: ROWS, run: |be| lanes_case(be, false) },
+        Case { name: "lanes_bwd", len: 11 * nw, bound: ROWS, run: |be| lanes_case(be, true) },
         Case { name: "attn_gate_fwd", len: head_len, bound: ROWS, run: |be| attn_gate_case(be, false) },
         Case { name: "attn_gate_bwd", len: head_len, bound: ROWS, run: |be| attn_gate_case(be, true) },
     ]
@@ -427,6 +429,24 @@ fn smear_case(be: &mut dyn Backend, backward: bool, win: usize) {
         be.smear_bwd(dout, e, w, lambda, de, dw, dl, W, 10, 4);
     } else {
         be.smear_fwd(e, w, lambda, r.take(N * W), W, 10, 4);
+    }
+}
+
+/// The two-lane mix on `N` rows of `W`, forward (twice: distinct lanes, then the lanes' first
+/// block, both lanes one buffer) or backward.
+fn lanes_case(be: &mut dyn Backend, backward: bool) {
+    let mut r = Bump::default();
+    let (l0, l1, ao, mo) = (r.take(N * W), r.take(N * W), r.take(N * W), r.take(N * W));
+    let w = LaneBufs { sa: r.take(W), sm: r.take(W), r: r.take(2), p: r.take(4) };
+    if backward {
+        let (g0, g1) = (r.take(N * W), r.take(N * W));
+        let (dl, dao, dmo) = ([r.take(N * W), r.take(N * W)], r.take(N * W), r.take(N * W));
+        let dw = LaneBufs { sa: r.take(W), sm: r.take(W), r: r.take(2), p: r.take(4) };
+        be.lanes_bwd([g0, g1], [l0, l1], ao, mo, w, dl, dao, dmo, dw);
+    } else {
+        let out = [r.take(N * W), r.take(N * W)];
+        be.lanes_fwd([l0, l1], ao, mo, w, out);
+        be.lanes_fwd([l0, l0], ao, mo, w, out);
     }
 }
 
@@ -619,6 +639,30 @@ pub fn check_model() -> ModelConfig {
     }
 }
 
+/// The 04-27 record's model for the whole-engine check: [`check_model`] with SmearGate (BOS fix),
+/// the sparse attention gate, attention within documents and the two-lane decoder (after the
+/// loop, in place of parallel residuals, lanes averaged).
+pub fn check_model_0427() -> ModelConfig {
+    ModelConfig {
+        smear_gate: true,
+        smear_gate_window: 12,
+        attn_gate: true,
+        attn_gate_window: 12,
+        attn_gate_init_std: 0.5,
+        attn_gate_scale: 0.5,
+        document_attention: true,
+        bos_id: 1,
+        parallel_residual_start: None,
+        parallel_decoder_start: Some(3),
+        ..check_model()
+    }
+}
+
+/// The whole-engine check's models: the 04-09 record's elements, then the 04-27 record's.
+pub fn check_models() -> [(&'static str, ModelConfig); 2] {
+    [("04-09 elements", check_model()), ("04-27 elements", check_model_0427())]
+}
+
 /// The micro-batch of the whole-engine check: one sequence of 64 tokens.
 pub const CHECK_ROWS_T: (usize, usize) = (1, 64);
 
@@ -668,17 +712,22 @@ impl Compared {
     }
 }
 
-/// The whole engine `dut` (built for [`check_model`] on [`CHECK_ROWS_T`]) against the f64
-/// CPU engine: one looped micro-batch's loss and every gradient, then every weight after one
-/// Muon and one Adam step, each against `bounds`.
-pub fn model_check(dut: &mut Engine, bounds: ModelBounds, seed: u64) -> anyhow::Result<Vec<Compared>> {
-    let cfg = check_model();
+/// The whole engine `dut` (built for `cfg`, one of [`check_models`], on [`CHECK_ROWS_T`])
+/// against the f64 CPU engine: one looped micro-batch's loss and every gradient, then every
+/// weight after one Muon and one Adam step, each against `bounds`. Under a document mask or
+/// SmearGate the tokens hold the BOS at a tile's middle and twice in a row.
+pub fn model_check(dut: &mut Engine, cfg: &ModelConfig, bounds: ModelBounds, seed: u64) -> anyhow::Result<Vec<Compared>> {
     let (rows, t) = CHECK_ROWS_T;
     let n = rows * t;
-    let mut reference = Engine::cpu(&cfg, rows, t, DType::F64, false)?;
-    let params: HashMap<String, Tensor> = perturbed(&cfg, seed).state_dict().into_iter().collect();
+    let mut reference = Engine::cpu(cfg, rows, t, DType::F64, false)?;
+    let params: HashMap<String, Tensor> = perturbed(cfg, seed).state_dict().into_iter().collect();
     let mut rng = fastrand::Rng::with_seed(seed + 7);
-    let x: Vec<u32> = (0..n).map(|_| rng.u32(0..cfg.vocab_size as u32)).collect();
+    let mut x: Vec<u32> = (0..n).map(|_| rng.u32(0..cfg.vocab_size as u32)).collect();
+    if cfg.document_attention || cfg.smear_gate {
+        for p in [20, 40, 41].into_iter().filter(|&p| p < n) {
+            x[p] = cfg.bos_id;
+        }
+    }
     let y: Vec<u32> = (0..n).map(|_| rng.u32(0..cfg.vocab_size as u32)).collect();
     let mut losses = Vec::new();
     for e in [&mut reference, &mut *dut] {

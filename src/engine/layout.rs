@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 
 use super::backend::Buf;
-use crate::model::{ModelConfig, ParamGroup, gpt_group_of};
+use crate::model::{FinalLane, ModelConfig, ParamGroup, gpt_group_of};
 
 /// Elements every region of the arena starts on: 64 `f32` (256 bytes), the alignment
 /// cuBLASLt's heuristic assumes of an operand by default and more than any vector load of the
@@ -115,8 +115,11 @@ pub struct PositionBufs {
     pub pre: Buf,
     /// The MLP sublayer's output `(N, D)`.
     pub mo: Buf,
-    /// The block's output, the stream into the next position `(N, D)`.
+    /// The block's output, the stream into the next position `(N, D)` (lane 0's on the
+    /// two-lane decoder).
     pub out: Buf,
+    /// Lane 1's output on the two-lane decoder (`model.parallel_decoder_start`) `(N, D)`.
+    pub out1: Buf,
 }
 
 /// The scratch of one pass.
@@ -142,6 +145,10 @@ pub struct Scratch {
     pub dz: Buf,
     /// Gradient of the embedding rows before SmearGate `(N, D)` (`model.smear_gate`).
     pub dsmear: Buf,
+    /// Lane 1's running gradient and its partner on the two-lane decoder `(N, D)` each.
+    pub gl: Buf,
+    /// See `gl`.
+    pub gl2: Buf,
     /// Gradients of the normed-and-rotated queries `(N, D)` and keys `(N, KVD)`.
     pub dq: Buf,
     /// See `dq`.
@@ -217,6 +224,9 @@ pub struct Layout {
     pub logits: Buf,
     /// Per-token losses `(N)`.
     pub losses: Buf,
+    /// The two-lane decoder's final stream, the lanes' mean (`parallel_final_lane = "mean"`)
+    /// `(N, D)`.
+    pub lanes_final: Buf,
     /// Per position of the longest layer sequence.
     pub positions: Vec<PositionBufs>,
     /// Gradient reaching each U-Net skip from the decoder that popped it `(N, D)`.
@@ -279,6 +289,13 @@ impl Layout {
         // A position's physical block differs between the layouts: size for the larger need.
         let unlooped = cfg.layer_sequence(false);
         let needs = |pos: usize, f: &dyn Fn(usize) -> bool| f(layers[pos]) || unlooped.get(pos).is_some_and(|&i| f(i));
+        // A decoder position of a two-lane block, in either layout.
+        let lane = |pos: usize| {
+            [true, false].iter().any(|&looped| {
+                let (enc, dec) = cfg.encoder_decoder(looped);
+                pos >= enc.len() && dec.get(pos - enc.len()).is_some_and(|&i| cfg.two_lane(i))
+            })
+        };
         let positions = layers
             .iter()
             .enumerate()
@@ -306,10 +323,13 @@ impl Layout {
                     pre: bump.take(n * f),
                     mo: bump.take(n * d),
                     out: bump.take(n * d),
+                    out1: bump.take(if lane(pos) { n * d } else { 0 }),
                 }
             })
             .collect();
         let (rstdf, nf, logits, losses) = (bump.take(n), bump.take(n * d), bump.take(n * v), bump.take(n));
+        let lanes = cfg.lanes_from().is_some();
+        let lanes_final = bump.take(if lanes && cfg.parallel_final_lane == FinalLane::Mean { n * d } else { 0 });
         let activations = bump.since(act_start);
 
         let scratch_start = bump.0.next_multiple_of(ALIGN);
@@ -324,6 +344,8 @@ impl Layout {
             datt: bump.take(n * d),
             dz: bump.take(if cfg.attn_gate { n * cfg.num_heads } else { 0 }),
             dsmear: bump.take(if cfg.smear_gate { n * d } else { 0 }),
+            gl: bump.take(if lanes { n * d } else { 0 }),
+            gl2: bump.take(if lanes { n * d } else { 0 }),
             dq: bump.take(n * d),
             dk: bump.take(n * kvd),
             dqkv: bump.take(n * (d + 2 * kvd)),
@@ -378,6 +400,7 @@ impl Layout {
             nf,
             logits,
             losses,
+            lanes_final,
             positions,
             dskip,
             scratch,

@@ -278,7 +278,7 @@ mod tests {
     use candle_core::{DType, Tensor};
 
     use super::*;
-    use crate::engine::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape};
+    use crate::engine::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, LaneBufs};
     use crate::engine::cpu::CpuBackend;
 
     /// `alpha op(a) op(b) + beta c` on row-major views, naively: the arena after the op.
@@ -518,6 +518,12 @@ mod tests {
         }
         fn smear_bwd(&mut self, dout: Buf, e: Buf, w: Buf, lambda: Buf, de: Buf, dw: Buf, dlambda: Buf, cols: usize, t: usize, bos: u32) {
             self.0.smear_bwd(dout, e, w, lambda, de, dw, dlambda, cols, t, bos)
+        }
+        fn lanes_fwd(&mut self, l: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, out: [Buf; 2]) {
+            self.0.lanes_fwd(l, ao, mo, w, out)
+        }
+        fn lanes_bwd(&mut self, g: [Buf; 2], l: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, dl: [Buf; 2], dao: Buf, dmo: Buf, dw: LaneBufs) {
+            self.0.lanes_bwd(g, l, ao, mo, w, dl, dao, dmo, dw)
         }
         fn attn_gate_fwd(&mut self, y: Buf, x: Mat, w: Buf, out: Buf, heads: usize, scale: f64) {
             self.0.attn_gate_fwd(y, x, w, out, heads, scale)

@@ -28,9 +28,9 @@
 //! Weight gradients are GEMMs with `beta = 1`: they accumulate in place over the positions
 //! that share a block (depth recurrence) and over the step's micro-batches.
 
-use super::backend::{Activation, AttnShape, Backend, Buf, HeadShape, Mat};
+use super::backend::{Activation, AttnShape, Backend, Buf, HeadShape, LaneBufs, Mat};
 use super::layout::{Layout, PositionBufs};
-use crate::model::{MlpActivation, ModelConfig};
+use crate::model::{FinalLane, MlpActivation, ModelConfig};
 
 /// The model's shape and switches as the schedule reads them, and the layout it runs on.
 pub struct Schedule {
@@ -47,6 +47,8 @@ struct Step {
     layer: usize,
     pops: Option<(usize, usize)>,
     pushed: Option<usize>,
+    /// A block of the two-lane decoder (`model.parallel_decoder_start`).
+    lane: bool,
 }
 
 /// The parameter names of physical block `i`.
@@ -137,8 +139,8 @@ impl Schedule {
         let skips = self.cfg.skip_count();
         // Decoder j pops encoder output enc.len() - 1 - j while j < skip_count (a stack).
         let pop = |j: usize| (j < skips && j < enc.len()).then(|| (j, enc.len() - 1 - j));
-        let mut out: Vec<Step> = enc.iter().map(|&layer| Step { layer, pops: None, pushed: None }).collect();
-        out.extend(dec.iter().enumerate().map(|(j, &layer)| Step { layer, pops: pop(j), pushed: None }));
+        let mut out: Vec<Step> = enc.iter().map(|&layer| Step { layer, pops: None, pushed: None, lane: false }).collect();
+        out.extend(dec.iter().enumerate().map(|(j, &layer)| Step { layer, pops: pop(j), pushed: None, lane: self.cfg.two_lane(layer) }));
         for j in 0..dec.len() {
             if let Some((_, e)) = pop(j) {
                 out[e].pushed = Some(e);
@@ -163,17 +165,34 @@ impl Schedule {
         be.rms_norm_fwd(self.embedded(), l.x0, l.rstd0, d, 1.0, eps);
         let plan = self.plan(looping);
         let mut h = l.x0;
+        // Lane 1 of the two-lane decoder, once its first block has run.
+        let mut h1: Option<Buf> = None;
         for (pos, step) in plan.iter().enumerate() {
             let p = &l.positions[pos];
+            // Both lanes start as the stream; the skip enters lane 0.
+            let lane1 = h1.unwrap_or(h);
             if let Some((j, e)) = step.pops {
                 // h' = h + w s, or k + sigmoid(z) (h - k) with k = w s.
                 let (w, z) = self.skip_rows(j);
                 be.skip_fwd(h, l.positions[e].out, w, z, p.skipped);
                 h = p.skipped;
             }
-            self.block_fwd(be, step.layer, p, h);
+            if step.lane {
+                self.lane_block_fwd(be, step.layer, p, [h, lane1]);
+                h1 = Some(p.out1);
+            } else {
+                self.block_fwd(be, step.layer, p, h);
+            }
             h = p.out;
         }
+        if let Some(h1) = h1
+            && self.cfg.parallel_final_lane == FinalLane::Mean
+        {
+            // The lanes' mean: (l0 + l1) / 2.
+            be.copy(l.lanes_final, h);
+            be.axpby(0.5, h1, 0.5, l.lanes_final);
+        }
+        let h = self.final_stream(&plan);
         // logits = s rms(h) W^T; the loss and its gradient in one pass.
         be.rms_norm_fwd(h, l.nf, l.rstdf, d, 1.0, eps);
         let v = self.cfg.vocab_size;
@@ -221,6 +240,63 @@ impl Schedule {
             self.mlp_fwd(be, i, p.n2, p.pre, p.mo);
             be.scale_add_fwd(p.u2, p.mo, self.value(&b.name("mlp_scale")), p.out);
         }
+    }
+
+    /// The stream the head reads: the last position's output, or on the two-lane decoder the
+    /// lane `model.parallel_final_lane` names (the lanes' mean in its own buffer).
+    fn final_stream(&self, plan: &[Step]) -> Buf {
+        let last = &self.layout.positions[plan.len() - 1];
+        if !plan.last().is_some_and(|s| s.lane) {
+            return last.out;
+        }
+        match self.cfg.parallel_final_lane {
+            FinalLane::Mean => self.layout.lanes_final,
+            FinalLane::Attn => last.out,
+            FinalLane::Mlp => last.out1,
+        }
+    }
+
+    /// Block `i`'s two-lane mix parameters (values, or gradients with `grad`).
+    fn lane_bufs(&self, i: usize, grad: bool) -> LaneBufs {
+        let b = BlockNames(i);
+        let at = |name: &str| if grad { self.grad(name) } else { self.value(name) };
+        LaneBufs {
+            sa: at(&b.name("attn_scale")),
+            sm: at(&b.name("mlp_scale")),
+            r: at("parallel_resid_lambdas").sub(2 * i, 2),
+            p: at("parallel_post_lambdas").sub(4 * i, 4),
+        }
+    }
+
+    /// Block `i` on the two-lane decoder's lanes `l` (attention reads `u = l0 mix0 + x0 mix1`,
+    /// the MLP `l1`): writes lane 0's output to `p.out`, lane 1's to `p.out1`.
+    fn lane_block_fwd(&self, be: &mut dyn Backend, i: usize, p: &PositionBufs, l: [Buf; 2]) {
+        let (lay, b, d, eps) = (&self.layout, BlockNames(i), self.cfg.model_dim, self.eps);
+        let s = self.cfg.ln_scale_of(i).unwrap_or(1.0);
+        be.resid_mix_fwd(l[0], lay.x0, self.value(&b.name("resid_mix")), p.u);
+        be.rms_norm_fwd(p.u, p.n1, p.rstd1, d, s, eps);
+        self.attention_fwd(be, i, p);
+        be.rms_norm_fwd(l[1], p.n2, p.rstd2, d, s, eps);
+        self.mlp_fwd(be, i, p.n2, p.pre, p.mo);
+        be.lanes_fwd(l, p.ao, p.mo, self.lane_bufs(i, false), [p.out, p.out1]);
+    }
+
+    /// Backward of [`Schedule::lane_block_fwd`] on inputs `l` from the lanes' gradients `g`
+    /// (used up) into `g_in`, the gradients of `l`.
+    fn lane_block_bwd(&self, be: &mut dyn Backend, i: usize, p: &PositionBufs, l: [Buf; 2], g: [Buf; 2], g_in: [Buf; 2]) {
+        let (lay, sc, b, d) = (&self.layout, self.layout.scratch, BlockNames(i), self.cfg.model_dim);
+        let s = self.cfg.ln_scale_of(i).unwrap_or(1.0);
+        // dl_k = r[k] G_k; dao, dmo; the scales' and lambdas' gradients.
+        be.lanes_bwd(g, l, p.ao, p.mo, self.lane_bufs(i, false), g_in, sc.dao, sc.dmo, self.lane_bufs(i, true));
+        // m = mlp(s rms(l1)): into lane 1's gradient.
+        self.mlp_bwd(be, i, p.n2, p.pre, sc.dmo, false);
+        be.rms_norm_bwd(l[1], p.rstd2, sc.dn, g_in[1], d, s, true);
+        // a = attention(s rms(u)), u = l0 mix0 + x0 mix1: du, then dl0 += du mix0 (by way of
+        // dy, free once attention's backward is done).
+        self.attention_bwd(be, i, p, sc.dao, false);
+        be.rms_norm_bwd(p.u, p.rstd1, sc.dn, sc.datt, d, s, false);
+        be.resid_mix_bwd(sc.datt, l[0], lay.x0, self.value(&b.name("resid_mix")), sc.dy, sc.dx0, self.grad(&b.name("resid_mix")));
+        be.axpby(1.0, sc.dy, 1.0, g_in[0]);
     }
 
     /// Attention of block `i` on `p.n1` into `p.ao`.
@@ -278,15 +354,30 @@ impl Schedule {
         let (l, sc) = (&self.layout, self.layout.scratch);
         let (n, d, v) = (self.n(), self.cfg.model_dim, self.cfg.vocab_size);
         let plan = self.plan(looping);
-        let last = l.positions[plan.len() - 1].out;
         // The head: dW += dlogits^T nf; dnf = dlogits W; G = rms'(dnf).
         let head = self.head_name();
         be.gemm(self.dw(head), l.logits.mat(n, v).t(), l.nf.mat(n, d), 1.0, 1.0);
         be.gemm(sc.dn.mat(n, d), l.logits.mat(n, v), self.w(head), 1.0, 0.0);
-        be.rms_norm_bwd(last, l.rstdf, sc.dn, sc.g, d, 1.0, false);
+        be.rms_norm_bwd(self.final_stream(&plan), l.rstdf, sc.dn, sc.g, d, 1.0, false);
         be.fill(sc.dx0, 0.0);
-        at(be, 0);
+        // On the two-lane decoder, G splits between the lanes as the final stream took them.
         let (mut g, mut g2) = (sc.g, sc.g2);
+        let (mut gl, mut gl2) = (sc.gl, sc.gl2);
+        if plan.last().is_some_and(|s| s.lane) {
+            match self.cfg.parallel_final_lane {
+                FinalLane::Mean => {
+                    be.copy(gl, g);
+                    be.scale(gl, 0.5);
+                    be.scale(g, 0.5);
+                }
+                FinalLane::Attn => be.fill(gl, 0.0),
+                FinalLane::Mlp => {
+                    be.copy(gl, g);
+                    be.fill(g, 0.0);
+                }
+            }
+        }
+        at(be, 0);
         for (pos, step) in plan.iter().enumerate().rev() {
             let p = &l.positions[pos];
             if let Some(e) = step.pushed {
@@ -300,15 +391,27 @@ impl Schedule {
             } else {
                 l.positions[pos - 1].out
             };
-            self.block_bwd(be, step.layer, p, input, g, g2);
+            let before = if pos == 0 { l.x0 } else { l.positions[pos - 1].out };
+            // The lanes' first block reads the stream before the skip as lane 1.
+            let first_lane = step.lane && !plan[pos - 1].lane;
+            if step.lane {
+                let lane1 = if first_lane { before } else { l.positions[pos - 1].out1 };
+                self.lane_block_bwd(be, step.layer, p, [input, lane1], [g, gl], [g2, gl2]);
+                std::mem::swap(&mut gl, &mut gl2);
+            } else {
+                self.block_bwd(be, step.layer, p, input, g, g2);
+            }
             std::mem::swap(&mut g, &mut g2);
             if let Some((j, e)) = step.pops {
                 let (w, z) = self.skip_rows(j);
                 let dw = self.grad("skip_weights").sub(j * d, d);
                 let z = z.map(|z| (z, self.grad("skip_gates").sub(j * d, d)));
-                let before = if pos == 0 { l.x0 } else { l.positions[pos - 1].out };
                 be.skip_bwd(g, before, l.positions[e].out, w, z, g2, l.dskip[e], dw);
                 std::mem::swap(&mut g, &mut g2);
+            }
+            if first_lane {
+                // Both lanes started as this stream.
+                be.axpby(1.0, gl, 1.0, g);
             }
             at(be, plan.len() - pos);
         }

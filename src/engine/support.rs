@@ -61,13 +61,10 @@ pub fn check(cfg: &ModelConfig) -> anyhow::Result<()> {
         attn_gate_window: _,
         attn_gate_init_std: _,
         attn_gate_scale: _,
-        // The two-lane parallel decoder: not in the engine yet, refused below.
+        // The two-lane parallel decoder (`Backend::lanes_fwd`/`lanes_bwd`; `schedule`'s lane
+        // blocks and final stream).
         parallel_decoder_start: _,
         parallel_final_lane: _,
     } = cfg;
-    anyhow::ensure!(
-        cfg.lanes_from().is_none(),
-        "`model.parallel_decoder_start`: the explicit engine does not implement the 04-27 record's two-lane parallel decoder yet; train it with `stages.train.impl = \"candle\"`"
-    );
     Ok(())
 }

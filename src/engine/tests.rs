@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Tensor};
 
 use super::Engine;
-use crate::model::ModelConfig;
+use crate::model::{FinalLane, ModelConfig};
 
 /// The baseline's elements at a small size (tied head, relu², sequential blocks, U-Net skips).
 pub(crate) fn baseline_small() -> ModelConfig {
@@ -97,9 +97,9 @@ fn record_loss_and_gradients_equal_candle_autograd_in_f64() {
     }
 }
 
-/// The 04-27 record's elements the engine has, together on the record's small model (looped
-/// and not, poisoned, over two micro-batches): SmearGate with the BOS fix, the sparse attention
-/// gate, attention within documents.
+/// The 04-27 record's elements together on the record's small model (looped and not, poisoned,
+/// over two micro-batches): SmearGate with the BOS fix, the sparse attention gate, attention
+/// within documents, the two-lane decoder after the loop.
 #[test]
 fn the_04_27_elements_together_equal_candle_autograd_in_f64() {
     let cfg = record_0427_small();
@@ -109,9 +109,12 @@ fn the_04_27_elements_together_equal_candle_autograd_in_f64() {
     compare(&cfg, true, true, 2, 1e-9);
 }
 
-/// [`record_small`] with the 04-27 elements the engine implements.
+/// [`record_small`] with the 04-27 elements (the two-lane decoder in place of parallel
+/// residuals, from the block after the loop).
 pub(crate) fn record_0427_small() -> ModelConfig {
     ModelConfig {
+        parallel_residual_start: None,
+        parallel_decoder_start: Some(3),
         smear_gate: true,
         smear_gate_window: 8,
         attn_gate: true,
@@ -173,6 +176,16 @@ fn every_model_element_alone_matches_candle_in_f64() {
     }
 }
 
+/// The two-lane decoder with each final-lane rule, over two lane blocks (so that lane 1 reaches
+/// lane 0 through the second block's mix), one of them popping a skip.
+#[test]
+fn the_two_lane_decoder_equals_candle_with_each_final_lane() {
+    for lane in [FinalLane::Mean, FinalLane::Attn, FinalLane::Mlp] {
+        let cfg = ModelConfig { parallel_decoder_start: Some(2), parallel_final_lane: lane, skip_gates: true, ..baseline_small() };
+        compare(&cfg, false, false, 1, 1e-9);
+    }
+}
+
 /// Two micro-batches of the same tokens at half the scale give one micro-batch's gradients:
 /// accumulation in place is exact to rounding.
 #[test]
@@ -198,7 +211,8 @@ fn poisoned_dead_buffers_change_nothing() {
 #[test]
 fn gradients_are_final_at_their_events() {
     let untied = ModelConfig { tie_embeddings: false, ..record_small() };
-    for (cfg, looping) in [(baseline_small(), false), (record_small(), false), (record_small(), true), (untied, true)] {
+    let cases = [(baseline_small(), false), (record_small(), false), (record_small(), true), (untied, true), (record_0427_small(), true)];
+    for (cfg, looping) in cases {
         let (rows, t) = (2, 6);
         let m = perturbed(&cfg, 3);
         let mut e = Engine::cpu(&cfg, rows, t, DType::F64, false).unwrap();

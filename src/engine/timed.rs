@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 
-use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, GraphCounts, HeadShape, Mat, Tokens};
+use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, GraphCounts, HeadShape, LaneBufs, Mat, Tokens};
 
 /// One op call's time.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -250,6 +250,15 @@ impl Backend for Timed {
     fn smear_bwd(&mut self, dout: Buf, e: Buf, w: Buf, lambda: Buf, de: Buf, dw: Buf, dlambda: Buf, cols: usize, t: usize, bos: u32) {
         let by = bytes(&[dout, dout, e, e, de]);
         self.time("smear_bwd", rows_cols(e, cols), by, 0.0, |b| b.smear_bwd(dout, e, w, lambda, de, dw, dlambda, cols, t, bos))
+    }
+    fn lanes_fwd(&mut self, l: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, out: [Buf; 2]) {
+        let by = bytes(&[l[0], l[1], ao, mo, out[0], out[1]]);
+        self.time("lanes_fwd", rows_cols(ao, w.sa.len), by, 0.0, |b| b.lanes_fwd(l, ao, mo, w, out))
+    }
+    fn lanes_bwd(&mut self, g: [Buf; 2], l: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, dl: [Buf; 2], dao: Buf, dmo: Buf, dw: LaneBufs) {
+        // The mix's pass and the partial sums' pass, each reading the lanes and the outputs.
+        let by = 2.0 * bytes(&[g[0], g[1], l[0], l[1], ao, mo]) + bytes(&[dl[0], dl[1], dao, dmo]);
+        self.time("lanes_bwd", rows_cols(ao, w.sa.len), by, 0.0, |b| b.lanes_bwd(g, l, ao, mo, w, dl, dao, dmo, dw))
     }
     fn attn_gate_fwd(&mut self, y: Buf, x: Mat, w: Buf, out: Buf, heads: usize, scale: f64) {
         self.time("attn_gate_fwd", rows_cols(y, y.len / x.rows.max(1)), bytes(&[y, out]), 0.0, |b| {

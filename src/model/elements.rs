@@ -177,7 +177,7 @@ pub const ELEMENTS: &[Element] = &[
         keys: &["parallel_decoder_start", "parallel_final_lane"],
         since: "04-27",
         looped: false,
-        engine: false,
+        engine: true,
         enable: |c| {
             // Two lane blocks or more, so that lane 1 reaches lane 0 (and the loss) through the
             // second block's MLP term.

@@ -101,7 +101,8 @@ const std::map<std::string, Kernel>& kernels() {
         K(eng_skip_partial), K(eng_skip_gate_finish), K(eng_qk_norm_rope_fwd), K(eng_qk_norm_rope_bwd), K(eng_xsa_fwd), K(eng_xsa_bwd),
         K(eng_act_fwd), K(eng_act_bwd), K(eng_softcap_ce), K(eng_to_bf16), K(eng_from_bf16), K(eng_attn_delta),
         K(eng_csr_count), K(eng_csr_scan), K(eng_csr_fill), K(eng_smear_fwd), K(eng_smear_bwd), K(eng_smear_partial),
-        K(eng_attn_gate_fwd), K(eng_attn_gate_bwd), K(eng_doc_starts),
+        K(eng_attn_gate_fwd), K(eng_attn_gate_bwd), K(eng_doc_starts), K(eng_lanes_fwd), K(eng_lanes_bwd), K(eng_lanes_partial),
+        K(eng_lanes_finish),
         K(flash_fwd_mma_bf16), K(flash_bwd_dq_mma_bf16), K(flash_bwd_dkdv_mma_bf16),
         K(flash_fwd_mma_docs_bf16), K(flash_bwd_dq_mma_docs_bf16), K(flash_bwd_dkdv_mma_docs_bf16),
     };

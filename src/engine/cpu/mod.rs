@@ -26,12 +26,12 @@ mod gemm;
 
 use candle_core::{DType, Device, Tensor};
 
-use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, Mat, check_regions};
+use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, LaneBufs, Mat, check_regions};
 use crate::model::host::rows::{Rows, add_into, dense_offsets};
 use crate::model::host::simd::Real;
 use crate::model::ops::qk_norm_rope::{self, RopeRows};
 use crate::model::ops::{
-    DocumentMask, attn_gate, embedding, relu_sq, resid_mix, rms_norm, scale_add, skip_gate, smear_gate, softcap_ce, xsa,
+    DocumentMask, attn_gate, embedding, lanes, relu_sq, resid_mix, rms_norm, scale_add, skip_gate, smear_gate, softcap_ce, xsa,
 };
 
 /// The head geometry of the model's XSA row kernels.
@@ -284,6 +284,19 @@ impl<T: Real> Backend for CpuBackend<T> {
         assert_eq!(ids.len() * cols, e.len(), "SmearGate over {} rows with {} ids", e.len() / cols.max(1), ids.len());
         smear_gate::smear_rows_bwd(g, e, &ids, w, l[0], de, dw, dl, smear_gate::SmearRows { cols, t, bos });
         self.x = ids;
+    }
+
+    fn lanes_fwd(&mut self, l: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, out: [Buf; 2]) {
+        let ([l0, l1, ao, mo, sa, sm, r, p], [o0, o1]) = self.io([l[0], l[1], ao, mo, w.sa, w.sm, w.r, w.p], out);
+        lanes::lanes_rows_fwd([l0, l1], ao, mo, lanes::LaneParams { sa, sm, r, p }, [o0, o1]);
+    }
+
+    fn lanes_bwd(&mut self, g: [Buf; 2], l: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, dl: [Buf; 2], dao: Buf, dmo: Buf, dw: LaneBufs) {
+        let ins = [g[0], g[1], l[0], l[1], ao, mo, w.sa, w.sm, w.r, w.p];
+        let ([g0, g1, l0, l1, ao, mo, sa, sm, r, p], [dl0, dl1, dao, dmo, dsa, dsm, dr, dp]) =
+            self.io(ins, [dl[0], dl[1], dao, dmo, dw.sa, dw.sm, dw.r, dw.p]);
+        let out = lanes::LaneGrads { dl: [dl0, dl1], dao, dmo, dsa, dsm, dr, dp };
+        lanes::lanes_rows_bwd([g0, g1], [l0, l1], ao, mo, lanes::LaneParams { sa, sm, r, p }, out);
     }
 
     fn attn_gate_fwd(&mut self, y: Buf, x: Mat, w: Buf, out: Buf, heads: usize, scale: f64) {

@@ -8,7 +8,7 @@
 use candle_core::{DType, Device as CandleDevice, Tensor};
 
 use super::{Arg, Device, KernelBackend, Launch, REDUCE_BLOCKS, Space, Unit, Work};
-use crate::engine::backend::{Activation, AdamStep, AttnShape, Backend, Buf, GraphCounts, HeadShape, Mat, check_regions};
+use crate::engine::backend::{Activation, AdamStep, AttnShape, Backend, Buf, GraphCounts, HeadShape, LaneBufs, Mat, check_regions};
 use crate::engine::lt;
 
 /// Rows per partial sum of a per-channel reduction (`PART` in kernels/engine.cu).
@@ -545,6 +545,29 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.run("eng_colsum_finish", flat(win), BLOCK, vec![part, i(n), i(win + 1), i(win), a(dw)]);
         let lambda_part = self.scratch(win, n * (win + 1) - win);
         self.run("eng_colsum_finish", flat(1), BLOCK, vec![lambda_part, i(n), i(win + 1), i(1), a(dlambda)]);
+    }
+
+    fn lanes_fwd(&mut self, lanes: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, out: [Buf; 2]) {
+        self.check([lanes[0], lanes[1], ao, mo, w.sa, w.sm, w.r, w.p], out);
+        let (n, cols) = (ao.len, w.sa.len);
+        let args = vec![a(lanes[0]), a(lanes[1]), a(ao), a(mo), a(w.sa), a(w.sm), a(w.r), a(w.p), a(out[0]), a(out[1]), l(n), i(cols)];
+        self.run("eng_lanes_fwd", flat(n), BLOCK, args);
+    }
+
+    fn lanes_bwd(&mut self, g: [Buf; 2], lanes: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, dl: [Buf; 2], dao: Buf, dmo: Buf, dw: LaneBufs) {
+        self.check([g[0], g[1], lanes[0], lanes[1], ao, mo, w.sa, w.sm, w.r, w.p], [dl[0], dl[1], dao, dmo, dw.sa, dw.sm, dw.r, dw.p]);
+        let (n, cols) = (ao.len, w.sa.len);
+        let rows = n / cols;
+        let args = vec![a(g[0]), a(g[1]), a(w.sa), a(w.sm), a(w.r), a(w.p), a(dl[0]), a(dl[1]), a(dao), a(dmo), l(n), i(cols)];
+        self.run("eng_lanes_bwd", flat(n), BLOCK, args);
+        let parts_n = rows.div_ceil(PART);
+        let part = self.scratch(0, parts_n * 8 * cols);
+        let args = vec![a(g[0]), a(g[1]), a(lanes[0]), a(lanes[1]), a(ao), a(mo), a(w.sa), a(w.sm), a(w.p), l(rows), i(cols), part];
+        self.run("eng_lanes_partial", parts(rows, cols), BLOCK, args);
+        self.run("eng_colsum_finish", flat(cols), BLOCK, vec![part, i(parts_n), i(8 * cols), i(cols), a(dw.sa)]);
+        let dsm_part = self.scratch(cols, parts_n * 8 * cols - cols);
+        self.run("eng_colsum_finish", flat(cols), BLOCK, vec![dsm_part, i(parts_n), i(8 * cols), i(cols), a(dw.sm)]);
+        self.run("eng_lanes_finish", [1, 1, 1], 192, vec![part, i(parts_n), i(cols), a(dw.r), a(dw.p)]);
     }
 
     fn attn_gate_fwd(&mut self, y: Buf, x: Mat, w: Buf, out: Buf, heads: usize, scale: f64) {

@@ -167,11 +167,11 @@ fn the_device_builds_the_ids_csr_in_token_order() {
 /// every quantity within its bound, and at most 0.6 of it (room for the real GPU's rounding, a
 /// fresh draw of the same errors: `pipeline parity` measured fresh draws at up to 1.4 times
 /// the RMS of others); prints the worst of each kind.
-fn check_model_on(be: Box<dyn Backend>, bounds: cases::ModelBounds, what: &str) {
+fn check_model_on(cfg: &crate::model::ModelConfig, be: Box<dyn Backend>, bounds: cases::ModelBounds, what: &str) {
     use crate::engine::Engine;
     let (rows, t) = cases::CHECK_ROWS_T;
-    let mut e = Engine::with_backend(&cases::check_model(), rows, t, be, true).unwrap();
-    let compared = cases::model_check(&mut e, bounds, 3).unwrap();
+    let mut e = Engine::with_backend(cfg, rows, t, be, true).unwrap();
+    let compared = cases::model_check(&mut e, cfg, bounds, 3).unwrap();
     let worst = |prefix: &str| {
         compared
             .iter()
@@ -195,10 +195,12 @@ fn check_model_on(be: Box<dyn Backend>, bounds: cases::ModelBounds, what: &str) 
 fn the_engine_on_the_emulated_gpu_matches_the_cpu_engine() {
     use crate::engine::layout::Layout;
     use crate::engine::step::kernel_capacity;
-    let (cfg, (rows, t)) = (cases::check_model(), cases::CHECK_ROWS_T);
-    let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join("engine.mem"));
-    let be = KernelBackend::new(dev, Layout::new(&cfg, rows, t).len(), kernel_capacity(&cfg, rows, t).unwrap()).unwrap();
-    check_model_on(Box::new(be), cases::ModelBounds::GPU_F32_GEMMS, "emulated GPU, f32 GEMMs");
+    let (rows, t) = cases::CHECK_ROWS_T;
+    for (name, cfg) in cases::check_models() {
+        let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join(format!("engine-{}.mem", &name[..5])));
+        let be = KernelBackend::new(dev, Layout::new(&cfg, rows, t).len(), kernel_capacity(&cfg, rows, t).unwrap()).unwrap();
+        check_model_on(&cfg, Box::new(be), cases::ModelBounds::GPU_F32_GEMMS, &format!("emulated GPU, f32 GEMMs, {name}"));
+    }
 }
 
 /// [`the_engine_on_the_emulated_gpu_matches_the_cpu_engine`] with the GEMMs' inputs rounded to
@@ -209,10 +211,12 @@ fn the_engine_on_the_emulated_gpu_matches_the_cpu_engine() {
 fn model_bounds_of_bf16_gemms() {
     use crate::engine::layout::Layout;
     use crate::engine::step::kernel_capacity;
-    let (cfg, (rows, t)) = (cases::check_model(), cases::CHECK_ROWS_T);
-    let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join("engine-bf16.mem")).with_bf16_gemms();
-    let be = KernelBackend::new(dev, Layout::new(&cfg, rows, t).len(), kernel_capacity(&cfg, rows, t).unwrap()).unwrap();
-    check_model_on(Box::new(be), cases::ModelBounds::GPU_BF16_GEMMS, "emulated GPU, bf16 GEMMs");
+    let (rows, t) = cases::CHECK_ROWS_T;
+    for (name, cfg) in cases::check_models() {
+        let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join(format!("engine-bf16-{}.mem", &name[..5]))).with_bf16_gemms();
+        let be = KernelBackend::new(dev, Layout::new(&cfg, rows, t).len(), kernel_capacity(&cfg, rows, t).unwrap()).unwrap();
+        check_model_on(&cfg, Box::new(be), cases::ModelBounds::GPU_BF16_GEMMS, &format!("emulated GPU, bf16 GEMMs, {name}"));
+    }
 }
 
 /// The f32 CPU backend's engine against the f64 one, within [`cases::ModelBounds::CPU_F32`]
@@ -221,8 +225,11 @@ fn model_bounds_of_bf16_gemms() {
 fn the_f32_cpu_engine_matches_the_f64_one() {
     use crate::engine::cpu::CpuBackend;
     use crate::engine::layout::Layout;
-    let (cfg, (rows, t)) = (cases::check_model(), cases::CHECK_ROWS_T);
-    check_model_on(Box::new(CpuBackend::<f32>::new(Layout::new(&cfg, rows, t).len())), cases::ModelBounds::CPU_F32, "cpu f32");
+    let (rows, t) = cases::CHECK_ROWS_T;
+    for (name, cfg) in cases::check_models() {
+        let be = Box::new(CpuBackend::<f32>::new(Layout::new(&cfg, rows, t).len()));
+        check_model_on(&cfg, be, cases::ModelBounds::CPU_F32, &format!("cpu f32, {name}"));
+    }
 }
 
 /// The GPU engine refuses, with the reason, the shapes its attention cannot take.

@@ -48,6 +48,7 @@ pub mod cast;
 pub mod causal_softmax;
 pub mod doc_mask;
 pub mod embedding;
+pub mod lanes;
 pub mod leaky_relu_sq;
 pub mod qk_norm_rope;
 pub mod relu_sq;
