@@ -353,6 +353,27 @@ fn attention_case(x: &Tensor, b: usize, heads: usize, kv: usize, kernels: FlashK
     }
 }
 
+/// [`attention_case`] within documents: 2 sequences of 192 with segments starting mid-tile,
+/// on a tile's edge, twice in a row and at a sequence's start (flash_mma's document kernels
+/// where they run, the fused masked attention elsewhere).
+fn attention_docs_case(x: &Tensor) -> candle_core::Result<Tensor> {
+    use crate::model::flash_attn;
+    let (b, t, heads, kv) = (2, 192, 4, 2);
+    let d = flash_attn::HEAD_DIM;
+    let mut ids = vec![5u32; b * t];
+    for p in [0, 37, 64, 65, 150, t, t + 100] {
+        ids[p] = 1;
+    }
+    let docs = crate::model::ops::DocumentMask::at_token(&ids, t, 1)?;
+    let (q, k, v) = (x.narrow(1, 0, heads * d)?, x.narrow(1, heads * d, kv * d)?, x.narrow(1, (heads + kv) * d, kv * d)?);
+    if flash_attn::unsupported(q.device(), q.dtype(), t, d).is_none() {
+        flash_attn::flash_attention_docs(&q, &k, &v, b, heads, kv, FlashKernels::Mma, &docs)
+    } else {
+        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+        crate::model::ops::document_attention_tokens(&q, &k, &v, b, heads, kv, Some(&docs))
+    }
+}
+
 /// `x` in f32 when it is bf16 (the residual stream's dtype under mixed precision), else itself.
 fn widened(x: &Tensor) -> candle_core::Result<Tensor> {
     if x.dtype() == DType::BF16 { crate::model::ops::cast(x, DType::F32) } else { Ok(x.clone()) }
@@ -407,6 +428,7 @@ pub fn kernel_checks(device: &Device, dtype: DType, seed: u64) -> anyhow::Result
         ("attention", vec![3 * 64, (4 + 2) * 64], |x| attention_case(x, 3, 4, 1, FlashKernels::Wmma)),
         ("attention_mma", vec![2 * 192, (4 + 2 * 2) * 64], |x| attention_case(x, 2, 4, 2, FlashKernels::Mma)),
         ("attention_mma", vec![3 * 64, (4 + 2) * 64], |x| attention_case(x, 3, 4, 1, FlashKernels::Mma)),
+        ("attention_mma_docs", vec![2 * 192, (4 + 2 * 2) * 64], attention_docs_case),
     ];
     let kernel_dtype = if dtype == DType::F64 { DType::F32 } else { dtype };
     let mut rng = fastrand::Rng::with_seed(seed ^ 0xcafe);
@@ -467,7 +489,7 @@ mod tests {
     #[test]
     fn kernel_checks_compare_outputs_and_gradients() {
         let r = kernel_checks(&Device::Cpu, DType::F32, 1).unwrap();
-        assert_eq!(r.len(), 40);
+        assert_eq!(r.len(), 42);
         assert!(r.iter().all(|c| c.rel_err > 0.0 && c.rel_err < 1e-5), "{r:?}");
     }
 
@@ -575,7 +597,7 @@ mod tests {
     #[test]
     fn kernel_checks_in_bf16_on_the_cpu_references() {
         let r = crate::model::with_gpu_formulation(|| kernel_checks(&Device::Cpu, DType::BF16, 1)).unwrap();
-        assert_eq!(r.len(), 40);
+        assert_eq!(r.len(), 42);
         for c in &r {
             assert!(c.rel_err > 5e-4 && c.rel_err < 1e-2, "{c:?}");
             assert_eq!(c.expected, Some(c.rel_err), "{c:?}");

@@ -14,8 +14,9 @@
 //!   where [`Attention`] asks for it and the shapes allow.
 //!
 //! A pass may also carry [`PassExtras`]: per-document LoRA adapters, which [`Formulation::adapt`]
-//! adds where the blocks call it, and a document mask, under which attention runs the masked
-//! kernel (never flash).
+//! adds where the blocks call it, and a document mask, under which attention stays within each
+//! segment: flash_mma's document kernels where flash runs, else the fused or materialised
+//! masked attention.
 
 use candle_core::{DType, Result, Tensor};
 
@@ -65,9 +66,11 @@ impl<'a, 'e> Formulation<'a, 'e> {
         Self { param, matmul, low, flash, observer: None, extras: PassExtras::default() }
     }
 
-    /// The same formulation with `extras` (a document mask turns flash attention off).
+    /// The same formulation with `extras` (under a document mask with segments, flash attention
+    /// runs flash_mma's document kernels).
     pub(super) fn with_extras(self, extras: PassExtras<'e>) -> Self {
-        let flash = self.flash.filter(|_| extras.docs.is_none_or(DocumentMask::is_causal));
+        // Segments run on flash_mma's document kernels, the only flash kernels that take them.
+        let flash = self.flash.map(|k| if extras.docs.is_none_or(DocumentMask::is_causal) { k } else { FlashKernels::Mma });
         Self { extras, flash, ..self }
     }
 
@@ -146,7 +149,10 @@ impl<'a, 'e> Formulation<'a, 'e> {
     /// document mask, if it has one).
     pub(super) fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, batch: usize, heads: usize, kv_heads: usize) -> Result<Tensor> {
         match self.flash {
-            Some(kernels) => flash_attn::flash_attention(q, k, v, batch, heads, kv_heads, kernels),
+            Some(kernels) => match self.extras.docs {
+                Some(docs) => flash_attn::flash_attention_docs(q, k, v, batch, heads, kv_heads, kernels, docs),
+                None => flash_attn::flash_attention(q, k, v, batch, heads, kv_heads, kernels),
+            },
             None => document_attention_tokens(q, k, v, batch, heads, kv_heads, self.extras.docs),
         }
     }

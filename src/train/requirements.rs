@@ -50,7 +50,7 @@ pub fn memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>> {
     let (param_bytes, act_bytes) = elem_bytes(p.dtype);
     let on_cpu = matches!(crate::device::parse(&c.run.device)?, crate::device::DeviceName::Cpu);
     let t = shape.seq_len;
-    let train = training_bytes(m, shape.rows * t, t, stores_probs(p, c, on_cpu), act_bytes);
+    let train = training_bytes(m, shape.rows * t, t, stores_probs(p, on_cpu), act_bytes);
     let val = validation_pass_bytes(p, c, shape, on_cpu);
     let mut act_keys = vec!["train.batch_tokens", "train.grad_accum_steps", "train.seq_len"];
     act_keys.extend(MODEL_KEYS);
@@ -80,16 +80,17 @@ fn elem_bytes(p: Precision) -> (u64, u64) {
     }
 }
 
-/// Whether the attention probabilities are stored: on the CPU, by the materialised attention,
-/// and under `model.document_attention` (a document mask turns flash attention off).
-fn stores_probs(p: &SessionParams, c: &Config, on_cpu: bool) -> bool {
-    on_cpu || p.attention == Attention::Materialized || c.model.document_attention
+/// Whether the attention probabilities are stored: on the CPU and by the materialised
+/// attention (on a GPU, `model.document_attention` runs flash_mma's document kernels, which
+/// store none).
+fn stores_probs(p: &SessionParams, on_cpu: bool) -> bool {
+    on_cpu || p.attention == Attention::Materialized
 }
 
 /// The activations of one validation pass of the candle model.
 fn validation_pass_bytes(p: &SessionParams, c: &Config, shape: BatchShape, on_cpu: bool) -> u64 {
     let tokens = crate::eval::validation::tokens_per_pass(&c.validation(), shape.world_size, shape.micro_steps);
-    crate::model::memory::forward_bytes(&c.model, tokens, shape.seq_len, stores_probs(p, c, on_cpu), elem_bytes(p.dtype).1)
+    crate::model::memory::forward_bytes(&c.model, tokens, shape.seq_len, stores_probs(p, on_cpu), elem_bytes(p.dtype).1)
 }
 
 /// The validation split, read whole (u16) and kept as u32 ids.
@@ -229,21 +230,21 @@ mod tests {
         assert!(e.contains("`model.num_kv_heads`"), "{e}");
     }
 
-    /// On a GPU, document attention runs without flash attention: its scores count, as the
-    /// materialised attention's do.
+    /// On a GPU, document attention runs on flash kernels (flash_mma's document entry points):
+    /// it stores no scores, unlike the materialised attention, whose scores count.
     #[test]
-    fn document_attention_counts_the_attention_scores_on_a_gpu() {
+    fn document_attention_on_a_gpu_stores_no_attention_scores() {
         let mut c = Config::default();
         c.run.device = "cuda:0".into();
         let p = SessionParams { dtype: Precision::Bf16, ..SessionParams::default() };
-        let acts = |c: &Config| memory(&p, c).unwrap().into_iter().find(|n| n.what == "activations of one micro-batch").unwrap().bytes;
-        let flash = acts(&c);
+        let acts = |p: &SessionParams, c: &Config| {
+            memory(p, c).unwrap().into_iter().find(|n| n.what == "activations of one micro-batch").unwrap().bytes
+        };
+        let flash = acts(&p, &c);
         c.model.document_attention = true;
-        let masked = acts(&c);
-        assert!(masked > flash, "{masked} vs {flash}");
+        assert_eq!(acts(&p, &c), flash);
         let p_mat = SessionParams { attention: Attention::Materialized, ..p.clone() };
-        c.model.document_attention = false;
-        assert_eq!(masked, memory(&p_mat, &c).unwrap().into_iter().find(|n| n.what == "activations of one micro-batch").unwrap().bytes);
+        assert!(acts(&p_mat, &c) > flash, "the materialised attention's scores count");
     }
 
     /// Every new `[train]` key out of range is refused with an error naming it; the defaults

@@ -33,7 +33,18 @@ struct Kernels {
     dq: &'static str,
 }
 
-fn kernels(k: FlashKernels) -> Kernels {
+/// The kernels of `k`, or with `docs` flash_mma's document entry points (the same arguments and
+/// grids, then the segment starts).
+fn kernels(k: FlashKernels, docs: bool) -> Kernels {
+    if docs {
+        return Kernels {
+            module: MODULE_MMA,
+            ptx: PTX_MMA,
+            fwd: "flash_fwd_mma_docs_bf16",
+            dkdv: "flash_bwd_dkdv_mma_docs_bf16",
+            dq: "flash_bwd_dq_mma_docs_bf16",
+        };
+    }
     match k {
         FlashKernels::Wmma => {
             Kernels { module: MODULE, ptx: PTX, fwd: "flash_fwd_bf16", dkdv: "flash_bwd_dkdv_bf16", dq: "flash_bwd_dq_bf16" }
@@ -49,8 +60,23 @@ fn kernels(k: FlashKernels) -> Kernels {
 }
 
 /// Flash attention of token-major `q`, `k`, `v` (see [`crate::model::flash_attn::flash_attention`]).
-pub fn apply(q: &Tensor, k: &Tensor, v: &Tensor, batch: usize, heads: usize, kv_heads: usize, kernels: FlashKernels) -> Result<Tensor> {
-    let op = FlashAttention { batch, heads, kv_heads, kernels, lse: Mutex::new(None) };
+/// With `starts` (each position's segment start, `u32` on the device) the kernels are
+/// flash_mma's document entry points.
+#[allow(clippy::too_many_arguments)]
+pub fn apply(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    kernels: FlashKernels,
+    starts: Option<Tensor>,
+) -> Result<Tensor> {
+    if starts.is_some() && kernels != FlashKernels::Mma {
+        bail!("flash attention: only the flash_mma kernels take document segments");
+    }
+    let op = FlashAttention { batch, heads, kv_heads, kernels, starts, lse: Mutex::new(None) };
     aligned(q)?.apply_op3(&aligned(k)?, &aligned(v)?, op)
 }
 
@@ -65,6 +91,8 @@ struct FlashAttention {
     heads: usize,
     kv_heads: usize,
     kernels: FlashKernels,
+    /// Each position's segment start (`u32`, `(B*T,)` on the device): the document kernels.
+    starts: Option<Tensor>,
     /// The forward pass's base-2 log-sum-exp per query row, `(B*H, T)` f32, for the
     /// backward pass.
     lse: Mutex<Option<Tensor>>,
@@ -143,14 +171,23 @@ impl CustomOp3 for FlashAttention {
         // SAFETY: the kernel writes every element of o (each warp its 16 rows of 64) and lse.
         let o = unsafe { dev.alloc::<half::bf16>(n * width)? };
         let lse = unsafe { dev.alloc::<f32>(n * self.heads)? };
-        let ks = kernels(self.kernels);
+        let ks = kernels(self.kernels, self.starts.is_some());
         let func = dev.get_or_load_custom_func(ks.fwd, ks.module, ks.ptx)?;
         let cfg = LaunchConfig { grid_dim: (grid_x, grid_y, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
         let (scale_log2, _) = scales();
+        let starts = self.starts.as_ref().map(cuda).transpose()?;
+        let sv = match &starts {
+            Some((s, l)) => Some(view::<u32>(storage(s), l)?),
+            None => None,
+        };
         let mut b = func.builder();
         b.arg(&q).arg(&k).arg(&v).arg(&o).arg(&lse).arg(&t_arg).arg(&heads_arg).arg(&kv_arg).arg(&scale_log2);
+        if let Some(sv) = &sv {
+            b.arg(sv);
+        }
         // SAFETY: the signature is (const bf16* q, k, v, bf16* o, float* lse, int t, int heads,
-        // int kv_heads, float scale_log2); shapes were checked by `flash_attention`.
+        // int kv_heads, float scale_log2[, const unsigned* starts]); shapes were checked by
+        // `flash_attention` (and the starts, one per position, by `flash_attention_docs`).
         unsafe { b.launch(cfg) }.w()?;
         let lse = Tensor::from_storage(
             Storage::Cuda(CudaStorage::wrap_cuda_slice(lse, dev.clone())),
@@ -196,6 +233,11 @@ fn backward(
     let bf16 = |s, l| view::<half::bf16>(storage(s), l);
     let (qv, kv, vv, ov, gv) = (bf16(&qs, ql)?, bf16(&ks, kl)?, bf16(&vs, vl)?, bf16(&os, ol)?, bf16(&gs, gl)?);
     let lv = view::<f32>(storage(&ls), ll)?;
+    let starts = op.starts.as_ref().map(cuda).transpose()?;
+    let sv = match &starts {
+        Some((s, l)) => Some(view::<u32>(storage(s), l)?),
+        None => None,
+    };
 
     // delta = rowsum(o * go) per (token, head): one warp per row, eight per block.
     let rows = n * op.heads;
@@ -214,20 +256,28 @@ fn backward(
     let dv = unsafe { dev.alloc::<half::bf16>(n * kv_width)? };
     let dq = unsafe { dev.alloc::<half::bf16>(n * width)? };
     let kv_grid = u32::try_from((n / t) * op.kv_heads).map_err(|_| candle_core::Error::Msg("flash attention: grid".into()))?;
-    let ks = kernels(op.kernels);
+    let ks = kernels(op.kernels, sv.is_some());
     let func = dev.get_or_load_custom_func(ks.dkdv, ks.module, ks.ptx)?;
     let cfg = LaunchConfig { grid_dim: (grid_x, kv_grid, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
     let mut b = func.builder();
     b.arg(&qv).arg(&kv).arg(&vv).arg(&gv).arg(&lv).arg(&delta).arg(&dk).arg(&dv);
     b.arg(&t_arg).arg(&heads_arg).arg(&kv_arg).arg(&scale_log2).arg(&scale);
-    // SAFETY: (q, k, v, go, lse2, delta, dk, dv, int t, int heads, int kv_heads, float, float).
+    if let Some(sv) = &sv {
+        b.arg(sv);
+    }
+    // SAFETY: (q, k, v, go, lse2, delta, dk, dv, int t, int heads, int kv_heads, float, float
+    // [, const unsigned* starts]).
     unsafe { b.launch(cfg) }.w()?;
     let func = dev.get_or_load_custom_func(ks.dq, ks.module, ks.ptx)?;
     let cfg = LaunchConfig { grid_dim: (grid_x, grid_y, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
     let mut b = func.builder();
     b.arg(&qv).arg(&kv).arg(&vv).arg(&gv).arg(&lv).arg(&delta).arg(&dq);
     b.arg(&t_arg).arg(&heads_arg).arg(&kv_arg).arg(&scale_log2).arg(&scale);
-    // SAFETY: (q, k, v, go, lse2, delta, dq, int t, int heads, int kv_heads, float, float).
+    if let Some(sv) = &sv {
+        b.arg(sv);
+    }
+    // SAFETY: (q, k, v, go, lse2, delta, dq, int t, int heads, int kv_heads, float, float
+    // [, const unsigned* starts]).
     unsafe { b.launch(cfg) }.w()?;
 
     let wrap = |s, shape: (usize, usize)| {

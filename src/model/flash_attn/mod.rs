@@ -17,6 +17,8 @@
 //! (`tests/warp_emulation.rs`) and on a GPU by `pipeline parity`.
 
 use candle_core::{DType, Device, Result, Tensor};
+
+use super::ops::DocumentMask;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -137,6 +139,13 @@ pub fn flash_attention(
     kv_heads: usize,
     kernels: FlashKernels,
 ) -> Result<Tensor> {
+    checked(q, k, v, batch, heads, kv_heads)?;
+    imp::apply(q, k, v, batch, heads, kv_heads, kernels, None)
+}
+
+/// The checks of a flash attention call: shapes that split as the arguments say, and
+/// [`unsupported`]'s conditions; returns the sequence length.
+fn checked(q: &Tensor, k: &Tensor, v: &Tensor, batch: usize, heads: usize, kv_heads: usize) -> Result<usize> {
     let (n, width) = q.dims2()?;
     if batch == 0 || heads == 0 || kv_heads == 0 || n % batch != 0 || width % heads != 0 || !heads.is_multiple_of(kv_heads) {
         candle_core::bail!("flash_attention: q {:?} does not split into {batch} rows of {heads} heads ({kv_heads} KV heads)", q.shape());
@@ -148,7 +157,34 @@ pub fn flash_attention(
     if let Some(why) = unsupported(q.device(), q.dtype(), t, d) {
         candle_core::bail!("flash attention cannot run here: {why}");
     }
-    imp::apply(q, k, v, batch, heads, kv_heads, kernels)
+    Ok(t)
+}
+
+/// [`flash_attention`] under a document mask: each position sees only the earlier positions of
+/// its own segment (the result of [`super::ops::document_attention_tokens`]). A mask that is
+/// plain causal runs `kernels` as they are; any other runs the document entry points of
+/// `kernels/flash_mma.cu` (`flash_*_mma_docs_bf16`, the only kernels that take segments),
+/// reading each position's segment start from the device (uploaded once per mask).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_docs(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    kernels: FlashKernels,
+    docs: &DocumentMask,
+) -> Result<Tensor> {
+    if docs.is_causal() {
+        return flash_attention(q, k, v, batch, heads, kv_heads, kernels);
+    }
+    let t = checked(q, k, v, batch, heads, kv_heads)?;
+    if (docs.rows(), docs.t()) != (batch, t) {
+        candle_core::bail!("flash_attention: a document mask of {} rows of {} for {batch} rows of {t}", docs.rows(), docs.t());
+    }
+    let starts = docs.starts_on(q.device())?;
+    imp::apply(q, k, v, batch, heads, kv_heads, FlashKernels::Mma, Some(starts))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -157,7 +193,8 @@ mod imp {
 
     use super::FlashKernels;
 
-    pub fn apply(_: &Tensor, _: &Tensor, _: &Tensor, _: usize, _: usize, _: usize, _: FlashKernels) -> Result<Tensor> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn apply(_: &Tensor, _: &Tensor, _: &Tensor, _: usize, _: usize, _: usize, _: FlashKernels, _: Option<Tensor>) -> Result<Tensor> {
         candle_core::bail!("flash attention needs a `cuda` build")
     }
 }

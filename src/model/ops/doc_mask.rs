@@ -27,6 +27,8 @@ pub struct DocumentMask {
     /// [`DocumentMask::additive`] as first made: every attention layer of a pass reads the same
     /// `(B, 1, T, T)` mask, so it is built and moved to the device once.
     additive: std::sync::OnceLock<Tensor>,
+    /// [`DocumentMask::starts_on`] as first made.
+    on_device: std::sync::OnceLock<Tensor>,
 }
 
 impl DocumentMask {
@@ -46,7 +48,7 @@ impl DocumentMask {
                 starts.push(start);
             }
         }
-        Ok(Self { t, starts, additive: std::sync::OnceLock::new() })
+        Ok(Self { t, starts, additive: std::sync::OnceLock::new(), on_device: std::sync::OnceLock::new() })
     }
 
     /// Number of rows.
@@ -76,6 +78,20 @@ impl DocumentMask {
             }
         }
         out
+    }
+
+    /// Every position's `start(i)`, row after row, as a `u32` tensor `(B * T,)` on `device` (the
+    /// GPU flash kernels' document argument). Made once and kept for the first device asked for
+    /// (every attention layer of a pass asks for the same).
+    pub fn starts_on(&self, device: &Device) -> Result<Tensor> {
+        if let Some(t) = self.on_device.get()
+            && t.device().same_device(device)
+        {
+            return Ok(t.clone());
+        }
+        let t = Tensor::from_slice(&self.starts, self.starts.len(), device)?;
+        let _ = self.on_device.set(t.clone());
+        Ok(t)
     }
 
     /// Whether every row is one segment (the mask is plain causal attention).
