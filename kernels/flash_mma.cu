@@ -134,6 +134,14 @@ struct QueryTile {
     __device__ long q_rows(int seq) const { return ((long)b * seq + row0) * ldq + h * D; }
     // Whether key `key` is visible to the lane's row r (0: g, 1: g + 8).
     __device__ bool visible(int key, int r) const { return key <= row0 + g + 8 * r; }
+    // Under a document mask (`starts` rising along a sequence): the lane rows' first visible
+    // keys, and the first key tile any row of the block sees (its first row's start's).
+    __device__ void documents(int seq, const unsigned* starts, int lo[2], int* kt0) const {
+        const long base = (long)b * seq;
+        lo[0] = (int)starts[base + row0 + g];
+        lo[1] = (int)starts[base + row0 + g + 8];
+        *kt0 = (int)starts[base + qt * TILE] / TILE;
+    }
 };
 
 // Starts loading key/value tile kt of a (batch, KV head) into stage buffers.
@@ -173,14 +181,8 @@ __device__ __forceinline__ void flash_fwd(const bf16* q, const bf16* k, const bf
     __shared__ __align__(16) bf16 vs[2][TILE * LDT];
     const QueryTile at(t, heads, kv_heads);
     const int lane = at.lane;
-    // The lane rows' first visible keys, and the first key tile any row of the block sees.
     int lo[2] = {0, 0}, kt0 = 0;
-    if (DOCS) {
-        const long base = (long)at.b * t;
-        lo[0] = (int)starts[base + at.row0 + at.g];
-        lo[1] = (int)starts[base + at.row0 + at.g + 8];
-        kt0 = (int)starts[base + at.qt * TILE] / TILE;
-    }
+    if (DOCS) at.documents(t, starts, lo, &kt0);
     auto load = [&](int i, int st) { load_kv(ks[st], vs[st], k + at.kv, v + at.kv, kt0 + i, at.ldk); };
     load(0, 0);
 
@@ -250,12 +252,7 @@ __device__ __forceinline__ void flash_bwd_dq(const bf16* q, const bf16* k, const
     const QueryTile at(t, heads, kv_heads);
     const int lane = at.lane;
     int lo[2] = {0, 0}, kt0 = 0;
-    if (DOCS) {
-        const long base = (long)at.b * t;
-        lo[0] = (int)starts[base + at.row0 + at.g];
-        lo[1] = (int)starts[base + at.row0 + at.g + 8];
-        kt0 = (int)starts[base + at.qt * TILE] / TILE;
-    }
+    if (DOCS) at.documents(t, starts, lo, &kt0);
     auto load = [&](int i, int st) { load_kv(ks[st], vs[st], k + at.kv, v + at.kv, kt0 + i, at.ldk); };
     load(0, 0);
 
