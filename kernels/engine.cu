@@ -699,39 +699,46 @@ extern "C" __global__ void eng_lanes_bwd(const float* g0, const float* g1, const
     }
 }
 
-// part[blk] = eight per-channel sums over the block's rows, `cols` each: dA ao, dM mo (the
-// scales' gradients), then G_0 l_0, G_1 l_1, G_0 A, G_1 A, G_0 M, G_1 M (eng_lanes_finish adds
-// those over the channels into the lambdas' gradients).
+// Over the block's PART rows: part[blk] = two per-channel sums, `cols` each: dA ao and dM mo
+// (the scales' gradients, for colsum_finish); sc[blk] = six sums over the rows and the block's
+// channels, G_0 l_0, G_1 l_1, G_0 A, G_1 A, G_0 M, G_1 M (the lambdas' gradients, for
+// eng_lanes_finish), blk = blockIdx.y gridDim.x + blockIdx.x for sc. Thread per channel.
 extern "C" __global__ void eng_lanes_partial(const float* g0, const float* g1, const float* l0, const float* l1, const float* ao,
                                              const float* mo, const float* sa, const float* sm, const float* p, long rows, int cols,
-                                             float* part) {
+                                             float* part, float* sc) {
+    __shared__ float sh[8];
     const long r0 = (long)blockIdx.y * PART, r1 = min(r0 + PART, rows);
+    float t[6] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
-        float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        float da = 0.f, dm = 0.f;
         for (long r = r0; r < r1; ++r) {
             const long i = r * cols + c;
             const float a = sa[c] * ao[i], m = sm[c] * mo[i];
-            s[0] += (p[0] * g0[i] + p[1] * g1[i]) * ao[i];
-            s[1] += (p[2] * g0[i] + p[3] * g1[i]) * mo[i];
-            s[2] += g0[i] * l0[i];
-            s[3] += g1[i] * l1[i];
-            s[4] += g0[i] * a;
-            s[5] += g1[i] * a;
-            s[6] += g0[i] * m;
-            s[7] += g1[i] * m;
+            da += (p[0] * g0[i] + p[1] * g1[i]) * ao[i];
+            dm += (p[2] * g0[i] + p[3] * g1[i]) * mo[i];
+            t[0] += g0[i] * l0[i];
+            t[1] += g1[i] * l1[i];
+            t[2] += g0[i] * a;
+            t[3] += g1[i] * a;
+            t[4] += g0[i] * m;
+            t[5] += g1[i] * m;
         }
-        for (int k = 0; k < 8; ++k) part[((long)blockIdx.y * 8 + k) * cols + c] = s[k];
+        part[(long)blockIdx.y * 2 * cols + c] = da;
+        part[(long)blockIdx.y * 2 * cols + cols + c] = dm;
+    }
+    for (int k = 0; k < 6; ++k) {
+        const float total = ops::block_sum(t[k], sh);
+        if (threadIdx.x == 0) sc[((long)blockIdx.y * gridDim.x + blockIdx.x) * 6 + k] = total;
     }
 }
 
-// One block of six warps: warp q adds sum q + 2 of eng_lanes_partial over every block and
-// channel (in a fixed order) into dr[0], dr[1], dp[0], dp[1], dp[2], dp[3].
-extern "C" __global__ void eng_lanes_finish(const float* part, int parts, int cols, float* dr, float* dp) {
+// One block of six warps: warp q adds the `count` block sums q of eng_lanes_partial (in block
+// order) into dr[0], dr[1], dp[0], dp[1], dp[2], dp[3].
+extern "C" __global__ void eng_lanes_finish(const float* sc, int count, float* dr, float* dp) {
     const int q = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (q >= 6) return;
     float s = 0.f;
-    for (int b = 0; b < parts; ++b)
-        for (int c = lane; c < cols; c += 32) s += part[((long)b * 8 + q + 2) * cols + c];
+    for (int b = lane; b < count; b += 32) s += sc[(long)b * 6 + q];
     s = warp_sum(s);
     if (lane == 0) {
         if (q < 2) dr[q] += s;

@@ -168,8 +168,9 @@ __device__ __forceinline__ void next_stage(int i, int n, Load load) {
 
 // The kernels' bodies take a document mask as a template switch: with DOCS, `starts[b t + i]` is
 // the first key position query i of sequence b may see (src/model/ops/doc_mask.rs; rising
-// along a sequence), so a key is visible when starts[i] <= key <= i, and key tiles wholly before
-// a query tile's first start are skipped. Without it (`starts` unread) the kernels are plain
+// along a sequence), so a key is visible when starts[i] <= key <= i; the forward and dq kernels
+// skip the key tiles wholly before a query tile's first start, and the dk/dv kernel the query
+// tiles whose segments all start after its key tile. Without it (`starts` unread) the kernels are plain
 // causal attention. The extern "C" entry points below instantiate both.
 
 // Forward: o and lse2 for query tile (T/64 - 1 - blockIdx.x) of (batch, head) blockIdx.y.
@@ -302,8 +303,18 @@ __device__ __forceinline__ void flash_bwd_dkdv(const bf16* q, const bf16* k, con
     const long ldq = (long)heads * D, ldk = (long)kv_heads * D;
     const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
     const int row0 = kt * TILE + (threadIdx.x >> 5) * WR;  // the warp's first key
-    // Work item i: query tile kt + i % nq of the group's head i / nq.
-    const int nq = nt - kt, items = group * nq;
+    // Work item i: query tile kt + i % nq of the group's head i / nq. Under a document mask the
+    // query tiles stop at the first whose first row's segment starts past this key tile: starts
+    // rise along a sequence, so none after it sees this tile either (the diagonal tile always
+    // does).
+    int nq = nt - kt;
+    if (DOCS) {
+        const int last_key = kt * TILE + TILE - 1;
+        int seen = 1;
+        while (seen < nq && (int)starts[(long)b * t + (kt + seen) * TILE] <= last_key) ++seen;
+        nq = seen;
+    }
+    const int items = group * nq;
     auto load = [&](int i, int st) {
         const int h = kvh * group + i / nq, qt = kt + i % nq;
         const long rows = ((long)b * t + qt * TILE) * ldq + h * D, stat = ((long)b * heads + h) * t + qt * TILE;

@@ -81,7 +81,9 @@ fn mutant(name: &str, from: &str, to: &str) -> PathBuf {
 #[test]
 fn flash_mma_kernels_match_attention_in_double() {
     let exe = build("flash_mma_check", None);
-    for shape in [["2", "192", "4", "2", "7"], ["1", "128", "4", "1", "11"]] {
+    // The last: the document entry points (segments skip a key tile, empty a row's tile, and
+    // mask dk/dv across query tiles).
+    for shape in [["2", "192", "4", "2", "7", "0"], ["1", "128", "4", "1", "11", "0"], ["2", "192", "4", "2", "13", "1"]] {
         let (out, text) = run(&exe, &shape);
         assert!(out.status.success(), "shape {shape:?}:\n{text}");
         for tensor in ["o ", "lse", "dq ", "dk ", "dv "] {
@@ -95,6 +97,21 @@ fn flash_mma_kernels_match_attention_in_double() {
 fn a_wrong_mask_fails_the_comparison() {
     let k = mutant("flash_mma_mask", "(!diagonal || key <= q0 + c)", "(!diagonal || key < q0 + c)");
     let (out, text) = run(&build("flash_mma_mask", Some(&k)), &["1", "128", "4", "2", "5"]);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("dk ") && l.ends_with("FAILED")), "{text}");
+}
+
+/// Within documents, a row that sees nothing of a key tile must keep its exponentials at 0:
+/// with the running max's -inf used as it is, they are NaN. And the dk/dv mask of earlier
+/// segments matters: without it dk is wrong.
+#[test]
+fn document_masks_that_break_fail_the_comparison() {
+    let k = mutant("flash_mma_empty", "base[r] = DOCS && mn == -CUDART_INF_F ? 0.f : mn;", "base[r] = mn;");
+    let (out, text) = run(&build("flash_mma_empty", Some(&k)), &["2", "192", "4", "2", "13", "1"]);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("o ") && l.ends_with("FAILED")), "{text}");
+    let k = mutant("flash_mma_dkdv_docs", "(!DOCS || key >= (int)lo[st][c])", "(!DOCS || key >= 0)");
+    let (out, text) = run(&build("flash_mma_dkdv_docs", Some(&k)), &["2", "192", "4", "2", "13", "1"]);
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(text.lines().any(|l| l.starts_with("dk ") && l.ends_with("FAILED")), "{text}");
 }

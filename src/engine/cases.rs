@@ -395,7 +395,8 @@ pub fn cases() -> Vec<Case> {
             len: attn_len,
             bound: ATTENTION,
             run: |be| {
-                // BOS at a sequence's start, in a tile's middle, twice in a row, on a tile's edge.
+                // BOS at a sequence's start, mid-sequence, twice in a row, at a sequence's last position
+                // (one tile each: tests/warp_emu/flash_mma_check.cpp takes documents across tiles).
                 let (mut x, y) = tokens(10);
                 let bos = 1;
                 for p in [0, 17, 64 + 40, 64 + 41, 64 + 63] {

@@ -236,13 +236,14 @@ impl Capacity {
         let parts = self.tokens.div_ceil(ops::PART);
         // Partial sums (2 x width per block of rows), the q/k gain's per-(row, head) values and
         // their partials, attention's delta, SmearGate's partials (up to `width + 1` values per
-        // block) and per-row values (two per row), the two-lane mix's partials (eight sums of
-        // `width / 2` channels per block): the largest of them.
+        // block) and per-row values (two per row), the two-lane mix's partials (two sums of
+        // `width / 2` channels, then six per block of 256 channels, per block of rows): the
+        // largest of them.
         let scratch_len = (2 * parts * self.width)
             .max(self.tokens * self.heads + parts * self.heads)
             .max(self.tokens * self.heads)
             .max(parts * (self.width + 1) + 2 * self.tokens)
-            .max(4 * parts * self.width);
+            .max(parts * self.width + 6 * parts * self.width.div_ceil(2 * ops::BLOCK_THREADS));
         // Every region starts 16-byte aligned (flash attention copies its statistics with
         // 16-byte cp.async).
         let align = |x: usize| x.div_ceil(4) * 4;

@@ -14,7 +14,9 @@ use crate::engine::lt;
 /// Rows per partial sum of a per-channel reduction (`PART` in kernels/engine.cu).
 pub(super) const PART: usize = 64;
 /// Threads per block of the flat and row kernels.
-const BLOCK: u32 = 256;
+pub(super) const BLOCK_THREADS: usize = 256;
+/// [`BLOCK_THREADS`] as a launch takes it.
+const BLOCK: u32 = BLOCK_THREADS as u32;
 /// Threads per block of the flash attention kernels.
 const FLASH_THREADS: u32 = 128;
 /// Flash attention's tile (queries per block, keys per inner step) and head width.
@@ -560,14 +562,17 @@ impl<D: Device> Backend for KernelBackend<D> {
         let rows = n / cols;
         let args = vec![a(g[0]), a(g[1]), a(w.sa), a(w.sm), a(w.r), a(w.p), a(dl[0]), a(dl[1]), a(dao), a(dmo), l(n), i(cols)];
         self.run("eng_lanes_bwd", flat(n), BLOCK, args);
-        let parts_n = rows.div_ceil(PART);
-        let part = self.scratch(0, parts_n * 8 * cols);
-        let args = vec![a(g[0]), a(g[1]), a(lanes[0]), a(lanes[1]), a(ao), a(mo), a(w.sa), a(w.sm), a(w.p), l(rows), i(cols), part];
-        self.run("eng_lanes_partial", parts(rows, cols), BLOCK, args);
-        self.run("eng_colsum_finish", flat(cols), BLOCK, vec![part, i(parts_n), i(8 * cols), i(cols), a(dw.sa)]);
-        let dsm_part = self.scratch(cols, parts_n * 8 * cols - cols);
-        self.run("eng_colsum_finish", flat(cols), BLOCK, vec![dsm_part, i(parts_n), i(8 * cols), i(cols), a(dw.sm)]);
-        self.run("eng_lanes_finish", [1, 1, 1], 192, vec![part, i(parts_n), i(cols), a(dw.r), a(dw.p)]);
+        // Scratch: per block of rows the scales' two per-channel partials, then per block six
+        // block sums for the lambdas.
+        let grid = parts(rows, cols);
+        let (parts_n, blocks) = (rows.div_ceil(PART), (grid[0] * grid[1]) as usize);
+        let (part, sc) = (self.scratch(0, parts_n * 2 * cols), self.scratch(parts_n * 2 * cols, blocks * 6));
+        let args = vec![a(g[0]), a(g[1]), a(lanes[0]), a(lanes[1]), a(ao), a(mo), a(w.sa), a(w.sm), a(w.p), l(rows), i(cols), part, sc];
+        self.run("eng_lanes_partial", grid, BLOCK, args);
+        self.run("eng_colsum_finish", flat(cols), BLOCK, vec![part, i(parts_n), i(2 * cols), i(cols), a(dw.sa)]);
+        let dsm_part = self.scratch(cols, parts_n * 2 * cols - cols);
+        self.run("eng_colsum_finish", flat(cols), BLOCK, vec![dsm_part, i(parts_n), i(2 * cols), i(cols), a(dw.sm)]);
+        self.run("eng_lanes_finish", [1, 1, 1], 192, vec![sc, i(blocks), a(dw.r), a(dw.p)]);
     }
 
     fn attn_gate_fwd(&mut self, y: Buf, x: Mat, w: Buf, out: Buf, heads: usize, scale: f64) {
