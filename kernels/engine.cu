@@ -191,6 +191,15 @@ extern "C" __global__ void eng_transpose_each(const float* src, float* dst, int 
 
 // The two passes of ops/colsum.cuh.
 
+// The first level of a long sum (src/engine/gpu/ops.rs `colsum`): group g = blockIdx.y adds the
+// partials [g per, (g + 1) per) in order, mid[g][c] = sum of part[p * stride + c], so that
+// `groups x width / 256` blocks share the reading; eng_colsum_finish then adds the groups.
+extern "C" __global__ void eng_colsum_groups(const float* part, int parts, int stride, int width, int per, float* mid) {
+    const int p0 = blockIdx.y * per, p1 = min(p0 + per, parts);
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < width; c += gridDim.x * blockDim.x)
+        mid[(long)blockIdx.y * width + c] = ops::column_total(part + (long)p0 * stride, p1 - p0, stride, c);
+}
+
 // dst[c] += the sum over p of part[p * stride + c] for c < width, p in order.
 extern "C" __global__ void eng_colsum_finish(const float* part, int parts, int stride, int width, float* dst) {
     for (long c = first_index(); c < width; c += grid_stride()) dst[c] += ops::column_total(part, parts, stride, c);

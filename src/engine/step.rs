@@ -37,6 +37,7 @@ pub fn kernel_capacity(cfg: &ModelConfig, rows: usize, t: usize) -> anyhow::Resu
         kv_width: cfg.num_kv_heads * d,
         heads: cfg.num_heads,
         attention_calls: calls,
+        colsum_group: crate::engine::gpu::COLSUM_GROUP,
     })
 }
 

@@ -227,7 +227,14 @@ pub struct Capacity {
     pub heads: usize,
     /// Attention calls in the longest layer sequence (one log-sum-exp buffer each).
     pub attention_calls: usize,
+    /// Row-block partials per group of a two-level per-channel sum ([`COLSUM_GROUP`]; the op
+    /// checks take fewer, so that their short sums take the two-level path too).
+    pub colsum_group: usize,
 }
+
+/// Row-block partials each block of the first level of a per-channel sum adds
+/// (`eng_colsum_groups`): sums of more than two groups' worth take two levels.
+pub const COLSUM_GROUP: usize = 32;
 
 impl Capacity {
     /// The four spaces' sizes for an arena of `len` elements, the aux space's layout, the half
@@ -251,8 +258,11 @@ impl Capacity {
         let reduce = 0;
         let sched = align(REDUCE_BLOCKS + 1);
         let scratch = sched + SCHED_CAP;
-        let lse = scratch + scratch_len;
-        let aux = AuxLayout { reduce, sched, scratch, scratch_len, lse, lse_len, lse_count: self.attention_calls };
+        // The groups of a two-level per-channel sum, `width` each.
+        let mid_len = align(parts.div_ceil(self.colsum_group.max(1)) * self.width);
+        let mid = scratch + scratch_len;
+        let lse = mid + mid_len;
+        let aux = AuxLayout { reduce, sched, scratch, scratch_len, mid, mid_len, lse, lse_len, lse_count: self.attention_calls };
         // q, k, v, o (or dout), dq, dk, dv: each rounded up to 16 bytes.
         let round = |x: usize| x.div_ceil(8) * 8;
         let (q, kv) = (round(self.tokens * self.attn_width), round(self.tokens * self.kv_width));
@@ -289,6 +299,9 @@ struct AuxLayout {
     /// Per-op scratch (partial sums, attention's delta), reused by every op.
     scratch: usize,
     scratch_len: usize,
+    /// The first level's sums of a two-level per-channel sum.
+    mid: usize,
+    mid_len: usize,
     /// Log-sum-exp buffers, `lse_len` elements each.
     lse: usize,
     lse_len: usize,
@@ -363,6 +376,8 @@ pub struct KernelBackend<D: Device> {
     tokens: TokenLayout,
     /// Log-sum-exp buffer index of each attention output (keyed by its arena offset).
     lse: HashMap<usize, usize>,
+    /// Partials per group of a two-level per-channel sum ([`Capacity::colsum_group`]).
+    colsum_group: usize,
     /// Capture repeated units as graphs.
     graphs: bool,
     unit: Option<Unit>,
@@ -389,6 +404,7 @@ impl<D: Device> KernelBackend<D> {
             half_len,
             tokens,
             lse: HashMap::new(),
+            colsum_group: cap.colsum_group.max(1),
             graphs: true,
             unit: None,
             seen: HashMap::new(),
@@ -525,8 +541,16 @@ pub fn transfer_check(device: &candle_core::Device) -> anyhow::Result<Vec<(Strin
         Ok(())
     };
     // Token ids across a CSR chunk's edge; the other spaces as small as they go.
-    let cap =
-        Capacity { tokens: CSR_CHUNK + CSR_CHUNK / 2, vocab: 1001, width: 64, attn_width: 64, kv_width: 64, heads: 1, attention_calls: 1 };
+    let cap = Capacity {
+        tokens: CSR_CHUNK + CSR_CHUNK / 2,
+        vocab: 1001,
+        width: 64,
+        attn_width: 64,
+        kv_width: 64,
+        heads: 1,
+        attention_calls: 1,
+        colsum_group: COLSUM_GROUP,
+    };
     let (small, side) = (4096, 1024);
     let len = small + 3 * side * side;
     let mut be = KernelBackend::new(cuda::CudaDevice::new(device, cuda::GemmMath::F32)?, len, cap)?;

@@ -81,8 +81,30 @@ impl<D: Device> KernelBackend<D> {
     /// `dst[c] += sum over the partials` after a `*_partial` launch wrote `rows / PART` blocks of
     /// `stride` values from scratch offset 0.
     fn finish(&mut self, rows: usize, stride: usize, width: usize, dst: Buf) {
-        let n = rows.div_ceil(PART);
-        self.run("eng_colsum_finish", flat(width), BLOCK, vec![self.scratch(0, n * stride), i(n), i(stride), i(width), a(dst)]);
+        self.colsum(0, rows.div_ceil(PART), stride, width, dst);
+    }
+
+    /// `dst[c] += sum over p of part[p stride + c]` for the `parts` partials from scratch offset
+    /// `at`, in order. One pass when they are few; else two levels (groups of
+    /// `colsum_group` partials added by `groups x width / 256` blocks, then the groups), so that
+    /// a long sum is not read by the `width / 256` blocks of one pass alone.
+    fn colsum(&mut self, at: usize, parts: usize, stride: usize, width: usize, dst: Buf) {
+        let part = self.scratch(at, (parts - 1) * stride + width);
+        let per = self.colsum_group;
+        if parts <= 2 * per {
+            self.run("eng_colsum_finish", flat(width), BLOCK, vec![part, i(parts), i(stride), i(width), a(dst)]);
+            return;
+        }
+        let groups = parts.div_ceil(per);
+        assert!(
+            groups * width <= self.aux.mid_len,
+            "a per-channel sum of {groups} groups of {width} past the backend's {}",
+            self.aux.mid_len
+        );
+        let mid = Arg::Ptr(Space::Aux, self.aux.mid);
+        let grid = [width.div_ceil(BLOCK_THREADS) as u32, groups as u32, 1];
+        self.run("eng_colsum_groups", grid, BLOCK, vec![part, i(parts), i(stride), i(width), i(per), mid]);
+        self.run("eng_colsum_finish", flat(width), BLOCK, vec![mid, i(groups), i(width), i(width), a(dst)]);
     }
 
     /// The launches of the scalar reduction `mode` (0 sum, 1 sum of squares, 2 non-finite
@@ -544,9 +566,8 @@ impl<D: Device> Backend for KernelBackend<D> {
         let args = vec![a(dout), a(e), ids, a(w), a(lambda), a(de), rowv, l(rows), i(cols), i(win), i(t), i(bos as usize)];
         self.run("eng_smear_bwd", warps(rows), BLOCK, args);
         self.run("eng_smear_partial", parts(rows, win + 1), BLOCK, vec![a(e), rowv, l(rows), i(cols), i(win), part]);
-        self.run("eng_colsum_finish", flat(win), BLOCK, vec![part, i(n), i(win + 1), i(win), a(dw)]);
-        let lambda_part = self.scratch(win, n * (win + 1) - win);
-        self.run("eng_colsum_finish", flat(1), BLOCK, vec![lambda_part, i(n), i(win + 1), i(1), a(dlambda)]);
+        self.colsum(0, n, win + 1, win, dw);
+        self.colsum(win, n, win + 1, 1, dlambda);
     }
 
     fn lanes_fwd(&mut self, lanes: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, out: [Buf; 2]) {
@@ -569,9 +590,8 @@ impl<D: Device> Backend for KernelBackend<D> {
         let (part, sc) = (self.scratch(0, parts_n * 2 * cols), self.scratch(parts_n * 2 * cols, blocks * 6));
         let args = vec![a(g[0]), a(g[1]), a(lanes[0]), a(lanes[1]), a(ao), a(mo), a(w.sa), a(w.sm), a(w.p), l(rows), i(cols), part, sc];
         self.run("eng_lanes_partial", grid, BLOCK, args);
-        self.run("eng_colsum_finish", flat(cols), BLOCK, vec![part, i(parts_n), i(2 * cols), i(cols), a(dw.sa)]);
-        let dsm_part = self.scratch(cols, parts_n * 2 * cols - cols);
-        self.run("eng_colsum_finish", flat(cols), BLOCK, vec![dsm_part, i(parts_n), i(2 * cols), i(cols), a(dw.sm)]);
+        self.colsum(0, parts_n, 2 * cols, cols, dw.sa);
+        self.colsum(cols, parts_n, 2 * cols, cols, dw.sm);
         self.run("eng_lanes_finish", [1, 1, 1], 192, vec![sc, i(blocks), a(dw.r), a(dw.p)]);
     }
 

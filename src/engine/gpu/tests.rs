@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use super::emu::{self, EmuDevice};
-use super::{Capacity, KernelBackend};
+use super::{COLSUM_GROUP, Capacity, KernelBackend};
 use crate::engine::backend::Backend;
 use crate::engine::cases;
 
@@ -135,7 +135,7 @@ fn a_wrong_kernel_fails_the_comparison() {
 fn the_device_builds_the_ids_csr_in_token_order() {
     use super::{Device, Space};
     let (n, vocab) = (150, 40);
-    let cap = Capacity { tokens: n, vocab, width: 8, attn_width: 8, kv_width: 8, heads: 1, attention_calls: 1 };
+    let cap = Capacity { tokens: n, vocab, width: 8, attn_width: 8, kv_width: 8, heads: 1, attention_calls: 1, colsum_group: COLSUM_GROUP };
     let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join("csr.mem"));
     let mut be = KernelBackend::with_csr_chunk(dev, 16, cap, 64).unwrap();
     let mut rng = fastrand::Rng::with_seed(3);
