@@ -1,7 +1,7 @@
 //! The GPT's forward pass and its hand-written backward pass over the arena ([`Layout`]), as
 //! one schedule of [`Backend`] ops: the model of [`crate::model`] (the baseline's, the 04-09
-//! record's and three of the 04-27 record's elements: SmearGate, document-masked attention,
-//! the sparse attention gate), op for op, written out in the order it runs. The math of each step is
+//! record's and the 04-27 record's elements: SmearGate, document-masked attention, the sparse
+//! attention gate, the two-lane decoder), op for op, written out in the order it runs. The math of each step is
 //! beside it; `N` rows of the micro-batch, `D` model width, `V` vocabulary, `s` the block's
 //! `ln_scale` factor (1 without it).
 //!
@@ -21,6 +21,9 @@
 //!   ao = y Wo^T                              dWo += dao^T y
 //!   sequential: u2 = u + attn_scale ao; n2 = s rms(u2); out = u2 + mlp_scale mlp(n2)
 //!   parallel:   out = u + attn_scale ao + mlp_scale mlp(n1)
+//!   two-lane (model.parallel_decoder_start, lanes l0 l1; both start as the stream, skips
+//!   enter l0): u = l0 mix0 + x0 mix1; a = attn_scale attn(s rms(u)); m = mlp_scale mlp(s rms(l1));
+//!   l_k' = r[k] l_k + p[0, k] a + p[1, k] m; the head reads the lanes' mean (or one lane)
 //! mlp(x) = act(x Wfc^T) Wp^T, act = leaky_relu(., slope)^2 (recomputed in the backward pass)
 //! logits = rms(h) E^T (or the untied head); loss = mean softcap-CE, fused with its gradient
 //! ```

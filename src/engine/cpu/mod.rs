@@ -24,6 +24,8 @@
 mod flat;
 mod gemm;
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Tensor};
 
 use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, LaneBufs, Mat, check_regions};
@@ -46,12 +48,15 @@ pub(crate) struct CpuBackend<T> {
     x: Vec<u32>,
     /// The micro-batch's targets.
     y: Vec<u32>,
+    /// The document mask of these ids, made by the first attention call that asks for it
+    /// (keyed by BOS id, rows and length) and dropped with the ids.
+    docs: Option<((u32, usize, usize), Arc<DocumentMask>)>,
 }
 
 impl<T: Real> CpuBackend<T> {
     /// A backend with an arena of `len` elements, all zero.
     pub(crate) fn new(len: usize) -> Self {
-        Self { arena: vec![T::from_f64(0.0); len], x: Vec::new(), y: Vec::new() }
+        Self { arena: vec![T::from_f64(0.0); len], x: Vec::new(), y: Vec::new(), docs: None }
     }
 
     /// The whole arena (the cuBLASLt plan check of [`crate::engine::lt`] runs its GEMMs on it).
@@ -76,12 +81,20 @@ impl<T: Real> CpuBackend<T> {
         }
     }
 
-    /// The document mask of the micro-batch's ids under `s.docs` (`None` without).
-    fn document_mask(&self, s: AttnShape) -> Option<DocumentMask> {
-        let bos = s.docs?;
+    /// The document mask of the micro-batch's ids under `s.docs` (`None` without), made once
+    /// per micro-batch.
+    fn document_mask(&mut self, s: AttnShape) -> Option<Arc<DocumentMask>> {
+        let key = (s.docs?, s.batch, s.t);
+        if let Some((k, m)) = &self.docs
+            && *k == key
+        {
+            return Some(m.clone());
+        }
         let n = s.batch * s.t;
         assert!(self.x.len() >= n, "a document mask over {} ids for {} x {} positions", self.x.len(), s.batch, s.t);
-        Some(DocumentMask::at_token(&self.x[..n], s.t, bos).expect("the ids form rows of t"))
+        let m = Arc::new(DocumentMask::at_token(&self.x[..n], s.t, key.0).expect("the ids form rows of t"));
+        self.docs = Some((key, m.clone()));
+        Some(m)
     }
 
     /// The elements of `b`.
@@ -120,6 +133,7 @@ impl<T: Real> Backend for CpuBackend<T> {
         self.x.extend_from_slice(x);
         self.y.clear();
         self.y.extend_from_slice(y);
+        self.docs = None;
     }
 
     fn fill(&mut self, dst: Buf, value: f64) {
@@ -259,7 +273,7 @@ impl<T: Real> Backend for CpuBackend<T> {
         let mask = self.document_mask(s);
         let ([qs, ks, vs], [o]) = self.io([q.span(), k.span(), v.span()], [out]);
         let dims = (s.batch, s.t, s.heads, s.kv_heads, s.d);
-        crate::model::ops::attention_token_major_fwd((qs, q.ld), (ks, k.ld), (vs, v.ld), o, dims, mask.as_ref());
+        crate::model::ops::attention_token_major_fwd((qs, q.ld), (ks, k.ld), (vs, v.ld), o, dims, mask.as_deref());
     }
 
     fn attention_bwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, dout: Buf, dq: Mat, dk: Mat, dv: Mat, dv_acc: bool, s: AttnShape) {
@@ -267,7 +281,7 @@ impl<T: Real> Backend for CpuBackend<T> {
         let ([qs, ks, vs, o, g], [dqs, dks, dvs]) = self.io([q.span(), k.span(), v.span(), out, dout], [dq.span(), dk.span(), dv.span()]);
         let dims = (s.batch, s.t, s.heads, s.kv_heads, s.d);
         let grads = crate::model::ops::AttentionGrads { dq: (dqs, dq.ld), dk: (dks, dk.ld), dv: (dvs, dv.ld), dv_acc };
-        crate::model::ops::attention_token_major_bwd((qs, q.ld), (ks, k.ld), (vs, v.ld), (o, g), grads, dims, mask.as_ref());
+        crate::model::ops::attention_token_major_bwd((qs, q.ld), (ks, k.ld), (vs, v.ld), (o, g), grads, dims, mask.as_deref());
     }
 
     fn smear_fwd(&mut self, e: Buf, w: Buf, lambda: Buf, out: Buf, cols: usize, t: usize, bos: u32) {

@@ -378,6 +378,9 @@ pub struct KernelBackend<D: Device> {
     lse: HashMap<usize, usize>,
     /// Partials per group of a two-level per-channel sum ([`Capacity::colsum_group`]).
     colsum_group: usize,
+    /// For which `(BOS id, rows, length)` the document starts of the micro-batch's ids are on the
+    /// device (`eng_doc_starts`, launched by the first attention call that needs them).
+    starts_for: Option<(u32, usize, usize)>,
     /// Capture repeated units as graphs.
     graphs: bool,
     unit: Option<Unit>,
@@ -405,6 +408,7 @@ impl<D: Device> KernelBackend<D> {
             tokens,
             lse: HashMap::new(),
             colsum_group: cap.colsum_group.max(1),
+            starts_for: None,
             graphs: true,
             unit: None,
             seen: HashMap::new(),

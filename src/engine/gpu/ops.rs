@@ -185,14 +185,18 @@ impl<D: Device> KernelBackend<D> {
 }
 
 impl<D: Device> KernelBackend<D> {
-    /// Under `s.docs`, launches `eng_doc_starts` on the micro-batch's ids and returns where it
-    /// left each position's document start (the `*_docs_bf16` flash kernels' last argument).
+    /// Under `s.docs`, where each position's document start of the micro-batch's ids is (the
+    /// `*_docs_bf16` flash kernels' last argument): `eng_doc_starts` is launched by the first
+    /// call after the ids were loaded, the later calls of the micro-batch read its result.
     fn document_starts(&mut self, s: AttnShape) -> Option<Arg> {
-        let bos = s.docs?;
+        let key = (s.docs?, s.batch, s.t);
         let t = self.tokens;
         assert!(s.batch * s.t <= t.n, "attention within documents over {} x {} positions, {} ids", s.batch, s.t, t.n);
         let (ids, starts) = (Arg::Ptr(Space::Tokens, t.x()), Arg::Ptr(Space::Tokens, t.starts()));
-        self.run("eng_doc_starts", warps(s.batch), BLOCK, vec![ids, starts, l(s.batch), i(s.t), i(bos as usize)]);
+        if self.starts_for != Some(key) {
+            self.run("eng_doc_starts", warps(s.batch), BLOCK, vec![ids, starts, l(s.batch), i(s.t), i(key.0 as usize)]);
+            self.starts_for = Some(key);
+        }
         Some(starts)
     }
 
@@ -280,6 +284,8 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.dev.launch(&Launch { kernel: "eng_csr_count", grid: chunks, block: 32, args: vec![ids, n, vocab, chunk, counts] });
         self.dev.launch(&Launch { kernel: "eng_csr_scan", grid: [1, 1, 1], block: BLOCK, args: vec![counts, i(t.chunks()), vocab, off] });
         self.dev.launch(&Launch { kernel: "eng_csr_fill", grid: chunks, block: 32, args: vec![ids, n, vocab, chunk, counts, pos] });
+        // The document starts (if attention asks for them) are of the old ids.
+        self.starts_for = None;
         Ok(())
     }
 

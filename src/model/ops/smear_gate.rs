@@ -113,36 +113,36 @@ pub(crate) fn smear_rows_bwd<T: Real>(
     let (cols, win) = (g.cols, w.len());
     let rows = e.len() / cols;
     let one = T::from_f64(1.0);
-    // Per row: (dz_r, dg_r k_r s_r), 0 where the gate is off.
-    let per_row: Vec<(T, T)> = (0..rows)
+    // Per row: (g_r, dz_r, dg_r k_r s_r), all 0 where the gate is off.
+    let zero = T::from_f64(0.0);
+    let per_row: Vec<(T, T, T)> = (0..rows)
         .into_par_iter()
         .map(|r| {
-            // The gate's sigmoid, 0 where the gate is off (so are both values then).
-            let (_, s) = gate_of(e, ids, w, lambda, r, g);
+            let (gate, s) = gate_of(e, ids, w, lambda, r, g);
             if r.is_multiple_of(g.t) || ids[r] == g.bos {
-                return (T::from_f64(0.0), T::from_f64(0.0));
+                return (zero, zero, zero);
             }
             let (gr, prev) = (&dout[r * cols..(r + 1) * cols], &e[(r - 1) * cols..r * cols]);
-            let dg = gr.iter().zip(prev).fold(T::from_f64(0.0), |a, (&x, &y)| a + x * y);
-            (dg * lambda * s * (one - s), dg * s)
+            let dg = gr.iter().zip(prev).fold(zero, |a, (&x, &y)| a + x * y);
+            (gate, dg * lambda * s * (one - s), dg * s)
         })
         .collect();
     de.par_chunks_mut(cols).enumerate().for_each(|(r, d)| {
         d.copy_from_slice(&dout[r * cols..(r + 1) * cols]);
         if !(r + 1).is_multiple_of(g.t) && r + 1 < rows {
-            let (next, _) = gate_of(e, ids, w, lambda, r + 1, g);
+            let next = per_row[r + 1].0;
             for (d, &x) in d.iter_mut().zip(&dout[(r + 1) * cols..(r + 2) * cols]) {
                 *d += next * x;
             }
         }
-        let dz = per_row[r].0;
+        let dz = per_row[r].1;
         for (d, &wc) in d.iter_mut().zip(w) {
             *d += dz * wc;
         }
     });
     let mut sums = vec![T::from_f64(0.0); win + 1];
     column_sums(rows, win + 1, &mut sums, |r, acc| {
-        let (dz, dl) = per_row[r];
+        let (_, dz, dl) = per_row[r];
         for (c, a) in acc[..win].iter_mut().enumerate() {
             *a += (dz * e[r * cols + c]).to_f64();
         }
