@@ -583,6 +583,19 @@ pub fn run(case: &Case, dut: &mut dyn Backend, seed: u64) -> anyhow::Result<Case
 
 /// A model of `cfg` with every parameter perturbed (the zero-initialised projections would
 /// leave most gradients zero), in f64 on the CPU.
+/// The Muon step of the whole-engine checks (row-normalised, with weight decay).
+pub(crate) fn check_muon() -> MuonStep {
+    MuonStep {
+        lr: 0.05,
+        momentum: 0.95,
+        nesterov: true,
+        backend_steps: 5,
+        ns: crate::optim::NewtonSchulz::Quintic,
+        row_norm: true,
+        weight_decay: 0.01,
+    }
+}
+
 pub(crate) fn perturbed(cfg: &ModelConfig, seed: u64) -> Gpt {
     let mut m = Gpt::new(cfg, seed, DType::F64, &Device::Cpu).expect("a model of a checked config");
     let mut rng = fastrand::Rng::with_seed(seed + 100);
@@ -753,15 +766,7 @@ pub fn model_check(dut: &mut Engine, cfg: &ModelConfig, bounds: ModelBounds, see
     };
     tensors("grad", reference.grads()?, dut.grads()?, &mut out)?;
     for e in [&mut reference, &mut *dut] {
-        e.muon(MuonStep {
-            lr: 0.05,
-            momentum: 0.95,
-            nesterov: true,
-            backend_steps: 5,
-            ns: crate::optim::NewtonSchulz::Quintic,
-            row_norm: true,
-            weight_decay: 0.01,
-        })?;
+        e.muon(check_muon())?;
         for (group, _) in ADAM_GROUPS {
             e.adam(group, 0.01, (0.9, 0.95), 1e-8, 0.0);
         }

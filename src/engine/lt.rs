@@ -626,7 +626,6 @@ mod tests {
     #[test]
     fn the_engine_through_lt_plans_equals_the_cpu_backend() {
         use crate::engine::layout::Layout;
-        use crate::engine::optim::MuonStep;
         use crate::engine::step::{ADAM_GROUPS, Engine};
         use crate::engine::tests::{baseline_small, perturbed, record_small, tokens};
         let (rows, t) = (3, 6);
@@ -650,16 +649,7 @@ mod tests {
                 assert!((losses[0] - losses[1]).abs() <= 1e-12 * losses[0].abs(), "{what} step {step}: loss {losses:?}");
                 same(&cpu.grads().unwrap(), &lt.grads().unwrap(), &format!("{what} step {step} gradients"));
                 for e in [&mut cpu, &mut lt] {
-                    let muon = MuonStep {
-                        lr: 0.05,
-                        momentum: 0.95,
-                        nesterov: true,
-                        backend_steps: 5,
-                        ns: crate::optim::NewtonSchulz::Quintic,
-                        row_norm: true,
-                        weight_decay: 0.01,
-                    };
-                    e.muon(muon).unwrap();
+                    e.muon(crate::engine::cases::check_muon()).unwrap();
                     for (group, _) in ADAM_GROUPS {
                         e.adam(group, 0.01, (0.9, 0.95), 1e-8, 0.0);
                     }

@@ -15,6 +15,7 @@ use super::gpu::Capacity;
 use super::layout::Layout;
 use super::optim::{self, MuonStep};
 use super::schedule::Schedule;
+use crate::device::phase_clock::{Phase, PhaseTimes};
 use crate::model::ops::{rms_eps, rope_tables};
 use crate::model::{ModelConfig, ParamGroup};
 
@@ -86,6 +87,10 @@ pub struct Engine {
     exchange: Option<Exchange>,
     /// Wall time of the last optimizer step's collectives (sharded Muon's exchange).
     last_comm: Duration,
+    /// The step's phases as spans between the backend's timing marks (a backend with a device
+    /// clock: CUDA events on the engine's stream), read once when the step ends
+    /// ([`Engine::device_phase_times`]).
+    spans: Vec<(Phase, usize, usize)>,
 }
 
 impl Engine {
@@ -135,7 +140,7 @@ impl Engine {
         let schedule = Schedule::new(cfg, rows, t, rms_eps(dtype));
         let len = schedule.layout.len();
         anyhow::ensure!(be.len() == len, "the backend's arena holds {} elements, this model's layout {len}", be.len());
-        let mut e = Engine { be, schedule, poison, adam_steps: [0; 3], exchange: None, last_comm: Duration::ZERO };
+        let mut e = Engine { be, schedule, poison, adam_steps: [0; 3], exchange: None, last_comm: Duration::ZERO, spans: Vec::new() };
         let (cos, sin) = rope_tables(t, cfg.rotary_dims(), cfg.rope_base_for(t), dtype, &Device::Cpu)?;
         let l = &e.schedule.layout;
         let (c, s) = (l.cos, l.sin);
@@ -276,6 +281,9 @@ impl Engine {
     ) -> anyhow::Result<MicroResult> {
         let (acts, scratch) = (self.schedule.layout.activations, self.schedule.layout.scratch_region);
         let t0 = Instant::now();
+        // The forward span starts before the ids: a stream that waits for their upload shows
+        // the wait as forward time.
+        let m0 = self.be.timing_mark();
         self.be.load_tokens(tokens)?;
         self.be.begin_unit(if looping { "forward looped" } else { "forward" });
         self.schedule.forward(self.be.as_mut(), looping, grad_scale);
@@ -284,6 +292,7 @@ impl Engine {
         }
         self.be.end_unit();
         let t1 = Instant::now();
+        let m1 = self.be.timing_mark();
         self.be.begin_unit(if looping { "backward looped" } else { "backward" });
         self.schedule.backward_with(self.be.as_mut(), looping, at);
         if self.poison {
@@ -291,6 +300,9 @@ impl Engine {
             self.be.fill(scratch, f64::NAN);
         }
         self.be.end_unit();
+        let m2 = self.be.timing_mark();
+        self.span(Phase::Forward, m0, m1);
+        self.span(Phase::Backward, m1, m2);
         Ok(MicroResult { forward: t1 - t0, backward: t1.elapsed() })
     }
 
@@ -325,6 +337,7 @@ impl Engine {
         }
         let l = &self.schedule.layout;
         let (grads, norm, stats) = (l.grads, l.grad_norm(), l.stats);
+        let m0 = self.be.timing_mark();
         self.be.begin_unit("optimizer");
         if s.clip > 0.0 {
             self.be.clip_norm(grads, s.clip, norm);
@@ -339,10 +352,51 @@ impl Engine {
         }
         // Closed whatever happened: a unit left open would refuse every later read.
         self.be.end_unit();
+        let m1 = self.be.timing_mark();
+        self.span(Phase::Optimizer, m0, m1);
         self.last_comm = muon?;
         let grad_norm = if s.clip > 0.0 { Some(self.scalar(norm)?) } else { None };
         self.be.fill(stats, 0.0);
         Ok(StepStats { loss_sum, grad_norm })
+    }
+
+    /// Keeps a phase's span when the backend has a device clock.
+    fn span(&mut self, phase: Phase, from: Option<usize>, to: Option<usize>) {
+        if let (Some(a), Some(b)) = (from, to) {
+            self.spans.push((phase, a, b));
+        }
+    }
+
+    /// The device time of each phase since the last call (or since [`Engine::forget_phase_times`]),
+    /// summed over the micro-batches and optimizer steps in between, from the backend's timing
+    /// marks; the marks are then forgotten. `None` when the backend has no device clock (the
+    /// CPU backends: the host's clock times their phases, as [`MicroResult`] does). Waits for
+    /// the last mark: called after the optimizer step's host read, it waits for nothing more.
+    pub fn device_phase_times(&mut self) -> anyhow::Result<Option<PhaseTimes>> {
+        if self.spans.is_empty() {
+            return Ok(None);
+        }
+        let mut t = PhaseTimes::default();
+        let spans = std::mem::take(&mut self.spans);
+        let read = spans.iter().try_for_each(|&(phase, a, b)| -> anyhow::Result<()> {
+            let d = Duration::from_secs_f64(self.be.timing_ms(a, b)?.max(0.0) / 1e3);
+            match phase {
+                Phase::Forward => t.forward += d,
+                Phase::Backward => t.backward += d,
+                Phase::Optimizer => t.optimizer += d,
+            }
+            Ok(())
+        });
+        self.be.timing_reset();
+        read.map(|()| Some(t))
+    }
+
+    /// Forgets the phase spans not read yet (a step given up halfway).
+    pub fn forget_phase_times(&mut self) {
+        if !self.spans.is_empty() {
+            self.spans.clear();
+            self.be.timing_reset();
+        }
     }
 
     /// How the backend ran its units of work (`None`: op by op, the CPU backends).

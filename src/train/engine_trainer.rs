@@ -191,7 +191,10 @@ impl Executor for EngineTrainer {
         anyhow::ensure!(train_loss.is_finite(), "the training loss is {train_loss} at step {}", self.step + 1);
         // The mirror is synced when something reads the weights (`synced_model`).
         self.stale = true;
-        let phases = PhaseTimes { optimizer: t0.elapsed(), ..std::mem::take(&mut self.phases) };
+        let host = PhaseTimes { optimizer: t0.elapsed(), ..std::mem::take(&mut self.phases) };
+        // On a GPU the host only queues the passes (its clock would put the whole step's device
+        // time in the optimizer phase, where the loss read waits): the device's own times.
+        let phases = self.engine.device_phase_times()?.unwrap_or(host);
         let x = std::mem::take(&mut self.exchanged);
         // What the step waited for: the exchange after the backward pass, and Muon's.
         let comm = x.exposed + self.engine.last_comm();
@@ -205,6 +208,7 @@ impl Executor for EngineTrainer {
     fn discard_partial_step(&mut self) -> usize {
         let n = self.micro_done;
         self.engine.zero_grads();
+        self.engine.forget_phase_times();
         self.phases = PhaseTimes::default();
         self.exchanged = ExchangeStats::default();
         self.micro_done = 0;

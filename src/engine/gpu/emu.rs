@@ -95,6 +95,9 @@ pub(super) struct EmuDevice {
     launched: Mutex<std::collections::BTreeSet<String>>,
     /// GEMMs with their inputs rounded to bf16 (the GPU's default maths), else in f32.
     bf16_gemms: bool,
+    /// Timing marks: the emulator finishes each launch before the host goes on, so the host's
+    /// clock at a mark is the device's.
+    marks: Mutex<Vec<std::time::Instant>>,
 }
 
 impl EmuDevice {
@@ -109,6 +112,7 @@ impl EmuDevice {
             graphs: Vec::new(),
             launched: Mutex::new(Default::default()),
             bf16_gemms: false,
+            marks: Mutex::new(Vec::new()),
         }
     }
 
@@ -225,6 +229,22 @@ impl Device for EmuDevice {
             self.run(w);
         }
         Ok(())
+    }
+
+    fn timing_mark(&self) -> Option<usize> {
+        let mut marks = self.marks.lock().expect("the timing marks");
+        marks.push(std::time::Instant::now());
+        Some(marks.len() - 1)
+    }
+
+    fn timing_ms(&self, from: usize, to: usize) -> anyhow::Result<f64> {
+        let marks = self.marks.lock().expect("the timing marks");
+        let (Some(a), Some(b)) = (marks.get(from), marks.get(to)) else { anyhow::bail!("no timing marks {from} and {to}") };
+        Ok(b.duration_since(*a).as_secs_f64() * 1e3)
+    }
+
+    fn timing_reset(&self) {
+        self.marks.lock().expect("the timing marks").clear();
     }
 
     fn read(&self, space: Space, off: usize, len: usize) -> anyhow::Result<Vec<u32>> {

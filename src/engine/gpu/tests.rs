@@ -269,3 +269,43 @@ fn graph_replay_is_bit_identical_to_eager_and_every_step_replays() {
     assert!(g.identical, "the weights after graph replay differ from op-by-op launches");
     assert!(g.ok(), "{g:?}");
 }
+
+/// The engine's phase times on a device with a clock come from its timing marks: each phase of
+/// two micro-batches and an optimizer step is a positive span, together no longer than the
+/// host's wall time around them; they are read once, and a step given up halfway leaves none.
+/// The CPU backends have no device clock (their phases are the host's).
+#[test]
+fn the_engines_phase_times_come_from_the_device_clock() {
+    use crate::engine::Engine;
+    use crate::engine::layout::Layout;
+    use crate::engine::step::{OptimizerStep, kernel_capacity};
+    use crate::engine::tests::baseline_small;
+    use crate::model::ModelConfig;
+    use std::time::{Duration, Instant};
+    let cfg = ModelConfig { model_dim: 64, num_heads: 1, num_kv_heads: 1, num_layers: 2, ..baseline_small() };
+    let (rows, t) = (1, 64);
+    let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join("phases.mem"));
+    let be = KernelBackend::new(dev, Layout::new(&cfg, rows, t).len(), kernel_capacity(&cfg, rows, t).unwrap()).unwrap();
+    let mut e = Engine::with_backend(&cfg, rows, t, Box::new(be), false).unwrap();
+    let params: std::collections::HashMap<_, _> = crate::engine::tests::perturbed(&cfg, 3).state_dict().into_iter().collect();
+    e.load_params(&params).unwrap();
+    e.zero_grads();
+    let x: Vec<u32> = (0..rows * t).map(|k| (k * 7 % cfg.vocab_size) as u32).collect();
+    let step = OptimizerStep { clip: 1.0, muon: cases::check_muon(), adam: [(0.01, 0.0); 3], betas: (0.9, 0.95), eps: 1e-8 };
+    let t0 = Instant::now();
+    for _ in 0..2 {
+        e.micro_step(&x, &x, false, 0.5 / (rows * t) as f64);
+    }
+    e.optimizer_step(&step).unwrap();
+    let wall = t0.elapsed();
+    let p = e.device_phase_times().unwrap().expect("the emulated device has a clock");
+    assert!(p.forward > Duration::ZERO && p.backward > Duration::ZERO && p.optimizer > Duration::ZERO, "{p:?}");
+    assert!(p.forward + p.backward + p.optimizer <= wall, "{p:?} over {wall:?}");
+    assert!(e.device_phase_times().unwrap().is_none(), "the spans are read once");
+    e.micro_step(&x, &x, false, 1.0 / (rows * t) as f64);
+    e.forget_phase_times();
+    assert!(e.device_phase_times().unwrap().is_none(), "a step given up keeps no spans");
+    let mut cpu = Engine::cpu(&cfg, rows, t, candle_core::DType::F32, false).unwrap();
+    cpu.micro_step(&x, &x, false, 1.0 / (rows * t) as f64);
+    assert!(cpu.device_phase_times().unwrap().is_none(), "the CPU backends have no device clock");
+}
