@@ -192,7 +192,8 @@ enum Command {
         #[arg(long)]
         dtype: Option<String>,
         /// Shapes of the timings: baseline (the GPU default: 9 layers, width 512, 64 x 1024
-        /// tokens), small (the CPU default: a check of the plumbing), or none.
+        /// tokens), record-0427 (the 04-27 record's model, looped, 24 x 2048 tokens), small (the
+        /// CPU default: a check of the plumbing), or none.
         #[arg(long)]
         timing: Option<String>,
         /// Rows per micro-batch of the timings instead of the shape's (fewer for a smaller GPU).

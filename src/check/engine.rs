@@ -11,7 +11,8 @@
 //! 4. on a GPU, graph replay against op-by-op launches (three steps whose learning rates
 //!    change: bit-identical losses, norms and weights, every unit of the third step replayed),
 //!    and the device-to-device paths (token ids from CUDA tensors, weights into them);
-//! 5. per-op timings at the baseline's shapes ([`crate::engine::timed`]): device time per op
+//! 5. per-op timings at the baseline's shapes, or the 04-27 record's ([`crate::engine::timed`]),
+//!    on token ids drawn as text's are ([`timing_ids`]): device time per op
 //!    (µs), its bandwidth or TFLOP/s, its share of a micro-batch; then a micro-batch and an
 //!    optimizer step as the trainer runs them (graphs on) for comparison.
 //!
@@ -41,6 +42,11 @@ pub enum TimingShape {
     /// The baseline (9 layers, width 512, 8 heads on 4, vocabulary 1024) on micro-batches of
     /// 64 x 1024 tokens (524,288 tokens a step in 8).
     Baseline,
+    /// The 04-27 record's model ([`ModelConfig::record_0427`]: 11 blocks with 3..=5 looped
+    /// into 17, vocabulary 8192, every 04-27 element) on micro-batches of 24 x 2048 tokens (the
+    /// record's 48 x 2048 halved, so that the check's arena fits one 80 GB GPU beside the rest;
+    /// `--rows 48` for the record's own), timing the looped pass that most of its steps run.
+    Record0427,
     /// A small model (2 layers, width 128, 2 heads of 64) on 2 x 128 tokens: a check of the
     /// plumbing, not a measurement (`SMOKE=1`, CI).
     Small,
@@ -256,26 +262,61 @@ fn graph_check(device: &Device, bf16: bool, seed: u64) -> anyhow::Result<GraphLi
     Ok(GraphLine { identical: g.identical, counts: g.counts, ok: g.ok() })
 }
 
-/// The timings' model and micro-batch.
-fn timing_model(shape: TimingShape, rows: Option<usize>) -> (ModelConfig, usize, usize) {
+/// The timings' model, micro-batch (`rows x t`) and whether the pass is the looped one.
+fn timing_model(shape: TimingShape, rows: Option<usize>) -> (ModelConfig, usize, usize, bool) {
     match shape {
         TimingShape::Small => {
             let cfg = ModelConfig { num_layers: 2, model_dim: 128, num_heads: 2, num_kv_heads: 1, ..ModelConfig::default() };
-            (cfg, rows.unwrap_or(2), 128)
+            (cfg, rows.unwrap_or(2), 128, false)
         }
-        _ => (ModelConfig::default(), rows.unwrap_or(64), 1024),
+        TimingShape::Record0427 => {
+            let cfg = ModelConfig::record_0427();
+            let looped = cfg.recurrent();
+            (cfg, rows.unwrap_or(24), 2048, looped)
+        }
+        _ => (ModelConfig::default(), rows.unwrap_or(64), 1024, false),
     }
+}
+
+/// `n` token ids with the skew and the documents of English text, so that the ops whose cost
+/// follows the ids (the embedding's gradient sums each vocabulary row's tokens; document-masked
+/// attention skips what lies before a document's start) are timed as training runs them: ids
+/// by a Zipf law over a shuffled vocabulary (the `r`-th most frequent with weight
+/// `1 / (r + 3)`: the most frequent about 4% of the tokens at a vocabulary of 8192, 6% at 1024;
+/// the project's SP8192 shards have 4.2%, SP1024's 2.8%), and `bos` opening documents of 100
+/// to 1,100 tokens (the SP8192 shards average 623).
+pub(crate) fn timing_ids(n: usize, vocab: usize, bos: u32, seed: u64) -> Vec<u32> {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut ids: Vec<u32> = (0..vocab as u32).filter(|&v| v != bos).collect();
+    rng.shuffle(&mut ids);
+    let mut cdf = Vec::with_capacity(ids.len());
+    let mut total = 0.0;
+    for r in 0..ids.len() {
+        total += 1.0 / (r as f64 + 3.0);
+        cdf.push(total);
+    }
+    let mut next_doc = 0;
+    (0..n)
+        .map(|k| {
+            if k == next_doc && bos < vocab as u32 {
+                next_doc += rng.usize(100..1100);
+                return bos;
+            }
+            let u = rng.f64() * total;
+            ids[cdf.partition_point(|&c| c < u).min(ids.len() - 1)]
+        })
+        .collect()
 }
 
 /// Per-op times of one micro-batch and one optimizer step (a warm-up pass first), then both as
 /// the trainer runs them (median of five after two).
 fn timings(device: &Device, bf16: bool, shape: TimingShape, rows: Option<usize>, seed: u64) -> anyhow::Result<Timings> {
-    let (cfg, rows, t) = timing_model(shape, rows);
+    let (cfg, rows, t, looped) = timing_model(shape, rows);
     let n = rows * t;
     let params: std::collections::HashMap<_, _> = Gpt::new(&cfg, seed, DType::F32, &Device::Cpu)?.state_dict().into_iter().collect();
-    let mut rng = fastrand::Rng::with_seed(seed);
-    let x: Vec<u32> = (0..n).map(|_| rng.u32(0..cfg.vocab_size as u32)).collect();
-    let y: Vec<u32> = (0..n).map(|_| rng.u32(0..cfg.vocab_size as u32)).collect();
+    let ids = timing_ids(n + 1, cfg.vocab_size, cfg.bos_id, seed);
+    let (x, y) = (ids[..n].to_vec(), ids[1..].to_vec());
+    let record = shape == TimingShape::Record0427;
     let step = OptimizerStep {
         clip: 1.0,
         muon: MuonStep {
@@ -283,9 +324,10 @@ fn timings(device: &Device, bf16: bool, shape: TimingShape, rows: Option<usize>,
             momentum: 0.95,
             nesterov: true,
             backend_steps: 5,
-            ns: crate::optim::NewtonSchulz::Quintic,
-            row_norm: false,
-            weight_decay: 0.0,
+            // The record's Polar-Express Muon with row normalisation (MuonEq-R) and decay.
+            ns: if record { crate::optim::NewtonSchulz::PolarExpress } else { crate::optim::NewtonSchulz::Quintic },
+            row_norm: record,
+            weight_decay: if record { 0.095 } else { 0.0 },
         },
         adam: [(0.05, 0.0), (0.04, 0.0), (0.008, 0.0)],
         betas: (0.9, 0.95),
@@ -299,15 +341,15 @@ fn timings(device: &Device, bf16: bool, shape: TimingShape, rows: Option<usize>,
         e.load_params(&params)?;
         e.zero_grads();
         let take = |log: &std::sync::Mutex<Vec<OpTime>>| std::mem::take(&mut *log.lock().expect("the timing log"));
-        e.micro_step(&x, &y, false, 1.0 / n as f64);
+        e.micro_step(&x, &y, looped, 1.0 / n as f64);
         e.loss_sum()?; // resolves the times
         take(&log);
-        e.micro_step(&x, &y, false, 1.0 / n as f64);
+        e.micro_step(&x, &y, looped, 1.0 / n as f64);
         e.loss_sum()?;
         let micro = take(&log);
         e.optimizer_step(&step)?; // warm-up
         take(&log);
-        e.micro_step(&x, &y, false, 1.0 / n as f64);
+        e.micro_step(&x, &y, looped, 1.0 / n as f64);
         e.loss_sum()?;
         take(&log);
         e.optimizer_step(&step)?;
@@ -320,7 +362,7 @@ fn timings(device: &Device, bf16: bool, shape: TimingShape, rows: Option<usize>,
     let (mut micro_ms, mut opt_ms) = (Vec::new(), Vec::new());
     for k in 0..7 {
         let t0 = Instant::now();
-        e.micro_step(&x, &y, false, 1.0 / n as f64);
+        e.micro_step(&x, &y, looped, 1.0 / n as f64);
         e.loss_sum()?;
         let t1 = Instant::now();
         e.optimizer_step(&step)?;
@@ -336,8 +378,14 @@ fn timings(device: &Device, bf16: bool, shape: TimingShape, rows: Option<usize>,
     let (micro_batch, micro_batch_ops_ms) = table(&micro);
     let (optimizer, optimizer_ops_ms) = table(&opt);
     let label = format!(
-        "{} layers, width {}, {} heads on {}, vocabulary {}; micro-batch {rows} x {t} tokens",
-        cfg.num_layers, cfg.model_dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size
+        "{} layers{}, width {}, {} heads on {}, vocabulary {}{}; micro-batch {rows} x {t} tokens",
+        cfg.num_layers,
+        if looped { format!(" looped into {}", cfg.layer_sequence(true).len()) } else { String::new() },
+        cfg.model_dim,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.vocab_size,
+        if shape == TimingShape::Record0427 { ", the 04-27 record's elements" } else { "" }
     );
     let clock = if device.is_cpu() { "host clock per op" } else { "device time per op (CUDA events, no sync between ops)" };
     Ok(Timings {
@@ -458,4 +506,42 @@ pub fn text(r: &EngineCheck) -> String {
     }
     let _ = writeln!(s, "engine-check: {}", if r.ok { "ok, every error within its bound" } else { "FAILED" });
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The timings' ids have text's skew and documents: the most frequent id near 4% at a
+    /// vocabulary of 8192, a document start every 100 to 1,100 tokens, every id in the
+    /// vocabulary, and the same ids from the same seed.
+    #[test]
+    fn timing_ids_are_skewed_as_text_and_cut_into_documents() {
+        let (n, vocab, bos) = (200_000, 8192, 1);
+        let ids = timing_ids(n, vocab, bos, 7);
+        assert_eq!(ids, timing_ids(n, vocab, bos, 7));
+        assert!(ids.iter().all(|&v| (v as usize) < vocab));
+        let mut counts = vec![0usize; vocab];
+        ids.iter().for_each(|&v| counts[v as usize] += 1);
+        let top = counts.iter().enumerate().filter(|&(v, _)| v != bos as usize).map(|(_, &c)| c).max().unwrap();
+        let share = top as f64 / n as f64;
+        assert!((0.03..0.06).contains(&share), "the most frequent id is {share} of the tokens");
+        let starts: Vec<usize> = (0..n).filter(|&k| ids[k] == bos).collect();
+        assert_eq!(starts[0], 0);
+        assert!(starts.windows(2).all(|w| (100..1100).contains(&(w[1] - w[0]))), "document lengths");
+        let mean = n as f64 / starts.len() as f64;
+        assert!((450.0..750.0).contains(&mean), "documents of {mean} tokens on average");
+    }
+
+    /// `--timing record-0427` times the record's own model, looped, at 24 x 2048 tokens unless
+    /// asked for other rows.
+    #[test]
+    fn the_record_timing_shape_is_the_records_looped_model() {
+        let (cfg, rows, t, looped) = timing_model(TimingShape::Record0427, None);
+        assert_eq!((cfg.vocab_size, cfg.num_layers, rows, t), (8192, 11, 24, 2048));
+        assert!(looped && cfg.layer_sequence(true).len() == 17 && cfg.smear_gate && cfg.document_attention && cfg.attn_gate);
+        assert_eq!(timing_model(TimingShape::Record0427, Some(48)).1, 48);
+        let (base, rows, t, looped) = timing_model(TimingShape::Baseline, None);
+        assert_eq!((base.num_layers, rows, t, looped), (9, 64, 1024, false));
+    }
 }

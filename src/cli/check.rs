@@ -68,10 +68,11 @@ pub fn engine_check(
     };
     let timing = match timing.unwrap_or(if gpu { "baseline" } else { "small" }) {
         "baseline" => TimingShape::Baseline,
+        "record-0427" => TimingShape::Record0427,
         "small" => TimingShape::Small,
         "none" => TimingShape::None,
         other => {
-            err!("error: --timing {other:?}: use baseline, small or none");
+            err!("error: --timing {other:?}: use baseline, record-0427, small or none");
             return 2;
         }
     };
