@@ -78,6 +78,8 @@ pub fn capacity() -> Capacity {
         attention_calls: 2,
         // The cases' sums are of 3 partials (130 rows): groups of one take them through both levels.
         colsum_group: 1,
+        // The embedding case's ids repeat a few times each: pieces of 2 take them through both levels.
+        embed_piece: 2,
     }
 }
 

@@ -39,6 +39,7 @@ pub fn kernel_capacity(cfg: &ModelConfig, rows: usize, t: usize) -> anyhow::Resu
         heads: cfg.num_heads,
         attention_calls: calls,
         colsum_group: crate::engine::gpu::COLSUM_GROUP,
+        embed_piece: crate::engine::gpu::EMBED_PIECE,
     })
 }
 

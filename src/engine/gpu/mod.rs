@@ -230,7 +230,14 @@ pub struct Capacity {
     /// Row-block partials per group of a two-level per-channel sum ([`COLSUM_GROUP`]; the op
     /// checks take fewer, so that their short sums take the two-level path too).
     pub colsum_group: usize,
+    /// Tokens per piece of the embedding's two-level gradient ([`EMBED_PIECE`]; the op checks
+    /// take fewer, so that their few tokens per id are cut into pieces too).
+    pub embed_piece: usize,
 }
+
+/// Tokens per piece of the embedding's gradient (`eng_embedding_pieces`): a vocabulary row with
+/// more tokens in a micro-batch is summed by several blocks, then added up in order.
+pub const EMBED_PIECE: usize = 64;
 
 /// Row-block partials each block of the first level of a per-channel sum adds
 /// (`eng_colsum_groups`): sums of more than two groups' worth take two levels.
@@ -241,6 +248,7 @@ impl Capacity {
     /// space's length and the tokens' layout (ids' CSR in chunks of `chunk` positions).
     fn spaces(&self, len: usize, chunk: usize) -> (Sizes, AuxLayout, usize, TokenLayout) {
         let parts = self.tokens.div_ceil(ops::PART);
+        let tokens = TokenLayout { n: self.tokens, vocab: self.vocab, chunk, piece: self.embed_piece.max(1) };
         // Partial sums (2 x width per block of rows), the q/k gain's per-(row, head) values and
         // their partials, attention's delta, SmearGate's partials (up to `width + 1` values per
         // block) and per-row values (two per row), the two-lane mix's partials (two sums of
@@ -250,7 +258,8 @@ impl Capacity {
             .max(self.tokens * self.heads + parts * self.heads)
             .max(self.tokens * self.heads)
             .max(parts * (self.width + 1) + 2 * self.tokens)
-            .max(parts * self.width + 6 * parts * self.width.div_ceil(2 * ops::BLOCK_THREADS));
+            .max(parts * self.width + 6 * parts * self.width.div_ceil(2 * ops::BLOCK_THREADS))
+            .max(tokens.max_pieces() * self.width / 2);
         // Every region starts 16-byte aligned (flash attention copies its statistics with
         // 16-byte cp.async).
         let align = |x: usize| x.div_ceil(4) * 4;
@@ -267,7 +276,6 @@ impl Capacity {
         let round = |x: usize| x.div_ceil(8) * 8;
         let (q, kv) = (round(self.tokens * self.attn_width), round(self.tokens * self.kv_width));
         let half_len = 4 * q + 4 * kv;
-        let tokens = TokenLayout { n: self.tokens, vocab: self.vocab, chunk };
         let sizes = Sizes { arena: len, aux: lse + lse_len * self.attention_calls, half: half_len, tokens: tokens.len() };
         (sizes, aux, half_len, tokens)
     }
@@ -313,13 +321,16 @@ struct AuxLayout {
 pub(super) const CSR_CHUNK: usize = 2048;
 
 /// The `tokens` space: x, y, then the ids' CSR (offsets per vocabulary row, then positions),
-/// then the CSR build's counts (`chunks x vocab`), then each position's document start.
+/// then the CSR build's counts (`chunks x vocab`), then each position's document start, then the
+/// embedding gradient's pieces per row (offsets, `vocab + 1`).
 #[derive(Clone, Copy, Debug)]
 struct TokenLayout {
     n: usize,
     vocab: usize,
     /// Positions per chunk of the CSR build.
     chunk: usize,
+    /// Tokens per piece of the embedding's gradient.
+    piece: usize,
 }
 
 impl TokenLayout {
@@ -346,8 +357,16 @@ impl TokenLayout {
     fn starts(&self) -> usize {
         (self.counts() + self.chunks() * self.vocab).div_ceil(4) * 4
     }
-    fn len(&self) -> usize {
+    fn pieces(&self) -> usize {
         self.starts() + self.n
+    }
+    /// The most pieces the embedding's gradient can cut a micro-batch's rows into: a row of
+    /// `len > piece` tokens gives `ceil(len / piece) < 2 len / piece` of them.
+    fn max_pieces(&self) -> usize {
+        (2 * self.n).div_ceil(self.piece).max(1)
+    }
+    fn len(&self) -> usize {
+        self.pieces() + self.vocab + 1
     }
 }
 
@@ -554,6 +573,7 @@ pub fn transfer_check(device: &candle_core::Device) -> anyhow::Result<Vec<(Strin
         heads: 1,
         attention_calls: 1,
         colsum_group: COLSUM_GROUP,
+        embed_piece: EMBED_PIECE,
     };
     let (small, side) = (4096, 1024);
     let len = small + 3 * side * side;

@@ -282,7 +282,9 @@ impl<D: Device> Backend for KernelBackend<D> {
             (Arg::Ptr(Space::Tokens, t.counts()), Arg::Ptr(Space::Tokens, t.csr_off()), Arg::Ptr(Space::Tokens, t.csr_pos()));
         let chunks = [t.chunks() as u32, 1, 1];
         self.dev.launch(&Launch { kernel: "eng_csr_count", grid: chunks, block: 32, args: vec![ids, n, vocab, chunk, counts] });
-        self.dev.launch(&Launch { kernel: "eng_csr_scan", grid: [1, 1, 1], block: BLOCK, args: vec![counts, i(t.chunks()), vocab, off] });
+        let pieces = (i(t.piece), Arg::Ptr(Space::Tokens, t.pieces()));
+        let args = vec![counts, i(t.chunks()), vocab, off, pieces.0, pieces.1];
+        self.dev.launch(&Launch { kernel: "eng_csr_scan", grid: [1, 1, 1], block: BLOCK, args });
         self.dev.launch(&Launch { kernel: "eng_csr_fill", grid: chunks, block: 32, args: vec![ids, n, vocab, chunk, counts, pos] });
         // The document starts (if attention asks for them) are of the old ids.
         self.starts_for = None;
@@ -381,8 +383,14 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.check([dout], [dtable]);
         let t = self.tokens;
         assert_eq!(dtable.len / dim, t.vocab, "the embedding's gradient has {} rows, the CSR {}", dtable.len / dim, t.vocab);
-        let (off, pos) = (Arg::Ptr(Space::Tokens, t.csr_off()), Arg::Ptr(Space::Tokens, t.csr_pos()));
-        self.run("eng_embedding_bwd", [t.vocab as u32, 1, 1], BLOCK, vec![a(dout), off, pos, a(dtable), i(dim)]);
+        let (off, pos, poff) =
+            (Arg::Ptr(Space::Tokens, t.csr_off()), Arg::Ptr(Space::Tokens, t.csr_pos()), Arg::Ptr(Space::Tokens, t.pieces()));
+        // Rows of more than `piece` tokens: their pieces first (a grid for the most there can be).
+        let part = Arg::Ptr(Space::Aux, self.aux.scratch);
+        let pieces = t.max_pieces() as u32;
+        let args = vec![a(dout), off, pos, poff, part, i(dim), i(t.vocab), i(t.piece)];
+        self.run("eng_embedding_pieces", [pieces, 1, 1], BLOCK, args);
+        self.run("eng_embedding_bwd", [t.vocab as u32, 1, 1], BLOCK, vec![a(dout), off, pos, poff, part, a(dtable), i(dim)]);
     }
 
     fn rms_norm_fwd(&mut self, x: Buf, out: Buf, rstd: Buf, cols: usize, scale: f64, eps: f64) {

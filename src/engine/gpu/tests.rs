@@ -126,16 +126,29 @@ fn a_wrong_kernel_fails_the_comparison() {
     check_case(&mut be, "rms_norm_bwd (write, then accumulate)");
 }
 
+/// An embedding gradient whose pieces (the first level, for rows of many tokens) lose their
+/// last token fails its case: the case's ids repeat enough to be cut into pieces.
+#[test]
+#[should_panic(expected = "on the emulated GPU")]
+fn embedding_pieces_that_drop_a_token_fail_the_comparison() {
+    let (from, to) = ("const unsigned k1 = k0 + piece < end ? k0 + piece : end;", "const unsigned k1 = (k0 + piece < end ? k0 + piece : end) - 1;");
+    let dir = emu::temp_dir();
+    let mutant = emu::mutant(&dir, "engine_pieces_mutant", "engine.cu", from, to);
+    let mut be = case_backend(&emu::build(&dir, "engine_emu_pieces_mutant", Some(&mutant)), "pieces-mutant");
+    check_case(&mut be, "embedding_bwd (the ids' CSR)");
+}
+
 /// The ids' CSR built on the device (`eng_csr_count`, `_scan`, `_fill`) is the stable counting
 /// sort the embedding's gradient reads: for chunks of 64 positions over 150 ids (three chunks,
 /// the last partial and not a multiple of a warp), repeated ids within a warp and across
 /// chunks, unused rows, and an id outside the vocabulary (skipped), the offsets and positions
-/// equal the host's, and building it twice gives the same.
+/// equal the host's, and building it twice gives the same; so do the embedding gradient's
+/// pieces per row (of 4 tokens here: rows of more than 4 ids cut into pieces, shorter ones none).
 #[test]
 fn the_device_builds_the_ids_csr_in_token_order() {
     use super::{Device, Space};
-    let (n, vocab) = (150, 40);
-    let cap = Capacity { tokens: n, vocab, width: 8, attn_width: 8, kv_width: 8, heads: 1, attention_calls: 1, colsum_group: COLSUM_GROUP };
+    let (n, vocab, piece) = (150, 40, 4);
+    let cap = Capacity { tokens: n, vocab, width: 8, attn_width: 8, kv_width: 8, heads: 1, attention_calls: 1, colsum_group: COLSUM_GROUP, embed_piece: piece };
     let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join("csr.mem"));
     let mut be = KernelBackend::with_csr_chunk(dev, 16, cap, 64).unwrap();
     let mut rng = fastrand::Rng::with_seed(3);
@@ -160,6 +173,14 @@ fn the_device_builds_the_ids_csr_in_token_order() {
         let mut want_pos: Vec<u32> = (0..n as u32).filter(|&i| (x[i as usize] as usize) < vocab).collect();
         want_pos.sort_by_key(|&i| x[i as usize]); // stable: positions ascending within a row
         assert_eq!(&pos[..valid], &want_pos[..], "round {round}: positions");
+        let poff = be.device().read(Space::Tokens, t.pieces(), vocab + 1).unwrap();
+        let mut want_poff = vec![0u32; vocab + 1];
+        for v in 0..vocab {
+            let len = want_off[v + 1] - want_off[v];
+            want_poff[v + 1] = want_poff[v] + if len > piece as u32 { len.div_ceil(piece as u32) } else { 0 };
+        }
+        assert_eq!(poff, want_poff, "round {round}: the embedding gradient's pieces");
+        assert!(want_poff[vocab] > 8 && (want_poff[vocab] as usize) <= t.max_pieces(), "{} pieces", want_poff[vocab]);
     }
 }
 
