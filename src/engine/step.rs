@@ -307,6 +307,48 @@ impl Engine {
         Ok(MicroResult { forward: t1 - t0, backward: t1.elapsed() })
     }
 
+    /// The summed loss (nats) of the targets `y` after the inputs `x`: sequences of the engine's
+    /// `t` tokens, any number of them, scored by forward passes alone in micro-batches of the
+    /// engine's rows (validation: no backward pass, no gradient touched; the forward's
+    /// activations live in the training arena, so scoring needs no memory of its own). A last,
+    /// partial micro-batch is padded with its first sequence, whose copies' losses are taken
+    /// off. The losses add up on the device; one host read at the end (and one for a padded
+    /// micro-batch). The passes are units of their own (`score`, `score looped`: graphs of
+    /// their own on a GPU, beside the training pass's). Between training steps only: it uses,
+    /// and leaves at zero, the step's loss sum.
+    pub fn score(&mut self, x: &[u32], y: &[u32], looping: bool) -> anyhow::Result<f64> {
+        let l = &self.schedule.layout;
+        let (t, n, losses, sum) = (l.t, l.rows * l.t, l.losses, l.loss_sum());
+        anyhow::ensure!(
+            x.len() == y.len() && x.len().is_multiple_of(t),
+            "scoring {} ids and {} targets: sequences of {t} tokens are scored",
+            x.len(),
+            y.len()
+        );
+        self.be.fill(sum, 0.0);
+        let mut padding = 0.0;
+        for (xc, yc) in x.chunks(n).zip(y.chunks(n)) {
+            let (px, py);
+            let (xs, ys) = if xc.len() == n {
+                (xc, yc)
+            } else {
+                px = xc.iter().chain(xc[..t].iter().cycle().take(n - xc.len())).copied().collect::<Vec<u32>>();
+                py = yc.iter().chain(yc[..t].iter().cycle().take(n - yc.len())).copied().collect::<Vec<u32>>();
+                (&px[..], &py[..])
+            };
+            self.be.load_tokens(Tokens::Host { x: xs, y: ys })?;
+            self.be.begin_unit(if looping { "score looped" } else { "score" });
+            self.schedule.forward(self.be.as_mut(), looping, 0.0);
+            self.be.end_unit();
+            if xc.len() < n {
+                padding += self.be.sum(losses.sub(xc.len(), n - xc.len()));
+            }
+        }
+        let total = self.loss_sum()? - padding;
+        self.be.fill(sum, 0.0);
+        Ok(total)
+    }
+
     /// The sum of the token losses of the micro-batches since [`Engine::zero_grads`] (a read
     /// from the device: it waits for the work before it).
     pub fn loss_sum(&self) -> anyhow::Result<f64> {
@@ -398,6 +440,11 @@ impl Engine {
             self.spans.clear();
             self.be.timing_reset();
         }
+    }
+
+    /// Tokens per sequence of its micro-batches.
+    pub fn seq_len(&self) -> usize {
+        self.schedule.layout.t
     }
 
     /// How the backend ran its units of work (`None`: op by op, the CPU backends).

@@ -246,3 +246,44 @@ fn gradients_are_final_at_their_events() {
         }
     }
 }
+
+/// Scoring by forward passes alone ([`Engine::score`]) gives candle's summed token losses in
+/// f64, for the 04-09 and 04-27 elements, looped and not, over 5 sequences on an engine of 2
+/// rows (the last micro-batch padded); it leaves the step's loss sum at zero and no trace in
+/// training: a step after scoring equals the step without it, weight for weight; sequences
+/// that are not whole are refused.
+#[test]
+fn scoring_by_forward_passes_equals_candle_and_leaves_training_alone() {
+    let (rows, t, seqs) = (2, 6, 5);
+    for (name, cfg) in [("04-09", record_small()), ("04-27", record_0427_small())] {
+        for looping in [false, true] {
+            let mut m = perturbed(&cfg, 11);
+            m.set_looping(looping);
+            let mut x = tokens(3, seqs * t, cfg.vocab_size as u32);
+            x[t + 2] = cfg.bos_id;
+            let y = tokens(4, seqs * t, cfg.vocab_size as u32);
+            let xt = Tensor::from_vec(x.clone(), (seqs, t), &Device::Cpu).unwrap();
+            let yt = Tensor::from_vec(y.clone(), (seqs, t), &Device::Cpu).unwrap();
+            let want: f64 = flat(&m.eval_token_losses(&xt, &yt).unwrap()).iter().sum();
+            let params: HashMap<String, Tensor> = m.state_dict().into_iter().collect();
+            let step = |score: bool| {
+                let mut e = Engine::cpu(&cfg, rows, t, DType::F64, true).unwrap();
+                e.load_params(&params).unwrap();
+                e.zero_grads();
+                let got = if score { Some(e.score(&x, &y, looping).unwrap()) } else { None };
+                assert_eq!(e.loss_sum().unwrap(), 0.0, "{name}: the loss sum after scoring");
+                e.micro_step(&x[..rows * t], &y[..rows * t], looping, 1.0 / (rows * t) as f64);
+                e.muon(crate::engine::cases::check_muon()).unwrap();
+                let w: Vec<Vec<f64>> = e.params().unwrap().iter().map(|(_, p)| flat(p)).collect();
+                (got, w)
+            };
+            let (got, scored) = step(true);
+            let got = got.unwrap();
+            assert!((got - want).abs() <= 1e-9 * want.abs(), "{name} looping {looping}: scored {got} vs candle {want}");
+            assert_eq!(scored, step(false).1, "{name} looping {looping}: scoring changed the training step");
+        }
+    }
+    let mut e = Engine::cpu(&baseline_small(), rows, t, DType::F64, false).unwrap();
+    let err = e.score(&[1; 7], &[1; 7], false).unwrap_err().to_string();
+    assert!(err.contains("sequences of 6 tokens"), "{err}");
+}

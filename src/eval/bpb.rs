@@ -173,6 +173,15 @@ impl BpbAccumulator {
         self.nll_sum += nll.iter().map(|&x| f64::from(x)).sum::<f64>();
     }
 
+    /// Adds scored targets whose losses are known only as their sum `nll_sum` (nats): an
+    /// executor that adds them up on its device. Each target counts as in [`Self::add`].
+    pub fn add_sum(&mut self, prev: &[u32], targets: &[u32], nll_sum: f64) {
+        assert_eq!(prev.len(), targets.len(), "BpbAccumulator::add_sum: {} inputs for {} targets", prev.len(), targets.len());
+        self.bytes += self.tables.count_bytes(prev, targets);
+        self.tokens += targets.len() as u64;
+        self.nll_sum += nll_sum;
+    }
+
     /// Adds another accumulator's sums (another worker's share of the same split).
     pub fn merge(&mut self, other: &BpbAccumulator) {
         self.nll_sum += other.nll_sum;

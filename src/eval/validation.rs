@@ -56,6 +56,10 @@ pub struct Validator {
     ranks: std::sync::Arc<dyn crate::dist::Collective>,
 }
 
+/// A validation pass's scoring: `(x, y, rows)` to the summed loss (nats) of the `rows`
+/// sequences of targets `y` after inputs `x` ([`Validator::run_with`]).
+pub type ScoreFn<'a> = dyn FnMut(&[u32], &[u32], usize) -> anyhow::Result<f64> + 'a;
+
 /// What a validation load reads: the same for every stage of a run, so loaded once.
 struct ValData {
     /// `usable + 1` tokens of the whole split (after the cap), as u32.
@@ -228,6 +232,17 @@ impl Validator {
     /// before each batch whether to go on (one rank's false stops them all) and run as many
     /// rounds as the longest share takes.
     pub fn run(&self, model: &Gpt, keep_going: impl Fn() -> bool) -> anyhow::Result<Option<BpbAccumulator>> {
+        self.run_with(&mut |x, y, rows| nll_sum(model, x, y, rows), keep_going)
+    }
+
+    /// [`Validator::run`] with the scoring given: `score(x, y, rows)` returns the summed loss
+    /// (nats) of the `rows` sequences of targets `y` after inputs `x` (an executor that scores
+    /// on its own device, [`crate::train::executor::Executor::score`]).
+    pub fn run_with(
+        &self,
+        score: &mut ScoreFn<'_>,
+        keep_going: impl Fn() -> bool,
+    ) -> anyhow::Result<Option<BpbAccumulator>> {
         let mut acc = BpbAccumulator::new(self.data.tables.clone());
         let tokens = &self.data.tokens;
         let t = self.seq_len;
@@ -243,10 +258,7 @@ impl Validator {
             let rows = self.batch_rows.min(self.end - s);
             let x = &tokens[s * t..(s + rows) * t];
             let y = &tokens[s * t + 1..(s + rows) * t + 1];
-            let xt = Tensor::from_slice(x, (rows, t), model.device())?;
-            let yt = Tensor::from_slice(y, (rows, t), model.device())?;
-            let nll = model.eval_token_losses(&xt, &yt)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-            acc.add(x, y, &nll);
+            acc.add_sum(x, y, score(x, y, rows)?);
             s += rows;
         }
         Ok(Some(acc.all_reduced(self.ranks.as_ref())?))
@@ -260,6 +272,16 @@ impl Validator {
         let n = tokens.len();
         Ok(unigram_bpb(&counts, &tokens[..n - 1], &tokens[1..], &self.data.tables))
     }
+}
+
+/// The summed loss (nats) of `model` on `rows` sequences of targets `y` after inputs `x`
+/// (row-major ids): its per-token losses in f32, added up in f64.
+pub fn nll_sum(model: &Gpt, x: &[u32], y: &[u32], rows: usize) -> anyhow::Result<f64> {
+    let t = x.len() / rows.max(1);
+    let xt = Tensor::from_slice(x, (rows, t), model.device())?;
+    let yt = Tensor::from_slice(y, (rows, t), model.device())?;
+    let nll = model.eval_token_losses(&xt, &yt)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    Ok(nll.iter().map(|&l| f64::from(l)).sum())
 }
 
 /// Byte tables of the tokenizer at `path`, checked against `model.vocab_size`.

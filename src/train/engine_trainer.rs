@@ -125,6 +125,17 @@ impl Executor for EngineTrainer {
         Ok(&self.mirror)
     }
 
+    /// Validation scored by the engine's own forward passes ([`Engine::score`]) in its arena:
+    /// no mirror sync, no second model's activations. Sequences of another length than the
+    /// engine's go to the mirror.
+    fn score(&mut self, x: &[u32], y: &[u32], rows: usize) -> anyhow::Result<f64> {
+        anyhow::ensure!(self.micro_done == 0, "validation inside a step ({} of {} micro-batches done)", self.micro_done, self.micro_steps);
+        if x.len() != rows * self.engine.seq_len() {
+            return crate::eval::validation::nll_sum(self.synced_model()?, x, y, rows);
+        }
+        self.engine.score(x, y, self.mirror.looping())
+    }
+
     fn set_looping(&mut self, on: bool) {
         self.mirror.set_looping(on);
     }
@@ -333,6 +344,18 @@ mod tests {
             let err = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
             assert!(err < 1e-9, "{name}: max difference {err:e}");
         }
+        // Validation: the engine scores 3 sequences (looped) with its own forward passes, as
+        // the candle executor's model does; not inside a step.
+        let (x, y) = batch(99, 3, t, mcfg.vocab_size as u32);
+        let (x, y) = (x.flatten_all().unwrap().to_vec1::<u32>().unwrap(), y.flatten_all().unwrap().to_vec1::<u32>().unwrap());
+        let (sa, sb) = (candle.score(&x, &y, 3).unwrap(), engine.score(&x, &y, 3).unwrap());
+        // (The candle model's token losses pass through f32: 1e-7 of the sum.)
+        assert!((sa - sb).abs() < 1e-7 * sa, "validation sums {sa} vs {sb}");
+        let (bx, by) = batch(7, rows, t, mcfg.vocab_size as u32);
+        engine.micro_step(&bx, &by).unwrap();
+        let err = engine.score(&x, &y, 3).unwrap_err().to_string();
+        assert!(err.contains("inside a step"), "{err}");
+        engine.discard_partial_step();
         let state = |e: &dyn Executor| -> HashMap<String, Vec<f64>> {
             e.optimizer_state()
                 .unwrap()

@@ -104,6 +104,14 @@ pub trait Executor: Send {
         Ok(self.model())
     }
 
+    /// The summed loss (nats) of `rows` sequences of targets `y` after inputs `x` (row-major
+    /// u32 ids), with the weights of the last finished step: what validation scores. By default
+    /// [`Executor::synced_model`]'s forward pass; the engine scores with its own forward pass.
+    /// Between steps only.
+    fn score(&mut self, x: &[u32], y: &[u32], rows: usize) -> anyhow::Result<f64> {
+        crate::eval::validation::nll_sum(self.synced_model()?, x, y, rows)
+    }
+
     /// Switches depth recurrence on or off for the steps that follow.
     fn set_looping(&mut self, on: bool);
 

@@ -104,8 +104,7 @@ fn validation_tokens(c: &Config) -> anyhow::Result<Option<Need>> {
 /// region by region, exactly as [`crate::engine::layout::Layout`] sizes it (in the arena's
 /// dtype: f64 for f64 runs, else f32); on a GPU the kernel backend's other spaces and
 /// cuBLASLt's workspace ([`crate::engine::gpu::Capacity::scratch_bytes`]); the candle
-/// model that mirrors the weights, and the activations of its validation pass; the validation
-/// split.
+/// model that mirrors the weights (validation runs in the arena); the validation split.
 pub fn engine_memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>> {
     use crate::model::memory::{MODEL_KEYS, ParamCounts};
     crate::engine::support::check(&c.model)?;
@@ -147,15 +146,12 @@ pub fn engine_memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>>
             );
         }
     }
-    // The mirror's weights, and its validation pass's activations.
+    // The mirror's weights (what snapshots and the saved weights read). Validation runs the
+    // engine's own forward passes in the arena above (`Executor::score`): no activations of its own.
     let weights = ParamCounts::of(m).total.saturating_mul(elem);
     needs.push(Need::device("candle mirror of the weights", weights, &MODEL_KEYS));
     // A sync copies the arena's parameters out whole before the mirror takes them.
     needs.push(Need::device("the mirror's sync (a copy of the weights)", weights, &MODEL_KEYS).transient());
-    let val = validation_pass_bytes(p, c, shape, on_cpu);
-    let mut val_keys = vec!["train.val_batch_tokens", "train.seq_len"];
-    val_keys.extend(MODEL_KEYS);
-    needs.push(Need::device("activations of one validation batch (candle mirror)", val, &val_keys).transient());
     needs.extend(validation_tokens(c)?);
     Ok(needs)
 }

@@ -131,7 +131,8 @@ fn a_wrong_kernel_fails_the_comparison() {
 #[test]
 #[should_panic(expected = "on the emulated GPU")]
 fn embedding_pieces_that_drop_a_token_fail_the_comparison() {
-    let (from, to) = ("const unsigned k1 = k0 + piece < end ? k0 + piece : end;", "const unsigned k1 = (k0 + piece < end ? k0 + piece : end) - 1;");
+    let (from, to) =
+        ("const unsigned k1 = k0 + piece < end ? k0 + piece : end;", "const unsigned k1 = (k0 + piece < end ? k0 + piece : end) - 1;");
     let dir = emu::temp_dir();
     let mutant = emu::mutant(&dir, "engine_pieces_mutant", "engine.cu", from, to);
     let mut be = case_backend(&emu::build(&dir, "engine_emu_pieces_mutant", Some(&mutant)), "pieces-mutant");
@@ -148,7 +149,17 @@ fn embedding_pieces_that_drop_a_token_fail_the_comparison() {
 fn the_device_builds_the_ids_csr_in_token_order() {
     use super::{Device, Space};
     let (n, vocab, piece) = (150, 40, 4);
-    let cap = Capacity { tokens: n, vocab, width: 8, attn_width: 8, kv_width: 8, heads: 1, attention_calls: 1, colsum_group: COLSUM_GROUP, embed_piece: piece };
+    let cap = Capacity {
+        tokens: n,
+        vocab,
+        width: 8,
+        attn_width: 8,
+        kv_width: 8,
+        heads: 1,
+        attention_calls: 1,
+        colsum_group: COLSUM_GROUP,
+        embed_piece: piece,
+    };
     let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join("csr.mem"));
     let mut be = KernelBackend::with_csr_chunk(dev, 16, cap, 64).unwrap();
     let mut rng = fastrand::Rng::with_seed(3);
@@ -329,4 +340,35 @@ fn the_engines_phase_times_come_from_the_device_clock() {
     let mut cpu = Engine::cpu(&cfg, rows, t, candle_core::DType::F32, false).unwrap();
     cpu.micro_step(&x, &x, false, 1.0 / (rows * t) as f64);
     assert!(cpu.device_phase_times().unwrap().is_none(), "the CPU backends have no device clock");
+}
+
+/// Scoring on the emulated GPU ([`crate::engine::Engine::score`]): 3 sequences on an engine of
+/// 2 rows (the second micro-batch padded), twice, equal the f64 CPU engine's sum within the
+/// f32-GEMM loss bound, and the second time the scoring pass is a replayed graph.
+#[test]
+fn scoring_on_the_emulated_gpu_matches_the_cpu_engine() {
+    use crate::engine::Engine;
+    use crate::engine::layout::Layout;
+    use crate::engine::step::kernel_capacity;
+    use crate::engine::tests::tokens;
+    let [_, (_, cfg)] = cases::check_models();
+    let (rows, t, seqs) = (2, 64, 3);
+    let params: std::collections::HashMap<_, _> = crate::engine::tests::perturbed(&cfg, 5).state_dict().into_iter().collect();
+    let mut x = tokens(8, seqs * t, cfg.vocab_size as u32);
+    x[70] = cfg.bos_id;
+    let y = tokens(9, seqs * t, cfg.vocab_size as u32);
+    let mut cpu = Engine::cpu(&cfg, rows, t, candle_core::DType::F64, false).unwrap();
+    cpu.load_params(&params).unwrap();
+    let want = cpu.score(&x, &y, false).unwrap();
+    let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join("score.mem"));
+    let be = KernelBackend::new(dev, Layout::new(&cfg, rows, t).len(), kernel_capacity(&cfg, rows, t).unwrap()).unwrap();
+    let mut e = Engine::with_backend(&cfg, rows, t, Box::new(be), false).unwrap();
+    e.load_params(&params).unwrap();
+    for round in 0..2 {
+        let got = e.score(&x, &y, false).unwrap();
+        let bound = cases::ModelBounds::GPU_F32_GEMMS.loss * want.abs();
+        assert!((got - want).abs() <= bound, "round {round}: {got} vs {want}");
+    }
+    let c = e.graph_counts().unwrap();
+    assert!(c.captured >= 1 && c.replayed >= 1, "{c:?}");
 }

@@ -754,7 +754,8 @@ impl Session {
         // Several ranks score the split together and agree before each batch whether to go
         // on: one rank's stop cuts the pass short on all.
         let keep_going = || if final_pass { !ctx.aborted() } else { !ctx.stopping() };
-        let acc = self.validator.run(self.trainer.synced_model()?, keep_going).context("validation")?;
+        let trainer = &mut self.trainer;
+        let acc = self.validator.run_with(&mut |x, y, rows| trainer.score(x, y, rows), keep_going).context("validation")?;
         self.window.validation += t0.elapsed();
         ctx.trace_phases(&[("validation", t0.elapsed())]);
         let step = self.trainer.step();
