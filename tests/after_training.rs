@@ -13,7 +13,7 @@ use common::tiny::*;
 use common::{report, text, wait_or_kill};
 use serde_json::Value;
 
-/// `steps.tsv` without its time column: (step, train_loss, lr_mul, data fingerprint).
+/// `steps.tsv` without its time columns: (step, train_loss, lr_mul, data fingerprint).
 fn step_rows(out: &Path) -> Vec<(u64, String, String, String)> {
     let t = std::fs::read_to_string(out.join("steps.tsv")).unwrap();
     let mut lines = t.lines();
@@ -21,7 +21,9 @@ fn step_rows(out: &Path) -> Vec<(u64, String, String, String)> {
     lines
         .map(|l| {
             let c: Vec<&str> = l.split('\t').collect();
-            assert_eq!(c.len(), 5, "{l}");
+            assert_eq!(c.len(), 8, "{l}");
+            let phase = |i: usize| c[i].parse::<f64>().unwrap_or_else(|_| panic!("phase time {:?} in {l}", c[i]));
+            assert!(phase(5) > 0.0 && phase(6) > 0.0 && phase(7) >= 0.0, "the step's forward, backward and optimizer ms: {l}");
             (c[0].parse().unwrap(), c[1].into(), c[2].into(), c[4].into())
         })
         .collect()

@@ -29,10 +29,13 @@ const RECORD_MODEL: [&str; 12] = [
     "model.qk_gain_init=5.25",
 ];
 
-/// `steps.tsv` without its time column.
+/// `steps.tsv` without its time columns (the training time, then the phases').
 fn step_rows(out: &Path) -> Vec<String> {
     let t = std::fs::read_to_string(out.join("steps.tsv")).unwrap();
-    t.lines().skip(1).map(|l| l.split('\t').enumerate().filter(|(i, _)| *i != 3).map(|(_, c)| c).collect::<Vec<_>>().join("\t")).collect()
+    t.lines()
+        .skip(1)
+        .map(|l| l.split('\t').enumerate().filter(|(i, _)| *i != 3 && *i < 5).map(|(_, c)| c).collect::<Vec<_>>().join("\t"))
+        .collect()
 }
 
 fn log_of(out: &Path) -> String {

@@ -238,11 +238,7 @@ impl Validator {
     /// [`Validator::run`] with the scoring given: `score(x, y, rows)` returns the summed loss
     /// (nats) of the `rows` sequences of targets `y` after inputs `x` (an executor that scores
     /// on its own device, [`crate::train::executor::Executor::score`]).
-    pub fn run_with(
-        &self,
-        score: &mut ScoreFn<'_>,
-        keep_going: impl Fn() -> bool,
-    ) -> anyhow::Result<Option<BpbAccumulator>> {
+    pub fn run_with(&self, score: &mut ScoreFn<'_>, keep_going: impl Fn() -> bool) -> anyhow::Result<Option<BpbAccumulator>> {
         let mut acc = BpbAccumulator::new(self.data.tables.clone());
         let tokens = &self.data.tokens;
         let t = self.seq_len;

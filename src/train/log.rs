@@ -115,14 +115,16 @@ impl StageLog {
 }
 
 /// `RUN_DIR/steps.tsv`: one row per optimizer step (step, train loss, LR multiplier, training
-/// time, rolling data fingerprint), for plotting and for checking that a resumed run saw the
-/// same data at every step. Losses are written with full precision (they round-trip).
+/// time, rolling data fingerprint, then the step's forward, backward and optimizer time in ms:
+/// device time on a GPU), for plotting, for finding the step that was slow and where, and for
+/// checking that a resumed run saw the same data at every step. Losses are written with full
+/// precision (they round-trip).
 pub struct StepTable {
     file: Option<BufWriter<File>>,
 }
 
 /// The header of `steps.tsv`.
-pub const STEP_TABLE_HEADER: &str = "step\ttrain_loss\tlr_mul\ttrain_time_ms\tdata_fingerprint";
+pub const STEP_TABLE_HEADER: &str = "step\ttrain_loss\tlr_mul\ttrain_time_ms\tdata_fingerprint\tforward_ms\tbackward_ms\toptimizer_ms";
 
 impl StepTable {
     /// A table at `RUN_DIR/steps.tsv`; a resumed run (`resumed_at` = the checkpoint's step)
@@ -146,10 +148,12 @@ impl StepTable {
         Ok(Self { file: Some(BufWriter::new(open_log(&path, true)?)) })
     }
 
-    /// Appends the row of `step`.
-    pub fn row(&mut self, step: u64, train_loss: f64, lr_mul: f64, train_ms: f64, fingerprint: u64) {
+    /// Appends the row of `step` (`phases`: its forward, backward and optimizer time).
+    pub fn row(&mut self, step: u64, train_loss: f64, lr_mul: f64, train_ms: f64, fingerprint: u64, phases: [Duration; 3]) {
         if let Some(f) = self.file.as_mut() {
-            let _ = writeln!(f, "{step}\t{train_loss}\t{lr_mul}\t{train_ms:.1}\t{fingerprint:016x}").and_then(|_| f.flush());
+            let [fw, bw, opt] = phases.map(|d| d.as_secs_f64() * 1e3);
+            let _ = writeln!(f, "{step}\t{train_loss}\t{lr_mul}\t{train_ms:.1}\t{fingerprint:016x}\t{fw:.2}\t{bw:.2}\t{opt:.2}")
+                .and_then(|_| f.flush());
         }
     }
 }

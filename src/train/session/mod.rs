@@ -715,7 +715,8 @@ impl Session {
         let last = ending.is_some();
         self.trace_step(step, &out, last)?;
         self.switch_looping(step, train_ms);
-        self.steps.row(step, out.train_loss, out.lr_mul, train_ms, self.rolling);
+        let p = &out.phases;
+        self.steps.row(step, out.train_loss, out.lr_mul, train_ms, self.rolling, [p.forward, p.backward, p.optimizer]);
         self.send(Moment::Step, emitter, ctx)?;
         // As the script: no train lines at all when log_every is 0.
         if self.cfg.log_every > 0 && (step <= 10 || step.is_multiple_of(self.cfg.log_every) || last) {
