@@ -4,8 +4,8 @@
 //! CPU backend ([`CpuBackend<f64>`], every op's reference) from the same values; the **whole**
 //! arena is compared afterwards, so a write outside an op's outputs fails too.
 //!
-//! The whole-engine check ([`model_check`]) runs one micro-batch of a small model with every
-//! element of the record, then one optimizer step, against the f64 CPU engine.
+//! The whole-engine checks ([`model_check`], [`graph_check`]) are in [`super::model_check`]
+//! and re-exported here, so that one module names everything `pipeline engine-check` runs.
 //!
 //! The one table serves every device: the warp emulator in the tests (`engine::gpu`, where
 //! a test also checks that the table launches every kernel the engine has), the real GPU and
@@ -18,17 +18,17 @@
 //! of a block (8) or of a partial sum (64), rows wider than a warp and not a multiple of it,
 //! strided views, a vocabulary with unused and repeated rows.
 
-use std::collections::HashMap;
-
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 
 use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, LaneBufs, Mat};
 use super::cpu::CpuBackend;
 use super::gpu::Capacity;
 use super::layout::Bump;
-use super::optim::MuonStep;
-use super::step::{ADAM_GROUPS, Engine, OptimizerStep};
-use crate::model::{Gpt, Init, MlpActivation, ModelConfig};
+pub use super::model_check::{
+    CHECK_ROWS_T, Compared, GraphOutcome, ModelBounds, check_model, check_model_0427, check_models, graph_check, model_check,
+};
+#[cfg(test)]
+pub(crate) use super::model_check::{check_muon, perturbed, record_small};
 
 /// Tokens (rows) of the row ops: more than two partial sums (64), not a multiple of 8.
 pub const N: usize = 130;
@@ -38,6 +38,9 @@ const W: usize = 48;
 const VOCAB: usize = 40;
 /// Head ops: 3 query heads of 16 on 1 key/value head, 6 of 16 dims rotated, positions mod 10.
 const HEADS: (usize, usize, usize) = (3, 16, 1);
+/// The q/k norm + RoPE cases at the GPU engine's head width: 3 query heads of 64 on 1
+/// key/value head (the vectorized kernels' shape; 390 heads, not a multiple of a block's 16).
+const WIDE_HEADS: (usize, usize, usize) = (3, 64, 1);
 /// Attention: 2 sequences of 64 tokens, 2 query heads of 64 on 1 key/value head (the GPU
 /// kernels' head width).
 const ATTN: (usize, usize, usize, usize, usize) = (2, 64, 2, 1, 64);
@@ -72,9 +75,9 @@ pub fn capacity() -> Capacity {
         tokens: N.max(b * t),
         vocab: VOCAB,
         width: 2 * W,
-        attn_width: (HEADS.0 * HEADS.1).max(h * d),
-        kv_width: (HEADS.2 * HEADS.1).max(kvh * d),
-        heads: HEADS.0.max(h),
+        attn_width: (WIDE_HEADS.0 * WIDE_HEADS.1).max(h * d),
+        kv_width: (WIDE_HEADS.2 * WIDE_HEADS.1).max(kvh * d),
+        heads: HEADS.0.max(WIDE_HEADS.0).max(h),
         attention_calls: 2,
         // The cases' sums are of 3 partials (130 rows): groups of one take them through both levels.
         colsum_group: 1,
@@ -104,14 +107,19 @@ fn mat(r: &mut Bump, rows: usize, cols: usize) -> Mat {
 
 /// The qkv row of the head cases and its q and v views.
 fn qkv_views(r: &mut Bump) -> (Mat, Mat, Mat) {
-    let (heads, d, kvh) = HEADS;
+    qkv_views_of(r, HEADS)
+}
+
+/// [`qkv_views`] for heads `(heads, d, kv_heads)`.
+fn qkv_views_of(r: &mut Bump, (heads, d, kvh): (usize, usize, usize)) -> (Mat, Mat, Mat) {
     let w = heads * d + 2 * kvh * d;
     let qkv = mat(r, N, w);
     (qkv, qkv.cols(0, heads * d), qkv.cols(heads * d + kvh * d, kvh * d))
 }
 
-fn head_shape() -> HeadShape {
-    HeadShape { rows: N, heads: HEADS.0, d: HEADS.1, rot: 6, t: 10 }
+/// The head ops' shape for heads `(heads, d, _)` with `rot` dims rotated, positions mod 10.
+fn head_shape((heads, d, _): (usize, usize, usize), rot: usize) -> HeadShape {
+    HeadShape { rows: N, heads, d, rot, t: 10 }
 }
 
 fn adam_step(wd: f64) -> AdamStep {
@@ -123,6 +131,7 @@ pub fn cases() -> Vec<Case> {
     let nw = N * W;
     let (heads, d, kvh) = HEADS;
     let head_len = 12 * N * (heads * d + 2 * kvh * d);
+    let wide_len = 4 * N * (WIDE_HEADS.0 * WIDE_HEADS.1 + 2 * WIDE_HEADS.2 * WIDE_HEADS.1) + 4 * 10 * WIDE_HEADS.1;
     let (ab, at, ah, akv, ad) = ATTN;
     let attn_len = 6 * ab * at * (ah + 2 * akv) * ad;
     vec![
@@ -351,10 +360,34 @@ pub fn cases() -> Vec<Case> {
                 be.embedding_bwd(Buf { off: 0, len: N * W }, Buf { off: N * W, len: VOCAB * W }, W);
             },
         },
-        Case { name: "qk_norm_rope_fwd (gain)", len: head_len, bound: ROWS, run: |be| qk_fwd_case(be, true) },
-        Case { name: "qk_norm_rope_fwd", len: head_len, bound: ROWS, run: |be| qk_fwd_case(be, false) },
-        Case { name: "qk_norm_rope_bwd (gain)", len: head_len, bound: ROWS, run: |be| qk_bwd_case(be, true) },
-        Case { name: "qk_norm_rope_bwd", len: head_len, bound: ROWS, run: |be| qk_bwd_case(be, false) },
+        Case { name: "qk_norm_rope_fwd (gain)", len: head_len, bound: ROWS, run: |be| qk_fwd_case(be, HEADS, 6, true) },
+        Case { name: "qk_norm_rope_fwd", len: head_len, bound: ROWS, run: |be| qk_fwd_case(be, HEADS, 6, false) },
+        Case {
+            name: "qk_norm_rope_fwd (64 wide, 16 rotated, gain)",
+            len: wide_len,
+            bound: ROWS,
+            run: |be| qk_fwd_case(be, WIDE_HEADS, 16, true),
+        },
+        Case {
+            name: "qk_norm_rope_fwd (64 wide, all rotated)",
+            len: wide_len,
+            bound: ROWS,
+            run: |be| qk_fwd_case(be, WIDE_HEADS, 64, false),
+        },
+        Case { name: "qk_norm_rope_bwd (gain)", len: head_len, bound: ROWS, run: |be| qk_bwd_case(be, HEADS, 6, true) },
+        Case { name: "qk_norm_rope_bwd", len: head_len, bound: ROWS, run: |be| qk_bwd_case(be, HEADS, 6, false) },
+        Case {
+            name: "qk_norm_rope_bwd (64 wide, 16 rotated, gain)",
+            len: wide_len,
+            bound: ROWS,
+            run: |be| qk_bwd_case(be, WIDE_HEADS, 16, true),
+        },
+        Case {
+            name: "qk_norm_rope_bwd (64 wide, all rotated)",
+            len: wide_len,
+            bound: ROWS,
+            run: |be| qk_bwd_case(be, WIDE_HEADS, 64, false),
+        },
         Case {
             name: "xsa_fwd",
             len: head_len,
@@ -493,24 +526,34 @@ fn skip_bwd_case(be: &mut dyn Backend, gated: bool) {
     be.skip_bwd(dy, h, s, w, gated.then_some((z, dz)), dh, ds, dw);
 }
 
-fn qk_fwd_case(be: &mut dyn Backend, gain: bool) {
-    let mut r = Bump::default();
-    let (_, q, _) = qkv_views(&mut r);
-    let (heads, d, _) = HEADS;
-    let (cos, sin, g) = (r.take(10 * 3), r.take(10 * 3), r.take(heads));
-    let (out, rstd) = (r.take(N * heads * d), r.take(N * heads));
-    be.qk_norm_rope_fwd(q, out, rstd, gain.then_some(g), cos, sin, head_shape(), 1e-6);
+/// The regions of a head case: unaligned for the narrow heads (odd offsets), on 4 elements for
+/// the 64-wide ones, as the engine's layout puts them (on 256 bytes), so that the GPU takes its
+/// vectorized kernels for them.
+fn head_bump(h: (usize, usize, usize)) -> Bump {
+    if h == WIDE_HEADS { Bump::aligned(4) } else { Bump::default() }
 }
 
-fn qk_bwd_case(be: &mut dyn Backend, gain: bool) {
-    let mut r = Bump::default();
-    let (_, q, _) = qkv_views(&mut r);
-    let (heads, d, _) = HEADS;
-    let (cos, sin, g, dg) = (r.take(10 * 3), r.take(10 * 3), r.take(heads), r.take(heads));
+/// q's norm + RoPE for heads `h` with `rot` dims rotated (the tables of 10 positions), with a
+/// gain or not.
+fn qk_fwd_case(be: &mut dyn Backend, h: (usize, usize, usize), rot: usize, gain: bool) {
+    let mut r = head_bump(h);
+    let (_, q, _) = qkv_views_of(&mut r, h);
+    let (heads, d, _) = h;
+    let (cos, sin, g) = (r.take(10 * rot / 2), r.take(10 * rot / 2), r.take(heads));
+    let (out, rstd) = (r.take(N * heads * d), r.take(N * heads));
+    be.qk_norm_rope_fwd(q, out, rstd, gain.then_some(g), cos, sin, head_shape(h, rot), 1e-6);
+}
+
+/// Its backward pass, into a view of dqkv.
+fn qk_bwd_case(be: &mut dyn Backend, h: (usize, usize, usize), rot: usize, gain: bool) {
+    let mut r = head_bump(h);
+    let (_, q, _) = qkv_views_of(&mut r, h);
+    let (heads, d, _) = h;
+    let (cos, sin, g, dg) = (r.take(10 * rot / 2), r.take(10 * rot / 2), r.take(heads), r.take(heads));
     let (rstd, dy) = (r.take(N * heads), r.take(N * heads * d));
     be.fill(rstd, 1.25);
-    let (_, dq, _) = qkv_views(&mut r);
-    be.qk_norm_rope_bwd(q, rstd, dy, dq, gain.then_some((g, dg)), cos, sin, head_shape());
+    let (_, dq, _) = qkv_views_of(&mut r, h);
+    be.qk_norm_rope_bwd(q, rstd, dy, dq, gain.then_some((g, dg)), cos, sin, head_shape(h, rot));
 }
 
 /// As the schedule calls it: q and k their own buffers (after the norm and RoPE), v a view of
@@ -581,277 +624,4 @@ pub fn run(case: &Case, dut: &mut dyn Backend, seed: u64) -> anyhow::Result<Case
         }
     }
     Ok(worst)
-}
-
-/// A model of `cfg` with every parameter perturbed (the zero-initialised projections would
-/// leave most gradients zero), in f64 on the CPU.
-/// The Muon step of the whole-engine checks (row-normalised, with weight decay).
-pub(crate) fn check_muon() -> MuonStep {
-    MuonStep {
-        lr: 0.05,
-        momentum: 0.95,
-        nesterov: true,
-        backend_steps: 5,
-        ns: crate::optim::NewtonSchulz::Quintic,
-        row_norm: true,
-        weight_decay: 0.01,
-    }
-}
-
-pub(crate) fn perturbed(cfg: &ModelConfig, seed: u64) -> Gpt {
-    let mut m = Gpt::new(cfg, seed, DType::F64, &Device::Cpu).expect("a model of a checked config");
-    let mut rng = fastrand::Rng::with_seed(seed + 100);
-    let state: HashMap<String, Tensor> = m
-        .state_dict()
-        .into_iter()
-        .map(|(n, t)| {
-            let noise: Vec<f64> = (0..t.elem_count()).map(|_| 0.1 * (rng.f64() * 2.0 - 1.0)).collect();
-            let noise = Tensor::from_vec(noise, t.dims(), &Device::Cpu).expect("noise of the tensor's shape");
-            (n, (t + noise).expect("same shapes"))
-        })
-        .collect();
-    m.load_state(&state).expect("the model's own tensors");
-    m
-}
-
-/// Record-mini's switches (every element of the record) at a small size.
-pub(crate) fn record_small() -> ModelConfig {
-    ModelConfig {
-        vocab_size: 48,
-        num_layers: 4,
-        model_dim: 32,
-        num_heads: 4,
-        num_kv_heads: 2,
-        mlp_mult: 4,
-        mlp_activation: MlpActivation::LeakyRelu2,
-        leaky_relu_slope: 0.5,
-        qk_gain_init: 5.25,
-        rope_dims: Some(4),
-        rope_train_seq_len: Some(6),
-        ln_scale: true,
-        xsa_last_n: 2,
-        skip_gates: true,
-        loop_start: 1,
-        loop_end: 2,
-        num_loops: 1,
-        enable_looping_at: 0.5,
-        parallel_residual_start: Some(3),
-        init: Init::Orthogonal,
-        ..ModelConfig::default()
-    }
-}
-
-/// The model of the whole-engine check: every element of the record (XSA, gated skips, partial
-/// RoPE, QK gain, LeakyReLU², parallel residuals, depth recurrence, `ln_scale`) with an untied
-/// head, at width 128 with heads 64 wide (the GPU attention's).
-pub fn check_model() -> ModelConfig {
-    ModelConfig {
-        vocab_size: 96,
-        model_dim: 128,
-        num_heads: 2,
-        num_kv_heads: 1,
-        rope_dims: Some(16),
-        rope_train_seq_len: Some(64),
-        tie_embeddings: false,
-        ..record_small()
-    }
-}
-
-/// The 04-27 record's model for the whole-engine check: [`check_model`] with SmearGate (BOS fix),
-/// the sparse attention gate, attention within documents and the two-lane decoder (after the
-/// loop, in place of parallel residuals, lanes averaged).
-pub fn check_model_0427() -> ModelConfig {
-    ModelConfig {
-        smear_gate: true,
-        smear_gate_window: 12,
-        attn_gate: true,
-        attn_gate_window: 12,
-        attn_gate_init_std: 0.5,
-        attn_gate_scale: 0.5,
-        document_attention: true,
-        bos_id: 1,
-        parallel_residual_start: None,
-        parallel_decoder_start: Some(3),
-        ..check_model()
-    }
-}
-
-/// The whole-engine check's models: the 04-09 record's elements, then the 04-27 record's.
-pub fn check_models() -> [(&'static str, ModelConfig); 2] {
-    [("04-09 elements", check_model()), ("04-27 elements", check_model_0427())]
-}
-
-/// The micro-batch of the whole-engine check: one sequence of 64 tokens.
-pub const CHECK_ROWS_T: (usize, usize) = (1, 64);
-
-/// How far the whole engine may be from the f64 CPU engine.
-#[derive(Clone, Copy, Debug, serde::Serialize)]
-pub struct ModelBounds {
-    /// The loss's relative error.
-    pub loss: f64,
-    /// A tensor's `‖device − f64‖` may be `tensor · ‖f64‖ + floor`: the floor is for the small
-    /// sums of many terms (the query gains' gradients, about 2e-3 in norm) that rounding
-    /// moves more than their share.
-    pub tensor: f64,
-    /// See `tensor`.
-    pub floor: f64,
-}
-
-impl ModelBounds {
-    /// The f32 CPU backend: every op in f32. Measured on the check model (the test
-    /// `the_f32_cpu_engine_matches_the_f64_one`): loss 4e-8, tensors up to 2e-5 of their norm.
-    pub const CPU_F32: ModelBounds = ModelBounds { loss: 1e-5, tensor: 1e-3, floor: 1e-6 };
-    /// The GPU backend with f32 GEMMs: attention in bf16 (flash_mma), the rest f32. Measured in
-    /// the warp emulator (the same kernels): loss 1.4e-5, tensors up to 2.5e-2 of their norm
-    /// (a key weight's gradient: bf16 attention through six virtual layers), half the bound.
-    pub const GPU_F32_GEMMS: ModelBounds = ModelBounds { loss: 1e-3, tensor: 5e-2, floor: 4e-4 };
-    /// The GPU backend with bf16 GEMMs (the training default): every product's inputs rounded
-    /// to bf16 too. Measured in the warp emulator with bf16-rounding GEMMs
-    /// (`model_bounds_of_bf16_gemms`): loss 3.9e-5, a query gain's gradient 1.2e-1 of its
-    /// (small) norm, the skip gates' weights 4.2e-2, each under 0.4 of its bound.
-    pub const GPU_BF16_GEMMS: ModelBounds = ModelBounds { loss: 2e-3, tensor: 1e-1, floor: 1e-3 };
-}
-
-/// One compared quantity of the whole-engine check.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct Compared {
-    /// `loss`, `grad NAME` or `weight NAME` (after one Muon and Adam step).
-    pub name: String,
-    /// `|device − f64| / |f64|` (the loss) or `‖device − f64‖ / ‖f64‖` (a tensor).
-    pub rel_err: f64,
-    /// The largest `rel_err` that passes (a tensor's includes the floor over its norm).
-    pub bound: f64,
-}
-
-impl Compared {
-    /// Whether the error is within the bound (a NaN is not).
-    pub fn ok(&self) -> bool {
-        self.rel_err <= self.bound
-    }
-}
-
-/// The whole engine `dut` (built for `cfg`, one of [`check_models`], on [`CHECK_ROWS_T`])
-/// against the f64 CPU engine: one looped micro-batch's loss and every gradient, then every
-/// weight after one Muon and one Adam step, each against `bounds`. Under a document mask or
-/// SmearGate the tokens hold the BOS at a tile's middle and twice in a row.
-pub fn model_check(dut: &mut Engine, cfg: &ModelConfig, bounds: ModelBounds, seed: u64) -> anyhow::Result<Vec<Compared>> {
-    let (rows, t) = CHECK_ROWS_T;
-    let n = rows * t;
-    let mut reference = Engine::cpu(cfg, rows, t, DType::F64, false)?;
-    let params: HashMap<String, Tensor> = perturbed(cfg, seed).state_dict().into_iter().collect();
-    let mut rng = fastrand::Rng::with_seed(seed + 7);
-    let mut x: Vec<u32> = (0..n).map(|_| rng.u32(0..cfg.vocab_size as u32)).collect();
-    if cfg.document_attention || cfg.smear_gate {
-        for p in [20, 40, 41].into_iter().filter(|&p| p < n) {
-            x[p] = cfg.bos_id;
-        }
-    }
-    let y: Vec<u32> = (0..n).map(|_| rng.u32(0..cfg.vocab_size as u32)).collect();
-    let mut losses = Vec::new();
-    for e in [&mut reference, &mut *dut] {
-        e.load_params(&params)?;
-        e.zero_grads();
-        e.micro_step(&x, &y, true, 1.0 / n as f64);
-        losses.push(e.loss_sum()? / n as f64);
-    }
-    let mut out = vec![Compared { name: "loss".into(), rel_err: (losses[1] - losses[0]).abs() / losses[0].abs(), bound: bounds.loss }];
-    let tensors = |what: &str, a: Vec<(String, Tensor)>, b: Vec<(String, Tensor)>, out: &mut Vec<Compared>| -> anyhow::Result<()> {
-        for ((name, a), (_, b)) in a.iter().zip(&b) {
-            let a: Vec<f64> = a.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
-            let b: Vec<f64> = b.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
-            let diff = a.iter().zip(&b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
-            let norm = a.iter().map(|x| x * x).sum::<f64>().sqrt().max(f64::MIN_POSITIVE);
-            let rel_err = if diff.is_nan() { f64::INFINITY } else { diff / norm };
-            out.push(Compared { name: format!("{what} {name}"), rel_err, bound: bounds.tensor + bounds.floor / norm });
-        }
-        Ok(())
-    };
-    tensors("grad", reference.grads()?, dut.grads()?, &mut out)?;
-    for e in [&mut reference, &mut *dut] {
-        e.muon(check_muon())?;
-        for (group, _) in ADAM_GROUPS {
-            e.adam(group, 0.01, (0.9, 0.95), 1e-8, 0.0);
-        }
-    }
-    tensors("weight", reference.params()?, dut.params()?, &mut out)?;
-    Ok(out)
-}
-
-/// How an engine ran three steps with units replayed as graphs against op by op
-/// ([`graph_check`]).
-#[derive(Clone, Copy, Debug, serde::Serialize)]
-pub struct GraphOutcome {
-    /// Losses, gradient norms and weights identical bit for bit.
-    pub identical: bool,
-    /// With graphs: units captured, replayed and run op by op.
-    pub counts: (u64, u64, u64),
-    /// Without graphs: units run op by op (every one).
-    pub eager: u64,
-}
-
-impl GraphOutcome {
-    /// Identical, and with graphs each unit (forward, backward, optimizer) ran op by op in the
-    /// first step, was captured in the second and replayed from then on.
-    pub fn ok(&self) -> bool {
-        self.identical && self.counts == (3, 6, 3) && self.eager == 9
-    }
-}
-
-/// Three steps of `cfg` on `rows x t` tokens from the weights of `perturbed(cfg, seed)`, with a
-/// learning rate, momentum and clip that change every step, on `make(false)` (every unit op by
-/// op) and on `make(true)` (units captured and replayed): the losses, gradient norms and
-/// weights must be the same bit for bit, since a replay reads each step's values from device
-/// memory.
-pub fn graph_check(
-    cfg: &ModelConfig,
-    (rows, t): (usize, usize),
-    seed: u64,
-    make: &mut dyn FnMut(bool) -> anyhow::Result<Engine>,
-) -> anyhow::Result<GraphOutcome> {
-    let params: HashMap<String, Tensor> = perturbed(cfg, seed).state_dict().into_iter().collect();
-    let mut runs = Vec::new();
-    for graphs in [false, true] {
-        let mut e = make(graphs)?;
-        e.load_params(&params)?;
-        e.zero_grads();
-        let mut stats = Vec::new();
-        let mut rng = fastrand::Rng::with_seed(seed);
-        for step in 0..3u64 {
-            let x: Vec<u32> = (0..rows * t).map(|_| rng.u32(0..cfg.vocab_size as u32)).collect();
-            let y: Vec<u32> = (0..rows * t).map(|_| rng.u32(0..cfg.vocab_size as u32)).collect();
-            e.micro_step(&x, &y, cfg.recurrent(), 1.0 / (rows * t) as f64);
-            let k = step as f64;
-            let muon = MuonStep {
-                lr: 0.02 + 0.01 * k,
-                momentum: 0.85 + 0.05 * k,
-                nesterov: true,
-                backend_steps: 5,
-                // Per-iteration coefficients (constant over a run, so a graph may keep them).
-                ns: crate::optim::NewtonSchulz::PolarExpress,
-                row_norm: true,
-                weight_decay: 0.01,
-            };
-            let s = OptimizerStep {
-                clip: 0.3 + k,
-                muon,
-                adam: [(0.01 + 0.01 * k, 0.0), (0.02 - 0.005 * k, 0.01), (0.03, 0.0)],
-                betas: (0.9, 0.95),
-                eps: 1e-8,
-            };
-            stats.push(e.optimizer_step(&s)?);
-        }
-        let weights: Vec<Vec<u32>> = e
-            .params()?
-            .iter()
-            .map(|(_, w)| Ok(w.flatten_all()?.to_vec1::<f32>()?.iter().map(|x| x.to_bits()).collect()))
-            .collect::<anyhow::Result<_>>()?;
-        anyhow::ensure!(stats.iter().all(|s| s.loss_sum.is_finite()), "non-finite losses in the graph check: {stats:?}");
-        runs.push((stats, weights, e.graph_counts().unwrap_or_default()));
-    }
-    let (eager, graphs) = (&runs[0], &runs[1]);
-    Ok(GraphOutcome {
-        identical: eager.0 == graphs.0 && eager.1 == graphs.1,
-        counts: (graphs.2.captured, graphs.2.replayed, graphs.2.eager),
-        eager: eager.2.eager,
-    })
 }

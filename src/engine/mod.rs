@@ -36,6 +36,7 @@ pub mod exchange;
 pub mod gpu;
 pub mod layout;
 pub mod lt;
+pub mod model_check;
 #[cfg(test)]
 mod op_checks;
 pub mod optim;

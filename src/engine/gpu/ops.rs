@@ -32,6 +32,25 @@ fn warps(items: usize) -> [u32; 3] {
     [items.div_ceil(8).max(1) as u32, 1, 1]
 }
 
+/// Lanes per (row, head) of the vectorized q/k norm + RoPE kernels (`eng_qk_norm_rope_*4`).
+const QK_LANES: usize = 16;
+
+/// Whether the vectorized q/k norm + RoPE kernels take these heads: 64 wide, a rotated half that
+/// is a power-of-two multiple of 4 (its pair partner is a shuffle away), and every matrix's rows
+/// on 16 bytes (offsets and strides multiples of 4 elements: the arena itself starts on 256).
+fn qk_vector(s: HeadShape, mats: &[Mat]) -> bool {
+    let half = s.rot / 2;
+    s.d == 64
+        && half.is_multiple_of(4)
+        && (half / 4).is_power_of_two()
+        && mats.iter().all(|m| m.off.is_multiple_of(4) && m.ld.is_multiple_of(4))
+}
+
+/// The vectorized q/k kernels' grid: 16 lanes per (row, head).
+fn qk_grid(s: HeadShape) -> [u32; 3] {
+    [(s.rows * s.heads * QK_LANES).div_ceil(BLOCK as usize).max(1) as u32, 1, 1]
+}
+
 /// A partial-sum launch over `rows x cols`: blocks of 256 channels by blocks of [`PART`] rows.
 fn parts(rows: usize, cols: usize) -> [u32; 3] {
     [cols.div_ceil(BLOCK as usize).max(1) as u32, rows.div_ceil(PART).max(1) as u32, 1]
@@ -469,7 +488,11 @@ impl<D: Device> Backend for KernelBackend<D> {
         let mut args = vec![a(x.span()), l(x.ld), a(out), a(rstd)];
         args.extend(head_args(g, gain.is_some(), cos, sin, s));
         args.push(f(eps));
-        self.run("eng_qk_norm_rope_fwd", warps(s.rows * s.heads), BLOCK, args);
+        if qk_vector(s, &[x, out.mat(s.rows, s.heads * s.d)]) {
+            self.run("eng_qk_norm_rope_fwd4", qk_grid(s), BLOCK, args);
+        } else {
+            self.run("eng_qk_norm_rope_fwd", warps(s.rows * s.heads), BLOCK, args);
+        }
     }
 
     fn qk_norm_rope_bwd(&mut self, x: Mat, rstd: Buf, dy: Buf, dx: Mat, gain: Option<(Buf, Buf)>, cos: Buf, sin: Buf, s: HeadShape) {
@@ -481,7 +504,11 @@ impl<D: Device> Backend for KernelBackend<D> {
         let mut args = vec![a(x.span()), l(x.ld), a(rstd), a(dy), a(dx.span()), l(dx.ld)];
         args.extend(head_args(g, gain.is_some(), cos, sin, s));
         args.push(per_item);
-        self.run("eng_qk_norm_rope_bwd", warps(s.rows * s.heads), BLOCK, args);
+        if qk_vector(s, &[x, dx, dy.mat(s.rows, s.heads * s.d)]) {
+            self.run("eng_qk_norm_rope_bwd4", qk_grid(s), BLOCK, args);
+        } else {
+            self.run("eng_qk_norm_rope_bwd", warps(s.rows * s.heads), BLOCK, args);
+        }
         if gain.is_some() {
             let part = self.scratch(0, n * s.heads);
             self.run("eng_colsum_partial", parts(s.rows, s.heads), BLOCK, vec![per_item, l(s.rows), i(s.heads), part]);

@@ -139,6 +139,18 @@ fn embedding_pieces_that_drop_a_token_fail_the_comparison() {
     check_case(&mut be, "embedding_bwd (the ids' CSR)");
 }
 
+/// A vectorized q/k norm + RoPE whose lanes take their own values for their pair's other half
+/// (a shuffle by 0 instead of `half / 4` lanes) fails its 64-wide case.
+#[test]
+#[should_panic(expected = "on the emulated GPU")]
+fn a_rope_pair_from_the_wrong_lane_fails_the_comparison() {
+    let (from, to) = ("const float4 pn = shfl4(xn, half / 4);", "const float4 pn = shfl4(xn, 0);");
+    let dir = emu::temp_dir();
+    let mutant = emu::mutant(&dir, "engine_rope_mutant", "engine.cu", from, to);
+    let mut be = case_backend(&emu::build(&dir, "engine_emu_rope_mutant", Some(&mutant)), "rope-mutant");
+    check_case(&mut be, "qk_norm_rope_fwd (64 wide, 16 rotated, gain)");
+}
+
 /// The ids' CSR built on the device (`eng_csr_count`, `_scan`, `_fill`) is the stable counting
 /// sort the embedding's gradient reads: for chunks of 64 positions over 150 ids (three chunks,
 /// the last partial and not a multiple of a warp), repeated ids within a warp and across
