@@ -16,6 +16,7 @@
 #   summary.txt        every figure and verdict of the run (also the end of stdout)
 #   engine-check.txt   (a) `pipeline engine-check`: every op, the whole engine, graphs, the
 #   engine-check.json      device-to-device paths, per-op timings at the baseline's shapes
+#   engine-check-record.*  (a) the per-op timings at the 04-27 record's shapes, looped (GPU only)
 #   runs.tar.gz        every run's train.log, report.json, steps.tsv and output
 #   gpu.txt            nvidia-smi, and GPU memory sampled during the record run
 #
@@ -29,6 +30,14 @@
 #   (d) pipelines/record.toml on the engine for RECORD_STEPS (default 20) steps: ms/step, the
 #       arena, and peak GPU memory (nvidia-smi sampled every 200 ms); if it runs out of memory
 #       at the record's 8 micro-batches of 48 x 2048, again with 16 of 24 x 2048;
+#   (f) pipelines/record-0427.toml on the engine for RECORD0427_STEPS (default 8) steps at its own
+#       8 micro-batches of 48 x 2048 (16 of 24 if refused or out of memory), EMA on, validation
+#       on the engine: ms/step, the arena, graph and mirror counts, and the device phases of
+#       steps 1-3 and the last from steps.tsv (step 1 runs op by op, step 2 captures the graphs);
+#       its per-op table is (a)'s `engine-check --timing record-0427` (engine-check-record.*);
+#   (g) the seeds' loader settings on the engine (the baseline, LOADER_STEPS, default 15): page-
+#       locked staging with a copy stream against pageable staging with a synchronous copy:
+#       ms/step and the executor's input wait (its share and p99, from report.json);
 #   (e) everything above into OUT.
 #
 # SMOKE=1 runs every part on the CPU with a tiny model (the binary from BIN, the data
@@ -42,6 +51,8 @@ SMOKE=${SMOKE:-0}
 STEPS=${STEPS:-30}
 PT_STEPS=${PT_STEPS:-40}
 RECORD_STEPS=${RECORD_STEPS:-20}
+RECORD0427_STEPS=${RECORD0427_STEPS:-8}
+LOADER_STEPS=${LOADER_STEPS:-15}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 work=$(mktemp -d "${TMPDIR:-/tmp}/first-light.XXXXXX")
@@ -78,7 +89,7 @@ fi
 DEVICE=cuda:0 PIN=pinned UPLOAD=stream DTYPE=bf16
 tiny=() tiny_baseline=() tiny_record=()
 if [[ $SMOKE == 1 ]]; then
-  DEVICE=cpu PIN=pageable UPLOAD=sync DTYPE=f32 STEPS=6 PT_STEPS=0 RECORD_STEPS=4
+  DEVICE=cpu PIN=pageable UPLOAD=sync DTYPE=f32 STEPS=6 PT_STEPS=0 RECORD_STEPS=4 RECORD0427_STEPS=4 LOADER_STEPS=4
   vocab=${SMOKE_VOCAB:?SMOKE=1 needs SMOKE_VOCAB, the vocabulary of the tokenizers in IN}
   tiny=(--set run.device='"cpu"' --set model.model_dim=64 --set model.num_heads=2 --set model.num_kv_heads=1
         --set model.vocab_size="$vocab" --set train.batch_tokens=1024 --set train.seq_len=128 --set train.grad_accum_steps=2
@@ -131,6 +142,12 @@ check=(engine-check --device "$DEVICE" --json-out "$OUT/engine-check.json")
 [[ $SMOKE == 1 ]] && check+=(--timing small)
 "$BIN" "${check[@]}" > "$OUT/engine-check.txt" 2>&1 || fail "engine-check (engine-check.txt)"
 grep -E '^(engine-check|stream|graphs|transfer)|micro-batch: |optimizer step: |FAILED' "$OUT/engine-check.txt" | tee -a "$summary"
+# The 04-27 record's per-op table (on the CPU its model is minutes a pass: not in the smoke).
+if [[ $SMOKE != 1 ]]; then
+  "$BIN" engine-check --device "$DEVICE" --timing record-0427 --json-out "$OUT/engine-check-record.json" > "$OUT/engine-check-record.txt" 2>&1 \
+    || fail "engine-check --timing record-0427 (engine-check-record.txt)"
+  grep -E '^timings|micro-batch: |optimizer step: ' "$OUT/engine-check-record.txt" | sed 's/^/record-0427 /' | tee -a "$summary"
+fi
 
 # --- (b) the baseline: engine, candle, PyTorch ------------------------------------------------
 say "== (b) baseline, $STEPS steps: engine ($DTYPE, graphs on) and candle, side by side"
@@ -222,6 +239,55 @@ if [[ -s $work/memory.log ]]; then
   say "peak GPU memory during the record run: $peak MiB (nvidia-smi, every 200 ms)"
   { echo "== GPU memory used during the record run (MiB, every 200 ms)"; cat "$work/memory.log"; } >> "$OUT/gpu.txt"
 fi
+
+# --- (f) the 04-27 record on the engine ----------------------------------------------------------
+say "== (f) pipelines/record-0427.toml on the engine, $RECORD0427_STEPS steps (EMA on, validation on the engine)"
+r0427=(--set "data.train=\"$IN/sp8192/fineweb_train_*.bin\"" --set "data.val=\"$IN/sp8192/fineweb_val_*.bin\""
+       --set "data.tokenizer=\"$IN/tokenizers/fineweb_8192_bpe.model\"" --set train.iterations="$RECORD0427_STEPS" --set train.val_every=4
+       --set train.val_max_tokens=262144 --set train.max_wallclock_seconds=0 --set train.gptq_reserve_seconds=0 --set train.log_every=1
+       --set stages.train.impl='"engine"' --set stages.train.dtype="\"$DTYPE\"" --set stages.pin.impl="\"$PIN\"" --set stages.upload.impl="\"$UPLOAD\""
+       --set stages.ckpt.every=0 --set stages.artifact.impl='"quantize"' --set stages.artifact.codec='"zlib"' --set stages.artifact.level=1
+       --set stages.artifact.eval=false --set stages.eval.impl='"sliding"' --set stages.eval.stride=2048 "${tiny[@]}")
+# The smoke: the record's 11 blocks at width 64, sequences of 128.
+[[ $SMOKE == 1 ]] && r0427+=(--set model.num_layers=11 --set train.val_max_tokens=4096 --set stages.eval.seq_len=128 --set stages.eval.stride=64)
+accum=""
+if ! train pipelines/record-0427.toml record-0427 "${r0427[@]}"; then
+  if grep -qiE "out of memory|CUDA_ERROR_OUT_OF_MEMORY|memory" "$runs/record-0427.out" && [[ $SMOKE != 1 ]]; then
+    say "record-0427 at 8 micro-batches of 48 x 2048: refused or out of memory; again with 16 of 24 x 2048"
+    mv "$runs/record-0427.out" "$runs/record-0427-oom.out"
+    rm -rf "$runs/record-0427"
+    accum=16
+    train pipelines/record-0427.toml record-0427 "${r0427[@]}" --set train.grad_accum_steps=16 \
+      || fail "record-0427 run (runs/record-0427.out): $(tail -2 "$runs/record-0427.out" | tr '\n' ' ')"
+  else
+    fail "record-0427 run (runs/record-0427.out): $(tail -2 "$runs/record-0427.out" | tr '\n' ' ')"
+  fi
+fi
+if [[ -f $runs/record-0427/steps.tsv ]]; then
+  say "record-0427 on the engine$([[ -n $accum ]] && echo ", $accum micro-batches a step"): steady $(steady "$runs/record-0427") ms/step, arena $(field "$runs/record-0427" "round(r['train']['engine']['arena_bytes'] / 2**30, 1)") GiB, graphs $(field "$runs/record-0427" "r['train']['engine'].get('graphs')"), mirror syncs $(field "$runs/record-0427" "r['train']['engine'].get('mirror_syncs')")"
+  # Each step's device phases (steps.tsv): step 1 runs op by op, step 2 captures the graphs.
+  python3 - "$runs/record-0427/steps.tsv" <<'PY' | tee -a "$summary"
+import sys
+rows = [l.split("\t") for l in open(sys.argv[1]).read().split("\n")[1:] if l.strip()]
+for r in rows[:3] + rows[-1:]:
+    print(f"record-0427 step {r[0]}: forward {r[5]} ms, backward {r[6]} ms, optimizer {r[7]} ms")
+PY
+fi
+
+# --- (g) the seeds' loader settings on the engine ---------------------------------------------------
+say "== (g) the baseline on the engine, $LOADER_STEPS steps: page-locked staging and a copy stream against pageable and a synchronous copy"
+loaders=("pinned stream" "pageable sync")
+[[ $SMOKE == 1 ]] && loaders=("pageable cpu" "pageable sync")
+for v in "${loaders[@]}"; do
+  read -r pin upload <<< "$v"
+  name="loader-$pin-$upload"
+  if train pipelines/baseline.toml "$name" "${common1024[@]}" --set train.iterations="$LOADER_STEPS" --set stages.train.impl='"engine"' \
+       --set stages.pin.impl="\"$pin\"" --set stages.upload.impl="\"$upload\""; then
+    say "loader $pin + $upload: steady $(steady "$runs/$name") ms/step, executor input wait $(field "$runs/$name" "'%.3f%% of its time, p99 %.0f us' % (100 * next(c for k, c in r['channels'].items() if k.endswith('->train'))['recv_blocked_fraction'], next(c for k, c in r['channels'].items() if k.endswith('->train'))['recv_blocked_us']['p99'])")"
+  else
+    fail "loader $pin + $upload (runs/$name.out): $(tail -2 "$runs/$name.out" | tr '\n' ' ')"
+  fi
+done
 
 # --- (e) the results ------------------------------------------------------------------------------
 # Weights stay behind (train_gpt.py's final_model.pt alone is 67 MB): the device tool brings

@@ -1,8 +1,8 @@
 //! `scripts/gpu-first-light.sh` with `SMOKE=1`: every part of the GPU first-light run (the
 //! engine check, the baseline on both executors, graph replay against op-by-op launches, the
-//! record on the engine, the results folder) on the CPU with a tiny model, on shards and a
-//! tokenizer made from the repository's prose, so that the one prepared GPU call is not spent
-//! on a broken script. It checks the plumbing, not the GPU.
+//! 04-09 and 04-27 records on the engine, the loader settings, the results folder) on the CPU
+//! with a tiny model, on shards and a tokenizer made from the repository's prose, so that the
+//! one prepared GPU call is not spent on a broken script. It checks the plumbing, not the GPU.
 
 mod common;
 
@@ -60,6 +60,11 @@ fn the_first_light_script_runs_every_part_on_the_cpu() {
         "engine / candle throughput",
         "graph replay vs op by op: final weights bit-identical",
         "record on the engine: steady",
+        "record-0427 on the engine: steady",
+        "record-0427 step 2: forward",
+        "loader pageable + cpu: steady",
+        "loader pageable + sync: steady",
+        "executor input wait",
         "first light: every check passed",
     ] {
         assert!(summary.contains(line), "`{line}` missing from summary.txt:\n{summary}");
