@@ -333,6 +333,14 @@ pub trait Backend: Send {
         anyhow::bail!("this backend has no device clock")
     }
 
+    /// Whether the device has passed mark `mark` (without waiting; true without a clock).
+    fn timing_done(&self, _mark: usize) -> bool {
+        true
+    }
+
+    /// Forgets one timing mark (the others keep their numbers).
+    fn timing_release(&self, _mark: usize) {}
+
     /// Forgets every timing mark.
     fn timing_reset(&self) {}
 

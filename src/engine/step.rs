@@ -412,16 +412,17 @@ impl Engine {
 
     /// The device time of each phase since the last call (or since [`Engine::forget_phase_times`]),
     /// summed over the micro-batches and optimizer steps in between, from the backend's timing
-    /// marks; the marks are then forgotten. `None` when the backend has no device clock (the
-    /// CPU backends: the host's clock times their phases, as [`MicroResult`] does). Waits for
-    /// the last mark: called after the optimizer step's host read, it waits for nothing more.
+    /// marks; `None` when the backend has no device clock (the CPU backends: the host's clock
+    /// times their phases, as [`MicroResult`] does). Nothing is waited for: a span the device
+    /// has not finished (the optimizer unit, when no host read follows it: no clipping) stays
+    /// for the next call, so a step's optimizer time may come with the next step's phases.
     pub fn device_phase_times(&mut self) -> anyhow::Result<Option<PhaseTimes>> {
         if self.spans.is_empty() {
             return Ok(None);
         }
         let mut t = PhaseTimes::default();
-        let spans = std::mem::take(&mut self.spans);
-        let read = spans.iter().try_for_each(|&(phase, a, b)| -> anyhow::Result<()> {
+        let (done, pending): (Vec<_>, Vec<_>) = std::mem::take(&mut self.spans).into_iter().partition(|&(_, _, b)| self.be.timing_done(b));
+        let read = done.iter().try_for_each(|&(phase, a, b)| -> anyhow::Result<()> {
             let d = Duration::from_secs_f64(self.be.timing_ms(a, b)?.max(0.0) / 1e3);
             match phase {
                 Phase::Forward => t.forward += d,
@@ -430,16 +431,18 @@ impl Engine {
             }
             Ok(())
         });
-        self.be.timing_reset();
+        let keep: Vec<usize> = pending.iter().flat_map(|&(_, a, b)| [a, b]).collect();
+        for m in done.iter().flat_map(|&(_, a, b)| [a, b]).filter(|m| !keep.contains(m)) {
+            self.be.timing_release(m);
+        }
+        self.spans = pending;
         read.map(|()| Some(t))
     }
 
-    /// Forgets the phase spans not read yet (a step given up halfway).
+    /// Forgets the phase spans not read yet (a step given up halfway) and every timing mark.
     pub fn forget_phase_times(&mut self) {
-        if !self.spans.is_empty() {
-            self.spans.clear();
-            self.be.timing_reset();
-        }
+        self.spans.clear();
+        self.be.timing_reset();
     }
 
     /// Tokens per sequence of its micro-batches.

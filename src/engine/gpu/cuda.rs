@@ -158,8 +158,8 @@ pub struct CudaDevice {
     lt: Mutex<Lt>,
     /// Captured units by slot.
     graphs: Vec<Option<Graph>>,
-    /// Timing marks (events with timing) recorded so far.
-    marks: Mutex<Vec<CudaEvent>>,
+    /// Timing marks (events with timing) recorded and not released.
+    marks: Mutex<super::Marks<CudaEvent>>,
 }
 
 impl CudaDevice {
@@ -201,7 +201,7 @@ impl CudaDevice {
             bases: HashMap::new(),
             lt: Mutex::new(lt),
             graphs: Vec::new(),
-            marks: Mutex::new(Vec::new()),
+            marks: Mutex::new(super::Marks::default()),
         })
     }
 
@@ -441,9 +441,7 @@ impl Device for CudaDevice {
     fn timing_mark(&self) -> Option<usize> {
         let event = self.ctx.new_event(Some(cu_sys::CUevent_flags::CU_EVENT_DEFAULT)).ok()?;
         event.record(&self.stream).ok()?;
-        let mut marks = self.marks.lock().expect("the timing marks");
-        marks.push(event);
-        Some(marks.len() - 1)
+        Some(self.marks.lock().expect("the timing marks").push(event))
     }
 
     fn timing_ms(&self, from: usize, to: usize) -> anyhow::Result<f64> {
@@ -456,6 +454,14 @@ impl Device for CudaDevice {
 
     fn timing_reset(&self) {
         self.marks.lock().expect("the timing marks").clear();
+    }
+
+    fn timing_done(&self, mark: usize) -> bool {
+        self.marks.lock().expect("the timing marks").get(mark).is_none_or(|e| e.is_complete())
+    }
+
+    fn timing_release(&self, mark: usize) {
+        self.marks.lock().expect("the timing marks").release(mark);
     }
 
     fn write_tensor(&mut self, space: Space, off: usize, t: &candle_core::Tensor) -> anyhow::Result<()> {

@@ -97,7 +97,7 @@ pub(super) struct EmuDevice {
     bf16_gemms: bool,
     /// Timing marks: the emulator finishes each launch before the host goes on, so the host's
     /// clock at a mark is the device's.
-    marks: Mutex<Vec<std::time::Instant>>,
+    marks: Mutex<super::Marks<std::time::Instant>>,
 }
 
 impl EmuDevice {
@@ -112,7 +112,7 @@ impl EmuDevice {
             graphs: Vec::new(),
             launched: Mutex::new(Default::default()),
             bf16_gemms: false,
-            marks: Mutex::new(Vec::new()),
+            marks: Mutex::new(super::Marks::default()),
         }
     }
 
@@ -232,9 +232,7 @@ impl Device for EmuDevice {
     }
 
     fn timing_mark(&self) -> Option<usize> {
-        let mut marks = self.marks.lock().expect("the timing marks");
-        marks.push(std::time::Instant::now());
-        Some(marks.len() - 1)
+        Some(self.marks.lock().expect("the timing marks").push(std::time::Instant::now()))
     }
 
     fn timing_ms(&self, from: usize, to: usize) -> anyhow::Result<f64> {
@@ -245,6 +243,10 @@ impl Device for EmuDevice {
 
     fn timing_reset(&self) {
         self.marks.lock().expect("the timing marks").clear();
+    }
+
+    fn timing_release(&self, mark: usize) {
+        self.marks.lock().expect("the timing marks").release(mark);
     }
 
     fn read(&self, space: Space, off: usize, len: usize) -> anyhow::Result<Vec<u32>> {

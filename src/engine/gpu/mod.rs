@@ -177,6 +177,14 @@ pub trait Device: Send {
         anyhow::bail!("this device has no clock")
     }
 
+    /// Whether the device has passed mark `mark` (true without a device clock).
+    fn timing_done(&self, _mark: usize) -> bool {
+        true
+    }
+
+    /// Forgets one mark (the others keep their numbers).
+    fn timing_release(&self, _mark: usize) {}
+
     /// Forgets every timing mark.
     fn timing_reset(&self) {}
 
@@ -208,6 +216,63 @@ pub fn gpu_backend(
     _cap: Capacity,
 ) -> anyhow::Result<Box<dyn Backend>> {
     anyhow::bail!("the engine's GPU backend ({:?}) needs a `cuda` build (scripts/build-cuda.sh)", device.location())
+}
+
+/// A device's timing marks, numbered in the order they were recorded: a mark is forgotten on
+/// its own ([`Marks::release`]) without renumbering the others, and the released ones at the
+/// front are dropped, so that a reader that keeps a few marks pending across steps (the
+/// engine's phase spans) holds only those.
+#[derive(Debug)]
+pub struct Marks<E> {
+    /// The number of `held[0]`.
+    base: usize,
+    held: std::collections::VecDeque<Option<E>>,
+}
+
+impl<E> Default for Marks<E> {
+    fn default() -> Self {
+        Self { base: 0, held: Default::default() }
+    }
+}
+
+impl<E> Marks<E> {
+    /// Keeps `e` as the next mark; its number.
+    pub fn push(&mut self, e: E) -> usize {
+        self.held.push_back(Some(e));
+        self.base + self.held.len() - 1
+    }
+
+    /// Mark `i`, unless released.
+    pub fn get(&self, i: usize) -> Option<&E> {
+        i.checked_sub(self.base).and_then(|k| self.held.get(k)).and_then(Option::as_ref)
+    }
+
+    /// Forgets mark `i`.
+    pub fn release(&mut self, i: usize) {
+        if let Some(slot) = i.checked_sub(self.base).and_then(|k| self.held.get_mut(k)) {
+            *slot = None;
+        }
+        while matches!(self.held.front(), Some(None)) {
+            self.held.pop_front();
+            self.base += 1;
+        }
+    }
+
+    /// Forgets every mark (numbers are not reused).
+    pub fn clear(&mut self) {
+        self.base += self.held.len();
+        self.held.clear();
+    }
+
+    /// Marks held (not released).
+    pub fn len(&self) -> usize {
+        self.held.iter().filter(|e| e.is_some()).count()
+    }
+
+    /// Whether none is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// How much scratch a model's backend needs (from the engine's schedule).

@@ -385,6 +385,14 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.dev.timing_reset()
     }
 
+    fn timing_done(&self, mark: usize) -> bool {
+        self.dev.timing_done(mark)
+    }
+
+    fn timing_release(&self, mark: usize) {
+        self.dev.timing_release(mark)
+    }
+
     fn gemm(&mut self, c: Mat, a_: Mat, b: Mat, alpha: f64, beta: f64) {
         self.check([a_.span(), b.span()], [c.span()]);
         self.submit(Work::Gemm(lt::plan(c, a_, b, alpha, beta)));

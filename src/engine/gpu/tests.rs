@@ -384,3 +384,25 @@ fn scoring_on_the_emulated_gpu_matches_the_cpu_engine() {
     let c = e.graph_counts().unwrap();
     assert!(c.captured >= 1 && c.replayed >= 1, "{c:?}");
 }
+
+/// Timing marks keep their numbers when others are released; released marks at the front are
+/// dropped (a reader keeping one span pending across steps holds only that span's marks), and
+/// numbers are never reused after a reset.
+#[test]
+fn timing_marks_keep_their_numbers_and_drop_what_is_released() {
+    let mut m = super::Marks::default();
+    let ids: Vec<usize> = (0..5).map(|k| m.push(k * 10)).collect();
+    assert_eq!(ids, [0, 1, 2, 3, 4]);
+    m.release(1);
+    assert_eq!((m.get(0), m.get(1), m.get(2)), (Some(&0), None, Some(&20)));
+    m.release(0);
+    assert_eq!(m.held.len(), 3, "the released front is dropped");
+    for k in [2, 3] {
+        m.release(k);
+    }
+    assert_eq!((m.len(), m.get(4)), (1, Some(&40)));
+    assert_eq!(m.push(50), 5);
+    m.clear();
+    assert!(m.is_empty() && m.get(4).is_none());
+    assert_eq!(m.push(60), 6, "numbers are not reused");
+}
