@@ -450,6 +450,11 @@ impl Engine {
         self.schedule.layout.t
     }
 
+    /// Sequences per micro-batch.
+    pub fn rows(&self) -> usize {
+        self.schedule.layout.rows
+    }
+
     /// How the backend ran its units of work (`None`: op by op, the CPU backends).
     pub fn graph_counts(&self) -> Option<GraphCounts> {
         self.be.graph_counts()

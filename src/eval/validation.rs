@@ -232,26 +232,34 @@ impl Validator {
     /// before each batch whether to go on (one rank's false stops them all) and run as many
     /// rounds as the longest share takes.
     pub fn run(&self, model: &Gpt, keep_going: impl Fn() -> bool) -> anyhow::Result<Option<BpbAccumulator>> {
-        self.run_with(&mut |x, y, rows| nll_sum(model, x, y, rows), keep_going)
+        self.run_with(&mut |x, y, rows| nll_sum(model, x, y, rows), 1, keep_going)
     }
 
     /// [`Validator::run`] with the scoring given: `score(x, y, rows)` returns the summed loss
     /// (nats) of the `rows` sequences of targets `y` after inputs `x` (an executor that scores
-    /// on its own device, [`crate::train::executor::Executor::score`]).
-    pub fn run_with(&self, score: &mut ScoreFn<'_>, keep_going: impl Fn() -> bool) -> anyhow::Result<Option<BpbAccumulator>> {
+    /// on its own device, [`crate::train::executor::Executor::score`]), in batches of a
+    /// multiple of `rows_multiple` sequences (the scorer's own pass: `train.val_batch_tokens`
+    /// rounded up to it, so that a scorer of fixed rows pads at most each rank's last batch).
+    pub fn run_with(
+        &self,
+        score: &mut ScoreFn<'_>,
+        rows_multiple: usize,
+        keep_going: impl Fn() -> bool,
+    ) -> anyhow::Result<Option<BpbAccumulator>> {
+        let batch_rows = self.batch_rows.next_multiple_of(rows_multiple.max(1));
         let mut acc = BpbAccumulator::new(self.data.tables.clone());
         let tokens = &self.data.tokens;
         let t = self.seq_len;
         let mut s = self.first;
         let seqs = (tokens.len() - 1) / t;
-        for _ in 0..crate::dist::share::rounds(seqs, self.ranks.world(), self.batch_rows) {
+        for _ in 0..crate::dist::share::rounds(seqs, self.ranks.world(), batch_rows) {
             if !crate::dist::share::all_go_on(self.ranks.as_ref(), keep_going())? {
                 return Ok(None);
             }
             if s == self.end {
                 continue;
             }
-            let rows = self.batch_rows.min(self.end - s);
+            let rows = batch_rows.min(self.end - s);
             let x = &tokens[s * t..(s + rows) * t];
             let y = &tokens[s * t + 1..(s + rows) * t + 1];
             acc.add_sum(x, y, score(x, y, rows)?);
@@ -344,6 +352,34 @@ mod tests {
             vocab,
         };
         (c, dir)
+    }
+
+    /// A scorer of fixed rows gets batches of a multiple of them: 10 sequences in batches of 3
+    /// (val_batch_tokens 48, 16 tokens a sequence) with a multiple of 4 come as 4, 4, 2, every
+    /// target once, and the sums are the plain pass's.
+    #[test]
+    fn batches_are_a_multiple_of_the_scorers_rows() {
+        let (mut c, dir) = setup("multiple", 16 * 10 + 1);
+        c.val_batch_tokens = 48;
+        let v = Validator::load(&c, 1).unwrap();
+        let (mut calls, mut seen) = (Vec::new(), 0);
+        let loss = |x: &[u32], y: &[u32]| x.iter().zip(y).map(|(&a, &b)| f64::from(a * 3 + b) / 100.0).sum::<f64>();
+        let acc = v
+            .run_with(
+                &mut |x, y, rows| {
+                    calls.push(rows);
+                    seen += y.len();
+                    Ok(loss(x, y))
+                },
+                4,
+                || true,
+            )
+            .unwrap()
+            .unwrap();
+        assert_eq!((calls, seen), (vec![4, 4, 2], 160));
+        let plain = v.run_with(&mut |x, y, _| Ok(loss(x, y)), 1, || true).unwrap().unwrap();
+        assert_eq!((acc.nll_sum(), acc.tokens(), acc.bytes()), (plain.nll_sum(), plain.tokens(), plain.bytes()));
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     /// Stages of one run share one copy of the split; a changed file or setting is read anew,

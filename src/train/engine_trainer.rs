@@ -136,6 +136,10 @@ impl Executor for EngineTrainer {
         self.engine.score(x, y, self.mirror.looping())
     }
 
+    fn score_rows(&self) -> usize {
+        self.engine.rows()
+    }
+
     fn set_looping(&mut self, on: bool) {
         self.mirror.set_looping(on);
     }

@@ -112,6 +112,12 @@ pub trait Executor: Send {
         crate::eval::validation::nll_sum(self.synced_model()?, x, y, rows)
     }
 
+    /// Sequences [`Executor::score`] runs at once (validation batches are made a multiple of
+    /// it): 1 for a model of any batch; the engine's micro-batch rows.
+    fn score_rows(&self) -> usize {
+        1
+    }
+
     /// Switches depth recurrence on or off for the steps that follow.
     fn set_looping(&mut self, on: bool);
 

@@ -140,6 +140,9 @@ impl StepTable {
             for row in old.lines().skip(1) {
                 if row.split('\t').next().and_then(|s| s.parse::<u64>().ok()).is_some_and(|s| s <= at) {
                     kept.push_str(row);
+                    // A row of an older table (before the phase columns) gets them empty.
+                    let missing = STEP_TABLE_HEADER.split('\t').count().saturating_sub(row.split('\t').count());
+                    kept.push_str(&"\t".repeat(missing));
                     kept.push('\n');
                 }
             }
@@ -269,6 +272,26 @@ pub fn training_elements_line(t: &TrainConfig) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A resumed run keeps the rows up to its checkpoint, an older table's rows padded to the
+    /// header's columns, and appends its own with the phase times.
+    #[test]
+    fn a_resumed_table_keeps_its_rows_under_the_current_header() {
+        let dir = std::env::temp_dir().join(format!("pipeline-steps-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let old = "step\ttrain_loss\tlr_mul\ttrain_time_ms\tdata_fingerprint\n1\t7\t1\t10.0\taa\n2\t6\t1\t20.0\tbb\n3\t5\t1\t30.0\tcc\n";
+        std::fs::write(dir.join("steps.tsv"), old).unwrap();
+        let mut t = StepTable::new(Some(&dir), Some(2)).unwrap();
+        let ms = Duration::from_millis;
+        t.row(3, 5.5, 1.0, 31.0, 0xdd, [ms(4), ms(5), ms(1)]);
+        drop(t);
+        let text = std::fs::read_to_string(dir.join("steps.tsv")).unwrap();
+        let rows: Vec<Vec<&str>> = text.lines().map(|l| l.split('\t').collect()).collect();
+        assert_eq!(rows[0].join("\t"), STEP_TABLE_HEADER);
+        assert!(rows.iter().all(|r| r.len() == 8), "{text}");
+        assert_eq!((rows.len(), rows[2][4], rows[2][5], rows[3][5]), (4, "bb", "", "4.00"), "{text}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
 
     /// The lines parse with the patterns the challenge's log readers use.
     #[test]

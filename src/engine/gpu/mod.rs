@@ -324,6 +324,7 @@ impl Capacity {
             .max(self.tokens * self.heads)
             .max(parts * (self.width + 1) + 2 * self.tokens)
             .max(parts * self.width + 6 * parts * self.width.div_ceil(2 * ops::BLOCK_THREADS))
+            // The embedding gradient's pieces, a row of the model's width each (`width` is twice it).
             .max(tokens.max_pieces() * self.width / 2);
         // Every region starts 16-byte aligned (flash attention copies its statistics with
         // 16-byte cp.async).

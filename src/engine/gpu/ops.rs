@@ -413,7 +413,7 @@ impl<D: Device> Backend for KernelBackend<D> {
         let (off, pos, poff) =
             (Arg::Ptr(Space::Tokens, t.csr_off()), Arg::Ptr(Space::Tokens, t.csr_pos()), Arg::Ptr(Space::Tokens, t.pieces()));
         // Rows of more than `piece` tokens: their pieces first (a grid for the most there can be).
-        let part = Arg::Ptr(Space::Aux, self.aux.scratch);
+        let part = self.scratch(0, t.max_pieces() * dim);
         let pieces = t.max_pieces() as u32;
         let args = vec![a(dout), off, pos, poff, part, i(dim), i(t.vocab), i(t.piece)];
         self.run("eng_embedding_pieces", [pieces, 1, 1], BLOCK, args);

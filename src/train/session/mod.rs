@@ -756,7 +756,8 @@ impl Session {
         // on: one rank's stop cuts the pass short on all.
         let keep_going = || if final_pass { !ctx.aborted() } else { !ctx.stopping() };
         let trainer = &mut self.trainer;
-        let acc = self.validator.run_with(&mut |x, y, rows| trainer.score(x, y, rows), keep_going).context("validation")?;
+        let multiple = trainer.score_rows();
+        let acc = self.validator.run_with(&mut |x, y, rows| trainer.score(x, y, rows), multiple, keep_going).context("validation")?;
         self.window.validation += t0.elapsed();
         ctx.trace_phases(&[("validation", t0.elapsed())]);
         let step = self.trainer.step();
