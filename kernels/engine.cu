@@ -33,6 +33,7 @@
 #include "ops/rms_norm.cuh"
 #include "ops/scale.cuh"
 #include "ops/softcap_ce.cuh"
+#include "ops/vec.cuh"
 
 namespace eng {
 
@@ -556,19 +557,19 @@ extern "C" __global__ void eng_qk_norm_rope_bwd(const float* x, long ldx, const 
 
 // The same two kernels for heads 64 wide (the GPU engine's only width) whose rotated half is
 // a power-of-two multiple of 4 (rot 8, 16, 32, 64), with every row and table 16-byte aligned
-// (KernelBackend::qk_vector checks): 16 lanes per (row, head), one float4 each, so a warp
+// (KernelBackend::qk_vector checks): 16 lanes per (row, head), one 16-byte chunk each, so a warp
 // moves two heads with 16-byte loads where the kernels above give a warp one head and leave
 // lanes idle (measured at 0.9-1.4 TB/s on an H100 and an H200). A lane of the rotated part finds
-// its pair's other half `half / 4` lanes away (a shuffle); the sums are over the 16 lanes.
+// its pair's other half `half / 4` lanes away (a shuffle); the sums are over the 16 lanes. The
+// chunks' helpers are ops/vec.cuh's, as the model's vectorized kernels in fused.cu use them.
 constexpr int QK_LANES = 16;
 
-__device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
-__device__ __forceinline__ float4 shfl4(float4 v, int m) {
-    return make_float4(__shfl_xor_sync(0xffffffffu, v.x, m), __shfl_xor_sync(0xffffffffu, v.y, m), __shfl_xor_sync(0xffffffffu, v.z, m),
-                       __shfl_xor_sync(0xffffffffu, v.w, m));
+// This lane's 4 values of the head row at p (16-byte aligned), as a chunk and as floats.
+__device__ __forceinline__ uint4 chunk_at(const float* p, float (&v)[4]) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    ops::unpack(u, v);
+    return u;
 }
-__device__ __forceinline__ float at4(float4 v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
 
 extern "C" __global__ void eng_qk_norm_rope_fwd4(const float* x, long ldx, float* out, float* rstd, const float* gain, int has_gain,
                                                  const float* cos, const float* sin, long rows, int heads, int d, int rot, int t, float eps) {
@@ -577,24 +578,21 @@ extern "C" __global__ void eng_qk_norm_rope_fwd4(const float* x, long ldx, float
     const long item = live ? raw : 0;  // spare lanes compute on item 0 and store nothing: every lane shuffles
     const int j = 4 * (threadIdx.x % QK_LANES), half = rot / 2, h = (int)(item % heads);
     const long n = item / heads;
-    const float4 xv = ld4(x + n * ldx + (long)h * d + j);
-    const float inv = ops::rms_rstd<Precise>(ops::group_sum(xv.x * xv.x + xv.y * xv.y + xv.z * xv.z + xv.w * xv.w, QK_LANES), d, eps);
-    const float4 xn = make_float4(xv.x * inv, xv.y * inv, xv.z * inv, xv.w * inv);
-    const float4 pn = shfl4(xn, half / 4);  // the pair's other half (lanes of the rotated part)
+    float xv[4], pv[4];
+    const uint4 xu = chunk_at(x + n * ldx + (long)h * d + j, xv);
+    ops::unpack(ops::shfl_xor(xu, half / 4), pv);  // the pair's other half (lanes of the rotated part)
+    const float inv = ops::rms_rstd<Precise>(ops::group_sum(xv[0] * xv[0] + xv[1] * xv[1] + xv[2] * xv[2] + xv[3] * xv[3], QK_LANES), d, eps);
     const float g = has_gain ? gain[h] : 1.f;
     float y[4];
-    if (j < 2 * half) {
-        const bool lo = j < half;
-        const long c0 = (long)(n % t) * half + (lo ? j : j - half);
-        for (int k = 0; k < 4; ++k) {
-            const float c = cos[c0 + k], s = sin[c0 + k], a = lo ? at4(xn, k) : at4(pn, k), b = lo ? at4(pn, k) : at4(xn, k);
-            y[k] = (lo ? ops::rope_lo(a, b, c, s) : ops::rope_hi(a, b, c, s)) * g;
-        }
-    } else {
-        for (int k = 0; k < 4; ++k) y[k] = at4(xn, k) * g;
+    const bool lo = j < half;
+    const long c0 = (long)(n % t) * half + (lo ? j : j - half);
+    for (int k = 0; k < 4; ++k) {
+        const float xs = xv[k] * inv, ps = pv[k] * inv;
+        if (j >= 2 * half) y[k] = xs * g;
+        else y[k] = (lo ? ops::rope_lo(xs, ps, cos[c0 + k], sin[c0 + k]) : ops::rope_hi(ps, xs, cos[c0 + k], sin[c0 + k])) * g;
     }
     if (!live) return;
-    st4(out + item * d + j, make_float4(y[0], y[1], y[2], y[3]));
+    *reinterpret_cast<uint4*>(out + item * d + j) = ops::pack(y);
     if (j == 0) rstd[item] = inv;
 }
 
@@ -606,17 +604,19 @@ extern "C" __global__ void eng_qk_norm_rope_bwd4(const float* x, long ldx, const
     const long item = live ? raw : 0;
     const int j = 4 * (threadIdx.x % QK_LANES), half = rot / 2, h = (int)(item % heads);
     const long n = item / heads;
-    const float4 xv = ld4(x + n * ldx + (long)h * d + j), gv = ld4(dy + item * d + j);
-    const float4 xp = shfl4(xv, half / 4), gp = shfl4(gv, half / 4);
+    float xv[4], gv[4], xp[4], gp[4];
+    const uint4 xu = chunk_at(x + n * ldx + (long)h * d + j, xv), gu = chunk_at(dy + item * d + j, gv);
+    ops::unpack(ops::shfl_xor(xu, half / 4), xp);
+    ops::unpack(ops::shfl_xor(gu, half / 4), gp);
     const float inv = rstd[item], g = has_gain ? gain[h] : 1.f;
     // Per value: the gain's gradient term, the norm's dot term, and dxn (the gradient before the norm).
     float dg = 0.f, dot = 0.f, dxn[4];
     const bool rotated = j < 2 * half, lo = j < half;
     const long c0 = (long)(n % t) * half + (lo ? j : j - half);
     for (int k = 0; k < 4; ++k) {
-        const float xs = at4(xv, k) * inv, gs = at4(gv, k);
+        const float xs = xv[k] * inv, gs = gv[k];
         if (rotated) {
-            const float c = cos[c0 + k], s = sin[c0 + k], ps = at4(xp, k) * inv, gq = at4(gp, k);
+            const float c = cos[c0 + k], s = sin[c0 + k], ps = xp[k] * inv, gq = gp[k];
             const float a = lo ? xs : ps, b = lo ? ps : xs, ga = (lo ? gs : gq) * g, gb = (lo ? gq : gs) * g;
             dg += gs * (lo ? ops::rope_lo(a, b, c, s) : ops::rope_hi(a, b, c, s));
             dxn[k] = lo ? ops::unrope_lo(ga, gb, c, s) : ops::unrope_hi(ga, gb, c, s);
@@ -631,8 +631,9 @@ extern "C" __global__ void eng_qk_norm_rope_bwd4(const float* x, long ldx, const
     // dx = dxn / r - x k with k = mean(dxn xn) / r^2.
     const float kk = dot / d * inv * inv;
     if (!live) return;
-    st4(dx + n * lddx + (long)h * d + j,
-        make_float4(dxn[0] * inv - xv.x * kk, dxn[1] * inv - xv.y * kk, dxn[2] * inv - xv.z * kk, dxn[3] * inv - xv.w * kk));
+    float o[4];
+    for (int k = 0; k < 4; ++k) o[k] = dxn[k] * inv - xv[k] * kk;
+    *reinterpret_cast<uint4*>(dx + n * lddx + (long)h * d + j) = ops::pack(o);
     if (j == 0) part[item] = dg;
 }
 

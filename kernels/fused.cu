@@ -23,6 +23,7 @@
 #include "ops/rms_norm.cuh"
 #include "ops/scale.cuh"
 #include "ops/softcap_ce.cuh"
+#include "ops/vec.cuh"
 
 namespace {
 
@@ -191,32 +192,9 @@ __device__ void norm_rope_bwd(const T* x, const T* g, const T* table, T* dx, lon
 // values come by shuffle. For d % (2E) == 0, L a power of two up to 32 and 16-byte aligned rows
 // (the launch checks, and takes the kernels above otherwise). Lanes past the last row load
 // zeros and store nothing, but take part in every shuffle.
-__device__ __forceinline__ void unpack(const uint4& u, float (&v)[4]) {
-    v[0] = __uint_as_float(u.x), v[1] = __uint_as_float(u.y), v[2] = __uint_as_float(u.z), v[3] = __uint_as_float(u.w);
-}
-__device__ __forceinline__ void unpack(const uint4& u, float (&v)[8]) {
-    const unsigned w[4] = {u.x, u.y, u.z, u.w};
-    for (int k = 0; k < 4; ++k) {
-        // bf16 is the high half of a float: element 2k is the word's low 16 bits (little endian).
-        v[2 * k] = __uint_as_float(w[k] << 16);
-        v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-    }
-}
-__device__ __forceinline__ uint4 pack(const float (&v)[4]) {
-    return uint4{__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3])};
-}
-__device__ __forceinline__ uint4 pack(const float (&v)[8]) {
-    unsigned w[4];
-    for (int k = 0; k < 4; ++k) {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
-        memcpy(&w[k], &h, 4);
-    }
-    return uint4{w[0], w[1], w[2], w[3]};
-}
-__device__ __forceinline__ uint4 shfl_xor(const uint4& u, int o) {
-    return uint4{__shfl_xor_sync(0xffffffffu, u.x, o), __shfl_xor_sync(0xffffffffu, u.y, o),
-                 __shfl_xor_sync(0xffffffffu, u.z, o), __shfl_xor_sync(0xffffffffu, u.w, o)};
-}
+using ops::pack;
+using ops::shfl_xor;
+using ops::unpack;
 // The sum of v over the L lanes of this lane's row (an aligned group of L lanes).
 using ops::group_sum;
 
