@@ -154,6 +154,9 @@ fn engine_check_refuses_bad_arguments() {
         assert_eq!(o.status.code(), Some(2), "{args:?}\n{}", text(&o));
         common::assert_fails(&o, &[want]);
     }
+    // The refusal of a timing shape lists the ones there are.
+    let o = common::bin().args(["engine-check", "--device", "cpu", "--timing", "huge"]).output().unwrap();
+    common::assert_fails(&o, &["baseline", "record-0427", "small", "none"]);
     if !pipeline::device::CUDA_BUILD {
         let o = common::bin().args(["engine-check", "--device", "cuda:0"]).output().unwrap();
         assert_eq!(o.status.code(), Some(1), "{}", text(&o));

@@ -385,7 +385,7 @@ fn timings(device: &Device, bf16: bool, shape: TimingShape, rows: Option<usize>,
         cfg.num_heads,
         cfg.num_kv_heads,
         cfg.vocab_size,
-        if shape == TimingShape::Record0427 { ", the 04-27 record's elements" } else { "" }
+        if record { ", the 04-27 record's elements" } else { "" }
     );
     let clock = if device.is_cpu() { "host clock per op" } else { "device time per op (CUDA events, no sync between ops)" };
     Ok(Timings {

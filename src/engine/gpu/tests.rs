@@ -113,6 +113,15 @@ fn ids_outside_the_vocabulary_give_nan_not_stray_reads() {
     assert!(l[5].is_nan() && l.iter().enumerate().all(|(k, v)| k == 5 || v.is_finite()), "{l:?}");
 }
 
+/// Runs the case `case` on an emulator built from the kernels with `from` replaced by `to` in
+/// `file` (of kernels/): the mutant tests below expect its panic.
+fn check_mutant(name: &str, file: &str, from: &str, to: &str, case: &str) {
+    let dir = emu::temp_dir();
+    let mutant = emu::mutant(&dir, &format!("engine_{name}_mutant"), file, from, to);
+    let mut be = case_backend(&emu::build(&dir, &format!("engine_emu_{name}_mutant"), Some(&mutant)), &format!("{name}-mutant"));
+    check_case(&mut be, case);
+}
+
 /// An RMS norm backward that divides by one column too many (in the device maths engine.cu
 /// shares with the model's kernels, kernels/ops/rms_norm.cuh) fails its case: the harness sees
 /// a wrong kernel.
@@ -120,10 +129,7 @@ fn ids_outside_the_vocabulary_give_nan_not_stray_reads() {
 #[should_panic(expected = "on the emulated GPU")]
 fn a_wrong_kernel_fails_the_comparison() {
     let (from, to) = ("c = xg / d * inv * inv * inv * s;", "c = xg / (d + 1) * inv * inv * inv * s;");
-    let dir = emu::temp_dir();
-    let mutant = emu::mutant(&dir, "engine_mutant", "ops/rms_norm.cuh", from, to);
-    let mut be = case_backend(&emu::build(&dir, "engine_emu_mutant", Some(&mutant)), "mutant");
-    check_case(&mut be, "rms_norm_bwd (write, then accumulate)");
+    check_mutant("rms", "ops/rms_norm.cuh", from, to, "rms_norm_bwd (write, then accumulate)");
 }
 
 /// An embedding gradient whose pieces (the first level, for rows of many tokens) lose their
@@ -133,10 +139,7 @@ fn a_wrong_kernel_fails_the_comparison() {
 fn embedding_pieces_that_drop_a_token_fail_the_comparison() {
     let (from, to) =
         ("const unsigned k1 = k0 + piece < end ? k0 + piece : end;", "const unsigned k1 = (k0 + piece < end ? k0 + piece : end) - 1;");
-    let dir = emu::temp_dir();
-    let mutant = emu::mutant(&dir, "engine_pieces_mutant", "engine.cu", from, to);
-    let mut be = case_backend(&emu::build(&dir, "engine_emu_pieces_mutant", Some(&mutant)), "pieces-mutant");
-    check_case(&mut be, "embedding_bwd (the ids' CSR)");
+    check_mutant("pieces", "engine.cu", from, to, "embedding_bwd (the ids' CSR)");
 }
 
 /// A vectorized q/k norm + RoPE whose lanes take their own values for their pair's other half
@@ -144,11 +147,8 @@ fn embedding_pieces_that_drop_a_token_fail_the_comparison() {
 #[test]
 #[should_panic(expected = "on the emulated GPU")]
 fn a_rope_pair_from_the_wrong_lane_fails_the_comparison() {
-    let (from, to) = ("const float4 pn = shfl4(xn, half / 4);", "const float4 pn = shfl4(xn, 0);");
-    let dir = emu::temp_dir();
-    let mutant = emu::mutant(&dir, "engine_rope_mutant", "engine.cu", from, to);
-    let mut be = case_backend(&emu::build(&dir, "engine_emu_rope_mutant", Some(&mutant)), "rope-mutant");
-    check_case(&mut be, "qk_norm_rope_fwd (64 wide, 16 rotated, gain)");
+    let (from, to) = ("ops::unpack(ops::shfl_xor(xu, half / 4), pv);", "ops::unpack(ops::shfl_xor(xu, 0), pv);");
+    check_mutant("rope", "engine.cu", from, to, "qk_norm_rope_fwd (64 wide, 16 rotated, gain)");
 }
 
 /// The ids' CSR built on the device (`eng_csr_count`, `_scan`, `_fill`) is the stable counting
