@@ -130,6 +130,23 @@ train() {
   shift 2
   "$BIN" run "$config" --out "$runs/$name" -q "$@" > "$runs/$name.out" 2>&1
 }
+# train_record CONFIG NAME SETTINGS...: a record at its 8 micro-batches of 48 x 2048, and when
+# that is refused or runs out of memory (not in the smoke) again at 16 of 24 x 2048 (`accum`
+# says so: 16, else empty); a failure is reported with the end of runs/NAME.out.
+train_record() {
+  local config=$1 name=$2
+  shift 2
+  accum=""
+  train "$config" "$name" "$@" && return
+  if grep -qiE "out of memory|CUDA_ERROR_OUT_OF_MEMORY|memory" "$runs/$name.out" && [[ $SMOKE != 1 ]]; then
+    say "$name at 8 micro-batches of 48 x 2048: refused or out of memory; again with 16 of 24 x 2048"
+    mv "$runs/$name.out" "$runs/$name-oom.out"
+    rm -rf "${runs:?}/$name"
+    accum=16
+    train "$config" "$name" "$@" --set train.grad_accum_steps=16 && return
+  fi
+  fail "$name run (runs/$name.out): $(tail -2 "$runs/$name.out" | tr '\n' ' ')"
+}
 
 common1024=(--set "data.train=\"$IN/sp1024/fineweb_train_*.bin\"" --set "data.val=\"$IN/sp1024/fineweb_val_*.bin\""
             --set "data.tokenizer=\"$IN/tokenizers/fineweb_1024_bpe.model\"" --set train.val_every=0 --set train.val_max_tokens=65536
@@ -217,18 +234,7 @@ if command -v nvidia-smi > /dev/null; then
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$work/memory.log" 2>/dev/null &
   sampler=$!
 fi
-accum=""
-if ! train pipelines/record.toml record "${record[@]}"; then
-  if grep -qiE "out of memory|CUDA_ERROR_OUT_OF_MEMORY|memory" "$runs/record.out" && [[ $SMOKE != 1 ]]; then
-    say "record at 8 micro-batches of 48 x 2048: out of memory; again with 16 of 24 x 2048"
-    mv "$runs/record.out" "$runs/record-oom.out"
-    rm -rf "$runs/record"
-    accum=16
-    train pipelines/record.toml record "${record[@]}" --set train.grad_accum_steps=16 || fail "record run (runs/record.out): $(tail -2 "$runs/record.out" | tr '\n' ' ')"
-  else
-    fail "record run (runs/record.out): $(tail -2 "$runs/record.out" | tr '\n' ' ')"
-  fi
-fi
+train_record pipelines/record.toml record "${record[@]}"
 [[ -n $sampler ]] && kill "$sampler" 2>/dev/null
 if [[ -f $runs/record/steps.tsv ]]; then
   say "record on the engine$([[ -n $accum ]] && echo ", $accum micro-batches a step"): steady $(steady "$runs/record") ms/step, arena $(field "$runs/record" "round(r['train']['engine']['arena_bytes'] / 2**30, 1)") GiB, graphs $(field "$runs/record" "r['train']['engine'].get('graphs')")"
@@ -250,26 +256,14 @@ r0427=(--set "data.train=\"$IN/sp8192/fineweb_train_*.bin\"" --set "data.val=\"$
        --set stages.artifact.eval=false --set stages.eval.impl='"sliding"' --set stages.eval.stride=2048 "${tiny[@]}")
 # The smoke: the record's 11 blocks at width 64, sequences of 128.
 [[ $SMOKE == 1 ]] && r0427+=(--set model.num_layers=11 --set train.val_max_tokens=4096 --set stages.eval.seq_len=128 --set stages.eval.stride=64)
-accum=""
-if ! train pipelines/record-0427.toml record-0427 "${r0427[@]}"; then
-  if grep -qiE "out of memory|CUDA_ERROR_OUT_OF_MEMORY|memory" "$runs/record-0427.out" && [[ $SMOKE != 1 ]]; then
-    say "record-0427 at 8 micro-batches of 48 x 2048: refused or out of memory; again with 16 of 24 x 2048"
-    mv "$runs/record-0427.out" "$runs/record-0427-oom.out"
-    rm -rf "$runs/record-0427"
-    accum=16
-    train pipelines/record-0427.toml record-0427 "${r0427[@]}" --set train.grad_accum_steps=16 \
-      || fail "record-0427 run (runs/record-0427.out): $(tail -2 "$runs/record-0427.out" | tr '\n' ' ')"
-  else
-    fail "record-0427 run (runs/record-0427.out): $(tail -2 "$runs/record-0427.out" | tr '\n' ' ')"
-  fi
-fi
+train_record pipelines/record-0427.toml record-0427 "${r0427[@]}"
 if [[ -f $runs/record-0427/steps.tsv ]]; then
   say "record-0427 on the engine$([[ -n $accum ]] && echo ", $accum micro-batches a step"): steady $(steady "$runs/record-0427") ms/step, arena $(field "$runs/record-0427" "round(r['train']['engine']['arena_bytes'] / 2**30, 1)") GiB, graphs $(field "$runs/record-0427" "r['train']['engine'].get('graphs')"), mirror syncs $(field "$runs/record-0427" "r['train']['engine'].get('mirror_syncs')")"
   # Each step's device phases (steps.tsv): step 1 runs op by op, step 2 captures the graphs.
   python3 - "$runs/record-0427/steps.tsv" <<'PY' | tee -a "$summary"
 import sys
 rows = [l.split("\t") for l in open(sys.argv[1]).read().split("\n")[1:] if l.strip()]
-for r in rows[:3] + rows[-1:]:
+for r in rows[:3] + rows[3:][-1:]:
     print(f"record-0427 step {r[0]}: forward {r[5]} ms, backward {r[6]} ms, optimizer {r[7]} ms")
 PY
 fi
@@ -283,7 +277,7 @@ for v in "${loaders[@]}"; do
   name="loader-$pin-$upload"
   if train pipelines/baseline.toml "$name" "${common1024[@]}" --set train.iterations="$LOADER_STEPS" --set stages.train.impl='"engine"' \
        --set stages.pin.impl="\"$pin\"" --set stages.upload.impl="\"$upload\""; then
-    say "loader $pin + $upload: steady $(steady "$runs/$name") ms/step, executor input wait $(field "$runs/$name" "'%.3f%% of its time, p99 %.0f us' % (100 * next(c for k, c in r['channels'].items() if k.endswith('->train'))['recv_blocked_fraction'], next(c for k, c in r['channels'].items() if k.endswith('->train'))['recv_blocked_us']['p99'])")"
+    say "loader $pin + $upload: steady $(steady "$runs/$name") ms/step, executor input wait $(field "$runs/$name" "(lambda c: '%.3f%% of its time, p99 %.0f us' % (100 * c['recv_blocked_fraction'], c['recv_blocked_us']['p99']))(next(c for k, c in r['channels'].items() if k.endswith('->train')))")"
   else
     fail "loader $pin + $upload (runs/$name.out): $(tail -2 "$runs/$name.out" | tr '\n' ' ')"
   fi
