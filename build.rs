@@ -52,10 +52,18 @@ fn compile_kernels() {
         .filter(|p| p.extension().is_some_and(|e| e == "cu"))
         .collect();
     files.sort();
-    for cu in files {
+    // The engine's kernels twice: float32 activations (engine.ptx) and bfloat16 ones
+    // (engine_bf16.ptx, `-DENGINE_ACT_BF16`: kernels/engine.cu's `act`).
+    let builds = files.into_iter().flat_map(|cu| {
+        let stem = cu.file_stem().expect("a file name").to_string_lossy().into_owned();
+        let bf16 = (stem == "engine").then(|| (cu.clone(), format!("{stem}_bf16.ptx"), Some("-DENGINE_ACT_BF16")));
+        std::iter::once((cu, format!("{stem}.ptx"), None)).chain(bf16)
+    });
+    for (cu, name, define) in builds {
         println!("cargo:rerun-if-changed={}", cu.display());
-        let ptx = out.join(cu.with_extension("ptx").file_name().expect("a file name"));
+        let ptx = out.join(name);
         let status = Command::new(&nvcc)
+            .args(define)
             // `-I kernels`: kernels include their shared headers with angle brackets (see
             // kernels/mma_sm80.cuh), so that the warp emulator's tests can swap them. The ops'
             // headers (`#include "ops/..."`) are found next to the including file.

@@ -37,6 +37,17 @@
 
 namespace eng {
 
+// The storage type of the activations and their gradients (the arena's activation region, see
+// src/engine/layout.rs): float32, or bfloat16 in the engine's bf16 build (`-DENGINE_ACT_BF16`,
+// engine_bf16.ptx), where every kernel below still computes in float32 (ops::bf16s reads as a
+// float and rounds what it is assigned). Parameters, their gradients, optimizer state and the
+// per-row statistics stay float32 in both.
+#ifdef ENGINE_ACT_BF16
+using act = ops::bf16s;
+#else
+using act = float;
+#endif
+
 constexpr int PART = 64;  // rows per partial sum of a per-channel reduction
 
 using ops::block_sum;
@@ -72,31 +83,47 @@ using namespace eng;
 
 // ---- flat kernels ------------------------------------------------------------------------
 
+// Each of these five has a float32 entry point and an `_act` one on the activations' storage
+// (the same kernel in the float32 build): the launcher picks by where the buffer lies.
+
 // d[i] = v.
-extern "C" __global__ void eng_fill(float* d, long n, float v) {
+template <typename T>
+__device__ void fill_t(T* d, long n, float v) {
     for (long i = first_index(); i < n; i += grid_stride()) d[i] = v;
 }
+extern "C" __global__ void eng_fill(float* d, long n, float v) { fill_t(d, n, v); }
+extern "C" __global__ void eng_fill_act(act* d, long n, float v) { fill_t(d, n, v); }
 
 // d[i] *= a.
-extern "C" __global__ void eng_scale(float* d, long n, float a) {
-    for (long i = first_index(); i < n; i += grid_stride()) d[i] *= a;
+template <typename T>
+__device__ void scale_t(T* d, long n, float a) {
+    for (long i = first_index(); i < n; i += grid_stride()) d[i] = d[i] * a;
 }
+extern "C" __global__ void eng_scale(float* d, long n, float a) { scale_t(d, n, a); }
+extern "C" __global__ void eng_scale_act(act* d, long n, float a) { scale_t(d, n, a); }
 
 // d[i] = s[i].
-extern "C" __global__ void eng_copy(float* d, const float* s, long n) {
+template <typename T>
+__device__ void copy_t(T* d, const T* s, long n) {
     for (long i = first_index(); i < n; i += grid_stride()) d[i] = s[i];
 }
+extern "C" __global__ void eng_copy(float* d, const float* s, long n) { copy_t(d, s, n); }
+extern "C" __global__ void eng_copy_act(act* d, const act* s, long n) { copy_t(d, s, n); }
 
 // y = a x + b y with (a, b) = ab[0..2] (the EMA: a = 1 - decay, b = decay). The scalars are
 // read from device memory: they change between replays of a captured step (Muon's learning rate).
-extern "C" __global__ void eng_axpby(const float* ab, const float* x, float* y, long n) {
+template <typename T>
+__device__ void axpby_t(const float* ab, const T* x, T* y, long n) {
     const float a = ab[0], b = ab[1];
     for (long i = first_index(); i < n; i += grid_stride()) y[i] = a * x[i] + b * y[i];
 }
+extern "C" __global__ void eng_axpby(const float* ab, const float* x, float* y, long n) { axpby_t(ab, x, y, n); }
+extern "C" __global__ void eng_axpby_act(const float* ab, const act* x, act* y, long n) { axpby_t(ab, x, y, n); }
 
 // part[block] = the block's sum of x (mode 0), of x^2 (mode 1), or its count of non-finite
 // values (mode 2), over its grid-stride share.
-extern "C" __global__ void eng_reduce_partial(const float* x, long n, int mode, float* part) {
+template <typename T>
+__device__ void reduce_partial_t(const T* x, long n, int mode, float* part) {
     __shared__ float sh[8];
     float s = 0.f;
     for (long i = first_index(); i < n; i += grid_stride()) {
@@ -106,6 +133,8 @@ extern "C" __global__ void eng_reduce_partial(const float* x, long n, int mode, 
     s = block_sum(s, sh);
     if (threadIdx.x == 0) part[blockIdx.x] = s;
 }
+extern "C" __global__ void eng_reduce_partial(const float* x, long n, int mode, float* part) { reduce_partial_t(x, n, mode, part); }
+extern "C" __global__ void eng_reduce_partial_act(const act* x, long n, int mode, float* part) { reduce_partial_t(x, n, mode, part); }
 
 // out[0] = the sum of part[0..count] (added to out[0] when `acc`), in order by one thread
 // (deterministic).
@@ -218,7 +247,7 @@ extern "C" __global__ void eng_colsum_partial(const float* a, long rows, int col
 // out[i] = table[ids[i]] (rows of dim), thread per element. An id outside the vocabulary (the
 // sampler's check switched off, or shards of another tokenizer) gives its row NaN rather than
 // a read past the table: the loss turns NaN and the trainer stops before the update.
-extern "C" __global__ void eng_embedding_fwd(const float* table, const unsigned* ids, float* out, long n, int dim, int vocab) {
+extern "C" __global__ void eng_embedding_fwd(const float* table, const unsigned* ids, act* out, long n, int dim, int vocab) {
     const long total = n * dim;
     for (long i = first_index(); i < total; i += grid_stride()) {
         const unsigned id = ids[i / dim];
@@ -236,7 +265,7 @@ extern "C" __global__ void eng_embedding_fwd(const float* table, const unsigned*
 
 // part[p] = the sum of dout over piece p's tokens in order (a thread per channel); blocks past
 // the micro-batch's pieces (the grid is sized for the most a micro-batch can have) return.
-extern "C" __global__ void eng_embedding_pieces(const float* dout, const unsigned* off, const unsigned* pos, const unsigned* poff,
+extern "C" __global__ void eng_embedding_pieces(const act* dout, const unsigned* off, const unsigned* pos, const unsigned* poff,
                                                 float* part, int dim, int vocab, int piece) {
     const unsigned p = blockIdx.x;
     if (p >= poff[vocab]) return;
@@ -257,7 +286,7 @@ extern "C" __global__ void eng_embedding_pieces(const float* dout, const unsigne
 
 // dtable[v] += its row's pieces in order, or its tokens in order when it has no pieces. Block
 // per row, a thread per channel.
-extern "C" __global__ void eng_embedding_bwd(const float* dout, const unsigned* off, const unsigned* pos, const unsigned* poff,
+extern "C" __global__ void eng_embedding_bwd(const act* dout, const unsigned* off, const unsigned* pos, const unsigned* poff,
                                              const float* part, float* dtable, int dim) {
     const int v = blockIdx.x;
     const unsigned lo = off[v], hi = off[v + 1], p0 = poff[v], p1 = poff[v + 1];
@@ -385,7 +414,7 @@ extern "C" __global__ void eng_csr_fill(const unsigned* ids, long n, int vocab, 
 // ops/rms_norm.cuh with the scale folded in. Warp per row.
 
 // out = x scale / r, rstd = 1 / r with r = sqrt(mean(x^2) + eps).
-extern "C" __global__ void eng_rms_norm_fwd(const float* x, float* out, float* rstd, long rows, int cols, float scale, float eps) {
+extern "C" __global__ void eng_rms_norm_fwd(const act* x, act* out, float* rstd, long rows, int cols, float scale, float eps) {
     const long r = warp_row(rows);
     if (r < 0) return;
     const float inv = ops::rms_norm_row<Precise>(x + r * cols, out + r * cols, cols, eps, scale);
@@ -393,12 +422,12 @@ extern "C" __global__ void eng_rms_norm_fwd(const float* x, float* out, float* r
 }
 
 // dx (+)= scale (dy / r - x sum(dy x) / (cols r^3)), with 1 / r from the forward pass.
-extern "C" __global__ void eng_rms_norm_bwd(const float* x, const float* rstd, const float* dy, float* dx, long rows, int cols, float scale,
+extern "C" __global__ void eng_rms_norm_bwd(const act* x, const float* rstd, const act* dy, act* dx, long rows, int cols, float scale,
                                             int acc) {
     const long r = warp_row(rows);
     if (r < 0) return;
-    const float* xr = x + r * cols;
-    const float* gr = dy + r * cols;
+    const act* xr = x + r * cols;
+    const act* gr = dy + r * cols;
     ops::rms_norm_bwd_row(xr, gr, dx + r * cols, cols, rstd[r], ops::row_dot(xr, gr, cols), scale, acc != 0);
 }
 
@@ -406,7 +435,7 @@ extern "C" __global__ void eng_rms_norm_bwd(const float* x, const float* rstd, c
 // (ops/scale.cuh; the per-channel sums of ops/colsum.cuh)
 
 // out = h mix[0] + x0 mix[1] per channel (mix: 2 x cols).
-extern "C" __global__ void eng_resid_mix_fwd(const float* h, const float* x0, const float* mix, float* out, long n, int cols) {
+extern "C" __global__ void eng_resid_mix_fwd(const act* h, const act* x0, const float* mix, act* out, long n, int cols) {
     for (long i = first_index(); i < n; i += grid_stride()) {
         const int c = (int)(i % cols);
         out[i] = ops::mixed(h[i], x0[i], mix[c], mix[cols + c]);
@@ -414,7 +443,7 @@ extern "C" __global__ void eng_resid_mix_fwd(const float* h, const float* x0, co
 }
 
 // dh = du mix[0]; dx0 += du mix[1].
-extern "C" __global__ void eng_resid_mix_bwd(const float* du, const float* mix, float* dh, float* dx0, long n, int cols) {
+extern "C" __global__ void eng_resid_mix_bwd(const act* du, const float* mix, act* dh, act* dx0, long n, int cols) {
     for (long i = first_index(); i < n; i += grid_stride()) {
         const int c = (int)(i % cols);
         dh[i] = ops::scaled(du[i], mix[c]);
@@ -423,7 +452,7 @@ extern "C" __global__ void eng_resid_mix_bwd(const float* du, const float* mix, 
 }
 
 // part[blk] = (sum du h, sum du x0) per channel over the block's PART rows: the mix's gradient.
-extern "C" __global__ void eng_resid_mix_partial(const float* du, const float* h, const float* x0, long rows, int cols, float* part) {
+extern "C" __global__ void eng_resid_mix_partial(const act* du, const act* h, const act* x0, long rows, int cols, float* part) {
     const long r0 = (long)blockIdx.y * PART, r1 = min(r0 + PART, rows);
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
         float a = 0.f, b = 0.f;
@@ -438,24 +467,24 @@ extern "C" __global__ void eng_resid_mix_partial(const float* du, const float* h
 }
 
 // out = base + x s per channel (base may be out: in place).
-extern "C" __global__ void eng_scale_add_fwd(const float* base, const float* x, const float* s, float* out, long n, int cols) {
+extern "C" __global__ void eng_scale_add_fwd(const act* base, const act* x, const float* s, act* out, long n, int cols) {
     for (long i = first_index(); i < n; i += grid_stride()) out[i] = ops::add_scaled(base[i], x[i], s[i % cols]);
 }
 
 // dx = dy s per channel.
-extern "C" __global__ void eng_scale_cols(const float* dy, const float* s, float* dx, long n, int cols) {
+extern "C" __global__ void eng_scale_cols(const act* dy, const float* s, act* dx, long n, int cols) {
     for (long i = first_index(); i < n; i += grid_stride()) dx[i] = ops::scaled(dy[i], s[i % cols]);
 }
 
 // part[blk][c] = sum over the block's rows of a[r][c] b[r][c].
-extern "C" __global__ void eng_dot_partial(const float* a, const float* b, long rows, int cols, float* part) {
+extern "C" __global__ void eng_dot_partial(const act* a, const act* b, long rows, int cols, float* part) {
     const long r0 = (long)blockIdx.y * PART, r1 = min(r0 + PART, rows);
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x)
         part[(long)blockIdx.y * cols + c] = ops::column_dot(a, b, r0, r1, cols, c);
 }
 
 // U-Net skip: k = s w; out = h + k, or with a gate g = sigmoid(z): out = k + (h - k) g.
-extern "C" __global__ void eng_skip_fwd(const float* h, const float* s, const float* w, const float* z, int gated, float* out, long n,
+extern "C" __global__ void eng_skip_fwd(const act* h, const act* s, const float* w, const float* z, int gated, act* out, long n,
                                         int cols) {
     for (long i = first_index(); i < n; i += grid_stride()) {
         const int c = (int)(i % cols);
@@ -465,7 +494,7 @@ extern "C" __global__ void eng_skip_fwd(const float* h, const float* s, const fl
 }
 
 // dh = dy gh, ds = dy gk w with the shares (gh, gk) = (g, 1 - g), or (1, 1) ungated.
-extern "C" __global__ void eng_skip_bwd(const float* dy, const float* w, const float* z, int gated, float* dh, float* ds, long n, int cols) {
+extern "C" __global__ void eng_skip_bwd(const act* dy, const float* w, const float* z, int gated, act* dh, act* ds, long n, int cols) {
     for (long i = first_index(); i < n; i += grid_stride()) {
         const int c = (int)(i % cols);
         const float g = gated ? sigmoid(z[c]) : 1.f, gk = gated ? 1.f - g : 1.f;
@@ -476,7 +505,7 @@ extern "C" __global__ void eng_skip_bwd(const float* dy, const float* w, const f
 
 // part[blk] = (sum dy gk s, sum dy (h - s w)) per channel: w's gradient and the gate's before
 // its sigmoid's slope (the second half only when gated).
-extern "C" __global__ void eng_skip_partial(const float* dy, const float* h, const float* s, const float* w, const float* z, int gated,
+extern "C" __global__ void eng_skip_partial(const act* dy, const act* h, const act* s, const float* w, const float* z, int gated,
                                             long rows, int cols, float* part) {
     const long r0 = (long)blockIdx.y * PART, r1 = min(r0 + PART, rows);
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
@@ -507,14 +536,14 @@ extern "C" __global__ void eng_skip_gate_finish(const float* part, int parts, in
 // y[i + half] = (b cos - a sin) gain for the rotated pairs (a, b) = (xn[i], xn[i + half]),
 // i < half = rot / 2; y = xn gain past rot. Row n is at position n % t; x has row stride ldx,
 // out is contiguous; rstd keeps 1 / r for the backward pass.
-extern "C" __global__ void eng_qk_norm_rope_fwd(const float* x, long ldx, float* out, float* rstd, const float* gain, int has_gain,
+extern "C" __global__ void eng_qk_norm_rope_fwd(const act* x, long ldx, act* out, float* rstd, const float* gain, int has_gain,
                                                 const float* cos, const float* sin, long rows, int heads, int d, int rot, int t, float eps) {
     const long item = warp_row(rows * heads);
     if (item < 0) return;
     const int lane = threadIdx.x & 31, h = (int)(item % heads), half = rot / 2;
     const long n = item / heads;
-    const float* xh = x + n * ldx + (long)h * d;
-    float* yh = out + item * d;
+    const act* xh = x + n * ldx + (long)h * d;
+    act* yh = out + item * d;
     const float* cr = cos + (long)(n % t) * half;
     const float* sr = sin + (long)(n % t) * half;
     const float g = has_gain ? gain[h] : 1.f;
@@ -524,16 +553,16 @@ extern "C" __global__ void eng_qk_norm_rope_fwd(const float* x, long ldx, float*
 
 // Warp per (row, head): dxn = rope^T(dy gain); dx = (dxn - xn mean(dxn xn)) / r (written, row
 // stride lddx); part[item] = sum(dy rope(xn)) (the gain's gradient before the sum over rows).
-extern "C" __global__ void eng_qk_norm_rope_bwd(const float* x, long ldx, const float* rstd, const float* dy, float* dx, long lddx,
+extern "C" __global__ void eng_qk_norm_rope_bwd(const act* x, long ldx, const float* rstd, const act* dy, act* dx, long lddx,
                                                 const float* gain, int has_gain, const float* cos, const float* sin, long rows, int heads,
                                                 int d, int rot, int t, float* part) {
     const long item = warp_row(rows * heads);
     if (item < 0) return;
     const int lane = threadIdx.x & 31, h = (int)(item % heads), half = rot / 2;
     const long n = item / heads;
-    const float* xh = x + n * ldx + (long)h * d;
-    const float* gy = dy + item * d;
-    float* dh = dx + n * lddx + (long)h * d;
+    const act* xh = x + n * ldx + (long)h * d;
+    const act* gy = dy + item * d;
+    act* dh = dx + n * lddx + (long)h * d;
     const float* cr = cos + (long)(n % t) * half;
     const float* sr = sin + (long)(n % t) * half;
     const float inv = rstd[item], g = has_gain ? gain[h] : 1.f;
@@ -564,14 +593,12 @@ extern "C" __global__ void eng_qk_norm_rope_bwd(const float* x, long ldx, const 
 // chunks' helpers are ops/vec.cuh's, as the model's vectorized kernels in fused.cu use them.
 constexpr int QK_LANES = 16;
 
-// This lane's 4 values of the head row at p (16-byte aligned), as a chunk and as floats.
-__device__ __forceinline__ uint4 chunk_at(const float* p, float (&v)[4]) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    ops::unpack(u, v);
-    return u;
+// The pair partner's 4 values, `o` lanes away (every lane shuffles).
+__device__ __forceinline__ void partner(const float (&v)[4], int o, float (&p)[4]) {
+    for (int k = 0; k < 4; ++k) p[k] = __shfl_xor_sync(0xffffffffu, v[k], o);
 }
 
-extern "C" __global__ void eng_qk_norm_rope_fwd4(const float* x, long ldx, float* out, float* rstd, const float* gain, int has_gain,
+extern "C" __global__ void eng_qk_norm_rope_fwd4(const act* x, long ldx, act* out, float* rstd, const float* gain, int has_gain,
                                                  const float* cos, const float* sin, long rows, int heads, int d, int rot, int t, float eps) {
     const long items = rows * heads, raw = ((long)blockIdx.x * blockDim.x + threadIdx.x) / QK_LANES;
     const bool live = raw < items;
@@ -579,8 +606,8 @@ extern "C" __global__ void eng_qk_norm_rope_fwd4(const float* x, long ldx, float
     const int j = 4 * (threadIdx.x % QK_LANES), half = rot / 2, h = (int)(item % heads);
     const long n = item / heads;
     float xv[4], pv[4];
-    const uint4 xu = chunk_at(x + n * ldx + (long)h * d + j, xv);
-    ops::unpack(ops::shfl_xor(xu, half / 4), pv);  // the pair's other half (lanes of the rotated part)
+    ops::load4(x + n * ldx + (long)h * d + j, xv);
+    partner(xv, half / 4, pv);  // the pair's other half (lanes of the rotated part)
     const float inv = ops::rms_rstd<Precise>(ops::group_sum(xv[0] * xv[0] + xv[1] * xv[1] + xv[2] * xv[2] + xv[3] * xv[3], QK_LANES), d, eps);
     const float g = has_gain ? gain[h] : 1.f;
     float y[4];
@@ -592,11 +619,11 @@ extern "C" __global__ void eng_qk_norm_rope_fwd4(const float* x, long ldx, float
         else y[k] = (lo ? ops::rope_lo(xs, ps, cos[c0 + k], sin[c0 + k]) : ops::rope_hi(ps, xs, cos[c0 + k], sin[c0 + k])) * g;
     }
     if (!live) return;
-    *reinterpret_cast<uint4*>(out + item * d + j) = ops::pack(y);
+    ops::store4(out + item * d + j, y);
     if (j == 0) rstd[item] = inv;
 }
 
-extern "C" __global__ void eng_qk_norm_rope_bwd4(const float* x, long ldx, const float* rstd, const float* dy, float* dx, long lddx,
+extern "C" __global__ void eng_qk_norm_rope_bwd4(const act* x, long ldx, const float* rstd, const act* dy, act* dx, long lddx,
                                                  const float* gain, int has_gain, const float* cos, const float* sin, long rows, int heads,
                                                  int d, int rot, int t, float* part) {
     const long items = rows * heads, raw = ((long)blockIdx.x * blockDim.x + threadIdx.x) / QK_LANES;
@@ -605,9 +632,10 @@ extern "C" __global__ void eng_qk_norm_rope_bwd4(const float* x, long ldx, const
     const int j = 4 * (threadIdx.x % QK_LANES), half = rot / 2, h = (int)(item % heads);
     const long n = item / heads;
     float xv[4], gv[4], xp[4], gp[4];
-    const uint4 xu = chunk_at(x + n * ldx + (long)h * d + j, xv), gu = chunk_at(dy + item * d + j, gv);
-    ops::unpack(ops::shfl_xor(xu, half / 4), xp);
-    ops::unpack(ops::shfl_xor(gu, half / 4), gp);
+    ops::load4(x + n * ldx + (long)h * d + j, xv);
+    ops::load4(dy + item * d + j, gv);
+    partner(xv, half / 4, xp);
+    partner(gv, half / 4, gp);
     const float inv = rstd[item], g = has_gain ? gain[h] : 1.f;
     // Per value: the gain's gradient term, the norm's dot term, and dxn (the gradient before the norm).
     float dg = 0.f, dot = 0.f, dxn[4];
@@ -633,7 +661,7 @@ extern "C" __global__ void eng_qk_norm_rope_bwd4(const float* x, long ldx, const
     if (!live) return;
     float o[4];
     for (int k = 0; k < 4; ++k) o[k] = dxn[k] * inv - xv[k] * kk;
-    *reinterpret_cast<uint4*>(dx + n * lddx + (long)h * d + j) = ops::pack(o);
+    ops::store4(dx + n * lddx + (long)h * d + j, o);
     if (j == 0) part[item] = dg;
 }
 
@@ -642,9 +670,9 @@ extern "C" __global__ void eng_qk_norm_rope_bwd4(const float* x, long ldx, const
 constexpr int XSA_MAX = 4;  // values per lane: head width up to 128
 
 // Lane's share of the unit value of KV head `kv` of row n, and the norm before the floor.
-__device__ __forceinline__ float unit_value(const float* v, long ldv, long n, int kv, int d, float (&u)[XSA_MAX]) {
+__device__ __forceinline__ float unit_value(const act* v, long ldv, long n, int kv, int d, float (&u)[XSA_MAX]) {
     const int lane = threadIdx.x & 31;
-    const float* vr = v + n * ldv + (long)kv * d;
+    const act* vr = v + n * ldv + (long)kv * d;
     float s = 0.f;
     for (int k = 0; k < XSA_MAX; ++k) {
         const int j = lane + 32 * k;
@@ -658,7 +686,7 @@ __device__ __forceinline__ float unit_value(const float* v, long ldv, long n, in
 }
 
 // Warp per (row, KV head): out = y - (y . u) u for each query head of the group.
-extern "C" __global__ void eng_xsa_fwd(const float* y, const float* v, long ldv, float* out, long rows, int heads, int kv_heads, int d) {
+extern "C" __global__ void eng_xsa_fwd(const act* y, const act* v, long ldv, act* out, long rows, int heads, int kv_heads, int d) {
     const long item = warp_row(rows * kv_heads);
     if (item < 0) return;
     const int lane = threadIdx.x & 31, kv = (int)(item % kv_heads), group = heads / kv_heads;
@@ -666,7 +694,7 @@ extern "C" __global__ void eng_xsa_fwd(const float* y, const float* v, long ldv,
     float u[XSA_MAX];
     unit_value(v, ldv, n, kv, d, u);
     for (int h = kv * group; h < (kv + 1) * group; ++h) {
-        const float* yr = y + (n * heads + h) * d;
+        const act* yr = y + (n * heads + h) * d;
         float a = 0.f;
         for (int k = 0; k < XSA_MAX; ++k) a += lane + 32 * k < d ? yr[lane + 32 * k] * u[k] : 0.f;
         a = warp_sum(a);
@@ -679,7 +707,7 @@ extern "C" __global__ void eng_xsa_fwd(const float* y, const float* v, long ldv,
 
 // Warp per (row, KV head): dy = g - (g . u) u per head; du = -sum over the group's heads of
 // ((y . u) g + (g . u) y); dv = (du - u (du . u)) / |v| (du / 1e-12 below the floor), written.
-extern "C" __global__ void eng_xsa_bwd(const float* dout, const float* y, const float* v, long ldv, float* dy, float* dv, long lddv, long rows,
+extern "C" __global__ void eng_xsa_bwd(const act* dout, const act* y, const act* v, long ldv, act* dy, act* dv, long lddv, long rows,
                                        int heads, int kv_heads, int d) {
     const long item = warp_row(rows * kv_heads);
     if (item < 0) return;
@@ -688,8 +716,8 @@ extern "C" __global__ void eng_xsa_bwd(const float* dout, const float* y, const 
     float u[XSA_MAX], du[XSA_MAX] = {0.f, 0.f, 0.f, 0.f};
     const float norm = unit_value(v, ldv, n, kv, d, u);
     for (int h = kv * group; h < (kv + 1) * group; ++h) {
-        const float* gr = dout + (n * heads + h) * d;
-        const float* yr = y + (n * heads + h) * d;
+        const act* gr = dout + (n * heads + h) * d;
+        const act* yr = y + (n * heads + h) * d;
         float a = 0.f, b = 0.f;
         for (int k = 0; k < XSA_MAX; ++k) {
             const int j = lane + 32 * k;
@@ -709,7 +737,7 @@ extern "C" __global__ void eng_xsa_bwd(const float* dout, const float* y, const 
     float along = 0.f;
     for (int k = 0; k < XSA_MAX; ++k) along += du[k] * u[k];
     along = warp_sum(along);
-    float* out = dv + n * lddv + (long)kv * d;
+    act* out = dv + n * lddv + (long)kv * d;
     for (int k = 0; k < XSA_MAX; ++k) {
         const int j = lane + 32 * k;
         if (j < d) out[j] = norm > 1e-12f ? (du[k] - u[k] * along) / norm : du[k] / 1e-12f;
@@ -721,7 +749,7 @@ extern "C" __global__ void eng_xsa_bwd(const float* dout, const float* y, const 
 // The gate of row r of the `cols`-wide embedding rows e: lambda sigmoid(w . e_r[:win]), 0 at a
 // sequence's first position and where the row's id is bos (the BOS fix); its sigmoid (0 there
 // too) in *s. Every lane of the warp gets both.
-__device__ __forceinline__ float smear_gate_of(const float* e, const unsigned* ids, const float* w, float lambda, long r, int cols,
+__device__ __forceinline__ float smear_gate_of(const act* e, const unsigned* ids, const float* w, float lambda, long r, int cols,
                                                int win, int t, int bos, float* s) {
     if (r % t == 0 || ids[r] == (unsigned)bos) {
         *s = 0.f;
@@ -734,7 +762,7 @@ __device__ __forceinline__ float smear_gate_of(const float* e, const unsigned* i
 }
 
 // Warp per row: out_r = e_r + g_r e_{r-1} (out_r = e_r at a sequence's first position).
-extern "C" __global__ void eng_smear_fwd(const float* e, const unsigned* ids, const float* w, const float* lambda, float* out, long rows,
+extern "C" __global__ void eng_smear_fwd(const act* e, const unsigned* ids, const float* w, const float* lambda, act* out, long rows,
                                          int cols, int win, int t, int bos) {
     const long r = warp_row(rows);
     if (r < 0) return;
@@ -747,8 +775,8 @@ extern "C" __global__ void eng_smear_fwd(const float* e, const unsigned* ids, co
 // Warp per row, with G = dout and dg_r = G_r . e_{r-1}: de_r = G_r + g_{r+1} G_{r+1} + [c < win]
 // dz_r w with dz_r = dg_r lambda s_r (1 - s_r); (dz_r, dg_r s_r) into rowv[2r], rowv[2r + 1] for
 // eng_smear_partial (both 0 where the gate is off).
-extern "C" __global__ void eng_smear_bwd(const float* dout, const float* e, const unsigned* ids, const float* w, const float* lambda,
-                                         float* de, float* rowv, long rows, int cols, int win, int t, int bos) {
+extern "C" __global__ void eng_smear_bwd(const act* dout, const act* e, const unsigned* ids, const float* w, const float* lambda,
+                                         act* de, float* rowv, long rows, int cols, int win, int t, int bos) {
     const long r = warp_row(rows);
     if (r < 0) return;
     const int lane = threadIdx.x & 31;
@@ -779,7 +807,7 @@ extern "C" __global__ void eng_smear_bwd(const float* dout, const float* e, cons
 
 // part[blk][c] = the block's sum of dz_r e_r[c] for c < win, and of dl_r at c = win (w's and
 // lambda's gradients before colsum_finish adds the blocks).
-extern "C" __global__ void eng_smear_partial(const float* e, const float* rowv, long rows, int cols, int win, float* part) {
+extern "C" __global__ void eng_smear_partial(const act* e, const float* rowv, long rows, int cols, int win, float* part) {
     const long r0 = (long)blockIdx.y * PART, r1 = min(r0 + PART, rows);
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c <= win; c += gridDim.x * blockDim.x) {
         float a = 0.f;
@@ -791,14 +819,14 @@ extern "C" __global__ void eng_smear_partial(const float* e, const float* rowv, 
 // ---- the 04-27 record's sparse attention-output gate (src/model/ops/attn_gate.rs) ---------
 
 // g = sigmoid(scale w[h] . x[n, :win]) of row n (row stride ldx), head h; every lane gets it.
-__device__ __forceinline__ float attn_gate_of(const float* x, long ldx, const float* w, long n, int h, int win, float scale) {
+__device__ __forceinline__ float attn_gate_of(const act* x, long ldx, const float* w, long n, int h, int win, float scale) {
     float z = 0.f;
     for (int c = threadIdx.x & 31; c < win; c += 32) z += x[n * ldx + c] * w[h * win + c];
     return sigmoid(warp_sum(z) * scale);
 }
 
 // Warp per (row, head): out[n, h, :] = g y[n, h, :].
-extern "C" __global__ void eng_attn_gate_fwd(const float* y, const float* x, long ldx, const float* w, float* out, long rows, int heads,
+extern "C" __global__ void eng_attn_gate_fwd(const act* y, const act* x, long ldx, const float* w, act* out, long rows, int heads,
                                              int d, int win, float scale) {
     const long item = warp_row(rows * heads);
     if (item < 0) return;
@@ -809,8 +837,8 @@ extern "C" __global__ void eng_attn_gate_fwd(const float* y, const float* x, lon
 }
 
 // Warp per (row, head): dy[n, h, :] = g G[n, h, :]; dz[n, h] = scale g (1 - g) (G . y)[n, h].
-extern "C" __global__ void eng_attn_gate_bwd(const float* dout, const float* y, const float* x, long ldx, const float* w, float* dy,
-                                             float* dz, long rows, int heads, int d, int win, float scale) {
+extern "C" __global__ void eng_attn_gate_bwd(const act* dout, const act* y, const act* x, long ldx, const float* w, act* dy,
+                                             act* dz, long rows, int heads, int d, int win, float scale) {
     const long item = warp_row(rows * heads);
     if (item < 0) return;
     const long n = item / heads;
@@ -828,8 +856,8 @@ extern "C" __global__ void eng_attn_gate_bwd(const float* dout, const float* y, 
 // ---- the 04-27 record's two-lane decoder (src/model/ops/lanes.rs) --------------------------
 
 // A = sa ao, M = sm mo per channel; out_k = r[k] l_k + p[0, k] A + p[1, k] M (l0 may be l1).
-extern "C" __global__ void eng_lanes_fwd(const float* l0, const float* l1, const float* ao, const float* mo, const float* sa,
-                                         const float* sm, const float* r, const float* p, float* out0, float* out1, long n, int cols) {
+extern "C" __global__ void eng_lanes_fwd(const act* l0, const act* l1, const act* ao, const act* mo, const float* sa,
+                                         const float* sm, const float* r, const float* p, act* out0, act* out1, long n, int cols) {
     for (long i = first_index(); i < n; i += grid_stride()) {
         const int c = (int)(i % cols);
         const float a = sa[c] * ao[i], m = sm[c] * mo[i];
@@ -839,8 +867,8 @@ extern "C" __global__ void eng_lanes_fwd(const float* l0, const float* l1, const
 }
 
 // dl_k = r[k] G_k; dao = sa dA, dmo = sm dM with dA = p[0, 0] G_0 + p[0, 1] G_1, dM alike.
-extern "C" __global__ void eng_lanes_bwd(const float* g0, const float* g1, const float* sa, const float* sm, const float* r,
-                                         const float* p, float* dl0, float* dl1, float* dao, float* dmo, long n, int cols) {
+extern "C" __global__ void eng_lanes_bwd(const act* g0, const act* g1, const float* sa, const float* sm, const float* r,
+                                         const float* p, act* dl0, act* dl1, act* dao, act* dmo, long n, int cols) {
     for (long i = first_index(); i < n; i += grid_stride()) {
         const int c = (int)(i % cols);
         dl0[i] = r[0] * g0[i];
@@ -854,8 +882,8 @@ extern "C" __global__ void eng_lanes_bwd(const float* g0, const float* g1, const
 // (the scales' gradients, for colsum_finish); sc[blk] = six sums over the rows and the block's
 // channels, G_0 l_0, G_1 l_1, G_0 A, G_1 A, G_0 M, G_1 M (the lambdas' gradients, for
 // eng_lanes_finish), blk = blockIdx.y gridDim.x + blockIdx.x for sc. Thread per channel.
-extern "C" __global__ void eng_lanes_partial(const float* g0, const float* g1, const float* l0, const float* l1, const float* ao,
-                                             const float* mo, const float* sa, const float* sm, const float* p, long rows, int cols,
+extern "C" __global__ void eng_lanes_partial(const act* g0, const act* g1, const act* l0, const act* l1, const act* ao,
+                                             const act* mo, const float* sa, const float* sm, const float* p, long rows, int cols,
                                              float* part, float* sc) {
     __shared__ float sh[8];
     const long r0 = (long)blockIdx.y * PART, r1 = min(r0 + PART, rows);
@@ -919,12 +947,12 @@ extern "C" __global__ void eng_doc_starts(const unsigned* ids, unsigned* starts,
 // ---- the MLP's activation (ops/act.cuh) -------------------------------------------------
 
 // out = leaky_relu(x)^2 (slope 0: relu^2).
-extern "C" __global__ void eng_act_fwd(const float* pre, float* out, long n, float slope) {
+extern "C" __global__ void eng_act_fwd(const act* pre, act* out, long n, float slope) {
     for (long i = first_index(); i < n; i += grid_stride()) out[i] = ops::act_sq(ops::leaky_relu(pre[i], slope));
 }
 
 // dpre = 2 l l' dout with l = leaky_relu(x), l' = 1 or slope.
-extern "C" __global__ void eng_act_bwd(const float* pre, const float* dout, float* dpre, long n, float slope) {
+extern "C" __global__ void eng_act_bwd(const act* pre, const act* dout, act* dpre, long n, float slope) {
     for (long i = first_index(); i < n; i += grid_stride()) {
         const float x = pre[i];
         dpre[i] = ops::act_sq_grad(ops::leaky_relu(x, slope), ops::leaky_relu_slope(x, slope), dout[i]);
@@ -935,10 +963,10 @@ extern "C" __global__ void eng_act_bwd(const float* pre, const float* dout, floa
 
 // Block (256 threads) per row: t = tanh(x / cap), z = cap t; loss = logsumexp(z) - z[y]; the
 // logits are overwritten by scale (softmax(z) - [j == y]) (1 - t^2).
-extern "C" __global__ void eng_softcap_ce(float* logits, const unsigned* targets, float* losses, int vocab, float cap, float scale) {
+extern "C" __global__ void eng_softcap_ce(act* logits, const unsigned* targets, float* losses, int vocab, float cap, float scale) {
     __shared__ float sh[8];
     const long r = blockIdx.x;
-    float* xr = logits + r * vocab;
+    act* xr = logits + r * vocab;
     const float inv_c = 1.f / cap;
     float m = -CUDART_INF_F;
     for (int j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, cap * ops::softcap_tanh(xr[j], inv_c));
@@ -959,16 +987,22 @@ extern "C" __global__ void eng_softcap_ce(float* logits, const unsigned* targets
     }
 }
 
-// ---- attention's casts and delta ---------------------------------------------------------
+// ---- attention's casts and delta; the weights' bf16 copy -------------------------------
+
+// dst[i] = bf16(src[i]): the weights' copy that the GEMMs read with bf16 activations, made at
+// the start of every forward pass from the f32 master weights.
+extern "C" __global__ void eng_cast_bf16(const float* src, __nv_bfloat16* dst, long n) {
+    for (long i = first_index(); i < n; i += grid_stride()) dst[i] = __float2bfloat16(src[i]);
+}
 
 // dst (rows x cols, contiguous bf16) = src (rows x cols, row stride lds, f32).
-extern "C" __global__ void eng_to_bf16(const float* src, long lds, __nv_bfloat16* dst, long rows, int cols) {
+extern "C" __global__ void eng_to_bf16(const act* src, long lds, __nv_bfloat16* dst, long rows, int cols) {
     const long total = rows * cols;
     for (long i = first_index(); i < total; i += grid_stride()) dst[i] = __float2bfloat16(src[(i / cols) * lds + i % cols]);
 }
 
 // dst (row stride ldd, f32) (+)= src (rows x cols, contiguous bf16).
-extern "C" __global__ void eng_from_bf16(const __nv_bfloat16* src, float* dst, long ldd, long rows, int cols, int acc) {
+extern "C" __global__ void eng_from_bf16(const __nv_bfloat16* src, act* dst, long ldd, long rows, int cols, int acc) {
     const long total = rows * cols;
     for (long i = first_index(); i < total; i += grid_stride()) {
         const long j = (i / cols) * ldd + i % cols;
@@ -980,7 +1014,7 @@ extern "C" __global__ void eng_from_bf16(const __nv_bfloat16* src, float* dst, l
 // delta = sum over a head's d values of o * dout (f32, contiguous rows of heads x d), stored
 // as flash attention's backward kernels read it: delta[(b heads + h) t + i] for token n = b t + i.
 // Warp per (token, head).
-extern "C" __global__ void eng_attn_delta(const float* o, const float* dout, float* delta, long rows, int t, int heads, int d) {
+extern "C" __global__ void eng_attn_delta(const act* o, const act* dout, float* delta, long rows, int t, int heads, int d) {
     const long item = warp_row(rows * heads);
     if (item < 0) return;
     const int lane = threadIdx.x & 31;

@@ -38,8 +38,12 @@
 #   (g) the seeds' loader settings on the engine (the baseline, LOADER_STEPS, default 15): page-
 #       locked staging with a copy stream against pageable staging with a synchronous copy:
 #       ms/step and the executor's input wait (its share and p99, from report.json);
+#   (h) bf16 activations on the engine (`activations = "bf16"`, GPU only): engine-check's per-op
+#       table with them (engine-check-bf16.txt), the baseline for STEPS steps beside (b)'s f32-
+#       arena run (ms/step, final val_loss, the arena), and record-0427 for RECORD0427_STEPS;
 #   (e) everything above into OUT.
 #
+# PARTS (default abcdfgh) picks the parts to run, e.g. PARTS=abh.
 # SMOKE=1 runs every part on the CPU with a tiny model (the binary from BIN, the data
 # in IN as above but any tokenizer, SMOKE_VOCAB its vocabulary): a check of this script, not a
 # measurement; tests/first_light.rs runs it in CI. Exit 1 when a check fails or a run breaks.
@@ -53,6 +57,8 @@ PT_STEPS=${PT_STEPS:-40}
 RECORD_STEPS=${RECORD_STEPS:-20}
 RECORD0427_STEPS=${RECORD0427_STEPS:-8}
 LOADER_STEPS=${LOADER_STEPS:-15}
+PARTS=${PARTS:-abcdfgh}
+part() { [[ $PARTS == *$1* ]]; }
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 work=$(mktemp -d "${TMPDIR:-/tmp}/first-light.XXXXXX")
@@ -154,6 +160,7 @@ common1024=(--set "data.train=\"$IN/sp1024/fineweb_train_*.bin\"" --set "data.va
             --set stages.train.dtype="\"$DTYPE\"" "${tiny[@]}" "${tiny_baseline[@]}")
 
 # --- (a) engine-check -----------------------------------------------------------------------
+if part a; then
 say "== (a) pipeline engine-check --device $DEVICE"
 check=(engine-check --device "$DEVICE" --json-out "$OUT/engine-check.json")
 [[ $SMOKE == 1 ]] && check+=(--timing small)
@@ -166,9 +173,12 @@ if [[ $SMOKE != 1 ]]; then
   grep -E '^timings|micro-batch: |optimizer step: ' "$OUT/engine-check-record.txt" | sed 's/^/record-0427 /' | tee -a "$summary"
 fi
 
+fi
+
 # --- (b) the baseline: engine, candle, PyTorch ------------------------------------------------
-say "== (b) baseline, $STEPS steps: engine ($DTYPE, graphs on) and candle, side by side"
 declare -A ms
+if part b; then
+say "== (b) baseline, $STEPS steps: engine ($DTYPE, graphs on) and candle, side by side"
 for impl in engine candle; do
   if train pipelines/baseline.toml "baseline-$impl" "${common1024[@]}" --set train.iterations="$STEPS" --set stages.train.impl="\"$impl\""; then
     ms[$impl]=$(steady "$runs/baseline-$impl")
@@ -206,7 +216,10 @@ else
   say "pytorch: not run ($IN/train_gpt.py not given)"
 fi
 
+fi
+
 # --- (c) graph replay against op-by-op launches ------------------------------------------------
+if part c; then
 say "== (c) the engine's baseline again with graphs off"
 if train pipelines/baseline.toml baseline-eager "${common1024[@]}" --set train.iterations="$STEPS" --set stages.train.impl='"engine"' \
      --set stages.train.cuda_graph=false; then
@@ -221,7 +234,10 @@ else
   fail "the eager engine run (runs/baseline-eager.out): $(tail -2 "$runs/baseline-eager.out" | tr '\n' ' ')"
 fi
 
+fi
+
 # --- (d) the record on the engine ---------------------------------------------------------------
+if part d; then
 say "== (d) pipelines/record.toml on the engine, $RECORD_STEPS steps"
 record=(--set "data.train=\"$IN/sp8192/fineweb_train_*.bin\"" --set "data.val=\"$IN/sp8192/fineweb_val_*.bin\""
         --set "data.tokenizer=\"$IN/tokenizers/fineweb_8192_bpe.model\"" --set train.iterations="$RECORD_STEPS" --set train.val_every=0
@@ -246,6 +262,8 @@ if [[ -s $work/memory.log ]]; then
   { echo "== GPU memory used during the record run (MiB, every 200 ms)"; cat "$work/memory.log"; } >> "$OUT/gpu.txt"
 fi
 
+fi
+
 # --- (f) the 04-27 record on the engine ----------------------------------------------------------
 say "== (f) pipelines/record-0427.toml on the engine, $RECORD0427_STEPS steps (EMA on, validation on the engine)"
 r0427=(--set "data.train=\"$IN/sp8192/fineweb_train_*.bin\"" --set "data.val=\"$IN/sp8192/fineweb_val_*.bin\""
@@ -256,8 +274,10 @@ r0427=(--set "data.train=\"$IN/sp8192/fineweb_train_*.bin\"" --set "data.val=\"$
        --set stages.artifact.eval=false --set stages.eval.impl='"sliding"' --set stages.eval.stride=2048 "${tiny[@]}")
 # The smoke: the record's 11 blocks at width 64, sequences of 128.
 [[ $SMOKE == 1 ]] && r0427+=(--set model.num_layers=11 --set train.val_max_tokens=4096 --set stages.eval.seq_len=128 --set stages.eval.stride=64)
+if part f; then
 train_record pipelines/record-0427.toml record-0427 "${r0427[@]}"
-if [[ -f $runs/record-0427/steps.tsv ]]; then
+fi
+if part f && [[ -f $runs/record-0427/steps.tsv ]]; then
   say "record-0427 on the engine$([[ -n $accum ]] && echo ", $accum micro-batches a step"): steady $(steady "$runs/record-0427") ms/step, arena $(field "$runs/record-0427" "round(r['train']['engine']['arena_bytes'] / 2**30, 1)") GiB, graphs $(field "$runs/record-0427" "r['train']['engine'].get('graphs')"), mirror syncs $(field "$runs/record-0427" "r['train']['engine'].get('mirror_syncs')")"
   # Each step's device phases (steps.tsv): step 1 runs op by op, step 2 captures the graphs.
   python3 - "$runs/record-0427/steps.tsv" <<'PY' | tee -a "$summary"
@@ -269,6 +289,7 @@ PY
 fi
 
 # --- (g) the seeds' loader settings on the engine ---------------------------------------------------
+if part g; then
 say "== (g) the baseline on the engine, $LOADER_STEPS steps: page-locked staging and a copy stream against pageable and a synchronous copy"
 loaders=("pinned stream" "pageable sync")
 [[ $SMOKE == 1 ]] && loaders=("pageable cpu" "pageable sync")
@@ -282,6 +303,29 @@ for v in "${loaders[@]}"; do
     fail "loader $pin + $upload (runs/$name.out): $(tail -2 "$runs/$name.out" | tr '\n' ' ')"
   fi
 done
+
+fi
+
+# --- (h) bf16 activations on the engine ---------------------------------------------------------
+if part h; then
+say "== (h) bf16 activations on the engine: engine-check's timings, the baseline ($STEPS steps), record-0427 ($RECORD0427_STEPS steps)"
+if [[ $SMOKE == 1 || $DTYPE != bf16 ]]; then
+  say "bf16 activations: not run (the GPU backend's, with dtype bf16; the warp emulator's tests check them on the CPU)"
+else
+  "$BIN" engine-check --device "$DEVICE" --activations bf16 > "$OUT/engine-check-bf16.txt" 2>&1 || fail "engine-check --activations bf16 (engine-check-bf16.txt)"
+  grep -E '^(engine-check|timings)|bf16 activations: |micro-batch: |optimizer step: |FAILED' "$OUT/engine-check-bf16.txt" | sed 's/^/bf16 /' | tee -a "$summary"
+  if train pipelines/baseline.toml baseline-bf16 "${common1024[@]}" --set train.iterations="$STEPS" --set stages.train.impl='"engine"' \
+       --set stages.train.activations='"bf16"'; then
+    say "baseline engine, bf16 activations: steady $(steady "$runs/baseline-bf16") ms/step (f32 arena: ${ms[engine]:-not run}), final val_loss $(field "$runs/baseline-bf16" "round(r['train']['val_loss'], 4)"), arena $(field "$runs/baseline-bf16" "round(r['train']['engine']['arena_bytes'] / 2**30, 2)") GiB"
+  else
+    fail "baseline with bf16 activations (runs/baseline-bf16.out): $(tail -2 "$runs/baseline-bf16.out" | tr '\n' ' ')"
+  fi
+  train_record pipelines/record-0427.toml record-0427-bf16 "${r0427[@]}" --set stages.train.activations='"bf16"'
+  if [[ -f $runs/record-0427-bf16/steps.tsv ]]; then
+    say "record-0427 on the engine, bf16 activations$([[ -n $accum ]] && echo ", $accum micro-batches a step"): steady $(steady "$runs/record-0427-bf16") ms/step, arena $(field "$runs/record-0427-bf16" "round(r['train']['engine']['arena_bytes'] / 2**30, 1)") GiB, final val_loss $(field "$runs/record-0427-bf16" "round(r['train']['val_loss'], 4)")"
+  fi
+fi
+fi
 
 # --- (e) the results ------------------------------------------------------------------------------
 # Weights stay behind (train_gpt.py's final_model.pt alone is 67 MB): the device tool brings

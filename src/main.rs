@@ -191,6 +191,10 @@ enum Command {
         /// GEMM maths: bf16 (tensor cores, the GPU default) or f32 (the CPU's only).
         #[arg(long)]
         dtype: Option<String>,
+        /// Storage of the activations for the timings and the graph check: f32 (default) or
+        /// bf16 (GPU, with --dtype bf16). The whole-engine checks run every precision on a GPU.
+        #[arg(long)]
+        activations: Option<String>,
         /// Shapes of the timings: baseline (the GPU default: 9 layers, width 512, 64 x 1024
         /// tokens), record-0427 (the 04-27 record's model, looped, 24 x 2048 tokens), small (the
         /// CPU default: a check of the plumbing), or none.
@@ -297,8 +301,9 @@ fn main() -> ExitCode {
         Command::Report { run_dir, json, html } => cli::report::command(run_dir, json, html),
         Command::Stages { json } => cli::stages::command(json),
         Command::Parity { device, dtype, seed, json } => cli::check::parity(&device, &dtype, seed, json),
-        Command::EngineCheck { device, dtype, timing, rows, seed, json, json_out } => {
-            cli::check::engine_check(&device, dtype.as_deref(), timing.as_deref(), rows, seed, json, json_out.as_deref())
+        Command::EngineCheck { device, dtype, activations, timing, rows, seed, json, json_out } => {
+            let precision = cli::check::Precision { dtype: dtype.as_deref(), activations: activations.as_deref() };
+            cli::check::engine_check(&device, precision, timing.as_deref(), rows, seed, json, json_out.as_deref())
         }
         Command::AttentionTrial { device, kernels, batch, seq_len, heads, kv_heads, head_dim, json } => {
             cli::check::attention_trial(&device, &kernels, AttentionShape { batch, t: seq_len, heads, kv_heads, head_dim }, json)

@@ -77,6 +77,11 @@ pub struct EngineParams {
     /// check backend); on a GPU "bf16" (f32 arena, GEMMs on the bf16 tensor cores) or "f32"
     /// (full f32 GEMMs, for parity checks).
     pub dtype: Precision,
+    /// On a GPU with `dtype = "bf16"`: where the activations and their gradients are stored.
+    /// "bf16" (PyTorch's autocast: half the activation memory and bytes moved, GEMMs on bf16
+    /// operands natively, f32 master weights, gradients and optimizer state, per-row norm
+    /// statistics in f32) or "f32" (an f32 arena whose GEMMs round their operands to bf16).
+    pub activations: Activations,
     /// Show a progress bar when stdout is a terminal (log lines print above it).
     pub progress: bool,
     /// Fill every buffer that is dead (activations between micro-batches, scratch between
@@ -106,6 +111,7 @@ impl Default for EngineParams {
         let o = EngineOptions::default();
         Self {
             dtype: Precision::F32,
+            activations: Activations::F32,
             progress: true,
             poison: false,
             cuda_graph: true,
@@ -145,6 +151,11 @@ impl EngineParams {
             "`run.world_size` = {}: the engine exchanges gradients between CPU ranks only (a GPU pass is one unit of work that cannot be read halfway); GPU ranks train with `impl = \"candle\"` (NCCL)",
             c.run.world_size
         );
+        anyhow::ensure!(
+            self.activations == Activations::F32 || (device != "cpu" && self.dtype == Precision::Bf16),
+            "key `activations` = \"bf16\" is the GPU backend's with key `dtype` = \"bf16\" (here `run.device` = {device:?}, `dtype` = {:?})",
+            self.dtype
+        );
         if device == "cpu" {
             anyhow::ensure!(
                 self.dtype != Precision::Bf16,
@@ -162,6 +173,16 @@ impl EngineParams {
         }
         Ok(())
     }
+}
+
+/// Where the engine stores its activations (key `activations`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Activations {
+    /// An f32 arena.
+    F32,
+    /// bf16 activations and gradients of activations (GPU, `dtype = "bf16"`).
+    Bf16,
 }
 
 /// `step_executor/engine`.
@@ -182,7 +203,7 @@ impl Transform for Engine {
     }
 
     fn memory(p: &EngineParams, ctx: &BuildCtx) -> anyhow::Result<Vec<Need>> {
-        requirements::engine_memory(&p.session(), config(ctx)?)
+        requirements::engine_memory(&p.session(), config(ctx)?, p.activations == Activations::Bf16)
     }
 
     fn nothing_left(_p: &EngineParams, ctx: &BuildCtx) -> Option<String> {
@@ -194,6 +215,7 @@ impl Transform for Engine {
         let kind = ExecutorKind::Engine(EngineOptions {
             poison: p.poison,
             cuda_graph: p.cuda_graph,
+            bf16_activations: p.activations == Activations::Bf16,
             overlap: p.overlap_allreduce,
             bucket_mib: p.bucket_mib,
             first_bucket_mib: p.first_bucket_mib,

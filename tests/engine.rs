@@ -102,6 +102,15 @@ fn engine_refuses_bf16_naming_the_key() {
     assert_ne!(o.status.code(), Some(0));
     let t = text(&o);
     assert!(t.contains("`dtype`") && t.contains("bf16"), "{t}");
+    // bf16 activations are the GPU backend's: refused on the CPU, naming the key; a typo in
+    // its value names the key too.
+    for (value, want) in [("bf16", "`activations`"), ("bf17", "activations")] {
+        let set = format!("stages.train.activations=\"{value}\"");
+        let o = run_limited(&config(&c), &c.dir.join(format!("out-{value}")), &sets(&["stages.train.impl=engine", &set]));
+        assert_ne!(o.status.code(), Some(0));
+        let t = text(&o);
+        assert!(t.contains(want) && !t.contains("panicked"), "{value}: {t}");
+    }
 }
 
 /// A GPU device for the engine in a binary built without CUDA is refused before training,
@@ -149,6 +158,8 @@ fn engine_check_refuses_bad_arguments() {
         (&["--device", "cpu", "--dtype", "bf16"], "GPU backend's"),
         (&["--device", "cpu", "--timing", "huge"], "--timing"),
         (&["--device", "cpu", "--rows", "0"], "--rows"),
+        (&["--device", "cpu", "--activations", "bf16"], "--activations"),
+        (&["--device", "cpu", "--activations", "fp8"], "--activations"),
     ] {
         let o = common::bin().arg("engine-check").args(args).output().unwrap();
         assert_eq!(o.status.code(), Some(2), "{args:?}\n{}", text(&o));

@@ -19,6 +19,25 @@ __device__ __forceinline__ float load(const __nv_bfloat16* p, long i) { return _
 __device__ __forceinline__ void store(float* p, long i, float v) { p[i] = v; }
 __device__ __forceinline__ void store(__nv_bfloat16* p, long i, float v) { p[i] = __float2bfloat16(v); }
 
+// A bfloat16 element that reads as a float and rounds a float it is assigned (to nearest even),
+// with no arithmetic of its own: the engine's activations in its bf16 build (kernels/engine.cu,
+// `act`), so that a kernel written for float storage computes in float32 on either. It has no
+// constructor from float, so `cond ? element : float` is a float and `a * element` is float
+// arithmetic.
+struct bf16s {
+    __nv_bfloat16 v;
+    __device__ __forceinline__ operator float() const { return __bfloat162float(v); }
+    __device__ __forceinline__ bf16s& operator=(float f) {
+        v = __float2bfloat16(f);
+        return *this;
+    }
+    __device__ __forceinline__ bf16s& operator+=(float f) { return *this = float(*this) + f; }
+    __device__ __forceinline__ bf16s& operator*=(float f) { return *this = float(*this) * f; }
+};
+static_assert(sizeof(bf16s) == 2, "bf16s is a bfloat16");
+__device__ __forceinline__ float load(const bf16s* p, long i) { return p[i]; }
+__device__ __forceinline__ void store(bf16s* p, long i, float v) { p[i] = v; }
+
 // This thread's lane in its warp.
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 

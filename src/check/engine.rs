@@ -29,6 +29,7 @@ use crate::engine::Engine;
 use crate::engine::backend::Backend;
 use crate::engine::cases::{self, ModelBounds};
 use crate::engine::cpu::CpuBackend;
+use crate::engine::gpu::{Capacity, GpuPrecision, HalfRegions};
 use crate::engine::layout::Layout;
 use crate::engine::optim::MuonStep;
 use crate::engine::step::{OptimizerStep, kernel_capacity};
@@ -61,6 +62,8 @@ pub struct Options {
     pub device: String,
     /// GEMMs on the bf16 tensor cores (the training default on a GPU) or in f32.
     pub bf16: bool,
+    /// The timings with bf16 activations (`--activations bf16`; needs `bf16`).
+    pub bf16_activations: bool,
     /// The timings' shapes.
     pub timing: TimingShape,
     /// Rows per micro-batch of the timings instead of the shape's.
@@ -89,7 +92,7 @@ pub struct OpLine {
 pub struct ModelLine {
     /// Which check model ([`cases::check_models`]): `04-09 elements` or `04-27 elements`.
     pub model: String,
-    /// `bf16 GEMMs`, `f32 GEMMs` or `cpu f32`.
+    /// `bf16 GEMMs`, `f32 GEMMs`, `bf16 activations` or `cpu f32`.
     pub maths: String,
     /// Its bounds.
     pub bounds: ModelBounds,
@@ -184,20 +187,42 @@ pub struct EngineCheck {
     pub ok: bool,
 }
 
-/// The engine's backend on `device` with an arena of `len`: the f32 CPU backend, or the GPU's
-/// with the GEMM maths and graphs asked for.
-fn backend(device: &Device, bf16: bool, graphs: bool, len: usize, cap: crate::engine::gpu::Capacity) -> anyhow::Result<Box<dyn Backend>> {
+/// The engine's backend on `device` for `layout` (or an arena of `len` with no layout, f32
+/// only): the f32 CPU backend, or the GPU's in the precision and with the graphs asked for.
+fn backend(
+    device: &Device,
+    p: GpuPrecision,
+    graphs: bool,
+    len: usize,
+    layout: Option<&Layout>,
+    cap: Capacity,
+) -> anyhow::Result<Box<dyn Backend>> {
     if device.is_cpu() {
         return Ok(Box::new(CpuBackend::<f32>::new(len)));
     }
-    crate::engine::gpu::gpu_backend(device, bf16, graphs, len, cap)
+    let half = match (p, layout) {
+        (GpuPrecision::Bf16, Some(l)) => Some(HalfRegions::of(l)),
+        (GpuPrecision::Bf16, None) => anyhow::bail!("bf16 activations need the engine's layout"),
+        _ => None,
+    };
+    crate::engine::gpu::gpu_backend(device, p, graphs, len, cap, half)
 }
 
 /// An engine for `cfg` on `rows x t` tokens on `device`.
-fn engine(device: &Device, cfg: &ModelConfig, (rows, t): (usize, usize), bf16: bool, graphs: bool) -> anyhow::Result<Engine> {
+fn engine(device: &Device, cfg: &ModelConfig, (rows, t): (usize, usize), p: GpuPrecision, graphs: bool) -> anyhow::Result<Engine> {
     let cap = kernel_capacity(cfg, rows, t)?;
-    let be = backend(device, bf16, graphs, Layout::new(cfg, rows, t).len(), cap)?;
+    let layout = Layout::new(cfg, rows, t);
+    let be = backend(device, p, graphs, layout.len(), Some(&layout), cap)?;
     Engine::with_backend(cfg, rows, t, be, false)
+}
+
+/// The GPU precision of `bf16` GEMMs with or without bf16 activations.
+fn precision(bf16: bool, activations: bool) -> GpuPrecision {
+    match (bf16, activations) {
+        (_, true) => GpuPrecision::Bf16,
+        (true, false) => GpuPrecision::Bf16Gemms,
+        (false, false) => GpuPrecision::F32,
+    }
 }
 
 /// Runs every check `o` asks for (see the module doc).
@@ -205,7 +230,9 @@ pub fn run(o: &Options) -> anyhow::Result<EngineCheck> {
     let device = crate::device::open_named(&o.device)?;
     let gpu = !device.is_cpu();
     anyhow::ensure!(gpu || !o.bf16, "--dtype bf16 is the GPU backend's GEMM maths; the CPU backend runs f32");
-    let mut be = backend(&device, o.bf16, true, cases::arena_len(), cases::capacity())?;
+    anyhow::ensure!(!o.bf16_activations || (gpu && o.bf16), "--activations bf16 is the GPU backend's, with --dtype bf16");
+    let chosen = precision(o.bf16, o.bf16_activations);
+    let mut be = backend(&device, precision(o.bf16, false), true, cases::arena_len(), None, cases::capacity())?;
     let name = be.device_name();
     let stream = if gpu { Some(stream_flag(&device)?) } else { None };
     let mut ops = Vec::new();
@@ -215,26 +242,34 @@ pub fn run(o: &Options) -> anyhow::Result<EngineCheck> {
     }
     drop(be);
     let mut models = Vec::new();
-    let maths: Vec<bool> = if gpu { vec![o.bf16, !o.bf16] } else { vec![false] };
+    // On a GPU every precision, the one asked for first.
+    let maths: Vec<GpuPrecision> = if gpu {
+        let mut all = vec![chosen];
+        all.extend([GpuPrecision::Bf16Gemms, GpuPrecision::F32, GpuPrecision::Bf16].into_iter().filter(|&p| p != chosen));
+        all
+    } else {
+        vec![GpuPrecision::F32]
+    };
     for (model, cfg) in cases::check_models() {
-        for &bf16 in &maths {
-            let (label, bounds) = match (gpu, bf16) {
+        for &p in &maths {
+            let (label, bounds) = match (gpu, p) {
                 (false, _) => ("cpu f32", ModelBounds::CPU_F32),
-                (true, true) => ("bf16 GEMMs", ModelBounds::GPU_BF16_GEMMS),
-                (true, false) => ("f32 GEMMs", ModelBounds::GPU_F32_GEMMS),
+                (true, GpuPrecision::Bf16Gemms) => ("bf16 GEMMs", ModelBounds::GPU_BF16_GEMMS),
+                (true, GpuPrecision::F32) => ("f32 GEMMs", ModelBounds::GPU_F32_GEMMS),
+                (true, GpuPrecision::Bf16) => ("bf16 activations", ModelBounds::GPU_BF16_ACTIVATIONS),
             };
-            let mut e = engine(&device, &cfg, cases::CHECK_ROWS_T, bf16, true)?;
+            let mut e = engine(&device, &cfg, cases::CHECK_ROWS_T, p, true)?;
             let compared = cases::model_check(&mut e, &cfg, bounds, o.seed)?;
             let worst_ratio = compared.iter().map(|c| c.rel_err / c.bound).fold(0.0, f64::max);
             let ok = compared.iter().all(cases::Compared::ok);
             models.push(ModelLine { model: model.into(), maths: label.into(), bounds, compared, worst_ratio, ok });
         }
     }
-    let graphs = if gpu { Some(graph_check(&device, o.bf16, o.seed)?) } else { None };
+    let graphs = if gpu { Some(graph_check(&device, chosen, o.seed)?) } else { None };
     let transfers = if gpu { transfer_flags(&device)? } else { Vec::new() };
     let timings = match o.timing {
         TimingShape::None => None,
-        shape => Some(timings(&device, o.bf16, shape, o.rows, o.seed)?),
+        shape => Some(timings(&device, chosen, shape, o.rows, o.seed)?),
     };
     let ok = stream.as_ref().is_none_or(|s| s.ok)
         && ops.iter().all(|l| l.ok)
@@ -255,10 +290,10 @@ fn transfer_flags(device: &Device) -> anyhow::Result<Vec<Flag>> {
 }
 
 /// Graph replay against op-by-op launches on the check model ([`cases::graph_check`]).
-fn graph_check(device: &Device, bf16: bool, seed: u64) -> anyhow::Result<GraphLine> {
+fn graph_check(device: &Device, p: GpuPrecision, seed: u64) -> anyhow::Result<GraphLine> {
     let cfg = cases::check_model();
     let shape = cases::CHECK_ROWS_T;
-    let g = cases::graph_check(&cfg, shape, seed, &mut |graphs| engine(device, &cfg, shape, bf16, graphs))?;
+    let g = cases::graph_check(&cfg, shape, seed, &mut |graphs| engine(device, &cfg, shape, p, graphs))?;
     Ok(GraphLine { identical: g.identical, counts: g.counts, ok: g.ok() })
 }
 
@@ -310,7 +345,7 @@ pub(crate) fn timing_ids(n: usize, vocab: usize, bos: u32, seed: u64) -> Vec<u32
 
 /// Per-op times of one micro-batch and one optimizer step (a warm-up pass first), then both as
 /// the trainer runs them (median of five after two).
-fn timings(device: &Device, bf16: bool, shape: TimingShape, rows: Option<usize>, seed: u64) -> anyhow::Result<Timings> {
+fn timings(device: &Device, p: GpuPrecision, shape: TimingShape, rows: Option<usize>, seed: u64) -> anyhow::Result<Timings> {
     let (cfg, rows, t, looped) = timing_model(shape, rows);
     let n = rows * t;
     let params: std::collections::HashMap<_, _> = Gpt::new(&cfg, seed, DType::F32, &Device::Cpu)?.state_dict().into_iter().collect();
@@ -335,7 +370,8 @@ fn timings(device: &Device, bf16: bool, shape: TimingShape, rows: Option<usize>,
     };
     let (micro, opt) = {
         let cap = kernel_capacity(&cfg, rows, t)?;
-        let inner = backend(device, bf16, false, Layout::new(&cfg, rows, t).len(), cap)?;
+        let layout = Layout::new(&cfg, rows, t);
+        let inner = backend(device, p, false, layout.len(), Some(&layout), cap)?;
         let (timed, log) = Timed::new(inner);
         let mut e = Engine::with_backend(&cfg, rows, t, Box::new(timed), false)?;
         e.load_params(&params)?;
@@ -356,7 +392,7 @@ fn timings(device: &Device, bf16: bool, shape: TimingShape, rows: Option<usize>,
         (micro, take(&log))
     };
     // As the trainer runs them: units of work, captured and replayed on a GPU.
-    let mut e = engine(device, &cfg, (rows, t), bf16, true)?;
+    let mut e = engine(device, &cfg, (rows, t), p, true)?;
     e.load_params(&params)?;
     e.zero_grads();
     let (mut micro_ms, mut opt_ms) = (Vec::new(), Vec::new());

@@ -43,9 +43,17 @@ pub fn parity(device: &str, dtype: &str, seed: u64, json: bool) -> i32 {
 /// Checks the engine's backend on `device` against the CPU in f64 and times it
 /// ([`crate::check::engine`]); prints the report (text or JSON) and writes its JSON to
 /// `json_out` when given; exit 1 when an error is beyond its bound, 2 on a bad argument.
+/// `--dtype` and `--activations` of `pipeline engine-check`, as given.
+pub struct Precision<'a> {
+    /// GEMM maths.
+    pub dtype: Option<&'a str>,
+    /// Storage of the activations.
+    pub activations: Option<&'a str>,
+}
+
 pub fn engine_check(
     device: &str,
-    dtype: Option<&str>,
+    Precision { dtype, activations }: Precision<'_>,
     timing: Option<&str>,
     rows: Option<usize>,
     seed: u64,
@@ -66,6 +74,18 @@ pub fn engine_check(
             return 2;
         }
     };
+    let bf16_activations = match activations.unwrap_or("f32") {
+        "f32" => false,
+        "bf16" if bf16 => true,
+        "bf16" => {
+            err!("error: --activations bf16 is the GPU backend's with --dtype bf16");
+            return 2;
+        }
+        other => {
+            err!("error: --activations {other:?}: use f32 or bf16");
+            return 2;
+        }
+    };
     let timing = match timing.unwrap_or(if gpu { "baseline" } else { "small" }) {
         "baseline" => TimingShape::Baseline,
         "record-0427" => TimingShape::Record0427,
@@ -80,7 +100,7 @@ pub fn engine_check(
         err!("error: --rows must be at least 1");
         return 2;
     }
-    let o = Options { device: device.to_string(), bf16, timing, rows, seed };
+    let o = Options { device: device.to_string(), bf16, bf16_activations, timing, rows, seed };
     match crate::check::engine::run(&o) {
         Ok(r) => {
             if let Some(path) = json_out {

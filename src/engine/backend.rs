@@ -344,6 +344,17 @@ pub trait Backend: Send {
     /// Forgets every timing mark.
     fn timing_reset(&self) {}
 
+    /// The arena region this backend stores in bf16 (the layout's `half` region with bf16
+    /// activations; none by default).
+    fn half_region(&self) -> Option<Buf> {
+        None
+    }
+
+    /// The weights in `params` may have changed since the last forward pass (called at the
+    /// start of each one): a backend that keeps a lower-precision copy of them for its GEMMs
+    /// (the GPU's with bf16 activations) refreshes it. Nothing to do for the others.
+    fn refresh_weights(&mut self, _params: Buf) {}
+
     /// `C = alpha op(A) op(B) + beta C` (`beta = 0`: `C` is not read).
     fn gemm(&mut self, c: Mat, a: Mat, b: Mat, alpha: f64, beta: f64);
 

@@ -201,6 +201,12 @@ pub struct Layout {
     pub activations: Buf,
     /// The scratch region (dead outside a pass).
     pub scratch_region: Buf,
+    /// The activations and scratch that a bf16-activation backend stores in bf16: every
+    /// `(N, ·)` tensor of the passes and their gradients (one region, from the first such
+    /// activation to the last scratch buffer before Muon's). Outside it, in f32 whatever the
+    /// backend: parameters, gradients, optimizer state, the constants, the per-row statistics
+    /// (`rstd*`, `rq`, `rk`), the per-token losses, and Muon's Newton-Schulz stacks.
+    pub half: Buf,
     /// RoPE tables `(T, R / 2)` each.
     pub cos: Buf,
     /// See `cos`.
@@ -276,9 +282,10 @@ impl Layout {
 
         let (n, d, kvd, f, v) = (rows * t, cfg.model_dim, cfg.kv_dim(), cfg.mlp_mult * cfg.model_dim, cfg.vocab_size);
         let act_start = bump.0.next_multiple_of(ALIGN);
-        let (emb, rstd0, x0) = (bump.take(n * d), bump.take(n), bump.take(n * d));
-        let smeared = bump.take(if cfg.smear_gate { n * d } else { 0 });
         let layers = cfg.layer_sequence(true);
+        // The activations' per-row statistics and the per-token losses first: they stay f32
+        // when the rest of the activations and the scratch are bf16 (`half` below).
+        let (rstd0, rstdf, losses) = (bump.take(n), bump.take(n), bump.take(n));
         // Decoder position p pops a skip while p - encoders < skip_count, in either layout.
         let pops = |pos: usize| {
             [true, false].iter().any(|&looped| {
@@ -296,29 +303,38 @@ impl Layout {
                 pos >= enc.len() && dec.get(pos - enc.len()).is_some_and(|&i| cfg.two_lane(i))
             })
         };
-        let positions = layers
+        let row_stats: Vec<[Buf; 4]> = (0..layers.len())
+            .map(|pos| {
+                let seq = needs(pos, &|i| !cfg.parallel(i));
+                [bump.take(n), bump.take(n * cfg.num_heads), bump.take(n * cfg.num_kv_heads), bump.take(if seq { n } else { 0 })]
+            })
+            .collect();
+        let half_start = bump.0.next_multiple_of(ALIGN);
+        let (emb, x0) = (bump.take(n * d), bump.take(n * d));
+        let smeared = bump.take(if cfg.smear_gate { n * d } else { 0 });
+        let positions = row_stats
             .iter()
             .enumerate()
-            .map(|(pos, _)| {
+            .map(|(pos, &[rstd1, rq, rk, rstd2])| {
                 let pops = pops(pos);
                 let seq = needs(pos, &|i| !cfg.parallel(i));
                 let xsa = needs(pos, &|i| cfg.xsa(i));
                 PositionBufs {
                     skipped: bump.take(if pops { n * d } else { 0 }),
                     u: bump.take(n * d),
-                    rstd1: bump.take(n),
+                    rstd1,
                     n1: bump.take(n * d),
                     qkv: bump.take(n * (d + 2 * kvd)),
                     q: bump.take(n * d),
                     k: bump.take(n * kvd),
-                    rq: bump.take(n * cfg.num_heads),
-                    rk: bump.take(n * cfg.num_kv_heads),
+                    rq,
+                    rk,
                     att: bump.take(n * d),
                     y: bump.take(if xsa { n * d } else { 0 }),
                     yg: bump.take(if cfg.attn_gate { n * d } else { 0 }),
                     ao: bump.take(n * d),
                     u2: bump.take(if seq { n * d } else { 0 }),
-                    rstd2: bump.take(if seq { n } else { 0 }),
+                    rstd2,
                     n2: bump.take(if seq { n * d } else { 0 }),
                     pre: bump.take(n * f),
                     mo: bump.take(n * d),
@@ -327,7 +343,7 @@ impl Layout {
                 }
             })
             .collect();
-        let (rstdf, nf, logits, losses) = (bump.take(n), bump.take(n * d), bump.take(n * v), bump.take(n));
+        let (nf, logits) = (bump.take(n * d), bump.take(n * v));
         let lanes = cfg.lanes_from().is_some();
         let lanes_final = bump.take(if lanes && cfg.parallel_final_lane == FinalLane::Mean { n * d } else { 0 });
         let activations = bump.since(act_start);
@@ -354,6 +370,8 @@ impl Layout {
             dx0: bump.take(n * d),
             demb: bump.take(n * d),
         };
+        let half = bump.since(half_start);
+        // Muon's Newton-Schulz stacks: scratch, f32.
         let mut muon: Vec<MuonGroup> = Vec::new();
         for (i, s) in slots.iter().enumerate().filter(|(_, s)| s.group == ParamGroup::Matrix) {
             let shape = (s.shape[0], s.shape[1]);
@@ -389,6 +407,7 @@ impl Layout {
             state,
             activations,
             scratch_region,
+            half,
             cos,
             sin,
             stats,
@@ -439,6 +458,26 @@ impl Layout {
     /// The slot index of parameter `name`.
     pub fn slot_index(&self, name: &str) -> Option<usize> {
         self.index.get(name).copied()
+    }
+
+    /// The arena's regions in bytes (`(name, bytes)`, as [`Layout::regions`]) with `elem`
+    /// bytes per element, and with bf16 activations (`half`) the `half` region at 2 bytes per
+    /// element and the weights' bf16 copy as one more region.
+    pub fn region_bytes(&self, elem: usize, half: bool) -> Vec<(&'static str, usize)> {
+        let starts = [self.params.off, self.grads.off, self.state.off, self.cos.off, self.scratch_region.off, self.len()];
+        let mut out: Vec<(&'static str, usize)> = self
+            .regions()
+            .iter()
+            .zip(starts.windows(2))
+            .map(|(&(name, n), w)| {
+                let inside = if half { w[1].min(self.half.end()).saturating_sub(w[0].max(self.half.off)) } else { 0 };
+                (name, (n - inside) * elem + inside * 2)
+            })
+            .collect();
+        if half {
+            out.push(("weights' bf16 copy", self.params.len * 2));
+        }
+        out
     }
 
     /// The arena's regions and their sizes in elements, for the log and the report:

@@ -166,13 +166,18 @@ impl LtPlan {
     /// The alignment in bytes of A, B and C ([`alignment`]) when the `f32` arena starts at the
     /// byte address `base`.
     pub fn alignments(&self, base: u64) -> [u32; 3] {
-        let step = |stride: i64| (self.batch > 1).then_some(stride * 4);
-        let at = |off: usize| base + 4 * off as u64;
-        [
-            alignment(at(self.a_off), step(self.stride_a)),
-            alignment(at(self.b_off), step(self.stride_b)),
-            alignment(at(self.c_off), step(self.stride_c)),
-        ]
+        self.alignments_in([base; 3], [4; 3])
+    }
+
+    /// [`LtPlan::alignments`] with A, B and C each in its own space: starting at byte address
+    /// `bases[k]`, `elem[k]` bytes per element (2 for bf16 operands).
+    pub fn alignments_in(&self, bases: [u64; 3], elem: [usize; 3]) -> [u32; 3] {
+        let offs = [(self.a_off, self.stride_a), (self.b_off, self.stride_b), (self.c_off, self.stride_c)];
+        std::array::from_fn(|k| {
+            let (off, stride) = offs[k];
+            let step = (self.batch > 1).then_some(stride * elem[k] as i64);
+            alignment(bases[k] + (elem[k] * off) as u64, step)
+        })
     }
 }
 

@@ -158,6 +158,8 @@ impl Schedule {
     pub fn forward(&self, be: &mut dyn Backend, looping: bool, grad_scale: f64) {
         let l = &self.layout;
         let (n, d, eps) = (self.n(), self.cfg.model_dim, self.eps);
+        // The weights changed since the last pass (an optimizer step, a load).
+        be.refresh_weights(l.params);
         // x0 = rms(E[x]).
         be.embedding_fwd(self.value("tok_emb.weight"), l.emb, d);
         // SmearGate (x0 = rms(smear(E[x]))): each row takes in a gated share of the one before.

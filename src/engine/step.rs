@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use super::backend::{Backend, Buf, GraphCounts, Tokens};
 use super::cpu::CpuBackend;
 use super::exchange::{Exchange, ExchangeStats};
-use super::gpu::Capacity;
+use super::gpu::{Capacity, GpuPrecision, HalfRegions};
 use super::layout::Layout;
 use super::optim::{self, MuonStep};
 use super::schedule::Schedule;
@@ -111,7 +111,7 @@ impl Engine {
 
     /// An engine for `cfg` on micro-batches of `rows x t` tokens on the GPU of `device` (a
     /// candle CUDA device, [`crate::device::open`]: the kernel backend shares its context on a
-    /// stream of its own; GEMMs on the bf16 tensor cores when `bf16`, else full f32; each pass
+    /// stream of its own; in `precision` ([`GpuPrecision`]); each pass
     /// and the optimizer step captured once as a CUDA graph and replayed when `graphs`, else
     /// launched op by op). Errors name what the GPU attention cannot take (head width 64,
     /// sequences a multiple of 64), a device that cannot start, and a build without the `cuda`
@@ -122,13 +122,15 @@ impl Engine {
         rows: usize,
         t: usize,
         device: &Device,
-        bf16: bool,
+        precision: GpuPrecision,
         graphs: bool,
         poison: bool,
     ) -> anyhow::Result<Engine> {
         super::support::check(cfg)?;
         let cap = kernel_capacity(cfg, rows, t)?;
-        let be = super::gpu::gpu_backend(device, bf16, graphs, Layout::new(cfg, rows, t).len(), cap)?;
+        let layout = Layout::new(cfg, rows, t);
+        let half = (precision == GpuPrecision::Bf16).then(|| HalfRegions::of(&layout));
+        let be = super::gpu::gpu_backend(device, precision, graphs, layout.len(), cap, half)?;
         Engine::with_backend(cfg, rows, t, be, poison)
     }
 
@@ -174,8 +176,8 @@ impl Engine {
     /// The arena's size in bytes, and per region `(name, bytes)`.
     pub fn arena_bytes(&self) -> (usize, Vec<(&'static str, usize)>) {
         let size = self.be.dtype().size_in_bytes();
-        let regions: Vec<(&'static str, usize)> = self.schedule.layout.regions().iter().map(|&(n, e)| (n, e * size)).collect();
-        (self.schedule.layout.len() * size, regions)
+        let regions = self.schedule.layout.region_bytes(size, self.be.half_region().is_some());
+        (regions.iter().map(|r| r.1).sum(), regions)
     }
 
     /// Loads every parameter from `tensors` (the model's `state_dict` names; any float dtype).
@@ -458,6 +460,12 @@ impl Engine {
     /// How the backend ran its units of work (`None`: op by op, the CPU backends).
     pub fn graph_counts(&self) -> Option<GraphCounts> {
         self.be.graph_counts()
+    }
+
+    /// The backend (tests drive ops on it directly).
+    #[cfg(test)]
+    pub(crate) fn backend(&self) -> &dyn Backend {
+        self.be.as_ref()
     }
 
     /// Whether every gradient is finite.

@@ -17,6 +17,7 @@ use crate::device::phase_clock::PhaseTimes;
 use crate::engine::Engine;
 use crate::engine::backend::Tokens;
 use crate::engine::exchange::ExchangeStats;
+use crate::engine::gpu::GpuPrecision;
 use crate::engine::optim::MuonStep;
 use crate::engine::step::{ADAM_GROUPS, OptimizerStep};
 use crate::model::{Gpt, ParamGroup};
@@ -24,11 +25,17 @@ use crate::train::config::TrainConfig;
 pub use crate::train::executor::EngineOptions;
 use crate::train::executor::{Executor, MicroTimes, StepOutcome};
 
-/// The engine of `model` on its GPU: GEMMs on the bf16 tensor cores when the model's matmuls
-/// are bf16, full f32 otherwise.
+/// The engine of `model` on its GPU: when the model's matmuls are bf16, GEMMs on the bf16
+/// tensor cores, with bf16 activations if `o` asks; full f32 otherwise.
 fn gpu_engine(model: &Gpt, rows: usize, t: usize, o: EngineOptions) -> anyhow::Result<Engine> {
     anyhow::ensure!(model.device().is_cuda(), "the engine runs on the CPU or on a CUDA GPU, not {:?}", model.device().location());
-    Engine::gpu(model.config(), rows, t, model.device(), model.matmul_dtype() == DType::BF16, o.cuda_graph, o.poison)
+    let precision = match (model.matmul_dtype() == DType::BF16, o.bf16_activations) {
+        (false, false) => GpuPrecision::F32,
+        (false, true) => anyhow::bail!("stage `step_executor` impl \"engine\": key `activations` = \"bf16\" needs key `dtype` = \"bf16\""),
+        (true, false) => GpuPrecision::Bf16Gemms,
+        (true, true) => GpuPrecision::Bf16,
+    };
+    Engine::gpu(model.config(), rows, t, model.device(), precision, o.cuda_graph, o.poison)
 }
 
 /// The engine, the candle model mirroring its weights, and the step in progress.

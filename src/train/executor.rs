@@ -69,6 +69,9 @@ pub struct EngineOptions {
     /// On a GPU: capture each pass and the optimizer step once as CUDA graphs and replay them
     /// (off: every op launched as it comes).
     pub cuda_graph: bool,
+    /// On a GPU with bf16 matmuls: store the activations and their gradients in bf16 and run
+    /// the GEMMs on bf16 operands natively (off: an f32 arena, GEMMs on bf16 tensor cores).
+    pub bf16_activations: bool,
     /// Several ranks: send each bucket of gradients to be averaged as soon as the backward pass
     /// has finished it (false: all of them after the pass).
     pub overlap: bool,
@@ -83,6 +86,7 @@ impl Default for EngineOptions {
         Self {
             poison: false,
             cuda_graph: true,
+            bf16_activations: false,
             overlap: true,
             bucket_mib: crate::engine::exchange::DEFAULT_BUCKET_MIB,
             first_bucket_mib: crate::engine::exchange::DEFAULT_FIRST_BUCKET_MIB,

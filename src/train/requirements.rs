@@ -105,7 +105,9 @@ fn validation_tokens(c: &Config) -> anyhow::Result<Option<Need>> {
 /// dtype: f64 for f64 runs, else f32); on a GPU the kernel backend's other spaces and
 /// cuBLASLt's workspace ([`crate::engine::gpu::Capacity::scratch_bytes`]); the candle
 /// model that mirrors the weights (validation runs in the arena); the validation split.
-pub fn engine_memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>> {
+/// With `bf16_activations` the activations and scratch count 2 bytes an element, and the
+/// weights' bf16 copy is added.
+pub fn engine_memory(p: &SessionParams, c: &Config, bf16_activations: bool) -> anyhow::Result<Vec<Need>> {
     use crate::model::memory::{MODEL_KEYS, ParamCounts};
     crate::engine::support::check(&c.model)?;
     let shape = c.batch_shape()?;
@@ -117,18 +119,14 @@ pub fn engine_memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>>
     let act_keys =
         ["train.batch_tokens", "train.grad_accum_steps", "train.seq_len", "model.model_dim", "model.num_layers", "model.vocab_size"];
     let mut needs: Vec<Need> = layout
-        .regions()
+        .region_bytes(elem as usize, bf16_activations)
         .into_iter()
-        .map(|(what, n)| {
+        .map(|(what, bytes)| {
             // The activations and scratch are freed with the executor when training ends (on an
             // H100 the record's 34 GB went to 2 GB before the artifact stage began): the
             // artifact's and the evaluation's models do not sit beside them.
             let working = matches!(what, "activations" | "scratch");
-            let need = Need::device(
-                format!("engine arena: {what}"),
-                (n as u64).saturating_mul(elem),
-                if working { &act_keys } else { &MODEL_KEYS },
-            );
+            let need = Need::device(format!("engine arena: {what}"), bytes as u64, if working { &act_keys } else { &MODEL_KEYS });
             if working { need.transient() } else { need }
         })
         .collect();
@@ -207,7 +205,7 @@ mod tests {
         (c.train.seq_len, c.train.batch_tokens, c.train.grad_accum_steps) = (16, 64, 2);
         for (precision, dtype) in [(Precision::F32, candle_core::DType::F32), (Precision::F64, candle_core::DType::F64)] {
             let p = SessionParams { dtype: precision, ..SessionParams::default() };
-            let needs = engine_memory(&p, &c).unwrap();
+            let needs = engine_memory(&p, &c, false).unwrap();
             let arena: u64 = needs.iter().filter(|n| n.what.starts_with("engine arena")).map(|n| n.bytes).sum();
             let shape = c.batch_shape().unwrap();
             let e = crate::engine::Engine::cpu(&c.model, shape.rows, shape.seq_len, dtype, false).unwrap();
@@ -222,7 +220,7 @@ mod tests {
         // A model the engine's check refuses (here the model's own check, which it runs first)
         // is refused, naming the key.
         c.model.num_kv_heads = 3;
-        let e = engine_memory(&SessionParams::default(), &c).unwrap_err().to_string();
+        let e = engine_memory(&SessionParams::default(), &c, false).unwrap_err().to_string();
         assert!(e.contains("`model.num_kv_heads`"), "{e}");
     }
 

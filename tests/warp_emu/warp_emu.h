@@ -227,6 +227,9 @@ struct float2 {
 struct __align__(16) float4 {
     float x, y, z, w;
 };
+struct __align__(8) uint2 {
+    unsigned x, y;
+};
 struct __align__(16) uint4 {
     unsigned x, y, z, w;
 };

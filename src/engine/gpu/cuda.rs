@@ -45,6 +45,8 @@ use crate::engine::lt::{LtLayout, LtOp, LtPlan};
 
 /// The PTX of kernels/engine.cu.
 const ENGINE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/engine.ptx"));
+/// The PTX of kernels/engine.cu with bf16 activations (`-DENGINE_ACT_BF16`).
+const ENGINE_BF16_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/engine_bf16.ptx"));
 /// The PTX of kernels/flash_mma.cu.
 const FLASH_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_mma.ptx"));
 /// cuBLASLt's workspace ([`super::LT_WORKSPACE`]).
@@ -66,6 +68,8 @@ pub enum GemmMath {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct ShapeKey {
     ops: (bool, bool),
+    /// Whether A, B and C are bf16 (else f32).
+    bf16: [bool; 3],
     layouts: [(u64, u64, i64); 3],
     batch: (u32, i64, i64, i64),
     reads_c: bool,
@@ -74,15 +78,16 @@ struct ShapeKey {
 }
 
 impl ShapeKey {
-    /// `p`'s key when the arena starts at byte address `base`.
-    fn of(p: &LtPlan, base: u64) -> Self {
+    /// `p`'s key with A, B and C in spaces starting at the byte addresses `bases`.
+    fn of(p: &LtPlan, spaces: [Space; 3], bases: [u64; 3]) -> Self {
         let l = |x: LtLayout| (x.rows, x.cols, x.ld);
         ShapeKey {
             ops: (p.trans_a == LtOp::T, p.trans_b == LtOp::T),
+            bf16: spaces.map(Space::is_bf16),
             layouts: [l(p.a), l(p.b), l(p.c)],
             batch: (p.batch, p.stride_a, p.stride_b, p.stride_c),
             reads_c: p.beta != 0.0,
-            align: p.alignments(base),
+            align: p.alignments_in(bases, spaces.map(Space::elem_bytes)),
         }
     }
 }
@@ -153,7 +158,8 @@ pub struct CudaDevice {
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
     /// The 4-byte spaces and the bf16 one, and every space's base address.
     words: Vec<(Space, CudaSlice<u32>)>,
-    half: Option<CudaSlice<u16>>,
+    /// The 2-byte spaces.
+    halves: Vec<(Space, CudaSlice<u16>)>,
     bases: HashMap<Space, u64>,
     lt: Mutex<Lt>,
     /// Captured units by slot.
@@ -165,7 +171,8 @@ pub struct CudaDevice {
 impl CudaDevice {
     /// The engine's device on the GPU of `device` (a candle CUDA device, [`crate::device::open`]),
     /// its GEMMs in `math`: the same context, a stream of its own.
-    pub fn new(device: &candle_core::Device, math: GemmMath) -> anyhow::Result<Self> {
+    /// With `act_bf16`, the kernels are the bf16-activation build of kernels/engine.cu.
+    pub fn new(device: &candle_core::Device, math: GemmMath, act_bf16: bool) -> anyhow::Result<Self> {
         let candle_core::Device::Cuda(candle) = device else {
             anyhow::bail!("the engine's GPU backend runs on a CUDA device, not {:?}", device.location());
         };
@@ -183,7 +190,7 @@ impl CudaDevice {
         let event = || ctx.new_event(None).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: an event: {e:?}"));
         let (ours, theirs) = (event()?, event()?);
         let load = |src: &str| ctx.load_module(Ptx::from_src(src)).map_err(|e| anyhow::anyhow!("loading the engine's kernels: {e:?}"));
-        let modules = [load(ENGINE_PTX)?, load(FLASH_PTX)?];
+        let modules = [load(if act_bf16 { ENGINE_BF16_PTX } else { ENGINE_PTX })?, load(FLASH_PTX)?];
         let handle = lt_result::create_handle().map_err(lt_err)?;
         // SAFETY: cuBLASLt only needs the workspace's bytes, never their values.
         let workspace = unsafe { stream.alloc::<u8>(WORKSPACE) }.map_err(|e| anyhow::anyhow!("cuBLASLt workspace: {e:?}"))?;
@@ -197,7 +204,7 @@ impl CudaDevice {
             modules,
             functions: Mutex::new(HashMap::new()),
             words: Vec::new(),
-            half: None,
+            halves: Vec::new(),
             bases: HashMap::new(),
             lt: Mutex::new(lt),
             graphs: Vec::new(),
@@ -242,19 +249,23 @@ impl CudaDevice {
         self.words.iter().find(|w| w.0 == space).map(|w| &w.1).ok_or_else(|| anyhow::anyhow!("the {space:?} space is not a 4-byte space"))
     }
 
-    /// The descriptors and algorithm of `p`'s shape and alignment (the arena at byte address
-    /// `base`), made once and cached.
-    fn prepare(lt: &mut Lt, p: &LtPlan, base: u64) -> anyhow::Result<ShapeKey> {
-        let key = ShapeKey::of(p, base);
+    /// The descriptors and algorithm of `p`'s shape, storage types and alignment (A, B and C
+    /// in `spaces`, starting at the byte addresses `bases`), made once and cached. bf16 A and B
+    /// multiply natively (`CUBLAS_COMPUTE_32F`: bf16 products, f32 accumulation) into an f32 or
+    /// bf16 C; f32 ones in the device's [`GemmMath`].
+    fn prepare(lt: &mut Lt, p: &LtPlan, spaces: [Space; 3], bases: [u64; 3]) -> anyhow::Result<ShapeKey> {
+        let key = ShapeKey::of(p, spaces, bases);
         if lt.cache.contains_key(&key) {
             return Ok(key);
         }
         let compute = match lt.math {
+            _ if key.bf16[0] => lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             GemmMath::Bf16 => lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
             GemmMath::Tf32 => lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
             GemmMath::F32 => lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
         };
         let f32_type = lt_sys::cudaDataType_t::CUDA_R_32F;
+        let type_of = |bf16: bool| if bf16 { lt_sys::cudaDataType_t::CUDA_R_16BF } else { f32_type };
         let desc = lt_result::create_matmul_desc(compute, f32_type).map_err(lt_err)?;
         // cublasOperation_t: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 (LtOp's values), an i32.
         let op = |o: LtOp| o as i32;
@@ -267,7 +278,7 @@ impl CudaDevice {
                     .map_err(lt_err)?;
             }
             for (k, (l, stride)) in [(p.a, p.stride_a), (p.b, p.stride_b), (p.c, p.stride_c)].into_iter().enumerate() {
-                let layout = lt_result::create_matrix_layout(f32_type, l.rows, l.cols, l.ld).map_err(lt_err)?;
+                let layout = lt_result::create_matrix_layout(type_of(key.bf16[k]), l.rows, l.cols, l.ld).map_err(lt_err)?;
                 if p.batch > 1 {
                     use lt_sys::cublasLtMatrixLayoutAttribute_t as L;
                     let count = p.batch as i32;
@@ -322,11 +333,11 @@ impl CudaDevice {
     }
 
     /// `cublasLtMatmul` of plan `p` on the stream.
-    fn try_gemm(&self, p: &LtPlan) -> anyhow::Result<()> {
+    fn try_gemm(&self, p: &LtPlan, spaces: [Space; 3]) -> anyhow::Result<()> {
         let mut lt = self.lt.lock().expect("the cuBLASLt lock");
-        let key = Self::prepare(&mut lt, p, self.bases[&Space::Arena])?;
+        let key = Self::prepare(&mut lt, p, spaces, spaces.map(|s| self.bases[&s]))?;
         let prepared = &lt.cache[&key];
-        let (a, b, c) = (self.address(Space::Arena, p.a_off), self.address(Space::Arena, p.b_off), self.address(Space::Arena, p.c_off));
+        let (a, b, c) = (self.address(spaces[0], p.a_off), self.address(spaces[1], p.b_off), self.address(spaces[2], p.c_off));
         let ws = lt.workspace_ptr;
         // SAFETY: the plan's layouts lie inside the arena (checked by the backend before
         // planning), the descriptors and algorithm were made for this shape, the scalars are
@@ -387,10 +398,12 @@ impl Device for CudaDevice {
             self.bases.insert(space, ptr);
             self.words.push((space, slice));
         }
-        let half = self.stream.alloc_zeros::<u16>(sizes.half.max(8)).map_err(err(Space::Half))?;
-        let ptr = half.device_ptr(&self.stream).0;
-        self.bases.insert(Space::Half, ptr);
-        self.half = Some(half);
+        for (space, len) in [(Space::Half, sizes.half), (Space::Act, sizes.act), (Space::Mirror, sizes.mirror)] {
+            let slice = self.stream.alloc_zeros::<u16>(len.max(8)).map_err(err(space))?;
+            let ptr = slice.device_ptr(&self.stream).0;
+            self.bases.insert(space, ptr);
+            self.halves.push((space, slice));
+        }
         Ok(())
     }
 
@@ -398,8 +411,23 @@ impl Device for CudaDevice {
         self.try_launch(l).unwrap_or_else(|e| panic!("{e:#}"));
     }
 
-    fn gemm(&self, p: &LtPlan) {
-        self.try_gemm(p).unwrap_or_else(|e| panic!("{e:#}"));
+    fn gemm(&self, p: &LtPlan, spaces: [Space; 3]) {
+        self.try_gemm(p, spaces).unwrap_or_else(|e| panic!("{e:#}"));
+    }
+
+    fn write_half(&mut self, space: Space, off: usize, bits: &[u16]) -> anyhow::Result<()> {
+        let slice = self.halves.iter_mut().find(|w| w.0 == space).map(|w| &mut w.1);
+        let slice = slice.ok_or_else(|| anyhow::anyhow!("the {space:?} space is not a 2-byte space"))?;
+        anyhow::ensure!(off + bits.len() <= slice.len(), "writing {} elements at {off} of the {space:?} space", bits.len());
+        let mut dst = slice.slice_mut(off..off + bits.len());
+        self.stream.memcpy_htod(bits, &mut dst).map_err(|e| anyhow::anyhow!("copy to the GPU: {e:?}"))
+    }
+
+    fn read_half(&self, space: Space, off: usize, len: usize) -> anyhow::Result<Vec<u16>> {
+        let slice = self.halves.iter().find(|w| w.0 == space).map(|w| &w.1);
+        let slice = slice.ok_or_else(|| anyhow::anyhow!("the {space:?} space is not a 2-byte space"))?;
+        anyhow::ensure!(off + len <= slice.len(), "reading {len} elements at {off} of the {space:?} space");
+        self.stream.clone_dtoh(&slice.slice(off..off + len)).map_err(|e| anyhow::anyhow!("copy from the GPU: {e:?}"))
     }
 
     fn capture(&mut self, slot: usize, work: &[Work]) -> anyhow::Result<()> {
@@ -407,7 +435,7 @@ impl Device for CudaDevice {
         self.stream.begin_capture(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| anyhow::anyhow!("cuStreamBeginCapture: {e:?}"))?;
         let recorded = work.iter().try_for_each(|w| match w {
             Work::Launch(l) => self.try_launch(l),
-            Work::Gemm(p) => self.try_gemm(p),
+            Work::Gemm(p, spaces) => self.try_gemm(p, *spaces),
         });
         // End the capture whatever happened, so the stream leaves capture mode.
         let graph = self.stream.end_capture(cu_sys::CUgraphInstantiate_flags(0));

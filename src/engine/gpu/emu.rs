@@ -17,7 +17,7 @@ use super::{Arg, Device, Launch, Sizes, Space, Work};
 use crate::engine::lt::{self, LtPlan};
 
 /// Builds the emulator into `dir/name`, with `engine_source` in place of kernels/engine.cu.
-pub(super) fn build(dir: &Path, name: &str, engine_source: Option<&Path>) -> PathBuf {
+pub(super) fn build(dir: &Path, name: &str, engine_source: Option<&Path>, act_bf16: bool) -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     std::fs::create_dir_all(dir).expect("temp dir is writable");
     let exe = dir.join(name);
@@ -27,6 +27,9 @@ pub(super) fn build(dir: &Path, name: &str, engine_source: Option<&Path>) -> Pat
     // device maths (`#include "ops/..."`) of a copy of engine.cu outside it.
     cmd.arg("-I").arg(root.join("tests/warp_emu/include"));
     cmd.arg("-I").arg(root.join("kernels"));
+    if act_bf16 {
+        cmd.arg("-DENGINE_ACT_BF16");
+    }
     if let Some(src) = engine_source {
         cmd.arg(format!("-DENGINE_SOURCE=\"{}\"", src.display()));
     }
@@ -72,7 +75,14 @@ pub(super) fn temp_dir() -> PathBuf {
 /// The emulator of the project's kernels, built once per test process.
 pub(super) fn emulator() -> &'static Path {
     static EXE: OnceLock<PathBuf> = OnceLock::new();
-    EXE.get_or_init(|| build(&temp_dir(), "engine_emu", None))
+    EXE.get_or_init(|| build(&temp_dir(), "engine_emu", None, false))
+}
+
+/// The emulator of the bf16-activation build of the kernels (`-DENGINE_ACT_BF16`), built once
+/// per test process.
+pub(super) fn emulator_bf16() -> &'static Path {
+    static EXE: OnceLock<PathBuf> = OnceLock::new();
+    EXE.get_or_init(|| build(&temp_dir(), "engine_emu_bf16", None, true))
 }
 
 struct Process {
@@ -92,7 +102,7 @@ pub(super) struct EmuDevice {
     /// Captured graphs by slot.
     graphs: Vec<Vec<Work>>,
     /// Every kernel launched so far.
-    launched: Mutex<std::collections::BTreeSet<String>>,
+    launched: std::sync::Arc<Mutex<std::collections::BTreeSet<String>>>,
     /// GEMMs with their inputs rounded to bf16 (the GPU's default maths), else in f32.
     bf16_gemms: bool,
     /// Timing marks: the emulator finishes each launch before the host goes on, so the host's
@@ -110,7 +120,7 @@ impl EmuDevice {
             process: None,
             spaces: Vec::new(),
             graphs: Vec::new(),
-            launched: Mutex::new(Default::default()),
+            launched: Default::default(),
             bf16_gemms: false,
             marks: Mutex::new(super::Marks::default()),
         }
@@ -127,11 +137,73 @@ impl EmuDevice {
         self.launched.lock().expect("the launch record").clone()
     }
 
+    /// The record of launched kernels, shared (readable after the device moved into an engine).
+    pub(super) fn launch_record(&self) -> std::sync::Arc<Mutex<std::collections::BTreeSet<String>>> {
+        self.launched.clone()
+    }
+
     /// Byte offset of element `off` of `space`, checked.
     fn byte(&self, space: Space, off: usize) -> usize {
         let &(_, base, len) = self.spaces.iter().find(|s| s.0 == space).expect("the device is allocated");
         assert!(off <= len, "element {off} outside the {len}-element {space:?} space");
         base + off * space.elem_bytes()
+    }
+}
+
+impl EmuDevice {
+    /// A GEMM whose operands are not all in the f32 arena (bf16 activations): each operand's
+    /// elements gathered as f32 into one scratch arena, the plan interpreted there, and C written
+    /// back in its space's type (bf16: rounded to nearest even, as cuBLASLt stores a bf16 D).
+    fn gemm_spaces(&self, plan: &LtPlan, spaces: [Space; 3]) {
+        let extent = |l: lt::LtLayout, stride: i64| {
+            let one = if l.rows == 0 || l.cols == 0 { 0 } else { (l.cols as usize - 1) * l.ld as usize + l.rows as usize };
+            one + (plan.batch as usize - 1) * stride.unsigned_abs() as usize
+        };
+        let ops = [
+            (plan.a_off, extent(plan.a, plan.stride_a)),
+            (plan.b_off, extent(plan.b, plan.stride_b)),
+            (plan.c_off, extent(plan.c, plan.stride_c)),
+        ];
+        let mut scratch: Vec<f32> = Vec::new();
+        let mut at = [0; 3];
+        for (k, &(off, len)) in ops.iter().enumerate() {
+            at[k] = scratch.len();
+            if spaces[k].is_bf16() {
+                let bits = self.read_half(spaces[k], off, len).expect("reading a bf16 GEMM operand");
+                scratch.extend(bits.into_iter().map(|b| half::bf16::from_bits(b).to_f32()));
+            } else {
+                scratch.extend(self.read(spaces[k], off, len).expect("reading an f32 GEMM operand").into_iter().map(f32::from_bits));
+            }
+        }
+        let local = LtPlan { a_off: at[0], b_off: at[1], c_off: at[2], ..*plan };
+        lt::interpret_rounding(&local, &mut scratch, self.bf16_gemms);
+        let (off, len) = ops[2];
+        let c = &scratch[at[2]..at[2] + len];
+        if spaces[2].is_bf16() {
+            let bits: Vec<u16> = c.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+            self.put_half(spaces[2], off, &bits);
+        } else {
+            let words: Vec<u32> = c.iter().map(|x| x.to_bits()).collect();
+            self.put(spaces[2], off, &words);
+        }
+    }
+
+    /// Writes words at element `off` of a 4-byte space (under the memory's lock).
+    fn put(&self, space: Space, off: usize, words: &[u32]) {
+        let at = self.byte(space, off + words.len()) - words.len() * 4;
+        let mut m = self.memory.as_ref().expect("the device is allocated").lock().expect("the memory lock");
+        for (k, w) in words.iter().enumerate() {
+            m[at + 4 * k..at + 4 * k + 4].copy_from_slice(&w.to_ne_bytes());
+        }
+    }
+
+    /// Writes bf16 bits at element `off` of a 2-byte space (under the memory's lock).
+    fn put_half(&self, space: Space, off: usize, bits: &[u16]) {
+        let at = self.byte(space, off + bits.len()) - bits.len() * 2;
+        let mut m = self.memory.as_ref().expect("the device is allocated").lock().expect("the memory lock");
+        for (k, b) in bits.iter().enumerate() {
+            m[at + 2 * k..at + 2 * k + 2].copy_from_slice(&b.to_ne_bytes());
+        }
     }
 }
 
@@ -159,6 +231,8 @@ impl Device for EmuDevice {
                 Space::Aux => sizes.aux,
                 Space::Half => sizes.half,
                 Space::Tokens => sizes.tokens,
+                Space::Act => sizes.act,
+                Space::Mirror => sizes.mirror,
             };
             self.spaces.push((s, bytes, len));
             bytes += (len * s.elem_bytes()).div_ceil(256) * 256;
@@ -194,7 +268,10 @@ impl Device for EmuDevice {
         assert_eq!(answer.trim(), "ok", "the emulator failed on `{line}` (its stderr above)");
     }
 
-    fn gemm(&self, plan: &LtPlan) {
+    fn gemm(&self, plan: &LtPlan, spaces: [Space; 3]) {
+        if spaces != [Space::Arena; 3] {
+            return self.gemm_spaces(plan, spaces);
+        }
         let base = self.byte(Space::Arena, 0);
         let len = self.spaces[0].2;
         let mut m = self.memory.as_ref().expect("the device is allocated").lock().expect("the memory lock");
@@ -205,8 +282,25 @@ impl Device for EmuDevice {
         lt::interpret_rounding(plan, arena, self.bf16_gemms);
     }
 
+    fn write_half(&mut self, space: Space, off: usize, bits: &[u16]) -> anyhow::Result<()> {
+        anyhow::ensure!(space.is_bf16() && space != Space::Half, "{space:?} is not a bf16 space written from the host");
+        let at = self.byte(space, off + bits.len()) - bits.len() * 2;
+        let mut m = self.memory.as_ref().expect("the device is allocated").lock().expect("the memory lock");
+        for (k, b) in bits.iter().enumerate() {
+            m[at + 2 * k..at + 2 * k + 2].copy_from_slice(&b.to_ne_bytes());
+        }
+        Ok(())
+    }
+
+    fn read_half(&self, space: Space, off: usize, len: usize) -> anyhow::Result<Vec<u16>> {
+        anyhow::ensure!(space.is_bf16() && space != Space::Half, "{space:?} is not a bf16 space read from the host");
+        let at = self.byte(space, off + len) - len * 2;
+        let m = self.memory.as_ref().expect("the device is allocated").lock().expect("the memory lock");
+        Ok((0..len).map(|k| u16::from_ne_bytes(m[at + 2 * k..at + 2 * k + 2].try_into().expect("2 bytes"))).collect())
+    }
+
     fn write(&mut self, space: Space, off: usize, words: &[u32]) -> anyhow::Result<()> {
-        anyhow::ensure!(space != Space::Half, "the bf16 space is not written from the host");
+        anyhow::ensure!(!space.is_bf16(), "{space:?} is not a 4-byte space");
         let at = self.byte(space, off + words.len()) - words.len() * 4;
         let mut m = self.memory.as_ref().expect("the device is allocated").lock().expect("the memory lock");
         for (k, w) in words.iter().enumerate() {
@@ -250,7 +344,7 @@ impl Device for EmuDevice {
     }
 
     fn read(&self, space: Space, off: usize, len: usize) -> anyhow::Result<Vec<u32>> {
-        anyhow::ensure!(space != Space::Half, "the bf16 space is not read from the host");
+        anyhow::ensure!(!space.is_bf16(), "{space:?} is not a 4-byte space");
         let at = self.byte(space, off + len) - len * 4;
         let m = self.memory.as_ref().expect("the device is allocated").lock().expect("the memory lock");
         Ok((0..len).map(|k| u32::from_ne_bytes(m[at + 4 * k..at + 4 * k + 4].try_into().expect("4 bytes"))).collect())

@@ -44,7 +44,7 @@ use super::lt::LtPlan;
 /// A memory space of the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Space {
-    /// The engine's arena (`f32`).
+    /// The engine's arena (`f32`); with bf16 activations, the arena less its `half` region.
     Arena,
     /// Scratch and per-layer statistics (`f32`).
     Aux,
@@ -52,15 +52,71 @@ pub enum Space {
     Half,
     /// Token ids, targets and the ids' CSR (`u32`).
     Tokens,
+    /// With bf16 activations: the layout's `half` region (`bf16`; empty otherwise).
+    Act,
+    /// With bf16 activations: the weights' per-pass `bf16` copy that the GEMMs read (the
+    /// parameter region's layout; empty otherwise).
+    Mirror,
 }
 
 impl Space {
     /// Every space, in allocation order.
-    pub const ALL: [Space; 4] = [Space::Arena, Space::Aux, Space::Half, Space::Tokens];
+    pub const ALL: [Space; 6] = [Space::Arena, Space::Aux, Space::Half, Space::Tokens, Space::Act, Space::Mirror];
 
     /// Bytes per element.
     pub fn elem_bytes(self) -> usize {
-        if self == Space::Half { 2 } else { 4 }
+        match self {
+            Space::Half | Space::Act | Space::Mirror => 2,
+            Space::Arena | Space::Aux | Space::Tokens => 4,
+        }
+    }
+
+    /// Whether its elements are `bf16`.
+    pub fn is_bf16(self) -> bool {
+        self.elem_bytes() == 2
+    }
+}
+
+/// The GPU backend's arithmetic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuPrecision {
+    /// An f32 arena, full f32 GEMMs (parity checks).
+    F32,
+    /// An f32 arena, GEMMs on the bf16 tensor cores with f32 accumulation (cuBLAS rounds the
+    /// f32 operands as it reads them).
+    Bf16Gemms,
+    /// Activations and their gradients stored in bf16 ([`HalfRegions`]), GEMMs reading bf16
+    /// operands natively (the weights' bf16 copy), f32 master weights, gradients and optimizer
+    /// state: PyTorch's autocast.
+    Bf16,
+}
+
+impl GpuPrecision {
+    /// A short name for logs and reports.
+    pub fn label(self) -> &'static str {
+        match self {
+            GpuPrecision::F32 => "f32",
+            GpuPrecision::Bf16Gemms => "bf16 GEMMs",
+            GpuPrecision::Bf16 => "bf16 activations",
+        }
+    }
+}
+
+/// Where a bf16-activation backend keeps what (arena offsets of the layout): the `half` region
+/// lives in [`Space::Act`], the rest of the arena in [`Space::Arena`] (closed up), and GEMM
+/// operands inside `params` are read from [`Space::Mirror`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HalfRegions {
+    /// The layout's `half` region ([`crate::engine::layout::Layout::half`]).
+    pub act: super::backend::Buf,
+    /// The parameter region ([`crate::engine::layout::Layout::params`]).
+    pub params: super::backend::Buf,
+}
+
+impl HalfRegions {
+    /// The regions of `layout`.
+    pub fn of(layout: &super::layout::Layout) -> Self {
+        HalfRegions { act: layout.half, params: layout.params }
     }
 }
 
@@ -109,8 +165,8 @@ pub struct Launch {
 pub enum Work {
     /// A kernel launch.
     Launch(Launch),
-    /// A cuBLASLt GEMM.
-    Gemm(LtPlan),
+    /// A cuBLASLt GEMM, its A, B and C offsets in these spaces (`f32` or `bf16` by space).
+    Gemm(LtPlan, [Space; 3]),
 }
 
 /// Elements of each space a backend needs.
@@ -124,6 +180,10 @@ pub struct Sizes {
     pub half: usize,
     /// `tokens`.
     pub tokens: usize,
+    /// `act` (bf16 activations; 0 otherwise).
+    pub act: usize,
+    /// `mirror` (bf16 activations; 0 otherwise).
+    pub mirror: usize,
 }
 
 /// What runs launches and GEMM plans on memory it owns.
@@ -134,12 +194,16 @@ pub trait Device: Send {
     fn alloc(&mut self, sizes: Sizes) -> anyhow::Result<()>;
     /// Runs a launch (asynchronously on a device: in order with every other call).
     fn launch(&self, l: &Launch);
-    /// Runs `D = alpha op(A) op(B) + beta C` on the arena.
-    fn gemm(&self, p: &LtPlan);
+    /// Runs `D = alpha op(A) op(B) + beta C` with A, B and C in `spaces`.
+    fn gemm(&self, p: &LtPlan, spaces: [Space; 3]);
     /// Writes 32-bit words at element `off` of a 4-byte space.
     fn write(&mut self, space: Space, off: usize, words: &[u32]) -> anyhow::Result<()>;
     /// Reads `len` 32-bit words from element `off` of a 4-byte space (waits for the work before).
     fn read(&self, space: Space, off: usize, len: usize) -> anyhow::Result<Vec<u32>>;
+    /// Writes bf16 elements (their bits) at element `off` of a 2-byte space.
+    fn write_half(&mut self, space: Space, off: usize, bits: &[u16]) -> anyhow::Result<()>;
+    /// Reads `len` bf16 elements (their bits) from element `off` of a 2-byte space.
+    fn read_half(&self, space: Space, off: usize, len: usize) -> anyhow::Result<Vec<u16>>;
     /// Writes the elements of the 32-bit tensor `t` (`u32` ids) at element `off` of a 4-byte
     /// space, in order with the device's work. The default reads `t` to the host; the CUDA
     /// device copies a tensor on its GPU device to device, after the work queued on the
@@ -192,7 +256,7 @@ pub trait Device: Send {
     fn run(&self, w: &Work) {
         match w {
             Work::Launch(l) => self.launch(l),
-            Work::Gemm(p) => self.gemm(p),
+            Work::Gemm(p, spaces) => self.gemm(p, *spaces),
         }
     }
 }
@@ -201,19 +265,32 @@ pub trait Device: Send {
 /// stream of its own) with an arena of `len` elements (GEMMs in bf16 or f32; units of work
 /// replayed as CUDA graphs when `graphs`).
 #[cfg(feature = "cuda")]
-pub fn gpu_backend(device: &candle_core::Device, bf16: bool, graphs: bool, len: usize, cap: Capacity) -> anyhow::Result<Box<dyn Backend>> {
-    let math = if bf16 { cuda::GemmMath::Bf16 } else { cuda::GemmMath::F32 };
-    Ok(Box::new(KernelBackend::new(cuda::CudaDevice::new(device, math)?, len, cap)?.with_graphs(graphs)))
+pub fn gpu_backend(
+    device: &candle_core::Device,
+    precision: GpuPrecision,
+    graphs: bool,
+    len: usize,
+    cap: Capacity,
+    half: Option<HalfRegions>,
+) -> anyhow::Result<Box<dyn Backend>> {
+    anyhow::ensure!(
+        half.is_some() == (precision == GpuPrecision::Bf16),
+        "the GPU backend's bf16 activations need their regions ({precision:?}, {half:?})"
+    );
+    let math = if precision == GpuPrecision::F32 { cuda::GemmMath::F32 } else { cuda::GemmMath::Bf16 };
+    let dev = cuda::CudaDevice::new(device, math, half.is_some())?;
+    Ok(Box::new(KernelBackend::with_half(dev, len, cap, half)?.with_graphs(graphs)))
 }
 
 /// Without the `cuda` feature: the reason there is no GPU backend.
 #[cfg(not(feature = "cuda"))]
 pub fn gpu_backend(
     device: &candle_core::Device,
-    _bf16: bool,
+    _precision: GpuPrecision,
     _graphs: bool,
     _len: usize,
     _cap: Capacity,
+    _half: Option<HalfRegions>,
 ) -> anyhow::Result<Box<dyn Backend>> {
     anyhow::bail!("the engine's GPU backend ({:?}) needs a `cuda` build (scripts/build-cuda.sh)", device.location())
 }
@@ -342,7 +419,8 @@ impl Capacity {
         let round = |x: usize| x.div_ceil(8) * 8;
         let (q, kv) = (round(self.tokens * self.attn_width), round(self.tokens * self.kv_width));
         let half_len = 4 * q + 4 * kv;
-        let sizes = Sizes { arena: len, aux: lse + lse_len * self.attention_calls, half: half_len, tokens: tokens.len() };
+        let sizes =
+            Sizes { arena: len, aux: lse + lse_len * self.attention_calls, half: half_len, tokens: tokens.len(), act: 0, mirror: 0 };
         (sizes, aux, half_len, tokens)
     }
 
@@ -456,6 +534,8 @@ struct Seen {
 pub struct KernelBackend<D: Device> {
     dev: D,
     len: usize,
+    /// With bf16 activations: where they and the weights' bf16 copy are.
+    half: Option<HalfRegions>,
     aux: AuxLayout,
     half_len: usize,
     tokens: TokenLayout,
@@ -476,18 +556,32 @@ pub struct KernelBackend<D: Device> {
 impl<D: Device> KernelBackend<D> {
     /// A backend with an arena of `len` elements on `dev`, scratch sized by `cap`.
     pub fn new(dev: D, len: usize, cap: Capacity) -> anyhow::Result<Self> {
-        Self::with_csr_chunk(dev, len, cap, CSR_CHUNK)
+        Self::with_csr_chunk(dev, len, cap, CSR_CHUNK, None)
+    }
+
+    /// [`KernelBackend::new`], with the activations in bf16 when `half` says where (`dev` must
+    /// run the bf16 build of the kernels).
+    pub fn with_half(dev: D, len: usize, cap: Capacity, half: Option<HalfRegions>) -> anyhow::Result<Self> {
+        Self::with_csr_chunk(dev, len, cap, CSR_CHUNK, half)
     }
 
     /// [`KernelBackend::new`] building the ids' CSR in chunks of `chunk` positions (tests use
     /// small ones to cross chunk edges on small micro-batches).
-    pub(super) fn with_csr_chunk(mut dev: D, len: usize, cap: Capacity, chunk: usize) -> anyhow::Result<Self> {
+    pub(super) fn with_csr_chunk(mut dev: D, len: usize, cap: Capacity, chunk: usize, half: Option<HalfRegions>) -> anyhow::Result<Self> {
         anyhow::ensure!(chunk >= 1, "a CSR chunk of {chunk} positions");
-        let (sizes, aux, half_len, tokens) = cap.spaces(len, chunk);
+        let (mut sizes, aux, half_len, tokens) = cap.spaces(len, chunk);
+        if let Some(h) = half {
+            anyhow::ensure!(
+                h.act.end() <= len && h.params.end() <= h.act.off,
+                "bf16 regions {h:?} outside an arena of {len} elements, or the parameters after the activations"
+            );
+            (sizes.arena, sizes.act, sizes.mirror) = (len - h.act.len, h.act.len, h.params.len);
+        }
         dev.alloc(sizes)?;
         Ok(Self {
             dev,
             len,
+            half,
             aux,
             half_len,
             tokens,
@@ -603,7 +697,7 @@ impl<D: Device> KernelBackend<D> {
 /// (`pipeline engine-check` prints it; a default stream cannot be captured into graphs).
 #[cfg(feature = "cuda")]
 pub fn stream_check(device: &candle_core::Device) -> anyhow::Result<(String, bool)> {
-    let dev = cuda::CudaDevice::new(device, cuda::GemmMath::F32)?;
+    let dev = cuda::CudaDevice::new(device, cuda::GemmMath::F32, false)?;
     Ok((format!("{:p}", dev.stream().cu_stream()), dev.on_default_stream()))
 }
 
@@ -643,7 +737,7 @@ pub fn transfer_check(device: &candle_core::Device) -> anyhow::Result<Vec<(Strin
     };
     let (small, side) = (4096, 1024);
     let len = small + 3 * side * side;
-    let mut be = KernelBackend::new(cuda::CudaDevice::new(device, cuda::GemmMath::F32)?, len, cap)?;
+    let mut be = KernelBackend::new(cuda::CudaDevice::new(device, cuda::GemmMath::F32, false)?, len, cap)?;
     // A few milliseconds of products on the engine's stream (outside the checked region).
     let m = |k: usize| Buf { off: small + k * side * side, len: side * side }.mat(side, side);
     let busy_engine = |be: &mut KernelBackend<cuda::CudaDevice>| {

@@ -56,9 +56,6 @@ fn parts(rows: usize, cols: usize) -> [u32; 3] {
     [cols.div_ceil(BLOCK as usize).max(1) as u32, rows.div_ceil(PART).max(1) as u32, 1]
 }
 
-fn a(b: Buf) -> Arg {
-    Arg::Ptr(Space::Arena, b.off)
-}
 fn l(x: usize) -> Arg {
     Arg::I64(x as i64)
 }
@@ -68,16 +65,81 @@ fn i(x: usize) -> Arg {
 fn f(x: f64) -> Arg {
     Arg::F32(x as f32)
 }
-/// The QK norm + RoPE kernels' shared arguments: gain, its flag, the tables, the shape.
-fn head_args(gain: Buf, has_gain: bool, cos: Buf, sin: Buf, s: HeadShape) -> [Arg; 9] {
-    [a(gain), flag(has_gain), a(cos), a(sin), l(s.rows), i(s.heads), i(s.d), i(s.rot), i(s.t)]
-}
 
 fn flag(x: bool) -> Arg {
     Arg::I32(x as i32)
 }
 
 impl<D: Device> KernelBackend<D> {
+    /// Where arena element `off` lives: its space and its offset there (with bf16 activations
+    /// the `half` region is [`Space::Act`] and the arena after it is closed up).
+    fn at(&self, off: usize) -> (Space, usize) {
+        match self.half {
+            Some(h) if off >= h.act.off && off < h.act.end() => (Space::Act, off - h.act.off),
+            Some(h) if off >= h.act.end() => (Space::Arena, off - h.act.len),
+            _ => (Space::Arena, off),
+        }
+    }
+
+    /// Whether `b` holds bf16 activations.
+    fn is_act(&self, b: Buf) -> bool {
+        self.half.is_some_and(|h| b.len > 0 && b.off >= h.act.off && b.end() <= h.act.end())
+    }
+
+    /// `b` as a kernel's pointer argument. Panics when `b` straddles an edge of the bf16
+    /// activations (a kernel reads one storage type per argument).
+    fn a(&self, b: Buf) -> Arg {
+        if let Some(h) = self.half {
+            let inside = |x: usize| x > b.off && x < b.end();
+            assert!(!inside(h.act.off) && !inside(h.act.end()), "{b:?} straddles the bf16 activations {:?}", h.act);
+        }
+        let (space, off) = self.at(b.off);
+        Arg::Ptr(space, off)
+    }
+
+    /// `b` cut at the edges of the bf16 activations (a fill or poison of a whole region).
+    fn pieces(&self, b: Buf) -> Vec<Buf> {
+        let Some(h) = self.half else { return vec![b] };
+        let mut cuts = vec![b.off];
+        cuts.extend([h.act.off, h.act.end()].into_iter().filter(|&x| x > b.off && x < b.end()));
+        cuts.push(b.end());
+        cuts.windows(2).map(|w| Buf { off: w[0], len: w[1] - w[0] }).collect()
+    }
+
+    /// `kernel`, or its `_act` form when `b` holds bf16 activations.
+    fn flat_kernel(&self, kernel: &'static str, b: Buf) -> &'static str {
+        if !self.is_act(b) {
+            return kernel;
+        }
+        match kernel {
+            "eng_fill" => "eng_fill_act",
+            "eng_scale" => "eng_scale_act",
+            "eng_copy" => "eng_copy_act",
+            "eng_axpby" => "eng_axpby_act",
+            "eng_reduce_partial" => "eng_reduce_partial_act",
+            other => panic!("`{other}` has no form for bf16 activations"),
+        }
+    }
+
+    /// A GEMM operand: its view in its space, and the space (with bf16 activations, weights are
+    /// read from their bf16 copy).
+    fn operand(&self, m: Mat) -> (Mat, Space) {
+        if let Some(h) = self.half {
+            let span = m.span();
+            if span.len > 0 && span.off >= h.params.off && span.end() <= h.params.end() {
+                return (Mat { off: m.off - h.params.off, ..m }, Space::Mirror);
+            }
+            self.a(span);
+        }
+        let (space, off) = self.at(m.off);
+        (Mat { off, ..m }, space)
+    }
+
+    /// The QK norm + RoPE kernels' shared arguments: gain, its flag, the tables, the shape.
+    fn head_args(&self, gain: Buf, has_gain: bool, cos: Buf, sin: Buf, s: HeadShape) -> [Arg; 9] {
+        [self.a(gain), flag(has_gain), self.a(cos), self.a(sin), l(s.rows), i(s.heads), i(s.d), i(s.rot), i(s.t)]
+    }
+
     fn run(&mut self, kernel: &'static str, grid: [u32; 3], block: u32, args: Vec<Arg>) {
         self.submit(Work::Launch(Launch { kernel, grid, block, args }));
     }
@@ -111,7 +173,7 @@ impl<D: Device> KernelBackend<D> {
         let part = self.scratch(at, (parts - 1) * stride + width);
         let per = self.colsum_group;
         if parts <= 2 * per {
-            self.run("eng_colsum_finish", flat(width), BLOCK, vec![part, i(parts), i(stride), i(width), a(dst)]);
+            self.run("eng_colsum_finish", flat(width), BLOCK, vec![part, i(parts), i(stride), i(width), self.a(dst)]);
             return;
         }
         let groups = parts.div_ceil(per);
@@ -123,7 +185,7 @@ impl<D: Device> KernelBackend<D> {
         let mid = Arg::Ptr(Space::Aux, self.aux.mid);
         let grid = [width.div_ceil(BLOCK_THREADS) as u32, groups as u32, 1];
         self.run("eng_colsum_groups", grid, BLOCK, vec![part, i(parts), i(stride), i(width), i(per), mid]);
-        self.run("eng_colsum_finish", flat(width), BLOCK, vec![mid, i(groups), i(width), i(width), a(dst)]);
+        self.run("eng_colsum_finish", flat(width), BLOCK, vec![mid, i(groups), i(width), i(width), self.a(dst)]);
     }
 
     /// The launches of the scalar reduction `mode` (0 sum, 1 sum of squares, 2 non-finite
@@ -133,10 +195,10 @@ impl<D: Device> KernelBackend<D> {
         let part = Arg::Ptr(Space::Aux, self.aux.reduce);
         [
             Launch {
-                kernel: "eng_reduce_partial",
+                kernel: self.flat_kernel("eng_reduce_partial", src),
                 grid: [blocks as u32, 1, 1],
                 block: BLOCK,
-                args: vec![a(src), l(src.len), Arg::I32(mode), part],
+                args: vec![self.a(src), l(src.len), Arg::I32(mode), part],
             },
             Launch { kernel: "eng_reduce_finish", grid: [1, 1, 1], block: 32, args: vec![part, i(blocks), out, flag(acc)] },
         ]
@@ -179,14 +241,41 @@ impl<D: Device> KernelBackend<D> {
     /// `half[slot] = m` as contiguous bf16.
     fn half_in(&mut self, m: Mat, slot: usize) {
         assert!(!m.t, "attention's operands are read untransposed");
-        let args = vec![a(m.span()), l(m.ld), Arg::Ptr(Space::Half, slot), l(m.rows), i(m.cols)];
+        let args = vec![self.a(m.span()), l(m.ld), Arg::Ptr(Space::Half, slot), l(m.rows), i(m.cols)];
         self.run("eng_to_bf16", flat(m.rows * m.cols), BLOCK, args);
     }
 
     /// `m (+)= half[slot]`.
     fn half_out(&mut self, slot: usize, m: Mat, acc: bool) {
-        let args = vec![Arg::Ptr(Space::Half, slot), a(m.span()), l(m.ld), l(m.rows), i(m.cols), flag(acc)];
+        let args = vec![Arg::Ptr(Space::Half, slot), self.a(m.span()), l(m.ld), l(m.rows), i(m.cols), flag(acc)];
         self.run("eng_from_bf16", flat(m.rows * m.cols), BLOCK, args);
+    }
+
+    /// An attention operand as flash attention reads it: the buffer itself when it is a
+    /// contiguous bf16 activation, else its copy at `half[slot]`.
+    fn attn_in(&mut self, m: Mat, slot: usize) -> Arg {
+        if self.is_act(m.span()) && m.ld == m.cols && !m.t {
+            return self.a(m.span());
+        }
+        self.half_in(m, slot);
+        Arg::Ptr(Space::Half, slot)
+    }
+
+    /// Where flash attention writes output `m` (`+=` when `acc`): `m` itself when it is a
+    /// contiguous bf16 activation written over, else `half[slot]`, copied out by
+    /// [`Self::attn_finish`].
+    fn attn_out(&self, m: Mat, slot: usize, acc: bool) -> (Arg, Option<(usize, Mat, bool)>) {
+        if self.is_act(m.span()) && m.ld == m.cols && !m.t && !acc {
+            return (self.a(m.span()), None);
+        }
+        (Arg::Ptr(Space::Half, slot), Some((slot, m, acc)))
+    }
+
+    /// The copies out that [`Self::attn_out`] left.
+    fn attn_finish(&mut self, outs: &[Option<(usize, Mat, bool)>]) {
+        for &(slot, m, acc) in outs.iter().flatten() {
+            self.half_out(slot, m, acc);
+        }
     }
 
     /// Flash attention's scalars and grid checks: `(scale_log2, scale, query grid, kv grid)`.
@@ -258,21 +347,43 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.check([], [dst]);
         self.outside_unit("an upload");
         let v: Vec<f32> = src.to_device(&CandleDevice::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-        let words: Vec<u32> = v.iter().map(|x| x.to_bits()).collect();
-        self.dev.write(Space::Arena, dst.off, &words)
+        let mut done = 0;
+        for b in self.pieces(dst) {
+            let part = &v[done..done + b.len];
+            done += b.len;
+            match self.at(b.off) {
+                (Space::Act, off) => {
+                    let bits: Vec<u16> = part.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+                    self.dev.write_half(Space::Act, off, &bits)?;
+                }
+                (space, off) => self.dev.write(space, off, &part.iter().map(|x| x.to_bits()).collect::<Vec<u32>>())?,
+            }
+        }
+        Ok(())
     }
 
     fn download(&self, src: Buf, shape: &[usize]) -> anyhow::Result<Tensor> {
         self.check([src], []);
         self.outside_unit("a download");
-        let v: Vec<f32> = self.dev.read(Space::Arena, src.off, src.len)?.into_iter().map(f32::from_bits).collect();
+        let mut v: Vec<f32> = Vec::with_capacity(src.len);
+        for b in self.pieces(src) {
+            match self.at(b.off) {
+                (Space::Act, off) => {
+                    v.extend(self.dev.read_half(Space::Act, off, b.len)?.into_iter().map(|x| half::bf16::from_bits(x).to_f32()))
+                }
+                (space, off) => v.extend(self.dev.read(space, off, b.len)?.into_iter().map(f32::from_bits)),
+            }
+        }
         Ok(Tensor::from_vec(v, shape, &CandleDevice::Cpu)?)
     }
 
     fn download_to(&self, src: Buf, shape: &[usize], device: &CandleDevice) -> anyhow::Result<Tensor> {
         self.check([src], []);
         self.outside_unit("a download");
-        self.dev.tensor(src.off, src.len, shape, device)
+        match self.pieces(src).as_slice() {
+            [b] if self.at(b.off).0 == Space::Arena => self.dev.tensor(self.at(b.off).1, src.len, shape, device),
+            _ => Ok(self.download(src, shape)?.to_device(device)?),
+        }
     }
 
     fn set_tokens(&mut self, x: &[u32], y: &[u32]) {
@@ -312,17 +423,20 @@ impl<D: Device> Backend for KernelBackend<D> {
 
     fn fill(&mut self, dst: Buf, value: f64) {
         self.check([], [dst]);
-        self.run("eng_fill", flat(dst.len), BLOCK, vec![a(dst), l(dst.len), f(value)]);
+        for b in self.pieces(dst) {
+            self.run(self.flat_kernel("eng_fill", b), flat(b.len), BLOCK, vec![self.a(b), l(b.len), f(value)]);
+        }
     }
 
     fn copy(&mut self, dst: Buf, src: Buf) {
         self.check([src], [dst]);
-        self.run("eng_copy", flat(dst.len), BLOCK, vec![a(dst), a(src), l(dst.len)]);
+        assert_eq!(self.is_act(dst), self.is_act(src), "a copy between f32 and bf16 buffers ({src:?} to {dst:?})");
+        self.run(self.flat_kernel("eng_copy", dst), flat(dst.len), BLOCK, vec![self.a(dst), self.a(src), l(dst.len)]);
     }
 
     fn scale(&mut self, dst: Buf, x: f64) {
         self.check([], [dst]);
-        self.run("eng_scale", flat(dst.len), BLOCK, vec![a(dst), l(dst.len), f(x)]);
+        self.run(self.flat_kernel("eng_scale", dst), flat(dst.len), BLOCK, vec![self.a(dst), l(dst.len), f(x)]);
     }
 
     fn sum(&self, src: Buf) -> f64 {
@@ -339,7 +453,7 @@ impl<D: Device> Backend for KernelBackend<D> {
 
     fn sum_into(&mut self, src: Buf, dst: Buf) {
         self.check([src], [dst.sub(0, 1)]);
-        for launch in self.reduction(src, 0, a(dst), true) {
+        for launch in self.reduction(src, 0, self.a(dst), true) {
             self.submit(Work::Launch(launch));
         }
     }
@@ -351,7 +465,7 @@ impl<D: Device> Backend for KernelBackend<D> {
             self.submit(Work::Launch(launch));
         }
         let max = self.sched(&[max]);
-        self.run("eng_clip", flat(g.len), BLOCK, vec![a(g), l(g.len), sum_sq, max, a(norm)]);
+        self.run("eng_clip", flat(g.len), BLOCK, vec![self.a(g), l(g.len), sum_sq, max, self.a(norm)]);
     }
 
     fn begin_unit(&mut self, key: &str) {
@@ -395,7 +509,22 @@ impl<D: Device> Backend for KernelBackend<D> {
 
     fn gemm(&mut self, c: Mat, a_: Mat, b: Mat, alpha: f64, beta: f64) {
         self.check([a_.span(), b.span()], [c.span()]);
-        self.submit(Work::Gemm(lt::plan(c, a_, b, alpha, beta)));
+        let ((c, sc), (a_, sa), (b, sb)) = (self.operand(c), self.operand(a_), self.operand(b));
+        assert!(sc != Space::Mirror, "a GEMM writes into the weights");
+        assert_eq!(sa.is_bf16(), sb.is_bf16(), "a GEMM of a {sa:?} and a {sb:?} operand (one storage type for both)");
+        // cuBLAS's A is our b, its B our a (lt::plan).
+        self.submit(Work::Gemm(lt::plan(c, a_, b, alpha, beta), [sb, sa, sc]));
+    }
+
+    fn half_region(&self) -> Option<Buf> {
+        self.half.map(|h| h.act)
+    }
+
+    fn refresh_weights(&mut self, params: Buf) {
+        let Some(h) = self.half else { return };
+        assert_eq!(params, h.params, "the weights' bf16 copy is of the parameter region");
+        let args = vec![self.a(params), Arg::Ptr(Space::Mirror, 0), l(params.len)];
+        self.run("eng_cast_bf16", flat(params.len), BLOCK, args);
     }
 
     fn embedding_fwd(&mut self, table: Buf, out: Buf, dim: usize) {
@@ -403,7 +532,7 @@ impl<D: Device> Backend for KernelBackend<D> {
         let n = out.len / dim;
         let ids = Arg::Ptr(Space::Tokens, self.tokens.x());
         let vocab = i(table.len / dim);
-        self.run("eng_embedding_fwd", flat(out.len), BLOCK, vec![a(table), ids, a(out), l(n), i(dim), vocab]);
+        self.run("eng_embedding_fwd", flat(out.len), BLOCK, vec![self.a(table), ids, self.a(out), l(n), i(dim), vocab]);
     }
 
     fn embedding_bwd(&mut self, dout: Buf, dtable: Buf, dim: usize) {
@@ -415,37 +544,37 @@ impl<D: Device> Backend for KernelBackend<D> {
         // Rows of more than `piece` tokens: their pieces first (a grid for the most there can be).
         let part = self.scratch(0, t.max_pieces() * dim);
         let pieces = t.max_pieces() as u32;
-        let args = vec![a(dout), off, pos, poff, part, i(dim), i(t.vocab), i(t.piece)];
+        let args = vec![self.a(dout), off, pos, poff, part, i(dim), i(t.vocab), i(t.piece)];
         self.run("eng_embedding_pieces", [pieces, 1, 1], BLOCK, args);
-        self.run("eng_embedding_bwd", [t.vocab as u32, 1, 1], BLOCK, vec![a(dout), off, pos, poff, part, a(dtable), i(dim)]);
+        self.run("eng_embedding_bwd", [t.vocab as u32, 1, 1], BLOCK, vec![self.a(dout), off, pos, poff, part, self.a(dtable), i(dim)]);
     }
 
     fn rms_norm_fwd(&mut self, x: Buf, out: Buf, rstd: Buf, cols: usize, scale: f64, eps: f64) {
         self.check([x], [out, rstd]);
         let rows = x.len / cols;
-        self.run("eng_rms_norm_fwd", warps(rows), BLOCK, vec![a(x), a(out), a(rstd), l(rows), i(cols), f(scale), f(eps)]);
+        self.run("eng_rms_norm_fwd", warps(rows), BLOCK, vec![self.a(x), self.a(out), self.a(rstd), l(rows), i(cols), f(scale), f(eps)]);
     }
 
     fn rms_norm_bwd(&mut self, x: Buf, rstd: Buf, dy: Buf, dx: Buf, cols: usize, scale: f64, accumulate: bool) {
         self.check([x, rstd, dy], [dx]);
         let rows = x.len / cols;
-        let args = vec![a(x), a(rstd), a(dy), a(dx), l(rows), i(cols), f(scale), flag(accumulate)];
+        let args = vec![self.a(x), self.a(rstd), self.a(dy), self.a(dx), l(rows), i(cols), f(scale), flag(accumulate)];
         self.run("eng_rms_norm_bwd", warps(rows), BLOCK, args);
     }
 
     fn resid_mix_fwd(&mut self, h: Buf, x0: Buf, mix: Buf, out: Buf) {
         self.check([h, x0, mix], [out]);
         let cols = mix.len / 2;
-        self.run("eng_resid_mix_fwd", flat(out.len), BLOCK, vec![a(h), a(x0), a(mix), a(out), l(out.len), i(cols)]);
+        self.run("eng_resid_mix_fwd", flat(out.len), BLOCK, vec![self.a(h), self.a(x0), self.a(mix), self.a(out), l(out.len), i(cols)]);
     }
 
     fn resid_mix_bwd(&mut self, du: Buf, h: Buf, x0: Buf, mix: Buf, dh: Buf, dx0: Buf, dmix: Buf) {
         self.check([du, h, x0, mix], [dh, dx0, dmix]);
         let cols = mix.len / 2;
         let rows = du.len / cols;
-        self.run("eng_resid_mix_bwd", flat(du.len), BLOCK, vec![a(du), a(mix), a(dh), a(dx0), l(du.len), i(cols)]);
+        self.run("eng_resid_mix_bwd", flat(du.len), BLOCK, vec![self.a(du), self.a(mix), self.a(dh), self.a(dx0), l(du.len), i(cols)]);
         let part = self.scratch(0, rows.div_ceil(PART) * 2 * cols);
-        self.run("eng_resid_mix_partial", parts(rows, cols), BLOCK, vec![a(du), a(h), a(x0), l(rows), i(cols), part]);
+        self.run("eng_resid_mix_partial", parts(rows, cols), BLOCK, vec![self.a(du), self.a(h), self.a(x0), l(rows), i(cols), part]);
         self.finish(rows, 2 * cols, 2 * cols, dmix);
     }
 
@@ -456,15 +585,15 @@ impl<D: Device> Backend for KernelBackend<D> {
             self.check([base, x, s], [out]);
         }
         let cols = s.len;
-        self.run("eng_scale_add_fwd", flat(out.len), BLOCK, vec![a(base), a(x), a(s), a(out), l(out.len), i(cols)]);
+        self.run("eng_scale_add_fwd", flat(out.len), BLOCK, vec![self.a(base), self.a(x), self.a(s), self.a(out), l(out.len), i(cols)]);
     }
 
     fn scale_add_bwd(&mut self, dy: Buf, x: Buf, s: Buf, dx: Buf, ds: Buf) {
         self.check([dy, x, s], [dx, ds]);
         let (cols, rows) = (s.len, dy.len / s.len);
-        self.run("eng_scale_cols", flat(dy.len), BLOCK, vec![a(dy), a(s), a(dx), l(dy.len), i(cols)]);
+        self.run("eng_scale_cols", flat(dy.len), BLOCK, vec![self.a(dy), self.a(s), self.a(dx), l(dy.len), i(cols)]);
         let part = self.scratch(0, rows.div_ceil(PART) * cols);
-        self.run("eng_dot_partial", parts(rows, cols), BLOCK, vec![a(dy), a(x), l(rows), i(cols), part]);
+        self.run("eng_dot_partial", parts(rows, cols), BLOCK, vec![self.a(dy), self.a(x), l(rows), i(cols), part]);
         self.finish(rows, cols, cols, ds);
     }
 
@@ -472,7 +601,7 @@ impl<D: Device> Backend for KernelBackend<D> {
         let zb = z.unwrap_or_default();
         self.check([h, s, w, zb], [out]);
         let cols = w.len;
-        let args = vec![a(h), a(s), a(w), a(zb), flag(z.is_some()), a(out), l(out.len), i(cols)];
+        let args = vec![self.a(h), self.a(s), self.a(w), self.a(zb), flag(z.is_some()), self.a(out), l(out.len), i(cols)];
         self.run("eng_skip_fwd", flat(out.len), BLOCK, args);
     }
 
@@ -480,21 +609,31 @@ impl<D: Device> Backend for KernelBackend<D> {
         let (zb, dz) = z.unwrap_or_default();
         self.check([dy, h, s, w, zb], [dh, ds, dw, dz]);
         let (cols, rows, gated) = (w.len, dy.len / w.len, flag(z.is_some()));
-        self.run("eng_skip_bwd", flat(dy.len), BLOCK, vec![a(dy), a(w), a(zb), gated, a(dh), a(ds), l(dy.len), i(cols)]);
+        self.run(
+            "eng_skip_bwd",
+            flat(dy.len),
+            BLOCK,
+            vec![self.a(dy), self.a(w), self.a(zb), gated, self.a(dh), self.a(ds), l(dy.len), i(cols)],
+        );
         let n = rows.div_ceil(PART);
         let part = self.scratch(0, n * 2 * cols);
-        self.run("eng_skip_partial", parts(rows, cols), BLOCK, vec![a(dy), a(h), a(s), a(w), a(zb), gated, l(rows), i(cols), part]);
+        self.run(
+            "eng_skip_partial",
+            parts(rows, cols),
+            BLOCK,
+            vec![self.a(dy), self.a(h), self.a(s), self.a(w), self.a(zb), gated, l(rows), i(cols), part],
+        );
         self.finish(rows, 2 * cols, cols, dw);
         if z.is_some() {
-            self.run("eng_skip_gate_finish", flat(cols), BLOCK, vec![part, i(n), i(cols), a(zb), a(dz)]);
+            self.run("eng_skip_gate_finish", flat(cols), BLOCK, vec![part, i(n), i(cols), self.a(zb), self.a(dz)]);
         }
     }
 
     fn qk_norm_rope_fwd(&mut self, x: Mat, out: Buf, rstd: Buf, gain: Option<Buf>, cos: Buf, sin: Buf, s: HeadShape, eps: f64) {
         let g = gain.unwrap_or_default();
         self.check([x.span(), g, cos, sin], [out, rstd]);
-        let mut args = vec![a(x.span()), l(x.ld), a(out), a(rstd)];
-        args.extend(head_args(g, gain.is_some(), cos, sin, s));
+        let mut args = vec![self.a(x.span()), l(x.ld), self.a(out), self.a(rstd)];
+        args.extend(self.head_args(g, gain.is_some(), cos, sin, s));
         args.push(f(eps));
         if qk_vector(s, &[x, out.mat(s.rows, s.heads * s.d)]) {
             self.run("eng_qk_norm_rope_fwd4", qk_grid(s), BLOCK, args);
@@ -509,8 +648,8 @@ impl<D: Device> Backend for KernelBackend<D> {
         // Per-(row, head) gain gradients after the partial sums' slot (offset 0).
         let n = s.rows.div_ceil(PART);
         let per_item = self.scratch(n * s.heads, s.rows * s.heads);
-        let mut args = vec![a(x.span()), l(x.ld), a(rstd), a(dy), a(dx.span()), l(dx.ld)];
-        args.extend(head_args(g, gain.is_some(), cos, sin, s));
+        let mut args = vec![self.a(x.span()), l(x.ld), self.a(rstd), self.a(dy), self.a(dx.span()), l(dx.ld)];
+        args.extend(self.head_args(g, gain.is_some(), cos, sin, s));
         args.push(per_item);
         if qk_vector(s, &[x, dx, dy.mat(s.rows, s.heads * s.d)]) {
             self.run("eng_qk_norm_rope_bwd4", qk_grid(s), BLOCK, args);
@@ -528,12 +667,11 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.check([q.span(), k.span(), v.span()], [out]);
         let (scale_log2, _, qgrid, _) = Self::flash(s);
         let h = self.half_slots(s);
-        self.half_in(q, h[0]);
-        self.half_in(k, h[1]);
-        self.half_in(v, h[2]);
+        let n = s.batch * s.t;
+        let (qa, ka, va) = (self.attn_in(q, h[0]), self.attn_in(k, h[1]), self.attn_in(v, h[2]));
+        let (oa, o_copy) = self.attn_out(out.mat(n, s.heads * s.d), h[3], false);
         let lse = self.lse(out);
-        let half = |k: usize| Arg::Ptr(Space::Half, h[k]);
-        let mut args = vec![half(0), half(1), half(2), half(3), lse, i(s.t), i(s.heads), i(s.kv_heads), scale_log2];
+        let mut args = vec![qa, ka, va, oa, lse, i(s.t), i(s.heads), i(s.kv_heads), scale_log2];
         let kernel = match self.document_starts(s) {
             Some(starts) => {
                 args.push(starts);
@@ -542,8 +680,7 @@ impl<D: Device> Backend for KernelBackend<D> {
             None => "flash_fwd_mma_bf16",
         };
         self.run(kernel, qgrid, FLASH_THREADS, args);
-        let n = s.batch * s.t;
-        self.half_out(h[3], out.mat(n, s.heads * s.d), false);
+        self.attn_finish(&[o_copy]);
     }
 
     fn attention_bwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, dout: Buf, dq: Mat, dk: Mat, dv: Mat, dv_acc: bool, s: AttnShape) {
@@ -551,21 +688,21 @@ impl<D: Device> Backend for KernelBackend<D> {
         let (scale_log2, scale, qgrid, kvgrid) = Self::flash(s);
         let n = s.batch * s.t;
         let h = self.half_slots(s);
-        self.half_in(q, h[0]);
-        self.half_in(k, h[1]);
-        self.half_in(v, h[2]);
-        self.half_in(dout.mat(n, s.heads * s.d), h[3]);
+        let (qa, ka, va) = (self.attn_in(q, h[0]), self.attn_in(k, h[1]), self.attn_in(v, h[2]));
+        let ga = self.attn_in(dout.mat(n, s.heads * s.d), h[3]);
+        let (dqa, dq_copy) = self.attn_out(dq, h[4], false);
+        let (dka, dk_copy) = self.attn_out(dk, h[5], false);
+        let (dva, dv_copy) = self.attn_out(dv, h[6], dv_acc);
         let lse = self.lse(out);
         let delta = self.scratch(0, n * s.heads);
-        self.run("eng_attn_delta", warps(n * s.heads), BLOCK, vec![a(out), a(dout), delta, l(n), i(s.t), i(s.heads), i(s.d)]);
-        let half = |k: usize| Arg::Ptr(Space::Half, h[k]);
+        self.run("eng_attn_delta", warps(n * s.heads), BLOCK, vec![self.a(out), self.a(dout), delta, l(n), i(s.t), i(s.heads), i(s.d)]);
         let (t, heads, kvh) = (i(s.t), i(s.heads), i(s.kv_heads));
-        let common = [half(0), half(1), half(2), half(3), lse, delta];
+        let common = [qa, ka, va, ga, lse, delta];
         let starts = self.document_starts(s);
         let mut dq_args = common.to_vec();
-        dq_args.extend([half(4), t, heads, kvh, scale_log2, scale]);
+        dq_args.extend([dqa, t, heads, kvh, scale_log2, scale]);
         let mut dkdv_args = common.to_vec();
-        dkdv_args.extend([half(5), half(6), t, heads, kvh, scale_log2, scale]);
+        dkdv_args.extend([dka, dva, t, heads, kvh, scale_log2, scale]);
         let (dq_kernel, dkdv_kernel) = match starts {
             Some(p) => {
                 dq_args.push(p);
@@ -576,16 +713,14 @@ impl<D: Device> Backend for KernelBackend<D> {
         };
         self.run(dq_kernel, qgrid, FLASH_THREADS, dq_args);
         self.run(dkdv_kernel, kvgrid, FLASH_THREADS, dkdv_args);
-        self.half_out(h[4], dq, false);
-        self.half_out(h[5], dk, false);
-        self.half_out(h[6], dv, dv_acc);
+        self.attn_finish(&[dq_copy, dk_copy, dv_copy]);
     }
 
     fn xsa_fwd(&mut self, y: Buf, v: Mat, out: Buf, s: AttnShape) {
         self.check([y, v.span()], [out]);
         assert!(s.d <= 128, "XSA kernels take heads up to 128 wide, not {}", s.d);
         let rows = s.batch * s.t;
-        let args = vec![a(y), a(v.span()), l(v.ld), a(out), l(rows), i(s.heads), i(s.kv_heads), i(s.d)];
+        let args = vec![self.a(y), self.a(v.span()), l(v.ld), self.a(out), l(rows), i(s.heads), i(s.kv_heads), i(s.d)];
         self.run("eng_xsa_fwd", warps(rows * s.kv_heads), BLOCK, args);
     }
 
@@ -593,7 +728,19 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.check([dout, y, v.span()], [dy, dv.span()]);
         assert!(s.d <= 128, "XSA kernels take heads up to 128 wide, not {}", s.d);
         let rows = s.batch * s.t;
-        let args = vec![a(dout), a(y), a(v.span()), l(v.ld), a(dy), a(dv.span()), l(dv.ld), l(rows), i(s.heads), i(s.kv_heads), i(s.d)];
+        let args = vec![
+            self.a(dout),
+            self.a(y),
+            self.a(v.span()),
+            l(v.ld),
+            self.a(dy),
+            self.a(dv.span()),
+            l(dv.ld),
+            l(rows),
+            i(s.heads),
+            i(s.kv_heads),
+            i(s.d),
+        ];
         self.run("eng_xsa_bwd", warps(rows * s.kv_heads), BLOCK, args);
     }
 
@@ -601,7 +748,7 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.check([e, w, lambda], [out]);
         let rows = self.smear_rows(e, cols, t);
         let ids = Arg::Ptr(Space::Tokens, self.tokens.x());
-        let args = vec![a(e), ids, a(w), a(lambda), a(out), l(rows), i(cols), i(w.len), i(t), i(bos as usize)];
+        let args = vec![self.a(e), ids, self.a(w), self.a(lambda), self.a(out), l(rows), i(cols), i(w.len), i(t), i(bos as usize)];
         self.run("eng_smear_fwd", warps(rows), BLOCK, args);
     }
 
@@ -612,9 +759,22 @@ impl<D: Device> Backend for KernelBackend<D> {
         // Scratch: the partials ((win + 1) per block of rows), then (dz, dl) per row.
         let (part, rowv) = (self.scratch(0, n * (win + 1)), self.scratch(n * (win + 1), 2 * rows));
         let ids = Arg::Ptr(Space::Tokens, self.tokens.x());
-        let args = vec![a(dout), a(e), ids, a(w), a(lambda), a(de), rowv, l(rows), i(cols), i(win), i(t), i(bos as usize)];
+        let args = vec![
+            self.a(dout),
+            self.a(e),
+            ids,
+            self.a(w),
+            self.a(lambda),
+            self.a(de),
+            rowv,
+            l(rows),
+            i(cols),
+            i(win),
+            i(t),
+            i(bos as usize),
+        ];
         self.run("eng_smear_bwd", warps(rows), BLOCK, args);
-        self.run("eng_smear_partial", parts(rows, win + 1), BLOCK, vec![a(e), rowv, l(rows), i(cols), i(win), part]);
+        self.run("eng_smear_partial", parts(rows, win + 1), BLOCK, vec![self.a(e), rowv, l(rows), i(cols), i(win), part]);
         self.colsum(0, n, win + 1, win, dw);
         self.colsum(win, n, win + 1, 1, dlambda);
     }
@@ -622,7 +782,20 @@ impl<D: Device> Backend for KernelBackend<D> {
     fn lanes_fwd(&mut self, lanes: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, out: [Buf; 2]) {
         self.check([lanes[0], lanes[1], ao, mo, w.sa, w.sm, w.r, w.p], out);
         let (n, cols) = (ao.len, w.sa.len);
-        let args = vec![a(lanes[0]), a(lanes[1]), a(ao), a(mo), a(w.sa), a(w.sm), a(w.r), a(w.p), a(out[0]), a(out[1]), l(n), i(cols)];
+        let args = vec![
+            self.a(lanes[0]),
+            self.a(lanes[1]),
+            self.a(ao),
+            self.a(mo),
+            self.a(w.sa),
+            self.a(w.sm),
+            self.a(w.r),
+            self.a(w.p),
+            self.a(out[0]),
+            self.a(out[1]),
+            l(n),
+            i(cols),
+        ];
         self.run("eng_lanes_fwd", flat(n), BLOCK, args);
     }
 
@@ -630,24 +803,51 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.check([g[0], g[1], lanes[0], lanes[1], ao, mo, w.sa, w.sm, w.r, w.p], [dl[0], dl[1], dao, dmo, dw.sa, dw.sm, dw.r, dw.p]);
         let (n, cols) = (ao.len, w.sa.len);
         let rows = n / cols;
-        let args = vec![a(g[0]), a(g[1]), a(w.sa), a(w.sm), a(w.r), a(w.p), a(dl[0]), a(dl[1]), a(dao), a(dmo), l(n), i(cols)];
+        let args = vec![
+            self.a(g[0]),
+            self.a(g[1]),
+            self.a(w.sa),
+            self.a(w.sm),
+            self.a(w.r),
+            self.a(w.p),
+            self.a(dl[0]),
+            self.a(dl[1]),
+            self.a(dao),
+            self.a(dmo),
+            l(n),
+            i(cols),
+        ];
         self.run("eng_lanes_bwd", flat(n), BLOCK, args);
         // Scratch: per block of rows the scales' two per-channel partials, then per block six
         // block sums for the lambdas.
         let grid = parts(rows, cols);
         let (parts_n, blocks) = (rows.div_ceil(PART), (grid[0] * grid[1]) as usize);
         let (part, sc) = (self.scratch(0, parts_n * 2 * cols), self.scratch(parts_n * 2 * cols, blocks * 6));
-        let args = vec![a(g[0]), a(g[1]), a(lanes[0]), a(lanes[1]), a(ao), a(mo), a(w.sa), a(w.sm), a(w.p), l(rows), i(cols), part, sc];
+        let args = vec![
+            self.a(g[0]),
+            self.a(g[1]),
+            self.a(lanes[0]),
+            self.a(lanes[1]),
+            self.a(ao),
+            self.a(mo),
+            self.a(w.sa),
+            self.a(w.sm),
+            self.a(w.p),
+            l(rows),
+            i(cols),
+            part,
+            sc,
+        ];
         self.run("eng_lanes_partial", grid, BLOCK, args);
         self.colsum(0, parts_n, 2 * cols, cols, dw.sa);
         self.colsum(cols, parts_n, 2 * cols, cols, dw.sm);
-        self.run("eng_lanes_finish", [1, 1, 1], 192, vec![sc, i(blocks), a(dw.r), a(dw.p)]);
+        self.run("eng_lanes_finish", [1, 1, 1], 192, vec![sc, i(blocks), self.a(dw.r), self.a(dw.p)]);
     }
 
     fn attn_gate_fwd(&mut self, y: Buf, x: Mat, w: Buf, out: Buf, heads: usize, scale: f64) {
         self.check([y, x.span(), w], [out]);
         let (rows, d, win) = Self::gate_shape(y, x, w, heads);
-        let args = vec![a(y), a(x.span()), l(x.ld), a(w), a(out), l(rows), i(heads), i(d), i(win), f(scale)];
+        let args = vec![self.a(y), self.a(x.span()), l(x.ld), self.a(w), self.a(out), l(rows), i(heads), i(d), i(win), f(scale)];
         self.run("eng_attn_gate_fwd", warps(rows * heads), BLOCK, args);
     }
 
@@ -655,60 +855,85 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.check([dout, y, x.span(), w], [dy, dz]);
         let (rows, d, win) = Self::gate_shape(y, x, w, heads);
         assert_eq!(dz.len, rows * heads, "the gate's dz is (rows, heads)");
-        let args = vec![a(dout), a(y), a(x.span()), l(x.ld), a(w), a(dy), a(dz), l(rows), i(heads), i(d), i(win), f(scale)];
+        let args = vec![
+            self.a(dout),
+            self.a(y),
+            self.a(x.span()),
+            l(x.ld),
+            self.a(w),
+            self.a(dy),
+            self.a(dz),
+            l(rows),
+            i(heads),
+            i(d),
+            i(win),
+            f(scale),
+        ];
         self.run("eng_attn_gate_bwd", warps(rows * heads), BLOCK, args);
     }
 
     fn act_fwd(&mut self, pre: Buf, out: Buf, act: Activation) {
         self.check([pre], [out]);
-        self.run("eng_act_fwd", flat(out.len), BLOCK, vec![a(pre), a(out), l(out.len), f(act.slope)]);
+        self.run("eng_act_fwd", flat(out.len), BLOCK, vec![self.a(pre), self.a(out), l(out.len), f(act.slope)]);
     }
 
     fn act_bwd(&mut self, pre: Buf, dout: Buf, dpre: Buf, act: Activation) {
         self.check([pre, dout], [dpre]);
-        self.run("eng_act_bwd", flat(dpre.len), BLOCK, vec![a(pre), a(dout), a(dpre), l(dpre.len), f(act.slope)]);
+        self.run("eng_act_bwd", flat(dpre.len), BLOCK, vec![self.a(pre), self.a(dout), self.a(dpre), l(dpre.len), f(act.slope)]);
     }
 
     fn softcap_ce(&mut self, logits: Buf, losses: Buf, vocab: usize, cap: f64, grad_scale: f64) {
         self.check([], [logits, losses]);
         let rows = logits.len / vocab;
         let y = Arg::Ptr(Space::Tokens, self.tokens.y());
-        self.run("eng_softcap_ce", [rows as u32, 1, 1], BLOCK, vec![a(logits), y, a(losses), i(vocab), f(cap), f(grad_scale)]);
+        self.run("eng_softcap_ce", [rows as u32, 1, 1], BLOCK, vec![self.a(logits), y, self.a(losses), i(vocab), f(cap), f(grad_scale)]);
     }
 
     fn adam(&mut self, p: Buf, g: Buf, m: Buf, v: Buf, s: AdamStep) {
         self.check([g], [p, m, v]);
         let sched = self.sched(&[s.lr / s.bias1, 1.0 / s.bias2_sqrt, 1.0 - s.lr * s.weight_decay]);
-        let args = vec![a(p), a(g), a(m), a(v), l(p.len), f(s.beta1), f(s.beta2), sched, f(s.eps), flag(s.weight_decay != 0.0)];
+        let args = vec![
+            self.a(p),
+            self.a(g),
+            self.a(m),
+            self.a(v),
+            l(p.len),
+            f(s.beta1),
+            f(s.beta2),
+            sched,
+            f(s.eps),
+            flag(s.weight_decay != 0.0),
+        ];
         self.run("eng_adam", flat(p.len), BLOCK, args);
     }
 
     fn momentum(&mut self, g: Buf, buf: Buf, u: Buf, mu: f64, nesterov: bool) {
         self.check([g], [buf, u]);
         let mu = self.sched(&[mu]);
-        self.run("eng_momentum", flat(buf.len), BLOCK, vec![a(g), a(buf), a(u), l(buf.len), mu, flag(nesterov)]);
+        self.run("eng_momentum", flat(buf.len), BLOCK, vec![self.a(g), self.a(buf), self.a(u), l(buf.len), mu, flag(nesterov)]);
     }
 
     fn axpby(&mut self, x_scale: f64, x: Buf, y_scale: f64, y: Buf) {
         self.check([x], [y]);
         let ab = self.sched(&[x_scale, y_scale]);
-        self.run("eng_axpby", flat(y.len), BLOCK, vec![ab, a(x), a(y), l(y.len)]);
+        assert_eq!(self.is_act(x), self.is_act(y), "axpby between f32 and bf16 buffers ({x:?} into {y:?})");
+        self.run(self.flat_kernel("eng_axpby", y), flat(y.len), BLOCK, vec![ab, self.a(x), self.a(y), l(y.len)]);
     }
 
     fn row_normalize(&mut self, x: Buf, cols: usize, eps: f64) {
         self.check([], [x]);
         let rows = x.len / cols;
-        self.run("eng_row_normalize", warps(rows), BLOCK, vec![a(x), l(rows), i(cols), f(eps)]);
+        self.run("eng_row_normalize", warps(rows), BLOCK, vec![self.a(x), l(rows), i(cols), f(eps)]);
     }
 
     fn normalize_each(&mut self, x: Buf, count: usize, eps: f64) {
         self.check([], [x]);
-        self.run("eng_normalize_each", [count.max(1) as u32, 1, 1], BLOCK, vec![a(x), l(x.len / count.max(1)), f(eps)]);
+        self.run("eng_normalize_each", [count.max(1) as u32, 1, 1], BLOCK, vec![self.a(x), l(x.len / count.max(1)), f(eps)]);
     }
 
     fn transpose_each(&mut self, src: Buf, dst: Buf, count: usize, rows: usize, cols: usize) {
         self.check([src], [dst]);
         let grid = [flat(rows * cols)[0], count as u32, 1];
-        self.run("eng_transpose_each", grid, BLOCK, vec![a(src), a(dst), i(rows), i(cols)]);
+        self.run("eng_transpose_each", grid, BLOCK, vec![self.a(src), self.a(dst), i(rows), i(cols)]);
     }
 }
