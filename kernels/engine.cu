@@ -50,6 +50,33 @@ using act = float;
 
 constexpr int PART = 64;  // rows per partial sum of a per-channel reduction
 
+// 16-byte chunks of activations: AV of them (8 bf16 or 4 floats). The hottest row and flat
+// kernels below move their activations in such chunks when every activation pointer they are
+// given is 16-byte aligned and the row width a multiple of AV (`chunked`: the arena's buffers
+// are, at the model's widths), and element by element otherwise, in the same kernel (a branch
+// every thread takes alike). Per-channel parameters are read by element (small, cached).
+constexpr int AV = 16 / (int)sizeof(act);
+
+__device__ __forceinline__ void loadv(const float* p, float (&v)[4]) { ops::unpack(*reinterpret_cast<const uint4*>(p), v); }
+__device__ __forceinline__ void loadv(const ops::bf16s* p, float (&v)[8]) { ops::unpack(*reinterpret_cast<const uint4*>(p), v); }
+__device__ __forceinline__ void storev(float* p, const float (&v)[4]) { *reinterpret_cast<uint4*>(p) = ops::pack(v); }
+__device__ __forceinline__ void storev(ops::bf16s* p, const float (&v)[8]) { *reinterpret_cast<uint4*>(p) = ops::pack(v); }
+
+__device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<unsigned long long>(p) % 16 == 0; }
+
+// Whether every pointer is 16-byte aligned and `cols` (a row's width, or n) a multiple of AV.
+template <typename... P>
+__device__ __forceinline__ bool chunked(long cols, const P*... ptrs) {
+    return cols % AV == 0 && (aligned16(ptrs) && ...);
+}
+
+// Chunk-wise grid-stride loop: `i` the first element of each chunk of AV.
+#define FOR_CHUNKS(i, n) for (long i = first_index() * AV; i < (n); i += grid_stride() * AV)
+
+// Chunks per lane of the chunked RMS norm rows (a row held in registers): rows up to
+// 32 AV RMS_CHUNKS wide (1024 bf16, 512 floats); wider rows take the element path.
+constexpr int RMS_CHUNKS = 4;
+
 using ops::block_sum;
 using ops::Precise;
 using ops::warp_max;
@@ -115,6 +142,18 @@ extern "C" __global__ void eng_copy_act(act* d, const act* s, long n) { copy_t(d
 template <typename T>
 __device__ void axpby_t(const float* ab, const T* x, T* y, long n) {
     const float a = ab[0], b = ab[1];
+    if constexpr (sizeof(T) == sizeof(act)) {
+        if (chunked(n, x, y)) {
+            FOR_CHUNKS(i, n) {
+                float xv[AV], yv[AV];
+                loadv(x + i, xv);
+                loadv(y + i, yv);
+                for (int k = 0; k < AV; ++k) yv[k] = a * xv[k] + b * yv[k];
+                storev(y + i, yv);
+            }
+            return;
+        }
+    }
     for (long i = first_index(); i < n; i += grid_stride()) y[i] = a * x[i] + b * y[i];
 }
 extern "C" __global__ void eng_axpby(const float* ab, const float* x, float* y, long n) { axpby_t(ab, x, y, n); }
@@ -414,11 +453,39 @@ extern "C" __global__ void eng_csr_fill(const unsigned* ids, long n, int vocab, 
 // ops/rms_norm.cuh with the scale folded in. Warp per row.
 
 // out = x scale / r, rstd = 1 / r with r = sqrt(mean(x^2) + eps).
+// Chunked: the row in registers, one read and one write of it.
 extern "C" __global__ void eng_rms_norm_fwd(const act* x, act* out, float* rstd, long rows, int cols, float scale, float eps) {
     const long r = warp_row(rows);
     if (r < 0) return;
-    const float inv = ops::rms_norm_row<Precise>(x + r * cols, out + r * cols, cols, eps, scale);
-    if ((threadIdx.x & 31) == 0) rstd[r] = inv;
+    const int lane = threadIdx.x & 31;
+    if (!chunked(cols, x, out) || cols > 32 * AV * RMS_CHUNKS) {
+        const float inv = ops::rms_norm_row<Precise>(x + r * cols, out + r * cols, cols, eps, scale);
+        if (lane == 0) rstd[r] = inv;
+        return;
+    }
+    const int chunks = cols / AV;
+    const act* xr = x + r * cols;
+    float v[RMS_CHUNKS][AV];
+    float ss = 0.f;
+#pragma unroll
+    for (int m = 0; m < RMS_CHUNKS; ++m) {
+        const int ch = lane + 32 * m;
+        if (ch < chunks) {
+            loadv(xr + ch * AV, v[m]);
+            for (int k = 0; k < AV; ++k) ss += v[m][k] * v[m][k];
+        }
+    }
+    const float inv = ops::rms_rstd<Precise>(warp_sum(ss), cols, eps);
+    const float a = inv * scale;
+#pragma unroll
+    for (int m = 0; m < RMS_CHUNKS; ++m) {
+        const int ch = lane + 32 * m;
+        if (ch < chunks) {
+            for (int k = 0; k < AV; ++k) v[m][k] *= a;
+            storev(out + r * cols + ch * AV, v[m]);
+        }
+    }
+    if (lane == 0) rstd[r] = inv;
 }
 
 // dx (+)= scale (dy / r - x sum(dy x) / (cols r^3)), with 1 / r from the forward pass.
@@ -428,7 +495,39 @@ extern "C" __global__ void eng_rms_norm_bwd(const act* x, const float* rstd, con
     if (r < 0) return;
     const act* xr = x + r * cols;
     const act* gr = dy + r * cols;
-    ops::rms_norm_bwd_row(xr, gr, dx + r * cols, cols, rstd[r], ops::row_dot(xr, gr, cols), scale, acc != 0);
+    if (!chunked(cols, x, dy, dx) || cols > 32 * AV * RMS_CHUNKS) {
+        ops::rms_norm_bwd_row(xr, gr, dx + r * cols, cols, rstd[r], ops::row_dot(xr, gr, cols), scale, acc != 0);
+        return;
+    }
+    // Chunked: x and dy read once into registers, dx written (read too when accumulating).
+    const int lane = threadIdx.x & 31, chunks = cols / AV;
+    float xv[RMS_CHUNKS][AV], gv[RMS_CHUNKS][AV];
+    float xg = 0.f;
+#pragma unroll
+    for (int m = 0; m < RMS_CHUNKS; ++m) {
+        const int ch = lane + 32 * m;
+        if (ch < chunks) {
+            loadv(xr + ch * AV, xv[m]);
+            loadv(gr + ch * AV, gv[m]);
+            for (int k = 0; k < AV; ++k) xg += xv[m][k] * gv[m][k];
+        }
+    }
+    xg = warp_sum(xg);
+    const float inv = rstd[r], a = inv * scale, c = xg / cols * inv * inv * inv * scale;
+    act* dr = dx + r * cols;
+#pragma unroll
+    for (int m = 0; m < RMS_CHUNKS; ++m) {
+        const int ch = lane + 32 * m;
+        if (ch < chunks) {
+            float o[AV];
+            if (acc) loadv(dr + ch * AV, o);
+            for (int k = 0; k < AV; ++k) {
+                const float v = gv[m][k] * a - xv[m][k] * c;
+                o[k] = acc ? o[k] + v : v;
+            }
+            storev(dr + ch * AV, o);
+        }
+    }
 }
 
 // ---- residual mix, scaled add, skips -----------------------------------------------------
@@ -436,6 +535,17 @@ extern "C" __global__ void eng_rms_norm_bwd(const act* x, const float* rstd, con
 
 // out = h mix[0] + x0 mix[1] per channel (mix: 2 x cols).
 extern "C" __global__ void eng_resid_mix_fwd(const act* h, const act* x0, const float* mix, act* out, long n, int cols) {
+    if (chunked(cols, h, x0, out)) {
+        FOR_CHUNKS(i, n) {
+            const int c = (int)(i % cols);
+            float hv[AV], xv[AV];
+            loadv(h + i, hv);
+            loadv(x0 + i, xv);
+            for (int k = 0; k < AV; ++k) hv[k] = ops::mixed(hv[k], xv[k], mix[c + k], mix[cols + c + k]);
+            storev(out + i, hv);
+        }
+        return;
+    }
     for (long i = first_index(); i < n; i += grid_stride()) {
         const int c = (int)(i % cols);
         out[i] = ops::mixed(h[i], x0[i], mix[c], mix[cols + c]);
@@ -444,6 +554,21 @@ extern "C" __global__ void eng_resid_mix_fwd(const act* h, const act* x0, const 
 
 // dh = du mix[0]; dx0 += du mix[1].
 extern "C" __global__ void eng_resid_mix_bwd(const act* du, const float* mix, act* dh, act* dx0, long n, int cols) {
+    if (chunked(cols, du, dh, dx0)) {
+        FOR_CHUNKS(i, n) {
+            const int c = (int)(i % cols);
+            float g[AV], d0[AV], o[AV];
+            loadv(du + i, g);
+            loadv(dx0 + i, d0);
+            for (int k = 0; k < AV; ++k) {
+                o[k] = ops::scaled(g[k], mix[c + k]);
+                d0[k] = ops::add_scaled(d0[k], g[k], mix[cols + c + k]);
+            }
+            storev(dh + i, o);
+            storev(dx0 + i, d0);
+        }
+        return;
+    }
     for (long i = first_index(); i < n; i += grid_stride()) {
         const int c = (int)(i % cols);
         dh[i] = ops::scaled(du[i], mix[c]);
@@ -468,11 +593,32 @@ extern "C" __global__ void eng_resid_mix_partial(const act* du, const act* h, co
 
 // out = base + x s per channel (base may be out: in place).
 extern "C" __global__ void eng_scale_add_fwd(const act* base, const act* x, const float* s, act* out, long n, int cols) {
+    if (chunked(cols, base, x, out)) {
+        FOR_CHUNKS(i, n) {
+            const int c = (int)(i % cols);
+            float b[AV], v[AV];
+            loadv(base + i, b);
+            loadv(x + i, v);
+            for (int k = 0; k < AV; ++k) b[k] = ops::add_scaled(b[k], v[k], s[c + k]);
+            storev(out + i, b);
+        }
+        return;
+    }
     for (long i = first_index(); i < n; i += grid_stride()) out[i] = ops::add_scaled(base[i], x[i], s[i % cols]);
 }
 
 // dx = dy s per channel.
 extern "C" __global__ void eng_scale_cols(const act* dy, const float* s, act* dx, long n, int cols) {
+    if (chunked(cols, dy, dx)) {
+        FOR_CHUNKS(i, n) {
+            const int c = (int)(i % cols);
+            float g[AV];
+            loadv(dy + i, g);
+            for (int k = 0; k < AV; ++k) g[k] = ops::scaled(g[k], s[c + k]);
+            storev(dx + i, g);
+        }
+        return;
+    }
     for (long i = first_index(); i < n; i += grid_stride()) dx[i] = ops::scaled(dy[i], s[i % cols]);
 }
 
@@ -948,11 +1094,30 @@ extern "C" __global__ void eng_doc_starts(const unsigned* ids, unsigned* starts,
 
 // out = leaky_relu(x)^2 (slope 0: relu^2).
 extern "C" __global__ void eng_act_fwd(const act* pre, act* out, long n, float slope) {
+    if (chunked(n, pre, out)) {
+        FOR_CHUNKS(i, n) {
+            float v[AV];
+            loadv(pre + i, v);
+            for (int k = 0; k < AV; ++k) v[k] = ops::act_sq(ops::leaky_relu(v[k], slope));
+            storev(out + i, v);
+        }
+        return;
+    }
     for (long i = first_index(); i < n; i += grid_stride()) out[i] = ops::act_sq(ops::leaky_relu(pre[i], slope));
 }
 
 // dpre = 2 l l' dout with l = leaky_relu(x), l' = 1 or slope.
 extern "C" __global__ void eng_act_bwd(const act* pre, const act* dout, act* dpre, long n, float slope) {
+    if (chunked(n, pre, dout, dpre)) {
+        FOR_CHUNKS(i, n) {
+            float x[AV], g[AV];
+            loadv(pre + i, x);
+            loadv(dout + i, g);
+            for (int k = 0; k < AV; ++k) g[k] = ops::act_sq_grad(ops::leaky_relu(x[k], slope), ops::leaky_relu_slope(x[k], slope), g[k]);
+            storev(dpre + i, g);
+        }
+        return;
+    }
     for (long i = first_index(); i < n; i += grid_stride()) {
         const float x = pre[i];
         dpre[i] = ops::act_sq_grad(ops::leaky_relu(x, slope), ops::leaky_relu_slope(x, slope), dout[i]);

@@ -272,6 +272,40 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "rms_norm_bwd (16-byte rows: the chunked path)",
+            len: 5 * nw,
+            bound: ROWS,
+            run: |be| {
+                let mut r = Bump::aligned(4);
+                let (x, rstd, dy, dx) = (r.take(N * W), r.take(N), r.take(N * W), r.take(N * W));
+                be.fill(rstd, 1.5);
+                be.rms_norm_bwd(x, rstd, dy, dx, W, 0.7, false);
+                be.rms_norm_bwd(x, rstd, dy, dx, W, 1.3, true);
+            },
+        },
+        Case {
+            // Rows starting off 16 bytes: the element path of the kernels that move aligned
+            // rows in 16-byte chunks (the other cases' rows are aligned).
+            name: "rms norm, residual mix, scaled add, activation (unaligned rows)",
+            len: 12 * nw,
+            bound: ROWS,
+            run: |be| {
+                let mut r = Bump::default();
+                let _ = r.take(1);
+                let (a, b, c, d, rstd) = (r.take(N * W), r.take(N * W), r.take(N * W), r.take(N * W), r.take(N));
+                let (mix, s) = (r.take(2 * W), r.take(W));
+                be.fill(rstd, 1.5);
+                be.rms_norm_fwd(a, b, rstd, W, 0.7, 1e-6);
+                be.rms_norm_bwd(a, rstd, b, c, W, 0.7, true);
+                be.resid_mix_fwd(a, b, mix, d);
+                be.scale_add_fwd(a, b, s, c);
+                be.act_fwd(a, d, Activation { slope: 0.5 });
+                be.act_bwd(a, b, c, Activation { slope: 0.5 });
+                let (du, dh) = (r.take(N * W), r.take(N * W));
+                be.resid_mix_bwd(du, a, b, mix, dh, d, r.take(2 * W));
+            },
+        },
+        Case {
             name: "resid_mix_fwd",
             len: 4 * nw,
             bound: ROWS,

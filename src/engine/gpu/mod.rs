@@ -33,6 +33,7 @@ pub mod cuda;
 #[cfg(test)]
 mod emu;
 mod ops;
+mod place;
 #[cfg(test)]
 mod tests;
 

@@ -16,7 +16,7 @@ pub(super) const PART: usize = 64;
 /// Threads per block of the flat and row kernels.
 pub(super) const BLOCK_THREADS: usize = 256;
 /// [`BLOCK_THREADS`] as a launch takes it.
-const BLOCK: u32 = BLOCK_THREADS as u32;
+pub(super) const BLOCK: u32 = BLOCK_THREADS as u32;
 /// Threads per block of the flash attention kernels.
 const FLASH_THREADS: u32 = 128;
 /// Flash attention's tile (queries per block, keys per inner step) and head width.
@@ -71,76 +71,12 @@ fn flag(x: bool) -> Arg {
 }
 
 impl<D: Device> KernelBackend<D> {
-    /// Where arena element `off` lives: its space and its offset there (with bf16 activations
-    /// the `half` region is [`Space::Act`] and the arena after it is closed up).
-    fn at(&self, off: usize) -> (Space, usize) {
-        match self.half {
-            Some(h) if off >= h.act.off && off < h.act.end() => (Space::Act, off - h.act.off),
-            Some(h) if off >= h.act.end() => (Space::Arena, off - h.act.len),
-            _ => (Space::Arena, off),
-        }
-    }
-
-    /// Whether `b` holds bf16 activations.
-    fn is_act(&self, b: Buf) -> bool {
-        self.half.is_some_and(|h| b.len > 0 && b.off >= h.act.off && b.end() <= h.act.end())
-    }
-
-    /// `b` as a kernel's pointer argument. Panics when `b` straddles an edge of the bf16
-    /// activations (a kernel reads one storage type per argument).
-    fn a(&self, b: Buf) -> Arg {
-        if let Some(h) = self.half {
-            let inside = |x: usize| x > b.off && x < b.end();
-            assert!(!inside(h.act.off) && !inside(h.act.end()), "{b:?} straddles the bf16 activations {:?}", h.act);
-        }
-        let (space, off) = self.at(b.off);
-        Arg::Ptr(space, off)
-    }
-
-    /// `b` cut at the edges of the bf16 activations (a fill or poison of a whole region).
-    fn pieces(&self, b: Buf) -> Vec<Buf> {
-        let Some(h) = self.half else { return vec![b] };
-        let mut cuts = vec![b.off];
-        cuts.extend([h.act.off, h.act.end()].into_iter().filter(|&x| x > b.off && x < b.end()));
-        cuts.push(b.end());
-        cuts.windows(2).map(|w| Buf { off: w[0], len: w[1] - w[0] }).collect()
-    }
-
-    /// `kernel`, or its `_act` form when `b` holds bf16 activations.
-    fn flat_kernel(&self, kernel: &'static str, b: Buf) -> &'static str {
-        if !self.is_act(b) {
-            return kernel;
-        }
-        match kernel {
-            "eng_fill" => "eng_fill_act",
-            "eng_scale" => "eng_scale_act",
-            "eng_copy" => "eng_copy_act",
-            "eng_axpby" => "eng_axpby_act",
-            "eng_reduce_partial" => "eng_reduce_partial_act",
-            other => panic!("`{other}` has no form for bf16 activations"),
-        }
-    }
-
-    /// A GEMM operand: its view in its space, and the space (with bf16 activations, weights are
-    /// read from their bf16 copy).
-    fn operand(&self, m: Mat) -> (Mat, Space) {
-        if let Some(h) = self.half {
-            let span = m.span();
-            if span.len > 0 && span.off >= h.params.off && span.end() <= h.params.end() {
-                return (Mat { off: m.off - h.params.off, ..m }, Space::Mirror);
-            }
-            self.a(span);
-        }
-        let (space, off) = self.at(m.off);
-        (Mat { off, ..m }, space)
-    }
-
     /// The QK norm + RoPE kernels' shared arguments: gain, its flag, the tables, the shape.
     fn head_args(&self, gain: Buf, has_gain: bool, cos: Buf, sin: Buf, s: HeadShape) -> [Arg; 9] {
         [self.a(gain), flag(has_gain), self.a(cos), self.a(sin), l(s.rows), i(s.heads), i(s.d), i(s.rot), i(s.t)]
     }
 
-    fn run(&mut self, kernel: &'static str, grid: [u32; 3], block: u32, args: Vec<Arg>) {
+    pub(super) fn run(&mut self, kernel: &'static str, grid: [u32; 3], block: u32, args: Vec<Arg>) {
         self.submit(Work::Launch(Launch { kernel, grid, block, args }));
     }
 
@@ -226,56 +162,6 @@ impl<D: Device> KernelBackend<D> {
         let k = *self.lse.entry(out.off).or_insert(next);
         assert!(k < self.aux.lse_count, "more attention calls than the backend was sized for ({})", self.aux.lse_count);
         Arg::Ptr(Space::Aux, self.aux.lse + k * self.aux.lse_len)
-    }
-
-    /// Half-space offsets of q, k, v, o (or dout), dq, dk, dv for `s`.
-    fn half_slots(&self, s: AttnShape) -> [usize; 7] {
-        let n = s.batch * s.t;
-        let round = |x: usize| x.div_ceil(8) * 8;
-        let (q, kv) = (round(n * s.heads * s.d), round(n * s.kv_heads * s.d));
-        let slots = [0, q, q + kv, q + 2 * kv, 2 * q + 2 * kv, 3 * q + 2 * kv, 3 * q + 3 * kv];
-        assert!(slots[6] + kv <= self.half_len, "attention of {s:?} needs more bf16 scratch than the backend has");
-        slots
-    }
-
-    /// `half[slot] = m` as contiguous bf16.
-    fn half_in(&mut self, m: Mat, slot: usize) {
-        assert!(!m.t, "attention's operands are read untransposed");
-        let args = vec![self.a(m.span()), l(m.ld), Arg::Ptr(Space::Half, slot), l(m.rows), i(m.cols)];
-        self.run("eng_to_bf16", flat(m.rows * m.cols), BLOCK, args);
-    }
-
-    /// `m (+)= half[slot]`.
-    fn half_out(&mut self, slot: usize, m: Mat, acc: bool) {
-        let args = vec![Arg::Ptr(Space::Half, slot), self.a(m.span()), l(m.ld), l(m.rows), i(m.cols), flag(acc)];
-        self.run("eng_from_bf16", flat(m.rows * m.cols), BLOCK, args);
-    }
-
-    /// An attention operand as flash attention reads it: the buffer itself when it is a
-    /// contiguous bf16 activation, else its copy at `half[slot]`.
-    fn attn_in(&mut self, m: Mat, slot: usize) -> Arg {
-        if self.is_act(m.span()) && m.ld == m.cols && !m.t {
-            return self.a(m.span());
-        }
-        self.half_in(m, slot);
-        Arg::Ptr(Space::Half, slot)
-    }
-
-    /// Where flash attention writes output `m` (`+=` when `acc`): `m` itself when it is a
-    /// contiguous bf16 activation written over, else `half[slot]`, copied out by
-    /// [`Self::attn_finish`].
-    fn attn_out(&self, m: Mat, slot: usize, acc: bool) -> (Arg, Option<(usize, Mat, bool)>) {
-        if self.is_act(m.span()) && m.ld == m.cols && !m.t && !acc {
-            return (self.a(m.span()), None);
-        }
-        (Arg::Ptr(Space::Half, slot), Some((slot, m, acc)))
-    }
-
-    /// The copies out that [`Self::attn_out`] left.
-    fn attn_finish(&mut self, outs: &[Option<(usize, Mat, bool)>]) {
-        for &(slot, m, acc) in outs.iter().flatten() {
-            self.half_out(slot, m, acc);
-        }
     }
 
     /// Flash attention's scalars and grid checks: `(scale_log2, scale, query grid, kv grid)`.

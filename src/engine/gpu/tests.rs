@@ -173,6 +173,15 @@ fn a_rope_pair_from_the_wrong_lane_fails_the_comparison() {
     check_mutant("rope", "engine.cu", from, to, "qk_norm_rope_fwd (64 wide, 16 rotated, gain)");
 }
 
+/// The chunked path of the RMS norm's gradient (16-byte rows, the row in registers) whose dot
+/// product leaves out the gradient fails its aligned case: that case runs the chunked path.
+#[test]
+#[should_panic(expected = "on the emulated GPU")]
+fn a_chunked_rms_norm_gradient_without_its_dot_fails_the_comparison() {
+    let (from, to) = ("xg += xv[m][k] * gv[m][k];", "xg += xv[m][k];");
+    check_mutant("rms-chunks", "engine.cu", from, to, "rms_norm_bwd (16-byte rows: the chunked path)");
+}
+
 /// The ids' CSR built on the device (`eng_csr_count`, `_scan`, `_fill`) is the stable counting
 /// sort the embedding's gradient reads: for chunks of 64 positions over 150 ids (three chunks,
 /// the last partial and not a multiple of a warp), repeated ids within a warp and across
