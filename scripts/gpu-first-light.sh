@@ -21,7 +21,7 @@
 #   gpu.txt            nvidia-smi, and GPU memory sampled during the record run
 #
 # Parts:
-#   (a) engine-check on cuda:0 (bf16 GEMMs; the whole engine in f32 GEMMs too);
+#   (a) engine-check on cuda:0 (bf16 activations and GEMMs; the whole engine in every precision);
 #   (b) the baseline (pipelines/baseline.toml, 524,288 tokens a step) for STEPS steps (default
 #       30) on the engine (bf16, graphs on) and on the candle executor, side by side, and the
 #       challenge's train_gpt.py for PT_STEPS (default 40) on the same shards when given;
@@ -38,12 +38,14 @@
 #   (g) the seeds' loader settings on the engine (the baseline, LOADER_STEPS, default 15): page-
 #       locked staging with a copy stream against pageable staging with a synchronous copy:
 #       ms/step and the executor's input wait (its share and p99, from report.json);
-#   (h) bf16 activations on the engine (`activations = "bf16"`, GPU only): engine-check's per-op
-#       table with them (engine-check-bf16.txt), the baseline for STEPS steps beside (b)'s f32-
-#       arena run (ms/step, final val_loss, the arena), and record-0427 for RECORD0427_STEPS;
+#   (h) the engine with an f32 arena (`activations = "f32"`, GPU only) beside the default bf16
+#       activations of (a), (b) and (f): engine-check's per-op table (engine-check-f32.txt), the
+#       baseline for STEPS steps (ms/step, final val_loss, the arena), record-0427 for
+#       RECORD0427_STEPS;
 #   (e) everything above into OUT.
 #
-# PARTS (default abcdfgh) picks the parts to run, e.g. PARTS=abh.
+# PARTS (default abcdfgh) picks the parts to run, e.g. PARTS=abh; IMPLS (default "engine candle")
+# the executors of (b).
 # SMOKE=1 runs every part on the CPU with a tiny model (the binary from BIN, the data
 # in IN as above but any tokenizer, SMOKE_VOCAB its vocabulary): a check of this script, not a
 # measurement; tests/first_light.rs runs it in CI. Exit 1 when a check fails or a run breaks.
@@ -178,8 +180,8 @@ fi
 # --- (b) the baseline: engine, candle, PyTorch ------------------------------------------------
 declare -A ms
 if part b; then
-say "== (b) baseline, $STEPS steps: engine ($DTYPE, graphs on) and candle, side by side"
-for impl in engine candle; do
+say "== (b) baseline, $STEPS steps: engine ($DTYPE, activations auto: bf16 on a GPU; graphs on) and candle, side by side"
+for impl in ${IMPLS:-engine candle}; do
   if train pipelines/baseline.toml "baseline-$impl" "${common1024[@]}" --set train.iterations="$STEPS" --set stages.train.impl="\"$impl\""; then
     ms[$impl]=$(steady "$runs/baseline-$impl")
     say "baseline $impl: steady ${ms[$impl]} ms/step, $(field "$runs/baseline-$impl" "round(r['train']['tokens_per_s'])") tokens/s, final val_loss $(field "$runs/baseline-$impl" "round(r['train']['val_loss'], 4)")"
@@ -306,23 +308,23 @@ done
 
 fi
 
-# --- (h) bf16 activations on the engine ---------------------------------------------------------
+# --- (h) the f32 arena beside the bf16 activations -------------------------------------------
 if part h; then
-say "== (h) bf16 activations on the engine: engine-check's timings, the baseline ($STEPS steps), record-0427 ($RECORD0427_STEPS steps)"
+say "== (h) the engine with activations = \"f32\" (an f32 arena) beside (b)'s and (f)'s bf16 activations: engine-check's timings, the baseline ($STEPS steps), record-0427 ($RECORD0427_STEPS steps)"
 if [[ $SMOKE == 1 || $DTYPE != bf16 ]]; then
-  say "bf16 activations: not run (the GPU backend's, with dtype bf16; the warp emulator's tests check them on the CPU)"
+  say "f32 arena: not run (bf16 activations are the GPU backend's, with dtype bf16; the warp emulator's tests check them on the CPU)"
 else
-  "$BIN" engine-check --device "$DEVICE" --activations bf16 > "$OUT/engine-check-bf16.txt" 2>&1 || fail "engine-check --activations bf16 (engine-check-bf16.txt)"
-  grep -E '^(engine-check|timings)|bf16 activations: |micro-batch: |optimizer step: |FAILED' "$OUT/engine-check-bf16.txt" | sed 's/^/bf16 /' | tee -a "$summary"
-  if train pipelines/baseline.toml baseline-bf16 "${common1024[@]}" --set train.iterations="$STEPS" --set stages.train.impl='"engine"' \
-       --set stages.train.activations='"bf16"'; then
-    say "baseline engine, bf16 activations: steady $(steady "$runs/baseline-bf16") ms/step (f32 arena: ${ms[engine]:-not run}), final val_loss $(field "$runs/baseline-bf16" "round(r['train']['val_loss'], 4)"), arena $(field "$runs/baseline-bf16" "round(r['train']['engine']['arena_bytes'] / 2**30, 2)") GiB"
+  "$BIN" engine-check --device "$DEVICE" --activations f32 > "$OUT/engine-check-f32.txt" 2>&1 || fail "engine-check --activations f32 (engine-check-f32.txt)"
+  grep -E '^(engine-check|timings)|micro-batch: |optimizer step: |FAILED' "$OUT/engine-check-f32.txt" | sed 's/^/f32 arena /' | tee -a "$summary"
+  if train pipelines/baseline.toml baseline-f32 "${common1024[@]}" --set train.iterations="$STEPS" --set stages.train.impl='"engine"' \
+       --set stages.train.activations='"f32"'; then
+    say "baseline engine, f32 arena: steady $(steady "$runs/baseline-f32") ms/step (bf16 activations: ${ms[engine]:-not run}), final val_loss $(field "$runs/baseline-f32" "round(r['train']['val_loss'], 4)"), arena $(field "$runs/baseline-f32" "round(r['train']['engine']['arena_bytes'] / 2**30, 2)") GiB"
   else
-    fail "baseline with bf16 activations (runs/baseline-bf16.out): $(tail -2 "$runs/baseline-bf16.out" | tr '\n' ' ')"
+    fail "baseline with an f32 arena (runs/baseline-f32.out): $(tail -2 "$runs/baseline-f32.out" | tr '\n' ' ')"
   fi
-  train_record pipelines/record-0427.toml record-0427-bf16 "${r0427[@]}" --set stages.train.activations='"bf16"'
-  if [[ -f $runs/record-0427-bf16/steps.tsv ]]; then
-    say "record-0427 on the engine, bf16 activations$([[ -n $accum ]] && echo ", $accum micro-batches a step"): steady $(steady "$runs/record-0427-bf16") ms/step, arena $(field "$runs/record-0427-bf16" "round(r['train']['engine']['arena_bytes'] / 2**30, 1)") GiB, final val_loss $(field "$runs/record-0427-bf16" "round(r['train']['val_loss'], 4)")"
+  train_record pipelines/record-0427.toml record-0427-f32 "${r0427[@]}" --set stages.train.activations='"f32"'
+  if [[ -f $runs/record-0427-f32/steps.tsv ]]; then
+    say "record-0427 on the engine, f32 arena$([[ -n $accum ]] && echo ", $accum micro-batches a step"): steady $(steady "$runs/record-0427-f32") ms/step, arena $(field "$runs/record-0427-f32" "round(r['train']['engine']['arena_bytes'] / 2**30, 1)") GiB, final val_loss $(field "$runs/record-0427-f32" "round(r['train']['val_loss'], 4)")"
   fi
 fi
 fi

@@ -191,8 +191,9 @@ enum Command {
         /// GEMM maths: bf16 (tensor cores, the GPU default) or f32 (the CPU's only).
         #[arg(long)]
         dtype: Option<String>,
-        /// Storage of the activations for the timings and the graph check: f32 (default) or
-        /// bf16 (GPU, with --dtype bf16). The whole-engine checks run every precision on a GPU.
+        /// Storage of the activations for the timings and the graph check: bf16 (the default
+        /// with --dtype bf16 on a GPU) or f32. The whole-engine checks run every precision on a
+        /// GPU.
         #[arg(long)]
         activations: Option<String>,
         /// Shapes of the timings: baseline (the GPU default: 9 layers, width 512, 64 x 1024

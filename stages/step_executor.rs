@@ -77,10 +77,11 @@ pub struct EngineParams {
     /// check backend); on a GPU "bf16" (f32 arena, GEMMs on the bf16 tensor cores) or "f32"
     /// (full f32 GEMMs, for parity checks).
     pub dtype: Precision,
-    /// On a GPU with `dtype = "bf16"`: where the activations and their gradients are stored.
-    /// "bf16" (PyTorch's autocast: half the activation memory and bytes moved, GEMMs on bf16
-    /// operands natively, f32 master weights, gradients and optimizer state, per-row norm
-    /// statistics in f32) or "f32" (an f32 arena whose GEMMs round their operands to bf16).
+    /// Where the activations and their gradients are stored: "bf16" (a GPU with `dtype =
+    /// "bf16"`: PyTorch's autocast, half the activation memory and bytes moved, GEMMs on bf16
+    /// operands natively, f32 master weights, gradients, optimizer state and per-row norm
+    /// statistics), "f32" (an f32 arena; on a GPU its GEMMs round their operands to bf16), or
+    /// "auto" (bf16 where it applies, a GPU with `dtype = "bf16"`; f32 otherwise).
     pub activations: Activations,
     /// Show a progress bar when stdout is a terminal (log lines print above it).
     pub progress: bool,
@@ -111,7 +112,7 @@ impl Default for EngineParams {
         let o = EngineOptions::default();
         Self {
             dtype: Precision::F32,
-            activations: Activations::F32,
+            activations: Activations::Auto,
             progress: true,
             poison: false,
             cuda_graph: true,
@@ -137,6 +138,15 @@ impl EngineParams {
         }
     }
 
+    /// Whether the activations are bf16 on `device` (`activations`, "auto" resolved).
+    fn bf16_activations(&self, device: &str) -> bool {
+        match self.activations {
+            Activations::Bf16 => true,
+            Activations::F32 => false,
+            Activations::Auto => device != "cpu" && self.dtype == Precision::Bf16,
+        }
+    }
+
     /// Refuses what the backend of `run.device` cannot run, naming the key.
     fn check_backend(&self, ctx: &BuildCtx) -> anyhow::Result<()> {
         for (key, v) in [("bucket_mib", self.bucket_mib), ("first_bucket_mib", self.first_bucket_mib)] {
@@ -152,7 +162,7 @@ impl EngineParams {
             c.run.world_size
         );
         anyhow::ensure!(
-            self.activations == Activations::F32 || (device != "cpu" && self.dtype == Precision::Bf16),
+            self.activations != Activations::Bf16 || (device != "cpu" && self.dtype == Precision::Bf16),
             "key `activations` = \"bf16\" is the GPU backend's with key `dtype` = \"bf16\" (here `run.device` = {device:?}, `dtype` = {:?})",
             self.dtype
         );
@@ -179,6 +189,8 @@ impl EngineParams {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Activations {
+    /// bf16 on a GPU with `dtype = "bf16"`, f32 otherwise.
+    Auto,
     /// An f32 arena.
     F32,
     /// bf16 activations and gradients of activations (GPU, `dtype = "bf16"`).
@@ -203,7 +215,8 @@ impl Transform for Engine {
     }
 
     fn memory(p: &EngineParams, ctx: &BuildCtx) -> anyhow::Result<Vec<Need>> {
-        requirements::engine_memory(&p.session(), config(ctx)?, p.activations == Activations::Bf16)
+        let c = config(ctx)?;
+        requirements::engine_memory(&p.session(), c, p.bf16_activations(&c.run.device))
     }
 
     fn nothing_left(_p: &EngineParams, ctx: &BuildCtx) -> Option<String> {
@@ -215,7 +228,7 @@ impl Transform for Engine {
         let kind = ExecutorKind::Engine(EngineOptions {
             poison: p.poison,
             cuda_graph: p.cuda_graph,
-            bf16_activations: p.activations == Activations::Bf16,
+            bf16_activations: p.bf16_activations(&config(ctx)?.run.device),
             overlap: p.overlap_allreduce,
             bucket_mib: p.bucket_mib,
             first_bucket_mib: p.first_bucket_mib,

@@ -74,7 +74,7 @@ pub fn engine_check(
             return 2;
         }
     };
-    let bf16_activations = match activations.unwrap_or("f32") {
+    let bf16_activations = match activations.unwrap_or(if bf16 { "bf16" } else { "f32" }) {
         "f32" => false,
         "bf16" if bf16 => true,
         "bf16" => {

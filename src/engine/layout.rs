@@ -524,6 +524,37 @@ mod tests {
         }
     }
 
+    /// The bf16 region holds every `(N, ·)` activation and scratch buffer and none of the f32
+    /// ones (parameters, gradients, optimizer state, constants, per-row statistics, losses,
+    /// Muon's stacks), on the 04-27 model (every element's buffers); its bytes count 2 each.
+    #[test]
+    fn the_half_region_holds_the_activations_and_nothing_f32() {
+        let cfg = ModelConfig { vocab_size: 64, model_dim: 64, num_heads: 2, num_kv_heads: 1, ..ModelConfig::record_0427() };
+        let l = Layout::new(&cfg, 2, 64);
+        let inside = |b: Buf| b.len == 0 || (b.off >= l.half.off && b.end() <= l.half.end());
+        let outside = |b: Buf| b.len == 0 || !b.overlaps(l.half);
+        for b in [l.params, l.grads, l.state, l.cos, l.sin, l.stats, l.rstd0, l.rstdf, l.losses] {
+            assert!(outside(b), "{b:?} in the bf16 region {:?}", l.half);
+        }
+        for g in &l.muon {
+            assert!([g.u, g.x, g.x2, g.a, g.b].into_iter().all(outside), "Muon's stacks in the bf16 region");
+        }
+        for p in &l.positions {
+            assert!([p.rstd1, p.rq, p.rk, p.rstd2].into_iter().all(outside), "a position's statistics in the bf16 region");
+            let acts = [p.skipped, p.u, p.n1, p.qkv, p.q, p.k, p.att, p.y, p.yg, p.ao, p.u2, p.n2, p.pre, p.mo, p.out, p.out1];
+            assert!(acts.into_iter().all(inside), "a position's activation outside the bf16 region");
+        }
+        let sc = &l.scratch;
+        let scratch = [sc.g, sc.g2, sc.dn, sc.dao, sc.dmo, sc.dy, sc.datt, sc.dz, sc.dsmear, sc.gl, sc.gl2, sc.dq, sc.dk, sc.dqkv];
+        assert!(scratch.into_iter().chain([sc.act, sc.dact, sc.dx0, sc.demb]).all(inside));
+        assert!([l.emb, l.smeared, l.x0, l.nf, l.logits, l.lanes_final].into_iter().chain(l.dskip.iter().copied()).all(inside));
+        assert!(l.half.off.is_multiple_of(ALIGN));
+        let f32_bytes: usize = l.region_bytes(4, false).iter().map(|r| r.1).sum();
+        let half_bytes: usize = l.region_bytes(4, true).iter().map(|r| r.1).sum();
+        assert_eq!(f32_bytes, 4 * l.len());
+        assert_eq!(half_bytes, 4 * l.len() - 2 * l.half.len + 2 * l.params.len);
+    }
+
     /// Every region and every parameter, gradient, optimizer state, activation and scratch
     /// buffer starts on a multiple of [`ALIGN`] elements (256 bytes: what cuBLASLt assumes of
     /// an operand and what 16-byte vector loads need), on shapes where nothing is a multiple of

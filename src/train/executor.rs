@@ -70,7 +70,8 @@ pub struct EngineOptions {
     /// (off: every op launched as it comes).
     pub cuda_graph: bool,
     /// On a GPU with bf16 matmuls: store the activations and their gradients in bf16 and run
-    /// the GEMMs on bf16 operands natively (off: an f32 arena, GEMMs on bf16 tensor cores).
+    /// the GEMMs on bf16 operands natively (off: an f32 arena, GEMMs on bf16 tensor cores;
+    /// the stage's key `activations` decides, "auto" turning it on there).
     pub bf16_activations: bool,
     /// Several ranks: send each bucket of gradients to be averaged as soon as the backward pass
     /// has finished it (false: all of them after the pass).

@@ -217,6 +217,15 @@ mod tests {
             }
             assert!(!needs.iter().any(|n| n.what == "activations of one micro-batch"), "the candle formula is not the engine's");
         }
+        // With bf16 activations: the layout's bytes with the bf16 region at 2 bytes, and the
+        // weights' bf16 copy beside the parameters (what the GPU backend allocates).
+        let p = SessionParams { dtype: Precision::Bf16, ..SessionParams::default() };
+        let needs = engine_memory(&p, &c, true).unwrap();
+        let arena: u64 = needs.iter().filter(|n| n.what.starts_with("engine arena")).map(|n| n.bytes).sum();
+        let shape = c.batch_shape().unwrap();
+        let l = crate::engine::layout::Layout::new(&c.model, shape.rows, shape.seq_len);
+        assert_eq!(arena, (4 * l.len() - 2 * l.half.len + 2 * l.params.len) as u64);
+        assert!(needs.iter().any(|n| n.what == "engine arena: weights' bf16 copy" && !n.transient));
         // A model the engine's check refuses (here the model's own check, which it runs first)
         // is refused, naming the key.
         c.model.num_kv_heads = 3;
