@@ -1,8 +1,10 @@
 // The GPU kernels of the training engine's backend (src/engine/gpu/: the launches, one per
 // `Backend` op; src/engine/cpu/: the CPU reference each kernel is checked against, in the warp
-// emulator by `cargo test --lib engine::gpu`). The arena is float32; every kernel reads and
-// writes it by element offsets the schedule fixed once, so a step's launches are the same every
-// step (what lets a CUDA graph replay them).
+// emulator by `cargo test --lib engine::gpu`). Compiled twice: with float32 activations
+// (engine.ptx) and with bfloat16 ones (engine_bf16.ptx, `act` below); parameters, gradients and
+// optimizer state are float32 in both. Every kernel reads and writes the arena by element offsets
+// the schedule fixed once, so a step's launches are the same every step (what lets a CUDA graph
+// replay them).
 //
 // Shapes of launch (the launcher in src/engine/gpu/ops.rs picks the grids):
 // - flat kernels: a grid-stride loop over n elements, 256 threads per block;
@@ -731,17 +733,17 @@ extern "C" __global__ void eng_qk_norm_rope_bwd(const act* x, long ldx, const fl
 }
 
 // The same two kernels for heads 64 wide (the GPU engine's only width) whose rotated half is
-// a power-of-two multiple of 4 (rot 8, 16, 32, 64), with every row and table 16-byte aligned
-// (KernelBackend::qk_vector checks): 16 lanes per (row, head), one 16-byte chunk each, so a warp
-// moves two heads with 16-byte loads where the kernels above give a warp one head and leave
-// lanes idle (measured at 0.9-1.4 TB/s on an H100 and an H200). A lane of the rotated part finds
-// its pair's other half `half / 4` lanes away (a shuffle); the sums are over the 16 lanes. The
-// chunks' helpers are ops/vec.cuh's, as the model's vectorized kernels in fused.cu use them.
-constexpr int QK_LANES = 16;
+// a power-of-two multiple of AV (f32: rot 8, 16, 32, 64; bf16: 16, 32, 64), with every row
+// 16-byte aligned (KernelBackend::qk_vector checks): QK_LANES lanes per (row, head), one 16-byte
+// chunk of AV values each (16 lanes of 4 floats, 8 lanes of 8 bf16), so a warp moves two or
+// four heads with 16-byte loads where the kernels above give a warp one head and leave lanes
+// idle (measured at 0.9-1.4 TB/s on an H100 and an H200). A lane of the rotated part finds its
+// pair's other half `half / AV` lanes away (a shuffle); the sums are over the head's lanes.
+constexpr int QK_LANES = 64 / AV;
 
-// The pair partner's 4 values, `o` lanes away (every lane shuffles).
-__device__ __forceinline__ void partner(const float (&v)[4], int o, float (&p)[4]) {
-    for (int k = 0; k < 4; ++k) p[k] = __shfl_xor_sync(0xffffffffu, v[k], o);
+// The pair partner's AV values, `o` lanes away (every lane shuffles).
+__device__ __forceinline__ void partner(const float (&v)[AV], int o, float (&p)[AV]) {
+    for (int k = 0; k < AV; ++k) p[k] = __shfl_xor_sync(0xffffffffu, v[k], o);
 }
 
 extern "C" __global__ void eng_qk_norm_rope_fwd4(const act* x, long ldx, act* out, float* rstd, const float* gain, int has_gain,
@@ -749,23 +751,25 @@ extern "C" __global__ void eng_qk_norm_rope_fwd4(const act* x, long ldx, act* ou
     const long items = rows * heads, raw = ((long)blockIdx.x * blockDim.x + threadIdx.x) / QK_LANES;
     const bool live = raw < items;
     const long item = live ? raw : 0;  // spare lanes compute on item 0 and store nothing: every lane shuffles
-    const int j = 4 * (threadIdx.x % QK_LANES), half = rot / 2, h = (int)(item % heads);
+    const int j = AV * (threadIdx.x % QK_LANES), half = rot / 2, h = (int)(item % heads);
     const long n = item / heads;
-    float xv[4], pv[4];
-    ops::load4(x + n * ldx + (long)h * d + j, xv);
-    partner(xv, half / 4, pv);  // the pair's other half (lanes of the rotated part)
-    const float inv = ops::rms_rstd<Precise>(ops::group_sum(xv[0] * xv[0] + xv[1] * xv[1] + xv[2] * xv[2] + xv[3] * xv[3], QK_LANES), d, eps);
+    float xv[AV], pv[AV];
+    loadv(x + n * ldx + (long)h * d + j, xv);
+    partner(xv, half / AV, pv);  // the pair's other half (lanes of the rotated part)
+    float ss = 0.f;
+    for (int k = 0; k < AV; ++k) ss += xv[k] * xv[k];
+    const float inv = ops::rms_rstd<Precise>(ops::group_sum(ss, QK_LANES), d, eps);
     const float g = has_gain ? gain[h] : 1.f;
-    float y[4];
+    float y[AV];
     const bool lo = j < half;
     const long c0 = (long)(n % t) * half + (lo ? j : j - half);
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < AV; ++k) {
         const float xs = xv[k] * inv, ps = pv[k] * inv;
         if (j >= 2 * half) y[k] = xs * g;
         else y[k] = (lo ? ops::rope_lo(xs, ps, cos[c0 + k], sin[c0 + k]) : ops::rope_hi(ps, xs, cos[c0 + k], sin[c0 + k])) * g;
     }
     if (!live) return;
-    ops::store4(out + item * d + j, y);
+    storev(out + item * d + j, y);
     if (j == 0) rstd[item] = inv;
 }
 
@@ -775,19 +779,19 @@ extern "C" __global__ void eng_qk_norm_rope_bwd4(const act* x, long ldx, const f
     const long items = rows * heads, raw = ((long)blockIdx.x * blockDim.x + threadIdx.x) / QK_LANES;
     const bool live = raw < items;
     const long item = live ? raw : 0;
-    const int j = 4 * (threadIdx.x % QK_LANES), half = rot / 2, h = (int)(item % heads);
+    const int j = AV * (threadIdx.x % QK_LANES), half = rot / 2, h = (int)(item % heads);
     const long n = item / heads;
-    float xv[4], gv[4], xp[4], gp[4];
-    ops::load4(x + n * ldx + (long)h * d + j, xv);
-    ops::load4(dy + item * d + j, gv);
-    partner(xv, half / 4, xp);
-    partner(gv, half / 4, gp);
+    float xv[AV], gv[AV], xp[AV], gp[AV];
+    loadv(x + n * ldx + (long)h * d + j, xv);
+    loadv(dy + item * d + j, gv);
+    partner(xv, half / AV, xp);
+    partner(gv, half / AV, gp);
     const float inv = rstd[item], g = has_gain ? gain[h] : 1.f;
     // Per value: the gain's gradient term, the norm's dot term, and dxn (the gradient before the norm).
-    float dg = 0.f, dot = 0.f, dxn[4];
+    float dg = 0.f, dot = 0.f, dxn[AV];
     const bool rotated = j < 2 * half, lo = j < half;
     const long c0 = (long)(n % t) * half + (lo ? j : j - half);
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < AV; ++k) {
         const float xs = xv[k] * inv, gs = gv[k];
         if (rotated) {
             const float c = cos[c0 + k], s = sin[c0 + k], ps = xp[k] * inv, gq = gp[k];
@@ -805,9 +809,9 @@ extern "C" __global__ void eng_qk_norm_rope_bwd4(const act* x, long ldx, const f
     // dx = dxn / r - x k with k = mean(dxn xn) / r^2.
     const float kk = dot / d * inv * inv;
     if (!live) return;
-    float o[4];
-    for (int k = 0; k < 4; ++k) o[k] = dxn[k] * inv - xv[k] * kk;
-    ops::store4(dx + n * lddx + (long)h * d + j, o);
+    float o[AV];
+    for (int k = 0; k < AV; ++k) o[k] = dxn[k] * inv - xv[k] * kk;
+    storev(dx + n * lddx + (long)h * d + j, o);
     if (j == 0) part[item] = dg;
 }
 

@@ -1,11 +1,10 @@
 // 16-byte chunks of a row for the vectorized row kernels of kernels/fused.cu (the model's
-// q/k norm + RoPE on f32 and bf16) and kernels/engine.cu (the engine's, on f32): a uint4 holds
+// q/k norm + RoPE on f32 and bf16) and kernels/engine.cu (the engine's chunked paths, on f32 or
+// bf16 activations): a uint4 holds
 // 4 floats or 8 bf16; `unpack` widens it to floats, `pack` rounds floats back (bf16: to nearest
 // even), and `shfl_xor` fetches another lane's chunk (a rotation pair's other half).
 #pragma once
 #include <cuda_bf16.h>
-
-#include "common.cuh"
 
 namespace ops {
 
@@ -30,23 +29,6 @@ __device__ __forceinline__ uint4 pack(const float (&v)[8]) {
         memcpy(&w[k], &h, 4);
     }
     return uint4{w[0], w[1], w[2], w[3]};
-}
-// Four consecutive values at p as floats, and back: one 16-byte access for float storage, one
-// 8-byte access for bf16s (the engine's bf16 activations); p aligned to the access.
-__device__ __forceinline__ void load4(const float* p, float (&v)[4]) { unpack(*reinterpret_cast<const uint4*>(p), v); }
-__device__ __forceinline__ void load4(const bf16s* p, float (&v)[4]) {
-    const uint2 u = *reinterpret_cast<const uint2*>(p);
-    v[0] = __uint_as_float(u.x << 16), v[1] = __uint_as_float(u.x & 0xffff0000u);
-    v[2] = __uint_as_float(u.y << 16), v[3] = __uint_as_float(u.y & 0xffff0000u);
-}
-__device__ __forceinline__ void store4(float* p, const float (&v)[4]) { *reinterpret_cast<uint4*>(p) = pack(v); }
-__device__ __forceinline__ void store4(bf16s* p, const float (&v)[4]) {
-    unsigned w[2];
-    for (int k = 0; k < 2; ++k) {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
-        memcpy(&w[k], &h, 4);
-    }
-    *reinterpret_cast<uint2*>(p) = uint2{w[0], w[1]};
 }
 __device__ __forceinline__ uint4 shfl_xor(const uint4& u, int o) {
     return uint4{__shfl_xor_sync(0xffffffffu, u.x, o), __shfl_xor_sync(0xffffffffu, u.y, o),

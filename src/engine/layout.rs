@@ -12,6 +12,10 @@
 //! 6. **scratch**: what lives inside one op sequence (the backward pass's running gradients,
 //!    the recomputed MLP activation, Muon's Newton-Schulz stacks).
 //!
+//! Within regions 5 and 6 the per-row statistics and the losses come first and Muon's stacks
+//! last, so that every `(N, ·)` activation and scratch buffer lies in one region,
+//! [`Layout::half`]: what a backend with bf16 activations stores in bf16.
+//!
 //! Regions 5 and 6 hold nothing between micro-batches: the poison mode fills them with NaN there
 //! (and the scratch between the forward and backward passes), so a read of a value that was
 //! never written in the current pass shows as a NaN loss or gradient.

@@ -24,10 +24,12 @@
 //! as the key columns of the fused qkv product can start anywhere, and an algorithm chosen for
 //! 256-byte alignment may load 16 bytes at a time from it.
 //!
-//! GEMM maths: the arena is `f32`; [`GemmMath::Bf16`] (the default) multiplies on the bf16
-//! tensor cores with f32 accumulation (`CUBLAS_COMPUTE_32F_FAST_16BF`, cuBLAS rounds the inputs),
-//! so weight gradients accumulate in f32 across micro-batches with `beta = 1`; `Tf32` and `F32`
-//! trade speed for precision (parity checks).
+//! GEMM maths: on bf16 operands (bf16 activations, the weights' bf16 copy) `CUBLAS_COMPUTE_32F`,
+//! bf16 products with f32 accumulation into a bf16 or f32 C. On f32 operands
+//! [`GemmMath::Bf16`] (the default) multiplies on the bf16 tensor cores with f32 accumulation
+//! (`CUBLAS_COMPUTE_32F_FAST_16BF`, cuBLAS rounds the inputs); `Tf32` and `F32` trade speed for
+//! precision (parity checks). Weight gradients accumulate in f32 across micro-batches with
+//! `beta = 1` in every case.
 
 use std::collections::HashMap;
 use std::ffi::c_void;

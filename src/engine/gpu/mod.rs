@@ -11,11 +11,13 @@
 //!   cuBLASLt ([`super::lt::interpret`]), so that the launches, the argument packing, the grids
 //!   and the kernels are checked against the CPU backend ([`super::cpu`]) without a GPU.
 //!
-//! Memory is four spaces, each allocated once with static addresses: the `f32` arena (the
+//! Memory is six spaces, each allocated once with static addresses: the `f32` arena (the
 //! engine's layout), `aux` (`f32`: reduction partials, the schedule's scalars, per-channel
 //! partial sums, attention's log-sum-exp per layer and its delta), `half` (`bf16`: attention's
-//! operands) and `tokens` (`u32`: the micro-batch's ids and targets, and the ids' CSR that makes
-//! the embedding's gradient deterministic).
+//! staged operands), `tokens` (`u32`: the micro-batch's ids and targets, and the ids' CSR that
+//! makes the embedding's gradient deterministic), and with bf16 activations ([`GpuPrecision`])
+//! `act` (the layout's `half` region in `bf16`, taken out of the arena) and `mirror` (the
+//! weights' `bf16` copy the GEMMs read); `place.rs` resolves an arena offset to its space.
 //!
 //! Units of work ([`Backend::begin_unit`](super::backend::Backend::begin_unit)): inside one,
 //! the backend collects the ops' [`Work`] instead of running it, and the values that change from

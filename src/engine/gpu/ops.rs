@@ -1,8 +1,8 @@
 //! [`Backend`] for [`KernelBackend`]: each op as the launches of `kernels/engine.cu` (the
 //! kernel's maths is in its comment there, the device maths it shares with the model's fused
 //! kernels in the headers of `kernels/ops/`, and, as the reference, in [`crate::engine::cpu`]),
-//! attention as `kernels/flash_mma.cu`'s launches around casts to `bf16`, GEMMs as cuBLASLt
-//! plans. Grids: flat kernels [`flat`], warp-per-row kernels [`warps`], per-channel partial sums
+//! attention as `kernels/flash_mma.cu`'s launches (on its bf16 operands in place, or staged,
+//! `place.rs`), GEMMs as cuBLASLt plans. Grids: flat kernels [`flat`], warp-per-row kernels [`warps`], per-channel partial sums
 //! a block per [`PART`] rows.
 
 use candle_core::{DType, Device as CandleDevice, Tensor};
@@ -32,23 +32,22 @@ fn warps(items: usize) -> [u32; 3] {
     [items.div_ceil(8).max(1) as u32, 1, 1]
 }
 
-/// Lanes per (row, head) of the vectorized q/k norm + RoPE kernels (`eng_qk_norm_rope_*4`).
-const QK_LANES: usize = 16;
-
-/// Whether the vectorized q/k norm + RoPE kernels take these heads: 64 wide, a rotated half that
-/// is a power-of-two multiple of 4 (its pair partner is a shuffle away), and every matrix's rows
-/// on 16 bytes (offsets and strides multiples of 4 elements: the arena itself starts on 256).
-fn qk_vector(s: HeadShape, mats: &[Mat]) -> bool {
+/// Whether the vectorized q/k norm + RoPE kernels (`eng_qk_norm_rope_*4`) take these heads with
+/// `av` values to a 16-byte chunk (4 f32, 8 bf16): 64 wide, a rotated half that is a
+/// power-of-two multiple of `av` (its pair partner is a shuffle away), and every matrix's rows on
+/// 16 bytes (offsets and strides multiples of `av` elements: the arena's regions start on 256
+/// bytes, the bf16 region on a multiple of 64 elements).
+fn qk_vector(s: HeadShape, mats: &[Mat], av: usize) -> bool {
     let half = s.rot / 2;
     s.d == 64
-        && half.is_multiple_of(4)
-        && (half / 4).is_power_of_two()
-        && mats.iter().all(|m| m.off.is_multiple_of(4) && m.ld.is_multiple_of(4))
+        && half.is_multiple_of(av)
+        && (half / av).is_power_of_two()
+        && mats.iter().all(|m| m.off.is_multiple_of(av) && m.ld.is_multiple_of(av))
 }
 
-/// The vectorized q/k kernels' grid: 16 lanes per (row, head).
-fn qk_grid(s: HeadShape) -> [u32; 3] {
-    [(s.rows * s.heads * QK_LANES).div_ceil(BLOCK as usize).max(1) as u32, 1, 1]
+/// The vectorized q/k kernels' grid: `64 / av` lanes per (row, head).
+fn qk_grid(s: HeadShape, av: usize) -> [u32; 3] {
+    [(s.rows * s.heads * (64 / av)).div_ceil(BLOCK as usize).max(1) as u32, 1, 1]
 }
 
 /// A partial-sum launch over `rows x cols`: blocks of 256 channels by blocks of [`PART`] rows.
@@ -521,8 +520,9 @@ impl<D: Device> Backend for KernelBackend<D> {
         let mut args = vec![self.a(x.span()), l(x.ld), self.a(out), self.a(rstd)];
         args.extend(self.head_args(g, gain.is_some(), cos, sin, s));
         args.push(f(eps));
-        if qk_vector(s, &[x, out.mat(s.rows, s.heads * s.d)]) {
-            self.run("eng_qk_norm_rope_fwd4", qk_grid(s), BLOCK, args);
+        let av = self.chunk_values();
+        if qk_vector(s, &[x, out.mat(s.rows, s.heads * s.d)], av) {
+            self.run("eng_qk_norm_rope_fwd4", qk_grid(s, av), BLOCK, args);
         } else {
             self.run("eng_qk_norm_rope_fwd", warps(s.rows * s.heads), BLOCK, args);
         }
@@ -537,8 +537,9 @@ impl<D: Device> Backend for KernelBackend<D> {
         let mut args = vec![self.a(x.span()), l(x.ld), self.a(rstd), self.a(dy), self.a(dx.span()), l(dx.ld)];
         args.extend(self.head_args(g, gain.is_some(), cos, sin, s));
         args.push(per_item);
-        if qk_vector(s, &[x, dx, dy.mat(s.rows, s.heads * s.d)]) {
-            self.run("eng_qk_norm_rope_bwd4", qk_grid(s), BLOCK, args);
+        let av = self.chunk_values();
+        if qk_vector(s, &[x, dx, dy.mat(s.rows, s.heads * s.d)], av) {
+            self.run("eng_qk_norm_rope_bwd4", qk_grid(s, av), BLOCK, args);
         } else {
             self.run("eng_qk_norm_rope_bwd", warps(s.rows * s.heads), BLOCK, args);
         }

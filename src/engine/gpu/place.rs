@@ -33,6 +33,12 @@ impl<D: Device> KernelBackend<D> {
         }
     }
 
+    /// Activations to a 16-byte chunk of the kernels' chunked paths (`AV` in kernels/engine.cu):
+    /// 8 bf16 with bf16 activations, else 4 floats.
+    pub(super) fn chunk_values(&self) -> usize {
+        if self.half.is_some() { 8 } else { 4 }
+    }
+
     /// Whether `b` holds bf16 activations.
     pub(super) fn is_act(&self, b: Buf) -> bool {
         self.half.is_some_and(|h| b.len > 0 && b.off >= h.act.off && b.end() <= h.act.end())

@@ -169,7 +169,7 @@ fn embedding_pieces_that_drop_a_token_fail_the_comparison() {
 #[test]
 #[should_panic(expected = "on the emulated GPU")]
 fn a_rope_pair_from_the_wrong_lane_fails_the_comparison() {
-    let (from, to) = ("partner(xv, half / 4, pv);", "partner(xv, 0, pv);");
+    let (from, to) = ("partner(xv, half / AV, pv);", "partner(xv, 0, pv);");
     check_mutant("rope", "engine.cu", from, to, "qk_norm_rope_fwd (64 wide, 16 rotated, gain)");
 }
 
