@@ -100,6 +100,15 @@ fn tokens(seed: u64) -> (Vec<u32>, Vec<u32>) {
     (x, y)
 }
 
+/// The RMS norm's gradient written, then accumulated, on buffers from `r` (unaligned, or on
+/// 16-byte rows: the kernels' chunked path).
+fn rms_bwd_case(be: &mut dyn Backend, mut r: Bump) {
+    let (x, rstd, dy, dx) = (r.take(N * W), r.take(N), r.take(N * W), r.take(N * W));
+    be.fill(rstd, 1.5);
+    be.rms_norm_bwd(x, rstd, dy, dx, W, 0.7, false);
+    be.rms_norm_bwd(x, rstd, dy, dx, W, 1.3, true);
+}
+
 /// `rows x cols` from the bump allocator.
 fn mat(r: &mut Bump, rows: usize, cols: usize) -> Mat {
     r.take(rows * cols).mat(rows, cols)
@@ -259,29 +268,12 @@ pub fn cases() -> Vec<Case> {
                 be.rms_norm_fwd(Buf { off: 0, len: N * W }, Buf { off: N * W, len: N * W }, Buf { off: 2 * N * W, len: N }, W, 0.7, 1e-6)
             },
         },
-        Case {
-            name: "rms_norm_bwd (write, then accumulate)",
-            len: 5 * nw,
-            bound: ROWS,
-            run: |be| {
-                let mut r = Bump::default();
-                let (x, rstd, dy, dx) = (r.take(N * W), r.take(N), r.take(N * W), r.take(N * W));
-                be.fill(rstd, 1.5);
-                be.rms_norm_bwd(x, rstd, dy, dx, W, 0.7, false);
-                be.rms_norm_bwd(x, rstd, dy, dx, W, 1.3, true);
-            },
-        },
+        Case { name: "rms_norm_bwd (write, then accumulate)", len: 5 * nw, bound: ROWS, run: |be| rms_bwd_case(be, Bump::default()) },
         Case {
             name: "rms_norm_bwd (16-byte rows: the chunked path)",
             len: 5 * nw,
             bound: ROWS,
-            run: |be| {
-                let mut r = Bump::aligned(4);
-                let (x, rstd, dy, dx) = (r.take(N * W), r.take(N), r.take(N * W), r.take(N * W));
-                be.fill(rstd, 1.5);
-                be.rms_norm_bwd(x, rstd, dy, dx, W, 0.7, false);
-                be.rms_norm_bwd(x, rstd, dy, dx, W, 1.3, true);
-            },
+            run: |be| rms_bwd_case(be, Bump::aligned(4)),
         },
         Case {
             // Rows starting off 16 bytes: the element path of the kernels that move aligned

@@ -23,7 +23,7 @@ const FLASH_THREADS: u32 = 128;
 const FLASH_TILE: usize = 64;
 
 /// A grid-stride launch over `n` elements.
-fn flat(n: usize) -> [u32; 3] {
+pub(super) fn flat(n: usize) -> [u32; 3] {
     [n.div_ceil(BLOCK as usize).clamp(1, 8192) as u32, 1, 1]
 }
 
@@ -55,17 +55,20 @@ fn parts(rows: usize, cols: usize) -> [u32; 3] {
     [cols.div_ceil(BLOCK as usize).max(1) as u32, rows.div_ceil(PART).max(1) as u32, 1]
 }
 
-fn l(x: usize) -> Arg {
+/// A `long` kernel argument.
+pub(super) fn l(x: usize) -> Arg {
     Arg::I64(x as i64)
 }
-fn i(x: usize) -> Arg {
+/// An `int` kernel argument.
+pub(super) fn i(x: usize) -> Arg {
     Arg::I32(i32::try_from(x).expect("a kernel's int argument fits in 32 bits"))
 }
 fn f(x: f64) -> Arg {
     Arg::F32(x as f32)
 }
 
-fn flag(x: bool) -> Arg {
+/// A flag (an `int`, 0 or 1).
+pub(super) fn flag(x: bool) -> Arg {
     Arg::I32(x as i32)
 }
 
@@ -615,19 +618,8 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.check([dout, y, v.span()], [dy, dv.span()]);
         assert!(s.d <= 128, "XSA kernels take heads up to 128 wide, not {}", s.d);
         let rows = s.batch * s.t;
-        let args = vec![
-            self.a(dout),
-            self.a(y),
-            self.a(v.span()),
-            l(v.ld),
-            self.a(dy),
-            self.a(dv.span()),
-            l(dv.ld),
-            l(rows),
-            i(s.heads),
-            i(s.kv_heads),
-            i(s.d),
-        ];
+        let mut args = self.ptrs(&[dout, y, v.span()]);
+        args.extend([l(v.ld), self.a(dy), self.a(dv.span()), l(dv.ld), l(rows), i(s.heads), i(s.kv_heads), i(s.d)]);
         self.run("eng_xsa_bwd", warps(rows * s.kv_heads), BLOCK, args);
     }
 
@@ -646,22 +638,10 @@ impl<D: Device> Backend for KernelBackend<D> {
         // Scratch: the partials ((win + 1) per block of rows), then (dz, dl) per row.
         let (part, rowv) = (self.scratch(0, n * (win + 1)), self.scratch(n * (win + 1), 2 * rows));
         let ids = Arg::Ptr(Space::Tokens, self.tokens.x());
-        let args = vec![
-            self.a(dout),
-            self.a(e),
-            ids,
-            self.a(w),
-            self.a(lambda),
-            self.a(de),
-            rowv,
-            l(rows),
-            i(cols),
-            i(win),
-            i(t),
-            i(bos as usize),
-        ];
+        let [dout, e, w, lambda, de] = [dout, e, w, lambda, de].map(|b| self.a(b));
+        let args = vec![dout, e, ids, w, lambda, de, rowv, l(rows), i(cols), i(win), i(t), i(bos as usize)];
         self.run("eng_smear_bwd", warps(rows), BLOCK, args);
-        self.run("eng_smear_partial", parts(rows, win + 1), BLOCK, vec![self.a(e), rowv, l(rows), i(cols), i(win), part]);
+        self.run("eng_smear_partial", parts(rows, win + 1), BLOCK, vec![e, rowv, l(rows), i(cols), i(win), part]);
         self.colsum(0, n, win + 1, win, dw);
         self.colsum(win, n, win + 1, 1, dlambda);
     }
@@ -669,20 +649,8 @@ impl<D: Device> Backend for KernelBackend<D> {
     fn lanes_fwd(&mut self, lanes: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, out: [Buf; 2]) {
         self.check([lanes[0], lanes[1], ao, mo, w.sa, w.sm, w.r, w.p], out);
         let (n, cols) = (ao.len, w.sa.len);
-        let args = vec![
-            self.a(lanes[0]),
-            self.a(lanes[1]),
-            self.a(ao),
-            self.a(mo),
-            self.a(w.sa),
-            self.a(w.sm),
-            self.a(w.r),
-            self.a(w.p),
-            self.a(out[0]),
-            self.a(out[1]),
-            l(n),
-            i(cols),
-        ];
+        let mut args = self.ptrs(&[lanes[0], lanes[1], ao, mo, w.sa, w.sm, w.r, w.p, out[0], out[1]]);
+        args.extend([l(n), i(cols)]);
         self.run("eng_lanes_fwd", flat(n), BLOCK, args);
     }
 
@@ -690,41 +658,16 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.check([g[0], g[1], lanes[0], lanes[1], ao, mo, w.sa, w.sm, w.r, w.p], [dl[0], dl[1], dao, dmo, dw.sa, dw.sm, dw.r, dw.p]);
         let (n, cols) = (ao.len, w.sa.len);
         let rows = n / cols;
-        let args = vec![
-            self.a(g[0]),
-            self.a(g[1]),
-            self.a(w.sa),
-            self.a(w.sm),
-            self.a(w.r),
-            self.a(w.p),
-            self.a(dl[0]),
-            self.a(dl[1]),
-            self.a(dao),
-            self.a(dmo),
-            l(n),
-            i(cols),
-        ];
+        let mut args = self.ptrs(&[g[0], g[1], w.sa, w.sm, w.r, w.p, dl[0], dl[1], dao, dmo]);
+        args.extend([l(n), i(cols)]);
         self.run("eng_lanes_bwd", flat(n), BLOCK, args);
         // Scratch: per block of rows the scales' two per-channel partials, then per block six
         // block sums for the lambdas.
         let grid = parts(rows, cols);
         let (parts_n, blocks) = (rows.div_ceil(PART), (grid[0] * grid[1]) as usize);
         let (part, sc) = (self.scratch(0, parts_n * 2 * cols), self.scratch(parts_n * 2 * cols, blocks * 6));
-        let args = vec![
-            self.a(g[0]),
-            self.a(g[1]),
-            self.a(lanes[0]),
-            self.a(lanes[1]),
-            self.a(ao),
-            self.a(mo),
-            self.a(w.sa),
-            self.a(w.sm),
-            self.a(w.p),
-            l(rows),
-            i(cols),
-            part,
-            sc,
-        ];
+        let mut args = self.ptrs(&[g[0], g[1], lanes[0], lanes[1], ao, mo, w.sa, w.sm, w.p]);
+        args.extend([l(rows), i(cols), part, sc]);
         self.run("eng_lanes_partial", grid, BLOCK, args);
         self.colsum(0, parts_n, 2 * cols, cols, dw.sa);
         self.colsum(cols, parts_n, 2 * cols, cols, dw.sm);
@@ -742,20 +685,8 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.check([dout, y, x.span(), w], [dy, dz]);
         let (rows, d, win) = Self::gate_shape(y, x, w, heads);
         assert_eq!(dz.len, rows * heads, "the gate's dz is (rows, heads)");
-        let args = vec![
-            self.a(dout),
-            self.a(y),
-            self.a(x.span()),
-            l(x.ld),
-            self.a(w),
-            self.a(dy),
-            self.a(dz),
-            l(rows),
-            i(heads),
-            i(d),
-            i(win),
-            f(scale),
-        ];
+        let mut args = self.ptrs(&[dout, y, x.span()]);
+        args.extend([l(x.ld), self.a(w), self.a(dy), self.a(dz), l(rows), i(heads), i(d), i(win), f(scale)]);
         self.run("eng_attn_gate_bwd", warps(rows * heads), BLOCK, args);
     }
 
@@ -779,18 +710,8 @@ impl<D: Device> Backend for KernelBackend<D> {
     fn adam(&mut self, p: Buf, g: Buf, m: Buf, v: Buf, s: AdamStep) {
         self.check([g], [p, m, v]);
         let sched = self.sched(&[s.lr / s.bias1, 1.0 / s.bias2_sqrt, 1.0 - s.lr * s.weight_decay]);
-        let args = vec![
-            self.a(p),
-            self.a(g),
-            self.a(m),
-            self.a(v),
-            l(p.len),
-            f(s.beta1),
-            f(s.beta2),
-            sched,
-            f(s.eps),
-            flag(s.weight_decay != 0.0),
-        ];
+        let mut args = self.ptrs(&[p, g, m, v]);
+        args.extend([l(p.len), f(s.beta1), f(s.beta2), sched, f(s.eps), flag(s.weight_decay != 0.0)]);
         self.run("eng_adam", flat(p.len), BLOCK, args);
     }
 

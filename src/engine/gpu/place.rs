@@ -4,23 +4,9 @@
 //! [`Space::Mirror`]), the `_act` forms of the flat kernels, and attention's bf16 staging
 //! (operands that are not contiguous bf16 activations are copied to the `half` space and back).
 
-use super::ops::{BLOCK, BLOCK_THREADS};
+use super::ops::{BLOCK, flag, flat, i, l};
 use super::{Arg, Device, KernelBackend, Space};
 use crate::engine::backend::{AttnShape, Buf, Mat};
-
-fn l(x: usize) -> Arg {
-    Arg::I64(x as i64)
-}
-fn i(x: usize) -> Arg {
-    Arg::I32(i32::try_from(x).expect("a kernel's int argument fits in 32 bits"))
-}
-fn flag(x: bool) -> Arg {
-    Arg::I32(x as i32)
-}
-/// A grid-stride launch over `n` elements (as [`super::ops`]'s flat kernels).
-fn flat(n: usize) -> [u32; 3] {
-    [n.div_ceil(BLOCK_THREADS).clamp(1, 8192) as u32, 1, 1]
-}
 
 impl<D: Device> KernelBackend<D> {
     /// Where arena element `off` lives: its space and its offset there (with bf16 activations
@@ -53,6 +39,11 @@ impl<D: Device> KernelBackend<D> {
         }
         let (space, off) = self.at(b.off);
         Arg::Ptr(space, off)
+    }
+
+    /// Each of `bufs` as a kernel's pointer argument ([`Self::a`]), in order.
+    pub(super) fn ptrs(&self, bufs: &[Buf]) -> Vec<Arg> {
+        bufs.iter().map(|&b| self.a(b)).collect()
     }
 
     /// `b` cut at the edges of the bf16 activations (a fill or poison of a whole region).
