@@ -164,6 +164,17 @@ impl EmuDevice {
             (plan.b_off, extent(plan.b, plan.stride_b)),
             (plan.c_off, extent(plan.c, plan.stride_c)),
         ];
+        // C must not share an element with A or B in its own space (cuBLASLt's rule; checked here
+        // because the copies below are disjoint whatever the originals were).
+        for k in 0..2 {
+            let ((off, len), (c_off, c_len)) = (ops[k], ops[2]);
+            assert!(
+                spaces[k] != spaces[2] || len == 0 || c_len == 0 || off + len <= c_off || c_off + c_len <= off,
+                "lt plan: C overlaps operand {k} in the {:?} space",
+                spaces[2]
+            );
+        }
+        assert!([plan.stride_a, plan.stride_b, plan.stride_c].iter().all(|&s| s >= 0), "lt plan: a negative batch stride across spaces");
         let mut scratch: Vec<f32> = Vec::new();
         let mut at = [0; 3];
         for (k, &(off, len)) in ops.iter().enumerate() {

@@ -575,8 +575,8 @@ impl<D: Device> KernelBackend<D> {
         let (mut sizes, aux, half_len, tokens) = cap.spaces(len, chunk);
         if let Some(h) = half {
             anyhow::ensure!(
-                h.act.end() <= len && h.params.end() <= h.act.off,
-                "bf16 regions {h:?} outside an arena of {len} elements, or the parameters after the activations"
+                h.act.end() <= len && h.params.end() <= h.act.off && h.act.off.is_multiple_of(crate::engine::layout::ALIGN),
+                "bf16 regions {h:?} outside an arena of {len} elements, the parameters after the activations, or the activations off 256 bytes"
             );
             (sizes.arena, sizes.act, sizes.mirror) = (len - h.act.len, h.act.len, h.params.len);
         }

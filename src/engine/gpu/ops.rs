@@ -400,6 +400,9 @@ impl<D: Device> Backend for KernelBackend<D> {
         let ((c, sc), (a_, sa), (b, sb)) = (self.operand(c), self.operand(a_), self.operand(b));
         assert!(sc != Space::Mirror, "a GEMM writes into the weights");
         assert_eq!(sa.is_bf16(), sb.is_bf16(), "a GEMM of a {sa:?} and a {sb:?} operand (one storage type for both)");
+        // bf16 operands may write an f32 C (weight gradients); f32 ones never a bf16 C (no
+        // cuBLASLt algorithm takes FAST_16BF into bf16).
+        assert!(sa.is_bf16() || !sc.is_bf16(), "a GEMM of f32 operands into the bf16 {sc:?} space");
         // cuBLAS's A is our b, its B our a (lt::plan).
         self.submit(Work::Gemm(lt::plan(c, a_, b, alpha, beta), [sb, sa, sc]));
     }
