@@ -295,11 +295,7 @@ impl Device for EmuDevice {
 
     fn write_half(&mut self, space: Space, off: usize, bits: &[u16]) -> anyhow::Result<()> {
         anyhow::ensure!(space.is_bf16() && space != Space::Half, "{space:?} is not a bf16 space written from the host");
-        let at = self.byte(space, off + bits.len()) - bits.len() * 2;
-        let mut m = self.memory.as_ref().expect("the device is allocated").lock().expect("the memory lock");
-        for (k, b) in bits.iter().enumerate() {
-            m[at + 2 * k..at + 2 * k + 2].copy_from_slice(&b.to_ne_bytes());
-        }
+        self.put_half(space, off, bits);
         Ok(())
     }
 
@@ -312,11 +308,7 @@ impl Device for EmuDevice {
 
     fn write(&mut self, space: Space, off: usize, words: &[u32]) -> anyhow::Result<()> {
         anyhow::ensure!(!space.is_bf16(), "{space:?} is not a 4-byte space");
-        let at = self.byte(space, off + words.len()) - words.len() * 4;
-        let mut m = self.memory.as_ref().expect("the device is allocated").lock().expect("the memory lock");
-        for (k, w) in words.iter().enumerate() {
-            m[at + 4 * k..at + 4 * k + 4].copy_from_slice(&w.to_ne_bytes());
-        }
+        self.put(space, off, words);
         Ok(())
     }
 
