@@ -144,17 +144,17 @@ extern "C" __global__ void eng_copy_act(act* d, const act* s, long n) { copy_t(d
 template <typename T>
 __device__ void axpby_t(const float* ab, const T* x, T* y, long n) {
     const float a = ab[0], b = ab[1];
-    if constexpr (sizeof(T) == sizeof(act)) {
-        if (chunked(n, x, y)) {
-            FOR_CHUNKS(i, n) {
-                float xv[AV], yv[AV];
-                loadv(x + i, xv);
-                loadv(y + i, yv);
-                for (int k = 0; k < AV; ++k) yv[k] = a * xv[k] + b * yv[k];
-                storev(y + i, yv);
-            }
-            return;
+    // The chunk is of T's own width (4 floats, 8 bf16), whichever storage the build's `act` is.
+    constexpr int V = 16 / (int)sizeof(T);
+    if (n % V == 0 && aligned16(x) && aligned16(y)) {
+        for (long i = first_index() * V; i < n; i += grid_stride() * V) {
+            float xv[V], yv[V];
+            loadv(x + i, xv);
+            loadv(y + i, yv);
+            for (int k = 0; k < V; ++k) yv[k] = a * xv[k] + b * yv[k];
+            storev(y + i, yv);
         }
+        return;
     }
     for (long i = first_index(); i < n; i += grid_stride()) y[i] = a * x[i] + b * y[i];
 }
