@@ -4,8 +4,13 @@
 //!
 //! ```text
 //! A in R^[bsz, r, in] ~ U(-1/sqrt(in), 1/sqrt(in)),  B in R^[bsz, out, r] = 0
-//! lora(x)[b] = (x[b] A[b]^T) B[b]^T                  (no alpha scaling; 0 at init)
+//! lora(x)[b] = s (x[b] A[b]^T) B[b]^T                (0 at init)
 //! ```
+//!
+//! `s` is 1 (PR #1626, no alpha scaling) or `alpha / r` (PR #1767's rank-scaled output, alpha
+//! 144 in the 04-27 record), set by [`Lora::with_alpha`]. [`Lora::reset_b`] zeroes every B and
+//! keeps A: the record's warm start of A, where one batch's adapters start the next batch of
+//! the same size from the directions the last one learned.
 //!
 //! Stored transposed (`A^T` as `[bsz, in, r]`, `B^T` as `[bsz, r, out]`) so that both products
 //! are plain batched matmuls; the maths is the spec's.
@@ -84,6 +89,8 @@ impl Adapter {
 pub struct Lora {
     rows: usize,
     rank: usize,
+    /// The output scale `s` (1, or `alpha / rank`).
+    scale: f64,
     /// Per slot, the adapters in [`Site::ALL`] order.
     slots: Vec<[Adapter; 5]>,
     head: Adapter,
@@ -109,7 +116,26 @@ impl Lora {
             slots.push([make(Site::Q)?, make(Site::K)?, make(Site::V)?, make(Site::O)?, make(Site::Mlp)?]);
         }
         let head = Adapter::new(&mut init, (rows, rank), (cfg.model_dim, cfg.vocab_size), dtype, device)?;
-        Ok(Self { rows, rank, slots, head })
+        Ok(Self { rows, rank, scale: 1.0, slots, head })
+    }
+
+    /// Scales every adapter's output by `alpha / rank` (PR #1767; `None`: by 1, PR #1626).
+    pub fn with_alpha(mut self, alpha: Option<f64>) -> Self {
+        self.scale = alpha.map_or(1.0, |a| a / self.rank as f64);
+        self
+    }
+
+    /// The output scale `s` (1, or `alpha / rank`).
+    pub fn scale(&self) -> f64 {
+        self.scale
+    }
+
+    /// Zeroes every B (so every adapter outputs 0 again) and keeps A: the warm start of A.
+    pub fn reset_b(&self) -> Result<()> {
+        for ad in self.slots.iter().flatten().chain(std::iter::once(&self.head)) {
+            ad.b.set(&ad.b.as_tensor().zeros_like()?)?;
+        }
+        Ok(())
     }
 
     /// Scalar parameters of adapters for `rows` documents at rank `rank` on a model of `cfg`
@@ -174,13 +200,14 @@ impl Lora {
         for set in &self.slots {
             slots.push([take(&set[0])?, take(&set[1])?, take(&set[2])?, take(&set[3])?, take(&set[4])?]);
         }
-        Ok(LoraPass { rows: active.map_or(self.rows, <[u32]>::len), slots, head: take(&self.head)? })
+        Ok(LoraPass { rows: active.map_or(self.rows, <[u32]>::len), scale: self.scale, slots, head: take(&self.head)? })
     }
 }
 
 /// The adapters one forward pass reads: per slot and site `(A^T, B^T)` for its rows.
 pub struct LoraPass {
     rows: usize,
+    scale: f64,
     slots: Vec<[(Tensor, Tensor); 5]>,
     head: (Tensor, Tensor),
 }
@@ -201,23 +228,24 @@ impl LoraPass {
     pub(super) fn apply(&self, slot: usize, site: Site, x: &Tensor, like: &Tensor) -> Result<Tensor> {
         let i = Site::ALL.iter().position(|s| *s == site).unwrap_or(0);
         let (a, b) = &self.slots[slot][i];
-        batched(a, b, self.rows, x, like)
+        batched(a, b, (self.rows, self.scale), x, like)
     }
 
     /// The head's adapter on the final-normed hidden `x`, in `like`'s dtype.
     pub(super) fn head(&self, x: &Tensor, like: &Tensor) -> Result<Tensor> {
-        batched(&self.head.0, &self.head.1, self.rows, x, like)
+        batched(&self.head.0, &self.head.1, (self.rows, self.scale), x, like)
     }
 }
 
-/// `(x[b] A^T[b]) B^T[b]` per row `b` of `x` `(rows * T, in)`, computed in the adapters' dtype.
-fn batched(a: &Tensor, b: &Tensor, rows: usize, x: &Tensor, like: &Tensor) -> Result<Tensor> {
+/// `s (x[b] A^T[b]) B^T[b]` per row `b` of `x` `(rows * T, in)`, computed in the adapters' dtype.
+fn batched(a: &Tensor, b: &Tensor, (rows, scale): (usize, f64), x: &Tensor, like: &Tensor) -> Result<Tensor> {
     let (n, inp) = x.dims2()?;
     if rows == 0 || n % rows != 0 {
         candle_core::bail!("LoRA: {n} positions do not split into {rows} documents");
     }
     let x = super::ops::cast(x, a.dtype())?.reshape((rows, n / rows, inp))?;
     let y = x.matmul(a)?.matmul(b)?;
+    let y = if scale == 1.0 { y } else { (y * scale)? };
     let out = y.dim(2)?;
     super::ops::cast(&y.reshape((n, out))?, like.dtype())
 }
@@ -275,5 +303,40 @@ mod tests {
         let d3 = (got.narrow(0, 0, 5).unwrap() - a2).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
         assert!(d3 < 1e-12, "gathered row 0 is document 2: {d3}");
         assert!(Lora::new(&cfg(), false, (0, 2), 0, DType::F32, &Device::Cpu).is_err());
+    }
+
+    /// `alpha / rank` scales every output (the head's too); `reset_b` zeroes B and keeps A.
+    #[test]
+    fn alpha_scales_the_output_and_reset_b_keeps_a() {
+        let l = Lora::new(&cfg(), false, (2, 4), 5, DType::F64, &Device::Cpu).unwrap();
+        for (_, v) in l.vars().iter().filter(|(k, _)| k.ends_with(".b")) {
+            v.set(&v.as_tensor().ones_like().unwrap()).unwrap();
+        }
+        let x = Tensor::from_vec((0..2 * 3 * 8).map(|i| (i as f64 * 0.21).cos()).collect::<Vec<_>>(), (6, 8), &Device::Cpu).unwrap();
+        let plain = l.pass(None).unwrap();
+        let l = l.with_alpha(Some(144.0));
+        assert_eq!(l.scale(), 36.0);
+        let scaled = l.pass(None).unwrap();
+        for (p, s) in [
+            (plain.apply(0, Site::V, &x, &x).unwrap(), scaled.apply(0, Site::V, &x, &x).unwrap()),
+            (plain.head(&x, &x).unwrap(), scaled.head(&x, &x).unwrap()),
+        ] {
+            let d = ((p * 36.0).unwrap() - s).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
+            assert!(d < 1e-9, "{d}");
+        }
+        let a_before: Vec<f64> = l.vars()[0].1.flatten_all().unwrap().to_vec1().unwrap();
+        l.reset_b().unwrap();
+        assert!(
+            l.vars().iter().filter(|(k, _)| k.ends_with(".b")).all(|(_, v)| v
+                .abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap()
+                == 0.0)
+        );
+        assert_eq!(l.vars()[0].1.flatten_all().unwrap().to_vec1::<f64>().unwrap(), a_before, "A is kept");
+        assert_eq!(l.with_alpha(None).scale(), 1.0);
     }
 }

@@ -35,6 +35,13 @@ pub struct PhasedParams {
     pub lora_eps: f64,
     /// AdamW decoupled weight decay of the adapters (0.5).
     pub lora_weight_decay: f64,
+    /// LoRA alpha: adapter outputs scaled by `alpha / lora_rank` (`TTT_LORA_ALPHA`, 144 in the
+    /// 04-27 record); unset: not scaled (PR #1626).
+    pub lora_alpha: Option<f64>,
+    /// Warm start of A (`TTT_WARM_START_A`, on in the 04-27 record): each full batch starts from
+    /// the previous full batch's A with B zeroed and a fresh optimizer; a phase's global SGD
+    /// draws fresh adapters. False (PR #1626): a fresh A for every batch.
+    pub lora_warm_start_a: bool,
     /// Targets per chunk of a document (48): scored, then one update.
     pub chunk: usize,
     /// Most tokens of context a chunk's window holds, all of its own document (2048).
@@ -81,6 +88,8 @@ impl Default for PhasedParams {
             lora_betas: [c.lora_betas.0, c.lora_betas.1],
             lora_eps: c.lora_eps,
             lora_weight_decay: c.lora_weight_decay,
+            lora_alpha: c.lora_alpha,
+            lora_warm_start_a: c.lora_warm_start_a,
             chunk: c.chunk,
             context: c.context,
             batch_docs: c.batch_docs,
@@ -110,6 +119,8 @@ impl PhasedParams {
             lora_betas: (self.lora_betas[0], self.lora_betas[1]),
             lora_eps: self.lora_eps,
             lora_weight_decay: self.lora_weight_decay,
+            lora_alpha: self.lora_alpha,
+            lora_warm_start_a: self.lora_warm_start_a,
             chunk: self.chunk,
             context: self.context,
             batch_docs: self.batch_docs,
@@ -289,6 +300,8 @@ impl Evaluator {
             })
             .collect();
         section["lora_rank"] = serde_json::json!(cfg.lora_rank);
+        section["lora_alpha"] = serde_json::json!(cfg.lora_alpha);
+        section["lora_warm_start_a"] = serde_json::json!(cfg.lora_warm_start_a);
         section["chunk"] = serde_json::json!(cfg.chunk);
         Ok(Some(section))
     }

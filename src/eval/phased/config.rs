@@ -14,6 +14,13 @@ pub struct PhasedConfig {
     pub lora_eps: f64,
     /// AdamW (decoupled) weight decay of the adapters.
     pub lora_weight_decay: f64,
+    /// LoRA alpha: every adapter's output is scaled by `alpha / lora_rank` (PR #1767,
+    /// `TTT_LORA_ALPHA`, 144 in the 04-27 record); `None`: not scaled (PR #1626).
+    pub lora_alpha: Option<f64>,
+    /// Warm start of A (PR #1767, `TTT_WARM_START_A`): a full batch's adapters start from the
+    /// last full batch's A with B zeroed (and a fresh optimizer), within a phase; false draws a
+    /// fresh A for every batch (PR #1626).
+    pub lora_warm_start_a: bool,
     /// Targets per chunk of a document (`TTT_CHUNK_SIZE`).
     pub chunk: usize,
     /// Most tokens of context a chunk's window holds (`TTT_EVAL_SEQ_LEN`).
@@ -49,6 +56,8 @@ impl Default for PhasedConfig {
             lora_betas: (0.0, 0.999),
             lora_eps: 1e-10,
             lora_weight_decay: 0.5,
+            lora_alpha: None,
+            lora_warm_start_a: false,
             chunk: 48,
             context: 2048,
             batch_docs: 64,
@@ -78,6 +87,9 @@ impl PhasedConfig {
         anyhow::ensure!((0.0..1.0).contains(&b1) && (0.0..1.0).contains(&b2), "`lora_betas` must both be in [0, 1), got ({b1}, {b2})");
         anyhow::ensure!(self.lora_eps.is_finite() && self.lora_eps > 0.0, "`lora_eps` must be a finite number > 0, got {}", self.lora_eps);
         finite_nonneg("lora_weight_decay", self.lora_weight_decay)?;
+        if let Some(a) = self.lora_alpha {
+            anyhow::ensure!(a.is_finite() && a > 0.0, "`lora_alpha` must be a finite number > 0 (144 in the record), got {a}");
+        }
         anyhow::ensure!(self.chunk >= 1, "`chunk` must be at least 1");
         anyhow::ensure!(
             self.context >= self.chunk,
@@ -151,6 +163,7 @@ mod tests {
         bad(&|c| c.lora_betas = (0.0, 1.0), "lora_betas");
         bad(&|c| c.lora_eps = 0.0, "lora_eps");
         bad(&|c| c.lora_weight_decay = -1.0, "lora_weight_decay");
+        bad(&|c| c.lora_alpha = Some(0.0), "lora_alpha");
         bad(&|c| c.chunk = 0, "chunk");
         bad(&|c| c.context = 32, "context");
         bad(&|c| c.batch_docs = 0, "batch_docs");

@@ -139,6 +139,7 @@ pub fn phased_ttt(
         nll: vec![f32::NAN; tokens.len() - 1],
         scored: vec![false; tokens.len() - 1],
         times: PhasedTimes::default(),
+        warm: None,
     };
     let mut progress = Progress::default();
     // Documents completely scored (by any rank): (orig_batch_idx, position in batch, document).
@@ -189,6 +190,8 @@ pub fn phased_ttt(
                 return Ok(None);
             };
             run.times.global += t0.elapsed();
+            // The base changed: the warm start begins again from fresh adapters (as the record).
+            run.warm = None;
             phases.push(PhaseReport { phase, docs: boundary, scored_at_pause: done.len(), after_batch: entries.end, paused_at, stats });
         }
         for q in entries {
@@ -237,11 +240,14 @@ struct Run<'a> {
     nll: Vec<f32>,
     scored: Vec<bool>,
     times: PhasedTimes,
+    /// The last full batch's adapters, kept for the warm start of A until the next phase.
+    warm: Option<Lora>,
 }
 
 impl Run<'_> {
     /// The chunk loop over one batch of documents (`ids` into the stream's list, `docs` their
-    /// spans) with fresh adapters drawn from `seed`. False when `keep_going` said stop.
+    /// spans) with adapters drawn from `seed` (or, under the warm start of A, the last full
+    /// batch's A). False when `keep_going` said stop.
     fn batch(
         &mut self,
         ids: &[usize],
@@ -254,7 +260,17 @@ impl Run<'_> {
         let plans: Vec<Vec<Chunk>> = docs.iter().map(|d| chunks(d.pred_len(), cfg.chunk, cfg.context)).collect();
         let rounds = plans.iter().map(Vec::len).max().unwrap_or(0);
         let model = self.model;
-        let lora = Lora::new(model.config(), model.looping(), (docs.len(), cfg.lora_rank), seed, model.dtype(), model.device())?;
+        // A full batch starts from the last full batch's A under the warm start (B zeroed, a
+        // fresh optimizer); any other batch draws fresh adapters.
+        let full = docs.len() == cfg.batch_docs;
+        let lora = match self.warm.take() {
+            Some(l) if cfg.lora_warm_start_a && full => {
+                l.reset_b()?;
+                l
+            }
+            _ => Lora::new(model.config(), model.looping(), (docs.len(), cfg.lora_rank), seed, model.dtype(), model.device())?
+                .with_alpha(cfg.lora_alpha),
+        };
         let mut adam =
             Adam::new(lora.vars(), cfg.lora_lr, cfg.lora_betas, cfg.lora_eps)?.with_weight_decay(cfg.lora_weight_decay).with_prefix("lora");
         for c in 0..rounds {
@@ -311,6 +327,9 @@ impl Run<'_> {
                 on_event(&PhasedEvent::Adapted { doc, targets });
             }
             self.times.adapt += t0.elapsed();
+        }
+        if cfg.lora_warm_start_a && full {
+            self.warm = Some(lora);
         }
         Ok(true)
     }

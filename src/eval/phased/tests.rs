@@ -121,9 +121,21 @@ fn every_target_once_scored_before_trained_on_and_no_last_chunk_trained() {
 /// other documents, earlier batches, and everything before a phase that trains on it).
 #[test]
 fn a_perturbed_token_moves_no_earlier_score() {
+    no_earlier_score_moves(&cfg());
+}
+
+/// The same with the 04-27 record's adapters (PR #1767): outputs scaled by `alpha / rank` and
+/// the warm start of A, which carries what a batch learned into the next full batch (trained
+/// on chunks already scored, so still legal).
+#[test]
+fn a_perturbed_token_moves_no_earlier_score_under_the_warm_start_of_a() {
+    no_earlier_score_moves(&PhasedConfig { lora_alpha: Some(4.0), lora_warm_start_a: true, ..cfg() });
+}
+
+fn no_earlier_score_moves(cfg: &PhasedConfig) {
     let tokens = stream(2);
     let docs = segment(&tokens, BOS);
-    let (base, events) = run(&tokens, &cfg());
+    let (base, events) = run(&tokens, cfg);
     // The longest document is in the first batch, so later documents come after it; take a
     // document in the middle of the queue instead, and a token in the middle of it.
     let order: Vec<usize> = events.iter().filter_map(|e| if let Ev::Scored(d, _) = e { Some(*d) } else { None }).collect();
@@ -139,7 +151,7 @@ fn a_perturbed_token_moves_no_earlier_score() {
     assert_ne!(tokens[p], BOS);
     let mut changed = tokens.clone();
     changed[p] = if tokens[p] == 5 { 6 } else { 5 };
-    let (after, _) = run(&changed, &cfg());
+    let (after, _) = run(&changed, cfg);
     // Targets that could not depend on token p: the victim's targets before p - 1, and every
     // target scored before the victim's first score, unless a phase trained on the victim.
     let victim_in_phase = events.iter().any(|e| matches!(e, Ev::Phase(u) if u.contains(&victim)));
@@ -156,8 +168,9 @@ fn a_perturbed_token_moves_no_earlier_score() {
         assert_eq!(base.nll[i].to_bits(), after.nll[i].to_bits(), "target {i} moved when token {p} changed");
     }
     assert_ne!(base.nll[p - 1], after.nll[p - 1], "the changed target's own score moves");
-    if !victim_in_phase {
-        // Nothing else moves either: documents are independent, except through the phases.
+    if !victim_in_phase && !cfg.lora_warm_start_a {
+        // Nothing else moves either: documents are independent, except through the phases
+        // (and, under the warm start, through the next full batches' A).
         let moved = (0..tokens.len() - 1).filter(|&i| base.nll[i].to_bits() != after.nll[i].to_bits());
         assert!(moved.clone().all(|i| d.targets().contains(&i)), "{:?}", moved.collect::<Vec<_>>());
     }
@@ -181,4 +194,39 @@ fn adaptation_lowers_the_loss_on_repetitive_documents() {
     }
     let stopped = phased_ttt(&model(), &tokens, tables(), (&cfg(), BOS, 5), &crate::dist::single::Single, |_| {}, || false).unwrap();
     assert!(stopped.is_none(), "a stop request gives no score");
+}
+
+/// The warm start of A: the first full batch draws its adapters as without it (same scores),
+/// later full batches start from what earlier ones learned (different scores), and every first
+/// chunk is still scored by the bare base (B = 0 whatever A is).
+#[test]
+fn the_warm_start_of_a_carries_a_into_the_next_full_batch() {
+    let tokens = stream(3);
+    let fresh = PhasedConfig { phases: 0, lora_lr: 0.05, lora_alpha: Some(4.0), ..cfg() };
+    let warm = PhasedConfig { lora_warm_start_a: true, ..fresh.clone() };
+    let (f, events) = run(&tokens, &fresh);
+    let (w, _) = run(&tokens, &warm);
+    let (bare, _) = run(&tokens, &PhasedConfig { lora_lr: 0.0, lora_weight_decay: 0.0, ..fresh.clone() });
+    let docs = segment(&tokens, BOS);
+    // Documents in queue order, batch by batch (3 a batch).
+    let mut order: Vec<usize> = Vec::new();
+    for e in &events {
+        if let Ev::Scored(d, _) = e
+            && !order.contains(d)
+        {
+            order.push(*d);
+        }
+    }
+    for &d in &order[..3] {
+        for i in docs[d].targets() {
+            assert_eq!(f.nll[i].to_bits(), w.nll[i].to_bits(), "first batch, target {i}");
+        }
+    }
+    let later: Vec<usize> = order[3..docs.len() / 3 * 3].iter().flat_map(|&d| docs[d].targets()).collect();
+    assert!(later.iter().any(|&i| f.nll[i] != w.nll[i]), "a later full batch starts from the warm A");
+    for d in &docs {
+        for i in d.start..d.start + d.pred_len().min(8) {
+            assert_eq!(w.nll[i].to_bits(), bare.nll[i].to_bits(), "target {i} of a first chunk");
+        }
+    }
 }
