@@ -279,6 +279,10 @@ enum DataCommand {
         /// Replace shards already in the output folder.
         #[arg(long)]
         force: bool,
+        /// Apply the CaseOps case transform (the 04-27 record's tokenizer; the model must reserve
+        /// its operators) and write the val byte sidecar `fineweb_val_bytes_NNNNNN.bin`.
+        #[arg(long)]
+        caseops: bool,
     },
 }
 
@@ -312,12 +316,12 @@ fn main() -> ExitCode {
         Command::Artifact { weights, config, sets, method, bits, codec, level, out, val_max_tokens } => {
             cli::artifact::command(weights, config, cli::artifact::Options { sets, method, bits, codec, level, out, val_max_tokens })
         }
-        Command::Data { command: DataCommand::Prepare { tokenizer, inputs, out, val_docs, val_frac, shard_tokens, force } } => {
+        Command::Data { command: DataCommand::Prepare { tokenizer, inputs, out, val_docs, val_frac, shard_tokens, force, caseops } } => {
             let val = match (val_docs, val_frac) {
                 (Some(n), _) => pipeline::data::prepare::ValSplit::Docs(n),
                 (None, f) => pipeline::data::prepare::ValSplit::Frac(f.unwrap_or(0.05)),
             };
-            cli::data::command(pipeline::data::prepare::PrepareOptions { tokenizer, inputs, out, val, shard_tokens, force })
+            cli::data::command(pipeline::data::prepare::PrepareOptions { tokenizer, inputs, out, val, shard_tokens, force, caseops })
         }
     };
     ExitCode::from(code as u8)

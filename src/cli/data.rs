@@ -18,6 +18,12 @@ pub fn command(opts: crate::data::prepare::PrepareOptions) -> i32 {
                 m.tokenizer["vocab_size"],
                 t.elapsed().as_secs_f64()
             );
+            if let Some(bytes) = m.val.sidecar_bytes {
+                out!(
+                    "caseops: val byte sidecar in {} file(s) (fineweb_val_bytes_*.bin), {bytes} bytes of original text; val_bpb is charged on them",
+                    m.val.byte_sidecars.len()
+                );
+            }
             0
         }
         Err(e) => {

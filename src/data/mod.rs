@@ -1,10 +1,12 @@
 //! The data path's library: the challenge's shard format ([`shard`]), the sentencepiece
-//! tokenizer ([`tokenizer`]), shards from text ([`prepare`]), the messages between data stages
+//! tokenizer ([`tokenizer`]), the CaseOps case transform and its byte counts ([`caseops`]),
+//! shards from text ([`prepare`]), the messages between data stages
 //! with the loader's resumable state ([`batch`]), the training windows' order
 //! ([`sampler`]), and the host buffers a micro-batch is staged
 //! in before its upload ([`staging`]).
 
 pub mod batch;
+pub mod caseops;
 pub mod config;
 pub mod prepare;
 pub mod sampler;

@@ -12,6 +12,13 @@
 //! document is stored as `[BOS] + ids`, no EOS, documents back to back, cut into shards of
 //! `--shard-tokens` tokens (a document may straddle two shards). `manifest.json` records the
 //! counts, the inputs and the tokenizer's sha256.
+//!
+//! With `--caseops` each document is first rewritten by the CaseOps transform
+//! ([`crate::data::caseops`]) and tokenized with a CaseOps model (one that reserves the
+//! operators; another is refused), and the val split gets a byte sidecar: beside each
+//! `fineweb_val_NNNNNN.bin` a `fineweb_val_bytes_NNNNNN.bin` in the same format holding, for
+//! each token, the UTF-8 bytes of the original text it stands for (BOS and operators 0), which
+//! bits per byte is charged with. The manifest records the transform and the sidecars.
 
 use std::path::{Path, PathBuf};
 
@@ -45,6 +52,8 @@ pub struct PrepareOptions {
     pub shard_tokens: usize,
     /// Replace shards already in `out`.
     pub force: bool,
+    /// Apply the CaseOps transform and write the val byte sidecar.
+    pub caseops: bool,
 }
 
 /// One split's part of the manifest.
@@ -58,6 +67,12 @@ pub struct SplitSummary {
     pub text_bytes: u64,
     /// Shard file names.
     pub shards: Vec<String>,
+    /// CaseOps val split: the byte sidecar file names, one per shard.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub byte_sidecars: Vec<String>,
+    /// CaseOps val split: the sidecar's total, the original text's UTF-8 bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sidecar_bytes: Option<u64>,
 }
 
 /// `manifest.json`.
@@ -75,6 +90,9 @@ pub struct Manifest {
     pub split_rule: String,
     /// Tokens per shard.
     pub shard_tokens: usize,
+    /// The text transform applied before tokenizing (`lossless_caps_caseops_v1`), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub text_transform: Option<&'static str>,
     /// Validation split.
     pub val: SplitSummary,
     /// Training split.
@@ -140,30 +158,50 @@ struct SplitWriter {
     prefix: &'static str,
     shard_tokens: usize,
     buf: Vec<u16>,
+    /// The byte sidecar, in step with `buf` (CaseOps val split only).
+    side: Option<Vec<u16>>,
     summary: SplitSummary,
 }
 
 impl SplitWriter {
-    fn new(dir: &Path, prefix: &'static str, shard_tokens: usize) -> Self {
+    fn new(dir: &Path, prefix: &'static str, shard_tokens: usize, sidecar: bool) -> Self {
         Self {
             dir: dir.to_path_buf(),
             prefix,
             shard_tokens,
             buf: Vec::new(),
-            summary: SplitSummary { docs: 0, tokens: 0, text_bytes: 0, shards: Vec::new() },
+            side: sidecar.then(Vec::new),
+            summary: SplitSummary {
+                docs: 0,
+                tokens: 0,
+                text_bytes: 0,
+                shards: Vec::new(),
+                byte_sidecars: Vec::new(),
+                sidecar_bytes: sidecar.then_some(0),
+            },
         }
     }
 
-    fn push(&mut self, doc: &[u16], text_bytes: usize) -> anyhow::Result<()> {
+    /// Adds one document; `bytes` (the sidecar's counts, one per token) when the split has one.
+    fn push(&mut self, doc: &[u16], text_bytes: usize, bytes: Option<&[u16]>) -> anyhow::Result<()> {
         self.summary.docs += 1;
         self.summary.tokens += doc.len() as u64;
         self.summary.text_bytes += text_bytes as u64;
         let mut rest = doc;
+        let mut rest_bytes = bytes.unwrap_or_default();
+        if let (Some(total), Some(b)) = (&mut self.summary.sidecar_bytes, bytes) {
+            *total += b.iter().map(|&x| u64::from(x)).sum::<u64>();
+        }
         while !rest.is_empty() {
             let room = self.shard_tokens - self.buf.len();
             let take = room.min(rest.len());
             self.buf.extend_from_slice(&rest[..take]);
             rest = &rest[take..];
+            if let Some(side) = &mut self.side {
+                anyhow::ensure!(rest_bytes.len() >= take, "internal: a document's sidecar is shorter than its tokens");
+                side.extend_from_slice(&rest_bytes[..take]);
+                rest_bytes = &rest_bytes[take..];
+            }
             if self.buf.len() == self.shard_tokens {
                 self.flush()?;
             }
@@ -176,6 +214,13 @@ impl SplitWriter {
             return Ok(());
         }
         let name = format!("fineweb_{}_{:06}.bin", self.prefix, self.summary.shards.len());
+        if let Some(side) = &mut self.side {
+            // The sidecar first: a shard on disk without its sidecar would be refused.
+            let side_name = format!("fineweb_{}_bytes_{:06}.bin", self.prefix, self.summary.shards.len());
+            write_shard(&self.dir.join(&side_name), side)?;
+            self.summary.byte_sidecars.push(side_name);
+            side.clear();
+        }
         write_shard(&self.dir.join(&name), &self.buf)?;
         self.summary.shards.push(name);
         self.buf.clear();
@@ -195,6 +240,16 @@ pub fn prepare(opts: &PrepareOptions) -> anyhow::Result<Manifest> {
     }
     anyhow::ensure!(!opts.out.is_file(), "--out {} is a file, not a folder", opts.out.display());
     let tok = Tokenizer::load(&opts.tokenizer)?;
+    anyhow::ensure!(
+        !opts.caseops || tok.caseops,
+        "--caseops: the tokenizer {} does not reserve the CaseOps operators U+E001..U+E004 as user-defined pieces (use a CaseOps model such as fineweb_8192_bpe_lossless_caps_caseops_v1_reserved.model)",
+        opts.tokenizer.display()
+    );
+    anyhow::ensure!(
+        opts.caseops || !tok.caseops,
+        "the tokenizer {} reserves the CaseOps operators U+E001..U+E004: pass --caseops, so that the text is transformed and the val split gets its byte sidecar",
+        opts.tokenizer.display()
+    );
 
     // Read every input before touching the output folder, so a bad input leaves it as it was.
     let mut docs: Vec<String> = Vec::new();
@@ -227,15 +282,16 @@ pub fn prepare(opts: &PrepareOptions) -> anyhow::Result<Manifest> {
         }
     }
 
-    let mut val = SplitWriter::new(&opts.out, "val", opts.shard_tokens);
-    let mut train = SplitWriter::new(&opts.out, "train", opts.shard_tokens);
+    let mut val = SplitWriter::new(&opts.out, "val", opts.shard_tokens, opts.caseops);
+    let mut train = SplitWriter::new(&opts.out, "train", opts.shard_tokens, false);
     // Tokenise in parallel in chunks, write in order.
     for (c, chunk) in docs.chunks(4096).enumerate() {
-        let encoded: Vec<anyhow::Result<Vec<u16>>> = chunk.par_iter().map(|d| tok.encode_document(d)).collect();
-        for (i, (ids, text)) in encoded.into_iter().zip(chunk).enumerate() {
-            let ids = ids.with_context(|| format!("document {}", c * 4096 + i))?;
+        let encoded: Vec<anyhow::Result<Encoded>> =
+            chunk.par_iter().enumerate().map(|(i, d)| encode(&tok, d, opts.caseops && c * 4096 + i < n_val)).collect();
+        for (i, (doc, text)) in encoded.into_iter().zip(chunk).enumerate() {
+            let (ids, bytes) = doc.with_context(|| format!("document {}", c * 4096 + i))?;
             let w = if c * 4096 + i < n_val { &mut val } else { &mut train };
-            w.push(&ids, text.len())?;
+            w.push(&ids, text.len(), bytes.as_deref())?;
         }
     }
     val.flush()?;
@@ -247,11 +303,40 @@ pub fn prepare(opts: &PrepareOptions) -> anyhow::Result<Manifest> {
         inputs,
         split_rule: format!("first {n_val} documents are val, the rest train; .txt documents are separated by two or more blank lines"),
         shard_tokens: opts.shard_tokens,
+        text_transform: opts.caseops.then_some(crate::data::caseops::NAME),
         val: val.summary,
         train: train.summary,
     };
     crate::runtime::rundir::write_atomic(&opts.out.join("manifest.json"), serde_json::to_string_pretty(&manifest)?.as_bytes())?;
     Ok(manifest)
+}
+
+/// A document's tokens and, for a CaseOps val document, its byte sidecar.
+pub type Encoded = (Vec<u16>, Option<Vec<u16>>);
+
+/// One document as stored: `[BOS] + ids`, of the CaseOps-transformed text when the tokenizer
+/// is a CaseOps one, and with `sidecar` its byte counts (BOS 0), which add up to the text's
+/// UTF-8 length.
+pub fn encode(tok: &Tokenizer, text: &str, sidecar: bool) -> anyhow::Result<Encoded> {
+    if !tok.caseops {
+        return Ok((tok.encode_document(text)?, None));
+    }
+    let transformed = crate::data::caseops::encode(text);
+    let ids = tok.encode_document(&transformed)?;
+    if !sidecar {
+        return Ok((ids, None));
+    }
+    let pieces: Vec<&[u8]> = ids[1..].iter().map(|&id| tok.piece_bytes(u32::from(id))).collect();
+    let counts = crate::data::caseops::piece_byte_counts(&transformed, &pieces, |f| tok.normalize_fragment(f));
+    let mut bytes = Vec::with_capacity(ids.len());
+    bytes.push(0);
+    for (k, n) in counts.into_iter().enumerate() {
+        let n = u16::try_from(n).map_err(|_| anyhow::anyhow!("token {} stands for {n} bytes, more than a uint16 sidecar holds", k + 1))?;
+        bytes.push(n);
+    }
+    let total: u64 = bytes.iter().map(|&b| u64::from(b)).sum();
+    anyhow::ensure!(total == text.len() as u64, "internal: the byte sidecar counts {total} bytes of a {}-byte document", text.len());
+    Ok((ids, Some(bytes)))
 }
 
 #[cfg(test)]

@@ -24,7 +24,44 @@ pub struct Tokenizer {
     pub bos: u32,
     /// sha256 of the model file, hex.
     pub sha256: String,
+    /// The model reserves the CaseOps operators as user-defined pieces
+    /// ([`crate::data::caseops`]): its shards are of transformed text.
+    pub caseops: bool,
     encoder: kitoken::Kitoken,
+    /// The text each id stands for in the encoder's normalised text: U+2581 as a space, a byte
+    /// piece as its byte, nothing for control, unknown and unused pieces.
+    piece_bytes: Vec<Vec<u8>>,
+}
+
+/// Whether a parsed model holds every CaseOps operator as a user-defined piece.
+fn reserves_caseops(model: &sentencepiece_model::SentencePieceModel) -> bool {
+    use sentencepiece_model::Type;
+    crate::data::caseops::OPERATORS.iter().all(|op| {
+        let op = op.to_string();
+        model.pieces().iter().any(|p| p.r#type() == Type::UserDefined && p.piece() == op)
+    })
+}
+
+/// Whether the sentencepiece model at `path` reserves the CaseOps operators (U+E001..U+E004)
+/// as user-defined pieces, the mark of a CaseOps tokenizer.
+pub fn is_caseops(path: &Path) -> anyhow::Result<bool> {
+    Ok(reserves_caseops(&read_model(path)?.1))
+}
+
+fn piece_bytes_of(model: &sentencepiece_model::SentencePieceModel) -> Vec<Vec<u8>> {
+    use sentencepiece_model::Type;
+    model
+        .pieces()
+        .iter()
+        .map(|p| match p.r#type() {
+            Type::Normal | Type::UserDefined => crate::data::caseops::piece_text(p.piece()).as_bytes().to_vec(),
+            Type::Byte => {
+                let hex = p.piece().strip_prefix("<0x").and_then(|h| h.strip_suffix('>'));
+                hex.and_then(|h| u8::from_str_radix(h, 16).ok()).map(|b| vec![b]).unwrap_or_default()
+            }
+            _ => Vec::new(),
+        })
+        .collect()
 }
 
 fn read_model(path: &Path) -> anyhow::Result<(Vec<u8>, sentencepiece_model::SentencePieceModel)> {
@@ -66,7 +103,29 @@ impl Tokenizer {
         let bos = bos_of(path, &model)?;
         let encoder = kitoken::Kitoken::from_sentencepiece_slice(&bytes)
             .map_err(|e| anyhow::anyhow!("{}: cannot build an encoder from this model: {e}", path.display()))?;
-        Ok(Self { path: path.to_path_buf(), vocab_size: model.pieces().len(), bos, sha256: hex(&sha2::Sha256::digest(&bytes)), encoder })
+        Ok(Self {
+            path: path.to_path_buf(),
+            vocab_size: model.pieces().len(),
+            bos,
+            sha256: hex(&sha2::Sha256::digest(&bytes)),
+            caseops: reserves_caseops(&model),
+            encoder,
+            piece_bytes: piece_bytes_of(&model),
+        })
+    }
+
+    /// The text id `id` stands for in the encoder's normalised text (empty for an id outside
+    /// the vocabulary).
+    pub fn piece_bytes(&self, id: u32) -> &[u8] {
+        self.piece_bytes.get(id as usize).map_or(&[], Vec::as_slice)
+    }
+
+    /// The encoder's normalisation of `fragment` as if it stood in the middle of a text (tabs
+    /// as spaces, spaces as spaces rather than U+2581).
+    pub fn normalize_fragment(&self, fragment: &str) -> String {
+        let mut text = std::borrow::Cow::Owned(fragment.replace('\t', " "));
+        self.encoder.config().normalize(&mut text, 1..2);
+        text.replace('\u{2581}', " ")
     }
 
     /// Token ids of `text` (no BOS, no EOS).
@@ -100,6 +159,12 @@ impl Tokenizer {
 /// prefix, whitespace escaped to U+2581. For tests and examples that need a real model without
 /// training one.
 pub fn build_bpe_model(normal: &[&str], unused: &[&str]) -> Vec<u8> {
+    build_bpe_model_reserving(&[], normal, unused)
+}
+
+/// [`build_bpe_model`] with `user_defined` pieces (ids 4 on, before the byte pieces, as
+/// sentencepiece places them), e.g. the CaseOps operators.
+pub fn build_bpe_model_reserving(user_defined: &[&str], normal: &[&str], unused: &[&str]) -> Vec<u8> {
     use prost::Message;
     use sentencepiece_model::{ModelProto, ModelType, NormalizerSpec, SentencePiece, TrainerSpec, Type};
     let piece =
@@ -110,6 +175,7 @@ pub fn build_bpe_model(normal: &[&str], unused: &[&str]) -> Vec<u8> {
         piece("</s>", Type::Control, 0.0),
         piece("<unk>", Type::Unknown, 0.0),
     ];
+    pieces.extend(user_defined.iter().map(|p| piece(p, Type::UserDefined, 0.0)));
     pieces.extend((0..=255u8).map(|b| piece(&format!("<0x{b:02X}>"), Type::Byte, 0.0)));
     pieces.extend(normal.iter().enumerate().map(|(i, p)| piece(p, Type::Normal, -(i as f32))));
     pieces.extend(unused.iter().map(|p| piece(p, Type::Unused, 0.0)));

@@ -21,6 +21,15 @@
 //!   `val_loss = Σ nll / N_tokens` (nats per token) and
 //!   `val_bpb = (val_loss / ln 2) · N_tokens / N_bytes = Σ nll / (ln 2 · N_bytes)`.
 //!
+//! **CaseOps.** Validation data of a CaseOps tokenizer ([`crate::data::caseops`]) is
+//! transformed text, which the tables would count (operators as three bytes each, capitals
+//! as lowercase letters after them). Its val split carries a byte sidecar: the original text's
+//! UTF-8 bytes of each position of the stream. Tables that hold it
+//! ([`ByteTables::with_stream_bytes`]) charge target `i` of the stream (token `i + 1`) the
+//! sidecar's entry `i + 1` instead of the rule above; everything else (loss, tokens, 2.3) is
+//! the same. So the accumulator is told where in the stream the targets it adds start
+//! (`first_target`); without a sidecar that position is not used and the sums are the tables'.
+//!
 //! [`validation_tokens`] applies the challenge's truncation of the validation stream to whole
 //! sequences (spec 1.3), [`BpbAccumulator`] sums the loss and bytes of scored batches, and
 //! [`unigram_bpb`] gives the score of a unigram model, the bar any trained model must beat.
@@ -47,6 +56,19 @@ pub struct ByteTables {
     /// byte-fallback pieces of U+2581 and counted as three bytes instead of one (later challenge
     /// records assert it exists); recorded here, not enforced.
     pub has_space_piece: bool,
+    /// CaseOps: the original UTF-8 bytes of each token of the validation stream (its byte
+    /// sidecar), which replace the rule above when set ([`ByteTables::with_stream_bytes`]).
+    pub stream_bytes: Option<StreamBytes>,
+}
+
+/// A validation stream's byte sidecar: entry `i` is the original bytes of token `i`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct StreamBytes(pub Arc<[u16]>);
+
+impl std::fmt::Debug for StreamBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StreamBytes({} tokens)", self.0.len())
+    }
 }
 
 impl ByteTables {
@@ -65,8 +87,13 @@ impl ByteTables {
     pub fn from_model(model: &SentencePieceModel, vocab_size: usize) -> Self {
         let pieces = model.pieces();
         let len = pieces.len().max(vocab_size);
-        let mut t =
-            Self { base_bytes: vec![0; len], leading_space: vec![false; len], is_boundary: vec![true; len], has_space_piece: false };
+        let mut t = Self {
+            base_bytes: vec![0; len],
+            leading_space: vec![false; len],
+            is_boundary: vec![true; len],
+            has_space_piece: false,
+            stream_bytes: None,
+        };
         for (id, p) in pieces.iter().enumerate() {
             match p.r#type() {
                 Type::Control | Type::Unknown | Type::Unused => continue,
@@ -113,11 +140,40 @@ impl ByteTables {
         u32::from(self.base_bytes[t]) + u32::from(self.leading_space[t] && !self.is_boundary[p])
     }
 
-    /// Sum of [`target_bytes`](Self::target_bytes) over pairs `(prev[i], targets[i])`.
+    /// Sum of [`target_bytes`](Self::target_bytes) over pairs `(prev[i], targets[i])`: the
+    /// tables' rule, whether or not a sidecar is held ([`bytes_at`](Self::bytes_at) uses it).
     /// Panics if the slices differ in length or hold an id outside the tables.
     pub fn count_bytes(&self, prev: &[u32], targets: &[u32]) -> u64 {
         assert_eq!(prev.len(), targets.len(), "count_bytes: {} inputs for {} targets", prev.len(), targets.len());
         prev.iter().zip(targets).map(|(&p, &t)| u64::from(self.target_bytes(p, t))).sum()
+    }
+
+    /// These tables charging the validation stream's byte sidecar `bytes` (one entry per
+    /// token of the stream) instead of their rule (CaseOps data).
+    pub fn with_stream_bytes(mut self, bytes: Vec<u16>) -> Self {
+        self.stream_bytes = Some(StreamBytes(bytes.into()));
+        self
+    }
+
+    /// Bytes of the targets `targets[k]` (after `prev[k]`) that are targets
+    /// `first_target + k` of the validation stream: the sidecar's entries
+    /// `first_target + 1 ..` when the tables hold one, else [`count_bytes`](Self::count_bytes).
+    /// Panics if the slices differ in length, or the targets run past the sidecar (checked
+    /// beforehand by [`check_stream`](Self::check_stream)) or an id past the tables.
+    pub fn bytes_at(&self, first_target: usize, prev: &[u32], targets: &[u32]) -> u64 {
+        assert_eq!(prev.len(), targets.len(), "bytes_at: {} inputs for {} targets", prev.len(), targets.len());
+        match &self.stream_bytes {
+            Some(StreamBytes(side)) => side[first_target + 1..first_target + 1 + targets.len()].iter().map(|&b| u64::from(b)).sum(),
+            None => self.count_bytes(prev, targets),
+        }
+    }
+
+    /// Checks that a held sidecar covers a validation stream of `tokens` tokens.
+    pub fn check_stream(&self, tokens: usize) -> anyhow::Result<()> {
+        if let Some(StreamBytes(side)) = &self.stream_bytes {
+            anyhow::ensure!(side.len() >= tokens, "the byte sidecar covers {} tokens of a validation stream of {tokens}", side.len());
+        }
+        Ok(())
     }
 }
 
@@ -164,20 +220,21 @@ impl BpbAccumulator {
     }
 
     /// Adds scored targets: `nll[i]` is the loss (nats) of `targets[i]` predicted from input
-    /// `prev[i]`. Each target counts one token and its [`ByteTables::target_bytes`].
-    /// Panics if the three slices differ in length or an id is outside the tables.
-    pub fn add(&mut self, prev: &[u32], targets: &[u32], nll: &[f32]) {
+    /// `prev[i]`, target `first_target + i` of the validation stream. Each target counts one
+    /// token and its bytes ([`ByteTables::bytes_at`]: the tables' rule, or the sidecar's entry).
+    /// Panics if the three slices differ in length or an id or position is outside the tables.
+    pub fn add(&mut self, first_target: usize, prev: &[u32], targets: &[u32], nll: &[f32]) {
         assert_eq!(targets.len(), nll.len(), "BpbAccumulator::add: {} targets for {} losses", targets.len(), nll.len());
-        self.bytes += self.tables.count_bytes(prev, targets);
+        self.bytes += self.tables.bytes_at(first_target, prev, targets);
         self.tokens += targets.len() as u64;
         self.nll_sum += nll.iter().map(|&x| f64::from(x)).sum::<f64>();
     }
 
     /// Adds scored targets whose losses are known only as their sum `nll_sum` (nats): an
     /// executor that adds them up on its device. Each target counts as in [`Self::add`].
-    pub fn add_sum(&mut self, prev: &[u32], targets: &[u32], nll_sum: f64) {
+    pub fn add_sum(&mut self, first_target: usize, prev: &[u32], targets: &[u32], nll_sum: f64) {
         assert_eq!(prev.len(), targets.len(), "BpbAccumulator::add_sum: {} inputs for {} targets", prev.len(), targets.len());
-        self.bytes += self.tables.count_bytes(prev, targets);
+        self.bytes += self.tables.bytes_at(first_target, prev, targets);
         self.tokens += targets.len() as u64;
         self.nll_sum += nll_sum;
     }
@@ -221,13 +278,13 @@ impl BpbAccumulator {
 /// The model predicts every token with the add-one smoothed training frequency
 /// `p(t) = (train_counts[t] + 1) / (Σ train_counts + train_counts.len())`, whatever came before,
 /// so the vocabulary is `train_counts.len()` ids (use the model's `V`). The score is
-/// `Σ −log₂ p(target) / Σ bytes`, over every pair `(val_prev[i], val_targets[i])` with the bytes
-/// of [`ByteTables::target_bytes`]; BOS targets count their loss and no bytes, as in the real
+/// `Σ −log₂ p(target) / Σ bytes`, over every pair `(val_prev[i], val_targets[i])`, target `i`
+/// of the validation stream, with the bytes of [`ByteTables::bytes_at`]; BOS targets count their loss and no bytes, as in the real
 /// metric. NaN if the targets hold no byte. Panics if the slices differ in length, if
 /// `train_counts` is empty or if a target is not below `train_counts.len()`.
 pub fn unigram_bpb(train_counts: &[u64], val_prev: &[u32], val_targets: &[u32], tables: &ByteTables) -> f64 {
     assert!(!train_counts.is_empty(), "unigram_bpb: no vocabulary");
-    let bytes = tables.count_bytes(val_prev, val_targets);
+    let bytes = tables.bytes_at(0, val_prev, val_targets);
     if bytes == 0 {
         return f64::NAN;
     }
@@ -468,13 +525,13 @@ mod tests {
         // One byte per token, ln 2 nats each: one bit per byte.
         let mut a = BpbAccumulator::new(t.clone());
         assert!(a.val_loss().is_nan() && a.val_bpb().is_nan());
-        a.add(&[e, e, e, e], &[e, e, e, e], &[ln2; 4]);
+        a.add(0, &[e, e, e, e], &[e, e, e, e], &[ln2; 4]);
         assert_eq!((a.tokens(), a.bytes()), (4, 4));
         assert!((a.val_bpb() - 1.0).abs() < 1e-7, "{}", a.val_bpb());
         assert!((a.val_loss() - std::f64::consts::LN_2).abs() < 1e-7);
         // Another worker: `▁the` after `e` (4 bytes) with 2 nats, BOS target (0 bytes) with 1 nat.
         let mut b = BpbAccumulator::new(t.clone());
-        b.add(&[e, id_of("▁the")], &[id_of("▁the"), BOS], &[2.0, 1.0]);
+        b.add(0, &[e, id_of("▁the")], &[id_of("▁the"), BOS], &[2.0, 1.0]);
         assert_eq!((b.tokens(), b.bytes()), (2, 4));
         a.merge(&b);
         let nll = 4.0 * f64::from(ln2) + 3.0;
@@ -490,7 +547,7 @@ mod tests {
     #[should_panic(expected = "targets for")]
     fn accumulator_rejects_mismatched_lengths() {
         let mut a = BpbAccumulator::new(Arc::new(ByteTables::from_model(&parsed(true), 0)));
-        a.add(&[1, 1], &[1, 1], &[0.5]);
+        a.add(0, &[1, 1], &[1, 1], &[0.5]);
     }
 
     #[test]
@@ -502,6 +559,7 @@ mod tests {
             leading_space: vec![false, false, false, true],
             is_boundary: vec![true, false, false, false],
             has_space_piece: true,
+            stream_bytes: None,
         };
         // Counts 3, 1, 0, 2: total 6 + 4 = 10; p = 0.4, 0.2, 0.1, 0.3.
         let counts = [3u64, 1, 0, 2];

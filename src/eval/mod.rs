@@ -1,10 +1,11 @@
 //! Scoring: the bits-per-byte metric ([`bpb`]), validation as the challenge scores it
-//! ([`validation`]), sliding-window scoring ([`sliding`]), score-first test-time training
+//! ([`validation`]) on the split's files ([`sidecar`]: CaseOps byte sidecars), sliding-window scoring ([`sliding`]), score-first test-time training
 //! ([`ttt`]), and
 //! phased TTT with per-document LoRA ([`phased`]).
 
 pub mod bpb;
 pub mod phased;
+pub mod sidecar;
 pub mod sliding;
 pub mod ttt;
 pub mod validation;

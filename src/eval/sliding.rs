@@ -141,8 +141,9 @@ pub fn sliding_eval_shared(
     cfg.check()?;
     let n = check_tokens(model, tokens, &tables)?;
     let mut acc = BpbAccumulator::new(tables);
-    let done =
-        score_windows(model, tokens, &windows(n, cfg), cfg, ranks, &keep_going, |_, prev, targets, nll| acc.add(prev, targets, nll))?;
+    let done = score_windows(model, tokens, &windows(n, cfg), cfg, ranks, &keep_going, |first, prev, targets, nll| {
+        acc.add(first, prev, targets, nll)
+    })?;
     if !done {
         return Ok(None);
     }
@@ -153,6 +154,7 @@ pub fn sliding_eval_shared(
 /// and the byte tables.
 pub(super) fn check_tokens(model: &Gpt, tokens: &[u32], tables: &ByteTables) -> anyhow::Result<usize> {
     anyhow::ensure!(tokens.len() >= 2, "{} validation tokens: at least 2 are needed to score one target", tokens.len());
+    tables.check_stream(tokens.len())?;
     let limit = model.config().vocab_size.min(tables.len());
     if let Some(pos) = tokens.iter().position(|&t| t as usize >= limit) {
         anyhow::bail!(

@@ -1,7 +1,8 @@
 //! Validation as the challenge scores it (spec 1.3, 2.3, 2.4): the validation shards
 //! concatenated, cut into consecutive non-overlapping sequences of `seq_len` targets, each
 //! scored once; `val_loss` is the mean cross-entropy per token and `val_bpb` the bits per byte
-//! with the sentencepiece byte rules of [`crate::eval::bpb`].
+//! with the sentencepiece byte rules of [`crate::eval::bpb`], or, for CaseOps data, with the
+//! original bytes of the split's byte sidecar ([`crate::eval::sidecar`]).
 //!
 //! Also the bar to beat: the unigram bits per byte of the same scored targets, with token
 //! frequencies counted on the training shards.
@@ -15,6 +16,7 @@ use candle_core::{DType, Tensor};
 
 use crate::data::shard::{AccessMode, ShardFile, glob_sorted};
 use crate::eval::bpb::{BpbAccumulator, ByteTables, unigram_bpb, validation_tokens};
+use crate::eval::sidecar::{ValFiles, read_stream_bytes, val_files};
 use crate::model::Gpt;
 
 /// What the validation reads and how it cuts the stream: the application fills it from its
@@ -106,11 +108,10 @@ impl Validator {
         let pattern = settings.val.clone().context("`data.val` is not set: the step executor validates on the validation shards")?;
         let tok_path =
             settings.tokenizer.as_deref().context("`data.tokenizer` is not set: val_bpb counts bytes with the sentencepiece model")?;
-        let paths = glob_sorted(&pattern).context("`data.val`")?;
-        anyhow::ensure!(!paths.is_empty(), "`data.val` = {pattern:?} matches no file");
+        let files = val_files(&pattern, Some(tok_path))?;
         let t = settings;
         let key = ValKey {
-            files: paths.iter().map(|p| file_key(p)).collect::<anyhow::Result<_>>()?,
+            files: files.shards.iter().chain(files.sidecars.iter().flatten()).map(|p| file_key(p)).collect::<anyhow::Result<_>>()?,
             tokenizer: file_key(tok_path).context("`data.tokenizer`")?,
             seq_len: t.seq_len,
             val_max_tokens: t.val_max_tokens,
@@ -122,7 +123,7 @@ impl Validator {
         let data = match loaded.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
             Some(data) => data,
             None => {
-                let data = Arc::new(ValData::read(settings, &pattern, tok_path, &paths)?);
+                let data = Arc::new(ValData::read(settings, &pattern, tok_path, &files)?);
                 loaded.push((key, Arc::downgrade(&data)));
                 data
             }
@@ -146,12 +147,13 @@ pub fn check_split(settings: &ValSettings) -> anyhow::Result<()> {
 }
 
 /// Tokens in the validation shards `data.val` matches, from their headers; none without it.
+/// CaseOps data's sidecars are checked here ([`val_files`]), so the config check refuses a
+/// missing or mismatched one.
 pub fn split_tokens(settings: &ValSettings) -> anyhow::Result<Option<u64>> {
     let Some(pattern) = &settings.val else { return Ok(None) };
-    let paths = glob_sorted(pattern).context("`data.val`")?;
-    anyhow::ensure!(!paths.is_empty(), "`data.val` = {pattern:?} matches no file");
+    let files = val_files(pattern, settings.tokenizer.as_deref())?;
     let mut tokens = 0u64;
-    for p in &paths {
+    for p in &files.shards {
         tokens += crate::data::shard::read_header(p)?.1;
     }
     Ok(Some(tokens))
@@ -172,9 +174,9 @@ fn too_short(pattern: &str, tokens: u64, seq_len: usize) -> String {
 }
 
 impl ValData {
-    fn read(settings: &ValSettings, pattern: &str, tok_path: &Path, paths: &[PathBuf]) -> anyhow::Result<Self> {
-        let tables = Arc::new(load_tables(tok_path, settings.vocab)?);
-        let shards = ShardFile::open_all(paths, AccessMode::Pread)?;
+    fn read(settings: &ValSettings, pattern: &str, tok_path: &Path, files: &ValFiles) -> anyhow::Result<Self> {
+        let mut tables = load_tables(tok_path, settings.vocab)?;
+        let shards = ShardFile::open_all(&files.shards, AccessMode::Pread)?;
         let mut all: Vec<u16> = Vec::with_capacity(shards.iter().map(|s| s.tokens as usize).sum());
         for s in &shards {
             let start = all.len();
@@ -197,7 +199,17 @@ impl ValData {
                 tokens[pos]
             );
         }
-        Ok(Self { tokens, tables, split_targets })
+        if let Some(mut bytes) = read_stream_bytes(files)? {
+            anyhow::ensure!(
+                bytes.len() == all.len(),
+                "the byte sidecars of {pattern:?} hold {} values for {} tokens; they must match",
+                bytes.len(),
+                all.len()
+            );
+            bytes.truncate(tokens.len());
+            tables = tables.with_stream_bytes(bytes);
+        }
+        Ok(Self { tokens, tables: Arc::new(tables), split_targets })
     }
 }
 
@@ -262,7 +274,7 @@ impl Validator {
             let rows = batch_rows.min(self.end - s);
             let x = &tokens[s * t..(s + rows) * t];
             let y = &tokens[s * t + 1..(s + rows) * t + 1];
-            acc.add_sum(x, y, score(x, y, rows)?);
+            acc.add_sum(s * t, x, y, score(x, y, rows)?);
             s += rows;
         }
         Ok(Some(acc.all_reduced(self.ranks.as_ref())?))

@@ -126,6 +126,7 @@ pub fn phased_ttt(
 ) -> anyhow::Result<Option<PhasedOutcome>> {
     cfg.check()?;
     anyhow::ensure!(tokens.len() >= 2, "{} validation tokens: at least 2 are needed to score one target", tokens.len());
+    tables.check_stream(tokens.len())?;
     let t_start = Instant::now();
     let docs = segment(tokens, bos);
     let queue = work_queue(&docs, cfg.batch_docs);
@@ -304,7 +305,7 @@ impl Run<'_> {
                     self.scored[t] = true;
                 }
                 self.nll[targets.clone()].copy_from_slice(&nll[local.clone()]);
-                self.acc.add(&x[local.clone()], &y[local.clone()], &nll[local.clone()]);
+                self.acc.add(targets.start, &x[local.clone()], &y[local.clone()], &nll[local.clone()]);
                 on_event(&PhasedEvent::Scored { doc: ids[r as usize], targets: targets.clone() });
                 if !ch.last {
                     weights[local.clone()].fill(1.0 / local.len() as f32);

@@ -257,8 +257,9 @@ pub fn score_first_ttt_shared(
         };
         anyhow::ensure!(targets.start == scored_end, "internal: chunk {c} scores from target {} after {scored_end}", targets.start);
         let mut chunk_acc = BpbAccumulator::new(tables.clone());
-        let done =
-            score_windows(model, tokens, chunk_wins, &cfg.sliding, ranks, &keep_going, |_, prev, tgt, nll| chunk_acc.add(prev, tgt, nll))?;
+        let done = score_windows(model, tokens, chunk_wins, &cfg.sliding, ranks, &keep_going, |first, prev, tgt, nll| {
+            chunk_acc.add(first, prev, tgt, nll)
+        })?;
         if !done {
             return Ok(None);
         }

@@ -32,6 +32,7 @@ pub(crate) fn tables() -> Arc<ByteTables> {
         leading_space: (0..VOCAB).map(|i| i % 3 == 0 && i > 0).collect(),
         is_boundary: (0..VOCAB).map(|i| i == 0).collect(),
         has_space_piece: true,
+        stream_bytes: None,
     })
 }
 
@@ -198,7 +199,7 @@ fn sliding_with_full_stride_is_the_non_overlapping_eval() {
         let xt = Tensor::from_slice(x, (rows, t), &Device::Cpu).unwrap();
         let yt = Tensor::from_slice(y, (rows, t), &Device::Cpu).unwrap();
         let nll = m.eval_token_losses(&xt, &yt).unwrap().to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
-        want.add(x, y, &nll);
+        want.add(s * t, x, y, &nll);
     }
     let sc = SlidingConfig { seq_len: t, stride: t, batch_windows: 3 };
     let got = sliding_eval(&m, &tokens, tables, &sc, || true).unwrap().unwrap();
@@ -593,4 +594,77 @@ fn a_ranks_rows_are_bounded_by_the_chunk_and_shared() {
     assert_eq!(cfg(32768, 4).rows_per_rank(3), (2, "batch_seqs"));
     assert_eq!(cfg(131072, 32).rows_per_rank(1), (32, "batch_seqs"));
     assert_eq!(cfg(1024, 32).rows_per_rank(1), (1, "chunk_tokens"), "a chunk shorter than a sequence trains one");
+}
+
+/// With a byte sidecar in the tables (CaseOps data) every path charges target `i` the sidecar's
+/// entry `i + 1`: sliding over the whole stream, score-first TTT chunk by chunk, phased TTT in
+/// all; a sidecar shorter than the stream is refused, not indexed past.
+#[test]
+fn a_sidecar_charges_each_target_its_stream_position() {
+    let m = model();
+    let tokens = random_tokens(84, 9);
+    let n = tokens.len() - 1;
+    let side: Vec<u16> = (0..tokens.len()).map(|k| (k * 7 % 11) as u16 + u16::from(k == 0) * 50).collect();
+    let between = |r: Range<usize>| side[r.start + 1..r.end + 1].iter().map(|&b| u64::from(b)).sum::<u64>();
+    let with_side = Arc::new((*tables()).clone().with_stream_bytes(side.clone()));
+    let sc = SlidingConfig { seq_len: 16, stride: 4, batch_windows: 5 };
+    let acc = sliding_eval(&m, &tokens, with_side.clone(), &sc, || true).unwrap().unwrap();
+    assert_eq!((acc.tokens(), acc.bytes()), (n as u64, between(0..n)));
+    assert_ne!(acc.bytes(), tables().count_bytes(&tokens[..n], &tokens[1..]));
+    let plain = sliding_eval(&m, &tokens, tables(), &sc, || true).unwrap().unwrap();
+    assert_eq!(plain.nll_sum().to_bits(), acc.nll_sum().to_bits(), "the losses do not depend on the bytes");
+
+    let mut chunks = Vec::new();
+    let out = score_first_ttt(
+        &model(),
+        &tokens,
+        with_side.clone(),
+        &misaligned(),
+        |e| {
+            if let TttEvent::Scored { targets, bytes, .. } = e {
+                chunks.push((targets.clone(), *bytes));
+            }
+        },
+        || true,
+    )
+    .unwrap()
+    .unwrap();
+    assert!(chunks.len() > 2);
+    for (targets, bytes) in &chunks {
+        assert_eq!(*bytes, between(targets.clone()), "chunk of targets {targets:?}");
+    }
+    assert_eq!(out.acc.bytes(), between(0..n));
+
+    let phased = crate::eval::phased::phased_ttt(
+        &model(),
+        &tokens,
+        with_side.clone(),
+        (
+            &crate::eval::phased::PhasedConfig {
+                lora_rank: 2,
+                chunk: 8,
+                context: 16,
+                batch_docs: 2,
+                prefix_docs: 2,
+                phases: 1,
+                global_chunk_tokens: 32,
+                global_seq_len: 16,
+                global_batch_seqs: 2,
+                ..Default::default()
+            },
+            1,
+            3,
+        ),
+        &Single,
+        |_| {},
+        || true,
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!((phased.acc.tokens(), phased.acc.bytes()), (n as u64, between(0..n)));
+
+    let short = Arc::new((*tables()).clone().with_stream_bytes(side[..n].to_vec()));
+    let e = sliding_eval(&m, &tokens, short.clone(), &sc, || true).unwrap_err();
+    assert!(e.to_string().contains("byte sidecar covers 83 tokens of a validation stream of 84"), "{e}");
+    assert!(score_first_ttt(&model(), &tokens, short.clone(), &misaligned(), |_| {}, || true).is_err());
 }
