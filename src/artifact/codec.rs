@@ -1,11 +1,8 @@
-//! The compressors of the artifact (zlib, zstd, Brotli) and the byte shuffle the records apply
-//! before Brotli (spec 4.5).
+//! The compressors of the artifact (zlib, zstd, Brotli, and `pergroup`, the 04-27 record's
+//! per-group lrzip/ZPAQ compression in [`super::pergroup`]) and the byte shuffle the records
+//! apply before Brotli (spec 4.5).
 //!
-//! Byte shuffle with stride `s`: the bytes at offsets `0, s, 2s, ...`, then those at `1, s + 1,
-//! ...`, up to `s - 1`, prefixed with the tag [`SHUFFLE_TAG`] (`BSHF`) and one stride byte. With
-//! stride 2 the low and the high bytes of every fp16 value end up in two separate runs, which the
-//! compressor models better. [`unshuffle`] reverses it; a body without the tag is returned as it
-//! is, so one reader takes both.
+//! The shuffle itself is [`super::shuffle`]'s (re-exported here).
 
 use std::fmt;
 use std::io::{Read, Write};
@@ -16,42 +13,7 @@ use anyhow::{Result, ensure};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// The tag in front of a shuffled body (then one byte: the stride).
-pub const SHUFFLE_TAG: [u8; 4] = *b"BSHF";
-
-/// `data` byte-shuffled with `stride` (2..=255), tag and stride byte first.
-pub fn shuffle(data: &[u8], stride: u8) -> Result<Vec<u8>> {
-    ensure!(stride >= 2, "byte shuffle stride {stride} must be at least 2 (0 or 1: no shuffle)");
-    let s = stride as usize;
-    let mut out = Vec::with_capacity(data.len() + SHUFFLE_TAG.len() + 1);
-    out.extend_from_slice(&SHUFFLE_TAG);
-    out.push(stride);
-    for lane in 0..s {
-        out.extend(data.iter().skip(lane).step_by(s));
-    }
-    Ok(out)
-}
-
-/// Reverses [`shuffle`] when `data` starts with [`SHUFFLE_TAG`]; otherwise gives `data` back.
-pub fn unshuffle(data: Vec<u8>) -> Result<Vec<u8>> {
-    if !data.starts_with(&SHUFFLE_TAG) {
-        return Ok(data);
-    }
-    let at = SHUFFLE_TAG.len();
-    ensure!(data.len() > at, "a shuffled body ends after its `BSHF` tag, before the stride byte");
-    let s = data[at] as usize;
-    ensure!(s >= 2, "a shuffled body gives stride {s} (at byte {at}); strides start at 2");
-    let body = &data[at + 1..];
-    let n = body.len();
-    let mut out = vec![0u8; n];
-    let mut src = body.iter();
-    for lane in 0..s {
-        for o in out.iter_mut().skip(lane).step_by(s) {
-            *o = *src.next().expect("the lanes hold n bytes in all");
-        }
-    }
-    Ok(out)
-}
+pub use super::shuffle::{SHUFFLE_TAG, shuffle, unshuffle};
 
 /// The compressor applied to the serialized container.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
@@ -64,11 +26,23 @@ pub enum Codec {
     Zstd,
     /// Brotli, as the later records: quality 0..=11, default 11, window 2^22 (Python's default).
     Brotli,
+    /// The 04-27 record's per-group compression ([`super::pergroup`]): the int8 values of the
+    /// embedding and of each role of block matrix (`attn.c_q`, `mlp.fc`, ...) grouped across
+    /// the layers, the hot groups' rows similarity-sorted, every matrix column-major, each
+    /// group through the `lrzip` program's ZPAQ back end; the rest byte-shuffled (with the
+    /// artifact's `byte_shuffle`) and Brotli (quality 11, window 2^24). Levels 1..=9 are
+    /// lrzip's `-L`, default 9. Needs `lrzip` (Debian/Ubuntu: `apt-get install lrzip`, or
+    /// `PIPELINE_LRZIP=/path/to/lrzip`); about a minute to compress the record's model, and
+    /// about as long to decompress (groups in parallel), which counts against evaluation.
+    Pergroup,
 }
 
 impl Codec {
-    /// Every codec.
+    /// The codecs built into this binary (pure Rust): what needs nothing installed.
     pub const ALL: [Codec; 3] = [Codec::Zlib, Codec::Zstd, Codec::Brotli];
+
+    /// Every codec: [`Codec::ALL`] and [`Codec::Pergroup`] (which runs `lrzip`).
+    pub const EVERY: [Codec; 4] = [Codec::Zlib, Codec::Zstd, Codec::Brotli, Codec::Pergroup];
 
     /// Lower-case name, as in configs.
     pub fn name(self) -> &'static str {
@@ -76,6 +50,7 @@ impl Codec {
             Codec::Zlib => "zlib",
             Codec::Zstd => "zstd",
             Codec::Brotli => "brotli",
+            Codec::Pergroup => "pergroup",
         }
     }
 
@@ -85,6 +60,7 @@ impl Codec {
             Codec::Zlib => 9,
             Codec::Zstd => 22,
             Codec::Brotli => 11,
+            Codec::Pergroup => *super::pergroup::LEVELS.end(),
         }
     }
 
@@ -94,6 +70,7 @@ impl Codec {
             Codec::Zlib => 0..=9,
             Codec::Zstd => zstd::compression_level_range(),
             Codec::Brotli => 0..=11,
+            Codec::Pergroup => super::pergroup::LEVELS,
         }
     }
 
@@ -110,14 +87,26 @@ impl Codec {
             Codec::Zlib => 1,
             Codec::Zstd => 2,
             Codec::Brotli => 3,
+            Codec::Pergroup => 4,
         }
     }
 
     pub(super) fn from_id(id: u8) -> Option<Self> {
-        Codec::ALL.into_iter().find(|c| c.id() == id)
+        Codec::EVERY.into_iter().find(|c| c.id() == id)
     }
 
-    /// Compresses `data` at `level` (already checked by [`Codec::resolve_level`]).
+    /// Fails, saying what to install, when this codec needs a program that is missing (`lrzip`
+    /// for `pergroup`); what a run checks before it trains.
+    pub fn check_available(self) -> Result<()> {
+        match self {
+            Codec::Pergroup => super::pergroup::check_available(),
+            _ => Ok(()),
+        }
+    }
+
+    /// Compresses `data` at `level` (already checked by [`Codec::resolve_level`]). `pergroup`
+    /// takes a safetensors container (the artifact's, unshuffled) and shuffles nothing here:
+    /// the artifact's writer calls [`super::pergroup::pack`] with the stride.
     pub fn compress(self, data: &[u8], level: i32) -> Result<Vec<u8>> {
         let out = match self {
             Codec::Zlib => {
@@ -132,6 +121,7 @@ impl Codec {
                 brotli::BrotliCompress(&mut &data[..], &mut out, &params)?;
                 out
             }
+            Codec::Pergroup => super::pergroup::pack(data, 0, level)?,
         };
         Ok(out)
     }
@@ -151,6 +141,7 @@ impl Codec {
             Codec::Brotli => {
                 brotli::Decompressor::new(data, 4096).take(limit).read_to_end(&mut out)?;
             }
+            Codec::Pergroup => out = super::pergroup::unpack(data)?,
         }
         ensure!(out.len() == len, "the body decompresses to {} bytes, the header says {len}", out.len());
         Ok(out)
@@ -166,7 +157,10 @@ impl fmt::Display for Codec {
 impl FromStr for Codec {
     type Err = anyhow::Error;
     fn from_str(s: &str) -> Result<Self> {
-        Codec::ALL.into_iter().find(|c| c.name() == s).ok_or_else(|| anyhow::anyhow!("unknown codec `{s}` (zlib, zstd, brotli)"))
+        Codec::EVERY
+            .into_iter()
+            .find(|c| c.name() == s)
+            .ok_or_else(|| anyhow::anyhow!("unknown codec `{s}` (zlib, zstd, brotli, pergroup)"))
     }
 }
 
@@ -175,36 +169,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn shuffle_groups_lanes_and_round_trips() {
-        let data = [1u8, 2, 3, 4, 5, 6, 7];
-        let s = shuffle(&data, 2).unwrap();
-        assert_eq!(&s[..5], b"BSHF\x02");
-        assert_eq!(&s[5..], [1, 3, 5, 7, 2, 4, 6]);
-        assert_eq!(shuffle(&data, 3).unwrap()[5..], [1, 4, 7, 2, 5, 3, 6]);
-        let mut rng = fastrand::Rng::with_seed(5);
-        for n in [0usize, 1, 2, 3, 17, 1000, 4097] {
-            let data: Vec<u8> = (0..n).map(|_| rng.u8(..)).collect();
-            for stride in [2u8, 3, 4, 7, 255] {
-                assert_eq!(unshuffle(shuffle(&data, stride).unwrap()).unwrap(), data, "n {n} stride {stride}");
-            }
+    fn pergroup_is_named_numbered_and_levelled() {
+        assert_eq!("pergroup".parse::<Codec>().unwrap(), Codec::Pergroup);
+        assert_eq!(serde_json::to_string(&Codec::Pergroup).unwrap(), "\"pergroup\"");
+        assert_eq!(Codec::from_id(4), Some(Codec::Pergroup));
+        assert_eq!(Codec::from_id(5), None);
+        assert_eq!(Codec::Pergroup.resolve_level(None).unwrap(), 9);
+        assert!(Codec::Pergroup.resolve_level(Some(0)).is_err() && Codec::Pergroup.resolve_level(Some(10)).is_err());
+        for c in Codec::EVERY {
+            assert_eq!((Codec::from_id(c.id()), c.name().parse::<Codec>().unwrap()), (Some(c), c));
         }
-        // Without the tag, the body is left as it is.
-        assert_eq!(unshuffle(vec![9, 8, 7]).unwrap(), [9, 8, 7]);
-        assert!(shuffle(&data, 1).is_err() && shuffle(&data, 0).is_err());
-        let err = unshuffle(b"BSHF".to_vec()).unwrap_err().to_string();
-        assert!(err.contains("stride byte"), "{err}");
-        let err = unshuffle(b"BSHF\x01abc".to_vec()).unwrap_err().to_string();
-        assert!(err.contains("byte 4"), "{err}");
-    }
-
-    /// The shuffle helps the compressor on fp16 data, which it is there for.
-    #[test]
-    fn shuffle_helps_brotli_on_fp16() {
-        let mut rng = fastrand::Rng::with_seed(9);
-        let data: Vec<u8> = (0..20_000).flat_map(|_| half::f16::from_f32((rng.f32() - 0.5) * 0.05).to_le_bytes()).collect();
-        let plain = Codec::Brotli.compress(&data, 9).unwrap().len();
-        let shuffled = Codec::Brotli.compress(&shuffle(&data, 2).unwrap(), 9).unwrap().len();
-        assert!(shuffled < plain, "shuffled {shuffled} >= plain {plain}");
+        // The built-in codecs need nothing installed.
+        assert!(Codec::ALL.iter().all(|c| c.check_available().is_ok()));
+        let err = "lrzip".parse::<Codec>().unwrap_err().to_string();
+        assert!(err.contains("pergroup"), "{err}");
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! back, checked field by field. What the tensors hold (the quantization scheme) is
 //! [`super::quant`]'s.
 //!
-//! # Format (version [`FORMAT_VERSION`]; version 1 is read too)
+//! # Format (version [`FORMAT_VERSION`]; versions 1 and 2 are read too)
 //!
 //! [`Quantized::to_bytes`] writes a 34-byte header followed by the compressed body:
 //!
@@ -10,25 +10,31 @@
 //! |---|---|---|
 //! | 0 | 4 | magic [`MAGIC`] (`PGQZ`) |
 //! | 4 | 1 | format version ([`FORMAT_VERSION`]) |
-//! | 5 | 1 | codec: 1 zlib, 2 zstd, 3 brotli |
+//! | 5 | 1 | codec: 1 zlib, 2 zstd, 3 brotli, 4 pergroup ([`super::pergroup`]) |
 //! | 6 | 4 | compression level, i32 little-endian (informational) |
 //! | 10 | 8 | body length before compression, u64 LE |
 //! | 18 | 8 | body length after compression, u64 LE (the bytes after the header) |
 //! | 26 | 8 | first 8 bytes of the SHA-256 of the uncompressed body |
 //!
 //! The uncompressed body is the container, or, with a byte shuffle, `BSHF`, the stride byte and
-//! the shuffled container ([`super::codec::shuffle`]). The container is a safetensors file
+//! the shuffled container ([`super::codec::shuffle`]); with `pergroup`, always the container
+//! (the codec shuffles what it sends to Brotli itself). The container is a safetensors file
 //! (readable by Python's `safetensors`), little-endian tensors:
 //! - `NAME.q` (`I8`, the tensor's shape) and `NAME.scale` (`F16 [rows]` per row, `F32 []` per
 //!   tensor) for quantized tensors;
 //! - `NAME.passthrough` (stored dtype, the tensor's shape) for kept float tensors;
 //! - `NAME.raw` (own dtype and shape) for non-float tensors;
+//! - with an LQER correction ([`super::quant::lqer`]), also `NAME.lqer_a` (`I8 [rows, r]`),
+//!   `NAME.lqer_a_scale` (`F16 [groups]`), `NAME.lqer_b` (`I8 [r, cols]`) and
+//!   `NAME.lqer_b_scale` (`F16 [groups]`);
 //! - `__metadata__` has one key, `pipeline.quant`, a JSON manifest:
-//!   `{"format": "pipeline-quant", "version": 2, "bits": 6, "tensors": [{"name", "kind"
+//!   `{"format": "pipeline-quant", "version": 3, "bits": 6, "tensors": [{"name", "kind"
 //!   ("per_row" | "per_tensor" | "passthrough" | "raw"), "dtype" (original, candle's name such
-//!   as "bf16"), "shape", "bits" (quantized tensors)}, ...], "info": {...}}` in state-dict
-//!   order; `info` is the writer's (the quantizer's settings, the model's `[model]` table), not
-//!   needed to dequantize. Version 1 had no per-tensor `bits` and no `info`.
+//!   as "bf16"), "shape", "bits" (quantized tensors), "lqer" (corrected matrices: `{"a_group",
+//!   "a_levels": [lo, hi], "b_group", "b_levels"}`, values per fp16 scale and the levels of each
+//!   factor)}, ...], "info": {...}}` in state-dict order; `info` is the writer's (the
+//!   quantizer's settings, the model's `[model]` table), not needed to dequantize. Version 1 had
+//!   no per-tensor `bits` and no `info`; version 2 no `lqer`.
 //!
 //! [`from_bytes`] checks every field (magic, version, codec, lengths, checksum, manifest, names,
 //! dtypes, shapes, value range) and fails with an error that says what is wrong and where (the
@@ -46,13 +52,14 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::codec::{Codec, shuffle, unshuffle};
+use super::quant::lqer::{Factor, Lqer};
 use super::quant::*;
 
 /// First four bytes of every artifact.
 pub const MAGIC: [u8; 4] = *b"PGQZ";
 
 /// Version of the artifact format (header and manifest).
-pub const FORMAT_VERSION: u8 = 2;
+pub const FORMAT_VERSION: u8 = 3;
 
 /// Bytes before the compressed body.
 pub const HEADER_LEN: usize = 34;
@@ -90,6 +97,19 @@ struct ManifestEntry {
     /// Quantized tensors' width (version 2; version 1: the manifest's `bits`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     bits: Option<u8>,
+    /// The LQER correction's layout (version 3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    lqer: Option<LqerLayout>,
+}
+
+/// How an LQER correction's two factors are stored: values per fp16 scale, and the levels.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LqerLayout {
+    a_group: usize,
+    a_levels: [i8; 2],
+    b_group: usize,
+    b_levels: [i8; 2],
 }
 
 fn checksum(body: &[u8]) -> [u8; 8] {
@@ -139,12 +159,24 @@ impl Quantized {
                 Entry::Quant(t) => Some(t.bits),
                 _ => None,
             };
+            let lqer = match e {
+                Entry::Quant(QuantTensor { lqer: Some(l), .. }) => {
+                    for (suffix, f) in [("lqer_a", &l.a), ("lqer_b", &l.b)] {
+                        blobs.push((format!("{name}.{suffix}"), StDtype::I8, f.shape.to_vec(), f.q.iter().map(|&v| v as u8).collect()));
+                        let bytes = f.scales.iter().flat_map(|v| v.to_le_bytes()).collect();
+                        blobs.push((format!("{name}.{suffix}_scale"), StDtype::F16, vec![f.scales.len()], bytes));
+                    }
+                    Some(LqerLayout { a_group: l.a.group, a_levels: [l.a.lo, l.a.hi], b_group: l.b.group, b_levels: [l.b.lo, l.b.hi] })
+                }
+                _ => None,
+            };
             manifest.tensors.push(ManifestEntry {
                 name: name.clone(),
                 kind,
                 dtype: e.dtype().as_str().into(),
                 shape: e.shape().to_vec(),
                 bits,
+                lqer,
             });
         }
         let mut views = Vec::with_capacity(blobs.len());
@@ -163,8 +195,13 @@ impl Quantized {
         let level = codec.resolve_level(level)?;
         let container = self.serialize()?;
         let serialized_bytes = container.len() as u64;
-        let body = if shuffle_stride == 0 { container } else { shuffle(&container, shuffle_stride)? };
-        let packed = codec.compress(&body, level).with_context(|| format!("{codec} compression failed"))?;
+        // `pergroup` takes the container as it is and shuffles its own remainder with the stride.
+        let body = if shuffle_stride == 0 || codec == Codec::Pergroup { container } else { shuffle(&container, shuffle_stride)? };
+        let packed = match codec {
+            Codec::Pergroup => super::pergroup::pack(&body, shuffle_stride, level),
+            _ => codec.compress(&body, level),
+        }
+        .with_context(|| format!("{codec} compression failed"))?;
         let mut bytes = Vec::with_capacity(HEADER_LEN + packed.len());
         bytes.extend_from_slice(&MAGIC);
         bytes.push(FORMAT_VERSION);
@@ -254,6 +291,37 @@ fn expect(view: &TensorView<'_>, what: &str, dtype: StDtype, shape: &[usize]) ->
     Ok(())
 }
 
+/// The two factors of an LQER correction of a `rows x cols` matrix, read and checked.
+fn lqer_factors<'a>(get: &dyn Fn(&str) -> Result<TensorView<'a>>, layout: &LqerLayout, rows: usize, cols: usize) -> Result<Lqer> {
+    let factor = |suffix: &str, group: usize, [lo, hi]: [i8; 2]| -> Result<Factor> {
+        let v = get(suffix)?;
+        ensure!(
+            v.dtype() == StDtype::I8 && v.shape().len() == 2,
+            "`{suffix}` has dtype {:?} and shape {:?}, expected a 2-D I8",
+            v.dtype(),
+            v.shape()
+        );
+        let s = get(&format!("{suffix}_scale"))?;
+        ensure!(
+            s.dtype() == StDtype::F16 && s.shape().len() == 1,
+            "`{suffix}_scale` has dtype {:?} and shape {:?}, expected a 1-D F16",
+            s.dtype(),
+            s.shape()
+        );
+        Ok(Factor {
+            shape: [v.shape()[0], v.shape()[1]],
+            group,
+            lo,
+            hi,
+            q: v.data().iter().map(|&b| b as i8).collect(),
+            scales: s.data().chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]])).collect(),
+        })
+    };
+    let l = Lqer { a: factor("lqer_a", layout.a_group, layout.a_levels)?, b: factor("lqer_b", layout.b_group, layout.b_levels)? };
+    l.check(rows, cols)?;
+    Ok(l)
+}
+
 /// One manifest entry: the entry and how many stored tensors it used.
 fn parse_entry(st: &SafeTensors<'_>, m: ManifestEntry, default_bits: u8) -> Result<(Entry, usize)> {
     let dtype = DType::from_str(&m.dtype).map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -278,7 +346,15 @@ fn parse_entry(st: &SafeTensors<'_>, m: ManifestEntry, default_bits: u8) -> Resu
                 expect(&sv, "the scale", StDtype::F32, &[])?;
                 Scales::PerTensor(f32::from_le_bytes(sv.data().try_into()?))
             };
-            (Entry::Quant(QuantTensor { shape: m.shape, dtype, bits, q, scales }), 2)
+            let lqer = match &m.lqer {
+                Some(layout) => {
+                    let [rows, cols] = m.shape[..] else { bail!("an LQER correction needs a 2-D tensor, the shape is {:?}", m.shape) };
+                    Some(lqer_factors(&get, layout, rows, cols).context("its LQER correction")?)
+                }
+                None => None,
+            };
+            let stored = if lqer.is_some() { 6 } else { 2 };
+            (Entry::Quant(QuantTensor { shape: m.shape, dtype, bits, q, scales, lqer }), stored)
         }
         Kind::Passthrough => {
             ensure!(dtype.is_float(), "a passthrough tensor must come from a float dtype, not {}", m.dtype);

@@ -2,7 +2,8 @@
 //! (round to nearest or GPTQ, per-row scales, fp16 passthrough); [`format`]: the artifact's
 //! bytes (header, safetensors container, manifest) written and read back with every check;
 //! [`gptq`]: the GPTQ algorithm for one matrix; [`hessian`]: the calibration pass that collects
-//! each matrix's Hessian; [`codec`]: the compressors and the byte shuffle; [`code_size`]: the
+//! each matrix's Hessian; [`codec`]: the compressors; [`shuffle`]: the byte shuffle; [`pergroup`]: the
+//! per-group codec (the 04-27 record's), which runs [`lrzip`]; [`code_size`]: the
 //! code bytes the challenge counts against its cap; [`roundtrip`]: the post-training round trip
 //! that writes the artifact and scores it. Plain weights files are the model's
 //! (`model::weights`).
@@ -12,7 +13,10 @@ pub mod codec;
 pub mod format;
 pub mod gptq;
 pub mod hessian;
+pub mod lrzip;
+pub mod pergroup;
 pub mod quant;
 pub mod roundtrip;
+pub mod shuffle;
 #[cfg(test)]
 mod synthetic;

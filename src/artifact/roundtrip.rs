@@ -124,6 +124,8 @@ impl CalibrationStats {
 pub struct Written {
     /// Its sizes.
     pub stats: ArtifactStats,
+    /// What became of each tensor ([`super::quant::Quantized::kind_lines`]).
+    pub kinds: Vec<String>,
     /// Bytes of the weights as float tensors.
     pub raw_bytes: u64,
     /// The weights dequantized from the file as read back (f32, CPU).
@@ -134,7 +136,9 @@ pub struct Written {
     pub compress: Duration,
     /// Writing the file (atomically).
     pub write: Duration,
-    /// Reading it back, checking it and dequantizing.
+    /// Reading it back, decompressing, checking it and dequantizing: what a scoring run does
+    /// before it evaluates, so it counts against the evaluation time (seconds with `pergroup`,
+    /// whose ZPAQ decompresses about as slowly as it compresses).
     pub restore: Duration,
 }
 
@@ -171,6 +175,7 @@ pub fn write_and_restore(
     out: &Path,
 ) -> anyhow::Result<Written> {
     q.check()?;
+    q.codec.check_available().context("`codec`")?;
     let raw_bytes: u64 = state.iter().map(|(_, t)| (t.elem_count() * t.dtype().size_in_bytes()) as u64).sum();
     let t0 = Instant::now();
     let empty = std::collections::HashMap::new();
@@ -190,6 +195,7 @@ pub fn write_and_restore(
     });
     let quantized = quantize(state, q, rounding)?.with_info(info);
     let quantize_time = t0.elapsed();
+    let kinds = quantized.kind_lines();
     let t0 = Instant::now();
     let artifact = quantized.compress(q.codec, q.level, q.byte_shuffle)?;
     let compress = t0.elapsed();
@@ -198,7 +204,7 @@ pub fn write_and_restore(
     let write = t1.elapsed();
     let t2 = Instant::now();
     let restored = restore(out, model)?;
-    Ok(Written { stats: artifact.stats, raw_bytes, restored, quantize: quantize_time, compress, write, restore: t2.elapsed() })
+    Ok(Written { stats: artifact.stats, kinds, raw_bytes, restored, quantize: quantize_time, compress, write, restore: t2.elapsed() })
 }
 
 /// Reads the artifact at `path`, refuses it when its manifest names another `[model]` than
@@ -268,6 +274,8 @@ pub struct ArtifactReport {
     pub method: &'static str,
     /// Its sizes.
     pub stats: ArtifactStats,
+    /// What became of each tensor ([`super::quant::Quantized::kind_lines`]).
+    pub kinds: Vec<String>,
     /// The code counted with it.
     pub code: CodeBytes,
     /// Bytes of the weights as float tensors.
@@ -280,6 +288,8 @@ pub struct ArtifactReport {
     pub quantize_ms: f64,
     /// Serializing and compressing, ms.
     pub compress_ms: f64,
+    /// Reading the artifact back, decompressing and dequantizing, ms (counts against evaluation).
+    pub restore_ms: f64,
     /// val_loss / val_bpb of the weights before quantization.
     pub before: (f64, f64),
     /// val_loss / val_bpb after the round trip.
@@ -311,6 +321,7 @@ pub fn build(
     mut log: impl FnMut(&str),
 ) -> anyhow::Result<ArtifactReport> {
     q.check()?;
+    q.codec.check_available().context("`codec`")?;
     // The score is the whole split's, on this one process, whatever the training run capped.
     let mut config = config.clone();
     config.train.val_max_tokens = val_max_tokens;
@@ -347,18 +358,23 @@ pub fn build(
     };
     let written = write_and_restore(&state, &config.model, q, method, calibration.as_ref().map(|(h, _)| h), out)?;
     log(&format!(
-        "artifact {}: {} {:.1}s, compression {:.1}s",
+        "artifact {}: {} {:.1}s, compression {:.1}s, restore {:.1}s (read back, decompress, dequantize: counts against evaluation)",
         out.display(),
         method.name(),
         written.quantize.as_secs_f64(),
-        written.compress.as_secs_f64()
+        written.compress.as_secs_f64(),
+        written.restore.as_secs_f64()
     ));
+    for l in &written.kinds {
+        log(&format!("  {l}"));
+    }
     for l in size_lines(q, &written, &code) {
         log(&l);
     }
-    let (s, raw_bytes) = (written.stats, written.raw_bytes);
+    let (s, raw_bytes, kinds) = (written.stats, written.raw_bytes, written.kinds);
     let fits = s.compressed_bytes + code.bytes() <= ARTIFACT_CAP_BYTES;
     let (quantize_ms, compress_ms) = (written.quantize.as_secs_f64() * 1e3, written.compress.as_secs_f64() * 1e3);
+    let restore_ms = written.restore.as_secs_f64() * 1e3;
     let state: std::collections::HashMap<_, _> = written.restored.into_iter().collect();
     model.load_state(&state)?;
     let (after, eval_ms) = score(&model)?;
@@ -370,12 +386,14 @@ pub fn build(
         path: out.to_path_buf(),
         method: method.name(),
         stats: s,
+        kinds,
         code,
         raw_bytes,
         fits_cap: fits,
         calibration: calibration.map(|(_, s)| s),
         quantize_ms,
         compress_ms,
+        restore_ms,
         before: (before.val_loss(), before.val_bpb()),
         after: (after.val_loss(), after.val_bpb()),
         val_tokens: after.tokens(),

@@ -51,6 +51,9 @@ use rayon::prelude::*;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+pub mod lqer;
+
+use self::lqer::{Lqer, LqerConfig};
 pub use super::codec::Codec;
 use super::gptq::{GptqConfig, quantize_matrix, round_to_nearest, sd_clip_scales};
 
@@ -62,6 +65,10 @@ pub const PASSTHROUGH_MAX_NUMEL: usize = 65_536;
 
 /// The quantile of `|W|` used as the clip value (percentile 99.99984, spec 3.10).
 pub const CLIP_QUANTILE: f32 = 0.999_998_4;
+
+/// Sizes of the attention gates `gate_int8` quantizes (the record's dense gate is 8 x 512, its
+/// sparse one 8 x 12).
+pub const GATE_NUMEL: std::ops::RangeInclusive<usize> = 32..=8192;
 
 /// Name fragments of control tensors, which stay fp32 when passed through (spec 3.5, 3.10).
 pub const CONTROL_PATTERNS: [&str; 5] = ["attn_scale", "mlp_scale", "resid_mix", "q_gain", "skip_weight"];
@@ -110,10 +117,42 @@ pub struct QuantConfig {
     /// Byte shuffle stride applied to the container before compression: 0 for none (the
     /// baseline), 2 as the records (fp16 scales' low and high bytes apart).
     pub byte_shuffle: u8,
+    /// SD-clip's `k` for the MLP matrices (names with `.mlp.`); unset: `clip_sigmas`. The 04-27
+    /// record: 11.5 (`MLP_CLIP_SIGMAS`).
+    pub mlp_clip_sigmas: Option<f64>,
+    /// SD-clip's `k` for the attention matrices (names with `.attn.`); unset: `clip_sigmas`.
+    /// The 04-27 record: 13 (`ATTN_CLIP_SIGMAS`).
+    pub attn_clip_sigmas: Option<f64>,
+    /// Quantize the attention gates (`*.attn_gate_w`, 2-D, 32 to 8,192 values) to int8 per row
+    /// with the scale `max|row| / 127`, instead of keeping them fp16 (`GATED_ATTN_QUANT_GATE`,
+    /// on in the 04-27 record).
+    pub gate_int8: bool,
+    /// LQER: a low-rank correction of the quantization error of the `lqer_top_k` matrices
+    /// with the largest error, stored in 2 to 4 bits ([`lqer`]; `LQER_ENABLED`, on in the 04-27
+    /// record).
+    pub lqer: bool,
+    /// LQER's rank (`LQER_RANK`, 4).
+    pub lqer_rank: usize,
+    /// Matrices LQER corrects (`LQER_TOP_K`, 3).
+    pub lqer_top_k: usize,
+    /// Bits of LQER's factors in its symmetric form (`LQER_FACTOR_BITS`, 4).
+    pub lqer_factor_bits: u8,
+    /// LQER's asymmetric form: A in int2 with one scale, B in int4 per group of `lqer_group`
+    /// (`LQER_ASYM_ENABLED`, on in the record); false: both factors per row in
+    /// `lqer_factor_bits`.
+    pub lqer_asymmetric: bool,
+    /// Values per scale of B in LQER's asymmetric form (`LQER_ASYM_GROUP`, 64).
+    pub lqer_group: usize,
+    /// With GPTQ's Hessians, keep an LQER correction only when it lowers the matrix's
+    /// H-weighted error `tr(E H Eᵀ)`, and try the next candidate otherwise (the record keeps
+    /// every one: false). The factors' own rounding, in 2 and 4 bits, can add more error in the
+    /// directions GPTQ protected than the correction removes.
+    pub lqer_hessian_guard: bool,
 }
 
 impl Default for QuantConfig {
     fn default() -> Self {
+        let l = LqerConfig::default();
         Self {
             bits: 8,
             embed_bits: None,
@@ -124,6 +163,16 @@ impl Default for QuantConfig {
             codec: Codec::Zlib,
             level: None,
             byte_shuffle: 0,
+            mlp_clip_sigmas: None,
+            attn_clip_sigmas: None,
+            gate_int8: false,
+            lqer: false,
+            lqer_rank: l.rank,
+            lqer_top_k: l.top_k,
+            lqer_factor_bits: l.factor_bits,
+            lqer_asymmetric: l.asymmetric,
+            lqer_group: l.group,
+            lqer_hessian_guard: true,
         }
     }
 }
@@ -149,8 +198,13 @@ impl QuantConfig {
         if let Some(b) = self.embed_bits {
             qmax(b).context("`embed_bits`")?;
         }
-        for (key, k) in [("clip_sigmas", self.clip_sigmas), ("embed_clip_sigmas", self.embed_clip_sigmas)] {
+        let groups = [("mlp_clip_sigmas", self.mlp_clip_sigmas), ("attn_clip_sigmas", self.attn_clip_sigmas)];
+        let set = groups.iter().filter_map(|&(key, k)| k.map(|k| (key, k)));
+        for (key, k) in [("clip_sigmas", self.clip_sigmas), ("embed_clip_sigmas", self.embed_clip_sigmas)].into_iter().chain(set) {
             ensure!(k.is_finite() && k > 0.0, "`{key}` = {k} must be a positive number");
+        }
+        if let Some(l) = self.lqer_config() {
+            l.check()?;
         }
         ensure!(self.byte_shuffle != 1, "`byte_shuffle` = 1 shuffles nothing: use 0 for none, 2 as the records");
         self.codec.resolve_level(self.level).context("`level`")?;
@@ -162,9 +216,35 @@ impl QuantConfig {
         if is_embedding(name) { self.embed_bits.unwrap_or(self.bits) } else { self.bits }
     }
 
-    /// SD-clip's `k` for tensor `name`.
-    fn clip_sigmas_of(&self, name: &str) -> f64 {
-        if is_embedding(name) { self.embed_clip_sigmas } else { self.clip_sigmas }
+    /// SD-clip's `k` for tensor `name`: the embedding's, the MLP's (`.mlp.`), the attention's
+    /// (`.attn.`), else `clip_sigmas` (the 04-27 record's groups).
+    pub fn clip_sigmas_of(&self, name: &str) -> f64 {
+        if is_embedding(name) {
+            self.embed_clip_sigmas
+        } else if name.contains(".mlp.") {
+            self.mlp_clip_sigmas.unwrap_or(self.clip_sigmas)
+        } else if name.contains(".attn.") {
+            self.attn_clip_sigmas.unwrap_or(self.clip_sigmas)
+        } else {
+            self.clip_sigmas
+        }
+    }
+
+    /// LQER's settings, when it is on.
+    pub fn lqer_config(&self) -> Option<LqerConfig> {
+        self.lqer.then_some(LqerConfig {
+            rank: self.lqer_rank,
+            top_k: self.lqer_top_k,
+            factor_bits: self.lqer_factor_bits,
+            asymmetric: self.lqer_asymmetric,
+            group: self.lqer_group,
+        })
+    }
+
+    /// Whether `name` (of `numel` values in `rank` dimensions) is an attention gate quantized
+    /// to int8 per row (`gate_int8`).
+    pub fn is_int8_gate(&self, name: &str, rank: usize, numel: usize) -> bool {
+        self.gate_int8 && rank == 2 && name.ends_with(".attn_gate_w") && (GATE_NUMEL).contains(&numel)
     }
 
     /// `int6` or `int6/int8` (matrices/embedding) for file names and log lines.
@@ -219,6 +299,21 @@ pub struct QuantTensor {
     pub q: Vec<i8>,
     /// The scales.
     pub scales: Scales,
+    /// LQER's correction of this matrix's quantization error, if it was among the corrected.
+    pub lqer: Option<Lqer>,
+}
+
+impl QuantTensor {
+    /// `q * s` (per row or per tensor), row-major, without the LQER correction.
+    pub fn levels_times_scales(&self) -> Vec<f32> {
+        match &self.scales {
+            Scales::PerRow(s) => {
+                let cols = self.q.len() / s.len().max(1);
+                self.q.chunks(cols.max(1)).zip(s).flat_map(|(row, s)| row.iter().map(move |&v| v as f32 * s.to_f32())).collect()
+            }
+            Scales::PerTensor(s) => self.q.iter().map(|&v| v as f32 * s).collect(),
+        }
+    }
 }
 
 /// A tensor kept as bytes (little-endian, row-major).
@@ -287,7 +382,11 @@ pub struct PayloadStats {
     pub passthrough_bytes: u64,
     /// Bytes of the non-float tensors.
     pub raw_bytes: u64,
-    /// Sum of the four: the spec's "payload".
+    /// Matrices with an LQER correction.
+    pub lqer: usize,
+    /// Bytes of their corrections (values and scales of both factors).
+    pub lqer_bytes: u64,
+    /// Sum of the five: the spec's "payload".
     pub payload_bytes: u64,
 }
 
@@ -342,6 +441,24 @@ pub fn quantize(state: &[(String, Tensor)], cfg: &QuantConfig, rounding: Roundin
         let entry = quantize_tensor(name, t, cfg, rounding).with_context(|| format!("cannot quantize tensor `{name}`"))?;
         entries.push((name.clone(), entry));
     }
+    if let Some(l) = cfg.lqer_config() {
+        // The candidates: every matrix with per-row scales but the int8 gates (the record's
+        // GPTQ'd matrices).
+        let candidates: Vec<usize> = (0..entries.len())
+            .filter(|&i| {
+                let (name, e) = &entries[i];
+                matches!(e, Entry::Quant(t) if matches!(t.scales, Scales::PerRow(_)) && !cfg.is_int8_gate(name, 2, t.q.len()))
+            })
+            .collect();
+        let hessians = match rounding {
+            Rounding::Gptq(_, hs) if cfg.lqer_hessian_guard => Some(hs),
+            _ => None,
+        };
+        let dropped = lqer::correct(state, &mut entries, &candidates, &l, hessians)?;
+        if !dropped.is_empty() {
+            return Ok(Quantized { bits: cfg.bits, entries, info: Some(serde_json::json!({ "lqer_dropped": dropped })) });
+        }
+    }
     Ok(Quantized { bits: cfg.bits, entries, info: None })
 }
 
@@ -355,6 +472,11 @@ fn quantize_tensor(name: &str, t: &Tensor, cfg: &QuantConfig, rounding: Rounding
     if !dtype.is_float() {
         return Ok(Entry::Raw(raw_tensor(t)?));
     }
+    if cfg.is_int8_gate(name, t.rank(), t.elem_count()) {
+        let data = finite_values(t)?;
+        let (q, s) = gate_rows(&data, t.dims()[1]);
+        return Ok(Entry::Quant(QuantTensor { shape: t.dims().to_vec(), dtype, bits: 8, q, scales: Scales::PerRow(s), lqer: None }));
+    }
     if t.elem_count() <= PASSTHROUGH_MAX_NUMEL {
         let store = if cfg.control_fp32 && is_control(name) {
             DType::F32
@@ -366,10 +488,7 @@ fn quantize_tensor(name: &str, t: &Tensor, cfg: &QuantConfig, rounding: Rounding
         return Ok(Entry::Passthrough { stored: raw_tensor(&t.to_dtype(store)?)?, dtype });
     }
     let shape = t.dims().to_vec();
-    let data = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    if let Some(i) = data.iter().position(|v| !v.is_finite()) {
-        bail!("element {i} is {}: only finite values can be quantized", data[i]);
-    }
+    let data = finite_values(t)?;
     let bits = cfg.bits_of(name);
     let qmax = qmax(bits)?;
     let (q, scales) = if let [rows, cols] = shape[..] {
@@ -400,7 +519,29 @@ fn quantize_tensor(name: &str, t: &Tensor, cfg: &QuantConfig, rounding: Rounding
         let (q, s) = quantize_whole(&data, qmax);
         (q, Scales::PerTensor(s))
     };
-    Ok(Entry::Quant(QuantTensor { shape, dtype, bits, q, scales }))
+    Ok(Entry::Quant(QuantTensor { shape, dtype, bits, q, scales, lqer: None }))
+}
+
+/// The tensor's values in f32, row-major; an error names the first one that is not finite.
+pub(super) fn finite_values(t: &Tensor) -> Result<Vec<f32>> {
+    let data = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    if let Some(i) = data.iter().position(|v| !v.is_finite()) {
+        bail!("element {i} is {}: only finite values can be quantized", data[i]);
+    }
+    Ok(data)
+}
+
+/// An attention gate's int8 rows (`gate_int8`, the 04-27 record): per row `s = fp16(max(|W_r|max,
+/// 1e-10) / 127)`, `q = clamp(round_half_even(W / s), -127, 127)` with the fp16 scale widened.
+fn gate_rows(data: &[f32], cols: usize) -> (Vec<i8>, Vec<f16>) {
+    let mut q = Vec::with_capacity(data.len());
+    let mut scales = Vec::with_capacity(data.len() / cols.max(1));
+    for row in data.chunks(cols.max(1)) {
+        let s = f16::from_f32(row.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-10) / 127.0);
+        scales.push(s);
+        q.extend(row.iter().map(|v| (v / s.to_f32()).round_ties_even().clamp(-127.0, 127.0) as i8));
+    }
+    (q, scales)
 }
 
 /// `torch.quantile(values, q)` with linear interpolation, in f32 as PyTorch computes it: rank
@@ -513,9 +654,16 @@ impl Quantized {
         self.info.as_ref()
     }
 
-    /// Attaches notes to store in the manifest (the quantizer's settings, the model's config).
+    /// Attaches notes to store in the manifest (the quantizer's settings, the model's config),
+    /// keeping the quantizer's own (`lqer_dropped`) when both are objects.
     pub fn with_info(mut self, info: serde_json::Value) -> Self {
-        self.info = Some(info);
+        self.info = Some(match (self.info.take(), info) {
+            (Some(serde_json::Value::Object(mut mine)), serde_json::Value::Object(theirs)) => {
+                mine.extend(theirs);
+                serde_json::Value::Object(mine)
+            }
+            (_, info) => info,
+        });
         self
     }
 
@@ -537,6 +685,10 @@ impl Quantized {
                 Entry::Quant(t) => {
                     s.quantized += 1;
                     s.int_bytes += t.q.len() as u64;
+                    if let Some(l) = &t.lqer {
+                        s.lqer += 1;
+                        s.lqer_bytes += l.bytes();
+                    }
                     s.scale_bytes += match &t.scales {
                         Scales::PerRow(v) => 2 * v.len() as u64,
                         Scales::PerTensor(_) => 4,
@@ -552,8 +704,42 @@ impl Quantized {
                 }
             }
         }
-        s.payload_bytes = s.int_bytes + s.scale_bytes + s.passthrough_bytes + s.raw_bytes;
+        s.payload_bytes = s.int_bytes + s.scale_bytes + s.passthrough_bytes + s.raw_bytes + s.lqer_bytes;
         s
+    }
+
+    /// What became of each tensor, one line per kind (as the 04-27 record logs its
+    /// `Quantized weights:`): `per_row int6: blocks.attn.c_k.weight, ...` with layer numbers
+    /// folded, LQER's corrections named in full (`lqer rank 4: blocks.3.mlp.fc.weight, ...`).
+    pub fn kind_lines(&self) -> Vec<String> {
+        let mut kinds: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+        let mut corrected = Vec::new();
+        for (name, e) in &self.entries {
+            let kind = match e {
+                Entry::Quant(t) => {
+                    if let Some(l) = &t.lqer {
+                        corrected.push(format!("{name} ({} bytes, rank {})", l.bytes(), l.rank()));
+                    }
+                    let per = if matches!(t.scales, Scales::PerRow(_)) { "per_row" } else { "per_tensor" };
+                    format!("{per} int{}", t.bits)
+                }
+                Entry::Passthrough { stored, .. } => format!("passthrough {}", stored.dtype.as_str()),
+                Entry::Raw(t) => format!("raw {}", t.dtype.as_str()),
+            };
+            let folded = name.split('.').map(|p| if p.parse::<usize>().is_ok() { "N" } else { p }).collect::<Vec<_>>().join(".");
+            let names = kinds.entry(kind).or_default();
+            if !names.contains(&folded) {
+                names.push(folded);
+            }
+        }
+        let mut lines: Vec<String> = kinds.into_iter().map(|(k, names)| format!("{k}: {}", names.join(", "))).collect();
+        if !corrected.is_empty() {
+            lines.push(format!("lqer: {}", corrected.join(", ")));
+        }
+        if let Some(serde_json::Value::Array(dropped)) = self.info.as_ref().and_then(|i| i.get("lqer_dropped")) {
+            lines.extend(dropped.iter().filter_map(|d| d.as_str()).map(|d| format!("lqer dropped: {d}")));
+        }
+        lines
     }
 
     /// The payload in bytes: integer values + scales + passthrough and raw tensors.
@@ -578,13 +764,12 @@ impl Quantized {
 fn dequantize_entry(e: &Entry, dtype: Option<DType>, device: &Device) -> Result<Tensor> {
     Ok(match e {
         Entry::Quant(t) => {
-            let values: Vec<f32> = match &t.scales {
-                Scales::PerRow(s) => {
-                    let cols = t.q.len() / s.len().max(1);
-                    t.q.chunks(cols.max(1)).zip(s).flat_map(|(row, s)| row.iter().map(move |&v| v as f32 * s.to_f32())).collect()
+            let mut values = t.levels_times_scales();
+            if let Some(l) = &t.lqer {
+                for (v, c) in values.iter_mut().zip(l.correction()) {
+                    *v += c;
                 }
-                Scales::PerTensor(s) => t.q.iter().map(|&v| v as f32 * s).collect(),
-            };
+            }
             Tensor::from_vec(values, t.shape.as_slice(), device)?.to_dtype(dtype.unwrap_or(t.dtype))?
         }
         Entry::Passthrough { stored, dtype: orig } => {
@@ -596,3 +781,5 @@ fn dequantize_entry(e: &Entry, dtype: Option<DType>, device: &Device) -> Result<
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_0427;

@@ -300,7 +300,7 @@ fn bad_bytes_are_errors() {
         format!("{:#}", from_bytes(&b).unwrap_err())
     };
     assert!(e(good.clone(), 0, b'X').contains("not a quantized model artifact"));
-    assert!(e(good.clone(), 4, 3).contains("version 3 (byte 4)"));
+    assert!(e(good.clone(), 4, 4).contains("version 4 (byte 4)"));
     assert!(e(good.clone(), 5, 9).contains("unknown codec id 9"));
     assert!(from_bytes(&qz.serialize().unwrap()).is_err());
     // Containers that do not match their manifest: a tensor missing, a tensor too many.

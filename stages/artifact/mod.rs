@@ -27,8 +27,9 @@
 //! hands the evaluation stage the same `quantized` weights.
 //!
 //! Histograms: `hessian_batch` (each calibration batch), `quantize` (GPTQ or rounding),
-//! `compress` (serialize, shuffle, compress), `write`, `restore` (read back + check +
-//! dequantize), `eval` (each scoring pass). The reserve counts the Hessians and the
+//! `compress` (serialize, shuffle, compress), `write`, `restore` (read back, decompress, check,
+//! dequantize; logged beside the compression time, as it counts against evaluation), `eval`
+//! (each scoring pass). The reserve counts the Hessians and the
 //! quantization, as the record's does.
 
 use std::path::PathBuf;
@@ -37,12 +38,12 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use anyhow::Context;
-use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
 
+mod params;
+
+pub use self::params::ArtifactParams;
 use super::config;
-use crate::artifact::gptq::GptqConfig;
-use crate::artifact::quant::{ARTIFACT_CAP_BYTES, Clip, Codec, QuantConfig};
+use crate::artifact::quant::ARTIFACT_CAP_BYTES;
 use crate::artifact::roundtrip::{
     CodeBytes, Method, baseline_lines, calibrate, calibration_line, model_from, size_lines, write_and_restore,
 };
@@ -51,126 +52,6 @@ use crate::eval::validation::Validator;
 use crate::runtime::stage::{BuildCtx, Ctx, Demand, Emitter, Transform};
 use crate::train::log::StageLog;
 use crate::train::snapshot::{EvalWeights, TrainSnapshot};
-
-/// Parameters of `artifact/quantize` and `artifact/gptq` (the same keys, so that switching
-/// `impl` changes the rounding and nothing else).
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, default)]
-pub struct ArtifactParams {
-    /// Bits per quantized value of the matrices: 8 (the baseline's int8) or 6 (the record's
-    /// int6); 2..=8. Also the embedding's unless `embed_bits` is set.
-    pub bits: u8,
-    /// Bits of the embedding (`tok_emb.weight`, or an untied `lm_head.weight`); unset: `bits`.
-    /// The record: 8.
-    pub embed_bits: Option<u8>,
-    /// Row scales: "quantile" (the baseline's clip at the 99.99984th percentile, scale floor
-    /// 1/Q) or "sd_clip" (the records': `k * std(row) / Q` in fp16).
-    pub clip: Clip,
-    /// SD-clip's `k` for the matrices (12.85 in the record).
-    pub clip_sigmas: f64,
-    /// SD-clip's `k` for the embedding (20 in the record).
-    pub embed_clip_sigmas: f64,
-    /// Keep small control tensors fp32 as the baseline; false stores every small float tensor
-    /// as fp16, as the records.
-    pub control_fp32: bool,
-    /// Compression: "zlib" (the baseline's), "zstd" or "brotli" (the records').
-    pub codec: Codec,
-    /// Compression level (the codec's strongest when absent: zlib 9, zstd 22, brotli 11).
-    pub level: Option<i32>,
-    /// Byte shuffle stride before compression: 0 none (the baseline), 2 as the records.
-    pub byte_shuffle: u8,
-    /// `gptq` only: calibration micro-batches of the training shape (64 in the record).
-    pub calibration_batches: usize,
-    /// `gptq` only: damping, as a fraction of the Hessian's mean diagonal (0.01).
-    pub damping: f64,
-    /// `gptq` only: columns per block of the error propagation (128).
-    pub block_size: usize,
-    /// `gptq` only: quantize columns in order of decreasing Hessian diagonal (act-order).
-    pub act_order: bool,
-    /// Code bytes counted against the cap with the artifact; unset: measured from this
-    /// binary's source tree (Brotli-11 of Cargo.toml, Cargo.lock, build.rs, src/, stages/,
-    /// kernels/; see the README), not counted when the tree is not found.
-    pub code_bytes: Option<u64>,
-    /// File name inside the run directory (default `final_model.int<bits>.<codec>.pgqz`).
-    pub file: Option<String>,
-    /// Score the weights before and after the round trip.
-    pub eval: bool,
-}
-
-impl Default for ArtifactParams {
-    fn default() -> Self {
-        let q = QuantConfig::default();
-        let g = GptqConfig::default();
-        Self {
-            bits: q.bits,
-            embed_bits: q.embed_bits,
-            clip: q.clip,
-            clip_sigmas: q.clip_sigmas,
-            embed_clip_sigmas: q.embed_clip_sigmas,
-            control_fp32: q.control_fp32,
-            codec: q.codec,
-            level: q.level,
-            byte_shuffle: q.byte_shuffle,
-            calibration_batches: 64,
-            damping: g.damping,
-            block_size: g.block_size,
-            act_order: g.act_order,
-            code_bytes: None,
-            file: None,
-            eval: true,
-        }
-    }
-}
-
-impl ArtifactParams {
-    /// The quantization scheme.
-    pub fn quant(&self) -> QuantConfig {
-        QuantConfig {
-            bits: self.bits,
-            embed_bits: self.embed_bits,
-            clip: self.clip,
-            clip_sigmas: self.clip_sigmas,
-            embed_clip_sigmas: self.embed_clip_sigmas,
-            control_fp32: self.control_fp32,
-            codec: self.codec,
-            level: self.level,
-            byte_shuffle: self.byte_shuffle,
-        }
-    }
-
-    /// The rounding of implementation `gptq` (true) or `quantize`.
-    pub fn method(&self, gptq: bool) -> Method {
-        if gptq {
-            Method::Gptq {
-                gptq: GptqConfig { damping: self.damping, block_size: self.block_size, act_order: self.act_order },
-                calibration_batches: self.calibration_batches,
-            }
-        } else {
-            Method::Nearest
-        }
-    }
-
-    /// Checks every key; errors name it.
-    pub fn check(&self) -> anyhow::Result<()> {
-        self.quant().check()?;
-        anyhow::ensure!(self.calibration_batches >= 1, "`calibration_batches` must be at least 1");
-        anyhow::ensure!(
-            self.damping.is_finite() && self.damping >= 0.0,
-            "`damping` = {} must be a non-negative number (0.01 in the record)",
-            self.damping
-        );
-        anyhow::ensure!(self.block_size >= 1, "`block_size` must be at least 1 (128 in the record)");
-        if let Some(f) = &self.file {
-            anyhow::ensure!(!f.is_empty() && !f.contains('/'), "`file` must be a plain file name inside the run directory; found {f:?}");
-        }
-        Ok(())
-    }
-
-    /// The artifact's file name.
-    fn file_name(&self) -> String {
-        self.file.clone().unwrap_or_else(|| format!("final_model.int{}.{}.pgqz", self.bits, self.codec))
-    }
-}
 
 /// The stage body both implementations share.
 pub struct ArtifactStage {
@@ -189,6 +70,8 @@ pub struct ArtifactStage {
 impl ArtifactStage {
     fn check(p: &ArtifactParams, ctx: &BuildCtx, gptq: bool) -> anyhow::Result<()> {
         p.check()?;
+        // Before training, not after: `pergroup` runs lrzip.
+        p.codec.check_available().context("`codec`")?;
         let c = config(ctx)?;
         if p.eval {
             anyhow::ensure!(c.data.val.is_some(), "`eval = true` scores the round trip on `data.val`, which is not set");
@@ -392,7 +275,11 @@ impl ArtifactStage {
             }
             Method::Nearest => format!("quantize {:.1}s", quantize_ms / 1e3),
         };
-        self.log.line(&format!("artifact:{} {took}{against}; compression {:.1}s", self.method.name(), w.compress.as_secs_f64()));
+        let (m, c, r) = (self.method.name(), w.compress.as_secs_f64(), w.restore.as_secs_f64());
+        self.log.line(&format!("artifact:{m} {took}{against}; compression {c:.1}s; restore {r:.1}s (counts against evaluation)"));
+        for l in &w.kinds {
+            self.log.line(&format!("  {l}"));
+        }
         let code = self.code.take().map(|h| h.join().unwrap_or(CodeBytes::Unknown)).unwrap_or(CodeBytes::Unknown);
         for l in size_lines(&q, &w, &code) {
             self.log.line(&l);
@@ -404,6 +291,9 @@ impl ArtifactStage {
             "clip": q.clip,
             "codec": q.codec.name(),
             "byte_shuffle": q.byte_shuffle,
+            "gate_int8": q.gate_int8,
+            "lqer": q.lqer,
+            "kinds": w.kinds,
             "bytes": w.stats.compressed_bytes,
             "payload_bytes": w.stats.payload_bytes,
             "raw_bytes": w.raw_bytes,
@@ -415,6 +305,7 @@ impl ArtifactStage {
             "calibration_ms": calibration_ms,
             "quantize_ms": quantize_ms,
             "compress_ms": w.compress.as_secs_f64() * 1e3,
+            "restore_ms": w.restore.as_secs_f64() * 1e3,
             "reserve_ms": reserve_ms,
             "reserve_seconds": reserve,
         });
