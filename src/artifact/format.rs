@@ -274,7 +274,13 @@ pub(super) fn parse_body(body: &[u8]) -> Result<Quantized> {
         used += n;
         entries.push((name, entry));
     }
-    ensure!(used == st.len(), "the container holds {} tensors, its manifest accounts for {used}", st.len());
+    if used != st.len() {
+        // Name what the manifest does not account for: the stored tensors of no listed name.
+        let mut extra: Vec<&str> =
+            st.names().into_iter().filter(|n| n.rsplit_once('.').is_none_or(|(base, _)| !seen.contains(base))).collect();
+        extra.sort_unstable();
+        bail!("the container holds {} tensors, its manifest accounts for {used} (not listed: {})", st.len(), extra.join(", "));
+    }
     Ok(Quantized { bits: manifest.bits, entries, info: manifest.info })
 }
 

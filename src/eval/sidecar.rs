@@ -174,6 +174,15 @@ mod tests {
         assert!((acc.val_bpb() - by_hand).abs() < 1e-12, "{} vs {by_hand}", acc.val_bpb());
         let tables_bytes = v.tables().count_bytes(&v.tokens()[..v.targets()], &v.tokens()[1..]);
         assert_ne!(tables_bytes, original, "the tables count the transformed text");
+        // Sequences of 4, two a batch, the stream cut by `val_max_tokens`: each batch's targets
+        // are charged their own stream positions, the cut stream's prefix of the sidecar.
+        let cut = ValSettings { seq_len: 4, val_batch_tokens: 8, val_max_tokens: 30, ..settings.clone() };
+        let v = Validator::load(&cut, 1).unwrap();
+        let n = v.targets();
+        assert!(n >= 16 && n < side.len() - 1 && n.is_multiple_of(4), "{n} targets of {}", side.len() - 1);
+        let acc = v.run_with(&mut |_, y, _| Ok(loss(y)), 1, || true).unwrap().unwrap();
+        assert_eq!(acc.bytes(), side[1..=n].iter().map(|&b| u64::from(b)).sum::<u64>());
+        assert_eq!(acc.tokens(), n as u64);
         let _ = std::fs::remove_dir_all(dir);
     }
 

@@ -264,12 +264,13 @@ impl Run<'_> {
         // A full batch starts from the last full batch's A under the warm start (B zeroed, a
         // fresh optimizer); any other batch draws fresh adapters.
         let full = docs.len() == cfg.batch_docs;
-        let lora = match self.warm.take() {
-            Some(l) if cfg.lora_warm_start_a && full => {
+        // (A short batch leaves the kept adapters for the next full one, as the record does.)
+        let lora = match (cfg.lora_warm_start_a && full).then(|| self.warm.take()).flatten() {
+            Some(l) => {
                 l.reset_b()?;
                 l
             }
-            _ => Lora::new(model.config(), model.looping(), (docs.len(), cfg.lora_rank), seed, model.dtype(), model.device())?
+            None => Lora::new(model.config(), model.looping(), (docs.len(), cfg.lora_rank), seed, model.dtype(), model.device())?
                 .with_alpha(cfg.lora_alpha),
         };
         let mut adam =
