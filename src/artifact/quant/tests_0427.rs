@@ -296,6 +296,8 @@ fn record_0427_artifact_sizes() {
             sizes.push((codec, lqer, art.stats.compressed_bytes));
         }
     }
-    let (_, _, best) = *sizes.last().unwrap();
-    assert!((15_000_000..=16_000_000).contains(&best), "{sizes:?}");
+    // The record's band: its 15,865,260 bytes within 2% (Gaussian weights are not its trained
+    // ones; measured 16,007,054 with pergroup and LQER).
+    let (_, _, last) = *sizes.last().unwrap();
+    assert!((15_550_000..=16_200_000).contains(&last), "{sizes:?}");
 }
