@@ -132,16 +132,7 @@ pub fn phased_ttt(
     let queue = work_queue(&docs, cfg.batch_docs);
     let boundaries = if cfg.phases > 0 { phase_boundaries(cfg.prefix_docs, cfg.phases) } else { Vec::new() };
     let (rank, world) = (ranks.rank(), ranks.world());
-    let mut run = Run {
-        model,
-        tokens,
-        cfg,
-        acc: BpbAccumulator::new(tables.clone()),
-        nll: vec![f32::NAN; tokens.len() - 1],
-        scored: vec![false; tokens.len() - 1],
-        times: PhasedTimes::default(),
-        warm: None,
-    };
+    let mut run = Run::new(model, tokens, cfg, tables.clone());
     let mut progress = Progress::default();
     // Documents completely scored (by any rank): (orig_batch_idx, position in batch, document).
     let mut done: Vec<(usize, usize, usize)> = Vec::with_capacity(docs.len());
@@ -233,7 +224,7 @@ fn round_sums(ranks: &dyn Collective, going: bool, mine: (f64, u64, u64)) -> any
 }
 
 /// The state of one evaluation that the batches share.
-struct Run<'a> {
+pub(super) struct Run<'a> {
     model: &'a Gpt,
     tokens: &'a [u32],
     cfg: &'a PhasedConfig,
@@ -245,11 +236,32 @@ struct Run<'a> {
     warm: Option<Lora>,
 }
 
-impl Run<'_> {
+impl<'a> Run<'a> {
+    /// A run over `tokens` (at least 2) that has scored nothing yet.
+    pub(super) fn new(model: &'a Gpt, tokens: &'a [u32], cfg: &'a PhasedConfig, tables: Arc<ByteTables>) -> Self {
+        Self {
+            model,
+            tokens,
+            cfg,
+            acc: BpbAccumulator::new(tables),
+            nll: vec![f32::NAN; tokens.len() - 1],
+            scored: vec![false; tokens.len() - 1],
+            times: PhasedTimes::default(),
+            warm: None,
+        }
+    }
+
+    /// The kept adapters' first A (`lora.0.q.a`), flattened (tests of the warm start).
+    #[cfg(test)]
+    pub(super) fn warm_a(&self) -> Option<Vec<f64>> {
+        let l = self.warm.as_ref()?;
+        Some(l.vars()[0].1.flatten_all().ok()?.to_dtype(DType::F64).ok()?.to_vec1().ok()?)
+    }
+
     /// The chunk loop over one batch of documents (`ids` into the stream's list, `docs` their
     /// spans) with adapters drawn from `seed` (or, under the warm start of A, the last full
     /// batch's A). False when `keep_going` said stop.
-    fn batch(
+    pub(super) fn batch(
         &mut self,
         ids: &[usize],
         docs: &[Document],

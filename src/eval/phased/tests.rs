@@ -230,3 +230,26 @@ fn the_warm_start_of_a_carries_a_into_the_next_full_batch() {
         }
     }
 }
+
+/// A batch of fewer documents between two full ones leaves the kept A alone: the third batch
+/// starts from the first one's A (and trains it further), as the record's reused adapters do.
+#[test]
+fn a_short_batch_between_full_ones_leaves_the_warm_a_alone() {
+    let tokens = stream(3);
+    let docs = segment(&tokens, BOS);
+    let cfg = PhasedConfig { phases: 0, lora_lr: 0.05, lora_alpha: Some(4.0), lora_warm_start_a: true, ..cfg() };
+    let m = model();
+    let mut run = super::run::Run::new(&m, &tokens, &cfg, tables());
+    let (mut ev, go) = (|_: &PhasedEvent<'_>| {}, || true);
+    assert!(run.batch(&[0, 1, 2], &docs[0..3], 5, &mut ev, &go).unwrap());
+    let first = run.warm_a().expect("a full batch keeps its adapters");
+    assert!(run.batch(&[3, 4], &docs[3..5], 6, &mut ev, &go).unwrap());
+    assert_eq!(run.warm_a().as_ref(), Some(&first), "the short batch drew its own and left the kept ones");
+    assert!(run.batch(&[5, 6, 7], &docs[5..8], 7, &mut ev, &go).unwrap());
+    let third = run.warm_a().unwrap();
+    let fresh = crate::model::lora::Lora::new(m.config(), m.looping(), (3, cfg.lora_rank), 7, m.dtype(), m.device()).unwrap();
+    let fresh: Vec<f64> = fresh.vars()[0].1.flatten_all().unwrap().to_dtype(candle_core::DType::F64).unwrap().to_vec1().unwrap();
+    let dist = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f64>();
+    assert!(dist(&third, &first) < dist(&third, &fresh), "the third batch trained on from the first's A, not a fresh draw");
+    assert_ne!(third, first, "and trained it");
+}
