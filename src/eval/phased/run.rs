@@ -255,7 +255,7 @@ impl<'a> Run<'a> {
     #[cfg(test)]
     pub(super) fn warm_a(&self) -> Option<Vec<f64>> {
         let l = self.warm.as_ref()?;
-        Some(l.vars()[0].1.flatten_all().ok()?.to_dtype(DType::F64).ok()?.to_vec1().ok()?)
+        l.vars()[0].1.flatten_all().ok()?.to_dtype(DType::F64).ok()?.to_vec1().ok()
     }
 
     /// The chunk loop over one batch of documents (`ids` into the stream's list, `docs` their
