@@ -32,7 +32,7 @@ pub enum Codec {
     /// group through the `lrzip` program's ZPAQ back end; the rest byte-shuffled (with the
     /// artifact's `byte_shuffle`) and Brotli (quality 11, window 2^24). Levels 1..=9 are
     /// lrzip's `-L`, default 9. Needs `lrzip` (Debian/Ubuntu: `apt-get install lrzip`, or
-    /// `PIPELINE_LRZIP=/path/to/lrzip`); about a minute to compress the record's model, and
+    /// `LRZIP_BIN=/path/to/lrzip`); about a minute to compress the record's model, and
     /// about as long to decompress (groups in parallel), which counts against evaluation.
     Pergroup,
 }

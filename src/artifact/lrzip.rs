@@ -2,7 +2,7 @@
 //! weight groups ([`super::pergroup`]), as the 04-27 record runs it (`lrzip -z -L 9`).
 //!
 //! `lrzip` is a system program, not a library: Debian/Ubuntu `apt-get install lrzip`. It is
-//! looked up on the `PATH`, or taken from [`LRZIP_ENV`] (`PIPELINE_LRZIP=/path/to/lrzip`) when
+//! looked up on the `PATH`, or taken from [`LRZIP_ENV`] (`LRZIP_BIN=/path/to/lrzip`) when
 //! that is set; [`Lrzip::locate`] refuses, naming what to install, when neither gives a working
 //! program. Each call runs the program on files in its own temporary directory (under the
 //! system's temporary directory, `TMPDIR`), removed afterwards, also on error.
@@ -24,10 +24,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use anyhow::{Context, Result, bail, ensure};
 
 /// The environment variable naming the `lrzip` program to run (unset: `lrzip` on the `PATH`).
-pub const LRZIP_ENV: &str = "PIPELINE_LRZIP";
+/// Not `PIPELINE_...`: those set config keys ([`crate::runtime::config::ENV_PREFIX`]).
+pub const LRZIP_ENV: &str = "LRZIP_BIN";
 
 /// What to install when `lrzip` is missing.
-pub const INSTALL_HINT: &str = "install it (Debian/Ubuntu: apt-get install lrzip) or set PIPELINE_LRZIP to its path";
+pub const INSTALL_HINT: &str = "install it (Debian/Ubuntu: apt-get install lrzip) or set LRZIP_BIN to its path";
 
 /// The first bytes of an lrzip file.
 const LRZIP_MAGIC: [u8; 4] = *b"LRZI";
@@ -211,7 +212,8 @@ mod tests {
     #[test]
     fn a_missing_lrzip_is_refused_naming_what_to_install() {
         let err = format!("{:#}", Lrzip::locate_in(Some("/nonexistent/lrzip".into()), None).unwrap_err());
-        assert!(err.contains("PIPELINE_LRZIP") && err.contains("apt-get install lrzip"), "{err}");
+        assert!(err.contains("LRZIP_BIN") && err.contains("apt-get install lrzip"), "{err}");
+        assert!(!LRZIP_ENV.to_ascii_uppercase().starts_with(crate::runtime::config::ENV_PREFIX), "the config would read it as a key");
         let empty = TempDir::new().unwrap();
         let err = format!("{:#}", Lrzip::locate_in(None, Some(empty.0.clone().into_os_string())).unwrap_err());
         assert!(err.contains("not on the PATH") && err.contains("apt-get install lrzip"), "{err}");
