@@ -216,9 +216,9 @@ impl SplitWriter {
         let name = format!("fineweb_{}_{:06}.bin", self.prefix, self.summary.shards.len());
         if let Some(side) = &mut self.side {
             // The sidecar first: a shard on disk without its sidecar would be refused.
-            let side_name = format!("fineweb_{}_bytes_{:06}.bin", self.prefix, self.summary.shards.len());
-            write_shard(&self.dir.join(&side_name), side)?;
-            self.summary.byte_sidecars.push(side_name);
+            let side_path = crate::data::caseops::sidecar_path(&self.dir.join(&name)).expect("a shard name has a number");
+            write_shard(&side_path, side)?;
+            self.summary.byte_sidecars.push(side_path.file_name().expect("a file").to_string_lossy().into_owned());
             side.clear();
         }
         write_shard(&self.dir.join(&name), &self.buf)?;

@@ -228,6 +228,19 @@ impl ShardFile {
         Self::open_set(&indexed, mode)
     }
 
+    /// Every value of the shards `paths`, concatenated in order (the validation split, its
+    /// byte sidecars), read with `pread`.
+    pub fn read_concatenated(paths: &[PathBuf]) -> Result<Vec<u16>, ShardError> {
+        let shards = Self::open_all(paths, AccessMode::Pread)?;
+        let mut all: Vec<u16> = Vec::with_capacity(shards.iter().map(|s| s.tokens as usize).sum());
+        for s in &shards {
+            let start = all.len();
+            all.resize(start + s.tokens as usize, 0);
+            s.read(0, &mut all[start..])?;
+        }
+        Ok(all)
+    }
+
     /// Opens `(index, path)` pairs as one set sharing [`MMAP_RESIDENT_BUDGET`].
     pub fn open_set(files: &[(usize, &Path)], mode: AccessMode) -> Result<Vec<std::sync::Arc<ShardFile>>, ShardError> {
         files

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 
 use crate::data::caseops::{is_sidecar_of_any, sidecar_path};
-use crate::data::shard::{AccessMode, ShardFile, glob_sorted, read_header};
+use crate::data::shard::{ShardFile, glob_sorted, read_header};
 
 /// The files of a validation split.
 #[derive(Clone, Debug)]
@@ -76,14 +76,7 @@ pub fn val_files(pattern: &str, tokenizer: Option<&Path>) -> anyhow::Result<ValF
 /// data that is not CaseOps.
 pub fn read_stream_bytes(files: &ValFiles) -> anyhow::Result<Option<Vec<u16>>> {
     let Some(sides) = &files.sidecars else { return Ok(None) };
-    let opened = ShardFile::open_all(sides, AccessMode::Pread)?;
-    let mut all: Vec<u16> = Vec::with_capacity(opened.iter().map(|s| s.tokens as usize).sum());
-    for s in &opened {
-        let start = all.len();
-        all.resize(start + s.tokens as usize, 0);
-        s.read(0, &mut all[start..])?;
-    }
-    Ok(Some(all))
+    Ok(Some(ShardFile::read_concatenated(sides)?))
 }
 
 #[cfg(test)]

@@ -176,13 +176,7 @@ fn too_short(pattern: &str, tokens: u64, seq_len: usize) -> String {
 impl ValData {
     fn read(settings: &ValSettings, pattern: &str, tok_path: &Path, files: &ValFiles) -> anyhow::Result<Self> {
         let mut tables = load_tables(tok_path, settings.vocab)?;
-        let shards = ShardFile::open_all(&files.shards, AccessMode::Pread)?;
-        let mut all: Vec<u16> = Vec::with_capacity(shards.iter().map(|s| s.tokens as usize).sum());
-        for s in &shards {
-            let start = all.len();
-            all.resize(start + s.tokens as usize, 0);
-            s.read(0, &mut all[start..])?;
-        }
+        let all = ShardFile::read_concatenated(&files.shards)?;
         let t = settings;
         let usable = validation_tokens(&all, t.seq_len);
         anyhow::ensure!(usable.len() > t.seq_len, "{}", too_short(pattern, all.len() as u64, t.seq_len));
