@@ -86,8 +86,8 @@ pub struct Factor {
 
 impl Factor {
     /// Quantizes `values` (`shape`, row-major) in groups of `group` with levels `lo..=hi` and the
-    /// scale `max|group| / div`.
-    fn quantize(values: &[f32], shape: [usize; 2], group: usize, (lo, hi): (i8, i8), div: f32) -> Self {
+    /// scale `max|group| / div` (also the int8 attention gates' rows).
+    pub(super) fn quantize(values: &[f32], shape: [usize; 2], group: usize, (lo, hi): (i8, i8), div: f32) -> Self {
         let mut q = Vec::with_capacity(values.len());
         let mut scales = Vec::with_capacity(values.len() / group);
         for g in values.chunks(group) {

@@ -532,16 +532,11 @@ pub(super) fn finite_values(t: &Tensor) -> Result<Vec<f32>> {
 }
 
 /// An attention gate's int8 rows (`gate_int8`, the 04-27 record): per row `s = fp16(max(|W_r|max,
-/// 1e-10) / 127)`, `q = clamp(round_half_even(W / s), -127, 127)` with the fp16 scale widened.
+/// 1e-10) / 127)`, `q = clamp(round_half_even(W / s), -127, 127)` with the fp16 scale widened:
+/// LQER's grouped rounding ([`lqer::Factor::quantize`]) with a row a group.
 fn gate_rows(data: &[f32], cols: usize) -> (Vec<i8>, Vec<f16>) {
-    let mut q = Vec::with_capacity(data.len());
-    let mut scales = Vec::with_capacity(data.len() / cols.max(1));
-    for row in data.chunks(cols.max(1)) {
-        let s = f16::from_f32(row.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-10) / 127.0);
-        scales.push(s);
-        q.extend(row.iter().map(|v| (v / s.to_f32()).round_ties_even().clamp(-127.0, 127.0) as i8));
-    }
-    (q, scales)
+    let f = lqer::Factor::quantize(data, [data.len() / cols.max(1), cols], cols.max(1), (-127, 127), 127.0);
+    (f.q, f.scales)
 }
 
 /// `torch.quantile(values, q)` with linear interpolation, in f32 as PyTorch computes it: rank
