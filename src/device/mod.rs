@@ -5,6 +5,7 @@ pub mod cuda_copy;
 #[cfg(not(feature = "cuda"))]
 #[path = "no_cuda_copy.rs"]
 pub mod cuda_copy;
+pub mod cudnn;
 pub mod phase_clock;
 
 use candle_core::Device;
