@@ -9,6 +9,13 @@
 //!    name at the static runtime of the CUDA tree (`CUDA_ROOT`, set by scripts/build-cuda.sh)
 //!    keeps the GPU binary free of a libcudart dependency, so it starts on machines without
 //!    CUDA and runs CPU configs there.
+//! 3. Compiles `cpp/cudnn_sdpa.cpp` (cuDNN's fused attention through NVIDIA's header-only
+//!    cudnn-frontend, behind the C ABI of `cpp/cudnn_sdpa.h`) as host C++17 with `$CXX` (default
+//!    `c++`) into `$OUT_DIR/libcudnn_sdpa.a`, against the headers scripts/build-cuda.sh fetches
+//!    (`CUDNN_FRONTEND_INCLUDE`, `CUDNN_INCLUDE`, `NVRTC_INCLUDE`, and `$CUDA_ROOT/include`), and
+//!    links it with the shared libstdc++ (which candle's kernels need already). cuDNN itself is
+//!    not linked: the frontend's dynamic loading resolves it through the handle of a
+//!    libcudnn.so.9 that src/device/cudnn/ dlopens, so the binary still starts without cuDNN.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -22,6 +29,7 @@ fn main() {
         return;
     }
     compile_kernels();
+    compile_cudnn_shim();
     let Some(root) = std::env::var_os("CUDA_ROOT") else {
         println!("cargo:warning=CUDA_ROOT is not set: the binary will need libcudart.so at run time (use scripts/build-cuda.sh)");
         return;
@@ -76,4 +84,47 @@ fn compile_kernels() {
             });
         assert!(status.success(), "{} failed on {}", nvcc.display(), cu.display());
     }
+}
+
+/// `cpp/cudnn_sdpa.cpp` -> `$OUT_DIR/libcudnn_sdpa.a`, linked with the shared libstdc++.
+fn compile_cudnn_shim() {
+    for var in ["CUDNN_FRONTEND_INCLUDE", "CUDNN_INCLUDE", "NVRTC_INCLUDE", "CXX"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    println!("cargo:rerun-if-changed=cpp");
+    let required = |var: &str| {
+        let dir = std::env::var_os(var).map(PathBuf::from).filter(|d| d.is_dir());
+        dir.unwrap_or_else(|| panic!("{var} is not set to a directory: build with scripts/build-cuda.sh, which fetches cuDNN's headers"))
+    };
+    let mut includes = vec![required("CUDNN_FRONTEND_INCLUDE"), required("CUDNN_INCLUDE")];
+    // The frontend includes nvrtc.h, which the pip CUDA tree lacks (build-cuda.sh fetches it
+    // apart), and cuda.h / cuda_runtime_api.h from the CUDA tree.
+    includes.extend(std::env::var_os("NVRTC_INCLUDE").map(PathBuf::from));
+    includes.extend(std::env::var_os("CUDA_ROOT").map(|r| PathBuf::from(r).join("include")));
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let cxx = std::env::var_os("CXX").unwrap_or_else(|| "c++".into());
+    let obj = out.join("cudnn_sdpa.o");
+    let mut compile = Command::new(&cxx);
+    // `-isystem`: the frontend's own warnings are not this crate's.
+    for dir in &includes {
+        compile.arg("-isystem").arg(dir);
+    }
+    compile
+        .args(["-std=c++17", "-O2", "-fPIC", "-Wall", "-Wextra", "-DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING", "-c", "-o"])
+        .arg(&obj)
+        .arg("cpp/cudnn_sdpa.cpp");
+    let status = compile.status().unwrap_or_else(|e| panic!("cannot run {} to compile cpp/cudnn_sdpa.cpp: {e}", cxx.to_string_lossy()));
+    assert!(status.success(), "{} failed on cpp/cudnn_sdpa.cpp", cxx.to_string_lossy());
+    let lib = out.join("libcudnn_sdpa.a");
+    // `ar r` would keep the members of an older archive.
+    let _ = std::fs::remove_file(&lib);
+    let status = Command::new("ar").arg("rcs").arg(&lib).arg(&obj).status().expect("cannot run ar");
+    assert!(status.success(), "ar failed on {}", obj.display());
+    println!("cargo:rustc-link-search=native={}", out.display());
+    println!("cargo:rustc-link-lib=static=cudnn_sdpa");
+    // The shared libstdc++, as candle-kernels' own C++ already asks for: one C++ runtime in the
+    // process (a static copy beside it would give two sets of its statics).
+    println!("cargo:rustc-link-lib=dylib=stdc++");
+    // dlopen / dlsym (in libc itself since glibc 2.34, in libdl before).
+    println!("cargo:rustc-link-lib=dylib=dl");
 }

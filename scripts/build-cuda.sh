@@ -7,17 +7,24 @@
 # What it does:
 # 1. installs the pinned CUDA 13.0 compiler wheels from PyPI into a cache
 #    ($CUDA_PIP, default ~/.cache/pipeline-cuda13; ~104 MB download, once);
-# 2. prepares candle-core for dynamic loading of the CUDA libraries: a copy of the registry's
+# 2. fetches the header files of cuDNN 9.28.1 (nvidia-cudnn-cu13), cudnn-frontend 1.32.0
+#    (nvidia-cudnn-frontend) and NVRTC 13.0 (nvidia-cuda-nvrtc: nvrtc.h, which the frontend
+#    includes) into the same cache, once: scripts/fetch-wheel-headers.py reads only those members
+#    of the wheels (517, 11.6 and 90 MB) with HTTP Range requests, about 1.6 MB in all, 4.5 MB
+#    of headers. build.rs compiles cpp/cudnn_sdpa.cpp against them; cuDNN itself is loaded at
+#    run time (dlopen), so the binary starts without it;
+# 3. prepares candle-core for dynamic loading of the CUDA libraries: a copy of the registry's
 #    candle-core 0.11.1 in target/cuda-patch/ with one word changed ("dynamic-linking" ->
 #    "dynamic-loading", upstream huggingface/candle#3900), used through `--config patch...`
 #    for this build only (nothing of it is committed; Cargo.lock is restored afterwards), and
 #    with scripts/patch-candle-backprop.py applied: the backward pass stores a node's first
 #    gradient instead of adding it to fresh zeros (a memset and an add per node on the GPU);
-# 3. builds with CUDA_COMPUTE_CAP (default 90: H100/H200; 80 for a portable build) and the
+# 4. builds with CUDA_COMPUTE_CAP (default 90: H100/H200; 80 for a portable build) and the
 #    static CUDA runtime (build.rs), so the binary starts on machines without CUDA.
 #
 # On the GPU machine the binary needs only the driver (libcuda.so.1) and cuBLAS/cuRAND/NVRTC,
-# which it loads with dlopen: a PyTorch cu13 install provides them (see scripts/gpu-check.sh).
+# which it loads with dlopen: a PyTorch cu13 install provides them (see scripts/gpu-check.sh),
+# as it does libcudnn.so.9 and libcudart.so.13, which cuDNN's attention loads with dlopen too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,6 +43,20 @@ if [[ ! -x "$CUDA_PIP/nvidia/cu13/bin/nvcc" ]]; then
     nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85
 fi
 export CUDA_ROOT=$CUDA_PIP/nvidia/cu13
+
+# Header files only, each set in a directory named by its version (nothing of it is committed).
+fetch_headers() {  # NAME VERSION PREFIX DEST
+  if [[ ! -d "$4" ]]; then
+    echo "== fetching the headers of $1==$2 into $4" >&2
+    python3 scripts/fetch-wheel-headers.py "$@"
+  fi
+}
+export CUDNN_INCLUDE=$CUDA_PIP/cudnn-9.28.1.4/include
+export CUDNN_FRONTEND_INCLUDE=$CUDA_PIP/cudnn-frontend-1.32.0/include
+export NVRTC_INCLUDE=$CUDA_PIP/nvrtc-13.0.88/include
+fetch_headers nvidia-cudnn-cu13 9.28.1.4 nvidia/cudnn/include/ "$CUDNN_INCLUDE"
+fetch_headers nvidia-cudnn-frontend 1.32.0 include/ "$CUDNN_FRONTEND_INCLUDE"
+fetch_headers nvidia-cuda-nvrtc 13.0.88 nvidia/cu13/include/ "$NVRTC_INCLUDE"
 export PATH=$CUDA_ROOT/bin:$PATH
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
 export CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-$(nproc)}
