@@ -1094,6 +1094,54 @@ extern "C" __global__ void eng_doc_starts(const unsigned* ids, unsigned* starts,
     }
 }
 
+// cuDNN's ragged attention over the documents of a micro-batch (src/engine/gpu/sdpa.rs), packed
+// as cuDNN's THD layout reads it: row r's documents in order in slots r t, r t + 1, ..., then
+// its unused slots (length 0). slot_len[s] is slot s's length and slot_start[s] its first
+// position (r t + p; for an unused slot, the row's end (r + 1) t), so that each slot starts
+// where the one before it ends and the offsets `start * stride` are cumulative. A document
+// starts at a row's first position and at each id equal to bos, and runs to the next start or
+// the row's end. pos_len (n entries) is scratch: the length of the document starting at each
+// position. Warp per row: 32 positions at a time from the end (each start's length: the
+// lowest start above it, or the carry from the chunk after), then from the front (each start's
+// slot: the starts below it in the chunk, plus the carry), then the unused slots.
+extern "C" __global__ void eng_doc_slots(const unsigned* ids, unsigned* pos_len, int* slot_len, int* slot_start, long rows, int t, int bos) {
+    const long r = warp_row(rows);
+    if (r < 0) return;
+    const int lane = threadIdx.x & 31;
+    int next = t;
+    for (int p0 = (t - 1) / 32 * 32; p0 >= 0; p0 -= 32) {
+        const int p = p0 + lane;
+        const bool start = p < t && (p == 0 || ids[r * t + p] == (unsigned)bos);
+        const unsigned mask = __ballot_sync(0xffffffffu, start);
+        const unsigned above = lane == 31 ? 0u : mask & (0xffffffffu << (lane + 1));
+        if (p < t) pos_len[r * t + p] = start ? (above ? p0 + __ffs(above) - 1 : next) - p : 0;
+        if (mask) next = p0 + __ffs(mask) - 1;
+    }
+    __syncwarp();
+    int count = 0;
+    for (int p0 = 0; p0 < t; p0 += 32) {
+        const int p = p0 + lane;
+        const bool start = p < t && (p == 0 || ids[r * t + p] == (unsigned)bos);
+        const unsigned mask = __ballot_sync(0xffffffffu, start);
+        if (start) {
+            const long slot = r * t + count + __popc(mask & ((1u << lane) - 1u));
+            slot_len[slot] = (int)pos_len[r * t + p];
+            slot_start[slot] = (int)(r * t + p);
+        }
+        count += __popc(mask);
+    }
+    for (int j = count + lane; j < t; j += 32) {
+        slot_len[r * t + j] = 0;
+        slot_start[r * t + j] = (int)((r + 1) * t);
+    }
+}
+
+// out[i] = start[i] unit for the n slots, out[n] = n unit (the end): cuDNN's ragged offsets (in
+// elements) of a tensor whose rows are unit elements apart.
+extern "C" __global__ void eng_ragged_offsets(const int* start, int* out, long n, long unit) {
+    for (long i = first_index(); i <= n; i += grid_stride()) out[i] = (int)((i < n ? (long)start[i] : n) * unit);
+}
+
 // ---- the MLP's activation (ops/act.cuh) -------------------------------------------------
 
 // out = leaky_relu(x)^2 (slope 0: relu^2).

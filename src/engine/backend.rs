@@ -315,6 +315,20 @@ pub trait Backend: Send {
         None
     }
 
+    /// Runs attention on cuDNN's fused flash attention (`on`; the GPU backend: where cuDNN
+    /// refuses, it says so once and runs its own kernels) or on the backend's own; turning it
+    /// on is an error on a backend without it.
+    fn set_cudnn(&mut self, on: bool) -> anyhow::Result<()> {
+        anyhow::ensure!(!on, "the engine's {} backend computes attention itself: cuDNN is the GPU backend's", self.device_name());
+        Ok(())
+    }
+
+    /// The attention implementation the ops run, for logs and reports (`"reference"` on the CPU;
+    /// `"cudnn"` or `"flash_mma"`, with cuDNN's refusal where it refused, on the GPU).
+    fn attention_name(&self) -> String {
+        "reference".into()
+    }
+
     /// Waits until the device has done the work queued so far (the CPU backends run every op
     /// as it comes: nothing to wait for).
     fn synchronize(&self) -> anyhow::Result<()> {

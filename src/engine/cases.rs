@@ -469,6 +469,21 @@ pub fn cases() -> Vec<Case> {
                 attention_case(be, Some(bos));
             },
         },
+        Case { name: "attention_fwd, attention_bwd (cudnn)", len: attn_len, bound: ATTENTION, run: |be| cudnn_case(be, None) },
+        Case {
+            name: "attention_fwd, attention_bwd (cudnn, documents)",
+            len: attn_len,
+            bound: ATTENTION,
+            run: |be| {
+                let (mut x, y) = tokens(10);
+                let bos = 1;
+                for p in [0, 17, 64 + 40, 64 + 41, 64 + 63] {
+                    x[p] = bos;
+                }
+                be.set_tokens(&x, &y);
+                cudnn_case(be, Some(bos));
+            },
+        },
         Case { name: "smear_fwd", len: 3 * nw, bound: ROWS, run: |be| smear_case(be, false, 12) },
         Case { name: "smear_bwd (window past a warp)", len: 5 * nw, bound: ROWS, run: |be| smear_case(be, true, 40) },
         Case { name: "lanes_fwd (then one lane as both)", len: 7 * nw, bound: ROWS, run: |be| lanes_case(be, false) },
@@ -598,6 +613,16 @@ fn attention_case(be: &mut dyn Backend, docs: Option<u32>) {
     let (dq, dk) = (mat(&mut r, n, heads * d), mat(&mut r, n, kvh * d));
     let dv = mat(&mut r, n, w).cols((heads + kvh) * d, kvh * d);
     be.attention_bwd(q, k, v, out, dout, dq, dk, dv, true, s);
+}
+
+/// [`attention_case`] on cuDNN where the backend has it (the GPU backend; where cuDNN refuses,
+/// it falls back to flash_mma and says so); the reference computes it as always.
+fn cudnn_case(be: &mut dyn Backend, docs: Option<u32>) {
+    let on = be.set_cudnn(true).is_ok();
+    attention_case(be, docs);
+    if on {
+        be.set_cudnn(false).expect("turning cuDNN off");
+    }
 }
 
 /// The outcome of one case on one backend.

@@ -462,6 +462,18 @@ impl Engine {
         self.be.graph_counts()
     }
 
+    /// Runs attention on cuDNN (`on`; the GPU backend, which says so once and runs flash_mma
+    /// where cuDNN refuses) or on the backend's own kernels; an error on the CPU backends.
+    pub fn set_cudnn(&mut self, on: bool) -> anyhow::Result<()> {
+        self.be.set_cudnn(on)
+    }
+
+    /// The attention the backend runs (`cudnn`, `flash_mma` with cuDNN's refusal if any, or
+    /// `reference` on the CPU), for the log and the report.
+    pub fn attention_name(&self) -> String {
+        self.be.attention_name()
+    }
+
     /// The backend (tests drive ops on it directly).
     #[cfg(test)]
     pub(crate) fn backend(&self) -> &dyn Backend {

@@ -188,6 +188,12 @@ impl Backend for Timed {
     fn graph_counts(&self) -> Option<GraphCounts> {
         self.inner.graph_counts()
     }
+    fn set_cudnn(&mut self, on: bool) -> anyhow::Result<()> {
+        self.inner.set_cudnn(on)
+    }
+    fn attention_name(&self) -> String {
+        self.inner.attention_name()
+    }
     fn half_region(&self) -> Option<Buf> {
         self.inner.half_region()
     }

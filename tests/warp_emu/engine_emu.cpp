@@ -103,7 +103,7 @@ const std::map<std::string, Kernel>& kernels() {
         K(eng_act_fwd), K(eng_act_bwd), K(eng_softcap_ce), K(eng_to_bf16), K(eng_from_bf16), K(eng_cast_bf16), K(eng_attn_delta),
         K(eng_csr_count), K(eng_csr_scan), K(eng_csr_fill), K(eng_smear_fwd), K(eng_smear_bwd), K(eng_smear_partial),
         K(eng_attn_gate_fwd), K(eng_attn_gate_bwd), K(eng_doc_starts), K(eng_lanes_fwd), K(eng_lanes_bwd), K(eng_lanes_partial),
-        K(eng_lanes_finish),
+        K(eng_lanes_finish), K(eng_doc_slots), K(eng_ragged_offsets),
         K(flash_fwd_mma_bf16), K(flash_bwd_dq_mma_bf16), K(flash_bwd_dkdv_mma_bf16),
         K(flash_fwd_mma_docs_bf16), K(flash_bwd_dq_mma_docs_bf16), K(flash_bwd_dkdv_mma_docs_bf16),
     };

@@ -211,6 +211,9 @@ inline unsigned __float_as_uint(float f) {
     memcpy(&u, &f, 4);
     return u;
 }
+inline int __popc(unsigned x) {
+    return __builtin_popcount(x);
+}
 inline int __ffs(unsigned x) {
     return __builtin_ffs(static_cast<int>(x));
 }

@@ -30,6 +30,13 @@
 //! (`CUBLAS_COMPUTE_32F_FAST_16BF`, cuBLAS rounds the inputs); `Tf32` and `F32` trade speed for
 //! precision (parity checks). Weight gradients accumulate in f32 across micro-batches with
 //! `beta = 1` in every case.
+//!
+//! **cuDNN** (`attention = "cudnn"`, [`super::SdpaCall`]): a handle on the engine's stream,
+//! made at the first attention call that asks for it; each graph is built (and the workspace
+//! grown) when the backend prepares a call, before it is queued, so nothing of the build runs
+//! under a capture: a captured call is cuDNN's kernels on the engine's stream with static
+//! addresses, as a launch is. Not yet run on a GPU: whether cuDNN's execute keeps to that (no
+//! allocation, no synchronisation) under `cuStreamBeginCapture` is the first thing to check.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -42,7 +49,9 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 
-use super::{Arg, Device, Launch, Sizes, Space, Work};
+use super::{Arg, Device, Launch, SdpaCall, Sizes, Space, Work};
+use crate::device::cudnn::ffi::Cudnn;
+use crate::device::cudnn::{SdpaCache, SdpaDesc};
 use crate::engine::lt::{LtLayout, LtOp, LtPlan};
 
 /// The PTX of kernels/engine.cu.
@@ -168,6 +177,9 @@ pub struct CudaDevice {
     graphs: Vec<Option<Graph>>,
     /// Timing marks (events with timing) recorded and not released.
     marks: Mutex<super::Marks<CudaEvent>>,
+    /// cuDNN's graphs and workspace on the engine's stream, made at the first attention call
+    /// that asks for it (or why cuDNN cannot run here).
+    sdpa: Option<Result<SdpaCache<Cudnn>, String>>,
 }
 
 impl CudaDevice {
@@ -211,6 +223,7 @@ impl CudaDevice {
             lt: Mutex::new(lt),
             graphs: Vec::new(),
             marks: Mutex::new(super::Marks::default()),
+            sdpa: None,
         })
     }
 
@@ -245,6 +258,12 @@ impl CudaDevice {
 
     fn address(&self, space: Space, off: usize) -> u64 {
         self.bases[&space] + (off * space.elem_bytes()) as u64
+    }
+
+    /// Runs a cuDNN call whose graph was prepared.
+    fn try_sdpa(&self, call: &SdpaCall) -> anyhow::Result<()> {
+        let Some(Ok(cache)) = &self.sdpa else { anyhow::bail!("cuDNN attention was queued without cuDNN: {:?}", call.desc) };
+        cache.execute(&call.desc, &call.ptrs(|space, off| self.address(space, off)))
     }
 
     fn slice(&self, space: Space) -> anyhow::Result<&CudaSlice<u32>> {
@@ -417,6 +436,16 @@ impl Device for CudaDevice {
         self.try_gemm(p, spaces).unwrap_or_else(|e| panic!("{e:#}"));
     }
 
+    fn sdpa_prepare(&mut self, desc: &SdpaDesc) -> anyhow::Result<()> {
+        let stream = self.stream.clone();
+        let cache = self.sdpa.get_or_insert_with(|| Cudnn::new(stream).map(SdpaCache::new).map_err(|e| format!("{e:#}")));
+        cache.as_mut().map_err(|why| anyhow::anyhow!("{why}"))?.prepare(desc)
+    }
+
+    fn sdpa(&self, call: &SdpaCall) {
+        self.try_sdpa(call).unwrap_or_else(|e| panic!("{e:#}"));
+    }
+
     fn write_half(&mut self, space: Space, off: usize, bits: &[u16]) -> anyhow::Result<()> {
         let slice = self.halves.iter_mut().find(|w| w.0 == space).map(|w| &mut w.1);
         let slice = slice.ok_or_else(|| anyhow::anyhow!("the {space:?} space is not a 2-byte space"))?;
@@ -438,6 +467,7 @@ impl Device for CudaDevice {
         let recorded = work.iter().try_for_each(|w| match w {
             Work::Launch(l) => self.try_launch(l),
             Work::Gemm(p, spaces) => self.try_gemm(p, *spaces),
+            Work::Sdpa(call) => self.try_sdpa(call),
         });
         // End the capture whatever happened, so the stream leaves capture mode.
         let graph = self.stream.end_capture(cu_sys::CUgraphInstantiate_flags(0));

@@ -13,7 +13,8 @@ use std::sync::{Mutex, OnceLock};
 
 use memmap2::MmapMut;
 
-use super::{Arg, Device, Launch, Sizes, Space, Work};
+use super::{Arg, Device, Launch, SdpaCall, Sizes, Space, Work};
+use crate::device::cudnn::{SdpaDesc, interpret as sdpa_interpret};
 use crate::engine::lt::{self, LtPlan};
 
 /// Builds the emulator into `dir/name`, with `engine_source` in place of kernels/engine.cu.
@@ -108,6 +109,9 @@ pub(super) struct EmuDevice {
     /// Timing marks: the emulator finishes each launch before the host goes on, so the host's
     /// clock at a mark is the device's.
     marks: Mutex<super::Marks<std::time::Instant>>,
+    /// cuDNN's stand-in: the descriptors prepared (run through [`sdpa_interpret::run`]), or
+    /// why there is no cuDNN (a device without it, for the fallback's tests).
+    sdpa: Result<std::collections::HashSet<SdpaDesc>, String>,
 }
 
 impl EmuDevice {
@@ -123,7 +127,14 @@ impl EmuDevice {
             launched: Default::default(),
             bf16_gemms: false,
             marks: Mutex::new(super::Marks::default()),
+            sdpa: Ok(Default::default()),
         }
+    }
+
+    /// A device without cuDNN (`why`), as a GPU machine without libcudnn.
+    pub(super) fn without_cudnn(mut self, why: &str) -> Self {
+        self.sdpa = Err(why.to_string());
+        self
     }
 
     /// GEMMs as the GPU's bf16 tensor cores compute them (inputs rounded to bf16).
@@ -310,6 +321,25 @@ impl Device for EmuDevice {
         anyhow::ensure!(!space.is_bf16(), "{space:?} is not a 4-byte space");
         self.put(space, off, words);
         Ok(())
+    }
+
+    fn sdpa_prepare(&mut self, desc: &SdpaDesc) -> anyhow::Result<()> {
+        let prepared = self.sdpa.as_mut().map_err(|why| anyhow::anyhow!("{why}"))?;
+        if let Some(why) = desc.unsupported() {
+            anyhow::bail!("cuDNN attention refused {}: {why}", crate::device::cudnn::describe(desc));
+        }
+        prepared.insert(*desc);
+        Ok(())
+    }
+
+    fn sdpa(&self, call: &SdpaCall) {
+        let prepared = self.sdpa.as_ref().ok().is_some_and(|p| p.contains(&call.desc));
+        assert!(prepared, "a cuDNN call queued without its graph prepared: {:?}", call.desc);
+        let name = if call.desc.backward { "cudnn sdpa backward" } else { "cudnn sdpa forward" };
+        self.launched.lock().expect("the launch record").insert(name.to_string());
+        let ptrs = call.ptrs(|space, off| self.byte(space, off) as u64);
+        let mut m = self.memory.as_ref().expect("the device is allocated").lock().expect("the memory lock");
+        sdpa_interpret::run(&call.desc, &ptrs, &mut m[..]).unwrap_or_else(|e| panic!("cuDNN's interpreter: {e:#}"));
     }
 
     fn capture(&mut self, slot: usize, work: &[Work]) -> anyhow::Result<()> {

@@ -36,8 +36,11 @@ pub mod cuda;
 mod emu;
 mod ops;
 mod place;
+mod sdpa;
 #[cfg(test)]
 mod tests;
+
+pub use sdpa::{Loc, SdpaAt, SdpaCall};
 
 use std::collections::HashMap;
 
@@ -170,6 +173,8 @@ pub enum Work {
     Launch(Launch),
     /// A cuBLASLt GEMM, its A, B and C offsets in these spaces (`f32` or `bf16` by space).
     Gemm(LtPlan, [Space; 3]),
+    /// A cuDNN attention call (its graph built by [`Device::sdpa_prepare`]).
+    Sdpa(Box<SdpaCall>),
 }
 
 /// Elements of each space a backend needs.
@@ -255,11 +260,23 @@ pub trait Device: Send {
     /// Forgets every timing mark.
     fn timing_reset(&self) {}
 
+    /// Builds (once) the cuDNN graph of `desc` and sizes its workspace, before a call of it is
+    /// queued; an error says why it cannot run here (no cuDNN, or a shape it refuses).
+    fn sdpa_prepare(&mut self, desc: &crate::device::cudnn::SdpaDesc) -> anyhow::Result<()> {
+        anyhow::bail!("{} has no cuDNN ({})", self.name(), crate::device::cudnn::describe(desc))
+    }
+
+    /// Runs a cuDNN attention call whose graph was prepared.
+    fn sdpa(&self, call: &SdpaCall) {
+        panic!("{} has no cuDNN: {:?} was queued without being prepared", self.name(), call.desc)
+    }
+
     /// Runs one piece of work.
     fn run(&self, w: &Work) {
         match w {
             Work::Launch(l) => self.launch(l),
             Work::Gemm(p, spaces) => self.gemm(p, *spaces),
+            Work::Sdpa(c) => self.sdpa(c),
         }
     }
 }
@@ -512,10 +529,32 @@ impl TokenLayout {
     fn max_pieces(&self) -> usize {
         (2 * self.n).div_ceil(self.piece).max(1)
     }
+    /// cuDNN's ragged attention (`sdpa.rs`, `eng_doc_slots`): each position's document length
+    /// (scratch), each slot's length, each slot's first position (`n` entries each), then
+    /// [`RAGGED_UNITS`] arrays of ragged offsets (`n + 1` entries each), all 16-byte aligned.
+    fn ragged(&self) -> usize {
+        (self.pieces() + self.vocab + 1).div_ceil(4) * 4
+    }
+    /// `eng_doc_slots`' slot lengths.
+    fn slot_len(&self) -> usize {
+        self.ragged() + self.n.div_ceil(4) * 4
+    }
+    /// `eng_doc_slots`' slot starts.
+    fn slot_start(&self) -> usize {
+        self.ragged() + 2 * self.n.div_ceil(4) * 4
+    }
+    /// The `k`-th array of ragged offsets.
+    fn ragged_offsets(&self, k: usize) -> usize {
+        self.ragged() + 3 * self.n.div_ceil(4) * 4 + k * (self.n + 1).div_ceil(4) * 4
+    }
     fn len(&self) -> usize {
-        self.pieces() + self.vocab + 1
+        self.ragged_offsets(RAGGED_UNITS)
     }
 }
+
+/// Arrays of ragged offsets the tokens' space holds: one per distinct row stride a cuDNN
+/// attention call over documents reads (q, k, v, o, dq, dk, dv and the statistics at most).
+const RAGGED_UNITS: usize = 8;
 
 /// The unit of work being collected.
 struct Unit {
@@ -549,6 +588,8 @@ pub struct KernelBackend<D: Device> {
     /// For which `(BOS id, rows, length)` the document starts of the micro-batch's ids are on the
     /// device (`eng_doc_starts`, launched by the first attention call that needs them).
     starts_for: Option<(u32, usize, usize)>,
+    /// Attention on cuDNN (`sdpa.rs`).
+    cudnn: sdpa::CudnnState,
     /// Capture repeated units as graphs.
     graphs: bool,
     unit: Option<Unit>,
@@ -591,6 +632,7 @@ impl<D: Device> KernelBackend<D> {
             lse: HashMap::new(),
             colsum_group: cap.colsum_group.max(1),
             starts_for: None,
+            cudnn: sdpa::CudnnState::default(),
             graphs: true,
             unit: None,
             seen: HashMap::new(),

@@ -2,7 +2,7 @@
 //! kernel's maths is in its comment there, the device maths it shares with the model's fused
 //! kernels in the headers of `kernels/ops/`, and, as the reference, in [`crate::engine::cpu`]),
 //! attention as `kernels/flash_mma.cu`'s launches (on its bf16 operands in place, or staged,
-//! `place.rs`), GEMMs as cuBLASLt plans. Grids: flat kernels [`flat`], warp-per-row kernels [`warps`], per-channel partial sums
+//! `place.rs`) or cuDNN's (`sdpa.rs`), GEMMs as cuBLASLt plans. Grids: flat kernels [`flat`], warp-per-row kernels [`warps`], per-channel partial sums
 //! a block per [`PART`] rows.
 
 use candle_core::{DType, Device as CandleDevice, Tensor};
@@ -28,7 +28,7 @@ pub(super) fn flat(n: usize) -> [u32; 3] {
 }
 
 /// A launch of one warp per item, 8 items per block.
-fn warps(items: usize) -> [u32; 3] {
+pub(super) fn warps(items: usize) -> [u32; 3] {
     [items.div_ceil(8).max(1) as u32, 1, 1]
 }
 
@@ -159,7 +159,7 @@ impl<D: Device> KernelBackend<D> {
     }
 
     /// The log-sum-exp buffer of the attention call writing `out`.
-    fn lse(&mut self, out: Buf) -> Arg {
+    pub(super) fn lse(&mut self, out: Buf) -> Arg {
         let next = self.lse.len();
         let k = *self.lse.entry(out.off).or_insert(next);
         assert!(k < self.aux.lse_count, "more attention calls than the backend was sized for ({})", self.aux.lse_count);
@@ -306,6 +306,7 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.dev.launch(&Launch { kernel: "eng_csr_fill", grid: chunks, block: 32, args: vec![ids, n, vocab, chunk, counts, pos] });
         // The document starts (if attention asks for them) are of the old ids.
         self.starts_for = None;
+        self.cudnn.lens_for = None;
         Ok(())
     }
 
@@ -368,6 +369,15 @@ impl<D: Device> Backend for KernelBackend<D> {
 
     fn graph_counts(&self) -> Option<GraphCounts> {
         Some(self.counts)
+    }
+
+    fn set_cudnn(&mut self, on: bool) -> anyhow::Result<()> {
+        self.cudnn.on = on;
+        Ok(())
+    }
+
+    fn attention_name(&self) -> String {
+        KernelBackend::attention_name(self)
     }
 
     fn synchronize(&self) -> anyhow::Result<()> {
@@ -558,6 +568,9 @@ impl<D: Device> Backend for KernelBackend<D> {
 
     fn attention_fwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, s: AttnShape) {
         self.check([q.span(), k.span(), v.span()], [out]);
+        if self.cudnn_fwd(q, k, v, out, s) {
+            return;
+        }
         let (scale_log2, _, qgrid, _) = Self::flash(s);
         let h = self.half_slots(s);
         let n = s.batch * s.t;
@@ -578,6 +591,9 @@ impl<D: Device> Backend for KernelBackend<D> {
 
     fn attention_bwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, dout: Buf, dq: Mat, dk: Mat, dv: Mat, dv_acc: bool, s: AttnShape) {
         self.check([q.span(), k.span(), v.span(), out, dout], [dq.span(), dk.span(), dv.span()]);
+        if self.cudnn_bwd(q, k, v, out, dout, dq, dk, dv, dv_acc, s) {
+            return;
+        }
         let (scale_log2, scale, qgrid, kvgrid) = Self::flash(s);
         let n = s.batch * s.t;
         let h = self.half_slots(s);

@@ -85,12 +85,14 @@ impl<D: Device> KernelBackend<D> {
     }
 
     /// Half-space offsets of q, k, v, o (or dout), dq, dk, dv for `s`.
-    pub(super) fn half_slots(&self, s: AttnShape) -> [usize; 7] {
+    pub(super) fn half_slots(&self, s: AttnShape) -> [usize; 8] {
         let n = s.batch * s.t;
         let round = |x: usize| x.div_ceil(8) * 8;
         let (q, kv) = (round(n * s.heads * s.d), round(n * s.kv_heads * s.d));
-        let slots = [0, q, q + kv, q + 2 * kv, 2 * q + 2 * kv, 3 * q + 2 * kv, 3 * q + 3 * kv];
-        assert!(slots[6] + kv <= self.half_len, "attention of {s:?} needs more bf16 scratch than the backend has");
+        // q, k, v, the output (or its gradient), dq, dk, dv, and for cuDNN's backward the output
+        // beside its gradient.
+        let slots = [0, q, q + kv, q + 2 * kv, 2 * q + 2 * kv, 3 * q + 2 * kv, 3 * q + 3 * kv, 3 * q + 4 * kv];
+        assert!(slots[7] + q <= self.half_len, "attention of {s:?} needs more bf16 scratch than the backend has");
         slots
     }
 

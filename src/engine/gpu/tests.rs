@@ -242,7 +242,7 @@ fn the_device_builds_the_ids_csr_in_token_order() {
 /// every quantity within its bound, and at most 0.6 of it (room for the real GPU's rounding, a
 /// fresh draw of the same errors: `pipeline parity` measured fresh draws at up to 1.4 times
 /// the RMS of others); prints the worst of each kind.
-fn check_model_on(cfg: &crate::model::ModelConfig, be: Box<dyn Backend>, bounds: cases::ModelBounds, what: &str) {
+fn check_model_on(cfg: &crate::model::ModelConfig, be: Box<dyn Backend>, bounds: cases::ModelBounds, what: &str) -> crate::engine::Engine {
     use crate::engine::Engine;
     let (rows, t) = cases::CHECK_ROWS_T;
     let mut e = Engine::with_backend(cfg, rows, t, be, true).unwrap();
@@ -261,6 +261,7 @@ fn check_model_on(cfg: &crate::model::ModelConfig, be: Box<dyn Backend>, bounds:
     for c in &compared {
         assert!(c.ok() && c.rel_err <= 0.6 * c.bound, "{what}: {} rel_err {:.2e}, bound {:.2e}", c.name, c.rel_err, c.bound);
     }
+    e
 }
 
 /// The whole engine on the emulated GPU (GEMMs in f32, attention in bf16) against the f64 CPU
@@ -311,6 +312,46 @@ fn the_engine_with_bf16_activations_on_the_emulated_gpu_matches_the_cpu_engine()
         let half = Some(HalfRegions::of(&layout));
         let be = KernelBackend::with_half(dev, layout.len(), kernel_capacity(&cfg, rows, t).unwrap(), half).unwrap();
         check_model_on(&cfg, Box::new(be), cases::ModelBounds::GPU_BF16_ACTIVATIONS, &format!("emulated GPU, bf16 activations, {name}"));
+    }
+}
+
+/// The engine with bf16 activations and attention on cuDNN (the emulator runs each cuDNN call
+/// through the CPU interpreter of its maths, on the descriptors, strides, statistics and ragged
+/// offsets the backend hands it) against the f64 CPU engine, within the same bounds, on both
+/// check models (the 04-27 one attends within documents: cuDNN's ragged layout); then the
+/// same on a device without cuDNN, which falls back to flash_mma and says why.
+#[test]
+fn the_engine_with_cudnn_attention_on_the_emulated_gpu_matches_the_cpu_engine() {
+    use crate::engine::gpu::HalfRegions;
+    use crate::engine::layout::Layout;
+    use crate::engine::step::kernel_capacity;
+    let (rows, t) = cases::CHECK_ROWS_T;
+    for (name, cfg) in cases::check_models() {
+        // The fallback on the baseline's check model only (the same flash_mma path as the test above).
+        let fallback = name == cases::check_models()[0].0;
+        for cudnn in [true, false].into_iter().filter(|&c| c || fallback) {
+            let file = emu::temp_dir().join(format!("engine-cudnn-{}-{cudnn}.mem", &name[..5]));
+            let mut dev = EmuDevice::new(emu::emulator_bf16(), file).with_bf16_gemms();
+            if !cudnn {
+                dev = dev.without_cudnn("libcudnn.so.9: cannot open shared object file");
+            }
+            let record = dev.launch_record();
+            let layout = Layout::new(&cfg, rows, t);
+            let half = Some(HalfRegions::of(&layout));
+            let mut be = KernelBackend::with_half(dev, layout.len(), kernel_capacity(&cfg, rows, t).unwrap(), half).unwrap();
+            be.set_cudnn(true).unwrap();
+            let what = format!("emulated GPU, bf16 activations, cuDNN {}, {name}", if cudnn { "attention" } else { "missing" });
+            let e = check_model_on(&cfg, Box::new(be), cases::ModelBounds::GPU_BF16_ACTIVATIONS, &what);
+            let (launched, attention) = (record.lock().unwrap().clone(), e.backend().attention_name());
+            if cudnn {
+                assert_eq!(attention, "cudnn", "{what}");
+                assert!(launched.contains("cudnn sdpa forward") && launched.contains("cudnn sdpa backward"), "{what}: {launched:?}");
+                assert!(!launched.iter().any(|k| k.starts_with("flash_")), "{what}: flash kernels ran beside cuDNN: {launched:?}");
+            } else {
+                assert!(attention.starts_with("flash_mma (cuDNN refused: libcudnn.so.9: cannot open"), "{what}: {attention}");
+                assert!(launched.contains("flash_fwd_mma_bf16") || launched.contains("flash_fwd_mma_docs_bf16"), "{what}: {launched:?}");
+            }
+        }
     }
 }
 
