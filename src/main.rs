@@ -196,6 +196,11 @@ enum Command {
         /// GPU.
         #[arg(long)]
         activations: Option<String>,
+        /// Attention for the timings and the graph check: flash_mma (the engine's own kernels,
+        /// the default) or cudnn (cuDNN's fused attention; flash_mma, said in one line, where
+        /// cuDNN cannot run). The whole-engine checks run both on a GPU.
+        #[arg(long)]
+        attention: Option<String>,
         /// Shapes of the timings: baseline (the GPU default: 9 layers, width 512, 64 x 1024
         /// tokens), record-0427 (the 04-27 record's model, looped, 24 x 2048 tokens), small (the
         /// CPU default: a check of the plumbing), or none.
@@ -306,8 +311,9 @@ fn main() -> ExitCode {
         Command::Report { run_dir, json, html } => cli::report::command(run_dir, json, html),
         Command::Stages { json } => cli::stages::command(json),
         Command::Parity { device, dtype, seed, json } => cli::check::parity(&device, &dtype, seed, json),
-        Command::EngineCheck { device, dtype, activations, timing, rows, seed, json, json_out } => {
-            let precision = cli::check::Precision { dtype: dtype.as_deref(), activations: activations.as_deref() };
+        Command::EngineCheck { device, dtype, activations, attention, timing, rows, seed, json, json_out } => {
+            let precision =
+                cli::check::Precision { dtype: dtype.as_deref(), activations: activations.as_deref(), attention: attention.as_deref() };
             cli::check::engine_check(&device, precision, timing.as_deref(), rows, seed, json, json_out.as_deref())
         }
         Command::AttentionTrial { device, kernels, batch, seq_len, heads, kv_heads, head_dim, json } => {

@@ -61,11 +61,19 @@ fn attention_trial_processes_report_why_flash_cannot_run() {
 
     let shape = pipeline::train::attention_trial::AttentionShape { batch: 2, t: 128, heads: 2, kv_heads: 1, head_dim: 64 };
     let exe = std::path::Path::new(env!("CARGO_BIN_EXE_pipeline"));
-    let err = pipeline::train::attention_choice::choose_flash(exe, "cpu", shape, pipeline::train::attention_choice::TIMEOUT)
+    let all = pipeline::model::flash_attn::FlashKernels::ALL;
+    let err = pipeline::train::attention_choice::choose_flash(exe, "cpu", shape, pipeline::train::attention_choice::TIMEOUT, &all)
         .unwrap_err()
         .to_string();
     assert!(err.contains("flash left out (failed: flash attention cannot run here"), "{err}");
     assert!(err.contains("flash_mma left out (failed: flash attention cannot run here"), "{err}");
+    // cuDNN's trial says why it cannot run before timing anything (no fallback timed as cudnn).
+    // (a `cuda` build says it runs on CUDA devices only; this one, that it has no `cuda`).
+    assert!(
+        err.contains("cudnn left out (this binary was built without the `cuda` feature)")
+            || err.contains("cudnn left out (cuDNN runs on CUDA devices only)"),
+        "{err}"
+    );
     assert!(err.contains("set attention = \"materialized\""), "{err}");
 
     let o = bin().args(args).args(["--kernels", "flash3"]).output().unwrap();

@@ -64,6 +64,8 @@ pub struct Options {
     pub bf16: bool,
     /// The timings with bf16 activations (`--activations bf16`; needs `bf16`).
     pub bf16_activations: bool,
+    /// The timings and the graph check with attention on cuDNN (`--attention cudnn`; GPU).
+    pub cudnn: bool,
     /// The timings' shapes.
     pub timing: TimingShape,
     /// Rows per micro-batch of the timings instead of the shape's.
@@ -208,12 +210,21 @@ fn backend(
     crate::engine::gpu::gpu_backend(device, p, graphs, len, cap, half)
 }
 
-/// An engine for `cfg` on `rows x t` tokens on `device`.
-fn engine(device: &Device, cfg: &ModelConfig, (rows, t): (usize, usize), p: GpuPrecision, graphs: bool) -> anyhow::Result<Engine> {
+/// An engine for `cfg` on `rows x t` tokens on `device`, attention on cuDNN if `cudnn`.
+fn engine(
+    device: &Device,
+    cfg: &ModelConfig,
+    (rows, t): (usize, usize),
+    p: GpuPrecision,
+    graphs: bool,
+    cudnn: bool,
+) -> anyhow::Result<Engine> {
     let cap = kernel_capacity(cfg, rows, t)?;
     let layout = Layout::new(cfg, rows, t);
     let be = backend(device, p, graphs, layout.len(), Some(&layout), cap)?;
-    Engine::with_backend(cfg, rows, t, be, false)
+    let mut e = Engine::with_backend(cfg, rows, t, be, false)?;
+    e.set_cudnn(cudnn)?;
+    Ok(e)
 }
 
 /// The GPU precision of `bf16` GEMMs with or without bf16 activations.
@@ -250,26 +261,30 @@ pub fn run(o: &Options) -> anyhow::Result<EngineCheck> {
     } else {
         vec![GpuPrecision::F32]
     };
+    // On a GPU, the bf16 activations once more with attention on cuDNN.
+    let runs: Vec<(GpuPrecision, bool)> = maths.iter().map(|&p| (p, false)).chain(gpu.then_some((GpuPrecision::Bf16, true))).collect();
     for (model, cfg) in cases::check_models() {
-        for &p in &maths {
+        for &(p, cudnn) in &runs {
             let (label, bounds) = match (gpu, p) {
                 (false, _) => ("cpu f32", ModelBounds::CPU_F32),
                 (true, GpuPrecision::Bf16Gemms) => ("bf16 GEMMs", ModelBounds::GPU_BF16_GEMMS),
                 (true, GpuPrecision::F32) => ("f32 GEMMs", ModelBounds::GPU_F32_GEMMS),
                 (true, GpuPrecision::Bf16) => ("bf16 activations", ModelBounds::GPU_BF16_ACTIVATIONS),
             };
-            let mut e = engine(&device, &cfg, cases::CHECK_ROWS_T, p, true)?;
+            let mut e = engine(&device, &cfg, cases::CHECK_ROWS_T, p, true, cudnn)?;
             let compared = cases::model_check(&mut e, &cfg, bounds, o.seed)?;
             let worst_ratio = compared.iter().map(|c| c.rel_err / c.bound).fold(0.0, f64::max);
             let ok = compared.iter().all(cases::Compared::ok);
-            models.push(ModelLine { model: model.into(), maths: label.into(), bounds, compared, worst_ratio, ok });
+            // The attention that ran: cuDNN, or flash_mma with cuDNN's refusal.
+            let maths = if cudnn { format!("{label}, attention {}", e.attention_name()) } else { label.into() };
+            models.push(ModelLine { model: model.into(), maths, bounds, compared, worst_ratio, ok });
         }
     }
-    let graphs = if gpu { Some(graph_check(&device, chosen, o.seed)?) } else { None };
+    let graphs = if gpu { Some(graph_check(&device, chosen, o.cudnn, o.seed)?) } else { None };
     let transfers = if gpu { transfer_flags(&device)? } else { Vec::new() };
     let timings = match o.timing {
         TimingShape::None => None,
-        shape => Some(timings(&device, chosen, shape, o.rows, o.seed)?),
+        shape => Some(timings(&device, chosen, o.cudnn, shape, o.rows, o.seed)?),
     };
     let ok = stream.as_ref().is_none_or(|s| s.ok)
         && ops.iter().all(|l| l.ok)
@@ -290,10 +305,10 @@ fn transfer_flags(device: &Device) -> anyhow::Result<Vec<Flag>> {
 }
 
 /// Graph replay against op-by-op launches on the check model ([`cases::graph_check`]).
-fn graph_check(device: &Device, p: GpuPrecision, seed: u64) -> anyhow::Result<GraphLine> {
+fn graph_check(device: &Device, p: GpuPrecision, cudnn: bool, seed: u64) -> anyhow::Result<GraphLine> {
     let cfg = cases::check_model();
     let shape = cases::CHECK_ROWS_T;
-    let g = cases::graph_check(&cfg, shape, seed, &mut |graphs| engine(device, &cfg, shape, p, graphs))?;
+    let g = cases::graph_check(&cfg, shape, seed, &mut |graphs| engine(device, &cfg, shape, p, graphs, cudnn))?;
     Ok(GraphLine { identical: g.identical, counts: g.counts, ok: g.ok() })
 }
 
@@ -345,7 +360,7 @@ pub(crate) fn timing_ids(n: usize, vocab: usize, bos: u32, seed: u64) -> Vec<u32
 
 /// Per-op times of one micro-batch and one optimizer step (a warm-up pass first), then both as
 /// the trainer runs them (median of five after two).
-fn timings(device: &Device, p: GpuPrecision, shape: TimingShape, rows: Option<usize>, seed: u64) -> anyhow::Result<Timings> {
+fn timings(device: &Device, p: GpuPrecision, cudnn: bool, shape: TimingShape, rows: Option<usize>, seed: u64) -> anyhow::Result<Timings> {
     let (cfg, rows, t, looped) = timing_model(shape, rows);
     let n = rows * t;
     let params: std::collections::HashMap<_, _> = Gpt::new(&cfg, seed, DType::F32, &Device::Cpu)?.state_dict().into_iter().collect();
@@ -374,6 +389,7 @@ fn timings(device: &Device, p: GpuPrecision, shape: TimingShape, rows: Option<us
         let inner = backend(device, p, false, layout.len(), Some(&layout), cap)?;
         let (timed, log) = Timed::new(inner);
         let mut e = Engine::with_backend(&cfg, rows, t, Box::new(timed), false)?;
+        e.set_cudnn(cudnn)?;
         e.load_params(&params)?;
         e.zero_grads();
         let take = |log: &std::sync::Mutex<Vec<OpTime>>| std::mem::take(&mut *log.lock().expect("the timing log"));
@@ -392,7 +408,7 @@ fn timings(device: &Device, p: GpuPrecision, shape: TimingShape, rows: Option<us
         (micro, take(&log))
     };
     // As the trainer runs them: units of work, captured and replayed on a GPU.
-    let mut e = engine(device, &cfg, (rows, t), p, true)?;
+    let mut e = engine(device, &cfg, (rows, t), p, true, cudnn)?;
     e.load_params(&params)?;
     e.zero_grads();
     let (mut micro_ms, mut opt_ms) = (Vec::new(), Vec::new());
@@ -423,6 +439,8 @@ fn timings(device: &Device, p: GpuPrecision, shape: TimingShape, rows: Option<us
         cfg.vocab_size,
         if record { ", the 04-27 record's elements" } else { "" }
     );
+    // The attention the timed engine ran (cuDNN, or flash_mma with cuDNN's refusal).
+    let label = if device.is_cpu() { label } else { format!("{label}; attention {}", e.attention_name()) };
     let clock = if device.is_cpu() { "host clock per op" } else { "device time per op (CUDA events, no sync between ops)" };
     Ok(Timings {
         shape: label,

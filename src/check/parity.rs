@@ -354,9 +354,9 @@ fn attention_case(x: &Tensor, b: usize, heads: usize, kv: usize, kernels: FlashK
 }
 
 /// [`attention_case`] within documents: 2 sequences of 192 with segments starting mid-tile,
-/// on a tile's edge, twice in a row and at a sequence's start (flash_mma's document kernels
-/// where they run, the fused masked attention elsewhere).
-fn attention_docs_case(x: &Tensor) -> candle_core::Result<Tensor> {
+/// on a tile's edge, twice in a row and at a sequence's start (flash_mma's document kernels, or
+/// cuDNN's ragged attention, where they run; the fused masked attention elsewhere).
+fn attention_docs_case(x: &Tensor, kernels: FlashKernels) -> candle_core::Result<Tensor> {
     use crate::model::flash_attn;
     let (b, t, heads, kv) = (2, 192, 4, 2);
     let d = flash_attn::HEAD_DIM;
@@ -367,7 +367,7 @@ fn attention_docs_case(x: &Tensor) -> candle_core::Result<Tensor> {
     let docs = crate::model::ops::DocumentMask::at_token(&ids, t, 1)?;
     let (q, k, v) = (x.narrow(1, 0, heads * d)?, x.narrow(1, heads * d, kv * d)?, x.narrow(1, (heads + kv) * d, kv * d)?);
     if flash_attn::unsupported(q.device(), q.dtype(), t, d).is_none() {
-        flash_attn::flash_attention_docs(&q, &k, &v, b, heads, kv, FlashKernels::Mma, &docs)
+        flash_attn::flash_attention_docs(&q, &k, &v, b, heads, kv, kernels, &docs)
     } else {
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
         crate::model::ops::document_attention_tokens(&q, &k, &v, b, heads, kv, Some(&docs))
@@ -428,7 +428,11 @@ pub fn kernel_checks(device: &Device, dtype: DType, seed: u64) -> anyhow::Result
         ("attention", vec![3 * 64, (4 + 2) * 64], |x| attention_case(x, 3, 4, 1, FlashKernels::Wmma)),
         ("attention_mma", vec![2 * 192, (4 + 2 * 2) * 64], |x| attention_case(x, 2, 4, 2, FlashKernels::Mma)),
         ("attention_mma", vec![3 * 64, (4 + 2) * 64], |x| attention_case(x, 3, 4, 1, FlashKernels::Mma)),
-        ("attention_mma_docs", vec![2 * 192, (4 + 2 * 2) * 64], attention_docs_case),
+        ("attention_mma_docs", vec![2 * 192, (4 + 2 * 2) * 64], |x| attention_docs_case(x, FlashKernels::Mma)),
+        // cuDNN's fused attention (flash_mma, with a warning line, where cuDNN cannot run).
+        ("attention_cudnn", vec![2 * 192, (4 + 2 * 2) * 64], |x| attention_case(x, 2, 4, 2, FlashKernels::Cudnn)),
+        ("attention_cudnn", vec![3 * 64, (4 + 2) * 64], |x| attention_case(x, 3, 4, 1, FlashKernels::Cudnn)),
+        ("attention_cudnn_docs", vec![2 * 192, (4 + 2 * 2) * 64], |x| attention_docs_case(x, FlashKernels::Cudnn)),
     ];
     let kernel_dtype = if dtype == DType::F64 { DType::F32 } else { dtype };
     let mut rng = fastrand::Rng::with_seed(seed ^ 0xcafe);
@@ -489,7 +493,7 @@ mod tests {
     #[test]
     fn kernel_checks_compare_outputs_and_gradients() {
         let r = kernel_checks(&Device::Cpu, DType::F32, 1).unwrap();
-        assert_eq!(r.len(), 42);
+        assert_eq!(r.len(), 48);
         assert!(r.iter().all(|c| c.rel_err > 0.0 && c.rel_err < 1e-5), "{r:?}");
     }
 
@@ -597,7 +601,7 @@ mod tests {
     #[test]
     fn kernel_checks_in_bf16_on_the_cpu_references() {
         let r = crate::model::with_gpu_formulation(|| kernel_checks(&Device::Cpu, DType::BF16, 1)).unwrap();
-        assert_eq!(r.len(), 42);
+        assert_eq!(r.len(), 48);
         for c in &r {
             assert!(c.rel_err > 5e-4 && c.rel_err < 1e-2, "{c:?}");
             assert_eq!(c.expected, Some(c.rel_err), "{c:?}");

@@ -49,11 +49,13 @@ pub struct Precision<'a> {
     pub dtype: Option<&'a str>,
     /// Storage of the activations.
     pub activations: Option<&'a str>,
+    /// Attention of the timings and the graph check.
+    pub attention: Option<&'a str>,
 }
 
 pub fn engine_check(
     device: &str,
-    Precision { dtype, activations }: Precision<'_>,
+    Precision { dtype, activations, attention }: Precision<'_>,
     timing: Option<&str>,
     rows: Option<usize>,
     seed: u64,
@@ -100,7 +102,19 @@ pub fn engine_check(
         err!("error: --rows must be at least 1");
         return 2;
     }
-    let o = Options { device: device.to_string(), bf16, bf16_activations, timing, rows, seed };
+    let cudnn = match attention.unwrap_or("flash_mma") {
+        "flash_mma" => false,
+        "cudnn" if gpu => true,
+        "cudnn" => {
+            err!("error: --attention cudnn is the GPU backend's; the CPU backend computes attention itself");
+            return 2;
+        }
+        other => {
+            err!("error: --attention {other:?}: use flash_mma or cudnn");
+            return 2;
+        }
+    };
+    let o = Options { device: device.to_string(), bf16, bf16_activations, cudnn, timing, rows, seed };
     match crate::check::engine::run(&o) {
         Ok(r) => {
             if let Some(path) = json_out {

@@ -15,8 +15,8 @@
 //!
 //! A pass may also carry [`PassExtras`]: per-document LoRA adapters, which [`Formulation::adapt`]
 //! adds where the blocks call it, and a document mask, under which attention stays within each
-//! segment: flash_mma's document kernels where flash runs, else the fused or materialised
-//! masked attention.
+//! segment: flash_mma's document kernels (or cuDNN's ragged attention) where flash runs, else
+//! the fused or materialised masked attention.
 
 use candle_core::{DType, Result, Tensor};
 
@@ -67,10 +67,12 @@ impl<'a, 'e> Formulation<'a, 'e> {
     }
 
     /// The same formulation with `extras` (under a document mask with segments, flash attention
-    /// runs flash_mma's document kernels).
+    /// runs flash_mma's document kernels, or cuDNN's ragged attention).
     pub(super) fn with_extras(self, extras: PassExtras<'e>) -> Self {
-        // Segments run on flash_mma's document kernels, the only flash kernels that take them.
-        let flash = self.flash.map(|k| if extras.docs.is_none_or(DocumentMask::is_causal) { k } else { FlashKernels::Mma });
+        // Segments run on flash_mma's document kernels (the only ones of our own that take them)
+        // or on cuDNN's ragged graphs.
+        let segments = |k| if k == FlashKernels::Cudnn { k } else { FlashKernels::Mma };
+        let flash = self.flash.map(|k| if extras.docs.is_none_or(DocumentMask::is_causal) { k } else { segments(k) });
         Self { extras, flash, ..self }
     }
 

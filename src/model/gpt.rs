@@ -149,6 +149,11 @@ impl Gpt {
         self
     }
 
+    /// The attention choice ([`Gpt::with_attention`]).
+    pub fn attention_choice(&self) -> Attention {
+        self.attention
+    }
+
     /// The flash kernels a forward pass on sequences of `t` tokens takes (`None`: materialised
     /// attention); an error says why [`Attention::Flash`] or [`Attention::FlashMma`] cannot run
     /// here.

@@ -1,12 +1,13 @@
-//! `attention = "auto"` on a GPU: the step executor's choice between the two flash
+//! `attention = "auto"` on a GPU: the step executor's choice between the flash
 //! implementations. Each one's trial ([`crate::train::attention_trial::check_flash`]) runs in
 //! a child process of this binary (`pipeline attention-trial`), with a time limit: a kernel
 //! that faults the GPU leaves a CUDA context that cannot recover, and one that hangs never
-//! returns, so neither may run in the training process before it has been seen to work. The
-//! WMMA kernels (`flash`, measured on an H100) are the incumbent; the register-fragment ones
-//! (`flash_mma`) take over when they agree with the reference and are more than [`MARGIN`]
-//! faster, or when `flash` is left out. Where the trial cannot run at all, `flash` is taken as
-//! it was before the trial existed.
+//! returns, so none may run in the training process before it has been seen to work. The
+//! first of the list is the incumbent (the candle path: the WMMA kernels, `flash`, measured on
+//! an H100; the engine: its flash_mma kernels); a challenger (`flash_mma`, cuDNN's `cudnn`,
+//! left out with the reason where cuDNN cannot run) takes over when it agrees with the
+//! reference and is more than [`MARGIN`] faster, or when the incumbent is left out. Where the
+//! trial cannot run at all, the incumbent is taken as it was before the trial existed.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -46,12 +47,12 @@ fn kernels_name<S: serde::Serializer>(k: &FlashKernels, s: S) -> Result<S::Ok, S
 
 /// The flash kernels `attention = "auto"` trains with on `device` ("cuda:N") for micro-batches
 /// of `shape`, each implementation tried by `exe attention-trial` (this binary), with the
-/// trials' account. Where the trial itself cannot run (no process, or one that
-/// fails before judging a kernel: the GPU held exclusively by this process, say), the WMMA
-/// kernels, as without a trial, and the account says so. An error, naming every reason, where
-/// the trials ran and neither implementation passed.
-pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Duration) -> anyhow::Result<Choice> {
-    let kinds = FlashKernels::ALL;
+/// trials' account, trying `kinds` (the first the incumbent). Where the trial itself cannot
+/// run (no process, or one that fails before judging a kernel: the GPU held exclusively by
+/// this process, say), the incumbent, as without a trial, and the account says so. An error,
+/// naming every reason, where the trials ran and no implementation passed.
+pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Duration, kinds: &[FlashKernels]) -> anyhow::Result<Choice> {
+    anyhow::ensure!(!kinds.is_empty(), "no attention implementation to try");
     let results: Vec<TrialResult> =
         kinds.iter().map(|&k| outcome_of(k.name(), run(&mut trial_command(exe, device, k, shape), timeout))).collect();
     let outcomes: Vec<Outcome> = kinds
@@ -64,16 +65,16 @@ pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Du
         .collect();
     let line = summary(&outcomes, shape, TrialSettings::flash());
     if matches!(results[0], TrialResult::NotRun(_)) {
-        let line = format!("{line}; flash (WMMA) taken without a trial");
-        return Ok(Choice { kernels: FlashKernels::Wmma, outcomes, untried: true, resumed_from: None, line });
+        let line = format!("{line}; {} taken without a trial", kinds[0].name());
+        return Ok(Choice { kernels: kinds[0], outcomes, untried: true, resumed_from: None, line });
     }
     let best = choose(&outcomes, MARGIN).ok_or_else(|| {
         anyhow::anyhow!(
             "no flash kernel runs correctly on {device} ({line}); set attention = \"materialized\", or \"flash\" / \"flash_mma\" to skip the trial"
         )
     })?;
-    let chosen = kinds.into_iter().zip(&outcomes).find(|(_, o)| std::ptr::eq(*o, best)).map(|(k, _)| k);
-    Ok(Choice { kernels: chosen.unwrap_or(FlashKernels::Wmma), outcomes, untried: false, resumed_from: None, line })
+    let chosen = kinds.iter().zip(&outcomes).find(|(_, o)| std::ptr::eq(*o, best)).map(|(k, _)| *k);
+    Ok(Choice { kernels: chosen.unwrap_or(kinds[0]), outcomes, untried: false, resumed_from: None, line })
 }
 
 /// What `attention = "auto"` takes when resuming from `checkpoint`, which trained with the
@@ -271,22 +272,31 @@ mod tests {
     }
 
     /// Where the trial cannot run at all (here: a binary that is not `pipeline`), `auto` keeps
-    /// the WMMA kernels, as without a trial, and says so.
+    /// the incumbent, as without a trial, and says so: the WMMA kernels on the candle path,
+    /// flash_mma in the engine.
     #[test]
-    fn a_trial_that_cannot_run_keeps_the_wmma_kernels() {
+    fn a_trial_that_cannot_run_keeps_the_incumbent() {
         let shape = AttentionShape { batch: 2, t: 128, heads: 2, kv_heads: 1, head_dim: 64 };
-        let choice = choose_flash(Path::new("/nonexistent/pipeline"), "cuda:0", shape, TIMEOUT).unwrap();
+        let exe = Path::new("/nonexistent/pipeline");
+        let choice = choose_flash(exe, "cuda:0", shape, TIMEOUT, &FlashKernels::ALL).unwrap();
         assert_eq!(choice.kernels, FlashKernels::Wmma);
-        assert!(choice.untried && choice.outcomes.len() == 2, "{choice:?}");
+        assert!(choice.untried && choice.outcomes.len() == 3, "{choice:?}");
         let json = serde_json::to_value(&choice).unwrap();
         assert_eq!(json["kernels"], "flash");
-        assert!(json["outcomes"][1]["rejected"].as_str().unwrap().contains("trial could not run"), "{json}");
+        for k in 0..3 {
+            assert!(json["outcomes"][k]["rejected"].as_str().unwrap().contains("trial could not run"), "{json}");
+        }
         let line = choice.line;
         assert!(
             line.contains("flash left out (trial could not run: trial process could not start")
-                && line.ends_with("flash (WMMA) taken without a trial"),
+                && line.contains("cudnn left out (trial could not run")
+                && line.ends_with("; flash taken without a trial"),
             "{line}"
         );
+        let engine = choose_flash(exe, "cuda:0", shape, TIMEOUT, &[FlashKernels::Mma, FlashKernels::Cudnn]).unwrap();
+        assert_eq!((engine.kernels, engine.untried, engine.outcomes.len()), (FlashKernels::Mma, true, 2));
+        assert!(engine.line.ends_with("; flash_mma taken without a trial"), "{}", engine.line);
+        assert!(choose_flash(exe, "cuda:0", shape, TIMEOUT, &[]).is_err());
     }
 
     /// A resumed run keeps the flash kernels its checkpoint trained with, untried; anything

@@ -213,6 +213,15 @@ pub fn summary(outcomes: &[Outcome], shape: AttentionShape, settings: TrialSetti
 /// One flash implementation's trial on `device` at `shape` ([`TrialSettings::flash`]): what a
 /// child process of [`crate::train::attention_choice`] measures and prints.
 pub fn check_flash(device: &Device, kernels: FlashKernels, shape: AttentionShape) -> anyhow::Result<Outcome> {
+    if kernels == FlashKernels::Cudnn {
+        // cuDNN falls back to flash_mma where it cannot run: the trial must not time that.
+        let check = shape.check(TrialSettings::flash().check_batch);
+        for s in [shape, check] {
+            if let Some(why) = flash_attn::cudnn_unavailable(device, s.batch, s.t, s.heads, s.kv_heads, s.head_dim, false) {
+                return Ok(Outcome::left_out(kernels.name(), why));
+            }
+        }
+    }
     let flash = move |q: &Tensor, k: &Tensor, v: &Tensor, s: AttentionShape| {
         flash_attn::flash_attention(q, k, v, s.batch, s.heads, s.kv_heads, kernels)
     };

@@ -20,6 +20,7 @@ use crate::engine::exchange::ExchangeStats;
 use crate::engine::gpu::GpuPrecision;
 use crate::engine::optim::MuonStep;
 use crate::engine::step::{ADAM_GROUPS, OptimizerStep};
+use crate::model::flash_attn::Attention;
 use crate::model::{Gpt, ParamGroup};
 use crate::train::config::TrainConfig;
 pub use crate::train::executor::EngineOptions;
@@ -35,7 +36,10 @@ fn gpu_engine(model: &Gpt, rows: usize, t: usize, o: EngineOptions) -> anyhow::R
         (true, false) => GpuPrecision::Bf16Gemms,
         (true, true) => GpuPrecision::Bf16,
     };
-    Engine::gpu(model.config(), rows, t, model.device(), precision, o.cuda_graph, o.poison)
+    let mut engine = Engine::gpu(model.config(), rows, t, model.device(), precision, o.cuda_graph, o.poison)?;
+    // cuDNN's attention where the model asks for it (its own kernels, flash_mma, otherwise).
+    engine.set_cudnn(model.attention_choice() == Attention::Cudnn)?;
+    Ok(engine)
 }
 
 /// The engine, the candle model mirroring its weights, and the step in progress.
@@ -282,6 +286,8 @@ impl Executor for EngineTrainer {
             // Units of work (forward, backward, optimizer step) captured as CUDA graphs,
             // replayed, and run op by op (first sightings, or graphs off).
             report["graphs"] = serde_json::json!({ "captured": c.captured, "replayed": c.replayed, "eager": c.eager });
+            // The attention the GPU backend ran: cuDNN, or flash_mma (with cuDNN's refusal).
+            report["attention"] = self.engine.attention_name().into();
         }
         Some(report)
     }

@@ -49,7 +49,8 @@ fn kernels(k: FlashKernels, docs: bool) -> Kernels {
         FlashKernels::Wmma => {
             Kernels { module: MODULE, ptx: PTX, fwd: "flash_fwd_bf16", dkdv: "flash_bwd_dkdv_bf16", dq: "flash_bwd_dq_bf16" }
         }
-        FlashKernels::Mma => Kernels {
+        // cuDNN's fallback (`apply` runs cuDNN itself where it can).
+        FlashKernels::Mma | FlashKernels::Cudnn => Kernels {
             module: MODULE_MMA,
             ptx: PTX_MMA,
             fwd: "flash_fwd_mma_bf16",
@@ -73,7 +74,7 @@ pub fn apply(
     kernels: FlashKernels,
     starts: Option<Tensor>,
 ) -> Result<Tensor> {
-    if starts.is_some() && kernels != FlashKernels::Mma {
+    if starts.is_some() && kernels == FlashKernels::Wmma {
         bail!("flash attention: only the flash_mma kernels take document segments");
     }
     let op = FlashAttention { batch, heads, kv_heads, kernels, starts, lse: Mutex::new(None) };

@@ -14,7 +14,8 @@
 //! fragments with the scores staged in shared memory (`flash_attn.cu`, measured on an H100), and
 //! raw `mma.sync` register fragments with the softmax in registers and double-buffered tiles
 //! (`flash_mma.cu`, `attention = "flash_mma"`), checked on the CPU by the warp emulator
-//! (`tests/warp_emulation.rs`) and on a GPU by `pipeline parity`.
+//! (`tests/warp_emulation.rs`) and on a GPU by `pipeline parity`. A third is cuDNN's fused
+//! flash attention (`cudnn.rs`, `attention = "cudnn"`), with flash_mma where cuDNN refuses.
 
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -38,6 +39,11 @@ pub enum Attention {
     /// flash attention cannot run.
     #[serde(rename = "flash_mma")]
     FlashMma,
+    /// cuDNN's fused flash attention (`cudnn.rs`, `cuda` builds with libcudnn.so.9 at run
+    /// time): in the engine and the candle path alike, at the shapes flash attention takes (a
+    /// run it cannot take is refused, as for "flash"). Where cuDNN cannot be loaded or refuses
+    /// a shape, the run says so in one line and runs the flash_mma kernels.
+    Cudnn,
     /// Scores and probabilities materialised (cuBLAS products around the fused softmax).
     Materialized,
 }
@@ -49,13 +55,14 @@ impl Attention {
         match self {
             Attention::Auto | Attention::Flash => Some(FlashKernels::Wmma),
             Attention::FlashMma => Some(FlashKernels::Mma),
+            Attention::Cudnn => Some(FlashKernels::Cudnn),
             Attention::Materialized => None,
         }
     }
 
     /// Whether a run that flash attention cannot take is refused rather than materialised.
     pub fn requires_flash(self) -> bool {
-        matches!(self, Attention::Flash | Attention::FlashMma)
+        matches!(self, Attention::Flash | Attention::FlashMma | Attention::Cudnn)
     }
 
     /// The name in the TOML.
@@ -64,12 +71,13 @@ impl Attention {
             Attention::Auto => "auto",
             Attention::Flash => "flash",
             Attention::FlashMma => "flash_mma",
+            Attention::Cudnn => "cudnn",
             Attention::Materialized => "materialized",
         }
     }
 }
 
-/// The two implementations of the flash kernels.
+/// The implementations of flash attention: two of our own, and cuDNN's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FlashKernels {
     /// `kernels/flash_attn.cu`: WMMA 16x16x16 fragments, scores staged in shared memory.
@@ -77,17 +85,20 @@ pub enum FlashKernels {
     /// `kernels/flash_mma.cu`: `mma.sync` m16n8k16 register fragments, softmax in registers,
     /// tiles double-buffered by `cp.async`.
     Mma,
+    /// cuDNN's fused flash attention (`cudnn.rs`), flash_mma where cuDNN refuses.
+    Cudnn,
 }
 
 impl FlashKernels {
-    /// Both implementations, the one measured on an H100 first.
-    pub const ALL: [FlashKernels; 2] = [FlashKernels::Wmma, FlashKernels::Mma];
+    /// Every implementation, the one measured on an H100 first (the incumbent of the trials).
+    pub const ALL: [FlashKernels; 3] = [FlashKernels::Wmma, FlashKernels::Mma, FlashKernels::Cudnn];
 
     /// The name the train log gives the kernels (the `attention` value that picks them).
     pub fn name(self) -> &'static str {
         match self {
             FlashKernels::Wmma => "flash",
             FlashKernels::Mma => "flash_mma",
+            FlashKernels::Cudnn => "cudnn",
         }
     }
 
@@ -96,6 +107,7 @@ impl FlashKernels {
         match self {
             FlashKernels::Wmma => Attention::Flash,
             FlashKernels::Mma => Attention::FlashMma,
+            FlashKernels::Cudnn => Attention::Cudnn,
         }
     }
 }
@@ -140,7 +152,55 @@ pub fn flash_attention(
     kernels: FlashKernels,
 ) -> Result<Tensor> {
     checked(q, k, v, batch, heads, kv_heads)?;
+    if kernels == FlashKernels::Cudnn
+        && let Some(o) = try_cudnn(q, k, v, batch, heads, kv_heads, None)?
+    {
+        return Ok(o);
+    }
     imp::apply(q, k, v, batch, heads, kv_heads, kernels, None)
+}
+
+/// Why cuDNN's attention cannot run on `device` for `batch` rows of `t` tokens, `heads` /
+/// `kv_heads` heads of `d` (attending within documents with `docs`): no `cuda` build, no
+/// libcudnn, or a shape cuDNN refuses (its graphs are built to find out); `None` when it can.
+pub fn cudnn_unavailable(device: &Device, batch: usize, t: usize, heads: usize, kv_heads: usize, d: usize, docs: bool) -> Option<String> {
+    #[cfg(feature = "cuda")]
+    return cudnn::unavailable(device, batch, t, heads, kv_heads, d, docs);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (device, batch, t, heads, kv_heads, d, docs);
+        Some("this binary was built without the `cuda` feature".into())
+    }
+}
+
+/// cuDNN's attention ([`Attention::Cudnn`]) where it runs; `None` where it cannot (no libcudnn,
+/// a shape it refuses), said once per reason: the caller runs the flash_mma kernels.
+fn try_cudnn(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    docs: Option<&DocumentMask>,
+) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    let why = match cudnn::apply(q, k, v, batch, heads, kv_heads, docs)? {
+        Ok(o) => return Ok(Some(o)),
+        Err(why) => why,
+    };
+    #[cfg(not(feature = "cuda"))]
+    let why = {
+        let _ = (q, k, v, batch, heads, kv_heads, docs);
+        "this binary was built without the `cuda` feature".to_string()
+    };
+    static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
+    if !said.contains(&why) {
+        eprintln!("warning: cuDNN attention cannot run here ({why}); attention runs on flash_mma");
+        said.push(why);
+    }
+    Ok(None)
 }
 
 /// The checks of a flash attention call: shapes that split as the arguments say, and
@@ -183,6 +243,11 @@ pub fn flash_attention_docs(
     if (docs.rows(), docs.t()) != (batch, t) {
         candle_core::bail!("flash_attention: a document mask of {} rows of {} for {batch} rows of {t}", docs.rows(), docs.t());
     }
+    if kernels == FlashKernels::Cudnn
+        && let Some(o) = try_cudnn(q, k, v, batch, heads, kv_heads, Some(docs))?
+    {
+        return Ok(o);
+    }
     let starts = docs.starts_on(q.device())?;
     imp::apply(q, k, v, batch, heads, kv_heads, FlashKernels::Mma, Some(starts))
 }
@@ -202,5 +267,8 @@ mod imp {
 /// The flash attention op of a `cuda` build.
 #[cfg(feature = "cuda")]
 mod cuda;
+/// cuDNN's attention as a candle op (`cuda` builds).
+#[cfg(feature = "cuda")]
+mod cudnn;
 #[cfg(feature = "cuda")]
 use cuda as imp;

@@ -35,7 +35,7 @@ use crate::data::batch::{BatchShape, DeviceBatch, LoaderState};
 use crate::eval::bpb::BpbAccumulator;
 use crate::eval::validation::Validator;
 use crate::model::Gpt;
-use crate::model::flash_attn::Attention;
+use crate::model::flash_attn::{Attention, FlashKernels};
 use crate::runtime::control::StopReason;
 use crate::runtime::stage::{Ctx, Demand, Emitter};
 use crate::train::attention_choice;
@@ -76,7 +76,7 @@ pub struct Session {
     shape: BatchShape,
     vocab: u32,
     unigram_bpb: Option<f64>,
-    /// On a GPU, the attention trained with (`flash`, `flash_mma`, `materialized`).
+    /// On a GPU, the attention trained with (`flash`, `flash_mma`, `cudnn`, `materialized`).
     attention: Option<&'static str>,
     /// `attention = "auto"`'s trials and choice.
     auto_choice: Option<attention_choice::Choice>,
@@ -165,10 +165,14 @@ impl Session {
             model = model.with_attention(choice.kernels.attention());
             flash = Some(choice.kernels);
             auto_choice = Some(choice);
-        } else if p.attention == Attention::Auto && flash.is_some() && executor == ExecutorKind::Candle {
-            // The engine trains with kernels of its own (kernels/flash_mma.cu through its
-            // backend): candle's attention serves only the mirror's validation, which "auto"
-            // leaves on the WMMA kernels without a trial.
+        } else if p.attention == Attention::Auto && flash.is_some() {
+            // The candle path tries every implementation, the WMMA kernels the incumbent; the
+            // engine its own two (kernels/flash_mma.cu through its backend, and cuDNN), the
+            // mirror's validation then taking the same.
+            let kinds: &[FlashKernels] = match executor {
+                ExecutorKind::Candle => &FlashKernels::ALL,
+                ExecutorKind::Engine(_) => &[FlashKernels::Mma, FlashKernels::Cudnn],
+            };
             let m = &c.model;
             let at = AttentionShape {
                 batch: shape.rows,
@@ -179,7 +183,7 @@ impl Session {
             };
             let key = "stage `step_executor`, key `attention` = \"auto\"";
             let exe = attention_choice::this_binary().context(key)?;
-            let choice = attention_choice::choose_flash(&exe, &c.run.device, at, attention_choice::TIMEOUT).context(key)?;
+            let choice = attention_choice::choose_flash(&exe, &c.run.device, at, attention_choice::TIMEOUT, kinds).context(key)?;
             model = model.with_attention(choice.kernels.attention());
             flash = Some(choice.kernels);
             auto_choice = Some(choice);
@@ -233,8 +237,11 @@ impl Session {
             let timing = if p.sync_phases { "device (synchronised per phase)" } else { "device (CUDA events, no sync per phase)" };
             log.line(&format!("attention:{} phase_times:{timing}", flash.map_or("materialized", |k| k.name())));
             if let ExecutorKind::Engine(_) = executor {
+                // cuDNN where chosen (flash_mma, said in one line, where it refuses), else the
+                // engine's own flash_mma kernels.
+                let engine = if flash == Some(FlashKernels::Cudnn) { "cuDNN's fused attention" } else { "its own kernels (flash_mma)" };
                 log.line(&format!(
-                    "attention: the engine trains with its own kernels (flash_mma); {} is the candle mirror's, for validation (no attention trial)",
+                    "attention: the engine trains with {engine}; {} is the candle mirror's, for validation",
                     flash.map_or("materialized", |k| k.name())
                 ));
             }
