@@ -42,9 +42,15 @@
 #       activations of (a), (b) and (f): engine-check's per-op table (engine-check-f32.txt), the
 #       baseline for STEPS steps (ms/step, final val_loss, the arena), record-0427 for
 #       RECORD0427_STEPS;
+#   (i) cuDNN's fused attention (`attention = "cudnn"`, libcudnn.so.9 from the machine's PyTorch
+#       install): engine-check's op cases, whole engine and per-op table with --attention cudnn
+#       (runs/engine-check-cudnn.txt; attention's forward and backward TFLOP/s beside (a)'s
+#       flash_mma), the attention trial of cudnn, flash_mma and flash at the baseline's shapes
+#       (64 x 1024, 8/4 heads) and the 04-27 record's (48 x 2048), and the baseline for STEPS
+#       steps on the engine with attention "cudnn" against "flash_mma" (and (b)'s PyTorch);
 #   (e) everything above into OUT.
 #
-# PARTS (default abcdfgh) picks the parts to run, e.g. PARTS=abh; IMPLS (default "engine candle")
+# PARTS (default abcdfghi) picks the parts to run, e.g. PARTS=abh; IMPLS (default "engine candle")
 # the executors of (b).
 # SMOKE=1 runs every part on the CPU with a tiny model (the binary from BIN, the data
 # in IN as above but any tokenizer, SMOKE_VOCAB its vocabulary): a check of this script, not a
@@ -59,7 +65,7 @@ PT_STEPS=${PT_STEPS:-40}
 RECORD_STEPS=${RECORD_STEPS:-20}
 RECORD0427_STEPS=${RECORD0427_STEPS:-8}
 LOADER_STEPS=${LOADER_STEPS:-15}
-PARTS=${PARTS:-abcdfgh}
+PARTS=${PARTS:-abcdfghi}
 part() { [[ $PARTS == *$1* ]]; }
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -88,11 +94,13 @@ for f in "$IN"/sp1024/fineweb_train_000000.bin "$IN"/sp1024/fineweb_val_000000.b
   [[ -f $f ]] || { echo "missing $f (scripts/first-light-pack.sh prepares $IN)" >&2; exit 1; }
 done
 IN=$(cd "$IN" && pwd)
-# cuBLAS, cuRAND, NVRTC and NCCL come from the machine's PyTorch cu13 install (the driver
+# cuBLAS, cuRAND, NVRTC, NCCL and cuDNN come from the machine's PyTorch cu13 install (the driver
 # supplies libcuda).
-if libdir=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' 2>/dev/null) && [[ -d $libdir ]]; then
-  export LD_LIBRARY_PATH="$libdir:${LD_LIBRARY_PATH:-}"
-fi
+for lib in cu13/lib cudnn/lib; do
+  if libdir=$(python3 -c "import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], '$lib'))" 2>/dev/null) && [[ -d $libdir ]]; then
+    export LD_LIBRARY_PATH="$libdir:${LD_LIBRARY_PATH:-}"
+  fi
+done
 
 DEVICE=cuda:0 PIN=pinned UPLOAD=stream DTYPE=bf16
 tiny=() tiny_baseline=() tiny_record=()
@@ -327,6 +335,43 @@ else
     say "record-0427 on the engine, f32 arena$([[ -n $accum ]] && echo ", $accum micro-batches a step"): steady $(steady "$runs/record-0427-f32") ms/step, arena $(field "$runs/record-0427-f32" "round(r['train']['engine']['arena_bytes'] / 2**30, 1)") GiB, final val_loss $(field "$runs/record-0427-f32" "round(r['train']['val_loss'], 4)")"
   fi
 fi
+fi
+
+# --- (i) cuDNN's fused attention ------------------------------------------------------------------
+if part i; then
+say "== (i) cuDNN attention: engine-check --attention cudnn, the attention trials, the baseline with cudnn and flash_mma"
+if [[ $SMOKE == 1 ]]; then
+  say "cuDNN is the GPU backend's: engine-check --attention cudnn refuses the CPU (checked), the rest is not run in the smoke"
+  if "$BIN" engine-check --device cpu --attention cudnn > "$runs/engine-check-cudnn.txt" 2>&1; then
+    fail "engine-check --attention cudnn ran on the CPU"
+  fi
+else
+  "$BIN" engine-check --device "$DEVICE" --attention cudnn > "$runs/engine-check-cudnn.txt" 2>&1 || fail "engine-check --attention cudnn (runs/engine-check-cudnn.txt)"
+  grep -E '^(engine-check|timings)|cudnn|attention_(fwd|bwd)|micro-batch: |FAILED|warning' "$runs/engine-check-cudnn.txt" | sed 's/^/cudnn /' | tee -a "$summary"
+  grep -E 'attention_(fwd|bwd)' "$OUT/engine-check.txt" | sed 's/^/flash_mma /' | tee -a "$summary"
+  for shape in "64 1024" "48 2048"; do
+    set -- $shape
+    for k in cudnn flash_mma flash; do
+      line=$("$BIN" attention-trial --device "$DEVICE" --kernels "$k" --batch "$1" --seq-len "$2" --heads 8 --kv-heads 4 --head-dim 64 2>&1 | tail -1)
+      say "attention trial $k at $1 x $2: $line"
+    done
+  done
+  for att in cudnn flash_mma; do
+    if train pipelines/baseline.toml "baseline-$att" "${common1024[@]}" --set train.iterations="$STEPS" --set stages.train.impl='"engine"' \
+         --set stages.train.attention="\"$att\""; then
+      ms[$att]=$(steady "$runs/baseline-$att")
+      say "baseline engine, attention $att: steady ${ms[$att]} ms/step, final val_loss $(field "$runs/baseline-$att" "round(r['train']['val_loss'], 4)")"
+    else
+      fail "baseline, attention $att (runs/baseline-$att.out): $(tail -2 "$runs/baseline-$att.out" | tr '\n' ' ')"
+    fi
+  done
+  grep -h "cuDNN" "$runs"/baseline-cudnn.out | head -3 | tee -a "$summary"
+  if [[ -n ${ms[cudnn]:-} && -n ${ms[flash_mma]:-} ]]; then
+    say "cudnn / flash_mma throughput: $(python3 -c "print(f'{${ms[flash_mma]} / ${ms[cudnn]}:.2f}x')")"
+    [[ -n ${pt:-} ]] && say "cudnn / pytorch throughput: $(python3 -c "print(f'{$pt / ${ms[cudnn]}:.2f}x')") (target: 1.2x)"
+  fi
+fi
+
 fi
 
 # --- (e) the results ------------------------------------------------------------------------------
