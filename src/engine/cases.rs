@@ -458,14 +458,7 @@ pub fn cases() -> Vec<Case> {
             len: attn_len,
             bound: ATTENTION,
             run: |be| {
-                // BOS at a sequence's start, mid-sequence, twice in a row, at a sequence's last position
-                // (one tile each: tests/warp_emu/flash_mma_check.cpp takes documents across tiles).
-                let (mut x, y) = tokens(10);
-                let bos = 1;
-                for p in [0, 17, 64 + 40, 64 + 41, 64 + 63] {
-                    x[p] = bos;
-                }
-                be.set_tokens(&x, &y);
+                let bos = document_tokens(be);
                 attention_case(be, Some(bos));
             },
         },
@@ -475,12 +468,7 @@ pub fn cases() -> Vec<Case> {
             len: attn_len,
             bound: ATTENTION,
             run: |be| {
-                let (mut x, y) = tokens(10);
-                let bos = 1;
-                for p in [0, 17, 64 + 40, 64 + 41, 64 + 63] {
-                    x[p] = bos;
-                }
-                be.set_tokens(&x, &y);
+                let bos = document_tokens(be);
                 cudnn_case(be, Some(bos));
             },
         },
@@ -613,6 +601,19 @@ fn attention_case(be: &mut dyn Backend, docs: Option<u32>) {
     let (dq, dk) = (mat(&mut r, n, heads * d), mat(&mut r, n, kvh * d));
     let dv = mat(&mut r, n, w).cols((heads + kvh) * d, kvh * d);
     be.attention_bwd(q, k, v, out, dout, dq, dk, dv, true, s);
+}
+
+/// Loads token ids cut into documents (BOS at a sequence's start, mid-sequence, twice in a row,
+/// at a sequence's last position; one flash tile each: tests/warp_emu/flash_mma_check.cpp takes
+/// documents across tiles); the BOS id.
+fn document_tokens(be: &mut dyn Backend) -> u32 {
+    let (mut x, y) = tokens(10);
+    let bos = 1;
+    for p in [0, 17, 64 + 40, 64 + 41, 64 + 63] {
+        x[p] = bos;
+    }
+    be.set_tokens(&x, &y);
+    bos
 }
 
 /// [`attention_case`] on cuDNN where the backend has it (the GPU backend; where cuDNN refuses,
