@@ -44,8 +44,8 @@
 #       RECORD0427_STEPS;
 #   (i) cuDNN's fused attention (`attention = "cudnn"`, libcudnn.so.9 from the machine's PyTorch
 #       install): engine-check's op cases, whole engine and per-op table with --attention cudnn
-#       (runs/engine-check-cudnn.txt; attention's forward and backward TFLOP/s beside (a)'s
-#       flash_mma), the attention trial of cudnn, flash_mma and flash at the baseline's shapes
+#       at the baseline's and the 04-27 record's shapes (runs/engine-check-*cudnn.txt;
+#       attention's forward and backward TFLOP/s beside (a)'s flash_mma), the attention trial of cudnn, flash_mma and flash at the baseline's shapes
 #       (64 x 1024, 8/4 heads) and the 04-27 record's (48 x 2048), and the baseline for STEPS
 #       steps on the engine with attention "cudnn" against "flash_mma" (and (b)'s PyTorch);
 #   (e) everything above into OUT.
@@ -349,6 +349,11 @@ else
   "$BIN" engine-check --device "$DEVICE" --attention cudnn > "$runs/engine-check-cudnn.txt" 2>&1 || fail "engine-check --attention cudnn (runs/engine-check-cudnn.txt)"
   grep -E '^(engine-check|timings)|cudnn|attention_(fwd|bwd)|micro-batch: |FAILED|warning' "$runs/engine-check-cudnn.txt" | sed 's/^/cudnn /' | tee -a "$summary"
   grep -E 'attention_(fwd|bwd)' "$OUT/engine-check.txt" | sed 's/^/flash_mma /' | tee -a "$summary"
+  # The 04-27 record's shapes: documents, so cuDNN's ragged graphs (24 x 2048 = 49,152 slots).
+  "$BIN" engine-check --device "$DEVICE" --attention cudnn --timing record-0427 > "$runs/engine-check-record-cudnn.txt" 2>&1 \
+    || fail "engine-check --attention cudnn --timing record-0427 (runs/engine-check-record-cudnn.txt)"
+  grep -E '^timings|attention_(fwd|bwd)|micro-batch: |warning' "$runs/engine-check-record-cudnn.txt" | sed 's/^/record-0427 cudnn /' | tee -a "$summary"
+  [[ -f $OUT/engine-check-record.txt ]] && grep -E 'attention_(fwd|bwd)' "$OUT/engine-check-record.txt" | sed 's/^/record-0427 flash_mma /' | tee -a "$summary"
   for shape in "64 1024" "48 2048"; do
     set -- $shape
     for k in cudnn flash_mma flash; do
