@@ -89,6 +89,26 @@ pub fn causal_descs(batch: usize, t: usize, heads: usize, kv_heads: usize, d: us
     (fwd, bwd)
 }
 
+/// The packed ragged slots of `rows.len()` rows of `t` positions whose documents are
+/// `rows[r]` (`(start, len)` pairs in order, covering the row): row r's documents in slots
+/// `r t ..` in order, then its unused slots (length 0) starting at the row's end, so that each
+/// slot starts where the one before ends. Returns each slot's length (`rows x t`) and first
+/// position (`rows x t + 1`, the last the end): a tensor's ragged offsets are those times its
+/// row stride. The engine's `eng_doc_slots` computes the same on the device.
+pub fn packed_slots(t: usize, rows: &[Vec<(usize, usize)>]) -> (Vec<u32>, Vec<u32>) {
+    let n = rows.len() * t;
+    let (mut lens, mut starts) = (vec![0u32; n], Vec::with_capacity(n + 1));
+    for (r, docs) in rows.iter().enumerate() {
+        for (j, &(start, len)) in docs.iter().enumerate() {
+            lens[r * t + j] = len as u32;
+            starts.push((r * t + start) as u32);
+        }
+        starts.resize(starts.len() + t - docs.len(), ((r + 1) * t) as u32);
+    }
+    starts.push(n as u32);
+    (lens, starts)
+}
+
 /// What one cuDNN graph computes; equal descriptors share a built graph (the cache's key).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SdpaDesc {

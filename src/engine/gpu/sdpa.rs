@@ -285,6 +285,18 @@ impl<D: Device> KernelBackend<D> {
         (Space::Tokens, t.slot_len())
     }
 
+    /// The slots' lengths and first positions (`n + 1`, the end last) as `eng_doc_slots`
+    /// made them from the loaded ids (tests).
+    #[cfg(test)]
+    pub(super) fn doc_slots_read(&mut self, s: AttnShape, bos: u32) -> (Vec<u32>, Vec<u32>) {
+        let n = s.batch * s.t;
+        self.cudnn.lens_for = None;
+        self.doc_slots(s, bos);
+        let at = self.offsets(s, 1);
+        let read = |off, len| self.dev.read(Space::Tokens, off, len).expect("reading the slots");
+        (read(self.tokens.slot_len(), n), read(at.1, n + 1))
+    }
+
     /// The ragged offsets `start * unit` of the micro-batch's `n` slots (after
     /// [`Self::doc_slots`]; written at the first call of the micro-batch that asks for `unit`).
     fn offsets(&mut self, s: AttnShape, unit: usize) -> Loc {

@@ -95,6 +95,34 @@ fn the_op_cases_launch_every_kernel() {
     assert!(missing.is_empty(), "kernels no case launches: {missing:?}");
 }
 
+/// The device's document slots for cuDNN's ragged attention (`eng_doc_slots`: lengths, and the
+/// offsets of a unit stride, `eng_ragged_offsets`) are the host's packing of the same documents
+/// ([`crate::device::cudnn::packed_slots`], which the candle path uploads): rows with one
+/// document, several, BOS twice in a row, at a row's last position, across 32-position chunks.
+#[test]
+fn the_devices_document_slots_are_the_hosts_packing() {
+    use crate::engine::backend::AttnShape;
+    let mut be = case_backend(emu::emulator(), "doc-slots");
+    // Two rows of 64 (the case backend's capacity): documents at 0, 31, 32, 33 and 63 in the
+    // first, one document in the second.
+    let (rows, t, bos) = (2, 64, 7u32);
+    // The micro-batch holds `cases::N` ids; the rows are its first `rows x t`.
+    let mut ids: Vec<u32> = (0..cases::N).map(|i| 8 + (i as u32 * 37) % 30).collect();
+    for p in [0, 31, 32, 33, 63] {
+        ids[p] = bos;
+    }
+    be.set_tokens(&ids, &ids);
+    ids.truncate(rows * t);
+    let s = AttnShape { batch: rows, t, heads: 2, kv_heads: 1, d: 64, docs: Some(bos) };
+    let got = be.doc_slots_read(s, bos);
+    let mask = crate::model::ops::DocumentMask::at_token(&ids, t, bos).unwrap();
+    let segments: Vec<Vec<(usize, usize)>> = (0..rows).map(|r| mask.segments(r)).collect();
+    let want = crate::device::cudnn::packed_slots(t, &segments);
+    assert_eq!(got, want);
+    assert_eq!((&want.0[..6], &want.1[..6]), (&[31, 1, 1, 30, 1, 0][..], &[0, 31, 32, 33, 63, 64][..]));
+    assert_eq!((want.0[t], want.0[t + 1], want.1[t], want.1[t + 1], want.1[2 * t]), (64, 0, 64, 128, 128));
+}
+
 /// The CUDA device takes a stream of its own (`new_stream`: non-blocking), never a default
 /// one: on cudarc's `default_stream()` (the legacy NULL stream) `cuStreamBeginCapture` is
 /// refused and every unit would run op by op; on the per-thread stream the capture would take

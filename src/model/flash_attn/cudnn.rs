@@ -18,7 +18,7 @@ use candle_core::op::BackpropOp;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, bail};
 
 use crate::device::cudnn::ffi::Cudnn;
-use crate::device::cudnn::{SdpaCache, SdpaDesc, SdpaPtrs, causal_descs};
+use crate::device::cudnn::{SdpaCache, SdpaDesc, SdpaPtrs, causal_descs, packed_slots};
 use crate::model::ops::DocumentMask;
 
 /// The graph caches, one per GPU (by ordinal), or why cuDNN cannot run there.
@@ -74,24 +74,13 @@ impl Ragged {
     fn new(docs: &DocumentMask, heads: usize, kv_heads: usize, d: usize, device: &candle_core::Device) -> Result<Self> {
         let (rows, t) = (docs.rows(), docs.t());
         let n = rows * t;
-        // Packed as the engine's `eng_doc_slots` packs them: row b's documents in slots b t ..
-        // in order, then its unused slots (length 0) at the row's end; the offsets are the
-        // slots' first positions times the row stride, the last entry the end.
-        let (mut lens, mut starts) = (vec![0u32; n], Vec::with_capacity(n + 1));
-        for b in 0..rows {
-            let segments = docs.segments(b);
-            for (j, &(start, len)) in segments.iter().enumerate() {
-                lens[b * t + j] = len as u32;
-                starts.push(b * t + start);
-            }
-            starts.resize(starts.len() + t - segments.len(), (b + 1) * t);
-        }
-        starts.push(n);
+        let segments: Vec<Vec<(usize, usize)>> = (0..rows).map(|b| docs.segments(b)).collect();
+        let (lens, starts) = packed_slots(t, &segments);
         let offsets = |unit: usize| -> Result<Tensor> {
             if (n * unit) > i32::MAX as usize {
                 bail!("cuDNN attention: ragged offsets of {n} positions of {unit} elements overflow int32");
             }
-            Tensor::from_vec(starts.iter().map(|&p| (p * unit) as u32).collect::<Vec<_>>(), n + 1, device)
+            Tensor::from_vec(starts.iter().map(|&p| p * unit as u32).collect::<Vec<_>>(), n + 1, device)
         };
         Ok(Ragged {
             lens: Tensor::from_vec(lens, n, device)?,
