@@ -120,12 +120,6 @@ struct Place {
 }
 
 impl<D: Device> KernelBackend<D> {
-    /// Attention on cuDNN (`on`), falling back to flash_mma where cuDNN refuses.
-    pub fn with_cudnn(mut self, on: bool) -> Self {
-        self.cudnn.on = on;
-        self
-    }
-
     /// What attention runs: `cudnn`, or `flash_mma` (with cuDNN's refusal, if it was asked).
     pub(super) fn attention_name(&self) -> String {
         match (&self.cudnn.refused, self.cudnn.on) {
