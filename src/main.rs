@@ -59,6 +59,9 @@ enum Command {
         /// Ranks to start (each takes 1/N of every step's micro-batches).
         #[arg(long)]
         nproc: usize,
+        /// Every rank's training log on stdout, each line tagged `[r] ` (default: rank 0's).
+        #[arg(long)]
+        all_ranks: bool,
         #[command(flatten)]
         args: RunArgs,
     },
@@ -300,8 +303,8 @@ fn main() -> ExitCode {
             cli::ranks::leave(code);
             code
         }
-        Command::Launch { nproc, args: RunArgs { config, out, sets, quiet, resume } } => {
-            cli::launch::command(config, cli::launch::Options { nproc, sets, out, resume, quiet })
+        Command::Launch { nproc, all_ranks, args: RunArgs { config, out, sets, quiet, resume } } => {
+            cli::launch::command(config, cli::launch::Options { nproc, sets, out, resume, quiet, all_ranks })
         }
         Command::Ablate { config, varies, grid, seeds, out, sets, quiet } => {
             cli::ablate::command(config, cli::ablate::Options { varies, grid, seeds, out, sets, quiet })

@@ -9,6 +9,11 @@
 //!   `RANK`, `WORLD_SIZE`, `LOCAL_RANK` and the id in the environment, and watches them: the
 //!   first that fails is named, and the others get SIGTERM (then SIGKILL after 10 s).
 //!
+//! Output reads like torchrun's: rank 0's training log only (`--all-ranks`: every rank's, each
+//! line tagged `[r] `), errors from every rank, `-q` honoured by all, and a progress bar only
+//! when the launcher's own stdout is a terminal ([`crate::runtime::console`]: under `mpirun` a
+//! rank's stdout is a pseudo-terminal even when the job's output goes to a file).
+//!
 //! Each rank gets `RAYON_NUM_THREADS` = cores / N unless it is set, so N ranks do not run N
 //! times as many threads as the machine has cores, and `LAUNCH_COLLECTIVE=1`: even `--nproc 1`
 //! trains through the transport (its collectives against a plain `pipeline run`'s none, as
@@ -33,6 +38,8 @@ pub struct Options {
     pub resume: Option<PathBuf>,
     /// `--quiet`, passed on.
     pub quiet: bool,
+    /// Every rank's training log on stdout, each line tagged `[r] ` (else rank 0's only).
+    pub all_ranks: bool,
 }
 
 /// Starts the ranks and waits for them; returns the job's exit code.
@@ -78,17 +85,24 @@ fn launch(config: &Path, o: &Options) -> anyhow::Result<i32> {
     // group), which stop and report; the launcher then returns their exit code.
     let signals =
         signal_hook::iterator::Signals::new([signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM, signal_hook::consts::SIGHUP])?;
+    // What the ranks print: rank 0's lines (or every rank's, tagged), and a progress bar only
+    // when this launcher's own output is a terminal (mpirun gives ranks a pty regardless).
+    use std::io::IsTerminal;
+    let console = [
+        (crate::runtime::console::OUTPUT_VAR, if o.all_ranks { "all" } else { "rank0" }),
+        (crate::runtime::console::TERMINAL_VAR, if std::io::stdout().is_terminal() { "1" } else { "0" }),
+    ];
     let code = if loaded.config.run.device == "cpu" {
-        over_mpi(&exe, &args, o.nproc, &threads)
+        over_mpi(&exe, &args, o.nproc, &threads, &console)
     } else {
-        own_ranks(&exe, &args, o.nproc, &threads, &loaded.config.run.device)
+        own_ranks(&exe, &args, o.nproc, &threads, &loaded.config.run.device, &console)
     };
     drop(signals);
     code
 }
 
 /// `mpirun -n N` (Open MPI) or `mpiexec -n N` (MPICH) running `exe args`.
-fn over_mpi(exe: &Path, args: &[String], n: usize, threads: &str) -> anyhow::Result<i32> {
+fn over_mpi(exe: &Path, args: &[String], n: usize, threads: &str, console: &[(&str, &str)]) -> anyhow::Result<i32> {
     anyhow::ensure!(cfg!(feature = "mpi"), "{}", crate::dist::NO_MPI);
     let version = Command::new("mpirun")
         .arg("--version")
@@ -106,7 +120,7 @@ fn over_mpi(exe: &Path, args: &[String], n: usize, threads: &str) -> anyhow::Res
         }
     }
     // The collective even for --nproc 1 (its cost against a plain run is then measurable).
-    cmd.arg(exe).args(args).env("RAYON_NUM_THREADS", threads).env(crate::dist::COLLECTIVE_VAR, "1");
+    cmd.arg(exe).args(args).env("RAYON_NUM_THREADS", threads).env(crate::dist::COLLECTIVE_VAR, "1").envs(console.iter().copied());
     let status = cmd.status().map_err(|e| anyhow::anyhow!("cannot start mpirun: {e}"))?;
     Ok(exit_code(status))
 }
@@ -125,7 +139,7 @@ fn exit_code(status: std::process::ExitStatus) -> i32 {
 }
 
 /// N processes started here (GPU ranks), watched until all end or one fails.
-fn own_ranks(exe: &Path, args: &[String], n: usize, threads: &str, device: &str) -> anyhow::Result<i32> {
+fn own_ranks(exe: &Path, args: &[String], n: usize, threads: &str, device: &str, console: &[(&str, &str)]) -> anyhow::Result<i32> {
     let id = Some(crate::dist::new_nccl_id(device)?);
     let mut children: Vec<Option<Child>> = Vec::with_capacity(n);
     for rank in 0..n {
@@ -135,7 +149,8 @@ fn own_ranks(exe: &Path, args: &[String], n: usize, threads: &str, device: &str)
             .env("WORLD_SIZE", n.to_string())
             .env("LOCAL_RANK", rank.to_string())
             .env("RAYON_NUM_THREADS", threads)
-            .env(crate::dist::COLLECTIVE_VAR, "1");
+            .env(crate::dist::COLLECTIVE_VAR, "1")
+            .envs(console.iter().copied());
         if let Some(id) = &id {
             cmd.env(crate::dist::NCCL_ID_VAR, id);
         }

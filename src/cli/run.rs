@@ -343,6 +343,8 @@ pub fn command(path: PathBuf, out: Option<PathBuf>, sets: Vec<String>, quiet: bo
             return 2;
         }
     };
+    // The training log's lines: rank 0's, or every rank's when the launcher asks (tagged).
+    crate::runtime::console::set(crate::runtime::console::Console::from_env(quiet, placement.rank));
     // Rank 0 speaks for the job; the others print only their errors, named.
     let (quiet, who) = match placement.rank {
         0 => (quiet, String::new()),

@@ -19,6 +19,7 @@ pub mod catalog;
 mod channel;
 pub mod clock;
 pub mod config;
+pub mod console;
 pub mod control;
 pub mod driver;
 pub mod error;

@@ -1,5 +1,6 @@
 //! The training log: the challenge script's line formats (so its log parsers work), a copy in
-//! `RUN_DIR/train.log`, a progress bar on a terminal, and the per-phase time breakdown.
+//! `RUN_DIR/train.log`, a progress bar on a terminal (stdout as [`console`] allows), and the
+//! per-phase time breakdown.
 //!
 //! Line formats (spec 3.9):
 //! - `step:N/M train_loss:X train_time:Tms step_avg:Sms`
@@ -9,7 +10,7 @@
 //!   val:..ms` (means per step over the last K steps; `val` is validation time spread over them).
 
 use std::fs::File;
-use std::io::{BufWriter, IsTerminal, Write};
+use std::io::{BufWriter, Write};
 use std::path::Path;
 use std::time::Duration;
 
@@ -17,24 +18,31 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 
+use crate::runtime::console;
 use crate::train::config::TrainConfig;
 
-/// Writes log lines to stdout (above the progress bar on a terminal) and to `train.log`.
+/// Writes log lines to stdout (above the progress bar on a terminal; as the process's
+/// [`console`] allows: not under `-q`, rank 0's only among ranks unless every rank's is asked
+/// for, tagged then) and to `train.log` (always).
 pub struct TrainLog {
     file: Option<BufWriter<File>>,
     bar: Option<ProgressBar>,
+    /// What stdout gets: `None` for nothing, else each line's prefix.
+    stdout: Option<String>,
 }
 
 impl TrainLog {
     /// A log writing `RUN_DIR/train.log` when `run_dir` is given (appending to it when
-    /// `append`, as a resumed run does); with a progress bar of `total_steps` when stdout is a
-    /// terminal and `progress` is true.
+    /// `append`, as a resumed run does); with a progress bar of `total_steps` when `progress`
+    /// is true and the console has room for one (a terminal, one process speaking).
     pub fn new(run_dir: Option<&Path>, total_steps: u64, progress: bool, append: bool) -> anyhow::Result<Self> {
         let file = match run_dir {
             Some(d) => Some(BufWriter::new(open_log(&d.join("train.log"), append)?)),
             None => None,
         };
-        let bar = (progress && std::io::stdout().is_terminal()).then(|| {
+        let console = console::get();
+        let stdout = console.prints_lines().then(|| console.prefix());
+        let bar = (progress && console.bar()).then(|| {
             let b = ProgressBar::with_draw_target(Some(total_steps), ProgressDrawTarget::stdout());
             b.set_style(
                 ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]")
@@ -42,17 +50,18 @@ impl TrainLog {
             );
             b
         });
-        Ok(Self { file, bar })
+        Ok(Self { file, bar, stdout })
     }
 
     /// Logs one line.
     pub fn line(&mut self, s: &str) {
-        match &self.bar {
-            Some(b) => b.println(s),
+        match (&self.bar, &self.stdout) {
+            (Some(b), _) => b.println(s),
             // A closed terminal (SIGHUP) or pipe must not stop training: the file has the line.
-            None => {
-                let _ = writeln!(std::io::stdout().lock(), "{s}");
+            (None, Some(prefix)) => {
+                let _ = writeln!(std::io::stdout().lock(), "{prefix}{s}");
             }
+            (None, None) => {}
         }
         if let Some(f) = self.file.as_mut() {
             // A log that cannot be written must not stop training; stdout still has it.
@@ -89,22 +98,27 @@ fn open_log(path: &Path, append: bool) -> anyhow::Result<File> {
     std::fs::OpenOptions::new().append(true).create(true).open(path).with_context(|| format!("cannot open {}", path.display()))
 }
 
-/// Log lines of the stages after training (averaging, artifact, evaluation): stdout and the
-/// end of `RUN_DIR/train.log`, which they open only when they have something to say (the
-/// executor writes the file first).
+/// Log lines of the stages after training (averaging, artifact, evaluation): stdout (as the
+/// process's [`console`] allows, as for the training log) and the end of `RUN_DIR/train.log`,
+/// which they open only when they have something to say (the executor writes the file first).
 pub struct StageLog {
     path: Option<std::path::PathBuf>,
+    /// What stdout gets: `None` for nothing, else each line's prefix.
+    stdout: Option<String>,
 }
 
 impl StageLog {
     /// A log appending to `RUN_DIR/train.log` when `run_dir` is given.
     pub fn new(run_dir: Option<&Path>) -> Self {
-        Self { path: run_dir.map(|d| d.join("train.log")) }
+        let console = console::get();
+        Self { path: run_dir.map(|d| d.join("train.log")), stdout: console.prints_lines().then(|| console.prefix()) }
     }
 
     /// Logs one line.
     pub fn line(&self, s: &str) {
-        let _ = writeln!(std::io::stdout().lock(), "{s}");
+        if let Some(prefix) = &self.stdout {
+            let _ = writeln!(std::io::stdout().lock(), "{prefix}{s}");
+        }
         if let Some(p) = &self.path {
             // As for the training log: stdout still has the line if the file cannot take it.
             if let Ok(mut f) = open_log(p, true) {
