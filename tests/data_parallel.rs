@@ -168,36 +168,38 @@ fn two_ranks_train_the_weights_of_one() {
 /// A launch whose output goes to a file (as `pipeline launch ... > log`), as torchrun's reads:
 /// rank 0's training and stage lines once each, no progress bar's escape codes (under mpirun a
 /// rank's stdout is a pseudo-terminal even then); `--all-ranks` gives every rank's, tagged
-/// `[r] `; `-q` none, the report still printed.
+/// `[r] `; `-q` the same log without the `pipeline:` lines.
 #[test]
 fn a_redirected_launch_reads_like_one_run() {
     let Some(_alone) = with_mpi() else { return };
     let c = tiny::corpus("dp-console");
     let cfg = config(&c);
-    let run = |name: &str, flags: &[&str]| -> (String, std::path::PathBuf) {
+    // (stdout, stderr, run directory)
+    let run = |name: &str, flags: &[&str]| -> (String, String, std::path::PathBuf) {
         let out = scratch(name);
         let log = out.with_extension("log");
         let mut cmd = bin();
         cmd.arg("launch").arg("--nproc").arg("2").args(flags).arg(&cfg).arg("--out").arg(&out);
         cmd.stdout(std::fs::File::create(&log).unwrap()).stderr(std::fs::File::create(out.with_extension("err")).unwrap());
         let status = wait_or_kill(&mut cmd.spawn().unwrap(), Duration::from_secs(240), name);
-        let text = std::fs::read_to_string(&log).unwrap();
-        assert!(status.success(), "{name}: {text}{}", std::fs::read_to_string(out.with_extension("err")).unwrap());
-        assert!(!text.contains('\x1b'), "{name}: escape codes in a redirected log:\n{text}");
-        (text, out)
+        let (text, errors) = (std::fs::read_to_string(&log).unwrap(), std::fs::read_to_string(out.with_extension("err")).unwrap());
+        assert!(status.success(), "{name}: {text}{errors}");
+        assert!(!text.contains('\x1b') && !errors.contains('\x1b'), "{name}: escape codes in a redirected log:\n{text}{errors}");
+        (text, errors, out)
     };
     let steps = |t: &str, prefix: &str| t.lines().filter(|l| l.strip_prefix(prefix).is_some_and(|l| l.starts_with("step:"))).count();
-    let (plain, dir) = run("dp-console-plain", &[]);
+    let (plain, plain_errors, dir) = run("dp-console-plain", &[]);
     let train_log = std::fs::read_to_string(dir.join("train.log")).unwrap();
     // Rank 0's lines, each once: the training log's step lines as train.log has them.
     assert!(steps(&plain, "") > 0 && steps(&plain, "") == steps(&train_log, ""), "{plain}");
     assert!(!plain.contains("[1] ") && plain.contains("quantized val_loss"), "{plain}");
     assert_eq!(plain.matches("quantized val_loss").count(), train_log.matches("quantized val_loss").count(), "{plain}");
-    let (all, _) = run("dp-console-all", &["--all-ranks"]);
+    let (all, _, _) = run("dp-console-all", &["--all-ranks"]);
     assert!(steps(&all, "[0] ") == steps(&plain, "") && steps(&all, "[1] ") == steps(&plain, ""), "{all}");
     assert_eq!(steps(&all, ""), 0, "{all}");
-    let (quiet, _) = run("dp-console-quiet", &["-q"]);
-    assert!(steps(&quiet, "") + steps(&quiet, "[0] ") + steps(&quiet, "[1] ") == 0 && !quiet.contains("quantized val_loss"), "{quiet}");
+    let (quiet, quiet_errors, _) = run("dp-console-quiet", &["-q"]);
+    assert!(steps(&quiet, "") == steps(&plain, "") && steps(&quiet, "[1] ") == 0, "{quiet}");
+    assert!(plain_errors.contains("pipeline: run directory") && !quiet_errors.contains("pipeline: run directory"), "{quiet_errors}");
     assert!(quiet.contains("completed"), "the report is printed under -q: {quiet}");
 }
 

@@ -1,7 +1,7 @@
 //! What this process prints to its console, decided once per process: a run alone prints its
-//! progress lines unless quiet; among the ranks `pipeline launch` started, only rank 0 does,
-//! unless the launcher asked for every rank's lines (each then tagged `[r] `), as `torchrun`
-//! does. A progress bar is drawn only on a real terminal: the launcher says whether its own
+//! training log; among the ranks `pipeline launch` started, only rank 0 does, unless the
+//! launcher asked for every rank's lines (each then tagged `[r] `), as `torchrun` does; `-q`
+//! drops the progress bar. A progress bar is drawn only on a real terminal: the launcher says whether its own
 //! output is one ([`TERMINAL_VAR`]), because under `mpirun` a rank's stdout is a pseudo-terminal
 //! even when the job's output goes to a file (Open MPI), and a bar's escape codes would land in
 //! that file.
@@ -17,7 +17,7 @@ pub const TERMINAL_VAR: &str = "LAUNCH_TERMINAL";
 /// The console's settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Console {
-    /// `-q`: no progress lines (errors and the final report only).
+    /// `-q`: no progress bar.
     pub quiet: bool,
     /// This process's rank (0 alone).
     pub rank: usize,
@@ -43,9 +43,9 @@ impl Console {
         Console { quiet, rank, all_ranks: output == Some("all"), terminal }
     }
 
-    /// Whether progress lines go to stdout.
+    /// Whether the training log's lines go to stdout.
     pub fn prints_lines(&self) -> bool {
-        !self.quiet && (self.rank == 0 || self.all_ranks)
+        self.rank == 0 || self.all_ranks
     }
 
     /// What each printed line starts with: `[r] ` when every rank prints.
@@ -53,9 +53,9 @@ impl Console {
         if self.all_ranks { format!("[{}] ", self.rank) } else { String::new() }
     }
 
-    /// Whether a progress bar may be drawn: one process's, on a terminal.
+    /// Whether a progress bar may be drawn: one process's, on a terminal, not under `-q`.
     pub fn bar(&self) -> bool {
-        self.terminal && self.prints_lines() && !self.all_ranks
+        self.terminal && !self.quiet && self.prints_lines() && !self.all_ranks
     }
 }
 
@@ -77,13 +77,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rank_zero_speaks_unless_every_rank_is_asked_for_and_quiet_silences_all() {
+    fn rank_zero_speaks_unless_every_rank_is_asked_for() {
         let c = |quiet, rank, output| Console::from_vars(quiet, rank, output, Some("0"));
         assert!(c(false, 0, None).prints_lines() && c(false, 0, Some("rank0")).prints_lines());
         assert!(!c(false, 1, Some("rank0")).prints_lines());
         assert!(c(false, 1, Some("all")).prints_lines());
         assert_eq!((c(false, 1, Some("all")).prefix(), c(false, 0, None).prefix()), ("[1] ".to_string(), String::new()));
-        assert!(!c(true, 0, None).prints_lines() && !c(true, 1, Some("all")).prints_lines());
+        // `-q` drops the bar, not the log.
+        assert!(c(true, 0, None).prints_lines() && !c(true, 1, Some("rank0")).prints_lines());
     }
 
     #[test]

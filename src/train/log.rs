@@ -22,8 +22,8 @@ use crate::runtime::console;
 use crate::train::config::TrainConfig;
 
 /// Writes log lines to stdout (above the progress bar on a terminal; as the process's
-/// [`console`] allows: not under `-q`, rank 0's only among ranks unless every rank's is asked
-/// for, tagged then) and to `train.log` (always).
+/// [`console`] allows: rank 0's only among ranks unless every rank's is asked for, tagged then)
+/// and to `train.log` (always).
 pub struct TrainLog {
     file: Option<BufWriter<File>>,
     bar: Option<ProgressBar>,
