@@ -160,6 +160,8 @@ fn engine_check_refuses_bad_arguments() {
         (&["--device", "cpu", "--rows", "0"], "--rows"),
         (&["--device", "cpu", "--activations", "bf16"], "--activations"),
         (&["--device", "cpu", "--activations", "fp8"], "--activations"),
+        (&["--device", "cpu", "--attention", "cudnn"], "--attention cudnn is the GPU backend's"),
+        (&["--device", "cpu", "--attention", "flash3"], "--attention \"flash3\": use flash_mma or cudnn"),
     ] {
         let o = common::bin().arg("engine-check").args(args).output().unwrap();
         assert_eq!(o.status.code(), Some(2), "{args:?}\n{}", text(&o));

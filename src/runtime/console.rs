@@ -48,9 +48,10 @@ impl Console {
         self.rank == 0 || self.all_ranks
     }
 
-    /// What each printed line starts with: `[r] ` when every rank prints.
-    pub fn prefix(&self) -> String {
-        if self.all_ranks { format!("[{}] ", self.rank) } else { String::new() }
+    /// What each printed line starts with (`[r] ` when every rank prints); `None` where the
+    /// log's lines do not go to stdout.
+    pub fn line_prefix(&self) -> Option<String> {
+        self.prints_lines().then(|| if self.all_ranks { format!("[{}] ", self.rank) } else { String::new() })
     }
 
     /// Whether a progress bar may be drawn: one process's, on a terminal, not under `-q`.
@@ -82,7 +83,8 @@ mod tests {
         assert!(c(false, 0, None).prints_lines() && c(false, 0, Some("rank0")).prints_lines());
         assert!(!c(false, 1, Some("rank0")).prints_lines());
         assert!(c(false, 1, Some("all")).prints_lines());
-        assert_eq!((c(false, 1, Some("all")).prefix(), c(false, 0, None).prefix()), ("[1] ".to_string(), String::new()));
+        assert_eq!((c(false, 1, Some("all")).line_prefix(), c(false, 0, None).line_prefix()), (Some("[1] ".into()), Some(String::new())));
+        assert_eq!(c(false, 1, Some("rank0")).line_prefix(), None);
         // `-q` drops the bar, not the log.
         assert!(c(true, 0, None).prints_lines() && !c(true, 1, Some("rank0")).prints_lines());
     }

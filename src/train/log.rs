@@ -41,7 +41,7 @@ impl TrainLog {
             None => None,
         };
         let console = console::get();
-        let stdout = console.prints_lines().then(|| console.prefix());
+        let stdout = console.line_prefix();
         let bar = (progress && console.bar()).then(|| {
             let b = ProgressBar::with_draw_target(Some(total_steps), ProgressDrawTarget::stdout());
             b.set_style(
@@ -110,8 +110,7 @@ pub struct StageLog {
 impl StageLog {
     /// A log appending to `RUN_DIR/train.log` when `run_dir` is given.
     pub fn new(run_dir: Option<&Path>) -> Self {
-        let console = console::get();
-        Self { path: run_dir.map(|d| d.join("train.log")), stdout: console.prints_lines().then(|| console.prefix()) }
+        Self { path: run_dir.map(|d| d.join("train.log")), stdout: console::get().line_prefix() }
     }
 
     /// Logs one line.

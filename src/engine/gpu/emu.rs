@@ -14,7 +14,24 @@ use std::sync::{Mutex, OnceLock};
 use memmap2::MmapMut;
 
 use super::{Arg, Device, Launch, SdpaCall, Sizes, Space, Work};
-use crate::device::cudnn::{SdpaDesc, interpret as sdpa_interpret};
+use crate::device::cudnn::{SdpaCache, SdpaDesc, SdpaLib, SdpaPtrs, interpret as sdpa_interpret};
+
+/// cuDNN's stand-in in the emulator: builds nothing and needs no workspace; the device runs
+/// each call through the interpreter of its maths.
+struct Interpreted;
+
+impl SdpaLib for Interpreted {
+    type Graph = ();
+    fn build(&mut self, _: &SdpaDesc) -> anyhow::Result<((), usize)> {
+        Ok(((), 0))
+    }
+    fn alloc_workspace(&mut self, bytes: usize) -> anyhow::Result<u64> {
+        anyhow::bail!("the emulator's cuDNN needs no workspace ({bytes} bytes asked)")
+    }
+    fn execute(&self, _: &(), _: &SdpaPtrs, _: u64) -> anyhow::Result<()> {
+        Ok(())
+    }
+}
 use crate::engine::lt::{self, LtPlan};
 
 /// Builds the emulator into `dir/name`, with `engine_source` in place of kernels/engine.cu.
@@ -109,9 +126,10 @@ pub(super) struct EmuDevice {
     /// Timing marks: the emulator finishes each launch before the host goes on, so the host's
     /// clock at a mark is the device's.
     marks: Mutex<super::Marks<std::time::Instant>>,
-    /// cuDNN's stand-in: the descriptors prepared (run through [`sdpa_interpret::run`]), or
-    /// why there is no cuDNN (a device without it, for the fallback's tests).
-    sdpa: Result<std::collections::HashSet<SdpaDesc>, String>,
+    /// cuDNN's stand-in: the graph cache the CUDA device keeps, over a library that builds
+    /// nothing (the calls run through [`sdpa_interpret::run`]), or why there is no cuDNN (a
+    /// device without it, for the fallback's tests).
+    sdpa: Result<SdpaCache<Interpreted>, String>,
 }
 
 impl EmuDevice {
@@ -127,7 +145,7 @@ impl EmuDevice {
             launched: Default::default(),
             bf16_gemms: false,
             marks: Mutex::new(super::Marks::default()),
-            sdpa: Ok(Default::default()),
+            sdpa: Ok(SdpaCache::new(Interpreted)),
         }
     }
 
@@ -324,20 +342,16 @@ impl Device for EmuDevice {
     }
 
     fn sdpa_prepare(&mut self, desc: &SdpaDesc) -> anyhow::Result<()> {
-        let prepared = self.sdpa.as_mut().map_err(|why| anyhow::anyhow!("{why}"))?;
-        if let Some(why) = desc.unsupported() {
-            anyhow::bail!("cuDNN attention refused {}: {why}", crate::device::cudnn::describe(desc));
-        }
-        prepared.insert(*desc);
-        Ok(())
+        self.sdpa.as_mut().map_err(|why| anyhow::anyhow!("{why}"))?.prepare(desc)
     }
 
     fn sdpa(&self, call: &SdpaCall) {
-        let prepared = self.sdpa.as_ref().ok().is_some_and(|p| p.contains(&call.desc));
-        assert!(prepared, "a cuDNN call queued without its graph prepared: {:?}", call.desc);
+        // As the CUDA device: a call runs only with its graph prepared.
+        let cache = self.sdpa.as_ref().unwrap_or_else(|why| panic!("a cuDNN call queued on a device without cuDNN ({why})"));
+        let ptrs = call.ptrs(|space, off| self.byte(space, off) as u64);
+        cache.execute(&call.desc, &ptrs).unwrap_or_else(|e| panic!("{e:#}"));
         let name = if call.desc.backward { "cudnn sdpa backward" } else { "cudnn sdpa forward" };
         self.launched.lock().expect("the launch record").insert(name.to_string());
-        let ptrs = call.ptrs(|space, off| self.byte(space, off) as u64);
         let mut m = self.memory.as_ref().expect("the device is allocated").lock().expect("the memory lock");
         sdpa_interpret::run(&call.desc, &ptrs, &mut m[..]).unwrap_or_else(|e| panic!("cuDNN's interpreter: {e:#}"));
     }

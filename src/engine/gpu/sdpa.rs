@@ -162,29 +162,21 @@ impl<D: Device> KernelBackend<D> {
         }
         let h = self.half_slots(s);
         let n = s.batch * s.t;
-        let (qp, kp, vp) = (self.sdpa_place(q, h[0], false), self.sdpa_place(k, h[1], false), self.sdpa_place(v, h[2], false));
+        let [qp, kp, vp] = self.qkv_places(q, k, v, h);
         let op = self.sdpa_place(out.mat(n, s.heads * s.d), h[3], true);
         let (fwd, bwd) = self.sdpa_descs(s, [&qp, &kp, &vp]);
         if let Err(e) = self.dev.sdpa_prepare(&fwd).and_then(|_| self.dev.sdpa_prepare(&bwd)) {
             self.cudnn_refuse(format!("{e:#}"));
             return false;
         }
-        for p in [qp, kp, vp] {
-            if let Some(m) = p.staged {
-                self.half_in(m, p.at.1);
-            }
-        }
+        self.stage_in(&[qp, kp, vp]);
         let stats = self.lse_loc(out);
         let mut at = SdpaAt { q: Some(qp.at), k: Some(kp.at), v: Some(vp.at), o: Some(op.at), stats: Some(stats), ..Default::default() };
         if let Some(bos) = s.docs {
-            at.seq_len = Some(self.doc_slots(s, bos));
-            (at.off_q, at.off_k, at.off_v) = (Some(self.offsets(s, qp.ld)), Some(self.offsets(s, kp.ld)), Some(self.offsets(s, vp.ld)));
-            (at.off_o, at.off_stats) = (Some(self.offsets(s, s.heads * s.d)), Some(self.offsets(s, s.heads)));
+            self.ragged(s, bos, [qp.ld, kp.ld, vp.ld], &mut at);
         }
         self.submit(Work::Sdpa(Box::new(SdpaCall { desc: fwd, at })));
-        if let Some(m) = op.staged {
-            self.half_out(op.at.1, m, false);
-        }
+        self.stage_out(&[(op, false)]);
         self.cudnn.outs.insert(out.off);
         true
     }
@@ -209,7 +201,7 @@ impl<D: Device> KernelBackend<D> {
         }
         let h = self.half_slots(s);
         let n = s.batch * s.t;
-        let (qp, kp, vp) = (self.sdpa_place(q, h[0], false), self.sdpa_place(k, h[1], false), self.sdpa_place(v, h[2], false));
+        let [qp, kp, vp] = self.qkv_places(q, k, v, h);
         let op = self.sdpa_place(out.mat(n, s.heads * s.d), h[7], true);
         let gp = self.sdpa_place(dout.mat(n, s.heads * s.d), h[3], true);
         let (dqp, dkp) = (self.sdpa_place(dq, h[4], true), self.sdpa_place(dk, h[5], true));
@@ -218,11 +210,7 @@ impl<D: Device> KernelBackend<D> {
         if let Err(e) = self.dev.sdpa_prepare(&bwd) {
             panic!("cuDNN refused the backward of an attention whose forward it ran ({}): {e:#}", describe(&bwd));
         }
-        for p in [qp, kp, vp, op, gp] {
-            if let Some(m) = p.staged {
-                self.half_in(m, p.at.1);
-            }
-        }
+        self.stage_in(&[qp, kp, vp, op, gp]);
         let stats = self.lse_loc(out);
         let mut at = SdpaAt {
             q: Some(qp.at),
@@ -237,20 +225,45 @@ impl<D: Device> KernelBackend<D> {
             ..Default::default()
         };
         if let Some(bos) = s.docs {
-            at.seq_len = Some(self.doc_slots(s, bos));
-            (at.off_q, at.off_k, at.off_v) = (Some(self.offsets(s, qp.ld)), Some(self.offsets(s, kp.ld)), Some(self.offsets(s, vp.ld)));
-            (at.off_o, at.off_stats) = (Some(self.offsets(s, s.heads * s.d)), Some(self.offsets(s, s.heads)));
+            self.ragged(s, bos, [qp.ld, kp.ld, vp.ld], &mut at);
             let kv = s.kv_heads * s.d;
             (at.off_dq, at.off_dk, at.off_dv) =
                 (Some(self.offsets(s, s.heads * s.d)), Some(self.offsets(s, kv)), Some(self.offsets(s, kv)));
         }
         self.submit(Work::Sdpa(Box::new(SdpaCall { desc: bwd, at })));
-        for (p, acc) in [(dqp, false), (dkp, false), (dvp, dv_acc)] {
+        self.stage_out(&[(dqp, false), (dkp, false), (dvp, dv_acc)]);
+        true
+    }
+
+    /// Where q, k and v are read (slots 0, 1, 2 of `h` when staged).
+    fn qkv_places(&self, q: Mat, k: Mat, v: Mat, h: [usize; 8]) -> [Place; 3] {
+        [self.sdpa_place(q, h[0], false), self.sdpa_place(k, h[1], false), self.sdpa_place(v, h[2], false)]
+    }
+
+    /// Copies the staged operands among `places` into their slots.
+    fn stage_in(&mut self, places: &[Place]) {
+        for p in places {
+            if let Some(m) = p.staged {
+                self.half_in(m, p.at.1);
+            }
+        }
+    }
+
+    /// Copies the staged outputs among `places` out of their slots (added where `true`).
+    fn stage_out(&mut self, places: &[(Place, bool)]) {
+        for &(p, acc) in places {
             if let Some(m) = p.staged {
                 self.half_out(p.at.1, m, acc);
             }
         }
-        true
+    }
+
+    /// A call over documents: the slots' lengths, and the offsets of q, k, v (rows `lds` apart),
+    /// o (and do) and the statistics.
+    fn ragged(&mut self, s: AttnShape, bos: u32, lds: [usize; 3], at: &mut SdpaAt) {
+        at.seq_len = Some(self.doc_slots(s, bos));
+        (at.off_q, at.off_k, at.off_v) = (Some(self.offsets(s, lds[0])), Some(self.offsets(s, lds[1])), Some(self.offsets(s, lds[2])));
+        (at.off_o, at.off_stats) = (Some(self.offsets(s, s.heads * s.d)), Some(self.offsets(s, s.heads)));
     }
 
     /// The log-sum-exp buffer of the call writing `out`, as a location.

@@ -112,6 +112,9 @@ impl FlashKernels {
     }
 }
 
+/// Why a binary without the `cuda` feature runs no flash attention, ours or cuDNN's.
+const NO_CUDA: &str = "this binary was built without the `cuda` feature";
+
 /// Head dimension the flash kernels are compiled for.
 pub const HEAD_DIM: usize = 64;
 /// Rows per tile: the sequence length must be a multiple of it.
@@ -121,7 +124,7 @@ pub const TILE: usize = 64;
 /// and `d`-wide heads; `None` when it can.
 pub fn unsupported(device: &Device, dtype: DType, t: usize, d: usize) -> Option<String> {
     if !cfg!(feature = "cuda") {
-        return Some("this binary was built without the `cuda` feature".into());
+        return Some(NO_CUDA.into());
     }
     if !device.is_cuda() {
         return Some("it runs on CUDA devices only".into());
@@ -169,7 +172,7 @@ pub fn cudnn_unavailable(device: &Device, batch: usize, t: usize, heads: usize, 
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (device, batch, t, heads, kv_heads, d, docs);
-        Some("this binary was built without the `cuda` feature".into())
+        Some(NO_CUDA.into())
     }
 }
 
@@ -192,7 +195,7 @@ fn try_cudnn(
     #[cfg(not(feature = "cuda"))]
     let why = {
         let _ = (q, k, v, batch, heads, kv_heads, docs);
-        "this binary was built without the `cuda` feature".to_string()
+        NO_CUDA.to_string()
     };
     static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
