@@ -3,6 +3,7 @@
 //! [`Collective`], with an existing engine under each backend, never a home-made transport:
 //!
 //! - [`single`]: one rank, every operation the identity (what a run without a launcher gets);
+//! - [`threads`]: ranks as threads of one process, every call recorded (the engine's tests);
 //! - `mpi` (feature `mpi`): CPU ranks over the system's MPI (rsmpi), started by `mpirun`, Slurm
 //!   or `pipeline launch`;
 //! - `nccl` (feature `cuda`): GPU ranks over NCCL (cudarc's bindings), its unique id handed out by
@@ -23,6 +24,7 @@ pub mod bucket;
 pub mod env;
 pub mod share;
 pub mod single;
+pub mod threads;
 
 #[cfg(feature = "mpi")]
 pub mod mpi;

@@ -309,6 +309,40 @@ pub trait Backend: Send {
     /// Closes the unit [`Backend::begin_unit`] opened and runs (or replays) it.
     fn end_unit(&mut self) {}
 
+    /// Gives the backend the ranks' communicator (data parallel), for collectives it queues
+    /// with its own work ([`Backend::comm_all_reduce`], [`Backend::comm_broadcast`]): true
+    /// when it does (the GPU backend: NCCL on a stream of its own). False for a backend whose
+    /// exchange goes through the host between ops (the CPU backends: [`super::exchange`] reads
+    /// and writes their arena); an error when the communicator cannot start.
+    fn set_comm(&mut self, _ranks: std::sync::Arc<dyn crate::dist::Collective>) -> anyhow::Result<bool> {
+        Ok(false)
+    }
+
+    /// Queues, after the work queued so far, every region of `regions` combined over the ranks
+    /// by `op`, in place, on the backend's communication stream: the work queued after it runs
+    /// beside it and does not wait for it until [`Backend::comm_join`] (or the end of the unit
+    /// of work, which joins). Until then no work may read or write the regions. Only on a
+    /// backend whose [`Backend::set_comm`] returned true.
+    fn comm_all_reduce(&mut self, _regions: &[Buf], _op: crate::dist::ReduceOp) {
+        panic!("the engine's {} backend queues no collectives (set_comm)", self.device_name())
+    }
+
+    /// As [`Backend::comm_all_reduce`]: each `(region, root)` broadcast from rank `root` in
+    /// place, all of them in one group (an all-gather whose pieces are any regions: sharded
+    /// Muon's updates, each from the rank that computed it).
+    fn comm_broadcast(&mut self, _pieces: &[(Buf, usize)]) {
+        panic!("the engine's {} backend queues no collectives (set_comm)", self.device_name())
+    }
+
+    /// The work queued from now on waits for every collective queued so far.
+    fn comm_join(&mut self) {}
+
+    /// Whether [`Backend::set_comm`] started a communicator here (collectives are queued with
+    /// the work, not run through the host).
+    fn queues_collectives(&self) -> bool {
+        false
+    }
+
     /// Units captured and replayed so far, for the log and the report (`None`: the backend runs
     /// every op as it comes).
     fn graph_counts(&self) -> Option<GraphCounts> {

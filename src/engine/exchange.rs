@@ -16,10 +16,17 @@
 //! ([`Schedule::grad_events`]), packed until a bucket holds `bucket_elems` (the first one only
 //! `first_bucket_elems`, so that the exchange starts early); a bucket leaves at the event where
 //! its last gradient is final. Every rank makes the same buckets and sends them in the same
-//! order, from one thread, so the collectives match across ranks. A bucket travels through the
-//! host ([`Backend::download`], the collective, [`Backend::upload`]): on the CPU backends that is
-//! a copy; the GPU backend batches a pass's work into one unit and cannot be read in the middle
-//! of it, so the engine does not exchange on a GPU ([`Exchange::new`] refuses it).
+//! order, from one thread, so the collectives match across ranks.
+//!
+//! Two ways a bucket travels, by backend:
+//! - through the host (the CPU backends): [`Backend::download`], the collective on the
+//!   exchange thread, [`Backend::upload`];
+//! - on the device (the GPU backend, once [`Backend::set_comm`] started its communicator):
+//!   [`Backend::comm_all_reduce`] queues the bucket's all-reduce inside the backward pass's
+//!   unit of work, on the communication stream, forked where the bucket's last gradient is
+//!   final; the unit's end joins the streams, so the whole pass, collectives included, is one
+//!   CUDA graph (`src/engine/gpu/comm.rs`). The host waits for nothing: the collectives' time
+//!   shows in the device's phase times (the backward pass ends when its last bucket is in).
 //!
 //! The caller must make no other collective call between the start of the pass and
 //! [`Exchange::finish`]: the exchange thread's calls would interleave with them in a different
@@ -98,6 +105,8 @@ type Done = anyhow::Result<(Tensor, Duration)>;
 /// The exchange of one engine: its buckets per layer sequence and its thread.
 pub struct Exchange {
     ranks: Arc<dyn Collective>,
+    /// The backend queues the collectives on its device (no exchange thread).
+    device: bool,
     /// Buckets of the unlooped and the looped layer sequence.
     plans: [Vec<Bucket>; 2],
     /// Send buckets as they become ready (false: all after the pass, for comparison).
@@ -109,24 +118,22 @@ pub struct Exchange {
 
 impl Exchange {
     /// The exchange of `schedule`'s gradients among `ranks` in buckets of `bucket_elems` (the
-    /// first `first_bucket_elems`), sent while the backward pass runs when `overlap`. Errors
-    /// for a backend that cannot be read in the middle of a pass (a GPU's) and when the thread
-    /// cannot start.
+    /// first `first_bucket_elems`), sent while the backward pass runs when `overlap`; `device`:
+    /// the backend queues the collectives itself ([`Backend::set_comm`] said so), else they go
+    /// through the host on a thread of the exchange's. Errors when the thread cannot start.
     pub fn new(
         schedule: &Schedule,
-        be: &dyn Backend,
         ranks: Arc<dyn Collective>,
         (first_bucket_elems, bucket_elems): (usize, usize),
         overlap: bool,
+        device: bool,
     ) -> anyhow::Result<Exchange> {
-        anyhow::ensure!(
-            be.device_name() == "cpu",
-            "the engine exchanges gradients between ranks on the CPU backends only (on {} a pass is one unit of work that cannot be read halfway); GPU ranks train with `impl = \"candle\"` (NCCL)",
-            be.device_name()
-        );
         let plans = [false, true].map(|looping| plan_buckets(schedule, looping, first_bucket_elems, bucket_elems));
         let (jobs, rx) = flume::unbounded::<Tensor>();
         let (tx, done) = flume::unbounded::<Done>();
+        if device {
+            return Ok(Exchange { ranks, device, plans, overlap, jobs: None, done, thread: None });
+        }
         let c = ranks.clone();
         let thread = std::thread::Builder::new().name("grad-exchange".into()).spawn(move || {
             for t in rx.iter() {
@@ -137,7 +144,12 @@ impl Exchange {
                 }
             }
         })?;
-        Ok(Exchange { ranks, plans, overlap, jobs: Some(jobs), done, thread: Some(thread) })
+        Ok(Exchange { ranks, device, plans, overlap, jobs: Some(jobs), done, thread: Some(thread) })
+    }
+
+    /// Whether the backend's device runs the collectives (no host copies, no thread).
+    pub fn on_device(&self) -> bool {
+        self.device
     }
 
     /// The buckets of a layer sequence, in the order they leave.
@@ -156,9 +168,15 @@ impl Exchange {
         Pass { looping, overlap: self.overlap, sent: 0, error: None }
     }
 
-    /// Sends the bucket `i` of the layer sequence: its gradients packed into one tensor.
-    fn send(&self, be: &dyn Backend, looping: bool, i: usize) -> anyhow::Result<()> {
-        let flat = pack(be, &self.plans[looping as usize][i].regions)?;
+    /// Sends the bucket `i` of the layer sequence: queued on the device, or its gradients packed
+    /// into one tensor for the exchange thread.
+    fn send(&self, be: &mut dyn Backend, looping: bool, i: usize) -> anyhow::Result<()> {
+        let regions = &self.plans[looping as usize][i].regions;
+        if self.device {
+            be.comm_all_reduce(regions, ReduceOp::Mean);
+            return Ok(());
+        }
+        let flat = pack(be, regions)?;
         let jobs = self.jobs.as_ref().ok_or_else(|| anyhow::anyhow!("the gradient exchange is closed"))?;
         jobs.send(flat).map_err(|_| anyhow::anyhow!("the gradient exchange thread has ended"))
     }
@@ -174,6 +192,17 @@ impl Exchange {
             pass.at(self, be, usize::MAX);
         }
         let mut stats = ExchangeStats::default();
+        if self.device {
+            // The backward unit joined its collectives; any sent after it join here.
+            be.comm_join();
+            if let Some(e) = pass.error.take() {
+                return Err(e);
+            }
+            anyhow::ensure!(pass.sent == plan.len(), "internal: {} of {} gradient buckets were sent", pass.sent, plan.len());
+            stats.buckets = plan.len();
+            stats.elems = plan.iter().map(|b| b.elems).sum();
+            return Ok(stats);
+        }
         // Every sent bucket is received, even after an error, so that none is left behind for
         // the next pass.
         let mut error = pass.error.take();
@@ -215,14 +244,29 @@ fn unpack(be: &mut dyn Backend, regions: &[Buf], flat: &Tensor) -> anyhow::Resul
     Ok(())
 }
 
-/// `regions` of the arena combined over the ranks by `op`, in place, now (on the calling
-/// thread); returns the collective's wall time. Sharded Muon's exchange of updates.
-pub fn all_reduce_regions(be: &mut dyn Backend, regions: &[Buf], ranks: &dyn Collective, op: ReduceOp) -> anyhow::Result<Duration> {
-    let flat = pack(be, regions)?;
-    let t0 = Instant::now();
-    let out = ranks.all_reduce(&flat, op)?;
-    let took = t0.elapsed();
-    unpack(be, regions, &out)?;
+/// Each `(region, root)` of the arena broadcast from rank `root`, in place (sharded Muon's
+/// exchange of updates: every matrix's from the rank that orthogonalised it). Queued on the
+/// device and joined when the backend runs collectives ([`Backend::set_comm`]); otherwise now,
+/// through the host, one broadcast per root (its regions packed). Returns the host
+/// collectives' wall time (zero on the device: its time is the optimizer phase's).
+pub fn broadcast_regions(be: &mut dyn Backend, pieces: &[(Buf, usize)], ranks: &dyn Collective) -> anyhow::Result<Duration> {
+    if be.queues_collectives() {
+        be.comm_broadcast(pieces);
+        be.comm_join();
+        return Ok(Duration::ZERO);
+    }
+    let mut took = Duration::ZERO;
+    for root in 0..ranks.world() {
+        let regions: Vec<Buf> = pieces.iter().filter(|p| p.1 == root).map(|p| p.0).collect();
+        if regions.is_empty() {
+            continue;
+        }
+        let flat = pack(be, &regions)?;
+        let t0 = Instant::now();
+        let out = ranks.broadcast(&flat, root)?;
+        took += t0.elapsed();
+        unpack(be, &regions, &out)?;
+    }
     Ok(took)
 }
 
@@ -248,7 +292,7 @@ pub struct Pass {
 impl Pass {
     /// The backward pass reached `event`: sends every bucket whose gradients are now final
     /// (only at the end without overlap).
-    pub fn at(&mut self, x: &Exchange, be: &dyn Backend, event: usize) {
+    pub fn at(&mut self, x: &Exchange, be: &mut dyn Backend, event: usize) {
         let plan = &x.plans[self.looping as usize];
         if !self.overlap || self.error.is_some() {
             return;

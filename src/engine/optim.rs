@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::backend::{AdamStep, Backend, Buf};
 use super::layout::Layout;
-use crate::dist::{Collective, ReduceOp};
+use crate::dist::Collective;
 use crate::model::ParamGroup;
 use crate::optim::{NS5_EPS, NewtonSchulz, ROW_NORM_EPS};
 
@@ -36,11 +36,13 @@ pub struct MuonStep {
 /// through the Newton-Schulz iteration (`s.ns`'s coefficients) as one batch, scaled by `sqrt(max(1, rows /
 /// cols))` and subtracted.
 ///
-/// Sharded over `ranks` (the records' sharded Muon): every rank updates every momentum buffer,
-/// but orthogonalises only the matrices it owns (matrix `i`, in `state_dict` order among the
-/// matrices, belongs to rank `i mod W`) and zeroes the others' `O`; one all-reduce (sum) of the
-/// stacks then gives every rank every `O` (adding zeros is exact: the result is one rank's bit
-/// for bit). Returns the exchange's wall time (zero on one rank).
+/// Sharded over `ranks` (the records' sharded Muon): every rank updates every momentum buffer
+/// (the gradients are the ranks' mean already), but orthogonalises only the matrices it owns
+/// (matrix `i`, in `state_dict` order among the matrices, belongs to rank `i mod W`); then each
+/// `O` is broadcast from its owner ([`super::exchange::broadcast_regions`]: one group of NCCL
+/// broadcasts on a GPU, an all-gather whose pieces need not be contiguous), so every rank has
+/// every `O`, one rank's bits. Each rank receives `(W-1)/W` of the updates, as an all-gather
+/// does. Returns the host collectives' wall time (zero on one rank and on a GPU).
 pub fn muon(be: &mut dyn Backend, l: &Layout, s: MuonStep, ranks: Option<&dyn Collective>) -> anyhow::Result<Duration> {
     let (rank, world) = ranks.map_or((0, 1), |c| (c.rank(), c.world()));
     let matrix_index: HashMap<usize, usize> =
@@ -56,7 +58,6 @@ pub fn muon(be: &mut dyn Backend, l: &Layout, s: MuonStep, ranks: Option<&dyn Co
         }
         if !owned.iter().any(|&o| o) {
             // None of this shape is this rank's: the others send every O.
-            be.fill(g.u, 0.0);
             continue;
         }
         if s.row_norm {
@@ -95,16 +96,21 @@ pub fn muon(be: &mut dyn Backend, l: &Layout, s: MuonStep, ranks: Option<&dyn Co
         } else {
             be.copy(g.u, x);
         }
-        // Another rank's matrices: zeros here (what this rank computed for them is not O).
-        for j in (0..k).filter(|&j| !owned[j]) {
-            be.fill(g.u.sub(j * len, len), 0.0);
-        }
+        // Another rank's matrices: what this rank computed for them is not O; their owners'
+        // broadcasts overwrite it.
     }
     let mut comm = Duration::ZERO;
     if let Some(c) = ranks.filter(|c| !c.is_identity()) {
-        let regions: Vec<Buf> = l.muon.iter().map(|g| g.u).collect();
-        comm = super::exchange::all_reduce_regions(be, &regions, c, ReduceOp::Sum)
-            .map_err(|e| e.context("sharded Muon's exchange of updates"))?;
+        let pieces: Vec<(Buf, usize)> = l
+            .muon
+            .iter()
+            .flat_map(|g| {
+                let len = g.shape.0 * g.shape.1;
+                g.members.iter().enumerate().map(move |(j, m)| (g.u.sub(j * len, len), m))
+            })
+            .map(|(b, m)| (b, matrix_index[m] % world))
+            .collect();
+        comm = super::exchange::broadcast_regions(be, &pieces, c).map_err(|e| e.context("sharded Muon's exchange of updates"))?;
     }
     for g in &l.muon {
         let (r, cols) = g.shape;

@@ -86,6 +86,8 @@ pub struct Engine {
     adam_steps: [u64; 3],
     /// Several ranks: the gradient exchange (none on one rank).
     exchange: Option<Exchange>,
+    /// The backward pass under way sends gradients (its unit has a key of its own).
+    exchanging: bool,
     /// Wall time of the last optimizer step's collectives (sharded Muon's exchange).
     last_comm: Duration,
     /// The step's phases as spans between the backend's timing marks (a backend with a device
@@ -143,7 +145,16 @@ impl Engine {
         let schedule = Schedule::new(cfg, rows, t, rms_eps(dtype));
         let len = schedule.layout.len();
         anyhow::ensure!(be.len() == len, "the backend's arena holds {} elements, this model's layout {len}", be.len());
-        let mut e = Engine { be, schedule, poison, adam_steps: [0; 3], exchange: None, last_comm: Duration::ZERO, spans: Vec::new() };
+        let mut e = Engine {
+            be,
+            schedule,
+            poison,
+            adam_steps: [0; 3],
+            exchange: None,
+            exchanging: false,
+            last_comm: Duration::ZERO,
+            spans: Vec::new(),
+        };
         let (cos, sin) = rope_tables(t, cfg.rotary_dims(), cfg.rope_base_for(t), dtype, &Device::Cpu)?;
         let l = &e.schedule.layout;
         let (c, s) = (l.cos, l.sin);
@@ -235,7 +246,8 @@ impl Engine {
     /// ranks in buckets of `buckets` = `(first, rest)` elements, sent while the backward pass
     /// runs when `overlap`; Muon is sharded ([`optim::muon`]). A world of one without a transport
     /// ([`crate::dist::Collective::is_identity`]) changes nothing.
-    /// Errors on a backend that cannot exchange (a GPU's: see [`super::exchange`]).
+    /// On the GPU backend the collectives run on its device ([`Backend::set_comm`]: NCCL on a
+    /// stream of its own); errors when its communicator cannot start.
     pub fn set_ranks(
         &mut self,
         ranks: std::sync::Arc<dyn crate::dist::Collective>,
@@ -243,7 +255,8 @@ impl Engine {
         overlap: bool,
     ) -> anyhow::Result<()> {
         if !ranks.is_identity() {
-            self.exchange = Some(Exchange::new(&self.schedule, self.be.as_ref(), ranks, buckets, overlap)?);
+            let device = self.be.set_comm(ranks.clone())?;
+            self.exchange = Some(Exchange::new(&self.schedule, ranks, buckets, overlap, device)?);
         }
         Ok(())
     }
@@ -266,7 +279,11 @@ impl Engine {
             return Ok((self.micro_step_tokens(tokens, looping, grad_scale)?, ExchangeStats::default()));
         };
         let mut pass = exchange.pass(looping);
+        // A unit of its own: the passes with collectives are other work than the others (one
+        // graph each on a GPU, not one graph recaptured at every change).
+        self.exchanging = true;
         let r = self.micro_step_with(tokens, looping, grad_scale, &mut |be, event| pass.at(&exchange, be, event));
+        self.exchanging = false;
         let stats = exchange.finish(self.be.as_mut(), pass);
         self.exchange = Some(exchange);
         Ok((r?, stats?))
@@ -296,7 +313,12 @@ impl Engine {
         self.be.end_unit();
         let t1 = Instant::now();
         let m1 = self.be.timing_mark();
-        self.be.begin_unit(if looping { "backward looped" } else { "backward" });
+        self.be.begin_unit(match (looping, self.exchanging) {
+            (false, false) => "backward",
+            (true, false) => "backward looped",
+            (false, true) => "backward exchanged",
+            (true, true) => "backward looped exchanged",
+        });
         self.schedule.backward_with(self.be.as_mut(), looping, at);
         if self.poison {
             self.be.fill(acts, f64::NAN);

@@ -180,6 +180,8 @@ pub struct CudaDevice {
     /// cuDNN's graphs and workspace on the engine's stream, made at the first attention call
     /// that asks for it (or why cuDNN cannot run here).
     sdpa: Option<Result<SdpaCache<Cudnn>, String>>,
+    /// The collectives' communicator and stream (data parallel: [`Device::comm_init`]).
+    comm: Option<super::nccl::DeviceComm>,
 }
 
 impl CudaDevice {
@@ -224,6 +226,7 @@ impl CudaDevice {
             graphs: Vec::new(),
             marks: Mutex::new(super::Marks::default()),
             sdpa: None,
+            comm: None,
         })
     }
 
@@ -258,6 +261,12 @@ impl CudaDevice {
 
     fn address(&self, space: Space, off: usize) -> u64 {
         self.bases[&space] + (off * space.elem_bytes()) as u64
+    }
+
+    /// Runs a collective on the communication stream, ordered by events against this one.
+    fn try_comm(&self, c: &super::CommCall) -> anyhow::Result<()> {
+        let comm = self.comm.as_ref().ok_or_else(|| anyhow::anyhow!("{c:?} queued before the engine's communicator started"))?;
+        comm.run(&self.stream, &|space, off| self.address(space, off), c)
     }
 
     /// Runs a cuDNN call whose graph was prepared.
@@ -397,6 +406,8 @@ fn is_legacy_stream(stream: &CudaStream) -> bool {
 impl Drop for CudaDevice {
     fn drop(&mut self) {
         let _ = self.stream.synchronize();
+        // The communicator before the memory its calls name.
+        self.comm = None;
     }
 }
 
@@ -446,6 +457,17 @@ impl Device for CudaDevice {
         self.try_sdpa(call).unwrap_or_else(|e| panic!("{e:#}"));
     }
 
+    fn comm_init(&mut self, ranks: Arc<dyn crate::dist::Collective>) -> anyhow::Result<()> {
+        if self.comm.is_none() {
+            self.comm = Some(super::nccl::DeviceComm::new(&self.ctx, ranks.as_ref())?);
+        }
+        Ok(())
+    }
+
+    fn comm(&self, c: &super::CommCall) {
+        self.try_comm(c).unwrap_or_else(|e| panic!("{e:#}"));
+    }
+
     fn write_half(&mut self, space: Space, off: usize, bits: &[u16]) -> anyhow::Result<()> {
         let slice = self.halves.iter_mut().find(|w| w.0 == space).map(|w| &mut w.1);
         let slice = slice.ok_or_else(|| anyhow::anyhow!("the {space:?} space is not a 2-byte space"))?;
@@ -468,6 +490,7 @@ impl Device for CudaDevice {
             Work::Launch(l) => self.try_launch(l),
             Work::Gemm(p, spaces) => self.try_gemm(p, *spaces),
             Work::Sdpa(call) => self.try_sdpa(call),
+            Work::Comm(c) => self.try_comm(c),
         });
         // End the capture whatever happened, so the stream leaves capture mode.
         let graph = self.stream.end_capture(cu_sys::CUgraphInstantiate_flags(0));

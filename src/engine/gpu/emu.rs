@@ -130,6 +130,8 @@ pub(super) struct EmuDevice {
     /// nothing (the calls run through [`sdpa_interpret::run`]), or why there is no cuDNN (a
     /// device without it, for the fallback's tests).
     sdpa: Result<SdpaCache<Interpreted>, String>,
+    /// NCCL's stand-in ([`super::emu_comm`]), once [`Device::comm_init`] gave it the ranks.
+    comm: Option<super::emu_comm::EmuComm>,
 }
 
 impl EmuDevice {
@@ -146,6 +148,7 @@ impl EmuDevice {
             bf16_gemms: false,
             marks: Mutex::new(super::Marks::default()),
             sdpa: Ok(SdpaCache::new(Interpreted)),
+            comm: None,
         }
     }
 
@@ -243,6 +246,26 @@ impl EmuDevice {
         let mut m = self.memory.as_ref().expect("the device is allocated").lock().expect("the memory lock");
         for (k, b) in bits.iter().enumerate() {
             m[at + 2 * k..at + 2 * k + 2].copy_from_slice(&b.to_ne_bytes());
+        }
+    }
+}
+
+impl super::emu_comm::Memory for EmuDevice {
+    fn get(&self, space: Space, off: usize, len: usize) -> Vec<f32> {
+        if space.is_bf16() {
+            let at = self.byte(space, off + len) - len * 2;
+            let m = self.memory.as_ref().expect("the device is allocated").lock().expect("the memory lock");
+            (0..len).map(|k| half::bf16::from_bits(u16::from_ne_bytes([m[at + 2 * k], m[at + 2 * k + 1]])).to_f32()).collect()
+        } else {
+            self.words(space, off, len).into_iter().map(f32::from_bits).collect()
+        }
+    }
+
+    fn set(&self, space: Space, off: usize, values: &[f32]) {
+        if space.is_bf16() {
+            self.put_half(space, off, &values.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect::<Vec<_>>());
+        } else {
+            self.put(space, off, &values.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
         }
     }
 }
@@ -392,8 +415,30 @@ impl Device for EmuDevice {
 
     fn read(&self, space: Space, off: usize, len: usize) -> anyhow::Result<Vec<u32>> {
         anyhow::ensure!(!space.is_bf16(), "{space:?} is not a 4-byte space");
+        // What a GPU's host read would wait for: a collective that was never joined.
+        anyhow::ensure!(
+            !self.comm.as_ref().is_some_and(|c| c.in_flight()),
+            "a host read of {space:?}[{off}..] with collectives in flight (queued, never joined)"
+        );
+        Ok(self.words(space, off, len))
+    }
+
+    fn comm_init(&mut self, ranks: std::sync::Arc<dyn crate::dist::Collective>) -> anyhow::Result<()> {
+        self.comm = Some(super::emu_comm::EmuComm::new(ranks));
+        Ok(())
+    }
+
+    fn comm(&self, c: &super::CommCall) {
+        let comm = self.comm.as_ref().unwrap_or_else(|| panic!("{c:?} queued before comm_init"));
+        comm.run(self, c);
+    }
+}
+
+impl EmuDevice {
+    /// `len` words from element `off` of a 4-byte space.
+    fn words(&self, space: Space, off: usize, len: usize) -> Vec<u32> {
         let at = self.byte(space, off + len) - len * 4;
         let m = self.memory.as_ref().expect("the device is allocated").lock().expect("the memory lock");
-        Ok((0..len).map(|k| u32::from_ne_bytes(m[at + 4 * k..at + 4 * k + 4].try_into().expect("4 bytes"))).collect())
+        (0..len).map(|k| u32::from_ne_bytes(m[at + 4 * k..at + 4 * k + 4].try_into().expect("4 bytes"))).collect()
     }
 }

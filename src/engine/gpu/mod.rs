@@ -30,12 +30,19 @@
 //! op and is captured again when it repeats. A unit never reads the device from the host, so a
 //! training step has one host read, at its end.
 
+mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(test)]
 mod emu;
+#[cfg(test)]
+mod emu_comm;
+#[cfg(feature = "cuda")]
+mod nccl;
 mod ops;
 mod place;
+#[cfg(test)]
+mod ranks_tests;
 mod sdpa;
 #[cfg(test)]
 mod tests;
@@ -175,6 +182,33 @@ pub enum Work {
     Gemm(LtPlan, [Space; 3]),
     /// A cuDNN attention call (its graph built by [`Device::sdpa_prepare`]).
     Sdpa(Box<SdpaCall>),
+    /// A collective on the communication stream ([`Device::comm_init`]).
+    Comm(CommCall),
+}
+
+/// A collective on the device's communication stream (data parallel): it starts after the
+/// work queued before it and runs beside the work after it, which waits for it only at a
+/// [`CommCall::Join`]. On the GPU: NCCL on a stream of its own, forked from the compute stream
+/// by an event and joined by another, so a unit of work with collectives is still one CUDA
+/// graph (NCCL's calls are captured with it).
+#[derive(Clone, Debug, PartialEq)]
+pub enum CommCall {
+    /// Each piece `(space, offset, elements)` combined over the ranks by `op`, in place (one
+    /// group: one launch).
+    AllReduce {
+        /// The pieces.
+        pieces: Vec<(Space, usize, usize)>,
+        /// How values combine.
+        op: crate::dist::ReduceOp,
+    },
+    /// Each piece `(space, offset, elements, root)` broadcast from rank `root`, in place (one
+    /// group).
+    Broadcast {
+        /// The pieces.
+        pieces: Vec<(Space, usize, usize, usize)>,
+    },
+    /// The compute stream waits for every collective queued so far.
+    Join,
 }
 
 /// Elements of each space a backend needs.
@@ -271,12 +305,24 @@ pub trait Device: Send {
         panic!("{} has no cuDNN: {:?} was queued without being prepared", self.name(), call.desc)
     }
 
+    /// Starts the device's communicator among `ranks` (every rank calls it, in the same
+    /// order with its other collectives): from then on it runs [`CommCall`]s.
+    fn comm_init(&mut self, _ranks: std::sync::Arc<dyn crate::dist::Collective>) -> anyhow::Result<()> {
+        anyhow::bail!("{} runs no collectives", self.name())
+    }
+
+    /// Runs a collective (after [`Device::comm_init`]).
+    fn comm(&self, c: &CommCall) {
+        panic!("{} runs no collectives: {c:?} was queued without a communicator", self.name())
+    }
+
     /// Runs one piece of work.
     fn run(&self, w: &Work) {
         match w {
             Work::Launch(l) => self.launch(l),
             Work::Gemm(p, spaces) => self.gemm(p, *spaces),
             Work::Sdpa(c) => self.sdpa(c),
+            Work::Comm(c) => self.comm(c),
         }
     }
 }
@@ -592,6 +638,10 @@ pub struct KernelBackend<D: Device> {
     cudnn: sdpa::CudnnState,
     /// Capture repeated units as graphs.
     graphs: bool,
+    /// The device runs collectives ([`Backend::set_comm`](super::backend::Backend::set_comm)).
+    comm: bool,
+    /// Collectives queued since the last join.
+    comm_open: bool,
     unit: Option<Unit>,
     seen: HashMap<String, Seen>,
     counts: GraphCounts,
@@ -634,6 +684,8 @@ impl<D: Device> KernelBackend<D> {
             starts_for: None,
             cudnn: sdpa::CudnnState::default(),
             graphs: true,
+            comm: false,
+            comm_open: false,
             unit: None,
             seen: HashMap::new(),
             counts: GraphCounts::default(),

@@ -363,8 +363,30 @@ impl<D: Device> Backend for KernelBackend<D> {
     }
 
     fn end_unit(&mut self) {
+        // A unit's collectives end inside it: a captured graph's streams must meet again.
+        self.queue_join();
         let u = self.unit.take().expect("end_unit without begin_unit");
         self.run_unit(u);
+    }
+
+    fn set_comm(&mut self, ranks: std::sync::Arc<dyn crate::dist::Collective>) -> anyhow::Result<bool> {
+        self.start_comm(ranks)
+    }
+
+    fn comm_all_reduce(&mut self, regions: &[Buf], op: crate::dist::ReduceOp) {
+        self.queue_all_reduce(regions, op)
+    }
+
+    fn comm_broadcast(&mut self, pieces: &[(Buf, usize)]) {
+        self.queue_broadcast(pieces)
+    }
+
+    fn comm_join(&mut self) {
+        self.queue_join()
+    }
+
+    fn queues_collectives(&self) -> bool {
+        self.comm
     }
 
     fn graph_counts(&self) -> Option<GraphCounts> {

@@ -1,0 +1,194 @@
+//! A world of ranks as threads of one process: each collective meets the other ranks' calls
+//! at a barrier over shared memory, and every call is recorded, in order, per rank. What the
+//! engine's tests train several ranks with where no MPI is at hand (the GPU backend in the warp
+//! emulator, whose device collectives run through it), and what tests read to check which
+//! collectives ran, in which order, with how many elements.
+//!
+//! Every rank must call the same collectives in the same order (as with any backend); sums run
+//! in rank order in f64, so every rank gets the same bits. CPU tensors only.
+
+use std::sync::{Arc, Barrier, Mutex};
+
+use candle_core::{DType, Device, Tensor};
+
+use super::{Collective, ReduceOp};
+
+/// What the ranks share: the barrier, each rank's contribution to the collective under way,
+/// and the record of calls.
+struct Shared {
+    barrier: Barrier,
+    slots: Mutex<Vec<Vec<f64>>>,
+    log: Mutex<Vec<Vec<Call>>>,
+}
+
+/// One recorded collective call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Call {
+    /// The operation (`all_reduce`, `broadcast`, `all_gather`, `reduce_scatter`, `barrier`,
+    /// `all_reduce_host`, `all_gather_bytes`), with its reduce op or root: `all_reduce(Mean)`,
+    /// `broadcast(1)`.
+    pub op: String,
+    /// Elements this rank passed.
+    pub elems: usize,
+}
+
+/// One rank of a world of threads.
+pub struct Threads {
+    rank: usize,
+    world: usize,
+    shared: Arc<Shared>,
+}
+
+impl Threads {
+    /// A world of `n` ranks: hand element `r` to the thread that runs rank `r`.
+    pub fn world(n: usize) -> Vec<Arc<Threads>> {
+        assert!(n >= 1, "a world of {n} ranks");
+        let shared =
+            Arc::new(Shared { barrier: Barrier::new(n), slots: Mutex::new(vec![Vec::new(); n]), log: Mutex::new(vec![Vec::new(); n]) });
+        (0..n).map(|rank| Arc::new(Threads { rank, world: n, shared: shared.clone() })).collect()
+    }
+
+    /// Rank `r`'s calls so far, in order.
+    pub fn calls(&self, r: usize) -> Vec<Call> {
+        self.shared.log.lock().unwrap_or_else(|e| e.into_inner())[r].clone()
+    }
+
+    /// Every rank's values, in rank order, once all have given theirs.
+    fn meet(&self, op: String, mine: Vec<f64>) -> Vec<Vec<f64>> {
+        self.shared.log.lock().unwrap_or_else(|e| e.into_inner())[self.rank].push(Call { op, elems: mine.len() });
+        self.shared.slots.lock().unwrap_or_else(|e| e.into_inner())[self.rank] = mine;
+        self.shared.barrier.wait();
+        let all = self.shared.slots.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        // Nobody writes its next contribution before every rank has read this one.
+        self.shared.barrier.wait();
+        all
+    }
+
+    fn reduce(&self, all: &[Vec<f64>], op: ReduceOp) -> Vec<f64> {
+        let n = all[0].len();
+        (0..n)
+            .map(|i| {
+                let vals = all.iter().map(|v| v[i]);
+                match op {
+                    ReduceOp::Sum => vals.sum(),
+                    ReduceOp::Mean => vals.sum::<f64>() / self.world as f64,
+                    ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
+                }
+            })
+            .collect()
+    }
+}
+
+/// `t`'s elements as f64 (CPU tensors only).
+fn values(t: &Tensor) -> anyhow::Result<Vec<f64>> {
+    anyhow::ensure!(t.device().is_cpu(), "the threads' collective takes CPU tensors");
+    Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
+}
+
+/// `v` as a tensor of `dims` in `dtype`.
+fn tensor(v: Vec<f64>, dims: &[usize], dtype: DType) -> anyhow::Result<Tensor> {
+    Ok(Tensor::from_vec(v, dims, &Device::Cpu)?.to_dtype(dtype)?)
+}
+
+impl Collective for Threads {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn backend(&self) -> &'static str {
+        "threads"
+    }
+
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> anyhow::Result<Tensor> {
+        let all = self.meet(format!("all_reduce({op:?})"), values(t)?);
+        tensor(self.reduce(&all, op), t.dims(), t.dtype())
+    }
+
+    fn broadcast(&self, t: &Tensor, root: usize) -> anyhow::Result<Tensor> {
+        anyhow::ensure!(root < self.world, "broadcast from rank {root} in a world of {}", self.world);
+        let mut all = self.meet(format!("broadcast({root})"), values(t)?);
+        tensor(std::mem::take(&mut all[root]), t.dims(), t.dtype())
+    }
+
+    fn all_gather(&self, t: &Tensor) -> anyhow::Result<Tensor> {
+        let all = self.meet("all_gather".into(), values(t)?);
+        let mut dims = vec![self.world];
+        dims.extend_from_slice(t.dims());
+        tensor(all.concat(), &dims, t.dtype())
+    }
+
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> anyhow::Result<Tensor> {
+        let first = t.dims().first().copied().unwrap_or(0);
+        anyhow::ensure!(first > 0 && first % self.world == 0, "reduce-scatter of shape {:?} over {} ranks", t.dims(), self.world);
+        let all = self.meet(format!("reduce_scatter({op:?})"), values(t)?);
+        let full = self.reduce(&all, op);
+        let n = full.len() / self.world;
+        let mut dims = t.dims().to_vec();
+        dims[0] = first / self.world;
+        tensor(full[self.rank * n..(self.rank + 1) * n].to_vec(), &dims, t.dtype())
+    }
+
+    fn barrier(&self) -> anyhow::Result<()> {
+        self.meet("barrier".into(), Vec::new());
+        Ok(())
+    }
+
+    fn all_reduce_host(&self, values: &[f64], op: ReduceOp) -> anyhow::Result<Vec<f64>> {
+        let all = self.meet(format!("all_reduce_host({op:?})"), values.to_vec());
+        Ok(self.reduce(&all, op))
+    }
+
+    fn all_gather_bytes(&self, bytes: &[u8]) -> anyhow::Result<Vec<Vec<u8>>> {
+        let all = self.meet("all_gather_bytes".into(), bytes.iter().map(|&b| b as f64).collect());
+        Ok(all.into_iter().map(|v| v.into_iter().map(|b| b as u8).collect()).collect())
+    }
+
+    fn abort(&self, _code: i32) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each operation on three ranks gives what its definition says, the same on every rank.
+    #[test]
+    fn three_threads_agree_on_every_operation() {
+        let ranks = Threads::world(3);
+        let out: Vec<_> = ranks
+            .iter()
+            .cloned()
+            .map(|c| {
+                std::thread::spawn(move || {
+                    let r = c.rank() as f32;
+                    let t = Tensor::new(&[r, 10.0 + r, 20.0 + r], &Device::Cpu).unwrap();
+                    let sum = c.all_reduce(&t, ReduceOp::Sum).unwrap().to_vec1::<f32>().unwrap();
+                    let mean = c.all_reduce(&t, ReduceOp::Mean).unwrap().to_vec1::<f32>().unwrap();
+                    let b = c.broadcast(&t, 2).unwrap().to_vec1::<f32>().unwrap();
+                    let g = c.all_gather(&t).unwrap().dims().to_vec();
+                    let rs = c.reduce_scatter(&Tensor::new(&[1f32, 2., 3.], &Device::Cpu).unwrap(), ReduceOp::Sum).unwrap();
+                    let bytes = c.all_gather_bytes(&[c.rank() as u8; 2]).unwrap();
+                    (sum, mean, b, g, rs.to_vec1::<f32>().unwrap(), bytes)
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect();
+        for (r, (sum, mean, b, g, rs, bytes)) in out.into_iter().enumerate() {
+            assert_eq!(sum, vec![3.0, 33.0, 63.0]);
+            assert_eq!(mean, vec![1.0, 11.0, 21.0]);
+            assert_eq!(b, vec![2.0, 12.0, 22.0]);
+            assert_eq!(g, vec![3, 3]);
+            assert_eq!(rs, vec![3.0 * (r + 1) as f32]);
+            assert_eq!(bytes, vec![vec![0, 0], vec![1, 1], vec![2, 2]]);
+        }
+        let calls = ranks[1].calls(1);
+        assert_eq!(calls.len(), 6);
+        assert_eq!(calls[0], Call { op: "all_reduce(Sum)".into(), elems: 3 });
+        assert_eq!(calls[2].op, "broadcast(2)");
+    }
+}
