@@ -48,9 +48,14 @@
 #       attention's forward and backward TFLOP/s beside (a)'s flash_mma), the attention trial of cudnn, flash_mma and flash at the baseline's shapes
 #       (64 x 1024, 8/4 heads) and the 04-27 record's (48 x 2048), and the baseline for STEPS
 #       steps on the engine with attention "cudnn" against "flash_mma" (and (b)'s PyTorch);
+#   (j) the engine through NCCL at world size 1: the baseline for STEPS steps on the engine
+#       (attention flash_mma) plain, then through `pipeline launch --nproc 1` (every gradient
+#       bucket and Muon's update exchange through NCCL on the engine's communication stream,
+#       inside its CUDA graphs): steady ms/step of each and the overhead in % (target: under
+#       1%); `pipeline project --nproc 8` of the plain run (runs/project.txt);
 #   (e) everything above into OUT.
 #
-# PARTS (default abcdfghi) picks the parts to run, e.g. PARTS=abh; IMPLS (default "engine candle")
+# PARTS (default abcdfghij) picks the parts to run, e.g. PARTS=abh; IMPLS (default "engine candle")
 # the executors of (b).
 # SMOKE=1 runs every part on the CPU with a tiny model (the binary from BIN, the data
 # in IN as above but any tokenizer, SMOKE_VOCAB its vocabulary): a check of this script, not a
@@ -65,7 +70,7 @@ PT_STEPS=${PT_STEPS:-40}
 RECORD_STEPS=${RECORD_STEPS:-20}
 RECORD0427_STEPS=${RECORD0427_STEPS:-8}
 LOADER_STEPS=${LOADER_STEPS:-15}
-PARTS=${PARTS:-abcdfghi}
+PARTS=${PARTS:-abcdfghij}
 part() { [[ $PARTS == *$1* ]]; }
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -377,6 +382,33 @@ else
   fi
 fi
 
+fi
+
+# --- (j) NCCL at world size 1 ---------------------------------------------------------------------
+if part j; then
+say "== (j) the engine through NCCL at world size 1: the baseline plain and through pipeline launch --nproc 1, $STEPS steps each"
+if [[ $SMOKE == 1 ]]; then
+  say "NCCL is the GPU's: not run in the smoke (CPU ranks through MPI: tests/data_parallel.rs)"
+else
+  nccl=("${common1024[@]}" --set train.iterations="$STEPS" --set stages.train.impl='"engine"' --set stages.train.attention='"flash_mma"')
+  plain=baseline-flash_mma
+  if [[ -z ${ms[flash_mma]:-} ]]; then
+    plain=baseline-plain
+    train pipelines/baseline.toml "$plain" "${nccl[@]}" || fail "the plain engine run (runs/$plain.out): $(tail -2 "$runs/$plain.out" | tr '\n' ' ')"
+  fi
+  "$BIN" launch --nproc 1 pipelines/baseline.toml --out "$runs/baseline-nccl1" -q "${nccl[@]}" > "$runs/baseline-nccl1.out" 2>&1 \
+    || fail "launch --nproc 1 (runs/baseline-nccl1.out): $(tail -3 "$runs/baseline-nccl1.out" | tr '\n' ' ')"
+  if [[ -f $runs/$plain/steps.tsv && -f $runs/baseline-nccl1/steps.tsv ]]; then
+    a=$(steady "$runs/$plain") b=$(steady "$runs/baseline-nccl1")
+    say "baseline engine plain: steady $a ms/step; through NCCL (launch --nproc 1): steady $b ms/step; overhead $(python3 -c "print(f'{100 * ($b - $a) / $a:+.2f}%')") (target: under 1%)"
+    say "NCCL run: collective $(field "$runs/baseline-nccl1" "r.get('ranks', {}).get('backend')"); graphs $(field "$runs/baseline-nccl1" "r['train']['engine'].get('graphs')"); final val_loss $(field "$runs/baseline-nccl1" "round(r['train']['val_loss'], 4)") (plain $(field "$runs/$plain" "round(r['train']['val_loss'], 4)"))"
+    grep -hiE "warning|nccl" "$runs/baseline-nccl1.out" | head -4 | tee -a "$summary"
+  fi
+  if [[ -f $runs/$plain/report.json ]]; then
+    "$BIN" project "$runs/$plain" --nproc 8 > "$runs/project.txt" 2>&1 || fail "pipeline project (runs/project.txt): $(tail -2 "$runs/project.txt" | tr '\n' ' ')"
+    sed 's/^/project /' "$runs/project.txt" | head -30 | tee -a "$summary"
+  fi
+fi
 fi
 
 # --- (e) the results ------------------------------------------------------------------------------

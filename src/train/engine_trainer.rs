@@ -94,8 +94,9 @@ impl EngineTrainer {
 
     /// Trains as one of `ranks` (data parallel; a world of one changes nothing): the last
     /// micro-batch of each step averages the gradients over the ranks in buckets sent while its
-    /// backward pass runs (`overlap`), DDP's sizes from `o`; Muon is sharded. Errors on a GPU,
-    /// whose engine does not exchange gradients yet.
+    /// backward pass runs (`overlap`), DDP's sizes from `o`; Muon is sharded. On a GPU the
+    /// collectives are NCCL's on the engine's communication stream; errors when its
+    /// communicator cannot start.
     pub fn with_ranks(mut self, ranks: std::sync::Arc<dyn crate::dist::Collective>, o: &EngineOptions) -> anyhow::Result<Self> {
         let elems = |mib: f64| ((mib * (1 << 20) as f64) / self.engine.dtype().size_in_bytes() as f64).max(1.0) as usize;
         self.engine.set_ranks(ranks, (elems(o.first_bucket_mib), elems(o.bucket_mib)), o.overlap)?;

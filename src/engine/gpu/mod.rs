@@ -29,6 +29,12 @@
 //! on replayed ([`Device::replay`]) as long as it stays the same; work that changed runs op by
 //! op and is captured again when it repeats. A unit never reads the device from the host, so a
 //! training step has one host read, at its end.
+//!
+//! Collectives (data parallel, `comm.rs`): once [`Device::comm_init`] has started a
+//! communicator (NCCL on the CUDA device, `nccl.rs`), the gradient buckets' all-reduces and
+//! sharded Muon's broadcasts are [`CommCall`]s queued with the rest of a unit's work, on a
+//! communication stream forked from the compute stream by an event and joined by another before
+//! the unit ends, so a unit with collectives is still one graph.
 
 mod comm;
 #[cfg(feature = "cuda")]
