@@ -106,6 +106,10 @@ for lib in cu13/lib cudnn/lib; do
     export LD_LIBRARY_PATH="$libdir:${LD_LIBRARY_PATH:-}"
   fi
 done
+# NCCL (part j): cudarc opens `libnccl.so`, PyTorch's wheel has only `libnccl.so.2`: a link to it.
+if [[ $SMOKE != 1 ]] && ncclso=$(python3 -c "import nvidia, os, glob; print((glob.glob(os.path.join(list(nvidia.__path__)[0], 'nccl/lib/libnccl.so*')) + glob.glob(os.path.join(list(nvidia.__path__)[0], 'cu13/lib/libnccl.so*')))[0])" 2>/dev/null); then
+  mkdir -p "$work/nccl" && ln -sf "$ncclso" "$work/nccl/libnccl.so" && export LD_LIBRARY_PATH="$work/nccl:$(dirname "$ncclso"):$LD_LIBRARY_PATH"
+fi
 
 DEVICE=cuda:0 PIN=pinned UPLOAD=stream DTYPE=bf16
 tiny=() tiny_baseline=() tiny_record=()
