@@ -300,8 +300,10 @@ fn stream_flag(device: &Device) -> anyhow::Result<Flag> {
     Ok(Flag { what: "the engine's stream is not the NULL stream".into(), ok: !default, detail })
 }
 
+/// The device-to-device paths, and the engine's collectives (NCCL at a world of one).
 fn transfer_flags(device: &Device) -> anyhow::Result<Vec<Flag>> {
-    Ok(crate::engine::gpu::transfer_check(device)?.into_iter().map(|(what, ok, detail)| Flag { what, ok, detail }).collect())
+    let flags = crate::engine::gpu::transfer_check(device)?.into_iter().chain(crate::engine::gpu::comm_check(device)?);
+    Ok(flags.map(|(what, ok, detail)| Flag { what, ok, detail }).collect())
 }
 
 /// Graph replay against op-by-op launches on the check model ([`cases::graph_check`]).

@@ -20,8 +20,21 @@ use super::{Collective, ReduceOp};
 
 use super::NCCL_ID_VAR as ID_VAR;
 
+/// Errors, naming the fix, when libnccl cannot be opened: cudarc loads `libnccl.so` at its
+/// first call and panics where it finds none (PyTorch's wheels carry only `libnccl.so.2`).
+pub fn ensure_lib() -> anyhow::Result<()> {
+    // SAFETY: opening NCCL runs no initialiser with requirements of its own.
+    match unsafe { libloading::Library::new("libnccl.so") } {
+        Ok(_) => Ok(()),
+        Err(e) => anyhow::bail!(
+            "NCCL cannot be loaded ({e}): put libnccl.so on LD_LIBRARY_PATH (with only libnccl.so.2, as in PyTorch's nvidia/nccl/lib, add a link libnccl.so -> libnccl.so.2)"
+        ),
+    }
+}
+
 /// A new unique id as hex, for `pipeline launch` to hand to every rank.
 pub fn new_id_hex() -> anyhow::Result<String> {
+    ensure_lib()?;
     let id = Id::new().map_err(|e| anyhow::anyhow!("ncclGetUniqueId failed: {e:?} (is libnccl.so.2 on the library path?)"))?;
     Ok(id.internal().iter().map(|&c| format!("{:02x}", c as u8)).collect())
 }
@@ -58,6 +71,7 @@ impl Nccl {
     /// (every rank must call it; it returns once all have).
     pub fn init(device: &Device, rank: usize, world: usize, id: Id) -> anyhow::Result<Self> {
         let Device::Cuda(d) = device else { anyhow::bail!("NCCL ranks need a CUDA device, not {device:?}") };
+        ensure_lib()?;
         let comm = Comm::from_rank(d.cuda_stream(), rank, world, id)
             .map_err(|e| anyhow::anyhow!("ncclCommInitRank (rank {rank} of {world}) failed: {e:?}"))?;
         Ok(Self { comm: Arc::new(Mutex::new(Shared(comm))), device: device.clone(), rank, world })

@@ -75,3 +75,56 @@ impl<D: Device> KernelBackend<D> {
         }
     }
 }
+
+/// A check of the backend's collectives among `ranks` (engine-check runs it on a GPU at a world
+/// of one; the tests on emulated ranks): three rounds of one unit of work that averages one
+/// region over the ranks, broadcasts another from the last rank and scales a third on the
+/// compute stream in between, each rank's inputs made from its rank; the first round runs op
+/// by op, the second is captured as a graph, the third replayed. Returns `(what, ok, detail)`
+/// flags: the values of every round, and the capture.
+pub fn comm_check<D: Device>(
+    be: &mut KernelBackend<D>,
+    ranks: std::sync::Arc<dyn Collective>,
+) -> anyhow::Result<Vec<(String, bool, String)>> {
+    use crate::engine::backend::Backend;
+    let (world, rank) = (ranks.world(), ranks.rank());
+    let n = 4096;
+    anyhow::ensure!(be.len >= 3 * n, "the collectives' check needs an arena of {} elements", 3 * n);
+    be.set_comm(ranks)?;
+    let [a, b, c] = [0, 1, 2].map(|k| Buf { off: k * n, len: n });
+    let f = |i: usize| (i as f32 * 0.37).sin();
+    let host = |v: Vec<f32>| candle_core::Tensor::from_vec(v, n, &candle_core::Device::Cpu);
+    let mut worst = 0f32;
+    for _ in 0..3 {
+        be.upload(a, &host((0..n).map(|i| f(i) + rank as f32).collect())?)?;
+        be.upload(b, &host((0..n).map(|i| f(i) * (rank + 1) as f32).collect())?)?;
+        be.upload(c, &host((0..n).map(f).collect())?)?;
+        be.begin_unit("collectives check");
+        be.comm_all_reduce(&[a], ReduceOp::Mean);
+        be.scale(c, 2.0);
+        be.comm_broadcast(&[(b, world - 1)]);
+        be.scale(c, 1.5);
+        be.end_unit();
+        let got = |buf: Buf| -> anyhow::Result<Vec<f32>> { Ok(be.download(buf, &[n])?.to_vec1::<f32>()?) };
+        let want = [(a, (world as f32 - 1.0) / 2.0, 1.0), (b, 0.0, world as f32), (c, 0.0, 3.0)];
+        for (buf, add, mul) in want {
+            for (i, v) in got(buf)?.into_iter().enumerate() {
+                let w = f(i) * mul + add;
+                worst = worst.max((v - w).abs() / w.abs().max(1.0));
+            }
+        }
+    }
+    let counts = be.graph_counts().unwrap_or_default();
+    Ok(vec![
+        (
+            format!("collectives on the engine's communication stream (a world of {world})"),
+            worst < 1e-6,
+            format!("mean, broadcast and the compute between them in 3 rounds: worst relative error {worst:.1e}"),
+        ),
+        (
+            "a unit with collectives captured as a graph and replayed".to_string(),
+            counts.captured >= 1 && counts.replayed >= 1,
+            format!("{} captured, {} replayed, {} op by op", counts.captured, counts.replayed, counts.eager),
+        ),
+    ])
+}

@@ -36,7 +36,7 @@
 //! communication stream forked from the compute stream by an event and joined by another before
 //! the unit ends, so a unit with collectives is still one graph.
 
-mod comm;
+pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(test)]
@@ -896,5 +896,35 @@ pub fn stream_check(device: &candle_core::Device) -> anyhow::Result<(String, boo
 /// Without the `cuda` feature: nothing crosses to a GPU.
 #[cfg(not(feature = "cuda"))]
 pub fn transfer_check(device: &candle_core::Device) -> anyhow::Result<Vec<(String, bool, String)>> {
+    anyhow::bail!("the engine's GPU backend ({:?}) needs a `cuda` build (scripts/build-cuda.sh)", device.location())
+}
+
+/// The engine's collectives on the GPU of `device` ([`comm::comm_check`]) at a world of one:
+/// NCCL on the engine's communication stream, beside its compute stream and inside a captured
+/// graph (`pipeline engine-check` prints it). NCCL that cannot be loaded is a failed check
+/// naming the library.
+#[cfg(feature = "cuda")]
+pub fn comm_check(device: &candle_core::Device) -> anyhow::Result<Vec<(String, bool, String)>> {
+    let cap = Capacity {
+        tokens: 64,
+        vocab: 64,
+        width: 64,
+        attn_width: 64,
+        kv_width: 64,
+        heads: 1,
+        attention_calls: 1,
+        colsum_group: COLSUM_GROUP,
+        embed_piece: EMBED_PIECE,
+    };
+    let mut be = KernelBackend::new(cuda::CudaDevice::new(device, cuda::GemmMath::F32, false)?, 3 * 4096, cap)?;
+    match comm::comm_check(&mut be, std::sync::Arc::new(crate::dist::single::Single)) {
+        Ok(flags) => Ok(flags),
+        Err(e) => Ok(vec![("collectives on the engine's communication stream (NCCL)".into(), false, format!("{e:#}"))]),
+    }
+}
+
+/// Without the `cuda` feature there is no GPU backend to check.
+#[cfg(not(feature = "cuda"))]
+pub fn comm_check(device: &candle_core::Device) -> anyhow::Result<Vec<(String, bool, String)>> {
     anyhow::bail!("the engine's GPU backend ({:?}) needs a `cuda` build (scripts/build-cuda.sh)", device.location())
 }

@@ -44,6 +44,7 @@ impl DeviceComm {
     /// Joins a new communicator among `ranks` (every rank calls it; it returns once all have).
     pub(super) fn new(ctx: &Arc<CudaContext>, ranks: &dyn Collective) -> anyhow::Result<Self> {
         let (rank, world) = (ranks.rank(), ranks.world());
+        crate::dist::nccl::ensure_lib()?;
         let hex = if rank == 0 { crate::dist::nccl::new_id_hex()? } else { String::new() };
         let all = ranks.all_gather_bytes(hex.as_bytes()).map_err(|e| e.context("handing out the engine's NCCL id"))?;
         let id = crate::dist::nccl::id_from_hex(std::str::from_utf8(&all[0])?)?;

@@ -152,3 +152,31 @@ fn a_host_read_before_the_join_is_refused() {
     assert_eq!(be.download(region, &[64]).unwrap().to_vec1::<f32>().unwrap(), vec![1.0; 64]);
     assert_eq!(ranks[0].calls(0).len(), 1);
 }
+
+/// engine-check's check of the collectives ([`super::comm::comm_check`]) passes on emulated
+/// ranks: two (the mean, the broadcast from the last rank and the compute beside them give the
+/// values of two ranks, in the op-by-op, captured and replayed rounds) and one (what a GPU runs).
+#[test]
+fn the_collectives_check_passes_on_one_and_two_emulated_ranks() {
+    for world in [1, 2] {
+        let ranks = Threads::world(world);
+        let runs: Vec<_> = ranks
+            .iter()
+            .cloned()
+            .map(|c| {
+                std::thread::spawn(move || {
+                    let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join(format!("comm-check-{}-{}.mem", c.world(), c.rank())));
+                    let mut be = KernelBackend::new(dev, 3 * 4096, kernel_capacity(&cfg(), ROWS, T).unwrap()).unwrap();
+                    super::comm::comm_check(&mut be, c).unwrap()
+                })
+            })
+            .collect();
+        for flags in runs.into_iter().map(|h| h.join().expect("a rank failed")) {
+            assert_eq!(flags.len(), 2);
+            for (what, ok, detail) in flags {
+                assert!(ok, "world {world}: {what}: {detail}");
+            }
+        }
+        assert_eq!(ranks[0].calls(0).iter().filter(|c| c.op == "all_reduce(Mean)").count(), 3);
+    }
+}
