@@ -242,12 +242,29 @@ pub fn render(r: &ProjectionReport) -> String {
     let _ = writeln!(o, "PREDICTION (a model, not a measurement) of {} ranks from the one-rank run {}", p.nproc, r.run_dir);
     let _ = writeln!(o);
     let _ = writeln!(o, "measured on one rank ({} executor, {} rows x {} tokens per micro-batch):", r.executor, r.rows, r.seq_len);
-    let _ = writeln!(o, "  step {:.2} ms = {} micro-batches x (forward {:.2} + backward {:.2} ms)", i.step_ms, i.micro_steps, i.forward_ms, i.backward_ms);
-    let _ = writeln!(o, "                 + optimizer {:.2} ms ({:.0}% Newton-Schulz) + other {:.2} ms", i.optimizer_ms, i.ns_share * 100.0, i.other_ms);
+    let _ = writeln!(
+        o,
+        "  step {:.2} ms = {} micro-batches x (forward {:.2} + backward {:.2} ms)",
+        i.step_ms, i.micro_steps, i.forward_ms, i.backward_ms
+    );
+    let _ = writeln!(
+        o,
+        "                 + optimizer {:.2} ms ({:.0}% Newton-Schulz) + other {:.2} ms",
+        i.optimizer_ms,
+        i.ns_share * 100.0,
+        i.other_ms
+    );
     let mib = |b: f64| b / (1 << 20) as f64;
     let grad: f64 = i.buckets.iter().map(|b| b.bytes).sum();
     let readies: Vec<String> = i.buckets.iter().map(|b| format!("{:.1} MiB @{:.0}%", mib(b.bytes), b.ready * 100.0)).collect();
-    let _ = writeln!(o, "  gradients {:.2} MiB in {} buckets ({}), Muon updates {:.2} MiB", mib(grad), i.buckets.len(), readies.join(", "), mib(i.muon_bytes));
+    let _ = writeln!(
+        o,
+        "  gradients {:.2} MiB in {} buckets ({}), Muon updates {:.2} MiB",
+        mib(grad),
+        i.buckets.len(),
+        readies.join(", "),
+        mib(i.muon_bytes)
+    );
     let _ = writeln!(o);
     let keep = match r.keep {
         Keep::Global => "the global batch",
@@ -255,7 +272,12 @@ pub fn render(r: &ProjectionReport) -> String {
     };
     let _ = writeln!(o, "interconnect: ring collectives, {} GB/s bus bandwidth, {} µs per step; {keep}", r.link.gbs, r.link.latency_us);
     let _ = writeln!(o, "predicted on {} ranks ({} micro-batches each):", p.nproc, p.micro_steps);
-    let _ = writeln!(o, "  compute per rank      {:>9.2} ms (Newton-Schulz share of the slowest rank {:.0}%)", p.compute_ms, p.ns_rank_share * 100.0);
+    let _ = writeln!(
+        o,
+        "  compute per rank      {:>9.2} ms (Newton-Schulz share of the slowest rank {:.0}%)",
+        p.compute_ms,
+        p.ns_rank_share * 100.0
+    );
     let _ = writeln!(o, "  gradient all-reduce   {:>9.2} ms, exposed {:.2} ms", p.grad_comm_ms, p.grad_exposed_ms);
     let _ = writeln!(o, "  Muon update exchange  {:>9.2} ms, exposed", p.muon_comm_ms);
     let _ = writeln!(o, "  communication         {:>9.2} ms, exposed {:.2} ms", p.comm_ms, p.exposed_ms);
@@ -264,7 +286,8 @@ pub fn render(r: &ProjectionReport) -> String {
     let _ = writeln!(o);
     let _ = writeln!(o, "the records on 8xH100 SXM (measured, for comparison):");
     for rec in &r.records {
-        let _ = writeln!(o, "  {}: {:.1} ms per step, {} steps in {:.0} s ({})", rec.name, rec.step_ms, rec.steps, rec.budget_s, rec.source);
+        let _ =
+            writeln!(o, "  {}: {:.1} ms per step, {} steps in {:.0} s ({})", rec.name, rec.step_ms, rec.steps, rec.budget_s, rec.source);
     }
     let _ = writeln!(o);
     let _ = writeln!(o, "assumptions:");
