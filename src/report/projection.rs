@@ -202,7 +202,7 @@ pub fn project(i: &Inputs, n: usize, link: &Link, keep: Keep, budget_s: f64) -> 
     let n = n.max(1);
     let m1 = i.micro_steps.max(1);
     let (micro_steps, uneven) = match keep {
-        Keep::Global => (m1.div_ceil(n).max(1), m1 % n != 0),
+        Keep::Global => (m1.div_ceil(n).max(1), !m1.is_multiple_of(n)),
         Keep::PerRank => (m1, false),
     };
     let ns_rank_share = slowest_share(&i.ns_flops, n);
