@@ -107,6 +107,39 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Predict the step time on N ranks (GPUs) from a one-rank run's report.
+    ///
+    /// The run's per-phase times, its gradient buckets and their ready times in the backward
+    /// pass, and a ring model of the interconnect (H100 SXM NVLink defaults) give the step on N
+    /// ranks, its exposed communication and the steps in a wall-clock budget, printed beside
+    /// the records' own figures. A prediction, not a measurement (docs/ranks.md).
+    Project {
+        /// The one-rank run's directory (report.json, config.toml).
+        run_dir: PathBuf,
+        /// Ranks to predict.
+        #[arg(long, default_value_t = 8)]
+        nproc: usize,
+        /// Bus bandwidth of the link per rank, GB/s (nccl-tests' busbw; default: NCCL's ring on H100 SXM NVLink 4).
+        #[arg(long, default_value_t = pipeline::report::projection::H100_SXM_LINK_GBS)]
+        link_gbs: f64,
+        /// Latency of one step of a ring collective, µs.
+        #[arg(long, default_value_t = pipeline::report::projection::H100_SXM_LATENCY_US)]
+        link_latency_us: f64,
+        /// The wall-clock budget, s (the challenge's 600).
+        #[arg(long, default_value_t = 600.0)]
+        budget_s: f64,
+        /// The batch the ranks keep: global (each rank 1/N of the run's micro-batches, as the
+        /// records) or per-rank (each the run's micro-batches: N times the batch).
+        #[arg(long, value_enum, default_value = "global")]
+        keep: pipeline::report::projection::Keep,
+        /// The share (0 to 1) of the optimizer's time that is Muon's Newton-Schulz, instead of
+        /// the estimate from FLOPs.
+        #[arg(long)]
+        ns_share: Option<f64>,
+        /// Print the projection as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Check a pipeline config without running it (exit 2 on any problem).
     Validate {
         /// The pipeline config (TOML).
@@ -310,6 +343,9 @@ fn main() -> ExitCode {
             cli::ablate::command(config, cli::ablate::Options { varies, grid, seeds, out, sets, quiet })
         }
         Command::Advise { run_dir, json } => cli::advise::command(run_dir, json),
+        Command::Project { run_dir, nproc, link_gbs, link_latency_us, budget_s, keep, ns_share, json } => {
+            cli::project::command(run_dir, cli::project::Options { nproc, link_gbs, link_latency_us, budget_s, keep, ns_share, json })
+        }
         Command::Validate { config, sets } => cli::validate::command(config, sets),
         Command::Report { run_dir, json, html } => cli::report::command(run_dir, json, html),
         Command::Stages { json } => cli::stages::command(json),

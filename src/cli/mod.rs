@@ -5,6 +5,7 @@
 //! - [`launch`], [`ranks`]: `pipeline launch --nproc N`, and a run process among several ranks;
 //! - [`ablate`]: `pipeline ablate`, runs that vary settings, compared side by side;
 //! - [`advise`]: `pipeline advise`, channel depths predicted from a run's service times;
+//! - [`project`]: `pipeline project`, the step on N ranks predicted from a one-rank run;
 //! - [`validate`], [`report`], [`stages`]: check a config, print a report, list the stages;
 //! - [`data`], [`artifact`]: prepare shards, build and score an artifact;
 //! - [`check`]: `pipeline parity` and `pipeline attention-trial`.
@@ -59,6 +60,7 @@ pub mod artifact;
 pub mod check;
 pub mod data;
 pub mod launch;
+pub mod project;
 pub mod ranks;
 pub mod report;
 pub mod run;
