@@ -17,6 +17,8 @@ cd "$(dirname "$0")/.."
 steps=${1:-60}
 rounds=${2:-1}
 bin=${PIPELINE_BIN:-target/release/pipeline}
+# The binary reads PIPELINE_* variables as config keys (`PIPELINE_BIN` would be key `bin`).
+unset PIPELINE_BIN
 out=target/bench-ranks
 [[ -x $bin ]] || { echo "bench-ranks: $bin is missing: cargo build --release --features mpi" >&2; exit 2; }
 [[ -f data/demo/tokenizer.model ]] || { echo "bench-ranks: no demo data: scripts/fetch-demo-data.sh" >&2; exit 2; }

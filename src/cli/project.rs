@@ -192,14 +192,23 @@ pub fn build(run_dir: &Path, o: &Options) -> anyhow::Result<ProjectionReport> {
         ns_flops,
         buckets,
         muon_bytes: (muon_elems * elem_bytes) as f64,
-        muon_exchange: MuonExchange::AllReduce,
+        // The engine broadcasts each update from its owner (an all-gather's bytes); the candle
+        // executor all-reduces the updates, zeros where another rank owns them.
+        muon_exchange: if executor == "engine" { MuonExchange::AllGather } else { MuonExchange::AllReduce },
     };
     let link = Link { gbs: o.link_gbs, latency_us: o.link_latency_us };
     let p = projection::project(&measured, o.nproc, &link, o.keep, o.budget_s);
     let mut assumptions = vec![
         "every event of the backward pass (the head, each layer position, the embedding) takes the same time".to_string(),
         "communication does not slow compute (no contention for SMs, cores or memory bandwidth)".to_string(),
-        "Muon's exchange of updates (an all-reduce of every update, as the engine does) is not overlapped".to_string(),
+        format!(
+            "Muon's exchange of updates ({}) is not overlapped",
+            if executor == "engine" {
+                "an all-gather of the f32 updates: the engine broadcasts each from its owner"
+            } else {
+                "an all-reduce of every update, as the candle executor does"
+            }
+        ),
         "every rank is as fast as the measured one: no straggler, no jitter".to_string(),
         "the rest of the measured step (host work, data wait) is the same on every rank".to_string(),
         format!("the Newton-Schulz share of the optimizer's time: {:.1}%, {ns_share_from}", ns_share * 100.0),

@@ -92,9 +92,10 @@ impl Link {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MuonExchange {
-    /// One all-reduce (sum) of every update, zeros where another rank owns it: the engine's.
+    /// One all-reduce (sum) of every update, zeros where another rank owns it.
     AllReduce,
-    /// An all-gather of the owned updates: the records'.
+    /// An all-gather of the owned updates: the engine's (each update broadcast from its owner,
+    /// one group) and the records' (`all_gather_into_tensor`, in bf16).
     AllGather,
 }
 
