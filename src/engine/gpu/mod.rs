@@ -458,6 +458,22 @@ pub const EMBED_PIECE: usize = 64;
 pub const COLSUM_GROUP: usize = 32;
 
 impl Capacity {
+    /// The smallest capacity for `tokens` ids of a `vocab`-word vocabulary (one attention call
+    /// of one 64-wide head): what the device checks that use no model need.
+    pub fn minimal(tokens: usize, vocab: usize) -> Self {
+        Capacity {
+            tokens,
+            vocab,
+            width: 64,
+            attn_width: 64,
+            kv_width: 64,
+            heads: 1,
+            attention_calls: 1,
+            colsum_group: COLSUM_GROUP,
+            embed_piece: EMBED_PIECE,
+        }
+    }
+
     /// The four spaces' sizes for an arena of `len` elements, the aux space's layout, the half
     /// space's length and the tokens' layout (ids' CSR in chunks of `chunk` positions).
     fn spaces(&self, len: usize, chunk: usize) -> (Sizes, AuxLayout, usize, TokenLayout) {
@@ -827,17 +843,7 @@ pub fn transfer_check(device: &candle_core::Device) -> anyhow::Result<Vec<(Strin
         Ok(())
     };
     // Token ids across a CSR chunk's edge; the other spaces as small as they go.
-    let cap = Capacity {
-        tokens: CSR_CHUNK + CSR_CHUNK / 2,
-        vocab: 1001,
-        width: 64,
-        attn_width: 64,
-        kv_width: 64,
-        heads: 1,
-        attention_calls: 1,
-        colsum_group: COLSUM_GROUP,
-        embed_piece: EMBED_PIECE,
-    };
+    let cap = Capacity::minimal(CSR_CHUNK + CSR_CHUNK / 2, 1001);
     let (small, side) = (4096, 1024);
     let len = small + 3 * side * side;
     let mut be = KernelBackend::new(cuda::CudaDevice::new(device, cuda::GemmMath::F32, false)?, len, cap)?;
@@ -905,17 +911,7 @@ pub fn transfer_check(device: &candle_core::Device) -> anyhow::Result<Vec<(Strin
 /// naming the library.
 #[cfg(feature = "cuda")]
 pub fn comm_check(device: &candle_core::Device) -> anyhow::Result<Vec<(String, bool, String)>> {
-    let cap = Capacity {
-        tokens: 64,
-        vocab: 64,
-        width: 64,
-        attn_width: 64,
-        kv_width: 64,
-        heads: 1,
-        attention_calls: 1,
-        colsum_group: COLSUM_GROUP,
-        embed_piece: EMBED_PIECE,
-    };
+    let cap = Capacity::minimal(64, 64);
     let mut be = KernelBackend::new(cuda::CudaDevice::new(device, cuda::GemmMath::F32, false)?, 3 * 4096, cap)?;
     match comm::comm_check(&mut be, std::sync::Arc::new(crate::dist::single::Single)) {
         Ok(flags) => Ok(flags),
