@@ -157,11 +157,6 @@ impl EngineParams {
         crate::engine::support::check(&c.model)?;
         let device = &c.run.device;
         anyhow::ensure!(
-            device == "cpu" || c.run.world_size == 1,
-            "`run.world_size` = {}: the engine exchanges gradients between CPU ranks only (a GPU pass is one unit of work that cannot be read halfway); GPU ranks train with `impl = \"candle\"` (NCCL)",
-            c.run.world_size
-        );
-        anyhow::ensure!(
             self.activations != Activations::Bf16 || (device != "cpu" && self.dtype == Precision::Bf16),
             "key `activations` = \"bf16\" is the GPU backend's with key `dtype` = \"bf16\" (here `run.device` = {device:?}, `dtype` = {:?})",
             self.dtype

@@ -98,7 +98,7 @@ pub fn command(run_dir: PathBuf, o: Options) -> i32 {
 /// The projection of `run_dir`'s run on `o.nproc` ranks. Errors: no readable report, a report
 /// without training or from several ranks, a config that cannot be read back.
 pub fn build(run_dir: &Path, o: &Options) -> anyhow::Result<ProjectionReport> {
-    anyhow::ensure!(o.nproc >= 1, "--nproc must be at least 1");
+    anyhow::ensure!((1..=65_536).contains(&o.nproc), "--nproc must be between 1 and 65,536, not {}", o.nproc);
     anyhow::ensure!(o.link_gbs > 0.0 && o.link_gbs.is_finite(), "--link-gbs must be a positive number of GB/s");
     anyhow::ensure!(o.link_latency_us >= 0.0 && o.link_latency_us.is_finite(), "--link-latency-us must be 0 or more");
     anyhow::ensure!(o.budget_s > 0.0 && o.budget_s.is_finite(), "--budget-s must be a positive number of seconds");
@@ -181,6 +181,7 @@ pub fn build(run_dir: &Path, o: &Options) -> anyhow::Result<ProjectionReport> {
         }
     };
     let micro = shape.micro_steps.max(1) as f64;
+    let matrices = ns_flops.len();
     let measured = Inputs {
         forward_ms: forward / micro,
         backward_ms: backward / micro,
@@ -195,6 +196,8 @@ pub fn build(run_dir: &Path, o: &Options) -> anyhow::Result<ProjectionReport> {
         // The engine broadcasts each update from its owner (an all-gather's bytes); the candle
         // executor all-reduces the updates, zeros where another rank owns them.
         muon_exchange: if executor == "engine" { MuonExchange::AllGather } else { MuonExchange::AllReduce },
+        // Grouped, but each broadcast still makes its own way around the ring: a latency each.
+        muon_collectives: if executor == "engine" { matrices } else { 1 },
     };
     let link = Link { gbs: o.link_gbs, latency_us: o.link_latency_us };
     let p = projection::project(&measured, o.nproc, &link, o.keep, o.budget_s);

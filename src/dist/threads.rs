@@ -7,7 +7,9 @@
 //! Every rank must call the same collectives in the same order (as with any backend); sums run
 //! in rank order in f64, so every rank gets the same bits. CPU tensors only.
 
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
 
@@ -16,9 +18,39 @@ use super::{Collective, ReduceOp};
 /// What the ranks share: the barrier, each rank's contribution to the collective under way,
 /// and the record of calls.
 struct Shared {
-    barrier: Barrier,
+    barrier: Gate,
     slots: Mutex<Vec<Vec<f64>>>,
     log: Mutex<Vec<Vec<Call>>>,
+}
+
+/// What a rank raises when another rank's failure stops it.
+const OTHER_FAILED: &str = "another rank of the threads' world failed";
+
+/// A barrier that gives up when a rank has failed ([`Threads::run`] says so), where
+/// `std::sync::Barrier` would wait for the dead rank for ever.
+struct Gate {
+    n: usize,
+    /// Ranks arrived, and the generation (bumped when all have).
+    state: Mutex<(usize, u64)>,
+    turn: Condvar,
+    failed: AtomicBool,
+}
+
+impl Gate {
+    fn wait(&self) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let generation = s.1;
+        s.0 += 1;
+        if s.0 == self.n {
+            *s = (0, generation + 1);
+            self.turn.notify_all();
+            return;
+        }
+        while s.1 == generation {
+            assert!(!self.failed.load(Ordering::SeqCst), "{OTHER_FAILED}");
+            s = self.turn.wait_timeout(s, Duration::from_millis(50)).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
 }
 
 /// One recorded collective call.
@@ -43,9 +75,45 @@ impl Threads {
     /// A world of `n` ranks: hand element `r` to the thread that runs rank `r`.
     pub fn world(n: usize) -> Vec<Arc<Threads>> {
         assert!(n >= 1, "a world of {n} ranks");
-        let shared =
-            Arc::new(Shared { barrier: Barrier::new(n), slots: Mutex::new(vec![Vec::new(); n]), log: Mutex::new(vec![Vec::new(); n]) });
+        let shared = Arc::new(Shared {
+            barrier: Gate { n, state: Mutex::new((0, 0)), turn: Condvar::new(), failed: AtomicBool::new(false) },
+            slots: Mutex::new(vec![Vec::new(); n]),
+            log: Mutex::new(vec![Vec::new(); n]),
+        });
         (0..n).map(|rank| Arc::new(Threads { rank, world: n, shared: shared.clone() })).collect()
+    }
+
+    /// Runs `f` for every rank of `ranks` on a thread of its own and returns their results in
+    /// rank order; a rank that panics stops the others at their next collective (instead of
+    /// leaving them waiting for it), and the first failure is raised here.
+    pub fn run<T: Send + 'static>(ranks: &[Arc<Threads>], f: impl Fn(Arc<Threads>) -> T + Send + Sync + 'static) -> Vec<T> {
+        let f = Arc::new(f);
+        let handles: Vec<_> = ranks
+            .iter()
+            .cloned()
+            .map(|c| {
+                let f = f.clone();
+                std::thread::spawn(move || {
+                    let shared = c.shared.clone();
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(c)));
+                    if r.is_err() {
+                        shared.barrier.failed.store(true, Ordering::SeqCst);
+                        shared.barrier.turn.notify_all();
+                    }
+                    r
+                })
+            })
+            .collect();
+        let mut results: Vec<_> = handles.into_iter().map(|h| h.join().expect("a rank's thread")).collect();
+        // The failure that started it, not the others' "another rank failed".
+        let message = |e: &Box<dyn std::any::Any + Send>| {
+            e.downcast_ref::<String>().map(String::as_str).or_else(|| e.downcast_ref::<&str>().copied()).unwrap_or("").to_string()
+        };
+        let first = results.iter().position(|r| r.as_ref().is_err_and(|e| !message(e).contains(OTHER_FAILED)));
+        if let Some(k) = first.or_else(|| results.iter().position(|r| r.is_err())) {
+            std::panic::resume_unwind(results.swap_remove(k).err().expect("an error"));
+        }
+        results.into_iter().map(|r| r.unwrap_or_else(|_| unreachable!("no rank failed"))).collect()
     }
 
     /// Rank `r`'s calls so far, in order.
@@ -158,26 +226,17 @@ mod tests {
     #[test]
     fn three_threads_agree_on_every_operation() {
         let ranks = Threads::world(3);
-        let out: Vec<_> = ranks
-            .iter()
-            .cloned()
-            .map(|c| {
-                std::thread::spawn(move || {
-                    let r = c.rank() as f32;
-                    let t = Tensor::new(&[r, 10.0 + r, 20.0 + r], &Device::Cpu).unwrap();
-                    let sum = c.all_reduce(&t, ReduceOp::Sum).unwrap().to_vec1::<f32>().unwrap();
-                    let mean = c.all_reduce(&t, ReduceOp::Mean).unwrap().to_vec1::<f32>().unwrap();
-                    let b = c.broadcast(&t, 2).unwrap().to_vec1::<f32>().unwrap();
-                    let g = c.all_gather(&t).unwrap().dims().to_vec();
-                    let rs = c.reduce_scatter(&Tensor::new(&[1f32, 2., 3.], &Device::Cpu).unwrap(), ReduceOp::Sum).unwrap();
-                    let bytes = c.all_gather_bytes(&[c.rank() as u8; 2]).unwrap();
-                    (sum, mean, b, g, rs.to_vec1::<f32>().unwrap(), bytes)
-                })
-            })
-            .collect::<Vec<_>>()
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect();
+        let out = Threads::run(&ranks, |c| {
+            let r = c.rank() as f32;
+            let t = Tensor::new(&[r, 10.0 + r, 20.0 + r], &Device::Cpu).unwrap();
+            let sum = c.all_reduce(&t, ReduceOp::Sum).unwrap().to_vec1::<f32>().unwrap();
+            let mean = c.all_reduce(&t, ReduceOp::Mean).unwrap().to_vec1::<f32>().unwrap();
+            let b = c.broadcast(&t, 2).unwrap().to_vec1::<f32>().unwrap();
+            let g = c.all_gather(&t).unwrap().dims().to_vec();
+            let rs = c.reduce_scatter(&Tensor::new(&[1f32, 2., 3.], &Device::Cpu).unwrap(), ReduceOp::Sum).unwrap();
+            let bytes = c.all_gather_bytes(&[c.rank() as u8; 2]).unwrap();
+            (sum, mean, b, g, rs.to_vec1::<f32>().unwrap(), bytes)
+        });
         for (r, (sum, mean, b, g, rs, bytes)) in out.into_iter().enumerate() {
             assert_eq!(sum, vec![3.0, 33.0, 63.0]);
             assert_eq!(mean, vec![1.0, 11.0, 21.0]);
@@ -190,5 +249,19 @@ mod tests {
         assert_eq!(calls.len(), 6);
         assert_eq!(calls[0], Call { op: "all_reduce(Sum)".into(), elems: 3 });
         assert_eq!(calls[2].op, "broadcast(2)");
+    }
+
+    /// A rank that fails stops the others at their next collective: the run fails (here, with
+    /// the failing rank's message) instead of waiting for the dead rank for ever.
+    #[test]
+    #[should_panic(expected = "rank 1 gives up")]
+    fn a_failing_rank_fails_the_run_instead_of_hanging_it() {
+        let ranks = Threads::world(2);
+        Threads::run(&ranks, |c| {
+            if c.rank() == 1 {
+                panic!("rank 1 gives up");
+            }
+            c.barrier().unwrap();
+        });
     }
 }

@@ -343,6 +343,14 @@ pub trait Backend: Send {
         false
     }
 
+    /// Work queued from now on on the rest of the program's stream (candle's, where the world's
+    /// collectives run) waits for the work queued so far here (an event, no host wait): so that
+    /// the world's NCCL calls never run beside the backend's own (two communicators whose
+    /// kernels run at once on a GPU may deadlock). Nothing to do on the CPU backends.
+    fn fence(&self) -> anyhow::Result<()> {
+        Ok(())
+    }
+
     /// Units captured and replayed so far, for the log and the report (`None`: the backend runs
     /// every op as it comes).
     fn graph_counts(&self) -> Option<GraphCounts> {

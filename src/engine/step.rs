@@ -419,6 +419,11 @@ impl Engine {
         }
         // Closed whatever happened: a unit left open would refuse every later read.
         self.be.end_unit();
+        if self.exchange.as_ref().is_some_and(|x| x.on_device()) {
+            // The world's collectives (the step's agreement, on candle's stream) after this
+            // unit's broadcasts: two communicators never run at once.
+            self.be.fence()?;
+        }
         let m1 = self.be.timing_mark();
         self.span(Phase::Optimizer, m0, m1);
         self.last_comm = muon?;

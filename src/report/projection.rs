@@ -145,6 +145,9 @@ pub struct Inputs {
     pub muon_bytes: f64,
     /// How they are exchanged.
     pub muon_exchange: MuonExchange,
+    /// Collectives that exchange issues, each paying a ring's latency (the engine: one
+    /// broadcast per matrix, grouped; one all-reduce or all-gather: 1).
+    pub muon_collectives: usize,
 }
 
 /// The prediction for N ranks.
@@ -215,7 +218,7 @@ pub fn project(i: &Inputs, n: usize, link: &Link, keep: Keep, budget_s: f64) -> 
     let muon_comm_ms = match i.muon_exchange {
         MuonExchange::AllReduce => link.all_reduce_ms(i.muon_bytes, n),
         MuonExchange::AllGather => link.all_gather_ms(i.muon_bytes, n),
-    };
+    } + link.all_gather_ms(0.0, n) * i.muon_collectives.saturating_sub(1) as f64;
     let exposed_ms = grad_exposed_ms + muon_comm_ms;
     let step_ms = compute_ms + exposed_ms;
     let steps_in_budget = if step_ms > 0.0 { (budget_s * 1e3 / step_ms).floor() as u64 } else { 0 };
@@ -267,6 +270,7 @@ mod tests {
             buckets,
             muon_bytes: 1e6,
             muon_exchange: MuonExchange::AllReduce,
+            muon_collectives: 1,
         }
     }
 

@@ -76,38 +76,59 @@ impl<D: Device> KernelBackend<D> {
     }
 }
 
+/// Elements of the arena [`comm_check`] needs: four regions of 4096 and three 256 x 256
+/// matrices for its busy work.
+pub const CHECK_ARENA: usize = 4 * 4096 + 3 * 256 * 256;
+
 /// A check of the backend's collectives among `ranks` (engine-check runs it on a GPU at a world
-/// of one; the tests on emulated ranks): three rounds of one unit of work that averages one
-/// region over the ranks, broadcasts another from the last rank and scales a third on the
-/// compute stream in between, each rank's inputs made from its rank; the first round runs op
-/// by op, the second is captured as a graph, the third replayed. Returns `(what, ok, detail)`
-/// flags: the values of every round, and the capture.
+/// of one; the tests on emulated ranks): three rounds of one unit of work, the first run op by
+/// op, the second captured as a graph, the third replayed. Each round, after `busy` GEMMs on
+/// the compute stream, the unit scales a region `a`, all-reduces it (mean) out of place into
+/// `d`, broadcasts a region `b` from the last rank, scales `c` beside them, joins, and scales
+/// `d` after the join. Each rank's inputs are made from its rank, so the values say whether the
+/// ranks were combined; and at a world of one, where a collective only copies, they say whether
+/// it was ordered: a collective not forked after the scale copies the old `a` (the busy GEMMs
+/// make that likely to show), one not joined before `d`'s scale is overwritten or unscaled.
+/// Returns `(what, ok, detail)` flags: the values of every round, and the capture.
 pub fn comm_check<D: Device>(
     be: &mut KernelBackend<D>,
     ranks: std::sync::Arc<dyn Collective>,
+    busy: usize,
 ) -> anyhow::Result<Vec<(String, bool, String)>> {
     use crate::engine::backend::Backend;
     let (world, rank) = (ranks.world(), ranks.rank());
     let n = 4096;
-    anyhow::ensure!(be.len >= 3 * n, "the collectives' check needs an arena of {} elements", 3 * n);
+    anyhow::ensure!(be.len >= CHECK_ARENA, "the collectives' check needs an arena of {CHECK_ARENA} elements");
     be.set_comm(ranks)?;
-    let [a, b, c] = [0, 1, 2].map(|k| Buf { off: k * n, len: n });
+    let [a, b, c, d] = [0, 1, 2, 3].map(|k| Buf { off: k * n, len: n });
+    let m = |k: usize| Buf { off: 4 * n + k * 256 * 256, len: 256 * 256 }.mat(256, 256);
     let f = |i: usize| (i as f32 * 0.37).sin();
     let host = |v: Vec<f32>| candle_core::Tensor::from_vec(v, n, &candle_core::Device::Cpu);
+    be.fill(Buf { off: 4 * n, len: 3 * 256 * 256 }, 1e-3);
     let mut worst = 0f32;
     for _ in 0..3 {
         be.upload(a, &host((0..n).map(|i| f(i) + rank as f32).collect())?)?;
         be.upload(b, &host((0..n).map(|i| f(i) * (rank + 1) as f32).collect())?)?;
         be.upload(c, &host((0..n).map(f).collect())?)?;
+        be.fill(d, 0.0);
         be.begin_unit("collectives check");
-        be.comm_all_reduce(&[a], ReduceOp::Mean);
+        for _ in 0..busy {
+            be.gemm(m(2), m(0), m(1), 1.0, 0.0);
+        }
+        be.scale(a, 2.0);
+        let (src, dst) = (be.at(a.off), be.at(d.off));
+        be.comm_open = true;
+        be.submit(Work::Comm(CommCall::AllReduceInto { src, dst, len: n, op: ReduceOp::Mean }));
         be.scale(c, 2.0);
         be.comm_broadcast(&[(b, world - 1)]);
         be.scale(c, 1.5);
+        be.comm_join();
+        be.scale(d, 3.0);
         be.end_unit();
         let got = |buf: Buf| -> anyhow::Result<Vec<f32>> { Ok(be.download(buf, &[n])?.to_vec1::<f32>()?) };
-        let want = [(a, (world as f32 - 1.0) / 2.0, 1.0), (b, 0.0, world as f32), (c, 0.0, 3.0)];
-        for (buf, add, mul) in want {
+        // (region, mul, add): a = 2 (f + r); d = 3 (2 f + (W - 1)); b = W f; c = 3 f.
+        let want = [(a, 2.0, 2.0 * rank as f32), (d, 6.0, 3.0 * (world as f32 - 1.0)), (b, world as f32, 0.0), (c, 3.0, 0.0)];
+        for (buf, mul, add) in want {
             for (i, v) in got(buf)?.into_iter().enumerate() {
                 let w = f(i) * mul + add;
                 worst = worst.max((v - w).abs() / w.abs().max(1.0));
@@ -119,7 +140,9 @@ pub fn comm_check<D: Device>(
         (
             format!("collectives on the engine's communication stream (a world of {world})"),
             worst < 1e-6,
-            format!("mean, broadcast and the compute between them in 3 rounds: worst relative error {worst:.1e}"),
+            format!(
+                "a mean out of place after {busy} GEMMs and a scale, a broadcast, compute beside them and after the join, 3 rounds: worst relative error {worst:.1e}"
+            ),
         ),
         (
             "a unit with collectives captured as a graph and replayed".to_string(),

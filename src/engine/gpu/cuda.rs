@@ -182,6 +182,8 @@ pub struct CudaDevice {
     sdpa: Option<Result<SdpaCache<Cudnn>, String>>,
     /// The collectives' communicator and stream (data parallel: [`Device::comm_init`]).
     comm: Option<super::nccl::DeviceComm>,
+    /// candle's stream (the rest of the program's, where the world's collectives run).
+    candle: Arc<CudaStream>,
 }
 
 impl CudaDevice {
@@ -227,6 +229,7 @@ impl CudaDevice {
             marks: Mutex::new(super::Marks::default()),
             sdpa: None,
             comm: None,
+            candle: candle.cuda_stream(),
         })
     }
 
@@ -406,7 +409,9 @@ fn is_legacy_stream(stream: &CudaStream) -> bool {
 impl Drop for CudaDevice {
     fn drop(&mut self) {
         let _ = self.stream.synchronize();
-        // The communicator before the memory its calls name.
+        // The graphs first: NCCL's destroy waits until no graph holds its captured collectives;
+        // then the communicator, before the memory its calls name.
+        self.graphs.clear();
         self.comm = None;
     }
 }
@@ -464,6 +469,10 @@ impl Device for CudaDevice {
         Ok(())
     }
 
+    fn fence(&self) -> anyhow::Result<()> {
+        self.order(&self.stream, &self.candle)
+    }
+
     fn comm(&self, c: &super::CommCall) {
         self.try_comm(c).unwrap_or_else(|e| panic!("{e:#}"));
     }
@@ -492,6 +501,11 @@ impl Device for CudaDevice {
             Work::Sdpa(call) => self.try_sdpa(call),
             Work::Comm(c) => self.try_comm(c),
         });
+        if recorded.is_err() && work.iter().any(|w| matches!(w, Work::Comm(_))) {
+            // A failure after a fork leaves the communication stream in the capture: join it so
+            // that the capture can end and both streams leave capture mode.
+            let _ = self.try_comm(&super::CommCall::Join);
+        }
         // End the capture whatever happened, so the stream leaves capture mode.
         let graph = self.stream.end_capture(cu_sys::CUgraphInstantiate_flags(0));
         recorded?;

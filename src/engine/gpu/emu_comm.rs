@@ -25,6 +25,9 @@ use crate::dist::{Collective, ReduceOp};
 struct Flight {
     pieces: Vec<(Space, usize, Vec<f32>)>,
     what: What,
+    /// Out of place: where the result goes, and its values when queued (nothing may write
+    /// them in flight either).
+    out: Option<(Space, usize, Vec<f32>)>,
 }
 
 /// What a collective does with its pieces.
@@ -65,7 +68,7 @@ impl EmuComm {
         };
         match c {
             CommCall::AllReduce { pieces, op } => {
-                flights.push(Flight { pieces: keep(&mut pieces.iter().copied()), what: What::AllReduce(*op) });
+                flights.push(Flight { pieces: keep(&mut pieces.iter().copied()), what: What::AllReduce(*op), out: None });
             }
             CommCall::Broadcast { pieces } => {
                 let mut roots: Vec<usize> = pieces.iter().map(|p| p.3).collect();
@@ -73,12 +76,16 @@ impl EmuComm {
                 roots.dedup();
                 for root in roots {
                     let mine = &mut pieces.iter().filter(|p| p.3 == root).map(|&(s, o, n, _)| (s, o, n));
-                    flights.push(Flight { pieces: keep(mine), what: What::Broadcast(root) });
+                    flights.push(Flight { pieces: keep(mine), what: What::Broadcast(root), out: None });
                 }
+            }
+            &CommCall::AllReduceInto { src, dst, len, op } => {
+                let out = Some((dst.0, dst.1, mem.get(dst.0, dst.1, len)));
+                flights.push(Flight { pieces: keep(&mut std::iter::once((src.0, src.1, len))), what: What::AllReduce(op), out });
             }
             CommCall::Join => {
                 for f in flights.drain(..) {
-                    for (space, off, sent) in &f.pieces {
+                    for (space, off, sent) in f.pieces.iter().chain(f.out.as_ref()) {
                         let now = mem.get(*space, *off, sent.len());
                         assert!(
                             now.iter().zip(sent).all(|(a, b)| a.to_bits() == b.to_bits()),
@@ -96,6 +103,10 @@ impl EmuComm {
                     }
                     .and_then(|t| Ok(t.to_vec1::<f32>()?))
                     .unwrap_or_else(|e| panic!("rank {rank}: the stand-in's collective failed: {e:#}"));
+                    if let Some((space, off, _)) = &f.out {
+                        mem.set(*space, *off, &out);
+                        continue;
+                    }
                     let mut at = 0;
                     for (space, off, sent) in &f.pieces {
                         mem.set(*space, *off, &out[at..at + sent.len()]);

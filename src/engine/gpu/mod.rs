@@ -213,6 +213,18 @@ pub enum CommCall {
         /// The pieces.
         pieces: Vec<(Space, usize, usize, usize)>,
     },
+    /// `len` elements from `src` combined over the ranks by `op` into `dst` (out of place: at a
+    /// world of one a copy, which engine-check's collectives check times against compute).
+    AllReduceInto {
+        /// The source `(space, offset)`.
+        src: (Space, usize),
+        /// The destination `(space, offset)`, not overlapping the source.
+        dst: (Space, usize),
+        /// Elements.
+        len: usize,
+        /// How values combine.
+        op: crate::dist::ReduceOp,
+    },
     /// The compute stream waits for every collective queued so far.
     Join,
 }
@@ -315,6 +327,13 @@ pub trait Device: Send {
     /// order with its other collectives): from then on it runs [`CommCall`]s.
     fn comm_init(&mut self, _ranks: std::sync::Arc<dyn crate::dist::Collective>) -> anyhow::Result<()> {
         anyhow::bail!("{} runs no collectives", self.name())
+    }
+
+    /// Work queued later on the rest of the program's stream waits for the work queued so far
+    /// here ([`Backend::fence`](super::backend::Backend::fence)); nothing on a device whose work
+    /// is done when queued (the emulator).
+    fn fence(&self) -> anyhow::Result<()> {
+        Ok(())
     }
 
     /// Runs a collective (after [`Device::comm_init`]).
@@ -912,8 +931,10 @@ pub fn transfer_check(device: &candle_core::Device) -> anyhow::Result<Vec<(Strin
 #[cfg(feature = "cuda")]
 pub fn comm_check(device: &candle_core::Device) -> anyhow::Result<Vec<(String, bool, String)>> {
     let cap = Capacity::minimal(64, 64);
-    let mut be = KernelBackend::new(cuda::CudaDevice::new(device, cuda::GemmMath::F32, false)?, 3 * 4096, cap)?;
-    match comm::comm_check(&mut be, std::sync::Arc::new(crate::dist::single::Single)) {
+    let mut be = KernelBackend::new(cuda::CudaDevice::new(device, cuda::GemmMath::F32, false)?, comm::CHECK_ARENA, cap)?;
+    // Enough GEMMs before the source's last write that a collective not ordered after it
+    // (a missing fork) reads the old values.
+    match comm::comm_check(&mut be, std::sync::Arc::new(crate::dist::single::Single), 400) {
         Ok(flags) => Ok(flags),
         Err(e) => Ok(vec![("collectives on the engine's communication stream (NCCL)".into(), false, format!("{e:#}"))]),
     }

@@ -37,16 +37,22 @@ unsafe impl Send for DeviceComm {}
 unsafe impl Sync for DeviceComm {}
 
 fn nccl_err(what: &str) -> impl Fn(result::NcclError) -> anyhow::Error + '_ {
-    move |e| anyhow::anyhow!("{what}: {e:?}")
+    // The result code (`NcclError`'s own Debug prints only its name).
+    move |e| anyhow::anyhow!("{what}: {:?}", e.0)
 }
 
 impl DeviceComm {
     /// Joins a new communicator among `ranks` (every rank calls it; it returns once all have).
     pub(super) fn new(ctx: &Arc<CudaContext>, ranks: &dyn Collective) -> anyhow::Result<Self> {
         let (rank, world) = (ranks.rank(), ranks.world());
-        crate::dist::nccl::ensure_lib()?;
-        let hex = if rank == 0 { crate::dist::nccl::new_id_hex()? } else { String::new() };
+        // Rank 0's id reaches every rank, or its absence does: a rank 0 that cannot make one
+        // still takes part in the gather, so that no rank waits for it.
+        let made = if rank == 0 { crate::dist::nccl::new_id_hex() } else { Ok(String::new()) };
+        let hex = made.as_ref().map(|h| h.clone()).unwrap_or_default();
         let all = ranks.all_gather_bytes(hex.as_bytes()).map_err(|e| e.context("handing out the engine's NCCL id"))?;
+        made?;
+        anyhow::ensure!(!all[0].is_empty(), "rank 0 could not make the engine's NCCL id (its error says why)");
+        crate::dist::nccl::ensure_lib()?;
         let id = crate::dist::nccl::id_from_hex(std::str::from_utf8(&all[0])?)?;
         let unique = sys::ncclUniqueId { internal: *id.internal() };
         let stream = ctx.new_stream().map_err(|e| anyhow::anyhow!("a communication stream for the engine: {e:?}"))?;
@@ -89,6 +95,11 @@ impl DeviceComm {
                     // SAFETY: as above.
                     r = r.and(unsafe { result::broadcast(p, p, len, dtype(space), root as i32, self.comm, s) }.map(|_| ()));
                 }
+            }
+            &CommCall::AllReduceInto { src, dst, len, op } => {
+                let (from, to) = (address(src.0, src.1) as *const std::ffi::c_void, address(dst.0, dst.1) as *mut std::ffi::c_void);
+                // SAFETY: both lie inside their spaces' allocations and do not overlap.
+                r = unsafe { result::all_reduce(from, to, len, dtype(src.0), red(op), self.comm, s) }.map(|_| ());
             }
             CommCall::Join => unreachable!("handled above"),
         }

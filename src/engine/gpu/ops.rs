@@ -234,6 +234,7 @@ impl<D: Device> Backend for KernelBackend<D> {
         anyhow::ensure!(src.elem_count() == dst.len, "uploading {} elements into a {}-element region", src.elem_count(), dst.len);
         self.check([], [dst]);
         self.outside_unit("an upload");
+        anyhow::ensure!(!self.comm_open, "an upload with collectives in flight (queued outside a unit, not joined: comm_join)");
         let v: Vec<f32> = src.to_device(&CandleDevice::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         let mut done = 0;
         for b in self.pieces(dst) {
@@ -253,6 +254,7 @@ impl<D: Device> Backend for KernelBackend<D> {
     fn download(&self, src: Buf, shape: &[usize]) -> anyhow::Result<Tensor> {
         self.check([src], []);
         self.outside_unit("a download");
+        anyhow::ensure!(!self.comm_open, "a download with collectives in flight (queued outside a unit, not joined: comm_join)");
         let mut v: Vec<f32> = Vec::with_capacity(src.len);
         for b in self.pieces(src) {
             match self.at(b.off) {
@@ -387,6 +389,10 @@ impl<D: Device> Backend for KernelBackend<D> {
 
     fn queues_collectives(&self) -> bool {
         self.comm
+    }
+
+    fn fence(&self) -> anyhow::Result<()> {
+        self.dev.fence()
     }
 
     fn graph_counts(&self) -> Option<GraphCounts> {

@@ -52,6 +52,10 @@ fn weights(e: &Engine) -> Vec<f64> {
     e.params().unwrap().iter().flat_map(|(_, t)| crate::engine::tests::flat(t)).collect()
 }
 
+fn grads(e: &Engine) -> Vec<f64> {
+    e.grads().unwrap().iter().flat_map(|(_, t)| crate::engine::tests::flat(t)).collect()
+}
+
 /// Two emulated GPU ranks, each with one micro-batch a step, train the weights of one with both:
 /// gradients averaged in several buckets sent during the backward pass, Muon's updates
 /// broadcast from their owners, all of it queued on the device inside the units of work, which
@@ -62,41 +66,46 @@ fn two_emulated_gpu_ranks_train_the_weights_of_one() {
     let steps = 3;
     let n = (ROWS * T) as f64;
     let mut one = engine("one");
+    let mut first_grads = Vec::new();
     for s in 0..steps {
         for k in 0..2 {
             let b = batch(s, k);
             one.micro_step(&b[..ROWS * T], &b[1..], false, 0.5 / n);
         }
+        if s == 0 {
+            first_grads = grads(&one);
+        }
         one.optimizer_step(&step()).unwrap();
     }
     let want = weights(&one);
     let ranks = Threads::world(2);
-    let runs: Vec<_> = ranks
-        .iter()
-        .cloned()
-        .map(|c| {
-            std::thread::spawn(move || {
-                let r = c.rank();
-                let mut e = engine(&format!("rank{r}"));
-                // Buckets of 4 Ki elements (the first 1 Ki): several per pass.
-                e.set_ranks(c as Arc<dyn Collective>, (1 << 10, 4 << 10), true).unwrap();
-                let x = e.exchange().unwrap();
-                assert!(x.on_device(), "the GPU backend queues its collectives");
-                let buckets = x.buckets(false).len();
-                for s in 0..steps {
-                    let b = batch(s, r);
-                    let tokens = crate::engine::backend::Tokens::Host { x: &b[..ROWS * T], y: &b[1..] };
-                    let (_, stats) = e.exchanged_micro_step(tokens, false, 1.0 / n).unwrap();
-                    assert_eq!(stats.buckets, buckets);
-                    e.optimizer_step(&step()).unwrap();
-                }
-                (weights(&e), buckets, e.graph_counts().unwrap())
-            })
-        })
-        .collect();
-    let out: Vec<_> = runs.into_iter().map(|h| h.join().expect("a rank failed")).collect();
-    for (r, (w, buckets, counts)) in out.iter().enumerate() {
+    let out = Threads::run(&ranks, move |c| {
+        let r = c.rank();
+        let mut e = engine(&format!("rank{r}"));
+        // Buckets of 4 Ki elements (the first 1 Ki): several per pass.
+        e.set_ranks(c as Arc<dyn Collective>, (1 << 10, 4 << 10), true).unwrap();
+        let x = e.exchange().unwrap();
+        assert!(x.on_device(), "the GPU backend queues its collectives");
+        let buckets = x.buckets(false).len();
+        let mut averaged = Vec::new();
+        for s in 0..steps {
+            let b = batch(s, r);
+            let tokens = crate::engine::backend::Tokens::Host { x: &b[..ROWS * T], y: &b[1..] };
+            let (_, stats) = e.exchanged_micro_step(tokens, false, 1.0 / n).unwrap();
+            assert_eq!(stats.buckets, buckets);
+            if s == 0 {
+                averaged = grads(&e);
+            }
+            e.optimizer_step(&step()).unwrap();
+        }
+        (weights(&e), buckets, e.graph_counts().unwrap(), averaged)
+    });
+    for (r, (w, buckets, counts, averaged)) in out.iter().enumerate() {
         assert!(*buckets >= 3, "{buckets} buckets");
+        // The exchange's own result, before clipping and the optimizers (which would hide a sum
+        // in place of the mean: both are scale-free): the ranks' mean is one rank's gradient.
+        let err = crate::engine::tests::rel_err(averaged, &first_grads);
+        assert!(err < 1e-5, "rank {r}: step 1's averaged gradients {err:e} from one rank's");
         // Not bit for bit: one rank adds a gradient's uses across both micro-batches in one
         // sum, two ranks per micro-batch before the mean. Measured: 2.3e-4 here, and 2.3e-4
         // between one rank taking its two micro-batches in either order; a rank training on
@@ -160,18 +169,12 @@ fn a_host_read_before_the_join_is_refused() {
 fn the_collectives_check_passes_on_one_and_two_emulated_ranks() {
     for world in [1, 2] {
         let ranks = Threads::world(world);
-        let runs: Vec<_> = ranks
-            .iter()
-            .cloned()
-            .map(|c| {
-                std::thread::spawn(move || {
-                    let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join(format!("comm-check-{}-{}.mem", c.world(), c.rank())));
-                    let mut be = KernelBackend::new(dev, 3 * 4096, kernel_capacity(&cfg(), ROWS, T).unwrap()).unwrap();
-                    super::comm::comm_check(&mut be, c).unwrap()
-                })
-            })
-            .collect();
-        for flags in runs.into_iter().map(|h| h.join().expect("a rank failed")) {
+        let out = Threads::run(&ranks, |c| {
+            let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join(format!("comm-check-{}-{}.mem", c.world(), c.rank())));
+            let mut be = KernelBackend::new(dev, super::comm::CHECK_ARENA, kernel_capacity(&cfg(), ROWS, T).unwrap()).unwrap();
+            super::comm::comm_check(&mut be, c, 1).unwrap()
+        });
+        for flags in out {
             assert_eq!(flags.len(), 2);
             for (what, ok, detail) in flags {
                 assert!(ok, "world {world}: {what}: {detail}");
