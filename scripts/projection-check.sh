@@ -10,7 +10,8 @@
 #   scripts/projection-check.sh [STEPS] [ROUNDS]     # default 30 steps, 1 round
 #
 # Needs target/release/pipeline (PIPELINE_BIN) built with `--features mpi`, mpicc and mpirun,
-# and the shared shards (DATA, default ../shared/data/golf_en_sp1024; TOKENIZER). Outputs under
+# and SP1024-vocabulary shards (DATA and TOKENIZER; default ../shared/data/golf_en_sp1024 where
+# it exists, else the demo's, data/demo from scripts/fetch-demo-data.sh). Outputs under
 # target/projection-check/. The target (issue 47): within 10% of the measured step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,12 @@ rounds=${2:-1}
 bin=${PIPELINE_BIN:-target/release/pipeline}
 # The binary reads PIPELINE_* variables as config keys.
 unset PIPELINE_BIN
+# The shards: DATA and TOKENIZER, else the project's shared SP1024 shards where they are, else
+# the demo's (scripts/fetch-demo-data.sh: a fresh clone has those).
+if [[ -z ${DATA:-} && ! -d ../shared/data/golf_en_sp1024 ]]; then
+  DATA=data/demo/shards TOKENIZER=${TOKENIZER:-data/demo/tokenizer.model}
+  [[ -d $DATA ]] || { echo "projection-check: no shards: set DATA and TOKENIZER, or run scripts/fetch-demo-data.sh" >&2; exit 2; }
+fi
 data=$(realpath "${DATA:-../shared/data/golf_en_sp1024}")
 tok=$(realpath "${TOKENIZER:-../shared/tokenizers/fineweb_1024_bpe.model}")
 out=target/projection-check
