@@ -86,8 +86,6 @@ pub struct Engine {
     adam_steps: [u64; 3],
     /// Several ranks: the gradient exchange (none on one rank).
     exchange: Option<Exchange>,
-    /// The backward pass under way sends gradients (its unit has a key of its own).
-    exchanging: bool,
     /// Wall time of the last optimizer step's collectives (sharded Muon's exchange).
     last_comm: Duration,
     /// The step's phases as spans between the backend's timing marks (a backend with a device
@@ -145,16 +143,7 @@ impl Engine {
         let schedule = Schedule::new(cfg, rows, t, rms_eps(dtype));
         let len = schedule.layout.len();
         anyhow::ensure!(be.len() == len, "the backend's arena holds {} elements, this model's layout {len}", be.len());
-        let mut e = Engine {
-            be,
-            schedule,
-            poison,
-            adam_steps: [0; 3],
-            exchange: None,
-            exchanging: false,
-            last_comm: Duration::ZERO,
-            spans: Vec::new(),
-        };
+        let mut e = Engine { be, schedule, poison, adam_steps: [0; 3], exchange: None, last_comm: Duration::ZERO, spans: Vec::new() };
         let (cos, sin) = rope_tables(t, cfg.rotary_dims(), cfg.rope_base_for(t), dtype, &Device::Cpu)?;
         let l = &e.schedule.layout;
         let (c, s) = (l.cos, l.sin);
@@ -279,11 +268,7 @@ impl Engine {
             return Ok((self.micro_step_tokens(tokens, looping, grad_scale)?, ExchangeStats::default()));
         };
         let mut pass = exchange.pass(looping);
-        // A unit of its own: the passes with collectives are other work than the others (one
-        // graph each on a GPU, not one graph recaptured at every change).
-        self.exchanging = true;
-        let r = self.micro_step_with(tokens, looping, grad_scale, &mut |be, event| pass.at(&exchange, be, event));
-        self.exchanging = false;
+        let r = self.micro_pass(tokens, looping, grad_scale, &mut |be, event| pass.at(&exchange, be, event), true);
         let stats = exchange.finish(self.be.as_mut(), pass);
         self.exchange = Some(exchange);
         Ok((r?, stats?))
@@ -299,6 +284,20 @@ impl Engine {
         grad_scale: f64,
         at: &mut dyn FnMut(&mut dyn Backend, usize),
     ) -> anyhow::Result<MicroResult> {
+        self.micro_pass(tokens, looping, grad_scale, at, false)
+    }
+
+    /// [`Engine::micro_step_with`]; `exchanged`: the backward pass sends gradients, a unit with
+    /// a key of its own (other work than the other micro-batches': one graph each on a GPU, not
+    /// one graph recaptured at every change).
+    fn micro_pass(
+        &mut self,
+        tokens: Tokens<'_>,
+        looping: bool,
+        grad_scale: f64,
+        at: &mut dyn FnMut(&mut dyn Backend, usize),
+        exchanged: bool,
+    ) -> anyhow::Result<MicroResult> {
         let (acts, scratch) = (self.schedule.layout.activations, self.schedule.layout.scratch_region);
         let t0 = Instant::now();
         // The forward span starts before the ids: a stream that waits for their upload shows
@@ -313,7 +312,7 @@ impl Engine {
         self.be.end_unit();
         let t1 = Instant::now();
         let m1 = self.be.timing_mark();
-        self.be.begin_unit(match (looping, self.exchanging) {
+        self.be.begin_unit(match (looping, exchanged) {
             (false, false) => "backward",
             (true, false) => "backward looped",
             (false, true) => "backward exchanged",

@@ -45,27 +45,28 @@ impl<D: Device> KernelBackend<D> {
         assert!(self.comm, "a collective queued on {} before set_comm", self.dev.name());
     }
 
+    /// Queues the collective `c` (open until the next join).
+    fn queue(&mut self, c: CommCall) {
+        self.ensure_comm();
+        self.comm_open = true;
+        self.submit(Work::Comm(c));
+    }
+
     /// Queues an all-reduce of `regions`.
     pub(super) fn queue_all_reduce(&mut self, regions: &[Buf], op: ReduceOp) {
-        self.ensure_comm();
         let pieces = self.comm_pieces(regions);
-        if pieces.is_empty() {
-            return;
+        if !pieces.is_empty() {
+            self.queue(CommCall::AllReduce { pieces, op });
         }
-        self.comm_open = true;
-        self.submit(Work::Comm(CommCall::AllReduce { pieces, op }));
     }
 
     /// Queues broadcasts of `(region, root)`.
     pub(super) fn queue_broadcast(&mut self, pieces: &[(Buf, usize)]) {
-        self.ensure_comm();
         let pieces: Vec<(Space, usize, usize, usize)> =
             pieces.iter().flat_map(|&(b, root)| self.comm_pieces(&[b]).into_iter().map(move |(s, o, n)| (s, o, n, root))).collect();
-        if pieces.is_empty() {
-            return;
+        if !pieces.is_empty() {
+            self.queue(CommCall::Broadcast { pieces });
         }
-        self.comm_open = true;
-        self.submit(Work::Comm(CommCall::Broadcast { pieces }));
     }
 
     /// Queues a join when collectives are open.
@@ -117,8 +118,7 @@ pub fn comm_check<D: Device>(
         }
         be.scale(a, 2.0);
         let (src, dst) = (be.at(a.off), be.at(d.off));
-        be.comm_open = true;
-        be.submit(Work::Comm(CommCall::AllReduceInto { src, dst, len: n, op: ReduceOp::Mean }));
+        be.queue(CommCall::AllReduceInto { src, dst, len: n, op: ReduceOp::Mean });
         be.scale(c, 2.0);
         be.comm_broadcast(&[(b, world - 1)]);
         be.scale(c, 1.5);

@@ -253,9 +253,8 @@ impl EmuDevice {
 impl super::emu_comm::Memory for EmuDevice {
     fn get(&self, space: Space, off: usize, len: usize) -> Vec<f32> {
         if space.is_bf16() {
-            let at = self.byte(space, off + len) - len * 2;
-            let m = self.memory.as_ref().expect("the device is allocated").lock().expect("the memory lock");
-            (0..len).map(|k| half::bf16::from_bits(u16::from_ne_bytes([m[at + 2 * k], m[at + 2 * k + 1]])).to_f32()).collect()
+            let bits = self.read_half(space, off, len).expect("a collective's piece in a bf16 space the host reads");
+            bits.into_iter().map(|b| half::bf16::from_bits(b).to_f32()).collect()
         } else {
             self.words(space, off, len).into_iter().map(f32::from_bits).collect()
         }
