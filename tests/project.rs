@@ -77,6 +77,11 @@ fn a_tiny_cpu_run_is_projected() {
         assert!(s.contains(want), "missing {want:?} in\n{s}");
     }
     assert_eq!(project(&run, &["--link-gbs", "0"]).status.code(), Some(1));
+    for nproc in ["0", "1000000"] {
+        let o = project(&run, &["--nproc", nproc]);
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+        assert!(String::from_utf8_lossy(&o.stderr).contains("--nproc must be between 1 and 65,536"), "{}", text(&o));
+    }
 
     // A report of two ranks is no one-rank run.
     let path = run.join("report.json");
