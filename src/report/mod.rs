@@ -10,5 +10,6 @@ pub mod html;
 pub mod projection;
 pub mod ranks;
 pub mod steps;
+pub mod submission;
 pub mod tables;
 pub mod verdict;

@@ -1,0 +1,200 @@
+//! The rules over made-up run directories: each refusal with its figure, the significance
+//! figures against a hand computation, and the folder.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::json;
+
+use super::figures::RunFigures;
+use super::folder::{Entry, write};
+use super::rules::Outcome;
+use super::{Against, Submission};
+
+/// A scratch folder removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(tag: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("pipeline-submission-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        Self(p)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A finished run's directory: `val_loss` nats on 65,536 targets of 158,340 bytes, a
+/// 1,301,520-byte model and 609,873 bytes of code, 223.2 s of training and 2.4 s of GPTQ.
+fn run_dir(root: &Path, seed: u64, val_loss: f64, edit: impl FnOnce(&mut serde_json::Value, &mut String)) -> PathBuf {
+    let dir = root.join(format!("seed{seed}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bpb = val_loss / (std::f64::consts::LN_2 * 158_340.0 / 65_536.0);
+    let mut report = json!({
+        "run": { "name": "record-mini", "status": "completed", "hardware": "1 x cpu (test)" },
+        "train": { "steps": 300, "step_avg_ms": 743.9, "train_time_ms": 223_168.9, "val_bpb": bpb + 0.01, "val_bytes": 158_340 },
+        "artifact": {
+            "path": dir.join("final_model.int6.brotli.pgqz").display().to_string(),
+            "method": "gptq",
+            "before": { "val_loss": val_loss - 0.02, "val_bpb": bpb - 0.008, "eval_ms": 2776.0 },
+            "after": { "val_loss": val_loss + 0.02, "val_bpb": bpb + 0.008, "eval_ms": 2973.4 },
+            "bytes": 1_301_520, "code_bytes": 609_873,
+            "code": { "measured": { "root": "/src", "files": 249, "raw_bytes": 2_887_348, "compressed_bytes": 609_873 } },
+            "reserve_ms": 2398.0, "compress_ms": 1145.7, "restore_ms": 12.2, "val_tokens": 65_536
+        },
+        "eval": {
+            "weights": "quantized",
+            "sliding": { "val_loss": val_loss + 0.004, "val_bpb": bpb + 0.002, "val_tokens": 65_536, "val_bytes": 158_340, "eval_ms": 10_339.3 },
+            "ttt": { "val_loss": val_loss, "val_bpb": bpb, "val_tokens": 65_536, "val_bytes": 158_340, "eval_ms": 44_200.1 }
+        }
+    });
+    let mut config =
+        format!("[run]\nname = \"record-mini\"\nseed = {seed}\ndevice = \"cpu\"\n\n[model]\nnum_layers = 4\nmodel_dim = 128\n");
+    edit(&mut report, &mut config);
+    std::fs::write(dir.join("report.json"), serde_json::to_vec(&report).unwrap()).unwrap();
+    std::fs::write(dir.join("config.toml"), config).unwrap();
+    std::fs::write(dir.join("train.log"), format!("seed:{seed}\nquantized_ttt val_loss:{val_loss:.8}\n")).unwrap();
+    std::fs::write(dir.join("report.html"), "<html></html>").unwrap();
+    dir
+}
+
+fn load(dirs: &[PathBuf]) -> Vec<RunFigures> {
+    dirs.iter().map(|d| RunFigures::load(d).unwrap()).collect()
+}
+
+fn three(root: &Path) -> Vec<PathBuf> {
+    [(42, 2.30), (0, 2.31), (1234, 2.32)].iter().map(|&(s, l)| run_dir(root, s, l, |_, _| ())).collect()
+}
+
+fn check<'a>(s: &'a Submission, name: &str) -> &'a super::rules::Check {
+    s.checks.iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no check {name}: {:?}", s.checks))
+}
+
+#[test]
+fn three_good_seeds_pass_and_read_their_figures() {
+    let t = Scratch::new("good");
+    let runs = load(&three(&t.0));
+    let r = &runs[0];
+    assert_eq!((r.seed, r.steps, r.total_bytes()), (42, 300, Some(1_911_393)));
+    assert!((r.train_s() - 225.5669).abs() < 1e-3 && (r.eval_s() - (12.2 + 2973.4 + 10_339.3 + 44_200.1) / 1e3).abs() < 1e-9);
+    assert_eq!(r.score.label, "quantized_ttt");
+    let s = Submission::check(runs, 3, &Against::Bpb(1.5), vec![]);
+    assert!(s.passed(), "{:#?}", s.failures());
+    assert!(check(&s, "size seed 42").figure.starts_with("1,911,393 bytes = model 1,301,520 + code 609,873 (brotli-11"));
+    assert!(check(&s, "train time seed 0").figure.starts_with("225.6 s on 1 x cpu (test)"), "{}", check(&s, "train time seed 0").figure);
+    assert_eq!(check(&s, "seeds").figure, "3 distinct seed(s): 0, 42, 1234");
+}
+
+#[test]
+fn each_broken_rule_is_refused_with_its_figure() {
+    let t = Scratch::new("broken");
+    let root = &t.0;
+    let mut dirs = three(root);
+    // Over the cap by one byte.
+    dirs[1] = run_dir(&root.join("cap"), 0, 2.31, |r, _| r["artifact"]["bytes"] = json!(16_000_000 - 609_873 + 1));
+    let s = Submission::check(load(&dirs), 3, &Against::Nothing, vec![]);
+    let c = check(&s, "size seed 0");
+    assert!(c.outcome == Outcome::Fail && c.figure.contains("16,000,001 bytes") && c.figure.contains("1 over"), "{c:?}");
+    assert_eq!(s.failures().len(), 1, "{:?}", s.failures());
+    // Over the training time once GPTQ is counted, and over the evaluation time.
+    dirs[1] = run_dir(&root.join("time"), 0, 2.31, |r, _| {
+        r["train"]["train_time_ms"] = json!(599_000.0);
+        r["eval"]["ttt"]["eval_ms"] = json!(590_000.0);
+    });
+    let s = Submission::check(load(&dirs), 3, &Against::Nothing, vec![]);
+    let c = check(&s, "train time seed 0");
+    assert!(
+        c.outcome == Outcome::Fail && c.figure.starts_with("601.4 s") && c.figure.contains("gptq calibration + quantization 2.4 s"),
+        "{c:?}"
+    );
+    let c = check(&s, "eval time seed 0");
+    assert!(c.outcome == Outcome::Fail && c.figure.starts_with("603.3 s"), "{c:?}");
+    // A missing seed, and a seed given twice.
+    let s = Submission::check(load(&dirs[..2]), 3, &Against::Nothing, vec![]);
+    assert!(check(&s, "seeds").outcome == Outcome::Fail && check(&s, "seeds").figure.ends_with("1 missing"), "{:?}", check(&s, "seeds"));
+    let twice = vec![dirs[0].clone(), dirs[0].clone(), dirs[2].clone()];
+    let s = Submission::check(load(&twice), 3, &Against::Nothing, vec![]);
+    assert!(check(&s, "seeds").figure.starts_with("seed(s) 42 given twice"), "{:?}", check(&s, "seeds"));
+    // Mixed configs name the key and both values; names and output folders may differ.
+    dirs[1] =
+        run_dir(&root.join("mixed"), 0, 2.31, |_, c| *c = c.replace("num_layers = 4", "num_layers = 5").replace("record-mini", "other"));
+    let s = Submission::check(load(&dirs), 3, &Against::Nothing, vec![]);
+    let c = check(&s, "one config");
+    assert!(c.outcome == Outcome::Fail && c.figure.starts_with("`model.num_layers` is 4 in") && c.figure.contains("but 5 in"), "{c:?}");
+    assert_eq!(s.failures().len(), 1, "only the model differs: {:?}", s.failures());
+    // An interrupted run, and one scored on other validation targets.
+    dirs[1] = run_dir(&root.join("stopped"), 0, 2.31, |r, _| {
+        r["run"]["status"] = json!("interrupted");
+        r["eval"]["ttt"]["val_tokens"] = json!(65_535);
+    });
+    let s = Submission::check(load(&dirs), 3, &Against::Nothing, vec![]);
+    assert!(check(&s, "runs finished").figure.contains("(interrupted)"), "{:?}", check(&s, "runs finished"));
+    assert!(check(&s, "val split").outcome == Outcome::Fail && check(&s, "val split").figure.contains("scored 65,535 targets"));
+    // A run directory without a report is an error naming it.
+    let err = RunFigures::load(&root.join("nowhere")).unwrap_err();
+    assert!(format!("{err:#}").contains("not a finished run directory"), "{err:#}");
+}
+
+/// The significance line equals the hand computation of `significance`'s own test on these
+/// numbers: the seeds' val_loss against the baseline runs' (Welch, df 4, t -5.5114).
+#[test]
+fn significance_uses_the_seeds_losses() {
+    let t = Scratch::new("sig");
+    let ours = load(&three(&t.0.join("ours")));
+    let base: Vec<PathBuf> =
+        [(42, 2.35), (0, 2.36), (1234, 2.37)].iter().map(|&(s, l)| run_dir(&t.0.join("base"), s, l, |_, _| ())).collect();
+    let s = Submission::check(ours.clone(), 3, &Against::Runs(load(&base)), vec![]);
+    let sig = s.significance.as_ref().unwrap();
+    assert!((sig.t + 5.511351921).abs() < 1e-6 && (sig.df - 4.0).abs() < 1e-9 && sig.clears, "{sig:?}");
+    assert!(check(&s, "significance").outcome == Outcome::Pass);
+    // Against a figure: nats per bpb from the seeds' own bytes per token.
+    let k = std::f64::consts::LN_2 * 158_340.0 / 65_536.0;
+    let s = Submission::check(ours, 3, &Against::Bpb(2.36 / k), vec![]);
+    let sig = s.significance.as_ref().unwrap();
+    assert!((sig.baseline_mean_nats - 2.36).abs() < 1e-9 && (sig.diff_nats + 0.05).abs() < 1e-9 && (sig.df - 2.0).abs() < 1e-12, "{sig:?}");
+}
+
+#[test]
+fn the_folder_holds_the_table_the_json_and_the_logs() {
+    let t = Scratch::new("folder");
+    let s = Submission::check(load(&three(&t.0)), 3, &Against::Bpb(1.5), vec![]);
+    let entry = Entry {
+        name: "Test entry".into(),
+        date: "2026-11-27".into(),
+        track: "10min_16mb".into(),
+        software: "pipeline 0.1.0".into(),
+        ..Entry::default()
+    };
+    let out = t.0.join("records/2026-11-27_Test");
+    let files = write(&s, &entry, &out).unwrap();
+    assert_eq!(files.len(), 2 + 3 * 4);
+    let readme = std::fs::read_to_string(out.join("README.md")).unwrap();
+    let r0 = &s.runs[0];
+    let row = format!(
+        "| 42 | 300 | 743.9 | {:.5} | {:.5} | **{:.5}** | 1,911,393 |",
+        r0.pre_quant_bpb.unwrap(),
+        r0.post_quant_bpb.unwrap(),
+        r0.score.val_bpb
+    );
+    assert!(readme.contains(&row), "{row}\n{readme}");
+    assert!(readme.contains("PASS size seed 1234") && readme.contains("pipeline run config_seed0.toml"), "{readme}");
+    let j: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("submission.json")).unwrap()).unwrap();
+    assert_eq!(j["seeds"], json!([42, 0, 1234]));
+    assert_eq!(j["seed_results"]["0"]["artifact_bytes"], json!(1_911_393));
+    assert!((j["val_loss"].as_f64().unwrap() - 2.31).abs() < 1e-12 && j["passed"] == json!(true));
+    assert_eq!(
+        std::fs::read_to_string(out.join("train_seed1234.log")).unwrap(),
+        std::fs::read_to_string(t.0.join("seed1234/train.log")).unwrap()
+    );
+    // A second write refuses the folder now there, and a failed write leaves nothing behind.
+    assert!(format!("{:#}", write(&s, &entry, &out).unwrap_err()).contains("not empty"));
+    std::fs::remove_file(s.runs[2].dir.join("report.html")).unwrap();
+    let other = t.0.join("records/other");
+    let err = write(&s, &entry, &other).unwrap_err();
+    assert!(format!("{err:#}").contains("report.html") && !other.exists(), "{err:#}");
+    assert_eq!(std::fs::read_dir(t.0.join("records")).unwrap().count(), 1, "no temporary folder left");
+}
