@@ -146,6 +146,12 @@ impl Tokenizer {
         Ok(out)
     }
 
+    /// Decodes ids back to the bytes of their text (a byte piece as its byte, so a cut in the
+    /// middle of a character keeps its bytes).
+    pub fn decode_bytes(&self, ids: &[u32]) -> anyhow::Result<Vec<u8>> {
+        self.encoder.decode(ids, false).map_err(|e| anyhow::anyhow!("cannot decode: {e}"))
+    }
+
     /// Decodes ids back to text (lossy UTF-8).
     pub fn decode(&self, ids: &[u32]) -> anyhow::Result<String> {
         let bytes = self.encoder.decode(ids, false).map_err(|e| anyhow::anyhow!("cannot decode: {e}"))?;

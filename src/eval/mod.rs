@@ -1,9 +1,11 @@
-//! Scoring: the bits-per-byte metric ([`bpb`]), validation as the challenge scores it
+//! Scoring: the bits-per-byte metric ([`bpb`]) and its byte count checked against the text
+//! ([`byte_check`]), validation as the challenge scores it
 //! ([`validation`]) on the split's files ([`sidecar`]: CaseOps byte sidecars), sliding-window scoring ([`sliding`]), score-first test-time training
 //! ([`ttt`]), and
 //! phased TTT with per-document LoRA ([`phased`]).
 
 pub mod bpb;
+pub mod byte_check;
 pub mod phased;
 pub mod sidecar;
 pub mod sliding;
