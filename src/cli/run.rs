@@ -219,6 +219,7 @@ pub fn run(
         started,
         warmup_items: loaded.config.run.warmup_items,
         instrument: loaded.config.run.instrument,
+        hardware: crate::device::describe(&loaded.config.run),
     };
     let mut report = document::build(&plan, &result, &meta);
     if ranks.world() > 1 {

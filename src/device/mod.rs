@@ -66,6 +66,36 @@ pub fn open_named(device: &str) -> anyhow::Result<Device> {
     }
 }
 
+/// The hardware `run` ran on, in words: `8 x NVIDIA H100 80GB HBM3` (the device's name as the
+/// driver gives it; ranks take one GPU each), or `1 x CPU (AMD EPYC 7B13, 2 cores)`.
+pub fn describe(run: &RunConfig) -> String {
+    let what = match parse(&run.device) {
+        Ok(DeviceName::Cuda(n)) => cuda_name(n).unwrap_or_else(|| format!("GPU cuda:{n}")),
+        _ => {
+            let model = std::fs::read_to_string("/proc/cpuinfo")
+                .ok()
+                .and_then(|t| t.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|m| m.trim().to_string()))
+                .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            format!("CPU ({model}, {cores} cores)")
+        }
+    };
+    format!("{} x {what}", run.world_size.max(1))
+}
+
+/// GPU `n`'s name: none in a CPU-only build.
+#[cfg(not(feature = "cuda"))]
+fn cuda_name(_n: usize) -> Option<String> {
+    None
+}
+
+/// GPU `n`'s name as the driver gives it.
+#[cfg(feature = "cuda")]
+fn cuda_name(n: usize) -> Option<String> {
+    let d = open_cuda(n).ok()?;
+    d.as_cuda_device().ok()?.cuda_stream().context().name().ok()
+}
+
 /// The free memory of the GPU a `run.device` value names, in bytes: the budget of the memory
 /// estimate when `run.max_memory_gb` is not set. `None` on the CPU, in a CPU-only build, or
 /// when the GPU cannot be opened (the run will say why when it opens it).

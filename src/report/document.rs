@@ -58,6 +58,10 @@ pub struct RunInfo {
     pub run_dir: String,
     /// Start time, RFC 3339 UTC.
     pub started: String,
+    /// The hardware it ran on, in words: ranks, then the GPU's name or the CPU's model and
+    /// cores (what `pipeline submission` times the rules against).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub hardware: String,
     /// Wall time from starting the stage threads to the last one ending (s).
     pub wall_s: f64,
     /// "completed", "interrupted" or "failed".
@@ -98,6 +102,8 @@ pub struct ReportMeta<'a> {
     pub warmup_items: u64,
     /// `[run] instrument`.
     pub instrument: bool,
+    /// The hardware the run ran on, in words (ranks, GPU or CPU model).
+    pub hardware: String,
 }
 
 /// Exit code for each way a run can end: 0 completed, 1 failed, 128 + the signal's number when
@@ -229,6 +235,7 @@ pub fn build(plan: &Plan, result: &RunResult, meta: &ReportMeta) -> Report {
             config: meta.config_path.display().to_string(),
             run_dir: meta.run_dir.display().to_string(),
             started: meta.started.clone(),
+            hardware: meta.hardware.clone(),
             wall_s,
             status: status.into(),
             exit_code: exit_code(result.reason, result.signal),
