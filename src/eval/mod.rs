@@ -1,8 +1,10 @@
 //! Scoring: the bits-per-byte metric ([`bpb`]), validation as the challenge scores it
 //! ([`validation`]) on the split's files ([`sidecar`]: CaseOps byte sidecars), sliding-window scoring ([`sliding`]), score-first test-time training
 //! ([`ttt`]), and
-//! phased TTT with per-document LoRA ([`phased`]).
+//! phased TTT with per-document LoRA ([`phased`]), and the legality audit of an evaluation
+//! ([`audit`]).
 
+pub mod audit;
 pub mod bpb;
 pub mod phased;
 pub mod sidecar;
