@@ -33,6 +33,12 @@
 //! [`validation_tokens`] applies the challenge's truncation of the validation stream to whole
 //! sequences (spec 1.3), [`BpbAccumulator`] sums the loss and bytes of scored batches, and
 //! [`unigram_bpb`] gives the score of a unigram model, the bar any trained model must beat.
+//!
+//! **Per-target record.** Tables made with [`ByteTables::recording`] make every accumulator
+//! built from them also keep each target's loss, keyed by its target index, in the order it was
+//! added ([`BpbAccumulator::recorded`]): what the legality audit ([`crate::eval::audit`]) reads
+//! from the unchanged evaluations. Off (the default), an accumulator holds no record and
+//! allocates nothing for it.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -59,6 +65,9 @@ pub struct ByteTables {
     /// CaseOps: the original UTF-8 bytes of each token of the validation stream (its byte
     /// sidecar), which replace the rule above when set ([`ByteTables::with_stream_bytes`]).
     pub stream_bytes: Option<StreamBytes>,
+    /// Accumulators built from these tables keep each target's loss ([`ByteTables::recording`]);
+    /// false (the default) for every evaluation that only needs the sums.
+    pub record_targets: bool,
 }
 
 /// A validation stream's byte sidecar: entry `i` is the original bytes of token `i`.
@@ -93,6 +102,7 @@ impl ByteTables {
             is_boundary: vec![true; len],
             has_space_piece: false,
             stream_bytes: None,
+            record_targets: false,
         };
         for (id, p) in pieces.iter().enumerate() {
             match p.r#type() {
@@ -155,6 +165,13 @@ impl ByteTables {
         self
     }
 
+    /// These tables making every [`BpbAccumulator`] built from them keep each target's loss
+    /// ([`BpbAccumulator::recorded`]): the legality audit's view of an unchanged evaluation.
+    pub fn recording(mut self) -> Self {
+        self.record_targets = true;
+        self
+    }
+
     /// Bytes of the targets `targets[k]` (after `prev[k]`) that are targets
     /// `first_target + k` of the validation stream: the sidecar's entries
     /// `first_target + 1 ..` when the tables hold one, else [`count_bytes`](Self::count_bytes).
@@ -186,6 +203,32 @@ pub struct BpbAccumulator {
     nll_sum: f64,
     tokens: u64,
     bytes: u64,
+    /// Each target's loss, under [`ByteTables::recording`] only.
+    record: Option<TargetRecord>,
+}
+
+/// What an accumulator of recording tables holds besides its sums: every added target's
+/// `(target index, loss)` in the order added, or why no such list can be had.
+#[derive(Clone, Debug)]
+enum TargetRecord {
+    /// Every target added so far, with its loss.
+    Losses(Vec<(usize, f32)>),
+    /// Some targets were added without their own losses (a device's sum, the ranks' sums).
+    Unusable(String),
+}
+
+impl TargetRecord {
+    /// An empty record when `tables` ask for one.
+    fn for_tables(tables: &ByteTables) -> Option<Self> {
+        tables.record_targets.then(|| Self::Losses(Vec::new()))
+    }
+
+    /// From here on the record cannot list every target: `why`. The first reason is kept.
+    fn spoil(&mut self, why: impl FnOnce() -> String) {
+        if let Self::Losses(_) = self {
+            *self = Self::Unusable(why());
+        }
+    }
 }
 
 impl BpbAccumulator {
@@ -196,12 +239,18 @@ impl BpbAccumulator {
 
     /// An empty accumulator counting bytes with `tables`.
     pub fn new(tables: Arc<ByteTables>) -> Self {
-        Self { tables, nll_sum: 0.0, tokens: 0, bytes: 0 }
+        let record = TargetRecord::for_tables(&tables);
+        Self { tables, nll_sum: 0.0, tokens: 0, bytes: 0, record }
     }
 
-    /// An accumulator holding these sums (the ranks' sums added up).
+    /// An accumulator holding these sums (the ranks' sums added up). Under recording tables its
+    /// record is unusable: sums do not say which target lost what.
     pub fn from_sums(tables: Arc<ByteTables>, nll_sum: f64, tokens: u64, bytes: u64) -> Self {
-        Self { tables, nll_sum, tokens, bytes }
+        let mut record = TargetRecord::for_tables(&tables);
+        if let Some(r) = &mut record {
+            r.spoil(|| format!("{tokens} targets came as sums (from_sums: the ranks' sums added up), not one loss each"));
+        }
+        Self { tables, nll_sum, tokens, bytes, record }
     }
 
     /// The sums of every rank of `ranks` added up in f64, on every rank (the score of a pass
@@ -228,6 +277,9 @@ impl BpbAccumulator {
         self.bytes += self.tables.bytes_at(first_target, prev, targets);
         self.tokens += targets.len() as u64;
         self.nll_sum += nll.iter().map(|&x| f64::from(x)).sum::<f64>();
+        if let Some(TargetRecord::Losses(pairs)) = &mut self.record {
+            pairs.extend(nll.iter().enumerate().map(|(i, &l)| (first_target + i, l)));
+        }
     }
 
     /// Adds scored targets whose losses are known only as their sum `nll_sum` (nats): an
@@ -237,13 +289,42 @@ impl BpbAccumulator {
         self.bytes += self.tables.bytes_at(first_target, prev, targets);
         self.tokens += targets.len() as u64;
         self.nll_sum += nll_sum;
+        if let Some(r) = &mut self.record {
+            let n = targets.len();
+            r.spoil(|| {
+                format!(
+                    "targets {first_target}..{} were added as one sum (add_sum: a device-summed score), not one loss each",
+                    first_target + n
+                )
+            });
+        }
     }
 
-    /// Adds another accumulator's sums (another worker's share of the same split).
+    /// Adds another accumulator's sums (another worker's share of the same split), and under
+    /// recording tables its record after this one's.
     pub fn merge(&mut self, other: &BpbAccumulator) {
         self.nll_sum += other.nll_sum;
         self.tokens += other.tokens;
         self.bytes += other.bytes;
+        match (&mut self.record, &other.record) {
+            (Some(TargetRecord::Losses(mine)), Some(TargetRecord::Losses(theirs))) => mine.extend_from_slice(theirs),
+            (Some(mine), Some(TargetRecord::Unusable(why))) => mine.spoil(|| why.clone()),
+            (Some(mine), None) => mine
+                .spoil(|| format!("merged {} targets of an accumulator that kept no record (its tables were not recording)", other.tokens)),
+            (None, _) | (Some(TargetRecord::Unusable(_)), _) => {}
+        }
+    }
+
+    /// Every target added so far as `(target index, loss)`, in the order added (a target added
+    /// twice appears twice). Errors when the tables were not made with
+    /// [`ByteTables::recording`], or when targets came without their own losses ([`Self::add_sum`],
+    /// [`Self::from_sums`]): the error says which.
+    pub fn recorded(&self) -> anyhow::Result<&[(usize, f32)]> {
+        match &self.record {
+            Some(TargetRecord::Losses(pairs)) => Ok(pairs),
+            Some(TargetRecord::Unusable(why)) => anyhow::bail!("no per-target losses were recorded: {why}"),
+            None => anyhow::bail!("no per-target losses were recorded: the byte tables were not made with `ByteTables::recording`"),
+        }
     }
 
     /// Σ nll so far, in nats.
@@ -543,6 +624,41 @@ mod tests {
         assert!((a.val_bpb() - a.val_loss() / std::f64::consts::LN_2 * 6.0 / 8.0).abs() < 1e-12);
     }
 
+    /// Recording tables: every target's loss through `add`, `merge` and an identity
+    /// `all_reduced`, in the order added; a device sum or the ranks' sums spoil the record with
+    /// the reason; tables that do not record keep nothing.
+    #[test]
+    fn recording_tables_keep_each_targets_loss_and_sums_spoil_it() {
+        let plain = Arc::new(ByteTables::from_model(&parsed(true), 0));
+        let rec = Arc::new(ByteTables::from_model(&parsed(true), 0).recording());
+        let e = id_of("e");
+        let mut off = BpbAccumulator::new(plain.clone());
+        off.add(0, &[e, e], &[e, e], &[1.0, 2.0]);
+        assert!(format!("{:#}", off.recorded().unwrap_err()).contains("ByteTables::recording"));
+        let mut a = BpbAccumulator::new(rec.clone());
+        a.add(5, &[e, e], &[e, e], &[1.0, 2.0]);
+        let mut b = BpbAccumulator::new(rec.clone());
+        b.add(0, &[e], &[e], &[0.5]);
+        a.merge(&b);
+        let a = a.all_reduced(&crate::dist::single::Single).unwrap();
+        assert_eq!(a.recorded().unwrap(), &[(5, 1.0), (6, 2.0), (0, 0.5)]);
+        // The sums are those of the record.
+        assert_eq!((a.tokens(), a.nll_sum()), (3, 3.5));
+        let mut c = a.clone();
+        c.add_sum(7, &[e, e], &[e, e], 1.0);
+        c.add(9, &[e], &[e], &[1.0]);
+        let why = format!("{:#}", c.recorded().unwrap_err());
+        assert!(why.contains("targets 7..9") && why.contains("add_sum"), "{why}");
+        let mut d = BpbAccumulator::new(rec.clone());
+        d.merge(&c);
+        assert!(format!("{:#}", d.recorded().unwrap_err()).contains("add_sum"), "a spoilt record spoils what it is merged into");
+        let mut f = BpbAccumulator::new(rec.clone());
+        f.merge(&off);
+        assert!(format!("{:#}", f.recorded().unwrap_err()).contains("kept no record"));
+        let s = BpbAccumulator::from_sums(rec, 1.0, 2, 2);
+        assert!(format!("{:#}", s.recorded().unwrap_err()).contains("from_sums"));
+    }
+
     #[test]
     #[should_panic(expected = "targets for")]
     fn accumulator_rejects_mismatched_lengths() {
@@ -560,6 +676,7 @@ mod tests {
             is_boundary: vec![true, false, false, false],
             has_space_piece: true,
             stream_bytes: None,
+            record_targets: false,
         };
         // Counts 3, 1, 0, 2: total 6 + 4 = 10; p = 0.4, 0.2, 0.1, 0.3.
         let counts = [3u64, 1, 0, 2];

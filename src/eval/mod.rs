@@ -2,8 +2,10 @@
 //! ([`byte_check`]), validation as the challenge scores it
 //! ([`validation`]) on the split's files ([`sidecar`]: CaseOps byte sidecars), sliding-window scoring ([`sliding`]), score-first test-time training
 //! ([`ttt`]), and
-//! phased TTT with per-document LoRA ([`phased`]).
+//! phased TTT with per-document LoRA ([`phased`]), and the legality audit of an evaluation
+//! ([`audit`]).
 
+pub mod audit;
 pub mod bpb;
 pub mod byte_check;
 pub mod phased;

@@ -12,6 +12,8 @@
 //!
 //! - `phased`: phased TTT (spec §5), in [`phased`].
 //!
+//! [`audit`] audits each implementation's legality on a run's settings (`pipeline audit-eval`).
+//!
 //! Several ranks (data parallel) share `sliding` and `score_first` as the records do: each
 //! scores a contiguous share of the windows (of each chunk), and each TTT step's sequences are
 //! split among them with the gradient summed, so that the weights stay the same on every rank
@@ -24,6 +26,8 @@
 //! `<label>_ttt …`. Histograms: `sliding` (the whole pass), `chunk_score` and `chunk_train`
 //! (per TTT chunk). Snapshots of steps, and a run ended by Ctrl-C, are not evaluated.
 
+pub mod audit;
+mod audit_report;
 mod phased;
 
 use std::time::{Duration, Instant};

@@ -112,7 +112,7 @@ impl Default for PhasedParams {
 
 impl PhasedParams {
     /// The loop's settings, with `train.seq_len` where a length is 0.
-    fn config(&self, train_seq_len: usize) -> PhasedConfig {
+    pub(super) fn config(&self, train_seq_len: usize) -> PhasedConfig {
         PhasedConfig {
             lora_rank: self.lora_rank,
             lora_lr: self.lora_lr,

@@ -33,6 +33,7 @@ pub(crate) fn tables() -> Arc<ByteTables> {
         is_boundary: (0..VOCAB).map(|i| i == 0).collect(),
         has_space_piece: true,
         stream_bytes: None,
+        record_targets: false,
     })
 }
 
