@@ -140,6 +140,48 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Check finished runs (one per seed) against the challenge's rules and write the records
+    /// folder (docs/submitting.md).
+    ///
+    /// Each rule is a line with its figure: artifact + code bytes, training and evaluation
+    /// time, seeds, one config, the validation's byte count, the legality audit of the
+    /// evaluation, and the significance against --against. Exit 0 and the folder when every
+    /// check passes; 1 and no folder when one fails; 2 on unreadable input.
+    Submission {
+        /// The runs' directories, one per seed.
+        #[arg(required = true)]
+        runs: Vec<PathBuf>,
+        /// The records folder to write (absent or empty).
+        #[arg(long)]
+        out: PathBuf,
+        /// What to beat: the record's val_bpb (e.g. 1.0611), or a baseline's run directories.
+        #[arg(long, num_args = 1.., value_name = "BPB|RUN_DIR")]
+        against: Vec<String>,
+        /// Distinct seeds required.
+        #[arg(long, default_value_t = 3)]
+        seeds: usize,
+        /// Validation tokens the legality audit scores (twice).
+        #[arg(long, default_value_t = 8192)]
+        audit_tokens: usize,
+        /// The entry's name (default: the runs' `run.name`).
+        #[arg(long, default_value = "")]
+        name: String,
+        /// The author's name.
+        #[arg(long, default_value = "")]
+        author: String,
+        /// The author's GitHub id.
+        #[arg(long, default_value = "")]
+        github_id: String,
+        /// One paragraph on what the entry does.
+        #[arg(long, default_value = "")]
+        blurb: String,
+        /// The entry's date, YYYY-MM-DD (default: today, UTC).
+        #[arg(long, default_value = "")]
+        date: String,
+        /// Print the checks and figures as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Check a pipeline config without running it (exit 2 on any problem).
     Validate {
         /// The pipeline config (TOML).
@@ -345,6 +387,10 @@ fn main() -> ExitCode {
         Command::Advise { run_dir, json } => cli::advise::command(run_dir, json),
         Command::Project { run_dir, nproc, link_gbs, link_latency_us, budget_s, keep, ns_share, json } => {
             cli::project::command(run_dir, cli::project::Options { nproc, link_gbs, link_latency_us, budget_s, keep, ns_share, json })
+        }
+        Command::Submission { runs, out, against, seeds, audit_tokens, name, author, github_id, blurb, date, json } => {
+            let entry = cli::submission::Entry { name, author, github_id, blurb, date, ..Default::default() };
+            cli::submission::command(runs, cli::submission::Options { out, against, seeds, audit_tokens, entry, json })
         }
         Command::Validate { config, sets } => cli::validate::command(config, sets),
         Command::Report { run_dir, json, html } => cli::report::command(run_dir, json, html),

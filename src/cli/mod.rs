@@ -6,6 +6,8 @@
 //! - [`ablate`]: `pipeline ablate`, runs that vary settings, compared side by side;
 //! - [`advise`]: `pipeline advise`, channel depths predicted from a run's service times;
 //! - [`project`]: `pipeline project`, the step on N ranks predicted from a one-rank run;
+//! - [`submission`]: `pipeline submission`, runs checked against the challenge's rules and the
+//!   records folder;
 //! - [`validate`], [`report`], [`stages`]: check a config, print a report, list the stages;
 //! - [`data`], [`artifact`]: prepare shards, build and score an artifact;
 //! - [`check`]: `pipeline parity` and `pipeline attention-trial`.
@@ -65,4 +67,5 @@ pub mod ranks;
 pub mod report;
 pub mod run;
 pub mod stages;
+pub mod submission;
 pub mod validate;

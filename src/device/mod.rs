@@ -74,7 +74,9 @@ pub fn describe(run: &RunConfig) -> String {
         _ => {
             let model = std::fs::read_to_string("/proc/cpuinfo")
                 .ok()
-                .and_then(|t| t.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|m| m.trim().to_string()))
+                .and_then(|t| {
+                    t.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|m| m.trim().to_string())
+                })
                 .unwrap_or_else(|| std::env::consts::ARCH.to_string());
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             format!("CPU ({model}, {cores} cores)")

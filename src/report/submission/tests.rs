@@ -85,7 +85,12 @@ fn three_good_seeds_pass_and_read_their_figures() {
     let s = Submission::check(runs, 3, &Against::Bpb(1.5), vec![]);
     assert!(s.passed(), "{:#?}", s.failures());
     assert!(check(&s, "size seed 42").figure.starts_with("1,911,393 bytes = model 1,301,520 + code 609,873 (brotli-11"));
-    assert!(check(&s, "train time seed 0").figure.starts_with("225.6 s on 1 x cpu (test)"), "{}", check(&s, "train time seed 0").figure);
+    let c = check(&s, "train time seed 0");
+    assert!(
+        c.figure.starts_with("225.6 s on 1 x cpu (test) (not the rules' hardware: the time does not carry over) = training loop"),
+        "{c:?}"
+    );
+    assert_eq!(check(&s, "one code").figure, "every seed counted 609,873 code bytes");
     assert_eq!(check(&s, "seeds").figure, "3 distinct seed(s): 0, 42, 1234");
 }
 
@@ -126,6 +131,15 @@ fn each_broken_rule_is_refused_with_its_figure() {
     let c = check(&s, "one config");
     assert!(c.outcome == Outcome::Fail && c.figure.starts_with("`model.num_layers` is 4 in") && c.figure.contains("but 5 in"), "{c:?}");
     assert_eq!(s.failures().len(), 1, "only the model differs: {:?}", s.failures());
+    // Seeds trained by different code.
+    dirs[1] = run_dir(&root.join("code"), 0, 2.31, |r, _| r["artifact"]["code_bytes"] = json!(609_900));
+    let s = Submission::check(load(&dirs), 3, &Against::Nothing, vec![]);
+    let c = check(&s, "one code");
+    assert!(
+        c.outcome == Outcome::Fail
+            && c.figure == "seed 0 counted 609,900 code bytes but seed 42 609,873: trained by different source trees",
+        "{c:?}"
+    );
     // An interrupted run, and one scored on other validation targets.
     dirs[1] = run_dir(&root.join("stopped"), 0, 2.31, |r, _| {
         r["run"]["status"] = json!("interrupted");

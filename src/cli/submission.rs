@@ -1,0 +1,162 @@
+//! `pipeline submission RUN_DIR... --out DIR [--against BPB | RUN_DIR...]`: finished runs, one
+//! per seed, checked against the challenge's rules ([`crate::report::submission`]), with the
+//! two checks that need more than the reports: the validation's byte count against its decoded
+//! text ([`crate::eval::byte_check`]) and the legality audit of the evaluation the runs are
+//! configured with ([`crate::stages::ttt_eval::audit`]). When every check passes it writes the
+//! records folder; otherwise it writes nothing and exits 1. docs/submitting.md.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+
+use crate::report::submission::figures::RunFigures;
+use crate::report::submission::folder;
+pub use crate::report::submission::folder::Entry;
+use crate::report::submission::rules::Check;
+use crate::report::submission::{Against, Submission};
+use crate::runtime::config;
+use crate::train::config::Config;
+
+/// What `pipeline submission` takes beside the run directories.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    /// The records folder to write.
+    pub out: PathBuf,
+    /// A record's val_bpb, or a baseline's run directories (empty: no significance test).
+    pub against: Vec<String>,
+    /// Distinct seeds required.
+    pub seeds: usize,
+    /// Validation tokens the legality audit scores (twice).
+    pub audit_tokens: usize,
+    /// The folder's entry: name, author, GitHub id, blurb, date (empty: defaults).
+    pub entry: Entry,
+    /// Print the checks as JSON.
+    pub json: bool,
+}
+
+/// Runs the command: 0 when every check passed and the folder was written, 1 when a check
+/// failed (no folder), 2 on bad input (a run directory that cannot be read, a bad --against).
+pub fn command(runs: Vec<PathBuf>, o: Options) -> i32 {
+    let sub = match check(&runs, &o) {
+        Ok(s) => s,
+        Err(e) => {
+            err!("error: {e:#}");
+            return 2;
+        }
+    };
+    if o.json {
+        let code = super::print_json(&sub);
+        if code != 0 || !sub.passed() {
+            return 1;
+        }
+    } else {
+        for c in &sub.checks {
+            out!("{}", c.line());
+        }
+    }
+    if !sub.passed() {
+        let n = sub.failures().len();
+        err!("submission refused: {n} check(s) failed; no folder written");
+        return 1;
+    }
+    let entry = entry_for(&sub, &o.entry);
+    match folder::write(&sub, &entry, &o.out) {
+        Ok(files) => {
+            if !o.json {
+                out!(
+                    "wrote {} ({} files): README.md, submission.json, and per seed train, config and report files",
+                    o.out.display(),
+                    files.len()
+                );
+            }
+            0
+        }
+        Err(e) => {
+            err!("error: {e:#}");
+            2
+        }
+    }
+}
+
+/// Loads the runs and the baseline and makes every check.
+pub fn check(dirs: &[PathBuf], o: &Options) -> anyhow::Result<Submission> {
+    anyhow::ensure!(!dirs.is_empty(), "no run directory given: one per seed");
+    let runs: Vec<RunFigures> = dirs.iter().map(|d| RunFigures::load(d)).collect::<anyhow::Result<_>>()?;
+    let against = against(&o.against)?;
+    let mut extra = Vec::new();
+    // The byte count and the evaluation's legality depend on settings the seeds share (a
+    // mixed set is refused by its own check): the first run's are checked.
+    let first = &runs[0];
+    extra.push(bytes_check(&first.dir));
+    extra.push(audit_check(&first.dir, o.audit_tokens));
+    Ok(Submission::check(runs, o.seeds, &against, extra))
+}
+
+/// `--against`: one number (a bpb), or run directories.
+fn against(values: &[String]) -> anyhow::Result<Against> {
+    match values {
+        [] => Ok(Against::Nothing),
+        [one] if one.parse::<f64>().is_ok() => {
+            let b: f64 = one.parse()?;
+            anyhow::ensure!(b.is_finite() && b > 0.0, "--against {one}: a val_bpb must be a positive number");
+            Ok(Against::Bpb(b))
+        }
+        dirs => Ok(Against::Runs(
+            dirs.iter()
+                .map(|d| RunFigures::load(Path::new(d)).with_context(|| format!("--against {d}: neither a val_bpb nor a run directory")))
+                .collect::<anyhow::Result<_>>()?,
+        )),
+    }
+}
+
+/// The run's config, as resolved in its directory.
+fn run_config(dir: &Path) -> anyhow::Result<Config> {
+    let path = dir.join("config.toml");
+    config::load_with_env::<Config>(&path, &[], false).map(|l| l.config).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+}
+
+/// The validation's bytes against its decoded text, as a check.
+fn bytes_check(dir: &Path) -> Check {
+    let rule = "the validation's bytes by the challenge's rule equal its decoded text's, document by document, and the tokenizer has the bare `▁` piece";
+    match run_config(dir).and_then(|c| crate::eval::byte_check::check(&c.validation()).context("`data.val`, `data.tokenizer`")) {
+        Ok(b) => Check::new("val bytes", b.passed(), b.figure(), rule),
+        Err(e) => Check::new("val bytes", false, format!("cannot check: {e:#}"), rule),
+    }
+}
+
+/// The legality audit of the run's evaluation, as a check.
+fn audit_check(dir: &Path, tokens: usize) -> Check {
+    let rule =
+        "every score before a changed validation token is unchanged, bit for bit; no state crosses a BOS where the model masks documents";
+    let opts = crate::stages::ttt_eval::audit::AuditOptions { tokens, ..Default::default() };
+    match crate::stages::ttt_eval::audit::audit_run(dir, &opts) {
+        Ok(a) => Check::new("legality", a.passed(), a.lines().join("; "), rule),
+        Err(e) => Check::new("legality", false, format!("cannot audit: {e:#}"), rule),
+    }
+}
+
+/// The entry with its defaults: the runs' name, today's date, the 10-minute track, this
+/// binary's version and the commit of the source tree the code count measured.
+fn entry_for(sub: &Submission, given: &Entry) -> Entry {
+    let mut e = given.clone();
+    if e.name.is_empty() {
+        e.name = sub.runs.first().map_or_else(String::new, |r| r.name.clone());
+    }
+    if e.date.is_empty() {
+        e.date = crate::runtime::rundir::now_rfc3339().chars().take(10).collect();
+    }
+    if e.track.is_empty() {
+        e.track = "10min_16mb".into();
+    }
+    if e.software.is_empty() {
+        let commit = crate::artifact::code_size::locate().and_then(|root| {
+            let out = std::process::Command::new("git").arg("-C").arg(root).args(["rev-parse", "--short=12", "HEAD"]).output().ok()?;
+            out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+        });
+        e.software = match commit {
+            Some(c) => format!("`pipeline` {} (commit {c})", env!("CARGO_PKG_VERSION")),
+            None => format!("`pipeline` {}", env!("CARGO_PKG_VERSION")),
+        };
+    }
+    e
+}
