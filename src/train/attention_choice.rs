@@ -39,6 +39,9 @@ pub struct Choice {
     pub resumed_from: Option<PathBuf>,
     /// The train log's account of the trials.
     pub line: String,
+    /// Wall time of the trials, ms: before the training loop's timer, so `pipeline submission`
+    /// adds it to the training time (a warm-up on the run's hardware).
+    pub wall_ms: f64,
 }
 
 fn kernels_name<S: serde::Serializer>(k: &FlashKernels, s: S) -> Result<S::Ok, S::Error> {
@@ -53,6 +56,7 @@ fn kernels_name<S: serde::Serializer>(k: &FlashKernels, s: S) -> Result<S::Ok, S
 /// naming every reason, where the trials ran and no implementation passed.
 pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Duration, kinds: &[FlashKernels]) -> anyhow::Result<Choice> {
     anyhow::ensure!(!kinds.is_empty(), "no attention implementation to try");
+    let started = Instant::now();
     let results: Vec<TrialResult> =
         kinds.iter().map(|&k| outcome_of(k.name(), run(&mut trial_command(exe, device, k, shape), timeout))).collect();
     let outcomes: Vec<Outcome> = kinds
@@ -66,7 +70,8 @@ pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Du
     let line = summary(&outcomes, shape, TrialSettings::flash());
     if matches!(results[0], TrialResult::NotRun(_)) {
         let line = format!("{line}; {} taken without a trial", kinds[0].name());
-        return Ok(Choice { kernels: kinds[0], outcomes, untried: true, resumed_from: None, line });
+        let wall_ms = started.elapsed().as_secs_f64() * 1e3;
+        return Ok(Choice { kernels: kinds[0], outcomes, untried: true, resumed_from: None, line, wall_ms });
     }
     let best = choose(&outcomes, MARGIN).ok_or_else(|| {
         anyhow::anyhow!(
@@ -74,7 +79,8 @@ pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Du
         )
     })?;
     let chosen = kinds.iter().zip(&outcomes).find(|(_, o)| std::ptr::eq(*o, best)).map(|(k, _)| *k);
-    Ok(Choice { kernels: chosen.unwrap_or(kinds[0]), outcomes, untried: false, resumed_from: None, line })
+    let wall_ms = started.elapsed().as_secs_f64() * 1e3;
+    Ok(Choice { kernels: chosen.unwrap_or(kinds[0]), outcomes, untried: false, resumed_from: None, line, wall_ms })
 }
 
 /// What `attention = "auto"` takes when resuming from `checkpoint`, which trained with the
@@ -86,7 +92,7 @@ pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Du
 pub fn kept(trained: Option<&str>, checkpoint: &Path) -> Option<Choice> {
     let kernels = FlashKernels::ALL.into_iter().find(|k| Some(k.name()) == trained)?;
     let line = format!("{} kept from {} (the kernels it trained with; no trial)", kernels.name(), checkpoint.display());
-    Some(Choice { kernels, outcomes: Vec::new(), untried: true, resumed_from: Some(checkpoint.to_path_buf()), line })
+    Some(Choice { kernels, outcomes: Vec::new(), untried: true, resumed_from: Some(checkpoint.to_path_buf()), line, wall_ms: 0.0 })
 }
 
 /// The binary the trials run: this process's own, even if its file was replaced since it

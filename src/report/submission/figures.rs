@@ -155,6 +155,10 @@ impl RunFigures {
         }];
         let mut uncounted = Vec::new();
         let mut eval_parts = Vec::new();
+        if let Some(ms) = opt("train.attention_auto.wall_ms").filter(|ms| *ms > 0.0) {
+            // Kernel trials on the run's GPU before the loop's timer: a warm-up.
+            train_parts.push(Part { what: "attention trials before the timer".into(), ms, key: "train.attention_auto.wall_ms".into() });
+        }
         if at(&r, "artifact").is_some_and(|a| !a.is_null()) {
             let method = at(&r, "artifact.method").and_then(Value::as_str).unwrap_or("artifact");
             // GPTQ's calibration reads training data: inside the training budget (as the

@@ -118,6 +118,14 @@ fn each_broken_rule_is_refused_with_its_figure() {
     );
     let c = check(&s, "eval time seed 0");
     assert!(c.outcome == Outcome::Fail && c.figure.starts_with("603.3 s"), "{c:?}");
+    // Attention trials before the timer count.
+    dirs[1] =
+        run_dir(&root.join("trials"), 0, 2.31, |r, _| r["train"]["attention_auto"] = json!({ "kernels": "flash", "wall_ms": 375_000.0 }));
+    let c = check(&Submission::check(load(&dirs), 3, &Against::Nothing, vec![]), "train time seed 0").clone();
+    assert!(
+        c.outcome == Outcome::Fail && c.figure.starts_with("600.6 s") && c.figure.contains("attention trials before the timer 375.0 s"),
+        "{c:?}"
+    );
     // A missing seed, and a seed given twice.
     let s = Submission::check(load(&dirs[..2]), 3, &Against::Nothing, vec![]);
     assert!(check(&s, "seeds").outcome == Outcome::Fail && check(&s, "seeds").figure.ends_with("1 missing"), "{:?}", check(&s, "seeds"));
