@@ -263,7 +263,10 @@ pub fn audit_run(path: &Path, opts: &AuditOptions) -> anyhow::Result<AuditReport
         Some(d) => d.join("config.toml"),
         None => path.to_path_buf(),
     };
-    anyhow::ensure!(file.is_file(), "{}: not found (give a finished run directory or a config file)", file.display());
+    match run_dir {
+        Some(_) => anyhow::ensure!(file.is_file(), "config.toml: not found in the run directory (is it a finished run?)"),
+        None => anyhow::ensure!(file.is_file(), "not found (give a finished run directory or a config file)"),
+    }
     let loaded = crate::runtime::config::load::<Config>(&file, &opts.sets).map_err(|e| anyhow::anyhow!("{e}"))?;
     let plan = crate::runtime::graph::plan(&loaded, &crate::stages::REGISTRY).map_err(|e| anyhow::anyhow!("{e}"))?;
     let stage = plan
