@@ -326,6 +326,25 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Audit the legality of a run's configured evaluation (its `ttt_eval` stage) on a prefix
+    /// of the validation split: every target scored once, no score moved by a later token, and
+    /// (where the model claims document attention) no document seeing the one before it.
+    ///
+    /// Exit 0 when the audit passes, 1 when a check fails, 2 on an error.
+    AuditEval {
+        /// A finished run directory (its config.toml and the weights its evaluation scored) or a
+        /// config file (weights initialised from run.seed).
+        path: PathBuf,
+        /// Validation targets scored (the prefix audited).
+        #[arg(long, default_value_t = 8192)]
+        tokens: usize,
+        /// Override a config value, as for `run`.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// List stage kinds, their implementations and parameters.
     Stages {
         /// Print as JSON.
@@ -395,6 +414,9 @@ fn main() -> ExitCode {
         Command::Validate { config, sets } => cli::validate::command(config, sets),
         Command::Report { run_dir, json, html } => cli::report::command(run_dir, json, html),
         Command::Stages { json } => cli::stages::command(json),
+        Command::AuditEval { path, tokens, sets, json } => {
+            cli::audit::command(path, pipeline::stages::ttt_eval::audit::AuditOptions { tokens, sets }, json)
+        }
         Command::Parity { device, dtype, seed, json } => cli::check::parity(&device, &dtype, seed, json),
         Command::EngineCheck { device, dtype, activations, attention, timing, rows, seed, json, json_out } => {
             let precision =

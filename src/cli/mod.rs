@@ -10,7 +10,8 @@
 //!   records folder;
 //! - [`validate`], [`report`], [`stages`]: check a config, print a report, list the stages;
 //! - [`data`], [`artifact`]: prepare shards, build and score an artifact;
-//! - [`check`]: `pipeline parity` and `pipeline attention-trial`.
+//! - [`check`]: `pipeline parity` and `pipeline attention-trial`;
+//! - [`audit`]: `pipeline audit-eval`, the legality audit of a run's evaluation.
 //!
 //! Printing goes through the macros `out!`, `out_raw!` and `err!` below (in scope in every
 //! module declared after them): a closed stdout or stderr (a pipe to
@@ -59,6 +60,7 @@ fn print_json(value: &impl serde::Serialize) -> i32 {
 pub mod ablate;
 pub mod advise;
 pub mod artifact;
+pub mod audit;
 pub mod check;
 pub mod data;
 pub mod launch;

@@ -33,6 +33,9 @@ use crate::model::{Gpt, PassExtras};
 /// Each scored target's loss, `(target index, loss)`, in the order the evaluation took them.
 pub type Records = Vec<(usize, f32)>;
 
+/// One row's inputs and targets to their losses: the model's scoring pass of a packed row.
+pub type RowFn<'a> = dyn Fn(&[u32], &[u32]) -> anyhow::Result<Vec<f32>> + 'a;
+
 /// Largest difference (nats, absolute, per target) allowed between a document scored after
 /// another in one row and scored alone: the two passes have different shapes.
 pub const ALONE_TOLERANCE: f32 = 1e-4;
@@ -273,13 +276,7 @@ pub struct Documents {
 /// their losses) on `tokens`, documents starting at `bos`, in rows of at most `row_len` inputs.
 /// Tokens are changed to [`replacement`]s below `vocab`. Errors when the prefix holds no two
 /// documents to put in one row.
-pub fn bos_audit(
-    score_row: &dyn Fn(&[u32], &[u32]) -> anyhow::Result<Vec<f32>>,
-    tokens: &[u32],
-    bos: u32,
-    row_len: usize,
-    vocab: usize,
-) -> anyhow::Result<Documents> {
+pub fn bos_audit(score_row: &RowFn<'_>, tokens: &[u32], bos: u32, row_len: usize, vocab: usize) -> anyhow::Result<Documents> {
     anyhow::ensure!(row_len >= 4, "rows of {row_len} tokens are too short to hold two documents");
     let n = tokens.len().saturating_sub(1);
     let mid = n / 2;

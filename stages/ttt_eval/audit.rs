@@ -26,7 +26,7 @@ pub use super::audit_report::{Adjustment, AuditReport, DocumentsAudit};
 use super::{PhasedParams, ScoreFirstParams, SlidingParams, sliding_cfg};
 use crate::artifact::roundtrip::model_from;
 use crate::dist::single::Single;
-use crate::eval::audit::{Order, PositionRules, Records, bos_audit, causality, choose_position, masked_row_losses, replacement};
+use crate::eval::audit::{Order, PositionRules, Records, RowFn, bos_audit, causality, choose_position, masked_row_losses, replacement};
 use crate::eval::bpb::ByteTables;
 use crate::eval::phased::docs::{phase_boundaries, segment, work_queue};
 use crate::eval::phased::phased_ttt;
@@ -56,7 +56,7 @@ pub struct Setup<'a> {
 pub type Scorer<'a> = Box<dyn Fn(&[u32]) -> anyhow::Result<Records> + 'a>;
 
 /// One row's inputs and targets to their losses.
-pub type RowScorer<'a> = Box<dyn Fn(&[u32], &[u32]) -> anyhow::Result<Vec<f32>> + 'a>;
+pub type RowScorer<'a> = Box<RowFn<'a>>;
 
 /// An implementation ready to audit.
 pub struct Built<'a> {
@@ -263,7 +263,10 @@ pub fn audit_run(path: &Path, opts: &AuditOptions) -> anyhow::Result<AuditReport
         Some(d) => d.join("config.toml"),
         None => path.to_path_buf(),
     };
-    anyhow::ensure!(file.is_file(), "{}: not found (give a finished run directory or a config file)", file.display());
+    match run_dir {
+        Some(_) => anyhow::ensure!(file.is_file(), "config.toml: not found in the run directory (is it a finished run?)"),
+        None => anyhow::ensure!(file.is_file(), "not found (give a finished run directory or a config file)"),
+    }
     let loaded = crate::runtime::config::load::<Config>(&file, &opts.sets).map_err(|e| anyhow::anyhow!("{e}"))?;
     let plan = crate::runtime::graph::plan(&loaded, &crate::stages::REGISTRY).map_err(|e| anyhow::anyhow!("{e}"))?;
     let stage = plan

@@ -17,8 +17,7 @@ const VOCAB: usize = crate::eval::ttt::tests::VOCAB;
 /// A tiny model (vocabulary 32, BOS 1) with `train.seq_len` 16; `docs` sets
 /// `document_attention`.
 fn config(docs: bool) -> Config {
-    let mut c = Config::default();
-    c.model = ModelConfig {
+    let model = ModelConfig {
         vocab_size: VOCAB,
         num_layers: 2,
         model_dim: 16,
@@ -28,8 +27,8 @@ fn config(docs: bool) -> Config {
         document_attention: docs,
         ..ModelConfig::default()
     };
-    c.train.seq_len = 16;
-    c
+    let train = crate::train::config::TrainConfig { seq_len: 16, ..Default::default() };
+    Config { model, train, ..Config::default() }
 }
 
 /// Weights of `config`'s model with every parameter moved off its initial value, so that
