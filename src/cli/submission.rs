@@ -37,6 +37,11 @@ pub struct Options {
 /// Runs the command: 0 when every check passed and the folder was written, 1 when a check
 /// failed (no folder), 2 on bad input (a run directory that cannot be read, a bad --against).
 pub fn command(runs: Vec<PathBuf>, o: Options) -> i32 {
+    // A folder that would be refused is refused before the checks' minutes.
+    if o.out.exists() && std::fs::read_dir(&o.out).map_or(true, |mut d| d.next().is_some()) {
+        err!("error: {} already exists and is not empty; choose another --out", o.out.display());
+        return 2;
+    }
     let sub = match check(&runs, &o) {
         Ok(s) => s,
         Err(e) => {
@@ -87,7 +92,7 @@ pub fn check(dirs: &[PathBuf], o: &Options) -> anyhow::Result<Submission> {
     // The byte count and the evaluation's legality depend on settings the seeds share (a
     // mixed set is refused by its own check): the first run's are checked.
     let first = &runs[0];
-    extra.push(bytes_check(&first.dir));
+    extra.push(bytes_check(first));
     extra.push(audit_check(&first.dir, o.audit_tokens));
     Ok(Submission::check(runs, o.seeds, &against, extra))
 }
@@ -115,11 +120,20 @@ fn run_config(dir: &Path) -> anyhow::Result<Config> {
     config::load_with_env::<Config>(&path, &[], false).map(|l| l.config).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
 }
 
-/// The validation's bytes against its decoded text, as a check.
-fn bytes_check(dir: &Path) -> Check {
-    let rule = "the validation's bytes by the challenge's rule equal its decoded text's, document by document, and the tokenizer has the bare `▁` piece";
-    match run_config(dir).and_then(|c| crate::eval::byte_check::check(&c.validation()).context("`data.val`, `data.tokenizer`")) {
-        Ok(b) => Check::new("val bytes", b.passed(), b.figure(), rule),
+/// The validation's bytes against its decoded text, as a check; the bytes and targets it
+/// counted must be the ones the run's score divided by.
+fn bytes_check(run: &RunFigures) -> Check {
+    let rule = "the validation's bytes by the challenge's rule are the ones the score divided by, equal its decoded text's document by document, and the tokenizer has the bare `▁` piece";
+    match run_config(&run.dir).and_then(|c| crate::eval::byte_check::check(&c.validation()).context("`data.val`, `data.tokenizer`")) {
+        Ok(b) => {
+            let (tokens, bytes) = (run.score.val_tokens, run.score.val_bytes);
+            let same = b.targets == tokens && b.counted_bytes == bytes;
+            let mut figure = b.figure();
+            if !same {
+                figure = format!("the score divided by {bytes} bytes over {tokens} targets, but the split counts {figure}");
+            }
+            Check::new("val bytes", same && b.passed(), figure, rule)
+        }
         Err(e) => Check::new("val bytes", false, format!("cannot check: {e:#}"), rule),
     }
 }

@@ -320,10 +320,15 @@ pub fn bos_audit(score_row: &RowFn<'_>, tokens: &[u32], bos: u32, row_len: usize
     if (0..b - r0).all(|k| a[k].to_bits() == c[k].to_bits()) {
         problems.push(format!("no loss of the first document (targets {r0}..{b}) changed with its tokens: the audit saw nothing"));
     }
-    let (worst, diff) = second
-        .clone()
-        .map(|k| (k, (alone[k - second.start] - a[k]).abs()))
-        .fold((second.start, 0f32), |m, x| if x.1 > m.1 { x } else { m });
+    let (worst, diff) = second.clone().map(|k| (k, (alone[k - second.start] - a[k]).abs())).fold((second.start, 0f32), |m, x| {
+        if m.1.is_nan() {
+            m
+        } else if x.1.is_nan() || x.1 > m.1 {
+            x
+        } else {
+            m
+        }
+    });
     if diff > ALONE_TOLERANCE || diff.is_nan() {
         problems.push(format!(
             "target {} scores {} after the document before it and {} alone: {diff:.3e} apart, over the tolerance {ALONE_TOLERANCE:e}",

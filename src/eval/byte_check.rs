@@ -12,8 +12,8 @@
 //! [`SIDECAR_TOLERANCE`] (a sidecar that also charged the CaseOps operators, 3 bytes each,
 //! would be several percent over). The first document that differs is still named.
 //!
-//! A document is what lies between two BOS tokens; its targets are its tokens after the BOS,
-//! whose first space (the leading `▁` of the piece after a boundary) the rule does not count,
+//! A document is what lies between two BOS tokens; its targets are its tokens after the BOS and
+//! the next BOS (which the rule counts as 0 bytes). Its first space (the leading `▁` of the piece after a boundary) the rule does not count,
 //! so neither does the decoded text. The last document, cut by `train.val_max_tokens`, is
 //! compared as far as it goes (a CaseOps cut inside an escape is left out, and said).
 
@@ -151,8 +151,10 @@ pub fn check_stream(tokenizer: &Tokenizer, tokens: &[u32], tables: &ByteTables) 
         if first >= last {
             continue;
         }
-        // Targets `b .. end - 1` predict tokens `b + 1 .. end`.
-        let counted = tables.bytes_at(b, &tokens[b..last - 1], &tokens[first..last]);
+        // Targets `b ..= end - 1` predict tokens `b + 1 ..= end`: the document's tokens, then the
+        // next BOS (0 bytes by the rule: a table that charges it differs from the text).
+        let targets_end = (end + 1).min(tokens.len());
+        let counted = tables.bytes_at(b, &tokens[b..targets_end - 1], &tokens[first..targets_end]);
         let mut text = tokenizer.decode_bytes(&tokens[first..last])?;
         if text.first() == Some(&b' ') && tables.leading_space.get(tokens[first] as usize).copied().unwrap_or(false) {
             text.remove(0);
@@ -254,6 +256,11 @@ mod tests {
         assert_eq!((bad.document, bad.bos_at, bad.counted + 1, bad.decoded), (1, second_bos, 9, 9), "{c:?}");
         let want = format!("document 1 (BOS at {second_bos}) decodes to 9 bytes but counts 8: \"a the hat\"");
         assert!(!c.passed() && c.figure().contains(&want), "{}", c.figure());
+        // A table that charges the BOS a byte is caught at the first document before a BOS.
+        let mut tables = ByteTables::from_model_file(&m.path, 0).unwrap();
+        tables.base_bytes[m.tok.bos as usize] = 1;
+        let c = check_stream(&m.tok, &tokens, &tables).unwrap();
+        assert!(!c.passed() && c.first_mismatch.as_ref().is_some_and(|x| x.document == 0 && x.counted == x.decoded + 1), "{}", c.figure());
         let m = Model::new("nospace", false);
         let (tokens, _) = m.stream(&TEXTS);
         let c = check_stream(&m.tok, &tokens, &ByteTables::from_model_file(&m.path, 0).unwrap()).unwrap();

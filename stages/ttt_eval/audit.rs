@@ -267,7 +267,9 @@ pub fn audit_run(path: &Path, opts: &AuditOptions) -> anyhow::Result<AuditReport
         Some(_) => anyhow::ensure!(file.is_file(), "config.toml: not found in the run directory (is it a finished run?)"),
         None => anyhow::ensure!(file.is_file(), "not found (give a finished run directory or a config file)"),
     }
-    let loaded = crate::runtime::config::load::<Config>(&file, &opts.sets).map_err(|e| anyhow::anyhow!("{e}"))?;
+    // A finished run is audited as it ran: its resolved config, no `PIPELINE_*` variables.
+    let loaded =
+        crate::runtime::config::load_with_env::<Config>(&file, &opts.sets, run_dir.is_none()).map_err(|e| anyhow::anyhow!("{e}"))?;
     let plan = crate::runtime::graph::plan(&loaded, &crate::stages::REGISTRY).map_err(|e| anyhow::anyhow!("{e}"))?;
     let stage = plan
         .stages
@@ -310,13 +312,28 @@ pub fn audit_run(path: &Path, opts: &AuditOptions) -> anyhow::Result<AuditReport
 }
 
 /// The weights a run's evaluation scored: the artifact read back (checked against `[model]`)
-/// when `report.json` names one that exists, else `final_model.safetensors`.
+/// when `report.json` names one (as written, else under that name in the run directory: a
+/// path relative to where the run was started), else `final_model.safetensors`. A named
+/// artifact that is nowhere is an error, not a quiet fall back to unquantized weights.
 fn run_weights(dir: &Path, config: &Config) -> anyhow::Result<(Vec<(String, Tensor)>, String)> {
     let report = dir.join("report.json");
     let artifact = match std::fs::read(&report) {
         Ok(bytes) => {
             let v: serde_json::Value = serde_json::from_slice(&bytes).with_context(|| format!("{}: not JSON", report.display()))?;
-            v["artifact"]["path"].as_str().map(std::path::PathBuf::from).filter(|p| p.is_file())
+            match v["artifact"]["path"].as_str().map(std::path::PathBuf::from) {
+                Some(p) if p.is_file() => Some(p),
+                Some(p) => {
+                    let here = dir.join(p.file_name().unwrap_or_default());
+                    anyhow::ensure!(
+                        here.is_file(),
+                        "{}: the artifact {} is not there, nor in the run directory",
+                        report.display(),
+                        p.display()
+                    );
+                    Some(here)
+                }
+                None => None,
+            }
         }
         Err(_) => None,
     };

@@ -71,7 +71,7 @@ pub struct RunFigures {
     pub code_bytes: u64,
     /// How they were counted (`artifact.code`).
     pub code_how: String,
-    /// The artifact's path.
+    /// The artifact's path, as the run wrote it (relative to where the run was started).
     pub artifact_path: Option<PathBuf>,
     /// What counts against the training budget.
     pub train_parts: Vec<Part>,
@@ -130,23 +130,38 @@ impl RunFigures {
             }
         };
 
-        let score_of = |label_path: &str, label: String| -> Option<Score> {
-            let s = at(&r, label_path)?;
-            Some(Score {
+        // The last evaluation present is the score; once present, every figure of it must be
+        // (a diverged TTT is an error, not a quiet fall back to the sliding score).
+        let score_of = |path: &str, label: String| -> anyhow::Result<Option<Score>> {
+            let Some(s) = at(&r, path) else { return Ok(None) };
+            let get = |k: &str| s.get(k).filter(|v| !v.is_null());
+            let need = |k: &str| get(k).and_then(Value::as_f64).with_context(|| format!("{file}: no number at `{path}.{k}`"));
+            let count = |k: &str, fallback: &str| {
+                get(k)
+                    .and_then(Value::as_u64)
+                    .or_else(|| at(&r, fallback)?.as_u64())
+                    .with_context(|| format!("{file}: no count at `{path}.{k}`"))
+            };
+            Ok(Some(Score {
                 label,
-                val_loss: s.get("val_loss")?.as_f64()?,
-                val_bpb: s.get("val_bpb")?.as_f64()?,
-                val_tokens: s.get("val_tokens").and_then(Value::as_u64).or_else(|| at(&r, "artifact.val_tokens")?.as_u64())?,
-                val_bytes: s.get("val_bytes").and_then(Value::as_u64).or_else(|| at(&r, "train.val_bytes")?.as_u64())?,
-            })
+                val_loss: need("val_loss")?,
+                val_bpb: need("val_bpb")?,
+                val_tokens: count("val_tokens", "artifact.val_tokens")?,
+                val_bytes: count("val_bytes", "train.val_bytes")?,
+            }))
         };
         let eval_weights = at(&r, "eval.weights").and_then(Value::as_str).unwrap_or("quantized").to_string();
-        let score = score_of("eval.ttt", format!("{eval_weights}_ttt"))
-            .or_else(|| score_of("eval.sliding", format!("{eval_weights}_sliding_window")))
-            .or_else(|| score_of("artifact.after", "quantized".into()))
-            .with_context(|| {
-                format!("{file}: no score: neither `eval.ttt`, `eval.sliding` nor `artifact.after` (the run has no evaluation)")
-            })?;
+        let ttt_label = if at(&r, "eval.ttt.kind").and_then(Value::as_str) == Some("phased") { "ttt_phased" } else { "ttt" };
+        let score = match score_of("eval.ttt", format!("{eval_weights}_{ttt_label}"))? {
+            Some(s) => Some(s),
+            None => match score_of("eval.sliding", format!("{eval_weights}_sliding_window"))? {
+                Some(s) => Some(s),
+                None => score_of("artifact.after", "quantized".into())?,
+            },
+        }
+        .with_context(|| {
+            format!("{file}: no score: neither `eval.ttt`, `eval.sliding` nor `artifact.after` (the run has no evaluation)")
+        })?;
 
         let mut train_parts = vec![Part {
             what: "training loop (validation excluded)".into(),
@@ -163,8 +178,7 @@ impl RunFigures {
             let method = at(&r, "artifact.method").and_then(Value::as_str).unwrap_or("artifact");
             // GPTQ's calibration reads training data: inside the training budget (as the
             // records' gptq_reserve_seconds), with the quantization it feeds.
-            let reserve = opt("artifact.reserve_ms")
-                .unwrap_or(opt("artifact.calibration_ms").unwrap_or(0.0) + opt("artifact.quantize_ms").unwrap_or(0.0));
+            let reserve = num("artifact.reserve_ms")?;
             train_parts.push(Part { what: format!("{method} calibration + quantization"), ms: reserve, key: "artifact.reserve_ms".into() });
             if let Some(ms) = opt("artifact.compress_ms") {
                 uncounted.push(Part { what: "serializing and compressing the artifact".into(), ms, key: "artifact.compress_ms".into() });
@@ -177,13 +191,19 @@ impl RunFigures {
                 ms: num("artifact.restore_ms")?,
                 key: "artifact.restore_ms".into(),
             });
-            if let Some(ms) = opt("artifact.after.eval_ms") {
+            if at(&r, "artifact.after").is_some() {
+                let ms = num("artifact.after.eval_ms")?;
                 eval_parts.push(Part { what: "quantized round-trip score".into(), ms, key: "artifact.after.eval_ms".into() });
             }
         }
         for (key, what) in [("eval.sliding", "sliding_window"), ("eval.ttt", "ttt")] {
-            if let Some(ms) = opt(&format!("{key}.eval_ms")) {
-                eval_parts.push(Part { what: format!("{eval_weights}_{what}"), ms, key: format!("{key}.eval_ms") });
+            if at(&r, key).is_some() {
+                let what = if key == "eval.ttt" { ttt_label } else { what };
+                eval_parts.push(Part {
+                    what: format!("{eval_weights}_{what}"),
+                    ms: num(&format!("{key}.eval_ms"))?,
+                    key: format!("{key}.eval_ms"),
+                });
             }
         }
         let pre_quant_bpb = opt("artifact.before.val_bpb").or_else(|| opt("train.val_bpb"));

@@ -137,9 +137,14 @@ fn readme(sub: &Submission, e: &Entry) -> String {
     let mean_of = |f: &dyn Fn(&super::figures::RunFigures) -> f64| sub.runs.iter().map(f).sum::<f64>() / n.max(1) as f64;
     let _ = writeln!(
         s,
-        "| **Mean** | {:.0} | {:.1} | | | **{bpb:.5}** | {} |\n",
+        "| **Mean** | {:.0} | {:.1} | | | **{}** | {} |\n",
         mean_of(&|r| r.steps as f64),
         mean_of(&|r| r.step_avg_ms),
+        if sub.runs.iter().all(|r| r.post_ttt_bpb.is_some()) {
+            format!("{:.5}", mean_of(&|r| r.post_ttt_bpb.unwrap_or(f64::NAN)))
+        } else {
+            "-".into()
+        },
         grouped(mean_of(&|r| r.total_bytes().unwrap_or(0) as f64).round() as u64)
     );
     let _ = writeln!(s, "{n}-seed std: {bpb_sd:.5} bpb / {nats_sd:.5} nats (mean val_loss {nats:.5} nats).\n");

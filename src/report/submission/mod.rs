@@ -62,16 +62,17 @@ impl Submission {
         checks.push(rules::val_check(&runs));
         checks.extend(extra);
         let losses: Vec<f64> = runs.iter().map(|r| r.score.val_loss).collect();
+        // Nats per token per bpb of the submission's validation: a baseline's bpb becomes
+        // nats on the submission's tokens, so that a baseline with another tokenizer is
+        // compared on the text's bytes, as the records compare across tokenizers.
+        let (tokens, bytes) = runs.iter().fold((0u64, 0u64), |(t, b), r| (t + r.score.val_tokens, b + r.score.val_bytes));
+        let nats_per_bpb = std::f64::consts::LN_2 * bytes as f64 / tokens.max(1) as f64;
         let (significance, baseline_bpb) = match against {
             Against::Nothing => (None, None),
-            Against::Bpb(b) => {
-                let (tokens, bytes) = runs.iter().fold((0u64, 0u64), |(t, b), r| (t + r.score.val_tokens, b + r.score.val_bytes));
-                let nats_per_bpb = std::f64::consts::LN_2 * bytes as f64 / tokens.max(1) as f64;
-                (Some(significance::test(&losses, &Baseline::Figure { bpb: *b, nats_per_bpb })), Some(*b))
-            }
+            Against::Bpb(b) => (Some(significance::test(&losses, &Baseline::Figure { bpb: *b, nats_per_bpb })), Some(*b)),
             Against::Runs(base) => {
-                let theirs: Vec<f64> = base.iter().map(|r| r.score.val_loss).collect();
                 let bpb: Vec<f64> = base.iter().map(|r| r.score.val_bpb).collect();
+                let theirs: Vec<f64> = bpb.iter().map(|b| b * nats_per_bpb).collect();
                 (Some(significance::test(&losses, &Baseline::Runs(theirs))), Some(mean(&bpb)))
             }
         };

@@ -185,7 +185,7 @@ pub fn run_checks(r: &RunFigures) -> Vec<Check> {
     });
     let parts = |ps: &[super::figures::Part]| ps.iter().map(|p| format!("{} {:.1} s", p.what, p.ms / 1e3)).collect::<Vec<_>>().join(" + ");
     // The rules time on their hardware: figures from other hardware are shown as measured.
-    let on = if r.hardware.contains("H100") {
+    let on = if rules_hardware(&r.hardware) {
         r.hardware.clone()
     } else {
         format!("{} (not the rules' hardware: the time does not carry over)", r.hardware)
@@ -205,6 +205,12 @@ pub fn run_checks(r: &RunFigures) -> Vec<Check> {
         format!("<= {EVAL_LIMIT_S:.0} s on {RULE_HARDWARE}, decompression and every warm-up included"),
     ));
     out
+}
+
+/// Whether a run's `hardware` is the rules' 8xH100 SXM: eight ranks of an H100 that is not
+/// the PCIe or NVL card (the driver names the SXM one `NVIDIA H100 80GB HBM3`).
+pub fn rules_hardware(hardware: &str) -> bool {
+    hardware.starts_with("8 x ") && hardware.contains("H100") && !hardware.contains("PCIe") && !hardware.contains("NVL")
 }
 
 /// Every seed scored the same validation targets and bytes.
@@ -245,13 +251,14 @@ pub fn significance_check(s: Option<&Significance>, against: &str) -> Check {
     let figure = match &s.untestable {
         Some(why) => format!("mean {:.5} nats vs {:.5} ({against}): {why}", s.mean_nats, s.baseline_mean_nats),
         None => format!(
-            "mean {:.5} ± {:.5} nats over {} seeds vs {:.5}{} ({against}): {:+.5} nats, Welch t {:.2}, df {:.1}, p {:.2e}",
+            "mean {:.5} ± {:.5} nats over {} seeds vs {:.5}{} ({against}): {:+.5} nats, {} t {:.2}, df {:.1}, one-sided p {:.2e}",
             s.mean_nats,
             s.std_nats,
             s.n,
             s.baseline_mean_nats,
             if s.baseline_n > 0 { format!(" ± {:.5} over {} runs", s.baseline_std_nats, s.baseline_n) } else { String::new() },
             s.diff_nats,
+            if s.baseline_n > 0 { "Welch" } else { "one-sample" },
             s.t,
             s.df,
             s.p

@@ -156,6 +156,14 @@ fn each_broken_rule_is_refused_with_its_figure() {
     let s = Submission::check(load(&dirs), 3, &Against::Nothing, vec![]);
     assert!(check(&s, "runs finished").figure.contains("(interrupted)"), "{:?}", check(&s, "runs finished"));
     assert!(check(&s, "val split").outcome == Outcome::Fail && check(&s, "val split").figure.contains("scored 65,535 targets"));
+    // A diverged TTT is an error naming its key, not a quiet fall back to the sliding score;
+    // an artifact without its calibration time likewise.
+    let bad = run_dir(&root.join("diverged"), 7, 2.31, |r, _| r["eval"]["ttt"]["val_loss"] = json!(null));
+    let err = format!("{:#}", RunFigures::load(&bad).unwrap_err());
+    assert!(err.contains("no number at `eval.ttt.val_loss`"), "{err}");
+    let bad =
+        run_dir(&root.join("noreserve"), 7, 2.31, |r, _| r["artifact"].as_object_mut().unwrap().remove("reserve_ms").map(drop).unwrap());
+    assert!(format!("{:#}", RunFigures::load(&bad).unwrap_err()).contains("`artifact.reserve_ms`"));
     // A run directory without a report is an error naming it.
     let err = RunFigures::load(&root.join("nowhere")).unwrap_err();
     assert!(format!("{err:#}").contains("not a finished run directory"), "{err:#}");
@@ -173,11 +181,34 @@ fn significance_uses_the_seeds_losses() {
     let sig = s.significance.as_ref().unwrap();
     assert!((sig.t + 5.511351921).abs() < 1e-6 && (sig.df - 4.0).abs() < 1e-9 && sig.clears, "{sig:?}");
     assert!(check(&s, "significance").outcome == Outcome::Pass);
+    // A baseline with another tokenizer (twice the tokens for the same bytes: half the nats a
+    // token) is compared on its bpb, turned into nats on our tokens: the same verdict.
+    let other: Vec<PathBuf> = [(42, 2.35), (0, 2.36), (1234, 2.37)]
+        .iter()
+        .map(|&(s, l)| {
+            run_dir(&t.0.join("other"), s, l / 2.0, |r, _| {
+                r["eval"]["ttt"]["val_tokens"] = json!(131_072);
+                r["eval"]["ttt"]["val_bpb"] = json!(l / (std::f64::consts::LN_2 * 158_340.0 / 65_536.0));
+            })
+        })
+        .collect();
+    let s2 = Submission::check(ours.clone(), 3, &Against::Runs(load(&other)), vec![]);
+    let sig2 = s2.significance.as_ref().unwrap();
+    assert!((sig2.t - sig.t).abs() < 1e-6 && (sig2.diff_nats - sig.diff_nats).abs() < 1e-9, "{sig2:?} vs {sig:?}");
     // Against a figure: nats per bpb from the seeds' own bytes per token.
     let k = std::f64::consts::LN_2 * 158_340.0 / 65_536.0;
     let s = Submission::check(ours, 3, &Against::Bpb(2.36 / k), vec![]);
     let sig = s.significance.as_ref().unwrap();
     assert!((sig.baseline_mean_nats - 2.36).abs() < 1e-9 && (sig.diff_nats + 0.05).abs() < 1e-9 && (sig.df - 2.0).abs() < 1e-12, "{sig:?}");
+}
+
+#[test]
+fn the_rules_hardware_is_eight_sxm_h100s() {
+    use super::rules::rules_hardware;
+    assert!(rules_hardware("8 x NVIDIA H100 80GB HBM3"));
+    for h in ["1 x NVIDIA H100 80GB HBM3", "8 x NVIDIA H100 PCIe", "8 x NVIDIA H100 NVL", "8 x NVIDIA H200", "1 x CPU (x, 2 cores)"] {
+        assert!(!rules_hardware(h), "{h}");
+    }
 }
 
 #[test]
