@@ -112,7 +112,7 @@ fn positions_avoid_documents_and_chunk_edges() {
 /// A tiny f64 model (vocabulary 32, BOS 1) with every parameter moved off its initial value,
 /// so that attention matters; `docs` sets `document_attention`.
 fn tiny(docs: bool) -> Gpt {
-    let cfg = ModelConfig {
+    crate::eval::ttt::tests::model_with(&ModelConfig {
         vocab_size: 32,
         num_layers: 2,
         model_dim: 16,
@@ -121,15 +121,7 @@ fn tiny(docs: bool) -> Gpt {
         bos_id: BOS,
         document_attention: docs,
         ..ModelConfig::default()
-    };
-    let m = Gpt::new(&cfg, 3, DType::F64, &Device::Cpu).unwrap();
-    let mut rng = fastrand::Rng::with_seed(17);
-    for (_, v, _) in m.params() {
-        let old: Vec<f64> = v.flatten_all().unwrap().to_vec1().unwrap();
-        let new: Vec<f64> = old.iter().map(|x| x + rng.f64() * 0.6 - 0.3).collect();
-        v.set(&Tensor::from_vec(new, v.dims(), &Device::Cpu).unwrap()).unwrap();
-    }
-    m
+    })
 }
 
 /// The document mask keeps the second document's losses bit for bit and as alone; the same

@@ -13,8 +13,12 @@ pub(crate) const VOCAB: usize = 32;
 /// A tiny float64 model whose parameters are all moved off their initial values (the zero
 /// output projections would otherwise make attention, and so the context, irrelevant).
 pub(crate) fn model() -> Gpt {
-    let cfg = ModelConfig { vocab_size: VOCAB, num_layers: 2, model_dim: 16, num_heads: 2, num_kv_heads: 1, ..ModelConfig::default() };
-    let m = Gpt::new(&cfg, 3, DType::F64, &Device::Cpu).unwrap();
+    model_with(&ModelConfig { vocab_size: VOCAB, num_layers: 2, model_dim: 16, num_heads: 2, num_kv_heads: 1, ..ModelConfig::default() })
+}
+
+/// [`model`] of another config, its parameters moved off their initial values the same way.
+pub(crate) fn model_with(cfg: &ModelConfig) -> Gpt {
+    let m = Gpt::new(cfg, 3, DType::F64, &Device::Cpu).unwrap();
     let mut rng = fastrand::Rng::with_seed(17);
     for (_, v, _) in m.params() {
         let old: Vec<f64> = v.flatten_all().unwrap().to_vec1().unwrap();
