@@ -1,8 +1,9 @@
 //! `pipeline submission` through the binary on tiny runs of the record's graph (EMA,
 //! checkpoints, the quantized artifact, score-first TTT): three seeds against a baseline's
 //! three seeds of a tenth of the training pass every check, and the records folder holds the
-//! runs' own figures; a missing seed is refused with the figure and no folder; an unreadable
-//! run directory is bad input.
+//! runs' own figures; the baseline against them is not a record (the folder written for the
+//! non-record track, exit 1); a missing seed is refused with the figure and no folder; an
+//! unreadable run directory is bad input.
 
 mod common;
 
@@ -101,6 +102,19 @@ fn three_seeds_against_their_baseline_make_the_records_folder() {
     assert!(
         !out.join("src").exists() && std::fs::read_dir(&out).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().ends_with(".rs"))
     );
+
+    // The other way round the baseline is not beaten: every other rule holds, so the folder is
+    // written for the non-record track, and the exit code says it is no record.
+    let other = c.dir.join("records/not-a-record");
+    let o = submission(&base, &ours, &other);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).lines().any(|l| l.starts_with("FAIL significance:")), "{}", text(&o));
+    let sub = json(&other.join("submission.json"));
+    assert_eq!(
+        (sub["track"].as_str(), sub["record"].as_bool(), sub["passed"].as_bool()),
+        (Some("non_record_16mb"), Some(false), Some(false))
+    );
+    assert!(std::fs::read_to_string(other.join("README.md")).unwrap().contains("**Not a record:**"));
 
     // Bad input: a folder that is no run.
     let o = submission(&[c.dir.join("nowhere")], &[], &c.dir.join("other"));

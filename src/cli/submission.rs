@@ -17,6 +17,9 @@ use crate::report::submission::{Against, Submission};
 use crate::runtime::config;
 use crate::train::config::Config;
 
+/// The track of a valid submission that is not shown to beat its baseline.
+pub const NON_RECORD_TRACK: &str = "non_record_16mb";
+
 /// What `pipeline submission` takes beside the run directories.
 #[derive(Clone, Debug, Default)]
 pub struct Options {
@@ -34,8 +37,10 @@ pub struct Options {
     pub json: bool,
 }
 
-/// Runs the command: 0 when every check passed and the folder was written, 1 when a check
-/// failed (no folder), 2 on bad input (a run directory that cannot be read, a bad --against).
+/// Runs the command: 0 when every check passed and the folder was written; 1 when a check
+/// failed: no folder, except when only the significance failed (a valid submission that is
+/// not a record: the folder is written for the non-record track); 2 on bad input (a run
+/// directory that cannot be read, a bad --against, a non-empty --out).
 pub fn command(runs: Vec<PathBuf>, o: Options) -> i32 {
     // A folder that would be refused is refused before the checks' minutes.
     if o.out.exists() && std::fs::read_dir(&o.out).map_or(true, |mut d| d.next().is_some()) {
@@ -50,8 +55,7 @@ pub fn command(runs: Vec<PathBuf>, o: Options) -> i32 {
         }
     };
     if o.json {
-        let code = super::print_json(&sub);
-        if code != 0 || !sub.passed() {
+        if super::print_json(&sub) != 0 {
             return 1;
         }
     } else {
@@ -59,12 +63,16 @@ pub fn command(runs: Vec<PathBuf>, o: Options) -> i32 {
             out!("{}", c.line());
         }
     }
-    if !sub.passed() {
+    if !sub.valid() {
         let n = sub.failures().len();
         err!("submission refused: {n} check(s) failed; no folder written");
         return 1;
     }
-    let entry = entry_for(&sub, &o.entry);
+    let mut entry = entry_for(&sub, &o.entry);
+    if !sub.passed() && o.entry.track.is_empty() {
+        // Valid, but not shown to beat what it was held against: not a record.
+        entry.track = NON_RECORD_TRACK.into();
+    }
     match folder::write(&sub, &entry, &o.out) {
         Ok(files) => {
             if !o.json {
@@ -74,7 +82,12 @@ pub fn command(runs: Vec<PathBuf>, o: Options) -> i32 {
                     files.len()
                 );
             }
-            0
+            if sub.passed() {
+                0
+            } else {
+                err!("not a record: the significance check failed; the folder is written for the {NON_RECORD_TRACK} track");
+                1
+            }
         }
         Err(e) => {
             err!("error: {e:#}");

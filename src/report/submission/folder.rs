@@ -15,7 +15,7 @@ use anyhow::Context;
 use serde_json::json;
 
 use super::Submission;
-use super::rules::{Outcome, grouped};
+use super::rules::grouped;
 use super::significance::{MARGIN_NATS, P_LIMIT};
 
 /// What the folder says about its author and entry.
@@ -114,6 +114,13 @@ fn readme(sub: &Submission, e: &Entry) -> String {
             bpb - base,
             sig.diff_nats,
             sig.p
+        );
+    }
+    if let Some(sig) = sub.significance.as_ref().filter(|s| !s.clears) {
+        let _ = writeln!(
+            s,
+            "**Not a record:** it is not shown to beat its baseline by {MARGIN_NATS} nats at p < {P_LIMIT} ({:+.5} nats, p = {:.2e}); track `{}`.\n",
+            sig.diff_nats, sig.p, e.track
         );
     }
     let _ = writeln!(s, "## Results\n");
@@ -224,6 +231,7 @@ fn submission_json(sub: &Submission, e: &Entry) -> serde_json::Value {
             "figure": c.figure,
             "rule": c.rule,
         })).collect::<Vec<_>>(),
-        "passed": sub.checks.iter().all(|c| c.outcome != Outcome::Fail),
+        "passed": sub.passed(),
+        "record": sub.passed() && sub.significance.is_some(),
     })
 }
