@@ -364,4 +364,4 @@ pub fn masked_row_losses(model: &Gpt, bos: u32, x: &[u32], y: &[u32]) -> anyhow:
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -8,7 +8,7 @@ use candle_core::Var;
 use super::*;
 use crate::eval::audit::Leak;
 use crate::eval::ttt::{TttConfig, train_sequences};
-use crate::model::{Gpt, ModelConfig};
+use crate::model::Gpt;
 use crate::optim::Sgd;
 
 const BOS: u32 = 1;
@@ -17,16 +17,7 @@ const VOCAB: usize = crate::eval::ttt::tests::VOCAB;
 /// A tiny model (vocabulary 32, BOS 1) with `train.seq_len` 16; `docs` sets
 /// `document_attention`.
 fn config(docs: bool) -> Config {
-    let model = ModelConfig {
-        vocab_size: VOCAB,
-        num_layers: 2,
-        model_dim: 16,
-        num_heads: 2,
-        num_kv_heads: 1,
-        bos_id: BOS,
-        document_attention: docs,
-        ..ModelConfig::default()
-    };
+    let model = crate::eval::audit::tests::tiny_config(docs);
     let train = crate::train::config::TrainConfig { seq_len: 16, ..Default::default() };
     Config { model, train, ..Config::default() }
 }

@@ -112,7 +112,12 @@ fn positions_avoid_documents_and_chunk_edges() {
 /// A tiny f64 model (vocabulary 32, BOS 1) with every parameter moved off its initial value,
 /// so that attention matters; `docs` sets `document_attention`.
 fn tiny(docs: bool) -> Gpt {
-    crate::eval::ttt::tests::model_with(&ModelConfig {
+    crate::eval::ttt::tests::model_with(&tiny_config(docs))
+}
+
+/// The tiny model's config (vocabulary 32, BOS 1); `docs` sets `document_attention`.
+pub(crate) fn tiny_config(docs: bool) -> ModelConfig {
+    ModelConfig {
         vocab_size: 32,
         num_layers: 2,
         model_dim: 16,
@@ -121,7 +126,7 @@ fn tiny(docs: bool) -> Gpt {
         bos_id: BOS,
         document_attention: docs,
         ..ModelConfig::default()
-    })
+    }
 }
 
 /// The document mask keeps the second document's losses bit for bit and as alone; the same
