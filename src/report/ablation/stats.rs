@@ -29,19 +29,26 @@ pub struct Welch {
     pub p: f64,
 }
 
+/// The squared standard error of `mean(a) - mean(b)`, `var(a)/n_a + var(b)/n_b` (sample
+/// variances), and the Welch-Satterthwaite degrees of freedom (NaN when neither side has any
+/// spread). Both sides need two values or more.
+pub fn welch_se2_df(a: &[f64], b: &[f64]) -> (f64, f64) {
+    let (va, vb) = (std_dev(a).powi(2) / a.len() as f64, std_dev(b).powi(2) / b.len() as f64);
+    let se2 = va + vb;
+    (se2, se2 * se2 / (va * va / (a.len() - 1) as f64 + vb * vb / (b.len() - 1) as f64))
+}
+
 /// Welch's t-test of `a` against `b`, or `None` with fewer than two values on a side or no
 /// variance at all (identical runs: nothing to test).
 pub fn welch(a: &[f64], b: &[f64]) -> Option<Welch> {
     if a.len() < 2 || b.len() < 2 {
         return None;
     }
-    let (va, vb) = (std_dev(a).powi(2) / a.len() as f64, std_dev(b).powi(2) / b.len() as f64);
-    let se2 = va + vb;
+    let (se2, df) = welch_se2_df(a, b);
     if se2.is_nan() || se2 <= 0.0 {
         return None;
     }
     let t = (mean(a) - mean(b)) / se2.sqrt();
-    let df = se2 * se2 / (va * va / (a.len() - 1) as f64 + vb * vb / (b.len() - 1) as f64);
     let dist = StudentsT::new(0.0, 1.0, df).ok()?;
     let p = (2.0 * (1.0 - dist.cdf(t.abs()))).clamp(0.0, 1.0);
     Some(Welch { t, df, p })

@@ -21,7 +21,7 @@
 use serde::Serialize;
 use statrs::distribution::{ContinuousCDF, StudentsT};
 
-use crate::report::ablation::stats::{mean, std_dev};
+use crate::report::ablation::stats::{mean, std_dev, welch_se2_df};
 
 /// The improvement a record must show, in nats of `val_loss`.
 pub const MARGIN_NATS: f64 = 0.005;
@@ -112,11 +112,9 @@ pub fn test(losses: &[f64], baseline: &Baseline) -> Significance {
             return out;
         }
         Baseline::Figure { .. } => (sd_s * sd_s / n as f64, (n - 1) as f64),
-        Baseline::Runs(_) => {
-            let (vs, vb) = (sd_s * sd_s / n as f64, sd_b * sd_b / m as f64);
-            let se2 = vs + vb;
-            let df = if se2 > 0.0 { se2 * se2 / (vs * vs / (n - 1) as f64 + vb * vb / (m - 1) as f64) } else { (n + m - 2) as f64 };
-            (se2, df)
+        Baseline::Runs(b) => {
+            let (se2, df) = welch_se2_df(losses, b);
+            (se2, if se2 > 0.0 { df } else { (n + m - 2) as f64 })
         }
     };
     let shifted = diff + MARGIN_NATS;
