@@ -116,7 +116,15 @@ fn three_seeds_against_their_baseline_make_the_records_folder() {
     );
     assert!(std::fs::read_to_string(other.join("README.md")).unwrap().contains("**Not a record:**"));
 
-    // Bad input: a folder that is no run.
+    // Bad input: an --out that is not empty (refused before any check), an --against that is
+    // neither a bpb nor a run directory, and a folder that is no run.
+    let o = submission(&ours, &[], &out);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("already exists and is not empty") && o.stdout.is_empty(), "{}", text(&o));
+    let o = submission(&ours, &[c.dir.join("1.0x")], &c.dir.join("other"));
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("neither a val_bpb nor a run directory"), "{}", text(&o));
+    // A folder that is no run.
     let o = submission(&[c.dir.join("nowhere")], &[], &c.dir.join("other"));
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(String::from_utf8_lossy(&o.stderr).contains("not a finished run directory"), "{}", text(&o));
