@@ -1184,6 +1184,12 @@ extern "C" __global__ void eng_softcap_ce(act* logits, const unsigned* targets, 
     __shared__ float sh[8];
     const long r = blockIdx.x;
     act* xr = logits + r * vocab;
+    const unsigned y = targets[r];
+    if (y == ops::IGNORED_TARGET) {  // the whole block takes this branch: no barrier is split
+        for (int j = threadIdx.x; j < vocab; j += blockDim.x) xr[j] = 0.f;
+        if (threadIdx.x == 0) losses[r] = 0.f;
+        return;
+    }
     const float inv_c = 1.f / cap;
     float m = -CUDART_INF_F;
     for (int j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, cap * ops::softcap_tanh(xr[j], inv_c));
@@ -1191,7 +1197,6 @@ extern "C" __global__ void eng_softcap_ce(act* logits, const unsigned* targets, 
     float s = 0.f;
     for (int j = threadIdx.x; j < vocab; j += blockDim.x) s += Precise::exp(cap * ops::softcap_tanh(xr[j], inv_c) - mx);
     const float sum = block_sum(s, sh);
-    const unsigned y = targets[r];
     // A target outside the vocabulary gives the row a NaN loss (not a read past the row).
     const float ty = ops::target_tanh(xr, y, vocab, inv_c);
     __syncthreads();  // every thread has read xr[y] before it is overwritten

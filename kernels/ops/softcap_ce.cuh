@@ -14,6 +14,10 @@
 
 namespace ops {
 
+// The target of a position that neither counts in the loss nor sends a gradient (the engine's
+// fused loss: the padding of a partial batch; src/model/ops/softcap_ce.rs's IGNORED_TARGET).
+constexpr unsigned IGNORED_TARGET = 0xFFFFFFFFu;
+
 // t = tanh(x / cap), given 1 / cap.
 __device__ __forceinline__ float softcap_tanh(float x, float inv_cap) { return tanhf(x * inv_cap); }
 

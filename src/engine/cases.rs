@@ -452,6 +452,22 @@ pub fn cases() -> Vec<Case> {
                 be.softcap_ce(logits, Buf { off: N * VOCAB, len: N }, VOCAB, 15.0, 1.0 / N as f64);
             },
         },
+        Case {
+            name: "softcap_ce (ignored targets: zero loss and gradient)",
+            len: 3 * N * VOCAB,
+            bound: ROWS,
+            run: |be| {
+                let (x, mut y) = tokens(10);
+                // The padding of a partial batch: every third row, and the last.
+                for (_, y) in y.iter_mut().enumerate().filter(|(r, _)| r % 3 == 1 || *r == N - 1) {
+                    *y = crate::model::ops::softcap_ce::IGNORED_TARGET;
+                }
+                be.set_tokens(&x, &y);
+                let logits = Buf { off: 0, len: N * VOCAB };
+                be.scale(logits, 20.0);
+                be.softcap_ce(logits, Buf { off: N * VOCAB, len: N }, VOCAB, 15.0, 1.0 / N as f64);
+            },
+        },
         Case { name: "attention_fwd, attention_bwd", len: attn_len, bound: ATTENTION, run: |be| attention_case(be, None) },
         Case {
             name: "attention_fwd, attention_bwd (documents)",

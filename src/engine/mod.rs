@@ -20,6 +20,8 @@
 //! - [`optim`]: Muon (Newton-Schulz batched per shape) and Adam/AdamW over the arena;
 //! - [`step`]: [`Engine`], what a training step does with them, and the exchange of
 //!   parameters and optimizer state as named tensors (the candle executor's names);
+//! - [`evaluate`]: what the evaluations after training do with it: per-token losses of
+//!   forward passes, SGD with momentum over every parameter (test-time training);
 //! - [`support`]: every `[model]` key and what the engine does with it (implements or
 //!   refuses it, naming the key);
 //! - [`timed`]: per-op timings of any backend (`pipeline engine-check`);
@@ -32,6 +34,7 @@
 pub mod backend;
 pub mod cases;
 pub mod cpu;
+pub mod evaluate;
 pub mod exchange;
 pub mod gpu;
 pub mod layout;

@@ -42,6 +42,10 @@ pub struct Schedule {
     pub layout: Layout,
     /// The norms' epsilon (the arena dtype's machine epsilon, as `F.rms_norm(eps=None)`).
     eps: f64,
+    /// Attention kept inside the documents this BOS starts, whatever the model's own rule
+    /// (`model.document_attention`): phased TTT's global SGD masks its rows at each document
+    /// ([`Schedule::set_documents`]); `None`: the model's rule.
+    documents: Option<u32>,
 }
 
 /// One position of the layer sequence: its physical block, the skip it pops (decoder index
@@ -66,7 +70,13 @@ impl BlockNames {
 impl Schedule {
     /// The schedule of `cfg` on micro-batches of `rows x t` tokens, the norms with `eps`.
     pub fn new(cfg: &ModelConfig, rows: usize, t: usize, eps: f64) -> Schedule {
-        Schedule { cfg: cfg.clone(), layout: Layout::new(cfg, rows, t), eps }
+        Schedule { cfg: cfg.clone(), layout: Layout::new(cfg, rows, t), eps, documents: None }
+    }
+
+    /// From now on attention stays inside the documents that `bos` starts (`Some`), as the
+    /// candle model's explicit document mask does, or follows the model's own rule (`None`).
+    pub fn set_documents(&mut self, bos: Option<u32>) {
+        self.documents = bos;
     }
 
     /// The model's configuration.
@@ -80,7 +90,7 @@ impl Schedule {
 
     fn attn_shape(&self) -> AttnShape {
         let c = &self.cfg;
-        let docs = c.document_attention.then_some(c.bos_id);
+        let docs = self.documents.or(c.document_attention.then_some(c.bos_id));
         AttnShape { batch: self.layout.rows, t: self.layout.t, heads: c.num_heads, kv_heads: c.num_kv_heads, d: c.head_dim(), docs }
     }
 

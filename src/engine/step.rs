@@ -78,8 +78,8 @@ pub struct StepStats {
 
 /// The explicit training engine of one model (see the module doc of [`crate::engine`]).
 pub struct Engine {
-    be: Box<dyn Backend>,
-    schedule: Schedule,
+    pub(super) be: Box<dyn Backend>,
+    pub(super) schedule: Schedule,
     /// Fill the dead regions with NaN around every pass.
     poison: bool,
     /// Steps each Adam group has taken (its bias correction's `t`).

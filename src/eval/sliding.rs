@@ -12,19 +12,18 @@
 //! tokens of context. Every target is scored exactly once. Windows are run `batch_windows` at a
 //! time as `(rows, T)` batches; a window shorter than `T` (at the end of the stream) is padded
 //! with token 0 at the end, and padded positions are never scored. Padding cannot change a scored
-//! position: every op of [`Gpt`] acts per position except attention, which is causal, so a
-//! position only sees itself and earlier positions of its own row.
+//! position: every op of the model acts per position except attention, which is causal, so a
+//! position only sees itself and earlier positions of its own row. The passes run on either
+//! executor ([`EvalModel`]: the engine, or candle).
 
 use std::ops::Range;
 use std::sync::Arc;
-
-use candle_core::{DType, Tensor};
 
 use crate::dist::Collective;
 use crate::dist::share::{all_go_on, rounds, share};
 use crate::dist::single::Single;
 use crate::eval::bpb::{BpbAccumulator, ByteTables};
-use crate::model::Gpt;
+use crate::eval::executor::EvalModel;
 
 /// Sliding-window geometry (spec §2.5; the record: `seq_len` 2048, `stride` 64, 32 windows per
 /// batch).
@@ -113,11 +112,11 @@ pub fn windows(n_targets: usize, cfg: &SlidingConfig) -> Vec<Window> {
 /// Scores `tokens` (`N + 1` tokens, `N ≥ 1` targets, all ids below the model's vocabulary and
 /// the tables' length) with sliding windows (spec §2.5): batches of `batch_windows` windows,
 /// rows shorter than `seq_len` padded at the end (never scored), per-position losses from
-/// [`Gpt::eval_token_losses`] (no autograd) added to a [`BpbAccumulator`] with `prev` = the input
+/// [`EvalModel::token_losses`] (forward passes only) added to a [`BpbAccumulator`] with `prev` = the input
 /// token at each scored position. `keep_going` is asked before every batch: false gives
 /// `Ok(None)` (a partial score is no score).
 pub fn sliding_eval(
-    model: &Gpt,
+    model: &mut dyn EvalModel,
     tokens: &[u32],
     tables: Arc<ByteTables>,
     cfg: &SlidingConfig,
@@ -131,7 +130,7 @@ pub fn sliding_eval(
 /// f64, so that every rank returns the whole score. Every rank holds the same weights and
 /// tokens. The ranks agree before each batch whether to go on: one rank's stop stops all.
 pub fn sliding_eval_shared(
-    model: &Gpt,
+    model: &mut dyn EvalModel,
     tokens: &[u32],
     tables: Arc<ByteTables>,
     cfg: &SlidingConfig,
@@ -139,7 +138,7 @@ pub fn sliding_eval_shared(
     keep_going: impl Fn() -> bool,
 ) -> anyhow::Result<Option<BpbAccumulator>> {
     cfg.check()?;
-    let n = check_tokens(model, tokens, &tables)?;
+    let n = check_tokens(model.config(), tokens, &tables)?;
     let mut acc = BpbAccumulator::new(tables);
     let done = score_windows(model, tokens, &windows(n, cfg), cfg, ranks, &keep_going, |first, prev, targets, nll| {
         acc.add(first, prev, targets, nll)
@@ -152,15 +151,15 @@ pub fn sliding_eval_shared(
 
 /// Number of targets of `tokens`, after checking there is one and that every id fits the model
 /// and the byte tables.
-pub(super) fn check_tokens(model: &Gpt, tokens: &[u32], tables: &ByteTables) -> anyhow::Result<usize> {
+pub(super) fn check_tokens(model: &crate::model::ModelConfig, tokens: &[u32], tables: &ByteTables) -> anyhow::Result<usize> {
     anyhow::ensure!(tokens.len() >= 2, "{} validation tokens: at least 2 are needed to score one target", tokens.len());
     tables.check_stream(tokens.len())?;
-    let limit = model.config().vocab_size.min(tables.len());
+    let limit = model.vocab_size.min(tables.len());
     if let Some(pos) = tokens.iter().position(|&t| t as usize >= limit) {
         anyhow::bail!(
             "token {} at position {pos} is not below the vocabulary ({} ids in the model, {} in the byte tables)",
             tokens[pos],
-            model.config().vocab_size,
+            model.vocab_size,
             tables.len()
         );
     }
@@ -174,7 +173,7 @@ pub(super) fn check_tokens(model: &Gpt, tokens: &[u32], tables: &ByteTables) -> 
 /// `Ok(false)` on all); every rank runs as many rounds as the longest share takes.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn score_windows(
-    model: &Gpt,
+    model: &mut dyn EvalModel,
     tokens: &[u32],
     wins: &[Window],
     cfg: &SlidingConfig,
@@ -196,9 +195,7 @@ pub(super) fn score_windows(
             x[r * t..r * t + w.len].copy_from_slice(&tokens[w.start..w.start + w.len]);
             y[r * t..r * t + w.len].copy_from_slice(&tokens[w.start + 1..w.start + w.len + 1]);
         }
-        let xt = Tensor::from_slice(&x, (rows, t), model.device())?;
-        let yt = Tensor::from_slice(&y, (rows, t), model.device())?;
-        let nll = model.eval_token_losses(&xt, &yt)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let nll = model.token_losses(&x, &y, t)?;
         for (r, w) in batch.iter().enumerate() {
             let pos = r * t + w.score_from..r * t + w.len;
             sink(w.start + w.score_from, &x[pos.clone()], &y[pos.clone()], &nll[pos]);

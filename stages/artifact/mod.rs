@@ -48,6 +48,7 @@ use crate::artifact::roundtrip::{
     CodeBytes, Method, baseline_lines, calibrate, calibration_line, model_from, size_lines, write_and_restore,
 };
 use crate::eval::bpb::BpbAccumulator;
+use crate::eval::executor::EvalExecutor;
 use crate::eval::validation::Validator;
 use crate::runtime::stage::{BuildCtx, Ctx, Demand, Emitter, Transform};
 use crate::train::log::StageLog;
@@ -79,6 +80,10 @@ impl ArtifactStage {
         if gptq {
             anyhow::ensure!(c.data.train.is_some(), "`gptq` calibrates on training data (`data.train`), which is not set");
         }
+        if p.eval {
+            let gpu = matches!(crate::device::parse(&c.run.device), Ok(crate::device::DeviceName::Cuda(_)));
+            p.executor.check(&c.model, c.train.seq_len, gpu, ctx.stage)?;
+        }
         Ok(())
     }
 
@@ -106,7 +111,23 @@ impl ArtifactStage {
                 .sum();
             needs.push(crate::runtime::memory::Need::device("GPTQ's Hessians", bytes, &MODEL_KEYS).transient());
         }
-        if p.eval || gptq {
+        if p.eval && p.executor == EvalExecutor::Engine {
+            // The round trip's scores on an engine of the training micro-batch's rows.
+            let shape = c.batch_shape()?;
+            let gpu = matches!(crate::device::parse(&c.run.device), Ok(crate::device::DeviceName::Cuda(_)));
+            let arena = crate::eval::engine_model::EngineModel::arena_bytes(&c.model, shape.rows, shape.seq_len, gpu) as u64;
+            let mut keys = vec!["train.batch_tokens"];
+            keys.extend(MODEL_KEYS);
+            needs.push(
+                crate::runtime::memory::Need::device(
+                    "scoring engine's arena and the weights' candle mirror",
+                    total.saturating_mul(4).saturating_add(arena),
+                    &keys,
+                )
+                .transient(),
+            );
+        }
+        if (p.eval && p.executor == EvalExecutor::Candle) || gptq {
             let shape = c.batch_shape()?;
             let tokens = crate::eval::validation::tokens_per_pass(&c.validation(), c.run.world_size, shape.micro_steps);
             let mut keys = vec!["train.val_batch_tokens"];
@@ -315,11 +336,18 @@ impl ArtifactStage {
         Ok(Some(w.restored))
     }
 
-    /// Scores `weights` with a model of `[model]` on the run's device.
+    /// Scores `weights` with a model of `[model]` on the run's device, on the stage's executor
+    /// (the engine on the training micro-batch's rows).
     fn score(&self, v: &Validator, weights: &[(String, candle_core::Tensor)], ctx: &mut Ctx) -> anyhow::Result<Option<BpbAccumulator>> {
         let t0 = Instant::now();
-        let model = model_from(&self.config, weights)?;
-        let acc = v.run(&model, || !ctx.aborted())?;
+        let shape = self.config.batch_shape()?;
+        let (rows, t) = (shape.rows, shape.seq_len);
+        let mut model = crate::eval::executor::open(model_from(&self.config, weights)?, self.p.executor, rows, t)
+            .with_context(|| format!("stage `artifact`: building the round trip's {} model", self.p.executor.name()))?;
+        let mut score = |x: &[u32], y: &[u32], _rows: usize| -> anyhow::Result<f64> {
+            Ok(model.token_losses(x, y, t)?.iter().map(|&l| f64::from(l)).sum())
+        };
+        let acc = v.run_with(&mut score, rows, || !ctx.aborted())?;
         ctx.record("eval", t0.elapsed().as_nanos() as u64);
         Ok(acc)
     }

@@ -79,6 +79,9 @@ pub struct ArtifactParams {
     pub file: Option<String>,
     /// Score the weights before and after the round trip.
     pub eval: bool,
+    /// What scores them: "engine" (the explicit engine on the training micro-batch's rows: f32
+    /// on the CPU, bf16 activations on a GPU) or "candle" (the candle model, f32).
+    pub executor: crate::eval::executor::EvalExecutor,
 }
 
 impl Default for ArtifactParams {
@@ -112,6 +115,7 @@ impl Default for ArtifactParams {
             code_bytes: None,
             file: None,
             eval: true,
+            executor: Default::default(),
         }
     }
 }

@@ -28,6 +28,7 @@ use crate::artifact::roundtrip::model_from;
 use crate::dist::single::Single;
 use crate::eval::audit::{Order, PositionRules, Records, RowFn, bos_audit, causality, choose_position, masked_row_losses, replacement};
 use crate::eval::bpb::ByteTables;
+use crate::eval::executor::{EvalExecutor, EvalModel};
 use crate::eval::phased::docs::{phase_boundaries, segment, work_queue};
 use crate::eval::phased::phased_ttt;
 use crate::eval::ttt::{score_first_ttt, sliding_eval};
@@ -103,6 +104,17 @@ pub fn masked_rows<'a>(s: &Setup<'a>) -> RowScorer<'a> {
     Box::new(move |x, y| masked_row_losses(&model_from(config, weights)?, config.model.bos_id, x, y))
 }
 
+/// A fresh model of the weights on the stage's executor (the engine on `rows x t` passes).
+fn eval_model(
+    config: &Config,
+    weights: &[(String, Tensor)],
+    executor: EvalExecutor,
+    rows: usize,
+    t: usize,
+) -> anyhow::Result<Box<dyn EvalModel>> {
+    crate::eval::executor::open(model_from(config, weights)?, executor, rows, t)
+}
+
 /// Rows of the evaluation's `window`, at most the model's RoPE training length (past it the
 /// rotary base depends on the row's length, and a document alone would not compare).
 fn row_len(config: &Config, window: usize) -> usize {
@@ -115,8 +127,8 @@ fn sliding<'a>(s: &Setup<'a>) -> anyhow::Result<Built<'a>> {
     cfg.check()?;
     let (config, weights, tables) = (s.config, s.weights, s.tables.clone());
     let scorer: Scorer<'a> = Box::new(move |tokens| {
-        let model = model_from(config, weights)?;
-        let acc = sliding_eval(&model, tokens, tables.clone(), &cfg, || true)?.context("the sliding evaluation stopped")?;
+        let mut model = eval_model(config, weights, p.executor, cfg.batch_windows, cfg.seq_len)?;
+        let acc = sliding_eval(model.as_mut(), tokens, tables.clone(), &cfg, || true)?.context("the sliding evaluation stopped")?;
         Ok(acc.recorded()?.to_vec())
     });
     let rules = PositionRules { bos: Some(s.bos), ..PositionRules::default() };
@@ -151,8 +163,8 @@ fn score_first<'a>(s: &Setup<'a>) -> anyhow::Result<Built<'a>> {
     }
     let (config, weights, tables, c) = (s.config, s.weights, s.tables.clone(), cfg.clone());
     let scorer: Scorer<'a> = Box::new(move |tokens| {
-        let model = model_from(config, weights)?;
-        let o = score_first_ttt(&model, tokens, tables.clone(), &c, |_| {}, || true)?.context("score-first TTT stopped")?;
+        let mut model = eval_model(config, weights, p.executor, c.rows_per_rank(1).0, c.sliding.seq_len)?;
+        let o = score_first_ttt(model.as_mut(), tokens, tables.clone(), &c, |_| {}, || true)?.context("score-first TTT stopped")?;
         Ok(o.acc.recorded()?.to_vec())
     });
     let rules = PositionRules { bos: Some(s.bos), stream_chunk: Some(cfg.chunk_tokens), doc_chunk: None };
@@ -200,8 +212,9 @@ fn phased<'a>(s: &Setup<'a>) -> anyhow::Result<Built<'a>> {
         Order::Groups(work_queue(&docs, cfg.batch_docs).iter().map(|b| b.docs.iter().map(|&k| docs[k].targets()).collect()).collect());
     let (config, weights, tables, c, bos, seed) = (s.config, s.weights, s.tables.clone(), cfg.clone(), s.bos, s.seed);
     let scorer: Scorer<'a> = Box::new(move |tokens| {
-        let model = model_from(config, weights)?;
-        let o = phased_ttt(&model, tokens, tables.clone(), (&c, bos, seed), &Single, |_| {}, || true)?.context("phased TTT stopped")?;
+        let mut model = eval_model(config, weights, p.executor, c.global_batch_seqs, c.global_seq_len)?;
+        let o =
+            phased_ttt(model.as_mut(), tokens, tables.clone(), (&c, bos, seed), &Single, |_| {}, || true)?.context("phased TTT stopped")?;
         Ok(o.acc.recorded()?.to_vec())
     });
     let rules = PositionRules { bos: Some(s.bos), stream_chunk: None, doc_chunk: Some(cfg.chunk) };

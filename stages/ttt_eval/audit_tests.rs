@@ -3,13 +3,11 @@
 //! evaluations (TTT that trains on a chunk before scoring it; rows scored without the document
 //! mask the model claims) are caught at the right position.
 
-use candle_core::Var;
-
 use super::*;
 use crate::eval::audit::Leak;
+use crate::eval::executor::{CandleModel, EvalModel};
 use crate::eval::ttt::{TttConfig, train_sequences};
 use crate::model::Gpt;
-use crate::optim::Sgd;
 
 const BOS: u32 = 1;
 const VOCAB: usize = crate::eval::ttt::tests::VOCAB;
@@ -134,16 +132,15 @@ fn train_first<'a>(s: &Setup<'a>) -> anyhow::Result<Built<'a>> {
     let (config, weights, tables) = (s.config, s.weights, s.tables.clone());
     let scorer: Scorer<'a> = Box::new(move |tokens| {
         let cfg = leaky_cfg();
-        let model = model_from(config, weights)?;
-        let params: Vec<(String, Var)> = model.params().iter().map(|(n, v, _)| (n.clone(), v.clone())).collect();
-        let mut sgd = Sgd::new(params, cfg.momentum)?;
+        let mut model = CandleModel::new(model_from(config, weights)?);
+        model.reset_sgd(cfg.momentum)?;
         let n = tokens.len() - 1;
         let mut out = Vec::new();
         for start in (0..n).step_by(cfg.chunk_tokens) {
             let end = (start + cfg.chunk_tokens).min(n);
             let seqs = (end - start) / cfg.sliding.seq_len;
-            train_sequences(&model, tokens, start, seqs, &cfg.training(), &mut sgd, cfg.lr, &Single, &|| true)?;
-            let acc = sliding_eval(&model, tokens, tables.clone(), &cfg.sliding, || true)?.context("stopped")?;
+            train_sequences(&mut model, tokens, start, seqs, &cfg.training(), cfg.lr, &Single, &|| true)?;
+            let acc = sliding_eval(&mut model, tokens, tables.clone(), &cfg.sliding, || true)?.context("stopped")?;
             out.extend(acc.recorded()?.iter().filter(|(j, _)| (start..end).contains(j)));
         }
         Ok(out)

@@ -32,11 +32,13 @@ mod phased;
 
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::config;
 use crate::eval::bpb::BpbAccumulator;
+use crate::eval::executor::{EvalExecutor, EvalModel};
 use crate::eval::ttt::{SlidingConfig, TttConfig, TttEvent, score_first_ttt_shared, sliding_eval_shared};
 use crate::eval::validation::Validator;
 use crate::runtime::stage::{BuildCtx, Ctx, Demand, Sink};
@@ -55,11 +57,14 @@ pub struct SlidingParams {
     pub stride: usize,
     /// Windows per forward pass (32 in the records).
     pub batch_windows: usize,
+    /// What runs the passes: "engine" (the explicit engine: f32 on the CPU, bf16 activations
+    /// on a GPU) or "candle" (the candle model, f32).
+    pub executor: EvalExecutor,
 }
 
 impl Default for SlidingParams {
     fn default() -> Self {
-        Self { seq_len: 0, stride: 64, batch_windows: 32 }
+        Self { seq_len: 0, stride: 64, batch_windows: 32, executor: EvalExecutor::default() }
     }
 }
 
@@ -87,6 +92,9 @@ pub struct ScoreFirstParams {
     pub grad_clip: f64,
     /// Also log the sliding-window score before TTT (the records' `quantized_sliding_window`).
     pub sliding_first: bool,
+    /// What runs the passes: "engine" (the explicit engine: f32 on the CPU, bf16 activations
+    /// on a GPU) or "candle" (the candle model and its autograd, f32).
+    pub executor: EvalExecutor,
 }
 
 impl Default for ScoreFirstParams {
@@ -102,6 +110,7 @@ impl Default for ScoreFirstParams {
             batch_seqs: 32,
             grad_clip: 1.0,
             sliding_first: true,
+            executor: EvalExecutor::default(),
         }
     }
 }
@@ -124,8 +133,13 @@ fn sliding_cfg(seq_len: usize, stride: usize, batch_windows: usize, train_seq_le
     SlidingConfig { seq_len: if seq_len == 0 { train_seq_len } else { seq_len }, stride, batch_windows }
 }
 
-/// What the implementations share: the validation stream, the log, the config, the ranks.
+/// What the implementations share: the validation stream, the log, the config, the ranks, the
+/// executor.
 struct Evaluator {
+    /// The stage's name (errors name its keys).
+    stage: String,
+    /// What runs the passes.
+    executor: EvalExecutor,
     validator: Validator,
     /// The ranks of a data-parallel run (a world of one otherwise): they share the sliding
     /// windows and the TTT batches, every rank holding the same weights.
@@ -136,10 +150,12 @@ struct Evaluator {
 }
 
 impl Evaluator {
-    fn new(ctx: &BuildCtx) -> anyhow::Result<Self> {
+    fn new(ctx: &BuildCtx, executor: EvalExecutor) -> anyhow::Result<Self> {
         anyhow::ensure!(config(ctx)?.data.val.is_some(), "`data.val` is not set: this stage scores the validation shards");
         let shape = config(ctx)?.batch_shape()?;
         Ok(Self {
+            stage: ctx.stage.to_string(),
+            executor,
             validator: Validator::load(&config(ctx)?.validation(), shape.micro_steps)?,
             ranks: crate::dist::world(),
             config: config(ctx)?.clone(),
@@ -148,15 +164,26 @@ impl Evaluator {
         })
     }
 
+    /// The model of a pass from `weights` on the stage's executor (the engine on micro-batches
+    /// of `rows x t`), logged with where it runs.
+    fn model(&self, weights: &[(String, candle_core::Tensor)], rows: usize, t: usize) -> anyhow::Result<Box<dyn EvalModel>> {
+        let model = crate::artifact::roundtrip::model_from(&self.config, weights)?;
+        self.executor.check(model.config(), t, !model.device().is_cpu(), &self.stage)?;
+        let m = crate::eval::executor::open(model, self.executor, rows, t)
+            .with_context(|| format!("stage `{}`: building the evaluation's {} model", self.stage, self.executor.name()))?;
+        self.log.line(&format!("{}: {} on {rows} x {t} tokens a pass", self.stage, m.describe()));
+        Ok(m)
+    }
+
     /// The sliding-window pass; logs and returns its section.
     fn sliding(&mut self, snap: &TrainSnapshot, cfg: &SlidingConfig, ctx: &mut Ctx) -> anyhow::Result<Option<serde_json::Value>> {
         let (label, weights) = snap.eval_weights();
         // Building the model from the weights is part of the evaluation (and its time).
         let t0 = Instant::now();
-        let model = crate::artifact::roundtrip::model_from(&self.config, weights)?;
+        let mut model = self.model(weights, cfg.batch_windows, cfg.seq_len)?;
         let tables = self.validator.tables().clone();
         let tokens = self.validator.tokens();
-        let Some(acc) = sliding_eval_shared(&model, tokens, tables, cfg, self.ranks.as_ref(), || !ctx.aborted())? else {
+        let Some(acc) = sliding_eval_shared(model.as_mut(), tokens, tables, cfg, self.ranks.as_ref(), || !ctx.aborted())? else {
             return Ok(None);
         };
         ctx.record("sliding", t0.elapsed().as_nanos() as u64);
@@ -185,12 +212,12 @@ impl Evaluator {
         let (label, weights) = snap.eval_weights();
         // Building the model from the weights is part of the evaluation (and its time).
         let t0 = Instant::now();
-        let model = crate::artifact::roundtrip::model_from(&self.config, weights)?;
+        let mut model = self.model(weights, cfg.rows_per_rank(self.ranks.world()).0, cfg.sliding.seq_len)?;
         let tables = self.validator.tables().clone();
         let mut times: Vec<(&'static str, Duration)> = Vec::new();
         let aborted = || ctx.aborted();
         let outcome = score_first_ttt_shared(
-            &model,
+            model.as_mut(),
             self.validator.tokens(),
             tables,
             cfg,
@@ -232,31 +259,59 @@ impl Evaluator {
     }
 }
 
-/// An evaluator's memory: its snapshots, a model, and the larger of a sliding batch's forward
-/// pass and (with TTT: `batch_seqs`) a training batch with its gradients and momentum.
-/// `ttt_batch`: the rows one rank trains on at once, and the key that sets them.
+/// Whether `executor` can run the run's model on rows of `t` tokens on the run's device (the
+/// engine's refusal names the element and how to ask for candle).
+fn check_executor(executor: EvalExecutor, ctx: &BuildCtx, t: usize) -> anyhow::Result<()> {
+    let c = config(ctx)?;
+    let gpu = matches!(crate::device::parse(&c.run.device), Ok(crate::device::DeviceName::Cuda(_)));
+    executor.check(&c.model, t, gpu, ctx.stage)
+}
+
+/// An evaluator's memory: its snapshots, a model, and what its passes hold. On candle: the
+/// larger of a sliding batch's forward pass and (with TTT) a training batch with its gradients
+/// and momentum. On the engine: its arena on the larger of the two micro-batches (the sliding
+/// pass's `batch_windows` rows and TTT's rows; the passes build their engines one after the
+/// other) and the weights' candle mirror. `ttt_batch`: the rows one rank trains on at once, and
+/// the key that sets them.
 fn eval_memory(
     ctx: &BuildCtx,
     sliding: &SlidingConfig,
     ttt_batch: Option<(usize, &str)>,
+    executor: EvalExecutor,
 ) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
     use crate::model::memory::{MODEL_KEYS, ParamCounts, forward_bytes, snapshots_need, training_bytes};
     let m = &config(ctx)?.model;
     m.check()?;
     let total = ParamCounts::of(m).total;
     let t = sliding.seq_len;
-    let score = forward_bytes(m, sliding.batch_windows * t, t, true, 4);
     let mut needs = vec![snapshots_need(m, ctx.stage, ctx.queue)];
     let mut keys: Vec<String> = vec![format!("stages.{}.batch_windows", ctx.stage)];
-    let (what, bytes) = match ttt_batch {
-        Some((rows, key)) if training_bytes(m, rows * t, t, true, 4).saturating_add(total.saturating_mul(8)) > score => {
-            keys[0] = format!("stages.{}.{key}", ctx.stage);
-            (
-                "TTT model, gradients, momentum and activations",
-                total.saturating_mul(12).saturating_add(training_bytes(m, rows * t, t, true, 4)),
-            )
+    let (what, bytes) = match executor {
+        EvalExecutor::Engine => {
+            let gpu = matches!(crate::device::parse(&ctx.run.device), Ok(crate::device::DeviceName::Cuda(_)));
+            let arena = |rows: usize| crate::eval::engine_model::EngineModel::arena_bytes(m, rows, t, gpu) as u64;
+            let mut bytes = arena(sliding.batch_windows);
+            if let Some((rows, key)) = ttt_batch
+                && arena(rows) >= bytes
+            {
+                keys[0] = format!("stages.{}.{key}", ctx.stage);
+                bytes = arena(rows);
+            }
+            ("evaluation engine's arena and the weights' candle mirror", total.saturating_mul(4).saturating_add(bytes))
         }
-        _ => ("scoring model and activations", total.saturating_mul(4).saturating_add(score)),
+        EvalExecutor::Candle => {
+            let score = forward_bytes(m, sliding.batch_windows * t, t, true, 4);
+            match ttt_batch {
+                Some((rows, key)) if training_bytes(m, rows * t, t, true, 4).saturating_add(total.saturating_mul(8)) > score => {
+                    keys[0] = format!("stages.{}.{key}", ctx.stage);
+                    (
+                        "TTT model, gradients, momentum and activations",
+                        total.saturating_mul(12).saturating_add(training_bytes(m, rows * t, t, true, 4)),
+                    )
+                }
+                _ => ("scoring model and activations", total.saturating_mul(4).saturating_add(score)),
+            }
+        }
     };
     keys.extend(MODEL_KEYS.iter().map(|k| k.to_string()));
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
@@ -284,18 +339,19 @@ impl Sink for Sliding {
 
     fn check(p: &SlidingParams, ctx: &BuildCtx) -> anyhow::Result<()> {
         let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, config(ctx)?.train.seq_len);
-        TttConfig { sliding: cfg, ..ScoreFirstParams::default().ttt(config(ctx)?.train.seq_len) }.check()
+        TttConfig { sliding: cfg, ..ScoreFirstParams::default().ttt(config(ctx)?.train.seq_len) }.check()?;
+        check_executor(p.executor, ctx, cfg.seq_len)
     }
 
     fn memory(p: &SlidingParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
         let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, config(ctx)?.train.seq_len);
-        eval_memory(ctx, &cfg, None)
+        eval_memory(ctx, &cfg, None, p.executor)
     }
 
     fn build(p: SlidingParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&p, ctx)?;
         let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, config(ctx)?.train.seq_len);
-        Ok(Self { cfg, ev: Evaluator::new(ctx)? })
+        Ok(Self { cfg, ev: Evaluator::new(ctx, p.executor)? })
     }
 
     fn consume(&mut self, snap: TrainSnapshot, ctx: &mut Ctx) -> anyhow::Result<()> {
@@ -328,18 +384,20 @@ impl Sink for ScoreFirst {
     }
 
     fn check(p: &ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<()> {
-        p.ttt(config(ctx)?.train.seq_len).check()
+        let cfg = p.ttt(config(ctx)?.train.seq_len);
+        cfg.check()?;
+        check_executor(p.executor, ctx, cfg.sliding.seq_len)
     }
 
     fn memory(p: &ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
         let c = config(ctx)?;
         let cfg = p.ttt(c.train.seq_len);
-        eval_memory(ctx, &cfg.sliding, Some(cfg.rows_per_rank(c.run.world_size)))
+        eval_memory(ctx, &cfg.sliding, Some(cfg.rows_per_rank(c.run.world_size)), p.executor)
     }
 
     fn build(p: ScoreFirstParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&p, ctx)?;
-        Ok(Self { cfg: p.ttt(config(ctx)?.train.seq_len), p, ev: Evaluator::new(ctx)? })
+        Ok(Self { cfg: p.ttt(config(ctx)?.train.seq_len), ev: Evaluator::new(ctx, p.executor)?, p })
     }
 
     fn consume(&mut self, snap: TrainSnapshot, ctx: &mut Ctx) -> anyhow::Result<()> {

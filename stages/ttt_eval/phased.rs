@@ -15,6 +15,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{Evaluator, ScoreFirstParams, config, eval_memory, sliding_cfg};
+use crate::eval::executor::EvalExecutor;
 use crate::eval::phased::{PhasedConfig, PhasedEvent, phased_ttt};
 use crate::eval::ttt::SlidingConfig;
 use crate::runtime::stage::{BuildCtx, Ctx, Demand, Sink};
@@ -76,6 +77,10 @@ pub struct PhasedParams {
     pub stride: usize,
     /// Windows per forward pass of that sliding score (32).
     pub batch_windows: usize,
+    /// What runs the global SGD and the sliding score: "engine" (the explicit engine: f32 on
+    /// the CPU, bf16 activations on a GPU) or "candle". The LoRA passes run on candle either
+    /// way (on the engine, a candle mirror of the weights synced after each phase).
+    pub executor: EvalExecutor,
 }
 
 impl Default for PhasedParams {
@@ -106,6 +111,7 @@ impl Default for PhasedParams {
             seq_len: s.seq_len,
             stride: s.stride,
             batch_windows: s.batch_windows,
+            executor: s.executor,
         }
     }
 }
@@ -166,7 +172,12 @@ impl Sink for Phased {
     fn check(p: &PhasedParams, ctx: &BuildCtx) -> anyhow::Result<()> {
         let seq_len = config(ctx)?.train.seq_len;
         p.config(seq_len).check()?;
-        p.sliding(seq_len).check()
+        p.sliding(seq_len).check()?;
+        super::check_executor(p.executor, ctx, p.config(seq_len).global_seq_len)?;
+        if p.sliding_first {
+            super::check_executor(p.executor, ctx, p.sliding(seq_len).seq_len)?;
+        }
+        Ok(())
     }
 
     fn memory(p: &PhasedParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
@@ -175,8 +186,26 @@ impl Sink for Phased {
         // The larger of: a scoring batch (documents x context) and a global SGD batch.
         let rows = p.batch_docs.max(cfg.global_batch_seqs);
         let key = if p.batch_docs >= cfg.global_batch_seqs { "batch_docs" } else { "global_batch_seqs" };
-        let sliding = SlidingConfig { seq_len: cfg.context.max(cfg.global_seq_len), stride: 1, batch_windows: rows };
-        let mut needs = eval_memory(ctx, &sliding, Some((rows, key)))?;
+        let mut needs = match p.executor {
+            EvalExecutor::Candle => {
+                let sliding = SlidingConfig { seq_len: cfg.context.max(cfg.global_seq_len), stride: 1, batch_windows: rows };
+                eval_memory(ctx, &sliding, Some((rows, key)), p.executor)?
+            }
+            EvalExecutor::Engine => {
+                // The global SGD's engine (a rank's share of `global_batch_seqs`), alive while
+                // the LoRA passes run on candle beside it.
+                let world = config(ctx)?.run.world_size.max(1);
+                let global = SlidingConfig { seq_len: cfg.global_seq_len, stride: 1, batch_windows: 1 };
+                let rows = cfg.global_batch_seqs.div_ceil(world);
+                let mut needs = eval_memory(ctx, &global, Some((rows, "global_batch_seqs")), p.executor)?;
+                let m = &config(ctx)?.model;
+                let lora_pass = crate::model::memory::training_bytes(m, p.batch_docs * cfg.context, cfg.context, true, 4);
+                let keys = [format!("stages.{}.batch_docs", ctx.stage), format!("stages.{}.context", ctx.stage)];
+                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                needs.push(crate::runtime::memory::Need::device("LoRA passes' activations (candle)", lora_pass, &keys).transient());
+                needs
+            }
+        };
         // The adapters of one batch with their gradients and AdamW's two moments, in f32.
         let m = &config(ctx)?.model;
         let lora = crate::model::lora::Lora::count(m, m.recurrent(), (p.batch_docs, p.lora_rank)) as u64 * 16;
@@ -195,7 +224,7 @@ impl Sink for Phased {
             .as_ref()
             .ok_or_else(|| anyhow::anyhow!("`data.tokenizer` is not set: phased TTT finds documents at its BOS"))?;
         let bos = crate::data::tokenizer::bos_id(tokenizer)?;
-        Ok(Self { cfg: p.config(c.train.seq_len), bos, seed: ctx.seed(), p, ev: Evaluator::new(ctx)? })
+        Ok(Self { cfg: p.config(c.train.seq_len), bos, seed: ctx.seed(), ev: Evaluator::new(ctx, p.executor)?, p })
     }
 
     fn consume(&mut self, snap: TrainSnapshot, ctx: &mut Ctx) -> anyhow::Result<()> {
@@ -224,14 +253,16 @@ impl Evaluator {
         let (label, weights) = snap.eval_weights();
         // Building the model from the weights is part of the evaluation (and its time).
         let t0 = Instant::now();
-        let model = crate::artifact::roundtrip::model_from(&self.config, weights)?;
+        // The global SGD's steps: a rank's share of `global_batch_seqs` sequences.
+        let rows = cfg.global_batch_seqs.div_ceil(self.ranks.world());
+        let mut model = self.model(weights, rows, cfg.global_seq_len)?;
         let tables = self.validator.tables().clone();
         let mut times: Vec<(&'static str, Duration)> = Vec::new();
         let mut last = Instant::now();
         let log = &self.log;
         let aborted = || ctx.aborted();
         let outcome = phased_ttt(
-            &model,
+            model.as_mut(),
             self.validator.tokens(),
             tables,
             (cfg, bos, seed),

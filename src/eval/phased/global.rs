@@ -15,13 +15,10 @@
 //! step's sequences and sum their gradients ([`train_sequences`]), so every rank takes the step
 //! one rank would take.
 
-use candle_core::Var;
-
 use super::config::PhasedConfig;
 use super::docs::Document;
+use crate::eval::executor::EvalModel;
 use crate::eval::ttt::{SeqTraining, train_sequences};
-use crate::model::Gpt;
-use crate::optim::Sgd;
 
 /// What one phase's global SGD did.
 #[derive(Clone, Copy, Debug, Default)]
@@ -42,7 +39,7 @@ pub struct GlobalStats {
 /// `on_chunk(c, n, targets)` is called after each trained chunk with its targets in the phase's
 /// stream. `None` when `keep_going` said stop.
 pub fn global_sgd(
-    model: &Gpt,
+    model: &mut dyn EvalModel,
     tokens: &[u32],
     docs: &[Document],
     (cfg, bos): (&PhasedConfig, u32),
@@ -53,8 +50,7 @@ pub fn global_sgd(
     let t0 = std::time::Instant::now();
     let stream: Vec<u32> = docs.iter().flat_map(|d| tokens[d.start..d.start + d.len].iter().copied()).collect();
     let n = cfg.global_chunks(stream.len());
-    let params: Vec<(String, Var)> = model.params().iter().map(|(name, var, _)| (name.clone(), var.clone())).collect();
-    let mut sgd = Sgd::new(params, cfg.global_momentum)?;
+    model.reset_sgd(cfg.global_momentum)?;
     let how = SeqTraining {
         seq_len: cfg.global_seq_len,
         epochs: cfg.global_epochs,
@@ -69,7 +65,7 @@ pub fn global_sgd(
         let chunk_len = ((c + 1) * cfg.global_chunk_tokens).min(targets) - start;
         let seqs = chunk_len / cfg.global_seq_len;
         let lr = cfg.global_chunk_lr(c, n);
-        let Some(steps) = train_sequences(model, &stream, start, seqs, &how, &mut sgd, lr, ranks, keep_going)? else {
+        let Some(steps) = train_sequences(model, &stream, start, seqs, &how, lr, ranks, keep_going)? else {
             return Ok(None);
         };
         stats.steps += steps;

@@ -32,6 +32,7 @@ use super::global::{GlobalStats, global_sgd};
 use super::progress::Progress;
 use crate::dist::{Collective, ReduceOp};
 use crate::eval::bpb::{BpbAccumulator, ByteTables};
+use crate::eval::executor::EvalModel;
 use crate::model::lora::Lora;
 use crate::model::{Gpt, PassExtras};
 use crate::optim::Adam;
@@ -101,7 +102,8 @@ pub struct PhasedOutcome {
 
 /// Phased TTT of `tokens` (`N + 1` tokens with documents starting at `bos`; ids checked by the
 /// caller): returns every target's score. `model` is trained in place at the phases (after the
-/// call it holds the adapted base). `seed` draws the adapters (batch `i` from `seed + i`).
+/// call it holds the adapted base) on its executor; the LoRA passes of the batches run on its
+/// candle model ([`EvalModel::candle`]: on the engine, a mirror synced after each phase). `seed` draws the adapters (batch `i` from `seed + i`).
 /// `keep_going` is asked before every forward pass or SGD step: false (on any rank) gives
 /// `Ok(None)`.
 ///
@@ -116,7 +118,7 @@ pub struct PhasedOutcome {
 /// this is the loop above, batch by batch. The returned sums are every rank's; `nll` holds
 /// this rank's targets only (NaN elsewhere).
 pub fn phased_ttt(
-    model: &Gpt,
+    model: &mut dyn EvalModel,
     tokens: &[u32],
     tables: Arc<ByteTables>,
     (cfg, bos, seed): (&PhasedConfig, u32, u64),
@@ -132,7 +134,7 @@ pub fn phased_ttt(
     let queue = work_queue(&docs, cfg.batch_docs);
     let boundaries = if cfg.phases > 0 { phase_boundaries(cfg.prefix_docs, cfg.phases) } else { Vec::new() };
     let (rank, world) = (ranks.rank(), ranks.world());
-    let mut run = Run::new(model, tokens, cfg, tables.clone());
+    let mut run = Run::new(tokens, cfg, tables.clone());
     let mut progress = Progress::default();
     // Documents completely scored (by any rank): (orig_batch_idx, position in batch, document).
     let mut done: Vec<(usize, usize, usize)> = Vec::with_capacity(docs.len());
@@ -146,7 +148,7 @@ pub fn phased_ttt(
             let batch_docs: Vec<Document> = batch.docs.iter().map(|&d| docs[d]).collect();
             mine_targets += batch_docs.iter().map(Document::pred_len).sum::<usize>();
             let lora_seed = seed.wrapping_add(batch.index as u64);
-            going = run.batch(&batch.docs, &batch_docs, lora_seed, &mut on_event, &keep_going)?;
+            going = run.batch(model.candle()?, &batch.docs, &batch_docs, lora_seed, &mut on_event, &keep_going)?;
         }
         let scored = (run.acc.nll_sum() - before.0, run.acc.tokens() - before.1, run.acc.bytes() - before.2);
         // What each rank's entry of the round scored, and whether all go on.
@@ -225,7 +227,6 @@ fn round_sums(ranks: &dyn Collective, going: bool, mine: (f64, u64, u64)) -> any
 
 /// The state of one evaluation that the batches share.
 pub(super) struct Run<'a> {
-    model: &'a Gpt,
     tokens: &'a [u32],
     cfg: &'a PhasedConfig,
     acc: BpbAccumulator,
@@ -238,9 +239,8 @@ pub(super) struct Run<'a> {
 
 impl<'a> Run<'a> {
     /// A run over `tokens` (at least 2) that has scored nothing yet.
-    pub(super) fn new(model: &'a Gpt, tokens: &'a [u32], cfg: &'a PhasedConfig, tables: Arc<ByteTables>) -> Self {
+    pub(super) fn new(tokens: &'a [u32], cfg: &'a PhasedConfig, tables: Arc<ByteTables>) -> Self {
         Self {
-            model,
             tokens,
             cfg,
             acc: BpbAccumulator::new(tables),
@@ -259,10 +259,11 @@ impl<'a> Run<'a> {
     }
 
     /// The chunk loop over one batch of documents (`ids` into the stream's list, `docs` their
-    /// spans) with adapters drawn from `seed` (or, under the warm start of A, the last full
+    /// spans) on `model`'s frozen weights with adapters drawn from `seed` (or, under the warm start of A, the last full
     /// batch's A). False when `keep_going` said stop.
     pub(super) fn batch(
         &mut self,
+        model: &Gpt,
         ids: &[usize],
         docs: &[Document],
         seed: u64,
@@ -272,7 +273,6 @@ impl<'a> Run<'a> {
         let cfg = self.cfg;
         let plans: Vec<Vec<Chunk>> = docs.iter().map(|d| chunks(d.pred_len(), cfg.chunk, cfg.context)).collect();
         let rounds = plans.iter().map(Vec::len).max().unwrap_or(0);
-        let model = self.model;
         // A full batch starts from the last full batch's A under the warm start (B zeroed, a
         // fresh optimizer); any other batch draws fresh adapters.
         let full = docs.len() == cfg.batch_docs;

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use super::config::PhasedConfig;
 use super::docs::segment;
 use super::run::{PhasedEvent, PhasedOutcome, phased_ttt};
+use crate::eval::executor::CandleModel;
 // Score-first TTT's tiny float64 model (every parameter moved off its initial value) and its
 // hand-made byte tables.
 use crate::eval::ttt::tests::{VOCAB, model, tables};
@@ -57,7 +58,7 @@ enum Ev {
 fn run(tokens: &[u32], cfg: &PhasedConfig) -> (PhasedOutcome, Vec<Ev>) {
     let mut events = Vec::new();
     let out = phased_ttt(
-        &model(),
+        &mut CandleModel::new(model()),
         tokens,
         tables(),
         (cfg, BOS, 5),
@@ -192,7 +193,9 @@ fn adaptation_lowers_the_loss_on_repetitive_documents() {
             assert_eq!(adapted.nll[i].to_bits(), bare.nll[i].to_bits(), "target {i} of a first chunk");
         }
     }
-    let stopped = phased_ttt(&model(), &tokens, tables(), (&cfg(), BOS, 5), &crate::dist::single::Single, |_| {}, || false).unwrap();
+    let stopped =
+        phased_ttt(&mut CandleModel::new(model()), &tokens, tables(), (&cfg(), BOS, 5), &crate::dist::single::Single, |_| {}, || false)
+            .unwrap();
     assert!(stopped.is_none(), "a stop request gives no score");
 }
 
@@ -239,13 +242,13 @@ fn a_short_batch_between_full_ones_leaves_the_warm_a_alone() {
     let docs = segment(&tokens, BOS);
     let cfg = PhasedConfig { phases: 0, lora_lr: 0.05, lora_alpha: Some(4.0), lora_warm_start_a: true, ..cfg() };
     let m = model();
-    let mut run = super::run::Run::new(&m, &tokens, &cfg, tables());
+    let mut run = super::run::Run::new(&tokens, &cfg, tables());
     let (mut ev, go) = (|_: &PhasedEvent<'_>| {}, || true);
-    assert!(run.batch(&[0, 1, 2], &docs[0..3], 5, &mut ev, &go).unwrap());
+    assert!(run.batch(&m, &[0, 1, 2], &docs[0..3], 5, &mut ev, &go).unwrap());
     let first = run.warm_a().expect("a full batch keeps its adapters");
-    assert!(run.batch(&[3, 4], &docs[3..5], 6, &mut ev, &go).unwrap());
+    assert!(run.batch(&m, &[3, 4], &docs[3..5], 6, &mut ev, &go).unwrap());
     assert_eq!(run.warm_a().as_ref(), Some(&first), "the short batch drew its own and left the kept ones");
-    assert!(run.batch(&[5, 6, 7], &docs[5..8], 7, &mut ev, &go).unwrap());
+    assert!(run.batch(&m, &[5, 6, 7], &docs[5..8], 7, &mut ev, &go).unwrap());
     let third = run.warm_a().unwrap();
     let fresh = crate::model::lora::Lora::new(m.config(), m.looping(), (3, cfg.lora_rank), 7, m.dtype(), m.device()).unwrap();
     let fresh: Vec<f64> = fresh.vars()[0].1.flatten_all().unwrap().to_dtype(candle_core::DType::F64).unwrap().to_vec1().unwrap();

@@ -12,7 +12,7 @@
 //! tokens of context. Every target is scored exactly once. Windows are run `batch_windows` at a
 //! time as `(rows, T)` batches; a window shorter than `T` (at the end of the stream) is padded
 //! with token 0 at the end, and padded positions are never scored. Padding cannot change a scored
-//! position: every op of [`Gpt`] acts per position except attention, which is causal, so a
+//! position: every op of the model acts per position except attention, which is causal, so a
 //! position only sees itself and earlier positions of its own row.
 //!
 //! **Score-first TTT (§4.7, [`score_first_ttt`]).** The targets are cut into chunks of
@@ -29,16 +29,11 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor, Var};
-
+use crate::dist::Collective;
 use crate::dist::share::{all_go_on, share};
 use crate::dist::single::Single;
-use crate::dist::{Collective, ReduceOp};
 use crate::eval::bpb::{BpbAccumulator, ByteTables};
-use crate::model::ops::DocumentMask;
-use crate::model::{Gpt, PassExtras};
-use crate::optim::Sgd;
+use crate::eval::executor::{EvalModel, SgdStep};
 
 pub use super::sliding::{SlidingConfig, Window, sliding_eval, sliding_eval_shared, windows};
 use super::sliding::{check_tokens, score_windows};
@@ -201,17 +196,18 @@ pub struct TttOutcome {
 ///    `[c·chunk_tokens, min((c+1)·chunk_tokens, N))` are cut into `⌊chunk_len / seq_len⌋`
 ///    sequences (inputs `tokens[c·chunk_tokens + i·seq_len ..][.. seq_len]`, targets shifted by
 ///    one, all already scored); `epochs` passes over them in batches of up to `batch_seqs`
-///    sequences, each: mean cross-entropy ([`Gpt::loss`]), backward, global gradient norm clipped
-///    to `grad_clip` (torch's `clip_grad_norm_`: gradients scaled by `grad_clip / (norm + 1e-6)`
-///    when that is below 1), one [`Sgd`] step.
+///    sequences, each: mean cross-entropy, backward, global gradient norm clipped to
+///    `grad_clip` (torch's `clip_grad_norm_`: gradients scaled by `grad_clip / (norm + 1e-6)`
+///    when that is below 1), one SGD step ([`EvalModel::sgd_step`]).
 ///
-/// One [`Sgd`] (momentum, no Nesterov, no weight decay) over all of the model's parameters is
-/// created at the start, so its momentum carries across chunks. The parameters (candle `Var`s)
-/// are updated in place: after the call `model` holds the adapted weights. `on_event` gets every
+/// One SGD optimizer (momentum, no Nesterov, no weight decay) over all of the model's
+/// parameters is created at the start ([`EvalModel::reset_sgd`]), so its momentum carries
+/// across chunks. The weights are updated in place: after the call `model` holds the adapted
+/// weights. `on_event` gets every
 /// [`TttEvent`] as it happens; `keep_going` is asked before every scoring or training batch:
 /// false gives `Ok(None)` (the weights may then be partly trained).
 pub fn score_first_ttt(
-    model: &Gpt,
+    model: &mut dyn EvalModel,
     tokens: &[u32],
     tables: Arc<ByteTables>,
     cfg: &TttConfig,
@@ -230,7 +226,7 @@ pub fn score_first_ttt(
 /// depend on the number of ranks, up to the order of floating-point sums.
 #[allow(clippy::too_many_arguments)]
 pub fn score_first_ttt_shared(
-    model: &Gpt,
+    model: &mut dyn EvalModel,
     tokens: &[u32],
     tables: Arc<ByteTables>,
     cfg: &TttConfig,
@@ -239,11 +235,10 @@ pub fn score_first_ttt_shared(
     keep_going: impl Fn() -> bool,
 ) -> anyhow::Result<Option<TttOutcome>> {
     cfg.check()?;
-    let n = check_tokens(model, tokens, &tables)?;
+    let n = check_tokens(model.config(), tokens, &tables)?;
     let (wins, chunk_windows) = chunk_plan(n, cfg);
     let n_chunks = chunk_windows.len();
-    let params: Vec<(String, Var)> = model.params().iter().map(|(name, var, _)| (name.clone(), var.clone())).collect();
-    let mut sgd = Sgd::new(params, cfg.momentum)?;
+    model.reset_sgd(cfg.momentum)?;
     let mut acc = BpbAccumulator::new(tables.clone());
     let mut per_chunk = Vec::with_capacity(n_chunks);
     // Targets `[0, scored_end)` have been scored.
@@ -289,7 +284,7 @@ pub fn score_first_ttt_shared(
             trained.end <= scored_end,
             "internal: chunk {c} would train on targets {trained:?}, scored only up to {scored_end}"
         );
-        let Some(steps) = train_sequences(model, tokens, start, seqs, &cfg.training(), &mut sgd, lr, ranks, &keep_going)? else {
+        let Some(steps) = train_sequences(model, tokens, start, seqs, &cfg.training(), lr, ranks, &keep_going)? else {
             return Ok(None);
         };
         on_event(&TttEvent::Trained { chunk: c, targets: trained, lr, steps, elapsed: t0.elapsed() });
@@ -335,10 +330,11 @@ pub(crate) struct SeqTraining {
 }
 
 /// Trains on `seqs` consecutive sequences of `seq_len` inputs from `tokens[start ..]` (targets
-/// shifted by one): `epochs` passes, batches of up to `batch_seqs` sequences, one step each of
-/// mean cross-entropy, backward, gradient norm clipped to `grad_clip` (torch's
-/// `clip_grad_norm_`), [`Sgd`]. Returns the steps taken, or `None` when `keep_going` said stop
-/// (on any rank: the ranks agree before each step).
+/// shifted by one): `epochs` passes, batches of up to `batch_seqs` sequences, one
+/// [`EvalModel::sgd_step`] each (mean cross-entropy, backward, gradient norm clipped to
+/// `grad_clip` as torch's `clip_grad_norm_`, SGD with the momentum of the optimizer the caller
+/// made). Returns the steps taken, or `None` when `keep_going` said stop (on any rank: the ranks
+/// agree before each step).
 ///
 /// Several ranks share each batch: rank `r` takes the contiguous share
 /// [`crate::dist::share`]`(rows, r, W)` of its rows, and its mean loss weighted by
@@ -349,12 +345,11 @@ pub(crate) struct SeqTraining {
 /// on 8 GPUs do.)
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn train_sequences(
-    model: &Gpt,
+    model: &mut dyn EvalModel,
     tokens: &[u32],
     start: usize,
     seqs: usize,
     cfg: &SeqTraining,
-    sgd: &mut Sgd,
     lr: f64,
     ranks: &dyn Collective,
     keep_going: &impl Fn() -> bool,
@@ -368,80 +363,23 @@ pub(crate) fn train_sequences(
             }
             let rows = cfg.batch_seqs.min(seqs - first);
             let mine = share(rows, ranks.rank(), ranks.world());
-            let mut grads = GradStore::default();
-            if !mine.is_empty() {
-                let base = start + (first + mine.start) * t;
-                let local = mine.len();
-                let inputs = &tokens[base..base + local * t];
-                let x = Tensor::from_slice(inputs, (local, t), model.device())?;
-                let y = Tensor::from_slice(&tokens[base + 1..base + local * t + 1], (local, t), model.device())?;
-                let mask = cfg.doc_bos.map(|bos| DocumentMask::at_token(inputs, t, bos)).transpose()?;
-                let mut loss = model.token_losses_with(&x, &y, PassExtras { lora: None, docs: mask.as_ref() })?.mean_all()?;
-                let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-                anyhow::ensure!(value.is_finite(), "the TTT training loss is {value} on the sequences from target {base}");
-                if local != rows {
-                    loss = (loss * (local as f64 / rows as f64))?;
-                }
-                let mut store = loss.backward()?;
-                // Only the parameters' gradients are kept; the activations' go with `store`.
-                for (_, var, _) in model.params() {
-                    if let Some(g) = store.remove(var.as_tensor()) {
-                        grads.insert(var.as_tensor(), g);
-                    }
-                }
-            }
-            if !ranks.is_identity() {
-                grads = sum_over_ranks(model, grads, ranks)?;
-            }
-            if cfg.grad_clip > 0.0 {
-                clip_grad_norm(model, &mut grads, cfg.grad_clip)?;
-            }
-            sgd.step(&grads, lr)?;
+            let base = start + (first + mine.start) * t;
+            let local = mine.len() * t;
+            let step = SgdStep {
+                x: &tokens[base..base + local],
+                y: &tokens[base + 1..base + local + 1],
+                t,
+                rows,
+                doc_bos: cfg.doc_bos,
+                lr,
+                grad_clip: cfg.grad_clip,
+                from: base,
+            };
+            model.sgd_step(&step, ranks)?;
             steps += 1;
         }
     }
     Ok(Some(steps))
-}
-
-/// Every parameter's gradient summed over the ranks (a parameter without one here counts as
-/// zeros), in buckets ([`crate::dist::bucket`]).
-fn sum_over_ranks(model: &Gpt, mut grads: GradStore, ranks: &dyn Collective) -> anyhow::Result<GradStore> {
-    let vars: Vec<Var> = model.params().iter().map(|(_, v, _)| v.clone()).collect();
-    let mine: Vec<Tensor> = vars
-        .iter()
-        .map(|v| match grads.remove(v.as_tensor()) {
-            Some(g) => Ok(g),
-            None => v.as_tensor().zeros_like(),
-        })
-        .collect::<candle_core::Result<_>>()?;
-    let (summed, _) = crate::dist::bucket::all_reduce_tensors(ranks, &mine, ReduceOp::Sum, crate::dist::bucket::DEFAULT_BUCKET_ELEMS)?;
-    let mut out = GradStore::default();
-    for (v, g) in vars.iter().zip(summed) {
-        out.insert(v.as_tensor(), g);
-    }
-    Ok(out)
-}
-
-/// `torch.nn.utils.clip_grad_norm_`: the global L2 norm of all gradients (summed in `f64`);
-/// every gradient is scaled by `max / (norm + 1e-6)` when that is below 1. Returns the norm
-/// before clipping.
-fn clip_grad_norm(model: &Gpt, grads: &mut GradStore, max: f64) -> anyhow::Result<f64> {
-    let mut sq = 0.0f64;
-    for (_, var, _) in model.params() {
-        if let Some(g) = grads.get(var.as_tensor()) {
-            sq += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
-        }
-    }
-    let norm = sq.sqrt();
-    let coef = max / (norm + 1e-6);
-    if coef < 1.0 {
-        for (_, var, _) in model.params() {
-            if let Some(g) = grads.remove(var.as_tensor()) {
-                grads.insert(var.as_tensor(), (g * coef)?);
-            }
-        }
-    }
-    Ok(norm)
 }
 
 #[cfg(test)]

@@ -3,10 +3,13 @@
 use std::cell::Cell;
 use std::collections::HashMap;
 
-use candle_core::Device;
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
 
 use super::*;
-use crate::model::ModelConfig;
+use crate::eval::executor::CandleModel;
+use crate::model::{Gpt, ModelConfig};
+use crate::optim::Sgd;
 
 pub(crate) const VOCAB: usize = 32;
 
@@ -67,7 +70,7 @@ fn direct_nll(m: &Gpt, tokens: &[u32], j: usize, sc: &SlidingConfig) -> (f64, us
 fn sliding_losses(m: &Gpt, tokens: &[u32], sc: &SlidingConfig) -> Vec<f32> {
     let n = tokens.len() - 1;
     let mut out = vec![None; n];
-    let done = score_windows(m, tokens, &windows(n, sc), sc, &Single, &|| true, |first, prev, tgt, nll| {
+    let done = score_windows(&mut CandleModel::new(m), tokens, &windows(n, sc), sc, &Single, &|| true, |first, prev, tgt, nll| {
         for (k, &l) in nll.iter().enumerate() {
             assert_eq!((prev[k], tgt[k]), (tokens[first + k], tokens[first + k + 1]));
             assert!(out[first + k].replace(l).is_none(), "target {} scored twice", first + k);
@@ -207,7 +210,7 @@ fn sliding_with_full_stride_is_the_non_overlapping_eval() {
         want.add(s * t, x, y, &nll);
     }
     let sc = SlidingConfig { seq_len: t, stride: t, batch_windows: 3 };
-    let got = sliding_eval(&m, &tokens, tables, &sc, || true).unwrap().unwrap();
+    let got = sliding_eval(&mut CandleModel::new(&m), &tokens, tables, &sc, || true).unwrap().unwrap();
     assert_eq!((got.tokens(), got.bytes()), (want.tokens(), want.bytes()));
     assert!((got.nll_sum() - want.nll_sum()).abs() < 1e-9, "{} vs {}", got.nll_sum(), want.nll_sum());
     assert!(want.tokens() == 56 && want.bytes() > 0);
@@ -231,12 +234,12 @@ fn sliding_losses_match_each_targets_own_window() {
         assert!(j < sc.seq_len || j - ws >= sc.context(), "target {j} scored with {} of context", j - ws);
         sum += f64::from(l);
     }
-    let acc = sliding_eval(&m, &tokens, tables(), &sc, || true).unwrap().unwrap();
+    let acc = sliding_eval(&mut CandleModel::new(&m), &tokens, tables(), &sc, || true).unwrap().unwrap();
     assert_eq!(acc.tokens(), n as u64);
     assert_eq!(acc.bytes(), tables().count_bytes(&tokens[..n], &tokens[1..]));
     assert!(close(acc.nll_sum(), sum, 1e-12));
     // The context matters: a full-stride evaluation (context reset every T) scores differently.
-    let full = sliding_eval(&m, &tokens, tables(), &SlidingConfig { stride: 16, ..sc }, || true).unwrap().unwrap();
+    let full = sliding_eval(&mut CandleModel::new(&m), &tokens, tables(), &SlidingConfig { stride: 16, ..sc }, || true).unwrap().unwrap();
     assert!((full.nll_sum() - acc.nll_sum()).abs() > 1e-3);
 }
 
@@ -250,14 +253,15 @@ fn sliding_eval_stops_and_rejects_bad_tokens() {
         calls.set(calls.get() + 1);
         calls.get() <= 2
     };
-    assert!(sliding_eval(&m, &tokens, tables(), &sc, stop_after_two).unwrap().is_none());
+    assert!(sliding_eval(&mut CandleModel::new(&m), &tokens, tables(), &sc, stop_after_two).unwrap().is_none());
     assert_eq!(calls.get(), 3);
     let mut bad = tokens.clone();
     bad[7] = VOCAB as u32;
-    let e = sliding_eval(&m, &bad, tables(), &sc, || true).unwrap_err().to_string();
+    let e = sliding_eval(&mut CandleModel::new(&m), &bad, tables(), &sc, || true).unwrap_err().to_string();
     assert!(e.contains("position 7"), "{e}");
-    assert!(sliding_eval(&m, &tokens[..1], tables(), &sc, || true).is_err());
-    let e = sliding_eval(&m, &tokens, tables(), &SlidingConfig { stride: 9, ..sc }, || true).unwrap_err().to_string();
+    assert!(sliding_eval(&mut CandleModel::new(&m), &tokens[..1], tables(), &sc, || true).is_err());
+    let e =
+        sliding_eval(&mut CandleModel::new(&m), &tokens, tables(), &SlidingConfig { stride: 9, ..sc }, || true).unwrap_err().to_string();
     assert!(e.contains("`stride`"), "{e}");
 }
 
@@ -309,7 +313,7 @@ fn run_with_snapshots(tokens: &[u32], cfg: &TttConfig) -> (TttOutcome, Vec<TttEv
         events.push(e.clone());
         snaps.push(params(&m));
     };
-    let out = score_first_ttt(&m, tokens, tables(), cfg, on_event, || true).unwrap().unwrap();
+    let out = score_first_ttt(&mut CandleModel::new(&m), tokens, tables(), cfg, on_event, || true).unwrap().unwrap();
     (out, events, snaps, m)
 }
 
@@ -412,7 +416,7 @@ fn ttt_first_chunk_is_the_untrained_score_and_later_ones_adapt() {
     let losses = sliding_losses(&frozen_model, &tokens, &sc);
     let chunk0: f64 = losses[..16].iter().map(|&l| f64::from(l)).sum();
     assert!(close(out.per_chunk[0].0, chunk0, 1e-12), "{} vs {chunk0}", out.per_chunk[0].0);
-    let sliding = sliding_eval(&frozen_model, &tokens, tables(), &sc, || true).unwrap().unwrap();
+    let sliding = sliding_eval(&mut CandleModel::new(&frozen_model), &tokens, tables(), &sc, || true).unwrap().unwrap();
     assert!(close(frozen.acc.nll_sum(), sliding.nll_sum(), 1e-12));
     assert_eq!((frozen.acc.tokens(), frozen.acc.bytes()), (sliding.tokens(), sliding.bytes()));
 }
@@ -571,15 +575,19 @@ fn ttt_stops_when_asked_and_checks_its_config() {
             calls.set(calls.get() + 1);
             calls.get() < stop_at
         };
-        let r = score_first_ttt(&model(), &tokens, tables(), &aligned(), |_| {}, keep_going).unwrap();
+        let r = score_first_ttt(&mut CandleModel::new(model()), &tokens, tables(), &aligned(), |_| {}, keep_going).unwrap();
         assert!(r.is_none(), "stop at call {stop_at}");
         assert_eq!(calls.get(), stop_at);
     }
-    let e = score_first_ttt(&model(), &tokens, tables(), &TttConfig { chunk_tokens: 4, ..aligned() }, |_| {}, || true).unwrap_err();
+    let e =
+        score_first_ttt(&mut CandleModel::new(model()), &tokens, tables(), &TttConfig { chunk_tokens: 4, ..aligned() }, |_| {}, || true)
+            .unwrap_err();
     assert!(e.to_string().contains("`chunk_tokens`"), "{e}");
     // A stream shorter than one chunk: one chunk, scored, never trained on.
     let mut events = Vec::new();
-    let out = score_first_ttt(&model(), &tokens[..11], tables(), &aligned(), |e| events.push(e.clone()), || true).unwrap().unwrap();
+    let out = score_first_ttt(&mut CandleModel::new(model()), &tokens[..11], tables(), &aligned(), |e| events.push(e.clone()), || true)
+        .unwrap()
+        .unwrap();
     assert_eq!((out.chunks, out.acc.tokens(), events.len()), (1, 10, 1));
 }
 
@@ -613,15 +621,15 @@ fn a_sidecar_charges_each_target_its_stream_position() {
     let between = |r: Range<usize>| side[r.start + 1..r.end + 1].iter().map(|&b| u64::from(b)).sum::<u64>();
     let with_side = Arc::new((*tables()).clone().with_stream_bytes(side.clone()));
     let sc = SlidingConfig { seq_len: 16, stride: 4, batch_windows: 5 };
-    let acc = sliding_eval(&m, &tokens, with_side.clone(), &sc, || true).unwrap().unwrap();
+    let acc = sliding_eval(&mut CandleModel::new(&m), &tokens, with_side.clone(), &sc, || true).unwrap().unwrap();
     assert_eq!((acc.tokens(), acc.bytes()), (n as u64, between(0..n)));
     assert_ne!(acc.bytes(), tables().count_bytes(&tokens[..n], &tokens[1..]));
-    let plain = sliding_eval(&m, &tokens, tables(), &sc, || true).unwrap().unwrap();
+    let plain = sliding_eval(&mut CandleModel::new(&m), &tokens, tables(), &sc, || true).unwrap().unwrap();
     assert_eq!(plain.nll_sum().to_bits(), acc.nll_sum().to_bits(), "the losses do not depend on the bytes");
 
     let mut chunks = Vec::new();
     let out = score_first_ttt(
-        &model(),
+        &mut CandleModel::new(model()),
         &tokens,
         with_side.clone(),
         &misaligned(),
@@ -641,7 +649,7 @@ fn a_sidecar_charges_each_target_its_stream_position() {
     assert_eq!(out.acc.bytes(), between(0..n));
 
     let phased = crate::eval::phased::phased_ttt(
-        &model(),
+        &mut CandleModel::new(model()),
         &tokens,
         with_side.clone(),
         (
@@ -669,7 +677,7 @@ fn a_sidecar_charges_each_target_its_stream_position() {
     assert_eq!((phased.acc.tokens(), phased.acc.bytes()), (n as u64, between(0..n)));
 
     let short = Arc::new((*tables()).clone().with_stream_bytes(side[..n].to_vec()));
-    let e = sliding_eval(&m, &tokens, short.clone(), &sc, || true).unwrap_err();
+    let e = sliding_eval(&mut CandleModel::new(&m), &tokens, short.clone(), &sc, || true).unwrap_err();
     assert!(e.to_string().contains("byte sidecar covers 83 tokens of a validation stream of 84"), "{e}");
-    assert!(score_first_ttt(&model(), &tokens, short.clone(), &misaligned(), |_| {}, || true).is_err());
+    assert!(score_first_ttt(&mut CandleModel::new(model()), &tokens, short.clone(), &misaligned(), |_| {}, || true).is_err());
 }

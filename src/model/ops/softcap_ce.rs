@@ -169,7 +169,8 @@ fn softcap_ce_bwd<T: Real>(logits: &[T], rows: &[usize], v: usize, targets: &[us
 /// overwritten with their gradient for `dloss = scale` per row (`1 / (N A)`: the mean over the
 /// micro-batch's `N` tokens and its share of an `A`-micro-batch step). Each block of [`CE_ROWS`]
 /// rows runs the model's two kernels on a copy of its logits, so the arithmetic is the model's
-/// forward pass then its backward pass. The targets must be below `vocab`.
+/// forward pass then its backward pass. The targets must be below `vocab`, or
+/// [`IGNORED_TARGET`]: that row's loss and gradient are zero (PyTorch's `ignore_index`).
 pub(crate) fn fused_rows<T: Real>(logits: &mut [T], targets: &[u32], losses: &mut [T], vocab: usize, cap: f64, scale: f64) {
     if vocab == 0 {
         return;
@@ -179,11 +180,22 @@ pub(crate) fn fused_rows<T: Real>(logits: &mut [T], targets: &[u32], losses: &mu
         let x = l.to_vec();
         let offsets = crate::model::host::rows::dense_offsets(n, vocab);
         let x = Rows { data: &x, offsets: &offsets, len: vocab };
-        let targets: Vec<usize> = targets[c * CE_ROWS..c * CE_ROWS + n].iter().map(|&y| y as usize).collect();
+        let ys = &targets[c * CE_ROWS..c * CE_ROWS + n];
+        // An ignored row runs the kernels on target 0, then is zeroed.
+        let targets: Vec<usize> = ys.iter().map(|&y| if y == IGNORED_TARGET { 0 } else { y as usize }).collect();
         ce_fwd_rows(x, &targets, cap, loss);
         ce_bwd_rows(x, &targets, loss, &vec![T::from_f64(scale); n], cap, l);
+        for (r, _) in ys.iter().enumerate().filter(|(_, y)| **y == IGNORED_TARGET) {
+            loss[r] = T::from_f64(0.0);
+            l[r * vocab..(r + 1) * vocab].fill(T::from_f64(0.0));
+        }
     });
 }
+
+/// The target id of a position that neither counts in the loss nor sends a gradient (the
+/// engine's fused loss only: PyTorch's `ignore_index`): the padding of a partial batch of rows,
+/// or of a row shorter than the batch's. `kernels/ops/softcap_ce.cuh`'s `IGNORED_TARGET`.
+pub const IGNORED_TARGET: u32 = u32::MAX;
 
 impl CustomOp2 for SoftcapCe {
     fn name(&self) -> &'static str {

@@ -1,0 +1,168 @@
+//! The explicit engine as an evaluation's model ([`EvalModel`]): sliding windows, score-first
+//! TTT and phased TTT's global SGD on the engine's arena ([`crate::engine::evaluate`]), on the
+//! CPU in the model's dtype (f32, or f64 for checks) or on a GPU with bf16 activations (GEMMs
+//! on bf16 operands, f32 master weights, as the records' autocast evaluation).
+//!
+//! The engine runs micro-batches of a fixed `rows x t`: a batch of other rows is cut into
+//! micro-batches of `rows`, the last one padded with rows whose targets are
+//! [`IGNORED_TARGET`] (no loss, no gradient), so an SGD step's mean loss and gradient are those
+//! of its own rows whatever their number. A candle mirror of the weights is kept for what still
+//! runs on candle (phased TTT's LoRA passes: [`EvalModel::candle`]); it is synced only when read
+//! after the engine's weights changed.
+
+use std::collections::HashMap;
+
+use anyhow::Context;
+use candle_core::Tensor;
+
+use super::executor::{EvalModel, SgdStep};
+use crate::dist::Collective;
+use crate::engine::Engine;
+use crate::engine::gpu::GpuPrecision;
+use crate::model::flash_attn::Attention;
+use crate::model::ops::softcap_ce::IGNORED_TARGET;
+use crate::model::{Gpt, ModelConfig};
+
+/// The engine of an evaluation, and the candle model mirroring its weights.
+pub struct EngineModel {
+    engine: Engine,
+    mirror: Gpt,
+    /// The engine's weights changed since the mirror was synced.
+    stale: bool,
+    /// The SGD momentum of the optimizer [`EvalModel::reset_sgd`] made.
+    momentum: Option<f64>,
+}
+
+impl EngineModel {
+    /// An engine of `model`'s config and weights (its device; on the CPU its dtype) on
+    /// micro-batches of `rows x t`. Errors name what the engine cannot run (an element it
+    /// lacks, a shape the GPU attention refuses).
+    pub fn new(model: Gpt, rows: usize, t: usize) -> anyhow::Result<Self> {
+        anyhow::ensure!(rows >= 1 && t >= 1, "an evaluation engine of {rows} rows of {t} tokens");
+        let mut engine = if model.device().is_cpu() {
+            Engine::cpu(model.config(), rows, t, model.dtype(), false)?
+        } else {
+            let mut e = Engine::gpu(model.config(), rows, t, model.device(), GpuPrecision::Bf16, true, false)?;
+            e.set_cudnn(model.attention_choice() == Attention::Cudnn)?;
+            e
+        };
+        let weights: HashMap<String, Tensor> = model.state_dict().into_iter().collect();
+        engine.load_params(&weights).context("the evaluation engine's weights")?;
+        Ok(Self { engine, mirror: model, stale: false, momentum: None })
+    }
+
+    /// `engine` (holding `model`'s weights, for its config and shapes) with `model` as its
+    /// mirror: an engine on another backend (the tests' emulated GPU).
+    pub fn with_engine(engine: Engine, model: Gpt) -> Self {
+        Self { engine, mirror: model, stale: false, momentum: None }
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// The arena's bytes for `cfg` on `rows x t` micro-batches: what an evaluation engine
+    /// holds (on a GPU, the bf16 activations at 2 bytes).
+    pub fn arena_bytes(cfg: &ModelConfig, rows: usize, t: usize, gpu: bool) -> usize {
+        let layout = crate::engine::layout::Layout::new(cfg, rows, t);
+        let regions = layout.region_bytes(4, gpu);
+        regions.iter().map(|r| r.1).sum()
+    }
+
+    /// Cuts `rows x t` ids and targets into the engine's micro-batches, the last one padded
+    /// with ignored positions; `f(x, y, real rows)` for each.
+    fn micro_batches(
+        &mut self,
+        x: &[u32],
+        y: &[u32],
+        mut f: impl FnMut(&mut Engine, &[u32], &[u32], usize) -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
+        let (rows, t) = (self.engine.rows(), self.engine.seq_len());
+        let n = rows * t;
+        for (xc, yc) in x.chunks(n).zip(y.chunks(n)) {
+            if xc.len() == n {
+                f(&mut self.engine, xc, yc, rows)?;
+            } else {
+                let (mut px, mut py) = (xc.to_vec(), yc.to_vec());
+                px.resize(n, 0);
+                py.resize(n, IGNORED_TARGET);
+                f(&mut self.engine, &px, &py, xc.len() / t)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl EvalModel for EngineModel {
+    fn config(&self) -> &ModelConfig {
+        self.engine.schedule().config()
+    }
+
+    fn describe(&self) -> String {
+        format!("engine ({} {:?})", self.engine.device_name(), self.engine.dtype()).to_lowercase()
+    }
+
+    fn token_losses(&mut self, x: &[u32], y: &[u32], t: usize) -> anyhow::Result<Vec<f32>> {
+        anyhow::ensure!(x.len() == y.len() && x.len().is_multiple_of(t), "{} ids and {} targets in rows of {t}", x.len(), y.len());
+        anyhow::ensure!(
+            t == self.engine.seq_len(),
+            "internal: rows of {t} tokens scored by an evaluation engine of {}-token rows",
+            self.engine.seq_len()
+        );
+        let looping = self.mirror.looping();
+        let mut out = Vec::with_capacity(x.len());
+        self.micro_batches(x, y, |engine, x, y, real| {
+            let losses = engine.token_losses(x, y, looping)?;
+            out.extend_from_slice(&losses[..real * t]);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    fn reset_sgd(&mut self, momentum: f64) -> anyhow::Result<()> {
+        anyhow::ensure!(momentum.is_finite() && momentum >= 0.0, "SGD momentum must be a finite number >= 0, got {momentum}");
+        self.engine.reset_sgd();
+        self.momentum = Some(momentum);
+        Ok(())
+    }
+
+    fn sgd_step(&mut self, s: &SgdStep<'_>, ranks: &dyn Collective) -> anyhow::Result<()> {
+        let momentum = self.momentum.ok_or_else(|| anyhow::anyhow!("internal: an SGD step before `reset_sgd`"))?;
+        anyhow::ensure!(
+            s.t == self.engine.seq_len(),
+            "internal: SGD on rows of {} tokens, the engine's are {}",
+            s.t,
+            self.engine.seq_len()
+        );
+        let looping = self.mirror.looping();
+        // d(mean over the batch's rows x t positions)/dp: every rank's share summed.
+        let scale = 1.0 / (s.rows * s.t) as f64;
+        self.engine.set_documents(s.doc_bos);
+        let pass = self.micro_batches(s.x, s.y, |engine, x, y, _| {
+            engine.micro_step(x, y, looping, scale);
+            Ok(())
+        });
+        self.engine.set_documents(None);
+        pass?;
+        if !s.x.is_empty() {
+            let value = self.engine.loss_sum()?;
+            anyhow::ensure!(value.is_finite(), "the TTT training loss is {value} on the sequences from target {}", s.from);
+        }
+        if !ranks.is_identity() {
+            self.engine.sum_grads_over(ranks)?;
+        }
+        self.engine.sgd_step(s.lr, momentum, s.grad_clip)?;
+        self.stale = true;
+        Ok(())
+    }
+
+    fn candle(&mut self) -> anyhow::Result<&Gpt> {
+        if self.stale {
+            let params: HashMap<String, Tensor> = self.engine.params_on(self.mirror.device())?.into_iter().collect();
+            self.mirror.load_state(&params)?;
+            self.stale = false;
+        }
+        Ok(&self.mirror)
+    }
+}

@@ -1,0 +1,242 @@
+//! The model an evaluation after training runs on: what sliding windows, score-first TTT and
+//! phased TTT's global SGD ask of it, behind one trait ([`EvalModel`]) with two executors, as
+//! training has two:
+//!
+//! - [`crate::eval::engine_model::EngineModel`]: the explicit engine (`executor = "engine"`, the
+//!   default): forward passes and SGD on its arena, f32/f64 on the CPU, bf16 activations on a
+//!   GPU;
+//! - [`CandleModel`]: the candle model and its autograd (`executor = "candle"`): the reference
+//!   the tests compare the engine with, and the executor of an element the engine lacks.
+//!
+//! Both score the same positions from the same weights; the tests hold them to each other
+//! (`src/eval/engine_model_tests.rs`).
+
+use std::borrow::Borrow;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+use serde::{Deserialize, Serialize};
+
+use crate::dist::{Collective, ReduceOp};
+use crate::model::ops::DocumentMask;
+use crate::model::{Gpt, ModelConfig, PassExtras};
+use crate::optim::Sgd;
+
+/// Which executor an evaluation runs on (the `ttt_eval` stages' key `executor`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum EvalExecutor {
+    /// The explicit engine ([`crate::engine`]): the default.
+    #[default]
+    Engine,
+    /// The candle model and its autograd.
+    Candle,
+}
+
+impl EvalExecutor {
+    /// The key's value as written in a config.
+    pub fn name(self) -> &'static str {
+        match self {
+            EvalExecutor::Engine => "engine",
+            EvalExecutor::Candle => "candle",
+        }
+    }
+
+    /// Whether this executor can run `cfg` on rows of `t` tokens (on a GPU when `gpu`): the
+    /// engine's refusal, naming the element or shape, and how to ask for candle; candle runs
+    /// every model. `stage` names the stage in the message.
+    pub fn check(self, cfg: &ModelConfig, t: usize, gpu: bool, stage: &str) -> anyhow::Result<()> {
+        if self == EvalExecutor::Candle {
+            return Ok(());
+        }
+        let refusal = crate::engine::support::check(cfg)
+            .err()
+            .or_else(|| if gpu { crate::engine::step::kernel_capacity(cfg, 1, t).err() } else { None });
+        match refusal {
+            None => Ok(()),
+            Some(e) => Err(anyhow::anyhow!(
+                "stage `{stage}`: the engine cannot run this evaluation: {e:#}; set `stages.{stage}.executor = \"candle\"` to run it on the candle model"
+            )),
+        }
+    }
+}
+
+/// `model` as an evaluation's model on `executor`; the engine on micro-batches of `rows x t`.
+pub fn open(model: Gpt, executor: EvalExecutor, rows: usize, t: usize) -> anyhow::Result<Box<dyn EvalModel>> {
+    Ok(match executor {
+        EvalExecutor::Candle => Box::new(CandleModel::new(model)),
+        EvalExecutor::Engine => Box::new(super::engine_model::EngineModel::new(model, rows, t)?),
+    })
+}
+
+/// One SGD step of test-time training: this rank's rows of one batch, and how to step.
+#[derive(Clone, Copy, Debug)]
+pub struct SgdStep<'a> {
+    /// This rank's inputs, `rows_here x t` (empty when this rank has no rows of the batch).
+    pub x: &'a [u32],
+    /// Their targets.
+    pub y: &'a [u32],
+    /// Inputs per row.
+    pub t: usize,
+    /// Rows of the whole batch over every rank: the loss is the mean over their `rows x t`
+    /// positions, so each rank's share of the gradient is summed, not averaged.
+    pub rows: usize,
+    /// `Some(bos)`: attention inside the documents each BOS starts; `None`: the model's rule.
+    pub doc_bos: Option<u32>,
+    /// Learning rate.
+    pub lr: f64,
+    /// Global gradient-norm clip (torch's `clip_grad_norm_`); 0: none.
+    pub grad_clip: f64,
+    /// The first target of the batch, for errors.
+    pub from: usize,
+}
+
+/// What the evaluations after training need of a model (see the module doc).
+pub trait EvalModel {
+    /// The model's configuration (vocabulary, BOS, shapes).
+    fn config(&self) -> &ModelConfig;
+
+    /// The executor and where it runs, for the log (`engine (cpu f32)`, `candle (cuda bf16)`).
+    fn describe(&self) -> String;
+
+    /// The loss (nats) of every position of the rows of `t` inputs `x` and targets `y`
+    /// (`x.len()` a multiple of `t`), by forward passes alone; the model's own attention rule.
+    fn token_losses(&mut self, x: &[u32], y: &[u32], t: usize) -> anyhow::Result<Vec<f32>>;
+
+    /// A fresh SGD optimizer with momentum `momentum` over every parameter (its buffers start
+    /// from the first gradient, as torch's).
+    fn reset_sgd(&mut self, momentum: f64) -> anyhow::Result<()>;
+
+    /// One SGD step ([`SgdStep`]) of the optimizer [`EvalModel::reset_sgd`] made: the mean
+    /// cross-entropy of the batch's rows (this rank's share of them, summed over `ranks`),
+    /// clipped, one step. Every rank calls it for every step, with or without rows.
+    fn sgd_step(&mut self, step: &SgdStep<'_>, ranks: &dyn Collective) -> anyhow::Result<()>;
+
+    /// A candle model holding the current weights (phased TTT's LoRA passes run on candle):
+    /// the model itself, or the engine's weights copied into its candle mirror.
+    fn candle(&mut self) -> anyhow::Result<&Gpt>;
+}
+
+/// The candle model as an [`EvalModel`]: [`Gpt::eval_token_losses`] for the losses, autograd
+/// and [`Sgd`] for the steps. It owns the model (`M = Gpt`) or borrows it (`&Gpt`: the
+/// parameters are variables, trained in place either way).
+pub struct CandleModel<M: Borrow<Gpt> = Gpt> {
+    model: M,
+    sgd: Option<Sgd>,
+}
+
+impl<M: Borrow<Gpt>> CandleModel<M> {
+    /// `model`, trained in place by the SGD steps.
+    pub fn new(model: M) -> Self {
+        Self { model, sgd: None }
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Gpt {
+        self.model.borrow()
+    }
+}
+
+impl<M: Borrow<Gpt>> EvalModel for CandleModel<M> {
+    fn config(&self) -> &ModelConfig {
+        self.model().config()
+    }
+
+    fn describe(&self) -> String {
+        let m = self.model();
+        let place = if m.device().is_cpu() { "cpu" } else { "cuda" };
+        format!("candle ({place} {:?})", m.matmul_dtype()).to_lowercase()
+    }
+
+    fn token_losses(&mut self, x: &[u32], y: &[u32], t: usize) -> anyhow::Result<Vec<f32>> {
+        anyhow::ensure!(t > 0 && x.len() == y.len() && x.len().is_multiple_of(t), "{} ids and {} targets in rows of {t}", x.len(), y.len());
+        let (rows, m) = (x.len() / t, self.model());
+        let xt = Tensor::from_slice(x, (rows, t), m.device())?;
+        let yt = Tensor::from_slice(y, (rows, t), m.device())?;
+        Ok(m.eval_token_losses(&xt, &yt)?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+    }
+
+    fn reset_sgd(&mut self, momentum: f64) -> anyhow::Result<()> {
+        let params: Vec<(String, Var)> = self.model().params().iter().map(|(name, var, _)| (name.clone(), var.clone())).collect();
+        self.sgd = Some(Sgd::new(params, momentum)?);
+        Ok(())
+    }
+
+    fn sgd_step(&mut self, s: &SgdStep<'_>, ranks: &dyn Collective) -> anyhow::Result<()> {
+        let model = self.model.borrow();
+        let mut grads = GradStore::default();
+        if !s.x.is_empty() {
+            let local = s.x.len() / s.t;
+            let x = Tensor::from_slice(s.x, (local, s.t), model.device())?;
+            let y = Tensor::from_slice(s.y, (local, s.t), model.device())?;
+            let mask = s.doc_bos.map(|bos| DocumentMask::at_token(s.x, s.t, bos)).transpose()?;
+            let mut loss = model.token_losses_with(&x, &y, PassExtras { lora: None, docs: mask.as_ref() })?.mean_all()?;
+            let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            anyhow::ensure!(value.is_finite(), "the TTT training loss is {value} on the sequences from target {}", s.from);
+            if local != s.rows {
+                loss = (loss * (local as f64 / s.rows as f64))?;
+            }
+            let mut store = loss.backward()?;
+            // Only the parameters' gradients are kept; the activations' go with `store`.
+            for (_, var, _) in model.params() {
+                if let Some(g) = store.remove(var.as_tensor()) {
+                    grads.insert(var.as_tensor(), g);
+                }
+            }
+        }
+        if !ranks.is_identity() {
+            grads = sum_over_ranks(model, grads, ranks)?;
+        }
+        if s.grad_clip > 0.0 {
+            clip_grad_norm(model, &mut grads, s.grad_clip)?;
+        }
+        let sgd = self.sgd.as_mut().ok_or_else(|| anyhow::anyhow!("internal: an SGD step before `reset_sgd`"))?;
+        sgd.step(&grads, s.lr)?;
+        Ok(())
+    }
+
+    fn candle(&mut self) -> anyhow::Result<&Gpt> {
+        Ok(self.model.borrow())
+    }
+}
+
+/// Every parameter's gradient summed over the ranks (a parameter without one here counts as
+/// zeros), in buckets ([`crate::dist::bucket`]).
+fn sum_over_ranks(model: &Gpt, mut grads: GradStore, ranks: &dyn Collective) -> anyhow::Result<GradStore> {
+    let vars: Vec<Var> = model.params().iter().map(|(_, v, _)| v.clone()).collect();
+    let mine: Vec<Tensor> = vars
+        .iter()
+        .map(|v| match grads.remove(v.as_tensor()) {
+            Some(g) => Ok(g),
+            None => v.as_tensor().zeros_like(),
+        })
+        .collect::<candle_core::Result<_>>()?;
+    let (summed, _) = crate::dist::bucket::all_reduce_tensors(ranks, &mine, ReduceOp::Sum, crate::dist::bucket::DEFAULT_BUCKET_ELEMS)?;
+    let mut out = GradStore::default();
+    for (v, g) in vars.iter().zip(summed) {
+        out.insert(v.as_tensor(), g);
+    }
+    Ok(out)
+}
+
+/// `torch.nn.utils.clip_grad_norm_`: the global L2 norm of all gradients (summed in `f64`);
+/// every gradient is scaled by `max / (norm + 1e-6)` when that is below 1. Returns the norm
+/// before clipping.
+fn clip_grad_norm(model: &Gpt, grads: &mut GradStore, max: f64) -> anyhow::Result<f64> {
+    let mut sq = 0.0f64;
+    for (_, var, _) in model.params() {
+        if let Some(g) = grads.get(var.as_tensor()) {
+            sq += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        }
+    }
+    let norm = sq.sqrt();
+    let coef = max / (norm + 1e-6);
+    if coef < 1.0 {
+        for (_, var, _) in model.params() {
+            if let Some(g) = grads.remove(var.as_tensor()) {
+                grads.insert(var.as_tensor(), (g * coef)?);
+            }
+        }
+    }
+    Ok(norm)
+}
