@@ -153,8 +153,10 @@ impl EngineParams {
             anyhow::ensure!(v > 0.0 && v.is_finite(), "key `{key}` = {v} must be a positive number of MiB");
         }
         let c = config(ctx)?;
-        // What of the model the engine implements (a refused element names its key).
-        crate::engine::support::check(&c.model)?;
+        // What of the model the engine implements (a refused element names its key), and the
+        // shapes its GPU attention takes; either refusal says how to ask for candle.
+        let candle = || format!("set `stages.{}.impl = \"candle\"` to train it on the candle executor", ctx.stage);
+        crate::engine::support::check(&c.model).map_err(|e| anyhow::anyhow!("the engine cannot run this model: {e:#}; {}", candle()))?;
         let device = &c.run.device;
         anyhow::ensure!(
             self.activations != Activations::Bf16 || (device != "cpu" && self.dtype == Precision::Bf16),
@@ -175,6 +177,8 @@ impl EngineParams {
                 self.dtype != Precision::F64,
                 "key `dtype` = \"f64\" is the CPU check backend's; on a GPU the engine runs \"bf16\" (tensor-core GEMMs) or \"f32\""
             );
+            crate::engine::step::kernel_capacity(&c.model, 1, c.train.seq_len)
+                .map_err(|e| anyhow::anyhow!("the engine cannot run this model on a GPU: {e:#}; {}", candle()))?;
         }
         Ok(())
     }

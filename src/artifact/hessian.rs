@@ -27,7 +27,7 @@ use candle_core::{DType, Device, Tensor};
 use super::quant::PASSTHROUGH_MAX_NUMEL;
 use crate::data::sampler::{Sampler, ShuffledSampler};
 use crate::data::shard::{AccessMode, ShardFile, glob_sorted};
-use crate::model::Gpt;
+use crate::eval::executor::EvalModel;
 use crate::model::observe::InputObserver;
 use crate::train::config::Config;
 
@@ -108,7 +108,7 @@ pub fn calibration_sampler(config: &Config) -> Result<ShuffledSampler> {
 /// batch (an abort gives `Ok(None)`).
 #[allow(clippy::too_many_arguments)]
 pub fn collect(
-    model: &Gpt,
+    model: &mut dyn EvalModel,
     (rows, seq_len): (usize, usize),
     batches: usize,
     rows_per_pass: usize,
@@ -130,10 +130,12 @@ pub fn collect(
         fill(&mut buf).with_context(|| format!("calibration batch {b}"))?;
         for start in (0..rows).step_by(rows_per_pass) {
             let n = rows_per_pass.min(rows - start);
-            let x = Tensor::from_slice(&buf[start * t..(start + n) * t], (n, t), model.device())?;
-            model.observe_inputs(&x, &mut c).with_context(|| format!("calibration batch {b}"))?;
+            model.observe_inputs(&buf[start * t..(start + n) * t], t, &mut c).with_context(|| format!("calibration batch {b}"))?;
         }
-        model.device().synchronize()?;
+        // The sums are on the device: a batch's time is when they are done.
+        for sum in c.sums.values() {
+            sum.device().synchronize()?;
+        }
         batch_times.push(t0.elapsed());
     }
     let distinct = c.sums.len();
@@ -148,7 +150,7 @@ pub fn collect(
 
 /// [`collect`] over the first `batches` micro-batches of [`calibration_sampler`].
 pub fn collect_from_training_data(
-    model: &Gpt,
+    model: &mut dyn EvalModel,
     config: &Config,
     batches: usize,
     rows_per_pass: usize,
@@ -163,7 +165,8 @@ pub fn collect_from_training_data(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::ModelConfig;
+    use crate::eval::executor::CandleModel;
+    use crate::model::{Gpt, ModelConfig};
 
     /// Three blocks, block 1 looped once ([0, 1, 1, 2]), untouched init: the output projections
     /// are zero, so every block passes the stream on unchanged (resid_mix [1; 0]) and the
@@ -204,7 +207,7 @@ mod tests {
         let run = |model: &Gpt, batches: usize, rows_per_pass: usize| {
             let mut k = 0;
             collect(
-                model,
+                &mut CandleModel::new(model),
                 (rows, t),
                 batches,
                 rows_per_pass,
@@ -287,9 +290,10 @@ mod tests {
         t.sort();
         // 128 x 512 = 65,536 elements stays float; only the 1024 x 128 embedding is quantized.
         assert_eq!(t, ["tok_emb.weight"]);
-        let r = collect(&model, (2, 4), 3, 2, t.into_iter().collect(), |_| Ok(()), || false).unwrap();
+        let r = collect(&mut CandleModel::new(&model), (2, 4), 3, 2, t.into_iter().collect(), |_| Ok(()), || false).unwrap();
         assert!(r.is_none());
-        let err = collect(&model, (2, 4), 1, 2, HashSet::new(), |_| anyhow::bail!("shard gone"), || true).unwrap_err();
+        let err =
+            collect(&mut CandleModel::new(&model), (2, 4), 1, 2, HashSet::new(), |_| anyhow::bail!("shard gone"), || true).unwrap_err();
         assert!(format!("{err:#}").contains("calibration batch 0") && format!("{err:#}").contains("shard gone"), "{err:#}");
     }
 }

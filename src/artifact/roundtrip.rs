@@ -24,6 +24,7 @@ use super::gptq::GptqConfig;
 use super::hessian::{Hessians, collect_from_training_data, targets};
 use super::quant::{ARTIFACT_CAP_BYTES, ArtifactStats, QuantConfig, Rounding, quantize};
 use crate::eval::bpb::BpbAccumulator;
+use crate::eval::executor::EvalExecutor;
 use crate::eval::validation::{Validator, tokens_per_pass};
 use crate::model::{Gpt, ModelConfig};
 use crate::train::config::Config;
@@ -143,19 +144,25 @@ pub struct Written {
 }
 
 /// The Hessians GPTQ needs for `state` (weights of the `[model]` in `config`): a model of them
-/// on the run's device, looped, through [`collect_from_training_data`], forward passes as
-/// large as a validation pass. `None` when `keep_going` stopped it.
+/// on the run's device and `executor`, looped, through [`collect_from_training_data`], forward
+/// passes as large as a validation pass (candle) or the training micro-batch (the engine). `None` when `keep_going` stopped it.
 pub fn calibrate(
     config: &Config,
     state: &[(String, Tensor)],
     batches: usize,
+    executor: EvalExecutor,
     keep_going: impl FnMut() -> bool,
 ) -> anyhow::Result<Option<(Hessians, CalibrationStats)>> {
     let t0 = Instant::now();
-    let model = model_from(config, state)?;
     let shape = config.batch_shape()?;
-    let rows_per_pass = tokens_per_pass(&config.validation(), config.run.world_size, shape.micro_steps) / shape.seq_len;
-    let h = collect_from_training_data(&model, config, batches, rows_per_pass, targets(state), keep_going)
+    let rows_per_pass = match executor {
+        // Candle: passes as large as a validation pass.
+        EvalExecutor::Candle => tokens_per_pass(&config.validation(), config.run.world_size, shape.micro_steps) / shape.seq_len,
+        // The engine: its micro-batches of the training rows.
+        EvalExecutor::Engine => shape.rows,
+    };
+    let mut model = crate::eval::executor::open(model_from(config, state)?, executor, rows_per_pass, shape.seq_len)?;
+    let h = collect_from_training_data(model.as_mut(), config, batches, rows_per_pass, targets(state), keep_going)
         .context("collecting GPTQ's Hessians")?;
     Ok(h.map(|h| {
         let stats = CalibrationStats::of(&h, t0.elapsed());
@@ -350,7 +357,8 @@ pub fn build(
     let state = model.state_dict();
     let calibration = match method {
         Method::Gptq { calibration_batches, .. } => {
-            let (h, stats) = calibrate(config, &state, *calibration_batches, || true)?.context("calibration stopped")?;
+            let (h, stats) =
+                calibrate(config, &state, *calibration_batches, EvalExecutor::Candle, || true)?.context("calibration stopped")?;
             log(&calibration_line(&stats));
             Some((h, stats))
         }
@@ -455,7 +463,7 @@ mod tests {
         let wanted: HashSet<String> = targets(&m.state_dict());
         assert_eq!(wanted.len(), 5);
         let h = collect(
-            &m,
+            &mut crate::eval::executor::CandleModel::new(&m),
             (4, 32),
             3,
             2,
@@ -576,7 +584,7 @@ mod tests {
         println!("record model built in {:?}", t0.elapsed());
         let t0 = Instant::now();
         let h = collect(
-            &m,
+            &mut crate::eval::executor::CandleModel::new(&m),
             (2, 2048),
             4,
             1,

@@ -36,6 +36,13 @@ pub fn parse(d: &str) -> anyhow::Result<DeviceName> {
 /// True when this binary was built with the `cuda` feature.
 pub const CUDA_BUILD: bool = cfg!(feature = "cuda");
 
+/// Whether `run.device` names a GPU that this build can run on (a `cuda` build and a
+/// `cuda[:N]` device): what a stage checks the GPU backend's limits against. A GPU device in a
+/// build without CUDA is another check's refusal.
+pub fn runs_on_gpu(device: &str) -> bool {
+    CUDA_BUILD && matches!(parse(device), Ok(DeviceName::Cuda(_)))
+}
+
 /// Checks that a GPU-only stage implementation (`what`, e.g. "`pin/pinned`") can run: a `cuda`
 /// build and a CUDA `run.device`; the errors name `instead`, the implementation to use.
 pub fn require_gpu(run: &RunConfig, what: &str, instead: &str) -> anyhow::Result<()> {

@@ -41,6 +41,37 @@ impl Engine {
         Ok(out)
     }
 
+    /// Hands the input of every matrix product of a forward pass over the ids `x` (exactly the
+    /// engine's micro-batch; no loss is kept) to `observer`, as the candle model's
+    /// [`crate::model::Gpt::observe_inputs`] does: each as an `(N, in)` tensor on `device`
+    /// (device to device on a GPU), the first `rows` rows of the micro-batch only (the rest is
+    /// padding). GPTQ's calibration sums `X^T X` of them.
+    pub fn observe_inputs(
+        &mut self,
+        x: &[u32],
+        rows: usize,
+        looping: bool,
+        observer: &mut dyn crate::model::observe::InputObserver,
+        device: &candle_core::Device,
+    ) -> Result<()> {
+        let l = &self.schedule.layout;
+        let (n, t, stats) = (l.rows * l.t, l.t, l.stats);
+        anyhow::ensure!(x.len() == n && rows <= l.rows, "{} ids ({rows} rows) for the engine's {n}-token micro-batch", x.len());
+        // Targets do not matter (the loss is dropped): the ids themselves.
+        self.be.load_tokens(Tokens::Host { x, y: x })?;
+        self.be.begin_unit(if looping { "observe looped" } else { "observe" });
+        self.schedule.forward(self.be.as_mut(), looping, 0.0);
+        self.be.end_unit();
+        for input in self.schedule.product_inputs(looping) {
+            let src = if input.act { self.schedule.activate(self.be.as_mut(), input.x) } else { input.x };
+            let m = rows * t;
+            let xt = self.be.download_to(src.sub(0, m * input.cols), &[m, input.cols], device)?;
+            observer.observe(&input.weights, &xt)?;
+        }
+        self.be.fill(stats, 0.0);
+        Ok(())
+    }
+
     /// Attention inside the documents that `bos` starts from now on (`Some`), or the model's
     /// own rule (`None`): [`super::schedule::Schedule::set_documents`].
     pub fn set_documents(&mut self, bos: Option<u32>) {

@@ -48,6 +48,19 @@ pub struct Schedule {
     documents: Option<u32>,
 }
 
+/// The input of one matrix product after a forward pass ([`Schedule::product_inputs`]).
+#[derive(Clone, Debug)]
+pub struct ProductInput {
+    /// The state-dict names of the weights that read it.
+    pub weights: Vec<String>,
+    /// Where it is, `(N, cols)` row-major (the MLP's pre-activation when `act`).
+    pub x: Buf,
+    /// Its width.
+    pub cols: usize,
+    /// The product reads `act(x)`, not `x` ([`Schedule::activate`]).
+    pub act: bool,
+}
+
 /// One position of the layer sequence: its physical block, the skip it pops (decoder index
 /// `j`, encoder position `e`) and whether its output is pushed as a skip that is popped later.
 struct Step {
@@ -159,6 +172,46 @@ impl Schedule {
                 out[e].pushed = Some(e);
             }
         }
+        out
+    }
+
+    /// The input of every matrix product of the forward pass just run, in the pass's order (each
+    /// repeat of a looped block again), with the state-dict names of the weights that read it:
+    /// what GPTQ's calibration sums `X^T X` of (the candle model's observer,
+    /// [`crate::model::observe`], hands it the same inputs). All but the MLP's second product
+    /// read a buffer the pass keeps; that one reads `act(pre)`, which [`Schedule::activate`]
+    /// recomputes.
+    pub fn product_inputs(&self, looping: bool) -> Vec<ProductInput> {
+        let (l, d) = (&self.layout, self.cfg.model_dim);
+        let mut out = Vec::new();
+        for (pos, step) in self.plan(looping).iter().enumerate() {
+            let (p, i, b) = (&l.positions[pos], step.layer, BlockNames(step.layer));
+            let qkv = ["c_q", "c_k", "c_v"].map(|w| b.name(&format!("attn.{w}.weight"))).to_vec();
+            out.push(ProductInput { weights: qkv, x: p.n1, cols: d, act: false });
+            let y = match (self.cfg.attn_gate, self.cfg.xsa(i)) {
+                (true, _) => p.yg,
+                (false, true) => p.y,
+                (false, false) => p.att,
+            };
+            out.push(ProductInput {
+                weights: vec![b.name("attn.proj.weight")],
+                x: y,
+                cols: self.cfg.num_heads * self.cfg.head_dim(),
+                act: false,
+            });
+            let mlp_in = if self.cfg.parallel(i) && !step.lane { p.n1 } else { p.n2 };
+            out.push(ProductInput { weights: vec![b.name("mlp.fc.weight")], x: mlp_in, cols: d, act: false });
+            out.push(ProductInput { weights: vec![b.name("mlp.proj.weight")], x: p.pre, cols: self.cfg.mlp_mult * d, act: true });
+        }
+        out.push(ProductInput { weights: vec![self.head_name().to_string()], x: l.nf, cols: d, act: false });
+        out
+    }
+
+    /// `out = act(pre)`, the MLP's activation (a [`ProductInput`] with `act`); returns `out`,
+    /// the scratch buffer it writes.
+    pub fn activate(&self, be: &mut dyn Backend, pre: Buf) -> Buf {
+        let out = self.layout.scratch.act;
+        be.act_fwd(pre, out, self.activation());
         out
     }
 

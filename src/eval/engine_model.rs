@@ -1,5 +1,6 @@
-//! The explicit engine as an evaluation's model ([`EvalModel`]): sliding windows, score-first
-//! TTT and phased TTT's global SGD on the engine's arena ([`crate::engine::evaluate`]), on the
+//! The explicit engine as an evaluation's model ([`EvalModel`]): GPTQ's calibration passes, the
+//! round trip's scores, sliding windows, score-first TTT and phased TTT's global SGD on the
+//! engine's arena ([`crate::engine::evaluate`]), on the
 //! CPU in the model's dtype (f32, or f64 for checks) or on a GPU with bf16 activations (GEMMs
 //! on bf16 operands, f32 master weights, as the records' autocast evaluation).
 //!
@@ -20,6 +21,7 @@ use crate::dist::Collective;
 use crate::engine::Engine;
 use crate::engine::gpu::GpuPrecision;
 use crate::model::flash_attn::Attention;
+use crate::model::observe::InputObserver;
 use crate::model::ops::softcap_ce::IGNORED_TARGET;
 use crate::model::{Gpt, ModelConfig};
 
@@ -155,6 +157,19 @@ impl EvalModel for EngineModel {
         self.engine.sgd_step(s.lr, momentum, s.grad_clip)?;
         self.stale = true;
         Ok(())
+    }
+
+    fn observe_inputs(&mut self, x: &[u32], t: usize, observer: &mut dyn InputObserver) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            t == self.engine.seq_len() && x.len().is_multiple_of(t),
+            "internal: {} ids in rows of {t} for an engine of {}-token rows",
+            x.len(),
+            self.engine.seq_len()
+        );
+        let looping = self.mirror.looping();
+        let device = self.mirror.device().clone();
+        // The ids as their own targets: padding rows are cut off by `real`, not by their targets.
+        self.micro_batches(x, x, |engine, x, _, real| engine.observe_inputs(x, real, looping, observer, &device))
     }
 
     fn candle(&mut self) -> anyhow::Result<&Gpt> {

@@ -18,6 +18,7 @@ use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
 use crate::dist::{Collective, ReduceOp};
+use crate::model::observe::InputObserver;
 use crate::model::ops::DocumentMask;
 use crate::model::{Gpt, ModelConfig, PassExtras};
 use crate::optim::Sgd;
@@ -112,6 +113,11 @@ pub trait EvalModel {
     /// clipped, one step. Every rank calls it for every step, with or without rows.
     fn sgd_step(&mut self, step: &SgdStep<'_>, ranks: &dyn Collective) -> anyhow::Result<()>;
 
+    /// Hands the input of every matrix product of forward passes over the rows of `t` ids `x`
+    /// to `observer` (GPTQ's calibration: [`crate::model::observe`]), the model's own
+    /// attention rule, looped as the model is.
+    fn observe_inputs(&mut self, x: &[u32], t: usize, observer: &mut dyn InputObserver) -> anyhow::Result<()>;
+
     /// A candle model holding the current weights (phased TTT's LoRA passes run on candle):
     /// the model itself, or the engine's weights copied into its candle mirror.
     fn candle(&mut self) -> anyhow::Result<&Gpt>;
@@ -193,6 +199,12 @@ impl<M: Borrow<Gpt>> EvalModel for CandleModel<M> {
         let sgd = self.sgd.as_mut().ok_or_else(|| anyhow::anyhow!("internal: an SGD step before `reset_sgd`"))?;
         sgd.step(&grads, s.lr)?;
         Ok(())
+    }
+
+    fn observe_inputs(&mut self, x: &[u32], t: usize, observer: &mut dyn InputObserver) -> anyhow::Result<()> {
+        let m = self.model();
+        let xt = Tensor::from_slice(x, (x.len() / t, t), m.device())?;
+        Ok(m.observe_inputs(&xt, observer)?)
     }
 
     fn candle(&mut self) -> anyhow::Result<&Gpt> {

@@ -81,7 +81,7 @@ impl ArtifactStage {
             anyhow::ensure!(c.data.train.is_some(), "`gptq` calibrates on training data (`data.train`), which is not set");
         }
         if p.eval {
-            let gpu = matches!(crate::device::parse(&c.run.device), Ok(crate::device::DeviceName::Cuda(_)));
+            let gpu = crate::device::runs_on_gpu(&c.run.device);
             p.executor.check(&c.model, c.train.seq_len, gpu, ctx.stage)?;
         }
         Ok(())
@@ -261,7 +261,7 @@ impl ArtifactStage {
         let mut calibration_ms = 0.0;
         let hessians = match &self.method {
             Method::Gptq { calibration_batches, .. } => {
-                let found = calibrate(&self.config, weights, *calibration_batches, || !ctx.aborted())
+                let found = calibrate(&self.config, weights, *calibration_batches, self.p.executor, || !ctx.aborted())
                     .with_context(|| format!("the Hessians of the {label} weights"))?;
                 let Some((h, stats)) = found else { return Ok(None) };
                 for t in &h.batch_times {

@@ -263,7 +263,7 @@ impl Evaluator {
 /// engine's refusal names the element and how to ask for candle).
 fn check_executor(executor: EvalExecutor, ctx: &BuildCtx, t: usize) -> anyhow::Result<()> {
     let c = config(ctx)?;
-    let gpu = matches!(crate::device::parse(&c.run.device), Ok(crate::device::DeviceName::Cuda(_)));
+    let gpu = crate::device::runs_on_gpu(&c.run.device);
     executor.check(&c.model, t, gpu, ctx.stage)
 }
 
