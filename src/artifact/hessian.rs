@@ -165,7 +165,7 @@ pub fn collect_from_training_data(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::eval::executor::CandleModel;
+    use crate::eval::executor::{CandleModel, EvalModel};
     use crate::model::{Gpt, ModelConfig};
 
     /// Three blocks, block 1 looped once ([0, 1, 1, 2]), untouched init: the output projections
@@ -295,5 +295,48 @@ mod tests {
         let err =
             collect(&mut CandleModel::new(&model), (2, 4), 1, 2, HashSet::new(), |_| anyhow::bail!("shard gone"), || true).unwrap_err();
         assert!(format!("{err:#}").contains("calibration batch 0") && format!("{err:#}").contains("shard gone"), "{err:#}");
+    }
+
+    /// GPTQ's Hessians from the engine's forward passes (the inputs it keeps for its backward pass,
+    /// and the MLP's activation recomputed) equal candle's observer's, weight by weight, for every
+    /// element: the looped blocks add each repeat, the gate's and XSA's outputs feed the
+    /// projection, the lanes' MLP reads lane 1. A pass of 3 rows on an engine of 2 pads one.
+    #[test]
+    fn hessians_from_the_engine_equal_candles() {
+        use crate::train::engine_eval::EngineModel;
+        use crate::train::engine_eval_tests::{configs, pair, stream};
+        for (name, cfg) in configs() {
+            let (c, e) = pair(&cfg, DType::F64);
+            let wanted: HashSet<String> = c.state_dict().into_iter().filter(|(_, t)| t.rank() == 2).map(|(n, _)| n).collect();
+            let batches: Vec<Vec<u32>> = (0..2).map(|b| stream(2 * 3 * 12, cfg.vocab_size, 10 + b)).collect();
+            let run = |m: &mut dyn EvalModel| {
+                let mut k = 0;
+                collect(
+                    m,
+                    (3, 12),
+                    2,
+                    3,
+                    wanted.clone(),
+                    |buf| {
+                        buf.copy_from_slice(&batches[k]);
+                        k += 1;
+                        Ok(())
+                    },
+                    || true,
+                )
+                .unwrap()
+                .unwrap()
+            };
+            let a = run(&mut CandleModel::new(&c));
+            let b = run(&mut EngineModel::new(e, 2, 12).unwrap());
+            assert_eq!(a.by_weight.len(), b.by_weight.len(), "{name}: weights with a Hessian");
+            assert_eq!(a.distinct, b.distinct, "{name}: distinct inputs");
+            for (w, h) in &a.by_weight {
+                let g = b.by_weight.get(w).unwrap_or_else(|| panic!("{name}: the engine has no Hessian for {w}"));
+                let (x, y): (Vec<f64>, Vec<f64>) = (h.iter().map(|&v| v as f64).collect(), g.iter().map(|&v| v as f64).collect());
+                let err = crate::engine::tests::rel_err(&x, &y);
+                assert!(err < 1e-6, "{name}: {w}'s Hessian differs by {err:e} of its norm");
+            }
+        }
     }
 }

@@ -161,7 +161,7 @@ pub fn calibrate(
         // The engine: its micro-batches of the training rows.
         EvalExecutor::Engine => shape.rows,
     };
-    let mut model = crate::eval::executor::open(model_from(config, state)?, executor, rows_per_pass, shape.seq_len)?;
+    let mut model = crate::train::engine_eval::open(model_from(config, state)?, executor, rows_per_pass, shape.seq_len)?;
     let h = collect_from_training_data(model.as_mut(), config, batches, rows_per_pass, targets(state), keep_going)
         .context("collecting GPTQ's Hessians")?;
     Ok(h.map(|h| {

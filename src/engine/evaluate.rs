@@ -1,4 +1,4 @@
-//! The evaluations after training on the engine's arena ([`crate::eval::engine_model`] drives
+//! The evaluations after training on the engine's arena ([`crate::train::engine_eval`] drives
 //! them): the per-token losses of a forward pass, and test-time training's SGD with momentum
 //! over every parameter.
 //!

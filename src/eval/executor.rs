@@ -2,14 +2,14 @@
 //! phased TTT's global SGD ask of it, behind one trait ([`EvalModel`]) with two executors, as
 //! training has two:
 //!
-//! - [`crate::eval::engine_model::EngineModel`]: the explicit engine (`executor = "engine"`, the
-//!   default): forward passes and SGD on its arena, f32/f64 on the CPU, bf16 activations on a
-//!   GPU;
+//! - the explicit engine (`executor = "engine"`, the default:
+//!   [`crate::train::engine_eval::EngineModel`], a floor up since it joins the engine and this
+//!   trait): forward passes and SGD on its arena, f32/f64 on the CPU, bf16 activations on a GPU;
 //! - [`CandleModel`]: the candle model and its autograd (`executor = "candle"`): the reference
 //!   the tests compare the engine with, and the executor of an element the engine lacks.
 //!
 //! Both score the same positions from the same weights; the tests hold them to each other
-//! (`src/eval/engine_model_tests.rs`).
+//! (`src/train/engine_eval_tests.rs`).
 
 use std::borrow::Borrow;
 
@@ -42,32 +42,6 @@ impl EvalExecutor {
             EvalExecutor::Candle => "candle",
         }
     }
-
-    /// Whether this executor can run `cfg` on rows of `t` tokens (on a GPU when `gpu`): the
-    /// engine's refusal, naming the element or shape, and how to ask for candle; candle runs
-    /// every model. `stage` names the stage in the message.
-    pub fn check(self, cfg: &ModelConfig, t: usize, gpu: bool, stage: &str) -> anyhow::Result<()> {
-        if self == EvalExecutor::Candle {
-            return Ok(());
-        }
-        let refusal = crate::engine::support::check(cfg)
-            .err()
-            .or_else(|| if gpu { crate::engine::step::kernel_capacity(cfg, 1, t).err() } else { None });
-        match refusal {
-            None => Ok(()),
-            Some(e) => Err(anyhow::anyhow!(
-                "stage `{stage}`: the engine cannot run this evaluation: {e:#}; set `stages.{stage}.executor = \"candle\"` to run it on the candle model"
-            )),
-        }
-    }
-}
-
-/// `model` as an evaluation's model on `executor`; the engine on micro-batches of `rows x t`.
-pub fn open(model: Gpt, executor: EvalExecutor, rows: usize, t: usize) -> anyhow::Result<Box<dyn EvalModel>> {
-    Ok(match executor {
-        EvalExecutor::Candle => Box::new(CandleModel::new(model)),
-        EvalExecutor::Engine => Box::new(super::engine_model::EngineModel::new(model, rows, t)?),
-    })
 }
 
 /// One SGD step of test-time training: this rank's rows of one batch, and how to step.

@@ -3,15 +3,12 @@
 //! ([`validation`]) on the split's files ([`sidecar`]: CaseOps byte sidecars), sliding-window scoring ([`sliding`]), score-first test-time training
 //! ([`ttt`]), and
 //! phased TTT with per-document LoRA ([`phased`]), and the legality audit of an evaluation
-//! ([`audit`]). They run on either executor ([`executor`]: the engine, [`engine_model`], or
-//! candle).
+//! ([`audit`]). They run on either executor ([`executor`]: candle here, the engine in
+//! [`crate::train::engine_eval`]).
 
 pub mod audit;
 pub mod bpb;
 pub mod byte_check;
-pub mod engine_model;
-#[cfg(test)]
-mod engine_model_tests;
 pub mod executor;
 pub mod phased;
 pub mod sidecar;

@@ -9,6 +9,9 @@ pub mod attention_choice;
 pub mod attention_trial;
 pub mod checkpoint;
 pub mod config;
+pub mod engine_eval;
+#[cfg(test)]
+pub(crate) mod engine_eval_tests;
 pub mod engine_trainer;
 pub mod executor;
 pub mod log;

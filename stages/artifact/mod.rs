@@ -82,7 +82,7 @@ impl ArtifactStage {
         }
         if p.eval {
             let gpu = crate::device::runs_on_gpu(&c.run.device);
-            p.executor.check(&c.model, c.train.seq_len, gpu, ctx.stage)?;
+            crate::train::engine_eval::check(p.executor, &c.model, c.train.seq_len, gpu, ctx.stage)?;
         }
         Ok(())
     }
@@ -115,7 +115,7 @@ impl ArtifactStage {
             // The round trip's scores on an engine of the training micro-batch's rows.
             let shape = c.batch_shape()?;
             let gpu = matches!(crate::device::parse(&c.run.device), Ok(crate::device::DeviceName::Cuda(_)));
-            let arena = crate::eval::engine_model::EngineModel::arena_bytes(&c.model, shape.rows, shape.seq_len, gpu) as u64;
+            let arena = crate::train::engine_eval::EngineModel::arena_bytes(&c.model, shape.rows, shape.seq_len, gpu) as u64;
             let mut keys = vec!["train.batch_tokens"];
             keys.extend(MODEL_KEYS);
             needs.push(
@@ -342,7 +342,7 @@ impl ArtifactStage {
         let t0 = Instant::now();
         let shape = self.config.batch_shape()?;
         let (rows, t) = (shape.rows, shape.seq_len);
-        let mut model = crate::eval::executor::open(model_from(&self.config, weights)?, self.p.executor, rows, t)
+        let mut model = crate::train::engine_eval::open(model_from(&self.config, weights)?, self.p.executor, rows, t)
             .with_context(|| format!("stage `artifact`: building the round trip's {} model", self.p.executor.name()))?;
         let mut score = |x: &[u32], y: &[u32], _rows: usize| -> anyhow::Result<f64> {
             Ok(model.token_losses(x, y, t)?.iter().map(|&l| f64::from(l)).sum())

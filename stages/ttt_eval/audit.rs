@@ -112,7 +112,7 @@ fn eval_model(
     rows: usize,
     t: usize,
 ) -> anyhow::Result<Box<dyn EvalModel>> {
-    crate::eval::executor::open(model_from(config, weights)?, executor, rows, t)
+    crate::train::engine_eval::open(model_from(config, weights)?, executor, rows, t)
 }
 
 /// Rows of the evaluation's `window`, at most the model's RoPE training length (past it the

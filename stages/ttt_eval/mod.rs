@@ -168,8 +168,8 @@ impl Evaluator {
     /// of `rows x t`), logged with where it runs.
     fn model(&self, weights: &[(String, candle_core::Tensor)], rows: usize, t: usize) -> anyhow::Result<Box<dyn EvalModel>> {
         let model = crate::artifact::roundtrip::model_from(&self.config, weights)?;
-        self.executor.check(model.config(), t, !model.device().is_cpu(), &self.stage)?;
-        let m = crate::eval::executor::open(model, self.executor, rows, t)
+        crate::train::engine_eval::check(self.executor, model.config(), t, !model.device().is_cpu(), &self.stage)?;
+        let m = crate::train::engine_eval::open(model, self.executor, rows, t)
             .with_context(|| format!("stage `{}`: building the evaluation's {} model", self.stage, self.executor.name()))?;
         self.log.line(&format!("{}: {} on {rows} x {t} tokens a pass", self.stage, m.describe()));
         Ok(m)
@@ -264,7 +264,7 @@ impl Evaluator {
 fn check_executor(executor: EvalExecutor, ctx: &BuildCtx, t: usize) -> anyhow::Result<()> {
     let c = config(ctx)?;
     let gpu = crate::device::runs_on_gpu(&c.run.device);
-    executor.check(&c.model, t, gpu, ctx.stage)
+    crate::train::engine_eval::check(executor, &c.model, t, gpu, ctx.stage)
 }
 
 /// An evaluator's memory: its snapshots, a model, and what its passes hold. On candle: the
@@ -289,7 +289,7 @@ fn eval_memory(
     let (what, bytes) = match executor {
         EvalExecutor::Engine => {
             let gpu = matches!(crate::device::parse(&ctx.run.device), Ok(crate::device::DeviceName::Cuda(_)));
-            let arena = |rows: usize| crate::eval::engine_model::EngineModel::arena_bytes(m, rows, t, gpu) as u64;
+            let arena = |rows: usize| crate::train::engine_eval::EngineModel::arena_bytes(m, rows, t, gpu) as u64;
             let mut bytes = arena(sliding.batch_windows);
             if let Some((rows, key)) = ttt_batch
                 && arena(rows) >= bytes

@@ -51,7 +51,7 @@ mod place;
 mod ranks_tests;
 mod sdpa;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 pub use sdpa::{Loc, SdpaAt, SdpaCall};
 

@@ -505,61 +505,15 @@ fn scoring_on_the_emulated_gpu_matches_the_cpu_engine() {
     assert!(c.captured >= 1 && c.replayed >= 1, "{c:?}");
 }
 
-/// Score-first TTT on the emulated GPU (the evaluation engine: forward passes read back, SGD
-/// with momentum and clipping as launches outside the units, a padded last micro-batch whose
-/// targets are ignored) scores and trains as the f64 CPU engine does, within the f32-GEMM bounds.
-#[test]
-fn score_first_ttt_on_the_emulated_gpu_matches_the_cpu_engine() {
-    use crate::engine::Engine;
+/// An engine of `cfg` on `rows x t` micro-batches over the warp emulator (its memory file
+/// `file` in the emulator's folder), in f32 with f32 GEMMs: for the tests of what runs on the
+/// engine above this module (the evaluations, `crate::train::engine_eval`).
+pub(crate) fn emulated_engine(cfg: &crate::model::ModelConfig, rows: usize, t: usize, file: &str) -> crate::engine::Engine {
     use crate::engine::layout::Layout;
     use crate::engine::step::kernel_capacity;
-    use crate::eval::engine_model::EngineModel;
-    use crate::eval::ttt::{SlidingConfig, TttConfig, score_first_ttt};
-    let [_, (_, cfg)] = cases::check_models();
-    let (rows, t) = (2, 64);
-    let model = || crate::engine::tests::perturbed(&cfg, 5);
-    let params: std::collections::HashMap<_, _> = model().state_dict().into_iter().collect();
-    let mut tokens = crate::engine::tests::tokens(11, 3 * 96 + 1, cfg.vocab_size as u32);
-    tokens[100] = cfg.bos_id;
-    // Chunks of 3 sequences, steps of 2 then 1: the second is a padded micro-batch.
-    let ttt = TttConfig {
-        sliding: SlidingConfig { seq_len: t, stride: 32, batch_windows: 3 },
-        chunk_tokens: 3 * t,
-        lr: 0.05,
-        momentum: 0.9,
-        epochs: 1,
-        batch_seqs: 2,
-        grad_clip: 0.5,
-    };
-    let vocab = cfg.vocab_size;
-    let tables = || {
-        std::sync::Arc::new(crate::eval::bpb::ByteTables {
-            base_bytes: (0..vocab).map(|i| 1 + (i % 3) as u16).collect(),
-            leading_space: vec![false; vocab],
-            is_boundary: vec![false; vocab],
-            has_space_piece: true,
-            stream_bytes: None,
-            record_targets: false,
-        })
-    };
-    let mut cpu = EngineModel::new(model(), rows, t).unwrap();
-    let want = score_first_ttt(&mut cpu, &tokens, tables(), &ttt, |_| {}, || true).unwrap().unwrap();
-    let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join("ttt.mem"));
-    let be = KernelBackend::new(dev, Layout::new(&cfg, rows, t).len(), kernel_capacity(&cfg, rows, t).unwrap()).unwrap();
-    let mut e = Engine::with_backend(&cfg, rows, t, Box::new(be), false).unwrap();
-    e.load_params(&params).unwrap();
-    let mut gpu = EngineModel::with_engine(e, model());
-    let got = score_first_ttt(&mut gpu, &tokens, tables(), &ttt, |_| {}, || true).unwrap().unwrap();
-    assert_eq!(got.chunks, 2);
-    let bounds = cases::ModelBounds::GPU_F32_GEMMS;
-    for (c, ((a, n), (b, _))) in want.per_chunk.iter().zip(&got.per_chunk).enumerate() {
-        assert!((a - b).abs() <= bounds.loss * a.abs(), "chunk {c} ({n} targets): cpu {a} vs emulated gpu {b}");
-    }
-    let (pc, pg) = (cpu.engine().params().unwrap(), gpu.engine().params().unwrap());
-    for ((name, a), (_, b)) in pc.iter().zip(&pg) {
-        let err = crate::engine::tests::rel_err(&crate::engine::tests::flat(a), &crate::engine::tests::flat(b));
-        assert!(err <= bounds.tensor, "weight {name} after TTT: {err:e} of its norm");
-    }
+    let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join(file));
+    let be = KernelBackend::new(dev, Layout::new(cfg, rows, t).len(), kernel_capacity(cfg, rows, t).unwrap()).unwrap();
+    crate::engine::Engine::with_backend(cfg, rows, t, Box::new(be), false).unwrap()
 }
 
 /// Timing marks keep their numbers when others are released; released marks at the front are

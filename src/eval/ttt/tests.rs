@@ -34,14 +34,19 @@ pub(crate) fn model_with(cfg: &ModelConfig) -> Gpt {
 /// Hand-made byte tables: id 0 is a boundary (0 bytes), the others 1 to 3 bytes, every third
 /// one with a leading space.
 pub(crate) fn tables() -> Arc<ByteTables> {
-    Arc::new(ByteTables {
-        base_bytes: (0..VOCAB).map(|i| if i == 0 { 0 } else { 1 + (i % 3) as u16 }).collect(),
-        leading_space: (0..VOCAB).map(|i| i % 3 == 0 && i > 0).collect(),
-        is_boundary: (0..VOCAB).map(|i| i == 0).collect(),
+    Arc::new(tables_of(VOCAB))
+}
+
+/// [`tables`] for `vocab` ids.
+pub(crate) fn tables_of(vocab: usize) -> ByteTables {
+    ByteTables {
+        base_bytes: (0..vocab).map(|i| if i == 0 { 0 } else { 1 + (i % 3) as u16 }).collect(),
+        leading_space: (0..vocab).map(|i| i % 3 == 0 && i > 0).collect(),
+        is_boundary: (0..vocab).map(|i| i == 0).collect(),
         has_space_piece: true,
         stream_bytes: None,
         record_targets: false,
-    })
+    }
 }
 
 fn random_tokens(n: usize, seed: u64) -> Vec<u32> {

@@ -1,6 +1,6 @@
 //! One score, whichever executor: the evaluations after training on the engine
-//! ([`super::engine_model::EngineModel`]) against the same evaluations on candle
-//! ([`super::executor::CandleModel`]), target by target, on the baseline's, the 04-09 record's
+//! ([`super::engine_eval::EngineModel`]) against the same evaluations on candle
+//! ([`crate::eval::executor::CandleModel`]), target by target, on the baseline's, the 04-09 record's
 //! (looped) and the 04-27 record's elements (documents, SmearGate's BOS fix): in f64 to 1e-9,
 //! in f32 within 1e-3 bpb. The engine runs micro-batches of other rows than the evaluation's
 //! batches, so that partial micro-batches (padded with ignored targets) are exercised.
@@ -9,13 +9,13 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 
-use super::bpb::{BpbAccumulator, ByteTables};
-use super::engine_model::EngineModel;
-use super::executor::{CandleModel, EvalExecutor, EvalModel};
-use super::phased::{PhasedConfig, phased_ttt};
-use super::ttt::{SlidingConfig, TttConfig, score_first_ttt, sliding_eval};
+use super::engine_eval::{EngineModel, check};
 use crate::dist::single::Single;
 use crate::engine::tests::{baseline_small, perturbed, record_0427_small, record_small};
+use crate::eval::bpb::{BpbAccumulator, ByteTables};
+use crate::eval::executor::{CandleModel, EvalExecutor, EvalModel};
+use crate::eval::phased::{PhasedConfig, phased_ttt};
+use crate::eval::ttt::{SlidingConfig, TttConfig, score_first_ttt, sliding_eval};
 use crate::model::{Gpt, ModelConfig};
 
 const BOS: u32 = 1;
@@ -23,21 +23,25 @@ const BOS: u32 = 1;
 /// Byte tables for `vocab` ids (id 0 a boundary, the others 1 to 3 bytes), recording every
 /// target's loss.
 fn tables(vocab: usize) -> Arc<ByteTables> {
-    Arc::new(
-        ByteTables {
-            base_bytes: (0..vocab).map(|i| if i == 0 { 0 } else { 1 + (i % 3) as u16 }).collect(),
-            leading_space: (0..vocab).map(|i| i % 3 == 0 && i > 0).collect(),
-            is_boundary: (0..vocab).map(|i| i == 0).collect(),
-            has_space_piece: true,
-            stream_bytes: None,
-            record_targets: false,
-        }
-        .recording(),
-    )
+    Arc::new(crate::eval::ttt::tests::tables_of(vocab).recording())
+}
+
+/// Score-first TTT on windows of 12 (stride 4, 3 a batch), chunks of 3 sequences trained in
+/// steps of 2 and 1 (`batch_seqs` 2): the second step's micro-batch is padded.
+fn ttt_cfg(epochs: usize, grad_clip: f64) -> TttConfig {
+    TttConfig {
+        sliding: SlidingConfig { seq_len: 12, stride: 4, batch_windows: 3 },
+        chunk_tokens: 36,
+        lr: 0.05,
+        momentum: 0.9,
+        epochs,
+        batch_seqs: 2,
+        grad_clip,
+    }
 }
 
 /// A stream of documents (a BOS every 9 to 40 tokens), ids below `vocab`.
-fn stream(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+pub(crate) fn stream(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
     let mut rng = fastrand::Rng::with_seed(seed);
     let mut next_bos = 3;
     (0..n)
@@ -54,7 +58,7 @@ fn stream(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 
 /// The same perturbed weights as a candle model and as the model an engine is built from,
 /// both in `dtype`.
-fn pair(cfg: &ModelConfig, dtype: DType) -> (Gpt, Gpt) {
+pub(crate) fn pair(cfg: &ModelConfig, dtype: DType) -> (Gpt, Gpt) {
     let one = || {
         let src = perturbed(cfg, 5);
         let mut m = Gpt::new(cfg, 5, dtype, &Device::Cpu).unwrap();
@@ -66,7 +70,7 @@ fn pair(cfg: &ModelConfig, dtype: DType) -> (Gpt, Gpt) {
 
 /// The configs compared: the baseline's elements, the 04-09 record's (looped), the 04-27
 /// record's (documents, SmearGate, attention gate, two lanes).
-fn configs() -> Vec<(&'static str, ModelConfig)> {
+pub(crate) fn configs() -> Vec<(&'static str, ModelConfig)> {
     vec![("baseline", baseline_small()), ("04-09", record_small()), ("04-27", record_0427_small())]
 }
 
@@ -112,15 +116,7 @@ fn sliding_on_the_engine_equals_candle_in_f64() {
 /// nothing to the mean or its gradient.
 #[test]
 fn score_first_ttt_on_the_engine_equals_candle_in_f64() {
-    let cfg = TttConfig {
-        sliding: SlidingConfig { seq_len: 12, stride: 4, batch_windows: 3 },
-        chunk_tokens: 36,
-        lr: 0.05,
-        momentum: 0.9,
-        epochs: 2,
-        batch_seqs: 2,
-        grad_clip: 0.5,
-    };
+    let cfg = ttt_cfg(2, 0.5);
     for (name, mcfg) in configs() {
         let tokens = stream(150, mcfg.vocab_size, 2);
         let (c, e) = pair(&mcfg, DType::F64);
@@ -171,15 +167,7 @@ fn phased_ttt_with_the_global_sgd_on_the_engine_equals_candle_in_f64() {
 /// the bound for record-mini; here far inside it.
 #[test]
 fn the_engine_in_f32_scores_within_1e_3_bpb_of_candle() {
-    let cfg = TttConfig {
-        sliding: SlidingConfig { seq_len: 12, stride: 4, batch_windows: 3 },
-        chunk_tokens: 36,
-        lr: 0.05,
-        momentum: 0.9,
-        epochs: 1,
-        batch_seqs: 2,
-        grad_clip: 1.0,
-    };
+    let cfg = ttt_cfg(1, 1.0);
     let mcfg = record_0427_small();
     let tokens = stream(150, mcfg.vocab_size, 4);
     let (c, e) = pair(&mcfg, DType::F32);
@@ -189,48 +177,6 @@ fn the_engine_in_f32_scores_within_1e_3_bpb_of_candle() {
     let b = score_first_ttt(&mut engine, &tokens, tables(mcfg.vocab_size), &cfg, |_| {}, || true).unwrap().unwrap();
     let gap = (a.acc.val_bpb() - b.acc.val_bpb()).abs();
     assert!(gap < 1e-3, "f32: candle {} engine {} bpb", a.acc.val_bpb(), b.acc.val_bpb());
-}
-
-/// GPTQ's Hessians from the engine's forward passes (the inputs it keeps for its backward pass,
-/// and the MLP's activation recomputed) equal candle's observer's, weight by weight, for every
-/// element: the looped blocks add each repeat, the gate's and XSA's outputs feed the
-/// projection, the lanes' MLP reads lane 1. A pass of 3 rows on an engine of 2 pads one.
-#[test]
-fn hessians_from_the_engine_equal_candles() {
-    use std::collections::HashSet;
-    for (name, cfg) in configs() {
-        let (c, e) = pair(&cfg, DType::F64);
-        let wanted: HashSet<String> = c.state_dict().into_iter().filter(|(_, t)| t.rank() == 2).map(|(n, _)| n).collect();
-        let batches: Vec<Vec<u32>> = (0..2).map(|b| stream(2 * 3 * 12, cfg.vocab_size, 10 + b)).collect();
-        let run = |m: &mut dyn EvalModel| {
-            let mut k = 0;
-            crate::artifact::hessian::collect(
-                m,
-                (3, 12),
-                2,
-                3,
-                wanted.clone(),
-                |buf| {
-                    buf.copy_from_slice(&batches[k]);
-                    k += 1;
-                    Ok(())
-                },
-                || true,
-            )
-            .unwrap()
-            .unwrap()
-        };
-        let a = run(&mut CandleModel::new(&c));
-        let b = run(&mut EngineModel::new(e, 2, 12).unwrap());
-        assert_eq!(a.by_weight.len(), b.by_weight.len(), "{name}: weights with a Hessian");
-        assert_eq!(a.distinct, b.distinct, "{name}: distinct inputs");
-        for (w, h) in &a.by_weight {
-            let g = b.by_weight.get(w).unwrap_or_else(|| panic!("{name}: the engine has no Hessian for {w}"));
-            let (x, y): (Vec<f64>, Vec<f64>) = (h.iter().map(|&v| v as f64).collect(), g.iter().map(|&v| v as f64).collect());
-            let err = crate::engine::tests::rel_err(&x, &y);
-            assert!(err < 1e-6, "{name}: {w}'s Hessian differs by {err:e} of its norm");
-        }
-    }
 }
 
 /// A batch of rows that is not the engine's: more rows than a micro-batch, fewer, and none
@@ -257,8 +203,59 @@ fn token_losses_of_any_rows_equal_candle() {
 #[test]
 fn a_model_the_engine_cannot_run_is_refused_naming_candle() {
     let cfg = record_small();
-    let e = EvalExecutor::Engine.check(&cfg, 64, true, "eval").unwrap_err().to_string();
+    let e = check(EvalExecutor::Engine, &cfg, 64, true, "eval").unwrap_err().to_string();
     assert!(e.contains("heads 64 wide") && e.contains("stages.eval.executor = \"candle\""), "{e}");
-    EvalExecutor::Candle.check(&cfg, 64, true, "eval").unwrap();
-    EvalExecutor::Engine.check(&cfg, 12, false, "eval").unwrap();
+    check(EvalExecutor::Candle, &cfg, 64, true, "eval").unwrap();
+    check(EvalExecutor::Engine, &cfg, 12, false, "eval").unwrap();
+}
+
+/// Score-first TTT on the emulated GPU (the evaluation engine: forward passes read back, SGD
+/// with momentum and clipping as launches outside the units, a padded last micro-batch whose
+/// targets are ignored) scores and trains as the f64 CPU engine does, within the f32-GEMM bounds.
+#[test]
+fn score_first_ttt_on_the_emulated_gpu_matches_the_cpu_engine() {
+    use crate::engine::cases;
+    let [_, (_, cfg)] = cases::check_models();
+    let (rows, t) = (2, 64);
+    let model = || crate::engine::tests::perturbed(&cfg, 5);
+    let params: std::collections::HashMap<_, _> = model().state_dict().into_iter().collect();
+    let mut tokens = crate::engine::tests::tokens(11, 3 * 96 + 1, cfg.vocab_size as u32);
+    tokens[100] = cfg.bos_id;
+    // Chunks of 3 sequences, steps of 2 then 1: the second is a padded micro-batch.
+    let ttt = TttConfig {
+        sliding: SlidingConfig { seq_len: t, stride: 32, batch_windows: 3 },
+        chunk_tokens: 3 * t,
+        lr: 0.05,
+        momentum: 0.9,
+        epochs: 1,
+        batch_seqs: 2,
+        grad_clip: 0.5,
+    };
+    let vocab = cfg.vocab_size;
+    let tables = || {
+        std::sync::Arc::new(crate::eval::bpb::ByteTables {
+            base_bytes: (0..vocab).map(|i| 1 + (i % 3) as u16).collect(),
+            leading_space: vec![false; vocab],
+            is_boundary: vec![false; vocab],
+            has_space_piece: true,
+            stream_bytes: None,
+            record_targets: false,
+        })
+    };
+    let mut cpu = EngineModel::new(model(), rows, t).unwrap();
+    let want = score_first_ttt(&mut cpu, &tokens, tables(), &ttt, |_| {}, || true).unwrap().unwrap();
+    let mut e = crate::engine::gpu::tests::emulated_engine(&cfg, rows, t, "ttt.mem");
+    e.load_params(&params).unwrap();
+    let mut gpu = EngineModel::with_engine(e, model());
+    let got = score_first_ttt(&mut gpu, &tokens, tables(), &ttt, |_| {}, || true).unwrap().unwrap();
+    assert_eq!(got.chunks, 2);
+    let bounds = cases::ModelBounds::GPU_F32_GEMMS;
+    for (c, ((a, n), (b, _))) in want.per_chunk.iter().zip(&got.per_chunk).enumerate() {
+        assert!((a - b).abs() <= bounds.loss * a.abs(), "chunk {c} ({n} targets): cpu {a} vs emulated gpu {b}");
+    }
+    let (pc, pg) = (cpu.engine().params().unwrap(), gpu.engine().params().unwrap());
+    for ((name, a), (_, b)) in pc.iter().zip(&pg) {
+        let err = crate::engine::tests::rel_err(&crate::engine::tests::flat(a), &crate::engine::tests::flat(b));
+        assert!(err <= bounds.tensor, "weight {name} after TTT: {err:e} of its norm");
+    }
 }

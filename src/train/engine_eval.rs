@@ -1,4 +1,6 @@
-//! The explicit engine as an evaluation's model ([`EvalModel`]): GPTQ's calibration passes, the
+//! The explicit engine as an evaluation's model ([`EvalModel`], here a floor above both the
+//! engine and the evaluations, as [`super::engine_trainer`] is for training), and the choice
+//! of executor ([`open`], [`check`]): GPTQ's calibration passes, the
 //! round trip's scores, sliding windows, score-first TTT and phased TTT's global SGD on the
 //! engine's arena ([`crate::engine::evaluate`]), on the
 //! CPU in the model's dtype (f32, or f64 for checks) or on a GPU with bf16 activations (GEMMs
@@ -16,14 +18,39 @@ use std::collections::HashMap;
 use anyhow::Context;
 use candle_core::Tensor;
 
-use super::executor::{EvalModel, SgdStep};
 use crate::dist::Collective;
 use crate::engine::Engine;
 use crate::engine::gpu::GpuPrecision;
+use crate::eval::executor::{CandleModel, EvalExecutor, EvalModel, SgdStep};
 use crate::model::flash_attn::Attention;
 use crate::model::observe::InputObserver;
 use crate::model::ops::softcap_ce::IGNORED_TARGET;
 use crate::model::{Gpt, ModelConfig};
+
+/// Whether `executor` can run `cfg` on rows of `t` tokens (on a GPU when `gpu`): the engine's
+/// refusal, naming the element or shape, and how to ask for candle; candle runs every model.
+/// `stage` names the stage in the message.
+pub fn check(executor: EvalExecutor, cfg: &ModelConfig, t: usize, gpu: bool, stage: &str) -> anyhow::Result<()> {
+    if executor == EvalExecutor::Candle {
+        return Ok(());
+    }
+    let refusal =
+        crate::engine::support::check(cfg).err().or_else(|| if gpu { crate::engine::step::kernel_capacity(cfg, 1, t).err() } else { None });
+    match refusal {
+        None => Ok(()),
+        Some(e) => Err(anyhow::anyhow!(
+            "stage `{stage}`: the engine cannot run this evaluation: {e:#}; set `stages.{stage}.executor = \"candle\"` to run it on the candle model"
+        )),
+    }
+}
+
+/// `model` as an evaluation's model on `executor`; the engine on micro-batches of `rows x t`.
+pub fn open(model: Gpt, executor: EvalExecutor, rows: usize, t: usize) -> anyhow::Result<Box<dyn EvalModel>> {
+    Ok(match executor {
+        EvalExecutor::Candle => Box::new(CandleModel::new(model)),
+        EvalExecutor::Engine => Box::new(EngineModel::new(model, rows, t)?),
+    })
+}
 
 /// The engine of an evaluation, and the candle model mirroring its weights.
 pub struct EngineModel {
