@@ -212,7 +212,7 @@ fn phased<'a>(s: &Setup<'a>) -> anyhow::Result<Built<'a>> {
         Order::Groups(work_queue(&docs, cfg.batch_docs).iter().map(|b| b.docs.iter().map(|&k| docs[k].targets()).collect()).collect());
     let (config, weights, tables, c, bos, seed) = (s.config, s.weights, s.tables.clone(), cfg.clone(), s.bos, s.seed);
     let scorer: Scorer<'a> = Box::new(move |tokens| {
-        let mut model = eval_model(config, weights, p.executor, c.global_batch_seqs, c.global_seq_len)?;
+        let mut model = eval_model(config, weights, p.executor, c.global_rows_per_rank(1).0, c.global_seq_len)?;
         let o =
             phased_ttt(model.as_mut(), tokens, tables.clone(), (&c, bos, seed), &Single, |_| {}, || true)?.context("phased TTT stopped")?;
         Ok(o.acc.recorded()?.to_vec())

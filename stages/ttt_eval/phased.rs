@@ -196,8 +196,7 @@ impl Sink for Phased {
                 // the LoRA passes run on candle beside it.
                 let world = config(ctx)?.run.world_size.max(1);
                 let global = SlidingConfig { seq_len: cfg.global_seq_len, stride: 1, batch_windows: 1 };
-                let rows = cfg.global_batch_seqs.div_ceil(world);
-                let mut needs = eval_memory(ctx, &global, Some((rows, "global_batch_seqs")), p.executor)?;
+                let mut needs = eval_memory(ctx, &global, Some(cfg.global_rows_per_rank(world)), p.executor)?;
                 let m = &config(ctx)?.model;
                 let lora_pass = crate::model::memory::training_bytes(m, p.batch_docs * cfg.context, cfg.context, true, 4);
                 let keys = [format!("stages.{}.batch_docs", ctx.stage), format!("stages.{}.context", ctx.stage)];
@@ -253,9 +252,8 @@ impl Evaluator {
         let (label, weights) = snap.eval_weights();
         // Building the model from the weights is part of the evaluation (and its time).
         let t0 = Instant::now();
-        // The global SGD's steps: a rank's share of `global_batch_seqs` sequences.
-        let rows = cfg.global_batch_seqs.div_ceil(self.ranks.world());
-        let mut model = self.model(weights, rows, cfg.global_seq_len)?;
+        // The global SGD's steps: a rank's share of a step's sequences.
+        let mut model = self.model(weights, cfg.global_rows_per_rank(self.ranks.world()).0, cfg.global_seq_len)?;
         let tables = self.validator.tables().clone();
         let mut times: Vec<(&'static str, Duration)> = Vec::new();
         let mut last = Instant::now();

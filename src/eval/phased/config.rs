@@ -122,6 +122,17 @@ impl PhasedConfig {
         finite_nonneg("global_grad_clip", self.global_grad_clip)
     }
 
+    /// The most sequences one rank of `world` trains on in a global SGD step, and the key that
+    /// bounds them: at most `global_batch_seqs`, and at most a chunk's whole sequences
+    /// (`global_chunk_tokens / global_seq_len`), shared between the ranks. The rows of the
+    /// engine that runs the global SGD, and what the memory estimate counts.
+    pub fn global_rows_per_rank(&self, world: usize) -> (usize, &'static str) {
+        let chunk = (self.global_chunk_tokens / self.global_seq_len.max(1)).max(1);
+        let (rows, key) =
+            if chunk < self.global_batch_seqs { (chunk, "global_chunk_tokens") } else { (self.global_batch_seqs, "global_batch_seqs") };
+        (rows.div_ceil(world.max(1)), key)
+    }
+
     /// Chunks of a global SGD stream of `tokens` tokens: `⌈(tokens − 1) / global_chunk_tokens⌉`
     /// (spec §5.5); the last is not trained on.
     pub fn global_chunks(&self, tokens: usize) -> usize {
