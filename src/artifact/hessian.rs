@@ -67,6 +67,10 @@ struct Collector {
 }
 
 impl InputObserver for Collector {
+    fn wants(&self, weights: &[String]) -> bool {
+        weights.iter().any(|w| self.wanted.contains(w))
+    }
+
     fn observe(&mut self, weights: &[String], x: &Tensor) -> candle_core::Result<()> {
         let mut names = weights.iter().filter(|w| self.wanted.contains(*w));
         let Some(first) = names.next() else { return Ok(()) };

@@ -45,7 +45,8 @@ impl Engine {
     /// engine's micro-batch; no loss is kept) to `observer`, as the candle model's
     /// [`crate::model::Gpt::observe_inputs`] does: each as an `(N, in)` tensor on `device`
     /// (device to device on a GPU), the first `rows` rows of the micro-batch only (the rest is
-    /// padding). GPTQ's calibration sums `X^T X` of them.
+    /// padding), and only those it wants ([`crate::model::observe::InputObserver::wants`]).
+    /// GPTQ's calibration sums `X^T X` of them.
     pub fn observe_inputs(
         &mut self,
         x: &[u32],
@@ -63,6 +64,9 @@ impl Engine {
         self.schedule.forward(self.be.as_mut(), looping, 0.0);
         self.be.end_unit();
         for input in self.schedule.product_inputs(looping) {
+            if !observer.wants(&input.weights) {
+                continue;
+            }
             let src = if input.act { self.schedule.activate(self.be.as_mut(), input.x) } else { input.x };
             let m = rows * t;
             let xt = self.be.download_to(src.sub(0, m * input.cols), &[m, input.cols], device)?;

@@ -22,6 +22,12 @@ use candle_core::{Result, Tensor};
 pub trait InputObserver {
     /// `x` `(N, in)` is the input of the products with the weights named `weights`.
     fn observe(&mut self, weights: &[String], x: &Tensor) -> Result<()>;
+
+    /// Whether it wants the input of the products with the weights named `weights`: a pass
+    /// that must copy an input out to hand it on (the engine's) skips those it does not want.
+    fn wants(&self, _weights: &[String]) -> bool {
+        true
+    }
 }
 
 /// An observer as a forward pass holds it (borrowed for the pass, shared by its layers).
