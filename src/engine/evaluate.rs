@@ -90,8 +90,8 @@ impl Engine {
 
     /// One SGD step with momentum `momentum` at `lr` from the gradients summed so far (clipped
     /// to the global norm `clip` first, 0: no clipping), then the gradients and the loss sum
-    /// zeroed. Returns the norm before clipping when it clipped.
-    pub fn sgd_step(&mut self, lr: f64, momentum: f64, clip: f64) -> Result<Option<f64>> {
+    /// zeroed. Nothing is read back.
+    pub fn sgd_step(&mut self, lr: f64, momentum: f64, clip: f64) {
         let l = &self.schedule.layout;
         let (grads, norm, stats) = (l.grads, l.grad_norm(), l.stats);
         if clip > 0.0 {
@@ -106,9 +106,7 @@ impl Engine {
             }
         }
         self.be.fill(grads, 0.0);
-        let out = if clip > 0.0 { Some(self.be.download(norm.sub(0, 1), &[1])?.to_dtype(DType::F64)?.to_vec1::<f64>()?[0]) } else { None };
         self.be.fill(stats, 0.0);
-        Ok(out)
     }
 
     /// Every gradient summed over `ranks` (one all-reduce of the gradient region, through the

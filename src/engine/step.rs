@@ -210,6 +210,13 @@ impl Engine {
             .collect()
     }
 
+    /// Copies every parameter into `model` (a candle model of the same config: the mirror that
+    /// reads the engine's weights), device to device on a GPU.
+    pub fn copy_params_into(&self, model: &mut crate::model::Gpt) -> anyhow::Result<()> {
+        let params: HashMap<String, Tensor> = self.params_on(model.device())?.into_iter().collect();
+        model.load_state(&params)
+    }
+
     /// Every gradient summed so far, named as its parameter.
     pub fn grads(&self) -> anyhow::Result<Vec<(String, Tensor)>> {
         self.schedule.layout.slots.iter().map(|s| Ok((s.name.clone(), self.be.download(s.grad, &s.shape)?))).collect()

@@ -91,12 +91,17 @@ impl EngineModel {
         &self.engine
     }
 
-    /// The arena's bytes for `cfg` on `rows x t` micro-batches: what an evaluation engine
-    /// holds (on a GPU, the bf16 activations at 2 bytes).
-    pub fn arena_bytes(cfg: &ModelConfig, rows: usize, t: usize, gpu: bool) -> usize {
+    /// What an evaluation engine for `cfg` on `rows x t` micro-batches holds on `device`
+    /// (`run.device`): its f32 arena, and on a GPU the bf16 activations at 2 bytes and the
+    /// kernel backend's other spaces and cuBLASLt's workspace, as the training engine's
+    /// memory counts them ([`crate::train::requirements::engine_memory`]).
+    pub fn arena_bytes(cfg: &ModelConfig, rows: usize, t: usize, device: &str) -> u64 {
+        let gpu = matches!(crate::device::parse(device), Ok(crate::device::DeviceName::Cuda(_)));
         let layout = crate::engine::layout::Layout::new(cfg, rows, t);
-        let regions = layout.region_bytes(4, gpu);
-        regions.iter().map(|r| r.1).sum()
+        let arena: usize = layout.region_bytes(4, gpu).iter().map(|r| r.1).sum();
+        // A shape the GPU attention refuses is the executor check's to report.
+        let kernels = if gpu { crate::engine::step::kernel_capacity(cfg, rows, t).map_or(0, |c| c.scratch_bytes()) } else { 0 };
+        (arena + kernels) as u64
     }
 
     /// Cuts `rows x t` ids and targets into the engine's micro-batches, the last one padded
@@ -181,7 +186,7 @@ impl EvalModel for EngineModel {
         if !ranks.is_identity() {
             self.engine.sum_grads_over(ranks)?;
         }
-        self.engine.sgd_step(s.lr, momentum, s.grad_clip)?;
+        self.engine.sgd_step(s.lr, momentum, s.grad_clip);
         self.stale = true;
         Ok(())
     }
@@ -201,8 +206,7 @@ impl EvalModel for EngineModel {
 
     fn candle(&mut self) -> anyhow::Result<&Gpt> {
         if self.stale {
-            let params: HashMap<String, Tensor> = self.engine.params_on(self.mirror.device())?.into_iter().collect();
-            self.mirror.load_state(&params)?;
+            self.engine.copy_params_into(&mut self.mirror)?;
             self.stale = false;
         }
         Ok(&self.mirror)

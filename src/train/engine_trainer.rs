@@ -114,8 +114,7 @@ impl EngineTrainer {
         if !self.stale {
             return Ok(());
         }
-        let params: HashMap<String, Tensor> = self.engine.params_on(self.mirror.device())?.into_iter().collect();
-        self.mirror.load_state(&params)?;
+        self.engine.copy_params_into(&mut self.mirror)?;
         self.stale = false;
         self.syncs += 1;
         Ok(())

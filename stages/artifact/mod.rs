@@ -111,23 +111,23 @@ impl ArtifactStage {
                 .sum();
             needs.push(crate::runtime::memory::Need::device("GPTQ's Hessians", bytes, &MODEL_KEYS).transient());
         }
-        if p.eval && p.executor == EvalExecutor::Engine {
-            // The round trip's scores on an engine of the training micro-batch's rows.
+        if (p.eval || gptq) && p.executor == EvalExecutor::Engine {
+            // The round trip's scores and GPTQ's calibration on an engine of the training
+            // micro-batch's rows (one after the other).
             let shape = c.batch_shape()?;
-            let gpu = matches!(crate::device::parse(&c.run.device), Ok(crate::device::DeviceName::Cuda(_)));
-            let arena = crate::train::engine_eval::EngineModel::arena_bytes(&c.model, shape.rows, shape.seq_len, gpu) as u64;
+            let arena = crate::train::engine_eval::EngineModel::arena_bytes(&c.model, shape.rows, shape.seq_len, &c.run.device);
             let mut keys = vec!["train.batch_tokens"];
             keys.extend(MODEL_KEYS);
             needs.push(
                 crate::runtime::memory::Need::device(
-                    "scoring engine's arena and the weights' candle mirror",
+                    "scoring (or calibration) engine's arena and the weights' candle mirror",
                     total.saturating_mul(4).saturating_add(arena),
                     &keys,
                 )
                 .transient(),
             );
         }
-        if (p.eval && p.executor == EvalExecutor::Candle) || gptq {
+        if (p.eval || gptq) && p.executor == EvalExecutor::Candle {
             let shape = c.batch_shape()?;
             let tokens = crate::eval::validation::tokens_per_pass(&c.validation(), c.run.world_size, shape.micro_steps);
             let mut keys = vec!["train.val_batch_tokens"];

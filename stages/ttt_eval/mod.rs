@@ -168,7 +168,7 @@ impl Evaluator {
     /// of `rows x t`), logged with where it runs.
     fn model(&self, weights: &[(String, candle_core::Tensor)], rows: usize, t: usize) -> anyhow::Result<Box<dyn EvalModel>> {
         let model = crate::artifact::roundtrip::model_from(&self.config, weights)?;
-        crate::train::engine_eval::check(self.executor, model.config(), t, !model.device().is_cpu(), &self.stage)?;
+        // What the engine cannot run was refused before training (`check_executor`).
         let m = crate::train::engine_eval::open(model, self.executor, rows, t)
             .with_context(|| format!("stage `{}`: building the evaluation's {} model", self.stage, self.executor.name()))?;
         self.log.line(&format!("{}: {} on {rows} x {t} tokens a pass", self.stage, m.describe()));
@@ -288,8 +288,7 @@ fn eval_memory(
     let mut keys: Vec<String> = vec![format!("stages.{}.batch_windows", ctx.stage)];
     let (what, bytes) = match executor {
         EvalExecutor::Engine => {
-            let gpu = matches!(crate::device::parse(&ctx.run.device), Ok(crate::device::DeviceName::Cuda(_)));
-            let arena = |rows: usize| crate::train::engine_eval::EngineModel::arena_bytes(m, rows, t, gpu) as u64;
+            let arena = |rows: usize| crate::train::engine_eval::EngineModel::arena_bytes(m, rows, t, &ctx.run.device);
             let mut bytes = arena(sliding.batch_windows);
             if let Some((rows, key)) = ttt_batch
                 && arena(rows) >= bytes

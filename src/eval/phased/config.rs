@@ -127,10 +127,11 @@ impl PhasedConfig {
     /// (`global_chunk_tokens / global_seq_len`), shared between the ranks. The rows of the
     /// engine that runs the global SGD, and what the memory estimate counts.
     pub fn global_rows_per_rank(&self, world: usize) -> (usize, &'static str) {
-        let chunk = (self.global_chunk_tokens / self.global_seq_len.max(1)).max(1);
-        let (rows, key) =
-            if chunk < self.global_batch_seqs { (chunk, "global_chunk_tokens") } else { (self.global_batch_seqs, "global_batch_seqs") };
-        (rows.div_ceil(world.max(1)), key)
+        crate::eval::ttt::step_rows_per_rank(
+            (self.global_chunk_tokens, self.global_seq_len, self.global_batch_seqs),
+            world,
+            ["global_chunk_tokens", "global_batch_seqs"],
+        )
     }
 
     /// Chunks of a global SGD stream of `tokens` tokens: `⌈(tokens − 1) / global_chunk_tokens⌉`

@@ -113,9 +113,7 @@ impl TttConfig {
     /// `batch_seqs` of 32), shared between the ranks as [`train_sequences`] shares them. What
     /// the memory estimate counts, and the key its refusal names.
     pub fn rows_per_rank(&self, world: usize) -> (usize, &'static str) {
-        let chunk = (self.chunk_tokens / self.sliding.seq_len).max(1);
-        let (rows, key) = if chunk < self.batch_seqs { (chunk, "chunk_tokens") } else { (self.batch_seqs, "batch_seqs") };
-        (rows.div_ceil(world.max(1)), key)
+        step_rows_per_rank((self.chunk_tokens, self.sliding.seq_len, self.batch_seqs), world, ["chunk_tokens", "batch_seqs"])
     }
 
     /// How a chunk is trained on: whole sequences of `seq_len`, plain causal rows.
@@ -128,6 +126,20 @@ impl TttConfig {
             doc_bos: None,
         }
     }
+}
+
+/// The sequences one rank of `world` trains on in a step of SGD over chunks of `chunk_tokens`
+/// cut into sequences of `seq_len`, `batch_seqs` a step at most: the smaller of `batch_seqs`
+/// and a chunk's whole sequences, shared between the ranks; with the key of `keys` (the
+/// chunk's, the batch's) that bounds it.
+pub(crate) fn step_rows_per_rank(
+    (chunk_tokens, seq_len, batch_seqs): (usize, usize, usize),
+    world: usize,
+    keys: [&'static str; 2],
+) -> (usize, &'static str) {
+    let chunk = (chunk_tokens / seq_len.max(1)).max(1);
+    let (rows, key) = if chunk < batch_seqs { (chunk, keys[0]) } else { (batch_seqs, keys[1]) };
+    (rows.div_ceil(world.max(1)), key)
 }
 
 /// `peak · ½ · (1 + cos(π · c / max(n_chunks − 1, 1)))`: a learning rate from `peak` at chunk 0
