@@ -176,3 +176,18 @@ fn engine_check_refuses_bad_arguments() {
         common::assert_fails(&o, &["scripts/build-cuda.sh"]);
     }
 }
+
+/// A typo in the evaluations' `executor` key (the artifact's and the evaluation's) is refused
+/// before anything runs: exit 2, the key and the values it takes, no panic.
+#[test]
+fn a_wrong_evaluation_executor_is_refused_naming_the_key() {
+    let c = corpus("engine-executor");
+    let cfg = config_plus(&c, "executor", &after_training());
+    for key in ["stages.eval.executor", "stages.artifact.executor"] {
+        let set = format!("{key}=\"engin\"");
+        let o = common::bin().arg("validate").arg(&cfg).args(["--set", &set]).output().unwrap();
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{t}");
+        assert!(t.contains(key) && t.contains("expected one of: engine, candle") && !t.contains("panicked"), "{t}");
+    }
+}
