@@ -85,6 +85,12 @@ impl Mat {
         if self.t { (self.cols, self.rows) } else { (self.rows, self.cols) }
     }
 
+    /// The elements `count` such matrices `stride` apart span (a batched operand).
+    pub fn batch_span(self, count: usize, stride: usize) -> Buf {
+        let one = self.span();
+        if count == 0 || one.len == 0 { Buf { off: self.off, len: 0 } } else { Buf { off: one.off, len: (count - 1) * stride + one.len } }
+    }
+
     /// The elements it spans (from the first to one past the last).
     pub fn span(self) -> Buf {
         let len = if self.rows == 0 || self.cols == 0 { 0 } else { (self.rows - 1) * self.ld + self.cols };
@@ -413,6 +419,17 @@ pub trait Backend: Send {
 
     /// `C = alpha op(A) op(B) + beta C` (`beta = 0`: `C` is not read).
     fn gemm(&mut self, c: Mat, a: Mat, b: Mat, alpha: f64, beta: f64);
+
+    /// `count` independent products `C_i = alpha op(A_i) op(B_i) + beta C_i`, operand `i`
+    /// starting `i * stride` elements after the view given (`strides = [c, a, b]`): the
+    /// per-document LoRA adapters' products, one per batch row. The default runs them one by
+    /// one; the GPU backend runs one strided-batched cuBLASLt call.
+    fn gemm_batched(&mut self, c: Mat, a: Mat, b: Mat, alpha: f64, beta: f64, count: usize, strides: [usize; 3]) {
+        for i in 0..count {
+            let at = |m: Mat, k: usize| Mat { off: m.off + i * strides[k], ..m };
+            self.gemm(at(c, 0), at(a, 1), at(b, 2), alpha, beta);
+        }
+    }
 
     /// `out[n] = table[x[n]]` (`dim`-wide rows) for the micro-batch's inputs.
     fn embedding_fwd(&mut self, table: Buf, out: Buf, dim: usize);

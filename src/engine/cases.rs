@@ -261,6 +261,18 @@ pub fn cases() -> Vec<Case> {
         Case { name: "gemm a b^T (beta 1)", len: 4000, bound: GEMM, run: |be| gemm_case(be, false, true, 1.0, 1.0) },
         Case { name: "gemm a^T b (beta 0.5)", len: 4000, bound: GEMM, run: |be| gemm_case(be, true, false, -1.0, 0.5) },
         Case {
+            name: "gemm_batched (LoRA: x A, then += h B into a column view)",
+            len: 6000,
+            bound: GEMM,
+            run: |be| gemm_batched_case(be, false),
+        },
+        Case {
+            name: "gemm_batched (LoRA backward: dB += h^T dy, dx += dh A^T)",
+            len: 6000,
+            bound: GEMM,
+            run: |be| gemm_batched_case(be, true),
+        },
+        Case {
             name: "rms_norm_fwd",
             len: 4 * nw,
             bound: ROWS,
@@ -556,6 +568,32 @@ fn gemm_case(be: &mut dyn Backend, ta: bool, tb: bool, alpha: f64, beta: f64) {
     let b = if tb { mat(&mut r, n, k).t() } else { mat(&mut r, k, n) };
     let c = mat(&mut r, m, n);
     be.gemm(c, a, b, alpha, beta);
+}
+
+/// The LoRA adapters' products: 3 documents of 7 positions, adapters `8 -> 5` of rank 4, the
+/// output a column view of a wider matrix (q inside the fused qkv product); backward, the
+/// transposed operands of the gradients.
+fn gemm_batched_case(be: &mut dyn Backend, backward: bool) {
+    let mut r = Bump::default();
+    let (docs, t, inp, out, rank) = (3, 7, 8, 5, 4);
+    let x = mat(&mut r, docs * t, inp);
+    let a = mat(&mut r, docs * inp, rank);
+    let h = mat(&mut r, docs * t, rank);
+    let b = mat(&mut r, docs * rank, out);
+    let y = mat(&mut r, docs * t, out + 6);
+    let (xr, ar, hr, br) = (x.rows(0, t), a.rows(0, inp), h.rows(0, t), b.rows(0, rank));
+    let yr = y.cols(2, out).rows(0, t);
+    let (sx, sa, sh, sb, sy) = (t * inp, inp * rank, t * rank, rank * out, t * (out + 6));
+    if backward {
+        // dB += s h^T dy; dh = s dy B^T; dA += x^T dh; dx += dh A^T.
+        be.gemm_batched(br, hr.t(), yr, 0.5, 1.0, docs, [sb, sh, sy]);
+        be.gemm_batched(hr, yr, br.t(), 0.5, 0.0, docs, [sh, sy, sb]);
+        be.gemm_batched(ar, xr.t(), hr, 1.0, 1.0, docs, [sa, sx, sh]);
+        be.gemm_batched(xr, hr, ar.t(), 1.0, 1.0, docs, [sx, sh, sa]);
+    } else {
+        be.gemm_batched(hr, xr, ar, 1.0, 0.0, docs, [sh, sx, sa]);
+        be.gemm_batched(yr, hr, br, 2.0, 1.0, docs, [sy, sh, sb]);
+    }
 }
 
 fn skip_case(be: &mut dyn Backend, gated: bool) {

@@ -31,7 +31,7 @@ impl Engine {
         let l = &self.schedule.layout;
         let (n, losses, stats) = (l.rows * l.t, l.losses, l.stats);
         anyhow::ensure!(x.len() == n && y.len() == n, "{} ids and {} targets for the engine's {n}-token micro-batch", x.len(), y.len());
-        self.be.load_tokens(Tokens::Host { x, y })?;
+        self.load_tokens(Tokens::Host { x, y })?;
         self.be.begin_unit(if looping { "eval losses looped" } else { "eval losses" });
         self.schedule.forward(self.be.as_mut(), looping, 0.0);
         self.be.end_unit();
@@ -59,7 +59,7 @@ impl Engine {
         let (n, t, stats) = (l.rows * l.t, l.t, l.stats);
         anyhow::ensure!(x.len() == n && rows <= l.rows, "{} ids ({rows} rows) for the engine's {n}-token micro-batch", x.len());
         // Targets do not matter (the loss is dropped): the ids themselves.
-        self.be.load_tokens(Tokens::Host { x, y: x })?;
+        self.load_tokens(Tokens::Host { x, y: x })?;
         self.be.begin_unit(if looping { "observe looped" } else { "observe" });
         self.schedule.forward(self.be.as_mut(), looping, 0.0);
         self.be.end_unit();
@@ -119,4 +119,186 @@ impl Engine {
         self.be.upload(grads, &summed.remove(0))?;
         Ok(())
     }
+}
+
+/// AdamW of the LoRA adapters (phased TTT's `lora_*` keys).
+#[derive(Clone, Copy, Debug)]
+pub struct LoraAdam {
+    /// Learning rate.
+    pub lr: f64,
+    /// `(β1, β2)`.
+    pub betas: (f64, f64),
+    /// `ε`.
+    pub eps: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+}
+
+/// One pass through the LoRA adapters on the engine's current shape: [`Engine::lora_forward`],
+/// then (when a row trains) [`Engine::lora_backward`].
+#[derive(Clone, Copy, Debug)]
+pub struct LoraPass<'a> {
+    /// Inputs, `rows x t`: row `b` is document `b`'s.
+    pub x: &'a [u32],
+    /// Targets; [`IGNORED_TARGET`](crate::model::ops::softcap_ce::IGNORED_TARGET) where a position is neither scored nor trained on.
+    pub y: &'a [u32],
+    /// Through the looped layer sequence.
+    pub looping: bool,
+    /// The adapters' output scale (`alpha / rank`, or 1).
+    pub scale: f64,
+    /// Per row: its positions' gradients are kept (the rest are scored only).
+    pub train: &'a [bool],
+    /// Each kept position's weight in the loss the adapters step on.
+    pub grad_scale: f64,
+}
+
+impl Engine {
+    /// Views the arena at micro-batches of `rows x t` from now on (within its sizing,
+    /// [`super::layout::Layout::reshaped`]); the RoPE tables follow a new row length.
+    pub fn reshape(&mut self, rows: usize, t: usize) -> Result<()> {
+        self.reshape_padded(rows, t, t)
+    }
+
+    /// [`Engine::reshape`] for rows of `len` real positions padded to `t` (a GPU's attention
+    /// takes multiples of 64): the RoPE tables' base is `len`'s, as a pass of `len` positions
+    /// has it ([`crate::model::ModelConfig::rope_base_for`]: past the training length it
+    /// grows with the pass), so that the padding changes no score.
+    pub fn reshape_padded(&mut self, rows: usize, t: usize, len: usize) -> Result<()> {
+        anyhow::ensure!(len >= 1 && len <= t, "rows of {len} positions padded to {t}");
+        let l = &self.schedule.layout;
+        if (l.rows, l.t, self.rope_len) == (rows, t, len) {
+            return Ok(());
+        }
+        let new_rope = (l.t, self.rope_len) != (t, len);
+        self.schedule.layout = l.reshaped(self.schedule.config(), rows, t)?;
+        self.rope_len = len;
+        if new_rope {
+            self.upload_rope()?;
+        }
+        Ok(())
+    }
+
+    fn lora_layout(&self) -> Result<&super::lora::LoraLayout> {
+        self.schedule.layout.lora.as_ref().ok_or_else(|| anyhow::anyhow!("internal: a LoRA pass on an engine sized without adapters"))
+    }
+
+    /// Loads adapters (the candle adapters' names and shapes, `[docs, rows, cols]` with at most
+    /// the arena's documents: the first ones), and starts a fresh AdamW (moments, gradients
+    /// and step count zero).
+    pub fn lora_load(&mut self, tensors: &[(String, candle_core::Tensor)]) -> Result<()> {
+        let named = self.lora_layout()?.named(usize::MAX);
+        for (name, t) in tensors {
+            let (_, buf, shape) =
+                named.iter().find(|(n, ..)| n == name).ok_or_else(|| anyhow::anyhow!("no LoRA adapter `{name}` in the arena"))?;
+            let dims = t.dims();
+            anyhow::ensure!(
+                dims.len() == 3 && dims[0] <= shape[0] && dims[1..] == shape[1..],
+                "LoRA adapter `{name}` has shape {dims:?}, the arena's is {shape:?} (at most that many documents)"
+            );
+            self.be.upload(buf.sub(0, t.elem_count()), t)?;
+        }
+        self.lora_reset_optimizer()
+    }
+
+    /// Zeroes every adapter's B (they output 0 again; A kept: the warm start of A).
+    pub fn lora_zero_b(&mut self) -> Result<()> {
+        let bs: Vec<_> = self.lora_layout()?.named(usize::MAX).into_iter().filter(|(n, ..)| n.ends_with(".b")).map(|(_, b, _)| b).collect();
+        for b in bs {
+            self.be.fill(b, 0.0);
+        }
+        Ok(())
+    }
+
+    /// A fresh AdamW for the adapters: moments and gradients zero, step count 0.
+    pub fn lora_reset_optimizer(&mut self) -> Result<()> {
+        let (m, v) = (self.lora_layout()?.m, self.lora_layout()?.v);
+        let grads = self.schedule.layout.grads;
+        self.be.fill(m, 0.0);
+        self.be.fill(v, 0.0);
+        self.be.fill(grads, 0.0);
+        self.lora_steps = 0;
+        Ok(())
+    }
+
+    /// Every adapter value, as one tensor on `device` (to set aside and
+    /// [`Engine::lora_restore`] later).
+    pub fn lora_values(&self, device: &candle_core::Device) -> Result<candle_core::Tensor> {
+        let v = self.lora_layout()?.values;
+        self.be.download_to(v, &[v.len], device)
+    }
+
+    /// Puts back values [`Engine::lora_values`] set aside.
+    pub fn lora_restore(&mut self, values: &candle_core::Tensor) -> Result<()> {
+        let v = self.lora_layout()?.values;
+        anyhow::ensure!(values.elem_count() == v.len, "{} LoRA values for an arena of {}", values.elem_count(), v.len);
+        self.be.upload(v, values)
+    }
+
+    /// The adapters of the first `slots` positions and the head's, named as the candle
+    /// adapters' (checks).
+    pub fn lora_tensors(&self, slots: usize) -> Result<Vec<(String, candle_core::Tensor)>> {
+        self.lora_layout()?.named(slots).into_iter().map(|(name, b, shape)| Ok((name, self.be.download(b, &shape)?))).collect()
+    }
+
+    /// The forward pass of [`LoraPass`] through the adapters: every position's loss (0 where
+    /// ignored), and the gradient of the loss the adapters step on left in the logits.
+    pub fn lora_forward(&mut self, p: &LoraPass<'_>) -> Result<Vec<f32>> {
+        let l = &self.schedule.layout;
+        let (rows, t) = (l.rows, l.t);
+        let n = rows * t;
+        let docs = self.lora_layout()?.shape.docs;
+        anyhow::ensure!(p.x.len() == n && p.y.len() == n && p.train.len() == rows, "a LoRA pass of {} ids for {rows} x {t}", p.x.len());
+        anyhow::ensure!(rows <= docs, "a LoRA pass of {rows} rows through adapters for {docs} documents");
+        self.load_tokens(Tokens::Host { x: p.x, y: p.y })?;
+        self.schedule.set_lora(Some(p.scale));
+        self.be.begin_unit(&format!("lora forward {}", lora_key(p, rows, t)));
+        self.schedule.forward(self.be.as_mut(), p.looping, p.grad_scale);
+        self.be.end_unit();
+        self.schedule.set_lora(None);
+        let (losses, stats) = (self.schedule.layout.losses, self.schedule.layout.stats);
+        self.be.fill(stats, 0.0);
+        Ok(self.be.download(losses, &[n])?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+    }
+
+    /// The backward pass of the [`Engine::lora_forward`] just run (the same `p`), into the
+    /// adapters alone (the base frozen: no gradient of its matrices or embedding is computed)
+    /// from the training rows' losses, then one AdamW step of every adapter (those of rows that
+    /// did not train too: their gradient is zero, their moments and decay go on, as a batched
+    /// optimizer's do). The gradients are zero again after it.
+    pub fn lora_backward(&mut self, p: &LoraPass<'_>, adam: LoraAdam) -> Result<()> {
+        let l = &self.schedule.layout;
+        let (rows, t, v) = (l.rows, l.t, self.schedule.config().vocab_size);
+        let (logits, grads) = (l.logits, l.grads);
+        let lora = self.lora_layout()?.clone();
+        anyhow::ensure!(p.train.len() == rows, "{} rows to train of a {rows}-row pass", p.train.len());
+        self.lora_steps += 1;
+        let k = self.lora_steps as f64;
+        let step = super::backend::AdamStep {
+            lr: adam.lr,
+            beta1: adam.betas.0,
+            beta2: adam.betas.1,
+            eps: adam.eps,
+            weight_decay: adam.weight_decay,
+            bias1: 1.0 - adam.betas.0.powf(k),
+            bias2_sqrt: (1.0 - adam.betas.1.powf(k)).sqrt(),
+        };
+        self.schedule.set_lora(Some(p.scale));
+        self.be.begin_unit(&format!("lora backward {}", lora_key(p, rows, t)));
+        // A row that does not train keeps its scores, not its gradient.
+        for (r, _) in p.train.iter().enumerate().filter(|(_, k)| !**k) {
+            self.be.fill(logits.sub(r * t * v, t * v), 0.0);
+        }
+        self.schedule.backward(self.be.as_mut(), p.looping);
+        self.be.adam(lora.values, lora.grads, lora.m, lora.v, step);
+        // The base's small parameters got gradients too (they are frozen): none is kept.
+        self.be.fill(grads, 0.0);
+        self.be.end_unit();
+        self.schedule.set_lora(None);
+        Ok(())
+    }
+}
+
+/// A LoRA pass's shape, for its units' keys (a GPU backend captures one graph per key).
+fn lora_key(p: &LoraPass<'_>, rows: usize, t: usize) -> String {
+    format!("{rows}x{t}{}", if p.looping { " looped" } else { "" })
 }

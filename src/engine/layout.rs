@@ -245,15 +245,62 @@ pub struct Layout {
     pub scratch: Scratch,
     /// Muon's work per shape.
     pub muon: Vec<MuonGroup>,
+    /// The LoRA adapters' buffers ([`Sizing::lora`]).
+    pub lora: Option<super::lora::LoraLayout>,
     /// Rows of a micro-batch, tokens per row.
     pub rows: usize,
     /// See `rows`.
     pub t: usize,
+    /// What the arena is sized for.
+    pub sizing: Sizing,
+}
+
+/// What an arena is sized for: the micro-batch shape its views start at, the most tokens a
+/// micro-batch of any later shape may have and its longest row ([`Layout::reshaped`]), and the
+/// per-document LoRA adapters it holds (phased TTT's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sizing {
+    /// Rows of the micro-batch.
+    pub rows: usize,
+    /// Tokens per row.
+    pub t: usize,
+    /// The most tokens of a micro-batch (`rows x t` of any shape).
+    pub tokens: usize,
+    /// The longest row.
+    pub max_t: usize,
+    /// Adapters for this many documents at this rank.
+    pub lora: Option<LoraShape>,
+}
+
+impl Sizing {
+    /// Micro-batches of `rows x t` only, no adapters.
+    pub fn fixed(rows: usize, t: usize) -> Self {
+        Sizing { rows, t, tokens: rows * t, max_t: t, lora: None }
+    }
+}
+
+/// Per-document LoRA adapters: one set per document (batch row) at rank `rank`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoraShape {
+    /// Documents (the most rows of a pass through them).
+    pub docs: usize,
+    /// The adapters' rank.
+    pub rank: usize,
 }
 
 impl Layout {
     /// The layout for `cfg` and micro-batches of `rows x t` tokens.
     pub fn new(cfg: &ModelConfig, rows: usize, t: usize) -> Layout {
+        Layout::sized(cfg, Sizing::fixed(rows, t))
+    }
+
+    /// The layout for `cfg` sized by `sizing`: every per-token buffer holds `sizing.tokens`
+    /// tokens and is viewed at its first `rows x t` ([`Layout::reshaped`] views another shape
+    /// of the same arena), with the LoRA adapters' region when `sizing.lora` asks for one.
+    pub fn sized(cfg: &ModelConfig, sizing: Sizing) -> Layout {
+        let Sizing { rows, t, tokens: cap, max_t, lora: lora_shape } = sizing;
+        assert!(rows * t <= cap && t <= max_t, "a {rows} x {t} micro-batch in an arena sized for {cap} tokens, rows of at most {max_t}");
+        let lora_plan = lora_shape.map(|s| super::lora::Plan::new(cfg, s));
         let mut bump = Bump::aligned(ALIGN);
         let shapes = cfg.param_shapes();
         let sizes: Vec<usize> = shapes.iter().map(|(_, s)| s.iter().product()).collect();
@@ -269,6 +316,11 @@ impl Layout {
             starts.push(at);
             at += n;
         }
+        // The adapters' values after the model's (so that the weights' bf16 copy holds them too).
+        let lora_at = at.next_multiple_of(ALIGN);
+        if let Some(p) = &lora_plan {
+            at = lora_at + p.len();
+        }
         let params = bump.take(at);
         let grads = bump.take(params.len);
         let state_start = bump.0.next_multiple_of(ALIGN);
@@ -279,17 +331,20 @@ impl Layout {
             let state1 = bump.take(if group == ParamGroup::Matrix { 0 } else { n });
             slots.push(Slot { name, shape, group, value: params.sub(at, n), grad: grads.sub(at, n), state0, state1 });
         }
+        let lora_moments = lora_plan.as_ref().map(|p| (bump.take(p.len()), bump.take(p.len())));
         let state = bump.since(state_start);
         let half = cfg.rotary_dims() / 2;
-        let (cos, sin) = (bump.take(t * half), bump.take(t * half));
+        let (cos, sin) = (bump.take(max_t * half).sub(0, t * half), bump.take(max_t * half).sub(0, t * half));
         let stats = bump.take(4);
 
         let (n, d, kvd, f, v) = (rows * t, cfg.model_dim, cfg.kv_dim(), cfg.mlp_mult * cfg.model_dim, cfg.vocab_size);
+        // A per-token buffer of `per` elements a token: room for the capacity, viewed at `n`.
+        let nt = move |bump: &mut Bump, per: usize| bump.take(cap * per).sub(0, n * per);
         let act_start = bump.0.next_multiple_of(ALIGN);
         let layers = cfg.layer_sequence(true);
         // The activations' per-row statistics and the per-token losses first: they stay f32
         // when the rest of the activations and the scratch are bf16 (`half` below).
-        let (rstd0, rstdf, losses) = (bump.take(n), bump.take(n), bump.take(n));
+        let (rstd0, rstdf, losses) = (nt(&mut bump, 1), nt(&mut bump, 1), nt(&mut bump, 1));
         // Decoder position p pops a skip while p - encoders < skip_count, in either layout.
         let pops = |pos: usize| {
             [true, false].iter().any(|&looped| {
@@ -310,12 +365,12 @@ impl Layout {
         let row_stats: Vec<[Buf; 4]> = (0..layers.len())
             .map(|pos| {
                 let seq = needs(pos, &|i| !cfg.parallel(i));
-                [bump.take(n), bump.take(n * cfg.num_heads), bump.take(n * cfg.num_kv_heads), bump.take(if seq { n } else { 0 })]
+                [nt(&mut bump, 1), nt(&mut bump, cfg.num_heads), nt(&mut bump, cfg.num_kv_heads), nt(&mut bump, if seq { 1 } else { 0 })]
             })
             .collect();
         let half_start = bump.0.next_multiple_of(ALIGN);
-        let (emb, x0) = (bump.take(n * d), bump.take(n * d));
-        let smeared = bump.take(if cfg.smear_gate { n * d } else { 0 });
+        let (emb, x0) = (nt(&mut bump, d), nt(&mut bump, d));
+        let smeared = nt(&mut bump, if cfg.smear_gate { d } else { 0 });
         let positions = row_stats
             .iter()
             .enumerate()
@@ -324,56 +379,60 @@ impl Layout {
                 let seq = needs(pos, &|i| !cfg.parallel(i));
                 let xsa = needs(pos, &|i| cfg.xsa(i));
                 PositionBufs {
-                    skipped: bump.take(if pops { n * d } else { 0 }),
-                    u: bump.take(n * d),
+                    skipped: nt(&mut bump, if pops { d } else { 0 }),
+                    u: nt(&mut bump, d),
                     rstd1,
-                    n1: bump.take(n * d),
-                    qkv: bump.take(n * (d + 2 * kvd)),
-                    q: bump.take(n * d),
-                    k: bump.take(n * kvd),
+                    n1: nt(&mut bump, d),
+                    qkv: nt(&mut bump, d + 2 * kvd),
+                    q: nt(&mut bump, d),
+                    k: nt(&mut bump, kvd),
                     rq,
                     rk,
-                    att: bump.take(n * d),
-                    y: bump.take(if xsa { n * d } else { 0 }),
-                    yg: bump.take(if cfg.attn_gate { n * d } else { 0 }),
-                    ao: bump.take(n * d),
-                    u2: bump.take(if seq { n * d } else { 0 }),
+                    att: nt(&mut bump, d),
+                    y: nt(&mut bump, if xsa { d } else { 0 }),
+                    yg: nt(&mut bump, if cfg.attn_gate { d } else { 0 }),
+                    ao: nt(&mut bump, d),
+                    u2: nt(&mut bump, if seq { d } else { 0 }),
                     rstd2,
-                    n2: bump.take(if seq { n * d } else { 0 }),
-                    pre: bump.take(n * f),
-                    mo: bump.take(n * d),
-                    out: bump.take(n * d),
-                    out1: bump.take(if lane(pos) { n * d } else { 0 }),
+                    n2: nt(&mut bump, if seq { d } else { 0 }),
+                    pre: nt(&mut bump, f),
+                    mo: nt(&mut bump, d),
+                    out: nt(&mut bump, d),
+                    out1: nt(&mut bump, if lane(pos) { d } else { 0 }),
                 }
             })
             .collect();
-        let (nf, logits) = (bump.take(n * d), bump.take(n * v));
+        let (nf, logits) = (nt(&mut bump, d), nt(&mut bump, v));
         let lanes = cfg.lanes_from().is_some();
-        let lanes_final = bump.take(if lanes && cfg.parallel_final_lane == FinalLane::Mean { n * d } else { 0 });
+        let lanes_final = nt(&mut bump, if lanes && cfg.parallel_final_lane == FinalLane::Mean { d } else { 0 });
+        // Each adapter's `h = x A` `(N, r)`, kept for its backward pass.
+        let lora_h = lora_plan.as_ref().map(|p| p.adapters().map(|_| nt(&mut bump, p.rank())).collect::<Vec<_>>());
         let activations = bump.since(act_start);
 
         let scratch_start = bump.0.next_multiple_of(ALIGN);
-        let dskip = (0..cfg.skip_count()).map(|_| bump.take(n * d)).collect();
+        let dskip = (0..cfg.skip_count()).map(|_| nt(&mut bump, d)).collect();
         let scratch = Scratch {
-            g: bump.take(n * d),
-            g2: bump.take(n * d),
-            dn: bump.take(n * d),
-            dao: bump.take(n * d),
-            dmo: bump.take(n * d),
-            dy: bump.take(n * d),
-            datt: bump.take(n * d),
-            dz: bump.take(if cfg.attn_gate { n * cfg.num_heads } else { 0 }),
-            dsmear: bump.take(if cfg.smear_gate { n * d } else { 0 }),
-            gl: bump.take(if lanes { n * d } else { 0 }),
-            gl2: bump.take(if lanes { n * d } else { 0 }),
-            dq: bump.take(n * d),
-            dk: bump.take(n * kvd),
-            dqkv: bump.take(n * (d + 2 * kvd)),
-            act: bump.take(n * f),
-            dact: bump.take(n * f),
-            dx0: bump.take(n * d),
-            demb: bump.take(n * d),
+            g: nt(&mut bump, d),
+            g2: nt(&mut bump, d),
+            dn: nt(&mut bump, d),
+            dao: nt(&mut bump, d),
+            dmo: nt(&mut bump, d),
+            dy: nt(&mut bump, d),
+            datt: nt(&mut bump, d),
+            dz: nt(&mut bump, if cfg.attn_gate { cfg.num_heads } else { 0 }),
+            dsmear: nt(&mut bump, if cfg.smear_gate { d } else { 0 }),
+            gl: nt(&mut bump, if lanes { d } else { 0 }),
+            gl2: nt(&mut bump, if lanes { d } else { 0 }),
+            dq: nt(&mut bump, d),
+            dk: nt(&mut bump, kvd),
+            dqkv: nt(&mut bump, d + 2 * kvd),
+            act: nt(&mut bump, f),
+            dact: nt(&mut bump, f),
+            dx0: nt(&mut bump, d),
+            demb: nt(&mut bump, d),
         };
+        // The adapters' `dh` `(N, r)`.
+        let lora_dh = lora_plan.as_ref().map(|p| nt(&mut bump, p.rank()));
         let half = bump.since(half_start);
         // Muon's Newton-Schulz stacks: scratch, f32.
         let mut muon: Vec<MuonGroup> = Vec::new();
@@ -402,6 +461,13 @@ impl Layout {
             g.b = bump.take(k * m * m);
         }
         let scratch_region = bump.since(scratch_start);
+        let lora = match (lora_plan, lora_moments, lora_h, lora_dh) {
+            (Some(p), Some(moments), Some(h), Some(dh)) => {
+                let len = p.len();
+                Some(p.place((params.sub(lora_at, len), grads.sub(lora_at, len)), moments, h, dh))
+            }
+            _ => None,
+        };
         let index = slots.iter().enumerate().map(|(i, s)| (s.name.clone(), i)).collect();
         Layout {
             slots,
@@ -428,9 +494,31 @@ impl Layout {
             dskip,
             scratch,
             muon,
+            lora,
             rows,
             t,
+            sizing,
         }
+    }
+
+    /// The same arena viewed at micro-batches of `rows x t` (within its [`Sizing`]: every
+    /// offset as before, the per-token buffers' views and the RoPE tables' cut to the shape).
+    pub fn reshaped(&self, cfg: &ModelConfig, rows: usize, t: usize) -> anyhow::Result<Layout> {
+        let s = self.sizing;
+        anyhow::ensure!(
+            rows >= 1 && t >= 1 && rows * t <= s.tokens && t <= s.max_t,
+            "a pass of {rows} x {t} tokens in an arena sized for {} tokens, rows of at most {}",
+            s.tokens,
+            s.max_t
+        );
+        Ok(Layout::sized(cfg, Sizing { rows, t, ..s }))
+    }
+
+    /// The rest of a per-token buffer of `per` elements a token past the micro-batch's view,
+    /// up to the arena's capacity (`None` when the view is the whole of it).
+    pub fn capacity_tail(&self, b: Buf, per: usize) -> Option<Buf> {
+        let (n, cap) = (self.rows * self.t, self.sizing.tokens);
+        (n < cap && b.len == n * per).then(|| Buf { off: b.end(), len: (cap - n) * per })
     }
 
     /// Elements in the arena.

@@ -14,6 +14,7 @@
 //! - [`gpu`]: the GPU backend, over a device that runs kernel launches and cuBLASLt plans
 //!   (CUDA, or the warp emulator in tests);
 //! - [`layout`]: the arena's regions and every tensor's offset;
+//! - [`lora`]: per-document LoRA adapters in the arena (phased TTT) and their products;
 //! - [`lt`]: every GEMM as a column-major cuBLASLt call (the GPU backend's), and a CPU
 //!   interpreter of those calls that checks the layouts without a GPU;
 //! - [`schedule`]: the schedule, the model op by op, forward and backward;
@@ -38,6 +39,7 @@ pub mod evaluate;
 pub mod exchange;
 pub mod gpu;
 pub mod layout;
+pub mod lora;
 pub mod lt;
 pub mod model_check;
 #[cfg(test)]

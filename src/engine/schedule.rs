@@ -32,7 +32,8 @@
 //! that share a block (depth recurrence) and over the step's micro-batches.
 
 use super::backend::{Activation, AttnShape, Backend, Buf, HeadShape, LaneBufs, Mat};
-use super::layout::{Layout, PositionBufs};
+use super::layout::{Layout, PositionBufs, Sizing};
+use crate::model::lora::Site;
 use crate::model::{FinalLane, MlpActivation, ModelConfig};
 
 /// The model's shape and switches as the schedule reads them, and the layout it runs on.
@@ -46,6 +47,10 @@ pub struct Schedule {
     /// (`model.document_attention`): phased TTT's global SGD masks its rows at each document
     /// ([`Schedule::set_documents`]); `None`: the model's rule.
     documents: Option<u32>,
+    /// The passes go through the per-document LoRA adapters of the arena with this output
+    /// scale, and the backward pass trains them alone ([`Schedule::set_lora`]; `None`: no
+    /// adapters, the base trained as usual).
+    pub(super) lora: Option<f64>,
 }
 
 /// The input of one matrix product after a forward pass ([`Schedule::product_inputs`]).
@@ -83,7 +88,27 @@ impl BlockNames {
 impl Schedule {
     /// The schedule of `cfg` on micro-batches of `rows x t` tokens, the norms with `eps`.
     pub fn new(cfg: &ModelConfig, rows: usize, t: usize, eps: f64) -> Schedule {
-        Schedule { cfg: cfg.clone(), layout: Layout::new(cfg, rows, t), eps, documents: None }
+        Schedule::sized(cfg, Sizing::fixed(rows, t), eps)
+    }
+
+    /// The schedule of `cfg` on an arena sized by `sizing` ([`Layout::sized`]).
+    pub fn sized(cfg: &ModelConfig, sizing: Sizing, eps: f64) -> Schedule {
+        Schedule { cfg: cfg.clone(), layout: Layout::sized(cfg, sizing), eps, documents: None, lora: None }
+    }
+
+    /// From now on the passes go through the arena's LoRA adapters with output scale `scale`
+    /// and the backward pass adds no gradient to the base's matrices and embedding (`Some`;
+    /// the small per-channel parameters' gradients are still written: the caller zeroes the
+    /// gradients after the adapters' step), or run the base model alone (`None`). Panics
+    /// when the arena holds no adapters.
+    pub fn set_lora(&mut self, scale: Option<f64>) {
+        assert!(scale.is_none() || self.layout.lora.is_some(), "LoRA passes on an arena without adapters");
+        self.lora = scale;
+    }
+
+    /// Whether the base's weights are frozen (a LoRA pass).
+    fn frozen(&self) -> bool {
+        self.lora.is_some()
     }
 
     /// From now on attention stays inside the documents that `bos` starts (`Some`), as the
@@ -246,10 +271,10 @@ impl Schedule {
                 h = p.skipped;
             }
             if step.lane {
-                self.lane_block_fwd(be, step.layer, p, [h, lane1]);
+                self.lane_block_fwd(be, (step.layer, pos), p, [h, lane1]);
                 h1 = Some(p.out1);
             } else {
-                self.block_fwd(be, step.layer, p, h);
+                self.block_fwd(be, (step.layer, pos), p, h);
             }
             h = p.out;
         }
@@ -265,6 +290,9 @@ impl Schedule {
         be.rms_norm_fwd(h, l.nf, l.rstdf, d, 1.0, eps);
         let v = self.cfg.vocab_size;
         be.gemm(l.logits.mat(n, v), l.nf.mat(n, d), self.w(self.head_name()).t(), 1.0, 0.0);
+        if let Some(ad) = self.head_adapter() {
+            self.lora_fwd(be, ad, l.nf, l.logits.mat(n, v));
+        }
         be.softcap_ce(l.logits, l.losses, v, self.cfg.logit_softcap, grad_scale);
         be.sum_into(l.losses, l.loss_sum());
     }
@@ -289,23 +317,23 @@ impl Schedule {
         (w, z)
     }
 
-    /// Block `i` at a position: reads the stream `h`, writes `p.out`.
-    fn block_fwd(&self, be: &mut dyn Backend, i: usize, p: &PositionBufs, h: Buf) {
+    /// Block `i` at position `pos`: reads the stream `h`, writes `p.out`.
+    fn block_fwd(&self, be: &mut dyn Backend, (i, pos): (usize, usize), p: &PositionBufs, h: Buf) {
         let (l, b, d, eps) = (&self.layout, BlockNames(i), self.cfg.model_dim, self.eps);
         let s = self.cfg.ln_scale_of(i).unwrap_or(1.0);
         be.resid_mix_fwd(h, l.x0, self.value(&b.name("resid_mix")), p.u);
         be.rms_norm_fwd(p.u, p.n1, p.rstd1, d, s, eps);
-        self.attention_fwd(be, i, p);
+        self.attention_fwd(be, (i, pos), p);
         if self.cfg.parallel(i) {
             // out = u + attn_scale ao + mlp_scale mlp(n1).
-            self.mlp_fwd(be, i, p.n1, p.pre, p.mo);
+            self.mlp_fwd(be, (i, pos), p.n1, p.pre, p.mo);
             be.scale_add_fwd(p.u, p.ao, self.value(&b.name("attn_scale")), p.out);
             be.scale_add_fwd(p.out, p.mo, self.value(&b.name("mlp_scale")), p.out);
         } else {
             // u2 = u + attn_scale ao; out = u2 + mlp_scale mlp(s rms(u2)).
             be.scale_add_fwd(p.u, p.ao, self.value(&b.name("attn_scale")), p.u2);
             be.rms_norm_fwd(p.u2, p.n2, p.rstd2, d, s, eps);
-            self.mlp_fwd(be, i, p.n2, p.pre, p.mo);
+            self.mlp_fwd(be, (i, pos), p.n2, p.pre, p.mo);
             be.scale_add_fwd(p.u2, p.mo, self.value(&b.name("mlp_scale")), p.out);
         }
     }
@@ -338,42 +366,48 @@ impl Schedule {
 
     /// Block `i` on the two-lane decoder's lanes `l` (attention reads `u = l0 mix0 + x0 mix1`,
     /// the MLP `l1`): writes lane 0's output to `p.out`, lane 1's to `p.out1`.
-    fn lane_block_fwd(&self, be: &mut dyn Backend, i: usize, p: &PositionBufs, l: [Buf; 2]) {
+    fn lane_block_fwd(&self, be: &mut dyn Backend, (i, pos): (usize, usize), p: &PositionBufs, l: [Buf; 2]) {
         let (lay, b, d, eps) = (&self.layout, BlockNames(i), self.cfg.model_dim, self.eps);
         let s = self.cfg.ln_scale_of(i).unwrap_or(1.0);
         be.resid_mix_fwd(l[0], lay.x0, self.value(&b.name("resid_mix")), p.u);
         be.rms_norm_fwd(p.u, p.n1, p.rstd1, d, s, eps);
-        self.attention_fwd(be, i, p);
+        self.attention_fwd(be, (i, pos), p);
         be.rms_norm_fwd(l[1], p.n2, p.rstd2, d, s, eps);
-        self.mlp_fwd(be, i, p.n2, p.pre, p.mo);
+        self.mlp_fwd(be, (i, pos), p.n2, p.pre, p.mo);
         be.lanes_fwd(l, p.ao, p.mo, self.lane_bufs(i, false), [p.out, p.out1]);
     }
 
     /// Backward of [`Schedule::lane_block_fwd`] on inputs `l` from the lanes' gradients `g`
     /// (used up) into `g_in`, the gradients of `l`.
-    fn lane_block_bwd(&self, be: &mut dyn Backend, i: usize, p: &PositionBufs, l: [Buf; 2], g: [Buf; 2], g_in: [Buf; 2]) {
+    fn lane_block_bwd(&self, be: &mut dyn Backend, (i, pos): (usize, usize), p: &PositionBufs, l: [Buf; 2], g: [Buf; 2], g_in: [Buf; 2]) {
         let (lay, sc, b, d) = (&self.layout, self.layout.scratch, BlockNames(i), self.cfg.model_dim);
         let s = self.cfg.ln_scale_of(i).unwrap_or(1.0);
         // dl_k = r[k] G_k; dao, dmo; the scales' and lambdas' gradients.
         be.lanes_bwd(g, l, p.ao, p.mo, self.lane_bufs(i, false), g_in, sc.dao, sc.dmo, self.lane_bufs(i, true));
         // m = mlp(s rms(l1)): into lane 1's gradient.
-        self.mlp_bwd(be, i, p.n2, p.pre, sc.dmo, false);
+        self.mlp_bwd(be, (i, pos), p.n2, p.pre, sc.dmo, false);
         be.rms_norm_bwd(l[1], p.rstd2, sc.dn, g_in[1], d, s, true);
         // a = attention(s rms(u)), u = l0 mix0 + x0 mix1: du, then dl0 += du mix0 (by way of
         // dy, free once attention's backward is done).
-        self.attention_bwd(be, i, p, sc.dao, false);
+        self.attention_bwd(be, (i, pos), p, sc.dao, false);
         be.rms_norm_bwd(p.u, p.rstd1, sc.dn, sc.datt, d, s, false);
         be.resid_mix_bwd(sc.datt, l[0], lay.x0, self.value(&b.name("resid_mix")), sc.dy, sc.dx0, self.grad(&b.name("resid_mix")));
         be.axpby(1.0, sc.dy, 1.0, g_in[0]);
     }
 
-    /// Attention of block `i` on `p.n1` into `p.ao`.
-    fn attention_fwd(&self, be: &mut dyn Backend, i: usize, p: &PositionBufs) {
+    /// Attention of block `i` at position `pos` on `p.n1` into `p.ao`.
+    fn attention_fwd(&self, be: &mut dyn Backend, (i, pos): (usize, usize), p: &PositionBufs) {
         let (l, b, n, d) = (&self.layout, BlockNames(i), self.n(), self.cfg.model_dim);
         let kvd = self.cfg.kv_dim();
         // qkv = n1 [Wq; Wk; Wv]^T: one GEMM for the three projections.
         be.gemm(p.qkv.mat(n, d + 2 * kvd), p.n1.mat(n, d), self.wqkv(i, false).t(), 1.0, 0.0);
         let (xq, xk, xv) = self.qkv_views(p.qkv);
+        // The adapters add to the projections before the q/k norm.
+        for (site, y) in [(Site::Q, xq), (Site::K, xk), (Site::V, xv)] {
+            if let Some(ad) = self.adapter(pos, site) {
+                self.lora_fwd(be, ad, p.n1, y);
+            }
+        }
         let (heads, kv_heads) = (self.cfg.num_heads, self.cfg.num_kv_heads);
         let gain = self.value(&b.name("attn.q_gain"));
         be.qk_norm_rope_fwd(xq, p.q, p.rq, Some(gain), l.cos, l.sin, self.head_shape(heads), self.eps);
@@ -395,16 +429,22 @@ impl Schedule {
             y
         };
         be.gemm(p.ao.mat(n, d), y.mat(n, d), self.w(&b.name("attn.proj.weight")).t(), 1.0, 0.0);
+        if let Some(ad) = self.adapter(pos, Site::O) {
+            self.lora_fwd(be, ad, p.n1, p.ao.mat(n, d));
+        }
     }
 
     /// The MLP of block `i`: `pre = x Wfc^T`, `out = act(pre) Wp^T`.
-    fn mlp_fwd(&self, be: &mut dyn Backend, i: usize, x: Buf, pre: Buf, out: Buf) {
+    fn mlp_fwd(&self, be: &mut dyn Backend, (i, pos): (usize, usize), x: Buf, pre: Buf, out: Buf) {
         let (b, n, d) = (BlockNames(i), self.n(), self.cfg.model_dim);
         let f = self.cfg.mlp_mult * d;
         let act = self.layout.scratch.act;
         be.gemm(pre.mat(n, f), x.mat(n, d), self.w(&b.name("mlp.fc.weight")).t(), 1.0, 0.0);
         be.act_fwd(pre, act, self.activation());
         be.gemm(out.mat(n, d), act.mat(n, f), self.w(&b.name("mlp.proj.weight")).t(), 1.0, 0.0);
+        if let Some(ad) = self.adapter(pos, Site::Mlp) {
+            self.lora_fwd(be, ad, x, out.mat(n, d));
+        }
     }
 
     /// The backward pass of the micro-batch [`Schedule::forward`] just ran, adding every
@@ -424,8 +464,13 @@ impl Schedule {
         let plan = self.plan(looping);
         // The head: dW += dlogits^T nf; dnf = dlogits W; G = rms'(dnf).
         let head = self.head_name();
-        be.gemm(self.dw(head), l.logits.mat(n, v).t(), l.nf.mat(n, d), 1.0, 1.0);
+        if !self.frozen() {
+            be.gemm(self.dw(head), l.logits.mat(n, v).t(), l.nf.mat(n, d), 1.0, 1.0);
+        }
         be.gemm(sc.dn.mat(n, d), l.logits.mat(n, v), self.w(head), 1.0, 0.0);
+        if let Some(ad) = self.head_adapter() {
+            self.lora_bwd(be, ad, l.nf, l.logits.mat(n, v), sc.dn);
+        }
         be.rms_norm_bwd(self.final_stream(&plan), l.rstdf, sc.dn, sc.g, d, 1.0, false);
         be.fill(sc.dx0, 0.0);
         // On the two-lane decoder, G splits between the lanes as the final stream took them.
@@ -464,10 +509,10 @@ impl Schedule {
             let first_lane = step.lane && !plan[pos - 1].lane;
             if step.lane {
                 let lane1 = if first_lane { before } else { l.positions[pos - 1].out1 };
-                self.lane_block_bwd(be, step.layer, p, [input, lane1], [g, gl], [g2, gl2]);
+                self.lane_block_bwd(be, (step.layer, pos), p, [input, lane1], [g, gl], [g2, gl2]);
                 std::mem::swap(&mut gl, &mut gl2);
             } else {
-                self.block_bwd(be, step.layer, p, input, g, g2);
+                self.block_bwd(be, (step.layer, pos), p, input, g, g2);
             }
             std::mem::swap(&mut g, &mut g2);
             if let Some((j, e)) = step.pops {
@@ -483,6 +528,11 @@ impl Schedule {
             }
             at(be, plan.len() - pos);
         }
+        if self.frozen() {
+            // The embedding is frozen and nothing below it learns.
+            at(be, plan.len() + 1);
+            return;
+        }
         // G is now the gradient of the first block's input, x0 itself.
         be.axpby(1.0, g, 1.0, sc.dx0);
         be.rms_norm_bwd(self.embedded(), l.rstd0, sc.dx0, sc.demb, d, 1.0, false);
@@ -494,6 +544,11 @@ impl Schedule {
         } else {
             sc.demb
         };
+        if let Some(tail) = l.capacity_tail(demb, d) {
+            // A backend whose ids fill the arena's capacity (the GPU's CSR) reads past the
+            // micro-batch there: the padded positions' gradient is zero.
+            be.fill(tail, 0.0);
+        }
         be.embedding_bwd(demb, self.grad("tok_emb.weight"), d);
         at(be, plan.len() + 1);
     }
@@ -540,7 +595,7 @@ impl Schedule {
     /// Backward of block `i` at a position whose input stream was `h`: `g` holds the gradient
     /// of the block's output and is used up; `g_in` gets the gradient of its input.
     #[allow(clippy::too_many_arguments)]
-    fn block_bwd(&self, be: &mut dyn Backend, i: usize, p: &PositionBufs, h: Buf, g: Buf, g_in: Buf) {
+    fn block_bwd(&self, be: &mut dyn Backend, (i, pos): (usize, usize), p: &PositionBufs, h: Buf, g: Buf, g_in: Buf) {
         let (l, sc, b, d) = (&self.layout, self.layout.scratch, BlockNames(i), self.cfg.model_dim);
         let s = self.cfg.ln_scale_of(i).unwrap_or(1.0);
         let (attn_scale, mlp_scale) = (self.value(&b.name("attn_scale")), self.value(&b.name("mlp_scale")));
@@ -549,16 +604,16 @@ impl Schedule {
             // out = u + attn_scale ao + mlp_scale mo: G flows to u unchanged.
             be.scale_add_bwd(g, p.mo, mlp_scale, sc.dmo, d_mlp_scale);
             be.scale_add_bwd(g, p.ao, attn_scale, sc.dao, d_attn_scale);
-            self.mlp_bwd(be, i, p.n1, p.pre, sc.dmo, false);
-            self.attention_bwd(be, i, p, sc.dao, true);
+            self.mlp_bwd(be, (i, pos), p.n1, p.pre, sc.dmo, false);
+            self.attention_bwd(be, (i, pos), p, sc.dao, true);
             be.rms_norm_bwd(p.u, p.rstd1, sc.dn, g, d, s, true);
         } else {
             // out = u2 + mlp_scale mo; u2 = u + attn_scale ao.
             be.scale_add_bwd(g, p.mo, mlp_scale, sc.dmo, d_mlp_scale);
-            self.mlp_bwd(be, i, p.n2, p.pre, sc.dmo, false);
+            self.mlp_bwd(be, (i, pos), p.n2, p.pre, sc.dmo, false);
             be.rms_norm_bwd(p.u2, p.rstd2, sc.dn, g, d, s, true);
             be.scale_add_bwd(g, p.ao, attn_scale, sc.dao, d_attn_scale);
-            self.attention_bwd(be, i, p, sc.dao, false);
+            self.attention_bwd(be, (i, pos), p, sc.dao, false);
             be.rms_norm_bwd(p.u, p.rstd1, sc.dn, g, d, s, true);
         }
         // u = h mix0 + x0 mix1.
@@ -567,7 +622,7 @@ impl Schedule {
 
     /// Backward of block `i`'s attention from `dao` (the gradient of `ao`) into `dn`, the
     /// gradient of its input `n1` (added to `dn` when `accumulate`).
-    fn attention_bwd(&self, be: &mut dyn Backend, i: usize, p: &PositionBufs, dao: Buf, accumulate: bool) {
+    fn attention_bwd(&self, be: &mut dyn Backend, (i, pos): (usize, usize), p: &PositionBufs, dao: Buf, accumulate: bool) {
         let (l, sc, b, n, d) = (&self.layout, self.layout.scratch, BlockNames(i), self.n(), self.cfg.model_dim);
         let kvd = self.cfg.kv_dim();
         let (xsa, gate) = (self.cfg.xsa(i), self.cfg.attn_gate);
@@ -575,7 +630,9 @@ impl Schedule {
         let yo = if gate { p.yg } else { y };
         let wo = b.name("attn.proj.weight");
         // ao = yo Wo^T: dWo += dao^T yo; dyo = dao Wo.
-        be.gemm(self.dw(&wo), dao.mat(n, d).t(), yo.mat(n, d), 1.0, 1.0);
+        if !self.frozen() {
+            be.gemm(self.dw(&wo), dao.mat(n, d).t(), yo.mat(n, d), 1.0, 1.0);
+        }
         be.gemm(sc.dy.mat(n, d), dao.mat(n, d), self.w(&wo), 1.0, 0.0);
         let (xq, xk, xv) = self.qkv_views(p.qkv);
         let (dxq, dxk, dxv) = self.qkv_views(sc.dqkv);
@@ -602,30 +659,48 @@ impl Schedule {
         be.qk_norm_rope_bwd(xk, p.rk, sc.dk, dxk, None, l.cos, l.sin, self.head_shape(kv_heads));
         // qkv = n1 Wqkv^T: dWqkv += dqkv^T n1; dn1 (+)= dqkv Wqkv.
         let dqkv = sc.dqkv.mat(n, d + 2 * kvd);
-        be.gemm(self.wqkv(i, true), dqkv.t(), p.n1.mat(n, d), 1.0, 1.0);
+        if !self.frozen() {
+            be.gemm(self.wqkv(i, true), dqkv.t(), p.n1.mat(n, d), 1.0, 1.0);
+        }
         be.gemm(sc.dn.mat(n, d), dqkv, self.wqkv(i, false), 1.0, if accumulate { 1.0 } else { 0.0 });
         if gate {
             // z = scale x[:, :W] w^T: dw += dz^T x; dn1[:, :W] += dz w (scale is in dz).
             let (w, dw, x) = self.attn_gate_parts(i, p.n1);
             let dz = sc.dz.mat(n, self.cfg.num_heads);
-            be.gemm(dw, dz.t(), x, 1.0, 1.0);
+            if !self.frozen() {
+                be.gemm(dw, dz.t(), x, 1.0, 1.0);
+            }
             be.gemm(sc.dn.mat(n, d).cols(0, self.cfg.attn_gate_window), dz, w, 1.0, 1.0);
+        }
+        // The adapters: o's from dao, q's, k's and v's from their projections' gradients;
+        // each adds its input's gradient to dn1.
+        for (site, dy) in [(Site::O, dao.mat(n, d)), (Site::Q, dxq), (Site::K, dxk), (Site::V, dxv)] {
+            if let Some(ad) = self.adapter(pos, site) {
+                self.lora_bwd(be, ad, p.n1, dy, sc.dn);
+            }
         }
     }
 
     /// Backward of block `i`'s MLP on input `x` from `dmo` into `dn` (added when `accumulate`).
-    fn mlp_bwd(&self, be: &mut dyn Backend, i: usize, x: Buf, pre: Buf, dmo: Buf, accumulate: bool) {
+    fn mlp_bwd(&self, be: &mut dyn Backend, (i, pos): (usize, usize), x: Buf, pre: Buf, dmo: Buf, accumulate: bool) {
         let (sc, b, n, d) = (self.layout.scratch, BlockNames(i), self.n(), self.cfg.model_dim);
         let f = self.cfg.mlp_mult * d;
         let (fc, proj) = (b.name("mlp.fc.weight"), b.name("mlp.proj.weight"));
         // act = act(pre) again; out = act Wp^T: dWp += dmo^T act; dact = dmo Wp.
         be.act_fwd(pre, sc.act, self.activation());
-        be.gemm(self.dw(&proj), dmo.mat(n, d).t(), sc.act.mat(n, f), 1.0, 1.0);
+        if !self.frozen() {
+            be.gemm(self.dw(&proj), dmo.mat(n, d).t(), sc.act.mat(n, f), 1.0, 1.0);
+        }
         be.gemm(sc.dact.mat(n, f), dmo.mat(n, d), self.w(&proj), 1.0, 0.0);
         // dpre = act'(pre) dact (into the activation's buffer, no longer needed).
         be.act_bwd(pre, sc.dact, sc.act, self.activation());
         // pre = x Wfc^T: dWfc += dpre^T x; dx (+)= dpre Wfc.
-        be.gemm(self.dw(&fc), sc.act.mat(n, f).t(), x.mat(n, d), 1.0, 1.0);
+        if !self.frozen() {
+            be.gemm(self.dw(&fc), sc.act.mat(n, f).t(), x.mat(n, d), 1.0, 1.0);
+        }
         be.gemm(sc.dn.mat(n, d), sc.act.mat(n, f), self.w(&fc), 1.0, if accumulate { 1.0 } else { 0.0 });
+        if let Some(ad) = self.adapter(pos, Site::Mlp) {
+            self.lora_bwd(be, ad, x, dmo.mat(n, d), sc.dn);
+        }
     }
 }

@@ -12,7 +12,7 @@ use super::backend::{Backend, Buf, GraphCounts, Tokens};
 use super::cpu::CpuBackend;
 use super::exchange::{Exchange, ExchangeStats};
 use super::gpu::{Capacity, GpuPrecision, HalfRegions};
-use super::layout::Layout;
+use super::layout::{Layout, Sizing};
 use super::optim::{self, MuonStep};
 use super::schedule::Schedule;
 use crate::device::phase_clock::{Phase, PhaseTimes};
@@ -41,6 +41,12 @@ pub fn kernel_capacity(cfg: &ModelConfig, rows: usize, t: usize) -> anyhow::Resu
         colsum_group: crate::engine::gpu::COLSUM_GROUP,
         embed_piece: crate::engine::gpu::EMBED_PIECE,
     })
+}
+
+/// [`kernel_capacity`] for an arena sized by `sizing`: its most tokens, its longest row.
+pub fn kernel_capacity_sized(cfg: &ModelConfig, sizing: Sizing) -> anyhow::Result<Capacity> {
+    let cap = kernel_capacity(cfg, 1, sizing.max_t)?;
+    Ok(Capacity { tokens: sizing.tokens, ..cap })
 }
 
 /// What one micro-batch took (its loss stays on the device: [`Engine::loss_sum`]).
@@ -84,6 +90,11 @@ pub struct Engine {
     poison: bool,
     /// Steps each Adam group has taken (its bias correction's `t`).
     adam_steps: [u64; 3],
+    /// Steps the LoRA adapters' AdamW has taken since it was reset.
+    pub(super) lora_steps: u64,
+    /// The pass length the RoPE tables' base is for (the row length but in a padded pass:
+    /// [`Engine::reshape_padded`]).
+    pub(super) rope_len: usize,
     /// Several ranks: the gradient exchange (none on one rank).
     exchange: Option<Exchange>,
     /// Wall time of the last optimizer step's collectives (sharded Muon's exchange).
@@ -99,14 +110,20 @@ impl Engine {
     /// the check backend; `F32`: the fast one), with every parameter zero until
     /// [`Engine::load_params`]. `poison`: NaN in every dead buffer (checks for aliasing).
     pub fn cpu(cfg: &ModelConfig, rows: usize, t: usize, dtype: DType, poison: bool) -> anyhow::Result<Engine> {
+        Engine::cpu_sized(cfg, Sizing::fixed(rows, t), dtype, poison)
+    }
+
+    /// [`Engine::cpu`] on an arena sized by `sizing` (passes of other shapes within it, LoRA
+    /// adapters: [`Engine::reshape`], [`Engine::lora_pass`]).
+    pub fn cpu_sized(cfg: &ModelConfig, sizing: Sizing, dtype: DType, poison: bool) -> anyhow::Result<Engine> {
         super::support::check(cfg)?;
-        let len = Layout::new(cfg, rows, t).len();
+        let len = Layout::sized(cfg, sizing).len();
         let be: Box<dyn Backend> = match dtype {
             DType::F64 => Box::new(CpuBackend::<f64>::new(len)),
             DType::F32 => Box::new(CpuBackend::<f32>::new(len)),
             other => anyhow::bail!("the engine's CPU backends run in f32 or f64, not {other:?} (bf16 is the GPU backend's)"),
         };
-        Engine::with_backend(cfg, rows, t, be, poison)
+        Engine::with_backend_sized(cfg, sizing, be, poison)
     }
 
     /// An engine for `cfg` on micro-batches of `rows x t` tokens on the GPU of `device` (a
@@ -126,29 +143,53 @@ impl Engine {
         graphs: bool,
         poison: bool,
     ) -> anyhow::Result<Engine> {
+        Engine::gpu_sized(cfg, Sizing::fixed(rows, t), device, precision, graphs, poison)
+    }
+
+    /// [`Engine::gpu`] on an arena sized by `sizing` (its longest row a multiple of 64, as every
+    /// pass's must be).
+    pub fn gpu_sized(
+        cfg: &ModelConfig,
+        sizing: Sizing,
+        device: &Device,
+        precision: GpuPrecision,
+        graphs: bool,
+        poison: bool,
+    ) -> anyhow::Result<Engine> {
         super::support::check(cfg)?;
-        let cap = kernel_capacity(cfg, rows, t)?;
-        let layout = Layout::new(cfg, rows, t);
+        let cap = kernel_capacity_sized(cfg, sizing)?;
+        let layout = Layout::sized(cfg, sizing);
         let half = (precision == GpuPrecision::Bf16).then(|| HalfRegions::of(&layout));
         let be = super::gpu::gpu_backend(device, precision, graphs, layout.len(), cap, half)?;
-        Engine::with_backend(cfg, rows, t, be, poison)
+        Engine::with_backend_sized(cfg, sizing, be, poison)
     }
 
     /// An engine for `cfg` on micro-batches of `rows x t` tokens on `be`, whose arena must
     /// hold `Layout::new(cfg, rows, t).len()` elements (all zero) in the dtype it computes in;
     /// the rest as [`Engine::cpu`].
     pub(crate) fn with_backend(cfg: &ModelConfig, rows: usize, t: usize, be: Box<dyn Backend>, poison: bool) -> anyhow::Result<Engine> {
+        Engine::with_backend_sized(cfg, Sizing::fixed(rows, t), be, poison)
+    }
+
+    /// [`Engine::with_backend`] on an arena sized by `sizing` (`Layout::sized(cfg, sizing)`).
+    pub(crate) fn with_backend_sized(cfg: &ModelConfig, sizing: Sizing, be: Box<dyn Backend>, poison: bool) -> anyhow::Result<Engine> {
         super::support::check(cfg)?;
         let dtype = be.dtype();
-        let schedule = Schedule::new(cfg, rows, t, rms_eps(dtype));
+        let schedule = Schedule::sized(cfg, sizing, rms_eps(dtype));
         let len = schedule.layout.len();
         anyhow::ensure!(be.len() == len, "the backend's arena holds {} elements, this model's layout {len}", be.len());
-        let mut e = Engine { be, schedule, poison, adam_steps: [0; 3], exchange: None, last_comm: Duration::ZERO, spans: Vec::new() };
-        let (cos, sin) = rope_tables(t, cfg.rotary_dims(), cfg.rope_base_for(t), dtype, &Device::Cpu)?;
-        let l = &e.schedule.layout;
-        let (c, s) = (l.cos, l.sin);
-        e.be.upload(c, &cos)?;
-        e.be.upload(s, &sin)?;
+        let mut e = Engine {
+            be,
+            schedule,
+            poison,
+            adam_steps: [0; 3],
+            lora_steps: 0,
+            rope_len: sizing.t,
+            exchange: None,
+            last_comm: Duration::ZERO,
+            spans: Vec::new(),
+        };
+        e.upload_rope()?;
         if poison {
             let (a, b) = (e.schedule.layout.activations, e.schedule.layout.scratch_region);
             e.be.fill(a, f64::NAN);
@@ -156,6 +197,32 @@ impl Engine {
             // The RoPE tables sit among the constants, not the activations: keep them.
         }
         Ok(e)
+    }
+
+    /// Hands the micro-batch's ids to the backend, whose token buffers hold the arena's
+    /// capacity: host ids of a smaller shape ([`Engine::reshape`]) are padded with ignored
+    /// positions.
+    pub(super) fn load_tokens(&mut self, tokens: Tokens<'_>) -> anyhow::Result<()> {
+        let cap = self.schedule.layout.sizing.tokens;
+        match tokens {
+            Tokens::Host { x, y } if x.len() < cap => {
+                let (mut px, mut py) = (x.to_vec(), y.to_vec());
+                px.resize(cap, 0);
+                py.resize(cap, crate::model::ops::softcap_ce::IGNORED_TARGET);
+                self.be.load_tokens(Tokens::Host { x: &px, y: &py })
+            }
+            _ => self.be.load_tokens(tokens),
+        }
+    }
+
+    /// The RoPE tables of the current row length, uploaded.
+    pub(super) fn upload_rope(&mut self) -> anyhow::Result<()> {
+        let (cfg, l) = (self.schedule.config(), &self.schedule.layout);
+        let t = l.t;
+        let (cos, sin) = rope_tables(t, cfg.rotary_dims(), cfg.rope_base_for(self.rope_len), self.be.dtype(), &Device::Cpu)?;
+        let (c, s) = (l.cos, l.sin);
+        self.be.upload(c, &cos)?;
+        self.be.upload(s, &sin)
     }
 
     /// The schedule (and through it the layout).
@@ -310,7 +377,7 @@ impl Engine {
         // The forward span starts before the ids: a stream that waits for their upload shows
         // the wait as forward time.
         let m0 = self.be.timing_mark();
-        self.be.load_tokens(tokens)?;
+        self.load_tokens(tokens)?;
         self.be.begin_unit(if looping { "forward looped" } else { "forward" });
         self.schedule.forward(self.be.as_mut(), looping, grad_scale);
         if self.poison {
@@ -366,7 +433,7 @@ impl Engine {
                 py = yc.iter().chain(yc[..t].iter().cycle().take(n - yc.len())).copied().collect::<Vec<u32>>();
                 (&px[..], &py[..])
             };
-            self.be.load_tokens(Tokens::Host { x: xs, y: ys })?;
+            self.load_tokens(Tokens::Host { x: xs, y: ys })?;
             self.be.begin_unit(if looping { "score looped" } else { "score" });
             self.schedule.forward(self.be.as_mut(), looping, 0.0);
             self.be.end_unit();

@@ -17,6 +17,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
+pub use super::lora::LoraModel;
 use crate::dist::{Collective, ReduceOp};
 use crate::model::observe::InputObserver;
 use crate::model::ops::DocumentMask;
@@ -66,8 +67,9 @@ pub struct SgdStep<'a> {
     pub from: usize,
 }
 
-/// What the evaluations after training need of a model (see the module doc).
-pub trait EvalModel {
+/// What the evaluations after training need of a model (see the module doc), phased TTT's
+/// adapters included ([`LoraModel`]).
+pub trait EvalModel: LoraModel {
     /// The model's configuration (vocabulary, BOS, shapes).
     fn config(&self) -> &ModelConfig;
 
@@ -101,14 +103,16 @@ pub trait EvalModel {
 /// and [`Sgd`] for the steps. It owns the model (`M = Gpt`) or borrows it (`&Gpt`: the
 /// parameters are variables, trained in place either way).
 pub struct CandleModel<M: Borrow<Gpt> = Gpt> {
-    model: M,
+    pub(super) model: M,
     sgd: Option<Sgd>,
+    /// Phased TTT's adapters ([`super::lora`]).
+    pub(super) lora: super::lora::CandleLora,
 }
 
 impl<M: Borrow<Gpt>> CandleModel<M> {
     /// `model`, trained in place by the SGD steps.
     pub fn new(model: M) -> Self {
-        Self { model, sgd: None }
+        Self { model, sgd: None, lora: Default::default() }
     }
 
     /// The model.

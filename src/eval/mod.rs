@@ -10,6 +10,7 @@ pub mod audit;
 pub mod bpb;
 pub mod byte_check;
 pub mod executor;
+pub mod lora;
 pub mod phased;
 pub mod sidecar;
 pub mod sliding;

@@ -50,7 +50,8 @@ impl Site {
     /// Every site, in the order of a slot's adapters.
     pub const ALL: [Site; 5] = [Site::Q, Site::K, Site::V, Site::O, Site::Mlp];
 
-    fn name(self) -> &'static str {
+    /// The site's name in the adapters' names (`lora.{slot}.{site}.a`).
+    pub fn name(self) -> &'static str {
         match self {
             Site::Q => "q",
             Site::K => "k",
@@ -61,7 +62,7 @@ impl Site {
     }
 
     /// `(in, out)` widths of this site's adapter in a model of `cfg`.
-    fn dims(self, cfg: &ModelConfig) -> (usize, usize) {
+    pub fn dims(self, cfg: &ModelConfig) -> (usize, usize) {
         let d = cfg.model_dim;
         match self {
             Site::K | Site::V => (d, cfg.kv_dim()),

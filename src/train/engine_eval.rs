@@ -21,6 +21,7 @@ use candle_core::Tensor;
 use crate::dist::Collective;
 use crate::engine::Engine;
 use crate::engine::gpu::GpuPrecision;
+use crate::engine::layout::{LoraShape, Sizing};
 use crate::eval::executor::{CandleModel, EvalExecutor, EvalModel, SgdStep};
 use crate::model::flash_attn::Attention;
 use crate::model::observe::InputObserver;
@@ -46,15 +47,39 @@ pub fn check(executor: EvalExecutor, cfg: &ModelConfig, t: usize, gpu: bool, sta
 
 /// `model` as an evaluation's model on `executor`; the engine on micro-batches of `rows x t`.
 pub fn open(model: Gpt, executor: EvalExecutor, rows: usize, t: usize) -> anyhow::Result<Box<dyn EvalModel>> {
+    open_sized(model, executor, Sizing::fixed(rows, t))
+}
+
+/// [`open`] with the engine's arena sized by `sizing` (phased TTT: its global SGD's
+/// micro-batches, and its LoRA passes' adapters and longest windows).
+pub fn open_sized(model: Gpt, executor: EvalExecutor, sizing: Sizing) -> anyhow::Result<Box<dyn EvalModel>> {
     Ok(match executor {
         EvalExecutor::Candle => Box::new(CandleModel::new(model)),
-        EvalExecutor::Engine => Box::new(EngineModel::new(model, rows, t)?),
+        EvalExecutor::Engine => Box::new(EngineModel::sized(model, sizing)?),
     })
+}
+
+/// The arena phased TTT's engine needs: its global SGD's `global` micro-batches (`rows x t`)
+/// and passes of `batch_docs` documents' windows of up to `context` tokens through adapters of
+/// rank `rank` (on a GPU the windows rounded up to 64 tokens).
+pub fn phased_sizing(global: (usize, usize), (batch_docs, context, rank): (usize, usize, usize), gpu: bool) -> Sizing {
+    let context = if gpu { context.next_multiple_of(64) } else { context };
+    Sizing {
+        rows: global.0,
+        t: global.1,
+        tokens: (global.0 * global.1).max(batch_docs * context),
+        max_t: global.1.max(context),
+        lora: Some(LoraShape { docs: batch_docs, rank }),
+    }
 }
 
 /// The engine of an evaluation, and the candle model mirroring its weights.
 pub struct EngineModel {
     engine: Engine,
+    /// The shape of the scoring and SGD passes (a LoRA pass reshapes the arena).
+    base: (usize, usize),
+    /// Phased TTT's adapters ([`super::engine_lora`]).
+    pub(super) lora: super::engine_lora::EngineLora,
     mirror: Gpt,
     /// The engine's weights changed since the mirror was synced.
     stale: bool,
@@ -67,23 +92,30 @@ impl EngineModel {
     /// micro-batches of `rows x t`. Errors name what the engine cannot run (an element it
     /// lacks, a shape the GPU attention refuses).
     pub fn new(model: Gpt, rows: usize, t: usize) -> anyhow::Result<Self> {
+        Self::sized(model, Sizing::fixed(rows, t))
+    }
+
+    /// [`EngineModel::new`] on an arena sized by `sizing` ([`phased_sizing`]).
+    pub fn sized(model: Gpt, sizing: Sizing) -> anyhow::Result<Self> {
+        let (rows, t) = (sizing.rows, sizing.t);
         anyhow::ensure!(rows >= 1 && t >= 1, "an evaluation engine of {rows} rows of {t} tokens");
         let mut engine = if model.device().is_cpu() {
-            Engine::cpu(model.config(), rows, t, model.dtype(), false)?
+            Engine::cpu_sized(model.config(), sizing, model.dtype(), false)?
         } else {
-            let mut e = Engine::gpu(model.config(), rows, t, model.device(), GpuPrecision::Bf16, true, false)?;
+            let mut e = Engine::gpu_sized(model.config(), sizing, model.device(), GpuPrecision::Bf16, true, false)?;
             e.set_cudnn(model.attention_choice() == Attention::Cudnn)?;
             e
         };
         let weights: HashMap<String, Tensor> = model.state_dict().into_iter().collect();
         engine.load_params(&weights).context("the evaluation engine's weights")?;
-        Ok(Self { engine, mirror: model, stale: false, momentum: None })
+        Ok(Self { engine, base: (rows, t), lora: Default::default(), mirror: model, stale: false, momentum: None })
     }
 
     /// `engine` (holding `model`'s weights, for its config and shapes) with `model` as its
     /// mirror: an engine on another backend (the tests' emulated GPU).
     pub fn with_engine(engine: Engine, model: Gpt) -> Self {
-        Self { engine, mirror: model, stale: false, momentum: None }
+        let base = (engine.rows(), engine.seq_len());
+        Self { engine, base, lora: Default::default(), mirror: model, stale: false, momentum: None }
     }
 
     /// The engine.
@@ -91,16 +123,47 @@ impl EngineModel {
         &self.engine
     }
 
+    /// The engine, to run on.
+    pub(super) fn engine_mut(&mut self) -> &mut Engine {
+        &mut self.engine
+    }
+
+    /// Whether the engine runs on a GPU.
+    pub(super) fn on_gpu(&self) -> bool {
+        self.engine.device_name() != "cpu"
+    }
+
+    /// Whether the passes go through the looped layer sequence.
+    pub(super) fn looping(&self) -> bool {
+        self.mirror.looping()
+    }
+
+    /// The model's device.
+    pub(super) fn device(&self) -> candle_core::Device {
+        self.mirror.device().clone()
+    }
+
+    /// The engine back at the scoring and SGD passes' shape (after LoRA passes).
+    fn at_base(&mut self) -> anyhow::Result<()> {
+        self.engine.reshape(self.base.0, self.base.1)
+    }
+
     /// What an evaluation engine for `cfg` on `rows x t` micro-batches holds on `device`
     /// (`run.device`): its f32 arena, and on a GPU the bf16 activations at 2 bytes and the
     /// kernel backend's other spaces and cuBLASLt's workspace, as the training engine's
     /// memory counts them ([`crate::train::requirements::engine_memory`]).
     pub fn arena_bytes(cfg: &ModelConfig, rows: usize, t: usize, device: &str) -> u64 {
+        Self::arena_bytes_sized(cfg, Sizing::fixed(rows, t), device)
+    }
+
+    /// [`EngineModel::arena_bytes`] of an arena sized by `sizing` (with adapters, their values,
+    /// gradients, moments and kept products).
+    pub fn arena_bytes_sized(cfg: &ModelConfig, sizing: Sizing, device: &str) -> u64 {
         let gpu = matches!(crate::device::parse(device), Ok(crate::device::DeviceName::Cuda(_)));
-        let layout = crate::engine::layout::Layout::new(cfg, rows, t);
+        let layout = crate::engine::layout::Layout::sized(cfg, sizing);
         let arena: usize = layout.region_bytes(4, gpu).iter().map(|r| r.1).sum();
         // A shape the GPU attention refuses is the executor check's to report.
-        let kernels = if gpu { crate::engine::step::kernel_capacity(cfg, rows, t).map_or(0, |c| c.scratch_bytes()) } else { 0 };
+        let kernels = if gpu { crate::engine::step::kernel_capacity_sized(cfg, sizing).map_or(0, |c| c.scratch_bytes()) } else { 0 };
         (arena + kernels) as u64
     }
 
@@ -139,6 +202,7 @@ impl EvalModel for EngineModel {
 
     fn token_losses(&mut self, x: &[u32], y: &[u32], t: usize) -> anyhow::Result<Vec<f32>> {
         anyhow::ensure!(x.len() == y.len() && x.len().is_multiple_of(t), "{} ids and {} targets in rows of {t}", x.len(), y.len());
+        self.at_base()?;
         anyhow::ensure!(
             t == self.engine.seq_len(),
             "internal: rows of {t} tokens scored by an evaluation engine of {}-token rows",
@@ -163,6 +227,7 @@ impl EvalModel for EngineModel {
 
     fn sgd_step(&mut self, s: &SgdStep<'_>, ranks: &dyn Collective) -> anyhow::Result<()> {
         let momentum = self.momentum.ok_or_else(|| anyhow::anyhow!("internal: an SGD step before `reset_sgd`"))?;
+        self.at_base()?;
         anyhow::ensure!(
             s.t == self.engine.seq_len(),
             "internal: SGD on rows of {} tokens, the engine's are {}",
@@ -192,6 +257,7 @@ impl EvalModel for EngineModel {
     }
 
     fn observe_inputs(&mut self, x: &[u32], t: usize, observer: &mut dyn InputObserver) -> anyhow::Result<()> {
+        self.at_base()?;
         anyhow::ensure!(
             t == self.engine.seq_len() && x.len().is_multiple_of(t),
             "internal: {} ids in rows of {t} for an engine of {}-token rows",

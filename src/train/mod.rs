@@ -12,6 +12,7 @@ pub mod config;
 pub mod engine_eval;
 #[cfg(test)]
 pub(crate) mod engine_eval_tests;
+pub mod engine_lora;
 pub mod engine_trainer;
 pub mod executor;
 pub mod log;

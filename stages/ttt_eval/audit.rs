@@ -115,6 +115,22 @@ fn eval_model(
     crate::train::engine_eval::open(model_from(config, weights)?, executor, rows, t)
 }
 
+/// [`eval_model`] for phased TTT (the engine's arena also holds its LoRA passes and adapters).
+fn phased_model(
+    config: &Config,
+    weights: &[(String, Tensor)],
+    executor: EvalExecutor,
+    c: &crate::eval::phased::PhasedConfig,
+) -> anyhow::Result<Box<dyn EvalModel>> {
+    let gpu = crate::device::runs_on_gpu(&config.run.device);
+    let sizing = crate::train::engine_eval::phased_sizing(
+        (c.global_rows_per_rank(1).0, c.global_seq_len),
+        (c.batch_docs, c.context, c.lora_rank),
+        gpu,
+    );
+    crate::train::engine_eval::open_sized(model_from(config, weights)?, executor, sizing)
+}
+
 /// Rows of the evaluation's `window`, at most the model's RoPE training length (past it the
 /// rotary base depends on the row's length, and a document alone would not compare).
 fn row_len(config: &Config, window: usize) -> usize {
@@ -212,7 +228,7 @@ fn phased<'a>(s: &Setup<'a>) -> anyhow::Result<Built<'a>> {
         Order::Groups(work_queue(&docs, cfg.batch_docs).iter().map(|b| b.docs.iter().map(|&k| docs[k].targets()).collect()).collect());
     let (config, weights, tables, c, bos, seed) = (s.config, s.weights, s.tables.clone(), cfg.clone(), s.bos, s.seed);
     let scorer: Scorer<'a> = Box::new(move |tokens| {
-        let mut model = eval_model(config, weights, p.executor, c.global_rows_per_rank(1).0, c.global_seq_len)?;
+        let mut model = phased_model(config, weights, p.executor, &c)?;
         let o =
             phased_ttt(model.as_mut(), tokens, tables.clone(), (&c, bos, seed), &Single, |_| {}, || true)?.context("phased TTT stopped")?;
         Ok(o.acc.recorded()?.to_vec())

@@ -167,11 +167,27 @@ impl Evaluator {
     /// The model of a pass from `weights` on the stage's executor (the engine on micro-batches
     /// of `rows x t`), logged with where it runs.
     fn model(&self, weights: &[(String, candle_core::Tensor)], rows: usize, t: usize) -> anyhow::Result<Box<dyn EvalModel>> {
+        self.model_sized(weights, crate::engine::layout::Sizing::fixed(rows, t))
+    }
+
+    /// [`Evaluator::model`] with the engine's arena sized by `sizing` (phased TTT's).
+    fn model_sized(
+        &self,
+        weights: &[(String, candle_core::Tensor)],
+        sizing: crate::engine::layout::Sizing,
+    ) -> anyhow::Result<Box<dyn EvalModel>> {
         let model = crate::artifact::roundtrip::model_from(&self.config, weights)?;
         // What the engine cannot run was refused before training (`check_executor`).
-        let m = crate::train::engine_eval::open(model, self.executor, rows, t)
+        let m = crate::train::engine_eval::open_sized(model, self.executor, sizing)
             .with_context(|| format!("stage `{}`: building the evaluation's {} model", self.stage, self.executor.name()))?;
-        self.log.line(&format!("{}: {} on {rows} x {t} tokens a pass", self.stage, m.describe()));
+        let (rows, t) = (sizing.rows, sizing.t);
+        let lora = match sizing.lora {
+            Some(l) if self.executor == EvalExecutor::Engine => {
+                format!(", LoRA passes of up to {} documents x {} tokens at rank {}", l.docs, sizing.max_t, l.rank)
+            }
+            _ => String::new(),
+        };
+        self.log.line(&format!("{}: {} on {rows} x {t} tokens a pass{lora}", self.stage, m.describe()));
         Ok(m)
     }
 

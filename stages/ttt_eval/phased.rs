@@ -192,17 +192,27 @@ impl Sink for Phased {
                 eval_memory(ctx, &sliding, Some((rows, key)), p.executor)?
             }
             EvalExecutor::Engine => {
-                // The global SGD's engine (a rank's share of `global_batch_seqs`), alive while
-                // the LoRA passes run on candle beside it.
-                let world = config(ctx)?.run.world_size.max(1);
-                let global = SlidingConfig { seq_len: cfg.global_seq_len, stride: 1, batch_windows: 1 };
-                let mut needs = eval_memory(ctx, &global, Some(cfg.global_rows_per_rank(world)), p.executor)?;
-                let m = &config(ctx)?.model;
-                let lora_pass = crate::model::memory::training_bytes(m, p.batch_docs * cfg.context, cfg.context, true, 4);
-                let keys = [format!("stages.{}.batch_docs", ctx.stage), format!("stages.{}.context", ctx.stage)];
+                // One arena: the global SGD's micro-batches (a rank's share of
+                // `global_batch_seqs`), the LoRA passes' documents x context, and the adapters
+                // with their gradients, AdamW's moments and kept products.
+                let c = config(ctx)?;
+                let (m, world) = (&c.model, c.run.world_size.max(1));
+                m.check()?;
+                let (rows, key) = cfg.global_rows_per_rank(world);
+                let gpu = crate::device::runs_on_gpu(&c.run.device);
+                let sizing =
+                    crate::train::engine_eval::phased_sizing((rows, cfg.global_seq_len), (p.batch_docs, cfg.context, p.lora_rank), gpu);
+                let arena = crate::train::engine_eval::EngineModel::arena_bytes_sized(m, sizing, &c.run.device);
+                let mirror = crate::model::memory::ParamCounts::of(m).total.saturating_mul(4);
+                let mut keys: Vec<String> =
+                    ["batch_docs", "context", "lora_rank", key].iter().map(|k| format!("stages.{}.{k}", ctx.stage)).collect();
+                keys.extend(crate::model::memory::MODEL_KEYS.iter().map(|k| k.to_string()));
                 let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-                needs.push(crate::runtime::memory::Need::device("LoRA passes' activations (candle)", lora_pass, &keys).transient());
-                needs
+                let what = "evaluation engine's arena (global SGD, LoRA passes, adapters and AdamW) and the weights' candle mirror";
+                return Ok(vec![
+                    crate::model::memory::snapshots_need(m, ctx.stage, ctx.queue),
+                    crate::runtime::memory::Need::device(what, arena.saturating_add(mirror), &keys).transient(),
+                ]);
             }
         };
         // The adapters of one batch with their gradients and AdamW's two moments, in f32.
@@ -252,8 +262,12 @@ impl Evaluator {
         let (label, weights) = snap.eval_weights();
         // Building the model from the weights is part of the evaluation (and its time).
         let t0 = Instant::now();
-        // The global SGD's steps: a rank's share of a step's sequences.
-        let mut model = self.model(weights, cfg.global_rows_per_rank(self.ranks.world()).0, cfg.global_seq_len)?;
+        // The global SGD's steps (a rank's share of a step's sequences) and the LoRA passes.
+        let rows = cfg.global_rows_per_rank(self.ranks.world()).0;
+        let gpu = crate::device::runs_on_gpu(&self.config.run.device);
+        let sizing =
+            crate::train::engine_eval::phased_sizing((rows, cfg.global_seq_len), (cfg.batch_docs, cfg.context, cfg.lora_rank), gpu);
+        let mut model = self.model_sized(weights, sizing)?;
         let tables = self.validator.tables().clone();
         let mut times: Vec<(&'static str, Duration)> = Vec::new();
         let mut last = Instant::now();

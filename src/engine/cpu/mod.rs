@@ -194,7 +194,9 @@ impl<T: Real> Backend for CpuBackend<T> {
     fn embedding_bwd(&mut self, dout: Buf, dtable: Buf, dim: usize) {
         let x = std::mem::take(&mut self.x);
         let ([g], [d]) = self.io([dout], [dtable]);
-        embedding::embedding_rows_bwd(g, &x, d, dim);
+        // The micro-batch's first rows (the ids may hold a larger arena's capacity).
+        let n = (g.len() / dim.max(1)).min(x.len());
+        embedding::embedding_rows_bwd(g, &x[..n], d, dim);
         self.x = x;
     }
 
@@ -287,16 +289,19 @@ impl<T: Real> Backend for CpuBackend<T> {
     fn smear_fwd(&mut self, e: Buf, w: Buf, lambda: Buf, out: Buf, cols: usize, t: usize, bos: u32) {
         let ids = std::mem::take(&mut self.x);
         let ([e, w, l], [o]) = self.io([e, w, lambda], [out]);
-        assert_eq!(ids.len() * cols, e.len(), "SmearGate over {} rows with {} ids", e.len() / cols.max(1), ids.len());
-        smear_gate::smear_rows_fwd(e, &ids, w, l[0], o, smear_gate::SmearRows { cols, t, bos });
+        // The micro-batch's first rows (the ids may hold a larger arena's capacity).
+        let n = e.len() / cols.max(1);
+        assert!(n * cols == e.len() && ids.len() >= n, "SmearGate over {n} rows with {} ids", ids.len());
+        smear_gate::smear_rows_fwd(e, &ids[..n], w, l[0], o, smear_gate::SmearRows { cols, t, bos });
         self.x = ids;
     }
 
     fn smear_bwd(&mut self, dout: Buf, e: Buf, w: Buf, lambda: Buf, de: Buf, dw: Buf, dlambda: Buf, cols: usize, t: usize, bos: u32) {
         let ids = std::mem::take(&mut self.x);
         let ([g, e, w, l], [de, dw, dl]) = self.io([dout, e, w, lambda], [de, dw, dlambda]);
-        assert_eq!(ids.len() * cols, e.len(), "SmearGate over {} rows with {} ids", e.len() / cols.max(1), ids.len());
-        smear_gate::smear_rows_bwd(g, e, &ids, w, l[0], de, dw, dl, smear_gate::SmearRows { cols, t, bos });
+        let n = e.len() / cols.max(1);
+        assert!(n * cols == e.len() && ids.len() >= n, "SmearGate over {n} rows with {} ids", ids.len());
+        smear_gate::smear_rows_bwd(g, e, &ids[..n], w, l[0], de, dw, dl, smear_gate::SmearRows { cols, t, bos });
         self.x = ids;
     }
 

@@ -200,7 +200,7 @@ impl<D: Device> KernelBackend<D> {
     fn smear_rows(&self, e: Buf, cols: usize, t: usize) -> usize {
         let rows = e.len / cols;
         assert!(
-            rows * cols == e.len && rows == self.tokens.n && rows.is_multiple_of(t),
+            rows * cols == e.len && rows <= self.tokens.n && rows.is_multiple_of(t),
             "SmearGate over {} elements of width {cols}, sequences of {t}, {} ids",
             e.len,
             self.tokens.n
@@ -443,6 +443,22 @@ impl<D: Device> Backend for KernelBackend<D> {
         assert!(sa.is_bf16() || !sc.is_bf16(), "a GEMM of f32 operands into the bf16 {sc:?} space");
         // cuBLAS's A is our b, its B our a (lt::plan).
         self.submit(Work::Gemm(lt::plan(c, a_, b, alpha, beta), [sb, sa, sc]));
+    }
+
+    fn gemm_batched(&mut self, c: Mat, a_: Mat, b: Mat, alpha: f64, beta: f64, count: usize, strides: [usize; 3]) {
+        let spans = [c.batch_span(count, strides[0]), a_.batch_span(count, strides[1]), b.batch_span(count, strides[2])];
+        self.check([spans[1], spans[2]], [spans[0]]);
+        // Each operand's space from the whole of its batch (a view's offset moves with it).
+        let place = |m: Mat, span: Buf| {
+            let (whole, space) = self.operand(Mat { off: span.off, rows: 1, cols: span.len, ld: span.len, t: false });
+            (Mat { off: m.off - span.off + whole.off, ..m }, space)
+        };
+        let ((c, sc), (a_, sa), (b, sb)) = (place(c, spans[0]), place(a_, spans[1]), place(b, spans[2]));
+        assert!(sc != Space::Mirror, "a GEMM writes into the weights");
+        assert_eq!(sa.is_bf16(), sb.is_bf16(), "a GEMM of a {sa:?} and a {sb:?} operand (one storage type for both)");
+        assert!(sa.is_bf16() || !sc.is_bf16(), "a GEMM of f32 operands into the bf16 {sc:?} space");
+        let p = lt::plan_batched(c, a_, b, alpha, beta, count, strides[0], strides[1], strides[2]);
+        self.submit(Work::Gemm(p, [sb, sa, sc]));
     }
 
     fn half_region(&self) -> Option<Buf> {

@@ -509,11 +509,21 @@ fn scoring_on_the_emulated_gpu_matches_the_cpu_engine() {
 /// `file` in the emulator's folder), in f32 with f32 GEMMs: for the tests of what runs on the
 /// engine above this module (the evaluations, `crate::train::engine_eval`).
 pub(crate) fn emulated_engine(cfg: &crate::model::ModelConfig, rows: usize, t: usize, file: &str) -> crate::engine::Engine {
+    emulated_engine_sized(cfg, crate::engine::layout::Sizing::fixed(rows, t), file)
+}
+
+/// [`emulated_engine`] on an arena sized by `sizing` (phased TTT's: passes of other shapes,
+/// LoRA adapters).
+pub(crate) fn emulated_engine_sized(
+    cfg: &crate::model::ModelConfig,
+    sizing: crate::engine::layout::Sizing,
+    file: &str,
+) -> crate::engine::Engine {
     use crate::engine::layout::Layout;
-    use crate::engine::step::kernel_capacity;
+    use crate::engine::step::kernel_capacity_sized;
     let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join(file));
-    let be = KernelBackend::new(dev, Layout::new(cfg, rows, t).len(), kernel_capacity(cfg, rows, t).unwrap()).unwrap();
-    crate::engine::Engine::with_backend(cfg, rows, t, Box::new(be), false).unwrap()
+    let be = KernelBackend::new(dev, Layout::sized(cfg, sizing).len(), kernel_capacity_sized(cfg, sizing).unwrap()).unwrap();
+    crate::engine::Engine::with_backend_sized(cfg, sizing, Box::new(be), false).unwrap()
 }
 
 /// Timing marks keep their numbers when others are released; released marks at the front are

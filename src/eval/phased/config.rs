@@ -47,6 +47,20 @@ pub struct PhasedConfig {
     pub global_grad_clip: f64,
 }
 
+impl PhasedConfig {
+    /// The adapters' settings.
+    pub fn lora_spec(&self) -> crate::eval::lora::LoraSpec {
+        crate::eval::lora::LoraSpec {
+            rank: self.lora_rank,
+            alpha: self.lora_alpha,
+            lr: self.lora_lr,
+            betas: self.lora_betas,
+            eps: self.lora_eps,
+            weight_decay: self.lora_weight_decay,
+        }
+    }
+}
+
 impl Default for PhasedConfig {
     /// PR #1626's values (spec §5.4, §5.5).
     fn default() -> Self {

@@ -24,7 +24,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use candle_core::{DType, Tensor};
 
 use super::config::PhasedConfig;
 use super::docs::{Chunk, Document, chunks, phase_boundaries, segment, work_queue};
@@ -33,9 +32,7 @@ use super::progress::Progress;
 use crate::dist::{Collective, ReduceOp};
 use crate::eval::bpb::{BpbAccumulator, ByteTables};
 use crate::eval::executor::EvalModel;
-use crate::model::lora::Lora;
-use crate::model::{Gpt, PassExtras};
-use crate::optim::Adam;
+use crate::eval::lora::LoraStep;
 
 /// What happened, in order.
 #[derive(Debug)]
@@ -148,7 +145,7 @@ pub fn phased_ttt(
             let batch_docs: Vec<Document> = batch.docs.iter().map(|&d| docs[d]).collect();
             mine_targets += batch_docs.iter().map(Document::pred_len).sum::<usize>();
             let lora_seed = seed.wrapping_add(batch.index as u64);
-            going = run.batch(model.candle()?, &batch.docs, &batch_docs, lora_seed, &mut on_event, &keep_going)?;
+            going = run.batch(model, &batch.docs, &batch_docs, lora_seed, &mut on_event, &keep_going)?;
         }
         let scored = (run.acc.nll_sum() - before.0, run.acc.tokens() - before.1, run.acc.bytes() - before.2);
         // What each rank's entry of the round scored, and whether all go on.
@@ -185,7 +182,7 @@ pub fn phased_ttt(
             };
             run.times.global += t0.elapsed();
             // The base changed: the warm start begins again from fresh adapters (as the record).
-            run.warm = None;
+            model.lora_forget();
             phases.push(PhaseReport { phase, docs: boundary, scored_at_pause: done.len(), after_batch: entries.end, paused_at, stats });
         }
         for q in entries {
@@ -233,8 +230,6 @@ pub(super) struct Run<'a> {
     nll: Vec<f32>,
     scored: Vec<bool>,
     times: PhasedTimes,
-    /// The last full batch's adapters, kept for the warm start of A until the next phase.
-    warm: Option<Lora>,
 }
 
 impl<'a> Run<'a> {
@@ -247,23 +242,16 @@ impl<'a> Run<'a> {
             nll: vec![f32::NAN; tokens.len() - 1],
             scored: vec![false; tokens.len() - 1],
             times: PhasedTimes::default(),
-            warm: None,
         }
     }
 
-    /// The kept adapters' first A (`lora.0.q.a`), flattened (tests of the warm start).
-    #[cfg(test)]
-    pub(super) fn warm_a(&self) -> Option<Vec<f64>> {
-        let l = self.warm.as_ref()?;
-        l.vars()[0].1.flatten_all().ok()?.to_dtype(DType::F64).ok()?.to_vec1().ok()
-    }
-
     /// The chunk loop over one batch of documents (`ids` into the stream's list, `docs` their
-    /// spans) on `model`'s frozen weights with adapters drawn from `seed` (or, under the warm start of A, the last full
-    /// batch's A). False when `keep_going` said stop.
+    /// spans) on `model`'s frozen weights with adapters ([`crate::eval::lora`]) drawn from
+    /// `seed` (or, under the warm start of A, the last full batch's A). False when
+    /// `keep_going` said stop.
     pub(super) fn batch(
         &mut self,
-        model: &Gpt,
+        model: &mut dyn EvalModel,
         ids: &[usize],
         docs: &[Document],
         seed: u64,
@@ -274,44 +262,39 @@ impl<'a> Run<'a> {
         let plans: Vec<Vec<Chunk>> = docs.iter().map(|d| chunks(d.pred_len(), cfg.chunk, cfg.context)).collect();
         let rounds = plans.iter().map(Vec::len).max().unwrap_or(0);
         // A full batch starts from the last full batch's A under the warm start (B zeroed, a
-        // fresh optimizer); any other batch draws fresh adapters.
-        let full = docs.len() == cfg.batch_docs;
-        // (A short batch leaves the kept adapters for the next full one, as the record does.)
-        let lora = match (cfg.lora_warm_start_a && full).then(|| self.warm.take()).flatten() {
-            Some(l) => {
-                l.reset_b()?;
-                l
-            }
-            None => Lora::new(model.config(), model.looping(), (docs.len(), cfg.lora_rank), seed, model.dtype(), model.device())?
-                .with_alpha(cfg.lora_alpha),
-        };
-        let mut adam =
-            Adam::new(lora.vars(), cfg.lora_lr, cfg.lora_betas, cfg.lora_eps)?.with_weight_decay(cfg.lora_weight_decay).with_prefix("lora");
+        // fresh optimizer); any other batch draws fresh adapters (a short batch leaves the kept
+        // ones for the next full one, as the record does).
+        let warm = cfg.lora_warm_start_a && docs.len() == cfg.batch_docs;
+        model.lora_begin(&cfg.lora_spec(), docs.len(), seed, warm)?;
+        let rows = docs.len();
         for c in 0..rounds {
             if !keep_going() {
+                model.lora_end(false)?;
                 return Ok(false);
             }
             let t0 = Instant::now();
-            // The documents with a chunk c, their rows in this pass.
-            let active: Vec<u32> = (0..docs.len()).filter(|&r| c < plans[r].len()).map(|r| r as u32).collect();
-            let width = active.iter().map(|&r| plans[r as usize][c].window.len()).max().unwrap_or(0);
-            let (mut x, mut y) = (vec![0u32; active.len() * width], vec![0u32; active.len() * width]);
-            for (row, &r) in active.iter().enumerate() {
-                let (d, w) = (docs[r as usize], &plans[r as usize][c].window);
-                x[row * width..][..w.len()].copy_from_slice(&self.tokens[d.start + w.start..d.start + w.end]);
-                y[row * width..][..w.len()].copy_from_slice(&self.tokens[d.start + w.start + 1..d.start + w.end + 1]);
+            // The documents with a chunk c, each in its own row.
+            let active: Vec<bool> = plans.iter().map(|p| c < p.len()).collect();
+            let width = (0..rows).filter(|&r| active[r]).map(|r| plans[r][c].window.len()).max().unwrap_or(0);
+            let (mut x, mut y) = (vec![0u32; rows * width], vec![0u32; rows * width]);
+            let mut scored = vec![0..0; rows];
+            let mut train = vec![false; rows];
+            for r in (0..rows).filter(|&r| active[r]) {
+                let (d, ch) = (docs[r], &plans[r][c]);
+                let w = &ch.window;
+                x[r * width..][..w.len()].copy_from_slice(&self.tokens[d.start + w.start..d.start + w.end]);
+                y[r * width..][..w.len()].copy_from_slice(&self.tokens[d.start + w.start + 1..d.start + w.end + 1]);
+                scored[r] = ch.scored.start - w.start..ch.scored.end - w.start;
+                train[r] = !ch.last;
             }
-            let shape = (active.len(), width);
-            let (xt, yt) = (Tensor::from_slice(&x, shape, model.device())?, Tensor::from_slice(&y, shape, model.device())?);
-            let pass = lora.pass(Some(&active))?;
-            let nll_t = model.frozen_token_losses(&xt, &yt, PassExtras { lora: Some(&pass), docs: None })?;
-            let nll = nll_t.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            let step = LoraStep { x: &x, y: &y, width, active: &active, scored: &scored, train: &train };
+            let nll = model.lora_score(&step)?;
             // Score: each chunk's targets, final.
-            let mut weights = vec![0f32; active.len() * width];
-            let mut train = Vec::new();
-            for (row, &r) in active.iter().enumerate() {
-                let (d, ch) = (docs[r as usize], &plans[r as usize][c]);
-                let local = row * width + ch.scored.start - ch.window.start..row * width + ch.scored.end - ch.window.start;
+            let mut loss = 0.0;
+            let mut trained = Vec::new();
+            for r in (0..rows).filter(|&r| active[r]) {
+                let (d, ch) = (docs[r], &plans[r][c]);
+                let local = r * width + scored[r].start..r * width + scored[r].end;
                 let targets = d.start + ch.scored.start..d.start + ch.scored.end;
                 for t in targets.clone() {
                     anyhow::ensure!(!self.scored[t], "internal: target {t} scored twice");
@@ -319,32 +302,26 @@ impl<'a> Run<'a> {
                 }
                 self.nll[targets.clone()].copy_from_slice(&nll[local.clone()]);
                 self.acc.add(targets.start, &x[local.clone()], &y[local.clone()], &nll[local.clone()]);
-                on_event(&PhasedEvent::Scored { doc: ids[r as usize], targets: targets.clone() });
-                if !ch.last {
-                    weights[local.clone()].fill(1.0 / local.len() as f32);
-                    train.push((ids[r as usize], targets));
+                on_event(&PhasedEvent::Scored { doc: ids[r], targets: targets.clone() });
+                if train[r] {
+                    loss += nll[local.clone()].iter().map(|&v| v as f64).sum::<f64>() / local.len() as f64;
+                    trained.push((ids[r], targets));
                 }
             }
             self.times.score += t0.elapsed();
-            if train.is_empty() {
+            if trained.is_empty() {
                 continue;
             }
             // Update: Σ over the documents not at their last chunk of the chunk's mean NLL.
             let t0 = Instant::now();
-            let w = Tensor::from_vec(weights, active.len() * width, model.device())?.to_dtype(nll_t.dtype())?;
-            let loss = (nll_t * w)?.sum_all()?;
-            let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            anyhow::ensure!(value.is_finite(), "the LoRA TTT loss is {value} at chunk {c} of the batch of documents from {}", ids[0]);
-            let grads = loss.backward()?;
-            adam.step(&grads, cfg.lora_lr)?;
-            for (doc, targets) in train {
+            anyhow::ensure!(loss.is_finite(), "the LoRA TTT loss is {loss} at chunk {c} of the batch of documents from {}", ids[0]);
+            model.lora_adapt()?;
+            for (doc, targets) in trained {
                 on_event(&PhasedEvent::Adapted { doc, targets });
             }
             self.times.adapt += t0.elapsed();
         }
-        if cfg.lora_warm_start_a && full {
-            self.warm = Some(lora);
-        }
+        model.lora_end(warm)?;
         Ok(true)
     }
 }

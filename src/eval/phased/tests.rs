@@ -8,6 +8,7 @@ use super::config::PhasedConfig;
 use super::docs::segment;
 use super::run::{PhasedEvent, PhasedOutcome, phased_ttt};
 use crate::eval::executor::CandleModel;
+use crate::eval::lora::LoraModel;
 // Score-first TTT's tiny float64 model (every parameter moved off its initial value) and its
 // hand-made byte tables.
 use crate::eval::ttt::tests::{VOCAB, model, tables};
@@ -242,14 +243,15 @@ fn a_short_batch_between_full_ones_leaves_the_warm_a_alone() {
     let docs = segment(&tokens, BOS);
     let cfg = PhasedConfig { phases: 0, lora_lr: 0.05, lora_alpha: Some(4.0), lora_warm_start_a: true, ..cfg() };
     let m = model();
+    let mut model = crate::eval::executor::CandleModel::new(&m);
     let mut run = super::run::Run::new(&tokens, &cfg, tables());
     let (mut ev, go) = (|_: &PhasedEvent<'_>| {}, || true);
-    assert!(run.batch(&m, &[0, 1, 2], &docs[0..3], 5, &mut ev, &go).unwrap());
-    let first = run.warm_a().expect("a full batch keeps its adapters");
-    assert!(run.batch(&m, &[3, 4], &docs[3..5], 6, &mut ev, &go).unwrap());
-    assert_eq!(run.warm_a().as_ref(), Some(&first), "the short batch drew its own and left the kept ones");
-    assert!(run.batch(&m, &[5, 6, 7], &docs[5..8], 7, &mut ev, &go).unwrap());
-    let third = run.warm_a().unwrap();
+    assert!(run.batch(&mut model, &[0, 1, 2], &docs[0..3], 5, &mut ev, &go).unwrap());
+    let first = model.lora_kept_a().unwrap().expect("a full batch keeps its adapters");
+    assert!(run.batch(&mut model, &[3, 4], &docs[3..5], 6, &mut ev, &go).unwrap());
+    assert_eq!(model.lora_kept_a().unwrap().as_ref(), Some(&first), "the short batch drew its own and left the kept ones");
+    assert!(run.batch(&mut model, &[5, 6, 7], &docs[5..8], 7, &mut ev, &go).unwrap());
+    let third = model.lora_kept_a().unwrap().unwrap();
     let fresh = crate::model::lora::Lora::new(m.config(), m.looping(), (3, cfg.lora_rank), 7, m.dtype(), m.device()).unwrap();
     let fresh: Vec<f64> = fresh.vars()[0].1.flatten_all().unwrap().to_dtype(candle_core::DType::F64).unwrap().to_vec1().unwrap();
     let dist = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f64>();
