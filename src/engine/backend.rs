@@ -424,6 +424,7 @@ pub trait Backend: Send {
     /// starting `i * stride` elements after the view given (`strides = [c, a, b]`): the
     /// per-document LoRA adapters' products, one per batch row. The default runs them one by
     /// one; the GPU backend runs one strided-batched cuBLASLt call.
+    #[allow(clippy::too_many_arguments)]
     fn gemm_batched(&mut self, c: Mat, a: Mat, b: Mat, alpha: f64, beta: f64, count: usize, strides: [usize; 3]) {
         for i in 0..count {
             let at = |m: Mat, k: usize| Mat { off: m.off + i * strides[k], ..m };

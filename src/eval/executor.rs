@@ -93,10 +93,6 @@ pub trait EvalModel: LoraModel {
     /// to `observer` (GPTQ's calibration: [`crate::model::observe`]), the model's own
     /// attention rule, looped as the model is.
     fn observe_inputs(&mut self, x: &[u32], t: usize, observer: &mut dyn InputObserver) -> anyhow::Result<()>;
-
-    /// A candle model holding the current weights (phased TTT's LoRA passes run on candle):
-    /// the model itself, or the engine's weights copied into its candle mirror.
-    fn candle(&mut self) -> anyhow::Result<&Gpt>;
 }
 
 /// The candle model as an [`EvalModel`]: [`Gpt::eval_token_losses`] for the losses, autograd
@@ -183,10 +179,6 @@ impl<M: Borrow<Gpt>> EvalModel for CandleModel<M> {
         let m = self.model();
         let xt = Tensor::from_slice(x, (x.len() / t, t), m.device())?;
         Ok(m.observe_inputs(&xt, observer)?)
-    }
-
-    fn candle(&mut self) -> anyhow::Result<&Gpt> {
-        Ok(self.model.borrow())
     }
 }
 

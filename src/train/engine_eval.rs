@@ -9,9 +9,9 @@
 //! The engine runs micro-batches of a fixed `rows x t`: a batch of other rows is cut into
 //! micro-batches of `rows`, the last one padded with rows whose targets are
 //! [`IGNORED_TARGET`] (no loss, no gradient), so an SGD step's mean loss and gradient are those
-//! of its own rows whatever their number. A candle mirror of the weights is kept for what still
-//! runs on candle (phased TTT's LoRA passes: [`EvalModel::candle`]); it is synced only when read
-//! after the engine's weights changed.
+//! of its own rows whatever their number. Phased TTT's LoRA passes run on the same arena
+//! ([`super::engine_lora`]). No candle copy of the weights is kept: the model the engine is built
+//! from is dropped once its weights are in the arena.
 
 use std::collections::HashMap;
 
@@ -73,16 +73,17 @@ pub fn phased_sizing(global: (usize, usize), (batch_docs, context, rank): (usize
     }
 }
 
-/// The engine of an evaluation, and the candle model mirroring its weights.
+/// The engine of an evaluation.
 pub struct EngineModel {
     engine: Engine,
     /// The shape of the scoring and SGD passes (a LoRA pass reshapes the arena).
     base: (usize, usize),
     /// Phased TTT's adapters ([`super::engine_lora`]).
     pub(super) lora: super::engine_lora::EngineLora,
-    mirror: Gpt,
-    /// The engine's weights changed since the mirror was synced.
-    stale: bool,
+    /// The passes go through the looped layer sequence (the model's state when built).
+    looping: bool,
+    /// The model's device (where GPTQ's observer gets the products' inputs).
+    device: candle_core::Device,
     /// The SGD momentum of the optimizer [`EvalModel::reset_sgd`] made.
     momentum: Option<f64>,
 }
@@ -108,14 +109,14 @@ impl EngineModel {
         };
         let weights: HashMap<String, Tensor> = model.state_dict().into_iter().collect();
         engine.load_params(&weights).context("the evaluation engine's weights")?;
-        Ok(Self { engine, base: (rows, t), lora: Default::default(), mirror: model, stale: false, momentum: None })
+        Ok(Self::with_engine(engine, &model))
     }
 
-    /// `engine` (holding `model`'s weights, for its config and shapes) with `model` as its
-    /// mirror: an engine on another backend (the tests' emulated GPU).
-    pub fn with_engine(engine: Engine, model: Gpt) -> Self {
+    /// `engine` (holding `model`'s weights, for its config and shapes) as the evaluation's model,
+    /// looped and placed as `model`: an engine on another backend (the tests' emulated GPU).
+    pub fn with_engine(engine: Engine, model: &Gpt) -> Self {
         let base = (engine.rows(), engine.seq_len());
-        Self { engine, base, lora: Default::default(), mirror: model, stale: false, momentum: None }
+        Self { engine, base, lora: Default::default(), looping: model.looping(), device: model.device().clone(), momentum: None }
     }
 
     /// The engine.
@@ -135,12 +136,12 @@ impl EngineModel {
 
     /// Whether the passes go through the looped layer sequence.
     pub(super) fn looping(&self) -> bool {
-        self.mirror.looping()
+        self.looping
     }
 
     /// The model's device.
     pub(super) fn device(&self) -> candle_core::Device {
-        self.mirror.device().clone()
+        self.device.clone()
     }
 
     /// The engine back at the scoring and SGD passes' shape (after LoRA passes).
@@ -208,7 +209,7 @@ impl EvalModel for EngineModel {
             "internal: rows of {t} tokens scored by an evaluation engine of {}-token rows",
             self.engine.seq_len()
         );
-        let looping = self.mirror.looping();
+        let looping = self.looping;
         let mut out = Vec::with_capacity(x.len());
         self.micro_batches(x, y, |engine, x, y, real| {
             let losses = engine.token_losses(x, y, looping)?;
@@ -234,7 +235,7 @@ impl EvalModel for EngineModel {
             s.t,
             self.engine.seq_len()
         );
-        let looping = self.mirror.looping();
+        let looping = self.looping;
         // d(mean over the batch's rows x t positions)/dp: every rank's share summed.
         let scale = 1.0 / (s.rows * s.t) as f64;
         self.engine.set_documents(s.doc_bos);
@@ -252,7 +253,6 @@ impl EvalModel for EngineModel {
             self.engine.sum_grads_over(ranks)?;
         }
         self.engine.sgd_step(s.lr, momentum, s.grad_clip);
-        self.stale = true;
         Ok(())
     }
 
@@ -264,17 +264,9 @@ impl EvalModel for EngineModel {
             x.len(),
             self.engine.seq_len()
         );
-        let looping = self.mirror.looping();
-        let device = self.mirror.device().clone();
+        let looping = self.looping;
+        let device = self.device.clone();
         // The ids as their own targets: padding rows are cut off by `real`, not by their targets.
         self.micro_batches(x, x, |engine, x, _, real| engine.observe_inputs(x, real, looping, observer, &device))
-    }
-
-    fn candle(&mut self) -> anyhow::Result<&Gpt> {
-        if self.stale {
-            self.engine.copy_params_into(&mut self.mirror)?;
-            self.stale = false;
-        }
-        Ok(&self.mirror)
     }
 }

@@ -87,11 +87,9 @@ fn same_scores(what: &str, a: &BpbAccumulator, b: &BpbAccumulator, tol: f64) {
     assert!((a.val_bpb() - b.val_bpb()).abs() <= tol, "{what}: bpb candle {} engine {}", a.val_bpb(), b.val_bpb());
 }
 
-/// The weights of the candle model and the engine's (through its mirror) agree within `tol`
-/// of each tensor's norm.
+/// The weights of the candle model and the engine's agree within `tol` of each tensor's norm.
 fn same_weights(what: &str, candle: &Gpt, engine: &mut EngineModel, tol: f64) {
-    let e = engine.candle().unwrap();
-    for ((name, a), (_, b)) in candle.state_dict().iter().zip(e.state_dict()) {
+    for ((name, a), (_, b)) in candle.state_dict().iter().zip(engine.engine().params().unwrap()) {
         let err = crate::engine::tests::rel_err(&crate::engine::tests::flat(a), &crate::engine::tests::flat(&b));
         assert!(err <= tol, "{what}: weight {name} differs by {err:e} of its norm");
     }
@@ -250,7 +248,7 @@ fn score_first_ttt_on_the_emulated_gpu_matches_the_cpu_engine() {
     let want = score_first_ttt(&mut cpu, &tokens, tables(), &ttt, |_| {}, || true).unwrap().unwrap();
     let mut e = crate::engine::gpu::tests::emulated_engine(&cfg, rows, t, "ttt.mem");
     e.load_params(&params).unwrap();
-    let mut gpu = EngineModel::with_engine(e, model());
+    let mut gpu = EngineModel::with_engine(e, &model());
     let got = score_first_ttt(&mut gpu, &tokens, tables(), &ttt, |_| {}, || true).unwrap().unwrap();
     assert_eq!(got.chunks, 2);
     let bounds = cases::ModelBounds::GPU_F32_GEMMS;
@@ -369,7 +367,7 @@ fn phased_ttt_on_the_emulated_gpu_matches_the_cpu_engine() {
     assert_eq!(sizing.max_t, 128, "the windows rounded up to 64 tokens");
     let mut e = crate::engine::gpu::tests::emulated_engine_sized(&cfg, sizing, "phased.mem");
     e.load_params(&params).unwrap();
-    let mut gpu = EngineModel::with_engine(e, model());
+    let mut gpu = EngineModel::with_engine(e, &model());
     let got = run(&mut gpu);
     assert_eq!((got.phases.len(), want.phases.len()), (1, 1), "the phase ran");
     // Attention rounds q, k, v and the probabilities to bf16 in the emulator: a target's loss

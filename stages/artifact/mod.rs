@@ -120,7 +120,7 @@ impl ArtifactStage {
             keys.extend(MODEL_KEYS);
             needs.push(
                 crate::runtime::memory::Need::device(
-                    "scoring (or calibration) engine's arena and the weights' candle mirror",
+                    "scoring (or calibration) engine's arena and the candle model it is built from",
                     total.saturating_mul(4).saturating_add(arena),
                     &keys,
                 )

@@ -287,7 +287,7 @@ fn check_executor(executor: EvalExecutor, ctx: &BuildCtx, t: usize) -> anyhow::R
 /// larger of a sliding batch's forward pass and (with TTT) a training batch with its gradients
 /// and momentum. On the engine: its arena on the larger of the two micro-batches (the sliding
 /// pass's `batch_windows` rows and TTT's rows; the passes build their engines one after the
-/// other) and the weights' candle mirror. `ttt_batch`: the rows one rank trains on at once, and
+/// other) and the candle model it is built from (dropped once the weights are in the arena). `ttt_batch`: the rows one rank trains on at once, and
 /// the key that sets them.
 fn eval_memory(
     ctx: &BuildCtx,
@@ -312,7 +312,7 @@ fn eval_memory(
                 keys[0] = format!("stages.{}.{key}", ctx.stage);
                 bytes = arena(rows);
             }
-            ("evaluation engine's arena and the weights' candle mirror", total.saturating_mul(4).saturating_add(bytes))
+            ("evaluation engine's arena and the candle model it is built from", total.saturating_mul(4).saturating_add(bytes))
         }
         EvalExecutor::Candle => {
             let score = forward_bytes(m, sliding.batch_windows * t, t, true, 4);

@@ -77,9 +77,9 @@ pub struct PhasedParams {
     pub stride: usize,
     /// Windows per forward pass of that sliding score (32).
     pub batch_windows: usize,
-    /// What runs the global SGD and the sliding score: "engine" (the explicit engine: f32 on
-    /// the CPU, bf16 activations on a GPU) or "candle". The LoRA passes run on candle either
-    /// way (on the engine, a candle mirror of the weights synced after each phase).
+    /// What runs the evaluation (the LoRA passes, the global SGD and the sliding score):
+    /// "engine" (the explicit engine: f32 on the CPU, bf16 activations on a GPU; one arena holds
+    /// the adapters and AdamW's moments) or "candle".
     pub executor: EvalExecutor,
 }
 
@@ -203,12 +203,13 @@ impl Sink for Phased {
                 let sizing =
                     crate::train::engine_eval::phased_sizing((rows, cfg.global_seq_len), (p.batch_docs, cfg.context, p.lora_rank), gpu);
                 let arena = crate::train::engine_eval::EngineModel::arena_bytes_sized(m, sizing, &c.run.device);
+                // The candle model of the weights the arena is filled from (dropped then).
                 let mirror = crate::model::memory::ParamCounts::of(m).total.saturating_mul(4);
                 let mut keys: Vec<String> =
                     ["batch_docs", "context", "lora_rank", key].iter().map(|k| format!("stages.{}.{k}", ctx.stage)).collect();
                 keys.extend(crate::model::memory::MODEL_KEYS.iter().map(|k| k.to_string()));
                 let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-                let what = "evaluation engine's arena (global SGD, LoRA passes, adapters and AdamW) and the weights' candle mirror";
+                let what = "evaluation engine's arena (global SGD, LoRA passes, adapters and AdamW) and the candle model it is built from";
                 return Ok(vec![
                     crate::model::memory::snapshots_need(m, ctx.stage, ctx.queue),
                     crate::runtime::memory::Need::device(what, arena.saturating_add(mirror), &keys).transient(),

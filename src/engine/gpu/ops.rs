@@ -445,6 +445,7 @@ impl<D: Device> Backend for KernelBackend<D> {
         self.submit(Work::Gemm(lt::plan(c, a_, b, alpha, beta), [sb, sa, sc]));
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn gemm_batched(&mut self, c: Mat, a_: Mat, b: Mat, alpha: f64, beta: f64, count: usize, strides: [usize; 3]) {
         let spans = [c.batch_span(count, strides[0]), a_.batch_span(count, strides[1]), b.batch_span(count, strides[2])];
         self.check([spans[1], spans[2]], [spans[0]]);
