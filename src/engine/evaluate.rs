@@ -146,6 +146,9 @@ pub struct LoraPass<'a> {
     pub looping: bool,
     /// The adapters' output scale (`alpha / rank`, or 1).
     pub scale: f64,
+    /// The document of the first row: row `b` goes through document `first_doc + b`'s
+    /// adapters.
+    pub first_doc: usize,
     /// Per row: its positions' gradients are kept (the rest are scored only).
     pub train: &'a [bool],
     /// Each kept position's weight in the loss the adapters step on.
@@ -248,9 +251,13 @@ impl Engine {
         let n = rows * t;
         let docs = self.lora_layout()?.shape.docs;
         anyhow::ensure!(p.x.len() == n && p.y.len() == n && p.train.len() == rows, "a LoRA pass of {} ids for {rows} x {t}", p.x.len());
-        anyhow::ensure!(rows <= docs, "a LoRA pass of {rows} rows through adapters for {docs} documents");
+        anyhow::ensure!(
+            p.first_doc + rows <= docs,
+            "a LoRA pass of {rows} rows from document {} through adapters for {docs} documents",
+            p.first_doc
+        );
         self.load_tokens(Tokens::Host { x: p.x, y: p.y })?;
-        self.schedule.set_lora(Some(p.scale));
+        self.schedule.set_lora(Some(super::lora::LoraOn { scale: p.scale, first_doc: p.first_doc }));
         self.be.begin_unit(&format!("lora forward {}", lora_key(p, rows, t)));
         self.schedule.forward(self.be.as_mut(), p.looping, p.grad_scale);
         self.be.end_unit();
@@ -282,7 +289,7 @@ impl Engine {
             bias1: 1.0 - adam.betas.0.powf(k),
             bias2_sqrt: (1.0 - adam.betas.1.powf(k)).sqrt(),
         };
-        self.schedule.set_lora(Some(p.scale));
+        self.schedule.set_lora(Some(super::lora::LoraOn { scale: p.scale, first_doc: p.first_doc }));
         self.be.begin_unit(&format!("lora backward {}", lora_key(p, rows, t)));
         // A row that does not train keeps its scores, not its gradient.
         for (r, _) in p.train.iter().enumerate().filter(|(_, k)| !**k) {

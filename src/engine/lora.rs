@@ -33,6 +33,16 @@ use super::schedule::Schedule;
 use crate::model::ModelConfig;
 use crate::model::lora::Site;
 
+/// How the passes go through the adapters ([`Schedule::set_lora`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LoraOn {
+    /// The output scale `s` (`alpha / r`, or 1).
+    pub scale: f64,
+    /// The document of the pass's first row: row `b` goes through document `first_doc + b`'s
+    /// adapters (a pass over the documents that have a chunk, when they are the last ones).
+    pub first_doc: usize,
+}
+
 /// One batched adapter's buffers (`docs` documents, `in -> out` at rank `r`).
 #[derive(Clone, Copy, Debug)]
 pub struct LoraBufs {
@@ -181,9 +191,10 @@ impl Schedule {
     /// `y += s (x A) B` per batch row, keeping `h = x A`: `x` the adapter's `(N, in)` input,
     /// `y` its `(N, out)` output (a view: the query columns of the fused product).
     pub(super) fn lora_fwd(&self, be: &mut dyn Backend, ad: LoraBufs, x: Buf, y: Mat) {
-        let (rows, t, r, s) = (self.layout.rows, self.layout.t, self.rank(), self.lora.unwrap_or(1.0));
+        let (rows, t, r) = (self.layout.rows, self.layout.t, self.rank());
+        let LoraOn { scale: s, first_doc: d0 } = self.lora.expect("a LoRA pass");
         let (xr, hr, yr) = (x.mat(rows * t, ad.inp).rows(0, t), ad.h.mat(rows * t, r).rows(0, t), y.rows(0, t));
-        let (ar, br) = (self.lora_a(ad).rows(0, ad.inp), self.lora_b(ad).rows(0, r));
+        let (ar, br) = (self.lora_a(ad).rows(d0 * ad.inp, ad.inp), self.lora_b(ad).rows(d0 * r, r));
         let (sx, sh, sy) = (t * ad.inp, t * r, t * y.ld);
         be.gemm_batched(hr, xr, ar, 1.0, 0.0, rows, [sh, sx, ad.inp * r]);
         be.gemm_batched(yr, hr, br, s, 1.0, rows, [sy, sh, r * ad.out]);
@@ -193,12 +204,14 @@ impl Schedule {
     /// (accumulated), and `dx += dh A^T` into the gradient of its input.
     pub(super) fn lora_bwd(&self, be: &mut dyn Backend, ad: LoraBufs, x: Buf, dy: Mat, dx: Buf) {
         let l = self.layout.lora.as_ref().expect("adapters in the arena");
-        let (rows, t, r, s) = (self.layout.rows, self.layout.t, self.rank(), self.lora.unwrap_or(1.0));
+        let (rows, t, r) = (self.layout.rows, self.layout.t, self.rank());
+        let LoraOn { scale: s, first_doc: d0 } = self.lora.expect("a LoRA pass");
         let n = rows * t;
         let (xr, hr, dyr) = (x.mat(n, ad.inp).rows(0, t), ad.h.mat(n, r).rows(0, t), dy.rows(0, t));
         let (dhr, dxr) = (l.dh.mat(n, r).rows(0, t), dx.mat(n, ad.inp).rows(0, t));
-        let (ar, br) = (self.lora_a(ad).rows(0, ad.inp), self.lora_b(ad).rows(0, r));
-        let (dar, dbr) = (ad.da.mat(l.shape.docs * ad.inp, r).rows(0, ad.inp), ad.db.mat(l.shape.docs * r, ad.out).rows(0, r));
+        let (ar, br) = (self.lora_a(ad).rows(d0 * ad.inp, ad.inp), self.lora_b(ad).rows(d0 * r, r));
+        let docs = l.shape.docs;
+        let (dar, dbr) = (ad.da.mat(docs * ad.inp, r).rows(d0 * ad.inp, ad.inp), ad.db.mat(docs * r, ad.out).rows(d0 * r, r));
         let (sx, sh, sy, sa, sb) = (t * ad.inp, t * r, t * dy.ld, ad.inp * r, r * ad.out);
         be.gemm_batched(dbr, hr.t(), dyr, s, 1.0, rows, [sb, sh, sy]);
         be.gemm_batched(dhr, dyr, br.t(), s, 0.0, rows, [sh, sy, sb]);

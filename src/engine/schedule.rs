@@ -33,6 +33,7 @@
 
 use super::backend::{Activation, AttnShape, Backend, Buf, HeadShape, LaneBufs, Mat};
 use super::layout::{Layout, PositionBufs, Sizing};
+pub use super::lora::LoraOn;
 use crate::model::lora::Site;
 use crate::model::{FinalLane, MlpActivation, ModelConfig};
 
@@ -47,10 +48,10 @@ pub struct Schedule {
     /// (`model.document_attention`): phased TTT's global SGD masks its rows at each document
     /// ([`Schedule::set_documents`]); `None`: the model's rule.
     documents: Option<u32>,
-    /// The passes go through the per-document LoRA adapters of the arena with this output
-    /// scale, and the backward pass trains them alone ([`Schedule::set_lora`]; `None`: no
-    /// adapters, the base trained as usual).
-    pub(super) lora: Option<f64>,
+    /// The passes go through the per-document LoRA adapters of the arena, and the backward pass
+    /// trains them alone ([`Schedule::set_lora`]; `None`: no adapters, the base trained as
+    /// usual).
+    pub(super) lora: Option<LoraOn>,
 }
 
 /// The input of one matrix product after a forward pass ([`Schedule::product_inputs`]).
@@ -96,14 +97,22 @@ impl Schedule {
         Schedule { cfg: cfg.clone(), layout: Layout::sized(cfg, sizing), eps, documents: None, lora: None }
     }
 
-    /// From now on the passes go through the arena's LoRA adapters with output scale `scale`
-    /// and the backward pass adds no gradient to the base's matrices and embedding (`Some`;
+    /// From now on the passes go through the arena's LoRA adapters ([`LoraOn`]: row `b` through
+    /// document `first_doc + b`'s, outputs scaled by `scale`) and the backward pass adds no gradient to the base's matrices and embedding (`Some`;
     /// the small per-channel parameters' gradients are still written: the caller zeroes the
     /// gradients after the adapters' step), or run the base model alone (`None`). Panics
     /// when the arena holds no adapters.
-    pub fn set_lora(&mut self, scale: Option<f64>) {
-        assert!(scale.is_none() || self.layout.lora.is_some(), "LoRA passes on an arena without adapters");
-        self.lora = scale;
+    pub fn set_lora(&mut self, on: Option<LoraOn>) {
+        if let Some(on) = on {
+            let l = self.layout.lora.as_ref().expect("LoRA passes on an arena without adapters");
+            assert!(
+                on.first_doc + self.layout.rows <= l.shape.docs,
+                "rows of documents {}.. past the arena's {}",
+                on.first_doc,
+                l.shape.docs
+            );
+        }
+        self.lora = on;
     }
 
     /// Whether the base's weights are frozen (a LoRA pass).

@@ -6,9 +6,12 @@
 //! granule; positions past a window are ignored, and causal attention keeps them out of the
 //! window's scores).
 //!
-//! Row `b` of a pass is document `b` of the batch, whether it has a chunk in this pass or not:
-//! a row without one is all ignored targets (no loss, no gradient), so the adapters' AdamW steps
-//! every document's set, as the candle model's batched optimizer does. The loss of a pass keeps
+//! A pass runs the documents with a chunk in it, each through its own adapters: when they are
+//! the batch's last documents (the work queue lists a batch's documents shortest first, so
+//! those with chunks left are), a pass of those rows alone; else a row for every document, those
+//! without a chunk all ignored targets (no loss, no gradient). The adapters' AdamW steps every
+//! document's set either way (the others' gradients are zero), as the candle model's batched
+//! optimizer does. The loss of a pass keeps
 //! each training row's scored positions at weight `1 / chunk` (every trained chunk has `chunk`
 //! targets: only a document's last chunk is shorter, and it is never trained on); a row that
 //! only scores has its gradient dropped after the fused loss.
@@ -45,6 +48,8 @@ struct Pending {
     y: Vec<u32>,
     train: Vec<bool>,
     grad_scale: f64,
+    /// The document of the first row.
+    first: usize,
 }
 
 impl EngineModel {
@@ -55,7 +60,7 @@ impl EngineModel {
 
     fn lora_pass<'a>(&self, p: &'a Pending) -> LoraPass<'a> {
         let scale = self.lora.spec.map_or(1.0, |s| s.scale());
-        LoraPass { x: &p.x, y: &p.y, looping: self.looping(), scale, train: &p.train, grad_scale: p.grad_scale }
+        LoraPass { x: &p.x, y: &p.y, looping: self.looping(), scale, first_doc: p.first, train: &p.train, grad_scale: p.grad_scale }
     }
 }
 
@@ -102,32 +107,40 @@ impl LoraModel for EngineModel {
 
     fn lora_score(&mut self, s: &LoraStep<'_>) -> anyhow::Result<Vec<f32>> {
         anyhow::ensure!(self.lora.spec.is_some(), "internal: a LoRA pass before `lora_begin`");
-        let (rows, w) = (s.rows(), s.width);
+        let (docs, w) = (s.rows(), s.width);
         let t = self.lora_t(w);
+        // The rows run: from the first document with a chunk on when every later one has one
+        // too (the work queue's batches list their documents shortest first, so those with
+        // chunks left are the last ones): a pass of those alone through their adapters; else
+        // every document's row, those without a chunk all ignored.
+        let first = (0..docs).find(|&r| s.active[r]).unwrap_or(0);
+        let first = if (first..docs).all(|r| s.active[r]) { first } else { 0 };
+        let rows = docs - first;
         // Every training row's scored positions weigh 1 / their count: one count for all.
-        let counts: Vec<usize> = (0..rows).filter(|&r| s.train[r]).map(|r| s.scored[r].len()).collect();
+        let counts: Vec<usize> = (0..docs).filter(|&r| s.active[r] && s.train[r]).map(|r| s.scored[r].len()).collect();
         anyhow::ensure!(
             counts.windows(2).all(|c| c[0] == c[1]) && counts.first() != Some(&0),
             "internal: the engine's LoRA step weighs every trained chunk alike; these have {counts:?} targets"
         );
         let grad_scale = counts.first().map_or(0.0, |&c| 1.0 / c as f64);
         let (mut x, mut y) = (vec![0u32; rows * t], vec![IGNORED_TARGET; rows * t]);
-        for r in (0..rows).filter(|&r| s.active[r]) {
-            x[r * t..][..w].copy_from_slice(&s.x[r * w..][..w]);
+        for r in (first..docs).filter(|&r| s.active[r]) {
+            let j = r - first;
+            x[j * t..][..w].copy_from_slice(&s.x[r * w..][..w]);
             let sc = &s.scored[r];
-            y[r * t + sc.start..r * t + sc.end].copy_from_slice(&s.y[r * w + sc.start..r * w + sc.end]);
+            y[j * t + sc.start..j * t + sc.end].copy_from_slice(&s.y[r * w + sc.start..r * w + sc.end]);
         }
-        let train: Vec<bool> = (0..rows).map(|r| s.train[r] && s.active[r]).collect();
+        let train: Vec<bool> = (first..docs).map(|r| s.train[r] && s.active[r]).collect();
         self.engine_mut().reshape_padded(rows, t, w)?;
-        let pending = Pending { x, y, train, grad_scale };
+        let pending = Pending { x, y, train, grad_scale, first };
         let nll = {
             let pass = self.lora_pass(&pending);
             self.engine_mut().lora_forward(&pass)?
         };
         self.lora.pending = pending.train.iter().any(|&k| k).then_some(pending);
-        let mut out = vec![0f32; rows * w];
-        for r in (0..rows).filter(|&r| s.active[r]) {
-            out[r * w..][..w].copy_from_slice(&nll[r * t..][..w]);
+        let mut out = vec![0f32; docs * w];
+        for r in (first..docs).filter(|&r| s.active[r]) {
+            out[r * w..][..w].copy_from_slice(&nll[(r - first) * t..][..w]);
         }
         Ok(out)
     }

@@ -547,3 +547,60 @@ fn timing_marks_keep_their_numbers_and_drop_what_is_released() {
     assert!(m.is_empty() && m.get(4).is_none());
     assert_eq!(m.push(60), 6, "numbers are not reused");
 }
+
+/// A LoRA pass (forward through the adapters, the backward pass into them with the base frozen,
+/// one AdamW step) with bf16 activations: the adapters' values among the weights' bf16 copy,
+/// `h` and `dh` among the bf16 activations, the gradients in f32; its losses and the adapters
+/// after the step match the f64 CPU engine's within the bf16-activation bounds.
+#[test]
+fn a_lora_pass_with_bf16_activations_on_the_emulated_gpu_matches_the_cpu_engine() {
+    use crate::engine::evaluate::{LoraAdam, LoraPass};
+    use crate::engine::gpu::HalfRegions;
+    use crate::engine::layout::{Layout, LoraShape, Sizing};
+    use crate::engine::step::kernel_capacity_sized;
+    let [_, (_, cfg)] = cases::check_models();
+    let sizing = Sizing { rows: 2, t: 64, tokens: 128, max_t: 64, lora: Some(LoraShape { docs: 2, rank: 4 }) };
+    let params: std::collections::HashMap<_, _> = crate::engine::tests::perturbed(&cfg, 5).state_dict().into_iter().collect();
+    let lora = crate::model::lora::Lora::new(&cfg, false, (2, 4), 3, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+    let mut rng = fastrand::Rng::with_seed(3);
+    let adapters: Vec<(String, candle_core::Tensor)> = lora
+        .vars()
+        .into_iter()
+        .map(|(n, v)| {
+            let vals: Vec<f32> = (0..v.elem_count()).map(|_| (rng.f32() - 0.5) * 0.2).collect();
+            (n, candle_core::Tensor::from_vec(vals, v.dims(), &candle_core::Device::Cpu).unwrap())
+        })
+        .collect();
+    let tokens = crate::engine::tests::tokens(13, 129, cfg.vocab_size as u32);
+    let mut y = tokens[1..].to_vec();
+    // Row 0 scores its last 16 positions only, row 1 trains on its last 16.
+    for (i, t) in y.iter_mut().enumerate() {
+        if i % 64 < 48 {
+            *t = crate::model::ops::softcap_ce::IGNORED_TARGET;
+        }
+    }
+    let train = [false, true];
+    let pass = LoraPass { x: &tokens[..128], y: &y, looping: false, scale: 2.0, first_doc: 0, train: &train, grad_scale: 1.0 / 16.0 };
+    let adam = LoraAdam { lr: 0.01, betas: (0.0, 0.99), eps: 1e-10, weight_decay: 0.5 };
+    let run = |e: &mut crate::engine::Engine| {
+        e.load_params(&params).unwrap();
+        e.lora_load(&adapters).unwrap();
+        let losses = e.lora_forward(&pass).unwrap();
+        e.lora_backward(&pass, adam).unwrap();
+        (losses, e.lora_tensors(cfg.layer_sequence(false).len()).unwrap())
+    };
+    let (want, want_ad) = run(&mut crate::engine::Engine::cpu_sized(&cfg, sizing, candle_core::DType::F64, false).unwrap());
+    let dev = EmuDevice::new(emu::emulator_bf16(), emu::temp_dir().join("lora-bf16.mem")).with_bf16_gemms();
+    let layout = Layout::sized(&cfg, sizing);
+    let be =
+        KernelBackend::with_half(dev, layout.len(), kernel_capacity_sized(&cfg, sizing).unwrap(), Some(HalfRegions::of(&layout))).unwrap();
+    let mut gpu = crate::engine::Engine::with_backend_sized(&cfg, sizing, Box::new(be), false).unwrap();
+    let (got, got_ad) = run(&mut gpu);
+    let bounds = cases::ModelBounds::GPU_BF16_ACTIVATIONS;
+    let (sw, sg) = (want.iter().map(|&v| v as f64).sum::<f64>(), got.iter().map(|&v| v as f64).sum::<f64>());
+    assert!(sw > 0.0 && (sw - sg).abs() <= bounds.loss * sw, "the scored losses: cpu {sw}, emulated gpu {sg}");
+    for ((name, a), (_, b)) in want_ad.iter().zip(&got_ad) {
+        let err = crate::engine::tests::rel_err(&crate::engine::tests::flat(a), &crate::engine::tests::flat(b));
+        assert!(err <= bounds.tensor, "adapter {name} after the step: {err:e} of its norm");
+    }
+}
