@@ -23,6 +23,7 @@
 use std::collections::HashMap;
 
 use super::backend::Buf;
+pub use super::lora::LoraShape;
 use crate::model::{FinalLane, ModelConfig, ParamGroup, gpt_group_of};
 
 /// Elements every region of the arena starts on: 64 `f32` (256 bytes), the alignment
@@ -279,15 +280,6 @@ impl Sizing {
     }
 }
 
-/// Per-document LoRA adapters: one set per document (batch row) at rank `rank`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LoraShape {
-    /// Documents (the most rows of a pass through them).
-    pub docs: usize,
-    /// The adapters' rank.
-    pub rank: usize,
-}
-
 impl Layout {
     /// The layout for `cfg` and micro-batches of `rows x t` tokens.
     pub fn new(cfg: &ModelConfig, rows: usize, t: usize) -> Layout {
@@ -300,7 +292,7 @@ impl Layout {
     pub fn sized(cfg: &ModelConfig, sizing: Sizing) -> Layout {
         let Sizing { rows, t, tokens: cap, max_t, lora: lora_shape } = sizing;
         assert!(rows * t <= cap && t <= max_t, "a {rows} x {t} micro-batch in an arena sized for {cap} tokens, rows of at most {max_t}");
-        let lora_plan = lora_shape.map(|s| super::lora::Plan::new(cfg, s));
+        let lora_plan = lora_shape.map(|s| super::lora::Plan::new(cfg, s, ALIGN));
         let mut bump = Bump::aligned(ALIGN);
         let shapes = cfg.param_shapes();
         let sizes: Vec<usize> = shapes.iter().map(|(_, s)| s.iter().product()).collect();

@@ -16,7 +16,7 @@
 //! ```
 //!
 //! Each product is one strided-batched GEMM over the batch rows
-//! ([`Backend::gemm_batched`]). Where each site reads and adds (the candle model's
+//! ([`super::backend::Backend::gemm_batched`]; the schedule's side is `lora_ops.rs`). Where each site reads and adds (the candle model's
 //! attachment): q, k, v read the normed block input `n1` and add to their projections before
 //! the q/k norm; o reads `n1` and adds to the attention's output projection; mlp reads the
 //! MLP's normed input and adds to its output before `mlp_scale`; the head reads the
@@ -27,13 +27,20 @@
 //! AdamW's two moments in the optimizer region: one flat AdamW over the whole of it is one
 //! AdamW per document, as the batched tensors are.
 
-use super::backend::{Backend, Buf, Mat};
-use super::layout::{ALIGN, LoraShape};
-use super::schedule::Schedule;
+use super::backend::Buf;
 use crate::model::ModelConfig;
 use crate::model::lora::Site;
 
-/// How the passes go through the adapters ([`Schedule::set_lora`]).
+/// Per-document LoRA adapters: one set per document (batch row) at rank `rank`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoraShape {
+    /// Documents (the most rows of a pass through them).
+    pub docs: usize,
+    /// The adapters' rank.
+    pub rank: usize,
+}
+
+/// How the passes go through the adapters (the schedule's `set_lora`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LoraOn {
     /// The output scale `s` (`alpha / r`, or 1).
@@ -83,20 +90,23 @@ pub struct LoraLayout {
     pub dh: Buf,
 }
 
-/// The adapters' sizes, before their places are known ([`super::layout::Layout::sized`]).
+/// The adapters' sizes, before their places are known (the layout's `Layout::sized`).
 pub(super) struct Plan {
     shape: LoraShape,
+    /// Elements each A and B starts on a multiple of.
+    align: usize,
     /// `(in, out)` per adapter: the slots' in [`Site::ALL`] order, then the head's.
     dims: Vec<(usize, usize)>,
 }
 
 impl Plan {
-    /// Adapters of `shape` for every position of `cfg`'s longest (looped) layer sequence.
-    pub(super) fn new(cfg: &ModelConfig, shape: LoraShape) -> Self {
+    /// Adapters of `shape` for every position of `cfg`'s longest (looped) layer sequence, each
+    /// A and B starting on a multiple of `align` elements.
+    pub(super) fn new(cfg: &ModelConfig, shape: LoraShape, align: usize) -> Self {
         let slots = cfg.layer_sequence(true).len().max(cfg.layer_sequence(false).len());
         let mut dims: Vec<(usize, usize)> = (0..slots).flat_map(|_| Site::ALL.map(|s| s.dims(cfg))).collect();
         dims.push((cfg.model_dim, cfg.vocab_size));
-        Plan { shape, dims }
+        Plan { shape, align, dims }
     }
 
     /// The rank.
@@ -109,15 +119,15 @@ impl Plan {
         self.dims.iter().copied()
     }
 
-    /// Each adapter's A and B offsets within the values (each on [`ALIGN`]), and their length.
+    /// Each adapter's A and B offsets within the values (each aligned), and their length.
     fn offsets(&self) -> (Vec<(usize, usize)>, usize) {
         let (docs, r) = (self.shape.docs, self.shape.rank);
         let mut at = 0;
         let mut out = Vec::with_capacity(self.dims.len());
         for &(i, o) in &self.dims {
             let a = at;
-            let b = (a + docs * i * r).next_multiple_of(ALIGN);
-            at = (b + docs * r * o).next_multiple_of(ALIGN);
+            let b = (a + docs * i * r).next_multiple_of(self.align);
+            at = (b + docs * r * o).next_multiple_of(self.align);
             out.push((a, b));
         }
         (out, at)
@@ -170,64 +180,5 @@ impl LoraLayout {
         }
         push("lora.head".to_string(), &self.head);
         out
-    }
-}
-
-impl Schedule {
-    /// Position `pos`'s adapter at `site`, when the passes go through adapters.
-    pub(super) fn adapter(&self, pos: usize, site: Site) -> Option<LoraBufs> {
-        self.lora?;
-        let l = self.layout.lora.as_ref()?;
-        let i = Site::ALL.iter().position(|s| *s == site).expect("a site");
-        Some(l.slots[pos][i])
-    }
-
-    /// The head's adapter, when the passes go through adapters.
-    pub(super) fn head_adapter(&self) -> Option<LoraBufs> {
-        self.lora?;
-        self.layout.lora.as_ref().map(|l| l.head)
-    }
-
-    /// `y += s (x A) B` per batch row, keeping `h = x A`: `x` the adapter's `(N, in)` input,
-    /// `y` its `(N, out)` output (a view: the query columns of the fused product).
-    pub(super) fn lora_fwd(&self, be: &mut dyn Backend, ad: LoraBufs, x: Buf, y: Mat) {
-        let (rows, t, r) = (self.layout.rows, self.layout.t, self.rank());
-        let LoraOn { scale: s, first_doc: d0 } = self.lora.expect("a LoRA pass");
-        let (xr, hr, yr) = (x.mat(rows * t, ad.inp).rows(0, t), ad.h.mat(rows * t, r).rows(0, t), y.rows(0, t));
-        let (ar, br) = (self.lora_a(ad).rows(d0 * ad.inp, ad.inp), self.lora_b(ad).rows(d0 * r, r));
-        let (sx, sh, sy) = (t * ad.inp, t * r, t * y.ld);
-        be.gemm_batched(hr, xr, ar, 1.0, 0.0, rows, [sh, sx, ad.inp * r]);
-        be.gemm_batched(yr, hr, br, s, 1.0, rows, [sy, sh, r * ad.out]);
-    }
-
-    /// The backward pass of [`Schedule::lora_fwd`] from `dy`: the adapter's gradients
-    /// (accumulated), and `dx += dh A^T` into the gradient of its input.
-    pub(super) fn lora_bwd(&self, be: &mut dyn Backend, ad: LoraBufs, x: Buf, dy: Mat, dx: Buf) {
-        let l = self.layout.lora.as_ref().expect("adapters in the arena");
-        let (rows, t, r) = (self.layout.rows, self.layout.t, self.rank());
-        let LoraOn { scale: s, first_doc: d0 } = self.lora.expect("a LoRA pass");
-        let n = rows * t;
-        let (xr, hr, dyr) = (x.mat(n, ad.inp).rows(0, t), ad.h.mat(n, r).rows(0, t), dy.rows(0, t));
-        let (dhr, dxr) = (l.dh.mat(n, r).rows(0, t), dx.mat(n, ad.inp).rows(0, t));
-        let (ar, br) = (self.lora_a(ad).rows(d0 * ad.inp, ad.inp), self.lora_b(ad).rows(d0 * r, r));
-        let docs = l.shape.docs;
-        let (dar, dbr) = (ad.da.mat(docs * ad.inp, r).rows(d0 * ad.inp, ad.inp), ad.db.mat(docs * r, ad.out).rows(d0 * r, r));
-        let (sx, sh, sy, sa, sb) = (t * ad.inp, t * r, t * dy.ld, ad.inp * r, r * ad.out);
-        be.gemm_batched(dbr, hr.t(), dyr, s, 1.0, rows, [sb, sh, sy]);
-        be.gemm_batched(dhr, dyr, br.t(), s, 0.0, rows, [sh, sy, sb]);
-        be.gemm_batched(dar, xr.t(), dhr, 1.0, 1.0, rows, [sa, sx, sh]);
-        be.gemm_batched(dxr, dhr, ar.t(), 1.0, 1.0, rows, [sx, sh, sa]);
-    }
-
-    fn rank(&self) -> usize {
-        self.layout.lora.as_ref().map_or(0, |l| l.shape.rank)
-    }
-
-    fn lora_a(&self, ad: LoraBufs) -> Mat {
-        ad.a.mat(ad.a.len / self.rank(), self.rank())
-    }
-
-    fn lora_b(&self, ad: LoraBufs) -> Mat {
-        ad.b.mat(ad.b.len / ad.out, ad.out)
     }
 }

@@ -40,6 +40,7 @@ pub mod exchange;
 pub mod gpu;
 pub mod layout;
 pub mod lora;
+mod lora_ops;
 pub mod lt;
 pub mod model_check;
 #[cfg(test)]

@@ -18,10 +18,13 @@ use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
 pub use super::lora::LoraModel;
+use super::lora::{LoraSpec, LoraStep};
 use crate::dist::{Collective, ReduceOp};
+use crate::model::lora::Lora;
 use crate::model::observe::InputObserver;
 use crate::model::ops::DocumentMask;
 use crate::model::{Gpt, ModelConfig, PassExtras};
+use crate::optim::Adam;
 use crate::optim::Sgd;
 
 /// Which executor an evaluation runs on (the `ttt_eval` stages' key `executor`).
@@ -99,10 +102,10 @@ pub trait EvalModel: LoraModel {
 /// and [`Sgd`] for the steps. It owns the model (`M = Gpt`) or borrows it (`&Gpt`: the
 /// parameters are variables, trained in place either way).
 pub struct CandleModel<M: Borrow<Gpt> = Gpt> {
-    pub(super) model: M,
+    model: M,
     sgd: Option<Sgd>,
     /// Phased TTT's adapters ([`super::lora`]).
-    pub(super) lora: super::lora::CandleLora,
+    lora: CandleLora,
 }
 
 impl<M: Borrow<Gpt>> CandleModel<M> {
@@ -221,4 +224,94 @@ fn clip_grad_norm(model: &Gpt, grads: &mut GradStore, max: f64) -> anyhow::Resul
         }
     }
     Ok(norm)
+}
+
+/// The candle model's adapters: the live set, its optimizer and the pending loss, and the set
+/// kept for the warm start.
+#[derive(Default)]
+struct CandleLora {
+    live: Option<(Lora, Adam, LoraSpec)>,
+    pending: Option<Tensor>,
+    kept: Option<Lora>,
+}
+
+/// Phased TTT's adapters on the candle model ([`super::lora`]): the old loop's code.
+impl<M: Borrow<Gpt>> LoraModel for CandleModel<M> {
+    fn lora_begin(&mut self, spec: &LoraSpec, docs: usize, seed: u64, warm: bool) -> anyhow::Result<()> {
+        let m = self.model.borrow();
+        let kept = if warm { self.lora.kept.take() } else { None };
+        let lora = match kept {
+            Some(l) => {
+                anyhow::ensure!(l.rows() == docs, "internal: a kept set of {} documents for a batch of {docs}", l.rows());
+                l.reset_b()?;
+                l
+            }
+            None => Lora::new(m.config(), m.looping(), (docs, spec.rank), seed, m.dtype(), m.device())?.with_alpha(spec.alpha),
+        };
+        let adam = Adam::new(lora.vars(), spec.lr, spec.betas, spec.eps)?.with_weight_decay(spec.weight_decay).with_prefix("lora");
+        self.lora.live = Some((lora, adam, *spec));
+        self.lora.pending = None;
+        Ok(())
+    }
+
+    fn lora_score(&mut self, s: &LoraStep<'_>) -> anyhow::Result<Vec<f32>> {
+        let m = self.model.borrow();
+        let (lora, ..) = self.lora.live.as_ref().ok_or_else(|| anyhow::anyhow!("internal: a LoRA pass before `lora_begin`"))?;
+        let w = s.width;
+        // The active rows only, gathered (and their adapters with them).
+        let active: Vec<u32> = (0..s.rows()).filter(|&r| s.active[r]).map(|r| r as u32).collect();
+        let (mut x, mut y) = (Vec::with_capacity(active.len() * w), Vec::with_capacity(active.len() * w));
+        for &r in &active {
+            x.extend_from_slice(&s.x[r as usize * w..][..w]);
+            y.extend_from_slice(&s.y[r as usize * w..][..w]);
+        }
+        let shape = (active.len(), w);
+        let (xt, yt) = (Tensor::from_slice(&x, shape, m.device())?, Tensor::from_slice(&y, shape, m.device())?);
+        let pass = lora.pass(Some(&active))?;
+        let nll_t = m.frozen_token_losses(&xt, &yt, PassExtras { lora: Some(&pass), docs: None })?;
+        let nll = nll_t.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let mut weights = vec![0f32; active.len() * w];
+        let mut out = vec![0f32; s.rows() * w];
+        for (row, &r) in active.iter().enumerate() {
+            let r = r as usize;
+            out[r * w..][..w].copy_from_slice(&nll[row * w..][..w]);
+            if s.train[r] {
+                let sc = &s.scored[r];
+                weights[row * w + sc.start..row * w + sc.end].fill(1.0 / sc.len() as f32);
+            }
+        }
+        self.lora.pending = if active.iter().any(|&r| s.train[r as usize]) {
+            let wt = Tensor::from_vec(weights, active.len() * w, m.device())?.to_dtype(nll_t.dtype())?;
+            Some((nll_t * wt)?.sum_all()?)
+        } else {
+            None
+        };
+        Ok(out)
+    }
+
+    fn lora_adapt(&mut self) -> anyhow::Result<()> {
+        let loss = self.lora.pending.take().ok_or_else(|| anyhow::anyhow!("internal: a LoRA step without a training pass"))?;
+        let (_, adam, spec) = self.lora.live.as_mut().ok_or_else(|| anyhow::anyhow!("internal: a LoRA step before `lora_begin`"))?;
+        let grads = loss.backward()?;
+        adam.step(&grads, spec.lr)?;
+        Ok(())
+    }
+
+    fn lora_end(&mut self, keep: bool) -> anyhow::Result<()> {
+        let live = self.lora.live.take();
+        self.lora.pending = None;
+        if keep {
+            self.lora.kept = live.map(|(l, ..)| l);
+        }
+        Ok(())
+    }
+
+    fn lora_forget(&mut self) {
+        self.lora.kept = None;
+    }
+
+    fn lora_kept_a(&mut self) -> anyhow::Result<Option<Vec<f64>>> {
+        let Some(l) = &self.lora.kept else { return Ok(None) };
+        Ok(Some(l.vars()[0].1.flatten_all()?.to_dtype(DType::F64)?.to_vec1()?))
+    }
 }

@@ -10,7 +10,7 @@
 //! micro-batches of `rows`, the last one padded with rows whose targets are
 //! [`IGNORED_TARGET`] (no loss, no gradient), so an SGD step's mean loss and gradient are those
 //! of its own rows whatever their number. Phased TTT's LoRA passes run on the same arena
-//! ([`super::engine_lora`]). No candle copy of the weights is kept: the model the engine is built
+//! (`engine_lora.rs`). No candle copy of the weights is kept: the model the engine is built
 //! from is dropped once its weights are in the arena.
 
 use std::collections::HashMap;
@@ -78,8 +78,8 @@ pub struct EngineModel {
     engine: Engine,
     /// The shape of the scoring and SGD passes (a LoRA pass reshapes the arena).
     base: (usize, usize),
-    /// Phased TTT's adapters ([`super::engine_lora`]).
-    pub(super) lora: super::engine_lora::EngineLora,
+    /// Phased TTT's adapters (`engine_lora.rs`).
+    pub(super) lora: EngineLora,
     /// The passes go through the looped layer sequence (the model's state when built).
     looping: bool,
     /// The model's device (where GPTQ's observer gets the products' inputs).
@@ -269,4 +269,31 @@ impl EvalModel for EngineModel {
         // The ids as their own targets: padding rows are cut off by `real`, not by their targets.
         self.micro_batches(x, x, |engine, x, _, real| engine.observe_inputs(x, real, looping, observer, &device))
     }
+}
+
+/// The engine's adapters' state between calls.
+#[derive(Default)]
+pub struct EngineLora {
+    /// The live batch's settings.
+    pub(super) spec: Option<crate::eval::lora::LoraSpec>,
+    /// The arena's adapters are the kept set (the last full batch's).
+    pub(super) holds_kept: bool,
+    /// The kept set, set aside while a fresh one is in the arena.
+    pub(super) saved: Option<Tensor>,
+    /// The last forward pass, when a row trains: its inputs for the backward pass.
+    pub(super) pending: Option<Pending>,
+}
+
+/// A forward pass whose backward pass is still to run.
+pub(super) struct Pending {
+    /// Inputs, `rows x t`.
+    pub(super) x: Vec<u32>,
+    /// Targets (ignored outside the scored positions).
+    pub(super) y: Vec<u32>,
+    /// Per row: its gradient is kept.
+    pub(super) train: Vec<bool>,
+    /// Each kept position's weight.
+    pub(super) grad_scale: f64,
+    /// The document of the first row.
+    pub(super) first: usize,
 }

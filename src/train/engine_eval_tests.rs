@@ -384,3 +384,29 @@ fn phased_ttt_on_the_emulated_gpu_matches_the_cpu_engine() {
     assert!(worst <= 1e-2, "a target's loss: cpu and emulated gpu differ by {worst:e}");
     assert!((want.acc.val_bpb() - got.acc.val_bpb()).abs() <= bounds.loss * want.acc.val_bpb());
 }
+
+/// The 04-27 record's phased TTT on one GPU (one rank: all of `global_batch_seqs`, 64 documents
+/// of up to 2048 tokens through rank-80 adapters): the evaluation engine's arena, adapters,
+/// AdamW's moments, bf16 activations and kernel spaces included, fits an 80 GB H100; so does the
+/// 04-09 record's score-first TTT at its own settings.
+#[test]
+fn the_records_evaluations_fit_one_h100() {
+    let cfg = ModelConfig::record_0427();
+    let p = PhasedConfig { lora_rank: 80, context: 2048, batch_docs: 64, global_seq_len: 2048, ..PhasedConfig::default() };
+    let sizing = phased_sizing((p.global_rows_per_rank(1).0, p.global_seq_len), (p.batch_docs, p.context, p.lora_rank), true);
+    let bytes = EngineModel::arena_bytes_sized(&cfg, sizing, "cuda:0");
+    let adapters = crate::model::lora::Lora::count(&cfg, true, (64, 80)) as u64 * 16;
+    eprintln!(
+        "record-0427 phased TTT on one GPU: arena {:.1} GiB, of which adapters, gradients and moments {:.1} GiB",
+        bytes as f64 / (1u64 << 30) as f64,
+        adapters as f64 / (1u64 << 30) as f64
+    );
+    assert!(bytes > adapters, "the arena holds the adapters");
+    assert!(bytes < 75 * (1u64 << 30), "{bytes} bytes: more than an H100 holds beside the CUDA context");
+    // The 04-09 record's score-first TTT at its own `batch_seqs` (32 sequences of 2048 a step on
+    // one rank), which ran out of memory on an H100 on candle.
+    let ttt = TttConfig::default();
+    let bytes = EngineModel::arena_bytes(&ModelConfig::record(), ttt.rows_per_rank(1).0, ttt.sliding.seq_len, "cuda:0");
+    eprintln!("record-04-09 score-first TTT on one GPU: arena {:.1} GiB", bytes as f64 / (1u64 << 30) as f64);
+    assert!(bytes < 75 * (1u64 << 30), "{bytes} bytes: more than an H100 holds");
+}

@@ -22,35 +22,12 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::engine_eval::EngineModel;
+use super::engine_eval::{EngineModel, Pending};
 use crate::engine::evaluate::{LoraAdam, LoraPass};
 use crate::eval::executor::EvalModel;
 use crate::eval::lora::{LoraModel, LoraSpec, LoraStep};
 use crate::model::lora::Lora;
 use crate::model::ops::softcap_ce::IGNORED_TARGET;
-
-/// The engine's adapters' state between calls.
-#[derive(Default)]
-pub struct EngineLora {
-    /// The live batch's settings.
-    spec: Option<LoraSpec>,
-    /// The arena's adapters are the kept set (the last full batch's).
-    holds_kept: bool,
-    /// The kept set, set aside while a fresh one is in the arena.
-    saved: Option<Tensor>,
-    /// The last forward pass, when a row trains: its inputs for the backward pass.
-    pending: Option<Pending>,
-}
-
-/// A forward pass whose backward pass is still to run.
-struct Pending {
-    x: Vec<u32>,
-    y: Vec<u32>,
-    train: Vec<bool>,
-    grad_scale: f64,
-    /// The document of the first row.
-    first: usize,
-}
 
 impl EngineModel {
     /// The engine's row length for a pass of `width` positions: on a GPU the next multiple of 64.
