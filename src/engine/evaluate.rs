@@ -95,7 +95,8 @@ impl Engine {
         let l = &self.schedule.layout;
         let (grads, norm, stats) = (l.grads, l.grad_norm(), l.stats);
         if clip > 0.0 {
-            self.be.clip_norm(grads, clip, norm);
+            // The base's gradients (the adapters', if the arena holds any, are zero).
+            self.be.clip_norm(l.base_grads(), clip, norm);
         }
         for s in &self.schedule.layout.slots {
             if momentum > 0.0 {
@@ -109,10 +110,11 @@ impl Engine {
         self.be.fill(stats, 0.0);
     }
 
-    /// Every gradient summed over `ranks` (one all-reduce of the gradient region, through the
-    /// host: test-time training's steps are few against training's).
+    /// Every gradient of the base summed over `ranks` (one all-reduce of the gradient region
+    /// but the LoRA adapters', through the host: test-time training's steps are few against
+    /// training's).
     pub fn sum_grads_over(&mut self, ranks: &dyn crate::dist::Collective) -> Result<()> {
-        let grads = self.schedule.layout.grads;
+        let grads = self.schedule.layout.base_grads();
         let mine = self.be.download(grads, &[grads.len])?;
         let (mut summed, _) =
             crate::dist::bucket::all_reduce_tensors(ranks, &[mine], crate::dist::ReduceOp::Sum, crate::dist::bucket::DEFAULT_BUCKET_ELEMS)?;
@@ -138,7 +140,7 @@ pub struct LoraAdam {
 /// then (when a row trains) [`Engine::lora_backward`].
 #[derive(Clone, Copy, Debug)]
 pub struct LoraPass<'a> {
-    /// Inputs, `rows x t`: row `b` is document `b`'s.
+    /// Inputs, `rows x t`: row `b` is document `first_doc + b`'s.
     pub x: &'a [u32],
     /// Targets; [`IGNORED_TARGET`](crate::model::ops::softcap_ce::IGNORED_TARGET) where a position is neither scored nor trained on.
     pub y: &'a [u32],

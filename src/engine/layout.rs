@@ -513,6 +513,15 @@ impl Layout {
         (n < cap && b.len == n * per).then(|| Buf { off: b.end(), len: (cap - n) * per })
     }
 
+    /// The gradients of the model's parameters: the gradient region but the LoRA adapters'
+    /// (what an SGD step of the base clips and sums over the ranks).
+    pub fn base_grads(&self) -> Buf {
+        match &self.lora {
+            Some(l) => Buf { off: self.grads.off, len: l.grads.off - self.grads.off },
+            None => self.grads,
+        }
+    }
+
     /// Elements in the arena.
     pub fn len(&self) -> usize {
         self.scratch_region.end()

@@ -5,7 +5,7 @@
 //! (q, k, v, o, mlp) and for the head, `A^T` `[docs, in, r]` and `B^T` `[docs, r, out]`.
 //!
 //! ```text
-//! forward, per batch row b (document b), rows b·T .. (b+1)·T of x and y:
+//! forward, per batch row b (document first_doc + b), rows b·T .. (b+1)·T of x and y:
 //!   h_b = x_b A_b                      (T, r), kept
 //!   y_b += s h_b B_b                   s = alpha / r (or 1)
 //! backward from dy (the gradient of y), the base frozen:

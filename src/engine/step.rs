@@ -114,7 +114,7 @@ impl Engine {
     }
 
     /// [`Engine::cpu`] on an arena sized by `sizing` (passes of other shapes within it, LoRA
-    /// adapters: [`Engine::reshape`], [`Engine::lora_pass`]).
+    /// adapters: [`Engine::reshape`], [`Engine::lora_forward`]).
     pub fn cpu_sized(cfg: &ModelConfig, sizing: Sizing, dtype: DType, poison: bool) -> anyhow::Result<Engine> {
         super::support::check(cfg)?;
         let len = Layout::sized(cfg, sizing).len();

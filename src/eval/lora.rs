@@ -72,8 +72,9 @@ pub trait LoraModel {
     /// drawn from `seed` ([`crate::model::lora::Lora::new`]), B zero (a kept set stays kept).
     fn lora_begin(&mut self, spec: &LoraSpec, docs: usize, seed: u64, warm: bool) -> anyhow::Result<()>;
 
-    /// The forward pass of a chunk through the batch's adapters on the frozen base: the loss
-    /// of every position, `docs x width` (0 where a row is not active).
+    /// The forward pass of a chunk through the batch's adapters on the frozen base: the losses
+    /// `docs x width`, meaningful at each active row's scored positions (the rest are whatever
+    /// the executor computes: the engine ignores those targets and gives 0).
     fn lora_score(&mut self, step: &LoraStep<'_>) -> anyhow::Result<Vec<f32>>;
 
     /// The backward pass of the last [`LoraModel::lora_score`] (one with a training row) into

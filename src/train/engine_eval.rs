@@ -1,13 +1,14 @@
 //! The explicit engine as an evaluation's model ([`EvalModel`], here a floor above both the
 //! engine and the evaluations, as [`super::engine_trainer`] is for training), and the choice
 //! of executor ([`open`], [`check`]): GPTQ's calibration passes, the
-//! round trip's scores, sliding windows, score-first TTT and phased TTT's global SGD on the
-//! engine's arena ([`crate::engine::evaluate`]), on the
+//! round trip's scores, sliding windows, score-first TTT and phased TTT (its global SGD and its
+//! LoRA adapters) on the engine's arena ([`crate::engine::evaluate`]), on the
 //! CPU in the model's dtype (f32, or f64 for checks) or on a GPU with bf16 activations (GEMMs
 //! on bf16 operands, f32 master weights, as the records' autocast evaluation).
 //!
-//! The engine runs micro-batches of a fixed `rows x t`: a batch of other rows is cut into
-//! micro-batches of `rows`, the last one padded with rows whose targets are
+//! The scoring and SGD passes run micro-batches of a fixed `rows x t` (phased TTT's LoRA passes
+//! view the same arena at their own shapes, `Engine::reshape_padded`): a batch of other rows is
+//! cut into micro-batches of `rows`, the last one padded with rows whose targets are
 //! [`IGNORED_TARGET`] (no loss, no gradient), so an SGD step's mean loss and gradient are those
 //! of its own rows whatever their number. Phased TTT's LoRA passes run on the same arena
 //! (`engine_lora.rs`). No candle copy of the weights is kept: the model the engine is built

@@ -203,13 +203,15 @@ impl Sink for Phased {
                 let sizing =
                     crate::train::engine_eval::phased_sizing((rows, cfg.global_seq_len), (p.batch_docs, cfg.context, p.lora_rank), gpu);
                 let arena = crate::train::engine_eval::EngineModel::arena_bytes_sized(m, sizing, &c.run.device);
-                // The candle model of the weights the arena is filled from (dropped then).
-                let mirror = crate::model::memory::ParamCounts::of(m).total.saturating_mul(4);
+                // The candle model of the weights the arena is filled from (dropped then), and the
+                // kept adapters' values set aside while a short batch's fresh ones are in the arena.
+                let kept = crate::model::lora::Lora::count(m, m.recurrent(), (p.batch_docs, p.lora_rank)) as u64 * 4;
+                let mirror = crate::model::memory::ParamCounts::of(m).total.saturating_mul(4).saturating_add(kept);
                 let mut keys: Vec<String> =
                     ["batch_docs", "context", "lora_rank", key].iter().map(|k| format!("stages.{}.{k}", ctx.stage)).collect();
                 keys.extend(crate::model::memory::MODEL_KEYS.iter().map(|k| k.to_string()));
                 let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-                let what = "evaluation engine's arena (global SGD, LoRA passes, adapters and AdamW) and the candle model it is built from";
+                let what = "evaluation engine's arena (global SGD, LoRA passes, adapters and AdamW), the candle model it is built from and the kept adapters set aside";
                 return Ok(vec![
                     crate::model::memory::snapshots_need(m, ctx.stage, ctx.queue),
                     crate::runtime::memory::Need::device(what, arena.saturating_add(mirror), &keys).transient(),
