@@ -211,6 +211,19 @@ fn a_model_the_engine_cannot_run_is_refused_naming_candle() {
     check(EvalExecutor::Engine, &cfg, 12, false, "eval").unwrap();
 }
 
+/// Byte tables for `vocab` ids of 1 to 3 bytes, no boundaries, recording nothing (the emulated-GPU
+/// comparisons read the outcomes' own per-target losses).
+fn plain_tables(vocab: usize) -> Arc<crate::eval::bpb::ByteTables> {
+    Arc::new(crate::eval::bpb::ByteTables {
+        base_bytes: (0..vocab).map(|i| 1 + (i % 3) as u16).collect(),
+        leading_space: vec![false; vocab],
+        is_boundary: vec![false; vocab],
+        has_space_piece: true,
+        stream_bytes: None,
+        record_targets: false,
+    })
+}
+
 /// Score-first TTT on the emulated GPU (the evaluation engine: forward passes read back, SGD
 /// with momentum and clipping as launches outside the units, a padded last micro-batch whose
 /// targets are ignored) scores and trains as the f64 CPU engine does, within the f32-GEMM bounds.
@@ -233,17 +246,7 @@ fn score_first_ttt_on_the_emulated_gpu_matches_the_cpu_engine() {
         batch_seqs: 2,
         grad_clip: 0.5,
     };
-    let vocab = cfg.vocab_size;
-    let tables = || {
-        std::sync::Arc::new(crate::eval::bpb::ByteTables {
-            base_bytes: (0..vocab).map(|i| 1 + (i % 3) as u16).collect(),
-            leading_space: vec![false; vocab],
-            is_boundary: vec![false; vocab],
-            has_space_piece: true,
-            stream_bytes: None,
-            record_targets: false,
-        })
-    };
+    let tables = || plain_tables(cfg.vocab_size);
     let mut cpu = EngineModel::new(model(), rows, t).unwrap();
     let want = score_first_ttt(&mut cpu, &tokens, tables(), &ttt, |_| {}, || true).unwrap().unwrap();
     let mut e = crate::engine::gpu::tests::emulated_engine(&cfg, rows, t, "ttt.mem");
@@ -327,10 +330,11 @@ fn phased_ttt_on_the_emulated_gpu_matches_the_cpu_engine() {
     let [_, (_, cfg)] = cases::check_models();
     let model = || crate::engine::tests::perturbed(&cfg, 5);
     let params: std::collections::HashMap<_, _> = model().state_dict().into_iter().collect();
-    // Documents of 40 and 70 tokens: one batch (the second's last window 69 positions: a pass
-    // of its row alone, padded to 128), then a phase of global SGD on both.
-    let mut tokens = crate::engine::tests::tokens(13, 110, cfg.vocab_size as u32);
-    for at in [0, 40] {
+    // Documents of 30 and 70 tokens: one batch (the first scored in one chunk; the second's
+    // later windows passes of its row alone, the last of 69 positions padded to 128), then a
+    // phase of global SGD on both.
+    let mut tokens = crate::engine::tests::tokens(13, 100, cfg.vocab_size as u32);
+    for at in [0, 30] {
         tokens[at] = cfg.bos_id;
     }
     let pcfg = PhasedConfig {
@@ -349,17 +353,7 @@ fn phased_ttt_on_the_emulated_gpu_matches_the_cpu_engine() {
         global_lr: 0.02,
         ..PhasedConfig::default()
     };
-    let vocab = cfg.vocab_size;
-    let tables = || {
-        std::sync::Arc::new(crate::eval::bpb::ByteTables {
-            base_bytes: (0..vocab).map(|i| 1 + (i % 3) as u16).collect(),
-            leading_space: vec![false; vocab],
-            is_boundary: vec![false; vocab],
-            has_space_piece: true,
-            stream_bytes: None,
-            record_targets: false,
-        })
-    };
+    let tables = || plain_tables(cfg.vocab_size);
     let run = |m: &mut dyn EvalModel| phased_ttt(m, &tokens, tables(), (&pcfg, cfg.bos_id, 9), &Single, |_| {}, || true).unwrap().unwrap();
     let global = (pcfg.global_batch_seqs, pcfg.global_seq_len);
     let mut cpu = EngineModel::sized(model(), phased_sizing(global, (pcfg.batch_docs, pcfg.context, pcfg.lora_rank), false)).unwrap();
