@@ -23,12 +23,19 @@ use crate::model::{ModelConfig, ParamGroup};
 pub const ADAM_GROUPS: [(ParamGroup, &str); 3] =
     [(ParamGroup::Embedding, "adam_embed"), (ParamGroup::Scalar, "adam_scalar"), (ParamGroup::Head, "adam_head")];
 
+/// The GPU engine's attention takes sequences a multiple of this many tokens (a pass of
+/// shorter rows is padded up to it: phased TTT's LoRA windows).
+pub const GPU_SEQ_MULTIPLE: usize = 64;
+
 /// The scratch a [`KernelBackend`] needs for `cfg` on micro-batches of `rows x t` tokens;
 /// errors when the GPU attention cannot take the shapes (head width 64, `t` a multiple of 64).
 pub fn kernel_capacity(cfg: &ModelConfig, rows: usize, t: usize) -> anyhow::Result<Capacity> {
     let d = cfg.head_dim();
     anyhow::ensure!(d == 64, "the GPU engine's attention takes heads 64 wide; this model's are {d} (model_dim / num_heads)");
-    anyhow::ensure!(t.is_multiple_of(64), "the GPU engine's attention takes sequences a multiple of 64 tokens, not {t}");
+    anyhow::ensure!(
+        t.is_multiple_of(GPU_SEQ_MULTIPLE),
+        "the GPU engine's attention takes sequences a multiple of {GPU_SEQ_MULTIPLE} tokens, not {t}"
+    );
     let calls = cfg.layer_sequence(false).len().max(cfg.layer_sequence(true).len());
     Ok(Capacity {
         tokens: rows * t,

@@ -64,7 +64,7 @@ pub fn open_sized(model: Gpt, executor: EvalExecutor, sizing: Sizing) -> anyhow:
 /// and passes of `batch_docs` documents' windows of up to `context` tokens through adapters of
 /// rank `rank` (on a GPU the windows rounded up to 64 tokens).
 pub fn phased_sizing(global: (usize, usize), (batch_docs, context, rank): (usize, usize, usize), gpu: bool) -> Sizing {
-    let context = if gpu { context.next_multiple_of(64) } else { context };
+    let context = if gpu { context.next_multiple_of(crate::engine::step::GPU_SEQ_MULTIPLE) } else { context };
     Sizing {
         rows: global.0,
         t: global.1,

@@ -32,7 +32,7 @@ use crate::model::ops::softcap_ce::IGNORED_TARGET;
 impl EngineModel {
     /// The engine's row length for a pass of `width` positions: on a GPU the next multiple of 64.
     fn lora_t(&self, width: usize) -> usize {
-        if self.on_gpu() { width.next_multiple_of(64) } else { width }
+        if self.on_gpu() { width.next_multiple_of(crate::engine::step::GPU_SEQ_MULTIPLE) } else { width }
     }
 
     fn lora_pass<'a>(&self, p: &'a Pending) -> LoraPass<'a> {
