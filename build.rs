@@ -1,4 +1,11 @@
-//! Build script: only for `--features cuda`.
+//! Build script.
+//!
+//! 0. Every build: the SHA-256 of each source file the crate can compile (`SOURCE_ROOTS`)
+//!    into `$OUT_DIR/source_digests.txt` (`HEX  PATH` lines), which the binary embeds
+//!    (src/artifact/bundle/sources.rs): a run packs the files its build compiled
+//!    (cargo's dep-info) and refuses any whose bytes are not the ones compiled.
+//!
+//! The rest only for `--features cuda`:
 //!
 //! 1. Compiles `kernels/*.cu` (the fused ops' and the engine's GPU kernels; the device maths
 //!    they share is in the headers of `kernels/ops/`) to PTX in `OUT_DIR` with nvcc
@@ -20,13 +27,22 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+/// What the crate's sources are: the files the source bundle may hold, digested at build time.
+const SOURCE_ROOTS: [&str; 7] = ["Cargo.toml", "Cargo.lock", "build.rs", "src", "stages", "kernels", "cpp"];
+
 fn main() {
     println!("cargo:rerun-if-env-changed=CUDA_ROOT");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
-    println!("cargo:rerun-if-changed=build.rs");
-    println!("cargo:rerun-if-changed=kernels");
+    digest_sources();
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
+    }
+    // What nvcc and the C++ compiler read: in the dep-info (and so in the source bundle) only
+    // where they are compiled.
+    for dir in ["kernels", "cpp"] {
+        for file in files_under(&PathBuf::from(dir)) {
+            println!("cargo:rerun-if-changed={}", file.display());
+        }
     }
     compile_kernels();
     compile_cudnn_shim();
@@ -45,6 +61,46 @@ fn main() {
     // A linker script named like the shared library: `-lcudart` then links the static one.
     std::fs::write(out.join("libcudart.so"), format!("INPUT({})\n", lib.display())).expect("OUT_DIR is writable");
     println!("cargo:rustc-link-search=native={}", out.display());
+}
+
+/// `$OUT_DIR/source_digests.txt`: `HEX  PATH` for every file under [`SOURCE_ROOTS`], in path
+/// order. Watching the roots reruns it whenever a source changes (the crate recompiles then
+/// anyway).
+fn digest_sources() {
+    use sha2::Digest;
+    let mut lines = String::new();
+    for root in SOURCE_ROOTS {
+        println!("cargo:rerun-if-changed={root}");
+        for file in files_under(&PathBuf::from(root)) {
+            let bytes = std::fs::read(&file).unwrap_or_else(|e| panic!("cannot read {}: {e}", file.display()));
+            let hex: String = sha2::Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+            let path = file.components().map(|c| c.as_os_str().to_string_lossy()).collect::<Vec<_>>().join("/");
+            lines.push_str(&format!("{hex}  {path}\n"));
+        }
+    }
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    std::fs::write(out.join("source_digests.txt"), lines).expect("OUT_DIR is writable");
+}
+
+/// The regular files at `path` (a file, or a folder walked whole), sorted; none when it is
+/// missing.
+fn files_under(path: &std::path::Path) -> Vec<PathBuf> {
+    let Ok(meta) = std::fs::metadata(path) else { return Vec::new() };
+    if meta.is_file() {
+        return vec![path.to_path_buf()];
+    }
+    let mut out = Vec::new();
+    if meta.is_dir() {
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(path)
+            .unwrap_or_else(|e| panic!("cannot list {}: {e}", path.display()))
+            .map(|e| e.expect("a readable folder").path())
+            .collect();
+        entries.sort();
+        for e in entries {
+            out.extend(files_under(&e));
+        }
+    }
+    out
 }
 
 /// `kernels/NAME.cu` -> `$OUT_DIR/NAME.ptx` for every kernel file.
@@ -68,7 +124,6 @@ fn compile_kernels() {
         std::iter::once((cu, format!("{stem}.ptx"), None)).chain(bf16)
     });
     for (cu, name, define) in builds {
-        println!("cargo:rerun-if-changed={}", cu.display());
         let ptx = out.join(name);
         let status = Command::new(&nvcc)
             .args(define)
@@ -91,7 +146,6 @@ fn compile_cudnn_shim() {
     for var in ["CUDNN_FRONTEND_INCLUDE", "CUDNN_INCLUDE", "NVRTC_INCLUDE", "CXX"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
-    println!("cargo:rerun-if-changed=cpp");
     let required = |var: &str| {
         let dir = std::env::var_os(var).map(PathBuf::from).filter(|d| d.is_dir());
         dir.unwrap_or_else(|| panic!("{var} is not set to a directory: build with scripts/build-cuda.sh, which fetches cuDNN's headers"))

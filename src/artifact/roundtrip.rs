@@ -18,7 +18,7 @@ use anyhow::Context;
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
-use super::code_size::CodeSize;
+use super::bundle::Bundle;
 use super::format::from_bytes;
 use super::gptq::GptqConfig;
 use super::hessian::{Hessians, collect_from_training_data, targets};
@@ -57,45 +57,52 @@ impl Method {
 #[derive(Clone, Debug, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CodeBytes {
-    /// Measured from the source tree ([`super::code_size`]).
-    Measured(CodeSize),
-    /// Given in the config (`code_bytes`).
+    /// Measured: the run's source bundle ([`super::bundle`]), written into its run directory.
+    Measured(Bundle),
+    /// Given in the config (`code_bytes`): a figure for experiments, which `pipeline
+    /// submission` refuses.
     Given(u64),
-    /// Not counted: no source tree was found and none was given.
-    Unknown,
+    /// Not counted, and why (no dep-info beside the binary, sources changed since the build).
+    Unmeasured(String),
 }
 
 impl CodeBytes {
-    /// The source tree's count, or [`CodeBytes::Unknown`] (measuring it takes a few seconds:
-    /// start it early, on its own thread).
-    pub fn measure() -> Self {
-        match super::code_size::locate().map(|root| super::code_size::measure(&root)) {
-            Some(Ok(c)) => CodeBytes::Measured(c),
-            _ => CodeBytes::Unknown,
+    /// Packs this binary's sources into `run_dir` ([`super::bundle`]); [`CodeBytes::Unmeasured`]
+    /// with the reason when that cannot be done (it takes a few seconds: start it early, on its
+    /// own thread).
+    pub fn measure(run_dir: &std::path::Path) -> Self {
+        let made = super::bundle::of_this_binary().and_then(|(b, bytes, s)| super::bundle::write(run_dir, &b, &bytes, &s.root).map(|()| b));
+        match made {
+            Ok(b) => CodeBytes::Measured(b),
+            Err(e) => CodeBytes::Unmeasured(format!("{e:#}")),
         }
     }
 
-    /// The bytes counted (0 when unknown).
+    /// The bytes counted (0 when not measured).
     pub fn bytes(&self) -> u64 {
         match self {
-            CodeBytes::Measured(c) => c.compressed_bytes,
+            CodeBytes::Measured(b) => b.bytes,
             CodeBytes::Given(n) => *n,
-            CodeBytes::Unknown => 0,
+            CodeBytes::Unmeasured(_) => 0,
         }
     }
 
     /// The log line.
     pub fn line(&self) -> String {
         match self {
-            CodeBytes::Measured(c) => format!(
-                "Code size: {} bytes (brotli-11 of the {} source files, {} bytes, under {})",
-                c.compressed_bytes,
-                c.files,
-                c.raw_bytes,
-                c.root.display()
+            CodeBytes::Measured(b) => format!(
+                "Code size: {} bytes ({}: {} source files of the {}, {} bytes, {} stripped)",
+                b.bytes,
+                b.file,
+                b.files,
+                b.build.line(),
+                b.raw_bytes,
+                b.stripped_bytes
             ),
-            CodeBytes::Given(n) => format!("Code size: {n} bytes (as given by `code_bytes`)"),
-            CodeBytes::Unknown => "Code size: not counted (this binary's source tree was not found; set `code_bytes`)".into(),
+            CodeBytes::Given(n) => {
+                format!("Code size: {n} bytes (as given by `code_bytes`: not measured, refused by `pipeline submission`)")
+            }
+            CodeBytes::Unmeasured(why) => format!("Code size: not measured ({why})"),
         }
     }
 }

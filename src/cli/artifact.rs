@@ -71,7 +71,8 @@ pub fn command(weights: PathBuf, path: PathBuf, o: Options) -> i32 {
     let out = o.out.unwrap_or_else(|| default_path(&weights, &q));
     let code = match p.code_bytes {
         Some(n) => CodeBytes::Given(n),
-        None => CodeBytes::measure(),
+        // The source bundle beside the artifact.
+        None => CodeBytes::measure(out.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."))),
     };
     match build(&loaded.config, &weights, &q, &p.method(gptq), &out, o.val_max_tokens, code, |l| out!("{l}")) {
         Ok(_) => 0,

@@ -13,8 +13,10 @@
 //! - [`message`], [`pool`]: what travels on channels and reusable buffers.
 //! - [`memory`]: a run's memory estimate against its budget; [`inject`]: slowdown and fault
 //!   injection; [`catalog`]: `pipeline stages`.
-//! - [`error`], [`files`], [`rundir`]: config errors, user-named files, run directories.
+//! - [`error`], [`files`], [`rundir`]: config errors, user-named files, run directories;
+//!   [`build_info`]: which build of the binary is running (its features, its profile).
 
+pub mod build_info;
 pub mod catalog;
 mod channel;
 pub mod clock;

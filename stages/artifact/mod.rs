@@ -32,7 +32,7 @@
 //! (each scoring pass). The reserve counts the Hessians and the
 //! quantization, as the record's does.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -154,9 +154,11 @@ impl ArtifactStage {
         };
         let code = match p.code_bytes {
             Some(n) => std::thread::spawn(move || CodeBytes::Given(n)),
-            // No file to write here (a rank other than 0): nothing to count.
-            None if ctx.run_dir.is_none() => std::thread::spawn(|| CodeBytes::Unknown),
-            None => std::thread::Builder::new().name("code-size".into()).spawn(CodeBytes::measure)?,
+            None => match ctx.run_dir.map(Path::to_path_buf) {
+                Some(dir) => std::thread::Builder::new().name("code-size".into()).spawn(move || CodeBytes::measure(&dir))?,
+                // No file to write here (a rank other than 0): nothing to count.
+                None => std::thread::spawn(|| CodeBytes::Unmeasured("not rank 0".into())),
+            },
         };
         Ok(Self {
             path: ctx.run_dir.map(|d| d.join(p.file_name())),
@@ -301,7 +303,8 @@ impl ArtifactStage {
         for l in &w.kinds {
             self.log.line(&format!("  {l}"));
         }
-        let code = self.code.take().map(|h| h.join().unwrap_or(CodeBytes::Unknown)).unwrap_or(CodeBytes::Unknown);
+        let panicked = || CodeBytes::Unmeasured("the measuring thread panicked".into());
+        let code = self.code.take().map_or_else(panicked, |h| h.join().unwrap_or_else(|_| panicked()));
         for l in size_lines(&q, &w, &code) {
             self.log.line(&l);
         }

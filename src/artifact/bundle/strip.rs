@@ -1,0 +1,410 @@
+//! What a source file keeps in the bundle: the code the compiler reads, without what it skips.
+//!
+//! - **Rust** is parsed (syn) and printed back from its tokens: comments are gone with the
+//!   parse, doc comments (`#[doc]` attributes) and items the build never compiles (`#[test]`,
+//!   `#[cfg(test)]` and any `cfg` that needs `test`) are removed, `#[cfg_attr(test, ..)]` too,
+//!   and the tokens are printed one space apart, one top-level item per line: the same program
+//!   to rustc, with no indentation.
+//! - **C, C++ and CUDA** go through a lexer that knows string and character literals (a `//`
+//!   inside a string stays): comments out, lines trimmed, blank lines dropped; preprocessor
+//!   lines stay lines.
+//! - **Cargo.toml** is parsed and written back without comments, benches and
+//!   dev-dependencies (the bundle builds the binary, not the benchmarks or tests).
+
+use anyhow::{Context, Result};
+use quote::ToTokens;
+use syn::visit_mut::VisitMut;
+
+/// `bytes` of the file at `path` (relative), stripped by its kind; other files unchanged.
+pub fn file(path: &str, bytes: &[u8]) -> Result<Vec<u8>> {
+    let text = || std::str::from_utf8(bytes).with_context(|| format!("{path} is not UTF-8"));
+    let ext = path.rsplit_once('.').map_or("", |(_, e)| e);
+    Ok(match ext {
+        "rs" => rust(text()?).with_context(|| format!("cannot parse {path}"))?.into_bytes(),
+        "cu" | "cuh" | "cpp" | "h" | "c" | "hpp" => c_like(text()?).into_bytes(),
+        _ if path == "Cargo.toml" => manifest(text()?).context("cannot parse Cargo.toml")?.into_bytes(),
+        _ => bytes.to_vec(),
+    })
+}
+
+/// A Rust file as the compiler reads it outside tests, without comments or indentation.
+pub fn rust(src: &str) -> Result<String> {
+    let mut file = syn::parse_file(src).map_err(|e| {
+        let at = e.span().start();
+        anyhow::anyhow!("{e} (line {}, column {})", at.line, at.column)
+    })?;
+    Strip.visit_file_mut(&mut file);
+    let mut out = String::new();
+    for attr in &file.attrs {
+        let kept = without_docs(attr.to_token_stream());
+        if !kept.is_empty() {
+            print(kept, &mut out);
+            out.push('\n');
+        }
+    }
+    for item in &file.items {
+        print(without_docs(item.to_token_stream()), &mut out);
+        out.push('\n');
+    }
+    Ok(out)
+}
+
+/// Prints tokens as rustc reads them back: one space between two tokens, none where a
+/// delimiter, `,` or `;` stands between them (no token continues across those), none after a
+/// punctuation joined to the next (`->`, `::`, `'a`).
+fn print(tokens: proc_macro2::TokenStream, out: &mut String) {
+    use proc_macro2::{Delimiter, Spacing, TokenTree};
+    // Whether the last thing printed lets the next token follow with no space.
+    let mut glued = true;
+    for t in tokens {
+        let separator = |t: &TokenTree| matches!(t, TokenTree::Punct(p) if matches!(p.as_char(), ',' | ';'));
+        if !glued && !matches!(t, TokenTree::Group(_)) && !separator(&t) {
+            out.push(' ');
+        }
+        match &t {
+            TokenTree::Group(g) => {
+                let (open, close) = match g.delimiter() {
+                    Delimiter::Parenthesis => ("(", ")"),
+                    Delimiter::Brace => ("{", "}"),
+                    Delimiter::Bracket => ("[", "]"),
+                    Delimiter::None => ("", ""),
+                };
+                out.push_str(open);
+                print(g.stream(), out);
+                out.push_str(close);
+                // An invisible group's last token may still join the next one.
+                glued = g.delimiter() != Delimiter::None;
+            }
+            TokenTree::Punct(p) => {
+                out.push(p.as_char());
+                glued = p.spacing() == Spacing::Joint || separator(&t);
+            }
+            TokenTree::Ident(i) => {
+                out.push_str(&i.to_string());
+                glued = false;
+            }
+            TokenTree::Literal(l) => {
+                out.push_str(&l.to_string());
+                glued = false;
+            }
+        }
+    }
+}
+
+/// `tokens` without doc attributes (`#[doc = ..]`, `#![doc = ..]`, macro bodies' too) and
+/// without `cfg_attr`s that only a test build applies, at every depth.
+fn without_docs(tokens: proc_macro2::TokenStream) -> proc_macro2::TokenStream {
+    use proc_macro2::{Group, TokenTree};
+    let trees: Vec<TokenTree> = tokens.into_iter().collect();
+    let mut out = Vec::with_capacity(trees.len());
+    let mut i = 0;
+    while i < trees.len() {
+        if let TokenTree::Punct(p) = &trees[i]
+            && p.as_char() == '#'
+        {
+            let inner = matches!(trees.get(i + 1), Some(TokenTree::Punct(b)) if b.as_char() == '!');
+            let at = i + 1 + usize::from(inner);
+            if let Some(TokenTree::Group(g)) = trees.get(at)
+                && g.delimiter() == proc_macro2::Delimiter::Bracket
+                && dropped(g.stream())
+            {
+                i = at + 1;
+                continue;
+            }
+        }
+        out.push(match &trees[i] {
+            TokenTree::Group(g) => {
+                let mut n = Group::new(g.delimiter(), without_docs(g.stream()));
+                n.set_span(g.span());
+                TokenTree::Group(n)
+            }
+            t => t.clone(),
+        });
+        i += 1;
+    }
+    out.into_iter().collect()
+}
+
+/// Whether an attribute's bracketed tokens are a doc string or a `cfg_attr` for tests only.
+fn dropped(attr: proc_macro2::TokenStream) -> bool {
+    let Ok(meta) = syn::parse2::<syn::Meta>(attr) else { return false };
+    match &meta {
+        syn::Meta::NameValue(nv) => nv.path.is_ident("doc"),
+        syn::Meta::List(l) if l.path.is_ident("cfg_attr") => l
+            .parse_args_with(syn::punctuated::Punctuated::<syn::Meta, syn::Token![,]>::parse_terminated)
+            .is_ok_and(|p| p.first().and_then(cfg_value) == Some(false)),
+        _ => false,
+    }
+}
+
+/// Removes what only a test build compiles, at every level.
+struct Strip;
+
+/// Whether `attrs` keep their item out of a build without `test`.
+fn test_only(attrs: &[syn::Attribute]) -> bool {
+    attrs.iter().any(|a| {
+        a.path().is_ident("test") || (a.path().is_ident("cfg") && a.parse_args::<syn::Meta>().is_ok_and(|m| cfg_value(&m) == Some(false)))
+    })
+}
+
+/// A `cfg` predicate's value with `test` unset: `Some(false)` where it cannot hold, `None` where
+/// it depends on anything else (features, targets).
+fn cfg_value(m: &syn::Meta) -> Option<bool> {
+    let list = |l: &syn::MetaList| -> Vec<syn::Meta> {
+        l.parse_args_with(syn::punctuated::Punctuated::<syn::Meta, syn::Token![,]>::parse_terminated)
+            .map(|p| p.into_iter().collect())
+            .unwrap_or_default()
+    };
+    match m {
+        syn::Meta::Path(p) if p.is_ident("test") => Some(false),
+        syn::Meta::List(l) if l.path.is_ident("not") => list(l).first().and_then(cfg_value).map(|v| !v),
+        syn::Meta::List(l) if l.path.is_ident("all") => {
+            let vs: Vec<_> = list(l).iter().map(cfg_value).collect();
+            if vs.contains(&Some(false)) {
+                Some(false)
+            } else if vs.iter().all(|v| *v == Some(true)) {
+                Some(true)
+            } else {
+                None
+            }
+        }
+        syn::Meta::List(l) if l.path.is_ident("any") => {
+            let vs: Vec<_> = list(l).iter().map(cfg_value).collect();
+            if vs.contains(&Some(true)) {
+                Some(true)
+            } else if vs.iter().all(|v| *v == Some(false)) {
+                Some(false)
+            } else {
+                None
+            }
+        }
+        _ => None,
+    }
+}
+
+/// An item's attributes, for the kinds that carry them.
+fn item_attrs(item: &syn::Item) -> &[syn::Attribute] {
+    use syn::Item::*;
+    match item {
+        Const(i) => &i.attrs,
+        Enum(i) => &i.attrs,
+        ExternCrate(i) => &i.attrs,
+        Fn(i) => &i.attrs,
+        ForeignMod(i) => &i.attrs,
+        Impl(i) => &i.attrs,
+        Macro(i) => &i.attrs,
+        Mod(i) => &i.attrs,
+        Static(i) => &i.attrs,
+        Struct(i) => &i.attrs,
+        Trait(i) => &i.attrs,
+        TraitAlias(i) => &i.attrs,
+        Type(i) => &i.attrs,
+        Union(i) => &i.attrs,
+        Use(i) => &i.attrs,
+        _ => &[],
+    }
+}
+
+impl VisitMut for Strip {
+    fn visit_file_mut(&mut self, f: &mut syn::File) {
+        f.items.retain(|i| !test_only(item_attrs(i)));
+        syn::visit_mut::visit_file_mut(self, f);
+    }
+
+    fn visit_item_mod_mut(&mut self, m: &mut syn::ItemMod) {
+        if let Some((_, items)) = &mut m.content {
+            items.retain(|i| !test_only(item_attrs(i)));
+        }
+        syn::visit_mut::visit_item_mod_mut(self, m);
+    }
+
+    fn visit_item_impl_mut(&mut self, i: &mut syn::ItemImpl) {
+        i.items.retain(|it| match it {
+            syn::ImplItem::Fn(f) => !test_only(&f.attrs),
+            syn::ImplItem::Const(c) => !test_only(&c.attrs),
+            syn::ImplItem::Type(t) => !test_only(&t.attrs),
+            _ => true,
+        });
+        syn::visit_mut::visit_item_impl_mut(self, i);
+    }
+
+    fn visit_block_mut(&mut self, b: &mut syn::Block) {
+        b.stmts.retain(|s| match s {
+            syn::Stmt::Item(i) => !test_only(item_attrs(i)),
+            syn::Stmt::Local(l) => !test_only(&l.attrs),
+            _ => true,
+        });
+        syn::visit_mut::visit_block_mut(self, b);
+    }
+
+    fn visit_fields_named_mut(&mut self, f: &mut syn::FieldsNamed) {
+        f.named = std::mem::take(&mut f.named).into_iter().filter(|x| !test_only(&x.attrs)).collect();
+        syn::visit_mut::visit_fields_named_mut(self, f);
+    }
+}
+
+/// C, C++ or CUDA without comments, each line trimmed, blank lines dropped.
+pub fn c_like(src: &str) -> String {
+    #[derive(PartialEq)]
+    enum S {
+        Code,
+        Line,
+        Block,
+        Str(char),
+    }
+    let mut state = S::Code;
+    let mut kept = String::with_capacity(src.len());
+    let mut chars = src.chars().peekable();
+    while let Some(c) = chars.next() {
+        match state {
+            S::Code => match (c, chars.peek()) {
+                ('/', Some('/')) => {
+                    chars.next();
+                    state = S::Line;
+                }
+                ('/', Some('*')) => {
+                    chars.next();
+                    state = S::Block;
+                    kept.push(' ');
+                }
+                ('"' | '\'', _) => {
+                    kept.push(c);
+                    state = S::Str(c);
+                }
+                _ => kept.push(c),
+            },
+            S::Line => {
+                // A `\` at the end of a `//` comment's line continues the comment.
+                if c == '\\' && chars.peek() == Some(&'\n') {
+                    chars.next();
+                } else if c == '\n' {
+                    kept.push('\n');
+                    state = S::Code;
+                }
+            }
+            S::Block => {
+                if c == '*' && chars.peek() == Some(&'/') {
+                    chars.next();
+                    state = S::Code;
+                } else if c == '\n' {
+                    kept.push('\n');
+                }
+            }
+            S::Str(q) => {
+                kept.push(c);
+                if c == '\\' {
+                    if let Some(n) = chars.next() {
+                        kept.push(n);
+                    }
+                } else if c == q || c == '\n' {
+                    state = S::Code;
+                }
+            }
+        }
+    }
+    let mut out = String::with_capacity(kept.len());
+    for line in kept.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+/// Cargo.toml without comments, `[[bench]]` targets or `[dev-dependencies]`.
+pub fn manifest(src: &str) -> Result<String> {
+    let mut table: toml::Table = toml::from_str(src)?;
+    table.remove("bench");
+    table.remove("dev-dependencies");
+    Ok(toml::to_string(&table)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rust_keeps_the_program_and_drops_comments_docs_and_tests() {
+        let src = r#"//! Module docs.
+/// A doc.
+#[derive(Debug)]
+pub struct A {
+    /// Field doc.
+    pub x: u32, // trailing comment
+    #[cfg(test)]
+    pub probe: u32,
+}
+
+/* block */ fn f() -> &'static str {
+    #[cfg(test)]
+    let y = 1;
+    "// not a comment" // a remark
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn t() {}
+}
+
+#[cfg(all(test, feature = "cuda"))]
+fn gpu_test() {}
+
+#[cfg(feature = "cuda")]
+fn gpu() {}
+
+#[cfg(not(test))]
+fn always() {}
+
+#[cfg_attr(test, derive(Clone))]
+struct B;
+
+impl A {
+    #[cfg(test)]
+    fn only_in_tests(&self) {}
+    fn kept(&self) -> bool { let chained = Some(1); if let Some(v) = chained && v > 0 { return true } false }
+}
+"#;
+        let out = rust(src).unwrap();
+        for gone in ["docs", "doc", "remark", "trailing", "block", "probe", "tests", "gpu_test", "only_in_tests", "Clone", "let y"] {
+            assert!(!out.contains(gone), "{gone:?} is still in:\n{out}");
+        }
+        for kept in ["\"// not a comment\"", "derive(Debug)", "fn gpu", "fn always", "fn kept", "'static", "struct B"] {
+            assert!(out.contains(kept), "{kept:?} is missing from:\n{out}");
+        }
+        assert!(!out.contains("    "), "indentation kept:\n{out}");
+        // What is printed parses again to the same program.
+        let again = rust(&out).unwrap();
+        assert_eq!(again, out);
+        assert!(rust("fn (").unwrap_err().to_string().contains("line 1"));
+    }
+
+    #[test]
+    fn c_like_knows_strings_and_keeps_preprocessor_lines() {
+        let src = "#include <a.cuh> // the header\n/* a\n block */ int x = 1;\n\n    const char* s = \"http://x /* no */\"; char c = '\\'';\n#define M(a) \\\n    (a + 1) // done\n";
+        assert_eq!(
+            c_like(src),
+            "#include <a.cuh>\nint x = 1;\nconst char* s = \"http://x /* no */\"; char c = '\\'';\n#define M(a) \\\n(a + 1)\n"
+        );
+    }
+
+    #[test]
+    fn the_manifest_loses_comments_benches_and_dev_dependencies() {
+        let src = "# top\n[package]\nname = \"p\" # the name\n\n[dependencies]\na = \"1\"\n\n[dev-dependencies]\nb = \"2\"\n\n[[bench]]\nname = \"x\"\n";
+        let out = manifest(src).unwrap();
+        assert!(out.contains("name = \"p\"") && out.contains("a = \"1\""), "{out}");
+        for gone in ["#", "bench", "dev-dependencies", "b = "] {
+            assert!(!out.contains(gone), "{gone} in {out}");
+        }
+    }
+
+    /// Every Rust file of this crate parses, and loses at least its comments.
+    #[test]
+    fn every_source_file_of_the_crate_strips() {
+        let s = super::super::sources::of_this_binary().unwrap();
+        for f in &s.files {
+            let bytes = std::fs::read(s.root.join(f)).unwrap();
+            let out = file(f, &bytes).unwrap_or_else(|e| panic!("{f}: {e:#}"));
+            assert!(out.len() < bytes.len(), "{f}: {} -> {}", bytes.len(), out.len());
+        }
+    }
+}

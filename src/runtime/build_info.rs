@@ -1,0 +1,60 @@
+//! Which build of the binary is running: its version, the cargo features it was compiled with
+//! and its profile. Every run records it (`report.json`'s `run.build`), so that a submission
+//! can say which build trained it and its rebuild uses the same features.
+
+use serde::{Deserialize, Serialize};
+
+/// The features a build can have, in the order they are listed.
+pub const FEATURES: [&str; 3] = ["tools", "mpi", "cuda"];
+
+/// A build of the binary.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BuildInfo {
+    /// The crate's version.
+    pub version: String,
+    /// The cargo features it was compiled with (of [`FEATURES`]); without `tools` it is the
+    /// lean record build.
+    pub features: Vec<String>,
+    /// `release`, or `debug` (debug assertions on).
+    pub profile: String,
+}
+
+impl BuildInfo {
+    /// This binary's build.
+    pub fn this() -> Self {
+        let on = [cfg!(feature = "tools"), cfg!(feature = "mpi"), cfg!(feature = "cuda")];
+        Self {
+            version: env!("CARGO_PKG_VERSION").into(),
+            features: FEATURES.iter().zip(on).filter(|(_, on)| *on).map(|(f, _)| f.to_string()).collect(),
+            profile: if cfg!(debug_assertions) { "debug" } else { "release" }.into(),
+        }
+    }
+
+    /// Whether it is the lean record build (no `tools`).
+    pub fn lean(&self) -> bool {
+        !self.features.iter().any(|f| f == "tools")
+    }
+
+    /// In words: `pipeline 0.1.0, lean record build (cuda), release`.
+    pub fn line(&self) -> String {
+        let kind = if self.lean() { "lean record build" } else { "full build" };
+        let extra: Vec<&str> = self.features.iter().map(String::as_str).filter(|f| *f != "tools").collect();
+        let extra = if extra.is_empty() { String::new() } else { format!(" ({})", extra.join(", ")) };
+        format!("pipeline {}, {kind}{extra}, {}", self.version, self.profile)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn this_build_names_its_features() {
+        let b = BuildInfo::this();
+        assert_eq!(b.version, env!("CARGO_PKG_VERSION"));
+        assert_eq!(b.lean(), !cfg!(feature = "tools"));
+        assert_eq!(b.features.contains(&"mpi".to_string()), cfg!(feature = "mpi"));
+        let lean = BuildInfo { version: "1".into(), features: vec!["cuda".into()], profile: "release".into() };
+        assert_eq!(lean.line(), "pipeline 1, lean record build (cuda), release");
+    }
+}
