@@ -48,6 +48,7 @@ pub mod train;
 
 pub mod artifact;
 
+#[cfg(feature = "tools")]
 pub mod check;
 
 #[path = "../stages/mod.rs"]

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use pipeline::cli;
+#[cfg(feature = "tools")]
 use pipeline::train::attention_trial::AttentionShape;
 
 /// mimalloc keeps freed tensor buffers for reuse: with glibc's allocator every large CPU
@@ -71,6 +72,7 @@ enum Command {
     /// or every combination with --grid), all with the same seed and data order, each in its
     /// own run directory under the ablation directory (ablation.json, ablation.txt). Ctrl-C
     /// lets the current run finish; rerun with the same --out to go on.
+    #[cfg(feature = "tools")]
     Ablate {
         /// The pipeline config (TOML); its `[ablation]` table is used when no --vary is given.
         config: PathBuf,
@@ -100,6 +102,7 @@ enum Command {
     /// Replays the chain that feeds the executor (or a loader's sink) as a queue with every
     /// channel depth from 1 to 128, and prints the predicted input wait and throughput per depth
     /// and the smallest depth within 1% of the best.
+    #[cfg(feature = "tools")]
     Advise {
         /// The run directory (holding report.json).
         run_dir: PathBuf,
@@ -113,6 +116,7 @@ enum Command {
     /// pass, and a ring model of the interconnect (H100 SXM NVLink defaults) give the step on N
     /// ranks, its exposed communication and the steps in a wall-clock budget, printed beside
     /// the records' own figures. A prediction, not a measurement (docs/ranks.md).
+    #[cfg(feature = "tools")]
     Project {
         /// The one-rank run's directory (report.json, config.toml).
         run_dir: PathBuf,
@@ -147,6 +151,7 @@ enum Command {
     /// time, seeds, one config, the validation's byte count, the legality audit of the
     /// evaluation, and the significance against --against. Exit 0 and the folder when every
     /// check passes; 1 and no folder when one fails; 2 on unreadable input.
+    #[cfg(feature = "tools")]
     Submission {
         /// The runs' directories, one per seed.
         #[arg(required = true)]
@@ -202,12 +207,14 @@ enum Command {
         html: bool,
     },
     /// Data preparation.
+    #[cfg(feature = "tools")]
     Data {
         #[command(subcommand)]
         command: DataCommand,
     },
     /// Quantize a weights file into the challenge's compressed artifact, report its size against
     /// the 16,000,000-byte cap, and score the round trip on the validation split.
+    #[cfg(feature = "tools")]
     Artifact {
         /// The weights (safetensors, e.g. RUN_DIR/final_model.safetensors).
         weights: PathBuf,
@@ -243,6 +250,7 @@ enum Command {
     /// Compare a device with the CPU: a small seeded GPT's loss and gradients on one batch,
     /// against f64 on the CPU (exit 1 when an error is beyond its bound: in f32 one tolerance,
     /// in bf16 each quantity's from the error the bf16 graph should have).
+    #[cfg(feature = "tools")]
     Parity {
         /// The device: "cpu" or "cuda:N".
         #[arg(long, default_value = "cpu")]
@@ -262,6 +270,7 @@ enum Command {
     /// and weights on a small model with every record element, graph replay against op-by-op
     /// launches and the device-to-device paths (GPU), then per-op timings at the baseline's
     /// shapes. Exit 1 when an error is beyond its bound.
+    #[cfg(feature = "tools")]
     EngineCheck {
         /// The device: "cpu" (the f32 CPU backend) or "cuda:N".
         #[arg(long, default_value = "cuda:0")]
@@ -300,6 +309,7 @@ enum Command {
     /// Time one flash-attention implementation's forward and backward pass at a micro-batch's
     /// shapes, after checking it against the materialised attention in f32 (what `attention =
     /// "auto"` runs, one process per implementation). Exit 0 with the outcome, even a rejection.
+    #[cfg(feature = "tools")]
     AttentionTrial {
         /// The device: "cuda:N" (on the CPU every flash implementation is left out).
         #[arg(long, default_value = "cuda:0")]
@@ -331,6 +341,7 @@ enum Command {
     /// (where the model claims document attention) no document seeing the one before it.
     ///
     /// Exit 0 when the audit passes, 1 when a check fails, 2 on an error.
+    #[cfg(feature = "tools")]
     AuditEval {
         /// A finished run directory (its config.toml and the weights its evaluation scored) or a
         /// config file (weights initialised from run.seed).
@@ -353,6 +364,7 @@ enum Command {
     },
 }
 
+#[cfg(feature = "tools")]
 #[derive(Subcommand)]
 enum DataCommand {
     /// Tokenize text into challenge-format train and val shards plus manifest.json.
@@ -400,13 +412,17 @@ fn main() -> ExitCode {
         Command::Launch { nproc, all_ranks, args: RunArgs { config, out, sets, quiet, resume } } => {
             cli::launch::command(config, cli::launch::Options { nproc, sets, out, resume, quiet, all_ranks })
         }
+        #[cfg(feature = "tools")]
         Command::Ablate { config, varies, grid, seeds, out, sets, quiet } => {
             cli::ablate::command(config, cli::ablate::Options { varies, grid, seeds, out, sets, quiet })
         }
+        #[cfg(feature = "tools")]
         Command::Advise { run_dir, json } => cli::advise::command(run_dir, json),
+        #[cfg(feature = "tools")]
         Command::Project { run_dir, nproc, link_gbs, link_latency_us, budget_s, keep, ns_share, json } => {
             cli::project::command(run_dir, cli::project::Options { nproc, link_gbs, link_latency_us, budget_s, keep, ns_share, json })
         }
+        #[cfg(feature = "tools")]
         Command::Submission { runs, out, against, seeds, audit_tokens, name, author, github_id, blurb, date, json } => {
             let entry = cli::submission::Entry { name, author, github_id, blurb, date, ..Default::default() };
             cli::submission::command(runs, cli::submission::Options { out, against, seeds, audit_tokens, entry, json })
@@ -414,21 +430,27 @@ fn main() -> ExitCode {
         Command::Validate { config, sets } => cli::validate::command(config, sets),
         Command::Report { run_dir, json, html } => cli::report::command(run_dir, json, html),
         Command::Stages { json } => cli::stages::command(json),
+        #[cfg(feature = "tools")]
         Command::AuditEval { path, tokens, sets, json } => {
             cli::audit::command(path, pipeline::stages::ttt_eval::audit::AuditOptions { tokens, sets }, json)
         }
+        #[cfg(feature = "tools")]
         Command::Parity { device, dtype, seed, json } => cli::check::parity(&device, &dtype, seed, json),
+        #[cfg(feature = "tools")]
         Command::EngineCheck { device, dtype, activations, attention, timing, rows, seed, json, json_out } => {
             let precision =
                 cli::check::Precision { dtype: dtype.as_deref(), activations: activations.as_deref(), attention: attention.as_deref() };
             cli::check::engine_check(&device, precision, timing.as_deref(), rows, seed, json, json_out.as_deref())
         }
+        #[cfg(feature = "tools")]
         Command::AttentionTrial { device, kernels, batch, seq_len, heads, kv_heads, head_dim, json } => {
             cli::check::attention_trial(&device, &kernels, AttentionShape { batch, t: seq_len, heads, kv_heads, head_dim }, json)
         }
+        #[cfg(feature = "tools")]
         Command::Artifact { weights, config, sets, method, bits, codec, level, out, val_max_tokens } => {
             cli::artifact::command(weights, config, cli::artifact::Options { sets, method, bits, codec, level, out, val_max_tokens })
         }
+        #[cfg(feature = "tools")]
         Command::Data { command: DataCommand::Prepare { tokenizer, inputs, out, val_docs, val_frac, shard_tokens, force, caseops } } => {
             let val = match (val_docs, val_frac) {
                 (Some(n), _) => pipeline::data::prepare::ValSplit::Docs(n),

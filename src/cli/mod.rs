@@ -57,17 +57,25 @@ fn print_json(value: &impl serde::Serialize) -> i32 {
     }
 }
 
+#[cfg(feature = "tools")]
 pub mod ablate;
+#[cfg(feature = "tools")]
 pub mod advise;
+#[cfg(feature = "tools")]
 pub mod artifact;
+#[cfg(feature = "tools")]
 pub mod audit;
+#[cfg(feature = "tools")]
 pub mod check;
+#[cfg(feature = "tools")]
 pub mod data;
 pub mod launch;
+#[cfg(feature = "tools")]
 pub mod project;
 pub mod ranks;
 pub mod report;
 pub mod run;
 pub mod stages;
+#[cfg(feature = "tools")]
 pub mod submission;
 pub mod validate;

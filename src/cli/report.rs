@@ -24,8 +24,16 @@ pub fn command(run_dir: PathBuf, json: bool, html: bool) -> i32 {
     }
 }
 
+/// `--html` in the lean record build, which has no HTML report: an error saying where it is.
+#[cfg(not(feature = "tools"))]
+fn write_html(dir: &std::path::Path) -> i32 {
+    err!("error: the lean record build has no HTML report; write {}'s with the full build (`pipeline report --html`)", dir.display());
+    2
+}
+
 /// `--html`: a run directory's page from its report.json (and steps.tsv), or an ablation
 /// directory's from its ablation.json and its runs' directories.
+#[cfg(feature = "tools")]
 fn write_html(dir: &std::path::Path) -> i32 {
     let written = if !dir.join("report.json").exists() && dir.join("ablation.json").is_file() {
         super::ablate::rewrite_html(dir)

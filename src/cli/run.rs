@@ -266,11 +266,15 @@ fn merge_ranks(report: &mut Report, ranks: &dyn crate::dist::Collective) -> anyh
 }
 
 /// Writes `RUN_DIR/report.html` from `report`; a failure is a warning naming the file, never
-/// the run's failure (report.json has everything the page shows).
+/// the run's failure (report.json has everything the page shows). The lean record build has no
+/// HTML report: the full build writes it later (`pipeline report --html RUN_DIR`).
 pub fn write_html(run_dir: &Path, report: &Report) {
+    #[cfg(feature = "tools")]
     if let Err(e) = crate::report::html::write_run(run_dir, report) {
         err!("warning: {} not written: {e:#}", run_dir.join(crate::report::html::FILE).display());
     }
+    #[cfg(not(feature = "tools"))]
+    let _ = (run_dir, report);
 }
 
 /// The report of the process that last ran in `run_dir`, if it ran the same stages (names,

@@ -8,6 +8,7 @@
 pub mod batch;
 pub mod caseops;
 pub mod config;
+#[cfg(feature = "tools")]
 pub mod prepare;
 pub mod sampler;
 pub mod shard;

@@ -33,6 +33,7 @@
 //! checks against candle's autograd are in `tests.rs`.
 
 pub mod backend;
+#[cfg(any(test, feature = "tools"))]
 pub mod cases;
 pub mod cpu;
 pub mod evaluate;
@@ -42,8 +43,10 @@ pub mod layout;
 pub mod lora;
 mod lora_ops;
 pub mod lt;
+#[cfg(any(test, feature = "tools"))]
 pub mod model_check;
 #[cfg(test)]
+#[cfg(any(test, feature = "tools"))]
 mod op_checks;
 pub mod optim;
 pub mod schedule;

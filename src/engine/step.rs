@@ -174,6 +174,7 @@ impl Engine {
     /// An engine for `cfg` on micro-batches of `rows x t` tokens on `be`, whose arena must
     /// hold `Layout::new(cfg, rows, t).len()` elements (all zero) in the dtype it computes in;
     /// the rest as [`Engine::cpu`].
+    #[cfg(any(test, feature = "tools"))]
     pub(crate) fn with_backend(cfg: &ModelConfig, rows: usize, t: usize, be: Box<dyn Backend>, poison: bool) -> anyhow::Result<Engine> {
         Engine::with_backend_sized(cfg, Sizing::fixed(rows, t), be, poison)
     }

@@ -6,6 +6,7 @@
 //! ([`audit`]). They run on either executor ([`executor`]: candle here, the engine in
 //! [`crate::train::engine_eval`]).
 
+#[cfg(feature = "tools")]
 pub mod audit;
 pub mod bpb;
 pub mod byte_check;

@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::report::tables::{ChannelReport, StageReport};
 use crate::report::verdict::{self, Verdict};
+use crate::runtime::build_info::BuildInfo;
 use crate::runtime::control::{StopReason, StopSignal};
 use crate::runtime::exec::{RunResult, StageState};
 use crate::runtime::graph::Plan;
@@ -62,6 +63,10 @@ pub struct RunInfo {
     /// cores (what `pipeline submission` times the rules against).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub hardware: String,
+    /// The build of the binary that ran it (version, features, profile): the lean record build
+    /// or the full one.
+    #[serde(default)]
+    pub build: BuildInfo,
     /// Wall time from starting the stage threads to the last one ending (s).
     pub wall_s: f64,
     /// "completed", "interrupted" or "failed".
@@ -236,6 +241,7 @@ pub fn build(plan: &Plan, result: &RunResult, meta: &ReportMeta) -> Report {
             run_dir: meta.run_dir.display().to_string(),
             started: meta.started.clone(),
             hardware: meta.hardware.clone(),
+            build: BuildInfo::this(),
             wall_s,
             status: status.into(),
             exit_code: exit_code(result.reason, result.signal),

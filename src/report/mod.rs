@@ -4,12 +4,16 @@
 //! run side by side ([`ranks`]), and the step on N ranks predicted from one ([`projection`]).
 
 pub mod ablation;
+#[cfg(feature = "tools")]
 pub mod advise;
 pub mod document;
+#[cfg(feature = "tools")]
 pub mod html;
+#[cfg(feature = "tools")]
 pub mod projection;
 pub mod ranks;
 pub mod steps;
+#[cfg(feature = "tools")]
 pub mod submission;
 pub mod tables;
 pub mod verdict;

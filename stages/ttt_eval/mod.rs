@@ -26,7 +26,9 @@
 //! `<label>_ttt …`. Histograms: `sliding` (the whole pass), `chunk_score` and `chunk_train`
 //! (per TTT chunk). Snapshots of steps, and a run ended by Ctrl-C, are not evaluated.
 
+#[cfg(feature = "tools")]
 pub mod audit;
+#[cfg(feature = "tools")]
 mod audit_report;
 mod phased;
 
