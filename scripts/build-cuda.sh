@@ -3,6 +3,9 @@
 #
 #   scripts/build-cuda.sh            # release build for H100/H200 (sm_90a), stripped; prints its path
 #   scripts/build-cuda.sh --check    # `cargo check --features cuda` only (what CI runs)
+#   scripts/build-cuda.sh --lean     # the lean record build (`--no-default-features`): what a
+#                                    # record trains with, its source bundle counted
+#                                    # (docs/submitting.md); keep pipeline.d beside the binary
 #
 # What it does:
 # 1. installs the pinned CUDA 13.0 compiler wheels from PyPI into a cache
@@ -29,10 +32,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 mode=build
+lean=()
 case "${1:-}" in
   --check) mode=check ;;
+  --lean) lean=(--no-default-features) ;;
   "") ;;
-  *) echo "usage: $0 [--check]" >&2; exit 2 ;;
+  *) echo "usage: $0 [--check | --lean]" >&2; exit 2 ;;
 esac
 
 CUDA_PIP=${CUDA_PIP:-$HOME/.cache/pipeline-cuda13}
@@ -91,7 +96,9 @@ if [[ $mode == check ]]; then
 fi
 
 echo "== cargo build --release --features cuda (CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP)" >&2
-CARGO_TARGET_DIR=target/cuda cargo build --release "${args[@]}"
+CARGO_TARGET_DIR=target/cuda cargo build --release "${args[@]}" "${lean[@]}"
 bin=target/cuda/release/pipeline
+# pipeline.d beside the binary lists the sources it was built from: its runs pack them as the
+# counted code (src/artifact/bundle/sources.rs). Carry it with the binary.
 strip "$bin"
 echo "$PWD/$bin"

@@ -154,11 +154,22 @@ enum Command {
     #[cfg(feature = "tools")]
     Submission {
         /// The runs' directories, one per seed.
-        #[arg(required = true)]
+        #[arg(required_unless_present = "verify")]
         runs: Vec<PathBuf>,
         /// The records folder to write (absent or empty).
-        #[arg(long)]
-        out: PathBuf,
+        #[arg(long, required_unless_present = "verify")]
+        out: Option<PathBuf>,
+        /// Check a records folder instead: unpack its source bundle into an empty directory,
+        /// build it, rerun its config at a tiny size with the rebuilt binary and with this one,
+        /// and compare their weights byte for byte (docs/submitting.md).
+        #[arg(long, value_name = "FOLDER", conflicts_with_all = ["runs", "out", "against"])]
+        verify: Option<PathBuf>,
+        /// With --verify: where to unpack, build and rerun (kept; default: a temporary folder).
+        #[arg(long, value_name = "DIR", requires = "verify")]
+        work: Option<PathBuf>,
+        /// With --verify: override a config value in both reruns (repeatable; read as TOML).
+        #[arg(long = "set", value_name = "KEY=VALUE", requires = "verify")]
+        sets: Vec<String>,
         /// What to beat: the record's val_bpb (e.g. 1.0611), or a baseline's run directories.
         #[arg(long, num_args = 1.., value_name = "BPB|RUN_DIR")]
         against: Vec<String>,
@@ -423,7 +434,12 @@ fn main() -> ExitCode {
             cli::project::command(run_dir, cli::project::Options { nproc, link_gbs, link_latency_us, budget_s, keep, ns_share, json })
         }
         #[cfg(feature = "tools")]
-        Command::Submission { runs, out, against, seeds, audit_tokens, name, author, github_id, blurb, date, json } => {
+        Command::Submission { verify: Some(folder), work, sets, .. } => {
+            cli::verify::command(&folder, cli::verify::VerifyOptions { work, sets })
+        }
+        #[cfg(feature = "tools")]
+        Command::Submission { runs, out, against, seeds, audit_tokens, name, author, github_id, blurb, date, json, .. } => {
+            let out = out.unwrap_or_default();
             let entry = cli::submission::Entry { name, author, github_id, blurb, date, ..Default::default() };
             cli::submission::command(runs, cli::submission::Options { out, against, seeds, audit_tokens, entry, json })
         }

@@ -27,6 +27,7 @@ use crate::eval::bpb::BpbAccumulator;
 use crate::eval::executor::EvalExecutor;
 use crate::eval::validation::{Validator, tokens_per_pass};
 use crate::model::{Gpt, ModelConfig};
+use crate::report::size_advice::{SizeFacts, advice};
 use crate::train::config::Config;
 
 /// How an artifact's matrices are rounded: the `artifact` stage's two implementations.
@@ -132,6 +133,8 @@ impl CalibrationStats {
 pub struct Written {
     /// Its sizes.
     pub stats: ArtifactStats,
+    /// The payload's byte counts (quantized values, LQER's corrections, ...).
+    pub payload: super::quant::PayloadStats,
     /// What became of each tensor ([`super::quant::Quantized::kind_lines`]).
     pub kinds: Vec<String>,
     /// Bytes of the weights as float tensors.
@@ -210,6 +213,7 @@ pub fn write_and_restore(
     let quantized = quantize(state, q, rounding)?.with_info(info);
     let quantize_time = t0.elapsed();
     let kinds = quantized.kind_lines();
+    let payload = quantized.stats();
     let t0 = Instant::now();
     let artifact = quantized.compress(q.codec, q.level, q.byte_shuffle)?;
     let compress = t0.elapsed();
@@ -218,7 +222,17 @@ pub fn write_and_restore(
     let write = t1.elapsed();
     let t2 = Instant::now();
     let restored = restore(out, model)?;
-    Ok(Written { stats: artifact.stats, kinds, raw_bytes, restored, quantize: quantize_time, compress, write, restore: t2.elapsed() })
+    Ok(Written {
+        stats: artifact.stats,
+        payload,
+        kinds,
+        raw_bytes,
+        restored,
+        quantize: quantize_time,
+        compress,
+        write,
+        restore: t2.elapsed(),
+    })
 }
 
 /// Reads the artifact at `path`, refuses it when its manifest names another `[model]` than
@@ -242,6 +256,18 @@ pub fn restore_bytes(bytes: &[u8], model: &ModelConfig, name: &str) -> anyhow::R
     qz.dequantize(Some(DType::F32), &Device::Cpu).with_context(|| format!("cannot restore the artifact {name}"))
 }
 
+/// What the size advice needs of an artifact `over` bytes over the cap.
+pub fn size_facts(q: &QuantConfig, w: &Written, over: u64) -> SizeFacts {
+    SizeFacts {
+        over,
+        model_bytes: w.stats.compressed_bytes,
+        values: w.payload.int_bytes,
+        bits: q.bits,
+        clip_sigmas: (q.clip == super::quant::Clip::SdClip).then_some(q.clip_sigmas),
+        lqer_bytes: w.payload.lqer_bytes,
+    }
+}
+
 /// The size lines of the log: the script's `Serialized model ...` line, the code's, and the
 /// total against the cap.
 pub fn size_lines(q: &QuantConfig, w: &Written, code: &CodeBytes) -> [String; 3] {
@@ -251,7 +277,7 @@ pub fn size_lines(q: &QuantConfig, w: &Written, code: &CodeBytes) -> [String; 3]
     let verdict = if total <= ARTIFACT_CAP_BYTES {
         format!("fits, {} bytes to spare", ARTIFACT_CAP_BYTES - total)
     } else {
-        format!("OVER THE CAP by {} bytes", total - ARTIFACT_CAP_BYTES)
+        format!("OVER THE CAP by {} bytes: {}", total - ARTIFACT_CAP_BYTES, advice(&size_facts(q, w, total - ARTIFACT_CAP_BYTES)))
     };
     [
         format!(

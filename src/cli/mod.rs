@@ -7,7 +7,7 @@
 //! - [`advise`]: `pipeline advise`, channel depths predicted from a run's service times;
 //! - [`project`]: `pipeline project`, the step on N ranks predicted from a one-rank run;
 //! - [`submission`]: `pipeline submission`, runs checked against the challenge's rules and the
-//!   records folder;
+//!   records folder; [`verify`]: `--verify`, a records folder's code rebuilt and rerun;
 //! - [`validate`], [`report`], [`stages`]: check a config, print a report, list the stages;
 //! - [`data`], [`artifact`]: prepare shards, build and score an artifact;
 //! - [`check`]: `pipeline parity` and `pipeline attention-trial`;
@@ -79,3 +79,5 @@ pub mod stages;
 #[cfg(feature = "tools")]
 pub mod submission;
 pub mod validate;
+#[cfg(feature = "tools")]
+pub mod verify;

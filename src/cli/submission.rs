@@ -73,7 +73,14 @@ pub fn command(runs: Vec<PathBuf>, o: Options) -> i32 {
         // Valid, but not shown to beat what it was held against: not a record.
         entry.track = NON_RECORD_TRACK.into();
     }
-    match folder::write(&sub, &entry, &o.out) {
+    let code = match code_files(&sub) {
+        Ok(c) => c,
+        Err(e) => {
+            err!("error: {e:#}");
+            return 1;
+        }
+    };
+    match folder::write(&sub, &entry, &code, &o.out) {
         Ok(files) => {
             if !o.json {
                 out!(
@@ -105,6 +112,7 @@ pub fn check(dirs: &[PathBuf], o: &Options) -> anyhow::Result<Submission> {
     // The byte count and the evaluation's legality depend on settings the seeds share (a
     // mixed set is refused by its own check): the first run's are checked.
     let first = &runs[0];
+    extra.push(source_check(&runs));
     extra.push(bytes_check(first));
     extra.push(audit_check(&first.dir, o.audit_tokens));
     Ok(Submission::check(runs, o.seeds, &against, extra))
@@ -131,6 +139,36 @@ fn against(values: &[String]) -> anyhow::Result<Against> {
 fn run_config(dir: &Path) -> anyhow::Result<Config> {
     let path = dir.join("config.toml");
     config::load_with_env::<Config>(&path, &[], false).map(|l| l.config).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+}
+
+/// Every run's source bundle and `Cargo.lock` in its run directory, byte for byte the ones
+/// it recorded, as a check: a submission ships exactly the code that trained it.
+fn source_check(runs: &[RunFigures]) -> Check {
+    let rule = "each run's source bundle and Cargo.lock are in its directory, byte for byte as the run recorded them";
+    let mut problems = Vec::new();
+    for r in runs {
+        match r.measured_bundle() {
+            Err(why) => problems.push(format!("seed {}: {why}", r.seed)),
+            Ok(b) => {
+                if let Err(e) = crate::artifact::bundle::read(&r.dir, b) {
+                    problems.push(format!("seed {}: {e:#}", r.seed));
+                }
+            }
+        }
+    }
+    let figure = match (problems.first(), runs.first().and_then(|r| r.bundle.as_ref())) {
+        (Some(_), _) | (None, None) => problems.join("; "),
+        (None, Some(b)) => format!("{} intact in {} run(s): {} files of the {}", b.file, runs.len(), b.files, b.build.line()),
+    };
+    Check::new("source", problems.is_empty() && !runs.is_empty(), figure, rule)
+}
+
+/// The first run's source bundle and `Cargo.lock`, checked again, for the folder.
+fn code_files(sub: &Submission) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
+    let r = sub.runs.first().context("no run")?;
+    let b = r.measured_bundle().map_err(|e| anyhow::anyhow!("{}: {e}", r.dir.display()))?;
+    let (packed, lock) = crate::artifact::bundle::read(&r.dir, b)?;
+    Ok(vec![(b.file.clone(), packed), (crate::artifact::bundle::sources::LOCK.to_string(), lock)])
 }
 
 /// The validation's bytes against its decoded text, as a check; the bytes and targets it

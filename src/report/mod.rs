@@ -1,7 +1,8 @@
 //! What a run reports: `RUN_DIR/report.json` ([`document`]), its text table, the bottleneck
 //! verdict ([`verdict`]) computed from the stage and channel tables ([`tables`]), and the same as
 //! a self-contained page with plots, `report.html` ([`html`]), the ranks of a data-parallel
-//! run side by side ([`ranks`]), and the step on N ranks predicted from one ([`projection`]).
+//! run side by side ([`ranks`]), the step on N ranks predicted from one ([`projection`]), and
+//! what a model over the size cap must lose ([`size_advice`]).
 
 pub mod ablation;
 #[cfg(feature = "tools")]
@@ -12,6 +13,7 @@ pub mod html;
 #[cfg(feature = "tools")]
 pub mod projection;
 pub mod ranks;
+pub mod size_advice;
 pub mod steps;
 #[cfg(feature = "tools")]
 pub mod submission;

@@ -1,6 +1,8 @@
 //! Which build of the binary is running: its version, the cargo features it was compiled with
 //! and its profile. Every run records it (`report.json`'s `run.build`), so that a submission
-//! can say which build trained it and its rebuild uses the same features.
+//! can say which build trained it and its rebuild uses the same features. Also what a run's
+//! source bundle holds ([`SourceBundle`]: made by `artifact::bundle`, read by the submission's
+//! checks).
 
 use serde::{Deserialize, Serialize};
 
@@ -42,6 +44,28 @@ impl BuildInfo {
         let extra = if extra.is_empty() { String::new() } else { format!(" ({})", extra.join(", ")) };
         format!("pipeline {}, {kind}{extra}, {}", self.version, self.profile)
     }
+}
+
+/// A run's source bundle: the packed sources of the build that trained it, the code counted
+/// against the cap.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceBundle {
+    /// Its file name in a run directory or records folder: `source.tar.xz` or `source.tar.br`.
+    pub file: String,
+    /// Source files packed.
+    pub files: usize,
+    /// Their bytes as they are in the tree.
+    pub raw_bytes: u64,
+    /// Their bytes stripped of comments, docs, tests and indentation.
+    pub stripped_bytes: u64,
+    /// The compressed file's bytes: the code counted against the cap.
+    pub bytes: u64,
+    /// The compressed file's SHA-256.
+    pub sha256: String,
+    /// `Cargo.lock`'s SHA-256 (beside the bundle, not counted).
+    pub lock_sha256: String,
+    /// The build whose sources these are.
+    pub build: BuildInfo,
 }
 
 #[cfg(test)]

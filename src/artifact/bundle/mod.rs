@@ -18,35 +18,15 @@ pub mod strip;
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use serde::{Deserialize, Serialize};
 
 pub use pack::Codec;
 pub use sources::Sources;
 
-use crate::runtime::build_info::BuildInfo;
+use crate::runtime::build_info::{BuildInfo, SourceBundle};
 
-/// What a bundle holds and weighs.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Bundle {
-    /// Its file name in a run directory or records folder (`source.tar.xz`).
-    pub file: String,
-    /// How the archive is compressed.
-    pub codec: Codec,
-    /// Source files packed.
-    pub files: usize,
-    /// Their bytes as they are in the tree.
-    pub raw_bytes: u64,
-    /// Their bytes stripped ([`strip`]).
-    pub stripped_bytes: u64,
-    /// The compressed file's bytes: the code counted against the cap.
-    pub bytes: u64,
-    /// The compressed file's SHA-256.
-    pub sha256: String,
-    /// `Cargo.lock`'s SHA-256 (beside the bundle, not counted).
-    pub lock_sha256: String,
-    /// The build whose sources these are.
-    pub build: BuildInfo,
-}
+/// What a bundle holds and weighs (defined with the build's description, which the reports
+/// read).
+pub type Bundle = SourceBundle;
 
 /// Packs `s`: the bundle's description and its bytes.
 pub fn make(s: &Sources) -> Result<(Bundle, Vec<u8>)> {
@@ -65,7 +45,6 @@ pub fn make(s: &Sources) -> Result<(Bundle, Vec<u8>)> {
         std::fs::read(s.root.join(sources::LOCK)).with_context(|| format!("cannot read {}", s.root.join(sources::LOCK).display()))?;
     let b = Bundle {
         file: codec.file_name().into(),
-        codec,
         files: files.len(),
         raw_bytes: raw,
         stripped_bytes: stripped,

@@ -10,6 +10,9 @@ use anyhow::Context;
 use serde::Serialize;
 use serde_json::Value;
 
+use crate::report::size_advice::SizeFacts;
+use crate::runtime::build_info::SourceBundle;
+
 /// A timed piece of the training or the evaluation budget.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Part {
@@ -67,10 +70,16 @@ pub struct RunFigures {
     pub score: Score,
     /// Compressed model bytes (`artifact.bytes`).
     pub artifact_bytes: Option<u64>,
-    /// Code bytes counted (`artifact.code_bytes`).
+    /// Code bytes counted (`artifact.code_bytes`): the source bundle's size when measured.
     pub code_bytes: u64,
     /// How they were counted (`artifact.code`).
     pub code_how: String,
+    /// The run's source bundle (`artifact.code.measured`); `None` when the code was stated by
+    /// `code_bytes` or not measured, which a submission refuses.
+    pub bundle: Option<SourceBundle>,
+    /// What the size advice needs (`artifact.quantized_values`, `lqer_bytes`, `bits`, `clip`,
+    /// `clip_sigmas`), `over` unset.
+    pub size: SizeFacts,
     /// The artifact's path, as the run wrote it (relative to where the run was started).
     pub artifact_path: Option<PathBuf>,
     /// What counts against the training budget.
@@ -207,20 +216,7 @@ impl RunFigures {
             }
         }
         let pre_quant_bpb = opt("artifact.before.val_bpb").or_else(|| opt("train.val_bpb"));
-        let code = at(&r, "artifact.code");
-        let code_how = match code {
-            Some(Value::Object(m)) if m.contains_key("measured") => {
-                let c = &m["measured"];
-                format!(
-                    "brotli-11 of the crate's {} source files ({} bytes) under {}",
-                    c["files"],
-                    c["raw_bytes"],
-                    c["root"].as_str().unwrap_or("?")
-                )
-            }
-            Some(Value::Object(m)) if m.contains_key("given") => format!("as given by the config (`code_bytes` = {})", m["given"]),
-            _ => "not counted (the run found no source tree and none was given)".into(),
-        };
+        let (bundle, code_how) = code_of(at(&r, "artifact.code"));
         Ok(Self {
             dir: dir.to_path_buf(),
             name: at(&r, "run.name").and_then(Value::as_str).unwrap_or("").to_string(),
@@ -239,12 +235,28 @@ impl RunFigures {
             artifact_bytes: at(&r, "artifact.bytes").and_then(Value::as_u64),
             code_bytes: at(&r, "artifact.code_bytes").and_then(Value::as_u64).unwrap_or(0),
             code_how,
+            bundle,
+            size: SizeFacts {
+                over: 0,
+                model_bytes: at(&r, "artifact.bytes").and_then(Value::as_u64).unwrap_or(0),
+                values: at(&r, "artifact.quantized_values").and_then(Value::as_u64).unwrap_or(0),
+                bits: at(&r, "artifact.bits").and_then(Value::as_u64).map_or(0, |b| b as u8),
+                clip_sigmas: (at(&r, "artifact.clip").and_then(Value::as_str) == Some("sd_clip"))
+                    .then(|| at(&r, "artifact.clip_sigmas").and_then(Value::as_f64))
+                    .flatten(),
+                lqer_bytes: at(&r, "artifact.lqer_bytes").and_then(Value::as_u64).unwrap_or(0),
+            },
             artifact_path: at(&r, "artifact.path").and_then(Value::as_str).map(PathBuf::from),
             train_parts,
             uncounted,
             eval_parts,
             config,
         })
+    }
+
+    /// The source bundle, or why there is none.
+    pub fn measured_bundle(&self) -> Result<&SourceBundle, String> {
+        self.bundle.as_ref().ok_or_else(|| format!("code size not measured: {}", self.code_how))
     }
 
     /// Training time against the budget, s.
@@ -290,4 +302,32 @@ fn flatten(prefix: &str, v: &toml::Value, out: &mut BTreeMap<String, String>) {
             out.insert(prefix.to_string(), other.to_string());
         }
     }
+}
+
+/// `artifact.code` as the run wrote it: the bundle when measured, and how the code was counted
+/// in words.
+fn code_of(code: Option<&Value>) -> (Option<SourceBundle>, String) {
+    let Some(Value::Object(m)) = code else { return (None, "the run counted no code".into()) };
+    if let Some(b) = m.get("measured") {
+        return match serde_json::from_value::<SourceBundle>(b.clone()) {
+            Ok(b) => {
+                let how = format!(
+                    "{} of the {}: {} source files, {} bytes stripped to {}",
+                    b.file,
+                    b.build.line(),
+                    b.files,
+                    b.raw_bytes,
+                    b.stripped_bytes
+                );
+                (Some(b), how)
+            }
+            Err(_) => (None, "counted by an older version over the whole tree, with no source bundle".into()),
+        };
+    }
+    let how = match (m.get("given"), m.get("unmeasured")) {
+        (Some(n), _) => format!("stated by the config (`code_bytes` = {n}), not measured"),
+        (_, Some(Value::String(why))) => format!("not measured ({why})"),
+        _ => "not counted".into(),
+    };
+    (None, how)
 }

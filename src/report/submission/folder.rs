@@ -1,9 +1,9 @@
 //! The records folder of a submission, as the challenge's pull requests lay it out
 //! (`records/track_10min_16mb/<date>_<name>/`): `README.md` with the per-seed results table,
 //! `submission.json` with the records' keys, each seed's `train_seed<S>.log`, and, in place of
-//! the records' `train_gpt.py`, each seed's resolved `config_seed<S>.toml` and report pages
-//! (`report_seed<S>.html`, `report_seed<S>.json`). Nothing of the product's source is copied:
-//! the README names the version and commit that trained it.
+//! the records' `train_gpt.py`, the source bundle that trained the runs (`source.tar.xz` or
+//! `source.tar.br`, the counted code) with `Cargo.lock` beside it, each seed's resolved
+//! `config_seed<S>.toml` and report pages (`report_seed<S>.html`, `report_seed<S>.json`).
 //!
 //! The folder is made under a temporary name beside `--out` and renamed when complete, so a
 //! failure leaves no half-written folder.
@@ -37,8 +37,9 @@ pub struct Entry {
     pub software: String,
 }
 
-/// Writes the folder at `out` (absent, or an empty folder); returns the files written.
-pub fn write(sub: &Submission, entry: &Entry, out: &Path) -> anyhow::Result<Vec<PathBuf>> {
+/// Writes the folder at `out` (absent, or an empty folder) with `code` (the source bundle and
+/// `Cargo.lock`: names and bytes, checked by the caller); returns the files written.
+pub fn write(sub: &Submission, entry: &Entry, code: &[(String, Vec<u8>)], out: &Path) -> anyhow::Result<Vec<PathBuf>> {
     if out.exists() {
         let empty = std::fs::read_dir(out).with_context(|| format!("cannot read {}", out.display()))?.next().is_none();
         anyhow::ensure!(empty, "{} already exists and is not empty; choose another --out", out.display());
@@ -48,7 +49,7 @@ pub fn write(sub: &Submission, entry: &Entry, out: &Path) -> anyhow::Result<Vec<
     let leaf = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "submission".into());
     let tmp = parent.join(format!(".{leaf}.tmp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
-    let result = fill(sub, entry, &tmp).and_then(|files| {
+    let result = fill(sub, entry, code, &tmp).and_then(|files| {
         if out.exists() {
             std::fs::remove_dir(out).with_context(|| format!("cannot replace the empty folder {}", out.display()))?;
         }
@@ -62,7 +63,7 @@ pub fn write(sub: &Submission, entry: &Entry, out: &Path) -> anyhow::Result<Vec<
 }
 
 /// Writes every file into `dir`; returns their names.
-fn fill(sub: &Submission, entry: &Entry, dir: &Path) -> anyhow::Result<Vec<String>> {
+fn fill(sub: &Submission, entry: &Entry, code: &[(String, Vec<u8>)], dir: &Path) -> anyhow::Result<Vec<String>> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut files = Vec::new();
     let mut put = |name: String, bytes: Vec<u8>| -> anyhow::Result<()> {
@@ -72,6 +73,9 @@ fn fill(sub: &Submission, entry: &Entry, dir: &Path) -> anyhow::Result<Vec<Strin
     };
     put("README.md".into(), readme(sub, entry).into_bytes())?;
     put("submission.json".into(), serde_json::to_vec_pretty(&submission_json(sub, entry))?)?;
+    for (name, bytes) in code {
+        put(name.clone(), bytes.clone())?;
+    }
     for r in &sub.runs {
         for (from, to) in [
             ("train.log", format!("train_seed{}.log", r.seed)),
@@ -80,6 +84,13 @@ fn fill(sub: &Submission, entry: &Entry, dir: &Path) -> anyhow::Result<Vec<Strin
             ("report.html", format!("report_seed{}.html", r.seed)),
         ] {
             let src = r.dir.join(from);
+            // The lean record build writes no page: it is made here from the report.
+            if from == "report.html" && !src.exists() {
+                let report = crate::report::document::Report::load(&r.dir)?;
+                let steps = std::fs::read_to_string(r.dir.join("steps.tsv")).ok();
+                put(to, crate::report::html::run::page(&report, steps.as_deref()).into_bytes())?;
+                continue;
+            }
             let bytes = std::fs::read(&src).with_context(|| format!("{}: cannot read (seed {})", src.display(), r.seed))?;
             put(to, bytes)?;
         }
@@ -165,14 +176,33 @@ fn readme(sub: &Submission, e: &Entry) -> String {
         "\nNot checked by the tool: that the hardware is the rules' (the times above are the ones measured on the hardware named), and the rules' spirit.\n"
     );
     let _ = writeln!(s, "## Reproducing\n");
-    let _ = writeln!(s, "Trained and scored by {}. Each seed:\n\n```sh", e.software);
+    let _ = writeln!(s, "Trained and scored by {}.", e.software);
+    if let Some(b) = sub.runs.first().and_then(|r| r.bundle.as_ref()) {
+        let features: Vec<&str> = b.build.features.iter().map(String::as_str).filter(|f| *f != "tools").collect();
+        let flags = if b.build.lean() { "--no-default-features".to_string() } else { String::new() };
+        let flags = match (flags.is_empty(), features.is_empty()) {
+            (_, true) => flags,
+            (true, false) => format!("--features {}", features.join(",")),
+            (false, false) => format!("{flags} --features {}", features.join(",")),
+        };
+        let _ = writeln!(
+            s,
+            "The code is `{}` ({} bytes, counted): the {} source files of the {}, comments, docs and tests stripped. Rebuild and rerun it:\n\n```sh\nmkdir src && tar -xf {} -C src && cp Cargo.lock src/\ncargo build --release --locked {flags} --manifest-path src/Cargo.toml\n```\n\nor check it at once with `pipeline submission --verify .` (it builds the bundle in an empty directory and reruns the config at a tiny size against the full build, bit for bit). Each seed:\n",
+            b.file,
+            grouped(b.bytes),
+            b.files,
+            b.build.line(),
+            b.file
+        );
+    }
+    let _ = writeln!(s, "```sh");
     for r in &sub.runs {
         let _ = writeln!(s, "pipeline run config_seed{}.toml", r.seed);
     }
     let _ = writeln!(s, "```\n");
     let _ = writeln!(
         s,
-        "## Files\n\n- `submission.json`: the results in the records' keys;\n- `train_seed<S>.log`: each seed's log;\n- `config_seed<S>.toml`: each seed's resolved config (the records' command-line settings);\n- `report_seed<S>.html`, `report_seed<S>.json`: each run's report (where every millisecond and byte went)."
+        "## Files\n\n- `submission.json`: the results in the records' keys;\n- `source.tar.xz` (or `.br`): the code, counted; `Cargo.lock`: its dependencies' versions, not counted;\n- `train_seed<S>.log`: each seed's log;\n- `config_seed<S>.toml`: each seed's resolved config (the records' command-line settings);\n- `report_seed<S>.html`, `report_seed<S>.json`: each run's report (where every millisecond and byte went)."
     );
     s
 }
@@ -225,6 +255,7 @@ fn submission_json(sub: &Submission, e: &Entry) -> serde_json::Value {
         "step_avg_ms_mean": sub.runs.iter().map(|r| r.step_avg_ms).sum::<f64>() / n,
         "hardware": sub.runs.first().map(|r| r.hardware.clone()),
         "software": e.software,
+        "code": sub.runs.first().and_then(|r| r.bundle.clone()),
         "checks": sub.checks.iter().map(|c| json!({
             "name": c.name,
             "outcome": c.outcome,

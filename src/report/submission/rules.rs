@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use super::figures::RunFigures;
 use super::significance::{MARGIN_NATS, P_LIMIT, Significance};
+use crate::report::size_advice::{SizeFacts, advice};
 
 /// The cap on artifact plus code bytes (decimal).
 pub const CAP_BYTES: u64 = 16_000_000;
@@ -124,22 +125,29 @@ pub fn set_checks(runs: &[RunFigures], min_seeds: usize) -> Vec<Check> {
             }
         }
     }
-    let code = runs.first().map(|r| r.code_bytes);
-    let other = runs.iter().find(|r| Some(r.code_bytes) != code);
+    let digest = |r: &RunFigures| r.bundle.as_ref().map(|b| b.sha256.clone());
+    let code = runs.first().map(digest);
+    let other = runs.iter().find(|r| Some(digest(r)) != code);
     out.push(Check::new(
         "one code",
-        other.is_none(),
+        other.is_none() && code.as_ref().is_some_and(Option::is_some),
         match (other, runs.first()) {
             (Some(o), Some(f)) => format!(
-                "seed {} counted {} code bytes but seed {} {}: trained by different source trees",
+                "seed {} was trained by the source bundle {} but seed {} by {}: different code",
                 o.seed,
-                grouped(o.code_bytes),
+                digest(o).unwrap_or_else(|| "(none)".into()),
                 f.seed,
-                grouped(f.code_bytes)
+                digest(f).unwrap_or_else(|| "(none)".into())
             ),
-            _ => format!("every seed counted {} code bytes", grouped(code.unwrap_or(0))),
+            (None, Some(f)) if f.bundle.is_none() => format!("no seed has a source bundle ({})", f.code_how),
+            _ => format!(
+                "every seed was trained by the same {} ({} bytes, SHA-256 {})",
+                runs.first().and_then(|r| r.bundle.as_ref()).map_or("", |b| b.file.as_str()),
+                grouped(runs.first().map_or(0, |r| r.code_bytes)),
+                code.flatten().map_or(String::new(), |d| d.chars().take(12).collect())
+            ),
         },
-        "every seed trained by the same code (the same count of its sources)",
+        "every seed trained by the same code (the same source bundle, digest for digest)",
     ));
     out.push(Check::new(
         "one config",
@@ -157,11 +165,9 @@ pub fn run_checks(r: &RunFigures) -> Vec<Check> {
     out.push(match r.artifact_bytes {
         Some(model) => {
             let total = model + r.code_bytes;
-            let counted = r.code_bytes > 0;
-            Check::new(
-                name("size"),
-                counted && total <= CAP_BYTES,
-                format!(
+            let figure = match r.measured_bundle() {
+                Err(why) => format!("{why}; model {} bytes", grouped(model)),
+                Ok(_) => format!(
                     "{} bytes = model {} + code {} ({}){}",
                     grouped(total),
                     grouped(model),
@@ -170,9 +176,15 @@ pub fn run_checks(r: &RunFigures) -> Vec<Check> {
                     if total <= CAP_BYTES {
                         format!(", {} to spare", grouped(CAP_BYTES - total))
                     } else {
-                        format!(", {} over", grouped(total - CAP_BYTES))
+                        let over = total - CAP_BYTES;
+                        format!(", {} over: {}", grouped(over), advice(&SizeFacts { over, ..r.size.clone() }))
                     }
                 ),
+            };
+            Check::new(
+                name("size"),
+                r.bundle.is_some() && total <= CAP_BYTES,
+                figure,
                 format!("artifact + counted code <= {} bytes (decimal), the code counted", grouped(CAP_BYTES)),
             )
         }

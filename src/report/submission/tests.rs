@@ -43,7 +43,12 @@ fn run_dir(root: &Path, seed: u64, val_loss: f64, edit: impl FnOnce(&mut serde_j
             "before": { "val_loss": val_loss - 0.02, "val_bpb": bpb - 0.008, "eval_ms": 2776.0 },
             "after": { "val_loss": val_loss + 0.02, "val_bpb": bpb + 0.008, "eval_ms": 2973.4 },
             "bytes": 1_301_520, "code_bytes": 609_873,
-            "code": { "measured": { "root": "/src", "files": 249, "raw_bytes": 2_887_348, "compressed_bytes": 609_873 } },
+            "code": { "measured": {
+                "file": "source.tar.xz", "files": 197, "raw_bytes": 2_287_348, "stripped_bytes": 979_208, "bytes": 609_873,
+                "sha256": "aa11", "lock_sha256": "bb22",
+                "build": { "version": "0.1.0", "features": ["cuda"], "profile": "release" }
+            } },
+            "quantized_values": 35_000_000, "lqer_bytes": 0, "bits": 6, "clip": "sd_clip", "clip_sigmas": 12.85,
             "reserve_ms": 2398.0, "compress_ms": 1145.7, "restore_ms": 12.2, "val_tokens": 65_536
         },
         "eval": {
@@ -84,13 +89,19 @@ fn three_good_seeds_pass_and_read_their_figures() {
     assert_eq!(r.score.label, "quantized_ttt");
     let s = Submission::check(runs, 3, &Against::Bpb(1.5), vec![]);
     assert!(s.passed(), "{:#?}", s.failures());
-    assert!(check(&s, "size seed 42").figure.starts_with("1,911,393 bytes = model 1,301,520 + code 609,873 (brotli-11"));
+    let c = check(&s, "size seed 42");
+    assert!(
+        c.figure.starts_with(
+            "1,911,393 bytes = model 1,301,520 + code 609,873 (source.tar.xz of the pipeline 0.1.0, lean record build (cuda), release: 197 source files"
+        ),
+        "{c:?}"
+    );
     let c = check(&s, "train time seed 0");
     assert!(
         c.figure.starts_with("225.6 s on 1 x cpu (test) (not the rules' hardware: the time does not carry over) = training loop"),
         "{c:?}"
     );
-    assert_eq!(check(&s, "one code").figure, "every seed counted 609,873 code bytes");
+    assert_eq!(check(&s, "one code").figure, "every seed was trained by the same source.tar.xz (609,873 bytes, SHA-256 aa11)");
     assert_eq!(check(&s, "seeds").figure, "3 distinct seed(s): 0, 42, 1234");
 }
 
@@ -140,12 +151,36 @@ fn each_broken_rule_is_refused_with_its_figure() {
     assert!(c.outcome == Outcome::Fail && c.figure.starts_with("`model.num_layers` is 4 in") && c.figure.contains("but 5 in"), "{c:?}");
     assert_eq!(s.failures().len(), 1, "only the model differs: {:?}", s.failures());
     // Seeds trained by different code.
-    dirs[1] = run_dir(&root.join("code"), 0, 2.31, |r, _| r["artifact"]["code_bytes"] = json!(609_900));
+    dirs[1] = run_dir(&root.join("code"), 0, 2.31, |r, _| r["artifact"]["code"]["measured"]["sha256"] = json!("cc33"));
     let s = Submission::check(load(&dirs), 3, &Against::Nothing, vec![]);
     let c = check(&s, "one code");
     assert!(
+        c.outcome == Outcome::Fail && c.figure == "seed 0 was trained by the source bundle cc33 but seed 42 by aa11: different code",
+        "{c:?}"
+    );
+    // A code size stated by the config, or not measured: refused, saying why.
+    dirs[1] = run_dir(&root.join("given"), 0, 2.31, |r, _| r["artifact"]["code"] = json!({ "given": 1000 }));
+    let s = Submission::check(load(&dirs), 3, &Against::Nothing, vec![]);
+    let c = check(&s, "size seed 0");
+    assert!(
+        c.outcome == Outcome::Fail && c.figure.starts_with("code size not measured: stated by the config (`code_bytes` = 1000)"),
+        "{c:?}"
+    );
+    dirs[1] = run_dir(&root.join("unmeasured"), 0, 2.31, |r, _| r["artifact"]["code"] = json!({ "unmeasured": "no dep-info" }));
+    let s = Submission::check(load(&dirs), 3, &Against::Nothing, vec![]);
+    assert!(
+        check(&s, "size seed 0").figure.starts_with("code size not measured: not measured (no dep-info)"),
+        "{:?}",
+        check(&s, "size seed 0")
+    );
+    // Over the cap: the bytes to lose and the closest settings.
+    dirs[1] = run_dir(&root.join("over"), 0, 2.31, |r, _| r["artifact"]["bytes"] = json!(15_865_260));
+    let s = Submission::check(load(&dirs), 3, &Against::Nothing, vec![]);
+    let c = check(&s, "size seed 0");
+    assert!(
         c.outcome == Outcome::Fail
-            && c.figure == "seed 0 counted 609,900 code bytes but seed 42 609,873: trained by different source trees",
+            && c.figure.contains("475,133 over: the model must lose 475133 bytes")
+            && c.figure.contains("`clip_sigmas` 12.85 -> "),
         "{c:?}"
     );
     // An interrupted run, and one scored on other validation targets.
@@ -223,8 +258,10 @@ fn the_folder_holds_the_table_the_json_and_the_logs() {
         ..Entry::default()
     };
     let out = t.0.join("records/2026-11-27_Test");
-    let files = write(&s, &entry, &out).unwrap();
-    assert_eq!(files.len(), 2 + 3 * 4);
+    let code = vec![("source.tar.xz".to_string(), b"packed".to_vec()), ("Cargo.lock".to_string(), b"lock".to_vec())];
+    let files = write(&s, &entry, &code, &out).unwrap();
+    assert_eq!(files.len(), 2 + 2 + 3 * 4);
+    assert_eq!(std::fs::read(out.join("source.tar.xz")).unwrap(), b"packed");
     let readme = std::fs::read_to_string(out.join("README.md")).unwrap();
     let r0 = &s.runs[0];
     let row = format!(
@@ -235,6 +272,10 @@ fn the_folder_holds_the_table_the_json_and_the_logs() {
     );
     assert!(readme.contains(&row), "{row}\n{readme}");
     assert!(readme.contains("PASS size seed 1234") && readme.contains("pipeline run config_seed0.toml"), "{readme}");
+    assert!(
+        readme.contains("The code is `source.tar.xz` (609,873 bytes, counted)") && readme.contains("--no-default-features --features cuda"),
+        "{readme}"
+    );
     let j: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("submission.json")).unwrap()).unwrap();
     assert_eq!(j["seeds"], json!([42, 0, 1234]));
     assert_eq!(j["seed_results"]["0"]["artifact_bytes"], json!(1_911_393));
@@ -244,10 +285,10 @@ fn the_folder_holds_the_table_the_json_and_the_logs() {
         std::fs::read_to_string(t.0.join("seed1234/train.log")).unwrap()
     );
     // A second write refuses the folder now there, and a failed write leaves nothing behind.
-    assert!(format!("{:#}", write(&s, &entry, &out).unwrap_err()).contains("not empty"));
-    std::fs::remove_file(s.runs[2].dir.join("report.html")).unwrap();
+    assert!(format!("{:#}", write(&s, &entry, &code, &out).unwrap_err()).contains("not empty"));
+    std::fs::remove_file(s.runs[2].dir.join("train.log")).unwrap();
     let other = t.0.join("records/other");
-    let err = write(&s, &entry, &other).unwrap_err();
-    assert!(format!("{err:#}").contains("report.html") && !other.exists(), "{err:#}");
+    let err = write(&s, &entry, &code, &other).unwrap_err();
+    assert!(format!("{err:#}").contains("train.log") && !other.exists(), "{err:#}");
     assert_eq!(std::fs::read_dir(t.0.join("records")).unwrap().count(), 1, "no temporary folder left");
 }
