@@ -187,7 +187,7 @@ fn readme(sub: &Submission, e: &Entry) -> String {
         };
         let _ = writeln!(
             s,
-            "The code is `{}` ({} bytes, counted): the {} source files of the {}, comments, docs and tests stripped. Rebuild and rerun it:\n\n```sh\nmkdir src && tar -xf {} -C src && cp Cargo.lock src/\ncargo build --release --locked {flags} --manifest-path src/Cargo.toml\n```\n\nor check it at once with `pipeline submission --verify .` (it builds the bundle in an empty directory and reruns the config at a tiny size against the full build, bit for bit). Each seed:\n",
+            "The code is `{}` ({} bytes, counted): the {} source files of the {}, comments, docs and tests stripped. Rebuild and rerun it:\n\n```sh\nmkdir code && tar -xf {} -C code && cp Cargo.lock code/\ncargo build --release {flags} --manifest-path code/Cargo.toml\n```\n\nor check it at once with `pipeline submission --verify .` (it builds the bundle in an empty directory and reruns the config at a tiny size against the full build, bit for bit). Each seed:\n",
             b.file,
             grouped(b.bytes),
             b.files,
