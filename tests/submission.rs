@@ -174,7 +174,7 @@ fn a_stated_code_size_is_refused() {
 
 /// `pipeline submission --verify`: the folder's bundle unpacked into an empty directory, built
 /// by cargo (reusing this build's compiled dependencies: only the crate compiles, minutes on 2
-/// cores), and the config rerun tiny with both binaries: the weights are equal byte for byte. A
+/// cores), and the config rerun tiny with both binaries: the weights are equal bit for bit. A
 /// bundle changed after the run is refused before any build. Ignored in the test command for
 /// its build; CI runs it as its own phase (.ci/run).
 #[test]
@@ -208,7 +208,7 @@ fn a_records_folder_rebuilds_and_reproduces_its_run() {
     let o = common::bin().arg("submission").arg("--verify").arg(&out).arg("--work").arg(&work).output().unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(stdout.contains("weights files equal byte for byte") && stdout.contains("verified:"), "{}", text(&o));
+    assert!(stdout.contains("weights files hold the same weights bit for bit") && stdout.contains("verified:"), "{}", text(&o));
     // The rebuilt crate holds no comment and no test: what rustc compiled is all there is.
     let lib = std::fs::read_to_string(work.join("src/src/lib.rs")).unwrap();
     assert!(!lib.contains("//") && !lib.contains("#[cfg(test)]"), "{lib}");

@@ -3,7 +3,8 @@
 //! `submission.json` recorded, unpacked into an empty directory and built there with cargo
 //! (the build the runs recorded: its features and profile); then the folder's config runs at a
 //! tiny size on the CPU twice, with the rebuilt binary and with this one, and every weights file
-//! the two runs wrote (`*.safetensors`, the artifact) must be equal byte for byte.
+//! the two runs wrote must hold the same weights bit for bit (`*.safetensors` tensor by tensor,
+//! their metadata holding wall times aside; the artifact byte for byte).
 //!
 //! The build reuses this binary's compiled dependencies: its target folder's `deps`, `build`
 //! and `.fingerprint` entries are hard-linked into the new target folder (copied across file
@@ -148,12 +149,12 @@ fn verify(folder: &Path, code: &SourceBundle, config: &Path, o: &VerifyOptions) 
     anyhow::ensure!(names(a) == names(b), "the reruns wrote different weights files: {:?} against {:?}", names(a), names(b));
     for ((name, x), (_, y)) in a.iter().zip(b) {
         anyhow::ensure!(
-            x == y,
+            same_weights(name, x, y)?,
             "{name} differs between the rebuilt binary's rerun and this binary's: the bundle does not reproduce the run"
         );
     }
     lines.push(format!(
-        "reran {} at a tiny size ({}) with both: {} weights files equal byte for byte ({})",
+        "reran {} at a tiny size ({}) with both: {} weights files hold the same weights bit for bit ({})",
         config.display(),
         TINY.join(" "),
         a.len(),
@@ -230,8 +231,61 @@ fn weight_files(dir: &Path) -> Result<Vec<(String, Vec<u8>)>> {
     Ok(out)
 }
 
+/// Whether two weights files hold the same weights: a `.safetensors` file tensor by tensor
+/// (names, dtypes, shapes and bytes; its metadata holds wall times, which differ run to run),
+/// anything else byte for byte.
+fn same_weights(name: &str, x: &[u8], y: &[u8]) -> Result<bool> {
+    if !name.ends_with(".safetensors") {
+        return Ok(x == y);
+    }
+    let read = |bytes| safetensors::SafeTensors::deserialize(bytes).with_context(|| format!("{name}: not a safetensors file"));
+    let (x, y) = (read(x)?, read(y)?);
+    let mut names = x.names();
+    names.sort();
+    let mut other = y.names();
+    other.sort();
+    if names != other {
+        return Ok(false);
+    }
+    for n in names {
+        let (a, b) = (x.tensor(n)?, y.tensor(n)?);
+        if a.dtype() != b.dtype() || a.shape() != b.shape() || a.data() != b.data() {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
 /// The last `n` lines of `text`.
 fn tail(text: &str, n: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two checkpoints of the same weights whose metadata differ (a wall time) hold the same
+    /// weights; one changed value does not; other files compare byte for byte.
+    #[test]
+    fn weights_compare_tensor_by_tensor() {
+        let file = |v: f32, ms: &str| {
+            let values: Vec<u8> = [1.0f32, v].iter().flat_map(|x| x.to_le_bytes()).collect();
+            let dir = std::env::temp_dir().join(format!("pipeline-verify-w-{}-{v}-{ms}", std::process::id()));
+            let path = dir.with_extension("safetensors");
+            let meta = std::collections::HashMap::from([("train_ms".to_string(), ms.to_string())]);
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2], &values).unwrap();
+            safetensors::serialize_to_file([("w".to_string(), view)], Some(meta), &path).unwrap();
+            let bytes = std::fs::read(&path).unwrap();
+            std::fs::remove_file(&path).unwrap();
+            bytes
+        };
+        let (a, b, c) = (file(2.0, "1.5"), file(2.0, "17.25"), file(3.0, "1.5"));
+        assert_ne!(a, b);
+        assert!(same_weights("ck.safetensors", &a, &b).unwrap());
+        assert!(!same_weights("ck.safetensors", &a, &c).unwrap());
+        assert!(!same_weights("model.pgqz", &a, &b).unwrap());
+        assert!(same_weights("ck.safetensors", &a, b"junk").is_err());
+    }
 }
