@@ -36,6 +36,8 @@ pub struct Sources {
     pub root: PathBuf,
     /// Paths relative to `root`, `/`-separated, sorted.
     pub files: Vec<String>,
+    /// The dep-info file they were listed from.
+    pub depinfo: PathBuf,
 }
 
 /// The digests build.rs embedded: relative path -> SHA-256 hex.
@@ -72,7 +74,7 @@ pub fn of_this_binary() -> Result<Sources> {
     let files = from_depinfo(&text, Path::new(BUILT_ROOT), &digests)
         .with_context(|| format!("{}: not a dep-info file of this crate", depinfo.display()))?;
     check(&root, &files, &digests)?;
-    Ok(Sources { root, files })
+    Ok(Sources { root, files, depinfo })
 }
 
 /// The crate root: where this binary was compiled, else the current directory, whichever holds
