@@ -3,7 +3,8 @@
 //! 0. Every build: the SHA-256 of each source file the crate can compile (`SOURCE_ROOTS`)
 //!    into `$OUT_DIR/source_digests.txt` (`HEX  PATH` lines), which the binary embeds
 //!    (src/artifact/bundle/sources.rs): a run packs the files its build compiled
-//!    (cargo's dep-info) and refuses any whose bytes are not the ones compiled.
+//!    (cargo's dep-info) and refuses any whose bytes are not the ones compiled. And the build's
+//!    features as `PIPELINE_FEATURES` (src/runtime/build_info.rs).
 //!
 //! The rest only for `--features cuda`:
 //!
@@ -34,6 +35,13 @@ fn main() {
     println!("cargo:rerun-if-env-changed=CUDA_ROOT");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     digest_sources();
+    // The features this build has, for the record a run keeps of its build
+    // (src/runtime/build_info.rs), without a feature cfg outside the device areas.
+    let features: Vec<&str> = ["tools", "mpi", "cuda"]
+        .into_iter()
+        .filter(|f| std::env::var_os(format!("CARGO_FEATURE_{}", f.to_uppercase())).is_some())
+        .collect();
+    println!("cargo:rustc-env=PIPELINE_FEATURES={}", features.join(","));
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }

@@ -9,6 +9,7 @@
 #[cfg(feature = "tools")]
 pub mod audit;
 pub mod bpb;
+#[cfg(feature = "tools")]
 pub mod byte_check;
 pub mod executor;
 pub mod lora;

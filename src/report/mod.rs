@@ -14,6 +14,7 @@ pub mod html;
 pub mod projection;
 pub mod ranks;
 pub mod size_advice;
+#[cfg(feature = "tools")]
 pub mod steps;
 #[cfg(feature = "tools")]
 pub mod submission;

@@ -6,16 +6,13 @@
 
 use serde::{Deserialize, Serialize};
 
-/// The features a build can have, in the order they are listed.
-pub const FEATURES: [&str; 3] = ["tools", "mpi", "cuda"];
-
 /// A build of the binary.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BuildInfo {
     /// The crate's version.
     pub version: String,
-    /// The cargo features it was compiled with (of [`FEATURES`]); without `tools` it is the
-    /// lean record build.
+    /// The cargo features it was compiled with (of `tools`, `mpi`, `cuda`); without `tools` it is
+    /// the lean record build.
     pub features: Vec<String>,
     /// `release`, or `debug` (debug assertions on).
     pub profile: String,
@@ -24,10 +21,10 @@ pub struct BuildInfo {
 impl BuildInfo {
     /// This binary's build.
     pub fn this() -> Self {
-        let on = [cfg!(feature = "tools"), cfg!(feature = "mpi"), cfg!(feature = "cuda")];
         Self {
             version: env!("CARGO_PKG_VERSION").into(),
-            features: FEATURES.iter().zip(on).filter(|(_, on)| *on).map(|(f, _)| f.to_string()).collect(),
+            // build.rs names them.
+            features: env!("PIPELINE_FEATURES").split(',').filter(|f| !f.is_empty()).map(String::from).collect(),
             profile: if cfg!(debug_assertions) { "debug" } else { "release" }.into(),
         }
     }
@@ -77,7 +74,7 @@ mod tests {
         let b = BuildInfo::this();
         assert_eq!(b.version, env!("CARGO_PKG_VERSION"));
         assert_eq!(b.lean(), !cfg!(feature = "tools"));
-        assert_eq!(b.features.contains(&"mpi".to_string()), cfg!(feature = "mpi"));
+        assert!(b.features.iter().all(|f| ["tools", "mpi", "cuda"].contains(&f.as_str())), "{b:?}");
         let lean = BuildInfo { version: "1".into(), features: vec!["cuda".into()], profile: "release".into() };
         assert_eq!(lean.line(), "pipeline 1, lean record build (cuda), release");
     }

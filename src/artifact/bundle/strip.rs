@@ -346,10 +346,10 @@ mod tests {
     fn t() {}
 }
 
-#[cfg(all(test, feature = "cuda"))]
+#[cfg(all(test, feature = "gpu"))]
 fn gpu_test() {}
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "gpu")]
 fn gpu() {}
 
 #[cfg(not(test))]

@@ -5,7 +5,10 @@
 //! challenge's significance bar), [`stats`] holds the statistics. `pipeline ablate`
 //! (`crate::cli::ablate`) runs them.
 
+#[cfg(feature = "tools")]
 pub mod figures;
 pub mod plan;
+#[cfg(feature = "tools")]
 pub mod stats;
+#[cfg(feature = "tools")]
 pub mod summary;
