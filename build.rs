@@ -4,7 +4,7 @@
 //!    into `$OUT_DIR/source_digests.txt` (`HEX  PATH` lines), which the binary embeds
 //!    (src/artifact/bundle/sources.rs): a run packs the files its build compiled
 //!    (cargo's dep-info) and refuses any whose bytes are not the ones compiled. And the build's
-//!    features as `PIPELINE_FEATURES` (src/runtime/build_info.rs).
+//!    features as `BUILT_FEATURES` (src/runtime/build_info.rs).
 //!
 //! The rest only for `--features cuda`:
 //!
@@ -41,7 +41,7 @@ fn main() {
         .into_iter()
         .filter(|f| std::env::var_os(format!("CARGO_FEATURE_{}", f.to_uppercase())).is_some())
         .collect();
-    println!("cargo:rustc-env=PIPELINE_FEATURES={}", features.join(","));
+    println!("cargo:rustc-env=BUILT_FEATURES={}", features.join(","));
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }

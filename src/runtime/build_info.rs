@@ -24,7 +24,7 @@ impl BuildInfo {
         Self {
             version: env!("CARGO_PKG_VERSION").into(),
             // build.rs names them.
-            features: env!("PIPELINE_FEATURES").split(',').filter(|f| !f.is_empty()).map(String::from).collect(),
+            features: env!("BUILT_FEATURES").split(',').filter(|f| !f.is_empty()).map(String::from).collect(),
             profile: if cfg!(debug_assertions) { "debug" } else { "release" }.into(),
         }
     }

@@ -4,7 +4,7 @@
 //! - **The list** is cargo's dep-info beside the binary (`target/<profile>/pipeline.d`, which
 //!   cargo writes for every build: the Rust files rustc read for the library and the binary,
 //!   and what build.rs declared as its inputs, the CUDA and C++ files of a `cuda` build), plus
-//!   `Cargo.toml`. `$PIPELINE_DEPINFO` names another file (a binary copied away from its
+//!   `Cargo.toml`. `$SOURCE_DEPINFO` names another file (a binary copied away from its
 //!   target folder: copy its `.d` with it). Entries that are not source files of the crate
 //!   (build outputs, the folders build.rs watches) are left out.
 //! - **The check**: build.rs embeds the SHA-256 of every source file of the tree it compiled
@@ -58,13 +58,13 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 /// it was compiled, else the current directory when that holds the same crate), each file
 /// checked against its build-time digest.
 pub fn of_this_binary() -> Result<Sources> {
-    let depinfo = match std::env::var_os("PIPELINE_DEPINFO") {
+    let depinfo = match std::env::var_os("SOURCE_DEPINFO") {
         Some(p) => PathBuf::from(p),
         None => std::env::current_exe().context("cannot find this binary's path")?.with_extension("d"),
     };
     let text = std::fs::read_to_string(&depinfo).with_context(|| {
         format!(
-            "cannot read {} (cargo's list of the files this binary was built from; keep it beside the binary, or name it with PIPELINE_DEPINFO)",
+            "cannot read {} (cargo's list of the files this binary was built from; keep it beside the binary, or name it with SOURCE_DEPINFO)",
             depinfo.display()
         )
     })?;

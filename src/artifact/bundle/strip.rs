@@ -158,22 +158,14 @@ fn cfg_value(m: &syn::Meta) -> Option<bool> {
     match m {
         syn::Meta::Path(p) if p.is_ident("test") => Some(false),
         syn::Meta::List(l) if l.path.is_ident("not") => list(l).first().and_then(cfg_value).map(|v| !v),
-        syn::Meta::List(l) if l.path.is_ident("all") => {
+        // `all`: one false decides, all true holds; `any` the dual.
+        syn::Meta::List(l) if l.path.is_ident("all") || l.path.is_ident("any") => {
+            let decisive = l.path.is_ident("any");
             let vs: Vec<_> = list(l).iter().map(cfg_value).collect();
-            if vs.contains(&Some(false)) {
-                Some(false)
-            } else if vs.iter().all(|v| *v == Some(true)) {
-                Some(true)
-            } else {
-                None
-            }
-        }
-        syn::Meta::List(l) if l.path.is_ident("any") => {
-            let vs: Vec<_> = list(l).iter().map(cfg_value).collect();
-            if vs.contains(&Some(true)) {
-                Some(true)
-            } else if vs.iter().all(|v| *v == Some(false)) {
-                Some(false)
+            if vs.contains(&Some(decisive)) {
+                Some(decisive)
+            } else if vs.iter().all(|v| *v == Some(!decisive)) {
+                Some(!decisive)
             } else {
                 None
             }
@@ -355,6 +347,12 @@ fn gpu() {}
 #[cfg(not(test))]
 fn always() {}
 
+#[cfg(any(test, test))]
+fn any_test() {}
+
+#[cfg(any(test, feature = "gpu"))]
+fn maybe() {}
+
 #[cfg_attr(test, derive(Clone))]
 struct B;
 
@@ -365,10 +363,12 @@ impl A {
 }
 "#;
         let out = rust(src).unwrap();
-        for gone in ["docs", "doc", "remark", "trailing", "block", "probe", "tests", "gpu_test", "only_in_tests", "Clone", "let y"] {
+        for gone in
+            ["docs", "doc", "remark", "trailing", "block", "probe", "tests", "gpu_test", "only_in_tests", "Clone", "let y", "any_test"]
+        {
             assert!(!out.contains(gone), "{gone:?} is still in:\n{out}");
         }
-        for kept in ["\"// not a comment\"", "derive(Debug)", "fn gpu", "fn always", "fn kept", "'static", "struct B"] {
+        for kept in ["\"// not a comment\"", "derive(Debug)", "fn gpu", "fn always", "fn maybe", "fn kept", "'static", "struct B"] {
             assert!(out.contains(kept), "{kept:?} is missing from:\n{out}");
         }
         assert!(!out.contains("    "), "indentation kept:\n{out}");
