@@ -73,6 +73,8 @@ pub fn of_this_binary() -> Result<Sources> {
         .with_context(|| format!("the sources this binary was built from are neither under {BUILT_ROOT} nor in the current directory"))?;
     let files = from_depinfo(&text, Path::new(BUILT_ROOT), &digests)
         .with_context(|| format!("{}: not a dep-info file of this crate", depinfo.display()))?;
+    same_features(&files, &crate::runtime::build_info::BuildInfo::this().features)
+        .with_context(|| format!("{} is not this binary's dep-info", depinfo.display()))?;
     check(&root, &files, &digests)?;
     Ok(Sources { root, files, depinfo })
 }
@@ -124,6 +126,27 @@ pub fn from_depinfo(text: &str, built_root: &Path, digests: &BTreeMap<&str, &str
     files.dedup();
     anyhow::ensure!(files.iter().any(|f| f.ends_with(".rs")), "it lists no Rust source of the crate");
     Ok(files)
+}
+
+/// A file each feature alone compiles: a dep-info that lists it, or lacks it, belongs to a
+/// build with, or without, that feature.
+const MARKERS: [(&str, &str); 3] = [("tools", "src/cli/verify.rs"), ("mpi", "src/dist/mpi.rs"), ("cuda", "src/engine/gpu/cuda.rs")];
+
+/// Whether the listed files are those of a build with `features`. Cargo rewrites the dep-info
+/// beside a binary only when it compiles it: after a build with other features, switching
+/// back to a build that is still fresh relinks the binary and leaves the other build's list.
+fn same_features(files: &[String], features: &[String]) -> Result<()> {
+    for (feature, marker) in MARKERS {
+        let listed = files.iter().any(|f| f == marker);
+        let on = features.iter().any(|f| f == feature);
+        anyhow::ensure!(
+            listed == on,
+            "it {} {marker}, which only a build {} the feature `{feature}` compiles: the list of another build (cargo leaves it when it relinks a fresh binary; `touch src/main.rs` and build again)",
+            if listed { "lists" } else { "lacks" },
+            if on { "with" } else { "without" }
+        );
+    }
+    Ok(())
 }
 
 /// Splits a Makefile dependency list at unescaped spaces.
@@ -198,6 +221,19 @@ mod tests {
         assert!(s.files.iter().any(|f| f == "src/artifact/bundle/sources.rs"), "{:?}", s.files);
         assert!(s.files.iter().all(|f| s.root.join(f).is_file()));
         assert!(!s.files.iter().any(|f| f.starts_with("tests/") || f == LOCK));
+    }
+
+    #[test]
+    fn another_builds_list_is_refused() {
+        let full: Vec<String> = ["src/lib.rs", "src/cli/verify.rs"].map(String::from).to_vec();
+        let lean: Vec<String> = vec!["src/lib.rs".into()];
+        let tools = vec!["tools".to_string()];
+        same_features(&full, &tools).unwrap();
+        same_features(&lean, &[]).unwrap();
+        let e = same_features(&lean, &tools).unwrap_err().to_string();
+        assert!(e.contains("lacks src/cli/verify.rs") && e.contains("with the feature `tools`"), "{e}");
+        let e = same_features(&full, &[]).unwrap_err().to_string();
+        assert!(e.contains("lists src/cli/verify.rs") && e.contains("without the feature `tools`"), "{e}");
     }
 
     #[test]
