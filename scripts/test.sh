@@ -11,4 +11,8 @@ else
   echo "scripts/test.sh: MPI or libclang not installed: building without the mpi feature; the two-rank tests will be skipped" >&2
   echo "  (Debian: apt-get install libopenmpi-dev openmpi-bin libclang-dev)" >&2
 fi
+# `cargo build` first: it writes target/debug/pipeline.d, the list of the binary's sources that
+# its runs pack as their source bundle (src/artifact/bundle/sources.rs); `cargo test` builds the
+# same binary for the integration tests but writes no such list. Nothing is compiled twice.
+cargo build --locked "${features[@]}"
 exec cargo test --locked "${features[@]}" "$@"

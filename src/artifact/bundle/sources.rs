@@ -64,7 +64,7 @@ pub fn of_this_binary() -> Result<Sources> {
     };
     let text = std::fs::read_to_string(&depinfo).with_context(|| {
         format!(
-            "cannot read {} (cargo's list of the files this binary was built from; keep it beside the binary, or name it with SOURCE_DEPINFO)",
+            "cannot read {} (cargo's list of the files this binary was built from, which `cargo build` writes and `cargo test` does not; keep it beside the binary, or name it with SOURCE_DEPINFO)",
             depinfo.display()
         )
     })?;
