@@ -214,8 +214,8 @@ fn entry_for(sub: &Submission, given: &Entry) -> Entry {
         e.track = "10min_16mb".into();
     }
     if e.software.is_empty() {
-        let commit = crate::artifact::bundle::sources::of_this_binary().ok().and_then(|s| {
-            let out = std::process::Command::new("git").arg("-C").arg(s.root).args(["rev-parse", "--short=12", "HEAD"]).output().ok()?;
+        let commit = crate::artifact::bundle::sources::root().and_then(|root| {
+            let out = std::process::Command::new("git").arg("-C").arg(root).args(["rev-parse", "--short=12", "HEAD"]).output().ok()?;
             out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
         });
         e.software = match commit {

@@ -9,8 +9,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 
 /// How the archive is compressed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Codec {
     /// xz, preset 9 extreme (`tar xJf`).
     Xz,
