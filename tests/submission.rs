@@ -170,6 +170,18 @@ fn a_stated_code_size_is_refused() {
     );
     assert!(stdout.lines().any(|l| l.starts_with("FAIL source: seed 1337: code size not measured")), "{}", text(&o));
     assert!(!out.exists());
+
+    // --verify on a folder that is no records folder: bad input (2), naming the file, before
+    // anything is built; and on one whose submission.json has no source bundle.
+    let o = common::bin().arg("submission").arg("--verify").arg(c.dir.join("nowhere")).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("nowhere/submission.json"), "{}", text(&o));
+    let bare = c.dir.join("bare");
+    std::fs::create_dir_all(&bare).unwrap();
+    std::fs::write(bare.join("submission.json"), r#"{"seeds": [1337], "code": null}"#).unwrap();
+    let o = common::bin().arg("submission").arg("--verify").arg(&bare).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no `code` (a folder without a source bundle)"), "{}", text(&o));
 }
 
 /// `pipeline submission --verify`: the folder's bundle unpacked into an empty directory, built
