@@ -14,6 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::data::guarded_map::GuardedMap;
+
 /// Magic number in the first header word.
 pub const MAGIC: i32 = 20240520;
 /// The only version there is.
@@ -131,6 +133,17 @@ pub enum ShardError {
         /// Tokens in the shard.
         tokens: u64,
     },
+    /// A memory-mapped shard that shrank while the run read it (its pages past the new end
+    /// read as zeros: see [`crate::data::guarded_map`]).
+    #[error("{}: the file shrank while the run read it (now {now} bytes, {expected} when it was opened): shards must not change under a running job", path.display())]
+    Shrunk {
+        /// The shard.
+        path: PathBuf,
+        /// Its size now.
+        now: u64,
+        /// Its size when it was opened and checked.
+        expected: u64,
+    },
 }
 
 /// How a shard's tokens are read.
@@ -145,7 +158,7 @@ pub enum AccessMode {
 }
 
 enum Access {
-    Mmap(memmap2::Mmap),
+    Mmap(GuardedMap),
     Pread(File),
 }
 
@@ -210,12 +223,10 @@ impl ShardFile {
         let access = match mode {
             AccessMode::Pread => Access::Pread(file),
             AccessMode::Mmap => {
-                // SAFETY: the map is read-only; a shard being rewritten under a running job would
-                // show wrong tokens (as with any reader), never unsound memory: shards are
-                // written to a temporary name and renamed into place.
-                let map = unsafe { memmap2::MmapOptions::new().map(&file) }
-                    .map_err(|source| ShardError::Io { path: path.to_path_buf(), error: source })?;
-                let _ = map.advise(memmap2::Advice::Random);
+                // A shard rewritten under a running job shows wrong tokens (as with any reader);
+                // one truncated under it reads zeros past its end, which `damaged` reports.
+                let map = GuardedMap::map(&file).map_err(|source| ShardError::Io { path: path.to_path_buf(), error: source })?;
+                let _ = map.inner().advise(memmap2::Advice::Random);
                 Access::Mmap(map)
             }
         };
@@ -285,7 +296,10 @@ impl ShardFile {
                     }
                     f(&scratch[..len])
                 };
-                self.note_touched(map, 2 * len as u64);
+                if map.damaged() {
+                    return Err(self.shrunk());
+                }
+                self.note_touched(map.inner(), 2 * len as u64);
                 Ok(r)
             }
             Access::Pread(file) => {
@@ -312,6 +326,12 @@ impl ShardFile {
                 self.with_tokens(start, len, &mut tmp, |t| out.copy_from_slice(t))
             }
         }
+    }
+
+    /// The error for a map that read past its file's end: the file shrank under the run.
+    fn shrunk(&self) -> ShardError {
+        let now = std::fs::metadata(&self.path).map(|m| m.len()).unwrap_or(0);
+        ShardError::Shrunk { path: self.path.clone(), now, expected: HEADER_BYTES + 2 * self.tokens }
     }
 
     fn note_touched(&self, map: &memmap2::Mmap, bytes: u64) {
@@ -439,6 +459,29 @@ mod tests {
         }
         let e = ShardFile::open(&d.join("missing.bin"), 0, AccessMode::Pread).unwrap_err().to_string();
         assert!(e.contains("missing.bin") && e.contains("cannot read"), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A shard truncated while it is read: both readers stop with an error naming it (the
+    /// map's reads past the new end used to kill the process with SIGBUS).
+    #[test]
+    fn a_shard_truncated_under_a_reader_is_named_by_both_modes() {
+        let d = dir("shrink");
+        let toks: Vec<u16> = (0..20_000u32).map(|i| (i % 1000) as u16).collect();
+        for mode in [AccessMode::Mmap, AccessMode::Pread] {
+            let p = d.join(format!("{mode:?}.bin"));
+            write_shard(&p, &toks).unwrap();
+            let s = ShardFile::open(&p, 0, mode).unwrap();
+            let mut out = vec![0u16; 1000];
+            s.read(18_000, &mut out).unwrap();
+            std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(HEADER_BYTES + 2 * 100).unwrap();
+            s.read(0, &mut out[..100]).unwrap();
+            let e = s.read(18_000, &mut out).unwrap_err().to_string();
+            assert!(e.contains(&format!("{mode:?}.bin")), "{mode:?}: {e}");
+            if mode == AccessMode::Mmap {
+                assert!(e.contains("shrank while the run read it") && e.contains("now 1224 bytes"), "{e}");
+            }
+        }
         std::fs::remove_dir_all(&d).unwrap();
     }
 

@@ -34,6 +34,8 @@ use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
 
+use crate::data::guarded_map::GuardedMap;
+
 /// Subdirectory of a run directory holding checkpoints.
 pub const DIR: &str = "checkpoints";
 /// Format version written into every checkpoint.
@@ -265,15 +267,24 @@ pub fn prune(dir: &Path, keep: usize) -> anyhow::Result<Vec<PathBuf>> {
 
 /// A checkpoint file's bytes, mapped (a checkpoint can be gigabytes; files are only ever replaced
 /// by rename, never rewritten in place).
-fn map(path: &Path) -> anyhow::Result<memmap2::Mmap> {
+/// Guarded: a file truncated while it is read reads zeros past its end, which [`load`] and
+/// [`check`] refuse, instead of the process dying of SIGBUS.
+fn map(path: &Path) -> anyhow::Result<GuardedMap> {
     crate::runtime::files::ensure_regular(path).context("not a checkpoint")?;
     let file = fs::File::open(path).with_context(|| format!("cannot read checkpoint {}", path.display()))?;
     let len = file.metadata().with_context(|| format!("cannot read checkpoint {}", path.display()))?.len();
     if len == 0 {
         bail!("checkpoint {} is empty (truncated: its write never finished?)", path.display());
     }
-    // SAFETY: read-only map; checkpoints are written to a temporary name and renamed into place.
-    unsafe { memmap2::MmapOptions::new().map(&file) }.with_context(|| format!("cannot read checkpoint {}", path.display()))
+    GuardedMap::map(&file).with_context(|| format!("cannot read checkpoint {}", path.display()))
+}
+
+/// The error for a checkpoint that shrank while it was read, if it did.
+fn whole(path: &Path, bytes: &GuardedMap) -> anyhow::Result<()> {
+    if bytes.damaged() {
+        bail!("checkpoint {} shrank while it was read (something truncated it): it cannot be loaded", path.display());
+    }
+    Ok(())
 }
 
 /// Parses and checks a checkpoint file's bytes: safetensors structure, metadata present, version
@@ -362,7 +373,9 @@ fn diagnose(bytes: &[u8], error: &safetensors::SafeTensorError) -> String {
 /// and say what is wrong (truncated, corrupt (crc mismatch), not a checkpoint, newer version).
 pub fn load(path: &Path) -> anyhow::Result<Checkpoint> {
     let bytes = map(path)?;
-    let (meta, st) = verify(path, &bytes)?;
+    let verified = verify(path, &bytes);
+    whole(path, &bytes)?;
+    let (meta, st) = verified?;
     let mut tensors = HashMap::with_capacity(st.len());
     for (name, view) in st.iter() {
         let dtype = DType::try_from(view.dtype()).map_err(|_| {
@@ -372,13 +385,16 @@ pub fn load(path: &Path) -> anyhow::Result<Checkpoint> {
             .with_context(|| format!("checkpoint {}: cannot load tensor `{name}`", path.display()))?;
         tensors.insert(name.to_string(), t);
     }
+    whole(path, &bytes)?;
     Ok(Checkpoint { path: path.to_path_buf(), meta, tensors })
 }
 
 /// Checks a checkpoint file as [`load`] does, without building its tensors.
 fn check(path: &Path) -> anyhow::Result<CheckpointMeta> {
     let bytes = map(path)?;
-    verify(path, &bytes).map(|(meta, _)| meta)
+    let meta = verify(path, &bytes).map(|(meta, _)| meta);
+    whole(path, &bytes)?;
+    meta
 }
 
 /// What `--resume ARG` names: a checkpoint file, or a run directory (the newest file of its
