@@ -348,3 +348,59 @@ fn a_completed_run_whose_report_is_lost_exits_1() {
     assert!(so.contains("run `train-test`: completed") && so.contains("report.json (not saved):\n{"), "{}", text(&o));
     assert!(so.contains("\"sliding\""), "the JSON holds the sections the table leaves out\n{}", text(&o));
 }
+
+/// A run directory belongs to one run: two runs started together with the same `--out` (other
+/// seeds) leave one run's files, the other refused with exit 2 naming the directory; a resume
+/// of a run still going is refused the same way; once the run has ended its lock keeps nobody
+/// out, and its files keep a fresh run out ("not empty").
+#[test]
+fn a_run_directory_belongs_to_one_run() {
+    let c = corpus("claim");
+    let cfg = config(&c);
+    let out = c.dir.join("same");
+    let start = |seed: &str| {
+        let mut cmd = bin();
+        cmd.arg("run").arg(&cfg).arg("--out").arg(&out).arg("-q");
+        for s in ["train.iterations=6", "train.val_every=0", seed] {
+            cmd.args(["--set", s]);
+        }
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+    };
+    let (a, b) = (start("run.seed=7"), start("run.seed=1337"));
+    let (a, b) = (common::tiny::finish(a, &cfg), common::tiny::finish(b, &cfg));
+    let mut codes = [a.status.code(), b.status.code()];
+    codes.sort();
+    assert_eq!(codes, [Some(0), Some(2)], "one runs, one is refused:\n{}\n{}", text(&a), text(&b));
+    let refused = if a.status.code() == Some(2) { &a } else { &b };
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(said.contains(&out.display().to_string()) && (said.contains("in use by another run") || said.contains("not empty")), "{said}");
+    let seed = if a.status.code() == Some(0) { 7 } else { 1337 };
+    let config_toml = std::fs::read_to_string(out.join("config.toml")).unwrap();
+    assert!(config_toml.contains(&format!("seed = {seed}")), "config.toml is the run's that ran:\n{config_toml}");
+    let log = std::fs::read_to_string(out.join("train.log")).unwrap();
+    assert_eq!(log.matches("\nseed:").count(), 1, "one run's log:\n{log}");
+    assert!(log.contains(&format!("\nseed:{seed}\n")), "{log}");
+
+    // A resume of a run that is still going, and a second run into it.
+    let long = c.dir.join("long");
+    let ckpt = config_plus(&c, "claim-ck", &ema_and_checkpoints(1, 2));
+    let mut cmd = bin();
+    cmd.arg("run").arg(&ckpt).arg("--out").arg(&long).arg("-q").args(["--set", "train.iterations=100000", "--set", "train.val_every=0"]);
+    let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    wait_for_line(&mut child, &long, |l| l.starts_with("step:2/"));
+    let o = resume(&ckpt, &long, &["train.iterations=100000", "train.val_every=0"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_fails(&o, &["is in use by another run", ".lock"]);
+    let o = run_limited(&cfg, &long, &["train.iterations=3"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    sigint(&child);
+    assert_eq!(wait_or_kill(&mut child, Duration::from_secs(120), "interrupted run").code(), Some(130));
+    // Ended: its lock file is there and holds nothing; a resume goes on.
+    assert!(long.join(".lock").is_file());
+    let steps = report(&long).train["steps"].as_u64().unwrap();
+    let o = resume(&ckpt, &long, &[&format!("train.iterations={}", steps + 2), "train.val_every=0"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let o = run_limited(&cfg, &long, &["train.iterations=3"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_fails(&o, &["not empty"]);
+}

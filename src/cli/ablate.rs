@@ -159,9 +159,19 @@ fn prepare(path: &Path, o: &Options) -> Result<Prepared, (i32, String)> {
             .map_err(|e| bad(format!("variant `{}`: {e}", v.name)))?;
         loaded.push(l);
     }
-    let dir = match &o.out {
+    // The ablation directory is claimed as a run directory is (rundir::Claim): two ablations
+    // given the same --out do not write into one another.
+    let claimed = |e: anyhow::Error| (if e.downcast_ref::<rundir::Taken>().is_some() { 2 } else { 1 }, format!("{e:#}"));
+    let (dir, _claim) = match &o.out {
         Some(d) => {
-            let used = d.is_dir() && std::fs::read_dir(d).map(|mut r| r.next().is_some()).unwrap_or(true);
+            if d.exists() && !d.is_dir() {
+                return Err((
+                    2,
+                    format!("--out {}: is a file, not a directory; give a new or empty directory, or an ablation's", d.display()),
+                ));
+            }
+            let used = d.is_dir()
+                && std::fs::read_dir(d).map(|mut r| r.any(|e| e.map_or(true, |e| e.file_name() != rundir::LOCK))).unwrap_or(true);
             if used && !d.join(SUMMARY).is_file() {
                 return Err((
                     2,
@@ -169,10 +179,9 @@ fn prepare(path: &Path, o: &Options) -> Result<Prepared, (i32, String)> {
                 ));
             }
             std::fs::create_dir_all(d).map_err(|e| (1, format!("cannot create {}: {e}", d.display())))?;
-            d.clone()
+            (d.clone(), rundir::claim(d).map_err(claimed)?)
         }
-        None => rundir::create(None, &base.config.run.out_dir, &format!("ablation-{}", run::run_name(&base)))
-            .map_err(|e| (1, format!("{e:#}")))?,
+        None => rundir::create(None, &base.config.run.out_dir, &format!("ablation-{}", run::run_name(&base))).map_err(claimed)?,
     };
     let runs: Vec<(Variant, Option<Figures>)> = variants.iter().map(|v| (v.clone(), None)).collect();
     if !dir.join(SUMMARY).is_file() {

@@ -34,6 +34,10 @@ pub enum RunError {
     /// 2: bad input, like a config error).
     #[error("{0:#}")]
     Resume(anyhow::Error),
+    /// The run directory is held by another run, or holds another run's files (exit code 2:
+    /// choose another `--out`).
+    #[error("{0:#}")]
+    Taken(anyhow::Error),
     /// A resumed run found nothing left to do: the run it continues is complete (exit code 0;
     /// no file was touched).
     #[error("{0}")]
@@ -45,7 +49,7 @@ impl RunError {
     pub fn exit_code(&self) -> i32 {
         match self {
             RunError::Complete(_) => 0,
-            RunError::Config(_) | RunError::Resume(_) => 2,
+            RunError::Config(_) | RunError::Resume(_) | RunError::Taken(_) => 2,
             RunError::Build(_) | RunError::Io(_) => 1,
         }
     }
@@ -168,10 +172,20 @@ pub fn run(
     // their stages without one (they write nothing) and learn its name for their messages.
     let ranks = crate::dist::world();
     let writer = ranks.rank() == 0;
-    let (run_dir, fresh) = match continued {
-        Some(d) => (d, false),
-        None if writer => (rundir::create(out, &loaded.config.run.out_dir, &name)?, true),
-        None => (PathBuf::new(), false),
+    // The run directory is this run's alone until it ends (rundir::Claim): a second run given
+    // the same --out, or a resume of a run still going, is refused.
+    let taken = |e: anyhow::Error| if e.downcast_ref::<rundir::Taken>().is_some() { RunError::Taken(e) } else { RunError::Io(e) };
+    let (run_dir, fresh, _claim) = match continued {
+        Some(d) if writer => {
+            let claim = rundir::claim(&d).map_err(taken)?;
+            (d, false, Some(claim))
+        }
+        Some(d) => (d, false, None),
+        None if writer => {
+            let (d, claim) = rundir::create(out, &loaded.config.run.out_dir, &name).map_err(taken)?;
+            (d, true, Some(claim))
+        }
+        None => (PathBuf::new(), false, None),
     };
     let run_dir = if ranks.world() > 1 {
         let all = ranks.all_gather_bytes(run_dir.to_string_lossy().as_bytes())?;
