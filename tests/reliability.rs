@@ -404,3 +404,26 @@ fn a_run_directory_belongs_to_one_run() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_fails(&o, &["not empty"]);
 }
+
+/// A bad flag exits 2 and names the flag the user typed: `--device` of the device checks (not
+/// the config key `run.device` their parser also serves), and `ablate --out` naming a file.
+#[test]
+fn bad_flags_exit_2_naming_the_flag() {
+    for args in [
+        &["engine-check", "--device", "tpu:9"][..],
+        &["parity", "--device", "tpu:9"],
+        &["attention-trial", "--kernels", "flash_mma", "--device", "tpu:9"],
+    ] {
+        let o = bin().args(args).output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o));
+        assert_fails(&o, &["--device \"tpu:9\" is not a device"]);
+        assert!(!String::from_utf8_lossy(&o.stderr).contains("run.device"), "{}", text(&o));
+    }
+    let c = corpus("flags");
+    let file = c.dir.join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let o = bin().arg("ablate").arg(config(&c)).args(["--vary", "stages.pin.queue=1,2", "--out"]).arg(&file).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_fails(&o, &["is a file, not a directory"]);
+    assert_eq!(std::fs::read(&file).unwrap(), b"x");
+}

@@ -2,11 +2,24 @@
 //! the CPU (the candle executor's kernels; the engine's backend), and one flash
 //! implementation's trial (what `attention = "auto"` runs in a child process).
 
+use crate::device::DeviceName;
 use crate::train::attention_trial::{AttentionShape, TrialSettings};
+
+/// `--device` as the user typed it: a device name, or the refusal printed (naming the flag,
+/// not the config key `run.device` the same parser serves) and exit code 2 for a bad flag.
+fn device_flag(device: &str) -> Result<DeviceName, i32> {
+    crate::device::parse(device).map_err(|_| {
+        err!("error: --device {device:?} is not a device: use \"cpu\" or \"cuda:N\"");
+        2
+    })
+}
 
 /// Compares `device` in `dtype` with the CPU in f64 and prints each comparison; exit 1 when
 /// one is out of its bound.
 pub fn parity(device: &str, dtype: &str, seed: u64, json: bool) -> i32 {
+    if let Err(code) = device_flag(device) {
+        return code;
+    }
     let dtype = match dtype {
         "f32" => candle_core::DType::F32,
         "bf16" => candle_core::DType::BF16,
@@ -63,7 +76,10 @@ pub fn engine_check(
     json_out: Option<&std::path::Path>,
 ) -> i32 {
     use crate::check::engine::{Options, TimingShape};
-    let gpu = !matches!(crate::device::parse(device), Ok(crate::device::DeviceName::Cpu));
+    let gpu = match device_flag(device) {
+        Ok(d) => d != DeviceName::Cpu,
+        Err(code) => return code,
+    };
     let bf16 = match dtype.unwrap_or(if gpu { "bf16" } else { "f32" }) {
         "bf16" if gpu => true,
         "bf16" => {
@@ -144,6 +160,9 @@ pub fn engine_check(
 
 /// Runs one flash implementation's trial on `device` at `shape` and prints its outcome.
 pub fn attention_trial(device: &str, kernels: &str, shape: AttentionShape, json: bool) -> i32 {
+    if let Err(code) = device_flag(device) {
+        return code;
+    }
     use crate::model::flash_attn::FlashKernels;
     let Some(kernels) = FlashKernels::ALL.into_iter().find(|k| k.name() == kernels) else {
         err!("error: --kernels {kernels:?}: use flash or flash_mma");
