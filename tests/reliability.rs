@@ -184,6 +184,16 @@ fn a_model_too_big_for_memory_is_refused() {
     assert!(!String::from_utf8_lossy(&o.stderr).contains("memory allocation"), "{}", text(&o));
     assert!(!out.exists(), "a refused run left its directory");
 
+    // A huge queue of snapshots: the `--set` that made it is blamed, not the model's width
+    // that sizes each snapshot.
+    let ema = config_plus(&c, "memory-ema", &ema_and_checkpoints(5, 2));
+    let queue = "stages.ema.queue=1000000000000";
+    for cmd in ["validate", "run"] {
+        let o = limited(&[cmd, ema.to_str().unwrap(), "--set", queue], &[]);
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        assert_fails(&o, &["error: --set stages.ema.queue=1000000000000: `stages.ema.queue`: the run needs an estimated"]);
+    }
+
     let o = limited(&["validate", cfg.to_str().unwrap(), "--set", "run.max_memory_gb=0.0001"], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_fails(&o, &["(run.max_memory_gb)"]);

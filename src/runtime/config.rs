@@ -170,6 +170,14 @@ impl<C> Loaded<C> {
         self.origin_of(key)
     }
 
+    /// Whether `key`'s value was given by a `--set` or an environment variable rather than a
+    /// config file (or a default).
+    pub fn overridden(&self, key: &str) -> bool {
+        self.figment
+            .find_metadata(key)
+            .is_some_and(|md| matches!(md.source, Some(figment::Source::Custom(_))) || md.name.contains("environment"))
+    }
+
     fn file_name(&self) -> String {
         relative(&self.path).display().to_string()
     }

@@ -521,7 +521,10 @@ pub fn nothing_left<C: Tables>(
 /// sizes the largest part (the `--set` that made the model too big, say).
 pub fn check_memory<C>(estimate: &crate::runtime::memory::Estimate, loaded: &Loaded<C>) -> Result<(), ConfigErrors> {
     let mut errors = ConfigErrors::default();
-    for (message, key) in estimate.check() {
+    for (message, keys) in estimate.check() {
+        // The key to blame: the first of the largest parts' keys that a `--set` or the
+        // environment gave (what the user just changed), else the first of them.
+        let key = keys.iter().find(|k| loaded.overridden(k)).or(keys.first()).cloned();
         let origin = key.as_deref().map(|k| loaded.origin_of(k)).unwrap_or_else(|| loaded.origin_of("run.max_memory_gb"));
         errors.push(origin, key, message);
     }

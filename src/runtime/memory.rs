@@ -175,8 +175,9 @@ impl Estimate {
         if shown.is_empty() { "nothing".into() } else { shown.join(", ") }
     }
 
-    /// The places whose total passes their budget: (message, the key that sizes the largest part).
-    pub fn check(&self) -> Vec<(String, Option<String>)> {
+    /// The places whose total passes their budget: (message, the keys that size the largest
+    /// parts, the largest part's first).
+    pub fn check(&self) -> Vec<(String, Vec<String>)> {
         let mut out = Vec::new();
         for (place, budget, name) in [(Place::Host, &self.host, "host"), (Place::Device, &self.device, "device")] {
             let Some(b) = budget else { continue };
@@ -200,7 +201,7 @@ impl Estimate {
                     self.largest(place, 4),
                     keys_text.join(", ")
                 ),
-                keys.first().map(|k| k.to_string()),
+                keys.iter().map(|k| k.to_string()).collect(),
             ));
         }
         out
@@ -257,7 +258,7 @@ mod tests {
         // The working sets do not add up (one stage works at a time): 3 + 1 + the larger of 5 and 4.
         assert!(msg.contains("train activations 5.00 GiB, eval scoring 4.00 GiB, train weights 3.00 GiB"), "{msg}");
         assert!(msg.contains("`train.batch_tokens`, `model.model_dim`, `model.num_layers`"), "{msg}");
-        assert_eq!(key.as_deref(), Some("train.batch_tokens"));
+        assert_eq!(key.first().map(String::as_str), Some("train.batch_tokens"));
         assert!(Estimate::new(needs(), true, 9.5, None).check().is_empty());
     }
 
