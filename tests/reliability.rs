@@ -437,3 +437,27 @@ fn bad_flags_exit_2_naming_the_flag() {
     assert_fails(&o, &["is a file, not a directory"]);
     assert_eq!(std::fs::read(&file).unwrap(), b"x");
 }
+
+/// A resume that changes what the checkpoint was: a changed `[model]` is refused even when the
+/// run is complete (it used to say "complete, nothing to do"), a `train.iterations` below the
+/// checkpoint's step is refused (it used to log `step 10/5` and train nothing), both exit 2
+/// with every file as it was; a larger one trains on and says in the log that the schedule
+/// changed.
+#[test]
+fn a_resume_that_changes_the_run_is_refused_or_said() {
+    let (_c, cfg, out) = finished_run("changed");
+    let done = files(&out);
+    let o = resume(&cfg, &out, &[TEN[0], TEN[1], "model.model_dim=64", "model.num_heads=4"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_fails(&o, &["cannot resume from", "`model.model_dim`", "the architecture must not change on resume"]);
+    let o = resume(&cfg, &out, &["train.iterations=5", TEN[1]]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_fails(&o, &["it is at step 10, past `train.iterations` = 5"]);
+    assert!(files(&out) == done, "a refused resume changed files");
+
+    let o = resume(&cfg, &out, &["train.iterations=12", TEN[1]]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let log = std::fs::read_to_string(out.join("train.log")).unwrap();
+    assert!(log.contains("resume: train.iterations is 12, the run had 10: from step 10 on the schedule"), "{log}");
+    assert_eq!(report(&out).train["steps"].as_u64(), Some(12));
+}

@@ -152,6 +152,11 @@ pub fn run(
     // before anything is estimated, allocated or written. A checkpoint named by its file is a
     // deliberate point to go on from, and is taken as one.
     let previous = continued.as_deref().filter(|_| resume.is_some_and(Path::is_dir)).and_then(|d| previous_report(d, &plan));
+    // A checkpoint that cannot go on under this config is refused before the run it continues
+    // is judged complete: a changed `[model]` must not read "complete, nothing to do".
+    if let Some(c) = &checkpoint {
+        crate::train::resume::fits(c, &loaded.config).map_err(RunError::Resume)?;
+    }
     let mut ext = loaded.config.extensions();
     if let Some(c) = checkpoint {
         ext.insert(c);

@@ -38,6 +38,10 @@ pub(crate) struct History {
     /// The last step's LR multiplier (none in checkpoints made before it was kept).
     #[serde(default)]
     pub lr_mul: Option<f64>,
+    /// The run's `train.iterations` when the checkpoint was made (none in checkpoints made
+    /// before it was kept): a resume that changes it is said in the log.
+    #[serde(default)]
+    pub iterations: Option<u64>,
     /// Whether depth recurrence was on after the last step (`model.enable_looping_at` had
     /// passed): the resumed run goes on in the same layout. Absent in checkpoints made before
     /// recurrence existed, whose models had none.
@@ -62,6 +66,38 @@ pub(crate) fn same_architecture(saved: &serde_json::Value, now: &ModelConfig) ->
         anyhow::bail!("it was trained with `model.{key}` = {x}, the config now gives {y}: the architecture must not change on resume");
     }
     Ok(())
+}
+
+/// Whether a resume from `ck` can go on under `c`, judged before anything else is (a run that
+/// would be found complete included): the same `[model]`, and a checkpoint not past
+/// `train.iterations` (from there no step would be trained, and the log would read
+/// `step 7/5`). Errors name the checkpoint and the key.
+pub fn fits(ck: &Checkpoint, c: &Config) -> anyhow::Result<()> {
+    let what = || format!("cannot resume from {}", ck.path.display());
+    same_architecture(&ck.meta.model, &c.model).with_context(what)?;
+    if ck.meta.step > c.train.iterations {
+        anyhow::bail!(
+            "{}: it is at step {}, past `train.iterations` = {}: no step could be trained; give `train.iterations` of at least {} (the run's \
+             own count, or more to train further), or resume from an earlier checkpoint",
+            what(),
+            ck.meta.step,
+            c.train.iterations,
+            ck.meta.step
+        );
+    }
+    Ok(())
+}
+
+/// The log line of a resume whose `train.iterations` differs from the one the checkpoint's run
+/// had: the LR schedule's warm-down follows the new count from the checkpoint's step on.
+pub(crate) fn iterations_changed(ck: &Checkpoint, now: u64) -> Option<String> {
+    let then = serde_json::from_value::<History>(ck.meta.extra.clone()).ok()?.iterations?;
+    (then != now).then(|| {
+        format!(
+            "resume: train.iterations is {now}, the run had {then}: from step {} on the schedule (warm-down, looping, momentum) follows {now}, so the run is not the uninterrupted run of either count bit for bit",
+            ck.meta.step
+        )
+    })
 }
 
 /// Restores `trainer` from `ck`, after checking that the run continues with the same batch
@@ -251,7 +287,14 @@ mod tests {
     #[test]
     fn checkpoint_state_keeps_the_attention_and_reads_older_state() {
         let shape = BatchShape { seq_len: 64, rows: 2, micro_steps: 1, world_size: 1, rank: 0 };
-        let h = History { shape, validations: Vec::new(), attention: Some("flash_mma".into()), lr_mul: Some(0.25), looping: true };
+        let h = History {
+            shape,
+            validations: Vec::new(),
+            attention: Some("flash_mma".into()),
+            lr_mul: Some(0.25),
+            iterations: Some(10),
+            looping: true,
+        };
         let back: History = serde_json::from_value(serde_json::to_value(&h).unwrap()).unwrap();
         assert_eq!((back.attention.as_deref(), back.lr_mul, back.looping), (Some("flash_mma"), Some(0.25), true));
         let mut older = serde_json::to_value(&h).unwrap();

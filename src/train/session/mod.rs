@@ -223,6 +223,9 @@ impl Session {
                 ck.meta.train_ms,
                 ck.meta.rolling
             ));
+            if let Some(line) = resume::iterations_changed(ck, c.train.iterations) {
+                log.line(&line);
+            }
             if let Some(ending) = finish_only {
                 log.line(&format!(
                     "resume: training ended at step {}/{} ({}): no step is trained; the final validation and the stages after training run again",
@@ -417,6 +420,7 @@ impl Session {
             validations: self.vals.clone(),
             attention: self.attention.map(String::from),
             lr_mul: Some(self.lr_mul),
+            iterations: Some(self.cfg.iterations),
             looping: self.trainer.model().looping(),
         })?;
         let state = TrainerState {
