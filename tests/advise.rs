@@ -91,3 +91,28 @@ fn advise_without_a_report_names_the_directory() {
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("report.json"), "{}", text(&o));
 }
+
+/// Advice on a run that failed says so first (status, exit code, the error), in text and JSON:
+/// its service times cover only the part that ran.
+#[test]
+fn advice_on_a_failed_run_says_it_failed() {
+    let d = Dir(scratch("advise-failed"));
+    let config = d.join("jitter.toml");
+    std::fs::write(&config, CONFIG.replace("count = 1500", "count = 300")).unwrap();
+    let out = d.join("failed");
+    let o = bin().arg("run").arg(&config).arg("--out").arg(&out).arg("-q").args(["--set", "stages.mid.fail_at=200"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let o = bin().arg("advise").arg(&out).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let t = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(t.starts_with("warning: the run did not complete (status failed, exit code 1: ") && t.contains("injected failure"), "{t}");
+    let o = bin().arg("advise").arg(&out).arg("--json").output().unwrap();
+    let a: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(a["caveat"].as_str().is_some_and(|c| c.contains("status failed")), "{a}");
+    // A completed run has no caveat.
+    let fine = run(&config, &d.join("fine"), 1);
+    assert_eq!(fine["run"]["status"], "completed");
+    let o = bin().arg("advise").arg(d.join("fine")).arg("--json").output().unwrap();
+    let a: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(a.get("caveat").is_none(), "{a}");
+}

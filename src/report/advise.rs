@@ -169,6 +169,10 @@ pub struct Advice {
     pub recorded: Prediction,
     /// Per channel, then every channel at once.
     pub channels: Vec<ChannelAdvice>,
+    /// Said first when the run did not complete: its status and why, and that its service
+    /// times cover only what ran (a failing or stopped stage's are not its steady state).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub caveat: Option<String>,
 }
 
 /// The advice for `report`'s run (see the module doc).
@@ -195,7 +199,15 @@ pub fn advise(report: &Report) -> anyhow::Result<Advice> {
     }
     let n = chain.depths.len();
     channels.push(sweep("all channels".into(), None, &|d| vec![d; n]));
-    Ok(Advice { focus, chain: chain.servers.iter().map(|s| s.name.clone()).collect(), measured, recorded, channels })
+    let run = &report.run;
+    let caveat = (run.status != "completed" || run.exit_code != 0).then(|| {
+        let why = run.error.as_deref().or(run.signal.as_deref()).map(|w| format!(": {w}")).unwrap_or_default();
+        format!(
+            "the run did not complete (status {}, exit code {}{why}): this advice reads the service times of the part that ran, which may not be the stages' steady state",
+            run.status, run.exit_code
+        )
+    });
+    Ok(Advice { focus, chain: chain.servers.iter().map(|s| s.name.clone()).collect(), measured, recorded, channels, caveat })
 }
 
 /// The advice as text: the chain, measured against simulated at the recorded depths, then a
@@ -203,6 +215,9 @@ pub fn advise(report: &Report) -> anyhow::Result<Advice> {
 pub fn render(a: &Advice) -> String {
     use std::fmt::Write;
     let mut o = String::new();
+    if let Some(c) = &a.caveat {
+        let _ = writeln!(o, "warning: {c}\n");
+    }
     let _ = writeln!(o, "chain: {} (input wait of `{}`)", a.chain.join(" -> "), a.focus);
     let _ = writeln!(
         o,
