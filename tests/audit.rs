@@ -50,8 +50,20 @@ fn audit_eval_passes_the_real_evaluations_and_refuses_bad_input() {
     std::fs::copy(c.dir.join("score-first.toml"), run.join("config.toml")).unwrap();
     let artifact = run.join("final_model.int8.zlib.pgqz");
     std::fs::write(&artifact, b"not an artifact").unwrap();
-    std::fs::write(run.join("report.json"), serde_json::json!({ "artifact": { "path": artifact } }).to_string()).unwrap();
+    let sha = pipeline::runtime::files::sha256_file(&artifact).unwrap();
+    let report = |path: &str, sha: &str| serde_json::json!({ "artifact": { "path": path, "sha256": sha } }).to_string();
+    std::fs::write(run.join("report.json"), report("final_model.int8.zlib.pgqz", &sha)).unwrap();
     let o = audit(&run, &["--tokens", "384"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("final_model.int8.zlib.pgqz: the artifact"), "{}", text(&o));
+    // The folder given is judged, not the one the report was written in: a file that is not
+    // the one the run recorded is refused, and so is a path that leaves the directory.
+    std::fs::write(run.join("report.json"), report("final_model.int8.zlib.pgqz", &"0".repeat(64))).unwrap();
+    let o = audit(&run, &["--tokens", "384"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("not the file the run wrote"), "{}", text(&o));
+    std::fs::write(run.join("report.json"), report("../score-first.toml", &sha)).unwrap();
+    let o = audit(&run, &["--tokens", "384"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("outside the run directory"), "{}", text(&o));
 }

@@ -27,7 +27,8 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::data::shard::write_shard;
-use crate::data::tokenizer::{Tokenizer, sha256_file};
+use crate::data::tokenizer::Tokenizer;
+use crate::runtime::files::sha256_file;
 
 /// How the validation split is chosen.
 #[derive(Clone, Copy, Debug)]

@@ -107,7 +107,7 @@ impl Tokenizer {
             path: path.to_path_buf(),
             vocab_size: model.pieces().len(),
             bos,
-            sha256: hex(&sha2::Sha256::digest(&bytes)),
+            sha256: crate::runtime::files::hex(&sha2::Sha256::digest(&bytes)),
             caseops: reserves_caseops(&model),
             encoder,
             piece_bytes: piece_bytes_of(&model),
@@ -206,26 +206,4 @@ pub fn build_bpe_model_reserving(user_defined: &[&str], normal: &[&str], unused:
         ..Default::default()
     }
     .encode_to_vec()
-}
-
-/// Lower-case hex of `bytes`.
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// sha256 of a file, hex.
-pub fn sha256_file(path: &Path) -> anyhow::Result<String> {
-    use std::io::Read;
-    crate::runtime::files::ensure_regular(path)?;
-    let mut f = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let mut h = sha2::Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf).with_context(|| format!("cannot read {}", path.display()))?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(hex(&h.finalize()))
 }

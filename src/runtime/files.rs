@@ -1,7 +1,8 @@
 //! Files a user names (the config, shards, the tokenizer, checkpoints, weights): only regular
 //! files are opened. Opening a FIFO for reading blocks until something writes to it, forever if
 //! nothing does, and a device can stream without end; both are refused before any open, naming
-//! the path and what it is.
+//! the path and what it is. Also the SHA-256 of a file (what a run records of the files it
+//! writes, and what the checks of a run directory compare).
 
 use std::fs::FileType;
 use std::os::unix::fs::FileTypeExt;
@@ -64,6 +65,60 @@ pub fn read(path: &Path) -> anyhow::Result<Vec<u8>> {
     use anyhow::Context;
     ensure_regular(path)?;
     std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))
+}
+
+/// Lower-case hex of `bytes`.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// sha256 of a file, hex.
+pub fn sha256_file(path: &Path) -> anyhow::Result<String> {
+    use anyhow::Context;
+    use std::io::Read;
+    ensure_regular(path)?;
+    let mut f = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut h = <sha2::Sha256 as sha2::Digest>::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).with_context(|| format!("cannot read {}", path.display()))?;
+        if n == 0 {
+            break;
+        }
+        sha2::Digest::update(&mut h, &buf[..n]);
+    }
+    Ok(hex(&sha2::Digest::finalize(h)))
+}
+
+/// The file of run directory `dir` that its report names as `recorded`: a path relative to
+/// `dir` (what runs record), or, in reports written before they did, an absolute path whose
+/// file name is taken in `dir`. A check reads only the folder it is given: never the absolute
+/// path, and a relative path that leaves `dir` (`..`, a root) is refused.
+pub fn in_run_dir(dir: &Path, recorded: &str) -> anyhow::Result<std::path::PathBuf> {
+    use std::path::Component;
+    let p = Path::new(recorded);
+    if p.is_absolute() {
+        let name = p.file_name().ok_or_else(|| anyhow::anyhow!("{}: report.json names {recorded:?}, which is no file", dir.display()))?;
+        return Ok(dir.join(name));
+    }
+    if p.components().any(|c| !matches!(c, Component::Normal(_) | Component::CurDir)) || recorded.is_empty() {
+        anyhow::bail!(
+            "{}: report.json names {recorded:?}, outside the run directory: a check reads only the folder it is given",
+            dir.display()
+        );
+    }
+    Ok(dir.join(p))
+}
+
+/// Checks that `path`'s SHA-256 is `recorded` (hex): the file is the one the run wrote.
+pub fn check_sha256(path: &Path, recorded: &str) -> anyhow::Result<()> {
+    let now = sha256_file(path)?;
+    anyhow::ensure!(
+        now.eq_ignore_ascii_case(recorded),
+        "{}: its SHA-256 is {now}, the run recorded {recorded}: it is not the file the run wrote",
+        path.display()
+    );
+    Ok(())
 }
 
 #[cfg(test)]

@@ -460,7 +460,7 @@ pub fn data_fingerprint(paths: &[PathBuf]) -> anyhow::Result<String> {
         h.update(name.as_bytes());
         h.update(size.to_le_bytes());
     }
-    Ok(crate::data::tokenizer::hex(&h.finalize()[..8]))
+    Ok(crate::runtime::files::hex(&h.finalize()[..8]))
 }
 
 /// f64 fields as JSON strings of Rust's shortest round-trip form (`"0.1"`, `"NaN"`, `"inf"`):

@@ -193,7 +193,11 @@ impl ArtifactStage {
         let (label, weights) = snap.eval_weights();
         let label = label.to_string();
         let path = self.path.clone();
-        let shown = path.as_ref().map_or_else(|| "rank 0's artifact".to_string(), |p| p.display().to_string());
+        // Relative to the run directory: a copy of the directory names its own file.
+        let shown = path.as_ref().map_or_else(
+            || "rank 0's artifact".to_string(),
+            |p| p.file_name().map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into_owned()),
+        );
         let mut section = serde_json::json!({"path": shown, "weights": label, "method": self.method.name()});
         // 1. The weights as trained (the record's diagnostic `pre-quantization post-ema`).
         let before = match &self.validator {
@@ -319,6 +323,7 @@ impl ArtifactStage {
             "lqer": q.lqer,
             "kinds": w.kinds,
             "bytes": w.stats.compressed_bytes,
+            "sha256": crate::runtime::files::sha256_file(path)?,
             "payload_bytes": w.stats.payload_bytes,
             "raw_bytes": w.raw_bytes,
             "quantized_values": w.payload.int_bytes,

@@ -340,25 +340,28 @@ pub fn audit_run(path: &Path, opts: &AuditOptions) -> anyhow::Result<AuditReport
     audit_stage(entry, &stage.name, &setup, &label)
 }
 
-/// The weights a run's evaluation scored: the artifact read back (checked against `[model]`)
-/// when `report.json` names one (as written, else under that name in the run directory: a
-/// path relative to where the run was started), else `final_model.safetensors`. A named
-/// artifact that is nowhere is an error, not a quiet fall back to unquantized weights.
+/// The weights a run's evaluation scored, read from the run directory given (a copy of a run
+/// is audited on its own files): the artifact read back (checked against `[model]`) when
+/// `report.json` names one (relative to the directory; see
+/// [`crate::runtime::files::in_run_dir`]), its SHA-256 checked against the one the run recorded;
+/// else `final_model.safetensors`. A named artifact that is not there is an error, not a quiet
+/// fall back to unquantized weights.
 fn run_weights(dir: &Path, config: &Config) -> anyhow::Result<(Vec<(String, Tensor)>, String)> {
     let report = dir.join("report.json");
     let artifact = match std::fs::read(&report) {
         Ok(bytes) => {
             let v: serde_json::Value = serde_json::from_slice(&bytes).with_context(|| format!("{}: not JSON", report.display()))?;
-            match v["artifact"]["path"].as_str().map(std::path::PathBuf::from) {
-                Some(p) if p.is_file() => Some(p),
-                Some(p) => {
-                    let here = dir.join(p.file_name().unwrap_or_default());
-                    anyhow::ensure!(
-                        here.is_file(),
-                        "{}: the artifact {} is not there, nor in the run directory",
-                        report.display(),
-                        p.display()
-                    );
+            match v["artifact"]["path"].as_str() {
+                Some(recorded) => {
+                    let here = crate::runtime::files::in_run_dir(dir, recorded)?;
+                    anyhow::ensure!(here.is_file(), "{}: the artifact {recorded} is not in the run directory", report.display());
+                    match v["artifact"]["sha256"].as_str() {
+                        Some(sha) => crate::runtime::files::check_sha256(&here, sha)?,
+                        None => anyhow::bail!(
+                            "{}: the run recorded no SHA-256 of its artifact (a report of an older version): its file cannot be checked",
+                            report.display()
+                        ),
+                    }
                     Some(here)
                 }
                 None => None,

@@ -51,7 +51,7 @@ fn parse_digests(text: &str) -> BTreeMap<&str, &str> {
 
 /// The SHA-256 of `bytes`, as lowercase hex.
 pub fn sha256_hex(bytes: &[u8]) -> String {
-    crate::data::tokenizer::hex(&sha2::Sha256::digest(bytes))
+    crate::runtime::files::hex(&sha2::Sha256::digest(bytes))
 }
 
 /// The crate root this binary's sources are under (see [`of_this_binary`]), without reading

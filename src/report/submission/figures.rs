@@ -80,8 +80,10 @@ pub struct RunFigures {
     /// What the size advice needs (`artifact.quantized_values`, `lqer_bytes`, `bits`, `clip`,
     /// `clip_sigmas`), `over` unset.
     pub size: SizeFacts,
-    /// The artifact's path, as the run wrote it (relative to where the run was started).
-    pub artifact_path: Option<PathBuf>,
+    /// What is wrong with the artifact file in the run directory given, if anything: not
+    /// there, not the size or the SHA-256 the run recorded, or named outside the directory.
+    /// `None` when it is the file the run wrote (or the run wrote none: the size check says so).
+    pub artifact_problem: Option<String>,
     /// What counts against the training budget.
     pub train_parts: Vec<Part>,
     /// What ran after training but counts against neither budget (shown, not added).
@@ -246,7 +248,7 @@ impl RunFigures {
                     .flatten(),
                 lqer_bytes: at(&r, "artifact.lqer_bytes").and_then(Value::as_u64).unwrap_or(0),
             },
-            artifact_path: at(&r, "artifact.path").and_then(Value::as_str).map(PathBuf::from),
+            artifact_problem: artifact_problem(dir, &r),
             train_parts,
             uncounted,
             eval_parts,
@@ -281,6 +283,26 @@ impl RunFigures {
             .filter(|(k, _)| !FREE_KEYS.iter().any(|f| *k == f || k.starts_with(&format!("{f}."))))
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect()
+    }
+}
+
+/// The artifact the report names, judged in `dir` (the folder given, not where the run was):
+/// there, of the recorded size, with the recorded SHA-256.
+fn artifact_problem(dir: &Path, r: &Value) -> Option<String> {
+    let recorded = at(r, "artifact.path").and_then(Value::as_str)?;
+    let file = match crate::runtime::files::in_run_dir(dir, recorded) {
+        Ok(f) => f,
+        Err(e) => return Some(format!("{e:#}")),
+    };
+    let Ok(meta) = std::fs::metadata(&file) else { return Some(format!("{}: the artifact is not in the run directory", file.display())) };
+    if let Some(bytes) = at(r, "artifact.bytes").and_then(Value::as_u64)
+        && meta.len() != bytes
+    {
+        return Some(format!("{}: {} bytes, the run recorded {}: it is not the file the run wrote", file.display(), meta.len(), bytes));
+    }
+    match at(r, "artifact.sha256").and_then(Value::as_str) {
+        Some(sha) => crate::runtime::files::check_sha256(&file, sha).err().map(|e| format!("{e:#}")),
+        None => Some(format!("{}: the run recorded no SHA-256 of it (a report of an older version): it cannot be checked", file.display())),
     }
 }
 

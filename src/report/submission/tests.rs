@@ -38,7 +38,7 @@ fn run_dir(root: &Path, seed: u64, val_loss: f64, edit: impl FnOnce(&mut serde_j
         "run": { "name": "record-mini", "status": "completed", "hardware": "1 x cpu (test)" },
         "train": { "steps": 300, "step_avg_ms": 743.9, "train_time_ms": 223_168.9, "val_bpb": bpb + 0.01, "val_bytes": 158_340 },
         "artifact": {
-            "path": dir.join("final_model.int6.brotli.pgqz").display().to_string(),
+            "path": "final_model.int6.brotli.pgqz",
             "method": "gptq",
             "before": { "val_loss": val_loss - 0.02, "val_bpb": bpb - 0.008, "eval_ms": 2776.0 },
             "after": { "val_loss": val_loss + 0.02, "val_bpb": bpb + 0.008, "eval_ms": 2973.4 },
@@ -60,6 +60,14 @@ fn run_dir(root: &Path, seed: u64, val_loss: f64, edit: impl FnOnce(&mut serde_j
     let mut config =
         format!("[run]\nname = \"record-mini\"\nseed = {seed}\ndevice = \"cpu\"\n\n[model]\nnum_layers = 4\nmodel_dim = 128\n");
     edit(&mut report, &mut config);
+    // The artifact the report names, of its size (sparse) and with its SHA-256 recorded.
+    if let Some(bytes) = report["artifact"]["bytes"].as_u64() {
+        let file = dir.join("final_model.int6.brotli.pgqz");
+        std::fs::File::create(&file).unwrap().set_len(bytes).unwrap();
+        if report["artifact"].get("sha256").is_none() {
+            report["artifact"]["sha256"] = json!(crate::runtime::files::sha256_file(&file).unwrap());
+        }
+    }
     std::fs::write(dir.join("report.json"), serde_json::to_vec(&report).unwrap()).unwrap();
     std::fs::write(dir.join("config.toml"), config).unwrap();
     std::fs::write(dir.join("train.log"), format!("seed:{seed}\nquantized_ttt val_loss:{val_loss:.8}\n")).unwrap();
@@ -291,4 +299,33 @@ fn the_folder_holds_the_table_the_json_and_the_logs() {
     let err = write(&s, &entry, &code, &other).unwrap_err();
     assert!(format!("{err:#}").contains("train.log") && !other.exists(), "{err:#}");
     assert_eq!(std::fs::read_dir(t.0.join("records")).unwrap().count(), 1, "no temporary folder left");
+}
+
+/// A submission is judged on the files of the directories it is given: a copy whose artifact
+/// was cut short, or has bytes flipped, fails `artifact file` naming the file; a report naming
+/// a path outside its directory is refused; an older report's absolute path is read as the
+/// file of that name in the directory given, never at the path itself.
+#[test]
+fn the_artifact_is_judged_in_the_folder_given() {
+    let t = Scratch::new("files");
+    let dirs = three(&t.0);
+    let artifact = dirs[0].join("final_model.int6.brotli.pgqz");
+    let problem = |d: &PathBuf| RunFigures::load(d).unwrap().artifact_problem;
+    assert_eq!(problem(&dirs[0]), None);
+    std::fs::OpenOptions::new().write(true).open(&artifact).unwrap().set_len(5_000).unwrap();
+    let p = problem(&dirs[0]).unwrap();
+    assert!(p.contains("5000 bytes, the run recorded 1301520") && p.contains("final_model.int6.brotli.pgqz"), "{p}");
+    std::fs::File::create(&artifact).unwrap().set_len(1_301_520).unwrap();
+    let mut f = std::fs::OpenOptions::new().write(true).open(&artifact).unwrap();
+    std::io::Write::write_all(&mut f, &[0xff; 64]).unwrap();
+    let p = problem(&dirs[0]).unwrap();
+    assert!(p.contains("its SHA-256 is") && p.contains("not the file the run wrote"), "{p}");
+    let s = Submission::check(load(&dirs), 3, &Against::Nothing, vec![]);
+    let c = check(&s, "artifact file seed 42");
+    assert_eq!(c.outcome, Outcome::Fail, "{c:?}");
+
+    let out = run_dir(&t.0.join("outside"), 7, 2.3, |r, _| r["artifact"]["path"] = json!("../elsewhere.pgqz"));
+    assert!(problem(&out).unwrap().contains("outside the run directory"), "{:?}", problem(&out));
+    let old = run_dir(&t.0.join("old"), 8, 2.3, |r, _| r["artifact"]["path"] = json!("/nonexistent/final_model.int6.brotli.pgqz"));
+    assert_eq!(problem(&old), None, "the file of that name in the directory given");
 }
