@@ -247,11 +247,21 @@ fn environment_overrides_with_an_empty_key_part_are_refused() {
 }
 
 /// `validate` catches a validation split shorter than one sequence (only `run` did); an error
-/// about a value set with `--set` names the `--set`, not the TOML file.
+/// about a value set with `--set` names the `--set`, not the TOML file. `train.seq_len = 0` is
+/// refused by `run` as by `validate`, with every stage after training configured (it panicked
+/// dividing by it in the TTT stage's memory estimate).
 #[test]
 fn validate_catches_a_short_split_and_names_the_set() {
     let c = corpus("shortval");
     let cfg = config(&c);
+    let after = config_plus(&c, "zero", &after_training());
+    let out = c.dir.join("zero");
+    for args in [&["validate", after.to_str().unwrap()][..], &["run", after.to_str().unwrap(), "--out", out.to_str().unwrap()]] {
+        let o = limited(&[args, &["--set", "train.seq_len=0"]].concat(), &[]);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o));
+        assert_fails(&o, &["--set train.seq_len=0", "`train.seq_len` must be at least 1"]);
+    }
+    assert!(!out.exists());
     let o = limited(&["validate", cfg.to_str().unwrap(), "--set", "train.seq_len=65536", "--set", "train.batch_tokens=65536"], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_fails(&o, &["--set train.seq_len=65536", "fewer than one sequence of `train.seq_len` = 65536"]);
