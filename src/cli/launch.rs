@@ -157,35 +157,50 @@ fn own_ranks(exe: &Path, args: &[String], n: usize, threads: &str, device: &str,
         match cmd.spawn() {
             Ok(c) => children.push(Some(c)),
             Err(e) => {
-                stop_all(&mut children);
+                stop_all(&mut children, STOP_GRACE);
                 anyhow::bail!("cannot start rank {rank} ({}): {e}", exe.display());
             }
         }
     }
-    let mut code = 0;
+    Ok(watch(&mut children, STOP_GRACE).0)
+}
+
+/// How long a rank asked to stop (SIGTERM) has before it is killed: a rank stuck in a
+/// collective with a lost peer (NCCL waits for ever) never gets to its signal handler's stop.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// Watches the ranks' processes (in rank order) until all have ended or one fails: then that
+/// rank is named and the others are stopped ([`stop_all`]), so the job ends within `grace` of
+/// a lost rank. The job's exit code and the rank that failed first.
+fn watch(children: &mut [Option<Child>], grace: Duration) -> (i32, Option<usize>) {
+    let (mut code, mut first) = (0, None);
     while children.iter().any(Option::is_some) {
         for (rank, slot) in children.iter_mut().enumerate() {
             let Some(child) = slot else { continue };
-            if let Some(status) = child.try_wait()? {
+            // A child that cannot be waited for is as lost as one that died.
+            let status = match child.try_wait() {
+                Ok(s) => s.map(exit_code),
+                Err(_) => Some(1),
+            };
+            if let Some(c) = status {
                 *slot = None;
-                let c = exit_code(status);
                 if c != 0 && code == 0 {
-                    code = c;
+                    (code, first) = (c, Some(rank));
                     err!("pipeline launch: rank {rank} exited with code {c}: stopping the other ranks");
                 }
             }
         }
         if code != 0 {
-            stop_all(&mut children);
+            stop_all(children, grace);
             break;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    Ok(code)
+    (code, first)
 }
 
-/// SIGTERM to every rank still running, SIGKILL to those alive 10 s later.
-fn stop_all(children: &mut [Option<Child>]) {
+/// SIGTERM to every rank still running, SIGKILL to those alive `grace` later.
+fn stop_all(children: &mut [Option<Child>], grace: Duration) {
     for c in children.iter().flatten() {
         // SAFETY: kill with a child's pid and a valid signal number.
         unsafe extern "C" {
@@ -193,12 +208,32 @@ fn stop_all(children: &mut [Option<Child>]) {
         }
         unsafe { kill(c.id() as i32, signal_hook::consts::SIGTERM) };
     }
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + grace;
     for c in children.iter_mut().flatten() {
         while Instant::now() < deadline && c.try_wait().ok().flatten().is_none() {
             std::thread::sleep(Duration::from_millis(50));
         }
         let _ = c.kill();
         let _ = c.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A rank lost mid-job (killed) ends the job within the grace period, named, even when the
+    /// rank left behind ignores SIGTERM (as one stuck in a collective does): it is killed.
+    #[test]
+    fn a_lost_rank_ends_the_job_within_the_grace_naming_it() {
+        let sh = |script: &str| Some(Command::new("sh").args(["-c", script]).spawn().unwrap());
+        let mut children = vec![sh("trap '' TERM; sleep 60"), sh("sleep 0.3; kill -9 $$"), sh("sleep 60")];
+        let t0 = Instant::now();
+        let (code, first) = watch(&mut children, Duration::from_millis(500));
+        assert_eq!((code, first), (137, Some(1)));
+        assert!(t0.elapsed() < Duration::from_secs(10), "the job took {:?}", t0.elapsed());
+        // Every child is gone (waited for): nothing keeps running.
+        let (code, first) = watch(&mut vec![sh("exit 0"), sh("exit 0")], Duration::from_millis(500));
+        assert_eq!((code, first), (0, None));
     }
 }

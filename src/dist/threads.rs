@@ -7,7 +7,7 @@
 //! Every rank must call the same collectives in the same order (as with any backend); sums run
 //! in rank order in f64, so every rank gets the same bits. CPU tensors only.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -23,8 +23,11 @@ struct Shared {
     log: Mutex<Vec<Vec<Call>>>,
 }
 
-/// What a rank raises when another rank's failure stops it.
-const OTHER_FAILED: &str = "another rank of the threads' world failed";
+/// What a rank raises when another rank's failure stops it (followed by that rank's number).
+const OTHER_FAILED: &str = "stopped: the threads' world lost rank";
+
+/// No rank has failed (see [`Gate::failed`]).
+const NONE_FAILED: usize = usize::MAX;
 
 /// A barrier that gives up when a rank has failed ([`Threads::run`] says so), where
 /// `std::sync::Barrier` would wait for the dead rank for ever.
@@ -33,7 +36,8 @@ struct Gate {
     /// Ranks arrived, and the generation (bumped when all have).
     state: Mutex<(usize, u64)>,
     turn: Condvar,
-    failed: AtomicBool,
+    /// The first rank that failed, or [`NONE_FAILED`].
+    failed: AtomicUsize,
 }
 
 impl Gate {
@@ -47,7 +51,8 @@ impl Gate {
             return;
         }
         while s.1 == generation {
-            assert!(!self.failed.load(Ordering::SeqCst), "{OTHER_FAILED}");
+            let failed = self.failed.load(Ordering::SeqCst);
+            assert!(failed == NONE_FAILED, "{OTHER_FAILED} {failed} (it failed before meeting this collective)");
             s = self.turn.wait_timeout(s, Duration::from_millis(50)).unwrap_or_else(|e| e.into_inner()).0;
         }
     }
@@ -76,7 +81,7 @@ impl Threads {
     pub fn world(n: usize) -> Vec<Arc<Threads>> {
         assert!(n >= 1, "a world of {n} ranks");
         let shared = Arc::new(Shared {
-            barrier: Gate { n, state: Mutex::new((0, 0)), turn: Condvar::new(), failed: AtomicBool::new(false) },
+            barrier: Gate { n, state: Mutex::new((0, 0)), turn: Condvar::new(), failed: AtomicUsize::new(NONE_FAILED) },
             slots: Mutex::new(vec![Vec::new(); n]),
             log: Mutex::new(vec![Vec::new(); n]),
         });
@@ -94,10 +99,10 @@ impl Threads {
             .map(|c| {
                 let f = f.clone();
                 std::thread::spawn(move || {
-                    let shared = c.shared.clone();
+                    let (shared, rank) = (c.shared.clone(), c.rank);
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(c)));
                     if r.is_err() {
-                        shared.barrier.failed.store(true, Ordering::SeqCst);
+                        let _ = shared.barrier.failed.compare_exchange(NONE_FAILED, rank, Ordering::SeqCst, Ordering::SeqCst);
                         shared.barrier.turn.notify_all();
                     }
                     r
@@ -253,6 +258,41 @@ mod tests {
 
     /// A rank that fails stops the others at their next collective: the run fails (here, with
     /// the failing rank's message) instead of waiting for the dead rank for ever.
+    /// The ranks left behind stop at their collective within a bounded time, naming the rank
+    /// that was lost.
+    #[test]
+    fn the_ranks_left_behind_name_the_lost_rank() {
+        let ranks = Threads::world(3);
+        let t0 = std::time::Instant::now();
+        let handles: Vec<_> = ranks
+            .iter()
+            .cloned()
+            .map(|c| {
+                let shared = c.shared.clone();
+                std::thread::spawn(move || {
+                    let rank = c.rank;
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        if rank == 2 {
+                            panic!("rank 2 lost");
+                        }
+                        c.barrier().unwrap();
+                    }));
+                    if r.is_err() {
+                        let _ = shared.barrier.failed.compare_exchange(NONE_FAILED, rank, Ordering::SeqCst, Ordering::SeqCst);
+                        shared.barrier.turn.notify_all();
+                    }
+                    r.err().map(|e| e.downcast_ref::<String>().cloned().unwrap_or_default())
+                })
+            })
+            .collect();
+        let said: Vec<Option<String>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        for r in [0, 1] {
+            let m = said[r].as_deref().unwrap_or_else(|| panic!("rank {r} went on"));
+            assert!(m.contains("stopped: the threads' world lost rank 2"), "rank {r}: {m}");
+        }
+        assert!(t0.elapsed() < std::time::Duration::from_secs(5), "{:?}", t0.elapsed());
+    }
+
     #[test]
     #[should_panic(expected = "rank 1 gives up")]
     fn a_failing_rank_fails_the_run_instead_of_hanging_it() {
