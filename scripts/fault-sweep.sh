@@ -22,6 +22,18 @@
 #   set-origin                a bad --set: the error begins with the --set that caused it
 #   resume-bad-input          --resume of a missing path, and of a run whose newest checkpoint
 #                             is truncated (exit 2 naming the previous good checkpoint)
+#   shrunk-shard-mmap         shards truncated under the mmap reader: exit 1 naming the shard,
+#                             report and weights written (it died of SIGBUS)
+#   same-out                  two runs given one --out at once: one completes, one exits 2; the
+#                             directory holds one run's files
+#   resume-changed            --resume of a complete run with model.model_dim changed, and with
+#                             train.iterations below the checkpoint: exit 2, no file changed
+#   copied-run-checks         audit-eval of a copied run whose artifact has 64 bytes flipped:
+#                             exit 2, "not the file the run wrote"
+#   bad-flags                 engine-check --device tpu:9, ablate --out FILE, a huge queue, a
+#                             zero seq_len: exit 2, naming the flag or the --set
+#   advise-failed             advise on the failed run above: it says the run failed (exit 0
+#                             with advice, or 1 when too little ran to advise)
 #   ctrl-c x N                kill -INT at 4-8 s: exit 130, then --resume exits 0
 #   kill -9 x N               kill -KILL with a checkpoint every step: every
 #                             checkpoints/step_*.safetensors is whole (size and CRC-32 checked
@@ -390,6 +402,87 @@ pl "$WORK/badresume.trunc" run "$DEMO" --resume "$R12" "${S[@]}"
 exit_is "$RC" 2 "resume with a truncated newest checkpoint"
 clear_err "$(t has "$WORK/badresume.trunc.err" "previous good checkpoint")" 'stderr lacks "previous good checkpoint"'
 intact "$(t cmp -s "$WORK/r12.md5" <(md5list "$R12"))" "the failed resume changed files"
+finish
+
+# ---- 12b. shrunk-shard-mmap: a shard truncated under the mmap reader (it died of SIGBUS) ----
+begin shrunk-shard-mmap
+SB=$WORK/shrink-shards
+mkdir -p "$SB"
+cp data/demo/shards/fineweb_train_*.bin "$SB/"
+bg "$WORK/shrink.run" run "$DEMO" --out "$WORK/shrink-run" "${L[@]}" --set 'stages.reader.impl="mmap"' \
+  --set "data.train=\"$SB/fineweb_train_*.bin\""
+for _ in $(seq 300); do has "$WORK/shrink-run/train.log" "step:2/" && break; kill -0 "$BG_PID" 2>/dev/null || break; sleep 0.2; done
+for f in "$SB"/*.bin; do truncate -s 2048 "$f"; done
+wait "$BG_PID" 2>/dev/null; RC=$?; BG_PID=""
+exit_is "$RC" 1 "run whose shards shrank"
+clear_err "$(t has "$WORK/shrink.run.err" "shrank while the run read it")" 'stderr lacks "shrank while the run read it"'
+intact "$(t test -s "$WORK/shrink-run/report.json")" "no report.json"
+intact "$(t test -s "$WORK/shrink-run/final_model.safetensors")" "no final_model.safetensors"
+finish
+
+# ---- 12c. same-out: two runs given one --out at once ----
+begin same-out
+SO=$WORK/same-out
+env -u PIPELINE_BIN "$BIN" run "$DEMO" --out "$SO" "${S[@]}" --set run.seed=7 >"$WORK/same-a.out" 2>"$WORK/same-a.err" & PA=$!
+env -u PIPELINE_BIN "$BIN" run "$DEMO" --out "$SO" "${S[@]}" --set run.seed=1337 >"$WORK/same-b.out" 2>"$WORK/same-b.err" & PB=$!
+wait "$PA"; RA=$?; wait "$PB"; RB=$?
+C_EXITCOL="$RA,$RB"; C_EXITWANT="0,2 or 2,0"
+[[ "$RA,$RB" == "0,2" || "$RA,$RB" == "2,0" ]] || why "exit $RA,$RB: one run must complete and the other be refused"
+clear_err "$(t grep -qE "in use by another run|not empty" "$WORK/same-a.err" "$WORK/same-b.err")" "the refused run does not say the directory is taken"
+SEED=$( [[ $RA == 0 ]] && echo 7 || echo 1337 )
+intact "$(t grep -q "^seed = $SEED\$" "$SO/config.toml")" "config.toml is not the completed run's"
+intact "$(t test "$(grep -c '^seed:' "$SO/train.log")" = 1)" "train.log holds more than one run"
+finish
+
+# ---- 12d. resume-changed: a resume that changes the model or goes below the checkpoint ----
+begin resume-changed
+md5list "$R1" >"$WORK/r1.before-changed.md5"
+pl "$WORK/changed.model" run "$DEMO" --resume "$R1" "${S[@]}" --set model.model_dim=64
+exit_is "$RC" 2 "resume of a complete run with model.model_dim changed"
+clear_err "$(t has "$WORK/changed.model.err" "model.model_dim")" "stderr does not name model.model_dim"
+pl "$WORK/changed.iters" run "$DEMO" --resume "$R1" "${S[@]}" --set train.iterations=5
+exit_is "$RC" 2 "resume with train.iterations below the checkpoint's step"
+clear_err "$(t has "$WORK/changed.iters.err" 'past `train.iterations` = 5')" "stderr does not say the checkpoint is past train.iterations"
+md5list "$R1" >"$WORK/r1.after-changed.md5"
+intact "$(t cmp -s "$WORK/r1.before-changed.md5" "$WORK/r1.after-changed.md5")" "a refused resume changed files"
+finish
+
+# ---- 12e. copied-run-checks: audit-eval reads the folder it is given ----
+begin copied-run-checks
+CP=$WORK/r1-copy
+cp -a "$WORK/r1.pristine" "$CP"
+python3 -c 'import sys
+p = sys.argv[1]
+b = bytearray(open(p, "rb").read())
+for i in range(64): b[100 + i] ^= 0xFF
+open(p, "wb").write(b)' "$CP/final_model.int8.zlib.pgqz"
+plt 120 "$WORK/copy.audit" audit-eval "$CP" --tokens 2048
+exit_is "$RC" 2 "audit-eval of a copy whose artifact has 64 bytes flipped"
+clear_err "$(t has "$WORK/copy.audit.err" "not the file the run wrote")" 'audit-eval: stderr lacks "not the file the run wrote"'
+finish
+
+# ---- 12f. bad-flags: a bad flag exits 2 naming the flag or the --set ----
+begin bad-flags
+pl "$WORK/flags.engine" engine-check --device tpu:9
+exit_is "$RC" 2 "engine-check --device tpu:9"
+clear_err "$(t has "$WORK/flags.engine.err" '--device "tpu:9"')" "engine-check: stderr does not name --device"
+echo x >"$WORK/a-file"
+pl "$WORK/flags.ablate" ablate "$DEMO" --vary stages.pin.queue=1,2 --out "$WORK/a-file"
+exit_is "$RC" 2 "ablate --out FILE"
+clear_err "$(t has "$WORK/flags.ablate.err" "is a file, not a directory")" "ablate: stderr lacks 'is a file'"
+pl "$WORK/flags.queue" validate "$DEMO" --set stages.ema.queue=1000000000000
+exit_is "$RC" 2 "a huge stages.ema.queue"
+clear_err "$(t has "$WORK/flags.queue.err" 'error: --set stages.ema.queue=1000000000000: `stages.ema.queue`')" "the memory refusal does not blame the --set"
+pl "$WORK/flags.seq" run "$DEMO" --out "$WORK/seq0" --set train.seq_len=0
+exit_is "$RC" 2 "run --set train.seq_len=0"
+finish
+
+# ---- 12g. advise-failed: advice on a failed run says it failed ----
+begin advise-failed
+pl "$WORK/advise.failed" advise "$WORK/shrink-run"
+# 0 with advice, or 1 when the run stopped before any service time was recorded: both say why.
+exit_is "$RC" "0|1" "advise on the run whose shards shrank"
+clear_err "$(t grep -q "the run did not complete (status failed" "$WORK/advise.failed.out" "$WORK/advise.failed.err")" "advise does not say the run failed"
 finish
 
 # ---- 13. ctrl-c trials ----

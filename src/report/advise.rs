@@ -175,6 +175,19 @@ pub struct Advice {
     pub caveat: Option<String>,
 }
 
+/// What advice on `report`'s run must say first when the run did not complete: its status,
+/// exit code and why, and that its service times cover only the part that ran.
+pub fn caveat(report: &Report) -> Option<String> {
+    let run = &report.run;
+    (run.status != "completed" || run.exit_code != 0).then(|| {
+        let why = run.error.as_deref().or(run.signal.as_deref()).map(|w| format!(": {w}")).unwrap_or_default();
+        format!(
+            "the run did not complete (status {}, exit code {}{why}): this advice reads the service times of the part that ran, which may not be the stages' steady state",
+            run.status, run.exit_code
+        )
+    })
+}
+
 /// The advice for `report`'s run (see the module doc).
 pub fn advise(report: &Report) -> anyhow::Result<Advice> {
     let chain = Chain::of(report)?;
@@ -199,14 +212,7 @@ pub fn advise(report: &Report) -> anyhow::Result<Advice> {
     }
     let n = chain.depths.len();
     channels.push(sweep("all channels".into(), None, &|d| vec![d; n]));
-    let run = &report.run;
-    let caveat = (run.status != "completed" || run.exit_code != 0).then(|| {
-        let why = run.error.as_deref().or(run.signal.as_deref()).map(|w| format!(": {w}")).unwrap_or_default();
-        format!(
-            "the run did not complete (status {}, exit code {}{why}): this advice reads the service times of the part that ran, which may not be the stages' steady state",
-            run.status, run.exit_code
-        )
-    });
+    let caveat = caveat(report);
     Ok(Advice { focus, chain: chain.servers.iter().map(|s| s.name.clone()).collect(), measured, recorded, channels, caveat })
 }
 
