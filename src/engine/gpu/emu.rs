@@ -132,6 +132,9 @@ pub(super) struct EmuDevice {
     sdpa: Result<SdpaCache<Interpreted>, String>,
     /// NCCL's stand-in ([`super::emu_comm`]), once [`Device::comm_init`] gave it the ranks.
     comm: Option<super::emu_comm::EmuComm>,
+    /// The device's memory in bytes, as a GPU's: `alloc` past it fails as cudaMalloc does
+    /// (out of memory). None: no limit.
+    capacity: Option<usize>,
 }
 
 impl EmuDevice {
@@ -149,7 +152,14 @@ impl EmuDevice {
             marks: Mutex::new(super::Marks::default()),
             sdpa: Ok(SdpaCache::new(Interpreted)),
             comm: None,
+            capacity: None,
         }
+    }
+
+    /// A device of `bytes` of memory: allocations past it fail as a full GPU's do.
+    pub(super) fn with_capacity(mut self, bytes: usize) -> Self {
+        self.capacity = Some(bytes);
+        self
     }
 
     /// A device without cuDNN (`why`), as a GPU machine without libcudnn.
@@ -296,8 +306,18 @@ impl Device for EmuDevice {
                 Space::Act => sizes.act,
                 Space::Mirror => sizes.mirror,
             };
+            let size = (len * s.elem_bytes()).div_ceil(256) * 256;
+            if let Some(cap) = self.capacity
+                && bytes + size > cap
+            {
+                // As the CUDA device words it (`cuda.rs`), with the driver's error.
+                anyhow::bail!(
+                    "allocating the engine's {s:?} space on the GPU: out of memory ({size} bytes asked, {} free of {cap})",
+                    cap - bytes
+                );
+            }
             self.spaces.push((s, bytes, len));
-            bytes += (len * s.elem_bytes()).div_ceil(256) * 256;
+            bytes += size;
         }
         let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&self.file)?;
         file.set_len(bytes as u64)?;

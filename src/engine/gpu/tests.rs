@@ -604,3 +604,16 @@ fn a_lora_pass_with_bf16_activations_on_the_emulated_gpu_matches_the_cpu_engine(
         assert!(err <= bounds.tensor, "adapter {name} after the step: {err:e} of its norm");
     }
 }
+
+/// A device too small for the engine: building the backend fails with the space and "out of
+/// memory" named (what the stage reports, exit 1, before a step), not a panic or an abort.
+#[test]
+fn a_device_out_of_memory_is_an_error_naming_the_space() {
+    let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join("oom.mem")).with_capacity(64 << 10);
+    let e = KernelBackend::new(dev, cases::arena_len(), cases::capacity()).err().expect("a 64 KiB device cannot hold the engine");
+    let m = format!("{e:#}");
+    assert!(m.contains("allocating the engine's Arena space on the GPU: out of memory"), "{m}");
+    // A device that holds it allocates.
+    let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join("oom-fits.mem")).with_capacity(1 << 30);
+    assert!(KernelBackend::new(dev, cases::arena_len(), cases::capacity()).is_ok());
+}
