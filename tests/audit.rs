@@ -62,6 +62,11 @@ fn audit_eval_passes_the_real_evaluations_and_refuses_bad_input() {
     let o = audit(&run, &["--tokens", "384"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("not the file the run wrote"), "{}", text(&o));
+    let changed_config = serde_json::json!({ "run": { "files": { "config.toml": "0".repeat(64) } } }).to_string();
+    std::fs::write(run.join("report.json"), changed_config).unwrap();
+    let o = audit(&run, &["--tokens", "384"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("config.toml: its SHA-256 is") && text(&o).contains("not the file the run wrote"), "{}", text(&o));
     std::fs::write(run.join("report.json"), report("../score-first.toml", &sha)).unwrap();
     let o = audit(&run, &["--tokens", "384"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));

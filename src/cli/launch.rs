@@ -233,7 +233,7 @@ mod tests {
         assert_eq!((code, first), (137, Some(1)));
         assert!(t0.elapsed() < Duration::from_secs(10), "the job took {:?}", t0.elapsed());
         // Every child is gone (waited for): nothing keeps running.
-        let (code, first) = watch(&mut vec![sh("exit 0"), sh("exit 0")], Duration::from_millis(500));
+        let (code, first) = watch(&mut [sh("exit 0"), sh("exit 0")], Duration::from_millis(500));
         assert_eq!((code, first), (0, None));
     }
 }

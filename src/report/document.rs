@@ -91,6 +91,11 @@ pub struct RunInfo {
     /// Anything else worth knowing (drain timeout hit, stage hung, ...).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
+    /// SHA-256 of the run directory's files that the checks judge besides the artifact and the
+    /// source bundle ([`crate::runtime::files::RECORDED`]), as the run left them: `audit-eval`
+    /// and `submission` compare the files of the folder they are given with them.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub files: BTreeMap<String, String>,
 }
 
 /// Inputs to [`build`] that do not come from the run itself.
@@ -253,6 +258,7 @@ pub fn build(plan: &Plan, result: &RunResult, meta: &ReportMeta) -> Report {
             instrument: meta.instrument,
             stage_order: plan.stages.iter().map(|s| s.name.clone()).collect(),
             notes: result.notes.clone(),
+            files: crate::runtime::files::recorded(meta.run_dir),
         },
         stages,
         channels,

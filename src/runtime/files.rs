@@ -110,6 +110,28 @@ pub fn in_run_dir(dir: &Path, recorded: &str) -> anyhow::Result<std::path::PathB
     Ok(dir.join(p))
 }
 
+/// The files of a run directory whose SHA-256 its report records (besides the artifact and the
+/// source bundle, which their own sections record): what `audit-eval` and `submission` read.
+pub const RECORDED: [&str; 2] = ["config.toml", "final_model.safetensors"];
+
+/// The SHA-256 of each of [`RECORDED`] that `dir` holds (none for a run that wrote no
+/// directory).
+pub fn recorded(dir: &Path) -> std::collections::BTreeMap<String, String> {
+    if dir.as_os_str().is_empty() {
+        return Default::default();
+    }
+    RECORDED.iter().filter_map(|name| sha256_file(&dir.join(name)).ok().map(|sha| (name.to_string(), sha))).collect()
+}
+
+/// Checks `dir/name` against the SHA-256 `files` recorded for it, when it was recorded (reports
+/// of older versions record none).
+pub fn check_recorded(dir: &Path, name: &str, files: &std::collections::BTreeMap<String, String>) -> anyhow::Result<()> {
+    match files.get(name) {
+        Some(sha) => check_sha256(&dir.join(name), sha),
+        None => Ok(()),
+    }
+}
+
 /// Checks that `path`'s SHA-256 is `recorded` (hex): the file is the one the run wrote.
 pub fn check_sha256(path: &Path, recorded: &str) -> anyhow::Result<()> {
     let now = sha256_file(path)?;

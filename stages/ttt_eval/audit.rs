@@ -296,6 +296,14 @@ pub fn audit_run(path: &Path, opts: &AuditOptions) -> anyhow::Result<AuditReport
         Some(_) => anyhow::ensure!(file.is_file(), "config.toml: not found in the run directory (is it a finished run?)"),
         None => anyhow::ensure!(file.is_file(), "not found (give a finished run directory or a config file)"),
     }
+    // The files of the directory given, as the run recorded them (`run.files`).
+    let recorded = match run_dir {
+        Some(d) => recorded_files(d)?,
+        None => Default::default(),
+    };
+    if let Some(d) = run_dir {
+        crate::runtime::files::check_recorded(d, "config.toml", &recorded)?;
+    }
     // A finished run is audited as it ran: its resolved config, no `PIPELINE_*` variables.
     let loaded =
         crate::runtime::config::load_with_env::<Config>(&file, &opts.sets, run_dir.is_none()).map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -313,7 +321,7 @@ pub fn audit_run(path: &Path, opts: &AuditOptions) -> anyhow::Result<AuditReport
     (config.run.device, config.run.world_size, config.run.rank) = ("cpu".into(), 1, 0);
     let seed = stage.check_ctx(&config.run, &config.extensions()).seed();
     let (weights, label) = match run_dir {
-        Some(d) => run_weights(d, &config)?,
+        Some(d) => run_weights(d, &config, &recorded)?,
         None => {
             let m = crate::model::Gpt::new(&config.model, config.run.seed, DType::F32, &Device::Cpu)?;
             (m.state_dict(), format!("initialised from run.seed = {} (a config file)", config.run.seed))
@@ -340,13 +348,26 @@ pub fn audit_run(path: &Path, opts: &AuditOptions) -> anyhow::Result<AuditReport
     audit_stage(entry, &stage.name, &setup, &label)
 }
 
+/// The SHA-256s `dir/report.json` records of the directory's files (`run.files`; none when
+/// there is no report, or it is of an older version).
+fn recorded_files(dir: &Path) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
+    let report = dir.join("report.json");
+    let Ok(bytes) = std::fs::read(&report) else { return Ok(Default::default()) };
+    let v: serde_json::Value = serde_json::from_slice(&bytes).with_context(|| format!("{}: not JSON", report.display()))?;
+    Ok(serde_json::from_value(v["run"]["files"].clone()).unwrap_or_default())
+}
+
 /// The weights a run's evaluation scored, read from the run directory given (a copy of a run
 /// is audited on its own files): the artifact read back (checked against `[model]`) when
 /// `report.json` names one (relative to the directory; see
 /// [`crate::runtime::files::in_run_dir`]), its SHA-256 checked against the one the run recorded;
 /// else `final_model.safetensors`. A named artifact that is not there is an error, not a quiet
 /// fall back to unquantized weights.
-fn run_weights(dir: &Path, config: &Config) -> anyhow::Result<(Vec<(String, Tensor)>, String)> {
+fn run_weights(
+    dir: &Path,
+    config: &Config,
+    recorded: &std::collections::BTreeMap<String, String>,
+) -> anyhow::Result<(Vec<(String, Tensor)>, String)> {
     let report = dir.join("report.json");
     let artifact = match std::fs::read(&report) {
         Ok(bytes) => {
@@ -375,6 +396,7 @@ fn run_weights(dir: &Path, config: &Config) -> anyhow::Result<(Vec<(String, Tens
     }
     let f = dir.join("final_model.safetensors");
     anyhow::ensure!(f.is_file(), "{}: no artifact in report.json and no final_model.safetensors: no weights to audit", dir.display());
+    crate::runtime::files::check_recorded(dir, "final_model.safetensors", recorded)?;
     let w: HashMap<String, Tensor> = crate::model::weights::load(&f, Some(DType::F32))?;
     Ok((w.into_iter().collect(), f.display().to_string()))
 }

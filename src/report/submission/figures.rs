@@ -80,10 +80,11 @@ pub struct RunFigures {
     /// What the size advice needs (`artifact.quantized_values`, `lqer_bytes`, `bits`, `clip`,
     /// `clip_sigmas`), `over` unset.
     pub size: SizeFacts,
-    /// What is wrong with the artifact file in the run directory given, if anything: not
-    /// there, not the size or the SHA-256 the run recorded, or named outside the directory.
-    /// `None` when it is the file the run wrote (or the run wrote none: the size check says so).
-    pub artifact_problem: Option<String>,
+    /// What is wrong with the files judged in the run directory given, if anything: the
+    /// artifact not there, not the size or the SHA-256 the run recorded, or named outside the
+    /// directory; `config.toml` not the one the run recorded (`run.files`). `None` when they
+    /// are the files the run wrote.
+    pub files_problem: Option<String>,
     /// What counts against the training budget.
     pub train_parts: Vec<Part>,
     /// What ran after training but counts against neither budget (shown, not added).
@@ -248,7 +249,7 @@ impl RunFigures {
                     .flatten(),
                 lqer_bytes: at(&r, "artifact.lqer_bytes").and_then(Value::as_u64).unwrap_or(0),
             },
-            artifact_problem: artifact_problem(dir, &r),
+            files_problem: artifact_problem(dir, &r).or_else(|| recorded_problem(dir, &r)),
             train_parts,
             uncounted,
             eval_parts,
@@ -304,6 +305,13 @@ fn artifact_problem(dir: &Path, r: &Value) -> Option<String> {
         Some(sha) => crate::runtime::files::check_sha256(&file, sha).err().map(|e| format!("{e:#}")),
         None => Some(format!("{}: the run recorded no SHA-256 of it (a report of an older version): it cannot be checked", file.display())),
     }
+}
+
+/// `config.toml` (what `one config` judges) against the SHA-256 the run recorded of it.
+fn recorded_problem(dir: &Path, r: &Value) -> Option<String> {
+    let files: std::collections::BTreeMap<String, String> =
+        at(r, "run.files").and_then(|f| serde_json::from_value(f.clone()).ok()).unwrap_or_default();
+    crate::runtime::files::check_recorded(dir, "config.toml", &files).err().map(|e| format!("{e:#}"))
 }
 
 /// `a.b.c` in a JSON document.

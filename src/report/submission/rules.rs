@@ -195,14 +195,12 @@ pub fn run_checks(r: &RunFigures) -> Vec<Check> {
             format!("artifact + code <= {}", grouped(CAP_BYTES)),
         ),
     });
-    if r.artifact_bytes.is_some() {
-        out.push(Check::new(
-            name("artifact file"),
-            r.artifact_problem.is_none(),
-            r.artifact_problem.clone().unwrap_or_else(|| "in the run directory, of the size and SHA-256 the run recorded".into()),
-            "the artifact judged is the file in the run directory given, byte for byte the one the run wrote",
-        ));
-    }
+    out.push(Check::new(
+        name("files"),
+        r.files_problem.is_none(),
+        r.files_problem.clone().unwrap_or_else(|| "the artifact and config.toml in the run directory, as the run recorded them".into()),
+        "what is judged is the run directory given, each file byte for byte the one the run wrote (size and SHA-256)",
+    ));
     let parts = |ps: &[super::figures::Part]| ps.iter().map(|p| format!("{} {:.1} s", p.what, p.ms / 1e3)).collect::<Vec<_>>().join(" + ");
     // The rules time on their hardware: figures from other hardware are shown as measured.
     let on = if rules_hardware(&r.hardware) {

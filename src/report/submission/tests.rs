@@ -302,7 +302,7 @@ fn the_folder_holds_the_table_the_json_and_the_logs() {
 }
 
 /// A submission is judged on the files of the directories it is given: a copy whose artifact
-/// was cut short, or has bytes flipped, fails `artifact file` naming the file; a report naming
+/// was cut short, or has bytes flipped, fails `files` naming the file; a report naming
 /// a path outside its directory is refused; an older report's absolute path is read as the
 /// file of that name in the directory given, never at the path itself.
 #[test]
@@ -310,7 +310,7 @@ fn the_artifact_is_judged_in_the_folder_given() {
     let t = Scratch::new("files");
     let dirs = three(&t.0);
     let artifact = dirs[0].join("final_model.int6.brotli.pgqz");
-    let problem = |d: &PathBuf| RunFigures::load(d).unwrap().artifact_problem;
+    let problem = |d: &PathBuf| RunFigures::load(d).unwrap().files_problem;
     assert_eq!(problem(&dirs[0]), None);
     std::fs::OpenOptions::new().write(true).open(&artifact).unwrap().set_len(5_000).unwrap();
     let p = problem(&dirs[0]).unwrap();
@@ -321,11 +321,14 @@ fn the_artifact_is_judged_in_the_folder_given() {
     let p = problem(&dirs[0]).unwrap();
     assert!(p.contains("its SHA-256 is") && p.contains("not the file the run wrote"), "{p}");
     let s = Submission::check(load(&dirs), 3, &Against::Nothing, vec![]);
-    let c = check(&s, "artifact file seed 42");
+    let c = check(&s, "files seed 42");
     assert_eq!(c.outcome, Outcome::Fail, "{c:?}");
 
     let out = run_dir(&t.0.join("outside"), 7, 2.3, |r, _| r["artifact"]["path"] = json!("../elsewhere.pgqz"));
     assert!(problem(&out).unwrap().contains("outside the run directory"), "{:?}", problem(&out));
     let old = run_dir(&t.0.join("old"), 8, 2.3, |r, _| r["artifact"]["path"] = json!("/nonexistent/final_model.int6.brotli.pgqz"));
     assert_eq!(problem(&old), None, "the file of that name in the directory given");
+    // config.toml (what `one config` reads) against the SHA-256 the run recorded of it.
+    let cfg = run_dir(&t.0.join("cfg"), 9, 2.3, |r, _| r["run"]["files"] = json!({"config.toml": "0".repeat(64)}));
+    assert!(problem(&cfg).is_some_and(|p| p.contains("config.toml") && p.contains("not the file the run wrote")), "{:?}", problem(&cfg));
 }
