@@ -162,7 +162,7 @@ fn prepare(path: &Path, o: &Options) -> Result<Prepared, (i32, String)> {
     // The ablation directory is claimed as a run directory is (rundir::Claim): two ablations
     // given the same --out do not write into one another.
     let claimed = |e: anyhow::Error| (if e.downcast_ref::<rundir::Taken>().is_some() { 2 } else { 1 }, format!("{e:#}"));
-    let (dir, _claim) = match &o.out {
+    let (dir, claim) = match &o.out {
         Some(d) => {
             if d.exists() && !d.is_dir() {
                 return Err((
@@ -183,6 +183,9 @@ fn prepare(path: &Path, o: &Options) -> Result<Prepared, (i32, String)> {
         }
         None => rundir::create(None, &base.config.run.out_dir, &format!("ablation-{}", run::run_name(&base))).map_err(claimed)?,
     };
+    if let Some(w) = &claim.unlocked {
+        err!("warning: {w}");
+    }
     let runs: Vec<(Variant, Option<Figures>)> = variants.iter().map(|v| (v.clone(), None)).collect();
     if !dir.join(SUMMARY).is_file() {
         write_summary(&dir, path, &runs).map_err(|e| (1, format!("{e:#}")))?;

@@ -180,7 +180,7 @@ pub fn run(
     // The run directory is this run's alone until it ends (rundir::Claim): a second run given
     // the same --out, or a resume of a run still going, is refused.
     let taken = |e: anyhow::Error| if e.downcast_ref::<rundir::Taken>().is_some() { RunError::Taken(e) } else { RunError::Io(e) };
-    let (run_dir, fresh, _claim) = match continued {
+    let (run_dir, fresh, claim) = match continued {
         Some(d) if writer => {
             let claim = rundir::claim(&d).map_err(taken)?;
             (d, false, Some(claim))
@@ -192,6 +192,9 @@ pub fn run(
         }
         None => (PathBuf::new(), false, None),
     };
+    if let Some(w) = claim.as_ref().and_then(|c| c.unlocked.as_deref()) {
+        err!("warning: {w}");
+    }
     let run_dir = if ranks.world() > 1 {
         let all = ranks.all_gather_bytes(run_dir.to_string_lossy().as_bytes())?;
         PathBuf::from(String::from_utf8_lossy(&all[0]).into_owned())

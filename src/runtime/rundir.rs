@@ -29,7 +29,10 @@ pub struct Taken(pub String);
 /// this value lives (and dropped by the kernel if the process dies).
 #[derive(Debug)]
 pub struct Claim {
-    _lock: File,
+    _lock: Option<File>,
+    /// Why the directory could not be locked, when its filesystem has no locks (NFS without
+    /// its lock service): the run goes on unprotected against a second run, and says so.
+    pub unlocked: Option<String>,
 }
 
 /// Claims `dir` (which must exist) for this run, or says which run holds it.
@@ -42,17 +45,32 @@ pub fn claim(dir: &Path) -> anyhow::Result<Claim> {
         .open(&path)
         .with_context(|| format!("cannot claim run directory {}: cannot open {}", dir.display(), path.display()))?;
     match file.try_lock() {
-        Ok(()) => Ok(Claim { _lock: file }),
+        Ok(()) => Ok(Claim { _lock: Some(file), unlocked: None }),
         Err(fs::TryLockError::WouldBlock) => Err(Taken(format!(
             "run directory {} is in use by another run (it holds {}): wait for that run to end, or choose another --out",
             dir.display(),
             path.display()
         ))
         .into()),
-        Err(fs::TryLockError::Error(e)) => {
-            Err(e).with_context(|| format!("cannot claim run directory {}: cannot lock {}", dir.display(), path.display()))
-        }
+        Err(fs::TryLockError::Error(e)) => lock_failed(dir, &path, e),
     }
+}
+
+/// A lock that failed for a reason other than another run holding it: a filesystem without
+/// locks lets the run go on unclaimed (said in [`Claim::unlocked`]); any other error stops it.
+fn lock_failed(dir: &Path, path: &Path, e: std::io::Error) -> anyhow::Result<Claim> {
+    const ENOLCK: i32 = 37;
+    if e.kind() == std::io::ErrorKind::Unsupported || e.raw_os_error() == Some(ENOLCK) {
+        return Ok(Claim {
+            _lock: None,
+            unlocked: Some(format!(
+                "run directory {} cannot be locked ({}: {e}): nothing keeps a second run given the same directory out",
+                dir.display(),
+                path.display()
+            )),
+        });
+    }
+    Err(e).with_context(|| format!("cannot claim run directory {}: cannot lock {}", dir.display(), path.display()))
 }
 
 /// Whether `dir` holds anything but its lock file.
@@ -183,6 +201,10 @@ mod tests {
         drop(first);
         let again = claim(&dir).expect("the ended run's lock file does not hold the directory");
         drop(again);
+        // A filesystem without locks: the run goes on, saying so; another error stops it.
+        let unsupported = lock_failed(&dir, &dir.join(LOCK), std::io::Error::from(std::io::ErrorKind::Unsupported)).unwrap();
+        assert!(unsupported.unlocked.as_deref().is_some_and(|w| w.contains("cannot be locked")), "{unsupported:?}");
+        assert!(lock_failed(&dir, &dir.join(LOCK), std::io::Error::from(std::io::ErrorKind::PermissionDenied)).is_err());
         // An empty directory with a stale lock file is still a fresh --out.
         assert_eq!(create(Some(&dir), &d, "x").unwrap().0, dir);
         fs::remove_dir_all(&d).unwrap();
