@@ -92,6 +92,24 @@ impl Threads {
     /// rank order; a rank that panics stops the others at their next collective (instead of
     /// leaving them waiting for it), and the first failure is raised here.
     pub fn run<T: Send + 'static>(ranks: &[Arc<Threads>], f: impl Fn(Arc<Threads>) -> T + Send + Sync + 'static) -> Vec<T> {
+        let mut results = Self::run_all(ranks, f);
+        // The failure that started it, not the others' "another rank failed".
+        let message = |e: &Box<dyn std::any::Any + Send>| {
+            e.downcast_ref::<String>().map(String::as_str).or_else(|| e.downcast_ref::<&str>().copied()).unwrap_or("").to_string()
+        };
+        let first = results.iter().position(|r| r.as_ref().is_err_and(|e| !message(e).contains(OTHER_FAILED)));
+        if let Some(k) = first.or_else(|| results.iter().position(|r| r.is_err())) {
+            std::panic::resume_unwind(results.swap_remove(k).err().expect("an error"));
+        }
+        results.into_iter().map(|r| r.unwrap_or_else(|_| unreachable!("no rank failed"))).collect()
+    }
+
+    /// As [`Threads::run`], every rank's outcome in rank order, the panics included (what a
+    /// failing rank raised, and what the ranks it left behind raised).
+    fn run_all<T: Send + 'static>(
+        ranks: &[Arc<Threads>],
+        f: impl Fn(Arc<Threads>) -> T + Send + Sync + 'static,
+    ) -> Vec<std::thread::Result<T>> {
         let f = Arc::new(f);
         let handles: Vec<_> = ranks
             .iter()
@@ -109,16 +127,7 @@ impl Threads {
                 })
             })
             .collect();
-        let mut results: Vec<_> = handles.into_iter().map(|h| h.join().expect("a rank's thread")).collect();
-        // The failure that started it, not the others' "another rank failed".
-        let message = |e: &Box<dyn std::any::Any + Send>| {
-            e.downcast_ref::<String>().map(String::as_str).or_else(|| e.downcast_ref::<&str>().copied()).unwrap_or("").to_string()
-        };
-        let first = results.iter().position(|r| r.as_ref().is_err_and(|e| !message(e).contains(OTHER_FAILED)));
-        if let Some(k) = first.or_else(|| results.iter().position(|r| r.is_err())) {
-            std::panic::resume_unwind(results.swap_remove(k).err().expect("an error"));
-        }
-        results.into_iter().map(|r| r.unwrap_or_else(|_| unreachable!("no rank failed"))).collect()
+        handles.into_iter().map(|h| h.join().expect("a rank's thread")).collect()
     }
 
     /// Rank `r`'s calls so far, in order.
@@ -264,28 +273,14 @@ mod tests {
     fn the_ranks_left_behind_name_the_lost_rank() {
         let ranks = Threads::world(3);
         let t0 = std::time::Instant::now();
-        let handles: Vec<_> = ranks
-            .iter()
-            .cloned()
-            .map(|c| {
-                let shared = c.shared.clone();
-                std::thread::spawn(move || {
-                    let rank = c.rank;
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        if rank == 2 {
-                            panic!("rank 2 lost");
-                        }
-                        c.barrier().unwrap();
-                    }));
-                    if r.is_err() {
-                        let _ = shared.barrier.failed.compare_exchange(NONE_FAILED, rank, Ordering::SeqCst, Ordering::SeqCst);
-                        shared.barrier.turn.notify_all();
-                    }
-                    r.err().map(|e| e.downcast_ref::<String>().cloned().unwrap_or_default())
-                })
-            })
-            .collect();
-        let said: Vec<Option<String>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let outcomes = Threads::run_all(&ranks, |c| {
+            if c.rank() == 2 {
+                panic!("rank 2 lost");
+            }
+            c.barrier().unwrap();
+        });
+        let said: Vec<Option<String>> =
+            outcomes.into_iter().map(|r| r.err().map(|e| e.downcast_ref::<String>().cloned().unwrap_or_default())).collect();
         for r in [0, 1] {
             let m = said[r].as_deref().unwrap_or_else(|| panic!("rank {r} went on"));
             assert!(m.contains("stopped: the threads' world lost rank 2"), "rank {r}: {m}");

@@ -123,6 +123,35 @@ pub fn recorded(dir: &Path) -> std::collections::BTreeMap<String, String> {
     RECORDED.iter().filter_map(|name| sha256_file(&dir.join(name)).ok().map(|sha| (name.to_string(), sha))).collect()
 }
 
+/// What a run directory's report (as JSON) records of its files: `run.files` (see [`recorded`]),
+/// empty for a report of an older version.
+pub fn recorded_of(report: &serde_json::Value) -> std::collections::BTreeMap<String, String> {
+    serde_json::from_value(report["run"]["files"].clone()).unwrap_or_default()
+}
+
+/// The artifact a run directory's report (as JSON) names, judged in `dir`: its `artifact.path`
+/// resolved there ([`in_run_dir`]), the file present, of the recorded `artifact.bytes` and with
+/// the recorded `artifact.sha256` (a report that recorded none cannot be checked: an error).
+/// `None` when the report names no artifact.
+pub fn recorded_artifact(dir: &Path, report: &serde_json::Value) -> anyhow::Result<Option<std::path::PathBuf>> {
+    let Some(recorded) = report["artifact"]["path"].as_str() else { return Ok(None) };
+    let file = in_run_dir(dir, recorded)?;
+    let meta = std::fs::metadata(&file).map_err(|_| anyhow::anyhow!("{}: the artifact is not in the run directory", file.display()))?;
+    if let Some(bytes) = report["artifact"]["bytes"].as_u64() {
+        anyhow::ensure!(
+            meta.len() == bytes,
+            "{}: {} bytes, the run recorded {bytes}: it is not the file the run wrote",
+            file.display(),
+            meta.len()
+        );
+    }
+    match report["artifact"]["sha256"].as_str() {
+        Some(sha) => check_sha256(&file, sha)?,
+        None => anyhow::bail!("{}: the run recorded no SHA-256 of it (a report of an older version): it cannot be checked", file.display()),
+    }
+    Ok(Some(file))
+}
+
 /// Checks `dir/name` against the SHA-256 `files` recorded for it, when it was recorded (reports
 /// of older versions record none).
 pub fn check_recorded(dir: &Path, name: &str, files: &std::collections::BTreeMap<String, String>) -> anyhow::Result<()> {

@@ -296,13 +296,14 @@ pub fn audit_run(path: &Path, opts: &AuditOptions) -> anyhow::Result<AuditReport
         Some(_) => anyhow::ensure!(file.is_file(), "config.toml: not found in the run directory (is it a finished run?)"),
         None => anyhow::ensure!(file.is_file(), "not found (give a finished run directory or a config file)"),
     }
-    // The files of the directory given, as the run recorded them (`run.files`).
-    let recorded = match run_dir {
-        Some(d) => recorded_files(d)?,
-        None => Default::default(),
+    // The run's report (none for a config file, or a directory without one), read once: the
+    // files of the directory given are judged against what it records.
+    let report = match run_dir {
+        Some(d) => read_report(d)?,
+        None => None,
     };
-    if let Some(d) = run_dir {
-        crate::runtime::files::check_recorded(d, "config.toml", &recorded)?;
+    if let (Some(d), Some(r)) = (run_dir, &report) {
+        crate::runtime::files::check_recorded(d, "config.toml", &crate::runtime::files::recorded_of(r))?;
     }
     // A finished run is audited as it ran: its resolved config, no `PIPELINE_*` variables.
     let loaded =
@@ -321,7 +322,7 @@ pub fn audit_run(path: &Path, opts: &AuditOptions) -> anyhow::Result<AuditReport
     (config.run.device, config.run.world_size, config.run.rank) = ("cpu".into(), 1, 0);
     let seed = stage.check_ctx(&config.run, &config.extensions()).seed();
     let (weights, label) = match run_dir {
-        Some(d) => run_weights(d, &config, &recorded)?,
+        Some(d) => run_weights(d, &config, report.as_ref())?,
         None => {
             let m = crate::model::Gpt::new(&config.model, config.run.seed, DType::F32, &Device::Cpu)?;
             (m.state_dict(), format!("initialised from run.seed = {} (a config file)", config.run.seed))
@@ -348,47 +349,22 @@ pub fn audit_run(path: &Path, opts: &AuditOptions) -> anyhow::Result<AuditReport
     audit_stage(entry, &stage.name, &setup, &label)
 }
 
-/// The SHA-256s `dir/report.json` records of the directory's files (`run.files`; none when
-/// there is no report, or it is of an older version).
-fn recorded_files(dir: &Path) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
-    let report = dir.join("report.json");
-    let Ok(bytes) = std::fs::read(&report) else { return Ok(Default::default()) };
-    let v: serde_json::Value = serde_json::from_slice(&bytes).with_context(|| format!("{}: not JSON", report.display()))?;
-    Ok(serde_json::from_value(v["run"]["files"].clone()).unwrap_or_default())
+/// `dir/report.json` as JSON; `None` when there is none.
+fn read_report(dir: &Path) -> anyhow::Result<Option<serde_json::Value>> {
+    let path = dir.join("report.json");
+    let Ok(bytes) = std::fs::read(&path) else { return Ok(None) };
+    Ok(Some(serde_json::from_slice(&bytes).with_context(|| format!("{}: not JSON", path.display()))?))
 }
 
 /// The weights a run's evaluation scored, read from the run directory given (a copy of a run
-/// is audited on its own files): the artifact read back (checked against `[model]`) when
-/// `report.json` names one (relative to the directory; see
-/// [`crate::runtime::files::in_run_dir`]), its SHA-256 checked against the one the run recorded;
-/// else `final_model.safetensors`. A named artifact that is not there is an error, not a quiet
-/// fall back to unquantized weights.
-fn run_weights(
-    dir: &Path,
-    config: &Config,
-    recorded: &std::collections::BTreeMap<String, String>,
-) -> anyhow::Result<(Vec<(String, Tensor)>, String)> {
-    let report = dir.join("report.json");
-    let artifact = match std::fs::read(&report) {
-        Ok(bytes) => {
-            let v: serde_json::Value = serde_json::from_slice(&bytes).with_context(|| format!("{}: not JSON", report.display()))?;
-            match v["artifact"]["path"].as_str() {
-                Some(recorded) => {
-                    let here = crate::runtime::files::in_run_dir(dir, recorded)?;
-                    anyhow::ensure!(here.is_file(), "{}: the artifact {recorded} is not in the run directory", report.display());
-                    match v["artifact"]["sha256"].as_str() {
-                        Some(sha) => crate::runtime::files::check_sha256(&here, sha)?,
-                        None => anyhow::bail!(
-                            "{}: the run recorded no SHA-256 of its artifact (a report of an older version): its file cannot be checked",
-                            report.display()
-                        ),
-                    }
-                    Some(here)
-                }
-                None => None,
-            }
-        }
-        Err(_) => None,
+/// is audited on its own files): the artifact `report` names, read back (checked against
+/// `[model]`) once [`crate::runtime::files::recorded_artifact`] has found it there as the run
+/// recorded it; else `final_model.safetensors`, against its recorded SHA-256. A named artifact
+/// that is not there is an error, not a quiet fall back to unquantized weights.
+fn run_weights(dir: &Path, config: &Config, report: Option<&serde_json::Value>) -> anyhow::Result<(Vec<(String, Tensor)>, String)> {
+    let artifact = match report {
+        Some(r) => crate::runtime::files::recorded_artifact(dir, r)?,
+        None => None,
     };
     if let Some(a) = artifact {
         let w = crate::artifact::roundtrip::restore(&a, &config.model).with_context(|| format!("{}: the artifact", a.display()))?;
@@ -396,7 +372,9 @@ fn run_weights(
     }
     let f = dir.join("final_model.safetensors");
     anyhow::ensure!(f.is_file(), "{}: no artifact in report.json and no final_model.safetensors: no weights to audit", dir.display());
-    crate::runtime::files::check_recorded(dir, "final_model.safetensors", recorded)?;
+    if let Some(r) = report {
+        crate::runtime::files::check_recorded(dir, "final_model.safetensors", &crate::runtime::files::recorded_of(r))?;
+    }
     let w: HashMap<String, Tensor> = crate::model::weights::load(&f, Some(DType::F32))?;
     Ok((w.into_iter().collect(), f.display().to_string()))
 }

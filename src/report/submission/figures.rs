@@ -249,7 +249,7 @@ impl RunFigures {
                     .flatten(),
                 lqer_bytes: at(&r, "artifact.lqer_bytes").and_then(Value::as_u64).unwrap_or(0),
             },
-            files_problem: artifact_problem(dir, &r).or_else(|| recorded_problem(dir, &r)),
+            files_problem: files_problem(dir, &r),
             train_parts,
             uncounted,
             eval_parts,
@@ -287,31 +287,14 @@ impl RunFigures {
     }
 }
 
-/// The artifact the report names, judged in `dir` (the folder given, not where the run was):
-/// there, of the recorded size, with the recorded SHA-256.
-fn artifact_problem(dir: &Path, r: &Value) -> Option<String> {
-    let recorded = at(r, "artifact.path").and_then(Value::as_str)?;
-    let file = match crate::runtime::files::in_run_dir(dir, recorded) {
-        Ok(f) => f,
-        Err(e) => return Some(format!("{e:#}")),
-    };
-    let Ok(meta) = std::fs::metadata(&file) else { return Some(format!("{}: the artifact is not in the run directory", file.display())) };
-    if let Some(bytes) = at(r, "artifact.bytes").and_then(Value::as_u64)
-        && meta.len() != bytes
-    {
-        return Some(format!("{}: {} bytes, the run recorded {}: it is not the file the run wrote", file.display(), meta.len(), bytes));
-    }
-    match at(r, "artifact.sha256").and_then(Value::as_str) {
-        Some(sha) => crate::runtime::files::check_sha256(&file, sha).err().map(|e| format!("{e:#}")),
-        None => Some(format!("{}: the run recorded no SHA-256 of it (a report of an older version): it cannot be checked", file.display())),
-    }
-}
-
-/// `config.toml` (what `one config` judges) against the SHA-256 the run recorded of it.
-fn recorded_problem(dir: &Path, r: &Value) -> Option<String> {
-    let files: std::collections::BTreeMap<String, String> =
-        at(r, "run.files").and_then(|f| serde_json::from_value(f.clone()).ok()).unwrap_or_default();
-    crate::runtime::files::check_recorded(dir, "config.toml", &files).err().map(|e| format!("{e:#}"))
+/// The artifact the report names and `config.toml` (what `one config` judges), judged in
+/// `dir` (the folder given, not where the run was) against what the run recorded.
+fn files_problem(dir: &Path, r: &Value) -> Option<String> {
+    let files = crate::runtime::files::recorded_of(r);
+    crate::runtime::files::recorded_artifact(dir, r)
+        .and_then(|_| crate::runtime::files::check_recorded(dir, "config.toml", &files))
+        .err()
+        .map(|e| format!("{e:#}"))
 }
 
 /// `a.b.c` in a JSON document.
