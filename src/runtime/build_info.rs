@@ -47,7 +47,7 @@ impl BuildInfo {
 /// against the cap.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SourceBundle {
-    /// Its file name in a run directory or records folder: `source.tar.xz` or `source.tar.br`.
+    /// Its file name in a run directory or records folder: `source.tar.xz`, `source.tar.br` or `source.tar.lrz`.
     pub file: String,
     /// Source files packed.
     pub files: usize,
@@ -65,6 +65,19 @@ pub struct SourceBundle {
     pub build: BuildInfo,
 }
 
+impl SourceBundle {
+    /// The shell command that unpacks the bundle into the folder `code`, by its compressor:
+    /// `tar` reads xz alone; Brotli and lrzip streams go through their own programs.
+    pub fn unpack_command(&self) -> String {
+        let f = &self.file;
+        match f.rsplit('.').next() {
+            Some("br") => format!("brotli -dc {f} | tar -xf - -C code"),
+            Some("lrz") => format!("lrzcat -q {f} | tar -xf - -C code"),
+            _ => format!("tar -xf {f} -C code"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -77,5 +90,18 @@ mod tests {
         assert!(b.features.iter().all(|f| ["tools", "mpi", "cuda"].contains(&f.as_str())), "{b:?}");
         let lean = BuildInfo { version: "1".into(), features: vec!["cuda".into()], profile: "release".into() };
         assert_eq!(lean.line(), "pipeline 1, lean record build (cuda), release");
+        let bundle = |file: &str| SourceBundle {
+            file: file.into(),
+            files: 1,
+            raw_bytes: 1,
+            stripped_bytes: 1,
+            bytes: 1,
+            sha256: String::new(),
+            lock_sha256: String::new(),
+            build: lean.clone(),
+        };
+        assert_eq!(bundle("source.tar.xz").unpack_command(), "tar -xf source.tar.xz -C code");
+        assert_eq!(bundle("source.tar.br").unpack_command(), "brotli -dc source.tar.br | tar -xf - -C code");
+        assert_eq!(bundle("source.tar.lrz").unpack_command(), "lrzcat -q source.tar.lrz | tar -xf - -C code");
     }
 }

@@ -6,7 +6,7 @@
 //! for C, C++ and CUDA), archived and compressed ([`pack`]). The count is the compressed
 //! file's size; `Cargo.lock` travels beside it uncounted, as the records' requirements.txt.
 //!
-//! A run writes its bundle into its run directory (`source.tar.xz` or `source.tar.br`, with
+//! A run writes its bundle into its run directory (`source.tar.xz`, `.br` or `.lrz`, with
 //! `Cargo.lock`); `pipeline submission` copies both into the records folder after checking
 //! their digests, and `pipeline submission --verify` unpacks, builds and reruns them
 //! (docs/submitting.md).

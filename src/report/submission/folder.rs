@@ -1,8 +1,8 @@
 //! The records folder of a submission, as the challenge's pull requests lay it out
 //! (`records/track_10min_16mb/<date>_<name>/`): `README.md` with the per-seed results table,
 //! `submission.json` with the records' keys, each seed's `train_seed<S>.log`, and, in place of
-//! the records' `train_gpt.py`, the source bundle that trained the runs (`source.tar.xz` or
-//! `source.tar.br`, the counted code) with `Cargo.lock` beside it, each seed's resolved
+//! the records' `train_gpt.py`, the source bundle that trained the runs (`source.tar.xz`,
+//! `.br` or `.lrz`, the counted code) with `Cargo.lock` beside it, each seed's resolved
 //! `config_seed<S>.toml` and report pages (`report_seed<S>.html`, `report_seed<S>.json`).
 //!
 //! The folder is made under a temporary name beside `--out` and renamed when complete, so a
@@ -187,12 +187,12 @@ fn readme(sub: &Submission, e: &Entry) -> String {
         };
         let _ = writeln!(
             s,
-            "The code is `{}` ({} bytes, counted): the {} source files of the {}, comments, docs and tests stripped. Rebuild and rerun it:\n\n```sh\nmkdir code && tar -xf {} -C code && cp Cargo.lock code/\ncargo build --release {flags} --manifest-path code/Cargo.toml\n```\n\nor check it at once with `pipeline submission --verify .` (it builds the bundle in an empty directory and reruns the config at a tiny size against the full build, bit for bit). Each seed:\n",
+            "The code is `{}` ({} bytes, counted): the {} source files of the {}, comments, docs and tests stripped. Rebuild and rerun it:\n\n```sh\nmkdir code && {} && cp Cargo.lock code/\ncargo build --release {flags} --manifest-path code/Cargo.toml\n```\n\nor check it at once with `pipeline submission --verify .` (it builds the bundle in an empty directory and reruns the config at a tiny size against the full build, bit for bit). Each seed:\n",
             b.file,
             grouped(b.bytes),
             b.files,
             b.build.line(),
-            b.file
+            b.unpack_command()
         );
     }
     let _ = writeln!(s, "```sh");
@@ -202,7 +202,7 @@ fn readme(sub: &Submission, e: &Entry) -> String {
     let _ = writeln!(s, "```\n");
     let _ = writeln!(
         s,
-        "## Files\n\n- `submission.json`: the results in the records' keys;\n- `source.tar.xz` (or `.br`): the code, counted; `Cargo.lock`: its dependencies' versions, not counted;\n- `train_seed<S>.log`: each seed's log;\n- `config_seed<S>.toml`: each seed's resolved config (the records' command-line settings);\n- `report_seed<S>.html`, `report_seed<S>.json`: each run's report (where every millisecond and byte went)."
+        "## Files\n\n- `submission.json`: the results in the records' keys;\n- `source.tar.xz` (or `.br`, `.lrz`): the code, counted; `Cargo.lock`: its dependencies' versions, not counted;\n- `train_seed<S>.log`: each seed's log;\n- `config_seed<S>.toml`: each seed's resolved config (the records' command-line settings);\n- `report_seed<S>.html`, `report_seed<S>.json`: each run's report (where every millisecond and byte went)."
     );
     s
 }
