@@ -37,7 +37,7 @@ fn main() {
     digest_sources();
     // The features this build has, for the record a run keeps of its build
     // (src/runtime/build_info.rs), without a feature cfg outside the device areas.
-    let features: Vec<&str> = ["tools", "mpi", "cuda"]
+    let features: Vec<&str> = ["tools", "candle", "mpi", "cuda"]
         .into_iter()
         .filter(|f| std::env::var_os(format!("CARGO_FEATURE_{}", f.to_uppercase())).is_some())
         .collect();
@@ -48,7 +48,7 @@ fn main() {
     // What nvcc and the C++ compiler read: in the dep-info (and so in the source bundle) only
     // where they are compiled.
     for dir in ["kernels", "cpp"] {
-        for file in files_under(&PathBuf::from(dir)) {
+        for file in files_under(&PathBuf::from(dir)).into_iter().filter(|f| compiled(f)) {
             println!("cargo:rerun-if-changed={}", file.display());
         }
     }
@@ -111,7 +111,18 @@ fn files_under(path: &std::path::Path) -> Vec<PathBuf> {
     out
 }
 
-/// `kernels/NAME.cu` -> `$OUT_DIR/NAME.ptx` for every kernel file.
+/// Kernels only the candle executor launches (src/model/cuda/fused.rs,
+/// src/model/flash_attn/cuda.rs): compiled, and so in the source bundle, with the feature
+/// `candle` only. The engine's are `engine.cu` and `flash_mma.cu`.
+const CANDLE_KERNELS: [&str; 2] = ["kernels/fused.cu", "kernels/flash_attn.cu"];
+
+/// Whether this build compiles `file` (every kernel and header but [`CANDLE_KERNELS`] without
+/// the feature `candle`).
+fn compiled(file: &std::path::Path) -> bool {
+    std::env::var_os("CARGO_FEATURE_CANDLE").is_some() || !CANDLE_KERNELS.iter().any(|k| file == std::path::Path::new(k))
+}
+
+/// `kernels/NAME.cu` -> `$OUT_DIR/NAME.ptx` for every kernel file this build compiles.
 fn compile_kernels() {
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let nvcc = std::env::var_os("CUDA_ROOT").map(|r| PathBuf::from(r).join("bin").join("nvcc")).filter(|p| p.is_file());
@@ -121,7 +132,7 @@ fn compile_kernels() {
     let mut files: Vec<PathBuf> = std::fs::read_dir("kernels")
         .expect("kernels/ exists")
         .map(|e| e.expect("kernels/ is readable").path())
-        .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+        .filter(|p| p.extension().is_some_and(|e| e == "cu") && compiled(p))
         .collect();
     files.sort();
     // The engine's kernels twice: float32 activations (engine.ptx) and bfloat16 ones

@@ -92,6 +92,8 @@ args=(--features cuda --config "patch.crates-io.candle-core.path=\"$patch\"")
 if [[ $mode == check ]]; then
   echo "== cargo check --features cuda (CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP)" >&2
   cargo check "${args[@]}" --all-targets
+  echo "== cargo check --no-default-features --features cuda (the lean record build)" >&2
+  cargo check "${args[@]}" --no-default-features
   exit 0
 fi
 

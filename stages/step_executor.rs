@@ -44,6 +44,7 @@ impl Transform for Candle {
     const OUTPUT_OPTIONAL: bool = true;
 
     fn check(p: &SessionParams, ctx: &BuildCtx) -> anyhow::Result<()> {
+        crate::eval::executor::require_candle("stage `step_executor`, impl = \"candle\"")?;
         requirements::check(p, config(ctx)?)
     }
 

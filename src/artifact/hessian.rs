@@ -169,7 +169,8 @@ pub fn collect_from_training_data(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::eval::executor::{CandleModel, EvalModel};
+    use crate::eval::candle_model::CandleModel;
+    use crate::eval::executor::EvalModel;
     use crate::model::{Gpt, ModelConfig};
 
     /// Three blocks, block 1 looped once ([0, 1, 1, 2]), untouched init: the output projections

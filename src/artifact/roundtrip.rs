@@ -25,7 +25,9 @@ use super::hessian::{Hessians, collect_from_training_data, targets};
 use super::quant::{ARTIFACT_CAP_BYTES, ArtifactStats, QuantConfig, Rounding, quantize};
 use crate::eval::bpb::BpbAccumulator;
 use crate::eval::executor::EvalExecutor;
-use crate::eval::validation::{Validator, tokens_per_pass};
+#[cfg(feature = "tools")]
+use crate::eval::validation::Validator;
+use crate::eval::validation::tokens_per_pass;
 use crate::model::{Gpt, ModelConfig};
 use crate::report::size_advice::{SizeFacts, advice};
 use crate::train::config::Config;
@@ -349,6 +351,8 @@ pub fn default_path(weights: &Path, q: &QuantConfig) -> PathBuf {
 /// Quantizes `weights` (a safetensors file of the `[model]` in `config`) into `out` with
 /// `method`, then scores the round trip on one process over the whole validation split, or its
 /// first `val_max_tokens` targets when that is not 0 (said in the log); `log` receives the lines.
+/// `pipeline artifact`'s round trip, on the candle model (a tool: the full build).
+#[cfg(feature = "tools")]
 #[allow(clippy::too_many_arguments)]
 pub fn build(
     config: &Config,
@@ -496,7 +500,7 @@ mod tests {
         let wanted: HashSet<String> = targets(&m.state_dict());
         assert_eq!(wanted.len(), 5);
         let h = collect(
-            &mut crate::eval::executor::CandleModel::new(&m),
+            &mut crate::eval::candle_model::CandleModel::new(&m),
             (4, 32),
             3,
             2,
@@ -617,7 +621,7 @@ mod tests {
         println!("record model built in {:?}", t0.elapsed());
         let t0 = Instant::now();
         let h = collect(
-            &mut crate::eval::executor::CandleModel::new(&m),
+            &mut crate::eval::candle_model::CandleModel::new(&m),
             (2, 2048),
             4,
             1,

@@ -101,13 +101,7 @@ fn verify(folder: &Path, code: &SourceBundle, config: &Path, o: &VerifyOptions) 
     if release {
         cargo.arg("--release");
     }
-    if code.build.lean() {
-        cargo.arg("--no-default-features");
-    }
-    let features: Vec<&str> = code.build.features.iter().map(String::as_str).filter(|f| *f != "tools").collect();
-    if !features.is_empty() {
-        cargo.arg("--features").arg(features.join(","));
-    }
+    cargo.args(code.build.cargo_flags());
     let started = std::time::Instant::now();
     let built = cargo.output().context("cannot run cargo (is it on the PATH?)")?;
     anyhow::ensure!(

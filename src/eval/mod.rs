@@ -11,6 +11,8 @@ pub mod audit;
 pub mod bpb;
 #[cfg(feature = "tools")]
 pub mod byte_check;
+#[cfg(feature = "candle")]
+pub mod candle_model;
 pub mod executor;
 pub mod lora;
 pub mod phased;

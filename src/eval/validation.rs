@@ -12,11 +12,13 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::SystemTime;
 
 use anyhow::Context;
+#[cfg(feature = "candle")]
 use candle_core::{DType, Tensor};
 
 use crate::data::shard::{AccessMode, ShardFile, glob_sorted};
 use crate::eval::bpb::{BpbAccumulator, ByteTables, unigram_bpb, validation_tokens};
 use crate::eval::sidecar::{ValFiles, read_stream_bytes, val_files};
+#[cfg(feature = "candle")]
 use crate::model::Gpt;
 
 /// What the validation reads and how it cuts the stream: the application fills it from its
@@ -236,7 +238,8 @@ impl Validator {
     /// Scores this rank's sequences with `model`; `keep_going` is asked between batches: false
     /// cuts the pass short and gives `None` (a partial score is no score). Several ranks agree
     /// before each batch whether to go on (one rank's false stops them all) and run as many
-    /// rounds as the longest share takes.
+    /// rounds as the longest share takes. The candle model's forward pass (feature `candle`).
+    #[cfg(feature = "candle")]
     pub fn run(&self, model: &Gpt, keep_going: impl Fn() -> bool) -> anyhow::Result<Option<BpbAccumulator>> {
         self.run_with(&mut |x, y, rows| nll_sum(model, x, y, rows), 1, keep_going)
     }
@@ -285,7 +288,8 @@ impl Validator {
 }
 
 /// The summed loss (nats) of `model` on `rows` sequences of targets `y` after inputs `x`
-/// (row-major ids): its per-token losses in f32, added up in f64.
+/// (row-major ids): its per-token losses in f32, added up in f64 (the candle forward pass).
+#[cfg(feature = "candle")]
 pub fn nll_sum(model: &Gpt, x: &[u32], y: &[u32], rows: usize) -> anyhow::Result<f64> {
     let t = x.len() / rows.max(1);
     let xt = Tensor::from_slice(x, (rows, t), model.device())?;

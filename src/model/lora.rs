@@ -184,6 +184,7 @@ impl Lora {
     /// The adapters of a forward pass over the documents `active` (indices into this batch, in
     /// the pass's row order; `None`: every document, in order). Gathering keeps the gradient:
     /// it reaches the gathered documents' slices only.
+    #[cfg(feature = "candle")]
     pub fn pass(&self, active: Option<&[u32]>) -> Result<LoraPass> {
         let idx = match active {
             Some(rows) if rows.len() != self.rows || rows.iter().enumerate().any(|(i, &r)| r as usize != i) => {
@@ -205,7 +206,9 @@ impl Lora {
     }
 }
 
-/// The adapters one forward pass reads: per slot and site `(A^T, B^T)` for its rows.
+/// The adapters one forward pass reads: per slot and site `(A^T, B^T)` for its rows (the
+/// candle forward pass's, feature `candle`).
+#[cfg(feature = "candle")]
 pub struct LoraPass {
     rows: usize,
     scale: f64,
@@ -213,6 +216,7 @@ pub struct LoraPass {
     head: (Tensor, Tensor),
 }
 
+#[cfg(feature = "candle")]
 impl LoraPass {
     /// Batch rows of the pass.
     pub fn rows(&self) -> usize {
@@ -239,6 +243,7 @@ impl LoraPass {
 }
 
 /// `s (x[b] A^T[b]) B^T[b]` per row `b` of `x` `(rows * T, in)`, computed in the adapters' dtype.
+#[cfg(feature = "candle")]
 fn batched(a: &Tensor, b: &Tensor, (rows, scale): (usize, f64), x: &Tensor, like: &Tensor) -> Result<Tensor> {
     let (n, inp) = x.dims2()?;
     if rows == 0 || n % rows != 0 {

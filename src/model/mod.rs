@@ -59,23 +59,29 @@
 //! `kernels/ops/<op>.cuh`, and an entry point in `kernels/fused.cu` launched through
 //! `cuda::fused`.
 
+#[cfg(feature = "candle")]
 mod attention;
 pub mod banks;
+#[cfg(feature = "candle")]
 mod block;
 pub mod compare;
 mod config;
-#[cfg(feature = "cuda")]
+#[cfg(all(feature = "cuda", feature = "candle"))]
 mod cuda;
 pub mod elements;
 #[cfg(test)]
 mod extras_tests;
 pub mod flash_attn;
+#[cfg(feature = "candle")]
 mod formulation;
+#[cfg(feature = "candle")]
+mod forward;
 mod gpt;
 pub(crate) mod host;
 mod init;
 pub mod lora;
 pub mod memory;
+#[cfg(feature = "candle")]
 mod mlp;
 pub mod observe;
 pub mod ops;
@@ -85,10 +91,12 @@ pub mod weights;
 
 pub use config::{FinalLane, Init, MlpActivation, ModelConfig};
 pub use elements::{ELEMENTS, Element};
+#[cfg(feature = "candle")]
 pub use formulation::PassExtras;
 pub use gpt::{Gpt, ParamGroup, group_of as gpt_group_of};
 use std::cell::Cell;
 
+#[cfg(feature = "candle")]
 use candle_core::{DType, Tensor};
 
 thread_local! {
@@ -100,6 +108,7 @@ thread_local! {
 /// inside [`with_gpu_formulation`], where the same graph runs on the kernels' CPU references
 /// (in f64, f32, or bf16 as the kernels compute it: inputs widened to f32, one rounding on the
 /// way out).
+#[cfg(feature = "candle")]
 pub(crate) fn gpu_path(x: &Tensor) -> bool {
     let dev = x.device();
     if dev.is_cuda() {

@@ -14,6 +14,7 @@
 //! tok_emb.weight | lm_head.weight    the final norm's output (the head's input)
 //! ```
 
+#[cfg(feature = "candle")]
 use std::cell::RefCell;
 
 use candle_core::{Result, Tensor};
@@ -31,10 +32,12 @@ pub trait InputObserver {
 }
 
 /// An observer as a forward pass holds it (borrowed for the pass, shared by its layers).
+#[cfg(feature = "candle")]
 pub(super) type Observer<'a> = &'a RefCell<&'a mut dyn InputObserver>;
 
 /// Hands `x` to the observer, if any, with the names `names` makes (called only when there is
 /// one, so a pass without an observer formats nothing).
+#[cfg(feature = "candle")]
 pub(super) fn observe(observer: Option<Observer<'_>>, x: &Tensor, names: impl FnOnce() -> Vec<String>) -> Result<()> {
     match observer {
         Some(o) => o.borrow_mut().observe(&names(), x),

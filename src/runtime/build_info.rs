@@ -11,8 +11,8 @@ use serde::{Deserialize, Serialize};
 pub struct BuildInfo {
     /// The crate's version.
     pub version: String,
-    /// The cargo features it was compiled with (of `tools`, `mpi`, `cuda`); without `tools` it is
-    /// the lean record build.
+    /// The cargo features it was compiled with (of `tools`, `candle`, `mpi`, `cuda`); without
+    /// `tools` it is the lean record build.
     pub features: Vec<String>,
     /// `release`, or `debug` (debug assertions on).
     pub profile: String,
@@ -34,10 +34,31 @@ impl BuildInfo {
         !self.features.iter().any(|f| f == "tools")
     }
 
+    /// The features to ask for beside the build's kind (`--no-default-features` for the lean
+    /// one): all but `tools` and, in a full build, what `tools` brings (`candle`).
+    pub fn extra_features(&self) -> Vec<&str> {
+        let implied: &[&str] = if self.lean() { &[] } else { &["candle"] };
+        self.features.iter().map(String::as_str).filter(|f| *f != "tools" && !implied.contains(f)).collect()
+    }
+
+    /// The cargo flags that build it again: `--no-default-features` for the lean build, then
+    /// `--features` with [`BuildInfo::extra_features`].
+    pub fn cargo_flags(&self) -> Vec<String> {
+        let mut flags = Vec::new();
+        if self.lean() {
+            flags.push("--no-default-features".to_string());
+        }
+        let extra = self.extra_features();
+        if !extra.is_empty() {
+            flags.extend(["--features".to_string(), extra.join(",")]);
+        }
+        flags
+    }
+
     /// In words: `pipeline 0.1.0, lean record build (cuda), release`.
     pub fn line(&self) -> String {
         let kind = if self.lean() { "lean record build" } else { "full build" };
-        let extra: Vec<&str> = self.features.iter().map(String::as_str).filter(|f| *f != "tools").collect();
+        let extra = self.extra_features();
         let extra = if extra.is_empty() { String::new() } else { format!(" ({})", extra.join(", ")) };
         format!("pipeline {}, {kind}{extra}, {}", self.version, self.profile)
     }
@@ -87,9 +108,18 @@ mod tests {
         let b = BuildInfo::this();
         assert_eq!(b.version, env!("CARGO_PKG_VERSION"));
         assert_eq!(b.lean(), !cfg!(feature = "tools"));
-        assert!(b.features.iter().all(|f| ["tools", "mpi", "cuda"].contains(&f.as_str())), "{b:?}");
+        assert!(b.features.iter().all(|f| ["tools", "candle", "mpi", "cuda"].contains(&f.as_str())), "{b:?}");
+        assert_eq!(b.features.iter().any(|f| f == "candle"), cfg!(feature = "candle"));
         let lean = BuildInfo { version: "1".into(), features: vec!["cuda".into()], profile: "release".into() };
         assert_eq!(lean.line(), "pipeline 1, lean record build (cuda), release");
+        assert_eq!(lean.cargo_flags(), ["--no-default-features", "--features", "cuda"]);
+        let full = BuildInfo { features: vec!["tools".into(), "candle".into(), "mpi".into()], ..lean.clone() };
+        assert_eq!(
+            (full.line().as_str(), full.cargo_flags()),
+            ("pipeline 1, full build (mpi), release", vec!["--features".to_string(), "mpi".into()])
+        );
+        let lean_candle = BuildInfo { features: vec!["candle".into()], ..lean.clone() };
+        assert_eq!(lean_candle.cargo_flags(), ["--no-default-features", "--features", "candle"]);
         let bundle = |file: &str| SourceBundle {
             file: file.into(),
             files: 1,

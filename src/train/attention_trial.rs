@@ -12,13 +12,21 @@
 //! the GPU cannot take the training process's CUDA context with it); [`choose`] picks from the
 //! outcomes.
 
+#[cfg(feature = "candle")]
 use std::time::Instant;
 
-use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_core::DType;
+#[cfg(feature = "candle")]
+use candle_core::{Device, Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
-use crate::model::compare::{Blocks, blockwise_rel_err, worst};
+#[cfg(feature = "candle")]
+use crate::model::compare::Blocks;
+#[cfg(feature = "candle")]
+use crate::model::compare::{blockwise_rel_err, worst};
+#[cfg(feature = "candle")]
 use crate::model::flash_attn::{self, FlashKernels};
+#[cfg(feature = "candle")]
 use crate::model::ops;
 
 /// Largest blockwise relative error of a bf16 flash implementation against the f32 reference.
@@ -64,6 +72,7 @@ impl AttentionShape {
 
     /// How the output and the q, k, v gradients split into check blocks: per sequence, per
     /// 64-row tile, per head.
+    #[cfg(feature = "candle")]
     fn blocks(self) -> [Blocks; 4] {
         let tile = CHECK_TILE.min(self.t.max(1));
         let q = Blocks { cols: self.heads * self.head_dim, seq_rows: self.t, block_rows: tile, block_cols: self.head_dim };
@@ -73,6 +82,7 @@ impl AttentionShape {
 }
 
 /// An attention implementation under trial: token-major `(q, k, v)` of `shape` to the output.
+#[cfg(feature = "candle")]
 pub type AttentionFn<'a> = &'a dyn Fn(&Tensor, &Tensor, &Tensor, AttentionShape) -> Result<Tensor>;
 
 /// What one candidate measured.
@@ -133,6 +143,7 @@ impl TrialSettings {
 /// Runs every candidate on `device`: the agreement check against `reference` (in f32), then,
 /// for those that agree, timed forward and backward passes at the full `shape`. Errors only
 /// where the reference itself fails; a candidate's error leaves it out.
+#[cfg(feature = "candle")]
 pub fn trial(
     device: &Device,
     shape: AttentionShape,
@@ -212,6 +223,7 @@ pub fn summary(outcomes: &[Outcome], shape: AttentionShape, settings: TrialSetti
 
 /// One flash implementation's trial on `device` at `shape` ([`TrialSettings::flash`]): what a
 /// child process of [`crate::train::attention_choice`] measures and prints.
+#[cfg(feature = "candle")]
 pub fn check_flash(device: &Device, kernels: FlashKernels, shape: AttentionShape) -> anyhow::Result<Outcome> {
     if kernels == FlashKernels::Cudnn {
         // cuDNN falls back to flash_mma where it cannot run: the trial must not time that.
@@ -232,6 +244,7 @@ pub fn check_flash(device: &Device, kernels: FlashKernels, shape: AttentionShape
 }
 
 /// Random q, k, v and an output gradient of one shape, on the host in f64.
+#[cfg(feature = "candle")]
 struct Inputs {
     q: Tensor,
     k: Tensor,
@@ -240,6 +253,7 @@ struct Inputs {
     device: Device,
 }
 
+#[cfg(feature = "candle")]
 impl Inputs {
     fn random(s: AttentionShape, seed: u64, device: &Device) -> Result<Self> {
         let mut rng = fastrand::Rng::with_seed(seed);
@@ -273,6 +287,7 @@ impl Inputs {
 /// warm-up. The inputs are drawn on the device (their values do not change the kernels' work);
 /// the first pass's output and gradients must be finite, so a kernel that goes wrong only at
 /// the full shape (more tiles, a larger grid) is an error here.
+#[cfg(feature = "candle")]
 fn time(device: &Device, f: AttentionFn<'_>, shape: AttentionShape, settings: TrialSettings) -> Result<f64> {
     let n = shape.batch * shape.t;
     let var = |heads: usize| Var::from_tensor(&Tensor::randn(0f32, 1f32, (n, heads * shape.head_dim), device)?.to_dtype(settings.dtype)?);
@@ -315,6 +330,7 @@ fn time(device: &Device, f: AttentionFn<'_>, shape: AttentionShape, settings: Tr
 }
 
 /// An error's message without the backtrace candle appends under `RUST_BACKTRACE`.
+#[cfg(feature = "candle")]
 fn first_line(e: &candle_core::Error) -> String {
     e.to_string().lines().next().unwrap_or_default().to_string()
 }

@@ -23,7 +23,9 @@ use crate::dist::Collective;
 use crate::engine::Engine;
 use crate::engine::gpu::GpuPrecision;
 use crate::engine::layout::{LoraShape, Sizing};
-use crate::eval::executor::{CandleModel, EvalExecutor, EvalModel, SgdStep};
+#[cfg(feature = "candle")]
+use crate::eval::candle_model::CandleModel;
+use crate::eval::executor::{EvalExecutor, EvalModel, SgdStep};
 use crate::model::flash_attn::Attention;
 use crate::model::observe::InputObserver;
 use crate::model::ops::softcap_ce::IGNORED_TARGET;
@@ -34,7 +36,7 @@ use crate::model::{Gpt, ModelConfig};
 /// `stage` names the stage in the message.
 pub fn check(executor: EvalExecutor, cfg: &ModelConfig, t: usize, gpu: bool, stage: &str) -> anyhow::Result<()> {
     if executor == EvalExecutor::Candle {
-        return Ok(());
+        return crate::eval::executor::require_candle(&format!("stage `{stage}`, executor = \"candle\""));
     }
     let refusal =
         crate::engine::support::check(cfg).err().or_else(|| if gpu { crate::engine::step::kernel_capacity(cfg, 1, t).err() } else { None });
@@ -55,7 +57,10 @@ pub fn open(model: Gpt, executor: EvalExecutor, rows: usize, t: usize) -> anyhow
 /// micro-batches, and its LoRA passes' adapters and longest windows).
 pub fn open_sized(model: Gpt, executor: EvalExecutor, sizing: Sizing) -> anyhow::Result<Box<dyn EvalModel>> {
     Ok(match executor {
+        #[cfg(feature = "candle")]
         EvalExecutor::Candle => Box::new(CandleModel::new(model)),
+        #[cfg(not(feature = "candle"))]
+        EvalExecutor::Candle => return Err(crate::eval::executor::candle_missing("executor = \"candle\"")),
         EvalExecutor::Engine => Box::new(EngineModel::sized(model, sizing)?),
     })
 }

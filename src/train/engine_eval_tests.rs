@@ -1,6 +1,6 @@
 //! One score, whichever executor: the evaluations after training on the engine
 //! ([`super::engine_eval::EngineModel`]) against the same evaluations on candle
-//! ([`crate::eval::executor::CandleModel`]), target by target, on the baseline's, the 04-09 record's
+//! ([`crate::eval::candle_model::CandleModel`]), target by target, on the baseline's, the 04-09 record's
 //! (looped) and the 04-27 record's elements (documents, SmearGate's BOS fix): in f64 to 1e-9,
 //! in f32 within 1e-3 bpb. The engine runs micro-batches of other rows than the evaluation's
 //! batches, so that partial micro-batches (padded with ignored targets) are exercised.
@@ -13,7 +13,8 @@ use super::engine_eval::{EngineModel, check, phased_sizing};
 use crate::dist::single::Single;
 use crate::engine::tests::{baseline_small, perturbed, record_0427_small, record_small};
 use crate::eval::bpb::{BpbAccumulator, ByteTables};
-use crate::eval::executor::{CandleModel, EvalExecutor, EvalModel};
+use crate::eval::candle_model::CandleModel;
+use crate::eval::executor::{EvalExecutor, EvalModel};
 use crate::eval::phased::{PhasedConfig, phased_ttt};
 use crate::eval::ttt::{SlidingConfig, TttConfig, score_first_ttt, sliding_eval};
 use crate::model::{Gpt, ModelConfig};

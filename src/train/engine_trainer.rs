@@ -142,7 +142,14 @@ impl Executor for EngineTrainer {
     fn score(&mut self, x: &[u32], y: &[u32], rows: usize) -> anyhow::Result<f64> {
         anyhow::ensure!(self.micro_done == 0, "validation inside a step ({} of {} micro-batches done)", self.micro_done, self.micro_steps);
         if x.len() != rows * self.engine.seq_len() {
+            #[cfg(feature = "candle")]
             return crate::eval::validation::nll_sum(self.synced_model()?, x, y, rows);
+            #[cfg(not(feature = "candle"))]
+            anyhow::bail!(
+                "validation rows of {} tokens, the engine's are {}: the candle executor scores other lengths",
+                x.len() / rows.max(1),
+                self.engine.seq_len()
+            );
         }
         self.engine.score(x, y, self.mirror.looping())
     }

@@ -110,12 +110,9 @@ pub trait Executor: Send {
     }
 
     /// The summed loss (nats) of `rows` sequences of targets `y` after inputs `x` (row-major
-    /// u32 ids), with the weights of the last finished step: what validation scores. By default
-    /// [`Executor::synced_model`]'s forward pass; the engine scores with its own forward pass.
-    /// Between steps only.
-    fn score(&mut self, x: &[u32], y: &[u32], rows: usize) -> anyhow::Result<f64> {
-        crate::eval::validation::nll_sum(self.synced_model()?, x, y, rows)
-    }
+    /// u32 ids), with the weights of the last finished step: what validation scores, each
+    /// executor with its own forward pass. Between steps only.
+    fn score(&mut self, x: &[u32], y: &[u32], rows: usize) -> anyhow::Result<f64>;
 
     /// Sequences [`Executor::score`] runs at once (validation batches are made a multiple of
     /// it): 1 for a model of any batch; the engine's micro-batch rows.

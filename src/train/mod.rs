@@ -22,4 +22,5 @@ pub mod resume;
 pub mod session;
 pub mod snapshot;
 pub mod step_trace;
+#[cfg(feature = "candle")]
 pub mod trainer;

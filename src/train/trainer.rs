@@ -338,6 +338,10 @@ impl crate::train::executor::Executor for Trainer {
         &self.model
     }
 
+    fn score(&mut self, x: &[u32], y: &[u32], rows: usize) -> anyhow::Result<f64> {
+        crate::eval::validation::nll_sum(&self.model, x, y, rows)
+    }
+
     fn set_looping(&mut self, on: bool) {
         self.model.set_looping(on);
     }

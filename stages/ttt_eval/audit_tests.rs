@@ -5,7 +5,8 @@
 
 use super::*;
 use crate::eval::audit::Leak;
-use crate::eval::executor::{CandleModel, EvalModel};
+use crate::eval::candle_model::CandleModel;
+use crate::eval::executor::EvalModel;
 use crate::eval::ttt::{TttConfig, train_sequences};
 use crate::model::Gpt;
 

@@ -32,10 +32,11 @@ pub type Bundle = SourceBundle;
 pub fn make(s: &Sources) -> Result<(Bundle, Vec<u8>)> {
     let mut files = Vec::with_capacity(s.files.len());
     let (mut raw, mut stripped) = (0u64, 0u64);
+    let features = BuildInfo::this().features;
     for rel in &s.files {
         let path = s.root.join(rel);
         let bytes = std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
-        let kept = strip::file(rel, &bytes)?;
+        let kept = strip::file(rel, &bytes, &features)?;
         raw += bytes.len() as u64;
         stripped += kept.len() as u64;
         files.push((rel.clone(), kept));

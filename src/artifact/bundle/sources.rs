@@ -136,7 +136,8 @@ pub fn from_depinfo(text: &str, built_root: &Path, digests: &BTreeMap<&str, &str
 
 /// A file each feature alone compiles: a dep-info that lists it, or lacks it, belongs to a
 /// build with, or without, that feature.
-const MARKERS: [(&str, &str); 3] = [("tools", "src/cli/verify.rs"), ("mpi", "src/dist/mpi.rs"), ("cuda", "src/engine/gpu/cuda.rs")];
+const MARKERS: [(&str, &str); 4] =
+    [("tools", "src/cli/verify.rs"), ("candle", "src/model/forward.rs"), ("mpi", "src/dist/mpi.rs"), ("cuda", "src/engine/gpu/cuda.rs")];
 
 /// Whether the listed files are those of a build with `features`. Cargo rewrites the dep-info
 /// beside a binary only when it compiles it: after a build with other features, switching

@@ -2,7 +2,9 @@
 //!
 //! - **Rust** is parsed (syn) and printed back from its tokens: comments are gone with the
 //!   parse, doc comments (`#[doc]` attributes) and items the build never compiles (`#[test]`,
-//!   `#[cfg(test)]` and any `cfg` that needs `test`) are removed, `#[cfg_attr(test, ..)]` too,
+//!   `#[cfg(test)]`, and any `cfg` that needs `test` or a feature the build lacks, or lacks
+//!   one it has: `#[cfg(feature = "candle")]` in the lean record build) are removed,
+//!   `#[cfg_attr(..)]`s that do not apply too,
 //!   and the tokens are printed one space apart, one top-level item per line: the same program
 //!   to rustc, with no indentation.
 //! - **C, C++ and CUDA** go through a lexer that knows string and character literals (a `//`
@@ -15,35 +17,38 @@ use anyhow::{Context, Result};
 use quote::ToTokens;
 use syn::visit_mut::VisitMut;
 
-/// `bytes` of the file at `path` (relative), stripped by its kind; other files unchanged.
-pub fn file(path: &str, bytes: &[u8]) -> Result<Vec<u8>> {
+/// `bytes` of the file at `path` (relative), stripped by its kind for a build with `features`
+/// (cargo features, as [`crate::runtime::build_info::BuildInfo`] lists them); other files
+/// unchanged.
+pub fn file(path: &str, bytes: &[u8], features: &[String]) -> Result<Vec<u8>> {
     let text = || std::str::from_utf8(bytes).with_context(|| format!("{path} is not UTF-8"));
     let ext = path.rsplit_once('.').map_or("", |(_, e)| e);
     Ok(match ext {
-        "rs" => rust(text()?).with_context(|| format!("cannot parse {path}"))?.into_bytes(),
+        "rs" => rust(text()?, features).with_context(|| format!("cannot parse {path}"))?.into_bytes(),
         "cu" | "cuh" | "cpp" | "h" | "c" | "hpp" => c_like(text()?).into_bytes(),
         _ if path == "Cargo.toml" => manifest(text()?).context("cannot parse Cargo.toml")?.into_bytes(),
         _ => bytes.to_vec(),
     })
 }
 
-/// A Rust file as the compiler reads it outside tests, without comments or indentation.
-pub fn rust(src: &str) -> Result<String> {
+/// A Rust file as the compiler reads it outside tests in a build with `features`, without
+/// comments or indentation.
+pub fn rust(src: &str, features: &[String]) -> Result<String> {
     let mut file = syn::parse_file(src).map_err(|e| {
         let at = e.span().start();
         anyhow::anyhow!("{e} (line {}, column {})", at.line, at.column)
     })?;
-    Strip.visit_file_mut(&mut file);
+    Strip { features }.visit_file_mut(&mut file);
     let mut out = String::new();
     for attr in &file.attrs {
-        let kept = without_docs(attr.to_token_stream());
+        let kept = without_docs(attr.to_token_stream(), features);
         if !kept.is_empty() {
             print(kept, &mut out);
             out.push('\n');
         }
     }
     for item in &file.items {
-        print(without_docs(item.to_token_stream()), &mut out);
+        print(without_docs(item.to_token_stream(), features), &mut out);
         out.push('\n');
     }
     Ok(out)
@@ -92,8 +97,8 @@ fn print(tokens: proc_macro2::TokenStream, out: &mut String) {
 }
 
 /// `tokens` without doc attributes (`#[doc = ..]`, `#![doc = ..]`, macro bodies' too) and
-/// without `cfg_attr`s that only a test build applies, at every depth.
-fn without_docs(tokens: proc_macro2::TokenStream) -> proc_macro2::TokenStream {
+/// without `cfg_attr`s that a build with `features` does not apply, at every depth.
+fn without_docs(tokens: proc_macro2::TokenStream, features: &[String]) -> proc_macro2::TokenStream {
     use proc_macro2::{Group, TokenTree};
     let trees: Vec<TokenTree> = tokens.into_iter().collect();
     let mut out = Vec::with_capacity(trees.len());
@@ -106,7 +111,7 @@ fn without_docs(tokens: proc_macro2::TokenStream) -> proc_macro2::TokenStream {
             let at = i + 1 + usize::from(inner);
             if let Some(TokenTree::Group(g)) = trees.get(at)
                 && g.delimiter() == proc_macro2::Delimiter::Bracket
-                && dropped(g.stream())
+                && dropped(g.stream(), features)
             {
                 i = at + 1;
                 continue;
@@ -114,7 +119,7 @@ fn without_docs(tokens: proc_macro2::TokenStream) -> proc_macro2::TokenStream {
         }
         out.push(match &trees[i] {
             TokenTree::Group(g) => {
-                let mut n = Group::new(g.delimiter(), without_docs(g.stream()));
+                let mut n = Group::new(g.delimiter(), without_docs(g.stream(), features));
                 n.set_span(g.span());
                 TokenTree::Group(n)
             }
@@ -125,31 +130,38 @@ fn without_docs(tokens: proc_macro2::TokenStream) -> proc_macro2::TokenStream {
     out.into_iter().collect()
 }
 
-/// Whether an attribute's bracketed tokens are a doc string or a `cfg_attr` for tests only.
-fn dropped(attr: proc_macro2::TokenStream) -> bool {
+/// Whether an attribute's bracketed tokens are a doc string or a `cfg_attr` that a build with
+/// `features` does not apply.
+fn dropped(attr: proc_macro2::TokenStream, features: &[String]) -> bool {
     let Ok(meta) = syn::parse2::<syn::Meta>(attr) else { return false };
     match &meta {
         syn::Meta::NameValue(nv) => nv.path.is_ident("doc"),
         syn::Meta::List(l) if l.path.is_ident("cfg_attr") => l
             .parse_args_with(syn::punctuated::Punctuated::<syn::Meta, syn::Token![,]>::parse_terminated)
-            .is_ok_and(|p| p.first().and_then(cfg_value) == Some(false)),
+            .is_ok_and(|p| p.first().and_then(|m| cfg_value(m, features)) == Some(false)),
         _ => false,
     }
 }
 
-/// Removes what only a test build compiles, at every level.
-struct Strip;
-
-/// Whether `attrs` keep their item out of a build without `test`.
-fn test_only(attrs: &[syn::Attribute]) -> bool {
-    attrs.iter().any(|a| {
-        a.path().is_ident("test") || (a.path().is_ident("cfg") && a.parse_args::<syn::Meta>().is_ok_and(|m| cfg_value(&m) == Some(false)))
-    })
+/// Removes what a build with `features` and without `test` does not compile, at every level.
+struct Strip<'a> {
+    features: &'a [String],
 }
 
-/// A `cfg` predicate's value with `test` unset: `Some(false)` where it cannot hold, `None` where
-/// it depends on anything else (features, targets).
-fn cfg_value(m: &syn::Meta) -> Option<bool> {
+impl Strip<'_> {
+    /// Whether `attrs` keep their item out of this build.
+    fn test_only(&self, attrs: &[syn::Attribute]) -> bool {
+        attrs.iter().any(|a| {
+            a.path().is_ident("test")
+                || (a.path().is_ident("cfg") && a.parse_args::<syn::Meta>().is_ok_and(|m| cfg_value(&m, self.features) == Some(false)))
+        })
+    }
+}
+
+/// A `cfg` predicate's value in a build with `features` and without `test`: `Some(false)` where
+/// it cannot hold, `Some(true)` where it must, `None` where it depends on anything else
+/// (targets, other `cfg`s).
+fn cfg_value(m: &syn::Meta, features: &[String]) -> Option<bool> {
     let list = |l: &syn::MetaList| -> Vec<syn::Meta> {
         l.parse_args_with(syn::punctuated::Punctuated::<syn::Meta, syn::Token![,]>::parse_terminated)
             .map(|p| p.into_iter().collect())
@@ -157,11 +169,15 @@ fn cfg_value(m: &syn::Meta) -> Option<bool> {
     };
     match m {
         syn::Meta::Path(p) if p.is_ident("test") => Some(false),
-        syn::Meta::List(l) if l.path.is_ident("not") => list(l).first().and_then(cfg_value).map(|v| !v),
+        syn::Meta::NameValue(nv) if nv.path.is_ident("feature") => match &nv.value {
+            syn::Expr::Lit(syn::ExprLit { lit: syn::Lit::Str(s), .. }) => Some(features.iter().any(|f| *f == s.value())),
+            _ => None,
+        },
+        syn::Meta::List(l) if l.path.is_ident("not") => list(l).first().and_then(|m| cfg_value(m, features)).map(|v| !v),
         // `all`: one false decides, all true holds; `any` the dual.
         syn::Meta::List(l) if l.path.is_ident("all") || l.path.is_ident("any") => {
             let decisive = l.path.is_ident("any");
-            let vs: Vec<_> = list(l).iter().map(cfg_value).collect();
+            let vs: Vec<_> = list(l).iter().map(|m| cfg_value(m, features)).collect();
             if vs.contains(&Some(decisive)) {
                 Some(decisive)
             } else if vs.iter().all(|v| *v == Some(!decisive)) {
@@ -197,24 +213,24 @@ fn item_attrs(item: &syn::Item) -> &[syn::Attribute] {
     }
 }
 
-impl VisitMut for Strip {
+impl VisitMut for Strip<'_> {
     fn visit_file_mut(&mut self, f: &mut syn::File) {
-        f.items.retain(|i| !test_only(item_attrs(i)));
+        f.items.retain(|i| !self.test_only(item_attrs(i)));
         syn::visit_mut::visit_file_mut(self, f);
     }
 
     fn visit_item_mod_mut(&mut self, m: &mut syn::ItemMod) {
         if let Some((_, items)) = &mut m.content {
-            items.retain(|i| !test_only(item_attrs(i)));
+            items.retain(|i| !self.test_only(item_attrs(i)));
         }
         syn::visit_mut::visit_item_mod_mut(self, m);
     }
 
     fn visit_item_impl_mut(&mut self, i: &mut syn::ItemImpl) {
         i.items.retain(|it| match it {
-            syn::ImplItem::Fn(f) => !test_only(&f.attrs),
-            syn::ImplItem::Const(c) => !test_only(&c.attrs),
-            syn::ImplItem::Type(t) => !test_only(&t.attrs),
+            syn::ImplItem::Fn(f) => !self.test_only(&f.attrs),
+            syn::ImplItem::Const(c) => !self.test_only(&c.attrs),
+            syn::ImplItem::Type(t) => !self.test_only(&t.attrs),
             _ => true,
         });
         syn::visit_mut::visit_item_impl_mut(self, i);
@@ -222,15 +238,15 @@ impl VisitMut for Strip {
 
     fn visit_block_mut(&mut self, b: &mut syn::Block) {
         b.stmts.retain(|s| match s {
-            syn::Stmt::Item(i) => !test_only(item_attrs(i)),
-            syn::Stmt::Local(l) => !test_only(&l.attrs),
+            syn::Stmt::Item(i) => !self.test_only(item_attrs(i)),
+            syn::Stmt::Local(l) => !self.test_only(&l.attrs),
             _ => true,
         });
         syn::visit_mut::visit_block_mut(self, b);
     }
 
     fn visit_fields_named_mut(&mut self, f: &mut syn::FieldsNamed) {
-        f.named = std::mem::take(&mut f.named).into_iter().filter(|x| !test_only(&x.attrs)).collect();
+        f.named = std::mem::take(&mut f.named).into_iter().filter(|x| !self.test_only(&x.attrs)).collect();
         syn::visit_mut::visit_fields_named_mut(self, f);
     }
 }
@@ -353,6 +369,9 @@ fn any_test() {}
 #[cfg(any(test, feature = "gpu"))]
 fn maybe() {}
 
+#[cfg(not(feature = "gpu"))]
+fn without_gpu() {}
+
 #[cfg_attr(test, derive(Clone))]
 struct B;
 
@@ -362,10 +381,23 @@ impl A {
     fn kept(&self) -> bool { let chained = Some(1); if let Some(v) = chained && v > 0 { return true } false }
 }
 "#;
-        let out = rust(src).unwrap();
-        for gone in
-            ["docs", "doc", "remark", "trailing", "block", "probe", "tests", "gpu_test", "only_in_tests", "Clone", "let y", "any_test"]
-        {
+        let gpu = ["gpu".to_string()];
+        let out = rust(src, &gpu).unwrap();
+        for gone in [
+            "docs",
+            "doc",
+            "remark",
+            "trailing",
+            "block",
+            "probe",
+            "tests",
+            "gpu_test",
+            "only_in_tests",
+            "Clone",
+            "let y",
+            "any_test",
+            "without_gpu",
+        ] {
             assert!(!out.contains(gone), "{gone:?} is still in:\n{out}");
         }
         for kept in ["\"// not a comment\"", "derive(Debug)", "fn gpu", "fn always", "fn maybe", "fn kept", "'static", "struct B"] {
@@ -373,9 +405,12 @@ impl A {
         }
         assert!(!out.contains("    "), "indentation kept:\n{out}");
         // What is printed parses again to the same program.
-        let again = rust(&out).unwrap();
+        let again = rust(&out, &gpu).unwrap();
         assert_eq!(again, out);
-        assert!(rust("fn (").unwrap_err().to_string().contains("line 1"));
+        assert!(rust("fn (", &gpu).unwrap_err().to_string().contains("line 1"));
+        // A build without the feature keeps what it compiles instead.
+        let lean = rust(src, &[]).unwrap();
+        assert!(lean.contains("fn without_gpu") && !lean.contains("fn gpu") && !lean.contains("fn maybe"), "{lean}");
     }
 
     #[test]
@@ -403,7 +438,7 @@ impl A {
         let s = super::super::sources::of_this_binary().unwrap();
         for f in &s.files {
             let bytes = std::fs::read(s.root.join(f)).unwrap();
-            let out = file(f, &bytes).unwrap_or_else(|e| panic!("{f}: {e:#}"));
+            let out = file(f, &bytes, &crate::runtime::build_info::BuildInfo::this().features).unwrap_or_else(|e| panic!("{f}: {e:#}"));
             assert!(out.len() < bytes.len(), "{f}: {} -> {}", bytes.len(), out.len());
         }
     }

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use super::config::PhasedConfig;
 use super::docs::segment;
 use super::run::{PhasedEvent, PhasedOutcome, phased_ttt};
-use crate::eval::executor::CandleModel;
+use crate::eval::candle_model::CandleModel;
 use crate::eval::lora::LoraModel;
 // Score-first TTT's tiny float64 model (every parameter moved off its initial value) and its
 // hand-made byte tables.
@@ -243,7 +243,7 @@ fn a_short_batch_between_full_ones_leaves_the_warm_a_alone() {
     let docs = segment(&tokens, BOS);
     let cfg = PhasedConfig { phases: 0, lora_lr: 0.05, lora_alpha: Some(4.0), lora_warm_start_a: true, ..cfg() };
     let m = model();
-    let mut model = crate::eval::executor::CandleModel::new(&m);
+    let mut model = crate::eval::candle_model::CandleModel::new(&m);
     let mut run = super::run::Run::new(&tokens, &cfg, tables());
     let (mut ev, go) = (|_: &PhasedEvent<'_>| {}, || true);
     assert!(run.batch(&mut model, &[0, 1, 2], &docs[0..3], 5, &mut ev, &go).unwrap());

@@ -7,7 +7,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::*;
-use crate::eval::executor::CandleModel;
+use crate::eval::candle_model::CandleModel;
 use crate::model::{Gpt, ModelConfig};
 use crate::optim::Sgd;
 

@@ -17,8 +17,11 @@
 //! (`tests/warp_emulation.rs`) and on a GPU by `pipeline parity`. A third is cuDNN's fused
 //! flash attention (`cudnn.rs`, `attention = "cudnn"`), with flash_mma where cuDNN refuses.
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device};
+#[cfg(feature = "candle")]
+use candle_core::{Result, Tensor};
 
+#[cfg(feature = "candle")]
 use super::ops::DocumentMask;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -145,6 +148,7 @@ pub fn unsupported(device: &Device, dtype: DType, t: usize, d: usize) -> Option<
 /// rows, `heads` = H, `kv_heads` = K), returning `(B*T, H*D)`: the result of
 /// [`super::ops::causal_attention_tokens`], computed by the flash `kernels`. Errors (naming
 /// the reason) where [`unsupported`] says so.
+#[cfg(feature = "candle")]
 pub fn flash_attention(
     q: &Tensor,
     k: &Tensor,
@@ -166,6 +170,7 @@ pub fn flash_attention(
 /// Why cuDNN's attention cannot run on `device` for `batch` rows of `t` tokens, `heads` /
 /// `kv_heads` heads of `d` (attending within documents with `docs`): no `cuda` build, no
 /// libcudnn, or a shape cuDNN refuses (its graphs are built to find out); `None` when it can.
+#[cfg(feature = "candle")]
 pub fn cudnn_unavailable(device: &Device, batch: usize, t: usize, heads: usize, kv_heads: usize, d: usize, docs: bool) -> Option<String> {
     #[cfg(feature = "cuda")]
     return cudnn::unavailable(device, batch, t, heads, kv_heads, d, docs);
@@ -178,6 +183,7 @@ pub fn cudnn_unavailable(device: &Device, batch: usize, t: usize, heads: usize, 
 
 /// cuDNN's attention ([`Attention::Cudnn`]) where it runs; `None` where it cannot (no libcudnn,
 /// a shape it refuses), said once per reason: the caller runs the flash_mma kernels.
+#[cfg(feature = "candle")]
 fn try_cudnn(
     q: &Tensor,
     k: &Tensor,
@@ -208,6 +214,7 @@ fn try_cudnn(
 
 /// The checks of a flash attention call: shapes that split as the arguments say, and
 /// [`unsupported`]'s conditions; returns the sequence length.
+#[cfg(feature = "candle")]
 fn checked(q: &Tensor, k: &Tensor, v: &Tensor, batch: usize, heads: usize, kv_heads: usize) -> Result<usize> {
     let (n, width) = q.dims2()?;
     if batch == 0 || heads == 0 || kv_heads == 0 || n % batch != 0 || width % heads != 0 || !heads.is_multiple_of(kv_heads) {
@@ -229,6 +236,7 @@ fn checked(q: &Tensor, k: &Tensor, v: &Tensor, batch: usize, heads: usize, kv_he
 /// `kernels/flash_mma.cu` (`flash_*_mma_docs_bf16`, the only kernels that take segments),
 /// reading each position's segment start from the device (uploaded once per mask).
 #[allow(clippy::too_many_arguments)]
+#[cfg(feature = "candle")]
 pub fn flash_attention_docs(
     q: &Tensor,
     k: &Tensor,
@@ -255,7 +263,7 @@ pub fn flash_attention_docs(
     imp::apply(q, k, v, batch, heads, kv_heads, FlashKernels::Mma, Some(starts))
 }
 
-#[cfg(not(feature = "cuda"))]
+#[cfg(all(not(feature = "cuda"), feature = "candle"))]
 mod imp {
     use candle_core::{Result, Tensor};
 
@@ -268,10 +276,10 @@ mod imp {
 }
 
 /// The flash attention op of a `cuda` build.
-#[cfg(feature = "cuda")]
+#[cfg(all(feature = "cuda", feature = "candle"))]
 mod cuda;
 /// cuDNN's attention as a candle op (`cuda` builds).
-#[cfg(feature = "cuda")]
+#[cfg(all(feature = "cuda", feature = "candle"))]
 mod cudnn;
-#[cfg(feature = "cuda")]
+#[cfg(all(feature = "cuda", feature = "candle"))]
 use cuda as imp;

@@ -5,12 +5,15 @@
 //! thread scheduling; for the engine's buffers, contiguous matrices as [`Rows`]
 //! ([`dense_offsets`]) and strided views cut into row blocks ([`split_rows`]).
 
+#[cfg(feature = "candle")]
 use std::borrow::Cow;
 
 use rayon::prelude::*;
 
+#[cfg(feature = "candle")]
 use candle_core::{CpuStorage, Device, Layout, Result, Shape, Storage, Tensor, WithDType, bail};
 
+#[cfg(feature = "candle")]
 use super::convert::values_as;
 use super::simd::Real;
 
@@ -18,6 +21,7 @@ use super::simd::Real;
 pub(crate) const ROWS: usize = 64;
 
 /// `x` itself when its last dimension has stride 1 (or size 1), else a contiguous copy.
+#[cfg(feature = "candle")]
 pub(crate) fn unit_last(x: &Tensor) -> Result<Tensor> {
     match (x.dims().last(), x.stride().last()) {
         (Some(&n), Some(&s)) if n > 1 && s != 1 => x.contiguous(),
@@ -27,6 +31,7 @@ pub(crate) fn unit_last(x: &Tensor) -> Result<Tensor> {
 
 /// Start offsets, in storage elements, of every row (last-dimension slice) of `layout`, in
 /// row-major order of the leading dimensions. The last dimension must have stride 1.
+#[cfg(feature = "candle")]
 pub(crate) fn row_offsets(layout: &Layout) -> Result<Vec<usize>> {
     let (dims, strides) = (layout.dims(), layout.stride());
     let Some((&d, lead)) = dims.split_last() else { bail!("fused op: a scalar has no rows") };
@@ -63,6 +68,7 @@ pub(crate) fn dense_offsets(rows: usize, len: usize) -> Vec<usize> {
 }
 
 /// The element offset of each index of a 1-D layout.
+#[cfg(feature = "candle")]
 pub(crate) fn offsets_1d(layout: &Layout) -> Result<Vec<usize>> {
     let n = layout.shape().dims1()?;
     let (start, stride) = (layout.start_offset(), layout.stride()[0]);
@@ -70,6 +76,7 @@ pub(crate) fn offsets_1d(layout: &Layout) -> Result<Vec<usize>> {
 }
 
 /// The elements of a CPU storage as `T` (`what` names the input in errors).
+#[cfg(feature = "candle")]
 pub(crate) fn cpu_slice<'a, T: WithDType>(storage: &'a Storage, what: &str) -> Result<&'a [T]> {
     match storage {
         Storage::Cpu(s) => T::cpu_storage_as_slice(s),
@@ -128,6 +135,7 @@ impl<'a, T: Copy> Rows<'a, T> {
 }
 
 /// The elements of a contiguous layout in its storage.
+#[cfg(feature = "candle")]
 pub(crate) fn elems<'a, T: Real>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
     let Some((a, b)) = l.contiguous_offsets() else { bail!("fused op: input is not contiguous, layout {l:?}") };
     Ok(&T::cpu_storage_as_slice(s)?[a..b])
@@ -135,6 +143,7 @@ pub(crate) fn elems<'a, T: Real>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T
 
 /// [`elems`] as `T` from a storage of `T` (borrowed) or of the narrower dtype of a mixed pair
 /// (widened exactly; callers check the pair).
+#[cfg(feature = "candle")]
 pub(crate) fn elems_as<'a, T: Real>(s: &'a CpuStorage, l: &Layout) -> Result<Cow<'a, [T]>> {
     let Some((a, b)) = l.contiguous_offsets() else { bail!("fused op: input is not contiguous, layout {l:?}") };
     Ok(match values_as::<T>(s)? {
@@ -148,8 +157,10 @@ pub(crate) fn elems_as<'a, T: Real>(s: &'a CpuStorage, l: &Layout) -> Result<Cow
 }
 
 /// A CPU tensor's storage, held for reading.
+#[cfg(feature = "candle")]
 pub(crate) struct Held<'a>(candle_core::StorageRef<'a>, &'a Layout);
 
+#[cfg(feature = "candle")]
 impl<'a> Held<'a> {
     /// Holds `t`'s storage for reading.
     pub(crate) fn new(t: &'a Tensor) -> Self {
@@ -219,6 +230,7 @@ pub(crate) fn split_rows<T>(data: &mut [T], ld: usize, width: usize, rows: usize
 }
 
 /// A CPU tensor of `shape` in `T` from f64 values (the per-channel sums of a backward pass).
+#[cfg(feature = "candle")]
 pub(crate) fn tensor_from_f64<T: Real>(v: &[f64], shape: impl Into<Shape>) -> Result<Tensor> {
     Tensor::from_vec(v.iter().map(|&x| T::from_f64(x)).collect::<Vec<T>>(), shape, &Device::Cpu)
 }

@@ -21,18 +21,27 @@
 //! - GPU: the score products on cuBLAS around [`super::causal_softmax`] (`gpu_attention`), or
 //!   flash attention ([`crate::model::flash_attn`]), chosen by the model.
 
+#[cfg(feature = "candle")]
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, D, DType, Device, Layout, Result, Shape, Tensor, bail};
+#[cfg(feature = "candle")]
+use candle_core::{CpuStorage, CustomOp3, D, DType, Device, Layout, Tensor};
+#[cfg(feature = "candle")]
+use candle_core::{Result, Shape, bail};
 use rayon::prelude::*;
 
 use super::doc_mask::DocumentMask;
+#[cfg(feature = "candle")]
 use super::{check_float, same_dtypes};
+#[cfg(feature = "candle")]
 use crate::model::host::convert::float_dispatch;
-use crate::model::host::rows::{Rows, cpu_slice, row_offsets, unit_last};
+use crate::model::host::rows::Rows;
+#[cfg(feature = "candle")]
+use crate::model::host::rows::{cpu_slice, row_offsets, unit_last};
 use crate::model::host::simd::{Real, dot, gemm_acc, max_of, multiversion, sum_f64};
 
 /// Softmax over the last dimension (the shift by the row maximum is detached: softmax does not
 /// depend on it).
+#[cfg(feature = "candle")]
 pub fn softmax_last(x: &Tensor) -> Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?.detach();
     let e = x.broadcast_sub(&max)?.exp()?;
@@ -40,6 +49,7 @@ pub fn softmax_last(x: &Tensor) -> Result<Tensor> {
 }
 
 /// A `(T, T)` additive causal mask: 0 on and below the diagonal, -inf above.
+#[cfg(feature = "candle")]
 pub fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     let v: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
     Tensor::from_vec(v, (t, t), device)?.to_dtype(dtype)
@@ -48,6 +58,7 @@ pub fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
 /// Causal scaled-dot-product attention with grouped KV heads: `q` is `(B, H, T, D)`, `k` and
 /// `v` are `(B, K, T, D)`; query head `h` uses KV head `h / (H / K)` (PyTorch's `enable_gqa`).
 /// Returns `(B, H, T, D)`.
+#[cfg(feature = "candle")]
 pub fn causal_attention_reference(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
     let (_, h, _, d) = q.dims4()?;
     let (k, v) = (repeat_kv(k, h)?, repeat_kv(v, h)?);
@@ -58,6 +69,7 @@ pub fn causal_attention_reference(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Ten
 
 /// `(B, K, T, D)` key or value heads repeated to `(B, heads, T, D)`: query head `h` gets KV
 /// head `h / (heads / K)`. `x` itself when `K == heads`.
+#[cfg(feature = "candle")]
 pub fn repeat_kv(x: &Tensor, heads: usize) -> Result<Tensor> {
     let (b, kv, t, d) = x.dims4()?;
     if kv == heads {
@@ -71,6 +83,7 @@ pub fn repeat_kv(x: &Tensor, heads: usize) -> Result<Tensor> {
 /// `h` uses KV head `h / (H / K)`, scores are scaled by `1 / sqrt(D)`. Returns `(B, H, T, D)`.
 ///
 /// Inputs whose last dimension is contiguous are read in place (no copy for transposed heads).
+#[cfg(feature = "candle")]
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let t = AttnDims::new(q.shape(), k.shape(), v.shape())?.t;
     if crate::model::gpu_path(q) {
@@ -90,6 +103,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
 /// dtype, so bf16 under mixed precision as PyTorch's autocast does) around the one-kernel
 /// [`causal_softmax`](super::causal_softmax::causal_softmax). The `(B, H, T, T)` scores and
 /// probabilities are materialised (kept for the backward pass), which bounds the micro-batch.
+#[cfg(feature = "candle")]
 fn gpu_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let (_, h, _, d) = q.dims4()?;
     let (k, v) = (repeat_kv(k, h)?, repeat_kv(v, h)?);
@@ -98,6 +112,7 @@ fn gpu_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     probs.matmul(&v.contiguous()?)
 }
 
+#[cfg(feature = "candle")]
 struct CausalAttention;
 
 /// Query rows per block: scores are computed for `ATTN_BLOCK` rows at a time (against the keys
@@ -106,6 +121,7 @@ const ATTN_BLOCK: usize = 16;
 
 /// Shapes of one attention call.
 #[derive(Clone, Copy)]
+#[cfg(feature = "candle")]
 struct AttnDims {
     b: usize,
     h: usize,
@@ -114,6 +130,7 @@ struct AttnDims {
     d: usize,
 }
 
+#[cfg(feature = "candle")]
 impl AttnDims {
     fn new(q: &Shape, k: &Shape, v: &Shape) -> Result<Self> {
         let (b, h, t, d) = q.dims4()?;
@@ -195,6 +212,7 @@ multiversion! {
 }
 
 #[allow(clippy::too_many_arguments)]
+#[cfg(feature = "candle")]
 fn attn_fwd<T: Real>(q: &[T], ql: &Layout, k: &[T], kl: &Layout, v: &[T], vl: &Layout, mask: Option<&DocumentMask>) -> Result<Vec<T>> {
     let dims = AttnDims::new(ql.shape(), kl.shape(), vl.shape())?;
     let AttnDims { b, h, kh, t, d } = dims;
@@ -269,6 +287,7 @@ multiversion! {
     fn attn_bwd_group = attn_bwd_kernel(x: &AttnBwdIn<'_, T>, lo: KeyStarts<'_>, scale: T, dq: &mut [T], dk: &mut [T], dv: &mut [T]);
 }
 
+#[cfg(feature = "candle")]
 fn attn_bwd<T: Real>(q: &Tensor, k: &Tensor, v: &Tensor, o: &Tensor, go: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     let (dq, dk, dv) = attn_bwd_vecs::<T>(q, k, v, o, go, None)?;
     let AttnDims { b, h, kh, t, d } = AttnDims::new(q.shape(), k.shape(), v.shape())?;
@@ -282,6 +301,7 @@ fn attn_bwd<T: Real>(q: &Tensor, k: &Tensor, v: &Tensor, o: &Tensor, go: &Tensor
 /// `(B, K, T, D)` vectors.
 type AttnGrads<T> = (Vec<T>, Vec<T>, Vec<T>);
 
+#[cfg(feature = "candle")]
 fn attn_bwd_vecs<T: Real>(
     q: &Tensor,
     k: &Tensor,
@@ -325,6 +345,7 @@ fn attn_bwd_vecs<T: Real>(
     Ok((dq, dk, dv))
 }
 
+#[cfg(feature = "candle")]
 impl CustomOp3 for CausalAttention {
     fn name(&self) -> &'static str {
         "fused-causal-attention"
@@ -491,6 +512,7 @@ pub(crate) fn attention_token_major_bwd<T: Real>(
 /// `(N, K * D)` with `N = batch * T` rows (row `n` is position `n % T` of batch row `n / T`).
 /// The same as [`super::causal_attention`] on the `(B, H, T, D)` heads of the inputs, with its
 /// output's heads put back side by side: returns `(N, H * D)`.
+#[cfg(feature = "candle")]
 pub fn causal_attention_tokens(q: &Tensor, k: &Tensor, v: &Tensor, batch: usize, heads: usize, kv_heads: usize) -> Result<Tensor> {
     document_attention_tokens(q, k, v, batch, heads, kv_heads, None)
 }
@@ -499,6 +521,7 @@ pub fn causal_attention_tokens(q: &Tensor, k: &Tensor, v: &Tensor, batch: usize,
 /// position sees only the earlier positions of its own segment. On the CPU the fused kernel
 /// skips the hidden keys; elsewhere the reference adds the mask to materialised scores.
 #[allow(clippy::too_many_arguments)]
+#[cfg(feature = "candle")]
 pub fn document_attention_tokens(
     q: &Tensor,
     k: &Tensor,
@@ -538,17 +561,20 @@ pub fn document_attention_tokens(
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, AttentionTokens { dims, mask: mask.cloned() })
 }
 
+#[cfg(feature = "candle")]
 struct AttentionTokens {
     dims: AttnDims,
     mask: Option<DocumentMask>,
 }
 
 /// The `(B, heads, T, D)` view of a contiguous token-major `(B * T, heads * D)` layout.
+#[cfg(feature = "candle")]
 fn heads_view(l: &Layout, (b, t, d): (usize, usize, usize), heads: usize) -> Layout {
     Layout::new(Shape::from((b, heads, t, d)), vec![t * heads * d, d, heads * d, 1], l.start_offset())
 }
 
 /// A row-major `(B, H, T, D)` vector as token-major `(B * T, H * D)`.
+#[cfg(feature = "candle")]
 fn heads_to_tokens<T: Real>(src: &[T], (_, h, t, d): (usize, usize, usize, usize)) -> Vec<T> {
     let mut out = vec![T::from_f64(0.0); src.len()];
     if out.is_empty() {
@@ -565,6 +591,7 @@ fn heads_to_tokens<T: Real>(src: &[T], (_, h, t, d): (usize, usize, usize, usize
     out
 }
 
+#[cfg(feature = "candle")]
 impl AttentionTokens {
     fn fwd<T: Real>(&self, q: &[T], ql: &Layout, k: &[T], kl: &Layout, v: &[T], vl: &Layout) -> Result<Vec<T>> {
         let AttnDims { b, h, kh, t, d } = self.dims;
@@ -582,6 +609,7 @@ impl AttentionTokens {
     }
 }
 
+#[cfg(feature = "candle")]
 impl CustomOp3 for AttentionTokens {
     fn name(&self) -> &'static str {
         "fused-causal-attention-tokens"

@@ -24,6 +24,7 @@
 //! dw         += dz^T x[:, :W]          dx[:, :W] += dz w      (two GEMMs in the engine)
 //! ```
 
+#[cfg(feature = "candle")]
 use candle_core::{Result, Tensor};
 use rayon::prelude::*;
 
@@ -31,6 +32,7 @@ use crate::model::host::simd::Real;
 
 /// `y` `(N, H*hd)` with head `h` of row `n` scaled by `sigmoid(scale * w[h] . x[n, :W])`, `w`
 /// `(H, W)`, `x` `(N, D)`.
+#[cfg(feature = "candle")]
 pub fn attn_gate(y: &Tensor, x: &Tensor, w: &Tensor, scale: f64) -> Result<Tensor> {
     let (n, width) = y.dims2()?;
     let (heads, win) = w.dims2()?;

@@ -8,10 +8,13 @@
 //! dtype pairs take candle's `to_dtype`; the op's CPU implementation (round to nearest even, as
 //! the kernel) is tested against it.
 
+#[cfg(feature = "candle")]
 use candle_core::backend::BackendStorage;
+#[cfg(feature = "candle")]
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
 /// `x` as `dtype`.
+#[cfg(feature = "candle")]
 pub fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
     if x.dtype() == dtype {
         return Ok(x.clone());
@@ -26,8 +29,10 @@ pub fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
 }
 
 /// The cast to the dtype held.
+#[cfg(feature = "candle")]
 struct Cast(DType);
 
+#[cfg(feature = "candle")]
 impl CustomOp1 for Cast {
     fn name(&self) -> &'static str {
         "cast"

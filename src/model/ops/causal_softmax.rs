@@ -13,12 +13,15 @@
 //! checked against (`pipeline parity`); CPU training uses the fused attention of
 //! [`super::attention`], which never materialises the scores.
 
+#[cfg(feature = "candle")]
 use candle_core::backend::BackendStorage;
+#[cfg(feature = "candle")]
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, bail};
 
 /// `p[.., i, j] = softmax_{j <= i}(scale * scores[.., i, j])`, 0 above the diagonal: the
 /// probabilities of causal attention for `scores` of shape `(.., T, T)` (`f32`, `bf16` or
 /// `f64`; on a GPU `f32` or `bf16`). Differentiable with respect to `scores`.
+#[cfg(feature = "candle")]
 pub fn causal_softmax(scores: &Tensor, scale: f64) -> Result<Tensor> {
     let dims = scores.dims();
     if dims.len() < 2 || dims[dims.len() - 1] != dims[dims.len() - 2] {
@@ -27,28 +30,34 @@ pub fn causal_softmax(scores: &Tensor, scale: f64) -> Result<Tensor> {
     scores.contiguous()?.apply_op1(CausalSoftmax { scale })
 }
 
+#[cfg(feature = "candle")]
 struct CausalSoftmax {
     scale: f64,
 }
 
 /// `(probs, grad) -> grad of the scores`.
+#[cfg(feature = "candle")]
 struct CausalSoftmaxBwd {
     scale: f64,
 }
 
+#[cfg(feature = "candle")]
 fn t_of(l: &Layout) -> usize {
     l.dims().last().copied().unwrap_or(0)
 }
 
+#[cfg(feature = "candle")]
 fn to_f64(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
     crate::model::host::convert::to_f64("causal_softmax", s, l)
 }
 
+#[cfg(feature = "candle")]
 fn from_f64(v: Vec<f64>, dtype: DType) -> Result<CpuStorage> {
     crate::model::host::convert::from_f64("causal_softmax", v, dtype)
 }
 
 /// The reference forward pass, row by row in f64 (row `r` is query position `r % T`).
+#[cfg(feature = "candle")]
 fn softmax_rows(s: &[f64], t: usize, scale: f64) -> Vec<f64> {
     let mut out = vec![0.0; s.len()];
     for (r, (row, o)) in s.chunks_exact(t).zip(out.chunks_exact_mut(t)).enumerate() {
@@ -63,6 +72,7 @@ fn softmax_rows(s: &[f64], t: usize, scale: f64) -> Vec<f64> {
 }
 
 /// The reference backward pass: `scale * p * (g - sum(p * g))` per row.
+#[cfg(feature = "candle")]
 fn softmax_bwd_rows(p: &[f64], g: &[f64], t: usize, scale: f64) -> Vec<f64> {
     let mut out = vec![0.0; p.len()];
     for (r, ((pr, gr), o)) in p.chunks_exact(t).zip(g.chunks_exact(t)).zip(out.chunks_exact_mut(t)).enumerate() {
@@ -75,6 +85,7 @@ fn softmax_bwd_rows(p: &[f64], g: &[f64], t: usize, scale: f64) -> Vec<f64> {
     out
 }
 
+#[cfg(feature = "candle")]
 impl CustomOp1 for CausalSoftmax {
     fn name(&self) -> &'static str {
         "causal-softmax"
@@ -97,6 +108,7 @@ impl CustomOp1 for CausalSoftmax {
     }
 }
 
+#[cfg(feature = "candle")]
 impl CustomOp2 for CausalSoftmaxBwd {
     fn name(&self) -> &'static str {
         "causal-softmax-bwd"

@@ -28,6 +28,7 @@ pub struct DocumentMask {
     /// `(B, 1, T, T)` mask, so it is built and moved to the device once.
     additive: std::sync::OnceLock<Tensor>,
     /// [`DocumentMask::starts_on`] as first made.
+    #[cfg(feature = "candle")]
     on_device: std::sync::OnceLock<Tensor>,
 }
 
@@ -48,7 +49,13 @@ impl DocumentMask {
                 starts.push(start);
             }
         }
-        Ok(Self { t, starts, additive: std::sync::OnceLock::new(), on_device: std::sync::OnceLock::new() })
+        Ok(Self {
+            t,
+            starts,
+            additive: std::sync::OnceLock::new(),
+            #[cfg(feature = "candle")]
+            on_device: std::sync::OnceLock::new(),
+        })
     }
 
     /// Number of rows.
@@ -83,6 +90,7 @@ impl DocumentMask {
     /// Every position's `start(i)`, row after row, as a `u32` tensor `(B * T,)` on `device` (the
     /// GPU flash kernels' document argument). Made once and kept for the first device asked for
     /// (every attention layer of a pass asks for the same).
+    #[cfg(feature = "candle")]
     pub fn starts_on(&self, device: &Device) -> Result<Tensor> {
         if let Some(t) = self.on_device.get()
             && t.device().same_device(device)

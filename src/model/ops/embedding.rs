@@ -12,13 +12,16 @@
 //! f64) is its reference and the engine's CPU backward pass; candle's CPU training keeps
 //! `index_select`.
 
+#[cfg(feature = "candle")]
 use candle_core::backend::BackendStorage;
+#[cfg(feature = "candle")]
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
 
 use crate::model::host::simd::Real;
 
 /// Rows `ids` of `weight` `(V, C)` for `ids` `(N,)` of u32: `(N, C)`, differentiable in `weight`.
+#[cfg(feature = "candle")]
 pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
     weight.dims2()?;
     if crate::model::gpu_path(weight) {
@@ -66,13 +69,16 @@ pub(crate) fn embedding_rows_bwd<T: Real>(dout: &[T], ids: &[u32], dtable: &mut 
     });
 }
 
+#[cfg(feature = "candle")]
 struct Embedding;
 
 /// `(ids, grad) -> (vocab, C)` gradient of the table.
+#[cfg(feature = "candle")]
 struct EmbeddingBwd {
     vocab: usize,
 }
 
+#[cfg(feature = "candle")]
 impl CustomOp2 for Embedding {
     fn name(&self) -> &'static str {
         "embedding"
@@ -101,6 +107,7 @@ impl CustomOp2 for Embedding {
     }
 }
 
+#[cfg(feature = "candle")]
 impl CustomOp2 for EmbeddingBwd {
     fn name(&self) -> &'static str {
         "embedding-bwd"

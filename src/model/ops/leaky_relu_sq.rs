@@ -10,9 +10,11 @@
 //! [`super::relu_sq`]'s kernel with the slope. The reference it is tested against is the
 //! scalar formula.
 
+#[cfg(feature = "candle")]
 use candle_core::{Result, Tensor, bail};
 
 /// `leaky_relu(x, slope)^2`, elementwise; `slope` in [0, 1].
+#[cfg(feature = "candle")]
 pub fn leaky_relu_sq(x: &Tensor, slope: f64) -> Result<Tensor> {
     if !(0.0..=1.0).contains(&slope) {
         bail!("leaky_relu_sq: slope {slope} is outside [0, 1]");

@@ -6,7 +6,9 @@
 //! calls them, and so does the engine's CPU backend, `crate::engine::cpu`, so that each op's
 //! CPU maths is written once), the GPU launch (the `cuda_fwd`, calling
 //! [`crate::model::cuda::fused`], whose device maths is in `kernels/ops/`), and the tests
-//! comparing the kernel with the reference.
+//! comparing the kernel with the reference. The candle side (the reference, the public
+//! function and its `CustomOp`, the GPU launch) is the candle executor's and compiles with the
+//! feature `candle` only; the row kernels the engine calls compile in every build.
 //!
 //! | file | op |
 //! |---|---|
@@ -40,6 +42,7 @@
 //! gradients are sums over rows: each rayon task sums a fixed block of rows and the blocks are
 //! added in order, so results do not depend on thread scheduling.
 
+#[cfg(feature = "candle")]
 use candle_core::{DType, Result, Tensor, bail};
 
 pub mod attention;
@@ -64,29 +67,37 @@ pub mod softcap_ce;
 pub(crate) mod testing;
 pub mod xsa;
 
-pub(crate) use attention::{AttentionGrads, attention_token_major_bwd, attention_token_major_fwd};
-pub use attention::{
-    causal_attention, causal_attention_reference, causal_attention_tokens, causal_mask, document_attention_tokens, repeat_kv, softmax_last,
+/// The ops on candle tensors, with their autograd (the candle executor's).
+#[cfg(feature = "candle")]
+pub use self::{
+    attention::{
+        causal_attention, causal_attention_reference, causal_attention_tokens, causal_mask, document_attention_tokens, repeat_kv,
+        softmax_last,
+    },
+    attn_gate::attn_gate,
+    cast::cast,
+    causal_softmax::causal_softmax,
+    embedding::embedding,
+    leaky_relu_sq::leaky_relu_sq,
+    qk_norm_rope::{norm_rope, qk_norm_rope},
+    relu_sq::relu_sq,
+    resid_mix::resid_mix,
+    rms_norm::{rms_norm, rms_norm_eps, rms_norm_reference, rms_norm_to},
+    rope::rope,
+    scale_add::scale_add,
+    scale_cols::scale_cols,
+    skip_gate::gated_skip,
+    smear_gate::smear_gate,
+    softcap_ce::{cross_entropy_rows, softcap, softcap_cross_entropy},
+    xsa::xsa,
 };
-pub use attn_gate::attn_gate;
-pub use cast::cast;
-pub use causal_softmax::causal_softmax;
+pub(crate) use attention::{AttentionGrads, attention_token_major_bwd, attention_token_major_fwd};
 pub use doc_mask::DocumentMask;
-pub use embedding::embedding;
-pub use leaky_relu_sq::leaky_relu_sq;
-pub use qk_norm_rope::{norm_rope, qk_norm_rope};
-pub use relu_sq::relu_sq;
-pub use resid_mix::resid_mix;
-pub use rms_norm::{rms_eps, rms_norm, rms_norm_eps, rms_norm_reference, rms_norm_to};
-pub use rope::{rope, rope_tables};
-pub use scale_add::scale_add;
-pub use scale_cols::scale_cols;
-pub use skip_gate::gated_skip;
-pub use smear_gate::smear_gate;
-pub use softcap_ce::{cross_entropy_rows, softcap, softcap_cross_entropy};
-pub use xsa::xsa;
+pub use rms_norm::rms_eps;
+pub use rope::rope_tables;
 
 /// An error unless `dtype` is one the CPU kernels run on (`f32`, `f64`); `op` names the caller.
+#[cfg(feature = "candle")]
 fn check_float(op: &str, dtype: DType) -> Result<()> {
     match dtype {
         DType::F32 | DType::F64 => Ok(()),
@@ -95,6 +106,7 @@ fn check_float(op: &str, dtype: DType) -> Result<()> {
 }
 
 /// An error naming every dtype unless the tensors `ts` share one.
+#[cfg(feature = "candle")]
 fn same_dtypes(op: &str, ts: &[&Tensor]) -> Result<()> {
     if ts.iter().any(|t| t.dtype() != ts[0].dtype()) {
         bail!("{op}: dtypes differ: {:?}", ts.iter().map(|t| t.dtype()).collect::<Vec<_>>());
@@ -103,6 +115,7 @@ fn same_dtypes(op: &str, ts: &[&Tensor]) -> Result<()> {
 }
 
 /// The size of `x`'s last dimension, which must be non-empty.
+#[cfg(feature = "candle")]
 fn last_dim(x: &Tensor) -> Result<usize> {
     match x.dims().last() {
         Some(&c) if c > 0 => Ok(c),
@@ -112,12 +125,14 @@ fn last_dim(x: &Tensor) -> Result<usize> {
 
 /// Whether `(wide, narrow)` is a pair the mixed-precision ops take: f32 with bf16 (the GPU's),
 /// f64 with f32 (the CPU formulation's stand-in for it).
+#[cfg(feature = "candle")]
 fn mixed_pair(wide: DType, narrow: DType) -> bool {
     matches!((wide, narrow), (DType::F32, DType::BF16) | (DType::F64, DType::F32))
 }
 
 /// Whether an op working in `wide` may read or write `other`: the same dtype, or the narrow side
 /// of a [`mixed_pair`].
+#[cfg(feature = "candle")]
 fn same_or_narrower(wide: DType, other: DType) -> bool {
     wide == other || mixed_pair(wide, other)
 }

@@ -22,15 +22,23 @@
 //!   RoPE there is the candle composite (the fused norm, then RoPE of the first `R` dims), until
 //!   the kernels learn it.
 
+#[cfg(feature = "candle")]
 use candle_core::backend::BackendStorage;
+#[cfg(feature = "candle")]
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
 
+#[cfg(feature = "candle")]
 use super::scale_cols::scale_cols;
+#[cfg(feature = "candle")]
 use super::{check_float, same_dtypes};
+#[cfg(feature = "candle")]
 use crate::model::host::convert::{self, float_dispatch, wrap};
-use crate::model::host::rows::{Held, ROWS, add_partials, elems, split_rows, tensor_from_f64};
+#[cfg(feature = "candle")]
+use crate::model::host::rows::{Held, elems, tensor_from_f64};
+use crate::model::host::rows::{ROWS, add_partials, split_rows};
 use crate::model::host::simd::{Real, dot_f64, multiversion};
+#[cfg(feature = "candle")]
 use crate::model::ops;
 
 /// Per-head RMS norm, then RoPE, then (when given) a per-head gain, of a query or key
@@ -40,6 +48,7 @@ use crate::model::ops;
 /// `cos` and `sin` are the `(T, R / 2)` tables of [`ops::rope_tables`] (`R = D`: the whole
 /// head), `gain` has shape `(H,)`. `eps` is the norm's epsilon, by default the input dtype's
 /// ([`ops::rms_eps`]). Returns `(N, H * D)`.
+#[cfg(feature = "candle")]
 pub fn qk_norm_rope(x: &Tensor, gain: Option<&Tensor>, cos: &Tensor, sin: &Tensor, heads: usize, eps: Option<f64>) -> Result<Tensor> {
     let (n, width) = x.dims2()?;
     let (t, half) = cos.dims2()?;
@@ -94,6 +103,7 @@ pub fn qk_norm_rope(x: &Tensor, gain: Option<&Tensor>, cos: &Tensor, sin: &Tenso
     }
 }
 
+#[cfg(feature = "candle")]
 struct QkNormRope {
     heads: usize,
     /// Head width.
@@ -291,6 +301,7 @@ pub(crate) fn backward_rows<T: Real>(
     add_partials(parts, nh)
 }
 
+#[cfg(feature = "candle")]
 impl QkNormRope {
     fn tables<T: Real>(&self) -> (Vec<T>, Vec<T>) {
         (self.cos.iter().map(|&c| T::from_f64(c)).collect(), self.sin.iter().map(|&s| T::from_f64(s)).collect())
@@ -328,6 +339,7 @@ impl QkNormRope {
     }
 }
 
+#[cfg(feature = "candle")]
 impl CustomOp1 for QkNormRope {
     fn name(&self) -> &'static str {
         "fused-qk-norm-rope"
@@ -343,6 +355,7 @@ impl CustomOp1 for QkNormRope {
     }
 }
 
+#[cfg(feature = "candle")]
 impl CustomOp2 for QkNormRope {
     fn name(&self) -> &'static str {
         "fused-qk-norm-rope-gain"
@@ -363,6 +376,7 @@ impl CustomOp2 for QkNormRope {
 /// `n % T`; `table` is `(T, D)`: the `(T, D / 2)` cos table then the sin table of
 /// [`ops::rope_tables`], side by side. `eps` is the norm's epsilon, by default the input dtype's
 /// ([`ops::rms_eps`]). Returns `(N, heads * D)`. Differentiable in `x`.
+#[cfg(feature = "candle")]
 pub fn norm_rope(x: &Tensor, table: &Tensor, heads: usize, eps: Option<f64>) -> Result<Tensor> {
     let (n, width) = x.dims2()?;
     let (t, d) = table.dims2()?;
@@ -374,6 +388,7 @@ pub fn norm_rope(x: &Tensor, table: &Tensor, heads: usize, eps: Option<f64>) -> 
     x.contiguous()?.apply_op2(&table, NormRope { heads, eps })
 }
 
+#[cfg(feature = "candle")]
 struct NormRope {
     heads: usize,
     /// The RMS norm's epsilon.
@@ -381,20 +396,24 @@ struct NormRope {
 }
 
 /// `(x, grad, table) -> dx` of [`NormRope`].
+#[cfg(feature = "candle")]
 struct NormRopeBwd {
     heads: usize,
     eps: f64,
 }
 
+#[cfg(feature = "candle")]
 fn host(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
     convert::to_f64("norm_rope", s, l)
 }
 
+#[cfg(feature = "candle")]
 fn storage(v: Vec<f64>, dtype: DType) -> Result<CpuStorage> {
     convert::from_f64("norm_rope", v, dtype)
 }
 
 /// Row geometry: `(d, seq)` from the table's layout, checked against `x`'s element count.
+#[cfg(feature = "candle")]
 fn geometry(xl: &Layout, tl: &Layout) -> Result<(usize, usize)> {
     let (seq, d) = tl.shape().dims2()?;
     if d == 0 || !xl.shape().elem_count().is_multiple_of(d) {
@@ -404,6 +423,7 @@ fn geometry(xl: &Layout, tl: &Layout) -> Result<(usize, usize)> {
 }
 
 /// The reference forward pass in f64.
+#[cfg(feature = "candle")]
 fn fwd_rows(x: &[f64], table: &[f64], d: usize, heads: usize, seq: usize, eps: f64) -> Vec<f64> {
     let half = d / 2;
     let mut out = vec![0.0; x.len()];
@@ -420,6 +440,7 @@ fn fwd_rows(x: &[f64], table: &[f64], d: usize, heads: usize, seq: usize, eps: f
 }
 
 /// The reference backward pass in f64: rotate the gradient back, then RMS norm's backward.
+#[cfg(feature = "candle")]
 fn bwd_rows(x: &[f64], g: &[f64], table: &[f64], d: usize, heads: usize, seq: usize, eps: f64) -> Vec<f64> {
     let half = d / 2;
     let mut out = vec![0.0; x.len()];
@@ -445,6 +466,7 @@ fn bwd_rows(x: &[f64], g: &[f64], table: &[f64], d: usize, heads: usize, seq: us
 /// 16-byte chunks (64 values in bf16 or f32, as the baseline's) take the chunked kernels
 /// (`norm_rope_vec_*`: several rows per warp, one 16-byte load per lane and tensor).
 #[cfg(feature = "cuda")]
+#[cfg(feature = "candle")]
 fn launch(
     kernel: &str,
     (heads, eps): (usize, f64),
@@ -459,6 +481,7 @@ fn launch(
     Ok((out, xl.shape().clone()))
 }
 
+#[cfg(feature = "candle")]
 impl CustomOp2 for NormRope {
     fn name(&self) -> &'static str {
         "norm-rope"
@@ -487,6 +510,7 @@ impl CustomOp2 for NormRope {
     }
 }
 
+#[cfg(feature = "candle")]
 impl CustomOp3 for NormRopeBwd {
     fn name(&self) -> &'static str {
         "norm-rope-bwd"

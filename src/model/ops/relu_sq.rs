@@ -12,16 +12,22 @@
 //!   `CpuBackend` (either activation);
 //! - GPU: `relu_sq_fwd` / `_bwd` of `kernels/fused.cu`.
 
+#[cfg(feature = "candle")]
 use candle_core::backend::BackendStorage;
+#[cfg(feature = "candle")]
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
 
+#[cfg(feature = "candle")]
 use super::check_float;
+#[cfg(feature = "candle")]
 use crate::model::host::convert::{float_dispatch, narrowed, widened, wrap};
+#[cfg(feature = "candle")]
 use crate::model::host::rows::elems;
 use crate::model::host::simd::{Real, multiversion};
 
 /// `relu(x)^2`, elementwise: `x.relu().sqr()`.
+#[cfg(feature = "candle")]
 pub fn relu_sq(x: &Tensor) -> Result<Tensor> {
     if crate::model::gpu_path(x) && x.rank() > 0 {
         return x.contiguous()?.apply_op1(ReluSq);
@@ -33,6 +39,7 @@ pub fn relu_sq(x: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1(ReluSq)
 }
 
+#[cfg(feature = "candle")]
 struct ReluSq;
 
 /// Elements per rayon task.
@@ -96,12 +103,14 @@ pub(crate) fn backward_elems<T: Real>(x: &[T], g: &[T], out: &mut [T], slope: Op
     out.par_chunks_mut(ELEMS).zip(x.par_chunks(ELEMS)).zip(g.par_chunks(ELEMS)).for_each(|((o, x), g)| relu_sq_bwd_block(x, g, o, slope));
 }
 
+#[cfg(feature = "candle")]
 fn relu_sq_fwd<T: Real>(x: &[T]) -> Vec<T> {
     let mut out = vec![T::from_f64(0.0); x.len()];
     forward_elems(x, &mut out, None);
     out
 }
 
+#[cfg(feature = "candle")]
 impl CustomOp1 for ReluSq {
     fn name(&self) -> &'static str {
         "fused-relu-sq"
@@ -128,8 +137,10 @@ impl CustomOp1 for ReluSq {
 
 /// `(x, grad) -> 2 relu(x) grad`: [`ReluSq`]'s backward pass, on the CPU (the GPU kernel's
 /// reference) or the GPU.
+#[cfg(feature = "candle")]
 pub(crate) struct ReluSqBwd;
 
+#[cfg(feature = "candle")]
 impl CustomOp2 for ReluSqBwd {
     fn name(&self) -> &'static str {
         "fused-relu-sq-bwd"

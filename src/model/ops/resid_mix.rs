@@ -12,18 +12,26 @@
 //!   and the engine's `CpuBackend` both call them;
 //! - GPU: `resid_mix` of `kernels/fused.cu`; backward [`super::scale_cols`] and `column_dot`.
 
+#[cfg(feature = "candle")]
 use candle_core::backend::BackendStorage;
+#[cfg(feature = "candle")]
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
 
+#[cfg(feature = "candle")]
 use super::scale_cols::{ScaleCols, column_dot};
+#[cfg(feature = "candle")]
 use super::{check_float, last_dim, same_dtypes};
+#[cfg(feature = "candle")]
 use crate::model::host::convert::{float_dispatch, narrowed, widened, wrap};
-use crate::model::host::rows::{Held, ROWS, add_partials, elems, tensor_from_f64};
+#[cfg(feature = "candle")]
+use crate::model::host::rows::{Held, elems, tensor_from_f64};
+use crate::model::host::rows::{ROWS, add_partials};
 use crate::model::host::simd::{Real, multiversion};
 
 /// The residual mix `h * mix[0] + x0 * mix[1]` for `h` and `x0` of the same shape `(.., C)` and
 /// `mix` of shape `(2, C)`.
+#[cfg(feature = "candle")]
 pub fn resid_mix(h: &Tensor, x0: &Tensor, mix: &Tensor) -> Result<Tensor> {
     let on_gpu = crate::model::gpu_path(h);
     if !h.device().is_cpu() && !on_gpu {
@@ -41,6 +49,7 @@ pub fn resid_mix(h: &Tensor, x0: &Tensor, mix: &Tensor) -> Result<Tensor> {
 }
 
 /// The GPU backward pass of [`ResidMix`]: `(dh, dx0, dmix)`.
+#[cfg(feature = "candle")]
 fn resid_mix_bwd_gpu(h: &Tensor, x0: &Tensor, mix: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     let grad = grad.contiguous()?;
     let dh = grad.apply_op2_no_bwd(&mix.get(0)?, &ScaleCols(h.dtype()))?;
@@ -49,6 +58,7 @@ fn resid_mix_bwd_gpu(h: &Tensor, x0: &Tensor, mix: &Tensor, grad: &Tensor) -> Re
     Ok((dh, dx0, dmix))
 }
 
+#[cfg(feature = "candle")]
 struct ResidMix;
 
 #[inline(always)]
@@ -126,12 +136,14 @@ pub(crate) fn backward_rows<T: Real>(g: &[T], h: &[T], x0: &[T], mix: &[T], dh: 
     add_partials(parts, 2 * c)
 }
 
+#[cfg(feature = "candle")]
 fn mix_fwd<T: Real>(h: &[T], x0: &[T], mix: &[T]) -> Vec<T> {
     let mut out = vec![T::from_f64(0.0); h.len()];
     forward_rows(h, x0, mix, &mut out);
     out
 }
 
+#[cfg(feature = "candle")]
 fn mix_bwd<T: Real>(h: &Tensor, x0: &Tensor, mix: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     let grad = grad.contiguous()?;
     let (hh, xh, mh, gh) = (Held::new(h), Held::new(x0), Held::new(mix), Held::new(&grad));
@@ -144,6 +156,7 @@ fn mix_bwd<T: Real>(h: &Tensor, x0: &Tensor, mix: &Tensor, grad: &Tensor) -> Res
     Ok((Tensor::from_vec(dh, h.shape(), &Device::Cpu)?, Tensor::from_vec(dx0, h.shape(), &Device::Cpu)?, dm))
 }
 
+#[cfg(feature = "candle")]
 impl CustomOp3 for ResidMix {
     fn name(&self) -> &'static str {
         "fused-resid-mix"

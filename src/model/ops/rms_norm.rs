@@ -13,13 +13,20 @@
 //! - [`rms_norm_to`]: the norm with its output in the narrower dtype of a mixed-precision pair
 //!   ([`RmsNormTo`]), one kernel each way on the GPU path instead of a norm and a cast.
 
+use candle_core::DType;
+#[cfg(feature = "candle")]
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, D, DType, Layout, Result, Shape, Tensor, bail};
+#[cfg(feature = "candle")]
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, D, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
 
+#[cfg(feature = "candle")]
 use super::{check_float, mixed_pair, same_or_narrower};
+#[cfg(feature = "candle")]
 use crate::model::host::convert::{self, to_storage, values_as};
-use crate::model::host::rows::{Rows, row_offsets, unit_last};
+use crate::model::host::rows::Rows;
+#[cfg(feature = "candle")]
+use crate::model::host::rows::{row_offsets, unit_last};
 use crate::model::host::simd::{Real, dot_f64, multiversion};
 
 /// `eps` of PyTorch's `F.rms_norm(eps=None)`: the machine epsilon of the input's dtype.
@@ -34,11 +41,13 @@ pub fn rms_eps(dtype: DType) -> f64 {
 
 /// RMS norm over the last dimension, no weight: `x / sqrt(mean(x^2) + eps)`, `eps` the input
 /// dtype's ([`rms_eps`]).
+#[cfg(feature = "candle")]
 pub fn rms_norm_reference(x: &Tensor) -> Result<Tensor> {
     rms_norm_eps(x, rms_eps(x.dtype()))
 }
 
 /// [`rms_norm_reference`] with the given `eps`.
+#[cfg(feature = "candle")]
 pub fn rms_norm_eps(x: &Tensor, eps: f64) -> Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     x.broadcast_div(&(ms + eps)?.sqrt()?)
@@ -47,6 +56,7 @@ pub fn rms_norm_eps(x: &Tensor, eps: f64) -> Result<Tensor> {
 /// RMS norm over the last dimension, no weight: `x / sqrt(mean(x^2) + eps)` with
 /// `eps = rms_eps(dtype)`, as [`ops::rms_norm`]. Any layout whose last dimension is
 /// contiguous (such as `(B, T, H, D)` transposed to `(B, H, T, D)`) is read without a copy.
+#[cfg(feature = "candle")]
 pub fn rms_norm(x: &Tensor) -> Result<Tensor> {
     if crate::model::gpu_path(x) && x.rank() > 0 {
         // The GPU kernel reads contiguous rows.
@@ -67,6 +77,7 @@ pub fn rms_norm(x: &Tensor) -> Result<Tensor> {
 /// f32 for the formulation's checks on the CPU): the kernel writes the narrow rows and its
 /// backward pass reads the narrow gradient, so neither direction runs a separate cast pass. The
 /// values are those of the composite (norm in `x`'s dtype, then one rounding).
+#[cfg(feature = "candle")]
 pub fn rms_norm_to(x: &Tensor, dtype: DType) -> Result<Tensor> {
     if x.dtype() == dtype {
         return rms_norm(x);
@@ -77,6 +88,7 @@ pub fn rms_norm_to(x: &Tensor, dtype: DType) -> Result<Tensor> {
     super::cast::cast(&rms_norm(x)?, dtype)
 }
 
+#[cfg(feature = "candle")]
 struct RmsNorm;
 
 /// Rows per rayon task.
@@ -179,6 +191,7 @@ pub(crate) fn backward_rows<T: Real>(x: Rows<'_, T>, g: Rows<'_, T>, rstd: Optio
 
 /// RMS norm rows with `eps`: the epsilon of the input's dtype ([`ops::rms_eps`]), which for bf16
 /// rows computed in f32 is bf16's.
+#[cfg(feature = "candle")]
 fn rms_fwd<T: Real>(x: &[T], rows: &[usize], d: usize, eps: f64) -> Vec<T> {
     let mut out = vec![T::from_f64(0.0); rows.len() * d];
     forward_rows(Rows { data: x, offsets: rows, len: d }, &mut out, None, 1.0, eps);
@@ -186,6 +199,7 @@ fn rms_fwd<T: Real>(x: &[T], rows: &[usize], d: usize, eps: f64) -> Vec<T> {
 }
 
 /// Gradient rows of RMS norm: `x` and `g` rows at the given offsets, `d` wide.
+#[cfg(feature = "candle")]
 fn rms_bwd<T: Real>(x: &[T], xrows: &[usize], g: &[T], grows: &[usize], d: usize, eps: f64) -> Vec<T> {
     let (xr, gr) = (Rows { data: x, offsets: xrows, len: d }, Rows { data: g, offsets: grows, len: d });
     let mut out = vec![T::from_f64(0.0); xrows.len() * d];
@@ -193,6 +207,7 @@ fn rms_bwd<T: Real>(x: &[T], xrows: &[usize], g: &[T], grows: &[usize], d: usize
     out
 }
 
+#[cfg(feature = "candle")]
 impl CustomOp1 for RmsNorm {
     fn name(&self) -> &'static str {
         "fused-rms-norm"
@@ -230,8 +245,10 @@ impl CustomOp1 for RmsNorm {
 
 /// RMS norm with its output in the dtype held: [`rms_norm_to`]'s op. The CPU implementation
 /// (norm in the input's dtype, then one rounding) is the mixed kernel's reference.
+#[cfg(feature = "candle")]
 struct RmsNormTo(DType);
 
+#[cfg(feature = "candle")]
 impl CustomOp1 for RmsNormTo {
     fn name(&self) -> &'static str {
         "fused-rms-norm-to"
@@ -267,8 +284,10 @@ impl CustomOp1 for RmsNormTo {
 /// `(x, grad) -> dx`: [`RmsNorm`]'s backward pass, on the CPU (the GPU kernel's reference) or
 /// the GPU. `grad` may be of the narrower dtype of a mixed pair ([`RmsNormTo`]'s); `dx` is in
 /// `x`'s.
+#[cfg(feature = "candle")]
 struct RmsNormBwd;
 
+#[cfg(feature = "candle")]
 impl CustomOp2 for RmsNormBwd {
     fn name(&self) -> &'static str {
         "fused-rms-norm-bwd"

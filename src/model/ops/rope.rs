@@ -10,7 +10,9 @@
 //!
 //! No kernel of its own: on the model's path RoPE is part of [`super::qk_norm_rope`].
 
-use candle_core::{D, DType, Device, Result, Tensor};
+#[cfg(feature = "candle")]
+use candle_core::D;
+use candle_core::{DType, Device, Result, Tensor};
 
 /// `cos` and `sin` tables of shape `(T, D/2)`: angle `pos * base^(-2i/D)`.
 pub fn rope_tables(seq_len: usize, head_dim: usize, base: f64, dtype: DType, device: &Device) -> Result<(Tensor, Tensor)> {
@@ -33,6 +35,7 @@ pub fn rope_tables(seq_len: usize, head_dim: usize, base: f64, dtype: DType, dev
 
 /// Rotary embedding on `(B, heads, T, D)` with non-interleaved halves:
 /// `[x1 cos + x2 sin, -x1 sin + x2 cos]`.
+#[cfg(feature = "candle")]
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let half = x.dim(D::Minus1)? / 2;
     let x1 = x.narrow(D::Minus1, 0, half)?;

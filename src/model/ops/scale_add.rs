@@ -14,14 +14,21 @@
 //!   and the engine's `CpuBackend` both call them;
 //! - GPU: `scale_add` of `kernels/fused.cu`; backward [`super::scale_cols`] and `column_dot`.
 
+#[cfg(feature = "candle")]
 use candle_core::backend::BackendStorage;
+#[cfg(feature = "candle")]
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
 
+#[cfg(feature = "candle")]
 use super::scale_cols::{ScaleCols, column_dot};
+#[cfg(feature = "candle")]
 use super::{check_float, last_dim, mixed_pair, same_dtypes};
+#[cfg(feature = "candle")]
 use crate::model::host::convert::{float_dispatch, narrowed, widened, wrap};
-use crate::model::host::rows::{Held, ROWS, add_partials, elems, elems_as, tensor_from_f64};
+#[cfg(feature = "candle")]
+use crate::model::host::rows::{Held, elems, elems_as, tensor_from_f64};
+use crate::model::host::rows::{ROWS, add_partials};
 use crate::model::host::simd::{Real, multiversion};
 
 /// `base + x * s` for `base` and `x` of the same shape `(.., C)` and a per-channel `s` of shape
@@ -30,6 +37,7 @@ use crate::model::host::simd::{Real, multiversion};
 /// `x` may be of the narrower dtype of a mixed-precision pair (a bf16 product added to the f32
 /// residual stream): on the GPU path one kernel reads it as it is and the backward pass writes
 /// its gradient in that dtype, the values of `cast` then `scale_add` without either cast pass.
+#[cfg(feature = "candle")]
 pub fn scale_add(base: &Tensor, x: &Tensor, s: &Tensor) -> Result<Tensor> {
     let on_gpu = crate::model::gpu_path(base);
     if x.dtype() != base.dtype() && !(on_gpu && mixed_pair(base.dtype(), x.dtype())) {
@@ -51,6 +59,7 @@ pub fn scale_add(base: &Tensor, x: &Tensor, s: &Tensor) -> Result<Tensor> {
 
 /// The GPU backward pass of [`ScaleAdd`]: `(dbase, dx, ds)`, `dx` in `x`'s dtype (narrower
 /// under mixed precision: written so by the kernel).
+#[cfg(feature = "candle")]
 fn scale_add_bwd_gpu(x: &Tensor, s: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     let grad = grad.contiguous()?;
     let dx = grad.apply_op2_no_bwd(s, &ScaleCols(x.dtype()))?;
@@ -58,6 +67,7 @@ fn scale_add_bwd_gpu(x: &Tensor, s: &Tensor, grad: &Tensor) -> Result<(Tensor, T
     Ok((grad, dx, ds))
 }
 
+#[cfg(feature = "candle")]
 struct ScaleAdd;
 
 /// `out += x * s` on rows: `out` holds `base` and receives `base + x * s`.
@@ -117,12 +127,14 @@ pub(crate) fn backward_rows<T: Real>(g: &[T], x: &[T], s: &[T], dx: &mut [T]) ->
     add_partials(parts, c)
 }
 
+#[cfg(feature = "candle")]
 fn scale_add_fwd<T: Real>(base: &[T], x: &[T], s: &[T]) -> Vec<T> {
     let mut out = base.to_vec();
     forward_rows(x, s, &mut out);
     out
 }
 
+#[cfg(feature = "candle")]
 fn scale_add_bwd<T: Real>(x: &Tensor, s: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
     let grad = grad.contiguous()?;
     let (xh, sh, gh) = (Held::new(x), Held::new(s), Held::new(&grad));
@@ -133,6 +145,7 @@ fn scale_add_bwd<T: Real>(x: &Tensor, s: &Tensor, grad: &Tensor) -> Result<(Tens
     Ok((Tensor::from_vec(dx, x.shape(), &Device::Cpu)?, ds))
 }
 
+#[cfg(feature = "candle")]
 impl CustomOp3 for ScaleAdd {
     fn name(&self) -> &'static str {
         "fused-scale-add"

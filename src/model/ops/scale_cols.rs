@@ -15,19 +15,27 @@
 //! CPU training does not use them: [`super::scale_add`] and [`super::resid_mix`] have fused CPU
 //! backward passes.
 
+#[cfg(feature = "candle")]
 use candle_core::backend::BackendStorage;
+#[cfg(feature = "candle")]
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, bail};
 
+#[cfg(feature = "candle")]
 use super::last_dim;
+#[cfg(feature = "candle")]
 use crate::model::host::convert::{self, float_dispatch, narrowed, widened, wrap};
+#[cfg(feature = "candle")]
 use crate::model::host::rows::{elems, elems_as};
+#[cfg(feature = "candle")]
 use crate::model::host::simd::Real;
 
 /// `x * s` for `x` `(.., C)` and `s` `(C,)` (one dtype), written in the dtype held (`x`'s, or
 /// the narrower of a mixed pair): the per-channel scale of a gradient in the GPU backward passes
 /// of [`ScaleAdd`] and [`ResidMix`]. The CPU implementation is the kernel's reference.
+#[cfg(feature = "candle")]
 pub(crate) struct ScaleCols(pub(crate) DType);
 
+#[cfg(feature = "candle")]
 impl CustomOp2 for ScaleCols {
     fn name(&self) -> &'static str {
         "scale-cols"
@@ -74,6 +82,7 @@ impl CustomOp2 for ScaleCols {
 
 /// `x * s` for `x` `(.., C)` and `s` `(C,)`, differentiable in both: one kernel each way on a
 /// GPU, where candle's broadcasting multiply reduces the gradient of `s` with a few blocks only.
+#[cfg(feature = "candle")]
 pub fn scale_cols(x: &Tensor, s: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op2(&s.contiguous()?, ScaleCols(x.dtype()))
 }
@@ -83,6 +92,7 @@ pub fn scale_cols(x: &Tensor, s: &Tensor) -> Result<Tensor> {
 /// Accumulated in f32 at least (candle's own sums accumulate in the tensor's dtype: 65,536 rows
 /// summed in bf16 keep about two digits), in a fixed order: a kernel pair on a GPU (partial sums
 /// of 64 rows, then the partials in order), f64 in row order on the CPU (the reference).
+#[cfg(feature = "candle")]
 pub(crate) fn column_dot(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let c = last_dim(a)?;
     if a.dims() != b.dims() {
@@ -94,8 +104,10 @@ pub(crate) fn column_dot(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     a.contiguous()?.reshape(((), c))?.apply_op2_no_bwd(&b.contiguous()?.reshape(((), c))?, &ColumnDot)
 }
 
+#[cfg(feature = "candle")]
 struct ColumnDot;
 
+#[cfg(feature = "candle")]
 fn column_dot_cpu<T: Real>(a: &[T], b: &[T], c: usize) -> Vec<T> {
     let mut acc = vec![0f64; c];
     for (ra, rb) in a.chunks_exact(c).zip(b.chunks_exact(c)) {
@@ -106,6 +118,7 @@ fn column_dot_cpu<T: Real>(a: &[T], b: &[T], c: usize) -> Vec<T> {
     acc.into_iter().map(T::from_f64).collect()
 }
 
+#[cfg(feature = "candle")]
 impl CustomOp2 for ColumnDot {
     fn name(&self) -> &'static str {
         "column-dot"

@@ -12,6 +12,7 @@
 //! scalar formula. The engine's CPU backend runs the row kernels [`skip_rows_fwd`] and
 //! [`skip_rows_bwd`], checked here against the composite.
 
+#[cfg(feature = "candle")]
 use candle_core::{Result, Tensor};
 use rayon::prelude::*;
 
@@ -20,6 +21,7 @@ use crate::model::host::simd::Real;
 
 /// `sigmoid(z) * h + (1 - sigmoid(z)) * (w * s)` for the `(N, C)` stream `h`, the encoder output
 /// `s` `(N, C)` and the per-channel rows `w`, `z` `(C,)`.
+#[cfg(feature = "candle")]
 pub fn gated_skip(h: &Tensor, s: &Tensor, w: &Tensor, z: &Tensor) -> Result<Tensor> {
     let k = s.broadcast_mul(w)?;
     // sigmoid(z) = 1 / (1 + exp(-z)).

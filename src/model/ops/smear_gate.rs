@@ -28,6 +28,7 @@
 //! dlambda += sum_t dg_t k_t s_t
 //! ```
 
+#[cfg(feature = "candle")]
 use candle_core::{Result, Tensor};
 use rayon::prelude::*;
 
@@ -36,6 +37,7 @@ use crate::model::host::simd::Real;
 
 /// SmearGate over the `(B*T, D)` embedding rows `e` of input ids `ids` `(B, T)` (u32): gate
 /// `w` `(1, W)`, gain `lambda` `(1,)`, no smear onto tokens equal to `bos`.
+#[cfg(feature = "candle")]
 pub fn smear_gate(e: &Tensor, ids: &Tensor, w: &Tensor, lambda: &Tensor, bos: u32) -> Result<Tensor> {
     let (b, t) = ids.dims2()?;
     let d = e.dim(1)?;

@@ -17,23 +17,32 @@
 //! - GPU: `softcap_ce_fwd` / `_bwd` of `kernels/fused.cu` (launched by
 //!   [`crate::model::cuda::fused`]), f32 losses, bf16 logits read as they are.
 
+#[cfg(feature = "candle")]
 use candle_core::backend::BackendStorage;
+#[cfg(feature = "candle")]
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, D, DType, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
 
+#[cfg(feature = "candle")]
 use super::check_float;
+#[cfg(feature = "candle")]
 use crate::model::host::convert;
-use crate::model::host::rows::{Rows, offsets_1d, row_offsets, unit_last};
+use crate::model::host::rows::Rows;
+#[cfg(feature = "candle")]
+use crate::model::host::rows::{offsets_1d, row_offsets, unit_last};
 use crate::model::host::simd::{Real, max_of, multiversion, sum_f64};
+#[cfg(feature = "candle")]
 use crate::model::ops;
 
 /// `cap * tanh(z / cap)`.
+#[cfg(feature = "candle")]
 pub fn softcap(z: &Tensor, cap: f64) -> Result<Tensor> {
     (z / cap)?.tanh()? * cap
 }
 
 /// Per-row cross-entropy: `logsumexp(logits) - logits[target]`; `logits` is `(N, V)`, `targets`
 /// `(N,)` of u32. Returns `(N,)`.
+#[cfg(feature = "candle")]
 pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let max = logits.max_keepdim(D::Minus1)?.detach();
     let lse = (logits.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + &max)?;
@@ -51,6 +60,7 @@ pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// On a GPU (f32 or bf16 logits) one kernel each way (`kernels/fused.cu`, this op's CPU
 /// implementation their reference): f32 losses, bf16 logits read as they are and their gradient
 /// written in bf16; there a target outside `0..V` gives a NaN loss instead of an error.
+#[cfg(feature = "candle")]
 pub fn softcap_cross_entropy(logits: &Tensor, targets: &Tensor, cap: f64) -> Result<Tensor> {
     let on_cuda = logits.device().is_cuda() && crate::model::gpu_path(logits);
     if !logits.device().is_cpu() && !on_cuda {
@@ -74,6 +84,7 @@ pub fn softcap_cross_entropy(logits: &Tensor, targets: &Tensor, cap: f64) -> Res
     unit_last(logits)?.apply_op2(targets, SoftcapCe { cap })
 }
 
+#[cfg(feature = "candle")]
 struct SoftcapCe {
     cap: f64,
 }
@@ -82,6 +93,7 @@ struct SoftcapCe {
 const CE_ROWS: usize = 8;
 
 /// Checks the targets and returns them as a vector.
+#[cfg(feature = "candle")]
 fn read_targets(s: &CpuStorage, l: &Layout, v: usize) -> Result<Vec<usize>> {
     let CpuStorage::U32(t) = s else { bail!("softcap_cross_entropy: targets must be u32") };
     let mut out = Vec::with_capacity(l.shape().dims1()?);
@@ -116,6 +128,7 @@ multiversion! {
     fn ce_fwd_rows = ce_fwd_kernel(x: Rows<'_, T>, targets: &[usize], cap: f64, out: &mut [T]);
 }
 
+#[cfg(feature = "candle")]
 fn softcap_ce_fwd<T: Real>(logits: &[T], rows: &[usize], v: usize, targets: &[usize], cap: f64) -> Vec<T> {
     let x = Rows { data: logits, offsets: rows, len: v };
     let mut out = vec![T::from_f64(0.0); rows.len()];
@@ -150,6 +163,7 @@ multiversion! {
 
 /// The gradient rows of `(N, V)` logits (rows at `rows`) from the targets and `lg` = the `N`
 /// losses then their `N` gradients.
+#[cfg(feature = "candle")]
 fn softcap_ce_bwd<T: Real>(logits: &[T], rows: &[usize], v: usize, targets: &[usize], lg: &[T], cap: f64) -> Vec<T> {
     let n = rows.len();
     let (loss, g) = lg.split_at(n);
@@ -197,6 +211,7 @@ pub(crate) fn fused_rows<T: Real>(logits: &mut [T], targets: &[u32], losses: &mu
 /// or of a row shorter than the batch's. `kernels/ops/softcap_ce.cuh`'s `IGNORED_TARGET`.
 pub const IGNORED_TARGET: u32 = u32::MAX;
 
+#[cfg(feature = "candle")]
 impl CustomOp2 for SoftcapCe {
     fn name(&self) -> &'static str {
         "fused-softcap-cross-entropy"
@@ -241,10 +256,12 @@ impl CustomOp2 for SoftcapCe {
 /// `(logits, targets, [losses; gradients]) -> dlogits` in the logits' dtype: [`SoftcapCe`]'s
 /// backward pass, the row's logsumexp recovered from its loss. The CPU implementation is the GPU
 /// kernel's reference.
+#[cfg(feature = "candle")]
 struct SoftcapCeBwd {
     cap: f64,
 }
 
+#[cfg(feature = "candle")]
 impl CustomOp3 for SoftcapCeBwd {
     fn name(&self) -> &'static str {
         "fused-softcap-cross-entropy-bwd"

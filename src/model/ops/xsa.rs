@@ -14,6 +14,7 @@
 //! tested against is the scalar formula. The engine's CPU backend runs the row kernels
 //! [`xsa_rows_fwd`] and [`xsa_rows_bwd`], checked here against the composite.
 
+#[cfg(feature = "candle")]
 use candle_core::{D, Result, Tensor, bail};
 use rayon::prelude::*;
 
@@ -22,6 +23,7 @@ use crate::model::host::simd::{Real, dot_f64};
 
 /// XSA of the attention output `y` `(N, H * D)` given the values `v` `(N, K * D)` of the same
 /// `N` token rows (heads side by side in the columns, `H` a multiple of `K`).
+#[cfg(feature = "candle")]
 pub fn xsa(y: &Tensor, v: &Tensor, heads: usize, kv_heads: usize) -> Result<Tensor> {
     let (n, width) = y.dims2()?;
     let (nv, kv_width) = v.dims2()?;

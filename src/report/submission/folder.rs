@@ -178,13 +178,7 @@ fn readme(sub: &Submission, e: &Entry) -> String {
     let _ = writeln!(s, "## Reproducing\n");
     let _ = writeln!(s, "Trained and scored by {}.", e.software);
     if let Some(b) = sub.runs.first().and_then(|r| r.bundle.as_ref()) {
-        let features: Vec<&str> = b.build.features.iter().map(String::as_str).filter(|f| *f != "tools").collect();
-        let flags = if b.build.lean() { "--no-default-features".to_string() } else { String::new() };
-        let flags = match (flags.is_empty(), features.is_empty()) {
-            (_, true) => flags,
-            (true, false) => format!("--features {}", features.join(",")),
-            (false, false) => format!("{flags} --features {}", features.join(",")),
-        };
+        let flags = b.build.cargo_flags().join(" ");
         let _ = writeln!(
             s,
             "The code is `{}` ({} bytes, counted): the {} source files of the {}, comments, docs and tests stripped. Rebuild and rerun it:\n\n```sh\nmkdir code && {} && cp Cargo.lock code/\ncargo build --release {flags} --manifest-path code/Cargo.toml\n```\n\nor check it at once with `pipeline submission --verify .` (it builds the bundle in an empty directory and reruns the config at a tiny size against the full build, bit for bit). Each seed:\n",

@@ -43,6 +43,7 @@ use crate::train::attention_trial::AttentionShape;
 use crate::train::checkpoint::Checkpoint;
 use crate::train::config::{Config, TrainConfig};
 use crate::train::engine_trainer::EngineTrainer;
+use crate::train::executor::StepOutcome;
 use crate::train::executor::{Executor, ExecutorKind};
 use crate::train::log::{Phases, StepTable, TrainLog, train_line, val_line};
 use crate::train::params::SessionParams;
@@ -50,7 +51,8 @@ use crate::train::requirements;
 use crate::train::resume::{self, History, ValPoint, data_fingerprint, trained_attention};
 use crate::train::snapshot::{Ending, Moment, TrainSnapshot, TrainerState};
 use crate::train::step_trace::Trace;
-use crate::train::trainer::{StepOutcome, Trainer};
+#[cfg(feature = "candle")]
+use crate::train::trainer::Trainer;
 
 mod report;
 mod startup;
@@ -196,9 +198,12 @@ impl Session {
         // (a resume takes the checkpoint's layout).
         model.set_looping(c.model.enable_looping_at <= 0.0);
         let mut trainer: Box<dyn Executor> = match executor {
+            #[cfg(feature = "candle")]
             ExecutorKind::Candle => {
                 Box::new(Trainer::new(model, &c.train, shape.micro_steps)?.with_phase_sync(p.sync_phases).with_ranks(ranks.clone()))
             }
+            #[cfg(not(feature = "candle"))]
+            ExecutorKind::Candle => return Err(crate::eval::executor::candle_missing("stage `step_executor`, impl = \"candle\"")),
             ExecutorKind::Engine(options) => Box::new(
                 EngineTrainer::new(model, &c.train, shape.micro_steps, (shape.rows, shape.seq_len), options)
                     .and_then(|e| e.with_ranks(ranks.clone(), &options))
