@@ -42,6 +42,7 @@ pub struct Pageable {
 
 impl Pageable {
     /// Buffers made so far (stays at `buffers`: no allocation per batch).
+    #[cfg(feature = "tools")]
     pub fn buffers_made(&self) -> usize {
         self.pool.made()
     }

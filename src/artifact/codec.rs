@@ -39,6 +39,7 @@ pub enum Codec {
 
 impl Codec {
     /// The codecs built into this binary (pure Rust): what needs nothing installed.
+    #[cfg(feature = "tools")]
     pub const ALL: [Codec; 3] = [Codec::Zlib, Codec::Zstd, Codec::Brotli];
 
     /// Every codec: [`Codec::ALL`] and [`Codec::Pergroup`] (which runs `lrzip`).

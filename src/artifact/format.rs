@@ -218,6 +218,7 @@ impl Quantized {
     }
 
     /// The compressed artifact ([`Quantized::compress`] without the sizes).
+    #[cfg(feature = "tools")]
     pub fn to_bytes(&self, codec: Codec, level: Option<i32>, shuffle_stride: u8) -> Result<Vec<u8>> {
         Ok(self.compress(codec, level, shuffle_stride)?.bytes)
     }

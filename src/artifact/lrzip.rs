@@ -82,6 +82,7 @@ impl Lrzip {
     }
 
     /// The program's path.
+    #[cfg(feature = "tools")]
     pub fn path(&self) -> &Path {
         &self.path
     }

@@ -490,6 +490,7 @@ pub fn check_available() -> Result<()> {
 }
 
 /// The stream sizes of a pergroup body: (label, raw bytes, packed bytes), in table order.
+#[cfg(feature = "tools")]
 pub fn stream_sizes(body: &[u8]) -> Result<Vec<(String, u64, u64)>> {
     Ok(read_table(body)?.0.iter().map(|e| (label(e.id), e.raw_len, e.packed_len)).collect())
 }

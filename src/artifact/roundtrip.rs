@@ -11,7 +11,9 @@
 //! sizes: `Serialized model int6/int8+brotli: N bytes (payload:P raw:R payload_ratio:X.XXx)`,
 //! `Code size: C bytes ...`, `Total submission size ...: N + C = T bytes ... of the cap`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
+#[cfg(feature = "candle")]
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -309,6 +311,7 @@ pub fn baseline_lines(q: &QuantConfig, acc: &BpbAccumulator, ms: f64) -> [String
 
 /// What `pipeline artifact` measured.
 #[derive(Clone, Debug, Serialize)]
+#[cfg(feature = "tools")]
 pub struct ArtifactReport {
     /// The artifact file.
     pub path: PathBuf,
@@ -343,6 +346,7 @@ pub struct ArtifactReport {
 }
 
 /// The default artifact path: beside the weights, `<stem>.int<bits>.<codec>.pgqz`.
+#[cfg(feature = "tools")]
 pub fn default_path(weights: &Path, q: &QuantConfig) -> PathBuf {
     let stem = weights.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
     weights.with_file_name(format!("{stem}.int{}.{}.pgqz", q.bits, q.codec))

@@ -180,10 +180,12 @@ pub struct TokenBatch {
 
 impl TokenBatch {
     /// Inputs, `rows x seq_len`.
+    #[cfg(feature = "tools")]
     pub fn x(&self) -> &[u32] {
         &self.buf[..self.meta.shape.tokens()]
     }
     /// Targets, `rows x seq_len`.
+    #[cfg(feature = "tools")]
     pub fn y(&self) -> &[u32] {
         &self.buf[self.meta.shape.tokens()..2 * self.meta.shape.tokens()]
     }

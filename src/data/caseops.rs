@@ -41,6 +41,7 @@
 //! charges nobody for whitespace it strips at a document's start and end; here it is charged to
 //! the first and last piece, so that the sidecar's total is the original text's length.
 
+#[cfg(feature = "candle")]
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 
@@ -55,13 +56,16 @@ pub const ESC: char = '\u{E004}';
 /// The operators, which a CaseOps tokenizer reserves as user-defined pieces.
 pub const OPERATORS: [char; 4] = [TITLE, ALLCAPS, CAPNEXT, ESC];
 /// The transform's name in the record's code and in our manifests.
+#[cfg(feature = "tools")]
 pub const NAME: &str = "lossless_caps_caseops_v1";
 
+#[cfg(feature = "tools")]
 fn is_operator(c: char) -> bool {
     OPERATORS.contains(&c)
 }
 
 /// The transformed text of `text` (see the module doc).
+#[cfg(feature = "tools")]
 pub fn encode(text: &str) -> String {
     let bytes = text.as_bytes();
     let mut out = String::with_capacity(text.len() + text.len() / 16 + 4);
@@ -86,6 +90,7 @@ pub fn encode(text: &str) -> String {
 }
 
 /// Appends one ASCII word in its transformed form.
+#[cfg(feature = "tools")]
 fn push_word(out: &mut String, word: &str) {
     let b = word.as_bytes();
     let (first, rest) = (b[0], &b[1..]);
@@ -113,6 +118,7 @@ fn push_word(out: &mut String, word: &str) {
 
 /// The original text of a transformed `text`; an error says what is malformed and where
 /// (character index) if `text` is not something [`encode`] produces.
+#[cfg(feature = "tools")]
 pub fn decode(text: &str) -> anyhow::Result<String> {
     #[derive(PartialEq)]
     enum Word {
@@ -181,6 +187,7 @@ pub fn decode(text: &str) -> anyhow::Result<String> {
 /// Each character of a transformed `text` with the original UTF-8 bytes it stands for (module
 /// doc): 0 for an operator or `ESC`, the character's UTF-8 length otherwise (an escaped
 /// operator included). Their sum is the original text's UTF-8 length.
+#[cfg(feature = "tools")]
 pub fn char_weights(text: &str) -> Vec<(char, u32)> {
     let mut escape = false;
     text.chars()
@@ -198,6 +205,7 @@ pub fn char_weights(text: &str) -> Vec<(char, u32)> {
 /// a text. Returns one count per piece, adding up to the original UTF-8 length (the sum of
 /// [`char_weights`]); an empty document has no pieces and no counts. The alignment never fails:
 /// where it cannot match it moves on, keeping every character's weight on some piece.
+#[cfg(feature = "tools")]
 pub fn piece_byte_counts(transformed: &str, pieces: &[&[u8]], normalize: impl Fn(&str) -> String) -> Vec<u64> {
     let text = char_weights(transformed);
     let mut counts = vec![0u64; pieces.len()];
@@ -243,6 +251,7 @@ pub fn piece_byte_counts(transformed: &str, pieces: &[&[u8]], normalize: impl Fn
 
 /// Charges `w` to piece `owner`, now the last match, and with the first text (`w > 0`, not an
 /// operator) what was pending before it.
+#[cfg(feature = "tools")]
 fn charge(counts: &mut [u64], pending: &mut u64, last: &mut Option<usize>, owner: usize, w: u64) {
     counts[owner] += w;
     if w > 0 {
@@ -253,6 +262,7 @@ fn charge(counts: &mut [u64], pending: &mut u64, last: &mut Option<usize>, owner
 
 /// `Some((k, len))` when the normalisation of the first `k` (1 to 4) characters of `text` is
 /// the first `len ≥ 1` characters of `norm`.
+#[cfg(feature = "tools")]
 fn normalized_match(text: &[(char, u32)], norm: &[(char, usize)], normalize: &impl Fn(&str) -> String) -> Option<(usize, usize)> {
     let mut frag = String::new();
     for k in 1..=text.len().min(4) {
@@ -268,6 +278,7 @@ fn normalized_match(text: &[(char, u32)], norm: &[(char, usize)], normalize: &im
 /// The characters of the pieces' concatenated text, each with the index of the piece that
 /// completes it (a character split into byte pieces belongs to its last byte); bytes that are
 /// not valid UTF-8 become U+FFFD.
+#[cfg(feature = "tools")]
 fn piece_chars(pieces: &[&[u8]]) -> Vec<(char, usize)> {
     let mut out = Vec::new();
     let mut buf: Vec<u8> = Vec::with_capacity(4);
@@ -300,6 +311,7 @@ fn piece_chars(pieces: &[&[u8]]) -> Vec<(char, usize)> {
 }
 
 /// The text a sentencepiece piece stands for in a transformed document: U+2581 as a space.
+#[cfg(feature = "tools")]
 pub fn piece_text(piece: &str) -> Cow<'_, str> {
     if piece.contains('\u{2581}') { Cow::Owned(piece.replace('\u{2581}', " ")) } else { Cow::Borrowed(piece) }
 }

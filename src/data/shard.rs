@@ -7,7 +7,9 @@
 //! ([`Access::Mmap`]) or with positioned reads ([`Access::Pread`]); neither loads a whole shard.
 
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Read;
+#[cfg(feature = "candle")]
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -359,6 +361,7 @@ fn read_at(file: &File, offset: u64, out: &mut [u16]) -> std::io::Result<()> {
 }
 
 /// Writes a shard atomically (temporary name, fsync, rename).
+#[cfg(feature = "tools")]
 pub fn write_shard(path: &Path, tokens: &[u16]) -> anyhow::Result<()> {
     anyhow::ensure!(
         tokens.len() < (1usize << 31),
@@ -381,6 +384,7 @@ pub fn write_shard(path: &Path, tokens: &[u16]) -> anyhow::Result<()> {
 }
 
 /// Writes `tokens` as a shard without the atomic dance (tests that build damaged files).
+#[cfg(feature = "tools")]
 pub fn write_raw(path: &Path, header: &[i32], tokens: &[u16]) -> std::io::Result<()> {
     let mut f = File::create(path)?;
     let mut h = [0i32; 256];

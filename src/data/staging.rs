@@ -16,6 +16,7 @@ pub enum Staging {
 
 impl Staging {
     /// Capacity in tokens.
+    #[cfg(feature = "tools")]
     pub fn len(&self) -> usize {
         match self {
             Staging::Host(v) => v.len(),
@@ -24,6 +25,7 @@ impl Staging {
     }
 
     /// True for a zero-length buffer.
+    #[cfg(feature = "tools")]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -9,12 +9,16 @@
 //! joiners: sentencepiece keeps their bytes, kitoken treats them as whitespace. Tabs are turned
 //! into spaces before encoding, as sentencepiece does.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
+#[cfg(feature = "candle")]
+use std::path::PathBuf;
 
 use anyhow::Context;
+#[cfg(feature = "candle")]
 use sha2::Digest;
 
 /// A loaded sentencepiece model.
+#[cfg(feature = "tools")]
 pub struct Tokenizer {
     /// Where it was loaded from.
     pub path: PathBuf,
@@ -48,6 +52,7 @@ pub fn is_caseops(path: &Path) -> anyhow::Result<bool> {
     Ok(reserves_caseops(&read_model(path)?.1))
 }
 
+#[cfg(feature = "tools")]
 fn piece_bytes_of(model: &sentencepiece_model::SentencePieceModel) -> Vec<Vec<u8>> {
     use sentencepiece_model::Type;
     model
@@ -96,6 +101,7 @@ pub fn bos_id(path: &Path) -> anyhow::Result<u32> {
     bos_of(path, &read_model(path)?.1)
 }
 
+#[cfg(feature = "tools")]
 impl Tokenizer {
     /// Loads a `.model` file.
     pub fn load(path: &Path) -> anyhow::Result<Self> {
@@ -164,12 +170,14 @@ impl Tokenizer {
 /// pieces in merge order (best first), then `unused` pieces; identity normaliser, no dummy
 /// prefix, whitespace escaped to U+2581. For tests and examples that need a real model without
 /// training one.
+#[cfg(feature = "tools")]
 pub fn build_bpe_model(normal: &[&str], unused: &[&str]) -> Vec<u8> {
     build_bpe_model_reserving(&[], normal, unused)
 }
 
 /// [`build_bpe_model`] with `user_defined` pieces (ids 4 on, before the byte pieces, as
 /// sentencepiece places them), e.g. the CaseOps operators.
+#[cfg(feature = "tools")]
 pub fn build_bpe_model_reserving(user_defined: &[&str], normal: &[&str], unused: &[&str]) -> Vec<u8> {
     use prost::Message;
     use sentencepiece_model::{ModelProto, ModelType, NormalizerSpec, SentencePiece, TrainerSpec, Type};

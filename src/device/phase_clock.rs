@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+#[cfg(feature = "candle")]
 use candle_core::Device;
 
 /// A phase of a training step.
@@ -30,15 +31,18 @@ pub struct PhaseTimes {
 }
 
 /// A point on the device's timeline (an event recorded on the compute stream).
+#[cfg(feature = "candle")]
 pub struct Mark(#[cfg(feature = "cuda")] candle_core::cuda_backend::cudarc::driver::CudaEvent);
 
 /// Records phase spans on one device's compute stream.
+#[cfg(feature = "candle")]
 pub struct PhaseClock {
     #[cfg(feature = "cuda")]
     stream: Option<std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>>,
     spans: Vec<(Phase, Mark, Mark)>,
 }
 
+#[cfg(feature = "candle")]
 impl PhaseClock {
     /// A clock on `device`'s compute stream; inert unless `device` is a CUDA device.
     pub fn new(device: &Device) -> Self {

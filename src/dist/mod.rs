@@ -126,6 +126,7 @@ pub fn world() -> Arc<dyn Collective> {
 }
 
 /// The installed collective's rank and world size, `(0, 1)` when none is.
+#[cfg(feature = "tools")]
 pub fn rank_world() -> (usize, usize) {
     WORLD.get().map(|c| (c.rank(), c.world())).unwrap_or((0, 1))
 }

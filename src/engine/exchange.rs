@@ -153,6 +153,7 @@ impl Exchange {
     }
 
     /// The buckets of a layer sequence, in the order they leave.
+    #[cfg(feature = "tools")]
     pub fn buckets(&self, looping: bool) -> &[Bucket] {
         &self.plans[looping as usize]
     }

@@ -549,6 +549,7 @@ impl Layout {
     }
 
     /// The slot index of parameter `name`.
+    #[cfg(feature = "tools")]
     pub fn slot_index(&self, name: &str) -> Option<usize> {
         self.index.get(name).copied()
     }

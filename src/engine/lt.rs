@@ -30,6 +30,7 @@
 //!
 //! [`Backend::gemm`]: super::backend::Backend::gemm
 
+#[cfg(feature = "candle")]
 use candle_core::WithDType;
 
 use super::backend::Mat;
@@ -58,6 +59,7 @@ pub struct LtLayout {
 
 impl LtLayout {
     /// The elements one matrix spans, from its first to one past its last (0 when empty).
+    #[cfg(feature = "tools")]
     fn span(self) -> i128 {
         if self.rows == 0 || self.cols == 0 { 0 } else { (self.cols as i128 - 1) * self.ld as i128 + self.rows as i128 }
     }
@@ -204,6 +206,7 @@ pub fn plan_batched(
 /// Checks one operand's layout against its op and shape, and that every batch of it lies in an
 /// arena of `len` elements (the first at `off`, the others `stride` apart); returns its span
 /// per matrix.
+#[cfg(feature = "tools")]
 fn check_operand(name: &str, l: LtLayout, op: LtOp, shape: (u64, u64), (off, stride): (usize, i64), batch: u32, len: usize) -> i128 {
     let want = if op == LtOp::N { shape } else { (shape.1, shape.0) };
     assert!((l.rows, l.cols) == want, "lt plan: {name} is {}x{} under {op:?}, the product needs {}x{}", l.rows, l.cols, want.0, want.1);
@@ -224,6 +227,7 @@ fn check_operand(name: &str, l: LtLayout, op: LtOp, shape: (u64, u64), (off, str
 }
 
 /// Whether `[x, x + lx)` and `[y, y + ly)` share an element.
+#[cfg(feature = "tools")]
 fn overlap(x: i128, lx: i128, y: i128, ly: i128) -> bool {
     lx > 0 && ly > 0 && x < y + ly && y < x + lx
 }
@@ -232,6 +236,7 @@ fn overlap(x: i128, lx: i128, y: i128, ly: i128) -> bool {
 /// the module doc for the rules). Panics on a layout that does not fit its op and `m, n, k`,
 /// an `ld` below the rows, an element outside the arena, a batch count of 0, or a C whose
 /// span overlaps A's, B's or another batch's C's. `T`: any candle element type (f64, f32, bf16, ...).
+#[cfg(feature = "tools")]
 pub fn interpret<T: WithDType>(p: &LtPlan, arena: &mut [T]) {
     interpret_rounding(p, arena, false)
 }
@@ -239,6 +244,7 @@ pub fn interpret<T: WithDType>(p: &LtPlan, arena: &mut [T]) {
 /// [`interpret`], with every element of A and B rounded to bf16 first when `bf16_inputs`: what
 /// `CUBLAS_COMPUTE_32F_FAST_16BF` does on the tensor cores (the accumulation stays wide), so
 /// that the warp emulator can stand for the GPU's bf16 GEMM maths.
+#[cfg(feature = "tools")]
 pub fn interpret_rounding<T: WithDType>(p: &LtPlan, arena: &mut [T], bf16_inputs: bool) {
     let len = arena.len();
     assert!(p.batch >= 1, "lt plan: batch count 0");

@@ -88,6 +88,7 @@ impl BlockNames {
 
 impl Schedule {
     /// The schedule of `cfg` on micro-batches of `rows x t` tokens, the norms with `eps`.
+    #[cfg(feature = "tools")]
     pub fn new(cfg: &ModelConfig, rows: usize, t: usize, eps: f64) -> Schedule {
         Schedule::sized(cfg, Sizing::fixed(rows, t), eps)
     }
@@ -597,6 +598,7 @@ impl Schedule {
     }
 
     /// The number of positions of the layer sequence (`P` of [`Schedule::grad_events`]).
+    #[cfg(feature = "tools")]
     pub fn positions(&self, looping: bool) -> usize {
         self.plan(looping).len()
     }

@@ -270,6 +270,7 @@ impl Engine {
     }
 
     /// Every parameter as a named CPU tensor in the arena's dtype, in `state_dict` order.
+    #[cfg(feature = "tools")]
     pub fn params(&self) -> anyhow::Result<Vec<(String, Tensor)>> {
         self.params_on(&Device::Cpu)
     }
@@ -293,6 +294,7 @@ impl Engine {
     }
 
     /// Every gradient summed so far, named as its parameter.
+    #[cfg(feature = "tools")]
     pub fn grads(&self) -> anyhow::Result<Vec<(String, Tensor)>> {
         self.schedule.layout.slots.iter().map(|s| Ok((s.name.clone(), self.be.download(s.grad, &s.shape)?))).collect()
     }
@@ -333,6 +335,7 @@ impl Engine {
     }
 
     /// The gradient exchange, when several ranks train.
+    #[cfg(feature = "tools")]
     pub fn exchange(&self) -> Option<&Exchange> {
         self.exchange.as_ref()
     }
@@ -589,16 +592,19 @@ impl Engine {
     }
 
     /// Whether every gradient is finite.
+    #[cfg(feature = "tools")]
     pub fn grads_finite(&self) -> bool {
         self.be.all_finite(self.schedule.layout.grads)
     }
 
     /// Whether every parameter is finite.
+    #[cfg(feature = "tools")]
     pub fn params_finite(&self) -> bool {
         self.be.all_finite(self.schedule.layout.params)
     }
 
     /// One Muon step over the block matrices (on one rank).
+    #[cfg(feature = "tools")]
     pub fn muon(&mut self, s: MuonStep) -> anyhow::Result<()> {
         optim::muon(self.be.as_mut(), &self.schedule.layout, s, None).map(|_| ())
     }

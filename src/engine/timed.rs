@@ -9,15 +9,20 @@
 //! The times are resolved (which waits for the device) when the host next reads from the
 //! backend ([`Backend::download`], a reduction), and at [`Timed::resolve`].
 
+#[cfg(feature = "candle")]
 use std::sync::{Arc, Mutex};
+#[cfg(feature = "candle")]
 use std::time::Instant;
 
+#[cfg(feature = "candle")]
 use candle_core::{DType, Tensor};
 
+#[cfg(feature = "candle")]
 use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, GraphCounts, HeadShape, LaneBufs, Mat, Tokens};
 
 /// One op call's time.
 #[derive(Clone, Debug, serde::Serialize)]
+#[cfg(feature = "tools")]
 pub struct OpTime {
     /// The [`Backend`] method.
     pub op: &'static str,
@@ -32,6 +37,7 @@ pub struct OpTime {
 }
 
 /// What an op's time is measured with.
+#[cfg(feature = "tools")]
 enum Start {
     /// A device timing mark.
     Mark(usize),
@@ -40,6 +46,7 @@ enum Start {
 }
 
 /// An op whose time is not read yet.
+#[cfg(feature = "tools")]
 struct Pending {
     op: &'static str,
     shape: String,
@@ -51,14 +58,17 @@ struct Pending {
 }
 
 /// A backend whose every op is timed (see the module doc).
+#[cfg(feature = "tools")]
 pub struct Timed {
     inner: Box<dyn Backend>,
     pending: Mutex<Vec<Pending>>,
     log: Arc<Mutex<Vec<OpTime>>>,
 }
 
+#[cfg(feature = "tools")]
 impl Timed {
     /// Bytes per element of `b`: 2 inside the backend's bf16 region, else the arena's.
+    #[cfg(feature = "tools")]
     fn elem(&self, b: Buf) -> f64 {
         match self.inner.half_region() {
             Some(h) if b.off >= h.off && b.end() <= h.end() => 2.0,
@@ -67,6 +77,7 @@ impl Timed {
     }
 
     /// Bytes of `bufs`.
+    #[cfg(feature = "tools")]
     fn bytes(&self, bufs: &[Buf]) -> f64 {
         bufs.iter().map(|&b| self.elem(b) * b.len as f64).sum::<f64>()
     }
@@ -74,6 +85,7 @@ impl Timed {
     /// Bytes per element of a GEMM input: 2 with bf16 activations for the activations and for
     /// the weights (read from their bf16 copy, below the bf16 region); the arena's for the rest
     /// (Muon's f32 stacks, after it).
+    #[cfg(feature = "tools")]
     fn gemm_elem(&self, m: Mat) -> f64 {
         match self.inner.half_region() {
             Some(h) if m.span().end() <= h.end() => 2.0,
@@ -82,12 +94,14 @@ impl Timed {
     }
 
     /// Times the ops of `inner`; the returned log fills as the times are resolved.
+    #[cfg(feature = "tools")]
     pub fn new(inner: Box<dyn Backend>) -> (Self, Arc<Mutex<Vec<OpTime>>>) {
         let log = Arc::new(Mutex::new(Vec::new()));
         (Self { inner, pending: Mutex::new(Vec::new()), log: log.clone() }, log)
     }
 
     /// Runs `f` on the inner backend as one timed op.
+    #[cfg(feature = "tools")]
     fn time<R>(&mut self, op: &'static str, shape: String, bytes: f64, flops: f64, f: impl FnOnce(&mut dyn Backend) -> R) -> R {
         let start = match self.inner.timing_mark() {
             Some(m) => Start::Mark(m),
@@ -103,6 +117,7 @@ impl Timed {
     }
 
     /// Reads the times of every op not read yet into the log (waits for the device).
+    #[cfg(feature = "tools")]
     pub fn resolve(&self) -> anyhow::Result<()> {
         let pending = std::mem::take(&mut *self.pending.lock().expect("the pending timings"));
         let mut log = self.log.lock().expect("the timing log");
@@ -119,10 +134,12 @@ impl Timed {
     }
 }
 
+#[cfg(feature = "tools")]
 fn rows_cols(b: Buf, cols: usize) -> String {
     format!("{}x{cols}", b.len / cols.max(1))
 }
 
+#[cfg(feature = "tools")]
 impl Backend for Timed {
     fn dtype(&self) -> DType {
         self.inner.dtype()

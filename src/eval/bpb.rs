@@ -167,6 +167,7 @@ impl ByteTables {
 
     /// These tables making every [`BpbAccumulator`] built from them keep each target's loss
     /// ([`BpbAccumulator::recorded`]): the legality audit's view of an unchanged evaluation.
+    #[cfg(feature = "tools")]
     pub fn recording(mut self) -> Self {
         self.record_targets = true;
         self
@@ -264,6 +265,7 @@ impl BpbAccumulator {
     }
 
     /// The tables it counts bytes with.
+    #[cfg(feature = "tools")]
     pub fn tables(&self) -> &Arc<ByteTables> {
         &self.tables
     }
@@ -319,6 +321,7 @@ impl BpbAccumulator {
     /// twice appears twice). Errors when the tables were not made with
     /// [`ByteTables::recording`], or when targets came without their own losses ([`Self::add_sum`],
     /// [`Self::from_sums`]): the error says which.
+    #[cfg(feature = "tools")]
     pub fn recorded(&self) -> anyhow::Result<&[(usize, f32)]> {
         match &self.record {
             Some(TargetRecord::Losses(pairs)) => Ok(pairs),

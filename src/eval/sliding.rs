@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use crate::dist::Collective;
 use crate::dist::share::{all_go_on, rounds, share};
+#[cfg(feature = "candle")]
 use crate::dist::single::Single;
 use crate::eval::bpb::{BpbAccumulator, ByteTables};
 use crate::eval::executor::EvalModel;
@@ -115,6 +116,7 @@ pub fn windows(n_targets: usize, cfg: &SlidingConfig) -> Vec<Window> {
 /// [`EvalModel::token_losses`] (forward passes only) added to a [`BpbAccumulator`] with `prev` = the input
 /// token at each scored position. `keep_going` is asked before every batch: false gives
 /// `Ok(None)` (a partial score is no score).
+#[cfg(feature = "tools")]
 pub fn sliding_eval(
     model: &mut dyn EvalModel,
     tokens: &[u32],

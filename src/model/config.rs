@@ -196,6 +196,7 @@ impl Default for ModelConfig {
 impl ModelConfig {
     /// The 04-09 record's `[model]` (spec 4.2, 4.3; `pipelines/record.toml`): 35,944,536
     /// parameters.
+    #[cfg(feature = "tools")]
     pub fn record() -> ModelConfig {
         ModelConfig {
             vocab_size: 8192,
@@ -221,6 +222,7 @@ impl ModelConfig {
     /// The 04-27 record's `[model]` (PR #1855; `pipelines/record-0427.toml`): the 04-09's with
     /// SmearGate, document-masked attention, the sparse attention gate, the two-lane decoder
     /// from block 8 in place of the parallel residuals, QK gain 5.0 and RoPE never rescaled: 35,945,671 parameters.
+    #[cfg(feature = "tools")]
     pub fn record_0427() -> ModelConfig {
         ModelConfig {
             qk_gain_init: 5.0,

@@ -8,10 +8,12 @@
 //! `[model]` key to be named by an element or by [`SHAPE_KEYS`], so a new key without a row
 //! fails a test.
 
+#[cfg(feature = "candle")]
 use super::config::{Init, MlpActivation, ModelConfig};
 
 /// One model element: a switch of `[model]` (or a value the records change).
 #[derive(Clone, Copy, Debug)]
+#[cfg(feature = "tools")]
 pub struct Element {
     /// The element as the records and the docs name it.
     pub name: &'static str,
@@ -31,9 +33,11 @@ pub struct Element {
 }
 
 /// The `[model]` keys that size the model rather than switch an element on.
+#[cfg(feature = "tools")]
 pub const SHAPE_KEYS: [&str; 5] = ["vocab_size", "num_layers", "model_dim", "num_heads", "mlp_mult"];
 
 /// Every model element, in the order the record spec lists them.
+#[cfg(feature = "tools")]
 pub const ELEMENTS: &[Element] = &[
     Element {
         name: "grouped-query attention",
@@ -188,6 +192,7 @@ pub const ELEMENTS: &[Element] = &[
 ];
 
 /// The element named `name` (tests and the docs' table).
+#[cfg(feature = "tools")]
 pub fn element(name: &str) -> Option<&'static Element> {
     ELEMENTS.iter().find(|e| e.name == name)
 }

@@ -43,6 +43,7 @@ pub struct Gpt {
     /// The attention kernel on a GPU.
     pub(super) attention: Attention,
     /// The q/k RMS norm's epsilon where it is not its input dtype's (see [`Gpt::with_qk_norm_eps`]).
+    #[cfg(feature = "candle")]
     pub(super) qk_eps: Option<f64>,
     /// Whether the forward pass runs the looped layer sequence (depth recurrence on; see
     /// [`Gpt::set_looping`]).
@@ -111,6 +112,7 @@ impl Gpt {
             #[cfg(feature = "candle")]
             detached: std::cell::Cell::new(false),
             attention: Attention::Auto,
+            #[cfg(feature = "candle")]
             qk_eps: None,
             looping: cfg.recurrent(),
         })
@@ -120,6 +122,7 @@ impl Gpt {
     /// reference that computes another precision's formulation exactly: under mixed precision
     /// on a GPU those norms read bf16 rows and so take bf16's epsilon (7.8e-3), which an f64
     /// model would otherwise replace with f64's (see `pipeline parity`).
+    #[cfg(feature = "tools")]
     pub fn with_qk_norm_eps(mut self, eps: Option<f64>) -> Self {
         self.qk_eps = eps;
         self
@@ -190,6 +193,7 @@ impl Gpt {
     }
 
     /// The parameter called `name`.
+    #[cfg(feature = "tools")]
     pub fn param(&self, name: &str) -> Option<&Var> {
         self.index.get(name).map(|&i| &self.params[i].1)
     }

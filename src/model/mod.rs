@@ -90,6 +90,7 @@ mod reference;
 pub mod weights;
 
 pub use config::{FinalLane, Init, MlpActivation, ModelConfig};
+#[cfg(feature = "candle")]
 pub use elements::{ELEMENTS, Element};
 #[cfg(feature = "candle")]
 pub use formulation::PassExtras;
@@ -121,6 +122,7 @@ pub(crate) fn gpu_path(x: &Tensor) -> bool {
 /// Runs `f` (forward and backward passes) with CPU tensors taking the GPU formulation: the GPU
 /// graph's assembly and backward wiring, checked on a machine without a GPU (this thread only).
 /// In bf16 it also gives the errors the GPU's rounding should have (`pipeline parity`'s bounds).
+#[cfg(feature = "tools")]
 pub fn with_gpu_formulation<R>(f: impl FnOnce() -> R) -> R {
     struct Reset(bool);
     impl Drop for Reset {

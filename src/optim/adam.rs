@@ -2,11 +2,15 @@
 //! decoupled weight decay (the 04-09 record, §4.4); see the module doc of [`crate::optim`] for
 //! the update.
 
+#[cfg(feature = "candle")]
 use std::collections::{HashMap, HashSet};
 
+#[cfg(feature = "candle")]
 use candle_core::backprop::GradStore;
+#[cfg(feature = "candle")]
 use candle_core::{DType, Device, Result, Tensor, Var, bail};
 
+#[cfg(feature = "candle")]
 use super::state::{reject_unexpected, state_name, take_state};
 
 /// `torch.optim.Adam` (§3.6) over a list of named parameters of any shape, without weight decay;
@@ -16,6 +20,7 @@ use super::state::{reject_unexpected, state_name, take_state};
 /// count shared by the group (torch counts per parameter; the two agree as long as every
 /// parameter gets a gradient every step, which holds for the record's groups).
 #[derive(Debug)]
+#[cfg(feature = "candle")]
 pub struct Adam {
     params: Vec<(String, Var)>,
     exp_avg: Vec<Tensor>,
@@ -30,6 +35,7 @@ pub struct Adam {
     prefix: String,
 }
 
+#[cfg(feature = "candle")]
 impl Adam {
     /// Builds the optimizer with the group's `base_lr`, `betas = (β1, β2)` and `eps` (the record:
     /// betas (0.9, 0.95), eps 1e-8; base LR 0.05 for the tied embedding, 0.04 for scalars). The

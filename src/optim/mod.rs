@@ -102,10 +102,16 @@ mod schedule;
 mod sgd;
 mod state;
 
+#[cfg(feature = "candle")]
 pub use adam::Adam;
-pub use muon::{Muon, ROW_NORM_EPS};
-pub use newton_schulz::{NS5_COEFFS, NS5_EPS, NewtonSchulz, POLAR_EXPRESS_COEFFS, newton_schulz, newton_schulz5};
+#[cfg(feature = "candle")]
+pub use muon::Muon;
+pub use muon::ROW_NORM_EPS;
+pub use newton_schulz::{NS5_COEFFS, NS5_EPS, NewtonSchulz, POLAR_EXPRESS_COEFFS};
+#[cfg(feature = "candle")]
+pub use newton_schulz::{newton_schulz, newton_schulz5};
 pub use schedule::{lr_multiplier, lr_multiplier_frac, momentum_at, training_frac};
+#[cfg(feature = "candle")]
 pub use sgd::Sgd;
 
 #[cfg(test)]

@@ -2,12 +2,17 @@
 //! record's MuonEq-R row normalisation and decoupled weight decay (§4.4), both off by default;
 //! see the module doc of [`crate::optim`] for the update.
 
+#[cfg(feature = "candle")]
 use std::collections::{HashMap, HashSet};
 
+#[cfg(feature = "candle")]
 use candle_core::backprop::GradStore;
+#[cfg(feature = "candle")]
 use candle_core::{DType, Result, Tensor, Var, bail};
 
+#[cfg(feature = "candle")]
 use super::newton_schulz::{NewtonSchulz, newton_schulz5_stack};
+#[cfg(feature = "candle")]
 use super::state::{reject_unexpected, state_name, take_state};
 
 /// Muon (§3.6) over a list of named 2-D parameters, Nesterov on by default.
@@ -16,6 +21,7 @@ use super::state::{reject_unexpected, state_name, take_state};
 /// be). The learning rate and momentum are passed to every [`Muon::step`]; the struct keeps the
 /// group's base LR (for `lr = base_lr · lr_multiplier`) and the momentum last used.
 #[derive(Debug)]
+#[cfg(feature = "candle")]
 pub struct Muon {
     params: Vec<(String, Var)>,
     buffers: Vec<Tensor>,
@@ -42,6 +48,7 @@ pub struct Muon {
 /// `clamp_min(1e-7)`: a zero row stays zero.
 pub const ROW_NORM_EPS: f64 = 1e-7;
 
+#[cfg(feature = "candle")]
 impl Muon {
     /// Builds the optimizer: `base_lr` (the record: `MATRIX_LR = 0.04`), the initial `momentum`
     /// (overwritten by every step), `backend_steps` Newton–Schulz iterations (the record: 5).
@@ -308,6 +315,7 @@ impl Muon {
 
 /// MuonEq-R on a `(K, rows, cols)` stack: each row divided by its L2 norm floored at
 /// [`ROW_NORM_EPS`], computed in f32 (f64 stays f64), the result in the stack's dtype.
+#[cfg(feature = "candle")]
 fn row_normalize(u: &Tensor) -> Result<Tensor> {
     let wide = if matches!(u.dtype(), DType::F32 | DType::F64) { u.clone() } else { u.to_dtype(DType::F32)? };
     let norm = wide.sqr()?.sum_keepdim(2)?.sqrt()?.maximum(ROW_NORM_EPS)?;

@@ -1,6 +1,7 @@
 //! Newton–Schulz orthogonalization (NS5), the heart of Muon: see the module doc of
 //! [`crate::optim`] for the iteration and what five steps do to the singular values.
 
+#[cfg(feature = "candle")]
 use candle_core::{Result, Tensor, bail};
 
 /// The quintic Newton–Schulz coefficients `(a, b, c)` of the record (§3.6).
@@ -67,11 +68,13 @@ impl NewtonSchulz {
 /// # Errors
 ///
 /// When `g` is not 2-D, or on a candle error.
+#[cfg(feature = "tools")]
 pub fn newton_schulz5(g: &Tensor, steps: usize) -> Result<Tensor> {
     newton_schulz(g, steps, NewtonSchulz::Quintic)
 }
 
 /// [`newton_schulz5`] with iteration `i` using `coeffs.at(i)`.
+#[cfg(feature = "tools")]
 pub fn newton_schulz(g: &Tensor, steps: usize, coeffs: NewtonSchulz) -> Result<Tensor> {
     if g.rank() != 2 {
         bail!("newton_schulz5 expects a 2-D matrix, got shape {:?}", g.dims());
@@ -82,6 +85,7 @@ pub fn newton_schulz(g: &Tensor, steps: usize, coeffs: NewtonSchulz) -> Result<T
 /// [`newton_schulz5`] of each matrix of a `(K, rows, cols)` stack at once: every candle op runs
 /// on the whole stack (batched matrix products), so a group of same-shaped parameters costs the
 /// op count of one.
+#[cfg(feature = "candle")]
 pub(super) fn newton_schulz5_stack(g: &Tensor, steps: usize, coeffs: NewtonSchulz) -> Result<Tensor> {
     let (_, rows, cols) = g.dims3()?;
     let g = g.detach();

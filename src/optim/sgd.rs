@@ -1,10 +1,14 @@
 //! SGD with momentum: what score-first test-time training updates the model with.
 
+#[cfg(feature = "candle")]
 use std::collections::{HashMap, HashSet};
 
+#[cfg(feature = "candle")]
 use candle_core::backprop::GradStore;
+#[cfg(feature = "candle")]
 use candle_core::{Result, Tensor, Var, bail};
 
+#[cfg(feature = "candle")]
 use super::state::{reject_unexpected, state_name, take_state};
 
 /// `torch.optim.SGD` with momentum, no dampening, no Nesterov and no weight decay: the optimizer
@@ -21,6 +25,7 @@ use super::state::{reject_unexpected, state_name, take_state};
 /// The buffers live as long as the optimizer, so one `Sgd` created once carries its momentum
 /// from step to step (across TTT chunks). Computed in the parameter's dtype.
 #[derive(Debug)]
+#[cfg(feature = "candle")]
 pub struct Sgd {
     params: Vec<(String, Var)>,
     /// `None` until the parameter's first step (torch creates the buffer lazily).
@@ -29,6 +34,7 @@ pub struct Sgd {
     prefix: String,
 }
 
+#[cfg(feature = "candle")]
 impl Sgd {
     /// Builds the optimizer over named parameters of any shape with momentum `μ` (the record:
     /// 0.9). The state prefix is `sgd`.

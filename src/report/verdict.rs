@@ -77,6 +77,7 @@ impl LoopTime {
     }
 
     /// Items per second of loop time (0 without time).
+    #[cfg(feature = "tools")]
     pub fn items_per_s(&self) -> f64 {
         if self.total_s > 0.0 { self.items as f64 / self.total_s } else { 0.0 }
     }

@@ -43,6 +43,7 @@ impl BuildInfo {
 
     /// The cargo flags that build it again: `--no-default-features` for the lean build, then
     /// `--features` with [`BuildInfo::extra_features`].
+    #[cfg(feature = "tools")]
     pub fn cargo_flags(&self) -> Vec<String> {
         let mut flags = Vec::new();
         if self.lean() {
@@ -89,6 +90,7 @@ pub struct SourceBundle {
 impl SourceBundle {
     /// The shell command that unpacks the bundle into the folder `code`, by its compressor:
     /// `tar` reads xz alone; Brotli and lrzip streams go through their own programs.
+    #[cfg(feature = "tools")]
     pub fn unpack_command(&self) -> String {
         let f = &self.file;
         match f.rsplit('.').next() {

@@ -100,6 +100,7 @@ impl Control {
     }
 
     /// What a Ctrl-C does: [`Control::interrupt_by`] SIGINT.
+    #[cfg(feature = "tools")]
     pub fn interrupt(&self) {
         self.interrupt_by(StopSignal::Int);
     }

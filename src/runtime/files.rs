@@ -94,6 +94,7 @@ pub fn sha256_file(path: &Path) -> anyhow::Result<String> {
 /// `dir` (what runs record), or, in reports written before they did, an absolute path whose
 /// file name is taken in `dir`. A check reads only the folder it is given: never the absolute
 /// path, and a relative path that leaves `dir` (`..`, a root) is refused.
+#[cfg(feature = "tools")]
 pub fn in_run_dir(dir: &Path, recorded: &str) -> anyhow::Result<std::path::PathBuf> {
     use std::path::Component;
     let p = Path::new(recorded);
@@ -125,6 +126,7 @@ pub fn recorded(dir: &Path) -> std::collections::BTreeMap<String, String> {
 
 /// What a run directory's report (as JSON) records of its files: `run.files` (see [`recorded`]),
 /// empty for a report of an older version.
+#[cfg(feature = "tools")]
 pub fn recorded_of(report: &serde_json::Value) -> std::collections::BTreeMap<String, String> {
     serde_json::from_value(report["run"]["files"].clone()).unwrap_or_default()
 }
@@ -133,6 +135,7 @@ pub fn recorded_of(report: &serde_json::Value) -> std::collections::BTreeMap<Str
 /// resolved there ([`in_run_dir`]), the file present, of the recorded `artifact.bytes` and with
 /// the recorded `artifact.sha256` (a report that recorded none cannot be checked: an error).
 /// `None` when the report names no artifact.
+#[cfg(feature = "tools")]
 pub fn recorded_artifact(dir: &Path, report: &serde_json::Value) -> anyhow::Result<Option<std::path::PathBuf>> {
     let Some(recorded) = report["artifact"]["path"].as_str() else { return Ok(None) };
     let file = in_run_dir(dir, recorded)?;
@@ -154,6 +157,7 @@ pub fn recorded_artifact(dir: &Path, report: &serde_json::Value) -> anyhow::Resu
 
 /// Checks `dir/name` against the SHA-256 `files` recorded for it, when it was recorded (reports
 /// of older versions record none).
+#[cfg(feature = "tools")]
 pub fn check_recorded(dir: &Path, name: &str, files: &std::collections::BTreeMap<String, String>) -> anyhow::Result<()> {
     match files.get(name) {
         Some(sha) => check_sha256(&dir.join(name), sha),
@@ -162,6 +166,7 @@ pub fn check_recorded(dir: &Path, name: &str, files: &std::collections::BTreeMap
 }
 
 /// Checks that `path`'s SHA-256 is `recorded` (hex): the file is the one the run wrote.
+#[cfg(feature = "tools")]
 pub fn check_sha256(path: &Path, recorded: &str) -> anyhow::Result<()> {
     let now = sha256_file(path)?;
     anyhow::ensure!(

@@ -69,6 +69,7 @@ impl Hist {
     }
 
     /// Adds another histogram's events to this one.
+    #[cfg(feature = "tools")]
     pub fn merge(&mut self, other: &Hist) {
         // Both histograms have the same fixed bounds, so `add` cannot fail.
         debug_assert_eq!(self.ns_per_unit, other.ns_per_unit, "merging histograms of different units");

@@ -47,6 +47,7 @@ impl<T: Send + 'static> Pool<T> {
     }
 
     /// Buffers free right now.
+    #[cfg(feature = "tools")]
     pub fn free(&self) -> usize {
         self.rx.len()
     }

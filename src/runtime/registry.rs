@@ -16,6 +16,7 @@ impl Registry {
     }
 
     /// Every implementation, in order.
+    #[cfg(feature = "tools")]
     pub const fn all(&self) -> &'static [&'static dyn StageFactory] {
         self.0
     }

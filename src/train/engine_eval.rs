@@ -98,6 +98,7 @@ impl EngineModel {
     /// An engine of `model`'s config and weights (its device; on the CPU its dtype) on
     /// micro-batches of `rows x t`. Errors name what the engine cannot run (an element it
     /// lacks, a shape the GPU attention refuses).
+    #[cfg(feature = "tools")]
     pub fn new(model: Gpt, rows: usize, t: usize) -> anyhow::Result<Self> {
         Self::sized(model, Sizing::fixed(rows, t))
     }

@@ -104,6 +104,7 @@ impl EngineTrainer {
     }
 
     /// The engine.
+    #[cfg(feature = "tools")]
     pub fn engine(&self) -> &Engine {
         &self.engine
     }
@@ -121,6 +122,7 @@ impl EngineTrainer {
     }
 
     /// Times the mirror has been synced.
+    #[cfg(feature = "tools")]
     pub fn mirror_syncs(&self) -> u64 {
         self.syncs
     }

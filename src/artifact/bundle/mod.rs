@@ -112,6 +112,7 @@ pub fn write(dir: &Path, b: &Bundle, bytes: &[u8], root: &Path) -> Result<()> {
 
 /// The bundle's and `Cargo.lock`'s bytes in `dir`, each checked against `b`'s digests (a file
 /// that is missing, changed or cut short is an error naming it).
+#[cfg(feature = "tools")]
 pub fn read(dir: &Path, b: &Bundle) -> Result<(Vec<u8>, Vec<u8>)> {
     let get = |name: &str, want: &str| -> Result<Vec<u8>> {
         let path = dir.join(name);

@@ -6,7 +6,10 @@
 //! is kept, `source.tar.xz`, `source.tar.br` or `source.tar.lrz`. On source text ZPAQ's context
 //! mixing wins by about a sixth (the lean bundle: 174 KB against Brotli's 209 KB).
 
-use std::io::{Read, Write};
+#[cfg(feature = "candle")]
+use std::io::Read;
+use std::io::Write;
+#[cfg(feature = "candle")]
 use std::path::Path;
 
 use anyhow::{Context, Result};
@@ -33,6 +36,7 @@ impl Codec {
     }
 
     /// The codec a bundle's file name says.
+    #[cfg(feature = "tools")]
     pub fn of_file(name: &str) -> Option<Codec> {
         [Codec::Xz, Codec::Brotli, Codec::Lrzip].into_iter().find(|c| c.file_name() == name)
     }
@@ -56,6 +60,7 @@ pub fn archive(files: &[(String, Vec<u8>)]) -> Result<Vec<u8>> {
 
 /// The most an archive may expand to (a bundle is about a megabyte): a damaged lrzip header
 /// that claims more is refused before anything is allocated.
+#[cfg(feature = "tools")]
 const MAX_ARCHIVE: u64 = 1 << 30;
 
 /// `data` compressed every way; the smallest, with its codec. lrzip is tried where it is
@@ -88,6 +93,7 @@ fn smallest(data: &[u8], lrz: Option<Vec<u8>>) -> Result<(Codec, Vec<u8>)> {
 }
 
 /// The archive inside a compressed bundle.
+#[cfg(feature = "tools")]
 pub fn decompress(codec: Codec, bytes: &[u8]) -> Result<Vec<u8>> {
     let mut out = Vec::new();
     match codec {
@@ -101,6 +107,7 @@ pub fn decompress(codec: Codec, bytes: &[u8]) -> Result<Vec<u8>> {
 
 /// The archive inside an lrzip bundle: the size its header states (bytes 6 to 14), at most
 /// [`MAX_ARCHIVE`], is the size lrzip must give back.
+#[cfg(feature = "tools")]
 fn lrzip_archive(bytes: &[u8]) -> Result<Vec<u8>> {
     let name = Codec::Lrzip.file_name();
     let said = bytes.get(6..14).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
@@ -111,6 +118,7 @@ fn lrzip_archive(bytes: &[u8]) -> Result<Vec<u8>> {
 
 /// The files of an archive: paths and bytes, in order. A path that leaves the folder (absolute,
 /// or with `..`) or an entry that is not a regular file is refused.
+#[cfg(feature = "tools")]
 pub fn entries(archive: &[u8]) -> Result<Vec<(String, Vec<u8>)>> {
     let mut a = tar::Archive::new(archive);
     let mut out = Vec::new();
@@ -131,6 +139,7 @@ pub fn entries(archive: &[u8]) -> Result<Vec<(String, Vec<u8>)>> {
 }
 
 /// Writes an archive's files under `dir` (which must be empty or missing).
+#[cfg(feature = "tools")]
 pub fn unpack(archive: &[u8], dir: &Path) -> Result<usize> {
     if dir.exists() {
         anyhow::ensure!(std::fs::read_dir(dir)?.next().is_none(), "{} is not empty", dir.display());

@@ -56,6 +56,7 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 
 /// The crate root this binary's sources are under (see [`of_this_binary`]), without reading
 /// or checking them.
+#[cfg(feature = "tools")]
 pub fn root() -> Option<PathBuf> {
     locate(&built_digests())
 }

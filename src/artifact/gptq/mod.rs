@@ -388,6 +388,7 @@ pub fn round_to_nearest(w: &[f32], cols: usize, scales: &[f32], qmax: i8) -> Vec
 ///
 /// # Panics
 /// If a length does not match the shape (a programming error, not data).
+#[cfg(feature = "tools")]
 pub fn weighted_error(w: &[f32], rows: usize, cols: usize, hessian: &[f32], q: &[i8], scales: &[f32]) -> f64 {
     let numel = rows.checked_mul(cols);
     assert_eq!(Some(w.len()), numel, "weighted_error: {} weights for {rows}x{cols}", w.len());

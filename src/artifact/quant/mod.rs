@@ -180,6 +180,7 @@ impl Default for QuantConfig {
 impl QuantConfig {
     /// The record's settings (spec 4.5): GPTQ-ready int6 matrices and int8 embedding with
     /// SD-clip scales, small tensors fp16, byte shuffle 2, Brotli 11.
+    #[cfg(feature = "tools")]
     pub fn record() -> Self {
         Self {
             bits: 6,
@@ -407,6 +408,7 @@ pub struct ArtifactStats {
 
 impl ArtifactStats {
     /// Whether this artifact plus `code_bytes` of code fits [`ARTIFACT_CAP_BYTES`].
+    #[cfg(feature = "tools")]
     pub fn fits_cap(&self, code_bytes: u64) -> bool {
         self.compressed_bytes + code_bytes <= ARTIFACT_CAP_BYTES
     }
@@ -640,6 +642,7 @@ fn raw_tensor(t: &Tensor) -> Result<RawTensor> {
 
 impl Quantized {
     /// Bits per value of the matrices (8 or 6 in the challenge; each [`QuantTensor`] has its own).
+    #[cfg(feature = "tools")]
     pub fn bits(&self) -> u8 {
         self.bits
     }
@@ -663,11 +666,13 @@ impl Quantized {
     }
 
     /// The entries, in state-dict order.
+    #[cfg(feature = "tools")]
     pub fn entries(&self) -> &[(String, Entry)] {
         &self.entries
     }
 
     /// The entry called `name`.
+    #[cfg(feature = "tools")]
     pub fn get(&self, name: &str) -> Option<&Entry> {
         self.entries.iter().find(|(n, _)| n == name).map(|(_, e)| e)
     }

@@ -5,13 +5,17 @@
 //! against the engine's CPU reference; the arithmetic is f64, each output rounded once to its
 //! type (`bf16` tensors, `f32` statistics), as a fused kernel stores them.
 
+#[cfg(feature = "candle")]
 use anyhow::Context;
 
+#[cfg(feature = "candle")]
 use super::{SdpaDesc, SdpaPtrs, Strides};
 
 /// Element reads and writes at byte addresses of a memory.
+#[cfg(feature = "tools")]
 struct Mem<'a>(&'a mut [u8]);
 
+#[cfg(feature = "tools")]
 impl Mem<'_> {
     fn bytes<const N: usize>(&self, addr: u64) -> anyhow::Result<[u8; N]> {
         let at = addr as usize;
@@ -52,6 +56,7 @@ impl Mem<'_> {
 /// One tensor of a call: its address, strides and element size; `base` is the element offset
 /// of the current sequence (its batch stride times its index, or its ragged offset).
 #[derive(Clone, Copy)]
+#[cfg(feature = "tools")]
 struct View {
     ptr: u64,
     st: Strides,
@@ -59,12 +64,15 @@ struct View {
     base: i64,
 }
 
+#[cfg(feature = "tools")]
 impl View {
+    #[cfg(feature = "tools")]
     fn new(ptr: u64, st: Strides, bytes: u64) -> View {
         View { ptr, st, bytes, base: 0 }
     }
 
     /// The address of `(head, pos, dim)` of the current sequence.
+    #[cfg(feature = "tools")]
     fn at(&self, head: usize, pos: usize, dim: usize) -> u64 {
         let e = self.base + head as i64 * self.st[1] + pos as i64 * self.st[2] + dim as i64 * self.st[3];
         self.ptr.wrapping_add((e as u64).wrapping_mul(self.bytes))
@@ -72,6 +80,7 @@ impl View {
 }
 
 /// Runs `desc` on `p` in `memory` (addresses are byte offsets into it).
+#[cfg(feature = "tools")]
 pub fn run(desc: &SdpaDesc, p: &SdpaPtrs, memory: &mut [u8]) -> anyhow::Result<()> {
     anyhow::ensure!(desc.unsupported().is_none(), "cuDNN would refuse {}: {:?}", super::describe(desc), desc.unsupported());
     let mut m = Mem(memory);

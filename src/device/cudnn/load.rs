@@ -77,6 +77,7 @@ pub fn library() -> Result<&'static Opened, String> {
 }
 
 /// `92801` as `9.28.1`.
+#[cfg(feature = "tools")]
 pub fn version_name(v: usize) -> String {
     format!("{}.{}.{}", v / 10_000, v / 100 % 100, v % 100)
 }

@@ -95,6 +95,7 @@ pub fn causal_descs(batch: usize, t: usize, heads: usize, kv_heads: usize, d: us
 /// slot starts where the one before ends. Returns each slot's length (`rows x t`) and first
 /// position (`rows x t + 1`, the last the end): a tensor's ragged offsets are those times its
 /// row stride. The engine's `eng_doc_slots` computes the same on the device.
+#[cfg(feature = "tools")]
 pub fn packed_slots(t: usize, rows: &[Vec<(usize, usize)>]) -> (Vec<u32>, Vec<u32>) {
     let n = rows.len() * t;
     let (mut lens, mut starts) = (vec![0u32; n], Vec::with_capacity(n + 1));

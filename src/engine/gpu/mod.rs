@@ -80,6 +80,7 @@ pub enum Space {
 
 impl Space {
     /// Every space, in allocation order.
+    #[cfg(feature = "tools")]
     pub const ALL: [Space; 6] = [Space::Arena, Space::Aux, Space::Half, Space::Tokens, Space::Act, Space::Mirror];
 
     /// Bytes per element.
@@ -112,6 +113,7 @@ pub enum GpuPrecision {
 
 impl GpuPrecision {
     /// A short name for logs and reports.
+    #[cfg(feature = "tools")]
     pub fn label(self) -> &'static str {
         match self {
             GpuPrecision::F32 => "f32",

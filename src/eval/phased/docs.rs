@@ -28,6 +28,7 @@ impl Document {
     }
 
     /// Its targets as stream target indices.
+    #[cfg(feature = "tools")]
     pub fn targets(&self) -> Range<usize> {
         self.start..self.start + self.pred_len()
     }

@@ -31,11 +31,14 @@ use std::time::{Duration, Instant};
 
 use crate::dist::Collective;
 use crate::dist::share::{all_go_on, share};
+#[cfg(feature = "candle")]
 use crate::dist::single::Single;
 use crate::eval::bpb::{BpbAccumulator, ByteTables};
 use crate::eval::executor::{EvalModel, SgdStep};
 
-pub use super::sliding::{SlidingConfig, Window, sliding_eval, sliding_eval_shared, windows};
+#[cfg(feature = "candle")]
+pub use super::sliding::sliding_eval;
+pub use super::sliding::{SlidingConfig, Window, sliding_eval_shared, windows};
 use super::sliding::{check_tokens, score_windows};
 
 /// Score-first TTT settings (spec §4.7). The defaults are the record's: `seq_len` 2048, `stride`
@@ -218,6 +221,7 @@ pub struct TttOutcome {
 /// weights. `on_event` gets every
 /// [`TttEvent`] as it happens; `keep_going` is asked before every scoring or training batch:
 /// false gives `Ok(None)` (the weights may then be partly trained).
+#[cfg(feature = "tools")]
 pub fn score_first_ttt(
     model: &mut dyn EvalModel,
     tokens: &[u32],

@@ -15,7 +15,11 @@
 //! The fused CPU attention kernel reads [`DocumentMask::row`] and skips the hidden keys in its
 //! softmax; every other device adds [`DocumentMask::additive`] to the materialised scores.
 
-use candle_core::{DType, Device, Result, Tensor, bail};
+#[cfg(feature = "candle")]
+use candle_core::Tensor;
+#[cfg(feature = "candle")]
+use candle_core::{DType, Device};
+use candle_core::{Result, bail};
 
 /// Per position of a batch of packed rows, the first key position it may see.
 #[derive(Clone, Debug)]
@@ -26,6 +30,7 @@ pub struct DocumentMask {
     starts: Vec<u32>,
     /// [`DocumentMask::additive`] as first made: every attention layer of a pass reads the same
     /// `(B, 1, T, T)` mask, so it is built and moved to the device once.
+    #[cfg(feature = "candle")]
     additive: std::sync::OnceLock<Tensor>,
     /// [`DocumentMask::starts_on`] as first made.
     #[cfg(feature = "candle")]
@@ -52,6 +57,7 @@ impl DocumentMask {
         Ok(Self {
             t,
             starts,
+            #[cfg(feature = "candle")]
             additive: std::sync::OnceLock::new(),
             #[cfg(feature = "candle")]
             on_device: std::sync::OnceLock::new(),
@@ -59,11 +65,13 @@ impl DocumentMask {
     }
 
     /// Number of rows.
+    #[cfg(feature = "candle")]
     pub fn rows(&self) -> usize {
         self.starts.len() / self.t
     }
 
     /// Positions per row.
+    #[cfg(feature = "candle")]
     pub fn t(&self) -> usize {
         self.t
     }
@@ -75,6 +83,7 @@ impl DocumentMask {
 
     /// The segments of row `b` as `(start, len)` pairs, in order (FlashAttention's `cu_seqlens`
     /// of one row).
+    #[cfg(feature = "candle")]
     pub fn segments(&self, b: usize) -> Vec<(usize, usize)> {
         let row = self.row(b);
         let mut out: Vec<(usize, usize)> = Vec::new();
@@ -103,6 +112,7 @@ impl DocumentMask {
     }
 
     /// Whether every row is one segment (the mask is plain causal attention).
+    #[cfg(feature = "candle")]
     pub fn is_causal(&self) -> bool {
         self.starts.iter().all(|&s| s == 0)
     }
@@ -110,6 +120,7 @@ impl DocumentMask {
     /// The additive mask `(B, 1, T, T)`: 0 where position `i` sees key `j`, -inf elsewhere (the
     /// future and earlier documents), for scores `(B, H, T, T)`. Made once and kept for the
     /// first `dtype` and device asked for (a pass asks for one).
+    #[cfg(feature = "candle")]
     pub fn additive(&self, dtype: DType, device: &Device) -> Result<Tensor> {
         if let Some(m) = self.additive.get()
             && m.dtype() == dtype
@@ -123,6 +134,7 @@ impl DocumentMask {
         Ok(m)
     }
 
+    #[cfg(feature = "candle")]
     fn make_additive(&self, dtype: DType, device: &Device) -> Result<Tensor> {
         let t = self.t;
         let mut v = vec![f32::NEG_INFINITY; self.rows() * t * t];

@@ -27,6 +27,7 @@ impl AblationConfig {
 
 /// One varied key: `key` and the values to try, each as TOML text (`2`, `"pinned"`).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg(feature = "tools")]
 pub struct Vary {
     /// The dotted config key.
     pub key: String,
@@ -34,10 +35,12 @@ pub struct Vary {
     pub values: Vec<String>,
 }
 
+#[cfg(feature = "tools")]
 impl Vary {
     /// Parses `KEY=V1,V2,...`: the values are read as a TOML array when they form one (so
     /// `"a,b"` and `[1, 2]` stay whole), else split at commas, each a TOML value or a bare
     /// string (as `--set` reads it).
+    #[cfg(feature = "tools")]
     pub fn parse(raw: &str) -> Result<Vary, String> {
         let (key, values) = raw.split_once('=').ok_or_else(|| format!("`--vary {raw}`: expected KEY=V1,V2,..."))?;
         let key = key.trim();
@@ -56,12 +59,14 @@ impl Vary {
     }
 
     /// The `[ablation.vary]` entry `key = [values]`.
+    #[cfg(feature = "tools")]
     pub fn from_table(key: &str, values: &[toml::Value]) -> Vary {
         Vary { key: key.to_string(), values: values.iter().map(toml::Value::to_string).collect() }
     }
 }
 
 /// A value as `--set` reads it: TOML when it parses, else a string.
+#[cfg(feature = "tools")]
 fn bare(v: &str) -> String {
     match toml::from_str::<toml::Table>(&format!("v = {v}")).ok().and_then(|mut t| t.remove("v")) {
         Some(value) => value.to_string(),
@@ -71,6 +76,7 @@ fn bare(v: &str) -> String {
 
 /// One run of an ablation.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[cfg(feature = "tools")]
 pub struct Variant {
     /// The variant's name: `base`, or its settings (`stages.sampler.queue=100`).
     pub name: String,
@@ -85,6 +91,7 @@ pub struct Variant {
 /// Every run of the ablation, base first: one key changed at a time (each value of each key),
 /// or with `grid` every combination; each `seeds` times (`run.seed = base_seed + k`). Values
 /// are applied as given, so a value equal to the base's is a run of its own (a repeat).
+#[cfg(feature = "tools")]
 pub fn plan(varies: &[Vary], grid: bool, seeds: u32, base_seed: u64) -> Result<Vec<Variant>, String> {
     let mut seen = std::collections::HashSet::new();
     if let Some(v) = varies.iter().find(|v| !seen.insert(v.key.as_str())) {
@@ -127,6 +134,7 @@ pub fn plan(varies: &[Vary], grid: bool, seeds: u32, base_seed: u64) -> Result<V
 
 /// A directory name for a variant: its name with every character outside `[A-Za-z0-9._=,-]`
 /// replaced by `_`, cut to 120 bytes.
+#[cfg(feature = "tools")]
 fn dir_name(name: &str) -> String {
     let mut d: String = name.chars().map(|c| if c.is_ascii_alphanumeric() || "._=,-".contains(c) { c } else { '_' }).collect();
     d.truncate(120);
