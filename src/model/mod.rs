@@ -8,9 +8,10 @@
 //!
 //! - [`config`]: [`ModelConfig`], the `[model]` table (the baseline's values are the defaults).
 //! - [`gpt`]: [`Gpt`]: parameters named exactly as the PyTorch script's `GPT.state_dict()`, the
-//!   spec's initialisation, optimizer groups ([`ParamGroup`]), and the forward pass's assembly
-//!   (embedding, the U-Net of blocks with skips, the output head, the loss).
-//! - [`block`], [`attention`], [`mlp`]: one transformer block and its two sublayers, each
+//!   spec's initialisation, optimizer groups ([`ParamGroup`]), loading and reading them.
+//! - With the feature `candle` (the candle executor): `forward`, the forward pass's assembly
+//!   on candle's autograd (embedding, the U-Net of blocks with skips, the output head, the
+//!   loss), and `block`, `attention`, `mlp`: one transformer block and its two sublayers, each
 //!   written once.
 //! - [`observe`]: watching the inputs of a pass's matrix products (GPTQ's calibration).
 //! - [`lora`]: per-document LoRA adapters a pass may carry ([`PassExtras`]; test-time
@@ -47,8 +48,8 @@
 //! - partial RoPE (`rope_dims`, NTK rescale), QK gain: [`attention`] and the op
 //!   [`ops::qk_norm_rope`] (its tables from [`ops::rope`]); XSA: [`attention`] and [`ops::xsa`];
 //! - LeakyReLU²: [`mlp`] and [`ops::leaky_relu_sq`];
-//! - depth recurrence (the virtual layer sequence) and gated skips: the U-Net loop of [`gpt`]'s
-//!   forward assembly, with the layer order from `ModelConfig::layer_sequence`;
+//! - depth recurrence (the virtual layer sequence) and gated skips: the U-Net loop of the
+//!   forward assembly (`forward`), with the layer order from `ModelConfig::layer_sequence`;
 //! - orthogonal init: `init.rs`.
 //!
 //! Every element is a row of the table [`elements::ELEMENTS`] (its keys, how to turn it on),
