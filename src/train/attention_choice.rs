@@ -7,7 +7,8 @@
 //! an H100; the engine: its flash_mma kernels); a challenger (`flash_mma`, cuDNN's `cudnn`,
 //! left out with the reason where cuDNN cannot run) takes over when it agrees with the
 //! reference and is more than [`MARGIN`] faster, or when the incumbent is left out. Where the
-//! trial cannot run at all, the incumbent is taken as it was before the trial existed.
+//! trial cannot run at all, the incumbent is taken as it was before the trial existed; so in the
+//! lean record build, which has no trial command, and says so.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -56,6 +57,11 @@ fn kernels_name<S: serde::Serializer>(k: &FlashKernels, s: S) -> Result<S::Ok, S
 /// naming every reason, where the trials ran and no implementation passed.
 pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Duration, kinds: &[FlashKernels]) -> anyhow::Result<Choice> {
     anyhow::ensure!(!kinds.is_empty(), "no attention implementation to try");
+    if !cfg!(feature = "tools") {
+        // The lean record build has no `attention-trial` command (the trial runs the candle
+        // flash ops): the incumbent, said so, rather than child processes that cannot start.
+        return Ok(untried(kinds, shape, "this build has no attention trial (`pipeline attention-trial` is the full build's)"));
+    }
     let started = Instant::now();
     let results: Vec<TrialResult> =
         kinds.iter().map(|&k| outcome_of(k.name(), run(&mut trial_command(exe, device, k, shape), timeout))).collect();
@@ -81,6 +87,13 @@ pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Du
     let chosen = kinds.iter().zip(&outcomes).find(|(_, o)| std::ptr::eq(*o, best)).map(|(k, _)| *k);
     let wall_ms = started.elapsed().as_secs_f64() * 1e3;
     Ok(Choice { kernels: chosen.unwrap_or(kinds[0]), outcomes, untried: false, resumed_from: None, line, wall_ms })
+}
+
+/// The incumbent (`kinds[0]`) without a trial, every implementation left out for `why`.
+fn untried(kinds: &[FlashKernels], shape: AttentionShape, why: &str) -> Choice {
+    let outcomes: Vec<Outcome> = kinds.iter().map(|k| Outcome::left_out(k.name(), why.to_string())).collect();
+    let line = format!("{}; {} taken without a trial", summary(&outcomes, shape, TrialSettings::flash()), kinds[0].name());
+    Choice { kernels: kinds[0], outcomes, untried: true, resumed_from: None, line, wall_ms: 0.0 }
 }
 
 /// What `attention = "auto"` takes when resuming from `checkpoint`, which trained with the
@@ -225,6 +238,17 @@ fn telling_line(stderr: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The lean build's choice: the incumbent, every implementation left out with the reason,
+    /// and the log line says it was taken without a trial.
+    #[test]
+    fn without_a_trial_the_incumbent_is_taken_and_said() {
+        let shape = AttentionShape { batch: 2, t: 128, heads: 8, kv_heads: 4, head_dim: 64 };
+        let c = untried(&[FlashKernels::Mma, FlashKernels::Cudnn], shape, "no trial here");
+        assert_eq!((c.kernels, c.untried, c.outcomes.len()), (FlashKernels::Mma, true, 2));
+        assert!(c.outcomes.iter().all(|o| o.rejected.as_deref() == Some("no trial here")), "{:?}", c.outcomes);
+        assert!(c.line.ends_with("flash_mma taken without a trial"), "{}", c.line);
+    }
 
     fn sh(script: &str) -> Command {
         let mut c = Command::new("sh");
