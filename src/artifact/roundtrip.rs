@@ -12,7 +12,7 @@
 //! `Code size: C bytes ...`, `Total submission size ...: N + C = T bytes ... of the cap`.
 
 use std::path::Path;
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 

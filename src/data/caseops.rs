@@ -41,7 +41,7 @@
 //! charges nobody for whitespace it strips at a document's start and end; here it is charged to
 //! the first and last piece, so that the sidecar's total is the original text's length.
 
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 

@@ -8,7 +8,7 @@
 
 use std::fs::File;
 use std::io::Read;
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};

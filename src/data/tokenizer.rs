@@ -10,11 +10,11 @@
 //! into spaces before encoding, as sentencepiece does.
 
 use std::path::Path;
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use std::path::PathBuf;
 
 use anyhow::Context;
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use sha2::Digest;
 
 /// A loaded sentencepiece model.

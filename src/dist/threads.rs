@@ -7,17 +7,17 @@
 //! Every rank must call the same collectives in the same order (as with any backend); sums run
 //! in rank order in f64, so every rank gets the same bits. CPU tensors only.
 
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use std::sync::atomic::{AtomicUsize, Ordering};
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use std::sync::{Arc, Condvar, Mutex};
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use std::time::Duration;
 
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use candle_core::{DType, Device, Tensor};
 
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use super::{Collective, ReduceOp};
 
 /// What the ranks share: the barrier, each rank's contribution to the collective under way,

@@ -30,7 +30,7 @@
 //!
 //! [`Backend::gemm`]: super::backend::Backend::gemm
 
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use candle_core::WithDType;
 
 use super::backend::Mat;

@@ -9,15 +9,15 @@
 //! The times are resolved (which waits for the device) when the host next reads from the
 //! backend ([`Backend::download`], a reduction), and at [`Timed::resolve`].
 
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use std::sync::{Arc, Mutex};
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use std::time::Instant;
 
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use candle_core::{DType, Tensor};
 
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, GraphCounts, HeadShape, LaneBufs, Mat, Tokens};
 
 /// One op call's time.

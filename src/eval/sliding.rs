@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use crate::dist::Collective;
 use crate::dist::share::{all_go_on, rounds, share};
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use crate::dist::single::Single;
 use crate::eval::bpb::{BpbAccumulator, ByteTables};
 use crate::eval::executor::EvalModel;

@@ -3,14 +3,14 @@
 
 /// The largest of `errors` (0 for none), NaN if any is NaN: `f64::max` drops NaNs, so a NaN
 /// error folded with it would pass any tolerance.
-#[cfg(feature = "tools")]
+#[cfg(feature = "candle")]
 pub fn worst(errors: impl IntoIterator<Item = f64>) -> f64 {
     errors.into_iter().fold(0.0, |a, b| if b.is_nan() || b > a { b } else { a })
 }
 
 /// Relative error of `a` against `b` in the Frobenius norm (the absolute error where `b` is 0;
 /// infinite where the lengths differ).
-#[cfg(feature = "tools")]
+#[cfg(feature = "candle")]
 pub fn rel_err(a: &[f64], b: &[f64]) -> f64 {
     if a.len() != b.len() {
         return f64::INFINITY;
@@ -23,7 +23,7 @@ pub fn rel_err(a: &[f64], b: &[f64]) -> f64 {
 /// How a row-major `(rows, cols)` matrix splits into blocks: `block_rows` consecutive rows (the
 /// last block of a `seq_rows` sequence may be shorter) by `block_cols` consecutive columns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[cfg(feature = "tools")]
+#[cfg(feature = "candle")]
 pub struct Blocks {
     /// Columns per row.
     pub cols: usize,
@@ -38,7 +38,7 @@ pub struct Blocks {
 /// The worst [`rel_err`] over the blocks of `a` against `b`: an error confined to one block
 /// (one head's tile of a sequence, say) counts in full instead of being diluted by the rest.
 /// Infinite where the lengths differ or do not fit `blocks`.
-#[cfg(feature = "tools")]
+#[cfg(feature = "candle")]
 pub fn blockwise_rel_err(a: &[f64], b: &[f64], blocks: Blocks) -> f64 {
     let Blocks { cols, seq_rows, block_rows, block_cols } = blocks;
     if a.len() != b.len() || cols == 0 || seq_rows == 0 || block_rows == 0 || block_cols == 0 || !a.len().is_multiple_of(cols * seq_rows) {

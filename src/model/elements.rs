@@ -8,7 +8,7 @@
 //! `[model]` key to be named by an element or by [`SHAPE_KEYS`], so a new key without a row
 //! fails a test.
 
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use super::config::{Init, MlpActivation, ModelConfig};
 
 /// One model element: a switch of `[model]` (or a value the records change).

@@ -91,7 +91,7 @@ mod reference;
 pub mod weights;
 
 pub use config::{FinalLane, Init, MlpActivation, ModelConfig};
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 pub use elements::{ELEMENTS, Element};
 #[cfg(feature = "candle")]
 pub use formulation::PassExtras;

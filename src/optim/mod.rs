@@ -108,7 +108,7 @@ pub use adam::Adam;
 pub use muon::Muon;
 pub use muon::ROW_NORM_EPS;
 pub use newton_schulz::{NS5_COEFFS, NS5_EPS, NewtonSchulz, POLAR_EXPRESS_COEFFS};
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 pub use newton_schulz::{newton_schulz, newton_schulz5};
 pub use schedule::{lr_multiplier, lr_multiplier_frac, momentum_at, training_frac};
 #[cfg(feature = "candle")]

@@ -1,8 +1,10 @@
 //! Newton–Schulz orthogonalization (NS5), the heart of Muon: see the module doc of
 //! [`crate::optim`] for the iteration and what five steps do to the singular values.
 
+#[cfg(feature = "tools")]
+use candle_core::bail;
 #[cfg(feature = "candle")]
-use candle_core::{Result, Tensor, bail};
+use candle_core::{Result, Tensor};
 
 /// The quintic Newton–Schulz coefficients `(a, b, c)` of the record (§3.6).
 pub const NS5_COEFFS: (f64, f64, f64) = (3.4445, -4.7750, 2.0315);

@@ -6,10 +6,10 @@
 //! is kept, `source.tar.xz`, `source.tar.br` or `source.tar.lrz`. On source text ZPAQ's context
 //! mixing wins by about a sixth (the lean bundle: 174 KB against Brotli's 209 KB).
 
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use std::io::Read;
 use std::io::Write;
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use std::path::Path;
 
 use anyhow::{Context, Result};

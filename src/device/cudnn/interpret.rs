@@ -5,10 +5,10 @@
 //! against the engine's CPU reference; the arithmetic is f64, each output rounded once to its
 //! type (`bf16` tensors, `f32` statistics), as a fused kernel stores them.
 
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use anyhow::Context;
 
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use super::{SdpaDesc, SdpaPtrs, Strides};
 
 /// Element reads and writes at byte addresses of a memory.

@@ -31,12 +31,12 @@ use std::time::{Duration, Instant};
 
 use crate::dist::Collective;
 use crate::dist::share::{all_go_on, share};
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 use crate::dist::single::Single;
 use crate::eval::bpb::{BpbAccumulator, ByteTables};
 use crate::eval::executor::{EvalModel, SgdStep};
 
-#[cfg(feature = "candle")]
+#[cfg(feature = "tools")]
 pub use super::sliding::sliding_eval;
 pub use super::sliding::{SlidingConfig, Window, sliding_eval_shared, windows};
 use super::sliding::{check_tokens, score_windows};
