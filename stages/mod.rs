@@ -153,6 +153,32 @@ mod tests {
         }
     }
 
+    /// Every implementation refuses a key it does not take, naming it, and takes each key its
+    /// schema lists (those of a flattened library config too): the runtime's check stands in
+    /// for serde's `deny_unknown_fields`, which `flatten` turns off.
+    #[test]
+    fn every_implementation_refuses_an_unknown_key_and_takes_its_own() {
+        use figment::value::{Dict, Value};
+        for f in REGISTRY {
+            let mut dict = Dict::new();
+            dict.insert("no_such_key".into(), Value::from(1));
+            let e = f.resolve(&Value::from(dict)).map(drop).expect_err(&format!("{}/{} took `no_such_key`", f.kind(), f.name()));
+            assert!(
+                matches!(&e.kind, figment::error::Kind::UnknownField(k, _) if k == "no_such_key"),
+                "{}/{}: {e}",
+                f.kind(),
+                f.name()
+            );
+            let required = f.schema().get("required").and_then(|r| r.as_array()).map_or(0, |r| r.len());
+            if required == 0 {
+                // The defaults, written out key by key, resolve to themselves.
+                let defaults = f.resolve(&Value::from(Dict::new())).unwrap();
+                let back = f.resolve(&Value::serialize(&defaults).unwrap()).unwrap();
+                assert_eq!(back, defaults, "{}/{}", f.kind(), f.name());
+            }
+        }
+    }
+
     #[test]
     fn defaults_resolve_when_no_param_is_required() {
         for f in REGISTRY {

@@ -56,9 +56,9 @@ pub fn command(weights: PathBuf, path: PathBuf, o: Options) -> i32 {
         }
     };
     let mut p = params;
-    p.bits = o.bits.unwrap_or(p.bits);
-    p.codec = o.codec.unwrap_or(p.codec);
-    p.level = o.level.or(p.level);
+    p.quant.bits = o.bits.unwrap_or(p.quant.bits);
+    p.quant.codec = o.codec.unwrap_or(p.quant.codec);
+    p.quant.level = o.level.or(p.quant.level);
     if let Err(e) = p.check() {
         err!("error: {e:#}");
         return 2;
@@ -67,7 +67,7 @@ pub fn command(weights: PathBuf, path: PathBuf, o: Options) -> i32 {
         Some(m) => m == MethodArg::Gptq,
         None => stage_impl.as_deref() == Some("gptq"),
     };
-    let q = p.quant();
+    let q = p.quant.clone();
     let out = o.out.unwrap_or_else(|| default_path(&weights, &q));
     let code = match p.code_bytes {
         Some(n) => CodeBytes::Given(n),
@@ -94,8 +94,9 @@ fn stage_params(loaded: &config::Loaded<Config>) -> anyhow::Result<(ArtifactPara
     for k in RESERVED_KEYS {
         params.remove(k);
     }
-    let p = figment::Figment::from(figment::providers::Serialized::defaults(params))
-        .extract::<ArtifactParams>()
+    let p = figment::value::Value::serialize(&params)
+        .and_then(|raw| crate::runtime::stage::unknown_keys::<ArtifactParams>(&raw))
+        .and_then(|()| figment::Figment::from(figment::providers::Serialized::defaults(params)).extract::<ArtifactParams>())
         .map_err(|e| anyhow::anyhow!("`stages.{name}`: {e}"))?;
     Ok((p, implementation))
 }

@@ -81,6 +81,7 @@ impl<T: Send + 'static> ErasedChannelHandle for TypedChannel<T> {
 
 #[allow(clippy::result_large_err)]
 fn resolve_params<P: Params>(raw: &figment::value::Value) -> Result<toml::Table, figment::Error> {
+    crate::runtime::stage::unknown_keys::<P>(raw)?;
     let typed: P = raw.deserialize()?;
     let value = toml::Value::try_from(&typed).map_err(|e| figment::Error::from(format!("cannot re-serialise parameters: {e}")))?;
     match value {

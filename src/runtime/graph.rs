@@ -399,7 +399,7 @@ fn draft_stage<C>(loaded: &Loaded<C>, registry: &Registry, name: &str, table: &D
 
 /// The parameter names an implementation takes (its schema's properties).
 fn param_names(f: &dyn StageFactory) -> Vec<String> {
-    f.schema().get("properties").and_then(|p| p.as_object()).map(|p| p.keys().cloned().collect()).unwrap_or_default()
+    crate::runtime::stage::schema_keys(&f.schema())
 }
 
 /// Removes from `params` (and returns, sorted) the keys `factory` does not take but a sibling

@@ -36,10 +36,41 @@ use crate::runtime::metrics::Hist;
 use crate::runtime::trace::{ItemRecord, StageTrace};
 
 /// Typed parameters of a stage implementation: the keys of its `[stages.NAME]` table besides
-/// `kind`, `impl`, `inputs` and `queue`. Use `#[serde(deny_unknown_fields, default)]` and a doc
-/// comment per field: `pipeline stages` prints them.
+/// `kind`, `impl`, `inputs` and `queue`. Use `#[serde(default)]` and a doc comment per field:
+/// `pipeline stages` prints them; unknown keys are refused against the schema ([`unknown_keys`]),
+/// so a stage may `#[serde(flatten)]` its library's config.
 pub trait Params: Serialize + DeserializeOwned + JsonSchema + 'static {}
 impl<T: Serialize + DeserializeOwned + JsonSchema + 'static> Params for T {}
+
+/// The keys a [`Params`] type takes: its schema's properties, in order, those of configs it
+/// `#[serde(flatten)]`s included (the schema merges them). Computed once per type.
+pub fn param_keys<P: Params>() -> &'static [&'static str] {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static KEYS: OnceLock<Mutex<HashMap<std::any::TypeId, &'static [&'static str]>>> = OnceLock::new();
+    let mut known = KEYS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    known.entry(std::any::TypeId::of::<P>()).or_insert_with(|| {
+        let names = schema_keys(&schemars::SchemaGenerator::default().into_root_schema_for::<P>());
+        names.into_iter().map(|n| &*n.leak()).collect::<Vec<&'static str>>().leak()
+    })
+}
+
+/// The property names of a parameters' schema, in order.
+pub fn schema_keys(schema: &schemars::Schema) -> Vec<String> {
+    schema.get("properties").and_then(|p| p.as_object()).map(|p| p.keys().cloned().collect()).unwrap_or_default()
+}
+
+/// Refuses a key of a stage's table `raw` that `P` does not take, as `#[serde(deny_unknown_fields)]`
+/// would: serde cannot check a struct that flattens a library's config into the stage's keys,
+/// so the runtime checks every stage's table against [`param_keys`].
+pub fn unknown_keys<P: Params>(raw: &figment::value::Value) -> Result<(), figment::Error> {
+    let Some(dict) = raw.as_dict() else { return Ok(()) };
+    let keys = param_keys::<P>();
+    match dict.keys().find(|k| !keys.contains(&k.as_str())) {
+        Some(k) => Err(figment::error::Kind::UnknownField(k.clone(), keys).into()),
+        None => Ok(()),
+    }
+}
 
 /// Where a stage sits in the graph.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

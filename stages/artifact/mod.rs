@@ -72,7 +72,7 @@ impl ArtifactStage {
     fn check(p: &ArtifactParams, ctx: &BuildCtx, gptq: bool) -> anyhow::Result<()> {
         p.check()?;
         // Before training, not after: `pergroup` runs lrzip.
-        p.codec.check_available().context("`codec`")?;
+        p.quant.codec.check_available().context("`codec`")?;
         let c = config(ctx)?;
         if p.eval {
             anyhow::ensure!(c.data.val.is_some(), "`eval = true` scores the round trip on `data.val`, which is not set");
@@ -239,7 +239,7 @@ impl ArtifactStage {
             let Some(after) = self.score(v, &restored, ctx)? else { return Ok(None) };
             let ms = t0.elapsed().as_secs_f64() * 1e3;
             self.log.line(&after.score_line("quantized", ms));
-            for l in baseline_lines(&self.p.quant(), &after, ms) {
+            for l in baseline_lines(&self.p.quant, &after, ms) {
                 self.log.line(&l);
             }
             section["after"] = serde_json::json!({"val_loss": after.val_loss(), "val_bpb": after.val_bpb(), "eval_ms": ms});
@@ -263,7 +263,7 @@ impl ArtifactStage {
         section: &mut serde_json::Value,
         ctx: &mut Ctx,
     ) -> anyhow::Result<Option<Vec<(String, candle_core::Tensor)>>> {
-        let q = self.p.quant();
+        let q = self.p.quant.clone();
         let mut calibration_ms = 0.0;
         let hessians = match &self.method {
             Method::Gptq { calibration_batches, .. } => {

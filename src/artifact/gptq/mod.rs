@@ -106,8 +106,9 @@ use solver::{Block, quantize_block_tile, quantize_value};
 /// tok_emb's shape: 16 to 64 rows are within about 10% of each other; 8 and 128 are slower.
 const ROW_TILE: usize = 32;
 
-/// Settings of [`quantize_matrix`].
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// Settings of [`quantize_matrix`] (the `artifact/gptq` stage's keys of the same names).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
+#[serde(default)]
 pub struct GptqConfig {
     /// Relative damping: `damping * mean(diag H)` is added to the diagonal of `H` (0.01 in the
     /// record). Finite and >= 0.
@@ -118,6 +119,19 @@ pub struct GptqConfig {
     /// Quantize columns in order of decreasing `H_jj` ("act-order", on in the record) instead of
     /// their natural order.
     pub act_order: bool,
+}
+
+impl GptqConfig {
+    /// Checks every setting; errors name its key.
+    pub fn check(&self) -> Result<()> {
+        ensure!(
+            self.damping.is_finite() && self.damping >= 0.0,
+            "`damping` = {} must be a non-negative number (0.01 in the record)",
+            self.damping
+        );
+        ensure!(self.block_size >= 1, "`block_size` must be at least 1 (128 in the record)");
+        Ok(())
+    }
 }
 
 impl Default for GptqConfig {

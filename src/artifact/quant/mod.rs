@@ -110,9 +110,12 @@ pub struct QuantConfig {
     /// `skip_weights`) in fp32 as the baseline does; false stores every small float tensor as
     /// fp16, as the records do.
     pub control_fp32: bool,
-    /// Compressor for the artifact: `zlib`, `zstd` or `brotli`.
+    /// Compressor for the artifact: `zlib` (the baseline's), `zstd`, `brotli` (the records') or
+    /// `pergroup` (the 04-27 record's per-group lrzip/ZPAQ; needs the `lrzip` program, checked
+    /// before training: Debian/Ubuntu `apt-get install lrzip`).
     pub codec: Codec,
-    /// Compression level; unset means the codec's strongest (zlib 9, zstd 22, brotli 11).
+    /// Compression level; unset means the codec's strongest (zlib 9, zstd 22, brotli 11,
+    /// pergroup 9: lrzip's `-L`).
     pub level: Option<i32>,
     /// Byte shuffle stride applied to the container before compression: 0 for none (the
     /// baseline), 2 as the records (fp16 scales' low and high bytes apart).
