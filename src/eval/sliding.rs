@@ -27,15 +27,19 @@ use crate::eval::bpb::{BpbAccumulator, ByteTables};
 use crate::eval::executor::EvalModel;
 
 /// Sliding-window geometry (spec §2.5; the record: `seq_len` 2048, `stride` 64, 32 windows per
-/// batch).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// batch). The keys of the evaluation stages, flattened into their tables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
+#[serde(default)]
 pub struct SlidingConfig {
-    /// Inputs per window `T` (`EVAL_SEQ_LEN`).
+    /// Window length in tokens (`EVAL_SEQ_LEN`; the records use 2048). As a stage's key it
+    /// defaults to 0: the run's `train.seq_len` ([`SlidingConfig::at`]).
+    #[serde(default)]
     pub seq_len: usize,
-    /// Tokens between window starts (`EVAL_STRIDE`); every window but the first scores this many
-    /// targets. In `1..=seq_len`; `stride == seq_len` is the non-overlapping evaluation.
+    /// Tokens between window starts (`EVAL_STRIDE`, 64 in the records); every window but the
+    /// first scores this many targets. In `1..=seq_len`; `stride == seq_len` is the
+    /// non-overlapping evaluation.
     pub stride: usize,
-    /// Windows per forward pass.
+    /// Windows per forward pass (32 in the records).
     pub batch_windows: usize,
 }
 
@@ -47,6 +51,11 @@ impl Default for SlidingConfig {
 }
 
 impl SlidingConfig {
+    /// This geometry with a `seq_len` of 0 read as `train_seq_len`.
+    pub fn at(self, train_seq_len: usize) -> Self {
+        Self { seq_len: if self.seq_len == 0 { train_seq_len } else { self.seq_len }, ..self }
+    }
+
     /// Checks the geometry; errors name the keys `seq_len`, `stride`, `batch_windows`.
     pub fn check(&self) -> anyhow::Result<()> {
         anyhow::ensure!(self.seq_len >= 1, "`seq_len` must be at least 1");

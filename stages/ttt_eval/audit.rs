@@ -23,7 +23,7 @@ use candle_core::{DType, Device, Tensor};
 use serde::de::DeserializeOwned;
 
 pub use super::audit_report::{Adjustment, AuditReport, DocumentsAudit};
-use super::{PhasedParams, ScoreFirstParams, SlidingParams, sliding_cfg};
+use super::{PhasedParams, ScoreFirstParams, SlidingParams};
 use crate::artifact::roundtrip::model_from;
 use crate::dist::single::Single;
 use crate::eval::audit::{Order, PositionRules, Records, RowFn, bos_audit, causality, choose_position, masked_row_losses, replacement};
@@ -139,7 +139,7 @@ fn row_len(config: &Config, window: usize) -> usize {
 
 fn sliding<'a>(s: &Setup<'a>) -> anyhow::Result<Built<'a>> {
     let p: SlidingParams = params(s)?;
-    let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, s.config.train.seq_len);
+    let cfg = p.sliding.at(s.config.train.seq_len);
     cfg.check()?;
     let (config, weights, tables) = (s.config, s.weights, s.tables.clone());
     let scorer: Scorer<'a> = Box::new(move |tokens| {

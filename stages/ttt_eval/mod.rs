@@ -48,17 +48,14 @@ use crate::train::log::StageLog;
 use crate::train::snapshot::TrainSnapshot;
 pub use phased::{Phased, PhasedParams};
 
-/// Parameters of `ttt_eval/sliding`.
+/// Parameters of `ttt_eval/sliding`: the window geometry ([`SlidingConfig`]'s keys) and the
+/// executor.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct SlidingParams {
-    /// Window length in tokens (0: `train.seq_len`; the records use 2048).
-    pub seq_len: usize,
-    /// Tokens between window starts: each window scores its last `stride` targets (64 in the
-    /// records).
-    pub stride: usize,
-    /// Windows per forward pass (32 in the records).
-    pub batch_windows: usize,
+    /// The windows ([`SlidingConfig`]'s keys).
+    #[serde(flatten)]
+    pub sliding: SlidingConfig,
     /// What runs the passes: "engine" (the explicit engine: f32 on the CPU, bf16 activations
     /// on a GPU) or "candle" (the candle model, f32).
     pub executor: EvalExecutor,
@@ -66,32 +63,23 @@ pub struct SlidingParams {
 
 impl Default for SlidingParams {
     fn default() -> Self {
-        Self { seq_len: 0, stride: 64, batch_windows: 32, executor: EvalExecutor::default() }
+        Self { sliding: stage_windows(), executor: EvalExecutor::default() }
     }
 }
 
-/// Parameters of `ttt_eval/score_first`.
+/// The records' windows with the stages' `seq_len` default: 0, the run's `train.seq_len`.
+fn stage_windows() -> SlidingConfig {
+    SlidingConfig { seq_len: 0, ..SlidingConfig::default() }
+}
+
+/// Parameters of `ttt_eval/score_first`: the TTT loop's settings ([`TttConfig`]'s keys, the
+/// windows' among them), the sliding score first or not, and the executor.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct ScoreFirstParams {
-    /// Window length in tokens (0: `train.seq_len`; the records use 2048).
-    pub seq_len: usize,
-    /// Tokens between window starts (64 in the records).
-    pub stride: usize,
-    /// Windows per forward pass (32 in the records).
-    pub batch_windows: usize,
-    /// Tokens per TTT chunk (32768 in the records): scored, then trained on.
-    pub chunk_tokens: usize,
-    /// Peak SGD learning rate, cosine-decayed to 0 over the chunks (0.005).
-    pub lr: f64,
-    /// SGD momentum (0.9; no Nesterov, no weight decay).
-    pub momentum: f64,
-    /// Passes over each chunk's tokens (3).
-    pub epochs: usize,
-    /// Sequences per SGD step (32).
-    pub batch_seqs: usize,
-    /// Global gradient-norm clip per SGD step (1.0; 0 turns it off).
-    pub grad_clip: f64,
+    /// The loop ([`TttConfig`]'s keys).
+    #[serde(flatten)]
+    pub ttt: TttConfig,
     /// Also log the sliding-window score before TTT (the records' `quantized_sliding_window`).
     pub sliding_first: bool,
     /// What runs the passes: "engine" (the explicit engine: f32 on the CPU, bf16 activations
@@ -101,38 +89,14 @@ pub struct ScoreFirstParams {
 
 impl Default for ScoreFirstParams {
     fn default() -> Self {
-        Self {
-            seq_len: 0,
-            stride: 64,
-            batch_windows: 32,
-            chunk_tokens: 32768,
-            lr: 0.005,
-            momentum: 0.9,
-            epochs: 3,
-            batch_seqs: 32,
-            grad_clip: 1.0,
-            sliding_first: true,
-            executor: EvalExecutor::default(),
-        }
+        Self { ttt: TttConfig { sliding: stage_windows(), ..TttConfig::default() }, sliding_first: true, executor: EvalExecutor::default() }
     }
 }
 
 impl ScoreFirstParams {
     fn ttt(&self, train_seq_len: usize) -> TttConfig {
-        TttConfig {
-            sliding: sliding_cfg(self.seq_len, self.stride, self.batch_windows, train_seq_len),
-            chunk_tokens: self.chunk_tokens,
-            lr: self.lr,
-            momentum: self.momentum,
-            epochs: self.epochs,
-            batch_seqs: self.batch_seqs,
-            grad_clip: self.grad_clip,
-        }
+        TttConfig { sliding: self.ttt.sliding.at(train_seq_len), ..self.ttt.clone() }
     }
-}
-
-fn sliding_cfg(seq_len: usize, stride: usize, batch_windows: usize, train_seq_len: usize) -> SlidingConfig {
-    SlidingConfig { seq_len: if seq_len == 0 { train_seq_len } else { seq_len }, stride, batch_windows }
 }
 
 /// What the implementations share: the validation stream, the log, the config, the ranks, the
@@ -355,19 +319,19 @@ impl Sink for Sliding {
     }
 
     fn check(p: &SlidingParams, ctx: &BuildCtx) -> anyhow::Result<()> {
-        let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, config(ctx)?.train.seq_len);
+        let cfg = p.sliding.at(config(ctx)?.train.seq_len);
         TttConfig { sliding: cfg, ..ScoreFirstParams::default().ttt(config(ctx)?.train.seq_len) }.check()?;
         check_executor(p.executor, ctx, cfg.seq_len)
     }
 
     fn memory(p: &SlidingParams, ctx: &BuildCtx) -> anyhow::Result<Vec<crate::runtime::memory::Need>> {
-        let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, config(ctx)?.train.seq_len);
+        let cfg = p.sliding.at(config(ctx)?.train.seq_len);
         eval_memory(ctx, &cfg, None, p.executor)
     }
 
     fn build(p: SlidingParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&p, ctx)?;
-        let cfg = sliding_cfg(p.seq_len, p.stride, p.batch_windows, config(ctx)?.train.seq_len);
+        let cfg = p.sliding.at(config(ctx)?.train.seq_len);
         Ok(Self { cfg, ev: Evaluator::new(ctx, p.executor)? })
     }
 

@@ -14,69 +14,27 @@ use std::time::{Duration, Instant};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::{Evaluator, ScoreFirstParams, config, eval_memory, sliding_cfg};
+use super::{Evaluator, SlidingParams, config, eval_memory};
 use crate::eval::executor::EvalExecutor;
 use crate::eval::phased::{PhasedConfig, PhasedEvent, phased_ttt};
 use crate::eval::ttt::SlidingConfig;
 use crate::runtime::stage::{BuildCtx, Ctx, Demand, Sink};
 use crate::train::snapshot::TrainSnapshot;
 
-/// Parameters of `ttt_eval/phased`. The defaults are PR #1626's (spec §5.7).
+/// Parameters of `ttt_eval/phased`: the loop's settings ([`PhasedConfig`]'s keys, PR #1626's
+/// defaults, spec §5.7), the sliding score's windows ([`SlidingConfig`]'s keys) and whether it
+/// runs, and the executor.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct PhasedParams {
-    /// LoRA rank of every adapter: q, k, v, o and MLP per slot of the layer sequence, and the
-    /// output head (96).
-    pub lora_rank: usize,
-    /// AdamW learning rate of the adapters (1e-4, constant).
-    pub lora_lr: f64,
-    /// AdamW betas of the adapters ([0, 0.999]: no first moment).
-    pub lora_betas: [f64; 2],
-    /// AdamW epsilon (1e-10).
-    pub lora_eps: f64,
-    /// AdamW decoupled weight decay of the adapters (0.5).
-    pub lora_weight_decay: f64,
-    /// LoRA alpha: adapter outputs scaled by `alpha / lora_rank` (`TTT_LORA_ALPHA`, 144 in the
-    /// 04-27 record); unset: not scaled (PR #1626).
-    pub lora_alpha: Option<f64>,
-    /// Warm start of A (`TTT_WARM_START_A`, on in the 04-27 record): each full batch starts from
-    /// the previous full batch's A with B zeroed and a fresh optimizer; a phase's global SGD
-    /// draws fresh adapters. False (PR #1626): a fresh A for every batch.
-    pub lora_warm_start_a: bool,
-    /// Targets per chunk of a document (48): scored, then one update.
-    pub chunk: usize,
-    /// Most tokens of context a chunk's window holds, all of its own document (2048).
-    pub context: usize,
-    /// Documents per batch, sorted by length, longest batch first (64).
-    pub batch_docs: usize,
-    /// Documents scored before the last phase's pause (2000); the pauses fall at
-    /// `prefix_docs * k / phases`.
-    pub prefix_docs: usize,
-    /// Phases of global SGD on the base model (3); 0: per-document LoRA TTT only.
-    pub phases: usize,
-    /// Tokens per chunk of a phase's training stream (32768); its last chunk is not trained on.
-    pub global_chunk_tokens: usize,
-    /// Sequence length of the global SGD (0: `train.seq_len`; 2048 in the record), attention
-    /// kept inside documents.
-    pub global_seq_len: usize,
-    /// Peak learning rate of the global SGD, cosine-decayed over a phase's chunks (0.001).
-    pub global_lr: f64,
-    /// SGD momentum of the global SGD (0.9; a fresh optimizer each phase, no weight decay).
-    pub global_momentum: f64,
-    /// Passes over each global chunk (1).
-    pub global_epochs: usize,
-    /// Sequences per global SGD step (32).
-    pub global_batch_seqs: usize,
-    /// Global gradient-norm clip of the global SGD (1.0; 0 turns it off).
-    pub global_grad_clip: f64,
+    /// The loop ([`PhasedConfig`]'s keys).
+    #[serde(flatten)]
+    pub phased: PhasedConfig,
+    /// The windows of the sliding score ([`SlidingConfig`]'s keys).
+    #[serde(flatten)]
+    pub sliding: SlidingConfig,
     /// Also log the sliding-window score first (the record does not: false).
     pub sliding_first: bool,
-    /// Window length of that sliding score (0: `train.seq_len`).
-    pub seq_len: usize,
-    /// Stride of that sliding score (64).
-    pub stride: usize,
-    /// Windows per forward pass of that sliding score (32).
-    pub batch_windows: usize,
     /// What runs the evaluation (the LoRA passes, the global SGD and the sliding score):
     /// "engine" (the explicit engine: f32 on the CPU, bf16 activations on a GPU; one arena holds
     /// the adapters and AdamW's moments) or "candle".
@@ -85,32 +43,11 @@ pub struct PhasedParams {
 
 impl Default for PhasedParams {
     fn default() -> Self {
-        let c = PhasedConfig::default();
-        let s = ScoreFirstParams::default();
+        let s = SlidingParams::default();
         Self {
-            lora_rank: c.lora_rank,
-            lora_lr: c.lora_lr,
-            lora_betas: [c.lora_betas.0, c.lora_betas.1],
-            lora_eps: c.lora_eps,
-            lora_weight_decay: c.lora_weight_decay,
-            lora_alpha: c.lora_alpha,
-            lora_warm_start_a: c.lora_warm_start_a,
-            chunk: c.chunk,
-            context: c.context,
-            batch_docs: c.batch_docs,
-            prefix_docs: c.prefix_docs,
-            phases: c.phases,
-            global_chunk_tokens: c.global_chunk_tokens,
-            global_seq_len: 0,
-            global_lr: c.global_lr,
-            global_momentum: c.global_momentum,
-            global_epochs: c.global_epochs,
-            global_batch_seqs: c.global_batch_seqs,
-            global_grad_clip: c.global_grad_clip,
+            phased: PhasedConfig { global_seq_len: 0, ..PhasedConfig::default() },
+            sliding: s.sliding,
             sliding_first: false,
-            seq_len: s.seq_len,
-            stride: s.stride,
-            batch_windows: s.batch_windows,
             executor: s.executor,
         }
     }
@@ -119,31 +56,12 @@ impl Default for PhasedParams {
 impl PhasedParams {
     /// The loop's settings, with `train.seq_len` where a length is 0.
     pub(super) fn config(&self, train_seq_len: usize) -> PhasedConfig {
-        PhasedConfig {
-            lora_rank: self.lora_rank,
-            lora_lr: self.lora_lr,
-            lora_betas: (self.lora_betas[0], self.lora_betas[1]),
-            lora_eps: self.lora_eps,
-            lora_weight_decay: self.lora_weight_decay,
-            lora_alpha: self.lora_alpha,
-            lora_warm_start_a: self.lora_warm_start_a,
-            chunk: self.chunk,
-            context: self.context,
-            batch_docs: self.batch_docs,
-            prefix_docs: self.prefix_docs,
-            phases: self.phases,
-            global_chunk_tokens: self.global_chunk_tokens,
-            global_seq_len: if self.global_seq_len == 0 { train_seq_len } else { self.global_seq_len },
-            global_lr: self.global_lr,
-            global_momentum: self.global_momentum,
-            global_epochs: self.global_epochs,
-            global_batch_seqs: self.global_batch_seqs,
-            global_grad_clip: self.global_grad_clip,
-        }
+        let g = self.phased.global_seq_len;
+        PhasedConfig { global_seq_len: if g == 0 { train_seq_len } else { g }, ..self.phased.clone() }
     }
 
     fn sliding(&self, train_seq_len: usize) -> SlidingConfig {
-        sliding_cfg(self.seq_len, self.stride, self.batch_windows, train_seq_len)
+        self.sliding.at(train_seq_len)
     }
 }
 
@@ -184,8 +102,8 @@ impl Sink for Phased {
         let seq_len = config(ctx)?.train.seq_len;
         let cfg = p.config(seq_len);
         // The larger of: a scoring batch (documents x context) and a global SGD batch.
-        let rows = p.batch_docs.max(cfg.global_batch_seqs);
-        let key = if p.batch_docs >= cfg.global_batch_seqs { "batch_docs" } else { "global_batch_seqs" };
+        let rows = cfg.batch_docs.max(cfg.global_batch_seqs);
+        let key = if cfg.batch_docs >= cfg.global_batch_seqs { "batch_docs" } else { "global_batch_seqs" };
         let mut needs = match p.executor {
             EvalExecutor::Candle => {
                 let sliding = SlidingConfig { seq_len: cfg.context.max(cfg.global_seq_len), stride: 1, batch_windows: rows };
@@ -201,11 +119,11 @@ impl Sink for Phased {
                 let (rows, key) = cfg.global_rows_per_rank(world);
                 let gpu = crate::device::runs_on_gpu(&c.run.device);
                 let sizing =
-                    crate::train::engine_eval::phased_sizing((rows, cfg.global_seq_len), (p.batch_docs, cfg.context, p.lora_rank), gpu);
+                    crate::train::engine_eval::phased_sizing((rows, cfg.global_seq_len), (cfg.batch_docs, cfg.context, cfg.lora_rank), gpu);
                 let arena = crate::train::engine_eval::EngineModel::arena_bytes_sized(m, sizing, &c.run.device);
                 // The candle model of the weights the arena is filled from (dropped then), and the
                 // kept adapters' values set aside while a short batch's fresh ones are in the arena.
-                let kept = crate::model::lora::Lora::count(m, m.recurrent(), (p.batch_docs, p.lora_rank)) as u64 * 4;
+                let kept = crate::model::lora::Lora::count(m, m.recurrent(), (p.phased.batch_docs, p.phased.lora_rank)) as u64 * 4;
                 let mirror = crate::model::memory::ParamCounts::of(m).total.saturating_mul(4).saturating_add(kept);
                 let mut keys: Vec<String> =
                     ["batch_docs", "context", "lora_rank", key].iter().map(|k| format!("stages.{}.{k}", ctx.stage)).collect();
@@ -220,7 +138,7 @@ impl Sink for Phased {
         };
         // The adapters of one batch with their gradients and AdamW's two moments, in f32.
         let m = &config(ctx)?.model;
-        let lora = crate::model::lora::Lora::count(m, m.recurrent(), (p.batch_docs, p.lora_rank)) as u64 * 16;
+        let lora = crate::model::lora::Lora::count(m, m.recurrent(), (p.phased.batch_docs, p.phased.lora_rank)) as u64 * 16;
         let keys = [format!("stages.{}.batch_docs", ctx.stage), format!("stages.{}.lora_rank", ctx.stage)];
         let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
         needs.push(crate::runtime::memory::Need::device("LoRA adapters, gradients and AdamW moments", lora, &keys).transient());
@@ -351,5 +269,32 @@ impl Evaluator {
         section["lora_warm_start_a"] = serde_json::json!(cfg.lora_warm_start_a);
         section["chunk"] = serde_json::json!(cfg.chunk);
         Ok(Some(section))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::stage::unknown_keys;
+
+    fn parse<P: crate::runtime::stage::Params>(text: &str) -> Result<P, figment::Error> {
+        let raw = figment::value::Value::serialize(toml::from_str::<toml::Table>(text).unwrap()).unwrap();
+        unknown_keys::<P>(&raw)?;
+        raw.deserialize()
+    }
+
+    /// The evaluation stages take the library's keys flat, with the stages' lengths following
+    /// `train.seq_len` unless set, and refuse a misspelt key.
+    #[test]
+    fn the_loops_keys_are_the_stages_with_lengths_from_training() {
+        let p: PhasedParams = parse("").unwrap();
+        assert_eq!((p.config(1024).global_seq_len, p.sliding(1024).seq_len), (1024, 1024));
+        assert_eq!(p.config(1024), PhasedConfig { global_seq_len: 1024, ..PhasedConfig::default() });
+        let p: PhasedParams = parse("global_seq_len = 512\nlora_betas = [0.9, 0.99]\nstride = 16\nseq_len = 256").unwrap();
+        assert_eq!((p.config(1024).global_seq_len, p.phased.lora_betas, p.sliding(1024)), (512, (0.9, 0.99), SlidingConfig { seq_len: 256, stride: 16, batch_windows: 32 }));
+        assert!(parse::<PhasedParams>("lora_rnak = 8").unwrap_err().to_string().contains("lora_rnak"));
+        let s: super::super::ScoreFirstParams = parse("lr = 0.01").unwrap();
+        assert_eq!(s.ttt(64), crate::eval::ttt::TttConfig { sliding: SlidingConfig { seq_len: 64, ..SlidingConfig::default() }, lr: 0.01, ..Default::default() });
+        assert!(parse::<super::super::ScoreFirstParams>("chunk = 8").unwrap_err().to_string().contains("chunk"));
     }
 }

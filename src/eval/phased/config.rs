@@ -1,49 +1,60 @@
 //! Phased TTT's settings (record spec §5.4, §5.5, §5.7), with the 2026-04-14 record's values as
 //! defaults, and their checks.
 
-/// Settings of phased TTT. The defaults are PR #1626's (spec §5.7).
-#[derive(Clone, Debug, PartialEq)]
+/// Settings of phased TTT. The defaults are PR #1626's (spec §5.7). The keys of the
+/// `ttt_eval/phased` stage, flattened into its table.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
+#[serde(default)]
 pub struct PhasedConfig {
-    /// LoRA rank of every adapter (q, k, v, o, MLP per virtual layer slot, and the LM head).
+    /// LoRA rank of every adapter: q, k, v, o and MLP per slot of the layer sequence, and the
+    /// output head (96).
     pub lora_rank: usize,
-    /// AdamW learning rate of the adapters.
+    /// AdamW learning rate of the adapters (1e-4, constant).
     pub lora_lr: f64,
-    /// AdamW betas of the adapters (`β1 = 0`: no first moment).
+    /// AdamW betas of the adapters ([0, 0.999]: `β1 = 0`, no first moment).
     pub lora_betas: (f64, f64),
-    /// AdamW epsilon.
+    /// AdamW epsilon (1e-10).
     pub lora_eps: f64,
-    /// AdamW (decoupled) weight decay of the adapters.
+    /// AdamW decoupled weight decay of the adapters (0.5).
     pub lora_weight_decay: f64,
     /// LoRA alpha: every adapter's output is scaled by `alpha / lora_rank` (PR #1767,
-    /// `TTT_LORA_ALPHA`, 144 in the 04-27 record); `None`: not scaled (PR #1626).
+    /// `TTT_LORA_ALPHA`, 144 in the 04-27 record); unset: not scaled (PR #1626).
     pub lora_alpha: Option<f64>,
-    /// Warm start of A (PR #1767, `TTT_WARM_START_A`): a full batch's adapters start from the
-    /// last full batch's A with B zeroed (and a fresh optimizer), within a phase; false draws a
-    /// fresh A for every batch (PR #1626).
+    /// Warm start of A (PR #1767, `TTT_WARM_START_A`, on in the 04-27 record): a full batch's
+    /// adapters start from the last full batch's A with B zeroed (and a fresh optimizer), within
+    /// a phase; a phase's global SGD draws fresh adapters. False (PR #1626): a fresh A for every
+    /// batch.
     pub lora_warm_start_a: bool,
-    /// Targets per chunk of a document (`TTT_CHUNK_SIZE`).
+    /// Targets per chunk of a document (`TTT_CHUNK_SIZE`, 48): scored, then one update.
     pub chunk: usize,
-    /// Most tokens of context a chunk's window holds (`TTT_EVAL_SEQ_LEN`).
+    /// Most tokens of context a chunk's window holds, all of its own document
+    /// (`TTT_EVAL_SEQ_LEN`, 2048).
     pub context: usize,
-    /// Documents per batch of the work queue (`TTT_BATCH_SIZE`).
+    /// Documents per batch of the work queue, sorted by length, longest batch first
+    /// (`TTT_BATCH_SIZE`, 64).
     pub batch_docs: usize,
-    /// Documents scored before the last phase's pause (`PHASED_TTT_PREFIX_DOCS`).
+    /// Documents scored before the last phase's pause (`PHASED_TTT_PREFIX_DOCS`, 2000); the
+    /// pauses fall at `prefix_docs * k / phases`.
     pub prefix_docs: usize,
-    /// Phases of global SGD (`PHASED_TTT_NUM_PHASES`); 0: per-document LoRA TTT only.
+    /// Phases of global SGD on the base model (`PHASED_TTT_NUM_PHASES`, 3); 0: per-document
+    /// LoRA TTT only.
     pub phases: usize,
-    /// Tokens per chunk of the global SGD stream (`GLOBAL_TTT_CHUNK_TOKENS`).
+    /// Tokens per chunk of a phase's training stream (`GLOBAL_TTT_CHUNK_TOKENS`, 32768); its
+    /// last chunk is not trained on.
     pub global_chunk_tokens: usize,
-    /// Sequence length of the global SGD (segments kept inside documents).
+    /// Sequence length of the global SGD, attention kept inside documents (2048 in the record).
+    /// As a stage's key it defaults to 0: the run's `train.seq_len`.
+    #[serde(default)]
     pub global_seq_len: usize,
-    /// Peak learning rate of the global SGD, decayed over its chunks with a cosine.
+    /// Peak learning rate of the global SGD, cosine-decayed over a phase's chunks (0.001).
     pub global_lr: f64,
-    /// SGD momentum of the global SGD (fresh each phase, no weight decay).
+    /// SGD momentum of the global SGD (0.9; a fresh optimizer each phase, no weight decay).
     pub global_momentum: f64,
-    /// Passes over each global chunk.
+    /// Passes over each global chunk (1).
     pub global_epochs: usize,
-    /// Sequences per global SGD step (at most).
+    /// Sequences per global SGD step, at most (32).
     pub global_batch_seqs: usize,
-    /// Maximum global gradient norm of the global SGD; 0 turns clipping off.
+    /// Global gradient-norm clip of the global SGD (1.0); 0 turns clipping off.
     pub global_grad_clip: f64,
 }
 

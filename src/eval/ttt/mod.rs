@@ -44,21 +44,26 @@ use super::sliding::{check_tokens, score_windows};
 /// Score-first TTT settings (spec §4.7). The defaults are the record's: `seq_len` 2048, `stride`
 /// 64, `batch_windows` 32, `chunk_tokens` 32768 (`TTT_CHUNK_TOKENS`), `lr` 0.005 (`TTT_LR`),
 /// `momentum` 0.9 (`TTT_MOMENTUM`), `epochs` 3 (`TTT_EPOCHS`), `batch_seqs` 32, `grad_clip` 1.0.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
+#[serde(default)]
 pub struct TttConfig {
-    /// Window geometry of the scoring; `sliding.seq_len` is also the training sequence length.
+    /// Window geometry of the scoring (its keys flat beside these); `seq_len` is also the
+    /// training sequence length.
+    #[serde(flatten)]
     pub sliding: SlidingConfig,
-    /// Targets per chunk, at least `seq_len`.
+    /// Tokens per TTT chunk (`TTT_CHUNK_TOKENS`, 32768 in the records), at least `seq_len`:
+    /// scored, then trained on.
     pub chunk_tokens: usize,
-    /// Peak learning rate (of chunk 0), decayed over the chunks with a cosine to 0.
+    /// Peak SGD learning rate (of chunk 0, `TTT_LR`, 0.005), decayed over the chunks with a
+    /// cosine to 0.
     pub lr: f64,
-    /// SGD momentum (no Nesterov, no dampening, no weight decay).
+    /// SGD momentum (`TTT_MOMENTUM`, 0.9; no Nesterov, no dampening, no weight decay).
     pub momentum: f64,
-    /// Passes over each chunk's sequences.
+    /// Passes over each chunk's sequences (`TTT_EPOCHS`, 3).
     pub epochs: usize,
-    /// Sequences per SGD step (at most).
+    /// Sequences per SGD step, at most (32).
     pub batch_seqs: usize,
-    /// Maximum global gradient norm (`clip_grad_norm_`); 0 turns clipping off.
+    /// Global gradient-norm clip per SGD step (`clip_grad_norm_`, 1.0); 0 turns clipping off.
     pub grad_clip: f64,
 }
 
