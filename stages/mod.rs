@@ -163,12 +163,7 @@ mod tests {
             let mut dict = Dict::new();
             dict.insert("no_such_key".into(), Value::from(1));
             let e = f.resolve(&Value::from(dict)).map(drop).expect_err(&format!("{}/{} took `no_such_key`", f.kind(), f.name()));
-            assert!(
-                matches!(&e.kind, figment::error::Kind::UnknownField(k, _) if k == "no_such_key"),
-                "{}/{}: {e}",
-                f.kind(),
-                f.name()
-            );
+            assert!(matches!(&e.kind, figment::error::Kind::UnknownField(k, _) if k == "no_such_key"), "{}/{}: {e}", f.kind(), f.name());
             let required = f.schema().get("required").and_then(|r| r.as_array()).map_or(0, |r| r.len());
             if required == 0 {
                 // The defaults, written out key by key, resolve to themselves.

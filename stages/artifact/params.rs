@@ -56,14 +56,7 @@ impl Default for ArtifactParams {
 impl ArtifactParams {
     /// The rounding of implementation `gptq` (true) or `quantize`.
     pub fn method(&self, gptq: bool) -> Method {
-        if gptq {
-            Method::Gptq {
-                gptq: self.gptq,
-                calibration_batches: self.calibration_batches,
-            }
-        } else {
-            Method::Nearest
-        }
+        if gptq { Method::Gptq { gptq: self.gptq, calibration_batches: self.calibration_batches } } else { Method::Nearest }
     }
 
     /// Checks every key; errors name it.

@@ -291,10 +291,20 @@ mod tests {
         assert_eq!((p.config(1024).global_seq_len, p.sliding(1024).seq_len), (1024, 1024));
         assert_eq!(p.config(1024), PhasedConfig { global_seq_len: 1024, ..PhasedConfig::default() });
         let p: PhasedParams = parse("global_seq_len = 512\nlora_betas = [0.9, 0.99]\nstride = 16\nseq_len = 256").unwrap();
-        assert_eq!((p.config(1024).global_seq_len, p.phased.lora_betas, p.sliding(1024)), (512, (0.9, 0.99), SlidingConfig { seq_len: 256, stride: 16, batch_windows: 32 }));
+        assert_eq!(
+            (p.config(1024).global_seq_len, p.phased.lora_betas, p.sliding(1024)),
+            (512, (0.9, 0.99), SlidingConfig { seq_len: 256, stride: 16, batch_windows: 32 })
+        );
         assert!(parse::<PhasedParams>("lora_rnak = 8").unwrap_err().to_string().contains("lora_rnak"));
         let s: super::super::ScoreFirstParams = parse("lr = 0.01").unwrap();
-        assert_eq!(s.ttt(64), crate::eval::ttt::TttConfig { sliding: SlidingConfig { seq_len: 64, ..SlidingConfig::default() }, lr: 0.01, ..Default::default() });
+        assert_eq!(
+            s.ttt(64),
+            crate::eval::ttt::TttConfig {
+                sliding: SlidingConfig { seq_len: 64, ..SlidingConfig::default() },
+                lr: 0.01,
+                ..Default::default()
+            }
+        );
         assert!(parse::<super::super::ScoreFirstParams>("chunk = 8").unwrap_err().to_string().contains("chunk"));
     }
 }
