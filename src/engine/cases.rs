@@ -29,6 +29,8 @@ pub use super::model_check::{
 };
 #[cfg(test)]
 pub(crate) use super::model_check::{check_muon, perturbed, record_small};
+use crate::engine::backend::BackendExt;
+use crate::engine::op;
 
 /// Tokens (rows) of the row ops: more than two partial sums (64), not a multiple of 8.
 pub const N: usize = 130;
@@ -104,9 +106,9 @@ fn tokens(seed: u64) -> (Vec<u32>, Vec<u32>) {
 /// 16-byte rows: the kernels' chunked path).
 fn rms_bwd_case(be: &mut dyn Backend, mut r: Bump) {
     let (x, rstd, dy, dx) = (r.take(N * W), r.take(N), r.take(N * W), r.take(N * W));
-    be.fill(rstd, 1.5);
-    be.rms_norm_bwd(x, rstd, dy, dx, W, 0.7, false);
-    be.rms_norm_bwd(x, rstd, dy, dx, W, 1.3, true);
+    be.op(op::Fill { dst: rstd, value: 1.5 });
+    be.op(op::RmsNormBwd { x, rstd, dy, dx, cols: W, scale: 0.7, accumulate: false });
+    be.op(op::RmsNormBwd { x, rstd, dy, dx, cols: W, scale: 1.3, accumulate: true });
 }
 
 /// `rows x cols` from the bump allocator.
@@ -144,9 +146,14 @@ pub fn cases() -> Vec<Case> {
     let (ab, at, ah, akv, ad) = ATTN;
     let attn_len = 6 * ab * at * (ah + 2 * akv) * ad;
     vec![
-        Case { name: "fill", len: 300, bound: FLAT, run: |be| be.fill(Buf { off: 10, len: 100 }, 0.25) },
-        Case { name: "scale", len: 300, bound: FLAT, run: |be| be.scale(Buf { off: 10, len: 100 }, -3.0) },
-        Case { name: "copy", len: 300, bound: FLAT, run: |be| be.copy(Buf { off: 150, len: 100 }, Buf { off: 10, len: 100 }) },
+        Case { name: "fill", len: 300, bound: FLAT, run: |be| be.op(op::Fill { dst: Buf { off: 10, len: 100 }, value: 0.25 }) },
+        Case { name: "scale", len: 300, bound: FLAT, run: |be| be.op(op::Scale { dst: Buf { off: 10, len: 100 }, a: -3.0 }) },
+        Case {
+            name: "copy",
+            len: 300,
+            bound: FLAT,
+            run: |be| be.op(op::CopyBuf { dst: Buf { off: 150, len: 100 }, src: Buf { off: 10, len: 100 } }),
+        },
         Case {
             name: "sum, sum_sq (host reads)",
             len: 300,
@@ -155,8 +162,8 @@ pub fn cases() -> Vec<Case> {
                 let b = Buf { off: 0, len: 250 };
                 // The values land in the arena, so the comparison covers them.
                 let (s, q) = (be.sum(b), be.sum_sq(b));
-                be.fill(Buf { off: 260, len: 1 }, s / 10.0);
-                be.fill(Buf { off: 261, len: 1 }, q / 100.0);
+                be.op(op::Fill { dst: Buf { off: 260, len: 1 }, value: s / 10.0 });
+                be.op(op::Fill { dst: Buf { off: 261, len: 1 }, value: q / 100.0 });
             },
         },
         Case {
@@ -167,22 +174,27 @@ pub fn cases() -> Vec<Case> {
                 // Its answers land in the arena (1 finite, 0 not) for the comparison.
                 let b = Buf { off: 0, len: 250 };
                 let finite = be.all_finite(b);
-                be.fill(Buf { off: 260, len: 1 }, if finite { 1.0 } else { 0.0 });
-                be.fill(b.sub(5, 1), f64::NAN);
+                be.op(op::Fill { dst: Buf { off: 260, len: 1 }, value: if finite { 1.0 } else { 0.0 } });
+                be.op(op::Fill { dst: b.sub(5, 1), value: f64::NAN });
                 let finite = be.all_finite(b);
-                be.fill(Buf { off: 261, len: 1 }, if finite { 1.0 } else { 0.0 });
-                be.fill(b.sub(5, 1), 0.5);
+                be.op(op::Fill { dst: Buf { off: 261, len: 1 }, value: if finite { 1.0 } else { 0.0 } });
+                be.op(op::Fill { dst: b.sub(5, 1), value: 0.5 });
             },
         },
-        Case { name: "axpby", len: 300, bound: FLAT, run: |be| be.axpby(0.5, Buf { off: 0, len: 100 }, -2.0, Buf { off: 100, len: 100 }) },
+        Case {
+            name: "axpby",
+            len: 300,
+            bound: FLAT,
+            run: |be| be.op(op::Axpby { a: 0.5, x: Buf { off: 0, len: 100 }, b: -2.0, y: Buf { off: 100, len: 100 } }),
+        },
         Case {
             name: "sum_into (device scalar)",
             len: 300,
             bound: FLAT,
             run: |be| {
                 let total = Buf { off: 299, len: 1 };
-                be.sum_into(Buf { off: 0, len: 100 }, total);
-                be.sum_into(Buf { off: 100, len: 150 }, total);
+                be.op(op::SumInto { src: Buf { off: 0, len: 100 }, dst: total });
+                be.op(op::SumInto { src: Buf { off: 100, len: 150 }, dst: total });
             },
         },
         Case {
@@ -191,8 +203,8 @@ pub fn cases() -> Vec<Case> {
             bound: FLAT,
             run: |be| {
                 let (g, norm) = (Buf { off: 0, len: 200 }, Buf { off: 290, len: 2 });
-                be.clip_norm(g, 0.5, norm.sub(0, 1));
-                be.clip_norm(g, 1e3, norm.sub(1, 1));
+                be.op(op::ClipNorm { g, max: 0.5, norm: norm.sub(0, 1) });
+                be.op(op::ClipNorm { g, max: 1e3, norm: norm.sub(1, 1) });
             },
         },
         Case {
@@ -202,8 +214,8 @@ pub fn cases() -> Vec<Case> {
             run: |be| {
                 let mut r = Bump::default();
                 let (p, g, m, v) = (r.take(300), r.take(300), r.take(300), r.take(300));
-                be.fill(v, 0.5); // a second moment is never negative
-                be.adam(p, g, m, v, adam_step(0.04));
+                be.op(op::Fill { dst: v, value: 0.5 }); // a second moment is never negative
+                be.op(op::Adam { p, g, m, v, s: adam_step(0.04) });
             },
         },
         Case {
@@ -213,8 +225,8 @@ pub fn cases() -> Vec<Case> {
             run: |be| {
                 let mut r = Bump::default();
                 let (p, g, m, v) = (r.take(300), r.take(300), r.take(300), r.take(300));
-                be.fill(v, 0.25);
-                be.adam(p, g, m, v, adam_step(0.0));
+                be.op(op::Fill { dst: v, value: 0.25 });
+                be.op(op::Adam { p, g, m, v, s: adam_step(0.0) });
             },
         },
         Case {
@@ -223,17 +235,29 @@ pub fn cases() -> Vec<Case> {
             bound: OPTIM,
             run: |be| {
                 let (g, buf, u) = (Buf { off: 0, len: 300 }, Buf { off: 300, len: 300 }, Buf { off: 600, len: 300 });
-                be.momentum(g, buf, u, 0.95, true);
-                be.momentum(g, buf, u, 0.85, false);
+                be.op(op::Momentum { g, buf, u, mu: 0.95, nesterov: true });
+                be.op(op::Momentum { g, buf, u, mu: 0.85, nesterov: false });
             },
         },
-        Case { name: "row_normalize", len: 300, bound: OPTIM, run: |be| be.row_normalize(Buf { off: 0, len: 231 }, 11, 1e-7) },
-        Case { name: "normalize_each", len: 300, bound: OPTIM, run: |be| be.normalize_each(Buf { off: 0, len: 231 }, 3, 1e-7) },
+        Case {
+            name: "row_normalize",
+            len: 300,
+            bound: OPTIM,
+            run: |be| be.op(op::RowNormalize { x: Buf { off: 0, len: 231 }, cols: 11, eps: 1e-7 }),
+        },
+        Case {
+            name: "normalize_each",
+            len: 300,
+            bound: OPTIM,
+            run: |be| be.op(op::NormalizeEach { x: Buf { off: 0, len: 231 }, count: 3, eps: 1e-7 }),
+        },
         Case {
             name: "transpose_each",
             len: 500,
             bound: OPTIM,
-            run: |be| be.transpose_each(Buf { off: 0, len: 231 }, Buf { off: 250, len: 231 }, 3, 7, 11),
+            run: |be| {
+                be.op(op::TransposeEach { src: Buf { off: 0, len: 231 }, dst: Buf { off: 250, len: 231 }, count: 3, rows: 7, cols: 11 })
+            },
         },
         Case {
             name: "unit replayed (schedule scalars)",
@@ -244,14 +268,14 @@ pub fn cases() -> Vec<Case> {
                 // time: op by op, captured, replayed (a GPU backend); each must read its own.
                 let mut r = Bump::default();
                 let (p, g, m, v, buf, u) = (r.take(200), r.take(200), r.take(200), r.take(200), r.take(200), r.take(200));
-                be.fill(v, 0.5);
+                be.op(op::Fill { dst: v, value: 0.5 });
                 for k in 0..3 {
                     let x = 1.0 + k as f64;
                     be.begin_unit("engine-check optimizer");
                     let s = AdamStep { lr: 0.01 * x, bias1: 0.1 * x, bias2_sqrt: 0.2 * x, ..adam_step(0.04) };
-                    be.adam(p, g, m, v, s);
-                    be.momentum(g, buf, u, 0.8 + 0.05 * x, true);
-                    be.axpby(-0.1 * x, u, 1.0 - 0.01 * x, p);
+                    be.op(op::Adam { p, g, m, v, s });
+                    be.op(op::Momentum { g, buf, u, mu: 0.8 + 0.05 * x, nesterov: true });
+                    be.op(op::Axpby { a: -0.1 * x, x: u, b: 1.0 - 0.01 * x, y: p });
                     be.end_unit();
                 }
             },
@@ -277,7 +301,14 @@ pub fn cases() -> Vec<Case> {
             len: 4 * nw,
             bound: ROWS,
             run: |be| {
-                be.rms_norm_fwd(Buf { off: 0, len: N * W }, Buf { off: N * W, len: N * W }, Buf { off: 2 * N * W, len: N }, W, 0.7, 1e-6)
+                be.op(op::RmsNormFwd {
+                    x: Buf { off: 0, len: N * W },
+                    out: Buf { off: N * W, len: N * W },
+                    rstd: Buf { off: 2 * N * W, len: N },
+                    cols: W,
+                    scale: 0.7,
+                    eps: 1e-6,
+                })
             },
         },
         Case { name: "rms_norm_bwd (write, then accumulate)", len: 5 * nw, bound: ROWS, run: |be| rms_bwd_case(be, Bump::default()) },
@@ -298,15 +329,15 @@ pub fn cases() -> Vec<Case> {
                 let _ = r.take(1);
                 let (a, b, c, d, rstd) = (r.take(N * W), r.take(N * W), r.take(N * W), r.take(N * W), r.take(N));
                 let (mix, s) = (r.take(2 * W), r.take(W));
-                be.fill(rstd, 1.5);
-                be.rms_norm_fwd(a, b, rstd, W, 0.7, 1e-6);
-                be.rms_norm_bwd(a, rstd, b, c, W, 0.7, true);
-                be.resid_mix_fwd(a, b, mix, d);
-                be.scale_add_fwd(a, b, s, c);
-                be.act_fwd(a, d, Activation { slope: 0.5 });
-                be.act_bwd(a, b, c, Activation { slope: 0.5 });
+                be.op(op::Fill { dst: rstd, value: 1.5 });
+                be.op(op::RmsNormFwd { x: a, out: b, rstd, cols: W, scale: 0.7, eps: 1e-6 });
+                be.op(op::RmsNormBwd { x: a, rstd, dy: b, dx: c, cols: W, scale: 0.7, accumulate: true });
+                be.op(op::ResidMixFwd { h: a, x0: b, mix, out: d });
+                be.op(op::ScaleAddFwd { base: a, x: b, s, out: c });
+                be.op(op::ActFwd { pre: a, out: d, a: Activation { slope: 0.5 } });
+                be.op(op::ActBwd { pre: a, dout: b, dpre: c, a: Activation { slope: 0.5 } });
                 let (du, dh) = (r.take(N * W), r.take(N * W));
-                be.resid_mix_bwd(du, a, b, mix, dh, d, r.take(2 * W));
+                be.op(op::ResidMixBwd { du, h: a, x0: b, mix, dh, dx0: d, dmix: r.take(2 * W) });
             },
         },
         Case {
@@ -316,7 +347,7 @@ pub fn cases() -> Vec<Case> {
             run: |be| {
                 let mut r = Bump::default();
                 let (h, x0, mix, out) = (r.take(N * W), r.take(N * W), r.take(2 * W), r.take(N * W));
-                be.resid_mix_fwd(h, x0, mix, out);
+                be.op(op::ResidMixFwd { h, x0, mix, out });
             },
         },
         Case {
@@ -327,7 +358,7 @@ pub fn cases() -> Vec<Case> {
                 let mut r = Bump::default();
                 let (du, h, x0, mix) = (r.take(N * W), r.take(N * W), r.take(N * W), r.take(2 * W));
                 let (dh, dx0, dmix) = (r.take(N * W), r.take(N * W), r.take(2 * W));
-                be.resid_mix_bwd(du, h, x0, mix, dh, dx0, dmix);
+                be.op(op::ResidMixBwd { du, h, x0, mix, dh, dx0, dmix });
             },
         },
         Case {
@@ -337,8 +368,8 @@ pub fn cases() -> Vec<Case> {
             run: |be| {
                 let mut r = Bump::default();
                 let (base, x, s, out) = (r.take(N * W), r.take(N * W), r.take(W), r.take(N * W));
-                be.scale_add_fwd(base, x, s, out);
-                be.scale_add_fwd(out, x, s, out);
+                be.op(op::ScaleAddFwd { base, x, s, out });
+                be.op(op::ScaleAddFwd { base: out, x, s, out });
             },
         },
         Case {
@@ -348,7 +379,7 @@ pub fn cases() -> Vec<Case> {
             run: |be| {
                 let mut r = Bump::default();
                 let (dy, x, s, dx, ds) = (r.take(N * W), r.take(N * W), r.take(W), r.take(N * W), r.take(W));
-                be.scale_add_bwd(dy, x, s, dx, ds);
+                be.op(op::ScaleAddBwd { dy, x, s, dx, ds });
             },
         },
         Case { name: "skip_fwd", len: 4 * nw, bound: ROWS, run: |be| skip_case(be, false) },
@@ -361,8 +392,8 @@ pub fn cases() -> Vec<Case> {
             bound: ROWS,
             run: |be| {
                 let (pre, out) = (Buf { off: 0, len: N * W }, Buf { off: N * W, len: N * W });
-                be.act_fwd(pre, out, Activation { slope: 0.5 });
-                be.act_fwd(pre, Buf { off: 2 * N * W, len: N * W }, Activation { slope: 0.0 });
+                be.op(op::ActFwd { pre, out, a: Activation { slope: 0.5 } });
+                be.op(op::ActFwd { pre, out: Buf { off: 2 * N * W, len: N * W }, a: Activation { slope: 0.0 } });
             },
         },
         Case {
@@ -370,12 +401,12 @@ pub fn cases() -> Vec<Case> {
             len: 3 * nw,
             bound: ROWS,
             run: |be| {
-                be.act_bwd(
-                    Buf { off: 0, len: N * W },
-                    Buf { off: N * W, len: N * W },
-                    Buf { off: 2 * N * W, len: N * W },
-                    Activation { slope: 0.5 },
-                )
+                be.op(op::ActBwd {
+                    pre: Buf { off: 0, len: N * W },
+                    dout: Buf { off: N * W, len: N * W },
+                    dpre: Buf { off: 2 * N * W, len: N * W },
+                    a: Activation { slope: 0.5 },
+                })
             },
         },
         Case {
@@ -385,7 +416,7 @@ pub fn cases() -> Vec<Case> {
             run: |be| {
                 let (x, y) = tokens(5);
                 be.set_tokens(&x, &y);
-                be.embedding_fwd(Buf { off: 0, len: VOCAB * W }, Buf { off: VOCAB * W, len: N * W }, W);
+                be.op(op::EmbeddingFwd { table: Buf { off: 0, len: VOCAB * W }, out: Buf { off: VOCAB * W, len: N * W }, dim: W });
             },
         },
         Case {
@@ -395,7 +426,7 @@ pub fn cases() -> Vec<Case> {
             run: |be| {
                 let (x, y) = tokens(6);
                 be.set_tokens(&x, &y);
-                be.embedding_bwd(Buf { off: 0, len: N * W }, Buf { off: N * W, len: VOCAB * W }, W);
+                be.op(op::EmbeddingBwd { dout: Buf { off: 0, len: N * W }, dtable: Buf { off: N * W, len: VOCAB * W }, dim: W });
             },
         },
         Case { name: "qk_norm_rope_fwd (gain)", len: head_len, bound: ROWS, run: |be| qk_fwd_case(be, HEADS, 6, true) },
@@ -435,7 +466,7 @@ pub fn cases() -> Vec<Case> {
                 let (_, _, v) = qkv_views(&mut r);
                 let a = AttnShape { batch: 13, t: 10, heads: HEADS.0, kv_heads: HEADS.2, d: HEADS.1, docs: None };
                 let y = r.take(N * HEADS.0 * HEADS.1);
-                be.xsa_fwd(y, v, r.take(N * HEADS.0 * HEADS.1), a);
+                be.op(op::XsaFwd { y, v, out: r.take(N * HEADS.0 * HEADS.1), s: a });
             },
         },
         Case {
@@ -449,7 +480,7 @@ pub fn cases() -> Vec<Case> {
                 let width = HEADS.0 * HEADS.1;
                 let (dout, y, dy) = (r.take(N * width), r.take(N * width), r.take(N * width));
                 let (_, _, dv) = qkv_views(&mut r);
-                be.xsa_bwd(dout, y, v, dy, dv, a);
+                be.op(op::XsaBwd { dout, y, v, dy, dv, s: a });
             },
         },
         Case {
@@ -460,8 +491,14 @@ pub fn cases() -> Vec<Case> {
                 let (x, y) = tokens(9);
                 be.set_tokens(&x, &y);
                 let logits = Buf { off: 0, len: N * VOCAB };
-                be.scale(logits, 20.0);
-                be.softcap_ce(logits, Buf { off: N * VOCAB, len: N }, VOCAB, 15.0, 1.0 / N as f64);
+                be.op(op::Scale { dst: logits, a: 20.0 });
+                be.op(op::SoftcapCe {
+                    logits,
+                    losses: Buf { off: N * VOCAB, len: N },
+                    vocab: VOCAB,
+                    cap: 15.0,
+                    grad_scale: 1.0 / N as f64,
+                });
             },
         },
         Case {
@@ -476,8 +513,14 @@ pub fn cases() -> Vec<Case> {
                 }
                 be.set_tokens(&x, &y);
                 let logits = Buf { off: 0, len: N * VOCAB };
-                be.scale(logits, 20.0);
-                be.softcap_ce(logits, Buf { off: N * VOCAB, len: N }, VOCAB, 15.0, 1.0 / N as f64);
+                be.op(op::Scale { dst: logits, a: 20.0 });
+                be.op(op::SoftcapCe {
+                    logits,
+                    losses: Buf { off: N * VOCAB, len: N },
+                    vocab: VOCAB,
+                    cap: 15.0,
+                    grad_scale: 1.0 / N as f64,
+                });
             },
         },
         Case { name: "attention_fwd, attention_bwd", len: attn_len, bound: ATTENTION, run: |be| attention_case(be, None) },
@@ -521,9 +564,9 @@ fn smear_case(be: &mut dyn Backend, backward: bool, win: usize) {
     let (e, w, lambda) = (r.take(N * W), r.take(win), r.take(1));
     if backward {
         let (dout, de, dw, dl) = (r.take(N * W), r.take(N * W), r.take(win), r.take(1));
-        be.smear_bwd(dout, e, w, lambda, de, dw, dl, W, 10, 4);
+        be.op(op::SmearBwd { dout, e, w, lambda, de, dw, dlambda: dl, cols: W, t: 10, bos: 4 });
     } else {
-        be.smear_fwd(e, w, lambda, r.take(N * W), W, 10, 4);
+        be.op(op::SmearFwd { e, w, lambda, out: r.take(N * W), cols: W, t: 10, bos: 4 });
     }
 }
 
@@ -537,11 +580,11 @@ fn lanes_case(be: &mut dyn Backend, backward: bool) {
         let (g0, g1) = (r.take(N * W), r.take(N * W));
         let (dl, dao, dmo) = ([r.take(N * W), r.take(N * W)], r.take(N * W), r.take(N * W));
         let dw = LaneBufs { sa: r.take(W), sm: r.take(W), r: r.take(2), p: r.take(4) };
-        be.lanes_bwd([g0, g1], [l0, l1], ao, mo, w, dl, dao, dmo, dw);
+        be.op(op::LanesBwd { g: [g0, g1], l: [l0, l1], ao, mo, w, dl, dao, dmo, dw });
     } else {
         let out = [r.take(N * W), r.take(N * W)];
-        be.lanes_fwd([l0, l1], ao, mo, w, out);
-        be.lanes_fwd([l0, l0], ao, mo, w, out);
+        be.op(op::LanesFwd { l: [l0, l1], ao, mo, w, out });
+        be.op(op::LanesFwd { l: [l0, l0], ao, mo, w, out });
     }
 }
 
@@ -554,9 +597,9 @@ fn attn_gate_case(be: &mut dyn Backend, backward: bool) {
     let (y, w) = (r.take(N * heads * d), r.take(heads * 12));
     if backward {
         let (dout, dy, dz) = (r.take(N * heads * d), r.take(N * heads * d), r.take(N * heads));
-        be.attn_gate_bwd(dout, y, x, w, dy, dz, heads, 0.5);
+        be.op(op::AttnGateBwd { dout, y, x, w, dy, dz, heads, scale: 0.5 });
     } else {
-        be.attn_gate_fwd(y, x, w, r.take(N * heads * d), heads, 0.5);
+        be.op(op::AttnGateFwd { y, x, w, out: r.take(N * heads * d), heads, scale: 0.5 });
     }
 }
 
@@ -567,7 +610,7 @@ fn gemm_case(be: &mut dyn Backend, ta: bool, tb: bool, alpha: f64, beta: f64) {
     let a = if ta { mat(&mut r, k, m).t() } else { mat(&mut r, m, 50).cols(3, k) };
     let b = if tb { mat(&mut r, n, k).t() } else { mat(&mut r, k, n) };
     let c = mat(&mut r, m, n);
-    be.gemm(c, a, b, alpha, beta);
+    be.op(op::Gemm { c, a, b, alpha, beta });
 }
 
 /// The LoRA adapters' products: 3 documents of 7 positions, adapters `8 -> 5` of rank 4, the
@@ -586,27 +629,27 @@ fn gemm_batched_case(be: &mut dyn Backend, backward: bool) {
     let (sx, sa, sh, sb, sy) = (t * inp, inp * rank, t * rank, rank * out, t * (out + 6));
     if backward {
         // dB += s h^T dy; dh = s dy B^T; dA += x^T dh; dx += dh A^T.
-        be.gemm_batched(br, hr.t(), yr, 0.5, 1.0, docs, [sb, sh, sy]);
-        be.gemm_batched(hr, yr, br.t(), 0.5, 0.0, docs, [sh, sy, sb]);
-        be.gemm_batched(ar, xr.t(), hr, 1.0, 1.0, docs, [sa, sx, sh]);
-        be.gemm_batched(xr, hr, ar.t(), 1.0, 1.0, docs, [sx, sh, sa]);
+        be.op(op::GemmBatched { c: br, a: hr.t(), b: yr, alpha: 0.5, beta: 1.0, count: docs, strides: [sb, sh, sy] });
+        be.op(op::GemmBatched { c: hr, a: yr, b: br.t(), alpha: 0.5, beta: 0.0, count: docs, strides: [sh, sy, sb] });
+        be.op(op::GemmBatched { c: ar, a: xr.t(), b: hr, alpha: 1.0, beta: 1.0, count: docs, strides: [sa, sx, sh] });
+        be.op(op::GemmBatched { c: xr, a: hr, b: ar.t(), alpha: 1.0, beta: 1.0, count: docs, strides: [sx, sh, sa] });
     } else {
-        be.gemm_batched(hr, xr, ar, 1.0, 0.0, docs, [sh, sx, sa]);
-        be.gemm_batched(yr, hr, br, 2.0, 1.0, docs, [sy, sh, sb]);
+        be.op(op::GemmBatched { c: hr, a: xr, b: ar, alpha: 1.0, beta: 0.0, count: docs, strides: [sh, sx, sa] });
+        be.op(op::GemmBatched { c: yr, a: hr, b: br, alpha: 2.0, beta: 1.0, count: docs, strides: [sy, sh, sb] });
     }
 }
 
 fn skip_case(be: &mut dyn Backend, gated: bool) {
     let mut r = Bump::default();
     let (h, s, w, z, out) = (r.take(N * W), r.take(N * W), r.take(W), r.take(W), r.take(N * W));
-    be.skip_fwd(h, s, w, gated.then_some(z), out);
+    be.op(op::SkipFwd { h, s, w, z: gated.then_some(z), out });
 }
 
 fn skip_bwd_case(be: &mut dyn Backend, gated: bool) {
     let mut r = Bump::default();
     let (dy, h, s, w, z, dz) = (r.take(N * W), r.take(N * W), r.take(N * W), r.take(W), r.take(W), r.take(W));
     let (dh, ds, dw) = (r.take(N * W), r.take(N * W), r.take(W));
-    be.skip_bwd(dy, h, s, w, gated.then_some((z, dz)), dh, ds, dw);
+    be.op(op::SkipBwd { dy, h, s, w, z: gated.then_some((z, dz)), dh, ds, dw });
 }
 
 /// The regions of a head case: unaligned for the narrow heads (odd offsets), on 4 elements for
@@ -624,7 +667,7 @@ fn qk_fwd_case(be: &mut dyn Backend, h: (usize, usize, usize), rot: usize, gain:
     let (heads, d, _) = h;
     let (cos, sin, g) = (r.take(10 * rot / 2), r.take(10 * rot / 2), r.take(heads));
     let (out, rstd) = (r.take(N * heads * d), r.take(N * heads));
-    be.qk_norm_rope_fwd(q, out, rstd, gain.then_some(g), cos, sin, head_shape(h, rot), 1e-6);
+    be.op(op::QkNormRopeFwd { x: q, out, rstd, gain: gain.then_some(g), cos, sin, s: head_shape(h, rot), eps: 1e-6 });
 }
 
 /// Its backward pass, into a view of dqkv.
@@ -634,9 +677,9 @@ fn qk_bwd_case(be: &mut dyn Backend, h: (usize, usize, usize), rot: usize, gain:
     let (heads, d, _) = h;
     let (cos, sin, g, dg) = (r.take(10 * rot / 2), r.take(10 * rot / 2), r.take(heads), r.take(heads));
     let (rstd, dy) = (r.take(N * heads), r.take(N * heads * d));
-    be.fill(rstd, 1.25);
+    be.op(op::Fill { dst: rstd, value: 1.25 });
     let (_, dq, _) = qkv_views_of(&mut r, h);
-    be.qk_norm_rope_bwd(q, rstd, dy, dq, gain.then_some((g, dg)), cos, sin, head_shape(h, rot));
+    be.op(op::QkNormRopeBwd { x: q, rstd, dy, dx: dq, gain: gain.then_some((g, dg)), cos, sin, s: head_shape(h, rot) });
 }
 
 /// As the schedule calls it: q and k their own buffers (after the norm and RoPE), v a view of
@@ -650,11 +693,11 @@ fn attention_case(be: &mut dyn Backend, docs: Option<u32>) {
     let v = mat(&mut r, n, w).cols((heads + kvh) * d, kvh * d);
     let s = AttnShape { batch, t, heads, kv_heads: kvh, d, docs };
     let out = r.take(n * heads * d);
-    be.attention_fwd(q, k, v, out, s);
+    be.op(op::AttentionFwd { q, k, v, out, s });
     let dout = r.take(n * heads * d);
     let (dq, dk) = (mat(&mut r, n, heads * d), mat(&mut r, n, kvh * d));
     let dv = mat(&mut r, n, w).cols((heads + kvh) * d, kvh * d);
-    be.attention_bwd(q, k, v, out, dout, dq, dk, dv, true, s);
+    be.op(op::AttentionBwd { q, k, v, out, dout, dq, dk, dv, dv_acc: true, s });
 }
 
 /// Loads token ids cut into documents (BOS at a sequence's start, mid-sequence, twice in a row,

@@ -21,6 +21,8 @@ use candle_core::DType;
 
 use super::Engine;
 use super::backend::Tokens;
+use crate::engine::backend::BackendExt;
+use crate::engine::op;
 
 impl Engine {
     /// The loss (nats) of each of the `rows x t` positions of inputs `x` and targets `y`
@@ -37,7 +39,7 @@ impl Engine {
         self.be.end_unit();
         let out = self.be.download(losses, &[n])?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         // The forward pass added its losses to the step's loss sum: an evaluation keeps none.
-        self.be.fill(stats, 0.0);
+        self.be.op(op::Fill { dst: stats, value: 0.0 });
         Ok(out)
     }
 
@@ -72,7 +74,7 @@ impl Engine {
             let xt = self.be.download_to(src.sub(0, m * input.cols), &[m, input.cols], device)?;
             observer.observe(&input.weights, &xt)?;
         }
-        self.be.fill(stats, 0.0);
+        self.be.op(op::Fill { dst: stats, value: 0.0 });
         Ok(())
     }
 
@@ -85,7 +87,7 @@ impl Engine {
     /// Zeroes the SGD momentum (a fresh optimizer: torch's buffers start as the first gradient).
     pub fn reset_sgd(&mut self) {
         let state = self.schedule.layout.state;
-        self.be.fill(state, 0.0);
+        self.be.op(op::Fill { dst: state, value: 0.0 });
     }
 
     /// One SGD step with momentum `momentum` at `lr` from the gradients summed so far (clipped
@@ -96,18 +98,18 @@ impl Engine {
         let (grads, norm, stats) = (l.grads, l.grad_norm(), l.stats);
         if clip > 0.0 {
             // The base's gradients (the adapters', if the arena holds any, are zero).
-            self.be.clip_norm(l.base_grads(), clip, norm);
+            self.be.op(op::ClipNorm { g: l.base_grads(), max: clip, norm });
         }
         for s in &self.schedule.layout.slots {
             if momentum > 0.0 {
-                self.be.axpby(1.0, s.grad, momentum, s.state0);
-                self.be.axpby(-lr, s.state0, 1.0, s.value);
+                self.be.op(op::Axpby { a: 1.0, x: s.grad, b: momentum, y: s.state0 });
+                self.be.op(op::Axpby { a: -lr, x: s.state0, b: 1.0, y: s.value });
             } else {
-                self.be.axpby(-lr, s.grad, 1.0, s.value);
+                self.be.op(op::Axpby { a: -lr, x: s.grad, b: 1.0, y: s.value });
             }
         }
-        self.be.fill(grads, 0.0);
-        self.be.fill(stats, 0.0);
+        self.be.op(op::Fill { dst: grads, value: 0.0 });
+        self.be.op(op::Fill { dst: stats, value: 0.0 });
     }
 
     /// Every gradient of the base summed over `ranks` (one all-reduce of the gradient region
@@ -209,7 +211,7 @@ impl Engine {
     pub fn lora_zero_b(&mut self) -> Result<()> {
         let bs: Vec<_> = self.lora_layout()?.named(usize::MAX).into_iter().filter(|(n, ..)| n.ends_with(".b")).map(|(_, b, _)| b).collect();
         for b in bs {
-            self.be.fill(b, 0.0);
+            self.be.op(op::Fill { dst: b, value: 0.0 });
         }
         Ok(())
     }
@@ -218,9 +220,9 @@ impl Engine {
     pub fn lora_reset_optimizer(&mut self) -> Result<()> {
         let (m, v) = (self.lora_layout()?.m, self.lora_layout()?.v);
         let grads = self.schedule.layout.grads;
-        self.be.fill(m, 0.0);
-        self.be.fill(v, 0.0);
-        self.be.fill(grads, 0.0);
+        self.be.op(op::Fill { dst: m, value: 0.0 });
+        self.be.op(op::Fill { dst: v, value: 0.0 });
+        self.be.op(op::Fill { dst: grads, value: 0.0 });
         self.lora_steps = 0;
         Ok(())
     }
@@ -265,7 +267,7 @@ impl Engine {
         self.be.end_unit();
         self.schedule.set_lora(None);
         let (losses, stats) = (self.schedule.layout.losses, self.schedule.layout.stats);
-        self.be.fill(stats, 0.0);
+        self.be.op(op::Fill { dst: stats, value: 0.0 });
         Ok(self.be.download(losses, &[n])?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
     }
 
@@ -295,12 +297,12 @@ impl Engine {
         self.be.begin_unit(&format!("lora backward {}", lora_key(p, rows, t)));
         // A row that does not train keeps its scores, not its gradient.
         for (r, _) in p.train.iter().enumerate().filter(|(_, k)| !**k) {
-            self.be.fill(logits.sub(r * t * v, t * v), 0.0);
+            self.be.op(op::Fill { dst: logits.sub(r * t * v, t * v), value: 0.0 });
         }
         self.schedule.backward(self.be.as_mut(), p.looping);
-        self.be.adam(lora.values, lora.grads, lora.m, lora.v, step);
+        self.be.op(op::Adam { p: lora.values, g: lora.grads, m: lora.m, v: lora.v, s: step });
         // The base's small parameters got gradients too (they are frozen): none is kept.
-        self.be.fill(grads, 0.0);
+        self.be.op(op::Fill { dst: grads, value: 0.0 });
         self.be.end_unit();
         self.schedule.set_lora(None);
         Ok(())

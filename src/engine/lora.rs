@@ -16,7 +16,7 @@
 //! ```
 //!
 //! Each product is one strided-batched GEMM over the batch rows
-//! ([`super::backend::Backend::gemm_batched`]; the schedule's side is `lora_ops.rs`). Where each site reads and adds (the candle model's
+//! ([`crate::engine::op::GemmBatched`]; the schedule's side is `lora_ops.rs`). Where each site reads and adds (the candle model's
 //! attachment): q, k, v read the normed block input `n1` and add to their projections before
 //! the q/k norm; o reads `n1` and adds to the attention's output projection; mlp reads the
 //! MLP's normed input and adds to its output before `mlp_scale`; the head reads the

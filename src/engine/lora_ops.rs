@@ -5,6 +5,8 @@
 use super::backend::{Backend, Buf, Mat};
 use super::lora::{LoraBufs, LoraOn};
 use super::schedule::Schedule;
+use crate::engine::backend::BackendExt;
+use crate::engine::op;
 use crate::model::lora::Site;
 
 impl Schedule {
@@ -30,8 +32,8 @@ impl Schedule {
         let (xr, hr, yr) = (x.mat(rows * t, ad.inp).rows(0, t), ad.h.mat(rows * t, r).rows(0, t), y.rows(0, t));
         let (ar, br) = (self.lora_a(ad).rows(d0 * ad.inp, ad.inp), self.lora_b(ad).rows(d0 * r, r));
         let (sx, sh, sy) = (t * ad.inp, t * r, t * y.ld);
-        be.gemm_batched(hr, xr, ar, 1.0, 0.0, rows, [sh, sx, ad.inp * r]);
-        be.gemm_batched(yr, hr, br, s, 1.0, rows, [sy, sh, r * ad.out]);
+        be.op(op::GemmBatched { c: hr, a: xr, b: ar, alpha: 1.0, beta: 0.0, count: rows, strides: [sh, sx, ad.inp * r] });
+        be.op(op::GemmBatched { c: yr, a: hr, b: br, alpha: s, beta: 1.0, count: rows, strides: [sy, sh, r * ad.out] });
     }
 
     /// The backward pass of [`Schedule::lora_fwd`] from `dy`: the adapter's gradients
@@ -47,10 +49,10 @@ impl Schedule {
         let docs = l.shape.docs;
         let (dar, dbr) = (ad.da.mat(docs * ad.inp, r).rows(d0 * ad.inp, ad.inp), ad.db.mat(docs * r, ad.out).rows(d0 * r, r));
         let (sx, sh, sy, sa, sb) = (t * ad.inp, t * r, t * dy.ld, ad.inp * r, r * ad.out);
-        be.gemm_batched(dbr, hr.t(), dyr, s, 1.0, rows, [sb, sh, sy]);
-        be.gemm_batched(dhr, dyr, br.t(), s, 0.0, rows, [sh, sy, sb]);
-        be.gemm_batched(dar, xr.t(), dhr, 1.0, 1.0, rows, [sa, sx, sh]);
-        be.gemm_batched(dxr, dhr, ar.t(), 1.0, 1.0, rows, [sx, sh, sa]);
+        be.op(op::GemmBatched { c: dbr, a: hr.t(), b: dyr, alpha: s, beta: 1.0, count: rows, strides: [sb, sh, sy] });
+        be.op(op::GemmBatched { c: dhr, a: dyr, b: br.t(), alpha: s, beta: 0.0, count: rows, strides: [sh, sy, sb] });
+        be.op(op::GemmBatched { c: dar, a: xr.t(), b: dhr, alpha: 1.0, beta: 1.0, count: rows, strides: [sa, sx, sh] });
+        be.op(op::GemmBatched { c: dxr, a: dhr, b: ar.t(), alpha: 1.0, beta: 1.0, count: rows, strides: [sx, sh, sa] });
     }
 
     fn rank(&self) -> usize {

@@ -1,4 +1,4 @@
-//! The engine's GEMMs as cuBLASLt calls: [`plan`] turns one [`Backend::gemm`] on row-major
+//! The engine's GEMMs as cuBLASLt calls: [`plan`] turns one [`crate::engine::op::Gemm`] on row-major
 //! arena views into the fields of one `cublasLtMatmul` ([`LtPlan`]), and [`interpret`] runs
 //! such a plan on a CPU arena exactly as cuBLASLt defines it, from the plan alone. The GPU
 //! backend (cuBLASLt through cudarc) issues these plans; the tests run the whole engine through
@@ -28,7 +28,7 @@
 //! arena's type: a checker, not a fast path (plain loops). It panics on a plan cuBLASLt would
 //! reject or that would touch memory outside the arena.
 //!
-//! [`Backend::gemm`]: super::backend::Backend::gemm
+//! [`crate::engine::op::Gemm`]: crate::engine::op::Gemm
 
 #[cfg(feature = "tools")]
 use candle_core::WithDType;
@@ -114,10 +114,10 @@ fn operand(x: Mat) -> (LtOp, LtLayout) {
 }
 
 /// The cuBLASLt call for the engine's `c = alpha op(a) op(b) + beta c` on row-major views
-/// ([`Backend::gemm`]): `c^T = op(b)^T op(a)^T` column-major; `alpha` and `beta` are
+/// ([`crate::engine::op::Gemm`]): `c^T = op(b)^T op(a)^T` column-major; `alpha` and `beta` are
 /// rounded to f32 (the scale type). Panics when the shapes do not agree or `c` is transposed.
 ///
-/// [`Backend::gemm`]: super::backend::Backend::gemm
+/// [`crate::engine::op::Gemm`]: crate::engine::op::Gemm
 pub fn plan(c: Mat, a: Mat, b: Mat, alpha: f64, beta: f64) -> LtPlan {
     let ((m, k), (k2, n)) = (a.shape(), b.shape());
     assert!(
@@ -289,8 +289,9 @@ mod tests {
     use candle_core::{DType, Tensor};
 
     use super::*;
-    use crate::engine::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, LaneBufs};
+    use crate::engine::backend::{Backend, Buf};
     use crate::engine::cpu::CpuBackend;
+    use crate::engine::op;
 
     /// `alpha op(a) op(b) + beta c` on row-major views, naively: the arena after the op.
     fn naive(arena: &[f64], c: Mat, a: Mat, b: Mat, alpha: f64, beta: f64) -> Vec<f64> {
@@ -493,15 +494,6 @@ mod tests {
         fn set_tokens(&mut self, x: &[u32], y: &[u32]) {
             self.0.set_tokens(x, y)
         }
-        fn fill(&mut self, dst: Buf, value: f64) {
-            self.0.fill(dst, value)
-        }
-        fn copy(&mut self, dst: Buf, src: Buf) {
-            self.0.copy(dst, src)
-        }
-        fn scale(&mut self, dst: Buf, a: f64) {
-            self.0.scale(dst, a)
-        }
         fn sum(&self, src: Buf) -> f64 {
             self.0.sum(src)
         }
@@ -511,111 +503,19 @@ mod tests {
         fn all_finite(&self, src: Buf) -> bool {
             self.0.all_finite(src)
         }
-        fn sum_into(&mut self, src: Buf, dst: Buf) {
-            self.0.sum_into(src, dst)
-        }
-        fn clip_norm(&mut self, g: Buf, max: f64, norm: Buf) {
-            self.0.clip_norm(g, max, norm)
-        }
-        fn gemm(&mut self, c: Mat, a: Mat, b: Mat, alpha: f64, beta: f64) {
-            let p = plan(c, a, b, alpha, beta);
-            if let Some(plans) = &self.1 {
-                plans.lock().unwrap().push(p);
+        /// A GEMM as its cuBLASLt plan, interpreted; every other op on the CPU backend.
+        fn run(&mut self, o: op::Op) {
+            match o {
+                op::Op::Gemm(op::Gemm { c, a, b, alpha, beta }) => {
+                    let p = plan(c, a, b, alpha, beta);
+                    if let Some(plans) = &self.1 {
+                        plans.lock().unwrap().push(p);
+                    }
+                    interpret(&p, self.0.arena_mut());
+                }
+                op::Op::GemmBatched(g) => g.each().for_each(|g| self.run(g.into())),
+                other => self.0.run(other),
             }
-            interpret(&p, self.0.arena_mut());
-        }
-        fn smear_fwd(&mut self, e: Buf, w: Buf, lambda: Buf, out: Buf, cols: usize, t: usize, bos: u32) {
-            self.0.smear_fwd(e, w, lambda, out, cols, t, bos)
-        }
-        fn smear_bwd(&mut self, dout: Buf, e: Buf, w: Buf, lambda: Buf, de: Buf, dw: Buf, dlambda: Buf, cols: usize, t: usize, bos: u32) {
-            self.0.smear_bwd(dout, e, w, lambda, de, dw, dlambda, cols, t, bos)
-        }
-        fn lanes_fwd(&mut self, l: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, out: [Buf; 2]) {
-            self.0.lanes_fwd(l, ao, mo, w, out)
-        }
-        fn lanes_bwd(&mut self, g: [Buf; 2], l: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, dl: [Buf; 2], dao: Buf, dmo: Buf, dw: LaneBufs) {
-            self.0.lanes_bwd(g, l, ao, mo, w, dl, dao, dmo, dw)
-        }
-        fn attn_gate_fwd(&mut self, y: Buf, x: Mat, w: Buf, out: Buf, heads: usize, scale: f64) {
-            self.0.attn_gate_fwd(y, x, w, out, heads, scale)
-        }
-        fn attn_gate_bwd(&mut self, dout: Buf, y: Buf, x: Mat, w: Buf, dy: Buf, dz: Buf, heads: usize, scale: f64) {
-            self.0.attn_gate_bwd(dout, y, x, w, dy, dz, heads, scale)
-        }
-        fn embedding_fwd(&mut self, table: Buf, out: Buf, dim: usize) {
-            self.0.embedding_fwd(table, out, dim)
-        }
-        fn embedding_bwd(&mut self, dout: Buf, dtable: Buf, dim: usize) {
-            self.0.embedding_bwd(dout, dtable, dim)
-        }
-        fn rms_norm_fwd(&mut self, x: Buf, out: Buf, rstd: Buf, cols: usize, scale: f64, eps: f64) {
-            self.0.rms_norm_fwd(x, out, rstd, cols, scale, eps)
-        }
-        fn rms_norm_bwd(&mut self, x: Buf, rstd: Buf, dy: Buf, dx: Buf, cols: usize, scale: f64, accumulate: bool) {
-            self.0.rms_norm_bwd(x, rstd, dy, dx, cols, scale, accumulate)
-        }
-        fn resid_mix_fwd(&mut self, h: Buf, x0: Buf, mix: Buf, out: Buf) {
-            self.0.resid_mix_fwd(h, x0, mix, out)
-        }
-        fn resid_mix_bwd(&mut self, du: Buf, h: Buf, x0: Buf, mix: Buf, dh: Buf, dx0: Buf, dmix: Buf) {
-            self.0.resid_mix_bwd(du, h, x0, mix, dh, dx0, dmix)
-        }
-        fn scale_add_fwd(&mut self, base: Buf, x: Buf, s: Buf, out: Buf) {
-            self.0.scale_add_fwd(base, x, s, out)
-        }
-        fn scale_add_bwd(&mut self, dy: Buf, x: Buf, s: Buf, dx: Buf, ds: Buf) {
-            self.0.scale_add_bwd(dy, x, s, dx, ds)
-        }
-        fn skip_fwd(&mut self, h: Buf, s: Buf, w: Buf, z: Option<Buf>, out: Buf) {
-            self.0.skip_fwd(h, s, w, z, out)
-        }
-        fn skip_bwd(&mut self, dy: Buf, h: Buf, s: Buf, w: Buf, z: Option<(Buf, Buf)>, dh: Buf, ds: Buf, dw: Buf) {
-            self.0.skip_bwd(dy, h, s, w, z, dh, ds, dw)
-        }
-        fn qk_norm_rope_fwd(&mut self, x: Mat, out: Buf, rstd: Buf, gain: Option<Buf>, cos: Buf, sin: Buf, s: HeadShape, eps: f64) {
-            self.0.qk_norm_rope_fwd(x, out, rstd, gain, cos, sin, s, eps)
-        }
-        fn qk_norm_rope_bwd(&mut self, x: Mat, rstd: Buf, dy: Buf, dx: Mat, gain: Option<(Buf, Buf)>, cos: Buf, sin: Buf, s: HeadShape) {
-            self.0.qk_norm_rope_bwd(x, rstd, dy, dx, gain, cos, sin, s)
-        }
-        fn attention_fwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, s: AttnShape) {
-            self.0.attention_fwd(q, k, v, out, s)
-        }
-        fn attention_bwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, dout: Buf, dq: Mat, dk: Mat, dv: Mat, dv_acc: bool, s: AttnShape) {
-            self.0.attention_bwd(q, k, v, out, dout, dq, dk, dv, dv_acc, s)
-        }
-        fn xsa_fwd(&mut self, y: Buf, v: Mat, out: Buf, s: AttnShape) {
-            self.0.xsa_fwd(y, v, out, s)
-        }
-        fn xsa_bwd(&mut self, dout: Buf, y: Buf, v: Mat, dy: Buf, dv: Mat, s: AttnShape) {
-            self.0.xsa_bwd(dout, y, v, dy, dv, s)
-        }
-        fn act_fwd(&mut self, pre: Buf, out: Buf, a: Activation) {
-            self.0.act_fwd(pre, out, a)
-        }
-        fn act_bwd(&mut self, pre: Buf, dout: Buf, dpre: Buf, a: Activation) {
-            self.0.act_bwd(pre, dout, dpre, a)
-        }
-        fn softcap_ce(&mut self, logits: Buf, losses: Buf, vocab: usize, cap: f64, grad_scale: f64) {
-            self.0.softcap_ce(logits, losses, vocab, cap, grad_scale)
-        }
-        fn adam(&mut self, p: Buf, g: Buf, m: Buf, v: Buf, s: AdamStep) {
-            self.0.adam(p, g, m, v, s)
-        }
-        fn momentum(&mut self, g: Buf, buf: Buf, u: Buf, mu: f64, nesterov: bool) {
-            self.0.momentum(g, buf, u, mu, nesterov)
-        }
-        fn axpby(&mut self, a: f64, x: Buf, b: f64, y: Buf) {
-            self.0.axpby(a, x, b, y)
-        }
-        fn row_normalize(&mut self, x: Buf, cols: usize, eps: f64) {
-            self.0.row_normalize(x, cols, eps)
-        }
-        fn normalize_each(&mut self, x: Buf, count: usize, eps: f64) {
-            self.0.normalize_each(x, count, eps)
-        }
-        fn transpose_each(&mut self, src: Buf, dst: Buf, count: usize, rows: usize, cols: usize) {
-            self.0.transpose_each(src, dst, count, rows, cols)
         }
     }
 

@@ -45,6 +45,7 @@ mod lora_ops;
 pub mod lt;
 #[cfg(any(test, feature = "tools"))]
 pub mod model_check;
+pub mod op;
 #[cfg(test)]
 #[cfg(any(test, feature = "tools"))]
 mod op_checks;

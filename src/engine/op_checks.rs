@@ -17,6 +17,8 @@ use candle_core::{Device, Tensor};
 
 use super::backend::{Activation, AttnShape, Backend, Buf, HeadShape, Mat};
 use super::cpu::CpuBackend;
+use crate::engine::backend::BackendExt;
+use crate::engine::op;
 
 type Be = CpuBackend<f64>;
 
@@ -109,11 +111,11 @@ fn numeric(lab: &mut Lab, fwd: &dyn Fn(&mut Be), out: Buf, r: &[f64], x: &[usize
         .map(|&i| {
             let at = Buf { off: i, len: 1 };
             let x0 = lab.get(at)[0];
-            lab.be.fill(at, x0 + H);
+            lab.be.op(op::Fill { dst: at, value: x0 + H });
             let plus = loss(lab);
-            lab.be.fill(at, x0 - H);
+            lab.be.op(op::Fill { dst: at, value: x0 - H });
             let minus = loss(lab);
-            lab.be.fill(at, x0);
+            lab.be.op(op::Fill { dst: at, value: x0 });
             (plus - minus) / (2.0 * H)
         })
         .collect()
@@ -166,8 +168,8 @@ fn rms_norm() {
         let mut lab = Lab::new(1);
         let (x, out, rstd, dy, dx) =
             (lab.buf(rows * cols), lab.buf(rows * cols), lab.buf(rows), lab.buf(rows * cols), lab.buf(rows * cols));
-        let fwd = |be: &mut Be| be.rms_norm_fwd(x, out, rstd, cols, scale, eps);
-        let bwd = |be: &mut Be| be.rms_norm_bwd(x, rstd, dy, dx, cols, scale, acc);
+        let fwd = |be: &mut Be| be.op(op::RmsNormFwd { x, out, rstd, cols, scale, eps });
+        let bwd = |be: &mut Be| be.op(op::RmsNormBwd { x, rstd, dy, dx, cols, scale, accumulate: acc });
         check(&mut lab, fwd, bwd, out, dy, &[wrt(format!("dx (accumulate {acc})"), x, dx, acc)]);
     }
 }
@@ -179,8 +181,8 @@ fn resid_mix() {
     let mut lab = Lab::new(2);
     let (h, x0, mix, out) = (lab.buf(rows * cols), lab.buf(rows * cols), lab.buf(2 * cols), lab.buf(rows * cols));
     let (dy, dh, dx0, dmix) = (lab.buf(rows * cols), lab.buf(rows * cols), lab.buf(rows * cols), lab.buf(2 * cols));
-    let fwd = |be: &mut Be| be.resid_mix_fwd(h, x0, mix, out);
-    let bwd = |be: &mut Be| be.resid_mix_bwd(dy, h, x0, mix, dh, dx0, dmix);
+    let fwd = |be: &mut Be| be.op(op::ResidMixFwd { h, x0, mix, out });
+    let bwd = |be: &mut Be| be.op(op::ResidMixBwd { du: dy, h, x0, mix, dh, dx0, dmix });
     check(&mut lab, fwd, bwd, out, dy, &[wrt("dh", h, dh, false), wrt("dx0", x0, dx0, true), wrt("dmix", mix, dmix, true)]);
 }
 
@@ -191,8 +193,8 @@ fn scale_add() {
     let mut lab = Lab::new(3);
     let (base, x, s, out) = (lab.buf(rows * cols), lab.buf(rows * cols), lab.buf(cols), lab.buf(rows * cols));
     let (dy, dx, ds) = (lab.buf(rows * cols), lab.buf(rows * cols), lab.buf(cols));
-    let fwd = |be: &mut Be| be.scale_add_fwd(base, x, s, out);
-    let bwd = |be: &mut Be| be.scale_add_bwd(dy, x, s, dx, ds);
+    let fwd = |be: &mut Be| be.op(op::ScaleAddFwd { base, x, s, out });
+    let bwd = |be: &mut Be| be.op(op::ScaleAddBwd { dy, x, s, dx, ds });
     check(&mut lab, fwd, bwd, out, dy, &[wrt("dx", x, dx, false), wrt("ds", s, ds, true)]);
 }
 
@@ -204,8 +206,8 @@ fn skip() {
         let mut lab = Lab::new(4);
         let (h, s, w, z, out) = (lab.buf(rows * cols), lab.buf(rows * cols), lab.buf(cols), lab.buf(cols), lab.buf(rows * cols));
         let (dy, dh, ds, dw, dz) = (lab.buf(rows * cols), lab.buf(rows * cols), lab.buf(rows * cols), lab.buf(cols), lab.buf(cols));
-        let fwd = |be: &mut Be| be.skip_fwd(h, s, w, gated.then_some(z), out);
-        let bwd = |be: &mut Be| be.skip_bwd(dy, h, s, w, gated.then_some((z, dz)), dh, ds, dw);
+        let fwd = |be: &mut Be| be.op(op::SkipFwd { h, s, w, z: gated.then_some(z), out });
+        let bwd = |be: &mut Be| be.op(op::SkipBwd { dy, h, s, w, z: gated.then_some((z, dz)), dh, ds, dw });
         let mut wrts = vec![wrt(format!("dh (gated {gated})"), h, dh, false), wrt("ds", s, ds, false), wrt("dw", w, dw, true)];
         if gated {
             wrts.push(wrt("dz", z, dz, true));
@@ -231,8 +233,8 @@ fn qk_norm_rope() {
         lab.set(sin, &angles.iter().map(|a| a.sin()).collect::<Vec<_>>());
         let (dy, dgain) = (lab.buf(s.rows * w), lab.buf(s.heads));
         let dx = lab.buf(s.rows * ld).mat(s.rows, ld).cols(1, w);
-        let fwd = |be: &mut Be| be.qk_norm_rope_fwd(x, out, rstd, gained.then_some(gain), cos, sin, s, 1e-5);
-        let bwd = |be: &mut Be| be.qk_norm_rope_bwd(x, rstd, dy, dx, gained.then_some((gain, dgain)), cos, sin, s);
+        let fwd = |be: &mut Be| be.op(op::QkNormRopeFwd { x, out, rstd, gain: gained.then_some(gain), cos, sin, s, eps: 1e-5 });
+        let bwd = |be: &mut Be| be.op(op::QkNormRopeBwd { x, rstd, dy, dx, gain: gained.then_some((gain, dgain)), cos, sin, s });
         let mut wrts = vec![wrt(format!("dx (gain {gained})"), x, dx, false)];
         if gained {
             wrts.push(wrt("dgain", gain, dgain, true));
@@ -256,8 +258,8 @@ fn attention() {
         let (out, dy) = (lab.buf(n * hd), lab.buf(n * hd));
         let (dq, dk) = (lab.buf(n * hd).mat(n, hd), lab.buf(n * kvd).mat(n, kvd));
         let dv = lab.buf(n * wide).mat(n, wide).cols(hd + kvd, kvd);
-        let fwd = |be: &mut Be| be.attention_fwd(q, k, v, out, s);
-        let bwd = |be: &mut Be| be.attention_bwd(q, k, v, out, dy, dq, dk, dv, dv_acc, s);
+        let fwd = |be: &mut Be| be.op(op::AttentionFwd { q, k, v, out, s });
+        let bwd = |be: &mut Be| be.op(op::AttentionBwd { q, k, v, out, dout: dy, dq, dk, dv, dv_acc, s });
         let wrts = [wrt(format!("dq (dv_acc {dv_acc})"), q, dq, false), wrt("dk", k, dk, false), wrt("dv", v, dv, dv_acc)];
         check(&mut lab, fwd, bwd, out, dy, &wrts);
     }
@@ -273,8 +275,8 @@ fn xsa() {
     let (y, v) = (lab.buf(n * hd), lab.buf(n * ld).mat(n, ld).cols(1, kvd));
     let (out, dout, dy) = (lab.buf(n * hd), lab.buf(n * hd), lab.buf(n * hd));
     let dv = lab.buf(n * ld).mat(n, ld).cols(2, kvd);
-    let fwd = |be: &mut Be| be.xsa_fwd(y, v, out, s);
-    let bwd = |be: &mut Be| be.xsa_bwd(dout, y, v, dy, dv, s);
+    let fwd = |be: &mut Be| be.op(op::XsaFwd { y, v, out, s });
+    let bwd = |be: &mut Be| be.op(op::XsaBwd { dout, y, v, dy, dv, s });
     check(&mut lab, fwd, bwd, out, dout, &[wrt("dy", y, dy, false), wrt("dv", v, dv, false)]);
 }
 
@@ -285,8 +287,8 @@ fn act() {
         let mut lab = Lab::new(8);
         let a = Activation { slope };
         let (pre, out, dy, dpre) = (lab.buf(50), lab.buf(50), lab.buf(50), lab.buf(50));
-        let fwd = |be: &mut Be| be.act_fwd(pre, out, a);
-        let bwd = |be: &mut Be| be.act_bwd(pre, dy, dpre, a);
+        let fwd = |be: &mut Be| be.op(op::ActFwd { pre, out, a });
+        let bwd = |be: &mut Be| be.op(op::ActBwd { pre, dout: dy, dpre, a });
         check(&mut lab, fwd, bwd, out, dy, &[wrt(format!("dpre (slope {slope})"), pre, dpre, false)]);
     }
 }
@@ -297,8 +299,8 @@ fn act() {
 fn harness_catches_a_wrong_gradient() {
     let mut lab = Lab::new(8);
     let (pre, out, dy, dpre) = (lab.buf(50), lab.buf(50), lab.buf(50), lab.buf(50));
-    let fwd = |be: &mut Be| be.act_fwd(pre, out, Activation { slope: 0.45 });
-    let bwd = |be: &mut Be| be.act_bwd(pre, dy, dpre, Activation { slope: 0.5 });
+    let fwd = |be: &mut Be| be.op(op::ActFwd { pre, out, a: Activation { slope: 0.45 } });
+    let bwd = |be: &mut Be| be.op(op::ActBwd { pre, dout: dy, dpre, a: Activation { slope: 0.5 } });
     check(&mut lab, fwd, bwd, out, dy, &[wrt("dpre", pre, dpre, false)]);
 }
 
@@ -316,8 +318,8 @@ fn softcap_ce() {
     let targets: Vec<u32> = (0..rows).map(|_| lab.rng.u32(0..vocab as u32)).collect();
     lab.be.set_tokens(&vec![0; rows], &targets);
     let run = |be: &mut Be, grad_scale: f64| {
-        be.copy(logits, src);
-        be.softcap_ce(logits, losses, vocab, cap, grad_scale);
+        be.op(op::CopyBuf { dst: logits, src });
+        be.op(op::SoftcapCe { logits, losses, vocab, cap, grad_scale });
     };
     run(&mut lab.be, 1.0);
     let (grad, got) = (lab.get(logits), lab.get(losses));
@@ -341,7 +343,7 @@ fn embedding() {
     let mut lab = Lab::new(10);
     lab.be.set_tokens(&ids, &ids);
     let (table, out, dy, dtable) = (lab.buf(vocab * dim), lab.buf(ids.len() * dim), lab.buf(ids.len() * dim), lab.buf(vocab * dim));
-    let fwd = |be: &mut Be| be.embedding_fwd(table, out, dim);
-    let bwd = |be: &mut Be| be.embedding_bwd(dy, dtable, dim);
+    let fwd = |be: &mut Be| be.op(op::EmbeddingFwd { table, out, dim });
+    let bwd = |be: &mut Be| be.op(op::EmbeddingBwd { dout: dy, dtable, dim });
     check(&mut lab, fwd, bwd, out, dy, &[wrt("dtable", table, dtable, true)]);
 }

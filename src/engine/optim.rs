@@ -10,6 +10,8 @@ use std::time::Duration;
 use super::backend::{AdamStep, Backend, Buf};
 use super::layout::Layout;
 use crate::dist::Collective;
+use crate::engine::backend::BackendExt;
+use crate::engine::op;
 use crate::model::ParamGroup;
 use crate::optim::{NS5_EPS, NewtonSchulz, ROW_NORM_EPS};
 
@@ -54,22 +56,22 @@ pub fn muon(be: &mut dyn Backend, l: &Layout, s: MuonStep, ranks: Option<&dyn Co
         // buf = mu buf + G; U = G + mu buf (Nesterov) or buf.
         for (j, &m) in g.members.iter().enumerate() {
             let slot = &l.slots[m];
-            be.momentum(slot.grad, slot.state0, g.u.sub(j * len, len), s.momentum, s.nesterov);
+            be.op(op::Momentum { g: slot.grad, buf: slot.state0, u: g.u.sub(j * len, len), mu: s.momentum, nesterov: s.nesterov });
         }
         if !owned.iter().any(|&o| o) {
             // None of this shape is this rank's: the others send every O.
             continue;
         }
         if s.row_norm {
-            be.row_normalize(g.u, cols, ROW_NORM_EPS);
+            be.op(op::RowNormalize { x: g.u, cols, eps: ROW_NORM_EPS });
         }
         // X = U / (|U|_F + eps), transposed when tall so that X X^T is the small Gram matrix.
-        be.normalize_each(g.u, k, NS5_EPS);
+        be.op(op::NormalizeEach { x: g.u, count: k, eps: NS5_EPS });
         let tall = r > cols;
         if tall {
-            be.transpose_each(g.u, g.x, k, r, cols);
+            be.op(op::TransposeEach { src: g.u, dst: g.x, count: k, rows: r, cols });
         } else {
-            be.copy(g.x, g.u);
+            be.op(op::CopyBuf { dst: g.x, src: g.u });
         }
         let (m, n) = if tall { (cols, r) } else { (r, cols) };
         let (mut x, mut x2) = (g.x, g.x2);
@@ -79,22 +81,22 @@ pub fn muon(be: &mut dyn Backend, l: &Layout, s: MuonStep, ranks: Option<&dyn Co
                 let xj = x.sub(j * len, len).mat(m, n);
                 let (aj, bj) = (g.a.sub(j * m * m, m * m).mat(m, m), g.b.sub(j * m * m, m * m).mat(m, m));
                 // A = X X^T; B = A A (then b A + c B); X' = a X + B X.
-                be.gemm(aj, xj, xj.t(), 1.0, 0.0);
-                be.gemm(bj, aj, aj, 1.0, 0.0);
+                be.op(op::Gemm { c: aj, a: xj, b: xj.t(), alpha: 1.0, beta: 0.0 });
+                be.op(op::Gemm { c: bj, a: aj, b: aj, alpha: 1.0, beta: 0.0 });
             }
-            be.axpby(b, g.a, c, g.b);
+            be.op(op::Axpby { a: b, x: g.a, b: c, y: g.b });
             for j in (0..k).filter(|&j| owned[j]) {
                 let bj = g.b.sub(j * m * m, m * m).mat(m, m);
-                be.gemm(x2.sub(j * len, len).mat(m, n), bj, x.sub(j * len, len).mat(m, n), 1.0, 0.0);
+                be.op(op::Gemm { c: x2.sub(j * len, len).mat(m, n), a: bj, b: x.sub(j * len, len).mat(m, n), alpha: 1.0, beta: 0.0 });
             }
-            be.axpby(a, x, 1.0, x2);
+            be.op(op::Axpby { a, x, b: 1.0, y: x2 });
             std::mem::swap(&mut x, &mut x2);
         }
         // O back in the stored shape, in U.
         if tall {
-            be.transpose_each(x, g.u, k, m, n);
+            be.op(op::TransposeEach { src: x, dst: g.u, count: k, rows: m, cols: n });
         } else {
-            be.copy(g.u, x);
+            be.op(op::CopyBuf { dst: g.u, src: x });
         }
         // Another rank's matrices: what this rank computed for them is not O; their owners'
         // broadcasts overwrite it.
@@ -118,7 +120,7 @@ pub fn muon(be: &mut dyn Backend, l: &Layout, s: MuonStep, ranks: Option<&dyn Co
         let scale = (r as f64 / cols as f64).max(1.0).sqrt();
         for (j, &mi) in g.members.iter().enumerate() {
             // P = P (1 - lr wd) - lr scale O.
-            be.axpby(-s.lr * scale, g.u.sub(j * len, len), 1.0 - s.lr * s.weight_decay, l.slots[mi].value);
+            be.op(op::Axpby { a: -s.lr * scale, x: g.u.sub(j * len, len), b: 1.0 - s.lr * s.weight_decay, y: l.slots[mi].value });
         }
     }
     Ok(comm)
@@ -138,6 +140,6 @@ pub fn adam(be: &mut dyn Backend, l: &Layout, group: ParamGroup, t: u64, lr: f64
         bias2_sqrt: (1.0 - betas.1.powf(t)).sqrt(),
     };
     for slot in l.slots.iter().filter(|s| s.group == group) {
-        be.adam(slot.value, slot.grad, slot.state0, slot.state1, s);
+        be.op(op::Adam { p: slot.value, g: slot.grad, m: slot.state0, v: slot.state1, s });
     }
 }

@@ -34,6 +34,8 @@
 use super::backend::{Activation, AttnShape, Backend, Buf, HeadShape, LaneBufs, Mat};
 use super::layout::{Layout, PositionBufs, Sizing};
 pub use super::lora::LoraOn;
+use crate::engine::backend::BackendExt;
+use crate::engine::op;
 use crate::model::lora::Site;
 use crate::model::{FinalLane, MlpActivation, ModelConfig};
 
@@ -246,7 +248,7 @@ impl Schedule {
     /// the scratch buffer it writes.
     pub fn activate(&self, be: &mut dyn Backend, pre: Buf) -> Buf {
         let out = self.layout.scratch.act;
-        be.act_fwd(pre, out, self.activation());
+        be.op(op::ActFwd { pre, out, a: self.activation() });
         out
     }
 
@@ -259,13 +261,13 @@ impl Schedule {
         // The weights changed since the last pass (an optimizer step, a load).
         be.refresh_weights(l.params);
         // x0 = rms(E[x]).
-        be.embedding_fwd(self.value("tok_emb.weight"), l.emb, d);
+        be.op(op::EmbeddingFwd { table: self.value("tok_emb.weight"), out: l.emb, dim: d });
         // SmearGate (x0 = rms(smear(E[x]))): each row takes in a gated share of the one before.
         if self.cfg.smear_gate {
             let (w, lambda) = (self.value("smear_gate.weight"), self.value("smear_lambda"));
-            be.smear_fwd(l.emb, w, lambda, l.smeared, d, l.t, self.cfg.bos_id);
+            be.op(op::SmearFwd { e: l.emb, w, lambda, out: l.smeared, cols: d, t: l.t, bos: self.cfg.bos_id });
         }
-        be.rms_norm_fwd(self.embedded(), l.x0, l.rstd0, d, 1.0, eps);
+        be.op(op::RmsNormFwd { x: self.embedded(), out: l.x0, rstd: l.rstd0, cols: d, scale: 1.0, eps });
         let plan = self.plan(looping);
         let mut h = l.x0;
         // Lane 1 of the two-lane decoder, once its first block has run.
@@ -277,7 +279,7 @@ impl Schedule {
             if let Some((j, e)) = step.pops {
                 // h' = h + w s, or k + sigmoid(z) (h - k) with k = w s.
                 let (w, z) = self.skip_rows(j);
-                be.skip_fwd(h, l.positions[e].out, w, z, p.skipped);
+                be.op(op::SkipFwd { h, s: l.positions[e].out, w, z, out: p.skipped });
                 h = p.skipped;
             }
             if step.lane {
@@ -292,19 +294,19 @@ impl Schedule {
             && self.cfg.parallel_final_lane == FinalLane::Mean
         {
             // The lanes' mean: (l0 + l1) / 2.
-            be.copy(l.lanes_final, h);
-            be.axpby(0.5, h1, 0.5, l.lanes_final);
+            be.op(op::CopyBuf { dst: l.lanes_final, src: h });
+            be.op(op::Axpby { a: 0.5, x: h1, b: 0.5, y: l.lanes_final });
         }
         let h = self.final_stream(&plan);
         // logits = s rms(h) W^T; the loss and its gradient in one pass.
-        be.rms_norm_fwd(h, l.nf, l.rstdf, d, 1.0, eps);
+        be.op(op::RmsNormFwd { x: h, out: l.nf, rstd: l.rstdf, cols: d, scale: 1.0, eps });
         let v = self.cfg.vocab_size;
-        be.gemm(l.logits.mat(n, v), l.nf.mat(n, d), self.w(self.head_name()).t(), 1.0, 0.0);
+        be.op(op::Gemm { c: l.logits.mat(n, v), a: l.nf.mat(n, d), b: self.w(self.head_name()).t(), alpha: 1.0, beta: 0.0 });
         if let Some(ad) = self.head_adapter() {
             self.lora_fwd(be, ad, l.nf, l.logits.mat(n, v));
         }
-        be.softcap_ce(l.logits, l.losses, v, self.cfg.logit_softcap, grad_scale);
-        be.sum_into(l.losses, l.loss_sum());
+        be.op(op::SoftcapCe { logits: l.logits, losses: l.losses, vocab: v, cap: self.cfg.logit_softcap, grad_scale });
+        be.op(op::SumInto { src: l.losses, dst: l.loss_sum() });
     }
 
     /// The embedding rows `x0` norms: after SmearGate when it is on.
@@ -331,20 +333,20 @@ impl Schedule {
     fn block_fwd(&self, be: &mut dyn Backend, (i, pos): (usize, usize), p: &PositionBufs, h: Buf) {
         let (l, b, d, eps) = (&self.layout, BlockNames(i), self.cfg.model_dim, self.eps);
         let s = self.cfg.ln_scale_of(i).unwrap_or(1.0);
-        be.resid_mix_fwd(h, l.x0, self.value(&b.name("resid_mix")), p.u);
-        be.rms_norm_fwd(p.u, p.n1, p.rstd1, d, s, eps);
+        be.op(op::ResidMixFwd { h, x0: l.x0, mix: self.value(&b.name("resid_mix")), out: p.u });
+        be.op(op::RmsNormFwd { x: p.u, out: p.n1, rstd: p.rstd1, cols: d, scale: s, eps });
         self.attention_fwd(be, (i, pos), p);
         if self.cfg.parallel(i) {
             // out = u + attn_scale ao + mlp_scale mlp(n1).
             self.mlp_fwd(be, (i, pos), p.n1, p.pre, p.mo);
-            be.scale_add_fwd(p.u, p.ao, self.value(&b.name("attn_scale")), p.out);
-            be.scale_add_fwd(p.out, p.mo, self.value(&b.name("mlp_scale")), p.out);
+            be.op(op::ScaleAddFwd { base: p.u, x: p.ao, s: self.value(&b.name("attn_scale")), out: p.out });
+            be.op(op::ScaleAddFwd { base: p.out, x: p.mo, s: self.value(&b.name("mlp_scale")), out: p.out });
         } else {
             // u2 = u + attn_scale ao; out = u2 + mlp_scale mlp(s rms(u2)).
-            be.scale_add_fwd(p.u, p.ao, self.value(&b.name("attn_scale")), p.u2);
-            be.rms_norm_fwd(p.u2, p.n2, p.rstd2, d, s, eps);
+            be.op(op::ScaleAddFwd { base: p.u, x: p.ao, s: self.value(&b.name("attn_scale")), out: p.u2 });
+            be.op(op::RmsNormFwd { x: p.u2, out: p.n2, rstd: p.rstd2, cols: d, scale: s, eps });
             self.mlp_fwd(be, (i, pos), p.n2, p.pre, p.mo);
-            be.scale_add_fwd(p.u2, p.mo, self.value(&b.name("mlp_scale")), p.out);
+            be.op(op::ScaleAddFwd { base: p.u2, x: p.mo, s: self.value(&b.name("mlp_scale")), out: p.out });
         }
     }
 
@@ -379,12 +381,12 @@ impl Schedule {
     fn lane_block_fwd(&self, be: &mut dyn Backend, (i, pos): (usize, usize), p: &PositionBufs, l: [Buf; 2]) {
         let (lay, b, d, eps) = (&self.layout, BlockNames(i), self.cfg.model_dim, self.eps);
         let s = self.cfg.ln_scale_of(i).unwrap_or(1.0);
-        be.resid_mix_fwd(l[0], lay.x0, self.value(&b.name("resid_mix")), p.u);
-        be.rms_norm_fwd(p.u, p.n1, p.rstd1, d, s, eps);
+        be.op(op::ResidMixFwd { h: l[0], x0: lay.x0, mix: self.value(&b.name("resid_mix")), out: p.u });
+        be.op(op::RmsNormFwd { x: p.u, out: p.n1, rstd: p.rstd1, cols: d, scale: s, eps });
         self.attention_fwd(be, (i, pos), p);
-        be.rms_norm_fwd(l[1], p.n2, p.rstd2, d, s, eps);
+        be.op(op::RmsNormFwd { x: l[1], out: p.n2, rstd: p.rstd2, cols: d, scale: s, eps });
         self.mlp_fwd(be, (i, pos), p.n2, p.pre, p.mo);
-        be.lanes_fwd(l, p.ao, p.mo, self.lane_bufs(i, false), [p.out, p.out1]);
+        be.op(op::LanesFwd { l, ao: p.ao, mo: p.mo, w: self.lane_bufs(i, false), out: [p.out, p.out1] });
     }
 
     /// Backward of [`Schedule::lane_block_fwd`] on inputs `l` from the lanes' gradients `g`
@@ -393,16 +395,34 @@ impl Schedule {
         let (lay, sc, b, d) = (&self.layout, self.layout.scratch, BlockNames(i), self.cfg.model_dim);
         let s = self.cfg.ln_scale_of(i).unwrap_or(1.0);
         // dl_k = r[k] G_k; dao, dmo; the scales' and lambdas' gradients.
-        be.lanes_bwd(g, l, p.ao, p.mo, self.lane_bufs(i, false), g_in, sc.dao, sc.dmo, self.lane_bufs(i, true));
+        be.op(op::LanesBwd {
+            g,
+            l,
+            ao: p.ao,
+            mo: p.mo,
+            w: self.lane_bufs(i, false),
+            dl: g_in,
+            dao: sc.dao,
+            dmo: sc.dmo,
+            dw: self.lane_bufs(i, true),
+        });
         // m = mlp(s rms(l1)): into lane 1's gradient.
         self.mlp_bwd(be, (i, pos), p.n2, p.pre, sc.dmo, false);
-        be.rms_norm_bwd(l[1], p.rstd2, sc.dn, g_in[1], d, s, true);
+        be.op(op::RmsNormBwd { x: l[1], rstd: p.rstd2, dy: sc.dn, dx: g_in[1], cols: d, scale: s, accumulate: true });
         // a = attention(s rms(u)), u = l0 mix0 + x0 mix1: du, then dl0 += du mix0 (by way of
         // dy, free once attention's backward is done).
         self.attention_bwd(be, (i, pos), p, sc.dao, false);
-        be.rms_norm_bwd(p.u, p.rstd1, sc.dn, sc.datt, d, s, false);
-        be.resid_mix_bwd(sc.datt, l[0], lay.x0, self.value(&b.name("resid_mix")), sc.dy, sc.dx0, self.grad(&b.name("resid_mix")));
-        be.axpby(1.0, sc.dy, 1.0, g_in[0]);
+        be.op(op::RmsNormBwd { x: p.u, rstd: p.rstd1, dy: sc.dn, dx: sc.datt, cols: d, scale: s, accumulate: false });
+        be.op(op::ResidMixBwd {
+            du: sc.datt,
+            h: l[0],
+            x0: lay.x0,
+            mix: self.value(&b.name("resid_mix")),
+            dh: sc.dy,
+            dx0: sc.dx0,
+            dmix: self.grad(&b.name("resid_mix")),
+        });
+        be.op(op::Axpby { a: 1.0, x: sc.dy, b: 1.0, y: g_in[0] });
     }
 
     /// Attention of block `i` at position `pos` on `p.n1` into `p.ao`.
@@ -410,7 +430,7 @@ impl Schedule {
         let (l, b, n, d) = (&self.layout, BlockNames(i), self.n(), self.cfg.model_dim);
         let kvd = self.cfg.kv_dim();
         // qkv = n1 [Wq; Wk; Wv]^T: one GEMM for the three projections.
-        be.gemm(p.qkv.mat(n, d + 2 * kvd), p.n1.mat(n, d), self.wqkv(i, false).t(), 1.0, 0.0);
+        be.op(op::Gemm { c: p.qkv.mat(n, d + 2 * kvd), a: p.n1.mat(n, d), b: self.wqkv(i, false).t(), alpha: 1.0, beta: 0.0 });
         let (xq, xk, xv) = self.qkv_views(p.qkv);
         // The adapters add to the projections before the q/k norm.
         for (site, y) in [(Site::Q, xq), (Site::K, xk), (Site::V, xv)] {
@@ -420,12 +440,30 @@ impl Schedule {
         }
         let (heads, kv_heads) = (self.cfg.num_heads, self.cfg.num_kv_heads);
         let gain = self.value(&b.name("attn.q_gain"));
-        be.qk_norm_rope_fwd(xq, p.q, p.rq, Some(gain), l.cos, l.sin, self.head_shape(heads), self.eps);
-        be.qk_norm_rope_fwd(xk, p.k, p.rk, None, l.cos, l.sin, self.head_shape(kv_heads), self.eps);
+        be.op(op::QkNormRopeFwd {
+            x: xq,
+            out: p.q,
+            rstd: p.rq,
+            gain: Some(gain),
+            cos: l.cos,
+            sin: l.sin,
+            s: self.head_shape(heads),
+            eps: self.eps,
+        });
+        be.op(op::QkNormRopeFwd {
+            x: xk,
+            out: p.k,
+            rstd: p.rk,
+            gain: None,
+            cos: l.cos,
+            sin: l.sin,
+            s: self.head_shape(kv_heads),
+            eps: self.eps,
+        });
         let shape = self.attn_shape();
-        be.attention_fwd(p.q.mat(n, d), p.k.mat(n, kvd), xv, p.att, shape);
+        be.op(op::AttentionFwd { q: p.q.mat(n, d), k: p.k.mat(n, kvd), v: xv, out: p.att, s: shape });
         let y = if self.cfg.xsa(i) {
-            be.xsa_fwd(p.att, xv, p.y, shape);
+            be.op(op::XsaFwd { y: p.att, v: xv, out: p.y, s: shape });
             p.y
         } else {
             p.att
@@ -433,12 +471,12 @@ impl Schedule {
         // The sparse gate: head h of row n times sigmoid(scale w[h] . n1[n, :W]).
         let y = if self.cfg.attn_gate {
             let (w, _, x) = self.attn_gate_parts(i, p.n1);
-            be.attn_gate_fwd(y, x, w.span(), p.yg, heads, self.cfg.attn_gate_scale);
+            be.op(op::AttnGateFwd { y, x, w: w.span(), out: p.yg, heads, scale: self.cfg.attn_gate_scale });
             p.yg
         } else {
             y
         };
-        be.gemm(p.ao.mat(n, d), y.mat(n, d), self.w(&b.name("attn.proj.weight")).t(), 1.0, 0.0);
+        be.op(op::Gemm { c: p.ao.mat(n, d), a: y.mat(n, d), b: self.w(&b.name("attn.proj.weight")).t(), alpha: 1.0, beta: 0.0 });
         if let Some(ad) = self.adapter(pos, Site::O) {
             self.lora_fwd(be, ad, p.n1, p.ao.mat(n, d));
         }
@@ -449,9 +487,9 @@ impl Schedule {
         let (b, n, d) = (BlockNames(i), self.n(), self.cfg.model_dim);
         let f = self.cfg.mlp_mult * d;
         let act = self.layout.scratch.act;
-        be.gemm(pre.mat(n, f), x.mat(n, d), self.w(&b.name("mlp.fc.weight")).t(), 1.0, 0.0);
-        be.act_fwd(pre, act, self.activation());
-        be.gemm(out.mat(n, d), act.mat(n, f), self.w(&b.name("mlp.proj.weight")).t(), 1.0, 0.0);
+        be.op(op::Gemm { c: pre.mat(n, f), a: x.mat(n, d), b: self.w(&b.name("mlp.fc.weight")).t(), alpha: 1.0, beta: 0.0 });
+        be.op(op::ActFwd { pre, out: act, a: self.activation() });
+        be.op(op::Gemm { c: out.mat(n, d), a: act.mat(n, f), b: self.w(&b.name("mlp.proj.weight")).t(), alpha: 1.0, beta: 0.0 });
         if let Some(ad) = self.adapter(pos, Site::Mlp) {
             self.lora_fwd(be, ad, x, out.mat(n, d));
         }
@@ -475,28 +513,28 @@ impl Schedule {
         // The head: dW += dlogits^T nf; dnf = dlogits W; G = rms'(dnf).
         let head = self.head_name();
         if !self.frozen() {
-            be.gemm(self.dw(head), l.logits.mat(n, v).t(), l.nf.mat(n, d), 1.0, 1.0);
+            be.op(op::Gemm { c: self.dw(head), a: l.logits.mat(n, v).t(), b: l.nf.mat(n, d), alpha: 1.0, beta: 1.0 });
         }
-        be.gemm(sc.dn.mat(n, d), l.logits.mat(n, v), self.w(head), 1.0, 0.0);
+        be.op(op::Gemm { c: sc.dn.mat(n, d), a: l.logits.mat(n, v), b: self.w(head), alpha: 1.0, beta: 0.0 });
         if let Some(ad) = self.head_adapter() {
             self.lora_bwd(be, ad, l.nf, l.logits.mat(n, v), sc.dn);
         }
-        be.rms_norm_bwd(self.final_stream(&plan), l.rstdf, sc.dn, sc.g, d, 1.0, false);
-        be.fill(sc.dx0, 0.0);
+        be.op(op::RmsNormBwd { x: self.final_stream(&plan), rstd: l.rstdf, dy: sc.dn, dx: sc.g, cols: d, scale: 1.0, accumulate: false });
+        be.op(op::Fill { dst: sc.dx0, value: 0.0 });
         // On the two-lane decoder, G splits between the lanes as the final stream took them.
         let (mut g, mut g2) = (sc.g, sc.g2);
         let (mut gl, mut gl2) = (sc.gl, sc.gl2);
         if plan.last().is_some_and(|s| s.lane) {
             match self.cfg.parallel_final_lane {
                 FinalLane::Mean => {
-                    be.copy(gl, g);
-                    be.scale(gl, 0.5);
-                    be.scale(g, 0.5);
+                    be.op(op::CopyBuf { dst: gl, src: g });
+                    be.op(op::Scale { dst: gl, a: 0.5 });
+                    be.op(op::Scale { dst: g, a: 0.5 });
                 }
-                FinalLane::Attn => be.fill(gl, 0.0),
+                FinalLane::Attn => be.op(op::Fill { dst: gl, value: 0.0 }),
                 FinalLane::Mlp => {
-                    be.copy(gl, g);
-                    be.fill(g, 0.0);
+                    be.op(op::CopyBuf { dst: gl, src: g });
+                    be.op(op::Fill { dst: g, value: 0.0 });
                 }
             }
         }
@@ -505,7 +543,7 @@ impl Schedule {
             let p = &l.positions[pos];
             if let Some(e) = step.pushed {
                 // This output also went into a skip: its gradient from there joins G.
-                be.axpby(1.0, l.dskip[e], 1.0, g);
+                be.op(op::Axpby { a: 1.0, x: l.dskip[e], b: 1.0, y: g });
             }
             let input = if step.pops.is_some() {
                 p.skipped
@@ -529,12 +567,12 @@ impl Schedule {
                 let (w, z) = self.skip_rows(j);
                 let dw = self.grad("skip_weights").sub(j * d, d);
                 let z = z.map(|z| (z, self.grad("skip_gates").sub(j * d, d)));
-                be.skip_bwd(g, before, l.positions[e].out, w, z, g2, l.dskip[e], dw);
+                be.op(op::SkipBwd { dy: g, h: before, s: l.positions[e].out, w, z, dh: g2, ds: l.dskip[e], dw });
                 std::mem::swap(&mut g, &mut g2);
             }
             if first_lane {
                 // Both lanes started as this stream.
-                be.axpby(1.0, gl, 1.0, g);
+                be.op(op::Axpby { a: 1.0, x: gl, b: 1.0, y: g });
             }
             at(be, plan.len() - pos);
         }
@@ -544,12 +582,12 @@ impl Schedule {
             return;
         }
         // G is now the gradient of the first block's input, x0 itself.
-        be.axpby(1.0, g, 1.0, sc.dx0);
-        be.rms_norm_bwd(self.embedded(), l.rstd0, sc.dx0, sc.demb, d, 1.0, false);
+        be.op(op::Axpby { a: 1.0, x: g, b: 1.0, y: sc.dx0 });
+        be.op(op::RmsNormBwd { x: self.embedded(), rstd: l.rstd0, dy: sc.dx0, dx: sc.demb, cols: d, scale: 1.0, accumulate: false });
         let demb = if self.cfg.smear_gate {
             let (w, lambda) = (self.value("smear_gate.weight"), self.value("smear_lambda"));
             let (dw, dlambda) = (self.grad("smear_gate.weight"), self.grad("smear_lambda"));
-            be.smear_bwd(sc.demb, l.emb, w, lambda, sc.dsmear, dw, dlambda, d, l.t, self.cfg.bos_id);
+            be.op(op::SmearBwd { dout: sc.demb, e: l.emb, w, lambda, de: sc.dsmear, dw, dlambda, cols: d, t: l.t, bos: self.cfg.bos_id });
             sc.dsmear
         } else {
             sc.demb
@@ -557,9 +595,9 @@ impl Schedule {
         if let Some(tail) = l.capacity_tail(demb, d) {
             // A backend whose ids fill the arena's capacity (the GPU's CSR) reads past the
             // micro-batch there: the padded positions' gradient is zero.
-            be.fill(tail, 0.0);
+            be.op(op::Fill { dst: tail, value: 0.0 });
         }
-        be.embedding_bwd(demb, self.grad("tok_emb.weight"), d);
+        be.op(op::EmbeddingBwd { dout: demb, dtable: self.grad("tok_emb.weight"), dim: d });
         at(be, plan.len() + 1);
     }
 
@@ -613,22 +651,30 @@ impl Schedule {
         let (d_attn_scale, d_mlp_scale) = (self.grad(&b.name("attn_scale")), self.grad(&b.name("mlp_scale")));
         if self.cfg.parallel(i) {
             // out = u + attn_scale ao + mlp_scale mo: G flows to u unchanged.
-            be.scale_add_bwd(g, p.mo, mlp_scale, sc.dmo, d_mlp_scale);
-            be.scale_add_bwd(g, p.ao, attn_scale, sc.dao, d_attn_scale);
+            be.op(op::ScaleAddBwd { dy: g, x: p.mo, s: mlp_scale, dx: sc.dmo, ds: d_mlp_scale });
+            be.op(op::ScaleAddBwd { dy: g, x: p.ao, s: attn_scale, dx: sc.dao, ds: d_attn_scale });
             self.mlp_bwd(be, (i, pos), p.n1, p.pre, sc.dmo, false);
             self.attention_bwd(be, (i, pos), p, sc.dao, true);
-            be.rms_norm_bwd(p.u, p.rstd1, sc.dn, g, d, s, true);
+            be.op(op::RmsNormBwd { x: p.u, rstd: p.rstd1, dy: sc.dn, dx: g, cols: d, scale: s, accumulate: true });
         } else {
             // out = u2 + mlp_scale mo; u2 = u + attn_scale ao.
-            be.scale_add_bwd(g, p.mo, mlp_scale, sc.dmo, d_mlp_scale);
+            be.op(op::ScaleAddBwd { dy: g, x: p.mo, s: mlp_scale, dx: sc.dmo, ds: d_mlp_scale });
             self.mlp_bwd(be, (i, pos), p.n2, p.pre, sc.dmo, false);
-            be.rms_norm_bwd(p.u2, p.rstd2, sc.dn, g, d, s, true);
-            be.scale_add_bwd(g, p.ao, attn_scale, sc.dao, d_attn_scale);
+            be.op(op::RmsNormBwd { x: p.u2, rstd: p.rstd2, dy: sc.dn, dx: g, cols: d, scale: s, accumulate: true });
+            be.op(op::ScaleAddBwd { dy: g, x: p.ao, s: attn_scale, dx: sc.dao, ds: d_attn_scale });
             self.attention_bwd(be, (i, pos), p, sc.dao, false);
-            be.rms_norm_bwd(p.u, p.rstd1, sc.dn, g, d, s, true);
+            be.op(op::RmsNormBwd { x: p.u, rstd: p.rstd1, dy: sc.dn, dx: g, cols: d, scale: s, accumulate: true });
         }
         // u = h mix0 + x0 mix1.
-        be.resid_mix_bwd(g, h, l.x0, self.value(&b.name("resid_mix")), g_in, sc.dx0, self.grad(&b.name("resid_mix")));
+        be.op(op::ResidMixBwd {
+            du: g,
+            h,
+            x0: l.x0,
+            mix: self.value(&b.name("resid_mix")),
+            dh: g_in,
+            dx0: sc.dx0,
+            dmix: self.grad(&b.name("resid_mix")),
+        });
     }
 
     /// Backward of block `i`'s attention from `dao` (the gradient of `ao`) into `dn`, the
@@ -642,9 +688,9 @@ impl Schedule {
         let wo = b.name("attn.proj.weight");
         // ao = yo Wo^T: dWo += dao^T yo; dyo = dao Wo.
         if !self.frozen() {
-            be.gemm(self.dw(&wo), dao.mat(n, d).t(), yo.mat(n, d), 1.0, 1.0);
+            be.op(op::Gemm { c: self.dw(&wo), a: dao.mat(n, d).t(), b: yo.mat(n, d), alpha: 1.0, beta: 1.0 });
         }
-        be.gemm(sc.dy.mat(n, d), dao.mat(n, d), self.w(&wo), 1.0, 0.0);
+        be.op(op::Gemm { c: sc.dy.mat(n, d), a: dao.mat(n, d), b: self.w(&wo), alpha: 1.0, beta: 0.0 });
         let (xq, xk, xv) = self.qkv_views(p.qkv);
         let (dxq, dxk, dxv) = self.qkv_views(sc.dqkv);
         let shape = self.attn_shape();
@@ -653,35 +699,73 @@ impl Schedule {
         let mut dcur = sc.dy;
         if gate {
             let (w, _, x) = self.attn_gate_parts(i, p.n1);
-            be.attn_gate_bwd(sc.dy, y, x, w.span(), sc.datt, sc.dz, self.cfg.num_heads, self.cfg.attn_gate_scale);
+            be.op(op::AttnGateBwd {
+                dout: sc.dy,
+                y,
+                x,
+                w: w.span(),
+                dy: sc.datt,
+                dz: sc.dz,
+                heads: self.cfg.num_heads,
+                scale: self.cfg.attn_gate_scale,
+            });
             dcur = sc.datt;
         }
         let datt = if xsa {
             let out = if dcur == sc.dy { sc.datt } else { sc.dy };
-            be.xsa_bwd(dcur, p.att, xv, out, dxv, shape);
+            be.op(op::XsaBwd { dout: dcur, y: p.att, v: xv, dy: out, dv: dxv, s: shape });
             out
         } else {
             dcur
         };
-        be.attention_bwd(p.q.mat(n, d), p.k.mat(n, kvd), xv, p.att, datt, sc.dq.mat(n, d), sc.dk.mat(n, kvd), dxv, xsa, shape);
+        be.op(op::AttentionBwd {
+            q: p.q.mat(n, d),
+            k: p.k.mat(n, kvd),
+            v: xv,
+            out: p.att,
+            dout: datt,
+            dq: sc.dq.mat(n, d),
+            dk: sc.dk.mat(n, kvd),
+            dv: dxv,
+            dv_acc: xsa,
+            s: shape,
+        });
         let (heads, kv_heads) = (self.cfg.num_heads, self.cfg.num_kv_heads);
         let gain = (self.value(&b.name("attn.q_gain")), self.grad(&b.name("attn.q_gain")));
-        be.qk_norm_rope_bwd(xq, p.rq, sc.dq, dxq, Some(gain), l.cos, l.sin, self.head_shape(heads));
-        be.qk_norm_rope_bwd(xk, p.rk, sc.dk, dxk, None, l.cos, l.sin, self.head_shape(kv_heads));
+        be.op(op::QkNormRopeBwd {
+            x: xq,
+            rstd: p.rq,
+            dy: sc.dq,
+            dx: dxq,
+            gain: Some(gain),
+            cos: l.cos,
+            sin: l.sin,
+            s: self.head_shape(heads),
+        });
+        be.op(op::QkNormRopeBwd {
+            x: xk,
+            rstd: p.rk,
+            dy: sc.dk,
+            dx: dxk,
+            gain: None,
+            cos: l.cos,
+            sin: l.sin,
+            s: self.head_shape(kv_heads),
+        });
         // qkv = n1 Wqkv^T: dWqkv += dqkv^T n1; dn1 (+)= dqkv Wqkv.
         let dqkv = sc.dqkv.mat(n, d + 2 * kvd);
         if !self.frozen() {
-            be.gemm(self.wqkv(i, true), dqkv.t(), p.n1.mat(n, d), 1.0, 1.0);
+            be.op(op::Gemm { c: self.wqkv(i, true), a: dqkv.t(), b: p.n1.mat(n, d), alpha: 1.0, beta: 1.0 });
         }
-        be.gemm(sc.dn.mat(n, d), dqkv, self.wqkv(i, false), 1.0, if accumulate { 1.0 } else { 0.0 });
+        be.op(op::Gemm { c: sc.dn.mat(n, d), a: dqkv, b: self.wqkv(i, false), alpha: 1.0, beta: if accumulate { 1.0 } else { 0.0 } });
         if gate {
             // z = scale x[:, :W] w^T: dw += dz^T x; dn1[:, :W] += dz w (scale is in dz).
             let (w, dw, x) = self.attn_gate_parts(i, p.n1);
             let dz = sc.dz.mat(n, self.cfg.num_heads);
             if !self.frozen() {
-                be.gemm(dw, dz.t(), x, 1.0, 1.0);
+                be.op(op::Gemm { c: dw, a: dz.t(), b: x, alpha: 1.0, beta: 1.0 });
             }
-            be.gemm(sc.dn.mat(n, d).cols(0, self.cfg.attn_gate_window), dz, w, 1.0, 1.0);
+            be.op(op::Gemm { c: sc.dn.mat(n, d).cols(0, self.cfg.attn_gate_window), a: dz, b: w, alpha: 1.0, beta: 1.0 });
         }
         // The adapters: o's from dao, q's, k's and v's from their projections' gradients;
         // each adds its input's gradient to dn1.
@@ -698,18 +782,18 @@ impl Schedule {
         let f = self.cfg.mlp_mult * d;
         let (fc, proj) = (b.name("mlp.fc.weight"), b.name("mlp.proj.weight"));
         // act = act(pre) again; out = act Wp^T: dWp += dmo^T act; dact = dmo Wp.
-        be.act_fwd(pre, sc.act, self.activation());
+        be.op(op::ActFwd { pre, out: sc.act, a: self.activation() });
         if !self.frozen() {
-            be.gemm(self.dw(&proj), dmo.mat(n, d).t(), sc.act.mat(n, f), 1.0, 1.0);
+            be.op(op::Gemm { c: self.dw(&proj), a: dmo.mat(n, d).t(), b: sc.act.mat(n, f), alpha: 1.0, beta: 1.0 });
         }
-        be.gemm(sc.dact.mat(n, f), dmo.mat(n, d), self.w(&proj), 1.0, 0.0);
+        be.op(op::Gemm { c: sc.dact.mat(n, f), a: dmo.mat(n, d), b: self.w(&proj), alpha: 1.0, beta: 0.0 });
         // dpre = act'(pre) dact (into the activation's buffer, no longer needed).
-        be.act_bwd(pre, sc.dact, sc.act, self.activation());
+        be.op(op::ActBwd { pre, dout: sc.dact, dpre: sc.act, a: self.activation() });
         // pre = x Wfc^T: dWfc += dpre^T x; dx (+)= dpre Wfc.
         if !self.frozen() {
-            be.gemm(self.dw(&fc), sc.act.mat(n, f).t(), x.mat(n, d), 1.0, 1.0);
+            be.op(op::Gemm { c: self.dw(&fc), a: sc.act.mat(n, f).t(), b: x.mat(n, d), alpha: 1.0, beta: 1.0 });
         }
-        be.gemm(sc.dn.mat(n, d), sc.act.mat(n, f), self.w(&fc), 1.0, if accumulate { 1.0 } else { 0.0 });
+        be.op(op::Gemm { c: sc.dn.mat(n, d), a: sc.act.mat(n, f), b: self.w(&fc), alpha: 1.0, beta: if accumulate { 1.0 } else { 0.0 } });
         if let Some(ad) = self.adapter(pos, Site::Mlp) {
             self.lora_bwd(be, ad, x, dmo.mat(n, d), sc.dn);
         }

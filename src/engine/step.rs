@@ -16,6 +16,8 @@ use super::layout::{Layout, Sizing};
 use super::optim::{self, MuonStep};
 use super::schedule::Schedule;
 use crate::device::phase_clock::{Phase, PhaseTimes};
+use crate::engine::backend::BackendExt;
+use crate::engine::op;
 use crate::model::ops::{rms_eps, rope_tables};
 use crate::model::{ModelConfig, ParamGroup};
 
@@ -200,8 +202,8 @@ impl Engine {
         e.upload_rope()?;
         if poison {
             let (a, b) = (e.schedule.layout.activations, e.schedule.layout.scratch_region);
-            e.be.fill(a, f64::NAN);
-            e.be.fill(b, f64::NAN);
+            e.be.op(op::Fill { dst: a, value: f64::NAN });
+            e.be.op(op::Fill { dst: b, value: f64::NAN });
             // The RoPE tables sit among the constants, not the activations: keep them.
         }
         Ok(e)
@@ -392,7 +394,7 @@ impl Engine {
         self.be.begin_unit(if looping { "forward looped" } else { "forward" });
         self.schedule.forward(self.be.as_mut(), looping, grad_scale);
         if self.poison {
-            self.be.fill(scratch, f64::NAN);
+            self.be.op(op::Fill { dst: scratch, value: f64::NAN });
         }
         self.be.end_unit();
         let t1 = Instant::now();
@@ -405,8 +407,8 @@ impl Engine {
         });
         self.schedule.backward_with(self.be.as_mut(), looping, at);
         if self.poison {
-            self.be.fill(acts, f64::NAN);
-            self.be.fill(scratch, f64::NAN);
+            self.be.op(op::Fill { dst: acts, value: f64::NAN });
+            self.be.op(op::Fill { dst: scratch, value: f64::NAN });
         }
         self.be.end_unit();
         let m2 = self.be.timing_mark();
@@ -433,7 +435,7 @@ impl Engine {
             x.len(),
             y.len()
         );
-        self.be.fill(sum, 0.0);
+        self.be.op(op::Fill { dst: sum, value: 0.0 });
         let mut padding = 0.0;
         for (xc, yc) in x.chunks(n).zip(y.chunks(n)) {
             let (px, py);
@@ -453,7 +455,7 @@ impl Engine {
             }
         }
         let total = self.loss_sum()? - padding;
-        self.be.fill(sum, 0.0);
+        self.be.op(op::Fill { dst: sum, value: 0.0 });
         Ok(total)
     }
 
@@ -470,8 +472,8 @@ impl Engine {
     /// Zeroes the gradients and the loss sum (the start of a step).
     pub fn zero_grads(&mut self) {
         let (g, stats) = (self.schedule.layout.grads, self.schedule.layout.stats);
-        self.be.fill(g, 0.0);
-        self.be.fill(stats, 0.0);
+        self.be.op(op::Fill { dst: g, value: 0.0 });
+        self.be.op(op::Fill { dst: stats, value: 0.0 });
     }
 
     /// The optimizer step that ends a training step, as one unit of work (a CUDA graph on the
@@ -491,7 +493,7 @@ impl Engine {
         let m0 = self.be.timing_mark();
         self.be.begin_unit("optimizer");
         if s.clip > 0.0 {
-            self.be.clip_norm(grads, s.clip, norm);
+            self.be.op(op::ClipNorm { g: grads, max: s.clip, norm });
         }
         let ranks = self.exchange.as_ref().map(|x| x.ranks().clone());
         let muon = optim::muon(self.be.as_mut(), &self.schedule.layout, s.muon, ranks.as_deref());
@@ -499,7 +501,7 @@ impl Engine {
             for ((group, _), (lr, wd)) in ADAM_GROUPS.iter().zip(s.adam) {
                 self.adam(*group, lr, s.betas, s.eps, wd);
             }
-            self.be.fill(grads, 0.0);
+            self.be.op(op::Fill { dst: grads, value: 0.0 });
         }
         // Closed whatever happened: a unit left open would refuse every later read.
         self.be.end_unit();
@@ -512,7 +514,7 @@ impl Engine {
         self.span(Phase::Optimizer, m0, m1);
         self.last_comm = muon?;
         let grad_norm = if s.clip > 0.0 { Some(self.scalar(norm)?) } else { None };
-        self.be.fill(stats, 0.0);
+        self.be.op(op::Fill { dst: stats, value: 0.0 });
         Ok(StepStats { loss_sum, grad_norm })
     }
 
@@ -737,11 +739,11 @@ mod tests {
         e.micro_step(&x, &y, false, 1.0 / (rows * t) as f64);
         let (weights, state) = (flat(e.params().unwrap()), flat(e.optimizer_state().unwrap()));
         let loss = e.schedule.layout.loss_sum();
-        e.be.fill(loss, f64::NAN);
+        e.be.op(op::Fill { dst: loss, value: f64::NAN });
         let s = e.optimizer_step(&step).unwrap();
         assert!(s.loss_sum.is_nan() && s.grad_norm.is_none(), "{s:?}");
         assert!(flat(e.params().unwrap()) == weights && flat(e.optimizer_state().unwrap()) == state, "the update ran");
-        e.be.fill(loss, 1.0);
+        e.be.op(op::Fill { dst: loss, value: 1.0 });
         let s = e.optimizer_step(&step).unwrap();
         assert!(s.loss_sum == 1.0 && s.grad_norm.is_some());
         assert!(flat(e.params().unwrap()) != weights, "a finite loss updates the weights");

@@ -25,21 +25,21 @@ pub fn check(cfg: &ModelConfig) -> anyhow::Result<()> {
         rope_base: _,
         rope_dims: _,
         rope_train_seq_len: _,
-        // The loss (`Backend::softcap_ce`).
+        // The loss (`op::SoftcapCe`).
         logit_softcap: _,
         // Initial values: candle makes the weights, the engine loads them (`Engine::load_params`).
         qk_gain_init: _,
         tied_embed_init_std: _,
         init: _,
-        // The MLP (`Backend::act_fwd`/`act_bwd`).
+        // The MLP (`op::ActFwd`/`act_bwd`).
         mlp_activation: _,
         leaky_relu_slope: _,
-        // The block's norms (`Backend::rms_norm_fwd`'s scale).
+        // The block's norms (`op::RmsNormFwd`'s scale).
         ln_scale: _,
         // The block's wiring (`schedule`'s forward and backward of a block).
         parallel_residual_start: _,
         xsa_last_n: _,
-        // The U-Net's skips (`Backend::skip_fwd`/`skip_bwd`).
+        // The U-Net's skips (`op::SkipFwd`/`skip_bwd`).
         skip_gates: _,
         // The layer sequence (`ModelConfig::layer_sequence`; the trainer switches looping on at
         // `enable_looping_at`).
@@ -47,7 +47,7 @@ pub fn check(cfg: &ModelConfig) -> anyhow::Result<()> {
         loop_end: _,
         num_loops: _,
         enable_looping_at: _,
-        // The 04-27 record's SmearGate with the BOS fix (`Backend::smear_fwd`/`smear_bwd`,
+        // The 04-27 record's SmearGate with the BOS fix (`op::SmearFwd`/`smear_bwd`,
         // before the embedding's norm in `schedule`).
         smear_gate: _,
         smear_gate_window: _,
@@ -55,13 +55,13 @@ pub fn check(cfg: &ModelConfig) -> anyhow::Result<()> {
         // Attention within documents (`AttnShape::docs`: the backends mask by the micro-batch's
         // ids).
         document_attention: _,
-        // The sparse attention-output gate (`Backend::attn_gate_fwd`/`attn_gate_bwd` and two
+        // The sparse attention-output gate (`op::AttnGateFwd`/`attn_gate_bwd` and two
         // GEMMs for its weights' and input's gradients, in `schedule`).
         attn_gate: _,
         attn_gate_window: _,
         attn_gate_init_std: _,
         attn_gate_scale: _,
-        // The two-lane parallel decoder (`Backend::lanes_fwd`/`lanes_bwd`; `schedule`'s lane
+        // The two-lane parallel decoder (`op::LanesFwd`/`lanes_bwd`; `schedule`'s lane
         // blocks and final stream).
         parallel_decoder_start: _,
         parallel_final_lane: _,

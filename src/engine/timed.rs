@@ -18,7 +18,9 @@ use std::time::Instant;
 use candle_core::{DType, Tensor};
 
 #[cfg(feature = "tools")]
-use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, GraphCounts, HeadShape, LaneBufs, Mat, Tokens};
+use super::backend::{AttnShape, Backend, Buf, GraphCounts, HeadShape, Mat, Tokens};
+#[cfg(feature = "tools")]
+use super::op::Op;
 
 /// One op call's time.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -171,15 +173,6 @@ impl Backend for Timed {
         let n = tokens.lens().0;
         self.time("set_tokens", format!("{n} ids"), 8.0 * n as f64, 0.0, |b| b.load_tokens(tokens))
     }
-    fn fill(&mut self, dst: Buf, value: f64) {
-        self.time("fill", dst.len.to_string(), self.bytes(&[dst]), 0.0, |b| b.fill(dst, value))
-    }
-    fn copy(&mut self, dst: Buf, src: Buf) {
-        self.time("copy", dst.len.to_string(), self.bytes(&[dst, src]), 0.0, |b| b.copy(dst, src))
-    }
-    fn scale(&mut self, dst: Buf, a: f64) {
-        self.time("scale", dst.len.to_string(), 2.0 * self.bytes(&[dst]), 0.0, |b| b.scale(dst, a))
-    }
     fn sum(&self, src: Buf) -> f64 {
         let v = self.inner.sum(src);
         let _ = self.resolve();
@@ -194,13 +187,6 @@ impl Backend for Timed {
         let v = self.inner.all_finite(src);
         let _ = self.resolve();
         v
-    }
-    fn sum_into(&mut self, src: Buf, dst: Buf) {
-        self.time("sum_into", src.len.to_string(), self.bytes(&[src]), 0.0, |b| b.sum_into(src, dst))
-    }
-    fn clip_norm(&mut self, g: Buf, max: f64, norm: Buf) {
-        // Reads g twice (the norm, then the scaling) and writes it.
-        self.time("clip_norm", g.len.to_string(), 3.0 * self.bytes(&[g]), 0.0, |b| b.clip_norm(g, max, norm))
     }
     fn graph_counts(&self) -> Option<GraphCounts> {
         self.inner.graph_counts()
@@ -225,139 +211,105 @@ impl Backend for Timed {
         self.inner.synchronize()?;
         self.resolve()
     }
-    fn gemm(&mut self, c: Mat, a: Mat, b_: Mat, alpha: f64, beta: f64) {
-        let ((m, k), (_, n)) = (a.shape(), b_.shape());
-        let tr = |x: Mat| if x.t { "T" } else { "N" };
-        let shape = format!("{m}x{n}x{k} {}{}{}", tr(a), tr(b_), if beta != 0.0 { " +=" } else { "" });
-        let c_bytes = if beta != 0.0 { 2.0 } else { 1.0 } * (m * n) as f64 * self.elem(c.span());
-        let by = self.gemm_elem(a) * (m * k) as f64 + self.gemm_elem(b_) * (k * n) as f64 + c_bytes;
-        self.time("gemm", shape, by, 2.0 * (m * n * k) as f64, |b| b.gemm(c, a, b_, alpha, beta))
+    fn run(&mut self, op: Op) {
+        let (shape, bytes, flops) = self.traffic(&op);
+        self.time(op.name(), shape, bytes, flops, |b| b.run(op))
     }
-    fn embedding_fwd(&mut self, table: Buf, out: Buf, dim: usize) {
-        self.time("embedding_fwd", rows_cols(out, dim), 2.0 * self.bytes(&[out]), 0.0, |b| b.embedding_fwd(table, out, dim))
-    }
-    fn embedding_bwd(&mut self, dout: Buf, dtable: Buf, dim: usize) {
-        self.time("embedding_bwd", rows_cols(dout, dim), self.bytes(&[dout, dtable, dtable]), 0.0, |b| b.embedding_bwd(dout, dtable, dim))
-    }
-    fn rms_norm_fwd(&mut self, x: Buf, out: Buf, rstd: Buf, cols: usize, scale: f64, eps: f64) {
-        self.time("rms_norm_fwd", rows_cols(x, cols), self.bytes(&[x, out, rstd]), 0.0, |b| b.rms_norm_fwd(x, out, rstd, cols, scale, eps))
-    }
-    fn rms_norm_bwd(&mut self, x: Buf, rstd: Buf, dy: Buf, dx: Buf, cols: usize, scale: f64, accumulate: bool) {
-        let by = self.bytes(&[x, rstd, dy, dx]) + if accumulate { self.bytes(&[dx]) } else { 0.0 };
-        self.time("rms_norm_bwd", rows_cols(x, cols), by, 0.0, |b| b.rms_norm_bwd(x, rstd, dy, dx, cols, scale, accumulate))
-    }
-    fn resid_mix_fwd(&mut self, h: Buf, x0: Buf, mix: Buf, out: Buf) {
-        self.time("resid_mix_fwd", rows_cols(h, mix.len / 2), self.bytes(&[h, x0, out]), 0.0, |b| b.resid_mix_fwd(h, x0, mix, out))
-    }
-    fn resid_mix_bwd(&mut self, du: Buf, h: Buf, x0: Buf, mix: Buf, dh: Buf, dx0: Buf, dmix: Buf) {
-        let by = self.bytes(&[du, h, x0, dh, dx0, dx0]);
-        self.time("resid_mix_bwd", rows_cols(du, mix.len / 2), by, 0.0, |b| b.resid_mix_bwd(du, h, x0, mix, dh, dx0, dmix))
-    }
-    fn scale_add_fwd(&mut self, base: Buf, x: Buf, s: Buf, out: Buf) {
-        self.time("scale_add_fwd", rows_cols(x, s.len), self.bytes(&[base, x, out]), 0.0, |b| b.scale_add_fwd(base, x, s, out))
-    }
-    fn scale_add_bwd(&mut self, dy: Buf, x: Buf, s: Buf, dx: Buf, ds: Buf) {
-        self.time("scale_add_bwd", rows_cols(dy, s.len), self.bytes(&[dy, x, dx, dy]), 0.0, |b| b.scale_add_bwd(dy, x, s, dx, ds))
-    }
-    fn skip_fwd(&mut self, h: Buf, s: Buf, w: Buf, z: Option<Buf>, out: Buf) {
-        self.time("skip_fwd", rows_cols(h, w.len), self.bytes(&[h, s, out]), 0.0, |b| b.skip_fwd(h, s, w, z, out))
-    }
-    fn skip_bwd(&mut self, dy: Buf, h: Buf, s: Buf, w: Buf, z: Option<(Buf, Buf)>, dh: Buf, ds: Buf, dw: Buf) {
-        let by = self.bytes(&[dy, h, s, dh, ds, dy]);
-        self.time("skip_bwd", rows_cols(dy, w.len), by, 0.0, |b| b.skip_bwd(dy, h, s, w, z, dh, ds, dw))
-    }
-    fn qk_norm_rope_fwd(&mut self, x: Mat, out: Buf, rstd: Buf, gain: Option<Buf>, cos: Buf, sin: Buf, s: HeadShape, eps: f64) {
-        let shape = format!("{}x{}x{}", s.rows, s.heads, s.d);
-        self.time("qk_norm_rope_fwd", shape, 2.0 * self.bytes(&[out]), 0.0, |b| b.qk_norm_rope_fwd(x, out, rstd, gain, cos, sin, s, eps))
-    }
-    fn qk_norm_rope_bwd(&mut self, x: Mat, rstd: Buf, dy: Buf, dx: Mat, gain: Option<(Buf, Buf)>, cos: Buf, sin: Buf, s: HeadShape) {
-        let shape = format!("{}x{}x{}", s.rows, s.heads, s.d);
-        self.time("qk_norm_rope_bwd", shape, 3.0 * self.bytes(&[dy]), 0.0, |b| b.qk_norm_rope_bwd(x, rstd, dy, dx, gain, cos, sin, s))
-    }
-    fn attention_fwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, s: AttnShape) {
-        // Causal: half of QK^T and PV, 2 t^2 d each per head.
-        let flops = 2.0 * (s.batch * s.heads) as f64 * (s.t * s.t * s.d) as f64;
-        let by = self.bytes(&[q.span(), k.span(), v.span()]) + self.bytes(&[out]);
-        let shape = format!("{}x{}x{}h{}kv", s.batch, s.t, s.heads, s.kv_heads);
-        self.time("attention_fwd", shape, by, flops, |b| b.attention_fwd(q, k, v, out, s))
-    }
-    fn attention_bwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, dout: Buf, dq: Mat, dk: Mat, dv: Mat, dv_acc: bool, s: AttnShape) {
-        // 2.5 times the forward's products (S and dP recomputed, dV, dQ, dK).
-        let flops = 5.0 * (s.batch * s.heads) as f64 * (s.t * s.t * s.d) as f64;
-        let qkv = self.bytes(&[q.span(), k.span(), v.span()]);
-        let by = 2.0 * qkv + self.bytes(&[out, dout]);
-        let shape = format!("{}x{}x{}h{}kv", s.batch, s.t, s.heads, s.kv_heads);
-        self.time("attention_bwd", shape, by, flops, |b| b.attention_bwd(q, k, v, out, dout, dq, dk, dv, dv_acc, s))
-    }
-    fn xsa_fwd(&mut self, y: Buf, v: Mat, out: Buf, s: AttnShape) {
-        self.time("xsa_fwd", rows_cols(y, s.heads * s.d), self.bytes(&[y, out]), 0.0, |b| b.xsa_fwd(y, v, out, s))
-    }
-    fn xsa_bwd(&mut self, dout: Buf, y: Buf, v: Mat, dy: Buf, dv: Mat, s: AttnShape) {
-        self.time("xsa_bwd", rows_cols(y, s.heads * s.d), self.bytes(&[dout, y, dy]), 0.0, |b| b.xsa_bwd(dout, y, v, dy, dv, s))
-    }
-    fn smear_fwd(&mut self, e: Buf, w: Buf, lambda: Buf, out: Buf, cols: usize, t: usize, bos: u32) {
-        self.time("smear_fwd", rows_cols(e, cols), self.bytes(&[e, e, out]), 0.0, |b| b.smear_fwd(e, w, lambda, out, cols, t, bos))
-    }
-    fn smear_bwd(&mut self, dout: Buf, e: Buf, w: Buf, lambda: Buf, de: Buf, dw: Buf, dlambda: Buf, cols: usize, t: usize, bos: u32) {
-        let by = self.bytes(&[dout, dout, e, e, de]);
-        self.time("smear_bwd", rows_cols(e, cols), by, 0.0, |b| b.smear_bwd(dout, e, w, lambda, de, dw, dlambda, cols, t, bos))
-    }
-    fn lanes_fwd(&mut self, l: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, out: [Buf; 2]) {
-        let by = self.bytes(&[l[0], l[1], ao, mo, out[0], out[1]]);
-        self.time("lanes_fwd", rows_cols(ao, w.sa.len), by, 0.0, |b| b.lanes_fwd(l, ao, mo, w, out))
-    }
-    fn lanes_bwd(&mut self, g: [Buf; 2], l: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, dl: [Buf; 2], dao: Buf, dmo: Buf, dw: LaneBufs) {
-        // The mix's pass and the partial sums' pass, each reading the lanes and the outputs.
-        let by = 2.0 * self.bytes(&[g[0], g[1], l[0], l[1], ao, mo]) + self.bytes(&[dl[0], dl[1], dao, dmo]);
-        self.time("lanes_bwd", rows_cols(ao, w.sa.len), by, 0.0, |b| b.lanes_bwd(g, l, ao, mo, w, dl, dao, dmo, dw))
-    }
-    fn attn_gate_fwd(&mut self, y: Buf, x: Mat, w: Buf, out: Buf, heads: usize, scale: f64) {
-        self.time("attn_gate_fwd", rows_cols(y, y.len / x.rows.max(1)), self.bytes(&[y, out]), 0.0, |b| {
-            b.attn_gate_fwd(y, x, w, out, heads, scale)
-        })
-    }
-    fn attn_gate_bwd(&mut self, dout: Buf, y: Buf, x: Mat, w: Buf, dy: Buf, dz: Buf, heads: usize, scale: f64) {
-        let shape = rows_cols(y, y.len / x.rows.max(1));
-        self.time("attn_gate_bwd", shape, self.bytes(&[dout, y, dy, dz]), 0.0, |b| b.attn_gate_bwd(dout, y, x, w, dy, dz, heads, scale))
-    }
-    fn act_fwd(&mut self, pre: Buf, out: Buf, a: Activation) {
-        self.time("act_fwd", pre.len.to_string(), self.bytes(&[pre, out]), 0.0, |b| b.act_fwd(pre, out, a))
-    }
-    fn act_bwd(&mut self, pre: Buf, dout: Buf, dpre: Buf, a: Activation) {
-        self.time("act_bwd", pre.len.to_string(), self.bytes(&[pre, dout, dpre]), 0.0, |b| b.act_bwd(pre, dout, dpre, a))
-    }
-    fn softcap_ce(&mut self, logits: Buf, losses: Buf, vocab: usize, cap: f64, grad_scale: f64) {
-        self.time("softcap_ce", rows_cols(logits, vocab), 2.0 * self.bytes(&[logits]), 0.0, |b| {
-            b.softcap_ce(logits, losses, vocab, cap, grad_scale)
-        })
-    }
-    fn adam(&mut self, p: Buf, g: Buf, m: Buf, v: Buf, s: AdamStep) {
-        self.time("adam", p.len.to_string(), self.bytes(&[p, g, m, v, p, m, v]), 0.0, |b| b.adam(p, g, m, v, s))
-    }
-    fn momentum(&mut self, g: Buf, buf: Buf, u: Buf, mu: f64, nesterov: bool) {
-        self.time("momentum", g.len.to_string(), self.bytes(&[g, buf, buf, u]), 0.0, |b| b.momentum(g, buf, u, mu, nesterov))
-    }
-    fn axpby(&mut self, a: f64, x: Buf, b_: f64, y: Buf) {
-        self.time("axpby", x.len.to_string(), self.bytes(&[x, y, y]), 0.0, |b| b.axpby(a, x, b_, y))
-    }
-    fn row_normalize(&mut self, x: Buf, cols: usize, eps: f64) {
-        self.time("row_normalize", rows_cols(x, cols), 2.0 * self.bytes(&[x]), 0.0, |b| b.row_normalize(x, cols, eps))
-    }
-    fn normalize_each(&mut self, x: Buf, count: usize, eps: f64) {
-        self.time("normalize_each", format!("{count}x{}", x.len / count.max(1)), 3.0 * self.bytes(&[x]), 0.0, |b| {
-            b.normalize_each(x, count, eps)
-        })
-    }
-    fn transpose_each(&mut self, src: Buf, dst: Buf, count: usize, rows: usize, cols: usize) {
-        let shape = format!("{count}x{rows}x{cols}");
-        self.time("transpose_each", shape, self.bytes(&[src, dst]), 0.0, |b| b.transpose_each(src, dst, count, rows, cols))
+}
+
+#[cfg(feature = "tools")]
+impl Timed {
+    /// An op's shape, the bytes it moves at least (each region it reads or writes, once per
+    /// pass of its kernel over it) and its FLOPs (GEMMs and attention). An op without its own
+    /// line here counts each of its regions once, shaped by its first.
+    fn traffic(&self, op: &Op) -> (String, f64, f64) {
+        let by = |bufs: &[Buf]| self.bytes(bufs);
+        let attn = |s: AttnShape| format!("{}x{}x{}h{}kv", s.batch, s.t, s.heads, s.kv_heads);
+        let heads = |s: HeadShape| format!("{}x{}x{}", s.rows, s.heads, s.d);
+        let gemm = |c: Mat, a: Mat, b: Mat, beta: f64| {
+            let ((m, k), (_, n)) = (a.shape(), b.shape());
+            let tr = |x: Mat| if x.t { "T" } else { "N" };
+            let shape = format!("{m}x{n}x{k} {}{}{}", tr(a), tr(b), if beta != 0.0 { " +=" } else { "" });
+            let c_bytes = if beta != 0.0 { 2.0 } else { 1.0 } * (m * n) as f64 * self.elem(c.span());
+            let bytes = self.gemm_elem(a) * (m * k) as f64 + self.gemm_elem(b) * (k * n) as f64 + c_bytes;
+            (shape, bytes, 2.0 * (m * n * k) as f64)
+        };
+        match *op {
+            Op::Fill(o) => (o.dst.len.to_string(), by(&[o.dst]), 0.0),
+            Op::CopyBuf(o) => (o.dst.len.to_string(), by(&[o.dst, o.src]), 0.0),
+            Op::Scale(o) => (o.dst.len.to_string(), 2.0 * by(&[o.dst]), 0.0),
+            Op::SumInto(o) => (o.src.len.to_string(), by(&[o.src]), 0.0),
+            // Reads g twice (the norm, then the scaling) and writes it.
+            Op::ClipNorm(o) => (o.g.len.to_string(), 3.0 * by(&[o.g]), 0.0),
+            Op::Gemm(o) => gemm(o.c, o.a, o.b, o.beta),
+            Op::GemmBatched(o) => {
+                let (shape, bytes, flops) = gemm(o.c, o.a, o.b, o.beta);
+                let n = o.count as f64;
+                (format!("{}x {shape}", o.count), n * bytes, n * flops)
+            }
+            Op::EmbeddingFwd(o) => (rows_cols(o.out, o.dim), 2.0 * by(&[o.out]), 0.0),
+            Op::EmbeddingBwd(o) => (rows_cols(o.dout, o.dim), by(&[o.dout, o.dtable, o.dtable]), 0.0),
+            Op::RmsNormFwd(o) => (rows_cols(o.x, o.cols), by(&[o.x, o.out, o.rstd]), 0.0),
+            Op::RmsNormBwd(o) => {
+                let acc = if o.accumulate { by(&[o.dx]) } else { 0.0 };
+                (rows_cols(o.x, o.cols), by(&[o.x, o.rstd, o.dy, o.dx]) + acc, 0.0)
+            }
+            Op::ResidMixFwd(o) => (rows_cols(o.h, o.mix.len / 2), by(&[o.h, o.x0, o.out]), 0.0),
+            Op::ResidMixBwd(o) => (rows_cols(o.du, o.mix.len / 2), by(&[o.du, o.h, o.x0, o.dh, o.dx0, o.dx0]), 0.0),
+            Op::ScaleAddFwd(o) => (rows_cols(o.x, o.s.len), by(&[o.base, o.x, o.out]), 0.0),
+            Op::ScaleAddBwd(o) => (rows_cols(o.dy, o.s.len), by(&[o.dy, o.x, o.dx, o.dy]), 0.0),
+            Op::SkipFwd(o) => (rows_cols(o.h, o.w.len), by(&[o.h, o.s, o.out]), 0.0),
+            Op::SkipBwd(o) => (rows_cols(o.dy, o.w.len), by(&[o.dy, o.h, o.s, o.dh, o.ds, o.dy]), 0.0),
+            Op::QkNormRopeFwd(o) => (heads(o.s), 2.0 * by(&[o.out]), 0.0),
+            Op::QkNormRopeBwd(o) => (heads(o.s), 3.0 * by(&[o.dy]), 0.0),
+            Op::AttentionFwd(o) => {
+                // Causal: half of QK^T and PV, 2 t^2 d each per head.
+                let s = o.s;
+                let flops = 2.0 * (s.batch * s.heads) as f64 * (s.t * s.t * s.d) as f64;
+                (attn(s), by(&[o.q.span(), o.k.span(), o.v.span()]) + by(&[o.out]), flops)
+            }
+            Op::AttentionBwd(o) => {
+                // 2.5 times the forward's products (S and dP recomputed, dV, dQ, dK).
+                let s = o.s;
+                let flops = 5.0 * (s.batch * s.heads) as f64 * (s.t * s.t * s.d) as f64;
+                (attn(s), 2.0 * by(&[o.q.span(), o.k.span(), o.v.span()]) + by(&[o.out, o.dout]), flops)
+            }
+            Op::XsaFwd(o) => (rows_cols(o.y, o.s.heads * o.s.d), by(&[o.y, o.out]), 0.0),
+            Op::XsaBwd(o) => (rows_cols(o.y, o.s.heads * o.s.d), by(&[o.dout, o.y, o.dy]), 0.0),
+            Op::SmearFwd(o) => (rows_cols(o.e, o.cols), by(&[o.e, o.e, o.out]), 0.0),
+            Op::SmearBwd(o) => (rows_cols(o.e, o.cols), by(&[o.dout, o.dout, o.e, o.e, o.de]), 0.0),
+            Op::LanesFwd(o) => (rows_cols(o.ao, o.w.sa.len), by(&[o.l[0], o.l[1], o.ao, o.mo, o.out[0], o.out[1]]), 0.0),
+            Op::LanesBwd(o) => {
+                // The mix's pass and the partial sums' pass, each reading the lanes and the outputs.
+                let reads = by(&[o.g[0], o.g[1], o.l[0], o.l[1], o.ao, o.mo]);
+                (rows_cols(o.ao, o.w.sa.len), 2.0 * reads + by(&[o.dl[0], o.dl[1], o.dao, o.dmo]), 0.0)
+            }
+            Op::AttnGateFwd(o) => (rows_cols(o.y, o.y.len / o.x.rows.max(1)), by(&[o.y, o.out]), 0.0),
+            Op::AttnGateBwd(o) => (rows_cols(o.y, o.y.len / o.x.rows.max(1)), by(&[o.dout, o.y, o.dy, o.dz]), 0.0),
+            Op::ActFwd(o) => (o.pre.len.to_string(), by(&[o.pre, o.out]), 0.0),
+            Op::ActBwd(o) => (o.pre.len.to_string(), by(&[o.pre, o.dout, o.dpre]), 0.0),
+            Op::SoftcapCe(o) => (rows_cols(o.logits, o.vocab), 2.0 * by(&[o.logits]), 0.0),
+            Op::Adam(o) => (o.p.len.to_string(), by(&[o.p, o.g, o.m, o.v, o.p, o.m, o.v]), 0.0),
+            Op::Momentum(o) => (o.g.len.to_string(), by(&[o.g, o.buf, o.buf, o.u]), 0.0),
+            Op::Axpby(o) => (o.x.len.to_string(), by(&[o.x, o.y, o.y]), 0.0),
+            Op::RowNormalize(o) => (rows_cols(o.x, o.cols), 2.0 * by(&[o.x]), 0.0),
+            Op::NormalizeEach(o) => (format!("{}x{}", o.count, o.x.len / o.count.max(1)), 3.0 * by(&[o.x]), 0.0),
+            Op::TransposeEach(o) => (format!("{}x{}x{}", o.count, o.rows, o.cols), by(&[o.src, o.dst]), 0.0),
+            #[allow(unreachable_patterns)]
+            _ => {
+                let regions = op.regions();
+                (regions.first().map_or(String::new(), |b| b.len.to_string()), by(&regions), 0.0)
+            }
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::backend::BackendExt;
     use crate::engine::cpu::CpuBackend;
+    use crate::engine::op;
 
     /// Every op through the wrapper is the inner backend's op (same arena afterwards) and has
     /// one timing with its bytes; a GEMM's FLOPs are `2 m n k`; units of work are not opened.
@@ -371,8 +323,14 @@ mod tests {
         for be in [&mut timed as &mut dyn Backend, plain.as_mut()] {
             be.upload(all, &init).unwrap();
             be.begin_unit("u");
-            be.gemm(Buf { off: 300, len: 12 }.mat(3, 4), Buf { off: 0, len: 15 }.mat(3, 5), Buf { off: 100, len: 20 }.mat(5, 4), 1.0, 0.0);
-            be.scale(Buf { off: 200, len: 50 }, 2.0);
+            be.op(op::Gemm {
+                c: Buf { off: 300, len: 12 }.mat(3, 4),
+                a: Buf { off: 0, len: 15 }.mat(3, 5),
+                b: Buf { off: 100, len: 20 }.mat(5, 4),
+                alpha: 1.0,
+                beta: 0.0,
+            });
+            be.op(op::Scale { dst: Buf { off: 200, len: 50 }, a: 2.0 });
             be.end_unit();
         }
         let (a, b) = (timed.download(all, &[400]).unwrap(), plain.download(all, &[400]).unwrap());

@@ -28,7 +28,9 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use super::backend::{Activation, AdamStep, AttnShape, Backend, Buf, HeadShape, LaneBufs, Mat, check_regions};
+use super::backend::{AttnShape, Backend, Buf, check_regions};
+use crate::engine::backend::BackendExt;
+use crate::engine::op::{self, Kernels, Op};
 use crate::model::host::rows::{Rows, add_into, dense_offsets};
 use crate::model::host::simd::Real;
 use crate::model::ops::qk_norm_rope::{self, RopeRows};
@@ -136,21 +138,6 @@ impl<T: Real> Backend for CpuBackend<T> {
         self.docs = None;
     }
 
-    fn fill(&mut self, dst: Buf, value: f64) {
-        let ([], [d]) = self.io([], [dst]);
-        flat::fill(d, T::from_f64(value));
-    }
-
-    fn copy(&mut self, dst: Buf, src: Buf) {
-        let ([s], [d]) = self.io([src], [dst]);
-        d.copy_from_slice(s);
-    }
-
-    fn scale(&mut self, dst: Buf, a: f64) {
-        let ([], [d]) = self.io([], [dst]);
-        flat::scale(d, T::from_f64(a));
-    }
-
     fn sum(&self, src: Buf) -> f64 {
         flat::sum(self.get(src))
     }
@@ -163,35 +150,49 @@ impl<T: Real> Backend for CpuBackend<T> {
         self.get(src).iter().all(|x| x.to_f64().is_finite())
     }
 
-    fn sum_into(&mut self, src: Buf, dst: Buf) {
+    fn run(&mut self, op: Op) {
+        op.apply(self)
+    }
+}
+
+impl<T: Real> Kernels for CpuBackend<T> {
+    fn fill(&mut self, op::Fill { dst, value }: op::Fill) {
+        let ([], [d]) = self.io([], [dst]);
+        flat::fill(d, T::from_f64(value));
+    }
+    fn copy(&mut self, op::CopyBuf { dst, src }: op::CopyBuf) {
+        let ([s], [d]) = self.io([src], [dst]);
+        d.copy_from_slice(s);
+    }
+    fn scale(&mut self, op::Scale { dst, a }: op::Scale) {
+        let ([], [d]) = self.io([], [dst]);
+        flat::scale(d, T::from_f64(a));
+    }
+    fn sum_into(&mut self, op::SumInto { src, dst }: op::SumInto) {
         let total = flat::sum(self.get(src));
         let (_, [d]) = self.io([src], [dst.sub(0, 1)]);
         d[0] = T::from_f64(d[0].to_f64() + total);
     }
-
-    fn clip_norm(&mut self, g: Buf, max: f64, norm: Buf) {
+    fn clip_norm(&mut self, op::ClipNorm { g, max, norm }: op::ClipNorm) {
         let n = flat::sum_sq(self.get(g)).sqrt();
         let (_, [d]) = self.io([g], [norm.sub(0, 1)]);
         d[0] = T::from_f64(n);
         let coef = max / (n + 1e-6);
         if coef < 1.0 {
-            self.scale(g, coef);
+            self.op(op::Scale { dst: g, a: coef });
         }
     }
-
-    fn gemm(&mut self, c: Mat, a: Mat, b: Mat, alpha: f64, beta: f64) {
+    fn gemm(&mut self, op::Gemm { c, a, b, alpha, beta }: op::Gemm) {
         let ([a_s, b_s], [c_s]) = self.io([a.span(), b.span()], [c.span()]);
         gemm::gemm(c, c_s, a, a_s, b, b_s, alpha, beta);
     }
-
-    fn embedding_fwd(&mut self, table: Buf, out: Buf, dim: usize) {
+    fn embedding_fwd(&mut self, op::EmbeddingFwd { table, out, dim }: op::EmbeddingFwd) {
         let x = std::mem::take(&mut self.x);
         let ([t], [o]) = self.io([table], [out]);
         embedding::embedding_rows_fwd(t, &x, o, dim);
         self.x = x;
     }
-
-    fn embedding_bwd(&mut self, dout: Buf, dtable: Buf, dim: usize) {
+    fn embedding_bwd(&mut self, op::EmbeddingBwd { dout, dtable, dim }: op::EmbeddingBwd) {
         let x = std::mem::take(&mut self.x);
         let ([g], [d]) = self.io([dout], [dtable]);
         // The micro-batch's first rows (the ids may hold a larger arena's capacity).
@@ -199,33 +200,28 @@ impl<T: Real> Backend for CpuBackend<T> {
         embedding::embedding_rows_bwd(g, &x[..n], d, dim);
         self.x = x;
     }
-
-    fn rms_norm_fwd(&mut self, x: Buf, out: Buf, rstd: Buf, cols: usize, scale: f64, eps: f64) {
+    fn rms_norm_fwd(&mut self, op::RmsNormFwd { x, out, rstd, cols, scale, eps }: op::RmsNormFwd) {
         let ([x], [o, r]) = self.io([x], [out, rstd]);
         let offsets = dense_offsets(x.len() / cols, cols);
         rms_norm::forward_rows(Rows { data: x, offsets: &offsets, len: cols }, o, Some(r), scale, eps);
     }
-
-    fn rms_norm_bwd(&mut self, x: Buf, rstd: Buf, dy: Buf, dx: Buf, cols: usize, scale: f64, accumulate: bool) {
+    fn rms_norm_bwd(&mut self, op::RmsNormBwd { x, rstd, dy, dx, cols, scale, accumulate }: op::RmsNormBwd) {
         let ([x, r, g], [d]) = self.io([x, rstd, dy], [dx]);
         let offsets = dense_offsets(x.len() / cols, cols);
         let (x, g) = (Rows { data: x, offsets: &offsets, len: cols }, Rows { data: g, offsets: &offsets, len: cols });
         // `eps` is unused: `r` comes from the saved `rstd`.
         rms_norm::backward_rows(x, g, Some(r), d, scale, 0.0, accumulate);
     }
-
-    fn resid_mix_fwd(&mut self, h: Buf, x0: Buf, mix: Buf, out: Buf) {
+    fn resid_mix_fwd(&mut self, op::ResidMixFwd { h, x0, mix, out }: op::ResidMixFwd) {
         let ([h, x0, m], [o]) = self.io([h, x0, mix], [out]);
         resid_mix::forward_rows(h, x0, m, o);
     }
-
-    fn resid_mix_bwd(&mut self, du: Buf, h: Buf, x0: Buf, mix: Buf, dh: Buf, dx0: Buf, dmix: Buf) {
+    fn resid_mix_bwd(&mut self, op::ResidMixBwd { du, h, x0, mix, dh, dx0, dmix }: op::ResidMixBwd) {
         let ([g, h, x0, m], [dh, dx0, dm]) = self.io([du, h, x0, mix], [dh, dx0, dmix]);
         // dx0 is added to: the first block's x0 is the embedding's stream too.
         add_into(dm, &resid_mix::backward_rows(g, h, x0, m, dh, dx0, true));
     }
-
-    fn scale_add_fwd(&mut self, base: Buf, x: Buf, s: Buf, out: Buf) {
+    fn scale_add_fwd(&mut self, op::ScaleAddFwd { base, x, s, out }: op::ScaleAddFwd) {
         if base == out {
             let ([x, s], [o]) = self.io([x, s], [out]);
             scale_add::forward_rows(x, s, o);
@@ -235,33 +231,28 @@ impl<T: Real> Backend for CpuBackend<T> {
             scale_add::forward_rows(x, s, o);
         }
     }
-
-    fn scale_add_bwd(&mut self, dy: Buf, x: Buf, s: Buf, dx: Buf, ds: Buf) {
+    fn scale_add_bwd(&mut self, op::ScaleAddBwd { dy, x, s, dx, ds }: op::ScaleAddBwd) {
         let ([g, x, s], [dx, ds]) = self.io([dy, x, s], [dx, ds]);
         add_into(ds, &scale_add::backward_rows(g, x, s, dx));
     }
-
-    fn skip_fwd(&mut self, h: Buf, s: Buf, w: Buf, z: Option<Buf>, out: Buf) {
+    fn skip_fwd(&mut self, op::SkipFwd { h, s, w, z, out }: op::SkipFwd) {
         let z = z.unwrap_or_default();
         let ([h, s, w, z], [o]) = self.io([h, s, w, z], [out]);
         skip_gate::skip_rows_fwd(h, s, w, (!z.is_empty()).then_some(z), o);
     }
-
-    fn skip_bwd(&mut self, dy: Buf, h: Buf, s: Buf, w: Buf, z: Option<(Buf, Buf)>, dh: Buf, ds: Buf, dw: Buf) {
+    fn skip_bwd(&mut self, op::SkipBwd { dy, h, s, w, z, dh, ds, dw }: op::SkipBwd) {
         let (z, dz) = z.unwrap_or_default();
         let ([g, h, s, w, z], [dh, ds, dw, dz]) = self.io([dy, h, s, w, z], [dh, ds, dw, dz]);
         let gate = (!z.is_empty()).then_some((z, dz));
         skip_gate::skip_rows_bwd(g, h, s, w, gate, dh, ds, dw);
     }
-
-    fn qk_norm_rope_fwd(&mut self, x: Mat, out: Buf, rstd: Buf, gain: Option<Buf>, cos: Buf, sin: Buf, s: HeadShape, eps: f64) {
+    fn qk_norm_rope_fwd(&mut self, op::QkNormRopeFwd { x, out, rstd, gain, cos, sin, s, eps }: op::QkNormRopeFwd) {
         let gain = gain.unwrap_or_default();
         let ([xs, g, c, sn], [o, r]) = self.io([x.span(), gain, cos, sin], [out, rstd]);
         let geo = RopeRows { heads: s.heads, d: s.d, half: s.rot / 2, seq: s.t, eps, cos: c, sin: sn };
         qk_norm_rope::forward_rows(&geo, (xs, x.ld), (!g.is_empty()).then_some(g), o, Some(r));
     }
-
-    fn qk_norm_rope_bwd(&mut self, x: Mat, rstd: Buf, dy: Buf, dx: Mat, gain: Option<(Buf, Buf)>, cos: Buf, sin: Buf, s: HeadShape) {
+    fn qk_norm_rope_bwd(&mut self, op::QkNormRopeBwd { x, rstd, dy, dx, gain, cos, sin, s }: op::QkNormRopeBwd) {
         let (g, dg) = gain.unwrap_or_default();
         let ([xs, r, gy, g, c, sn], [dxs, dg]) = self.io([x.span(), rstd, dy, g, cos, sin], [dx.span(), dg]);
         // `eps` is unused: each head's `r` comes from the saved `rstd`.
@@ -270,23 +261,20 @@ impl<T: Real> Backend for CpuBackend<T> {
         let dgain = qk_norm_rope::backward_rows(&geo, s.rows, (xs, x.ld), gy, gain, Some(r), (dxs, dx.ld));
         add_into(dg, &dgain);
     }
-
-    fn attention_fwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, s: AttnShape) {
+    fn attention_fwd(&mut self, op::AttentionFwd { q, k, v, out, s }: op::AttentionFwd) {
         let mask = self.document_mask(s);
         let ([qs, ks, vs], [o]) = self.io([q.span(), k.span(), v.span()], [out]);
         let dims = (s.batch, s.t, s.heads, s.kv_heads, s.d);
         crate::model::ops::attention_token_major_fwd((qs, q.ld), (ks, k.ld), (vs, v.ld), o, dims, mask.as_deref());
     }
-
-    fn attention_bwd(&mut self, q: Mat, k: Mat, v: Mat, out: Buf, dout: Buf, dq: Mat, dk: Mat, dv: Mat, dv_acc: bool, s: AttnShape) {
+    fn attention_bwd(&mut self, op::AttentionBwd { q, k, v, out, dout, dq, dk, dv, dv_acc, s }: op::AttentionBwd) {
         let mask = self.document_mask(s);
         let ([qs, ks, vs, o, g], [dqs, dks, dvs]) = self.io([q.span(), k.span(), v.span(), out, dout], [dq.span(), dk.span(), dv.span()]);
         let dims = (s.batch, s.t, s.heads, s.kv_heads, s.d);
         let grads = crate::model::ops::AttentionGrads { dq: (dqs, dq.ld), dk: (dks, dk.ld), dv: (dvs, dv.ld), dv_acc };
         crate::model::ops::attention_token_major_bwd((qs, q.ld), (ks, k.ld), (vs, v.ld), (o, g), grads, dims, mask.as_deref());
     }
-
-    fn smear_fwd(&mut self, e: Buf, w: Buf, lambda: Buf, out: Buf, cols: usize, t: usize, bos: u32) {
+    fn smear_fwd(&mut self, op::SmearFwd { e, w, lambda, out, cols, t, bos }: op::SmearFwd) {
         let ids = std::mem::take(&mut self.x);
         let ([e, w, l], [o]) = self.io([e, w, lambda], [out]);
         // The micro-batch's first rows (the ids may hold a larger arena's capacity).
@@ -295,8 +283,7 @@ impl<T: Real> Backend for CpuBackend<T> {
         smear_gate::smear_rows_fwd(e, &ids[..n], w, l[0], o, smear_gate::SmearRows { cols, t, bos });
         self.x = ids;
     }
-
-    fn smear_bwd(&mut self, dout: Buf, e: Buf, w: Buf, lambda: Buf, de: Buf, dw: Buf, dlambda: Buf, cols: usize, t: usize, bos: u32) {
+    fn smear_bwd(&mut self, op::SmearBwd { dout, e, w, lambda, de, dw, dlambda, cols, t, bos }: op::SmearBwd) {
         let ids = std::mem::take(&mut self.x);
         let ([g, e, w, l], [de, dw, dl]) = self.io([dout, e, w, lambda], [de, dw, dlambda]);
         let n = e.len() / cols.max(1);
@@ -304,86 +291,77 @@ impl<T: Real> Backend for CpuBackend<T> {
         smear_gate::smear_rows_bwd(g, e, &ids[..n], w, l[0], de, dw, dl, smear_gate::SmearRows { cols, t, bos });
         self.x = ids;
     }
-
-    fn lanes_fwd(&mut self, l: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, out: [Buf; 2]) {
+    fn lanes_fwd(&mut self, op::LanesFwd { l, ao, mo, w, out }: op::LanesFwd) {
         let ([l0, l1, ao, mo, sa, sm, r, p], [o0, o1]) = self.io([l[0], l[1], ao, mo, w.sa, w.sm, w.r, w.p], out);
         lanes::lanes_rows_fwd([l0, l1], ao, mo, lanes::LaneParams { sa, sm, r, p }, [o0, o1]);
     }
-
-    fn lanes_bwd(&mut self, g: [Buf; 2], l: [Buf; 2], ao: Buf, mo: Buf, w: LaneBufs, dl: [Buf; 2], dao: Buf, dmo: Buf, dw: LaneBufs) {
+    fn lanes_bwd(&mut self, op::LanesBwd { g, l, ao, mo, w, dl, dao, dmo, dw }: op::LanesBwd) {
         let ins = [g[0], g[1], l[0], l[1], ao, mo, w.sa, w.sm, w.r, w.p];
         let ([g0, g1, l0, l1, ao, mo, sa, sm, r, p], [dl0, dl1, dao, dmo, dsa, dsm, dr, dp]) =
             self.io(ins, [dl[0], dl[1], dao, dmo, dw.sa, dw.sm, dw.r, dw.p]);
         let out = lanes::LaneGrads { dl: [dl0, dl1], dao, dmo, dsa, dsm, dr, dp };
         lanes::lanes_rows_bwd([g0, g1], [l0, l1], ao, mo, lanes::LaneParams { sa, sm, r, p }, out);
     }
-
-    fn attn_gate_fwd(&mut self, y: Buf, x: Mat, w: Buf, out: Buf, heads: usize, scale: f64) {
+    fn attn_gate_fwd(&mut self, op::AttnGateFwd { y, x, w, out, heads, scale }: op::AttnGateFwd) {
         let ([ys, xs, ws], [o]) = self.io([y, x.span(), w], [out]);
         let hd = y.len / x.rows / heads;
         attn_gate::attn_gate_rows_fwd(ys, (xs, x.ld), ws, o, (heads, hd), scale);
     }
-
-    fn attn_gate_bwd(&mut self, dout: Buf, y: Buf, x: Mat, w: Buf, dy: Buf, dz: Buf, heads: usize, scale: f64) {
+    fn attn_gate_bwd(&mut self, op::AttnGateBwd { dout, y, x, w, dy, dz, heads, scale }: op::AttnGateBwd) {
         let ([g, ys, xs, ws], [d, z]) = self.io([dout, y, x.span(), w], [dy, dz]);
         let hd = y.len / x.rows / heads;
         attn_gate::attn_gate_rows_bwd(g, ys, (xs, x.ld), ws, d, z, (heads, hd), scale);
     }
-
-    fn xsa_fwd(&mut self, y: Buf, v: Mat, out: Buf, s: AttnShape) {
+    fn xsa_fwd(&mut self, op::XsaFwd { y, v, out, s }: op::XsaFwd) {
         let ([y, vs], [o]) = self.io([y, v.span()], [out]);
         xsa::xsa_rows_fwd(y, (vs, v.ld), o, heads(s));
     }
-
-    fn xsa_bwd(&mut self, dout: Buf, y: Buf, v: Mat, dy: Buf, dv: Mat, s: AttnShape) {
+    fn xsa_bwd(&mut self, op::XsaBwd { dout, y, v, dy, dv, s }: op::XsaBwd) {
         let ([g, y, vs], [dy, dvs]) = self.io([dout, y, v.span()], [dy, dv.span()]);
         xsa::xsa_rows_bwd(g, y, (vs, v.ld), dy, (dvs, dv.ld), heads(s));
     }
-
-    fn act_fwd(&mut self, pre: Buf, out: Buf, a: Activation) {
+    fn act_fwd(&mut self, op::ActFwd { pre, out, a }: op::ActFwd) {
         let ([p], [o]) = self.io([pre], [out]);
         relu_sq::forward_elems(p, o, Some(T::from_f64(a.slope)));
     }
-
-    fn act_bwd(&mut self, pre: Buf, dout: Buf, dpre: Buf, a: Activation) {
+    fn act_bwd(&mut self, op::ActBwd { pre, dout, dpre, a }: op::ActBwd) {
         let ([p, g], [d]) = self.io([pre, dout], [dpre]);
         relu_sq::backward_elems(p, g, d, Some(T::from_f64(a.slope)));
     }
-
-    fn softcap_ce(&mut self, logits: Buf, losses: Buf, vocab: usize, cap: f64, grad_scale: f64) {
+    fn softcap_ce(&mut self, op::SoftcapCe { logits, losses, vocab, cap, grad_scale }: op::SoftcapCe) {
         let y = std::mem::take(&mut self.y);
         let ([], [l, out]) = self.io([], [logits, losses]);
         softcap_ce::fused_rows(l, &y, out, vocab, cap, grad_scale);
         self.y = y;
     }
-
-    fn adam(&mut self, p: Buf, g: Buf, m: Buf, v: Buf, s: AdamStep) {
+    fn adam(&mut self, op::Adam { p, g, m, v, s }: op::Adam) {
         let ([g], [p, m, v]) = self.io([g], [p, m, v]);
         flat::adam(p, g, m, v, s);
     }
-
-    fn momentum(&mut self, g: Buf, buf: Buf, u: Buf, mu: f64, nesterov: bool) {
+    fn momentum(&mut self, op::Momentum { g, buf, u, mu, nesterov }: op::Momentum) {
         let ([g], [b, u]) = self.io([g], [buf, u]);
         flat::momentum(g, b, u, T::from_f64(mu), nesterov);
     }
-
-    fn axpby(&mut self, a: f64, x: Buf, b: f64, y: Buf) {
+    fn axpby(&mut self, op::Axpby { a, x, b, y }: op::Axpby) {
         let ([x], [y]) = self.io([x], [y]);
         flat::axpby(T::from_f64(a), x, T::from_f64(b), y);
     }
-
-    fn row_normalize(&mut self, x: Buf, cols: usize, eps: f64) {
+    fn row_normalize(&mut self, op::RowNormalize { x, cols, eps }: op::RowNormalize) {
         let ([], [x]) = self.io([], [x]);
         flat::row_normalize(x, cols, eps);
     }
-
-    fn normalize_each(&mut self, x: Buf, count: usize, eps: f64) {
+    fn normalize_each(&mut self, op::NormalizeEach { x, count, eps }: op::NormalizeEach) {
         let ([], [x]) = self.io([], [x]);
         flat::normalize_each(x, count, eps);
     }
-
-    fn transpose_each(&mut self, src: Buf, dst: Buf, count: usize, rows: usize, cols: usize) {
+    fn transpose_each(&mut self, op::TransposeEach { src, dst, count, rows, cols }: op::TransposeEach) {
         let ([s], [d]) = self.io([src], [dst]);
         flat::transpose_each(s, d, count, rows, cols);
+    }
+
+    fn gemm_batched(&mut self, o: op::GemmBatched) {
+        for g in o.each() {
+            self.gemm(g);
+        }
     }
 }

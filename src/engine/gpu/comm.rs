@@ -15,7 +15,9 @@
 
 use super::{CommCall, Device, KernelBackend, Space, Work};
 use crate::dist::{Collective, ReduceOp};
+use crate::engine::backend::BackendExt;
 use crate::engine::backend::Buf;
+use crate::engine::op;
 
 impl<D: Device> KernelBackend<D> {
     /// `regions` as device pieces `(space, offset, elements)`: each cut at the edges of the
@@ -105,25 +107,25 @@ pub fn comm_check<D: Device>(
     let m = |k: usize| Buf { off: 4 * n + k * 256 * 256, len: 256 * 256 }.mat(256, 256);
     let f = |i: usize| (i as f32 * 0.37).sin();
     let host = |v: Vec<f32>| candle_core::Tensor::from_vec(v, n, &candle_core::Device::Cpu);
-    be.fill(Buf { off: 4 * n, len: 3 * 256 * 256 }, 1e-3);
+    be.op(op::Fill { dst: Buf { off: 4 * n, len: 3 * 256 * 256 }, value: 1e-3 });
     let mut worst = 0f32;
     for _ in 0..3 {
         be.upload(a, &host((0..n).map(|i| f(i) + rank as f32).collect())?)?;
         be.upload(b, &host((0..n).map(|i| f(i) * (rank + 1) as f32).collect())?)?;
         be.upload(c, &host((0..n).map(f).collect())?)?;
-        be.fill(d, 0.0);
+        be.op(op::Fill { dst: d, value: 0.0 });
         be.begin_unit("collectives check");
         for _ in 0..busy {
-            be.gemm(m(2), m(0), m(1), 1.0, 0.0);
+            be.op(op::Gemm { c: m(2), a: m(0), b: m(1), alpha: 1.0, beta: 0.0 });
         }
-        be.scale(a, 2.0);
+        be.op(op::Scale { dst: a, a: 2.0 });
         let (src, dst) = (be.at(a.off), be.at(d.off));
         be.queue(CommCall::AllReduceInto { src, dst, len: n, op: ReduceOp::Mean });
-        be.scale(c, 2.0);
+        be.op(op::Scale { dst: c, a: 2.0 });
         be.comm_broadcast(&[(b, world - 1)]);
-        be.scale(c, 1.5);
+        be.op(op::Scale { dst: c, a: 1.5 });
         be.comm_join();
-        be.scale(d, 3.0);
+        be.op(op::Scale { dst: d, a: 3.0 });
         be.end_unit();
         let got = |buf: Buf| -> anyhow::Result<Vec<f32>> { Ok(be.download(buf, &[n])?.to_vec1::<f32>()?) };
         // (region, mul, add): a = 2 (f + r); d = 3 (2 f + (W - 1)); b = W f; c = 3 f.

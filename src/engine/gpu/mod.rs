@@ -59,6 +59,10 @@ use std::collections::HashMap;
 
 use super::backend::{Backend, GraphCounts};
 use super::lt::LtPlan;
+#[cfg(feature = "cuda")]
+use crate::engine::backend::BackendExt;
+#[cfg(feature = "cuda")]
+use crate::engine::op;
 
 /// A memory space of the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -872,7 +876,7 @@ pub fn transfer_check(device: &candle_core::Device) -> anyhow::Result<Vec<(Strin
     let m = |k: usize| Buf { off: small + k * side * side, len: side * side }.mat(side, side);
     let busy_engine = |be: &mut KernelBackend<cuda::CudaDevice>| {
         for _ in 0..200 {
-            be.gemm(m(2), m(0), m(1), 1.0, 0.0);
+            be.op(op::Gemm { c: m(2), a: m(0), b: m(1), alpha: 1.0, beta: 0.0 });
         }
     };
     let t = be.tokens;
@@ -900,9 +904,9 @@ pub fn transfer_check(device: &candle_core::Device) -> anyhow::Result<Vec<(Strin
     be.upload(Buf { off: 0, len: small }, &Tensor::from_vec(values.clone(), small, &CandleDevice::Cpu)?)?;
     busy_candle()?;
     busy_engine(&mut be);
-    be.scale(region, -2.0);
+    be.op(op::Scale { dst: region, a: -2.0 });
     let on_device = be.download_to(region, &[region.len], device)?;
-    be.fill(region, 7.0);
+    be.op(op::Fill { dst: region, value: 7.0 });
     let copied: Vec<u32> = on_device.to_device(&CandleDevice::Cpu)?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect();
     let want: Vec<u32> = values[64..].iter().map(|v| (v * -2.0).to_bits()).collect();
     let differ = want.iter().zip(&copied).filter(|(a, b)| a != b).count();

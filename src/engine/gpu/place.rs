@@ -100,13 +100,13 @@ impl<D: Device> KernelBackend<D> {
     pub(super) fn half_in(&mut self, m: Mat, slot: usize) {
         assert!(!m.t, "attention's operands are read untransposed");
         let args = vec![self.a(m.span()), l(m.ld), Arg::Ptr(Space::Half, slot), l(m.rows), i(m.cols)];
-        self.run("eng_to_bf16", flat(m.rows * m.cols), BLOCK, args);
+        self.launch("eng_to_bf16", flat(m.rows * m.cols), BLOCK, args);
     }
 
     /// `m (+)= half[slot]`.
     pub(super) fn half_out(&mut self, slot: usize, m: Mat, acc: bool) {
         let args = vec![Arg::Ptr(Space::Half, slot), self.a(m.span()), l(m.ld), l(m.rows), i(m.cols), flag(acc)];
-        self.run("eng_from_bf16", flat(m.rows * m.cols), BLOCK, args);
+        self.launch("eng_from_bf16", flat(m.rows * m.cols), BLOCK, args);
     }
 
     /// An attention operand as flash attention reads it: the buffer itself when it is a

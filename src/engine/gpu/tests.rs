@@ -10,7 +10,9 @@ use std::path::Path;
 use super::emu::{self, EmuDevice};
 use super::{COLSUM_GROUP, Capacity, KernelBackend};
 use crate::engine::backend::Backend;
+use crate::engine::backend::BackendExt;
 use crate::engine::cases;
+use crate::engine::op;
 
 /// The emulated backend sized for every case, on the emulator `exe`.
 fn case_backend(exe: &Path, name: &str) -> KernelBackend<EmuDevice> {
@@ -152,13 +154,13 @@ fn ids_outside_the_vocabulary_give_nan_not_stray_reads() {
     (x[3], y[5]) = (vocab as u32 + 7, vocab as u32);
     be.set_tokens(&x, &y);
     let (table, out) = (Buf { off: 0, len: vocab * w }, Buf { off: vocab * w, len: n * w });
-    be.fill(table, 0.5);
-    be.embedding_fwd(table, out, w);
+    be.op(op::Fill { dst: table, value: 0.5 });
+    be.op(op::EmbeddingFwd { table, out, dim: w });
     let rows: Vec<f32> = be.download(out, &[n * w]).unwrap().to_vec1().unwrap();
     assert!(rows[3 * w..4 * w].iter().all(|v| v.is_nan()) && rows.iter().filter(|v| v.is_nan()).count() == w, "{rows:?}");
     let (logits, losses) = (Buf { off: 0, len: n * vocab }, Buf { off: n * vocab, len: n });
-    be.fill(logits, 0.1);
-    be.softcap_ce(logits, losses, vocab, 30.0, 1.0);
+    be.op(op::Fill { dst: logits, value: 0.1 });
+    be.op(op::SoftcapCe { logits, losses, vocab, cap: 30.0, grad_scale: 1.0 });
     let l: Vec<f32> = be.download(losses, &[n]).unwrap().to_vec1().unwrap();
     assert!(l[5].is_nan() && l.iter().enumerate().all(|(k, v)| k == 5 || v.is_finite()), "{l:?}");
 }
