@@ -93,19 +93,10 @@ Kernel make(void (*k)(P...)) {
 #define K(name) {#name, make(name)}
 
 const std::map<std::string, Kernel>& kernels() {
+    // ENGINE_KERNELS: every kernel the engine declares (src/engine/gpu/kernels.rs), in a
+    // header the emulator's build writes and passes with `-include`.
     static const std::map<std::string, Kernel> table = {
-        K(eng_fill), K(eng_scale), K(eng_copy), K(eng_axpby), K(eng_reduce_partial),
-        K(eng_fill_act), K(eng_scale_act), K(eng_copy_act), K(eng_axpby_act), K(eng_reduce_partial_act), K(eng_reduce_finish), K(eng_clip), K(eng_adam), K(eng_momentum),
-        K(eng_row_normalize), K(eng_normalize_each), K(eng_transpose_each), K(eng_colsum_finish), K(eng_colsum_groups), K(eng_colsum_partial),
-        K(eng_embedding_fwd), K(eng_embedding_pieces), K(eng_embedding_bwd), K(eng_rms_norm_fwd), K(eng_rms_norm_bwd), K(eng_resid_mix_fwd), K(eng_resid_mix_bwd),
-        K(eng_resid_mix_partial), K(eng_scale_add_fwd), K(eng_scale_cols), K(eng_dot_partial), K(eng_skip_fwd), K(eng_skip_bwd),
-        K(eng_skip_partial), K(eng_skip_gate_finish), K(eng_qk_norm_rope_fwd), K(eng_qk_norm_rope_bwd), K(eng_qk_norm_rope_fwd4), K(eng_qk_norm_rope_bwd4), K(eng_xsa_fwd), K(eng_xsa_bwd),
-        K(eng_act_fwd), K(eng_act_bwd), K(eng_softcap_ce), K(eng_to_bf16), K(eng_from_bf16), K(eng_cast_bf16), K(eng_attn_delta),
-        K(eng_csr_count), K(eng_csr_scan), K(eng_csr_fill), K(eng_smear_fwd), K(eng_smear_bwd), K(eng_smear_partial),
-        K(eng_attn_gate_fwd), K(eng_attn_gate_bwd), K(eng_doc_starts), K(eng_lanes_fwd), K(eng_lanes_bwd), K(eng_lanes_partial),
-        K(eng_lanes_finish), K(eng_doc_slots), K(eng_ragged_offsets),
-        K(flash_fwd_mma_bf16), K(flash_bwd_dq_mma_bf16), K(flash_bwd_dkdv_mma_bf16),
-        K(flash_fwd_mma_docs_bf16), K(flash_bwd_dq_mma_docs_bf16), K(flash_bwd_dkdv_mma_docs_bf16),
+        ENGINE_KERNELS(K)
     };
     return table;
 }

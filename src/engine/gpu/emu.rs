@@ -51,6 +51,11 @@ pub(super) fn build(dir: &Path, name: &str, engine_source: Option<&Path>, act_bf
     if let Some(src) = engine_source {
         cmd.arg(format!("-DENGINE_SOURCE=\"{}\"", src.display()));
     }
+    // The table of kernels, from their one declaration (`kernels.rs`).
+    let table = dir.join(format!("{name}_kernels.h"));
+    let entries: Vec<String> = super::kernels::ALL.iter().map(|k| format!("K({k})")).collect();
+    std::fs::write(&table, format!("#define ENGINE_KERNELS(K) {}\n", entries.join(", "))).expect("temp dir is writable");
+    cmd.arg("-include").arg(&table);
     let out = cmd
         .arg(root.join("tests/warp_emu/engine_emu.cpp"))
         .output()

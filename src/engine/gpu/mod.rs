@@ -43,6 +43,7 @@ pub mod cuda;
 mod emu;
 #[cfg(test)]
 mod emu_comm;
+pub mod kernels;
 #[cfg(feature = "cuda")]
 mod nccl;
 mod ops;

@@ -5,6 +5,7 @@
 //! `place.rs`) or cuDNN's (`sdpa.rs`), GEMMs as cuBLASLt plans. Grids: flat kernels [`flat`], warp-per-row kernels [`warps`], per-channel partial sums
 //! a block per [`PART`] rows.
 
+use super::kernels as k;
 use candle_core::{DType, Device as CandleDevice, Tensor};
 
 use super::{Arg, Device, KernelBackend, Launch, REDUCE_BLOCKS, Space, Unit, Work};
@@ -112,7 +113,7 @@ impl<D: Device> KernelBackend<D> {
         let part = self.scratch(at, (parts - 1) * stride + width);
         let per = self.colsum_group;
         if parts <= 2 * per {
-            self.launch("eng_colsum_finish", flat(width), BLOCK, vec![part, i(parts), i(stride), i(width), self.a(dst)]);
+            self.launch(k::eng_colsum_finish, flat(width), BLOCK, vec![part, i(parts), i(stride), i(width), self.a(dst)]);
             return;
         }
         let groups = parts.div_ceil(per);
@@ -123,8 +124,8 @@ impl<D: Device> KernelBackend<D> {
         );
         let mid = Arg::Ptr(Space::Aux, self.aux.mid);
         let grid = [width.div_ceil(BLOCK_THREADS) as u32, groups as u32, 1];
-        self.launch("eng_colsum_groups", grid, BLOCK, vec![part, i(parts), i(stride), i(width), i(per), mid]);
-        self.launch("eng_colsum_finish", flat(width), BLOCK, vec![mid, i(groups), i(width), i(width), self.a(dst)]);
+        self.launch(k::eng_colsum_groups, grid, BLOCK, vec![part, i(parts), i(stride), i(width), i(per), mid]);
+        self.launch(k::eng_colsum_finish, flat(width), BLOCK, vec![mid, i(groups), i(width), i(width), self.a(dst)]);
     }
 
     /// The launches of the scalar reduction `mode` (0 sum, 1 sum of squares, 2 non-finite
@@ -134,12 +135,12 @@ impl<D: Device> KernelBackend<D> {
         let part = Arg::Ptr(Space::Aux, self.aux.reduce);
         [
             Launch {
-                kernel: self.flat_kernel("eng_reduce_partial", src),
+                kernel: self.flat_kernel(k::eng_reduce_partial, src),
                 grid: [blocks as u32, 1, 1],
                 block: BLOCK,
                 args: vec![self.a(src), l(src.len), Arg::I32(mode), part],
             },
-            Launch { kernel: "eng_reduce_finish", grid: [1, 1, 1], block: 32, args: vec![part, i(blocks), out, flag(acc)] },
+            Launch { kernel: k::eng_reduce_finish, grid: [1, 1, 1], block: 32, args: vec![part, i(blocks), out, flag(acc)] },
         ]
     }
 
@@ -191,7 +192,7 @@ impl<D: Device> KernelBackend<D> {
         assert!(s.batch * s.t <= t.n, "attention within documents over {} x {} positions, {} ids", s.batch, s.t, t.n);
         let (ids, starts) = (Arg::Ptr(Space::Tokens, t.x()), Arg::Ptr(Space::Tokens, t.starts()));
         if self.starts_for != Some(key) {
-            self.launch("eng_doc_starts", warps(s.batch), BLOCK, vec![ids, starts, l(s.batch), i(s.t), i(key.0 as usize)]);
+            self.launch(k::eng_doc_starts, warps(s.batch), BLOCK, vec![ids, starts, l(s.batch), i(s.t), i(key.0 as usize)]);
             self.starts_for = Some(key);
         }
         Some(starts)
@@ -302,11 +303,11 @@ impl<D: Device> Backend for KernelBackend<D> {
         let (counts, off, pos) =
             (Arg::Ptr(Space::Tokens, t.counts()), Arg::Ptr(Space::Tokens, t.csr_off()), Arg::Ptr(Space::Tokens, t.csr_pos()));
         let chunks = [t.chunks() as u32, 1, 1];
-        self.dev.launch(&Launch { kernel: "eng_csr_count", grid: chunks, block: 32, args: vec![ids, n, vocab, chunk, counts] });
+        self.dev.launch(&Launch { kernel: k::eng_csr_count, grid: chunks, block: 32, args: vec![ids, n, vocab, chunk, counts] });
         let pieces = (i(t.piece), Arg::Ptr(Space::Tokens, t.pieces()));
         let args = vec![counts, i(t.chunks()), vocab, off, pieces.0, pieces.1];
-        self.dev.launch(&Launch { kernel: "eng_csr_scan", grid: [1, 1, 1], block: BLOCK, args });
-        self.dev.launch(&Launch { kernel: "eng_csr_fill", grid: chunks, block: 32, args: vec![ids, n, vocab, chunk, counts, pos] });
+        self.dev.launch(&Launch { kernel: k::eng_csr_scan, grid: [1, 1, 1], block: BLOCK, args });
+        self.dev.launch(&Launch { kernel: k::eng_csr_fill, grid: chunks, block: 32, args: vec![ids, n, vocab, chunk, counts, pos] });
         // The document starts (if attention asks for them) are of the old ids.
         self.starts_for = None;
         self.cudnn.lens_for = None;
@@ -407,7 +408,7 @@ impl<D: Device> Backend for KernelBackend<D> {
         let Some(h) = self.half else { return };
         assert_eq!(params, h.params, "the weights' bf16 copy is of the parameter region");
         let args = vec![self.a(params), Arg::Ptr(Space::Mirror, 0), l(params.len)];
-        self.launch("eng_cast_bf16", flat(params.len), BLOCK, args);
+        self.launch(k::eng_cast_bf16, flat(params.len), BLOCK, args);
     }
 
     fn run(&mut self, op: Op) {
@@ -419,17 +420,17 @@ impl<D: Device> Kernels for KernelBackend<D> {
     fn fill(&mut self, op::Fill { dst, value }: op::Fill) {
         self.check([], [dst]);
         for b in self.pieces(dst) {
-            self.launch(self.flat_kernel("eng_fill", b), flat(b.len), BLOCK, vec![self.a(b), l(b.len), f(value)]);
+            self.launch(self.flat_kernel(k::eng_fill, b), flat(b.len), BLOCK, vec![self.a(b), l(b.len), f(value)]);
         }
     }
     fn copy(&mut self, op::CopyBuf { dst, src }: op::CopyBuf) {
         self.check([src], [dst]);
         assert_eq!(self.is_act(dst), self.is_act(src), "a copy between f32 and bf16 buffers ({src:?} to {dst:?})");
-        self.launch(self.flat_kernel("eng_copy", dst), flat(dst.len), BLOCK, vec![self.a(dst), self.a(src), l(dst.len)]);
+        self.launch(self.flat_kernel(k::eng_copy, dst), flat(dst.len), BLOCK, vec![self.a(dst), self.a(src), l(dst.len)]);
     }
     fn scale(&mut self, op::Scale { dst, a: x }: op::Scale) {
         self.check([], [dst]);
-        self.launch(self.flat_kernel("eng_scale", dst), flat(dst.len), BLOCK, vec![self.a(dst), l(dst.len), f(x)]);
+        self.launch(self.flat_kernel(k::eng_scale, dst), flat(dst.len), BLOCK, vec![self.a(dst), l(dst.len), f(x)]);
     }
     fn sum_into(&mut self, op::SumInto { src, dst }: op::SumInto) {
         self.check([src], [dst.sub(0, 1)]);
@@ -444,7 +445,7 @@ impl<D: Device> Kernels for KernelBackend<D> {
             self.submit(Work::Launch(launch));
         }
         let max = self.sched(&[max]);
-        self.launch("eng_clip", flat(g.len), BLOCK, vec![self.a(g), l(g.len), sum_sq, max, self.a(norm)]);
+        self.launch(k::eng_clip, flat(g.len), BLOCK, vec![self.a(g), l(g.len), sum_sq, max, self.a(norm)]);
     }
     fn gemm(&mut self, op::Gemm { c, a: a_, b, alpha, beta }: op::Gemm) {
         self.check([a_.span(), b.span()], [c.span()]);
@@ -477,7 +478,7 @@ impl<D: Device> Kernels for KernelBackend<D> {
         let n = out.len / dim;
         let ids = Arg::Ptr(Space::Tokens, self.tokens.x());
         let vocab = i(table.len / dim);
-        self.launch("eng_embedding_fwd", flat(out.len), BLOCK, vec![self.a(table), ids, self.a(out), l(n), i(dim), vocab]);
+        self.launch(k::eng_embedding_fwd, flat(out.len), BLOCK, vec![self.a(table), ids, self.a(out), l(n), i(dim), vocab]);
     }
     fn embedding_bwd(&mut self, op::EmbeddingBwd { dout, dtable, dim }: op::EmbeddingBwd) {
         self.check([dout], [dtable]);
@@ -489,32 +490,37 @@ impl<D: Device> Kernels for KernelBackend<D> {
         let part = self.scratch(0, t.max_pieces() * dim);
         let pieces = t.max_pieces() as u32;
         let args = vec![self.a(dout), off, pos, poff, part, i(dim), i(t.vocab), i(t.piece)];
-        self.launch("eng_embedding_pieces", [pieces, 1, 1], BLOCK, args);
-        self.launch("eng_embedding_bwd", [t.vocab as u32, 1, 1], BLOCK, vec![self.a(dout), off, pos, poff, part, self.a(dtable), i(dim)]);
+        self.launch(k::eng_embedding_pieces, [pieces, 1, 1], BLOCK, args);
+        self.launch(k::eng_embedding_bwd, [t.vocab as u32, 1, 1], BLOCK, vec![self.a(dout), off, pos, poff, part, self.a(dtable), i(dim)]);
     }
     fn rms_norm_fwd(&mut self, op::RmsNormFwd { x, out, rstd, cols, scale, eps }: op::RmsNormFwd) {
         self.check([x], [out, rstd]);
         let rows = x.len / cols;
-        self.launch("eng_rms_norm_fwd", warps(rows), BLOCK, vec![self.a(x), self.a(out), self.a(rstd), l(rows), i(cols), f(scale), f(eps)]);
+        self.launch(
+            k::eng_rms_norm_fwd,
+            warps(rows),
+            BLOCK,
+            vec![self.a(x), self.a(out), self.a(rstd), l(rows), i(cols), f(scale), f(eps)],
+        );
     }
     fn rms_norm_bwd(&mut self, op::RmsNormBwd { x, rstd, dy, dx, cols, scale, accumulate }: op::RmsNormBwd) {
         self.check([x, rstd, dy], [dx]);
         let rows = x.len / cols;
         let args = vec![self.a(x), self.a(rstd), self.a(dy), self.a(dx), l(rows), i(cols), f(scale), flag(accumulate)];
-        self.launch("eng_rms_norm_bwd", warps(rows), BLOCK, args);
+        self.launch(k::eng_rms_norm_bwd, warps(rows), BLOCK, args);
     }
     fn resid_mix_fwd(&mut self, op::ResidMixFwd { h, x0, mix, out }: op::ResidMixFwd) {
         self.check([h, x0, mix], [out]);
         let cols = mix.len / 2;
-        self.launch("eng_resid_mix_fwd", flat(out.len), BLOCK, vec![self.a(h), self.a(x0), self.a(mix), self.a(out), l(out.len), i(cols)]);
+        self.launch(k::eng_resid_mix_fwd, flat(out.len), BLOCK, vec![self.a(h), self.a(x0), self.a(mix), self.a(out), l(out.len), i(cols)]);
     }
     fn resid_mix_bwd(&mut self, op::ResidMixBwd { du, h, x0, mix, dh, dx0, dmix }: op::ResidMixBwd) {
         self.check([du, h, x0, mix], [dh, dx0, dmix]);
         let cols = mix.len / 2;
         let rows = du.len / cols;
-        self.launch("eng_resid_mix_bwd", flat(du.len), BLOCK, vec![self.a(du), self.a(mix), self.a(dh), self.a(dx0), l(du.len), i(cols)]);
+        self.launch(k::eng_resid_mix_bwd, flat(du.len), BLOCK, vec![self.a(du), self.a(mix), self.a(dh), self.a(dx0), l(du.len), i(cols)]);
         let part = self.scratch(0, rows.div_ceil(PART) * 2 * cols);
-        self.launch("eng_resid_mix_partial", parts(rows, cols), BLOCK, vec![self.a(du), self.a(h), self.a(x0), l(rows), i(cols), part]);
+        self.launch(k::eng_resid_mix_partial, parts(rows, cols), BLOCK, vec![self.a(du), self.a(h), self.a(x0), l(rows), i(cols), part]);
         self.finish(rows, 2 * cols, 2 * cols, dmix);
     }
     fn scale_add_fwd(&mut self, op::ScaleAddFwd { base, x, s, out }: op::ScaleAddFwd) {
@@ -524,14 +530,14 @@ impl<D: Device> Kernels for KernelBackend<D> {
             self.check([base, x, s], [out]);
         }
         let cols = s.len;
-        self.launch("eng_scale_add_fwd", flat(out.len), BLOCK, vec![self.a(base), self.a(x), self.a(s), self.a(out), l(out.len), i(cols)]);
+        self.launch(k::eng_scale_add_fwd, flat(out.len), BLOCK, vec![self.a(base), self.a(x), self.a(s), self.a(out), l(out.len), i(cols)]);
     }
     fn scale_add_bwd(&mut self, op::ScaleAddBwd { dy, x, s, dx, ds }: op::ScaleAddBwd) {
         self.check([dy, x, s], [dx, ds]);
         let (cols, rows) = (s.len, dy.len / s.len);
-        self.launch("eng_scale_cols", flat(dy.len), BLOCK, vec![self.a(dy), self.a(s), self.a(dx), l(dy.len), i(cols)]);
+        self.launch(k::eng_scale_cols, flat(dy.len), BLOCK, vec![self.a(dy), self.a(s), self.a(dx), l(dy.len), i(cols)]);
         let part = self.scratch(0, rows.div_ceil(PART) * cols);
-        self.launch("eng_dot_partial", parts(rows, cols), BLOCK, vec![self.a(dy), self.a(x), l(rows), i(cols), part]);
+        self.launch(k::eng_dot_partial, parts(rows, cols), BLOCK, vec![self.a(dy), self.a(x), l(rows), i(cols), part]);
         self.finish(rows, cols, cols, ds);
     }
     fn skip_fwd(&mut self, op::SkipFwd { h, s, w, z, out }: op::SkipFwd) {
@@ -539,14 +545,14 @@ impl<D: Device> Kernels for KernelBackend<D> {
         self.check([h, s, w, zb], [out]);
         let cols = w.len;
         let args = vec![self.a(h), self.a(s), self.a(w), self.a(zb), flag(z.is_some()), self.a(out), l(out.len), i(cols)];
-        self.launch("eng_skip_fwd", flat(out.len), BLOCK, args);
+        self.launch(k::eng_skip_fwd, flat(out.len), BLOCK, args);
     }
     fn skip_bwd(&mut self, op::SkipBwd { dy, h, s, w, z, dh, ds, dw }: op::SkipBwd) {
         let (zb, dz) = z.unwrap_or_default();
         self.check([dy, h, s, w, zb], [dh, ds, dw, dz]);
         let (cols, rows, gated) = (w.len, dy.len / w.len, flag(z.is_some()));
         self.launch(
-            "eng_skip_bwd",
+            k::eng_skip_bwd,
             flat(dy.len),
             BLOCK,
             vec![self.a(dy), self.a(w), self.a(zb), gated, self.a(dh), self.a(ds), l(dy.len), i(cols)],
@@ -554,14 +560,14 @@ impl<D: Device> Kernels for KernelBackend<D> {
         let n = rows.div_ceil(PART);
         let part = self.scratch(0, n * 2 * cols);
         self.launch(
-            "eng_skip_partial",
+            k::eng_skip_partial,
             parts(rows, cols),
             BLOCK,
             vec![self.a(dy), self.a(h), self.a(s), self.a(w), self.a(zb), gated, l(rows), i(cols), part],
         );
         self.finish(rows, 2 * cols, cols, dw);
         if z.is_some() {
-            self.launch("eng_skip_gate_finish", flat(cols), BLOCK, vec![part, i(n), i(cols), self.a(zb), self.a(dz)]);
+            self.launch(k::eng_skip_gate_finish, flat(cols), BLOCK, vec![part, i(n), i(cols), self.a(zb), self.a(dz)]);
         }
     }
     fn qk_norm_rope_fwd(&mut self, op::QkNormRopeFwd { x, out, rstd, gain, cos, sin, s, eps }: op::QkNormRopeFwd) {
@@ -572,9 +578,9 @@ impl<D: Device> Kernels for KernelBackend<D> {
         args.push(f(eps));
         let av = self.chunk_values();
         if qk_vector(s, &[x, out.mat(s.rows, s.heads * s.d)], av) {
-            self.launch("eng_qk_norm_rope_fwd4", qk_grid(s, av), BLOCK, args);
+            self.launch(k::eng_qk_norm_rope_fwd4, qk_grid(s, av), BLOCK, args);
         } else {
-            self.launch("eng_qk_norm_rope_fwd", warps(s.rows * s.heads), BLOCK, args);
+            self.launch(k::eng_qk_norm_rope_fwd, warps(s.rows * s.heads), BLOCK, args);
         }
     }
     fn qk_norm_rope_bwd(&mut self, op::QkNormRopeBwd { x, rstd, dy, dx, gain, cos, sin, s }: op::QkNormRopeBwd) {
@@ -588,13 +594,13 @@ impl<D: Device> Kernels for KernelBackend<D> {
         args.push(per_item);
         let av = self.chunk_values();
         if qk_vector(s, &[x, dx, dy.mat(s.rows, s.heads * s.d)], av) {
-            self.launch("eng_qk_norm_rope_bwd4", qk_grid(s, av), BLOCK, args);
+            self.launch(k::eng_qk_norm_rope_bwd4, qk_grid(s, av), BLOCK, args);
         } else {
-            self.launch("eng_qk_norm_rope_bwd", warps(s.rows * s.heads), BLOCK, args);
+            self.launch(k::eng_qk_norm_rope_bwd, warps(s.rows * s.heads), BLOCK, args);
         }
         if gain.is_some() {
             let part = self.scratch(0, n * s.heads);
-            self.launch("eng_colsum_partial", parts(s.rows, s.heads), BLOCK, vec![per_item, l(s.rows), i(s.heads), part]);
+            self.launch(k::eng_colsum_partial, parts(s.rows, s.heads), BLOCK, vec![per_item, l(s.rows), i(s.heads), part]);
             self.finish(s.rows, s.heads, s.heads, dg);
         }
     }
@@ -613,9 +619,9 @@ impl<D: Device> Kernels for KernelBackend<D> {
         let kernel = match self.document_starts(s) {
             Some(starts) => {
                 args.push(starts);
-                "flash_fwd_mma_docs_bf16"
+                k::flash_fwd_mma_docs_bf16
             }
-            None => "flash_fwd_mma_bf16",
+            None => k::flash_fwd_mma_bf16,
         };
         self.launch(kernel, qgrid, FLASH_THREADS, args);
         self.attn_finish(&[o_copy]);
@@ -635,7 +641,7 @@ impl<D: Device> Kernels for KernelBackend<D> {
         let (dva, dv_copy) = self.attn_out(dv, h[6], dv_acc);
         let lse = self.lse(out);
         let delta = self.scratch(0, n * s.heads);
-        self.launch("eng_attn_delta", warps(n * s.heads), BLOCK, vec![self.a(out), self.a(dout), delta, l(n), i(s.t), i(s.heads), i(s.d)]);
+        self.launch(k::eng_attn_delta, warps(n * s.heads), BLOCK, vec![self.a(out), self.a(dout), delta, l(n), i(s.t), i(s.heads), i(s.d)]);
         let (t, heads, kvh) = (i(s.t), i(s.heads), i(s.kv_heads));
         let common = [qa, ka, va, ga, lse, delta];
         let starts = self.document_starts(s);
@@ -647,9 +653,9 @@ impl<D: Device> Kernels for KernelBackend<D> {
             Some(p) => {
                 dq_args.push(p);
                 dkdv_args.push(p);
-                ("flash_bwd_dq_mma_docs_bf16", "flash_bwd_dkdv_mma_docs_bf16")
+                (k::flash_bwd_dq_mma_docs_bf16, k::flash_bwd_dkdv_mma_docs_bf16)
             }
-            None => ("flash_bwd_dq_mma_bf16", "flash_bwd_dkdv_mma_bf16"),
+            None => (k::flash_bwd_dq_mma_bf16, k::flash_bwd_dkdv_mma_bf16),
         };
         self.launch(dq_kernel, qgrid, FLASH_THREADS, dq_args);
         self.launch(dkdv_kernel, kvgrid, FLASH_THREADS, dkdv_args);
@@ -660,7 +666,7 @@ impl<D: Device> Kernels for KernelBackend<D> {
         assert!(s.d <= 128, "XSA kernels take heads up to 128 wide, not {}", s.d);
         let rows = s.batch * s.t;
         let args = vec![self.a(y), self.a(v.span()), l(v.ld), self.a(out), l(rows), i(s.heads), i(s.kv_heads), i(s.d)];
-        self.launch("eng_xsa_fwd", warps(rows * s.kv_heads), BLOCK, args);
+        self.launch(k::eng_xsa_fwd, warps(rows * s.kv_heads), BLOCK, args);
     }
     fn xsa_bwd(&mut self, op::XsaBwd { dout, y, v, dy, dv, s }: op::XsaBwd) {
         self.check([dout, y, v.span()], [dy, dv.span()]);
@@ -668,14 +674,14 @@ impl<D: Device> Kernels for KernelBackend<D> {
         let rows = s.batch * s.t;
         let mut args = self.ptrs(&[dout, y, v.span()]);
         args.extend([l(v.ld), self.a(dy), self.a(dv.span()), l(dv.ld), l(rows), i(s.heads), i(s.kv_heads), i(s.d)]);
-        self.launch("eng_xsa_bwd", warps(rows * s.kv_heads), BLOCK, args);
+        self.launch(k::eng_xsa_bwd, warps(rows * s.kv_heads), BLOCK, args);
     }
     fn smear_fwd(&mut self, op::SmearFwd { e, w, lambda, out, cols, t, bos }: op::SmearFwd) {
         self.check([e, w, lambda], [out]);
         let rows = self.smear_rows(e, cols, t);
         let ids = Arg::Ptr(Space::Tokens, self.tokens.x());
         let args = vec![self.a(e), ids, self.a(w), self.a(lambda), self.a(out), l(rows), i(cols), i(w.len), i(t), i(bos as usize)];
-        self.launch("eng_smear_fwd", warps(rows), BLOCK, args);
+        self.launch(k::eng_smear_fwd, warps(rows), BLOCK, args);
     }
     fn smear_bwd(&mut self, op::SmearBwd { dout, e, w, lambda, de, dw, dlambda, cols, t, bos }: op::SmearBwd) {
         self.check([dout, e, w, lambda], [de, dw, dlambda]);
@@ -686,8 +692,8 @@ impl<D: Device> Kernels for KernelBackend<D> {
         let ids = Arg::Ptr(Space::Tokens, self.tokens.x());
         let [dout, e, w, lambda, de] = [dout, e, w, lambda, de].map(|b| self.a(b));
         let args = vec![dout, e, ids, w, lambda, de, rowv, l(rows), i(cols), i(win), i(t), i(bos as usize)];
-        self.launch("eng_smear_bwd", warps(rows), BLOCK, args);
-        self.launch("eng_smear_partial", parts(rows, win + 1), BLOCK, vec![e, rowv, l(rows), i(cols), i(win), part]);
+        self.launch(k::eng_smear_bwd, warps(rows), BLOCK, args);
+        self.launch(k::eng_smear_partial, parts(rows, win + 1), BLOCK, vec![e, rowv, l(rows), i(cols), i(win), part]);
         self.colsum(0, n, win + 1, win, dw);
         self.colsum(win, n, win + 1, 1, dlambda);
     }
@@ -696,7 +702,7 @@ impl<D: Device> Kernels for KernelBackend<D> {
         let (n, cols) = (ao.len, w.sa.len);
         let mut args = self.ptrs(&[lanes[0], lanes[1], ao, mo, w.sa, w.sm, w.r, w.p, out[0], out[1]]);
         args.extend([l(n), i(cols)]);
-        self.launch("eng_lanes_fwd", flat(n), BLOCK, args);
+        self.launch(k::eng_lanes_fwd, flat(n), BLOCK, args);
     }
     fn lanes_bwd(&mut self, op::LanesBwd { g, l: lanes, ao, mo, w, dl, dao, dmo, dw }: op::LanesBwd) {
         self.check([g[0], g[1], lanes[0], lanes[1], ao, mo, w.sa, w.sm, w.r, w.p], [dl[0], dl[1], dao, dmo, dw.sa, dw.sm, dw.r, dw.p]);
@@ -704,7 +710,7 @@ impl<D: Device> Kernels for KernelBackend<D> {
         let rows = n / cols;
         let mut args = self.ptrs(&[g[0], g[1], w.sa, w.sm, w.r, w.p, dl[0], dl[1], dao, dmo]);
         args.extend([l(n), i(cols)]);
-        self.launch("eng_lanes_bwd", flat(n), BLOCK, args);
+        self.launch(k::eng_lanes_bwd, flat(n), BLOCK, args);
         // Scratch: per block of rows the scales' two per-channel partials, then per block six
         // block sums for the lambdas.
         let grid = parts(rows, cols);
@@ -712,16 +718,16 @@ impl<D: Device> Kernels for KernelBackend<D> {
         let (part, sc) = (self.scratch(0, parts_n * 2 * cols), self.scratch(parts_n * 2 * cols, blocks * 6));
         let mut args = self.ptrs(&[g[0], g[1], lanes[0], lanes[1], ao, mo, w.sa, w.sm, w.p]);
         args.extend([l(rows), i(cols), part, sc]);
-        self.launch("eng_lanes_partial", grid, BLOCK, args);
+        self.launch(k::eng_lanes_partial, grid, BLOCK, args);
         self.colsum(0, parts_n, 2 * cols, cols, dw.sa);
         self.colsum(cols, parts_n, 2 * cols, cols, dw.sm);
-        self.launch("eng_lanes_finish", [1, 1, 1], 192, vec![sc, i(blocks), self.a(dw.r), self.a(dw.p)]);
+        self.launch(k::eng_lanes_finish, [1, 1, 1], 192, vec![sc, i(blocks), self.a(dw.r), self.a(dw.p)]);
     }
     fn attn_gate_fwd(&mut self, op::AttnGateFwd { y, x, w, out, heads, scale }: op::AttnGateFwd) {
         self.check([y, x.span(), w], [out]);
         let (rows, d, win) = Self::gate_shape(y, x, w, heads);
         let args = vec![self.a(y), self.a(x.span()), l(x.ld), self.a(w), self.a(out), l(rows), i(heads), i(d), i(win), f(scale)];
-        self.launch("eng_attn_gate_fwd", warps(rows * heads), BLOCK, args);
+        self.launch(k::eng_attn_gate_fwd, warps(rows * heads), BLOCK, args);
     }
     fn attn_gate_bwd(&mut self, op::AttnGateBwd { dout, y, x, w, dy, dz, heads, scale }: op::AttnGateBwd) {
         self.check([dout, y, x.span(), w], [dy, dz]);
@@ -729,52 +735,57 @@ impl<D: Device> Kernels for KernelBackend<D> {
         assert_eq!(dz.len, rows * heads, "the gate's dz is (rows, heads)");
         let mut args = self.ptrs(&[dout, y, x.span()]);
         args.extend([l(x.ld), self.a(w), self.a(dy), self.a(dz), l(rows), i(heads), i(d), i(win), f(scale)]);
-        self.launch("eng_attn_gate_bwd", warps(rows * heads), BLOCK, args);
+        self.launch(k::eng_attn_gate_bwd, warps(rows * heads), BLOCK, args);
     }
     fn act_fwd(&mut self, op::ActFwd { pre, out, a: act }: op::ActFwd) {
         self.check([pre], [out]);
-        self.launch("eng_act_fwd", flat(out.len), BLOCK, vec![self.a(pre), self.a(out), l(out.len), f(act.slope)]);
+        self.launch(k::eng_act_fwd, flat(out.len), BLOCK, vec![self.a(pre), self.a(out), l(out.len), f(act.slope)]);
     }
     fn act_bwd(&mut self, op::ActBwd { pre, dout, dpre, a: act }: op::ActBwd) {
         self.check([pre, dout], [dpre]);
-        self.launch("eng_act_bwd", flat(dpre.len), BLOCK, vec![self.a(pre), self.a(dout), self.a(dpre), l(dpre.len), f(act.slope)]);
+        self.launch(k::eng_act_bwd, flat(dpre.len), BLOCK, vec![self.a(pre), self.a(dout), self.a(dpre), l(dpre.len), f(act.slope)]);
     }
     fn softcap_ce(&mut self, op::SoftcapCe { logits, losses, vocab, cap, grad_scale }: op::SoftcapCe) {
         self.check([], [logits, losses]);
         let rows = logits.len / vocab;
         let y = Arg::Ptr(Space::Tokens, self.tokens.y());
-        self.launch("eng_softcap_ce", [rows as u32, 1, 1], BLOCK, vec![self.a(logits), y, self.a(losses), i(vocab), f(cap), f(grad_scale)]);
+        self.launch(
+            k::eng_softcap_ce,
+            [rows as u32, 1, 1],
+            BLOCK,
+            vec![self.a(logits), y, self.a(losses), i(vocab), f(cap), f(grad_scale)],
+        );
     }
     fn adam(&mut self, op::Adam { p, g, m, v, s }: op::Adam) {
         self.check([g], [p, m, v]);
         let sched = self.sched(&[s.lr / s.bias1, 1.0 / s.bias2_sqrt, 1.0 - s.lr * s.weight_decay]);
         let mut args = self.ptrs(&[p, g, m, v]);
         args.extend([l(p.len), f(s.beta1), f(s.beta2), sched, f(s.eps), flag(s.weight_decay != 0.0)]);
-        self.launch("eng_adam", flat(p.len), BLOCK, args);
+        self.launch(k::eng_adam, flat(p.len), BLOCK, args);
     }
     fn momentum(&mut self, op::Momentum { g, buf, u, mu, nesterov }: op::Momentum) {
         self.check([g], [buf, u]);
         let mu = self.sched(&[mu]);
-        self.launch("eng_momentum", flat(buf.len), BLOCK, vec![self.a(g), self.a(buf), self.a(u), l(buf.len), mu, flag(nesterov)]);
+        self.launch(k::eng_momentum, flat(buf.len), BLOCK, vec![self.a(g), self.a(buf), self.a(u), l(buf.len), mu, flag(nesterov)]);
     }
     fn axpby(&mut self, op::Axpby { a: x_scale, x, b: y_scale, y }: op::Axpby) {
         self.check([x], [y]);
         let ab = self.sched(&[x_scale, y_scale]);
         assert_eq!(self.is_act(x), self.is_act(y), "axpby between f32 and bf16 buffers ({x:?} into {y:?})");
-        self.launch(self.flat_kernel("eng_axpby", y), flat(y.len), BLOCK, vec![ab, self.a(x), self.a(y), l(y.len)]);
+        self.launch(self.flat_kernel(k::eng_axpby, y), flat(y.len), BLOCK, vec![ab, self.a(x), self.a(y), l(y.len)]);
     }
     fn row_normalize(&mut self, op::RowNormalize { x, cols, eps }: op::RowNormalize) {
         self.check([], [x]);
         let rows = x.len / cols;
-        self.launch("eng_row_normalize", warps(rows), BLOCK, vec![self.a(x), l(rows), i(cols), f(eps)]);
+        self.launch(k::eng_row_normalize, warps(rows), BLOCK, vec![self.a(x), l(rows), i(cols), f(eps)]);
     }
     fn normalize_each(&mut self, op::NormalizeEach { x, count, eps }: op::NormalizeEach) {
         self.check([], [x]);
-        self.launch("eng_normalize_each", [count.max(1) as u32, 1, 1], BLOCK, vec![self.a(x), l(x.len / count.max(1)), f(eps)]);
+        self.launch(k::eng_normalize_each, [count.max(1) as u32, 1, 1], BLOCK, vec![self.a(x), l(x.len / count.max(1)), f(eps)]);
     }
     fn transpose_each(&mut self, op::TransposeEach { src, dst, count, rows, cols }: op::TransposeEach) {
         self.check([src], [dst]);
         let grid = [flat(rows * cols)[0], count as u32, 1];
-        self.launch("eng_transpose_each", grid, BLOCK, vec![self.a(src), self.a(dst), i(rows), i(cols)]);
+        self.launch(k::eng_transpose_each, grid, BLOCK, vec![self.a(src), self.a(dst), i(rows), i(cols)]);
     }
 }

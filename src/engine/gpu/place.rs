@@ -4,6 +4,7 @@
 //! [`Space::Mirror`]), the `_act` forms of the flat kernels, and attention's bf16 staging
 //! (operands that are not contiguous bf16 activations are copied to the `half` space and back).
 
+use super::kernels as k;
 use super::ops::{BLOCK, flag, flat, i, l};
 use super::{Arg, Device, KernelBackend, Space};
 use crate::engine::backend::{AttnShape, Buf, Mat};
@@ -61,11 +62,11 @@ impl<D: Device> KernelBackend<D> {
             return kernel;
         }
         match kernel {
-            "eng_fill" => "eng_fill_act",
-            "eng_scale" => "eng_scale_act",
-            "eng_copy" => "eng_copy_act",
-            "eng_axpby" => "eng_axpby_act",
-            "eng_reduce_partial" => "eng_reduce_partial_act",
+            k::eng_fill => k::eng_fill_act,
+            k::eng_scale => k::eng_scale_act,
+            k::eng_copy => k::eng_copy_act,
+            k::eng_axpby => k::eng_axpby_act,
+            k::eng_reduce_partial => k::eng_reduce_partial_act,
             other => panic!("`{other}` has no form for bf16 activations"),
         }
     }
@@ -100,13 +101,13 @@ impl<D: Device> KernelBackend<D> {
     pub(super) fn half_in(&mut self, m: Mat, slot: usize) {
         assert!(!m.t, "attention's operands are read untransposed");
         let args = vec![self.a(m.span()), l(m.ld), Arg::Ptr(Space::Half, slot), l(m.rows), i(m.cols)];
-        self.launch("eng_to_bf16", flat(m.rows * m.cols), BLOCK, args);
+        self.launch(k::eng_to_bf16, flat(m.rows * m.cols), BLOCK, args);
     }
 
     /// `m (+)= half[slot]`.
     pub(super) fn half_out(&mut self, slot: usize, m: Mat, acc: bool) {
         let args = vec![Arg::Ptr(Space::Half, slot), self.a(m.span()), l(m.ld), l(m.rows), i(m.cols), flag(acc)];
-        self.launch("eng_from_bf16", flat(m.rows * m.cols), BLOCK, args);
+        self.launch(k::eng_from_bf16, flat(m.rows * m.cols), BLOCK, args);
     }
 
     /// An attention operand as flash attention reads it: the buffer itself when it is a

@@ -24,6 +24,7 @@
 //! - **CUDA graphs.** A call only queues cuDNN's kernels on the engine's stream with a workspace
 //!   allocated when its graph was built, so a unit that holds it is captured as any other.
 
+use super::kernels as k;
 use std::collections::HashSet;
 
 use super::ops::{BLOCK, flat, i, l, warps};
@@ -284,7 +285,7 @@ impl<D: Device> KernelBackend<D> {
         let p = |off| super::Arg::Ptr(Space::Tokens, off);
         if self.cudnn.lens_for != Some(key) {
             let args = vec![p(t.x()), p(t.ragged()), p(t.slot_len()), p(t.slot_start()), l(s.batch), i(s.t), i(bos as usize)];
-            self.launch("eng_doc_slots", warps(s.batch), BLOCK, args);
+            self.launch(k::eng_doc_slots, warps(s.batch), BLOCK, args);
             self.cudnn.lens_for = Some(key);
             // The offsets follow the slots' starts: each is written again at its first use.
             self.cudnn.units.clear();
@@ -322,7 +323,7 @@ impl<D: Device> KernelBackend<D> {
                     l(n),
                     l(unit),
                 ];
-                self.launch("eng_ragged_offsets", flat(n + 1), BLOCK, args);
+                self.launch(k::eng_ragged_offsets, flat(n + 1), BLOCK, args);
                 self.cudnn.units.push(unit);
                 k
             }

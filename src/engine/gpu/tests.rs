@@ -53,18 +53,38 @@ fn every_op_case_matches_the_cpu_on_the_emulated_gpu() {
     assert_eq!((c.eager, c.captured, c.replayed), (1, 1, 2), "{c:?}");
 }
 
+/// The kernels the engine declares (`kernels.rs`) are exactly the `extern "C"` entry points
+/// of kernels/engine.cu and kernels/flash_mma.cu: a kernel added on one side only is named.
+#[test]
+fn the_declared_kernels_are_the_sources_entry_points() {
+    let mut defined = BTreeSet::new();
+    for file in ["kernels/engine.cu", "kernels/flash_mma.cu"] {
+        let src = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(file)).unwrap();
+        for entry in src.split("extern \"C\" __global__").skip(1) {
+            // `void NAME(` or `void __launch_bounds__(N) NAME(`: the last word before the
+            // first `(` that does not open the launch bounds.
+            let head = entry.trim_start().trim_start_matches("void").trim_start();
+            let head = head.strip_prefix("__launch_bounds__").map_or(head, |h| &h[h.find(')').unwrap() + 1..]);
+            let head = head.trim_start().trim_start_matches("void").trim_start();
+            defined.insert(head[..head.find('(').unwrap()].trim().to_string());
+        }
+    }
+    let declared: BTreeSet<String> = super::kernels::ALL.iter().map(|k| k.to_string()).collect();
+    assert_eq!(declared.len(), super::kernels::ALL.len(), "a kernel is declared twice");
+    let only = |a: &BTreeSet<String>, b: &BTreeSet<String>| a.difference(b).cloned().collect::<Vec<_>>();
+    assert!(
+        declared == defined,
+        "defined in the .cu but not declared in kernels.rs: {:?}; declared but not defined: {:?}",
+        only(&defined, &declared),
+        only(&declared, &defined)
+    );
+}
+
 /// The table launches every kernel the engine's backend can launch (the emulator's list of
 /// kernels/engine.cu and flash_mma.cu), so `pipeline engine-check` checks each on a GPU.
 #[test]
 fn the_op_cases_launch_every_kernel() {
-    let src = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/warp_emu/engine_emu.cpp")).unwrap();
-    let all: BTreeSet<String> = src
-        .split("K(")
-        .skip(1)
-        .filter_map(|t| t.split(')').next())
-        .filter(|k| k.starts_with("eng_") || k.starts_with("flash_"))
-        .map(str::to_string)
-        .collect();
+    let all: BTreeSet<String> = super::kernels::ALL.iter().map(|k| k.to_string()).collect();
     assert!(all.len() > 40 && all.contains("eng_csr_fill") && all.contains("flash_bwd_dkdv_mma_bf16"), "{all:?}");
     let mut be = case_backend(emu::emulator(), "coverage");
     for case in cases::cases() {
