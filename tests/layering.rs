@@ -321,6 +321,81 @@ fn files_stay_short_or_say_why() {
     assert!(long.is_empty(), "{}", long.join("\n"));
 }
 
+/// The same rule for the CUDA, C++ and C files (kernels/, cpp/, the warp emulator's), whose
+/// code lines are those left without `//` and `/* */` comments; the reason goes in a
+/// `// Long because ...` line at the top.
+#[test]
+fn kernel_and_cpp_files_stay_short_or_say_why() {
+    let mut files = Vec::new();
+    fn walk(dir: &std::path::Path, out: &mut Vec<PathBuf>) {
+        for p in std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()) {
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|e| ["cu", "cuh", "cpp", "h", "hpp", "c"].contains(&e.to_str().unwrap_or(""))) {
+                out.push(p);
+            }
+        }
+    }
+    for dir in ["kernels", "cpp", "tests/warp_emu"] {
+        walk(&root().join(dir), &mut files);
+    }
+    assert!(files.iter().any(|f| f.ends_with("kernels/engine.cu")), "the scan found no kernels");
+    let mut long = Vec::new();
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let lines = c_code_lines(&text);
+        let says_why = text.lines().take_while(|l| l.starts_with("//") || l.is_empty()).any(|l| l.starts_with("// Long because"));
+        if lines > MAX_CODE_LINES && !says_why {
+            long.push(format!("{}: {lines} lines of code (at most {MAX_CODE_LINES}, or a `// Long because ...` line at its top)", f.display()));
+        }
+    }
+    assert!(long.is_empty(), "{}", long.join("\n"));
+    assert_eq!(c_code_lines("// a\nint x; // b\n/* c\n d */ int y;\n\n  /* e */\n"), 2);
+}
+
+/// Lines of C-like `text` holding code once comments are removed (string literals are not
+/// parsed: a `//` inside one ends the line's code early, which only undercounts).
+fn c_code_lines(text: &str) -> usize {
+    let mut in_block = false;
+    let mut n = 0;
+    for line in text.lines() {
+        let mut code = String::new();
+        let mut rest = line;
+        loop {
+            if in_block {
+                match rest.find("*/") {
+                    Some(i) => {
+                        in_block = false;
+                        rest = &rest[i + 2..];
+                    }
+                    None => break,
+                }
+            } else {
+                let (line_c, block_c) = (rest.find("//"), rest.find("/*"));
+                match (line_c, block_c) {
+                    (Some(l), b) if b.is_none_or(|b| l < b) => {
+                        code.push_str(&rest[..l]);
+                        break;
+                    }
+                    (_, Some(b)) => {
+                        code.push_str(&rest[..b]);
+                        in_block = true;
+                        rest = &rest[b + 2..];
+                    }
+                    _ => {
+                        code.push_str(rest);
+                        break;
+                    }
+                }
+            }
+        }
+        if !code.trim().is_empty() {
+            n += 1;
+        }
+    }
+    n
+}
+
 #[test]
 fn the_scan_sees_references() {
     // The checks above pass vacuously if the scan finds nothing: it must see the stages'

@@ -64,17 +64,21 @@ pub(super) fn build(dir: &Path, name: &str, engine_source: Option<&Path>, act_bf
     exe
 }
 
-/// A copy of kernels/engine.cu and its headers (kernels/ops/) in `dir/name/`, with `from`
-/// replaced by `to` in `file` (a path under kernels/, where `from` must occur once): a kernel
-/// broken on purpose, for [`build`]'s `engine_source`. Returns the copy of engine.cu, whose
-/// `#include "ops/..."` then finds the copied headers next to it.
+/// A copy of kernels/engine.cu and its headers (kernels/ops/, kernels/engine/) in `dir/name/`,
+/// with `from` replaced by `to` in `file` (a path under kernels/, where `from` must occur
+/// once): a kernel broken on purpose, for [`build`]'s `engine_source`. Returns the copy of
+/// engine.cu, whose `#include "ops/..."` and `"engine/..."` then find the copied headers next
+/// to it.
 pub(super) fn mutant(dir: &Path, name: &str, file: &str, from: &str, to: &str) -> PathBuf {
     let kernels = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
     let copy = dir.join(name);
     std::fs::create_dir_all(copy.join("ops")).expect("temp dir is writable");
     let mut files = vec![PathBuf::from("engine.cu")];
-    for e in std::fs::read_dir(kernels.join("ops")).expect("kernels/ops exists") {
-        files.push(Path::new("ops").join(e.expect("kernels/ops is readable").file_name()));
+    for dir in ["ops", "engine"] {
+        std::fs::create_dir_all(copy.join(dir)).expect("temp dir is writable");
+        for e in std::fs::read_dir(kernels.join(dir)).expect("kernels/ops and kernels/engine exist") {
+            files.push(Path::new(dir).join(e.expect("kernels/ is readable").file_name()));
+        }
     }
     let mut mutated = false;
     for f in files {
@@ -86,7 +90,7 @@ pub(super) fn mutant(dir: &Path, name: &str, file: &str, from: &str, to: &str) -
         }
         std::fs::write(copy.join(&f), src).expect("temp dir is writable");
     }
-    assert!(mutated, "kernels/{file} is not engine.cu or a header of kernels/ops");
+    assert!(mutated, "kernels/{file} is not engine.cu or a header of kernels/ops or kernels/engine");
     copy.join("engine.cu")
 }
 

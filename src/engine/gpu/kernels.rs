@@ -1,7 +1,7 @@
 //! The engine's kernels by name, each declared once below: the launcher (`ops.rs`, `place.rs`,
 //! `sdpa.rs`) names a kernel by its constant here (a misspelt one does not compile), the warp
 //! emulator's table of kernels is generated from [`ALL`] (`emu.rs`), and the op cases' coverage
-//! test reads [`ALL`]. A test checks that kernels/engine.cu and kernels/flash_mma.cu define
+//! test reads [`ALL`]. A test checks that kernels/engine.cu (kernels/engine/) and kernels/flash_mma.cu define
 //! exactly these entry points, so a kernel added to the `.cu` and not here (or the reverse)
 //! fails.
 

@@ -54,12 +54,16 @@ fn every_op_case_matches_the_cpu_on_the_emulated_gpu() {
 }
 
 /// The kernels the engine declares (`kernels.rs`) are exactly the `extern "C"` entry points
-/// of kernels/engine.cu and kernels/flash_mma.cu: a kernel added on one side only is named.
+/// of kernels/engine.cu (its families in kernels/engine/) and kernels/flash_mma.cu: a kernel
+/// added on one side only is named.
 #[test]
 fn the_declared_kernels_are_the_sources_entry_points() {
     let mut defined = BTreeSet::new();
-    for file in ["kernels/engine.cu", "kernels/flash_mma.cu"] {
-        let src = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(file)).unwrap();
+    let kernels = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    let mut files = vec![kernels.join("engine.cu"), kernels.join("flash_mma.cu")];
+    files.extend(std::fs::read_dir(kernels.join("engine")).unwrap().map(|e| e.unwrap().path()));
+    for file in files {
+        let src = std::fs::read_to_string(file).unwrap();
         for entry in src.split("extern \"C\" __global__").skip(1) {
             // `void NAME(` or `void __launch_bounds__(N) NAME(`: the last word before the
             // first `(` that does not open the launch bounds.
@@ -211,7 +215,7 @@ fn a_wrong_kernel_fails_the_comparison() {
 fn embedding_pieces_that_drop_a_token_fail_the_comparison() {
     let (from, to) =
         ("const unsigned k1 = k0 + piece < end ? k0 + piece : end;", "const unsigned k1 = (k0 + piece < end ? k0 + piece : end) - 1;");
-    check_mutant("pieces", "engine.cu", from, to, "embedding_bwd (the ids' CSR)");
+    check_mutant("pieces", "engine/embedding.cuh", from, to, "embedding_bwd (the ids' CSR)");
 }
 
 /// A vectorized q/k norm + RoPE whose lanes take their own values for their pair's other half
@@ -220,7 +224,7 @@ fn embedding_pieces_that_drop_a_token_fail_the_comparison() {
 #[should_panic(expected = "on the emulated GPU")]
 fn a_rope_pair_from_the_wrong_lane_fails_the_comparison() {
     let (from, to) = ("partner(xv, half / AV, pv);", "partner(xv, 0, pv);");
-    check_mutant("rope", "engine.cu", from, to, "qk_norm_rope_fwd (64 wide, 16 rotated, gain)");
+    check_mutant("rope", "engine/heads.cuh", from, to, "qk_norm_rope_fwd (64 wide, 16 rotated, gain)");
 }
 
 /// The chunked path of the RMS norm's gradient (16-byte rows, the row in registers) whose dot
@@ -229,7 +233,7 @@ fn a_rope_pair_from_the_wrong_lane_fails_the_comparison() {
 #[should_panic(expected = "on the emulated GPU")]
 fn a_chunked_rms_norm_gradient_without_its_dot_fails_the_comparison() {
     let (from, to) = ("xg += xv[m][k] * gv[m][k];", "xg += xv[m][k];");
-    check_mutant("rms-chunks", "engine.cu", from, to, "rms_norm_bwd (16-byte rows: the chunked path)");
+    check_mutant("rms-chunks", "engine/rows.cuh", from, to, "rms_norm_bwd (16-byte rows: the chunked path)");
 }
 
 /// The ids' CSR built on the device (`eng_csr_count`, `_scan`, `_fill`) is the stable counting

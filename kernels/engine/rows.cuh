@@ -1,0 +1,233 @@
+// Row kernels: RMS norm, the residual mix, the scaled add and the skips.
+// Part of kernels/engine.cu (its prologue defines `act`, the chunk helpers and the
+// ops headers this file uses); included there, once, inside no namespace.
+
+#pragma once
+
+// ---- RMS norm ----------------------------------------------------------------------------
+
+// ops/rms_norm.cuh with the scale folded in. Warp per row.
+
+// out = x scale / r, rstd = 1 / r with r = sqrt(mean(x^2) + eps).
+// Chunked: the row in registers, one read and one write of it.
+extern "C" __global__ void eng_rms_norm_fwd(const act* x, act* out, float* rstd, long rows, int cols, float scale, float eps) {
+    const long r = warp_row(rows);
+    if (r < 0) return;
+    const int lane = threadIdx.x & 31;
+    if (!chunked(cols, x, out) || cols > 32 * AV * RMS_CHUNKS) {
+        const float inv = ops::rms_norm_row<Precise>(x + r * cols, out + r * cols, cols, eps, scale);
+        if (lane == 0) rstd[r] = inv;
+        return;
+    }
+    const int chunks = cols / AV;
+    const act* xr = x + r * cols;
+    float v[RMS_CHUNKS][AV];
+    float ss = 0.f;
+#pragma unroll
+    for (int m = 0; m < RMS_CHUNKS; ++m) {
+        const int ch = lane + 32 * m;
+        if (ch < chunks) {
+            loadv(xr + ch * AV, v[m]);
+            for (int k = 0; k < AV; ++k) ss += v[m][k] * v[m][k];
+        }
+    }
+    const float inv = ops::rms_rstd<Precise>(warp_sum(ss), cols, eps);
+    const float a = inv * scale;
+#pragma unroll
+    for (int m = 0; m < RMS_CHUNKS; ++m) {
+        const int ch = lane + 32 * m;
+        if (ch < chunks) {
+            for (int k = 0; k < AV; ++k) v[m][k] *= a;
+            storev(out + r * cols + ch * AV, v[m]);
+        }
+    }
+    if (lane == 0) rstd[r] = inv;
+}
+
+// dx (+)= scale (dy / r - x sum(dy x) / (cols r^3)), with 1 / r from the forward pass.
+extern "C" __global__ void eng_rms_norm_bwd(const act* x, const float* rstd, const act* dy, act* dx, long rows, int cols, float scale,
+                                            int acc) {
+    const long r = warp_row(rows);
+    if (r < 0) return;
+    const act* xr = x + r * cols;
+    const act* gr = dy + r * cols;
+    if (!chunked(cols, x, dy, dx) || cols > 32 * AV * RMS_CHUNKS) {
+        ops::rms_norm_bwd_row(xr, gr, dx + r * cols, cols, rstd[r], ops::row_dot(xr, gr, cols), scale, acc != 0);
+        return;
+    }
+    // Chunked: x and dy read once into registers, dx written (read too when accumulating).
+    const int lane = threadIdx.x & 31, chunks = cols / AV;
+    float xv[RMS_CHUNKS][AV], gv[RMS_CHUNKS][AV];
+    float xg = 0.f;
+#pragma unroll
+    for (int m = 0; m < RMS_CHUNKS; ++m) {
+        const int ch = lane + 32 * m;
+        if (ch < chunks) {
+            loadv(xr + ch * AV, xv[m]);
+            loadv(gr + ch * AV, gv[m]);
+            for (int k = 0; k < AV; ++k) xg += xv[m][k] * gv[m][k];
+        }
+    }
+    xg = warp_sum(xg);
+    const float inv = rstd[r], a = inv * scale, c = xg / cols * inv * inv * inv * scale;
+    act* dr = dx + r * cols;
+#pragma unroll
+    for (int m = 0; m < RMS_CHUNKS; ++m) {
+        const int ch = lane + 32 * m;
+        if (ch < chunks) {
+            float o[AV];
+            if (acc) loadv(dr + ch * AV, o);
+            for (int k = 0; k < AV; ++k) {
+                const float v = gv[m][k] * a - xv[m][k] * c;
+                o[k] = acc ? o[k] + v : v;
+            }
+            storev(dr + ch * AV, o);
+        }
+    }
+}
+
+// ---- residual mix, scaled add, skips -----------------------------------------------------
+// (ops/scale.cuh; the per-channel sums of ops/colsum.cuh)
+
+// out = h mix[0] + x0 mix[1] per channel (mix: 2 x cols).
+extern "C" __global__ void eng_resid_mix_fwd(const act* h, const act* x0, const float* mix, act* out, long n, int cols) {
+    if (chunked(cols, h, x0, out)) {
+        FOR_CHUNKS(i, n) {
+            const int c = (int)(i % cols);
+            float hv[AV], xv[AV];
+            loadv(h + i, hv);
+            loadv(x0 + i, xv);
+            for (int k = 0; k < AV; ++k) hv[k] = ops::mixed(hv[k], xv[k], mix[c + k], mix[cols + c + k]);
+            storev(out + i, hv);
+        }
+        return;
+    }
+    for (long i = first_index(); i < n; i += grid_stride()) {
+        const int c = (int)(i % cols);
+        out[i] = ops::mixed(h[i], x0[i], mix[c], mix[cols + c]);
+    }
+}
+
+// dh = du mix[0]; dx0 += du mix[1].
+extern "C" __global__ void eng_resid_mix_bwd(const act* du, const float* mix, act* dh, act* dx0, long n, int cols) {
+    if (chunked(cols, du, dh, dx0)) {
+        FOR_CHUNKS(i, n) {
+            const int c = (int)(i % cols);
+            float g[AV], d0[AV], o[AV];
+            loadv(du + i, g);
+            loadv(dx0 + i, d0);
+            for (int k = 0; k < AV; ++k) {
+                o[k] = ops::scaled(g[k], mix[c + k]);
+                d0[k] = ops::add_scaled(d0[k], g[k], mix[cols + c + k]);
+            }
+            storev(dh + i, o);
+            storev(dx0 + i, d0);
+        }
+        return;
+    }
+    for (long i = first_index(); i < n; i += grid_stride()) {
+        const int c = (int)(i % cols);
+        dh[i] = ops::scaled(du[i], mix[c]);
+        dx0[i] = ops::add_scaled(dx0[i], du[i], mix[cols + c]);
+    }
+}
+
+// part[blk] = (sum du h, sum du x0) per channel over the block's PART rows: the mix's gradient.
+extern "C" __global__ void eng_resid_mix_partial(const act* du, const act* h, const act* x0, long rows, int cols, float* part) {
+    const long r0 = (long)blockIdx.y * PART, r1 = min(r0 + PART, rows);
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
+        float a = 0.f, b = 0.f;
+        for (long r = r0; r < r1; ++r) {
+            const float g = du[r * cols + c];
+            a += g * h[r * cols + c];
+            b += g * x0[r * cols + c];
+        }
+        part[(long)blockIdx.y * 2 * cols + c] = a;
+        part[(long)blockIdx.y * 2 * cols + cols + c] = b;
+    }
+}
+
+// out = base + x s per channel (base may be out: in place).
+extern "C" __global__ void eng_scale_add_fwd(const act* base, const act* x, const float* s, act* out, long n, int cols) {
+    if (chunked(cols, base, x, out)) {
+        FOR_CHUNKS(i, n) {
+            const int c = (int)(i % cols);
+            float b[AV], v[AV];
+            loadv(base + i, b);
+            loadv(x + i, v);
+            for (int k = 0; k < AV; ++k) b[k] = ops::add_scaled(b[k], v[k], s[c + k]);
+            storev(out + i, b);
+        }
+        return;
+    }
+    for (long i = first_index(); i < n; i += grid_stride()) out[i] = ops::add_scaled(base[i], x[i], s[i % cols]);
+}
+
+// dx = dy s per channel.
+extern "C" __global__ void eng_scale_cols(const act* dy, const float* s, act* dx, long n, int cols) {
+    if (chunked(cols, dy, dx)) {
+        FOR_CHUNKS(i, n) {
+            const int c = (int)(i % cols);
+            float g[AV];
+            loadv(dy + i, g);
+            for (int k = 0; k < AV; ++k) g[k] = ops::scaled(g[k], s[c + k]);
+            storev(dx + i, g);
+        }
+        return;
+    }
+    for (long i = first_index(); i < n; i += grid_stride()) dx[i] = ops::scaled(dy[i], s[i % cols]);
+}
+
+// part[blk][c] = sum over the block's rows of a[r][c] b[r][c].
+extern "C" __global__ void eng_dot_partial(const act* a, const act* b, long rows, int cols, float* part) {
+    const long r0 = (long)blockIdx.y * PART, r1 = min(r0 + PART, rows);
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x)
+        part[(long)blockIdx.y * cols + c] = ops::column_dot(a, b, r0, r1, cols, c);
+}
+
+// U-Net skip: k = s w; out = h + k, or with a gate g = sigmoid(z): out = k + (h - k) g.
+extern "C" __global__ void eng_skip_fwd(const act* h, const act* s, const float* w, const float* z, int gated, act* out, long n,
+                                        int cols) {
+    for (long i = first_index(); i < n; i += grid_stride()) {
+        const int c = (int)(i % cols);
+        const float k = s[i] * w[c];
+        out[i] = gated ? k + (h[i] - k) * sigmoid(z[c]) : h[i] + k;
+    }
+}
+
+// dh = dy gh, ds = dy gk w with the shares (gh, gk) = (g, 1 - g), or (1, 1) ungated.
+extern "C" __global__ void eng_skip_bwd(const act* dy, const float* w, const float* z, int gated, act* dh, act* ds, long n, int cols) {
+    for (long i = first_index(); i < n; i += grid_stride()) {
+        const int c = (int)(i % cols);
+        const float g = gated ? sigmoid(z[c]) : 1.f, gk = gated ? 1.f - g : 1.f;
+        dh[i] = dy[i] * g;
+        ds[i] = dy[i] * gk * w[c];
+    }
+}
+
+// part[blk] = (sum dy gk s, sum dy (h - s w)) per channel: w's gradient and the gate's before
+// its sigmoid's slope (the second half only when gated).
+extern "C" __global__ void eng_skip_partial(const act* dy, const act* h, const act* s, const float* w, const float* z, int gated,
+                                            long rows, int cols, float* part) {
+    const long r0 = (long)blockIdx.y * PART, r1 = min(r0 + PART, rows);
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
+        const float gk = gated ? 1.f - sigmoid(z[c]) : 1.f;
+        float a = 0.f, b = 0.f;
+        for (long r = r0; r < r1; ++r) {
+            const long i = r * cols + c;
+            a += dy[i] * gk * s[i];
+            if (gated) b += dy[i] * (h[i] - s[i] * w[c]);
+        }
+        part[(long)blockIdx.y * 2 * cols + c] = a;
+        part[(long)blockIdx.y * 2 * cols + cols + c] = b;
+    }
+}
+
+// dz[c] += (sum of the raw partials) g (1 - g), g = sigmoid(z[c]): the partials' second half.
+extern "C" __global__ void eng_skip_gate_finish(const float* part, int parts, int cols, const float* z, float* dz) {
+    for (long c = first_index(); c < cols; c += grid_stride()) {
+        const float s = ops::column_total(part + cols, parts, 2L * cols, c);
+        const float g = sigmoid(z[c]);
+        dz[c] += s * g * (1.f - g);
+    }
+}
