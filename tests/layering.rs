@@ -346,7 +346,10 @@ fn kernel_and_cpp_files_stay_short_or_say_why() {
         let lines = c_code_lines(&text);
         let says_why = text.lines().take_while(|l| l.starts_with("//") || l.is_empty()).any(|l| l.starts_with("// Long because"));
         if lines > MAX_CODE_LINES && !says_why {
-            long.push(format!("{}: {lines} lines of code (at most {MAX_CODE_LINES}, or a `// Long because ...` line at its top)", f.display()));
+            long.push(format!(
+                "{}: {lines} lines of code (at most {MAX_CODE_LINES}, or a `// Long because ...` line at its top)",
+                f.display()
+            ));
         }
     }
     assert!(long.is_empty(), "{}", long.join("\n"));
