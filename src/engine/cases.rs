@@ -490,15 +490,7 @@ pub fn cases() -> Vec<Case> {
             run: |be| {
                 let (x, y) = tokens(9);
                 be.set_tokens(&x, &y);
-                let logits = Buf { off: 0, len: N * VOCAB };
-                be.op(op::Scale { dst: logits, a: 20.0 });
-                be.op(op::SoftcapCe {
-                    logits,
-                    losses: Buf { off: N * VOCAB, len: N },
-                    vocab: VOCAB,
-                    cap: 15.0,
-                    grad_scale: 1.0 / N as f64,
-                });
+                softcap_case(be);
             },
         },
         Case {
@@ -512,15 +504,7 @@ pub fn cases() -> Vec<Case> {
                     *y = crate::model::ops::softcap_ce::IGNORED_TARGET;
                 }
                 be.set_tokens(&x, &y);
-                let logits = Buf { off: 0, len: N * VOCAB };
-                be.op(op::Scale { dst: logits, a: 20.0 });
-                be.op(op::SoftcapCe {
-                    logits,
-                    losses: Buf { off: N * VOCAB, len: N },
-                    vocab: VOCAB,
-                    cap: 15.0,
-                    grad_scale: 1.0 / N as f64,
-                });
+                softcap_case(be);
             },
         },
         Case { name: "attention_fwd, attention_bwd", len: attn_len, bound: ATTENTION, run: |be| attention_case(be, None) },
@@ -711,6 +695,15 @@ fn document_tokens(be: &mut dyn Backend) -> u32 {
     }
     be.set_tokens(&x, &y);
     bos
+}
+
+/// The loss case's op on the tokens set: logits scaled to a wide range, then the soft-capped
+/// cross-entropy with its gradient.
+fn softcap_case(be: &mut dyn Backend) {
+    let logits = Buf { off: 0, len: N * VOCAB };
+    be.op(op::Scale { dst: logits, a: 20.0 });
+    let losses = Buf { off: N * VOCAB, len: N };
+    be.op(op::SoftcapCe { logits, losses, vocab: VOCAB, cap: 15.0, grad_scale: 1.0 / N as f64 });
 }
 
 /// [`attention_case`] on cuDNN where the backend has it (the GPU backend; where cuDNN refuses,
