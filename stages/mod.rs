@@ -174,6 +174,37 @@ mod tests {
         }
     }
 
+    /// `pipeline stages` starts every parameter's doc at one column within an implementation,
+    /// however long its names (the flattened library keys are).
+    #[test]
+    fn the_catalogs_columns_line_up() {
+        let text = crate::runtime::catalog::render(&super::REGISTRY);
+        for block in text.split("  impl = ").skip(1) {
+            let docs: Vec<usize> = block
+                .lines()
+                .skip(1)
+                .take_while(|l| l.starts_with("      "))
+                .map(|l| {
+                    // The doc starts after the third gap of the padded columns.
+                    let mut cols = 0;
+                    let mut at = 6;
+                    let b = l.as_bytes();
+                    while cols < 3 {
+                        while at < b.len() && b[at] != b' ' {
+                            at += 1;
+                        }
+                        while at < b.len() && b[at] == b' ' {
+                            at += 1;
+                        }
+                        cols += 1;
+                    }
+                    at
+                })
+                .collect();
+            assert!(docs.windows(2).all(|w| w[0] == w[1]), "{block}");
+        }
+    }
+
     #[test]
     fn defaults_resolve_when_no_param_is_required() {
         for f in REGISTRY {

@@ -110,9 +110,16 @@ pub fn render(registry: &Registry) -> String {
         }
         let io = format!("{} -> {}", d.input.as_deref().unwrap_or("()"), d.output.as_deref().unwrap_or("()"));
         let _ = writeln!(o, "  impl = \"{}\"   [{}]  {}", d.name, io, d.doc);
-        for p in &d.params {
-            let default = p.default.clone().unwrap_or_else(|| "(required)".into());
-            let _ = writeln!(o, "      {:<14} {:<18} {:<10} {}", p.name, p.ty, default, p.doc);
+        // Columns as wide as this implementation's longest name, type and default.
+        let defaults: Vec<String> = d.params.iter().map(|p| p.default.clone().unwrap_or_else(|| "(required)".into())).collect();
+        let width = |min: usize, f: &dyn Fn(usize) -> usize| (0..d.params.len()).map(f).max().unwrap_or(0).max(min);
+        let (wn, wt, wd) = (
+            width(14, &|i| d.params[i].name.chars().count()),
+            width(18, &|i| d.params[i].ty.chars().count()),
+            width(10, &|i| defaults[i].chars().count()),
+        );
+        for (p, default) in d.params.iter().zip(&defaults) {
+            let _ = writeln!(o, "      {:<wn$} {:<wt$} {:<wd$} {}", p.name, p.ty, default, p.doc);
         }
     }
     let _ = writeln!(
