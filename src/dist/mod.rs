@@ -24,6 +24,7 @@ pub mod bucket;
 pub mod env;
 pub mod share;
 pub mod single;
+#[cfg(feature = "tools")]
 pub mod threads;
 
 #[cfg(feature = "mpi")]

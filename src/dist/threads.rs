@@ -7,22 +7,16 @@
 //! Every rank must call the same collectives in the same order (as with any backend); sums run
 //! in rank order in f64, so every rank gets the same bits. CPU tensors only.
 
-#[cfg(feature = "tools")]
 use std::sync::atomic::{AtomicUsize, Ordering};
-#[cfg(feature = "tools")]
 use std::sync::{Arc, Condvar, Mutex};
-#[cfg(feature = "tools")]
 use std::time::Duration;
 
-#[cfg(feature = "tools")]
 use candle_core::{DType, Device, Tensor};
 
-#[cfg(feature = "tools")]
 use super::{Collective, ReduceOp};
 
 /// What the ranks share: the barrier, each rank's contribution to the collective under way,
 /// and the record of calls.
-#[cfg(feature = "tools")]
 struct Shared {
     barrier: Gate,
     slots: Mutex<Vec<Vec<f64>>>,
@@ -30,16 +24,13 @@ struct Shared {
 }
 
 /// What a rank raises when another rank's failure stops it (followed by that rank's number).
-#[cfg(feature = "tools")]
 const OTHER_FAILED: &str = "stopped: the threads' world lost rank";
 
 /// No rank has failed (see [`Gate::failed`]).
-#[cfg(feature = "tools")]
 const NONE_FAILED: usize = usize::MAX;
 
 /// A barrier that gives up when a rank has failed ([`Threads::run`] says so), where
 /// `std::sync::Barrier` would wait for the dead rank for ever.
-#[cfg(feature = "tools")]
 struct Gate {
     n: usize,
     /// Ranks arrived, and the generation (bumped when all have).
@@ -49,9 +40,7 @@ struct Gate {
     failed: AtomicUsize,
 }
 
-#[cfg(feature = "tools")]
 impl Gate {
-    #[cfg(feature = "tools")]
     fn wait(&self) {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let generation = s.1;
@@ -71,7 +60,6 @@ impl Gate {
 
 /// One recorded collective call.
 #[derive(Clone, Debug, PartialEq, Eq)]
-#[cfg(feature = "tools")]
 pub struct Call {
     /// The operation (`all_reduce`, `broadcast`, `all_gather`, `reduce_scatter`, `barrier`,
     /// `all_reduce_host`, `all_gather_bytes`), with its reduce op or root: `all_reduce(Mean)`,
@@ -82,17 +70,14 @@ pub struct Call {
 }
 
 /// One rank of a world of threads.
-#[cfg(feature = "tools")]
 pub struct Threads {
     rank: usize,
     world: usize,
     shared: Arc<Shared>,
 }
 
-#[cfg(feature = "tools")]
 impl Threads {
     /// A world of `n` ranks: hand element `r` to the thread that runs rank `r`.
-    #[cfg(feature = "tools")]
     pub fn world(n: usize) -> Vec<Arc<Threads>> {
         assert!(n >= 1, "a world of {n} ranks");
         let shared = Arc::new(Shared {
@@ -106,7 +91,6 @@ impl Threads {
     /// Runs `f` for every rank of `ranks` on a thread of its own and returns their results in
     /// rank order; a rank that panics stops the others at their next collective (instead of
     /// leaving them waiting for it), and the first failure is raised here.
-    #[cfg(feature = "tools")]
     pub fn run<T: Send + 'static>(ranks: &[Arc<Threads>], f: impl Fn(Arc<Threads>) -> T + Send + Sync + 'static) -> Vec<T> {
         let mut results = Self::run_all(ranks, f);
         // The failure that started it, not the others' "another rank failed".
@@ -122,7 +106,6 @@ impl Threads {
 
     /// As [`Threads::run`], every rank's outcome in rank order, the panics included (what a
     /// failing rank raised, and what the ranks it left behind raised).
-    #[cfg(feature = "tools")]
     fn run_all<T: Send + 'static>(
         ranks: &[Arc<Threads>],
         f: impl Fn(Arc<Threads>) -> T + Send + Sync + 'static,
@@ -148,13 +131,11 @@ impl Threads {
     }
 
     /// Rank `r`'s calls so far, in order.
-    #[cfg(feature = "tools")]
     pub fn calls(&self, r: usize) -> Vec<Call> {
         self.shared.log.lock().unwrap_or_else(|e| e.into_inner())[r].clone()
     }
 
     /// Every rank's values, in rank order, once all have given theirs.
-    #[cfg(feature = "tools")]
     fn meet(&self, op: String, mine: Vec<f64>) -> Vec<Vec<f64>> {
         self.shared.log.lock().unwrap_or_else(|e| e.into_inner())[self.rank].push(Call { op, elems: mine.len() });
         self.shared.slots.lock().unwrap_or_else(|e| e.into_inner())[self.rank] = mine;
@@ -165,7 +146,6 @@ impl Threads {
         all
     }
 
-    #[cfg(feature = "tools")]
     fn reduce(&self, all: &[Vec<f64>], op: ReduceOp) -> Vec<f64> {
         let n = all[0].len();
         (0..n)
@@ -182,19 +162,16 @@ impl Threads {
 }
 
 /// `t`'s elements as f64 (CPU tensors only).
-#[cfg(feature = "tools")]
 fn values(t: &Tensor) -> anyhow::Result<Vec<f64>> {
     anyhow::ensure!(t.device().is_cpu(), "the threads' collective takes CPU tensors");
     Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
 }
 
 /// `v` as a tensor of `dims` in `dtype`.
-#[cfg(feature = "tools")]
 fn tensor(v: Vec<f64>, dims: &[usize], dtype: DType) -> anyhow::Result<Tensor> {
     Ok(Tensor::from_vec(v, dims, &Device::Cpu)?.to_dtype(dtype)?)
 }
 
-#[cfg(feature = "tools")]
 impl Collective for Threads {
     fn rank(&self) -> usize {
         self.rank

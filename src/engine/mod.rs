@@ -55,6 +55,7 @@ pub mod step;
 pub mod support;
 #[cfg(test)]
 pub(crate) mod tests;
+#[cfg(feature = "tools")]
 pub mod timed;
 
 pub use step::Engine;

@@ -9,22 +9,16 @@
 //! The times are resolved (which waits for the device) when the host next reads from the
 //! backend ([`Backend::download`], a reduction), and at [`Timed::resolve`].
 
-#[cfg(feature = "tools")]
 use std::sync::{Arc, Mutex};
-#[cfg(feature = "tools")]
 use std::time::Instant;
 
-#[cfg(feature = "tools")]
 use candle_core::{DType, Tensor};
 
-#[cfg(feature = "tools")]
 use super::backend::{AttnShape, Backend, Buf, GraphCounts, HeadShape, Mat, Tokens};
-#[cfg(feature = "tools")]
 use super::op::Op;
 
 /// One op call's time.
 #[derive(Clone, Debug, serde::Serialize)]
-#[cfg(feature = "tools")]
 pub struct OpTime {
     /// The [`Backend`] method.
     pub op: &'static str,
@@ -39,7 +33,6 @@ pub struct OpTime {
 }
 
 /// What an op's time is measured with.
-#[cfg(feature = "tools")]
 enum Start {
     /// A device timing mark.
     Mark(usize),
@@ -48,7 +41,6 @@ enum Start {
 }
 
 /// An op whose time is not read yet.
-#[cfg(feature = "tools")]
 struct Pending {
     op: &'static str,
     shape: String,
@@ -60,17 +52,14 @@ struct Pending {
 }
 
 /// A backend whose every op is timed (see the module doc).
-#[cfg(feature = "tools")]
 pub struct Timed {
     inner: Box<dyn Backend>,
     pending: Mutex<Vec<Pending>>,
     log: Arc<Mutex<Vec<OpTime>>>,
 }
 
-#[cfg(feature = "tools")]
 impl Timed {
     /// Bytes per element of `b`: 2 inside the backend's bf16 region, else the arena's.
-    #[cfg(feature = "tools")]
     fn elem(&self, b: Buf) -> f64 {
         match self.inner.half_region() {
             Some(h) if b.off >= h.off && b.end() <= h.end() => 2.0,
@@ -79,7 +68,6 @@ impl Timed {
     }
 
     /// Bytes of `bufs`.
-    #[cfg(feature = "tools")]
     fn bytes(&self, bufs: &[Buf]) -> f64 {
         bufs.iter().map(|&b| self.elem(b) * b.len as f64).sum::<f64>()
     }
@@ -87,7 +75,6 @@ impl Timed {
     /// Bytes per element of a GEMM input: 2 with bf16 activations for the activations and for
     /// the weights (read from their bf16 copy, below the bf16 region); the arena's for the rest
     /// (Muon's f32 stacks, after it).
-    #[cfg(feature = "tools")]
     fn gemm_elem(&self, m: Mat) -> f64 {
         match self.inner.half_region() {
             Some(h) if m.span().end() <= h.end() => 2.0,
@@ -96,14 +83,12 @@ impl Timed {
     }
 
     /// Times the ops of `inner`; the returned log fills as the times are resolved.
-    #[cfg(feature = "tools")]
     pub fn new(inner: Box<dyn Backend>) -> (Self, Arc<Mutex<Vec<OpTime>>>) {
         let log = Arc::new(Mutex::new(Vec::new()));
         (Self { inner, pending: Mutex::new(Vec::new()), log: log.clone() }, log)
     }
 
     /// Runs `f` on the inner backend as one timed op.
-    #[cfg(feature = "tools")]
     fn time<R>(&mut self, op: &'static str, shape: String, bytes: f64, flops: f64, f: impl FnOnce(&mut dyn Backend) -> R) -> R {
         let start = match self.inner.timing_mark() {
             Some(m) => Start::Mark(m),
@@ -119,7 +104,6 @@ impl Timed {
     }
 
     /// Reads the times of every op not read yet into the log (waits for the device).
-    #[cfg(feature = "tools")]
     pub fn resolve(&self) -> anyhow::Result<()> {
         let pending = std::mem::take(&mut *self.pending.lock().expect("the pending timings"));
         let mut log = self.log.lock().expect("the timing log");
@@ -136,12 +120,10 @@ impl Timed {
     }
 }
 
-#[cfg(feature = "tools")]
 fn rows_cols(b: Buf, cols: usize) -> String {
     format!("{}x{cols}", b.len / cols.max(1))
 }
 
-#[cfg(feature = "tools")]
 impl Backend for Timed {
     fn dtype(&self) -> DType {
         self.inner.dtype()
@@ -217,7 +199,6 @@ impl Backend for Timed {
     }
 }
 
-#[cfg(feature = "tools")]
 impl Timed {
     /// An op's shape, the bytes it moves at least (each region it reads or writes, once per
     /// pass of its kernel over it) and its FLOPs (GEMMs and attention). An op without its own
