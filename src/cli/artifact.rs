@@ -94,6 +94,7 @@ fn stage_params(loaded: &config::Loaded<Config>) -> anyhow::Result<(ArtifactPara
     for k in RESERVED_KEYS {
         params.remove(k);
     }
+    #[allow(clippy::result_large_err)] // figment's errors, passed on into one message
     let p = figment::value::Value::serialize(&params)
         .and_then(|raw| crate::runtime::stage::unknown_keys::<ArtifactParams>(&raw))
         .and_then(|()| figment::Figment::from(figment::providers::Serialized::defaults(params)).extract::<ArtifactParams>())

@@ -63,6 +63,7 @@ pub fn schema_keys(schema: &schemars::Schema) -> Vec<String> {
 /// Refuses a key of a stage's table `raw` that `P` does not take, as `#[serde(deny_unknown_fields)]`
 /// would: serde cannot check a struct that flattens a library's config into the stage's keys,
 /// so the runtime checks every stage's table against [`param_keys`].
+#[allow(clippy::result_large_err)] // figment's error, as its own `extract` returns: the key and where it came from
 pub fn unknown_keys<P: Params>(raw: &figment::value::Value) -> Result<(), figment::Error> {
     let Some(dict) = raw.as_dict() else { return Ok(()) };
     let keys = param_keys::<P>();
@@ -70,6 +71,16 @@ pub fn unknown_keys<P: Params>(raw: &figment::value::Value) -> Result<(), figmen
         Some(k) => Err(figment::error::Kind::UnknownField(k.clone(), keys).into()),
         None => Ok(()),
     }
+}
+
+/// A stage's parameters from the TOML table `text`, as the driver reads them: unknown keys
+/// refused ([`unknown_keys`]), then deserialized (the stages' tests).
+#[cfg(test)]
+#[allow(clippy::result_large_err)] // figment's error, as the driver gets it
+pub fn parse_params<P: Params>(text: &str) -> Result<P, figment::Error> {
+    let raw = figment::value::Value::serialize(toml::from_str::<toml::Table>(text).expect("a TOML table"))?;
+    unknown_keys::<P>(&raw)?;
+    raw.deserialize()
 }
 
 /// Where a stage sits in the graph.

@@ -79,12 +79,11 @@ impl ArtifactParams {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::stage::{param_keys, schema_keys, unknown_keys};
+    use crate::runtime::stage::{param_keys, parse_params, schema_keys};
 
+    #[allow(clippy::result_large_err)] // figment's error, as the stage's parsing gets it
     fn parse(text: &str) -> Result<ArtifactParams, figment::Error> {
-        let raw = figment::value::Value::serialize(toml::from_str::<toml::Table>(text).unwrap()).unwrap();
-        unknown_keys::<ArtifactParams>(&raw)?;
-        raw.deserialize()
+        parse_params(text)
     }
 
     /// The library's keys are the stage's, with the library's defaults, and a misspelt one is

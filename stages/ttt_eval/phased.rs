@@ -275,13 +275,7 @@ impl Evaluator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::stage::unknown_keys;
-
-    fn parse<P: crate::runtime::stage::Params>(text: &str) -> Result<P, figment::Error> {
-        let raw = figment::value::Value::serialize(toml::from_str::<toml::Table>(text).unwrap()).unwrap();
-        unknown_keys::<P>(&raw)?;
-        raw.deserialize()
-    }
+    use crate::runtime::stage::parse_params as parse;
 
     /// The evaluation stages take the library's keys flat, with the stages' lengths following
     /// `train.seq_len` unless set, and refuse a misspelt key.
