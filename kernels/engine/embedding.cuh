@@ -6,13 +6,26 @@
 
 // ---- embedding ---------------------------------------------------------------------------
 
+// The id an embedding kernel reads at position i: the token itself (buckets = 0), or
+// BigramHash's bucket of the pair ending there (src/model/ops/embedding.rs, bigram_bucket):
+// buckets - 1 at a sequence's first position (sequences of t), else
+// (36313 x[i] XOR 27191 x[i-1]) mod (buckets - 1), the records' int32 products (the config
+// keeps the ids small enough that they do not wrap).
+__device__ __forceinline__ unsigned id_at(const unsigned* ids, long i, int t, int buckets) {
+    if (buckets == 0) return ids[i];
+    const unsigned m = (unsigned)buckets - 1u;
+    if (i % t == 0) return m;
+    return ((36313u * ids[i]) ^ (27191u * ids[i - 1])) % m;
+}
+
 // out[i] = table[ids[i]] (rows of dim), thread per element. An id outside the vocabulary (the
 // sampler's check switched off, or shards of another tokenizer) gives its row NaN rather than
 // a read past the table: the loss turns NaN and the trainer stops before the update.
-extern "C" __global__ void eng_embedding_fwd(const float* table, const unsigned* ids, act* out, long n, int dim, int vocab) {
+extern "C" __global__ void eng_embedding_fwd(const float* table, const unsigned* ids, act* out, long n, int dim, int vocab, int t,
+                                             int buckets) {
     const long total = n * dim;
     for (long i = first_index(); i < total; i += grid_stride()) {
-        const unsigned id = ids[i / dim];
+        const unsigned id = id_at(ids, i / dim, t, buckets);
         out[i] = id < (unsigned)vocab ? table[(long)id * dim + i % dim] : CUDART_NAN_F;
     }
 }
@@ -76,9 +89,11 @@ extern "C" __global__ void eng_embedding_bwd(const act* dout, const unsigned* of
 // Within a chunk a warp takes 32 ids at a time; a lane learns how many lanes hold its id and
 // how many of those are below it by 31 shuffles, and the lowest such lane adds them up.
 // Ids outside [0, vocab) are skipped (the sampler has checked them against the tokenizer).
+// The ids are those id_at reads: the tokens, or (buckets > 0) their BigramHash buckets, whose
+// CSR the backward pass builds into the same space when BigramHash's gradient needs it.
 
 // cnt[c][v] = the ids equal to v among positions [c chunk, (c + 1) chunk). One warp per chunk.
-extern "C" __global__ void eng_csr_count(const unsigned* ids, long n, int vocab, int chunk, unsigned* cnt) {
+extern "C" __global__ void eng_csr_count(const unsigned* ids, long n, int vocab, int chunk, unsigned* cnt, int t, int buckets) {
     const long c = blockIdx.x, start = c * chunk, end = start + chunk < n ? start + chunk : n;
     unsigned* row = cnt + c * (long)vocab;
     const int lane = threadIdx.x;
@@ -86,7 +101,8 @@ extern "C" __global__ void eng_csr_count(const unsigned* ids, long n, int vocab,
     __syncwarp();
     for (long i0 = start; i0 < end; i0 += 32) {
         const long i = i0 + lane;
-        const unsigned id = i < end && ids[i] < (unsigned)vocab ? ids[i] : 0xffffffffu;
+        const unsigned x = i < end ? id_at(ids, i, t, buckets) : 0xffffffffu;
+        const unsigned id = x < (unsigned)vocab ? x : 0xffffffffu;
         int below, same;
         eng::warp_match(id, &below, &same);
         if (id != 0xffffffffu && below == 0) row[id] += same;
@@ -155,13 +171,15 @@ extern "C" __global__ void eng_csr_scan(unsigned* cnt, int chunks, int vocab, un
 
 // pos[slot] = position for every id, each chunk's warp in position order from the slots
 // eng_csr_scan left in its row of cnt.
-extern "C" __global__ void eng_csr_fill(const unsigned* ids, long n, int vocab, int chunk, unsigned* cnt, unsigned* pos) {
+extern "C" __global__ void eng_csr_fill(const unsigned* ids, long n, int vocab, int chunk, unsigned* cnt, unsigned* pos, int t,
+                                         int buckets) {
     const long c = blockIdx.x, start = c * chunk, end = start + chunk < n ? start + chunk : n;
     unsigned* next = cnt + c * (long)vocab;
     const int lane = threadIdx.x;
     for (long i0 = start; i0 < end; i0 += 32) {
         const long i = i0 + lane;
-        const unsigned id = i < end && ids[i] < (unsigned)vocab ? ids[i] : 0xffffffffu;
+        const unsigned x = i < end ? id_at(ids, i, t, buckets) : 0xffffffffu;
+        const unsigned id = x < (unsigned)vocab ? x : 0xffffffffu;
         int below, same;
         eng::warp_match(id, &below, &same);
         if (id != 0xffffffffu) pos[next[id] + below] = (unsigned)i;

@@ -38,6 +38,10 @@ pub const N: usize = 130;
 const W: usize = 48;
 /// Vocabulary of the embedding and loss cases.
 const VOCAB: usize = 40;
+/// BigramHash's buckets in the embedding cases (fewer than the vocabulary's rows, so that the
+/// capacity's CSR is not theirs), over sequences of [`BIGRAM_T`] (not a divisor of [`N`]).
+const BUCKETS: usize = 29;
+const BIGRAM_T: usize = 12;
 /// Head ops: 3 query heads of 16 on 1 key/value head, 6 of 16 dims rotated, positions mod 10.
 const HEADS: (usize, usize, usize) = (3, 16, 1);
 /// The q/k norm + RoPE cases at the GPU engine's head width: 3 query heads of 64 on 1
@@ -416,7 +420,23 @@ pub fn cases() -> Vec<Case> {
             run: |be| {
                 let (x, y) = tokens(5);
                 be.set_tokens(&x, &y);
-                be.op(op::EmbeddingFwd { table: Buf { off: 0, len: VOCAB * W }, out: Buf { off: VOCAB * W, len: N * W }, dim: W });
+                be.op(op::EmbeddingFwd {
+                    table: Buf { off: 0, len: VOCAB * W },
+                    out: Buf { off: VOCAB * W, len: N * W },
+                    dim: W,
+                    ids: op::Ids::Tokens,
+                });
+            },
+        },
+        Case {
+            name: "embedding_fwd (BigramHash buckets)",
+            len: 2 * nw + VOCAB * W,
+            bound: ROWS,
+            run: |be| {
+                let (x, y) = tokens(7);
+                be.set_tokens(&x, &y);
+                let (table, out) = (Buf { off: 0, len: BUCKETS * W }, Buf { off: VOCAB * W, len: N * W });
+                be.op(op::EmbeddingFwd { table, out, dim: W, ids: op::Ids::Bigram { buckets: BUCKETS, t: BIGRAM_T } });
             },
         },
         Case {
@@ -426,7 +446,26 @@ pub fn cases() -> Vec<Case> {
             run: |be| {
                 let (x, y) = tokens(6);
                 be.set_tokens(&x, &y);
-                be.op(op::EmbeddingBwd { dout: Buf { off: 0, len: N * W }, dtable: Buf { off: N * W, len: VOCAB * W }, dim: W });
+                be.op(op::EmbeddingBwd {
+                    dout: Buf { off: 0, len: N * W },
+                    dtable: Buf { off: N * W, len: VOCAB * W },
+                    dim: W,
+                    ids: op::Ids::Tokens,
+                });
+            },
+        },
+        Case {
+            name: "embedding_bwd (BigramHash buckets' CSR, then the ids' again)",
+            len: 2 * nw + (VOCAB + BUCKETS) * W,
+            bound: ROWS,
+            run: |be| {
+                let (x, y) = tokens(8);
+                be.set_tokens(&x, &y);
+                let (dout, dbig, dtab) =
+                    (Buf { off: 0, len: N * W }, Buf { off: N * W, len: BUCKETS * W }, Buf { off: N * W + BUCKETS * W, len: VOCAB * W });
+                be.op(op::EmbeddingBwd { dout, dtable: dbig, dim: W, ids: op::Ids::Bigram { buckets: BUCKETS, t: BIGRAM_T } });
+                // The tokens' gradient after it reads the tokens' CSR, not the buckets'.
+                be.op(op::EmbeddingBwd { dout, dtable: dtab, dim: W, ids: op::Ids::Tokens });
             },
         },
         Case { name: "qk_norm_rope_fwd (gain)", len: head_len, bound: ROWS, run: |be| qk_fwd_case(be, HEADS, 6, true) },

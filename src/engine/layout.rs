@@ -150,6 +150,11 @@ pub struct Scratch {
     pub dz: Buf,
     /// Gradient of the embedding rows before SmearGate `(N, D)` (`model.smear_gate`).
     pub dsmear: Buf,
+    /// Gradients of BigramHash's projected rows `(N, D)` (with a projection) and of its table's
+    /// rows `(N, bigram_dim)` (`model.bigram_vocab_size`).
+    pub dbigram_proj: Buf,
+    /// See `dbigram_proj`.
+    pub dbigram: Buf,
     /// Lane 1's running gradient and its partner on the two-lane decoder `(N, D)` each.
     pub gl: Buf,
     /// See `gl`.
@@ -223,6 +228,11 @@ pub struct Layout {
     pub emb: Buf,
     /// The embedding rows after SmearGate `(N, D)` (`model.smear_gate`; what `x0` norms).
     pub smeared: Buf,
+    /// BigramHash's table rows `(N, bigram_dim)` and, with a projection, their projection
+    /// `(N, D)`, before the scale (`model.bigram_vocab_size`; `emb` has them added).
+    pub bigram: Buf,
+    /// See `bigram`.
+    pub bigram_proj: Buf,
     /// See `emb`.
     pub rstd0: Buf,
     /// See `emb`.
@@ -363,6 +373,9 @@ impl Layout {
         let half_start = bump.0.next_multiple_of(ALIGN);
         let (emb, x0) = (nt(&mut bump, d), nt(&mut bump, d));
         let smeared = nt(&mut bump, if cfg.smear_gate { d } else { 0 });
+        let (bigram_on, projected) = (cfg.bigram_vocab_size > 0, cfg.bigram_vocab_size > 0 && cfg.bigram_dim != d);
+        let bigram = nt(&mut bump, if bigram_on { cfg.bigram_dim } else { 0 });
+        let bigram_proj = nt(&mut bump, if projected { d } else { 0 });
         let positions = row_stats
             .iter()
             .enumerate()
@@ -413,6 +426,8 @@ impl Layout {
             datt: nt(&mut bump, d),
             dz: nt(&mut bump, if cfg.attn_gate { cfg.num_heads } else { 0 }),
             dsmear: nt(&mut bump, if cfg.smear_gate { d } else { 0 }),
+            dbigram_proj: nt(&mut bump, if projected { d } else { 0 }),
+            dbigram: nt(&mut bump, if bigram_on { cfg.bigram_dim } else { 0 }),
             gl: nt(&mut bump, if lanes { d } else { 0 }),
             gl2: nt(&mut bump, if lanes { d } else { 0 }),
             dq: nt(&mut bump, d),
@@ -475,6 +490,8 @@ impl Layout {
             stats,
             emb,
             smeared,
+            bigram,
+            bigram_proj,
             rstd0,
             x0,
             rstdf,
@@ -640,8 +657,9 @@ mod tests {
         }
         let sc = &l.scratch;
         let scratch = [sc.g, sc.g2, sc.dn, sc.dao, sc.dmo, sc.dy, sc.datt, sc.dz, sc.dsmear, sc.gl, sc.gl2, sc.dq, sc.dk, sc.dqkv];
-        assert!(scratch.into_iter().chain([sc.act, sc.dact, sc.dx0, sc.demb]).all(inside));
-        assert!([l.emb, l.smeared, l.x0, l.nf, l.logits, l.lanes_final].into_iter().chain(l.dskip.iter().copied()).all(inside));
+        assert!(scratch.into_iter().chain([sc.act, sc.dact, sc.dx0, sc.demb, sc.dbigram_proj, sc.dbigram]).all(inside));
+        let acts = [l.emb, l.smeared, l.bigram, l.bigram_proj, l.x0, l.nf, l.logits, l.lanes_final];
+        assert!(acts.into_iter().chain(l.dskip.iter().copied()).all(inside));
         assert!(l.half.off.is_multiple_of(ALIGN));
         let f32_bytes: usize = l.region_bytes(4, false).iter().map(|r| r.1).sum();
         let half_bytes: usize = l.region_bytes(4, true).iter().map(|r| r.1).sum();

@@ -10,6 +10,17 @@
 //!
 //! [`Backend::run`]: crate::engine::backend::Backend::run
 
+/// The ids an embedding op looks its table up at.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Ids {
+    /// The micro-batch's input ids.
+    #[default]
+    Tokens,
+    /// BigramHash's bucket of each position ([`crate::model::ops::embedding::bigram_bucket`]):
+    /// of `buckets` rows, the micro-batch's ids in sequences of `t`.
+    Bigram { buckets: usize, t: usize },
+}
+
 /// A region of the arena: `len` elements from `off`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Buf {
@@ -257,10 +268,11 @@ ops! {
     /// per-document LoRA adapters' products, one per batch row. The CPU backend runs them one
     /// by one ([`GemmBatched::each`]); the GPU backend runs one strided-batched cuBLASLt call.
     gemm_batched => GemmBatched { c: Mat, a: Mat, b: Mat, alpha: f64, beta: f64, count: usize, strides: [usize; 3] }
-    /// `out[n] = table[x[n]]` (`dim`-wide rows) for the micro-batch's inputs.
-    embedding_fwd => EmbeddingFwd { table: Buf, out: Buf, dim: usize }
-    /// `dtable[x[n]] += dout[n]`.
-    embedding_bwd => EmbeddingBwd { dout: Buf, dtable: Buf, dim: usize }
+    /// `out[n] = table[i[n]]` (`dim`-wide rows), `i` the micro-batch's inputs or their
+    /// BigramHash buckets.
+    embedding_fwd => EmbeddingFwd { table: Buf, out: Buf, dim: usize, ids: Ids }
+    /// `dtable[i[n]] += dout[n]`, each row's sum in token order.
+    embedding_bwd => EmbeddingBwd { dout: Buf, dtable: Buf, dim: usize, ids: Ids }
     /// Row RMS norm: `r = sqrt(mean(x^2) + eps)`, `out = scale x / r`, `rstd = 1 / r` per row.
     rms_norm_fwd => RmsNormFwd { x: Buf, out: Buf, rstd: Buf, cols: usize, scale: f64, eps: f64 }
     /// Backward of [`RmsNormFwd`]: `dx (+)= scale (dy / r - x sum(dy x) / (cols r^3))`.
@@ -410,6 +422,8 @@ impl Regions for LaneBufs {
     }
 }
 
+#[cfg(feature = "tools")]
+impl Regions for Ids {}
 #[cfg(feature = "tools")]
 impl Regions for f64 {}
 #[cfg(feature = "tools")]

@@ -343,7 +343,22 @@ fn embedding() {
     let mut lab = Lab::new(10);
     lab.be.set_tokens(&ids, &ids);
     let (table, out, dy, dtable) = (lab.buf(vocab * dim), lab.buf(ids.len() * dim), lab.buf(ids.len() * dim), lab.buf(vocab * dim));
-    let fwd = |be: &mut Be| be.op(op::EmbeddingFwd { table, out, dim });
-    let bwd = |be: &mut Be| be.op(op::EmbeddingBwd { dout: dy, dtable, dim });
+    let fwd = |be: &mut Be| be.op(op::EmbeddingFwd { table, out, dim, ids: op::Ids::Tokens });
+    let bwd = |be: &mut Be| be.op(op::EmbeddingBwd { dout: dy, dtable, dim, ids: op::Ids::Tokens });
+    check(&mut lab, fwd, bwd, out, dy, &[wrt("dtable", table, dtable, true)]);
+}
+
+/// The same ops at BigramHash's buckets (5 of them, sequences of 3: buckets repeat, and the
+/// sequences' first positions share the last one).
+#[test]
+fn embedding_at_bigram_buckets() {
+    let (buckets, dim) = (5, 3);
+    let ids = op::Ids::Bigram { buckets, t: 3 };
+    let x = [2, 0, 2, 5, 2, 0, 3, 5, 5];
+    let mut lab = Lab::new(10);
+    lab.be.set_tokens(&x, &x);
+    let (table, out, dy, dtable) = (lab.buf(buckets * dim), lab.buf(x.len() * dim), lab.buf(x.len() * dim), lab.buf(buckets * dim));
+    let fwd = |be: &mut Be| be.op(op::EmbeddingFwd { table, out, dim, ids });
+    let bwd = |be: &mut Be| be.op(op::EmbeddingBwd { dout: dy, dtable, dim, ids });
     check(&mut lab, fwd, bwd, out, dy, &[wrt("dtable", table, dtable, true)]);
 }

@@ -261,7 +261,10 @@ impl Schedule {
         // The weights changed since the last pass (an optimizer step, a load).
         be.refresh_weights(l.params);
         // x0 = rms(E[x]).
-        be.op(op::EmbeddingFwd { table: self.value("tok_emb.weight"), out: l.emb, dim: d });
+        be.op(op::EmbeddingFwd { table: self.value("tok_emb.weight"), out: l.emb, dim: d, ids: op::Ids::Tokens });
+        if self.cfg.bigram_vocab_size > 0 {
+            self.bigram_fwd(be);
+        }
         // SmearGate (x0 = rms(smear(E[x]))): each row takes in a gated share of the one before.
         if self.cfg.smear_gate {
             let (w, lambda) = (self.value("smear_gate.weight"), self.value("smear_lambda"));
@@ -307,6 +310,45 @@ impl Schedule {
         }
         be.op(op::SoftcapCe { logits: l.logits, losses: l.losses, vocab: v, cap: self.cfg.logit_softcap, grad_scale });
         be.op(op::SumInto { src: l.losses, dst: l.loss_sum() });
+    }
+
+    /// BigramHash's buckets of the micro-batch's ids.
+    fn bigram_ids(&self) -> op::Ids {
+        op::Ids::Bigram { buckets: self.cfg.bigram_vocab_size, t: self.layout.t }
+    }
+
+    /// BigramHash: `emb += s R P^T`, `R` the table's rows at the buckets (`emb += s R` when the
+    /// table is as wide as the model: no `P`).
+    fn bigram_fwd(&self, be: &mut dyn Backend) {
+        let (l, n, d, db) = (&self.layout, self.n(), self.cfg.model_dim, self.cfg.bigram_dim);
+        be.op(op::EmbeddingFwd { table: self.value("bigram.embed.weight"), out: l.bigram, dim: db, ids: self.bigram_ids() });
+        let rows = if db == d {
+            l.bigram
+        } else {
+            let p = self.w("bigram.proj.weight");
+            be.op(op::Gemm { c: l.bigram_proj.mat(n, d), a: l.bigram.mat(n, db), b: p.t(), alpha: 1.0, beta: 0.0 });
+            l.bigram_proj
+        };
+        be.op(op::ScaleAddFwd { base: l.emb, x: rows, s: self.value("bigram.scale"), out: l.emb });
+    }
+
+    /// Backward of [`Schedule::bigram_fwd`] from the embedding rows' gradient `demb`:
+    /// `dZ = s demb`, `ds += sum(demb Z)` (`Z = R P^T`), `dP += dZ^T R`, `dR = dZ P`, and the
+    /// table's rows' gradient added at the buckets.
+    fn bigram_bwd(&self, be: &mut dyn Backend, demb: Buf) {
+        let (l, sc, n, d, db) = (&self.layout, &self.layout.scratch, self.n(), self.cfg.model_dim, self.cfg.bigram_dim);
+        let (rows, drows) = if db == d { (l.bigram, sc.dbigram) } else { (l.bigram_proj, sc.dbigram_proj) };
+        let (s, ds) = (self.value("bigram.scale"), self.grad("bigram.scale"));
+        be.op(op::ScaleAddBwd { dy: demb, x: rows, s, dx: drows, ds });
+        if db != d {
+            let (p, dp) = (self.w("bigram.proj.weight"), self.dw("bigram.proj.weight"));
+            be.op(op::Gemm { c: dp, a: drows.mat(n, d).t(), b: l.bigram.mat(n, db), alpha: 1.0, beta: 1.0 });
+            be.op(op::Gemm { c: sc.dbigram.mat(n, db), a: drows.mat(n, d), b: p, alpha: 1.0, beta: 0.0 });
+        }
+        if let Some(tail) = l.capacity_tail(sc.dbigram, db) {
+            be.op(op::Fill { dst: tail, value: 0.0 });
+        }
+        be.op(op::EmbeddingBwd { dout: sc.dbigram, dtable: self.grad("bigram.embed.weight"), dim: db, ids: self.bigram_ids() });
     }
 
     /// The embedding rows `x0` norms: after SmearGate when it is on.
@@ -597,7 +639,10 @@ impl Schedule {
             // micro-batch there: the padded positions' gradient is zero.
             be.op(op::Fill { dst: tail, value: 0.0 });
         }
-        be.op(op::EmbeddingBwd { dout: demb, dtable: self.grad("tok_emb.weight"), dim: d });
+        be.op(op::EmbeddingBwd { dout: demb, dtable: self.grad("tok_emb.weight"), dim: d, ids: op::Ids::Tokens });
+        if self.cfg.bigram_vocab_size > 0 {
+            self.bigram_bwd(be, demb);
+        }
         at(be, plan.len() + 1);
     }
 

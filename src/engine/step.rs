@@ -19,7 +19,7 @@ use crate::device::phase_clock::{Phase, PhaseTimes};
 use crate::engine::backend::BackendExt;
 use crate::engine::op;
 use crate::model::ops::{rms_eps, rope_tables};
-use crate::model::{ModelConfig, ParamGroup};
+use crate::model::{ModelConfig, ParamGroup, gpt_group_of};
 
 /// The Adam groups and their checkpoint prefixes (the candle executor's).
 pub const ADAM_GROUPS: [(ParamGroup, &str); 3] =
@@ -41,7 +41,14 @@ pub fn kernel_capacity(cfg: &ModelConfig, rows: usize, t: usize) -> anyhow::Resu
     let calls = cfg.layer_sequence(false).len().max(cfg.layer_sequence(true).len());
     Ok(Capacity {
         tokens: rows * t,
-        vocab: cfg.vocab_size,
+        // The ids' CSR has a row for each row of every table the embedding ops look up.
+        vocab: cfg
+            .param_shapes()
+            .iter()
+            .filter(|(n, s)| gpt_group_of(n, s.len()) == ParamGroup::Embedding)
+            .map(|(_, s)| s[0])
+            .max()
+            .unwrap_or(cfg.vocab_size),
         width: 2 * cfg.model_dim,
         attn_width: cfg.num_heads * d,
         kv_width: cfg.num_kv_heads * d,

@@ -65,6 +65,11 @@ pub fn check(cfg: &ModelConfig) -> anyhow::Result<()> {
         // blocks and final stream).
         parallel_decoder_start: _,
         parallel_final_lane: _,
+        // BigramHash (`op::EmbeddingFwd`/`embedding_bwd` at `op::Ids::Bigram`, a GEMM each way
+        // for its projection and `op::ScaleAddFwd`/`scale_add_bwd` for its scale, in
+        // `schedule`).
+        bigram_vocab_size: _,
+        bigram_dim: _,
     } = cfg;
     Ok(())
 }

@@ -127,6 +127,19 @@ pub(crate) fn record_0427_small() -> ModelConfig {
     }
 }
 
+/// BigramHash with the 04-27 elements (SmearGate reads the rows it added to), with a projection
+/// and without one (a table as wide as the model), looped, over two micro-batches, poisoned:
+/// the engine equals candle's autograd in f64, with fewer buckets than the vocabulary's rows
+/// and with more.
+#[test]
+fn bigram_hash_with_and_without_projection_equals_candle() {
+    let base = record_0427_small();
+    for (buckets, dim) in [(19, 8), (19, base.model_dim), (3 * base.vocab_size, 8)] {
+        let cfg = ModelConfig { bigram_vocab_size: buckets, bigram_dim: dim, ..base.clone() };
+        compare(&cfg, true, true, 2, 1e-9);
+    }
+}
+
 /// The masks bite in the comparison: with a BOS mid-row, the loss under the document mask (and
 /// under SmearGate's BOS fix) differs from the loss without it, on the engine as on candle.
 #[test]

@@ -126,6 +126,17 @@ pub struct ModelConfig {
     /// What the two lanes hand to the final norm: "mean" (the record), "attn" (lane 0) or
     /// "mlp" (lane 1).
     pub parallel_final_lane: FinalLane,
+    /// BigramHash (the records of 2026-03-20: 10,240 buckets): a learned table of
+    /// `bigram_vocab_size` rows added to the token embedding before its norm. Position `i` of a
+    /// sequence reads row `(36313 x_i XOR 27191 x_{i-1}) mod (bigram_vocab_size - 1)`, a
+    /// sequence's first position the last row; the row goes through `bigram.proj` `(model_dim,
+    /// bigram_dim)` when `bigram_dim != model_dim` and is scaled by the learned scalar
+    /// `bigram.scale` (init 0.05). The table starts at zero (Adam with the embedding), the
+    /// projection orthogonal over `sqrt(2 num_layers)` under `init = "orthogonal"` (Muon).
+    /// 0: off.
+    pub bigram_vocab_size: usize,
+    /// Width of the BigramHash table's rows (the records: 128); at most `model_dim`.
+    pub bigram_dim: usize,
 }
 
 /// The two-lane decoder's output (`model.parallel_final_lane`).
@@ -189,6 +200,8 @@ impl Default for ModelConfig {
             attn_gate_scale: 1.0,
             parallel_decoder_start: None,
             parallel_final_lane: FinalLane::Mean,
+            bigram_vocab_size: 0,
+            bigram_dim: 128,
         }
     }
 }
@@ -344,6 +357,25 @@ impl ModelConfig {
             "`model.attn_gate_init_std` must be finite and at least 0; found {}",
             self.attn_gate_init_std
         );
+        if self.bigram_vocab_size > 0 {
+            anyhow::ensure!(
+                self.bigram_vocab_size >= 2,
+                "`model.bigram_vocab_size` ({}) must be at least 2 (the hash takes its rows mod `bigram_vocab_size - 1`); 0: off",
+                self.bigram_vocab_size
+            );
+            anyhow::ensure!(
+                (1..=self.model_dim).contains(&self.bigram_dim),
+                "`model.bigram_dim` ({}) must be between 1 and the width `model.model_dim` ({})",
+                self.bigram_dim,
+                self.model_dim
+            );
+            anyhow::ensure!(
+                self.vocab_size <= crate::model::ops::embedding::BIGRAM_MAX_VOCAB,
+                "`model.bigram_vocab_size`: the records' hash multiplies ids in 32 bits, exact for vocabularies up to {}; `model.vocab_size` is {}",
+                crate::model::ops::embedding::BIGRAM_MAX_VOCAB,
+                self.vocab_size
+            );
+        }
         anyhow::ensure!(self.attn_gate_scale.is_finite(), "`model.attn_gate_scale` must be finite; found {}", self.attn_gate_scale);
         if let Some(start) = self.lanes_from() {
             anyhow::ensure!(
@@ -491,6 +523,13 @@ impl ModelConfig {
         if self.smear_gate {
             out.push(("smear_gate.weight".to_string(), vec![1, self.smear_gate_window]));
             out.push(("smear_lambda".to_string(), vec![1]));
+        }
+        if self.bigram_vocab_size > 0 {
+            out.push(("bigram.embed.weight".to_string(), vec![self.bigram_vocab_size, self.bigram_dim]));
+            if self.bigram_dim != d {
+                out.push(("bigram.proj.weight".to_string(), vec![d, self.bigram_dim]));
+            }
+            out.push(("bigram.scale".to_string(), vec![1]));
         }
         if !self.tie_embeddings {
             out.push(("lm_head.weight".to_string(), vec![v, d]));

@@ -140,6 +140,19 @@ pub const ELEMENTS: &[Element] = &[
         },
     },
     Element {
+        name: "BigramHash",
+        keys: &["bigram_vocab_size", "bigram_dim"],
+        since: "03-20",
+        looped: false,
+        engine: true,
+        enable: |c| {
+            // Fewer buckets than ids, so that pairs collide; a table narrower than the model,
+            // so that the projection runs.
+            c.bigram_vocab_size = (c.vocab_size / 2).max(2);
+            c.bigram_dim = (c.model_dim / 2).max(1);
+        },
+    },
+    Element {
         name: "SmearGate",
         keys: &["smear_gate", "smear_gate_window"],
         since: "04-27",

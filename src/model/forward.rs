@@ -86,6 +86,9 @@ impl Gpt {
         };
         let emb = self.p("tok_emb.weight");
         let mut e = embedding(&emb, &x.flatten_all()?)?;
+        if cfg.bigram_vocab_size > 0 {
+            e = (e + self.bigram(x)?)?;
+        }
         if cfg.smear_gate {
             e = smear_gate(&e, x, &self.p("smear_gate.weight"), &self.p("smear_lambda"), cfg.bos_id)?;
         }
@@ -188,5 +191,28 @@ impl Gpt {
     /// Mean cross-entropy over all positions (what training minimises).
     pub fn loss(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
         self.token_losses(x, y)?.mean_all()
+    }
+}
+
+impl Gpt {
+    /// BigramHash's rows for ids `x` `(B, T)`: `scale (W_b[b] P^T)` (no `P` when the table is
+    /// as wide as the model), `b` each position's bucket ([`embedding::bigram_ids`], computed
+    /// on the host: the ids come to the host for it, 4 bytes a token, as for a document mask).
+    fn bigram(&self, x: &Tensor) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let t = x.dims2()?.1;
+        let buckets = embedding::bigram_ids(&x.flatten_all()?.to_vec1::<u32>()?, t, cfg.bigram_vocab_size);
+        let n = buckets.len();
+        let rows = embedding(&self.p("bigram.embed.weight"), &Tensor::from_vec(buckets, n, x.device())?)?;
+        let rows = if cfg.bigram_dim == cfg.model_dim {
+            rows
+        } else {
+            let w = self.p("bigram.proj.weight");
+            match self.matmul_dtype {
+                Some(md) => cast(&cast(&rows, md)?.matmul(&cast(&w, md)?.t()?)?, self.dtype)?,
+                None => rows.matmul(&w.t()?)?,
+            }
+        };
+        rows.broadcast_mul(&self.p("bigram.scale"))
     }
 }

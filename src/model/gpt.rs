@@ -85,6 +85,16 @@ impl Gpt {
                 // The smear: a zero gain on a zero-weight gate, so the model starts without it.
                 "smear_gate.weight" | "smear_lambda" => vec![0.0; n],
                 "parallel_resid_lambdas" => vec![1.1; n],
+                // BigramHash: a zero table (the model starts without it), scaled by 0.05, its
+                // projection as the records' `_init_weights` leaves a `.proj` that is not marked
+                // zero: orthogonal over sqrt(2 layers) where both dims are at least 64.
+                "bigram.embed.weight" => vec![0.0; n],
+                "bigram.scale" => vec![0.05; n],
+                "bigram.proj.weight" if cfg.init == InitKind::Orthogonal && shape[0] >= 64 && shape[1] >= 64 => {
+                    let s = 1.0 / (2.0 * cfg.num_layers as f64).sqrt();
+                    init.orthogonal(shape[0], shape[1])?.into_iter().map(|x| x * s).collect()
+                }
+                "bigram.proj.weight" => kaiming(&mut init, &shape),
                 "resid_mix" => {
                     let mut mix = vec![1.0; n / 2];
                     mix.extend(vec![0.0; n - n / 2]);
@@ -248,11 +258,14 @@ impl Gpt {
 
 /// The optimizer group of parameter `name` with `ndim` dimensions.
 pub fn group_of(name: &str, ndim: usize) -> ParamGroup {
-    if name == "tok_emb.weight" {
+    // BigramHash's table trains with the token embedding, its projection with the matrices
+    // (the records' optimizer groups).
+    if name == "tok_emb.weight" || name == "bigram.embed.weight" {
         ParamGroup::Embedding
     } else if name == "lm_head.weight" {
         ParamGroup::Head
-    } else if name.starts_with("blocks.") && ndim == 2 && !CONTROL_PATTERNS.iter().any(|c| name.contains(c)) {
+    } else if name == "bigram.proj.weight" || name.starts_with("blocks.") && ndim == 2 && !CONTROL_PATTERNS.iter().any(|c| name.contains(c))
+    {
         ParamGroup::Matrix
     } else {
         ParamGroup::Scalar

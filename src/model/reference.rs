@@ -16,7 +16,21 @@ use super::{MlpActivation, ModelConfig};
 pub(crate) fn logits(cfg: &ModelConfig, p: &HashMap<String, Tensor>, x: &Tensor, looped: bool) -> Result<Tensor> {
     let (b, t) = x.dims2()?;
     let emb = &p["tok_emb.weight"];
-    let mut h = ops::rms_norm_reference(&emb.index_select(&x.flatten_all()?, 0)?)?;
+    let mut e = emb.index_select(&x.flatten_all()?, 0)?;
+    if cfg.bigram_vocab_size > 0 {
+        // BigramHash: row (36313 x_i XOR 27191 x_{i-1}) mod (B - 1) of the table, the last row
+        // at a row's first position, projected (when narrower) and scaled.
+        let m = cfg.bigram_vocab_size as i64 - 1;
+        let rows: Vec<Vec<u32>> = x.to_vec2()?;
+        let bucket = |r: &[u32], i: usize| if i == 0 { m } else { ((36313 * r[i] as i64) ^ (27191 * r[i - 1] as i64)) % m };
+        let buckets: Vec<u32> = rows.iter().flat_map(|r| (0..t).map(move |i| bucket(r, i) as u32)).collect();
+        let mut g = p["bigram.embed.weight"].index_select(&Tensor::new(buckets, &Device::Cpu)?, 0)?;
+        if let Some(w) = p.get("bigram.proj.weight") {
+            g = g.matmul(&w.t()?)?;
+        }
+        e = (e + g.broadcast_mul(&p["bigram.scale"])?)?;
+    }
+    let mut h = ops::rms_norm_reference(&e)?;
     let x0 = h.clone();
     // Partial RoPE: tables for the first r dims, base NTK-rescaled past the training length.
     let r = cfg.rope_dims.unwrap_or(cfg.head_dim());
@@ -194,6 +208,8 @@ mod tests {
             rope_train_seq_len: Some(4),
             xsa_last_n: 5,
             tie_embeddings: false,
+            bigram_vocab_size: 11,
+            bigram_dim: 8,
             ..looped()
         }
     }
@@ -234,6 +250,8 @@ mod tests {
             ("xsa_last_n", ModelConfig { xsa_last_n: 2, ..tiny() }),
             ("num_loops", looped()),
             ("num_loops, gated", ModelConfig { skip_gates: true, num_loops: 2, ..looped() }),
+            ("bigram", ModelConfig { bigram_vocab_size: 11, bigram_dim: 8, ..tiny() }),
+            ("bigram, no projection", ModelConfig { bigram_vocab_size: 11, bigram_dim: 32, ..tiny() }),
             ("all", all_on()),
         ];
         let x = ids(2, 6, 16, 3);

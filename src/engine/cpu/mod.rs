@@ -83,6 +83,14 @@ impl<T: Real> CpuBackend<T> {
         }
     }
 
+    /// The ids an embedding op reads: the micro-batch's, or their BigramHash buckets.
+    fn ids(&self, ids: op::Ids) -> Vec<u32> {
+        match ids {
+            op::Ids::Tokens => self.x.clone(),
+            op::Ids::Bigram { buckets, t } => embedding::bigram_ids(&self.x, t, buckets),
+        }
+    }
+
     /// The document mask of the micro-batch's ids under `s.docs` (`None` without), made once
     /// per micro-batch.
     fn document_mask(&mut self, s: AttnShape) -> Option<Arc<DocumentMask>> {
@@ -186,19 +194,17 @@ impl<T: Real> Kernels for CpuBackend<T> {
         let ([a_s, b_s], [c_s]) = self.io([a.span(), b.span()], [c.span()]);
         gemm::gemm(c, c_s, a, a_s, b, b_s, alpha, beta);
     }
-    fn embedding_fwd(&mut self, op::EmbeddingFwd { table, out, dim }: op::EmbeddingFwd) {
-        let x = std::mem::take(&mut self.x);
+    fn embedding_fwd(&mut self, op::EmbeddingFwd { table, out, dim, ids }: op::EmbeddingFwd) {
+        let x = self.ids(ids);
         let ([t], [o]) = self.io([table], [out]);
         embedding::embedding_rows_fwd(t, &x, o, dim);
-        self.x = x;
     }
-    fn embedding_bwd(&mut self, op::EmbeddingBwd { dout, dtable, dim }: op::EmbeddingBwd) {
-        let x = std::mem::take(&mut self.x);
+    fn embedding_bwd(&mut self, op::EmbeddingBwd { dout, dtable, dim, ids }: op::EmbeddingBwd) {
+        let x = self.ids(ids);
         let ([g], [d]) = self.io([dout], [dtable]);
         // The micro-batch's first rows (the ids may hold a larger arena's capacity).
         let n = (g.len() / dim.max(1)).min(x.len());
         embedding::embedding_rows_bwd(g, &x[..n], d, dim);
-        self.x = x;
     }
     fn rms_norm_fwd(&mut self, op::RmsNormFwd { x, out, rstd, cols, scale, eps }: op::RmsNormFwd) {
         let ([x], [o, r]) = self.io([x], [out, rstd]);

@@ -455,7 +455,8 @@ impl<E> Marks<E> {
 pub struct Capacity {
     /// Tokens per micro-batch.
     pub tokens: usize,
-    /// Vocabulary size (the embedding's rows).
+    /// The rows of the largest table an embedding op looks up (the vocabulary's, or
+    /// BigramHash's buckets when more): the rows of the ids' CSR.
     pub vocab: usize,
     /// The widest row of a per-channel sum (`2 x model_dim` for the residual mix).
     pub width: usize,

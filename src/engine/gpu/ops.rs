@@ -8,7 +8,7 @@
 use super::kernels as k;
 use candle_core::{DType, Device as CandleDevice, Tensor};
 
-use super::{Arg, Device, KernelBackend, Launch, REDUCE_BLOCKS, Space, Unit, Work};
+use super::{Arg, Device, KernelBackend, Launch, REDUCE_BLOCKS, Space, TokenLayout, Unit, Work};
 use crate::engine::backend::{AttnShape, Backend, Buf, GraphCounts, HeadShape, Mat, check_regions};
 use crate::engine::lt;
 use crate::engine::op::{self, Kernels, Op};
@@ -74,7 +74,45 @@ pub(super) fn flag(x: bool) -> Arg {
     Arg::I32(x as i32)
 }
 
+/// The `t, buckets` arguments of the kernels that read ids through `id_at`
+/// (kernels/engine/embedding.cuh): buckets 0 for the tokens themselves.
+fn id_source(ids: op::Ids) -> (Arg, Arg) {
+    match ids {
+        op::Ids::Tokens => (i(1), i(0)),
+        op::Ids::Bigram { buckets, t } => (i(t), i(buckets)),
+    }
+}
+
+/// The rows of the CSR of `ids`: the capacity's vocabulary for the tokens (every table a
+/// backend of this capacity may look up), the buckets for BigramHash's.
+fn csr_rows(t: TokenLayout, ids: op::Ids) -> usize {
+    match ids {
+        op::Ids::Tokens => t.vocab,
+        op::Ids::Bigram { buckets, .. } => {
+            assert!(buckets <= t.vocab, "BigramHash's {buckets} buckets over the capacity's {} rows", t.vocab);
+            buckets
+        }
+    }
+}
+
 impl<D: Device> KernelBackend<D> {
+    /// The three launches that build the CSR of `ids` into the tokens' space (offsets per
+    /// row, positions, the gradient's pieces), from the micro-batch's ids already there.
+    pub(super) fn csr_build(&self, ids: op::Ids) -> [Launch; 3] {
+        let t = self.tokens;
+        let (x, n, vocab, chunk) = (Arg::Ptr(Space::Tokens, t.x()), l(t.n), i(csr_rows(t, ids)), i(t.chunk));
+        let (counts, off, pos) =
+            (Arg::Ptr(Space::Tokens, t.counts()), Arg::Ptr(Space::Tokens, t.csr_off()), Arg::Ptr(Space::Tokens, t.csr_pos()));
+        let (seq, buckets) = id_source(ids);
+        let chunks = [t.chunks() as u32, 1, 1];
+        let (piece, poff) = (i(t.piece), Arg::Ptr(Space::Tokens, t.pieces()));
+        [
+            Launch { kernel: k::eng_csr_count, grid: chunks, block: 32, args: vec![x, n, vocab, chunk, counts, seq, buckets] },
+            Launch { kernel: k::eng_csr_scan, grid: [1, 1, 1], block: BLOCK, args: vec![counts, i(t.chunks()), vocab, off, piece, poff] },
+            Launch { kernel: k::eng_csr_fill, grid: chunks, block: 32, args: vec![x, n, vocab, chunk, counts, pos, seq, buckets] },
+        ]
+    }
+
     /// The QK norm + RoPE kernels' shared arguments: gain, its flag, the tables, the shape.
     fn head_args(&self, gain: Buf, has_gain: bool, cos: Buf, sin: Buf, s: HeadShape) -> [Arg; 9] {
         [self.a(gain), flag(has_gain), self.a(cos), self.a(sin), l(s.rows), i(s.heads), i(s.d), i(s.rot), i(s.t)]
@@ -298,16 +336,10 @@ impl<D: Device> Backend for KernelBackend<D> {
                 self.dev.write_tensor(Space::Tokens, t.y(), y)?;
             }
         }
-        // The ids' CSR for the embedding's gradient, on the device (kernels/engine.cu).
-        let (ids, n, vocab, chunk) = (Arg::Ptr(Space::Tokens, t.x()), l(t.n), i(t.vocab), i(t.chunk));
-        let (counts, off, pos) =
-            (Arg::Ptr(Space::Tokens, t.counts()), Arg::Ptr(Space::Tokens, t.csr_off()), Arg::Ptr(Space::Tokens, t.csr_pos()));
-        let chunks = [t.chunks() as u32, 1, 1];
-        self.dev.launch(&Launch { kernel: k::eng_csr_count, grid: chunks, block: 32, args: vec![ids, n, vocab, chunk, counts] });
-        let pieces = (i(t.piece), Arg::Ptr(Space::Tokens, t.pieces()));
-        let args = vec![counts, i(t.chunks()), vocab, off, pieces.0, pieces.1];
-        self.dev.launch(&Launch { kernel: k::eng_csr_scan, grid: [1, 1, 1], block: BLOCK, args });
-        self.dev.launch(&Launch { kernel: k::eng_csr_fill, grid: chunks, block: 32, args: vec![ids, n, vocab, chunk, counts, pos] });
+        // The ids' CSR for the embedding's gradient, on the device (kernels/engine/embedding.cuh).
+        for launch in self.csr_build(op::Ids::Tokens) {
+            self.dev.launch(&launch);
+        }
         // The document starts (if attention asks for them) are of the old ids.
         self.starts_for = None;
         self.cudnn.lens_for = None;
@@ -473,25 +505,41 @@ impl<D: Device> Kernels for KernelBackend<D> {
         let p = lt::plan_batched(c, a_, b, alpha, beta, count, strides[0], strides[1], strides[2]);
         self.submit(Work::Gemm(p, [sb, sa, sc]));
     }
-    fn embedding_fwd(&mut self, op::EmbeddingFwd { table, out, dim }: op::EmbeddingFwd) {
+    fn embedding_fwd(&mut self, op::EmbeddingFwd { table, out, dim, ids }: op::EmbeddingFwd) {
         self.check([table], [out]);
         let n = out.len / dim;
-        let ids = Arg::Ptr(Space::Tokens, self.tokens.x());
+        let x = Arg::Ptr(Space::Tokens, self.tokens.x());
         let vocab = i(table.len / dim);
-        self.launch(k::eng_embedding_fwd, flat(out.len), BLOCK, vec![self.a(table), ids, self.a(out), l(n), i(dim), vocab]);
+        let (t, buckets) = id_source(ids);
+        let args = vec![self.a(table), x, self.a(out), l(n), i(dim), vocab, t, buckets];
+        self.launch(k::eng_embedding_fwd, flat(out.len), BLOCK, args);
     }
-    fn embedding_bwd(&mut self, op::EmbeddingBwd { dout, dtable, dim }: op::EmbeddingBwd) {
+    fn embedding_bwd(&mut self, op::EmbeddingBwd { dout, dtable, dim, ids }: op::EmbeddingBwd) {
         self.check([dout], [dtable]);
+        // The tokens' CSR is in the tokens' space from `load_tokens` on; BigramHash's replaces it
+        // for its own gradient, and the tokens' is built again after it.
+        let bigram = ids != op::Ids::Tokens;
+        if bigram {
+            for launch in self.csr_build(ids) {
+                self.launch(launch.kernel, launch.grid, launch.block, launch.args);
+            }
+        }
         let t = self.tokens;
-        assert_eq!(dtable.len / dim, t.vocab, "the embedding's gradient has {} rows, the CSR {}", dtable.len / dim, t.vocab);
+        let (rows, csr_rows) = (dtable.len / dim, csr_rows(t, ids));
+        assert!(rows <= csr_rows, "the embedding's gradient has {rows} rows, the CSR {csr_rows}");
         let (off, pos, poff) =
             (Arg::Ptr(Space::Tokens, t.csr_off()), Arg::Ptr(Space::Tokens, t.csr_pos()), Arg::Ptr(Space::Tokens, t.pieces()));
         // Rows of more than `piece` tokens: their pieces first (a grid for the most there can be).
         let part = self.scratch(0, t.max_pieces() * dim);
         let pieces = t.max_pieces() as u32;
-        let args = vec![self.a(dout), off, pos, poff, part, i(dim), i(t.vocab), i(t.piece)];
+        let args = vec![self.a(dout), off, pos, poff, part, i(dim), i(csr_rows), i(t.piece)];
         self.launch(k::eng_embedding_pieces, [pieces, 1, 1], BLOCK, args);
-        self.launch(k::eng_embedding_bwd, [t.vocab as u32, 1, 1], BLOCK, vec![self.a(dout), off, pos, poff, part, self.a(dtable), i(dim)]);
+        self.launch(k::eng_embedding_bwd, [rows as u32, 1, 1], BLOCK, vec![self.a(dout), off, pos, poff, part, self.a(dtable), i(dim)]);
+        if bigram {
+            for launch in self.csr_build(op::Ids::Tokens) {
+                self.launch(launch.kernel, launch.grid, launch.block, launch.args);
+            }
+        }
     }
     fn rms_norm_fwd(&mut self, op::RmsNormFwd { x, out, rstd, cols, scale, eps }: op::RmsNormFwd) {
         self.check([x], [out, rstd]);

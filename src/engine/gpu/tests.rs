@@ -179,7 +179,7 @@ fn ids_outside_the_vocabulary_give_nan_not_stray_reads() {
     be.set_tokens(&x, &y);
     let (table, out) = (Buf { off: 0, len: vocab * w }, Buf { off: vocab * w, len: n * w });
     be.op(op::Fill { dst: table, value: 0.5 });
-    be.op(op::EmbeddingFwd { table, out, dim: w });
+    be.op(op::EmbeddingFwd { table, out, dim: w, ids: op::Ids::Tokens });
     let rows: Vec<f32> = be.download(out, &[n * w]).unwrap().to_vec1().unwrap();
     assert!(rows[3 * w..4 * w].iter().all(|v| v.is_nan()) && rows.iter().filter(|v| v.is_nan()).count() == w, "{rows:?}");
     let (logits, losses) = (Buf { off: 0, len: n * vocab }, Buf { off: n * vocab, len: n });
@@ -331,6 +331,23 @@ fn the_engine_on_the_emulated_gpu_matches_the_cpu_engine() {
         let be = KernelBackend::new(dev, Layout::new(&cfg, rows, t).len(), kernel_capacity(&cfg, rows, t).unwrap()).unwrap();
         check_model_on(&cfg, Box::new(be), cases::ModelBounds::GPU_F32_GEMMS, &format!("emulated GPU, f32 GEMMs, {name}"));
     }
+}
+
+/// BigramHash on the emulated GPU against the f64 CPU engine, as
+/// [`the_engine_on_the_emulated_gpu_matches_the_cpu_engine`]: more buckets than the
+/// vocabulary's rows (the ids' CSR sized for the larger table), a projection, and the buckets'
+/// CSR built for the table's gradient in place of the tokens' (their hash in the kernels).
+#[test]
+fn bigram_hash_on_the_emulated_gpu_matches_the_cpu_engine() {
+    use crate::engine::layout::Layout;
+    use crate::engine::step::kernel_capacity;
+    let (rows, t) = cases::CHECK_ROWS_T;
+    let cfg = crate::model::ModelConfig { bigram_vocab_size: 200, bigram_dim: 64, ..cases::check_model() };
+    let cap = kernel_capacity(&cfg, rows, t).unwrap();
+    assert_eq!(cap.vocab, 200, "the CSR's rows: the larger table's");
+    let dev = EmuDevice::new(emu::emulator(), emu::temp_dir().join("engine-bigram.mem"));
+    let be = KernelBackend::new(dev, Layout::new(&cfg, rows, t).len(), cap).unwrap();
+    check_model_on(&cfg, Box::new(be), cases::ModelBounds::GPU_F32_GEMMS, "emulated GPU, f32 GEMMs, BigramHash");
 }
 
 /// [`the_engine_on_the_emulated_gpu_matches_the_cpu_engine`] with the GEMMs' inputs rounded to

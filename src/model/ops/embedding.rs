@@ -11,6 +11,17 @@
 //! token order, so the sum is deterministic. The CPU implementation ([`embedding_rows_bwd`], in
 //! f64) is its reference and the engine's CPU backward pass; candle's CPU training keeps
 //! `index_select`.
+//!
+//! BigramHash (`model.bigram_vocab_size`, the records of 2026-03-20) looks its table up with
+//! the same ops at ids of its own, each position's bucket ([`bigram_bucket`]):
+//!
+//! ```text
+//! b[0] = B - 1;   b[i] = (36313 x[i] XOR 27191 x[i-1]) mod (B - 1)   per sequence of T, B buckets
+//! ```
+//!
+//! the records' int32 products, exact (no wrap) for ids below [`BIGRAM_MAX_VOCAB`]. The
+//! engine's GPU kernels compute the same buckets (`bigram_bucket` in
+//! `kernels/engine/embedding.cuh`).
 
 #[cfg(feature = "candle")]
 use candle_core::backend::BackendStorage;
@@ -32,6 +43,23 @@ pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
         return weight.contiguous()?.apply_op2(&ids.contiguous()?, Embedding);
     }
     weight.index_select(ids, 0)
+}
+
+/// The largest vocabulary whose ids BigramHash's hash multiplies without overflowing the
+/// records' 32-bit signed products: `36313 (V - 1) < 2^31`.
+pub const BIGRAM_MAX_VOCAB: usize = (i32::MAX as usize) / 36313 + 1;
+
+/// The BigramHash bucket of position `i` of `ids`, sequences of `t` (see the module doc):
+/// `buckets - 1` at a sequence's first position, else the hash of `ids[i - 1], ids[i]` mod
+/// `buckets - 1`. `buckets` is at least 2.
+pub fn bigram_bucket(ids: &[u32], i: usize, t: usize, buckets: usize) -> u32 {
+    let m = (buckets - 1) as u32;
+    if i.is_multiple_of(t) { m } else { (36313u32.wrapping_mul(ids[i]) ^ 27191u32.wrapping_mul(ids[i - 1])) % m }
+}
+
+/// Every position's BigramHash bucket ([`bigram_bucket`]).
+pub fn bigram_ids(ids: &[u32], t: usize, buckets: usize) -> Vec<u32> {
+    (0..ids.len()).map(|i| bigram_bucket(ids, i, t, buckets)).collect()
 }
 
 /// `out[n] = table[ids[n]]` for `dim`-wide rows (the engine's CPU lookup; candle's CPU training
@@ -148,6 +176,19 @@ impl CustomOp2 for EmbeddingBwd {
 mod tests {
     use super::*;
     use candle_core::{Device, Var};
+
+    /// The buckets are the records' (values from their `bigram_hash` in PyTorch: int32
+    /// products, XOR, `%` by 10,239), a sequence's first position in the last bucket.
+    #[test]
+    fn bigram_buckets_are_the_records() {
+        // torch: t = [[1, 2, 8191], [5, 0, 5]]; out[..., 1:] = (36313 t[1:] ^ 27191 t[:-1]) % 10239.
+        let ids = [1u32, 2, 8191, 5, 0, 5];
+        let want = |a: u32, b: u32| ((36313 * a as i64) ^ (27191 * b as i64)).rem_euclid(10239) as u32;
+        assert_eq!(bigram_ids(&ids, 3, 10240), [10239, want(2, 1), want(8191, 2), 10239, want(0, 5), want(5, 0)]);
+        assert_eq!(bigram_ids(&[7, 7], 2, 2), [1, 0], "one bucket besides the first position's");
+        assert_eq!(36313 * (BIGRAM_MAX_VOCAB as i64 - 1), 2_147_478_194, "below 2^31 - 1");
+        assert!(36313 * BIGRAM_MAX_VOCAB as i64 > i32::MAX as i64);
+    }
 
     /// The backward op gives `index_select`'s gradient (repeated ids add up), and an id outside
     /// the table is an error, not a wild write.
