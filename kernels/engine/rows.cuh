@@ -44,6 +44,61 @@ extern "C" __global__ void eng_rms_norm_fwd(const act* x, act* out, float* rstd,
     if (lane == 0) rstd[r] = inv;
 }
 
+// A residual sum and its RMS norm in one pass (op::MixNormFwd): u = h mix[0] + x0 mix[cols + .]
+// (resid, eng_resid_mix_fwd's) or u = h + x0 mix (eng_scale_add_fwd's) per channel, written to u,
+// then out = scale u / r, rstd = 1 / r as eng_rms_norm_fwd. The norm reads u from registers as
+// it was stored (packed to the activations' type and unpacked), so out and rstd are the two
+// kernels' bit for bit, with one read of u and one launch fewer. Warp per row; rows that are
+// not in 16-byte chunks (or too wide for the registers) write u, then norm it from memory.
+extern "C" __global__ void eng_mix_norm_fwd(const act* h, const act* x0, const float* mix, int resid, act* u, act* out, float* rstd,
+                                            long rows, int cols, float scale, float eps) {
+    const long r = warp_row(rows);
+    if (r < 0) return;
+    const int lane = threadIdx.x & 31;
+    const act* hr = h + r * cols;
+    const act* xr = x0 + r * cols;
+    act* ur = u + r * cols;
+    const float* m1 = resid ? mix + cols : mix;
+    if (!chunked(cols, h, x0, u, out) || cols > 32 * AV * RMS_CHUNKS) {
+        for (int c = lane; c < cols; c += 32)
+            ur[c] = resid ? ops::mixed(hr[c], xr[c], mix[c], m1[c]) : ops::add_scaled(hr[c], xr[c], m1[c]);
+        __syncwarp();
+        const float inv = ops::rms_norm_row<Precise>(ur, out + r * cols, cols, eps, scale);
+        if (lane == 0) rstd[r] = inv;
+        return;
+    }
+    const int chunks = cols / AV;
+    float v[RMS_CHUNKS][AV];
+    float ss = 0.f;
+#pragma unroll
+    for (int m = 0; m < RMS_CHUNKS; ++m) {
+        const int ch = lane + 32 * m;
+        if (ch < chunks) {
+            const int c = ch * AV;
+            float xv[AV];
+            loadv(hr + c, v[m]);
+            loadv(xr + c, xv);
+            for (int k = 0; k < AV; ++k)
+                v[m][k] = resid ? ops::mixed(v[m][k], xv[k], mix[c + k], m1[c + k]) : ops::add_scaled(v[m][k], xv[k], m1[c + k]);
+            const uint4 stored = ops::pack(v[m]);
+            *reinterpret_cast<uint4*>(ur + c) = stored;
+            ops::unpack(stored, v[m]);
+            for (int k = 0; k < AV; ++k) ss += v[m][k] * v[m][k];
+        }
+    }
+    const float inv = ops::rms_rstd<Precise>(warp_sum(ss), cols, eps);
+    const float a = inv * scale;
+#pragma unroll
+    for (int m = 0; m < RMS_CHUNKS; ++m) {
+        const int ch = lane + 32 * m;
+        if (ch < chunks) {
+            for (int k = 0; k < AV; ++k) v[m][k] *= a;
+            storev(out + r * cols + ch * AV, v[m]);
+        }
+    }
+    if (lane == 0) rstd[r] = inv;
+}
+
 // dx (+)= scale (dy / r - x sum(dy x) / (cols r^3)), with 1 / r from the forward pass.
 extern "C" __global__ void eng_rms_norm_bwd(const act* x, const float* rstd, const act* dy, act* dx, long rows, int cols, float scale,
                                             int acc) {

@@ -106,6 +106,17 @@ fn tokens(seed: u64) -> (Vec<u32>, Vec<u32>) {
     (x, y)
 }
 
+/// A residual mix and its norm, then a scaled add of them and its norm, each in one pass, on
+/// buffers from `r` (unaligned, or on 16-byte rows in either storage: the kernel's chunked
+/// path, which norms the sum from registers).
+fn mix_norm_case(be: &mut dyn Backend, mut r: Bump) {
+    let (h, x0, u, out, rstd) = (r.take(N * W), r.take(N * W), r.take(N * W), r.take(N * W), r.take(N));
+    let (mix, s) = (r.take(2 * W), r.take(W));
+    be.op(op::MixNormFwd { h, x0, mix, kind: op::MixKind::Resid, u, out, rstd, scale: 0.7, eps: 1e-6 });
+    let (u2, out2, rstd2) = (r.take(N * W), r.take(N * W), r.take(N));
+    be.op(op::MixNormFwd { h: u, x0: out, mix: s, kind: op::MixKind::Scale, u: u2, out: out2, rstd: rstd2, scale: 1.0, eps: 1e-6 });
+}
+
 /// The RMS norm's gradient written, then accumulated, on buffers from `r` (unaligned, or on
 /// 16-byte rows: the kernels' chunked path).
 fn rms_bwd_case(be: &mut dyn Backend, mut r: Bump) {
@@ -313,6 +324,22 @@ pub fn cases() -> Vec<Case> {
                     scale: 0.7,
                     eps: 1e-6,
                 })
+            },
+        },
+        Case {
+            name: "mix_norm_fwd (16-byte rows: the chunked path)",
+            len: 7 * nw,
+            bound: ROWS,
+            run: |be| mix_norm_case(be, Bump::aligned(8)),
+        },
+        Case {
+            name: "mix_norm_fwd (unaligned rows)",
+            len: 7 * nw,
+            bound: ROWS,
+            run: |be| {
+                let mut r = Bump::default();
+                let _ = r.take(1);
+                mix_norm_case(be, r)
             },
         },
         Case { name: "rms_norm_bwd (write, then accumulate)", len: 5 * nw, bound: ROWS, run: |be| rms_bwd_case(be, Bump::default()) },

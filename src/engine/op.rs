@@ -21,6 +21,15 @@ pub enum Ids {
     Bigram { buckets: usize, t: usize },
 }
 
+/// The residual sum a [`MixNormFwd`] norms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MixKind {
+    /// [`ResidMixFwd`]'s: `u = h mix[0] + x0 mix[1]` (`mix` `(2, cols)`).
+    Resid,
+    /// [`ScaleAddFwd`]'s: `u = h + x0 mix` per channel (`mix` `(cols)`).
+    Scale,
+}
+
 /// A region of the arena: `len` elements from `off`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Buf {
@@ -275,6 +284,11 @@ ops! {
     embedding_bwd => EmbeddingBwd { dout: Buf, dtable: Buf, dim: usize, ids: Ids }
     /// Row RMS norm: `r = sqrt(mean(x^2) + eps)`, `out = scale x / r`, `rstd = 1 / r` per row.
     rms_norm_fwd => RmsNormFwd { x: Buf, out: Buf, rstd: Buf, cols: usize, scale: f64, eps: f64 }
+    /// A residual sum and the RMS norm of it in one pass: `u` as [`ResidMixFwd`] or
+    /// [`ScaleAddFwd`] writes it (`kind`; `x0` the mix's or the scaled add's second input),
+    /// then [`RmsNormFwd`] of `u` into `out` and `rstd`, bit for bit the two ops' results (the
+    /// norm reads `u` as stored), with one read of `u` and one launch fewer.
+    mix_norm_fwd => MixNormFwd { h: Buf, x0: Buf, mix: Buf, kind: MixKind, u: Buf, out: Buf, rstd: Buf, scale: f64, eps: f64 }
     /// Backward of [`RmsNormFwd`]: `dx (+)= scale (dy / r - x sum(dy x) / (cols r^3))`.
     rms_norm_bwd => RmsNormBwd { x: Buf, rstd: Buf, dy: Buf, dx: Buf, cols: usize, scale: f64, accumulate: bool }
     /// `out = h mix[0] + x0 mix[1]` (`mix`: `(2, cols)`).
@@ -359,6 +373,16 @@ ops! {
     transpose_each => TransposeEach { src: Buf, dst: Buf, count: usize, rows: usize, cols: usize }
 }
 
+impl MixNormFwd {
+    /// The rows' width: the mix's or the scale's channels.
+    pub fn cols(&self) -> usize {
+        match self.kind {
+            MixKind::Resid => self.mix.len / 2,
+            MixKind::Scale => self.mix.len,
+        }
+    }
+}
+
 impl GemmBatched {
     /// The batch's products one by one.
     pub fn each(self) -> impl Iterator<Item = Gemm> {
@@ -424,6 +448,8 @@ impl Regions for LaneBufs {
 
 #[cfg(feature = "tools")]
 impl Regions for Ids {}
+#[cfg(feature = "tools")]
+impl Regions for MixKind {}
 #[cfg(feature = "tools")]
 impl Regions for f64 {}
 #[cfg(feature = "tools")]

@@ -373,10 +373,11 @@ impl Schedule {
 
     /// Block `i` at position `pos`: reads the stream `h`, writes `p.out`.
     fn block_fwd(&self, be: &mut dyn Backend, (i, pos): (usize, usize), p: &PositionBufs, h: Buf) {
-        let (l, b, d, eps) = (&self.layout, BlockNames(i), self.cfg.model_dim, self.eps);
+        let (l, b, eps) = (&self.layout, BlockNames(i), self.eps);
         let s = self.cfg.ln_scale_of(i).unwrap_or(1.0);
-        be.op(op::ResidMixFwd { h, x0: l.x0, mix: self.value(&b.name("resid_mix")), out: p.u });
-        be.op(op::RmsNormFwd { x: p.u, out: p.n1, rstd: p.rstd1, cols: d, scale: s, eps });
+        // u = h mix0 + x0 mix1, n1 = s rms(u): one pass.
+        let mix = self.value(&b.name("resid_mix"));
+        be.op(op::MixNormFwd { h, x0: l.x0, mix, kind: op::MixKind::Resid, u: p.u, out: p.n1, rstd: p.rstd1, scale: s, eps });
         self.attention_fwd(be, (i, pos), p);
         if self.cfg.parallel(i) {
             // out = u + attn_scale ao + mlp_scale mlp(n1).
@@ -385,8 +386,8 @@ impl Schedule {
             be.op(op::ScaleAddFwd { base: p.out, x: p.mo, s: self.value(&b.name("mlp_scale")), out: p.out });
         } else {
             // u2 = u + attn_scale ao; out = u2 + mlp_scale mlp(s rms(u2)).
-            be.op(op::ScaleAddFwd { base: p.u, x: p.ao, s: self.value(&b.name("attn_scale")), out: p.u2 });
-            be.op(op::RmsNormFwd { x: p.u2, out: p.n2, rstd: p.rstd2, cols: d, scale: s, eps });
+            let sa = self.value(&b.name("attn_scale"));
+            be.op(op::MixNormFwd { h: p.u, x0: p.ao, mix: sa, kind: op::MixKind::Scale, u: p.u2, out: p.n2, rstd: p.rstd2, scale: s, eps });
             self.mlp_fwd(be, (i, pos), p.n2, p.pre, p.mo);
             be.op(op::ScaleAddFwd { base: p.u2, x: p.mo, s: self.value(&b.name("mlp_scale")), out: p.out });
         }
@@ -423,8 +424,8 @@ impl Schedule {
     fn lane_block_fwd(&self, be: &mut dyn Backend, (i, pos): (usize, usize), p: &PositionBufs, l: [Buf; 2]) {
         let (lay, b, d, eps) = (&self.layout, BlockNames(i), self.cfg.model_dim, self.eps);
         let s = self.cfg.ln_scale_of(i).unwrap_or(1.0);
-        be.op(op::ResidMixFwd { h: l[0], x0: lay.x0, mix: self.value(&b.name("resid_mix")), out: p.u });
-        be.op(op::RmsNormFwd { x: p.u, out: p.n1, rstd: p.rstd1, cols: d, scale: s, eps });
+        let mix = self.value(&b.name("resid_mix"));
+        be.op(op::MixNormFwd { h: l[0], x0: lay.x0, mix, kind: op::MixKind::Resid, u: p.u, out: p.n1, rstd: p.rstd1, scale: s, eps });
         self.attention_fwd(be, (i, pos), p);
         be.op(op::RmsNormFwd { x: l[1], out: p.n2, rstd: p.rstd2, cols: d, scale: s, eps });
         self.mlp_fwd(be, (i, pos), p.n2, p.pre, p.mo);

@@ -218,6 +218,15 @@ impl<T: Real> Kernels for CpuBackend<T> {
         // `eps` is unused: `r` comes from the saved `rstd`.
         rms_norm::backward_rows(x, g, Some(r), d, scale, 0.0, accumulate);
     }
+    fn mix_norm_fwd(&mut self, o: op::MixNormFwd) {
+        let (cols, op::MixNormFwd { h, x0, mix, kind, u, out, rstd, scale, eps }) = (o.cols(), o);
+        // The two ops' maths, one after the other (on the CPU a fused pass saves nothing).
+        match kind {
+            op::MixKind::Resid => self.op(op::ResidMixFwd { h, x0, mix, out: u }),
+            op::MixKind::Scale => self.op(op::ScaleAddFwd { base: h, x: x0, s: mix, out: u }),
+        }
+        self.op(op::RmsNormFwd { x: u, out, rstd, cols, scale, eps });
+    }
     fn resid_mix_fwd(&mut self, op::ResidMixFwd { h, x0, mix, out }: op::ResidMixFwd) {
         let ([h, x0, m], [o]) = self.io([h, x0, mix], [out]);
         resid_mix::forward_rows(h, x0, m, o);

@@ -551,6 +551,15 @@ impl<D: Device> Kernels for KernelBackend<D> {
             vec![self.a(x), self.a(out), self.a(rstd), l(rows), i(cols), f(scale), f(eps)],
         );
     }
+    fn mix_norm_fwd(&mut self, o: op::MixNormFwd) {
+        let (cols, op::MixNormFwd { h, x0, mix, kind, u, out, rstd, scale, eps }) = (o.cols(), o);
+        self.check([h, x0, mix], [u, out, rstd]);
+        let rows = h.len / cols;
+        let resid = flag(kind == op::MixKind::Resid);
+        let args =
+            vec![self.a(h), self.a(x0), self.a(mix), resid, self.a(u), self.a(out), self.a(rstd), l(rows), i(cols), f(scale), f(eps)];
+        self.launch(k::eng_mix_norm_fwd, warps(rows), BLOCK, args);
+    }
     fn rms_norm_bwd(&mut self, op::RmsNormBwd { x, rstd, dy, dx, cols, scale, accumulate }: op::RmsNormBwd) {
         self.check([x, rstd, dy], [dx]);
         let rows = x.len / cols;

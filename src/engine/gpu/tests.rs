@@ -84,6 +84,55 @@ fn the_declared_kernels_are_the_sources_entry_points() {
     );
 }
 
+/// The fused residual sum and norm (`op::MixNormFwd`, `eng_mix_norm_fwd`) writes exactly what
+/// the two ops write one after the other, bit for bit, with the activations in f32 and in bf16
+/// (its norm reads the sum as stored), for the residual mix and the scaled add, on rows in
+/// 16-byte chunks and on rows off them.
+#[test]
+fn the_fused_mix_norm_is_the_two_ops_bit_for_bit() {
+    use crate::engine::backend::Buf;
+    use crate::engine::gpu::HalfRegions;
+    use candle_core::{Device, Tensor};
+    let (rows, cols) = (37, 64);
+    let n = rows * cols;
+    // f32 regions first (the mix, the scale, the statistics), then the activations.
+    let (mix, s, r1, r2) =
+        (Buf { off: 0, len: 2 * cols }, Buf { off: 128, len: cols }, Buf { off: 192, len: rows }, Buf { off: 256, len: rows });
+    let act = Buf { off: 320, len: 7 * n + 8 };
+    for (exe, bf16) in [(emu::emulator(), false), (emu::emulator_bf16(), true)] {
+        let half = bf16.then_some(HalfRegions { act, params: Buf { off: 0, len: 320 } });
+        let dev = EmuDevice::new(exe, emu::temp_dir().join(format!("mix-norm-{bf16}.mem")));
+        let mut be = KernelBackend::with_half(dev, act.end(), Capacity::minimal(n, 8), half).unwrap();
+        let mut rng = fastrand::Rng::with_seed(9);
+        let mut random = |be: &mut KernelBackend<EmuDevice>, b: Buf| {
+            let v: Vec<f32> = (0..b.len).map(|_| rng.f32() * 2.0 - 1.0).collect();
+            be.upload(b, &Tensor::from_vec(v, b.len, &Device::Cpu).unwrap()).unwrap();
+        };
+        random(&mut be, mix);
+        random(&mut be, s);
+        for skip in [0, 1] {
+            let at = |k: usize| Buf { off: act.off + skip + k * n, len: n };
+            let (h, x0, u1, o1, u2, o2) = (at(0), at(1), at(2), at(3), at(4), at(5));
+            random(&mut be, h);
+            random(&mut be, x0);
+            for (kind, m) in [(op::MixKind::Resid, mix), (op::MixKind::Scale, s)] {
+                be.op(op::MixNormFwd { h, x0, mix: m, kind, u: u1, out: o1, rstd: r1, scale: 0.7, eps: 1e-6 });
+                match kind {
+                    op::MixKind::Resid => be.op(op::ResidMixFwd { h, x0, mix: m, out: u2 }),
+                    op::MixKind::Scale => be.op(op::ScaleAddFwd { base: h, x: x0, s: m, out: u2 }),
+                }
+                be.op(op::RmsNormFwd { x: u2, out: o2, rstd: r2, cols, scale: 0.7, eps: 1e-6 });
+                let get = |be: &KernelBackend<EmuDevice>, b: Buf| be.download(b, &[b.len]).unwrap().to_vec1::<f32>().unwrap();
+                for (what, a, b) in [("u", u1, u2), ("out", o1, o2), ("rstd", r1, r2)] {
+                    let (x, y) = (get(&be, a), get(&be, b));
+                    let same = x.iter().zip(&y).all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{kind:?}, bf16 {bf16}, rows off 16 bytes {}: `{what}` differs from the two ops'", skip == 1);
+                }
+            }
+        }
+    }
+}
+
 /// The table launches every kernel the engine's backend can launch (the emulator's list of
 /// kernels/engine.cu and flash_mma.cu), so `pipeline engine-check` checks each on a GPU.
 #[test]
