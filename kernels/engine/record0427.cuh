@@ -116,8 +116,27 @@ extern "C" __global__ void eng_attn_gate_bwd(const act* dout, const act* y, cons
 // ---- the 04-27 record's two-lane decoder (src/model/ops/lanes.rs) --------------------------
 
 // A = sa ao, M = sm mo per channel; out_k = r[k] l_k + p[0, k] A + p[1, k] M (l0 may be l1).
+// Rows in 16-byte chunks take them a chunk at a time (the same maths per element).
 extern "C" __global__ void eng_lanes_fwd(const act* l0, const act* l1, const act* ao, const act* mo, const float* sa,
                                          const float* sm, const float* r, const float* p, act* out0, act* out1, long n, int cols) {
+    if (chunked(cols, l0, l1, ao, mo, out0, out1)) {
+        FOR_CHUNKS(i, n) {
+            const int c = (int)(i % cols);
+            float x0[AV], x1[AV], av[AV], mv[AV];
+            loadv(l0 + i, x0);
+            loadv(l1 + i, x1);
+            loadv(ao + i, av);
+            loadv(mo + i, mv);
+            for (int k = 0; k < AV; ++k) {
+                const float a = sa[c + k] * av[k], m = sm[c + k] * mv[k];
+                x0[k] = r[0] * x0[k] + p[0] * a + p[2] * m;
+                x1[k] = r[1] * x1[k] + p[1] * a + p[3] * m;
+            }
+            storev(out0 + i, x0);
+            storev(out1 + i, x1);
+        }
+        return;
+    }
     for (long i = first_index(); i < n; i += grid_stride()) {
         const int c = (int)(i % cols);
         const float a = sa[c] * ao[i], m = sm[c] * mo[i];
@@ -129,6 +148,25 @@ extern "C" __global__ void eng_lanes_fwd(const act* l0, const act* l1, const act
 // dl_k = r[k] G_k; dao = sa dA, dmo = sm dM with dA = p[0, 0] G_0 + p[0, 1] G_1, dM alike.
 extern "C" __global__ void eng_lanes_bwd(const act* g0, const act* g1, const float* sa, const float* sm, const float* r,
                                          const float* p, act* dl0, act* dl1, act* dao, act* dmo, long n, int cols) {
+    if (chunked(cols, g0, g1, dl0, dl1, dao, dmo)) {
+        FOR_CHUNKS(i, n) {
+            const int c = (int)(i % cols);
+            float x0[AV], x1[AV], a[AV], m[AV];
+            loadv(g0 + i, x0);
+            loadv(g1 + i, x1);
+            for (int k = 0; k < AV; ++k) {
+                a[k] = sa[c + k] * (p[0] * x0[k] + p[1] * x1[k]);
+                m[k] = sm[c + k] * (p[2] * x0[k] + p[3] * x1[k]);
+                x0[k] = r[0] * x0[k];
+                x1[k] = r[1] * x1[k];
+            }
+            storev(dl0 + i, x0);
+            storev(dl1 + i, x1);
+            storev(dao + i, a);
+            storev(dmo + i, m);
+        }
+        return;
+    }
     for (long i = first_index(); i < n; i += grid_stride()) {
         const int c = (int)(i % cols);
         dl0[i] = r[0] * g0[i];

@@ -241,17 +241,47 @@ extern "C" __global__ void eng_dot_partial(const act* a, const act* b, long rows
 }
 
 // U-Net skip: k = s w; out = h + k, or with a gate g = sigmoid(z): out = k + (h - k) g.
+__device__ __forceinline__ float skip_value(float h, float s, float w, const float* z, int c, int gated) {
+    const float k = s * w;
+    return gated ? k + (h - k) * sigmoid(z[c]) : h + k;
+}
+
 extern "C" __global__ void eng_skip_fwd(const act* h, const act* s, const float* w, const float* z, int gated, act* out, long n,
                                         int cols) {
+    if (chunked(cols, h, s, out)) {
+        FOR_CHUNKS(i, n) {
+            const int c = (int)(i % cols);
+            float hv[AV], sv[AV];
+            loadv(h + i, hv);
+            loadv(s + i, sv);
+            for (int k = 0; k < AV; ++k) hv[k] = skip_value(hv[k], sv[k], w[c + k], z, c + k, gated);
+            storev(out + i, hv);
+        }
+        return;
+    }
     for (long i = first_index(); i < n; i += grid_stride()) {
         const int c = (int)(i % cols);
-        const float k = s[i] * w[c];
-        out[i] = gated ? k + (h[i] - k) * sigmoid(z[c]) : h[i] + k;
+        out[i] = skip_value(h[i], s[i], w[c], z, c, gated);
     }
 }
 
 // dh = dy gh, ds = dy gk w with the shares (gh, gk) = (g, 1 - g), or (1, 1) ungated.
 extern "C" __global__ void eng_skip_bwd(const act* dy, const float* w, const float* z, int gated, act* dh, act* ds, long n, int cols) {
+    if (chunked(cols, dy, dh, ds)) {
+        FOR_CHUNKS(i, n) {
+            const int c = (int)(i % cols);
+            float g[AV], a[AV], b[AV];
+            loadv(dy + i, g);
+            for (int k = 0; k < AV; ++k) {
+                const float gh = gated ? sigmoid(z[c + k]) : 1.f, gk = gated ? 1.f - gh : 1.f;
+                a[k] = g[k] * gh;
+                b[k] = g[k] * gk * w[c + k];
+            }
+            storev(dh + i, a);
+            storev(ds + i, b);
+        }
+        return;
+    }
     for (long i = first_index(); i < n; i += grid_stride()) {
         const int c = (int)(i % cols);
         const float g = gated ? sigmoid(z[c]) : 1.f, gk = gated ? 1.f - g : 1.f;

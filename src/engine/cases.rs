@@ -106,6 +106,15 @@ fn tokens(seed: u64) -> (Vec<u32>, Vec<u32>) {
     (x, y)
 }
 
+/// Regions from one element past the arena's start: rows off 16 bytes (the element path of
+/// the kernels that move aligned rows in 16-byte chunks). [`Bump::aligned`]`(8)` gives rows on
+/// 16 bytes in either storage (the chunked path).
+fn unaligned() -> Bump {
+    let mut r = Bump::default();
+    let _ = r.take(1);
+    r
+}
+
 /// A residual mix and its norm, then a scaled add of them and its norm, each in one pass, on
 /// buffers from `r` (unaligned, or on 16-byte rows in either storage: the kernel's chunked
 /// path, which norms the sum from registers).
@@ -332,16 +341,7 @@ pub fn cases() -> Vec<Case> {
             bound: ROWS,
             run: |be| mix_norm_case(be, Bump::aligned(8)),
         },
-        Case {
-            name: "mix_norm_fwd (unaligned rows)",
-            len: 7 * nw,
-            bound: ROWS,
-            run: |be| {
-                let mut r = Bump::default();
-                let _ = r.take(1);
-                mix_norm_case(be, r)
-            },
-        },
+        Case { name: "mix_norm_fwd (unaligned rows)", len: 7 * nw, bound: ROWS, run: |be| mix_norm_case(be, unaligned()) },
         Case { name: "rms_norm_bwd (write, then accumulate)", len: 5 * nw, bound: ROWS, run: |be| rms_bwd_case(be, Bump::default()) },
         Case {
             name: "rms_norm_bwd (16-byte rows: the chunked path)",
@@ -413,10 +413,12 @@ pub fn cases() -> Vec<Case> {
                 be.op(op::ScaleAddBwd { dy, x, s, dx, ds });
             },
         },
-        Case { name: "skip_fwd", len: 4 * nw, bound: ROWS, run: |be| skip_case(be, false) },
-        Case { name: "skip_fwd (gated)", len: 4 * nw, bound: ROWS, run: |be| skip_case(be, true) },
-        Case { name: "skip_bwd", len: 7 * nw, bound: ROWS, run: |be| skip_bwd_case(be, false) },
-        Case { name: "skip_bwd (gated)", len: 7 * nw, bound: ROWS, run: |be| skip_bwd_case(be, true) },
+        Case { name: "skip_fwd", len: 4 * nw, bound: ROWS, run: |be| skip_case(be, false, Bump::aligned(8)) },
+        Case { name: "skip_fwd (gated)", len: 4 * nw, bound: ROWS, run: |be| skip_case(be, true, Bump::aligned(8)) },
+        Case { name: "skip_fwd (gated, unaligned rows)", len: 4 * nw, bound: ROWS, run: |be| skip_case(be, true, unaligned()) },
+        Case { name: "skip_bwd", len: 7 * nw, bound: ROWS, run: |be| skip_bwd_case(be, false, Bump::aligned(8)) },
+        Case { name: "skip_bwd (gated)", len: 7 * nw, bound: ROWS, run: |be| skip_bwd_case(be, true, Bump::aligned(8)) },
+        Case { name: "skip_bwd (gated, unaligned rows)", len: 7 * nw, bound: ROWS, run: |be| skip_bwd_case(be, true, unaligned()) },
         Case {
             name: "act_fwd (leaky relu^2, then relu^2)",
             len: 3 * nw,
@@ -595,8 +597,10 @@ pub fn cases() -> Vec<Case> {
         },
         Case { name: "smear_fwd", len: 3 * nw, bound: ROWS, run: |be| smear_case(be, false, 12) },
         Case { name: "smear_bwd (window past a warp)", len: 5 * nw, bound: ROWS, run: |be| smear_case(be, true, 40) },
-        Case { name: "lanes_fwd (then one lane as both)", len: 7 * nw, bound: ROWS, run: |be| lanes_case(be, false) },
-        Case { name: "lanes_bwd", len: 11 * nw, bound: ROWS, run: |be| lanes_case(be, true) },
+        Case { name: "lanes_fwd (then one lane as both)", len: 7 * nw, bound: ROWS, run: |be| lanes_case(be, false, Bump::aligned(8)) },
+        Case { name: "lanes_fwd (unaligned rows)", len: 7 * nw, bound: ROWS, run: |be| lanes_case(be, false, unaligned()) },
+        Case { name: "lanes_bwd", len: 11 * nw, bound: ROWS, run: |be| lanes_case(be, true, Bump::aligned(8)) },
+        Case { name: "lanes_bwd (unaligned rows)", len: 11 * nw, bound: ROWS, run: |be| lanes_case(be, true, unaligned()) },
         Case { name: "attn_gate_fwd", len: head_len, bound: ROWS, run: |be| attn_gate_case(be, false) },
         Case { name: "attn_gate_bwd", len: head_len, bound: ROWS, run: |be| attn_gate_case(be, true) },
     ]
@@ -622,8 +626,7 @@ fn smear_case(be: &mut dyn Backend, backward: bool, win: usize) {
 
 /// The two-lane mix on `N` rows of `W`, forward (twice: distinct lanes, then the lanes' first
 /// block, both lanes one buffer) or backward.
-fn lanes_case(be: &mut dyn Backend, backward: bool) {
-    let mut r = Bump::default();
+fn lanes_case(be: &mut dyn Backend, backward: bool, mut r: Bump) {
     let (l0, l1, ao, mo) = (r.take(N * W), r.take(N * W), r.take(N * W), r.take(N * W));
     let w = LaneBufs { sa: r.take(W), sm: r.take(W), r: r.take(2), p: r.take(4) };
     if backward {
@@ -689,14 +692,12 @@ fn gemm_batched_case(be: &mut dyn Backend, backward: bool) {
     }
 }
 
-fn skip_case(be: &mut dyn Backend, gated: bool) {
-    let mut r = Bump::default();
+fn skip_case(be: &mut dyn Backend, gated: bool, mut r: Bump) {
     let (h, s, w, z, out) = (r.take(N * W), r.take(N * W), r.take(W), r.take(W), r.take(N * W));
     be.op(op::SkipFwd { h, s, w, z: gated.then_some(z), out });
 }
 
-fn skip_bwd_case(be: &mut dyn Backend, gated: bool) {
-    let mut r = Bump::default();
+fn skip_bwd_case(be: &mut dyn Backend, gated: bool, mut r: Bump) {
     let (dy, h, s, w, z, dz) = (r.take(N * W), r.take(N * W), r.take(N * W), r.take(W), r.take(W), r.take(W));
     let (dh, ds, dw) = (r.take(N * W), r.take(N * W), r.take(W));
     be.op(op::SkipBwd { dy, h, s, w, z: gated.then_some((z, dz)), dh, ds, dw });
