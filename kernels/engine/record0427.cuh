@@ -21,7 +21,8 @@ __device__ __forceinline__ float smear_gate_of(const act* e, const unsigned* ids
     return lambda * *s;
 }
 
-// Warp per row: out_r = e_r + g_r e_{r-1} (out_r = e_r at a sequence's first position).
+// Warp per row: out_r = e_r + g_r e_{r-1} (out_r = e_r at a sequence's first position); rows in
+// 16-byte chunks a chunk per lane at a time, the same maths per element.
 extern "C" __global__ void eng_smear_fwd(const act* e, const unsigned* ids, const float* w, const float* lambda, act* out, long rows,
                                          int cols, int win, int t, int bos) {
     const long r = warp_row(rows);
@@ -29,7 +30,21 @@ extern "C" __global__ void eng_smear_fwd(const act* e, const unsigned* ids, cons
     float s;
     const float g = smear_gate_of(e, ids, w, lambda[0], r, cols, win, t, bos, &s);
     const bool first = r % t == 0;
-    for (int c = threadIdx.x & 31; c < cols; c += 32) out[r * cols + c] = first ? e[r * cols + c] : e[r * cols + c] + e[(r - 1) * cols + c] * g;
+    const int lane = threadIdx.x & 31;
+    if (chunked(cols, e, out)) {
+        for (int c = lane * AV; c < cols; c += 32 * AV) {
+            float x[AV];
+            loadv(e + r * cols + c, x);
+            if (!first) {
+                float p[AV];
+                loadv(e + (r - 1) * cols + c, p);
+                for (int k = 0; k < AV; ++k) x[k] = x[k] + p[k] * g;
+            }
+            storev(out + r * cols + c, x);
+        }
+        return;
+    }
+    for (int c = lane; c < cols; c += 32) out[r * cols + c] = first ? e[r * cols + c] : e[r * cols + c] + e[(r - 1) * cols + c] * g;
 }
 
 // Warp per row, with G = dout and dg_r = G_r . e_{r-1}: de_r = G_r + g_{r+1} G_{r+1} + [c < win]
@@ -46,14 +61,40 @@ extern "C" __global__ void eng_smear_bwd(const act* dout, const act* e, const un
     const bool has_next = r + 1 < rows && (r + 1) % t != 0;
     const float g_next = has_next ? smear_gate_of(e, ids, w, l, r + 1, cols, win, t, bos, &s_next) : 0.f;
     float dz = 0.f, dl = 0.f;
+    // Rows in 16-byte chunks: a chunk per lane at a time (the dot's terms summed in another
+    // order than the element path's).
+    const bool chunks = chunked(cols, dout, e, de);
     if (r % t != 0 && ids[r] != (unsigned)bos) {
         float dg = 0.f;
-        for (int c = lane; c < cols; c += 32) dg += dout[r * cols + c] * e[(r - 1) * cols + c];
+        if (chunks) {
+            for (int c = lane * AV; c < cols; c += 32 * AV) {
+                float a[AV], b[AV];
+                loadv(dout + r * cols + c, a);
+                loadv(e + (r - 1) * cols + c, b);
+                for (int k = 0; k < AV; ++k) dg += a[k] * b[k];
+            }
+        } else {
+            for (int c = lane; c < cols; c += 32) dg += dout[r * cols + c] * e[(r - 1) * cols + c];
+        }
         dg = warp_sum(dg);
         dz = dg * l * s * (1.f - s);
         dl = dg * s;
     }
-    for (int c = lane; c < cols; c += 32) {
+    if (chunks) {
+        for (int c = lane * AV; c < cols; c += 32 * AV) {
+            float d[AV];
+            loadv(dout + r * cols + c, d);
+            if (has_next) {
+                float nx[AV];
+                loadv(dout + (r + 1) * cols + c, nx);
+                for (int k = 0; k < AV; ++k) d[k] += g_next * nx[k];
+            }
+            for (int k = 0; k < AV; ++k)
+                if (c + k < win) d[k] += dz * w[c + k];
+            storev(de + r * cols + c, d);
+        }
+    }
+    for (int c = lane; c < cols && !chunks; c += 32) {
         float d = dout[r * cols + c];
         if (has_next) d += g_next * dout[(r + 1) * cols + c];
         if (c < win) d += dz * w[c];

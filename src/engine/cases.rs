@@ -595,8 +595,15 @@ pub fn cases() -> Vec<Case> {
                 cudnn_case(be, Some(bos));
             },
         },
-        Case { name: "smear_fwd", len: 3 * nw, bound: ROWS, run: |be| smear_case(be, false, 12) },
-        Case { name: "smear_bwd (window past a warp)", len: 5 * nw, bound: ROWS, run: |be| smear_case(be, true, 40) },
+        Case { name: "smear_fwd", len: 3 * nw, bound: ROWS, run: |be| smear_case(be, false, 12, Bump::aligned(8)) },
+        Case { name: "smear_fwd (unaligned rows)", len: 3 * nw, bound: ROWS, run: |be| smear_case(be, false, 12, unaligned()) },
+        Case { name: "smear_bwd (window past a warp)", len: 5 * nw, bound: ROWS, run: |be| smear_case(be, true, 40, Bump::aligned(8)) },
+        Case {
+            name: "smear_bwd (window past a warp, unaligned rows)",
+            len: 5 * nw,
+            bound: ROWS,
+            run: |be| smear_case(be, true, 40, unaligned()),
+        },
         Case { name: "lanes_fwd (then one lane as both)", len: 7 * nw, bound: ROWS, run: |be| lanes_case(be, false, Bump::aligned(8)) },
         Case { name: "lanes_fwd (unaligned rows)", len: 7 * nw, bound: ROWS, run: |be| lanes_case(be, false, unaligned()) },
         Case { name: "lanes_bwd", len: 11 * nw, bound: ROWS, run: |be| lanes_case(be, true, Bump::aligned(8)) },
@@ -607,14 +614,13 @@ pub fn cases() -> Vec<Case> {
 }
 
 /// SmearGate over `N` rows of `W` in sequences of 10 with a window of `win`, forward or
-/// backward; the BOS (4) mid-sequence and at a sequence's start.
-fn smear_case(be: &mut dyn Backend, backward: bool, win: usize) {
+/// backward, on regions from `r`; the BOS (4) mid-sequence and at a sequence's start.
+fn smear_case(be: &mut dyn Backend, backward: bool, win: usize, mut r: Bump) {
     let (mut x, y) = tokens(11);
     for p in [25, 30, 31] {
         x[p] = 4;
     }
     be.set_tokens(&x, &y);
-    let mut r = Bump::default();
     let (e, w, lambda) = (r.take(N * W), r.take(win), r.take(1));
     if backward {
         let (dout, de, dw, dl) = (r.take(N * W), r.take(N * W), r.take(win), r.take(1));
