@@ -141,6 +141,81 @@ extern "C" __global__ void eng_rms_norm_bwd(const act* x, const float* rstd, con
     }
 }
 
+// The widest row eng_norm_scale_bwd takes (its per-warp channel sums live in shared memory).
+constexpr int NORM_SCALE_MAX = 1024;
+
+// The RMS norm's backward pass into the stream's gradient and the scaled add's backward pass
+// of that gradient, in one pass (op::NormScaleBwd): per row, g += scale (dn / r - x sum(dn x) /
+// (cols r^3)) as eng_rms_norm_bwd accumulating, then dx = g s (eng_scale_cols) from g as
+// stored, and the per-channel sums of g a for s's gradient (eng_dot_partial's part rows, each
+// warp's rows summed in shared memory, then the block's warps in order). A block of 8 warps
+// per PART rows, each warp a row at a time; cols <= NORM_SCALE_MAX.
+extern "C" __global__ void eng_norm_scale_bwd(const act* x, const float* rstd, const act* dn, act* g, const act* a, const float* s,
+                                              act* dx, long rows, int cols, float scale, float* part) {
+    __shared__ float sums[8][NORM_SCALE_MAX];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, warps = blockDim.x / 32;
+    const long r0 = (long)blockIdx.x * PART, r1 = min(r0 + PART, rows);
+    for (int c = lane; c < cols; c += 32) sums[warp][c] = 0.f;
+    __syncwarp();
+    const bool chunks = chunked(cols, x, dn, g, a, dx) && cols <= 32 * AV * RMS_CHUNKS;
+    for (long r = r0 + warp; r < r1; r += warps) {
+        const act* xr = x + r * cols;
+        const act* nr = dn + r * cols;
+        act* gr = g + r * cols;
+        if (!chunks) {
+            ops::rms_norm_bwd_row(xr, nr, gr, cols, rstd[r], ops::row_dot(xr, nr, cols), scale, true);
+            __syncwarp();
+            for (int c = lane; c < cols; c += 32) {
+                const float o = gr[c];
+                dx[r * cols + c] = ops::scaled(gr[c], s[c]);
+                sums[warp][c] += o * a[r * cols + c];
+            }
+            __syncwarp();
+            continue;
+        }
+        const int n = cols / AV;
+        float xv[RMS_CHUNKS][AV], gv[RMS_CHUNKS][AV];
+        float xg = 0.f;
+#pragma unroll
+        for (int m = 0; m < RMS_CHUNKS; ++m) {
+            const int ch = lane + 32 * m;
+            if (ch < n) {
+                loadv(xr + ch * AV, xv[m]);
+                loadv(nr + ch * AV, gv[m]);
+                for (int k = 0; k < AV; ++k) xg += xv[m][k] * gv[m][k];
+            }
+        }
+        xg = warp_sum(xg);
+        const float inv = rstd[r], ai = inv * scale, ci = xg / cols * inv * inv * inv * scale;
+#pragma unroll
+        for (int m = 0; m < RMS_CHUNKS; ++m) {
+            const int ch = lane + 32 * m;
+            if (ch < n) {
+                const int c0 = ch * AV;
+                float o[AV], av[AV], d[AV];
+                loadv(gr + c0, o);
+                for (int k = 0; k < AV; ++k) o[k] = o[k] + (gv[m][k] * ai - xv[m][k] * ci);
+                // g as stored: what the scaled add's backward pass reads.
+                const uint4 stored = ops::pack(o);
+                *reinterpret_cast<uint4*>(gr + c0) = stored;
+                ops::unpack(stored, o);
+                loadv(a + r * cols + c0, av);
+                for (int k = 0; k < AV; ++k) {
+                    d[k] = ops::scaled(o[k], s[c0 + k]);
+                    sums[warp][c0 + k] += o[k] * av[k];
+                }
+                storev(dx + r * cols + c0, d);
+            }
+        }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float t = 0.f;
+        for (int w = 0; w < warps; ++w) t += sums[w][c];
+        part[(long)blockIdx.x * cols + c] = t;
+    }
+}
+
 // ---- residual mix, scaled add, skips -----------------------------------------------------
 // (ops/scale.cuh; the per-channel sums of ops/colsum.cuh)
 

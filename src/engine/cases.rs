@@ -126,6 +126,15 @@ fn mix_norm_case(be: &mut dyn Backend, mut r: Bump) {
     be.op(op::MixNormFwd { h: u, x0: out, mix: s, kind: op::MixKind::Scale, u: u2, out: out2, rstd: rstd2, scale: 1.0, eps: 1e-6 });
 }
 
+/// The second norm's gradient into the stream's, then through the scaled add, in one pass
+/// (three blocks of rows, the last short), on buffers from `r`.
+fn norm_scale_case(be: &mut dyn Backend, mut r: Bump) {
+    let (x, rstd, dn, g, a) = (r.take(N * W), r.take(N), r.take(N * W), r.take(N * W), r.take(N * W));
+    let (s, dx, ds) = (r.take(W), r.take(N * W), r.take(W));
+    be.op(op::Fill { dst: rstd, value: 1.5 });
+    be.op(op::NormScaleBwd { x, rstd, dn, g, scale: 0.7, a, s, dx, ds });
+}
+
 /// The RMS norm's gradient written, then accumulated, on buffers from `r` (unaligned, or on
 /// 16-byte rows: the kernels' chunked path).
 fn rms_bwd_case(be: &mut dyn Backend, mut r: Bump) {
@@ -342,6 +351,13 @@ pub fn cases() -> Vec<Case> {
             run: |be| mix_norm_case(be, Bump::aligned(8)),
         },
         Case { name: "mix_norm_fwd (unaligned rows)", len: 7 * nw, bound: ROWS, run: |be| mix_norm_case(be, unaligned()) },
+        Case {
+            name: "norm_scale_bwd (16-byte rows: the chunked path)",
+            len: 7 * nw,
+            bound: ROWS,
+            run: |be| norm_scale_case(be, Bump::aligned(8)),
+        },
+        Case { name: "norm_scale_bwd (unaligned rows)", len: 7 * nw, bound: ROWS, run: |be| norm_scale_case(be, unaligned()) },
         Case { name: "rms_norm_bwd (write, then accumulate)", len: 5 * nw, bound: ROWS, run: |be| rms_bwd_case(be, Bump::default()) },
         Case {
             name: "rms_norm_bwd (16-byte rows: the chunked path)",

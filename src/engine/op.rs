@@ -298,6 +298,10 @@ ops! {
     resid_mix_bwd => ResidMixBwd { du: Buf, h: Buf, x0: Buf, mix: Buf, dh: Buf, dx0: Buf, dmix: Buf }
     /// `out = base + x s` per channel (`out` may be `base`: in place).
     scale_add_fwd => ScaleAddFwd { base: Buf, x: Buf, s: Buf, out: Buf }
+    /// [`RmsNormBwd`] accumulating into the stream's gradient `g`, then [`ScaleAddBwd`] of the
+    /// updated `g`, in one pass: `g += scale (dn / r - x sum(dn x) / (cols r^3))`, `dx = g s`,
+    /// `ds += colsum(g a)` (`a` the scaled add's `x`; `cols = s.len`).
+    norm_scale_bwd => NormScaleBwd { x: Buf, rstd: Buf, dn: Buf, g: Buf, scale: f64, a: Buf, s: Buf, dx: Buf, ds: Buf }
     /// Backward of the `x s` term: `dx = dy s`, `ds += colsum(dy x)` (the base's gradient is
     /// `dy` itself, which the schedule keeps).
     scale_add_bwd => ScaleAddBwd { dy: Buf, x: Buf, s: Buf, dx: Buf, ds: Buf }

@@ -706,8 +706,9 @@ impl Schedule {
             // out = u2 + mlp_scale mo; u2 = u + attn_scale ao.
             be.op(op::ScaleAddBwd { dy: g, x: p.mo, s: mlp_scale, dx: sc.dmo, ds: d_mlp_scale });
             self.mlp_bwd(be, (i, pos), p.n2, p.pre, sc.dmo, false);
-            be.op(op::RmsNormBwd { x: p.u2, rstd: p.rstd2, dy: sc.dn, dx: g, cols: d, scale: s, accumulate: true });
-            be.op(op::ScaleAddBwd { dy: g, x: p.ao, s: attn_scale, dx: sc.dao, ds: d_attn_scale });
+            // G += the second norm's gradient, then through the scaled add: one pass.
+            let (x, rstd, dn) = (p.u2, p.rstd2, sc.dn);
+            be.op(op::NormScaleBwd { x, rstd, dn, g, scale: s, a: p.ao, s: attn_scale, dx: sc.dao, ds: d_attn_scale });
             self.attention_bwd(be, (i, pos), p, sc.dao, false);
             be.op(op::RmsNormBwd { x: p.u, rstd: p.rstd1, dy: sc.dn, dx: g, cols: d, scale: s, accumulate: true });
         }

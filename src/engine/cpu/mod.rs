@@ -227,6 +227,10 @@ impl<T: Real> Kernels for CpuBackend<T> {
         }
         self.op(op::RmsNormFwd { x: u, out, rstd, cols, scale, eps });
     }
+    fn norm_scale_bwd(&mut self, op::NormScaleBwd { x, rstd, dn, g, scale, a, s, dx, ds }: op::NormScaleBwd) {
+        self.op(op::RmsNormBwd { x, rstd, dy: dn, dx: g, cols: s.len, scale, accumulate: true });
+        self.op(op::ScaleAddBwd { dy: g, x: a, s, dx, ds });
+    }
     fn resid_mix_fwd(&mut self, op::ResidMixFwd { h, x0, mix, out }: op::ResidMixFwd) {
         let ([h, x0, m], [o]) = self.io([h, x0, mix], [out]);
         resid_mix::forward_rows(h, x0, m, o);

@@ -15,6 +15,8 @@ use crate::engine::op::{self, Kernels, Op};
 
 /// Rows per partial sum of a per-channel reduction (`PART` in kernels/engine.cu).
 pub(super) const PART: usize = 64;
+/// The widest row `eng_norm_scale_bwd` takes (`NORM_SCALE_MAX` in kernels/engine/rows.cuh).
+const NORM_SCALE_MAX: usize = 1024;
 /// Threads per block of the flat and row kernels.
 pub(super) const BLOCK_THREADS: usize = 256;
 /// [`BLOCK_THREADS`] as a launch takes it.
@@ -595,6 +597,19 @@ impl<D: Device> Kernels for KernelBackend<D> {
         self.launch(k::eng_scale_cols, flat(dy.len), BLOCK, vec![self.a(dy), self.a(s), self.a(dx), l(dy.len), i(cols)]);
         let part = self.scratch(0, rows.div_ceil(PART) * cols);
         self.launch(k::eng_dot_partial, parts(rows, cols), BLOCK, vec![self.a(dy), self.a(x), l(rows), i(cols), part]);
+        self.finish(rows, cols, cols, ds);
+    }
+    fn norm_scale_bwd(&mut self, op::NormScaleBwd { x, rstd, dn, g, scale, a, s, dx, ds }: op::NormScaleBwd) {
+        let (cols, rows) = (s.len, x.len / s.len);
+        if cols > NORM_SCALE_MAX {
+            // Wider than the fused kernel's shared sums: the two ops.
+            self.rms_norm_bwd(op::RmsNormBwd { x, rstd, dy: dn, dx: g, cols, scale, accumulate: true });
+            return self.scale_add_bwd(op::ScaleAddBwd { dy: g, x: a, s, dx, ds });
+        }
+        self.check([x, rstd, dn, a, s], [g, dx, ds]);
+        let part = self.scratch(0, rows.div_ceil(PART) * cols);
+        let args = vec![self.a(x), self.a(rstd), self.a(dn), self.a(g), self.a(a), self.a(s), self.a(dx), l(rows), i(cols), f(scale), part];
+        self.launch(k::eng_norm_scale_bwd, [rows.div_ceil(PART) as u32, 1, 1], BLOCK, args);
         self.finish(rows, cols, cols, ds);
     }
     fn skip_fwd(&mut self, op::SkipFwd { h, s, w, z, out }: op::SkipFwd) {
