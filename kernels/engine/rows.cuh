@@ -141,8 +141,45 @@ extern "C" __global__ void eng_rms_norm_bwd(const act* x, const float* rstd, con
     }
 }
 
-// The widest row eng_norm_scale_bwd takes (its per-warp channel sums live in shared memory).
+// The widest row eng_norm_scale_bwd takes (its per-warp channel sums live in shared memory),
+// and eng_norm_mix_bwd (two sums a channel).
 constexpr int NORM_SCALE_MAX = 1024;
+constexpr int NORM_MIX_MAX = 512;
+
+// Row r's RMS norm gradient added to (acc) or written into its stream gradient gr, as
+// eng_rms_norm_bwd, on 16-byte chunks (cols <= 32 AV RMS_CHUNKS): o gets the lane's chunks of
+// gr as stored (packed to the activations' type and unpacked), what the next op reads.
+__device__ __forceinline__ void norm_grad_chunks(const act* xr, const act* nr, act* gr, float inv, int cols, float scale, bool acc,
+                                                 float (&o)[RMS_CHUNKS][AV]) {
+    const int lane = threadIdx.x & 31, n = cols / AV;
+    float xv[RMS_CHUNKS][AV], gv[RMS_CHUNKS][AV];
+    float xg = 0.f;
+#pragma unroll
+    for (int m = 0; m < RMS_CHUNKS; ++m) {
+        const int ch = lane + 32 * m;
+        if (ch < n) {
+            loadv(xr + ch * AV, xv[m]);
+            loadv(nr + ch * AV, gv[m]);
+            for (int k = 0; k < AV; ++k) xg += xv[m][k] * gv[m][k];
+        }
+    }
+    xg = warp_sum(xg);
+    const float a = inv * scale, c = xg / cols * inv * inv * inv * scale;
+#pragma unroll
+    for (int m = 0; m < RMS_CHUNKS; ++m) {
+        const int ch = lane + 32 * m;
+        if (ch < n) {
+            if (acc) loadv(gr + ch * AV, o[m]);
+            for (int k = 0; k < AV; ++k) {
+                const float v = gv[m][k] * a - xv[m][k] * c;
+                o[m][k] = acc ? o[m][k] + v : v;
+            }
+            const uint4 stored = ops::pack(o[m]);
+            *reinterpret_cast<uint4*>(gr + ch * AV) = stored;
+            ops::unpack(stored, o[m]);
+        }
+    }
+}
 
 // The RMS norm's backward pass into the stream's gradient and the scaled add's backward pass
 // of that gradient, in one pass (op::NormScaleBwd): per row, g += scale (dn / r - x sum(dn x) /
@@ -173,36 +210,17 @@ extern "C" __global__ void eng_norm_scale_bwd(const act* x, const float* rstd, c
             __syncwarp();
             continue;
         }
-        const int n = cols / AV;
-        float xv[RMS_CHUNKS][AV], gv[RMS_CHUNKS][AV];
-        float xg = 0.f;
+        float o[RMS_CHUNKS][AV];
+        norm_grad_chunks(xr, nr, gr, rstd[r], cols, scale, true, o);
 #pragma unroll
         for (int m = 0; m < RMS_CHUNKS; ++m) {
-            const int ch = lane + 32 * m;
-            if (ch < n) {
-                loadv(xr + ch * AV, xv[m]);
-                loadv(nr + ch * AV, gv[m]);
-                for (int k = 0; k < AV; ++k) xg += xv[m][k] * gv[m][k];
-            }
-        }
-        xg = warp_sum(xg);
-        const float inv = rstd[r], ai = inv * scale, ci = xg / cols * inv * inv * inv * scale;
-#pragma unroll
-        for (int m = 0; m < RMS_CHUNKS; ++m) {
-            const int ch = lane + 32 * m;
-            if (ch < n) {
-                const int c0 = ch * AV;
-                float o[AV], av[AV], d[AV];
-                loadv(gr + c0, o);
-                for (int k = 0; k < AV; ++k) o[k] = o[k] + (gv[m][k] * ai - xv[m][k] * ci);
-                // g as stored: what the scaled add's backward pass reads.
-                const uint4 stored = ops::pack(o);
-                *reinterpret_cast<uint4*>(gr + c0) = stored;
-                ops::unpack(stored, o);
+            const int c0 = (lane + 32 * m) * AV;
+            if (c0 < cols) {
+                float av[AV], d[AV];
                 loadv(a + r * cols + c0, av);
                 for (int k = 0; k < AV; ++k) {
-                    d[k] = ops::scaled(o[k], s[c0 + k]);
-                    sums[warp][c0 + k] += o[k] * av[k];
+                    d[k] = ops::scaled(o[m][k], s[c0 + k]);
+                    sums[warp][c0 + k] += o[m][k] * av[k];
                 }
                 storev(dx + r * cols + c0, d);
             }
@@ -213,6 +231,68 @@ extern "C" __global__ void eng_norm_scale_bwd(const act* x, const float* rstd, c
         float t = 0.f;
         for (int w = 0; w < warps; ++w) t += sums[w][c];
         part[(long)blockIdx.x * cols + c] = t;
+    }
+}
+
+// The RMS norm's backward pass into u's gradient du (written, or added to with acc) and the
+// residual mix's backward pass of du, in one pass (op::NormMixBwd): per row du as
+// eng_rms_norm_bwd, then dh = du mix[0] and dx0 += du mix[1] (eng_resid_mix_bwd) from du as
+// stored, and the per-channel sums of du h and du x0 for mix's gradient
+// (eng_resid_mix_partial's part rows, 2 cols a block). Blocks as eng_norm_scale_bwd;
+// cols <= NORM_MIX_MAX.
+extern "C" __global__ void eng_norm_mix_bwd(const act* x, const float* rstd, const act* dn, act* du, int acc, const act* h,
+                                            const act* x0, const float* mix, act* dh, act* dx0, long rows, int cols, float scale,
+                                            float* part) {
+    __shared__ float sums[8][2 * NORM_MIX_MAX];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, warps = blockDim.x / 32;
+    const long r0 = (long)blockIdx.x * PART, r1 = min(r0 + PART, rows);
+    for (int c = lane; c < 2 * cols; c += 32) sums[warp][c] = 0.f;
+    __syncwarp();
+    const bool chunks = chunked(cols, x, dn, du, h, x0, dh, dx0) && cols <= 32 * AV * RMS_CHUNKS;
+    for (long r = r0 + warp; r < r1; r += warps) {
+        const act* xr = x + r * cols;
+        const act* nr = dn + r * cols;
+        act* gr = du + r * cols;
+        const long i0 = r * cols;
+        if (!chunks) {
+            ops::rms_norm_bwd_row(xr, nr, gr, cols, rstd[r], ops::row_dot(xr, nr, cols), scale, acc != 0);
+            __syncwarp();
+            for (int c = lane; c < cols; c += 32) {
+                const float g = gr[c];
+                dh[i0 + c] = ops::scaled(gr[c], mix[c]);
+                dx0[i0 + c] = ops::add_scaled(dx0[i0 + c], gr[c], mix[cols + c]);
+                sums[warp][c] += g * h[i0 + c];
+                sums[warp][cols + c] += g * x0[i0 + c];
+            }
+            __syncwarp();
+            continue;
+        }
+        float o[RMS_CHUNKS][AV];
+        norm_grad_chunks(xr, nr, gr, rstd[r], cols, scale, acc != 0, o);
+#pragma unroll
+        for (int m = 0; m < RMS_CHUNKS; ++m) {
+            const int c0 = (lane + 32 * m) * AV;
+            if (c0 < cols) {
+                float hv[AV], xv[AV], d0[AV], dd[AV];
+                loadv(h + i0 + c0, hv);
+                loadv(x0 + i0 + c0, xv);
+                loadv(dx0 + i0 + c0, d0);
+                for (int k = 0; k < AV; ++k) {
+                    dd[k] = ops::scaled(o[m][k], mix[c0 + k]);
+                    d0[k] = ops::add_scaled(d0[k], o[m][k], mix[cols + c0 + k]);
+                    sums[warp][c0 + k] += o[m][k] * hv[k];
+                    sums[warp][cols + c0 + k] += o[m][k] * xv[k];
+                }
+                storev(dh + i0 + c0, dd);
+                storev(dx0 + i0 + c0, d0);
+            }
+        }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < 2 * cols; c += blockDim.x) {
+        float t = 0.f;
+        for (int w = 0; w < warps; ++w) t += sums[w][c];
+        part[(long)blockIdx.x * 2 * cols + c] = t;
     }
 }
 

@@ -302,6 +302,10 @@ ops! {
     /// updated `g`, in one pass: `g += scale (dn / r - x sum(dn x) / (cols r^3))`, `dx = g s`,
     /// `ds += colsum(g a)` (`a` the scaled add's `x`; `cols = s.len`).
     norm_scale_bwd => NormScaleBwd { x: Buf, rstd: Buf, dn: Buf, g: Buf, scale: f64, a: Buf, s: Buf, dx: Buf, ds: Buf }
+    /// [`RmsNormBwd`] into `du` (written, or added to with `accumulate`), then [`ResidMixBwd`]
+    /// of `du`, in one pass: `dh = du mix[0]`, `dx0 += du mix[1]`, `dmix[0] += colsum(du h)`,
+    /// `dmix[1] += colsum(du x0)` (`cols = mix.len / 2`).
+    norm_mix_bwd => NormMixBwd { x: Buf, rstd: Buf, dn: Buf, du: Buf, scale: f64, accumulate: bool, h: Buf, x0: Buf, mix: Buf, dh: Buf, dx0: Buf, dmix: Buf }
     /// Backward of the `x s` term: `dx = dy s`, `ds += colsum(dy x)` (the base's gradient is
     /// `dy` itself, which the schedule keeps).
     scale_add_bwd => ScaleAddBwd { dy: Buf, x: Buf, s: Buf, dx: Buf, ds: Buf }

@@ -455,15 +455,21 @@ impl Schedule {
         // a = attention(s rms(u)), u = l0 mix0 + x0 mix1: du, then dl0 += du mix0 (by way of
         // dy, free once attention's backward is done).
         self.attention_bwd(be, (i, pos), p, sc.dao, false);
-        be.op(op::RmsNormBwd { x: p.u, rstd: p.rstd1, dy: sc.dn, dx: sc.datt, cols: d, scale: s, accumulate: false });
-        be.op(op::ResidMixBwd {
+        let (mix, dmix) = (self.value(&b.name("resid_mix")), self.grad(&b.name("resid_mix")));
+        let (x, rstd, dn) = (p.u, p.rstd1, sc.dn);
+        be.op(op::NormMixBwd {
+            x,
+            rstd,
+            dn,
             du: sc.datt,
+            scale: s,
+            accumulate: false,
             h: l[0],
             x0: lay.x0,
-            mix: self.value(&b.name("resid_mix")),
+            mix,
             dh: sc.dy,
             dx0: sc.dx0,
-            dmix: self.grad(&b.name("resid_mix")),
+            dmix,
         });
         be.op(op::Axpby { a: 1.0, x: sc.dy, b: 1.0, y: g_in[0] });
     }
@@ -691,7 +697,7 @@ impl Schedule {
     /// of the block's output and is used up; `g_in` gets the gradient of its input.
     #[allow(clippy::too_many_arguments)]
     fn block_bwd(&self, be: &mut dyn Backend, (i, pos): (usize, usize), p: &PositionBufs, h: Buf, g: Buf, g_in: Buf) {
-        let (l, sc, b, d) = (&self.layout, self.layout.scratch, BlockNames(i), self.cfg.model_dim);
+        let (l, sc, b) = (&self.layout, self.layout.scratch, BlockNames(i));
         let s = self.cfg.ln_scale_of(i).unwrap_or(1.0);
         let (attn_scale, mlp_scale) = (self.value(&b.name("attn_scale")), self.value(&b.name("mlp_scale")));
         let (d_attn_scale, d_mlp_scale) = (self.grad(&b.name("attn_scale")), self.grad(&b.name("mlp_scale")));
@@ -701,7 +707,6 @@ impl Schedule {
             be.op(op::ScaleAddBwd { dy: g, x: p.ao, s: attn_scale, dx: sc.dao, ds: d_attn_scale });
             self.mlp_bwd(be, (i, pos), p.n1, p.pre, sc.dmo, false);
             self.attention_bwd(be, (i, pos), p, sc.dao, true);
-            be.op(op::RmsNormBwd { x: p.u, rstd: p.rstd1, dy: sc.dn, dx: g, cols: d, scale: s, accumulate: true });
         } else {
             // out = u2 + mlp_scale mo; u2 = u + attn_scale ao.
             be.op(op::ScaleAddBwd { dy: g, x: p.mo, s: mlp_scale, dx: sc.dmo, ds: d_mlp_scale });
@@ -710,18 +715,11 @@ impl Schedule {
             let (x, rstd, dn) = (p.u2, p.rstd2, sc.dn);
             be.op(op::NormScaleBwd { x, rstd, dn, g, scale: s, a: p.ao, s: attn_scale, dx: sc.dao, ds: d_attn_scale });
             self.attention_bwd(be, (i, pos), p, sc.dao, false);
-            be.op(op::RmsNormBwd { x: p.u, rstd: p.rstd1, dy: sc.dn, dx: g, cols: d, scale: s, accumulate: true });
         }
-        // u = h mix0 + x0 mix1.
-        be.op(op::ResidMixBwd {
-            du: g,
-            h,
-            x0: l.x0,
-            mix: self.value(&b.name("resid_mix")),
-            dh: g_in,
-            dx0: sc.dx0,
-            dmix: self.grad(&b.name("resid_mix")),
-        });
+        // G += the first norm's gradient; u = h mix0 + x0 mix1: one pass.
+        let (mix, dmix) = (self.value(&b.name("resid_mix")), self.grad(&b.name("resid_mix")));
+        let (x, rstd, dn) = (p.u, p.rstd1, sc.dn);
+        be.op(op::NormMixBwd { x, rstd, dn, du: g, scale: s, accumulate: true, h, x0: l.x0, mix, dh: g_in, dx0: sc.dx0, dmix });
     }
 
     /// Backward of block `i`'s attention from `dao` (the gradient of `ao`) into `dn`, the

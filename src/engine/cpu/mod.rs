@@ -231,6 +231,10 @@ impl<T: Real> Kernels for CpuBackend<T> {
         self.op(op::RmsNormBwd { x, rstd, dy: dn, dx: g, cols: s.len, scale, accumulate: true });
         self.op(op::ScaleAddBwd { dy: g, x: a, s, dx, ds });
     }
+    fn norm_mix_bwd(&mut self, op::NormMixBwd { x, rstd, dn, du, scale, accumulate, h, x0, mix, dh, dx0, dmix }: op::NormMixBwd) {
+        self.op(op::RmsNormBwd { x, rstd, dy: dn, dx: du, cols: mix.len / 2, scale, accumulate });
+        self.op(op::ResidMixBwd { du, h, x0, mix, dh, dx0, dmix });
+    }
     fn resid_mix_fwd(&mut self, op::ResidMixFwd { h, x0, mix, out }: op::ResidMixFwd) {
         let ([h, x0, m], [o]) = self.io([h, x0, mix], [out]);
         resid_mix::forward_rows(h, x0, m, o);

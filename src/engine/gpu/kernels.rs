@@ -24,7 +24,7 @@ kernels! {
     eng_momentum, eng_row_normalize, eng_normalize_each, eng_transpose_each, eng_colsum_finish,
     eng_colsum_groups, eng_colsum_partial, eng_embedding_fwd, eng_embedding_pieces,
     eng_embedding_bwd, eng_rms_norm_fwd, eng_mix_norm_fwd, eng_rms_norm_bwd, eng_resid_mix_fwd, eng_resid_mix_bwd,
-    eng_resid_mix_partial, eng_scale_add_fwd, eng_norm_scale_bwd, eng_scale_cols, eng_dot_partial, eng_skip_fwd,
+    eng_resid_mix_partial, eng_scale_add_fwd, eng_norm_scale_bwd, eng_norm_mix_bwd, eng_scale_cols, eng_dot_partial, eng_skip_fwd,
     eng_skip_bwd, eng_skip_partial, eng_skip_gate_finish, eng_qk_norm_rope_fwd,
     eng_qk_norm_rope_bwd, eng_qk_norm_rope_fwd4, eng_qk_norm_rope_bwd4, eng_xsa_fwd, eng_xsa_bwd,
     eng_act_fwd, eng_act_bwd, eng_softcap_ce, eng_to_bf16, eng_from_bf16, eng_cast_bf16,

@@ -36,6 +36,7 @@
 //! communication stream forked from the compute stream by an event and joined by another before
 //! the unit ends, so a unit with collectives is still one graph.
 
+mod backend;
 pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda;
