@@ -99,56 +99,10 @@ extern "C" __global__ void eng_mix_norm_fwd(const act* h, const act* x0, const f
     if (lane == 0) rstd[r] = inv;
 }
 
-// dx (+)= scale (dy / r - x sum(dy x) / (cols r^3)), with 1 / r from the forward pass.
-extern "C" __global__ void eng_rms_norm_bwd(const act* x, const float* rstd, const act* dy, act* dx, long rows, int cols, float scale,
-                                            int acc) {
-    const long r = warp_row(rows);
-    if (r < 0) return;
-    const act* xr = x + r * cols;
-    const act* gr = dy + r * cols;
-    if (!chunked(cols, x, dy, dx) || cols > 32 * AV * RMS_CHUNKS) {
-        ops::rms_norm_bwd_row(xr, gr, dx + r * cols, cols, rstd[r], ops::row_dot(xr, gr, cols), scale, acc != 0);
-        return;
-    }
-    // Chunked: x and dy read once into registers, dx written (read too when accumulating).
-    const int lane = threadIdx.x & 31, chunks = cols / AV;
-    float xv[RMS_CHUNKS][AV], gv[RMS_CHUNKS][AV];
-    float xg = 0.f;
-#pragma unroll
-    for (int m = 0; m < RMS_CHUNKS; ++m) {
-        const int ch = lane + 32 * m;
-        if (ch < chunks) {
-            loadv(xr + ch * AV, xv[m]);
-            loadv(gr + ch * AV, gv[m]);
-            for (int k = 0; k < AV; ++k) xg += xv[m][k] * gv[m][k];
-        }
-    }
-    xg = warp_sum(xg);
-    const float inv = rstd[r], a = inv * scale, c = xg / cols * inv * inv * inv * scale;
-    act* dr = dx + r * cols;
-#pragma unroll
-    for (int m = 0; m < RMS_CHUNKS; ++m) {
-        const int ch = lane + 32 * m;
-        if (ch < chunks) {
-            float o[AV];
-            if (acc) loadv(dr + ch * AV, o);
-            for (int k = 0; k < AV; ++k) {
-                const float v = gv[m][k] * a - xv[m][k] * c;
-                o[k] = acc ? o[k] + v : v;
-            }
-            storev(dr + ch * AV, o);
-        }
-    }
-}
-
-// The widest row eng_norm_scale_bwd takes (its per-warp channel sums live in shared memory),
-// and eng_norm_mix_bwd (two sums a channel).
-constexpr int NORM_SCALE_MAX = 1024;
-constexpr int NORM_MIX_MAX = 512;
-
-// Row r's RMS norm gradient added to (acc) or written into its stream gradient gr, as
-// eng_rms_norm_bwd, on 16-byte chunks (cols <= 32 AV RMS_CHUNKS): o gets the lane's chunks of
-// gr as stored (packed to the activations' type and unpacked), what the next op reads.
+// Row r's RMS norm gradient into gr, gr (+)= scale (dn / r - x sum(dn x) / (cols r^3)) with
+// 1 / r = inv from the forward pass, added when acc, on 16-byte chunks (cols <= 32 AV
+// RMS_CHUNKS): eng_rms_norm_bwd's chunked path and the fused passes'. o gets the lane's chunks
+// of gr as stored (packed to the activations' type and unpacked): what a next op reads.
 __device__ __forceinline__ void norm_grad_chunks(const act* xr, const act* nr, act* gr, float inv, int cols, float scale, bool acc,
                                                  float (&o)[RMS_CHUNKS][AV]) {
     const int lane = threadIdx.x & 31, n = cols / AV;
@@ -180,6 +134,27 @@ __device__ __forceinline__ void norm_grad_chunks(const act* xr, const act* nr, a
         }
     }
 }
+
+// dx (+)= scale (dy / r - x sum(dy x) / (cols r^3)), with 1 / r from the forward pass.
+extern "C" __global__ void eng_rms_norm_bwd(const act* x, const float* rstd, const act* dy, act* dx, long rows, int cols, float scale,
+                                            int acc) {
+    const long r = warp_row(rows);
+    if (r < 0) return;
+    const act* xr = x + r * cols;
+    const act* gr = dy + r * cols;
+    if (!chunked(cols, x, dy, dx) || cols > 32 * AV * RMS_CHUNKS) {
+        ops::rms_norm_bwd_row(xr, gr, dx + r * cols, cols, rstd[r], ops::row_dot(xr, gr, cols), scale, acc != 0);
+        return;
+    }
+    // Chunked: x and dy read once into registers, dx written (read too when accumulating).
+    float o[RMS_CHUNKS][AV];
+    norm_grad_chunks(xr, gr, dx + r * cols, rstd[r], cols, scale, acc != 0, o);
+}
+
+// The widest row eng_norm_scale_bwd takes (its per-warp channel sums live in shared memory),
+// and eng_norm_mix_bwd (two sums a channel).
+constexpr int NORM_SCALE_MAX = 1024;
+constexpr int NORM_MIX_MAX = 512;
 
 // The RMS norm's backward pass into the stream's gradient and the scaled add's backward pass
 // of that gradient, in one pass (op::NormScaleBwd): per row, g += scale (dn / r - x sum(dn x) /
