@@ -8,6 +8,24 @@
 
 // ops/rms_norm.cuh with the scale folded in. Warp per row.
 
+// The chunked RMS norm's second half, for a row whose lane chunks v hold and whose sum of
+// squares this lane's part ss is: out = scale v / r, *rstd = 1 / r (lane 0).
+__device__ __forceinline__ void norm_chunks_out(float (&v)[RMS_CHUNKS][AV], float ss, act* outr, float* rstd, int cols, float scale,
+                                                float eps) {
+    const int lane = threadIdx.x & 31, chunks = cols / AV;
+    const float inv = ops::rms_rstd<Precise>(warp_sum(ss), cols, eps);
+    const float a = inv * scale;
+#pragma unroll
+    for (int m = 0; m < RMS_CHUNKS; ++m) {
+        const int ch = lane + 32 * m;
+        if (ch < chunks) {
+            for (int k = 0; k < AV; ++k) v[m][k] *= a;
+            storev(outr + ch * AV, v[m]);
+        }
+    }
+    if (lane == 0) *rstd = inv;
+}
+
 // out = x scale / r, rstd = 1 / r with r = sqrt(mean(x^2) + eps).
 // Chunked: the row in registers, one read and one write of it.
 extern "C" __global__ void eng_rms_norm_fwd(const act* x, act* out, float* rstd, long rows, int cols, float scale, float eps) {
@@ -31,17 +49,7 @@ extern "C" __global__ void eng_rms_norm_fwd(const act* x, act* out, float* rstd,
             for (int k = 0; k < AV; ++k) ss += v[m][k] * v[m][k];
         }
     }
-    const float inv = ops::rms_rstd<Precise>(warp_sum(ss), cols, eps);
-    const float a = inv * scale;
-#pragma unroll
-    for (int m = 0; m < RMS_CHUNKS; ++m) {
-        const int ch = lane + 32 * m;
-        if (ch < chunks) {
-            for (int k = 0; k < AV; ++k) v[m][k] *= a;
-            storev(out + r * cols + ch * AV, v[m]);
-        }
-    }
-    if (lane == 0) rstd[r] = inv;
+    norm_chunks_out(v, ss, out + r * cols, rstd + r, cols, scale, eps);
 }
 
 // A residual sum and its RMS norm in one pass (op::MixNormFwd): u = h mix[0] + x0 mix[cols + .]
@@ -86,17 +94,7 @@ extern "C" __global__ void eng_mix_norm_fwd(const act* h, const act* x0, const f
             for (int k = 0; k < AV; ++k) ss += v[m][k] * v[m][k];
         }
     }
-    const float inv = ops::rms_rstd<Precise>(warp_sum(ss), cols, eps);
-    const float a = inv * scale;
-#pragma unroll
-    for (int m = 0; m < RMS_CHUNKS; ++m) {
-        const int ch = lane + 32 * m;
-        if (ch < chunks) {
-            for (int k = 0; k < AV; ++k) v[m][k] *= a;
-            storev(out + r * cols + ch * AV, v[m]);
-        }
-    }
-    if (lane == 0) rstd[r] = inv;
+    norm_chunks_out(v, ss, out + r * cols, rstd + r, cols, scale, eps);
 }
 
 // Row r's RMS norm gradient into gr, gr (+)= scale (dn / r - x sum(dn x) / (cols r^3)) with
