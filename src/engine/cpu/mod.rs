@@ -38,6 +38,15 @@ use crate::model::ops::{
     DocumentMask, attn_gate, embedding, lanes, relu_sq, resid_mix, rms_norm, scale_add, skip_gate, smear_gate, softcap_ce, xsa,
 };
 
+/// The ids an embedding op reads of the micro-batch's `x`: `x` itself, or its BigramHash
+/// buckets.
+fn read_ids(x: &[u32], ids: op::Ids) -> std::borrow::Cow<'_, [u32]> {
+    match ids {
+        op::Ids::Tokens => std::borrow::Cow::Borrowed(x),
+        op::Ids::Bigram { buckets, t } => std::borrow::Cow::Owned(embedding::bigram_ids(x, t, buckets)),
+    }
+}
+
 /// The head geometry of the model's XSA row kernels.
 fn heads(s: AttnShape) -> xsa::HeadsShape {
     xsa::HeadsShape { heads: s.heads, kv_heads: s.kv_heads, d: s.d }
@@ -80,14 +89,6 @@ impl<T: Real> CpuBackend<T> {
             let ins = ins.map(|b| &*std::ptr::slice_from_raw_parts(base.add(b.off) as *const T, b.len));
             let outs = outs.map(|b| &mut *std::ptr::slice_from_raw_parts_mut(base.add(b.off), b.len));
             (ins, outs)
-        }
-    }
-
-    /// The ids an embedding op reads: the micro-batch's, or their BigramHash buckets.
-    fn ids(&self, ids: op::Ids) -> Vec<u32> {
-        match ids {
-            op::Ids::Tokens => self.x.clone(),
-            op::Ids::Bigram { buckets, t } => embedding::bigram_ids(&self.x, t, buckets),
         }
     }
 
@@ -195,16 +196,19 @@ impl<T: Real> Kernels for CpuBackend<T> {
         gemm::gemm(c, c_s, a, a_s, b, b_s, alpha, beta);
     }
     fn embedding_fwd(&mut self, op::EmbeddingFwd { table, out, dim, ids }: op::EmbeddingFwd) {
-        let x = self.ids(ids);
+        let x = std::mem::take(&mut self.x);
         let ([t], [o]) = self.io([table], [out]);
-        embedding::embedding_rows_fwd(t, &x, o, dim);
+        embedding::embedding_rows_fwd(t, &read_ids(&x, ids), o, dim);
+        self.x = x;
     }
     fn embedding_bwd(&mut self, op::EmbeddingBwd { dout, dtable, dim, ids }: op::EmbeddingBwd) {
-        let x = self.ids(ids);
+        let x = std::mem::take(&mut self.x);
         let ([g], [d]) = self.io([dout], [dtable]);
+        let read = read_ids(&x, ids);
         // The micro-batch's first rows (the ids may hold a larger arena's capacity).
-        let n = (g.len() / dim.max(1)).min(x.len());
-        embedding::embedding_rows_bwd(g, &x[..n], d, dim);
+        let n = (g.len() / dim.max(1)).min(read.len());
+        embedding::embedding_rows_bwd(g, &read[..n], d, dim);
+        self.x = x;
     }
     fn rms_norm_fwd(&mut self, op::RmsNormFwd { x, out, rstd, cols, scale, eps }: op::RmsNormFwd) {
         let ([x], [o, r]) = self.io([x], [out, rstd]);

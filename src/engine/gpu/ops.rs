@@ -316,9 +316,7 @@ impl<D: Device> Kernels for KernelBackend<D> {
         // for its own gradient, and the tokens' is built again after it.
         let bigram = ids != op::Ids::Tokens;
         if bigram {
-            for launch in self.csr_build(ids) {
-                self.launch(launch.kernel, launch.grid, launch.block, launch.args);
-            }
+            self.csr_build(ids).into_iter().for_each(|launch| self.submit(Work::Launch(launch)));
         }
         let t = self.tokens;
         let (rows, csr_rows) = (dtable.len / dim, csr_rows(t, ids));
@@ -332,9 +330,7 @@ impl<D: Device> Kernels for KernelBackend<D> {
         self.launch(k::eng_embedding_pieces, [pieces, 1, 1], BLOCK, args);
         self.launch(k::eng_embedding_bwd, [rows as u32, 1, 1], BLOCK, vec![self.a(dout), off, pos, poff, part, self.a(dtable), i(dim)]);
         if bigram {
-            for launch in self.csr_build(op::Ids::Tokens) {
-                self.launch(launch.kernel, launch.grid, launch.block, launch.args);
-            }
+            self.csr_build(op::Ids::Tokens).into_iter().for_each(|launch| self.submit(Work::Launch(launch)));
         }
     }
     fn rms_norm_fwd(&mut self, op::RmsNormFwd { x, out, rstd, cols, scale, eps }: op::RmsNormFwd) {
