@@ -614,4 +614,24 @@ mod tests {
         // Without loops the baseline's U-Net: 4 skips of 9 layers, as before.
         assert_eq!(ModelConfig::default().skip_count(), 4);
     }
+
+    /// BigramHash's keys are checked, each refusal naming its key: one bucket besides the first
+    /// position's is the least, the table at most as wide as the model, and the vocabulary small
+    /// enough for the records' 32-bit hash; off (0 buckets) nothing else is read.
+    #[test]
+    fn bigram_keys_are_checked_and_named() {
+        let on = ModelConfig { bigram_vocab_size: 2, bigram_dim: 512, ..ModelConfig::default() };
+        on.check().unwrap();
+        assert_eq!(on.param_shapes().iter().filter(|(n, _)| n.starts_with("bigram.")).count(), 2, "no projection at the model's width");
+        for (bad, key) in [
+            (ModelConfig { bigram_vocab_size: 1, ..on.clone() }, "`model.bigram_vocab_size`"),
+            (ModelConfig { bigram_dim: 513, ..on.clone() }, "`model.bigram_dim`"),
+            (ModelConfig { bigram_dim: 0, ..on.clone() }, "`model.bigram_dim`"),
+            (ModelConfig { vocab_size: 60_000, ..on.clone() }, "`model.vocab_size`"),
+        ] {
+            let e = bad.check().unwrap_err().to_string();
+            assert!(e.contains(key), "{e}");
+        }
+        ModelConfig { bigram_vocab_size: 0, bigram_dim: 0, vocab_size: 60_000, ..ModelConfig::default() }.check().unwrap();
+    }
 }
