@@ -266,10 +266,16 @@ extern "C" __global__ void eng_lanes_finish(const float* sc, int count, float* d
 
 // ---- document starts (src/model/ops/doc_mask.rs) ------------------------------------------
 
-// starts[r t + p] = the first position of the document holding position p of row r: the last
-// position at or before p whose id is bos, else 0. Warp per row, 32 positions at a time: a
-// ballot of the BOS positions, each lane taking the highest at or below it (or the carry).
-extern "C" __global__ void eng_doc_starts(const unsigned* ids, unsigned* starts, long rows, int t, int bos) {
+// starts[r t + p] = the first position of the attention segment holding position p of row r:
+// with d the document start (the last position at or before p whose id is bos, else 0),
+// d + floor((p - d) / max_len) max_len (max_len = 0: d), as DocRule::start. Warp per row, 32
+// positions at a time: a ballot of the BOS positions, each lane taking the highest at or below
+// it (or the carry).
+__device__ __forceinline__ unsigned segment_start(unsigned doc, int p, int max_len) {
+    return max_len > 0 ? doc + ((unsigned)p - doc) / (unsigned)max_len * (unsigned)max_len : doc;
+}
+
+extern "C" __global__ void eng_doc_starts(const unsigned* ids, unsigned* starts, long rows, int t, int bos, int max_len) {
     const long r = warp_row(rows);
     if (r < 0) return;
     const int lane = threadIdx.x & 31;
@@ -278,29 +284,43 @@ extern "C" __global__ void eng_doc_starts(const unsigned* ids, unsigned* starts,
         const int p = p0 + lane;
         const unsigned mask = __ballot_sync(0xffffffffu, p < t && ids[r * t + p] == (unsigned)bos);
         const unsigned upto = mask & (0xffffffffu >> (31 - lane));
-        if (p < t) starts[r * t + p] = upto ? (unsigned)(p0 + 31 - __clz(upto)) : carry;
+        const unsigned doc = upto ? (unsigned)(p0 + 31 - __clz(upto)) : carry;
+        if (p < t) starts[r * t + p] = segment_start(doc, p, max_len);
         if (mask) carry = (unsigned)(p0 + 31 - __clz(mask));
     }
 }
 
-// cuDNN's ragged attention over the documents of a micro-batch (src/engine/gpu/sdpa.rs), packed
-// as cuDNN's THD layout reads it: row r's documents in order in slots r t, r t + 1, ..., then
+// cuDNN's ragged attention over the segments of a micro-batch (src/engine/gpu/sdpa.rs), packed
+// as cuDNN's THD layout reads it: row r's segments in order in slots r t, r t + 1, ..., then
 // its unused slots (length 0). slot_len[s] is slot s's length and slot_start[s] its first
 // position (r t + p; for an unused slot, the row's end (r + 1) t), so that each slot starts
-// where the one before it ends and the offsets `start * stride` are cumulative. A document
-// starts at a row's first position and at each id equal to bos, and runs to the next start or
-// the row's end. pos_len (n entries) is scratch: the length of the document starting at each
-// position. Warp per row: 32 positions at a time from the end (each start's length: the
-// lowest start above it, or the carry from the chunk after), then from the front (each start's
-// slot: the starts below it in the chunk, plus the carry), then the unused slots.
-extern "C" __global__ void eng_doc_slots(const unsigned* ids, unsigned* pos_len, int* slot_len, int* slot_start, long rows, int t, int bos) {
+// where the one before it ends and the offsets `start * stride` are cumulative. A segment
+// starts where eng_doc_starts's start(p) = p (a row's first position, each id equal to bos,
+// every max_len positions from a document's start) and runs to the next start or the row's
+// end. pos_len (n entries) is scratch: first 1 at each start (0 elsewhere), then the length of
+// the segment starting at each position. Warp per row, each lane on the same positions in
+// every pass: 32 positions at a time from the front (the starts), from the end (each start's
+// length: the lowest start above it, or the carry from the chunk after), then from the front
+// (each start's slot: the starts below it in the chunk, plus the carry), then the unused slots.
+extern "C" __global__ void eng_doc_slots(const unsigned* ids, unsigned* pos_len, int* slot_len, int* slot_start, long rows, int t, int bos,
+                                         int max_len) {
     const long r = warp_row(rows);
     if (r < 0) return;
     const int lane = threadIdx.x & 31;
+    unsigned carry = 0;
+    for (int p0 = 0; p0 < t; p0 += 32) {
+        const int p = p0 + lane;
+        const unsigned mask = __ballot_sync(0xffffffffu, p < t && ids[r * t + p] == (unsigned)bos);
+        const unsigned upto = mask & (0xffffffffu >> (31 - lane));
+        const unsigned doc = upto ? (unsigned)(p0 + 31 - __clz(upto)) : carry;
+        if (p < t) pos_len[r * t + p] = segment_start(doc, p, max_len) == (unsigned)p ? 1u : 0u;
+        if (mask) carry = (unsigned)(p0 + 31 - __clz(mask));
+    }
+    __syncwarp();
     int next = t;
     for (int p0 = (t - 1) / 32 * 32; p0 >= 0; p0 -= 32) {
         const int p = p0 + lane;
-        const bool start = p < t && (p == 0 || ids[r * t + p] == (unsigned)bos);
+        const bool start = p < t && pos_len[r * t + p] != 0;
         const unsigned mask = __ballot_sync(0xffffffffu, start);
         const unsigned above = lane == 31 ? 0u : mask & (0xffffffffu << (lane + 1));
         if (p < t) pos_len[r * t + p] = start ? (above ? p0 + __ffs(above) - 1 : next) - p : 0;
@@ -310,7 +330,7 @@ extern "C" __global__ void eng_doc_slots(const unsigned* ids, unsigned* pos_len,
     int count = 0;
     for (int p0 = 0; p0 < t; p0 += 32) {
         const int p = p0 + lane;
-        const bool start = p < t && (p == 0 || ids[r * t + p] == (unsigned)bos);
+        const bool start = p < t && pos_len[r * t + p] != 0;
         const unsigned mask = __ballot_sync(0xffffffffu, start);
         if (start) {
             const long slot = r * t + count + __popc(mask & ((1u << lane) - 1u));

@@ -364,7 +364,7 @@ fn attention_docs_case(x: &Tensor, kernels: FlashKernels) -> candle_core::Result
     for p in [0, 37, 64, 65, 150, t, t + 100] {
         ids[p] = 1;
     }
-    let docs = crate::model::ops::DocumentMask::at_token(&ids, t, 1)?;
+    let docs = crate::model::ops::DocumentMask::at_token(&ids, t, crate::model::ops::DocRule::at(1))?;
     let (q, k, v) = (x.narrow(1, 0, heads * d)?, x.narrow(1, heads * d, kv * d)?, x.narrow(1, (heads + kv) * d, kv * d)?);
     if flash_attn::unsupported(q.device(), q.dtype(), t, d).is_none() {
         flash_attn::flash_attention_docs(&q, &k, &v, b, heads, kv, kernels, &docs)

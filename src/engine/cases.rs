@@ -31,6 +31,7 @@ pub use super::model_check::{
 pub(crate) use super::model_check::{check_muon, perturbed, record_small};
 use crate::engine::backend::BackendExt;
 use crate::engine::op;
+use crate::model::ops::DocRule;
 
 mod rows;
 use rows::{
@@ -572,8 +573,17 @@ pub fn cases() -> Vec<Case> {
             len: attn_len,
             bound: ATTENTION,
             run: |be| {
-                let bos = document_tokens(be);
-                attention_case(be, Some(bos));
+                let rule = document_tokens(be, 0);
+                attention_case(be, Some(rule));
+            },
+        },
+        Case {
+            name: "attention_fwd, attention_bwd (documents cut every 24)",
+            len: attn_len,
+            bound: ATTENTION,
+            run: |be| {
+                let rule = document_tokens(be, 24);
+                attention_case(be, Some(rule));
             },
         },
         Case { name: "attention_fwd, attention_bwd (cudnn)", len: attn_len, bound: ATTENTION, run: |be| cudnn_case(be, None) },
@@ -582,8 +592,17 @@ pub fn cases() -> Vec<Case> {
             len: attn_len,
             bound: ATTENTION,
             run: |be| {
-                let bos = document_tokens(be);
-                cudnn_case(be, Some(bos));
+                let rule = document_tokens(be, 0);
+                cudnn_case(be, Some(rule));
+            },
+        },
+        Case {
+            name: "attention_fwd, attention_bwd (cudnn, documents cut every 24)",
+            len: attn_len,
+            bound: ATTENTION,
+            run: |be| {
+                let rule = document_tokens(be, 24);
+                cudnn_case(be, Some(rule));
             },
         },
         Case { name: "smear_fwd", len: 3 * nw, bound: ROWS, run: |be| smear_case(be, false, 12, Bump::aligned(8)) },
@@ -672,7 +691,7 @@ fn qk_bwd_case(be: &mut dyn Backend, h: (usize, usize, usize), rot: usize, gain:
 
 /// As the schedule calls it: q and k their own buffers (after the norm and RoPE), v a view of
 /// the fused qkv product; dq, dk their own, dv a view of dqkv, added to (XSA wrote first).
-fn attention_case(be: &mut dyn Backend, docs: Option<u32>) {
+fn attention_case(be: &mut dyn Backend, docs: Option<DocRule>) {
     let (batch, t, heads, kvh, d) = ATTN;
     let n = batch * t;
     let w = (heads + 2 * kvh) * d;
@@ -690,15 +709,16 @@ fn attention_case(be: &mut dyn Backend, docs: Option<u32>) {
 
 /// Loads token ids cut into documents (BOS at a sequence's start, mid-sequence, twice in a row,
 /// at a sequence's last position; one flash tile each: tests/warp_emu/flash_mma_check.cpp takes
-/// documents across tiles); the BOS id.
-fn document_tokens(be: &mut dyn Backend) -> u32 {
+/// documents across tiles); their rule, documents cut every `max_len` (0: whole; 24 cuts
+/// inside a tile and at a tile's edge).
+fn document_tokens(be: &mut dyn Backend, max_len: u32) -> DocRule {
     let (mut x, y) = tokens(10);
     let bos = 1;
     for p in [0, 17, 64 + 40, 64 + 41, 64 + 63] {
         x[p] = bos;
     }
     be.set_tokens(&x, &y);
-    bos
+    DocRule { bos, max_len }
 }
 
 /// The loss case's op on the tokens set: logits scaled to a wide range, then the soft-capped
@@ -712,7 +732,7 @@ fn softcap_case(be: &mut dyn Backend) {
 
 /// [`attention_case`] on cuDNN where the backend has it (the GPU backend; where cuDNN refuses,
 /// it falls back to flash_mma and says so); the reference computes it as always.
-fn cudnn_case(be: &mut dyn Backend, docs: Option<u32>) {
+fn cudnn_case(be: &mut dyn Backend, docs: Option<DocRule>) {
     let on = be.set_cudnn(true).is_ok();
     attention_case(be, docs);
     if on {

@@ -125,7 +125,8 @@ pub struct Activation {
 /// Shapes of one causal attention call on token-major matrices: `batch` sequences of `t`
 /// tokens, `heads` query heads and `kv_heads` key/value heads of width `d`; with `docs`, the
 /// document mask of the micro-batch's input ids (a segment starts at each sequence's first
-/// position and at every id equal to `docs`: [`crate::model::ops::DocumentMask::at_token`]).
+/// position, at every id equal to `docs.bos`, and every `docs.max_len` positions from a
+/// document's start: [`crate::model::ops::DocumentMask::at_token`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnShape {
     /// Sequences.
@@ -138,8 +139,8 @@ pub struct AttnShape {
     pub kv_heads: usize,
     /// Head width.
     pub d: usize,
-    /// Attend within documents: the BOS id that starts one (`None`: plain causal attention).
-    pub docs: Option<u32>,
+    /// Attend within documents: where their segments start (`None`: plain causal attention).
+    pub docs: Option<crate::model::ops::DocRule>,
 }
 
 /// Shapes of the per-head RMS norm + RoPE op: rows of `heads` heads of width `d`, the first

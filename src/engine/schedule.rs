@@ -37,6 +37,7 @@ pub use super::lora::LoraOn;
 use crate::engine::backend::BackendExt;
 use crate::engine::op;
 use crate::model::lora::Site;
+use crate::model::ops::DocRule;
 use crate::model::{FinalLane, MlpActivation, ModelConfig};
 
 /// The model's shape and switches as the schedule reads them, and the layout it runs on.
@@ -140,7 +141,7 @@ impl Schedule {
 
     fn attn_shape(&self) -> AttnShape {
         let c = &self.cfg;
-        let docs = self.documents.or(c.document_attention.then_some(c.bos_id));
+        let docs = self.documents.map(|bos| DocRule { bos, ..c.doc_rule() }).or(c.document_attention.then(|| c.doc_rule()));
         AttnShape { batch: self.layout.rows, t: self.layout.t, heads: c.num_heads, kv_heads: c.num_kv_heads, d: c.head_dim(), docs }
     }
 

@@ -53,8 +53,9 @@ pub fn check(cfg: &ModelConfig) -> anyhow::Result<()> {
         smear_gate_window: _,
         bos_id: _,
         // Attention within documents (`AttnShape::docs`: the backends mask by the micro-batch's
-        // ids).
+        // ids, cut every `document_max_len`: `DocRule`).
         document_attention: _,
+        document_max_len: _,
         // The sparse attention-output gate (`op::AttnGateFwd`/`attn_gate_bwd` and two
         // GEMMs for its weights' and input's gradients, in `schedule`).
         attn_gate: _,

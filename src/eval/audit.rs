@@ -27,7 +27,7 @@ use anyhow::Context;
 use candle_core::{DType, Tensor};
 use serde::Serialize;
 
-use crate::model::ops::DocumentMask;
+use crate::model::ops::{DocRule, DocumentMask};
 use crate::model::{Gpt, PassExtras};
 
 /// Each scored target's loss, `(target index, loss)`, in the order the evaluation took them.
@@ -352,11 +352,12 @@ pub fn bos_audit(score_row: &RowFn<'_>, tokens: &[u32], bos: u32, row_len: usize
 }
 
 /// The losses of one row (inputs `x`, targets `y`) under `model`, attention kept inside the
-/// documents that start at `bos` ([`DocumentMask::at_token`]), base frozen: the scoring pass
+/// documents that start at `bos` (cut as the model's `document_max_len` says:
+/// [`DocumentMask::at_token`]), base frozen: the scoring pass
 /// the evaluations take under `model.document_attention`.
 pub fn masked_row_losses(model: &Gpt, bos: u32, x: &[u32], y: &[u32]) -> anyhow::Result<Vec<f32>> {
     let t = x.len();
-    let mask = DocumentMask::at_token(x, t, bos)?;
+    let mask = DocumentMask::at_token(x, t, DocRule { bos, ..model.config().doc_rule() })?;
     let xt = Tensor::from_slice(x, (1, t), model.device())?;
     let yt = Tensor::from_slice(y, (1, t), model.device())?;
     let nll = model.frozen_token_losses(&xt, &yt, PassExtras { lora: None, docs: Some(&mask) })?;

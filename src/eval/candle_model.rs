@@ -13,7 +13,7 @@ use super::lora::{LoraSpec, LoraStep};
 use crate::dist::{Collective, ReduceOp};
 use crate::model::lora::Lora;
 use crate::model::observe::InputObserver;
-use crate::model::ops::DocumentMask;
+use crate::model::ops::{DocRule, DocumentMask};
 use crate::model::{Gpt, ModelConfig, PassExtras};
 use crate::optim::Adam;
 use crate::optim::Sgd;
@@ -72,7 +72,7 @@ impl<M: Borrow<Gpt>> EvalModel for CandleModel<M> {
             let local = s.x.len() / s.t;
             let x = Tensor::from_slice(s.x, (local, s.t), model.device())?;
             let y = Tensor::from_slice(s.y, (local, s.t), model.device())?;
-            let mask = s.doc_bos.map(|bos| DocumentMask::at_token(s.x, s.t, bos)).transpose()?;
+            let mask = s.doc_bos.map(|bos| DocumentMask::at_token(s.x, s.t, DocRule { bos, ..model.config().doc_rule() })).transpose()?;
             let mut loss = model.token_losses_with(&x, &y, PassExtras { lora: None, docs: mask.as_ref() })?.mean_all()?;
             let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             anyhow::ensure!(value.is_finite(), "the TTT training loss is {value} on the sequences from target {}", s.from);

@@ -102,6 +102,12 @@ pub struct ModelConfig {
     /// to the positions of its own document, documents starting at each `bos_id` (and at each
     /// row's start).
     pub document_attention: bool,
+    /// Under `document_attention`, a document longer than this is attended in pieces of this
+    /// many tokens from its own start (the 04-27 record's loader cuts its packed rows at its
+    /// TRAIN_SEQ_LEN, its evaluation at EVAL_SEQ_LEN: 2048); 0: only a row's end cuts one.
+    /// Rows no longer than it (the row samplers' `train.seq_len`) are unchanged by it; the
+    /// `packed_docs` sampler's one long row is not.
+    pub document_max_len: usize,
     /// Sparse attention-output gate (the 04-27 record): each head's attention output is scaled
     /// by `sigmoid(attn_gate_scale * attn_gate_w[h] . x_t[:attn_gate_window])`, `x` the
     /// block's normed attention input, before the output projection; `attn_gate_w` is
@@ -194,6 +200,7 @@ impl Default for ModelConfig {
             smear_gate_window: 12,
             bos_id: 1,
             document_attention: false,
+            document_max_len: 0,
             attn_gate: false,
             attn_gate_window: 12,
             attn_gate_init_std: 0.0,
@@ -244,6 +251,7 @@ impl ModelConfig {
             parallel_decoder_start: Some(8),
             smear_gate: true,
             document_attention: true,
+            document_max_len: 2048,
             attn_gate: true,
             attn_gate_scale: 0.5,
             ..ModelConfig::record()
@@ -346,6 +354,11 @@ impl ModelConfig {
                 self.model_dim
             );
         }
+        anyhow::ensure!(
+            u32::try_from(self.document_max_len).is_ok(),
+            "`model.document_max_len` ({}) must be below 2^32",
+            self.document_max_len
+        );
         anyhow::ensure!(
             (self.bos_id as usize) < self.vocab_size,
             "`model.bos_id` ({}) must be a token of the vocabulary `model.vocab_size` ({})",
@@ -470,6 +483,11 @@ impl ModelConfig {
     /// The factor on block `layer`'s normed inputs: `1/sqrt(layer + 1)` under `ln_scale`.
     pub fn ln_scale_of(&self, layer: usize) -> Option<f64> {
         self.ln_scale.then(|| 1.0 / ((layer + 1) as f64).sqrt())
+    }
+
+    /// Where attention segments start under `document_attention` (`bos_id`, `document_max_len`).
+    pub fn doc_rule(&self) -> crate::model::ops::DocRule {
+        crate::model::ops::DocRule { bos: self.bos_id, max_len: self.document_max_len as u32 }
     }
 
     /// Width of one head.

@@ -137,7 +137,7 @@ fn a_masked_packed_row_scores_each_document_alone() {
     let (d0, d1) = ([bos, 5, 7, 9, 2], [bos, 4, 6, 8, 10, 12, 3]);
     let packed: Vec<u32> = d0.iter().chain(&d1).copied().collect();
     let target: Vec<u32> = packed.iter().map(|t| (t * 3 + 1) % 16).collect();
-    let mask = DocumentMask::at_token(&packed, packed.len(), bos).unwrap();
+    let mask = DocumentMask::at_token(&packed, packed.len(), crate::model::ops::DocRule::at(bos)).unwrap();
     let masked = vec1(&m.frozen_token_losses(&ids(&packed, 1), &ids(&target, 1), PassExtras { lora: None, docs: Some(&mask) }).unwrap());
     let first = vec1(&m.eval_token_losses(&ids(&packed[..5], 1), &ids(&target[..5], 1)).unwrap());
     let second = vec1(&m.eval_token_losses(&ids(&packed[5..], 1), &ids(&target[5..], 1)).unwrap());

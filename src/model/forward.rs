@@ -79,7 +79,7 @@ impl Gpt {
         let own_mask;
         let extras = if cfg.document_attention && extras.docs.is_none() {
             let ids: Vec<u32> = x.flatten_all()?.to_vec1()?;
-            own_mask = DocumentMask::at_token(&ids, t, cfg.bos_id)?;
+            own_mask = DocumentMask::at_token(&ids, t, cfg.doc_rule())?;
             PassExtras { docs: Some(&own_mask), ..extras }
         } else {
             extras

@@ -477,7 +477,7 @@ mod tests {
         let row: Vec<u32> = vec![5, 7, 2, bos, 9, 4, 6];
         let targets: Vec<u32> = vec![7, 2, bos, 9, 4, 6, 8];
         let losses = |m: &Gpt, x: &[u32], y: &[u32], mask_bos: u32| -> Vec<f64> {
-            let mask = crate::model::ops::DocumentMask::at_token(x, x.len(), mask_bos).unwrap();
+            let mask = crate::model::ops::DocumentMask::at_token(x, x.len(), crate::model::ops::DocRule::at(mask_bos)).unwrap();
             let xt = Tensor::from_vec(x.to_vec(), (1, x.len()), &Device::Cpu).unwrap();
             let yt = Tensor::from_vec(y.to_vec(), (1, y.len()), &Device::Cpu).unwrap();
             let extras = PassExtras { docs: Some(&mask), ..Default::default() };

@@ -35,7 +35,7 @@ use crate::model::host::rows::{Rows, add_into, dense_offsets};
 use crate::model::host::simd::Real;
 use crate::model::ops::qk_norm_rope::{self, RopeRows};
 use crate::model::ops::{
-    DocumentMask, attn_gate, embedding, lanes, relu_sq, resid_mix, rms_norm, scale_add, skip_gate, smear_gate, softcap_ce, xsa,
+    DocRule, DocumentMask, attn_gate, embedding, lanes, relu_sq, resid_mix, rms_norm, scale_add, skip_gate, smear_gate, softcap_ce, xsa,
 };
 
 /// The ids an embedding op reads of the micro-batch's `x`: `x` itself, or its BigramHash
@@ -61,7 +61,7 @@ pub(crate) struct CpuBackend<T> {
     y: Vec<u32>,
     /// The document mask of these ids, made by the first attention call that asks for it
     /// (keyed by BOS id, rows and length) and dropped with the ids.
-    docs: Option<((u32, usize, usize), Arc<DocumentMask>)>,
+    docs: Option<((DocRule, usize, usize), Arc<DocumentMask>)>,
 }
 
 impl<T: Real> CpuBackend<T> {

@@ -683,7 +683,7 @@ pub struct KernelBackend<D: Device> {
     colsum_group: usize,
     /// For which `(BOS id, rows, length)` the document starts of the micro-batch's ids are on the
     /// device (`eng_doc_starts`, launched by the first attention call that needs them).
-    starts_for: Option<(u32, usize, usize)>,
+    starts_for: Option<(crate::model::ops::DocRule, usize, usize)>,
     /// Attention on cuDNN (`sdpa.rs`).
     cudnn: sdpa::CudnnState,
     /// Capture repeated units as graphs.

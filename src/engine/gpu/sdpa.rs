@@ -31,6 +31,7 @@ use super::ops::{BLOCK, flat, i, l, warps};
 use super::{Device, KernelBackend, RAGGED_UNITS, Space, Work};
 use crate::device::cudnn::{SdpaDesc, SdpaPtrs, causal_descs, describe};
 use crate::engine::backend::{AttnShape, Buf, Mat};
+use crate::model::ops::DocRule;
 
 /// An element of a memory space.
 pub type Loc = (Space, usize);
@@ -106,7 +107,7 @@ pub(super) struct CudnnState {
     /// Attention outputs (arena offsets) whose forward ran on cuDNN.
     outs: HashSet<usize>,
     /// For which `(BOS id, rows, length)` the document lengths of the micro-batch are on the device.
-    pub lens_for: Option<(u32, usize, usize)>,
+    pub lens_for: Option<(DocRule, usize, usize)>,
     /// The row stride of each array of ragged offsets written so far.
     units: Vec<usize>,
 }
@@ -173,8 +174,8 @@ impl<D: Device> KernelBackend<D> {
         self.stage_in(&[qp, kp, vp]);
         let stats = self.lse_loc(out);
         let mut at = SdpaAt { q: Some(qp.at), k: Some(kp.at), v: Some(vp.at), o: Some(op.at), stats: Some(stats), ..Default::default() };
-        if let Some(bos) = s.docs {
-            self.ragged(s, bos, [qp.ld, kp.ld, vp.ld], &mut at);
+        if let Some(rule) = s.docs {
+            self.ragged(s, rule, [qp.ld, kp.ld, vp.ld], &mut at);
         }
         self.submit(Work::Sdpa(Box::new(SdpaCall { desc: fwd, at })));
         self.stage_out(&[(op, false)]);
@@ -225,8 +226,8 @@ impl<D: Device> KernelBackend<D> {
             stats: Some(stats),
             ..Default::default()
         };
-        if let Some(bos) = s.docs {
-            self.ragged(s, bos, [qp.ld, kp.ld, vp.ld], &mut at);
+        if let Some(rule) = s.docs {
+            self.ragged(s, rule, [qp.ld, kp.ld, vp.ld], &mut at);
             let kv = s.kv_heads * s.d;
             (at.off_dq, at.off_dk, at.off_dv) =
                 (Some(self.offsets(s, s.heads * s.d)), Some(self.offsets(s, kv)), Some(self.offsets(s, kv)));
@@ -261,8 +262,8 @@ impl<D: Device> KernelBackend<D> {
 
     /// A call over documents: the slots' lengths, and the offsets of q, k, v (rows `lds` apart),
     /// o (and do) and the statistics.
-    fn ragged(&mut self, s: AttnShape, bos: u32, lds: [usize; 3], at: &mut SdpaAt) {
-        at.seq_len = Some(self.doc_slots(s, bos));
+    fn ragged(&mut self, s: AttnShape, rule: DocRule, lds: [usize; 3], at: &mut SdpaAt) {
+        at.seq_len = Some(self.doc_slots(s, rule));
         (at.off_q, at.off_k, at.off_v) = (Some(self.offsets(s, lds[0])), Some(self.offsets(s, lds[1])), Some(self.offsets(s, lds[2])));
         (at.off_o, at.off_stats) = (Some(self.offsets(s, s.heads * s.d)), Some(self.offsets(s, s.heads)));
     }
@@ -278,13 +279,13 @@ impl<D: Device> KernelBackend<D> {
     /// The micro-batch's document slots (`eng_doc_slots`: each slot's length and first
     /// position), launched by the first call of the micro-batch that needs them; the slots'
     /// lengths.
-    fn doc_slots(&mut self, s: AttnShape, bos: u32) -> Loc {
-        let key = (bos, s.batch, s.t);
+    fn doc_slots(&mut self, s: AttnShape, rule: DocRule) -> Loc {
+        let key = (rule, s.batch, s.t);
         let t = self.tokens;
         assert!(s.batch * s.t <= t.n, "attention within documents over {} x {} positions, {} ids", s.batch, s.t, t.n);
         let p = |off| super::Arg::Ptr(Space::Tokens, off);
         if self.cudnn.lens_for != Some(key) {
-            let args = vec![p(t.x()), p(t.ragged()), p(t.slot_len()), p(t.slot_start()), l(s.batch), i(s.t), i(bos as usize)];
+            let args = vec![p(t.x()), p(t.ragged()), p(t.slot_len()), p(t.slot_start()), l(s.batch), i(s.t), i(rule.bos as usize), i(rule.max_len as usize)];
             self.launch(k::eng_doc_slots, warps(s.batch), BLOCK, args);
             self.cudnn.lens_for = Some(key);
             // The offsets follow the slots' starts: each is written again at its first use.
@@ -296,10 +297,10 @@ impl<D: Device> KernelBackend<D> {
     /// The slots' lengths and first positions (`n + 1`, the end last) as `eng_doc_slots`
     /// made them from the loaded ids (tests).
     #[cfg(test)]
-    pub(super) fn doc_slots_read(&mut self, s: AttnShape, bos: u32) -> (Vec<u32>, Vec<u32>) {
+    pub(super) fn doc_slots_read(&mut self, s: AttnShape, rule: DocRule) -> (Vec<u32>, Vec<u32>) {
         let n = s.batch * s.t;
         self.cudnn.lens_for = None;
-        self.doc_slots(s, bos);
+        self.doc_slots(s, rule);
         let at = self.offsets(s, 1);
         let read = |off, len| self.dev.read(Space::Tokens, off, len).expect("reading the slots");
         (read(self.tokens.slot_len(), n), read(at.1, n + 1))

@@ -173,10 +173,12 @@ fn the_op_cases_launch_every_kernel() {
 /// The device's document slots for cuDNN's ragged attention (`eng_doc_slots`: lengths, and the
 /// offsets of a unit stride, `eng_ragged_offsets`) are the host's packing of the same documents
 /// ([`crate::device::cudnn::packed_slots`], which the candle path uploads): rows with one
-/// document, several, BOS twice in a row, at a row's last position, across 32-position chunks.
+/// document, several, BOS twice in a row, at a row's last position, across 32-position chunks;
+/// and with the documents cut every 20 positions (`model.document_max_len`).
 #[test]
 fn the_devices_document_slots_are_the_hosts_packing() {
     use crate::engine::backend::AttnShape;
+    use crate::model::ops::DocRule;
     let mut be = case_backend(emu::emulator(), "doc-slots");
     // Two rows of 64 (the case backend's capacity): documents at 0, 31, 32, 33 and 63 in the
     // first, one document in the second.
@@ -188,14 +190,21 @@ fn the_devices_document_slots_are_the_hosts_packing() {
     }
     be.set_tokens(&ids, &ids);
     ids.truncate(rows * t);
-    let s = AttnShape { batch: rows, t, heads: 2, kv_heads: 1, d: 64, docs: Some(bos) };
-    let got = be.doc_slots_read(s, bos);
-    let mask = crate::model::ops::DocumentMask::at_token(&ids, t, bos).unwrap();
-    let segments: Vec<Vec<(usize, usize)>> = (0..rows).map(|r| mask.segments(r)).collect();
-    let want = crate::device::cudnn::packed_slots(t, &segments);
-    assert_eq!(got, want);
+    let slots = |be: &mut KernelBackend<EmuDevice>, rule: DocRule| {
+        let s = AttnShape { batch: rows, t, heads: 2, kv_heads: 1, d: 64, docs: Some(rule) };
+        let got = be.doc_slots_read(s, rule);
+        let mask = crate::model::ops::DocumentMask::at_token(&ids, t, rule).unwrap();
+        let segments: Vec<Vec<(usize, usize)>> = (0..rows).map(|r| mask.segments(r)).collect();
+        let want = crate::device::cudnn::packed_slots(t, &segments);
+        assert_eq!(got, want, "{rule:?}");
+        want
+    };
+    let want = slots(&mut be, DocRule::at(bos));
     assert_eq!((&want.0[..6], &want.1[..6]), (&[31, 1, 1, 30, 1, 0][..], &[0, 31, 32, 33, 63, 64][..]));
     assert_eq!((want.0[t], want.0[t + 1], want.1[t], want.1[t + 1], want.1[2 * t]), (64, 0, 64, 128, 128));
+    let cut = slots(&mut be, DocRule { bos, max_len: 20 });
+    assert_eq!((&cut.0[..7], &cut.1[..7]), (&[20, 11, 1, 1, 20, 10, 1][..], &[0, 20, 31, 32, 33, 53, 63][..]));
+    assert_eq!(&cut.0[t..t + 5], [20, 20, 20, 4, 0], "the second row's one document in pieces of 20");
 }
 
 /// The CUDA device takes a stream of its own (`new_stream`: non-blocking), never a default

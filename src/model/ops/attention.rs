@@ -175,17 +175,27 @@ fn causal_softmax_row<T: Real>(row: &mut [T], lo: usize, i: usize, scale: T) {
     }
 }
 
+/// The first key any of the query rows from `i0` on may see: the first row's start (starts
+/// never fall along a row), so that a block skips the earlier documents' keys whole (a packed
+/// row of many documents costs its segments' work, not the row's).
+#[inline(always)]
+fn first_key(lo: KeyStarts<'_>, i0: usize) -> usize {
+    lo.map_or(0, |l| l[i0] as usize)
+}
+
 /// Probabilities of query rows `i0..i0 + mb` (rows of `q`, a row-major `(T, D)` matrix) against
-/// keys `0..n` with `n = i0 + mb`: `p` becomes the `(mb, n)` matrix (0 at keys `lo` hides).
+/// keys `j0..i0 + mb` with `j0 = first_key(lo, i0)`: `p` becomes the `(mb, i0 + mb - j0)`
+/// matrix (0 at keys `lo` hides).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn causal_probs<T: Real>(q: &[T], kt: &[T], (t, d): (usize, usize), (i0, mb): (usize, usize), lo: KeyStarts<'_>, scale: T, p: &mut [T]) {
-    let n = i0 + mb;
+    let j0 = first_key(lo, i0);
+    let n = i0 + mb - j0;
     p.fill(T::from_f64(0.0));
-    gemm_acc((mb, n, d), |r, c| q[(i0 + r) * d + c], kt, t, p, n);
+    gemm_acc((mb, n, d), |r, c| q[(i0 + r) * d + c], &kt[j0..], t, p, n);
     for (r, row) in p.chunks_exact_mut(n).enumerate() {
         let i = i0 + r;
-        causal_softmax_row(row, lo.map_or(0, |l| l[i] as usize), i, scale);
+        causal_softmax_row(row, lo.map_or(0, |l| l[i] as usize) - j0, i - j0, scale);
     }
 }
 
@@ -199,10 +209,11 @@ fn attn_fwd_kernel<T: Real>(q: Rows<'_, T>, k: Rows<'_, T>, v: Rows<'_, T>, lo: 
     let mut p = vec![zero; ATTN_BLOCK * t];
     for i0 in (0..t).step_by(ATTN_BLOCK) {
         let mb = ATTN_BLOCK.min(t - i0);
-        let n = i0 + mb;
+        let (j0, end) = (first_key(lo, i0), i0 + mb);
+        let n = end - j0;
         let p = &mut p[..mb * n];
         causal_probs(&q, &kt, (t, d), (i0, mb), lo, scale, p);
-        gemm_acc((mb, d, n), |r, j| p[r * n + j], &v, d, &mut out[i0 * d..n * d], d);
+        gemm_acc((mb, d, n), |r, j| p[r * n + j], &v[j0 * d..], d, &mut out[i0 * d..end * d], d);
     }
 }
 
@@ -261,11 +272,12 @@ fn attn_bwd_kernel<T: Real>(x: &AttnBwdIn<'_, T>, lo: KeyStarts<'_>, scale: T, d
         let (q, go, o) = (x.q.sub(rows.clone()).gather(), x.go.sub(rows.clone()).gather(), x.o.sub(rows));
         for i0 in (0..t).step_by(ATTN_BLOCK) {
             let mb = ATTN_BLOCK.min(t - i0);
-            let n = i0 + mb;
+            let (j0, end) = (first_key(lo, i0), i0 + mb);
+            let n = end - j0;
             let (p, ds) = (&mut p[..mb * n], &mut ds[..mb * n]);
             causal_probs(&q, &kt, (t, d), (i0, mb), lo, scale, p);
             ds.fill(zero);
-            gemm_acc((mb, n, d), |r, c| go[(i0 + r) * d + c], &vt, t, ds, n);
+            gemm_acc((mb, n, d), |r, c| go[(i0 + r) * d + c], &vt[j0..], t, ds, n);
             for (r, (dsr, pr)) in ds.chunks_exact_mut(n).zip(p.chunks_exact(n)).enumerate() {
                 let i = i0 + r;
                 let delta = dot(&go[i * d..(i + 1) * d], o.row(i));
@@ -274,9 +286,9 @@ fn attn_bwd_kernel<T: Real>(x: &AttnBwdIn<'_, T>, lo: KeyStarts<'_>, scale: T, d
                 }
             }
             let (ds, p) = (&*ds, &*p);
-            gemm_acc((mb, d, n), |r, j| ds[r * n + j], &k, d, &mut dqh[i0 * d..n * d], d);
-            gemm_acc((n, d, mb), |j, r| ds[r * n + j], &q[i0 * d..n * d], d, &mut dk[..n * d], d);
-            gemm_acc((n, d, mb), |j, r| p[r * n + j], &go[i0 * d..n * d], d, &mut dv[..n * d], d);
+            gemm_acc((mb, d, n), |r, j| ds[r * n + j], &k[j0 * d..], d, &mut dqh[i0 * d..end * d], d);
+            gemm_acc((n, d, mb), |j, r| ds[r * n + j], &q[i0 * d..end * d], d, &mut dk[j0 * d..end * d], d);
+            gemm_acc((n, d, mb), |j, r| p[r * n + j], &go[i0 * d..end * d], d, &mut dv[j0 * d..end * d], d);
         }
     }
     debug_assert_eq!(group * t * d, dq.len());
@@ -788,32 +800,36 @@ mod tests {
         for p in [0, 9, 10, 30, t + 20] {
             x[p] = 1;
         }
-        let mask = DocumentMask::at_token(&x, t, 1).unwrap();
         let q = rand(&mut rng, &[b * t, h * d], 1.5, DType::F64);
         let k = rand(&mut rng, &[b * t, kh * d], 1.5, DType::F64);
         let v = rand(&mut rng, &[b * t, kh * d], 1.0, DType::F64);
-        let masked_ref = |x: &[Tensor]| -> Result<Tensor> {
-            let split = |y: &Tensor, heads: usize| y.reshape((b, t, heads, d))?.transpose(1, 2);
-            let add = mask.additive(DType::F64, &Device::Cpu)?;
-            causal_attention_reference(&split(&x[0], h)?, &split(&x[1], kh)?, &split(&x[2], kh)?, &add)?
-                .transpose(1, 2)?
-                .reshape((b * t, h * d))
-        };
-        let fused = |x: &[Tensor]| document_attention_tokens(&x[0], &x[1], &x[2], b, h, kh, Some(&mask));
-        let got = fused(&[q.clone(), k.clone(), v.clone()]).unwrap();
-        assert_close(&got, &masked_ref(&[q.clone(), k.clone(), v.clone()]).unwrap(), 1e-12, "masked forward");
-        check_grads(&fused, &masked_ref, &[q.clone(), k.clone(), v.clone()], "masked attention gradients");
-        for bi in 0..b {
-            for (s, len) in mask.segments(bi) {
-                let rows = |x: &Tensor| x.narrow(0, bi * t + s, len).unwrap();
-                let alone = causal_attention_tokens(&rows(&q), &rows(&k), &rows(&v), 1, h, kh).unwrap();
-                assert_close(&rows(&got), &alone, 1e-12, &format!("row {bi} segment at {s}"));
+        // Whole documents, and documents cut every 7 positions (`model.document_max_len`: the
+        // packed rows' rule), so that query blocks of 16 start past keys they skip.
+        for rule in [crate::model::ops::DocRule::at(1), crate::model::ops::DocRule { bos: 1, max_len: 7 }] {
+            let mask = DocumentMask::at_token(&x, t, rule).unwrap();
+            let masked_ref = |x: &[Tensor]| -> Result<Tensor> {
+                let split = |y: &Tensor, heads: usize| y.reshape((b, t, heads, d))?.transpose(1, 2);
+                let add = mask.additive(DType::F64, &Device::Cpu)?;
+                causal_attention_reference(&split(&x[0], h)?, &split(&x[1], kh)?, &split(&x[2], kh)?, &add)?
+                    .transpose(1, 2)?
+                    .reshape((b * t, h * d))
+            };
+            let fused = |x: &[Tensor]| document_attention_tokens(&x[0], &x[1], &x[2], b, h, kh, Some(&mask));
+            let got = fused(&[q.clone(), k.clone(), v.clone()]).unwrap();
+            assert_close(&got, &masked_ref(&[q.clone(), k.clone(), v.clone()]).unwrap(), 1e-12, "masked forward");
+            check_grads(&fused, &masked_ref, &[q.clone(), k.clone(), v.clone()], "masked attention gradients");
+            for bi in 0..b {
+                for (s, len) in mask.segments(bi) {
+                    let rows = |x: &Tensor| x.narrow(0, bi * t + s, len).unwrap();
+                    let alone = causal_attention_tokens(&rows(&q), &rows(&k), &rows(&v), 1, h, kh).unwrap();
+                    assert_close(&rows(&got), &alone, 1e-12, &format!("{rule:?}: row {bi} segment at {s}"));
+                }
             }
+            let plain = causal_attention_tokens(&q, &k, &v, b, h, kh).unwrap();
+            let diff = (plain - &got).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
+            assert!(diff > 1e-3, "the mask must change the positions after a BOS");
         }
-        let plain = causal_attention_tokens(&q, &k, &v, b, h, kh).unwrap();
-        let diff = (plain - &got).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
-        assert!(diff > 1e-3, "the mask must change the positions after a BOS");
-        let wrong = DocumentMask::at_token(&x[..t], t, 1).unwrap();
+        let wrong = DocumentMask::at_token(&x[..t], t, crate::model::ops::DocRule::at(1)).unwrap();
         assert!(document_attention_tokens(&q, &k, &v, b, h, kh, Some(&wrong)).is_err(), "a mask of 1 row for 2");
     }
 

@@ -6,11 +6,20 @@
 //! position i sees key j  <=>  start(i) <= j <= i
 //! ```
 //!
-//! Segments start at the row's first position and at every position whose input token is the
-//! BOS token (spec 5.5: `cu_seqlens` at BOS positions; a row is at most one training sequence,
-//! so no segment is longer than the row). Every op of the model but attention acts per
-//! position, and RoPE makes a score depend only on `i - j`, so a masked row computes what its
-//! segments would compute as separate rows (to rounding).
+//! Segments start at the row's first position, at every position whose input token is the
+//! BOS token (spec 5.5: `cu_seqlens` at BOS positions), and, with a cut length `L`
+//! ([`DocRule::max_len`], `model.document_max_len`), every `L` positions from each document's
+//! start: the 04-27 record's `_build_cu_seqlens(bos, n, max_doc_len = L)`, which packs a whole
+//! micro-batch into one row and cuts its documents at `TRAIN_SEQ_LEN`. With `d(i)` the
+//! document start of position `i` (the last BOS at or before it, else the row's first position):
+//!
+//! ```text
+//! start(i) = d(i) + floor((i - d(i)) / L) * L        (L = 0: start(i) = d(i))
+//! ```
+//!
+//! Every op of the model but attention acts per position, and RoPE makes a score depend only
+//! on `i - j`, so a masked row computes what its segments would compute as separate rows (to
+//! rounding).
 //!
 //! The fused CPU attention kernel reads [`DocumentMask::row`] and skips the hidden keys in its
 //! softmax; every other device adds [`DocumentMask::additive`] to the materialised scores.
@@ -20,6 +29,32 @@ use candle_core::Tensor;
 #[cfg(feature = "candle")]
 use candle_core::{DType, Device};
 use candle_core::{Result, bail};
+
+/// Where a row's attention segments start: at each `bos` and every `max_len` positions from a
+/// document's start (0: documents are not cut).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DocRule {
+    /// The token that starts a document.
+    pub bos: u32,
+    /// A document longer than this is attended in pieces of this length (0: whole).
+    pub max_len: u32,
+}
+
+impl DocRule {
+    /// Documents starting at `bos`, not cut.
+    pub fn at(bos: u32) -> Self {
+        Self { bos, max_len: 0 }
+    }
+
+    /// `start(i)` of position `i` of a document starting at `doc`.
+    #[inline]
+    pub fn start(self, doc: usize, i: usize) -> usize {
+        match self.max_len as usize {
+            0 => doc,
+            l => doc + (i - doc) / l * l,
+        }
+    }
+}
 
 /// Per position of a batch of packed rows, the first key position it may see.
 #[derive(Clone, Debug)]
@@ -38,20 +73,21 @@ pub struct DocumentMask {
 }
 
 impl DocumentMask {
-    /// The mask of input rows `x` (`rows * t` token ids, row-major): a segment starts at each
-    /// row's first position and at every `bos`.
-    pub fn at_token(x: &[u32], t: usize, bos: u32) -> Result<Self> {
+    /// The mask of input rows `x` (`rows * t` token ids, row-major) under `rule`: a segment
+    /// starts at each row's first position, at every `rule.bos`, and every `rule.max_len`
+    /// positions from a document's start.
+    pub fn at_token(x: &[u32], t: usize, rule: DocRule) -> Result<Self> {
         if t == 0 || !x.len().is_multiple_of(t) || t > u32::MAX as usize {
             bail!("document mask: {} tokens do not form rows of {t}", x.len());
         }
         let mut starts = Vec::with_capacity(x.len());
         for row in x.chunks_exact(t) {
-            let mut start = 0u32;
+            let mut doc = 0;
             for (i, &tok) in row.iter().enumerate() {
-                if tok == bos {
-                    start = i as u32;
+                if tok == rule.bos {
+                    doc = i;
                 }
-                starts.push(start);
+                starts.push(rule.start(doc, i) as u32);
             }
         }
         Ok(Self {
@@ -154,20 +190,36 @@ mod tests {
     #[test]
     fn segments_start_at_every_bos_and_at_each_row() {
         let x = [5, 1, 7, 8, 1, 1, 9, 3, 2, 1, 4, 4];
-        let m = DocumentMask::at_token(&x, 6, 1).unwrap();
+        let m = DocumentMask::at_token(&x, 6, DocRule::at(1)).unwrap();
         assert_eq!(m.rows(), 2);
         assert_eq!(m.row(0), [0, 1, 1, 1, 4, 5]);
         assert_eq!(m.row(1), [0, 0, 0, 3, 3, 3]);
         assert_eq!(m.segments(0), [(0, 1), (1, 3), (4, 1), (5, 1)]);
         assert_eq!(m.segments(1), [(0, 3), (3, 3)]);
         assert!(!m.is_causal());
-        assert!(DocumentMask::at_token(&[2, 3, 4], 3, 1).unwrap().is_causal());
-        assert!(DocumentMask::at_token(&x, 5, 1).is_err(), "12 tokens are not rows of 5");
+        assert!(DocumentMask::at_token(&[2, 3, 4], 3, DocRule::at(1)).unwrap().is_causal());
+        assert!(DocumentMask::at_token(&x, 5, DocRule::at(1)).is_err(), "12 tokens are not rows of 5");
+    }
+
+    /// The 04-27 record's cuts (`_build_cu_seqlens(bos_pos, n, device, max_doc_len = 3)`): a
+    /// document longer than 3 goes in pieces of 3 from its own start, the row's first (partial)
+    /// document too, and a BOS restarts the count.
+    #[test]
+    fn documents_are_cut_every_max_len_from_their_start() {
+        let x = [5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 1, 2, 1, 3, 4, 5, 6, 7, 8];
+        let m = DocumentMask::at_token(&x, x.len(), DocRule { bos: 1, max_len: 3 }).unwrap();
+        // The record's boundaries: [0, 3, 5, 8, 10, 12, 15, 18, 19].
+        assert_eq!(m.segments(0), [(0, 3), (3, 2), (5, 3), (8, 2), (10, 2), (12, 3), (15, 3), (18, 1)]);
+        assert_eq!(m.row(0)[..6], [0, 0, 0, 3, 3, 5]);
+        let whole = DocumentMask::at_token(&x, x.len(), DocRule::at(1)).unwrap();
+        assert_eq!(whole.segments(0), [(0, 5), (5, 5), (10, 2), (12, 7)]);
+        let longer = DocumentMask::at_token(&x, x.len(), DocRule { bos: 1, max_len: 7 }).unwrap();
+        assert_eq!(longer.row(0), whole.row(0), "no document is longer than 7");
     }
 
     #[test]
     fn the_additive_mask_hides_the_future_and_earlier_documents() {
-        let m = DocumentMask::at_token(&[1, 7, 1, 8], 4, 1).unwrap();
+        let m = DocumentMask::at_token(&[1, 7, 1, 8], 4, DocRule::at(1)).unwrap();
         let a = m.additive(DType::F32, &Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let seen: Vec<Vec<bool>> = a.chunks(4).map(|r| r.iter().map(|x| *x == 0.0).collect()).collect();
         let want = [[true, false, false, false], [true, true, false, false], [false, false, true, false], [false, false, true, true]];

@@ -92,7 +92,7 @@ pub use self::{
     xsa::xsa,
 };
 pub(crate) use attention::{AttentionGrads, attention_token_major_bwd, attention_token_major_fwd};
-pub use doc_mask::DocumentMask;
+pub use doc_mask::{DocRule, DocumentMask};
 pub use rms_norm::rms_eps;
 pub use rope::rope_tables;
 
