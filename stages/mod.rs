@@ -38,6 +38,7 @@ pub static REGISTRY: Registry = Registry::new(&[
     &SourceImpl::<shard_reader::Mmap>::new(),
     &SourceImpl::<shard_reader::Pread>::new(),
     &TransformImpl::<window_sampler::Shuffled>::new(),
+    &TransformImpl::<window_sampler::PackedDocs>::new(),
     &TransformImpl::<window_sampler::Sequential>::new(),
     &TransformImpl::<pin::Pageable>::new(),
     &TransformImpl::<pin::Pinned>::new(),

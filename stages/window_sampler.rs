@@ -1,6 +1,8 @@
 //! Kind `window_sampler`: cuts micro-batches `x, y` of shape `(rows, seq_len)` out of the shards
 //! the shard reader sends, in a deterministic, resumable order: `sequential` (the baseline's
-//! stream) or `shuffled` (the records' loader), the samplers of [`crate::data::sampler`].
+//! stream) or `shuffled` (the records' loader), the samplers of [`crate::data::sampler`]; or
+//! `packed_docs` (the 04-27 record's document packing, [`crate::data::packed`]): one row of
+//! all the micro-batch's tokens, its documents kept apart by the model's attention.
 //!
 //! The stage receives every shard first (the reader's output), then produces micro-batches
 //! until the graph stops or `max_steps` steps are done. Reads from the shards happen here, so
@@ -12,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{config, resumed};
 use crate::data::batch::{BatchMeta, BatchShape, LoaderState, Shard, TokenBatch, TokenBuf};
+use crate::data::packed::PackedSampler;
 use crate::data::sampler::{Sampler, SequentialSampler, ShuffledSampler};
 use crate::data::shard::ShardFile;
 use crate::runtime::pool::Pool;
@@ -21,7 +24,8 @@ use crate::runtime::stage::{BuildCtx, Ctx, Emitter, Transform};
 // The stage
 // ---------------------------------------------------------------------------------------------
 
-/// Parameters of `window_sampler/sequential` and `window_sampler/shuffled`.
+/// Parameters of `window_sampler/sequential`, `window_sampler/shuffled` and
+/// `window_sampler/packed_docs`.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct SamplerParams {
@@ -49,6 +53,7 @@ impl Default for SamplerParams {
 enum Order {
     Sequential,
     Shuffled,
+    Packed,
 }
 
 /// The stage body shared by both implementations.
@@ -58,6 +63,8 @@ pub struct WindowStage {
     shape: BatchShape,
     seed: u64,
     vocab: Option<usize>,
+    /// The token that starts a document (`model.bos_id`: `packed_docs` starts each shard at it).
+    bos: u32,
     shards: Vec<Arc<ShardFile>>,
     sampler: Option<Box<dyn Sampler>>,
     pool: Option<Pool<TokenBuf>>,
@@ -68,10 +75,12 @@ pub struct WindowStage {
 impl WindowStage {
     fn build(order: Order, params: SamplerParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&params)?;
-        let shape = config(ctx)?.batch_shape()?;
-        let vocab = if params.check_tokens { config(ctx)?.data.tokenizer_vocab()? } else { None };
-        let resume = resumed(ctx).and_then(|c| crate::train::resume::loader_for(c, &shape));
-        Ok(Self { order, params, shape, seed: ctx.run.seed, vocab, shards: Vec::new(), sampler: None, pool: None, resume })
+        let c = config(ctx)?;
+        let shape = c.train_shape()?;
+        let vocab = if params.check_tokens { c.data.tokenizer_vocab()? } else { None };
+        let resume = resumed(ctx).and_then(|ck| crate::train::resume::loader_for(ck, &shape));
+        let bos = c.model.bos_id;
+        Ok(Self { order, params, shape, seed: ctx.run.seed, vocab, bos, shards: Vec::new(), sampler: None, pool: None, resume })
     }
 
     fn check(p: &SamplerParams) -> anyhow::Result<()> {
@@ -85,9 +94,10 @@ impl WindowStage {
         anyhow::ensure!(!self.shards.is_empty(), "no shards arrived from the reader");
         self.shards.sort_by_key(|s| s.index);
         let shards = std::mem::take(&mut self.shards);
-        if self.order == Order::Sequential && shards.iter().enumerate().any(|(i, s)| s.index != i) {
+        if self.order != Order::Shuffled && shards.iter().enumerate().any(|(i, s)| s.index != i) {
             anyhow::bail!(
-                "the sequential sampler streams every shard, but the reader sent only some (set `rank_shards = false` on the reader)"
+                "the {} sampler streams every shard, but the reader sent only some (set `rank_shards = false` on the reader)",
+                if self.order == Order::Packed { "packed_docs" } else { "sequential" }
             );
         }
         let sampler: Box<dyn Sampler> = match self.order {
@@ -95,6 +105,7 @@ impl WindowStage {
             Order::Shuffled => {
                 Box::new(ShuffledSampler::new(shards, self.shape, self.vocab, self.seed, self.params.workers, self.resume.as_ref())?)
             }
+            Order::Packed => Box::new(PackedSampler::new(shards, self.shape, self.vocab, self.bos, self.resume.as_ref())?),
         };
         let tokens = 2 * self.shape.tokens();
         self.pool = Some(Pool::new(self.params.buffers, || vec![0u32; tokens]));
@@ -117,7 +128,9 @@ impl WindowStage {
         let fingerprint = sampler.fill(&mut buf)?;
         let state = sampler.state();
         let rolling = match &state {
-            LoaderState::Sequential { rolling, .. } | LoaderState::Shuffled { rolling, .. } => *rolling,
+            LoaderState::Sequential { rolling, .. } | LoaderState::Shuffled { rolling, .. } | LoaderState::Packed { rolling, .. } => {
+                *rolling
+            }
         };
         let meta = BatchMeta {
             step: done / shape.micro_steps as u64,
@@ -147,6 +160,9 @@ macro_rules! sampler_impl {
             fn check(p: &SamplerParams, ctx: &BuildCtx) -> anyhow::Result<()> {
                 WindowStage::check(p)?;
                 config(ctx)?.batch_shape()?;
+                if $order == Order::Packed {
+                    packed_check(config(ctx)?)?;
+                }
                 if p.check_tokens {
                     config(ctx)?.data.tokenizer_vocab()?;
                 }
@@ -166,6 +182,19 @@ macro_rules! sampler_impl {
     };
 }
 
+/// What `packed_docs` needs of the model: its documents cut as the record's loader cuts them,
+/// unless attention spans the whole row on purpose.
+fn packed_check(c: &crate::train::config::Config) -> anyhow::Result<()> {
+    let m = &c.model;
+    anyhow::ensure!(
+        !m.document_attention || m.document_max_len > 0,
+        "`model.document_max_len` is 0: under `packed_docs` a document would be attended whole across the micro-batch's one row of {} tokens; the record's loader cuts at its training length: set `model.document_max_len = {}` (`train.seq_len`), or larger on purpose",
+        c.batch_shape()?.tokens(),
+        c.train.seq_len
+    );
+    Ok(())
+}
+
 sampler_impl!(
     Sequential,
     "sequential",
@@ -177,4 +206,10 @@ sampler_impl!(
     "shuffled",
     Order::Shuffled,
     "The records' shuffled sequences: random phase and permutation per shard epoch, shards picked by what they have left."
+);
+sampler_impl!(
+    PackedDocs,
+    "packed_docs",
+    Order::Packed,
+    "The 04-27 record's document packing: one row of the micro-batch's tokens straight through the shards from a BOS, documents kept apart by attention (model.document_attention, cut every model.document_max_len)."
 );

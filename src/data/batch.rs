@@ -86,6 +86,11 @@ impl BatchShape {
         Ok(Self { seq_len, rows: batch_tokens / per_micro / seq_len, micro_steps: micro, world_size: world, rank })
     }
 
+    /// The same micro-batches as one row of all their tokens (the `packed_docs` sampler's).
+    pub fn packed(self) -> Self {
+        Self { seq_len: self.tokens(), rows: 1, ..self }
+    }
+
     /// Tokens in one micro-batch of this rank (`rows * seq_len`).
     pub fn tokens(&self) -> usize {
         self.rows * self.seq_len
@@ -127,13 +132,27 @@ pub enum LoaderState {
         /// Rolling fingerprint so far.
         rolling: u64,
     },
+    /// The document-packing loader's place (`packed_docs`): every rank's is the same.
+    #[serde(rename = "packed_docs")]
+    Packed {
+        /// Position in the sorted shard list.
+        shard: usize,
+        /// The next micro-batch's first token in that shard (the first rank's).
+        cursor: u64,
+        /// Micro-batches produced so far.
+        micro_batches: u64,
+        /// Rolling fingerprint so far.
+        rolling: u64,
+    },
 }
 
 impl LoaderState {
     /// Micro-batches produced before this state.
     pub fn micro_batches(&self) -> u64 {
         match self {
-            LoaderState::Sequential { micro_batches, .. } | LoaderState::Shuffled { micro_batches, .. } => *micro_batches,
+            LoaderState::Sequential { micro_batches, .. }
+            | LoaderState::Shuffled { micro_batches, .. }
+            | LoaderState::Packed { micro_batches, .. } => *micro_batches,
         }
     }
 }

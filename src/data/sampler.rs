@@ -14,6 +14,8 @@
 //!   The permutation is a keyed Feistel network over `0..m` (cycle-walking), so a shard's
 //!   state is `(epoch, consumed)` and restoring is O(1) per shard. Rows are chosen serially and
 //!   copied in parallel (`workers` rayon threads), so the order never depends on `workers`.
+//! - [`crate::data::packed::PackedSampler`]: the 04-27 record's document-packing loader (its
+//!   own file).
 
 use std::sync::Arc;
 
@@ -38,7 +40,7 @@ struct Piece {
 /// Widens `src` (u16) into `dst` (u32), checking ids against `vocab`; returns the offset of the
 /// first bad id.
 #[inline]
-fn widen(src: &[u16], dst: &mut [u32], vocab: Option<usize>) -> Option<usize> {
+pub(crate) fn widen(src: &[u16], dst: &mut [u32], vocab: Option<usize>) -> Option<usize> {
     for (d, &s) in dst.iter_mut().zip(src) {
         *d = s as u32;
     }
@@ -46,7 +48,7 @@ fn widen(src: &[u16], dst: &mut [u32], vocab: Option<usize>) -> Option<usize> {
     if src.iter().fold(0u16, |m, &t| m.max(t)) as usize >= v { src.iter().position(|&t| t as usize >= v) } else { None }
 }
 
-fn bad_token(file: &ShardFile, start: u64, off: usize, src_id: u16, vocab: usize) -> anyhow::Error {
+pub(crate) fn bad_token(file: &ShardFile, start: u64, off: usize, src_id: u16, vocab: usize) -> anyhow::Error {
     ShardError::TokenOutOfRange { path: file.path.clone(), id: src_id, position: start + off as u64, vocab }.into()
 }
 
@@ -169,10 +171,12 @@ impl Sampler for SequentialSampler {
     }
 }
 
-fn kind_of(s: &LoaderState) -> &'static str {
+/// The sampler a state is of (`window_sampler`'s implementation name).
+pub(crate) fn kind_of(s: &LoaderState) -> &'static str {
     match s {
         LoaderState::Sequential { .. } => "sequential",
         LoaderState::Shuffled { .. } => "shuffled",
+        LoaderState::Packed { .. } => "packed_docs",
     }
 }
 

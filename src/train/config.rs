@@ -263,6 +263,22 @@ impl Config {
         BatchShape::new(t.seq_len, t.batch_tokens, t.grad_accum_steps, self.run.world_size, self.run.rank)
     }
 
+    /// The training micro-batch as the sampler makes it and the step executor takes it:
+    /// [`Config::batch_shape`]'s rows, or under the `packed_docs` sampler one row of all their
+    /// tokens ([`BatchShape::packed`]). Validation, calibration and evaluation read rows.
+    pub fn train_shape(&self) -> anyhow::Result<BatchShape> {
+        let rows = self.batch_shape()?;
+        Ok(if self.packed_docs() { rows.packed() } else { rows })
+    }
+
+    /// Whether the training data comes from the `packed_docs` window sampler.
+    pub fn packed_docs(&self) -> bool {
+        self.stages.values().any(|d| {
+            let is = |key: &str, want: &str| d.get(key).and_then(|v| v.as_str()) == Some(want);
+            is("kind", "window_sampler") && is("impl", "packed_docs")
+        })
+    }
+
     /// What validation reads of this config ([`ValSettings`]). Which ranks share the split is
     /// the collective's business ([`crate::eval::validation::Validator::shared`]).
     pub fn validation(&self) -> ValSettings {

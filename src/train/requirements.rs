@@ -44,14 +44,14 @@ pub fn check(p: &SessionParams, c: &Config) -> anyhow::Result<()> {
 pub fn memory(p: &SessionParams, c: &Config) -> anyhow::Result<Vec<Need>> {
     use crate::model::memory::{MODEL_KEYS, ParamCounts, training_bytes};
     c.model.check()?;
-    let shape = c.batch_shape()?;
+    let (shape, rows) = (c.train_shape()?, c.batch_shape()?);
     let m = &c.model;
     let counts = ParamCounts::of(m);
     let (param_bytes, act_bytes) = elem_bytes(p.dtype);
     let on_cpu = matches!(crate::device::parse(&c.run.device)?, crate::device::DeviceName::Cpu);
     let t = shape.seq_len;
     let train = training_bytes(m, shape.rows * t, t, stores_probs(p, on_cpu), act_bytes);
-    let val = validation_pass_bytes(p, c, shape, on_cpu);
+    let val = validation_pass_bytes(p, c, rows, on_cpu);
     let mut act_keys = vec!["train.batch_tokens", "train.grad_accum_steps", "train.seq_len"];
     act_keys.extend(MODEL_KEYS);
     let mut needs = vec![
@@ -110,7 +110,7 @@ fn validation_tokens(c: &Config) -> anyhow::Result<Option<Need>> {
 pub fn engine_memory(p: &SessionParams, c: &Config, bf16_activations: bool) -> anyhow::Result<Vec<Need>> {
     use crate::model::memory::{MODEL_KEYS, ParamCounts};
     crate::engine::support::check(&c.model)?;
-    let shape = c.batch_shape()?;
+    let shape = c.train_shape()?;
     let m = &c.model;
     let t = shape.seq_len;
     // The arena and the mirror hold f32 (f64 in f64 runs), as the candle executor's weights.

@@ -160,7 +160,8 @@ pub(crate) fn resume(trainer: &mut dyn Executor, ck: &Checkpoint, shape: BatchSh
 
 /// Where this rank's sampler continues from `ck` on `shape` (checked by [`resume`]): its own
 /// state where the checkpoint holds every rank's (the shuffled sampler on several ranks), else
-/// the checkpoint's (the sequential stream's position is every rank's), its count of
+/// the checkpoint's (the sequential stream's and the document packing's position is every
+/// rank's), its count of
 /// micro-batches recounted in this run's micro-batches per step when the world size changed
 /// (`steps · A`).
 pub fn loader_for(ck: &Checkpoint, shape: &BatchShape) -> Option<LoaderState> {
@@ -169,7 +170,7 @@ pub fn loader_for(ck: &Checkpoint, shape: &BatchShape) -> Option<LoaderState> {
         _ => ck.meta.loader.clone()?,
     };
     let then = serde_json::from_value::<History>(ck.meta.extra.clone()).ok().map(|h| h.shape);
-    if let (Some(then), LoaderState::Sequential { micro_batches, .. }) = (then, &mut state)
+    if let (Some(then), LoaderState::Sequential { micro_batches, .. } | LoaderState::Packed { micro_batches, .. }) = (then, &mut state)
         && then.micro_steps != shape.micro_steps
     {
         *micro_batches = *micro_batches / then.micro_steps.max(1) as u64 * shape.micro_steps as u64;

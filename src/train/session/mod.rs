@@ -149,14 +149,14 @@ impl Session {
         requirements::check(&p, c)?;
         // A checkpoint made after the last step: no step is trained, ever again.
         let finish_only = resume.and_then(|ck| resume::training_end(ck.meta.step, ck.meta.train_ms, &c.train));
-        let shape = c.batch_shape()?;
+        let shape = c.train_shape()?;
         let device = crate::device::open(&c.run)?;
         let ranks = crate::dist::world();
         // The executor's validation is shared by the ranks, each scoring 1/W of the split.
         let validator = Validator::shared(&c.validation(), shape.micro_steps, ranks.clone())?;
         let (param_dtype, matmul_dtype) = p.dtype.dtypes();
         let mut model = Gpt::new(&c.model, c.run.seed, param_dtype, &device)?.with_matmul_dtype(matmul_dtype).with_attention(p.attention);
-        let mut flash = model.flash_kernels(c.train.seq_len).context("stage `step_executor`, key `attention`")?;
+        let mut flash = model.flash_kernels(shape.seq_len).context("stage `step_executor`, key `attention`")?;
         // "auto" on a GPU: both flash implementations tried at this run's shapes, each in a
         // process of its own, the faster that agrees taken.
         let mut auto_choice = None;
