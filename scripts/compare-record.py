@@ -10,11 +10,13 @@ validation scores at the end. It names the first step and the first tensor where
 beyond rounding.
 
 What is replaced in the record's code, and only this (each text patch must apply, or the script
-stops naming it): FlashAttention-3 by exact attention in f32; `torch.compile` by the eager
-function; bf16 (autocast, `.bfloat16()` weights, Newton-Schulz and Muon's update buffer) by
-f32; DDP by one process; its data loader by the trace's batches; its micro-batch count
-(`8 // world_size`) by the run's; its warm-up steps (which it undoes) are skipped. The record's
-GPT, parameter groups, optimizers, schedules, clipping, looping switch and EMA run as written.
+stops naming it): FlashAttention-3 (and its varlen call) by exact attention in f32;
+`torch.compile` by the eager function; bf16 (autocast, `.bfloat16()` weights, Newton-Schulz and
+Muon's update buffer) by f32; DDP by one process; its data loader by the trace's batches (but
+in a packed 04-27 run, below: its own loader then runs, checked against them); its micro-batch
+count (`8 // world_size`) by the run's; its warm-up steps (which it undoes) are skipped. The
+record's GPT, parameter groups, optimizers, schedules, clipping, looping switch and EMA run as
+written.
 
 Needs torch, numpy and sentencepiece (`pip install torch numpy sentencepiece`) and the record's
 script, fetched by you from the public repository (never commit it):
@@ -33,15 +35,39 @@ run's weights, on the same batches: the figure to set beside ours over seeds. Th
 The 04-27 record (`records/track_10min_16mb/2026-04-27_SP8192_LQER_SparseGate_BOSSmearFix_9HpStack_1.0611/
 train_gpt.py`) on a run of pipelines/record-0427-mini.toml: besides the above, Triton is a
 stand-in whose kernels are never called (its unfused MLP and cross-entropy run), its auxiliary
-CUDA stream is inert, and its document-packed rows are the trace's rows: the dense attention
-call runs, kept inside documents at BOS by the exact attention (what its varlen call computes
-within a row), and its validation scores the same rows of EVAL_SEQ_LEN so (its flat row would
-also smear across the rows' edges). The byte counts its CaseOps sidecar gives come from the
-tokenizer's tables, as the 04-09 record counts them.
+CUDA stream is inert, FlashAttention-3's varlen call is exact attention in f32 over each segment
+of `cu_seqlens` (causal within it), and its validation scores rows of EVAL_SEQ_LEN (the dense
+call, kept inside documents at BOS by the exact attention: its flat row would also smear across
+the rows' edges). The byte counts its CaseOps sidecar gives come from the tokenizer's tables, as
+the 04-09 record counts them. Its batches depend on the run's sampler:
+
+- packed (`stages.<sampler>.impl = "packed_docs"`, record-0427-mini's default: one flat row a
+  micro-batch, documents cut every train.seq_len = model.document_max_len tokens): the record's
+  own DocumentPackingLoader runs as written on data.train's shards (only its pinned memory
+  unpinned), and every micro-batch it returns is checked, token for token, against the trace's
+  in its place; its segments (`cu_seqlens`) go to the varlen attention:
+
+    REC=/tmp/parameter-golf/records/track_10min_16mb/2026-04-27_SP8192_LQER_SparseGate_BOSSmearFix_9HpStack_1.0611
+    ./target/release/pipeline run pipelines/record-0427-mini.toml --out runs/cmp \\
+        --set stages.train.step_trace=true --set 'stages.train.step_trace_weights_at=[1,20,100,200]'
+    python3 scripts/compare-record.py --record $REC/train_gpt.py --run runs/cmp
+
+- rows (any other sampler, e.g. `--set 'stages.sampler.impl="shuffled"'`): its loader is
+  replaced by the trace's (rows, seq_len) rows, fed without `cu_seqlens`: the dense attention
+  call runs, kept inside documents at BOS by the exact attention (what its varlen call computes
+  within a row).
+
 Exit code 0 when the train losses agree within `--loss-tol` over the first `--strict-steps`
 steps (and always with `--init record`, `--init-weights` or `--export-init`, which judge
-nothing), 1 when they part (a NaN parts), 2 on bad input (a patch that does not apply, a run
-that is not a whole f32 trace), 3 when the record's code or this script fails.
+nothing), 1 when they part (a NaN parts) or, in a packed run, when a micro-batch of the record's
+own loader differs from the trace's (the step, the micro-batch and the first differing position
+named), 2 on bad input (a patch that does not apply, a run that is not a whole f32 trace, a
+packed run on another script, not of one row or with model.document_max_len other than
+train.seq_len), 3 when the record's code or this script fails.
+
+`--self-test` checks what needs no torch; `--self-test-torch [RECORD]` checks the varlen
+attention against the exact attention kept inside the same segments (with RECORD, the 04-27
+record's script, on the segments its own `_build_cu_seqlens` cuts).
 """
 
 import argparse
@@ -112,6 +138,21 @@ PATCHES = {
             "logits = run_forward_logits(\n                    x[None], cu_seqlens=cu_seqlens, max_seqlen=max_seqlen\n                ).detach()",
             "logits = run_forward_logits(_cmp_rows(x, seq_len)).detach()",
         ),
+    ],
+    # A packed run (impl = "packed_docs"), on top of "record0427": its DocumentPackingLoader runs
+    # as written, but for the pinned memory a CPU has none of.
+    "record0427_packed": [
+        (
+            "the loader's inputs unpinned",
+            "inputs = torch.empty(per_rank_span - 1, dtype=torch.int64, pin_memory=True)",
+            "inputs = torch.empty(per_rank_span - 1, dtype=torch.int64, pin_memory=False)",
+        ),
+        (
+            "the loader's targets unpinned",
+            "targets = torch.empty(per_rank_span - 1, dtype=torch.int64, pin_memory=True)",
+            "targets = torch.empty(per_rank_span - 1, dtype=torch.int64, pin_memory=False)",
+        ),
+        ("the loader's cu_seqlens unpinned", "cu_seqlens = cu_seqlens.pin_memory()", "cu_seqlens = cu_seqlens"),
     ],
     "baseline": [
         ("Newton-Schulz in f32", "X = G.bfloat16()", "X = G.float()"),
@@ -260,6 +301,24 @@ def stage(cfg, kind):
         if s.get("kind") == kind:
             return name, s
     return None, {}
+
+
+def packed_run(cfg, kind, meta):
+    """Whether the run sampled with `packed_docs` (a stage of kind window_sampler): the 04-27
+    record's DocumentPackingLoader, one flat row a micro-batch, its documents cut every
+    train.seq_len tokens. The record's own loader then runs, checked against the trace."""
+    names = [n for n, s in cfg.get("stages", {}).items() if s.get("kind") == "window_sampler" and s.get("impl") == "packed_docs"]
+    if not names:
+        return False
+    where = f'stages.{names[0]}.impl = "packed_docs"'
+    if kind != "record0427":
+        fail(f"the run's sampler is packed ({where}, the 04-27 record's DocumentPackingLoader), which only the 04-27 record's script has, not the {dict(record='04-09 record', baseline='baseline').get(kind, kind)}'s: trace a run with another sampler (--set 'stages.{names[0]}.impl=\"shuffled\"')")
+    if meta["rows"] != 1:
+        fail(f"the run's sampler is packed ({where}) but step_trace/trace.json has rows = {meta['rows']}: a packed micro-batch is one flat row")
+    dml, seq = cfg["model"].get("document_max_len"), cfg["train"]["seq_len"]
+    if dml != seq:
+        fail(f"the run's sampler is packed ({where}) with model.document_max_len = {dml}, train.seq_len = {seq}: the record's loader cuts documents every TRAIN_SEQ_LEN tokens; set model.document_max_len = train.seq_len")
+    return True
 
 
 def env_for(cfg, kind, meta):
@@ -420,9 +479,9 @@ def doc_mask_of(x, bos=1):
     return (seg[:, :, None] == seg[:, None, :]) & causal
 
 
-def exact_attention(q, k, v, causal=True):
-    """FlashAttention-3's `flash_attn_func(q, k, v, causal=True)` in f32: (B, T, H, D) in and out,
-    grouped-query heads by repetition."""
+def dense_attention(q, k, v, causal=True, mask=None):
+    """Attention in f32 over (B, T, H, D) / (B, T, KH, D), grouped-query heads by repetition;
+    `mask` (B, T, T), True where a query may see a key, in place of the causal one."""
     import torch
 
     b, t, h, d = q.shape
@@ -431,12 +490,42 @@ def exact_attention(q, k, v, causal=True):
     kh = k.transpose(1, 2).repeat_interleave(rep, dim=1)
     vh = v.transpose(1, 2).repeat_interleave(rep, dim=1)
     s = (qh @ kh.transpose(-1, -2)) * (1.0 / math.sqrt(d))
-    if DOC_MASK[0] is not None:
-        s = s.masked_fill(~DOC_MASK[0][:, None, :, :], float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None, :, :], float("-inf"))
     elif causal:
-        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
-        s = s.masked_fill(mask, float("-inf"))
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     return (s.softmax(-1) @ vh).transpose(1, 2)
+
+
+def exact_attention(q, k, v, causal=True):
+    """FlashAttention-3's `flash_attn_func(q, k, v, causal=True)` in f32: (B, T, H, D) in and out,
+    grouped-query heads by repetition; kept inside documents where DOC_MASK is set."""
+    return dense_attention(q, k, v, causal, DOC_MASK[0])
+
+
+def exact_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=0, max_seqlen_k=0, causal=True, window_size=(-1, -1), **rest):
+    """FlashAttention-3's `flash_attn_varlen_func` in f32: q (total, H, D), k and v (total, KH, D),
+    one flat row cut into the segments that `cu_seqlens` bounds (int32, padded at its end with
+    repeats of `total`: zero-length segments, skipped); each segment attended on its own, causal
+    within it; (total, H, D) out. One segment at a time: no (total x total) matrix."""
+    import torch
+
+    if rest or tuple(window_size) != (-1, -1):
+        raise NotImplementedError(f"flash_attn_varlen_func with {sorted(rest) or ''} window_size={window_size}: the shim attends whole causal segments")
+    if cu_seqlens_k is not cu_seqlens_q and not torch.equal(cu_seqlens_q, cu_seqlens_k):
+        raise NotImplementedError("flash_attn_varlen_func with different query and key segments")
+    total = q.shape[0]
+    bounds = [int(b) for b in cu_seqlens_q.tolist()]
+    if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens {bounds[:8]}... do not cut a row of {total} positions")
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        if b == a:
+            continue
+        if max_seqlen_q and b - a > max_seqlen_q:
+            raise ValueError(f"a segment of {b - a} positions is longer than max_seqlen {max_seqlen_q}")
+        out.append(dense_attention(q[None, a:b], k[None, a:b], v[None, a:b], causal)[0])
+    return torch.cat(out, dim=0)
 
 
 class StopRun(Exception):
@@ -444,10 +533,10 @@ class StopRun(Exception):
 
 
 class Comparison:
-    def __init__(self, args, cfg, meta, rows, kind):
+    def __init__(self, args, cfg, meta, rows, kind, packed=False):
         import numpy as np
 
-        self.args, self.cfg, self.meta, self.kind = args, cfg, meta, kind
+        self.args, self.cfg, self.meta, self.kind, self.packed = args, cfg, meta, kind, packed
         self.ours = {int(r["step"]): r for r in rows}
         self.steps = len(rows)
         trace = Path(args.run) / "step_trace"
@@ -462,6 +551,7 @@ class Comparison:
         self.weights_at = sorted(int(p.stem.split("_")[1]) for p in trace.glob("weights_*.safetensors"))
         self.trace = trace
         self.micro = 0  # micro-batches served
+        self.checked = 0  # packed: the record's own loader's micro-batches found equal to the trace's
         self.losses = []  # this step's micro-batch losses
         self.norm = float("nan")
         self.groups = {}
@@ -486,6 +576,30 @@ class Comparison:
         b = torch.from_numpy(self.batches[step, m].astype("int64"))
         self.micro += 1
         return b[0], b[1]
+
+    def check_batch(self, inputs, targets):
+        """A packed run: the micro-batch the record's own loader returned, (1, n) inputs and
+        targets, against the trace's one in its place (taken as next_batch serves it, with the
+        step accounting); exit 1 on the first token that differs."""
+        import torch
+
+        step, m = divmod(self.micro, self.meta["micro_steps"])
+        x, y = self.next_batch()
+        for what, theirs, ours in (("inputs", inputs[0], x[0]), ("targets", targets[0], y[0])):
+            theirs = theirs.to(torch.int64)
+            if theirs.shape == ours.shape and torch.equal(theirs, ours):
+                continue
+            n = min(theirs.numel(), ours.numel())
+            diff = (theirs[:n] != ours[:n]).nonzero()
+            at = int(diff[0]) if diff.numel() else n
+            said = f"token {int(theirs[at])} (record's) vs {int(ours[at])} (ours)" if at < n else f"{theirs.numel()} tokens (record's) vs {ours.numel()} (ours)"
+            print(
+                f"compare-record: step {step + 1}, micro-batch {m + 1} of {self.meta['micro_steps']}: the record's own loader's {what} differ from the trace's "
+                f"first at position {at}: {said} (after {self.checked} equal micro-batches; the record's loader reads data.train's sorted shards from shard 0's first BOS, on one rank)",
+                file=sys.stderr,
+            )
+            sys.exit(1)
+        self.checked += 1
 
     def step_end(self, step):
         """Step `step` (1-based) has finished on the record's side."""
@@ -629,14 +743,27 @@ class Comparison:
                     DOC_MASK[0] = doc_mask_of(x)
                     return x, y, None, 0
 
+            class CheckedLoader(mod.DocumentPackingLoader):
+                """A packed run: the record's own DocumentPackingLoader, as written; each
+                micro-batch it returns checked against the trace's (its flat row's segments,
+                `cu_seqlens`, go to the varlen attention)."""
+
+                def next_batch(self, *a, **k):
+                    inputs, targets, cu_seqlens, max_seqlen = super().next_batch(*a, **k)
+                    cmp.check_batch(inputs, targets)
+                    return inputs, targets, cu_seqlens, max_seqlen
+
             def rows(x, seq_len):
                 r = x.reshape(-1, seq_len)
                 DOC_MASK[0] = doc_mask_of(r)
                 return r
 
-            mod.DocumentPackingLoader = PackedTraceLoader
+            if self.packed:
+                mod.DocumentPackingLoader = CheckedLoader
+            else:
+                mod.DocumentPackingLoader = PackedTraceLoader
+                mod.BOS_ID = 1  # what its loader sets on reading the first shard
             mod._cmp_rows = rows
-            mod.BOS_ID = 1  # what its loader sets on reading the first shard
         elif self.kind == "record":
             mod.ShuffledSequenceLoader = TraceLoader
         else:
@@ -678,6 +805,10 @@ class Comparison:
             h.tokenizer_path = self.cfg["data"]["tokenizer"]
             h.val_files = self.cfg["data"]["val"]
             h.logfile = None
+            if self.packed:
+                # Its loader globs h.train_files (DATA_PATH's fineweb_train_*.bin) and cuts at
+                # h.train_seq_len (TRAIN_SEQ_LEN, set from train.seq_len = model.document_max_len).
+                h.train_files = os.path.abspath(self.cfg["data"]["train"])
             val = mod.ValidationData(h, torch.device("cpu"))
             val.val_tokens = self.trim_val(val.val_tokens)
             if self.kind == "record0427":
@@ -741,7 +872,7 @@ def install_gpu_stubs():
     torch.cuda.stream = lambda s: contextlib.nullcontext()
 
 
-def load_record(src, kind, env, path):
+def load_record(src, kind, env, path, packed=False):
     import torch
 
     os.environ.update(env)
@@ -752,13 +883,15 @@ def load_record(src, kind, env, path):
     torch.cuda.max_memory_reserved = lambda *a, **k: 0
     fa = types.ModuleType("flash_attn_interface")
     fa.flash_attn_func = exact_attention
-    fa.flash_attn_varlen_func = lambda *a, **k: fail("the record's code called flash_attn_varlen_func: the comparison feeds rows")
+    fa.flash_attn_varlen_func = exact_varlen_attention
     sys.modules["flash_attn_interface"] = fa
     if kind == "record0427":
         install_gpu_stubs()
     mod = types.ModuleType("record_train_gpt")
     mod.__file__ = os.path.abspath(path)  # the baseline reads its own code for its size line
     src = patched(src, kind)
+    if packed:
+        src = patched(src, "record0427_packed")
     if sys.version_info < (3, 12):
         src = py311_fstrings(src)
     code = compile(src, "record_train_gpt.py", "exec")
@@ -811,9 +944,75 @@ def self_test():
     print("compare-record self-test: ok")
 
 
+def self_test_torch(record=None):
+    """The varlen attention (what FlashAttention-3's `flash_attn_varlen_func` is here) against
+    the exact attention kept inside the same segments by DOC_MASK, values and gradients, on
+    random grouped-query q, k, v over a row of documents: one without a BOS at the row's start,
+    one of a single token, two cut every `cut` tokens, the segments' list padded with repeats of
+    the row's length. With `record` (the 04-27 record's script, loaded with the packed patches),
+    the segments are those its own `_build_cu_seqlens` cuts, checked equal to ours first."""
+    import torch
+
+    total, heads, kv_heads, dim, cut = 53, 4, 2, 8, 10
+    bos = [5, 9, 30, 31]
+    starts = []
+    for a, b in zip([0] + bos, bos + [total]):
+        starts += list(range(a, b, cut))  # a document's segments: from its start, every `cut`
+    bounds = starts + [total]
+    assert bounds == [0, 5, 9, 19, 29, 30, 31, 41, 51, 53], bounds
+    cu = torch.full((16,), total, dtype=torch.int32)
+    cu[: len(bounds)] = torch.tensor(bounds, dtype=torch.int32)
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    if record:
+        src = record_source(record)
+        if flavour(src) != "record0427":
+            fail(f"--self-test-torch takes the 04-27 record's script; {record} is the {flavour(src)}'s")
+        mod = load_record(src, "record0427", {}, record, packed=True)
+        cu, longest_r = mod._build_cu_seqlens(bos, total, torch.device("cpu"), cut, 64)
+        got = [int(b) for b in cu.tolist()]
+        assert got[: len(bounds)] == bounds and set(got[len(bounds) :]) <= {total} and longest_r == longest, (got, longest_r)
+        print(f"  the record's _build_cu_seqlens: {len(bounds) - 1} segments {bounds}, padded to {len(got)}, max_seqlen {longest_r}: as ours")
+    seg = torch.zeros(total, dtype=torch.long)
+    seg[starts[1:]] = 1
+    seg = torch.cumsum(seg, 0)
+    mask = (seg[:, None] == seg[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(total, n, dim, generator=g, requires_grad=True) for n in (heads, kv_heads, kv_heads))
+    w = torch.randn(total, heads, dim, generator=g)
+    worst = 0.0
+    outs = []
+    for how in ("varlen", "masked"):
+        if how == "varlen":
+            y = exact_varlen_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=True, window_size=(-1, -1))
+        else:
+            DOC_MASK[0] = mask[None]
+            try:
+                y = exact_attention(q[None], k[None], v[None], causal=True)[0]
+            finally:
+                DOC_MASK[0] = None
+        assert y.shape == (total, heads, dim), y.shape
+        grads = torch.autograd.grad((y * w).sum(), (q, k, v))
+        outs.append((y.detach(),) + grads)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *outs):
+        d = float((a - b).abs().max())
+        worst = max(worst, d)
+        assert d <= 1e-5, f"varlen attention: {name} differs from the masked attention's by {d:.2e}"
+    # Each segment on its own: the values of one segment changed move its outputs, no other.
+    v2 = v.detach().clone()
+    v2[bounds[3] : bounds[4]] += 1.0
+    y1 = exact_varlen_attention(q.detach(), k.detach(), v.detach(), cu, cu, causal=True)
+    y2 = exact_varlen_attention(q.detach(), k.detach(), v2, cu, cu, causal=True)
+    moved = (y1 - y2).abs().amax(dim=(1, 2)) > 0
+    assert moved.nonzero().flatten().tolist() == list(range(bounds[3], bounds[4])), moved.nonzero().flatten().tolist()
+    print(f"compare-record torch self-test: ok (varlen attention = masked attention over {len(bounds) - 1} segments, values and gradients within {worst:.1e})")
+
+
 def main():
     if sys.argv[1:] == ["--self-test"]:
         self_test()
+        return
+    if sys.argv[1:2] == ["--self-test-torch"] and len(sys.argv) <= 3:
+        self_test_torch(sys.argv[2] if len(sys.argv) == 3 else None)
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--record", required=True, help="the record's train_gpt.py (the 04-27 or 04-09 record's, or the baseline's), fetched by you")
@@ -849,9 +1048,10 @@ def main():
         args.seed = int(cfg["run"]["seed"])
     src = record_source(args.record)
     kind = flavour(src)
+    packed = packed_run(cfg, kind, meta)
     env = env_for(cfg, kind, meta)
     env["SEED"] = str(args.seed)  # the baseline's main() seeds torch itself
-    mod = load_record(src, kind, env, args.record)
+    mod = load_record(src, kind, env, args.record, packed)
     if args.export_init:
         torch.manual_seed(args.seed)
         model = mod.GPT(mod.Hyperparameters()) if kind in ("record", "record0427") else None
@@ -860,14 +1060,17 @@ def main():
         write_safetensors(args.export_init, model.state_dict())
         print(f"wrote the record's initial weights for seed {args.seed} to {args.export_init}")
         return
-    cmp = Comparison(args, cfg, meta, rows, kind)
+    cmp = Comparison(args, cfg, meta, rows, kind, packed)
     cmp.install(mod)
     t0 = time.time()
-    print(f"record's code: {kind} ({args.record}); run: {args.run}; {cmp.steps} steps; init: {args.init}; seed {args.seed}", flush=True)
+    data = "its own loader on data.train, checked against the trace" if packed else "the trace's batches"
+    print(f"record's code: {kind} ({args.record}); run: {args.run}; {cmp.steps} steps; init: {args.init}; seed {args.seed}; batches: {data}", flush=True)
     cmp.run(mod)
     if cmp.done < cmp.steps:
         cmp.step_end(cmp.steps)
     print(f"record's code ran {cmp.done} steps in {time.time() - t0:.0f} s")
+    if packed:
+        print(f"batches: {cmp.checked} micro-batches of the record's own loader equal the trace's, token for token")
     print()
     print(f"{'step':>5} {'our loss':>10} {'record':>10} {'rel diff':>9} {'our |g|':>9} {'record':>9} {'lr_mul':>13} {'momentum':>13} loop")
     for r in cmp.table:
@@ -909,7 +1112,7 @@ def main():
         elif cmp.weight_checks:
             print(f"weights agree within {args.weight_tol:g} at every traced step")
     if args.json:
-        Path(args.json).write_text(json.dumps({"kind": kind, "init": args.init, "seed": args.seed, "steps": cmp.table, "weights": cmp.weight_checks, "vals": {"record": cmp.vals, "ours": ours_v}}, indent=1))
+        Path(args.json).write_text(json.dumps({"kind": kind, "init": args.init, "seed": args.seed, "packed": packed, "batches_checked": cmp.checked, "steps": cmp.table, "weights": cmp.weight_checks, "vals": {"record": cmp.vals, "ours": ours_v}}, indent=1))
     ok = args.init != "ours" or (bool(strict) and worst <= args.loss_tol)
     sys.exit(0 if ok else 1)
 
