@@ -76,6 +76,9 @@ impl WindowStage {
     fn build(order: Order, params: SamplerParams, ctx: &BuildCtx) -> anyhow::Result<Self> {
         Self::check(&params)?;
         let c = config(ctx)?;
+        if order == Order::Packed {
+            packed_check(c)?;
+        }
         let shape = c.train_shape()?;
         let vocab = if params.check_tokens { c.data.tokenizer_vocab()? } else { None };
         let resume = resumed(ctx).and_then(|ck| crate::train::resume::loader_for(ck, &shape));

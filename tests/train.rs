@@ -697,3 +697,51 @@ fn the_trace_holds_the_initial_weights_every_batch_and_every_step() {
         assert!(proj.iter().all(|&v| v == 0.0), "{executor}: weights_0 is the zero-initialised projection before any step");
     }
 }
+
+/// `window_sampler/packed_docs` through the binary, on both executors: each micro-batch is one
+/// row of all its tokens (the trace's rows 1 x 128), read straight through the shard from its
+/// first BOS, one token (a target only) between micro-batches, as the 04-27 record's loader
+/// reads; both executors take the same steps on them (documents cut every 32); and with
+/// `model.document_max_len = 0` the sampler refuses to start, naming the key.
+#[test]
+fn packed_docs_trains_one_row_a_micro_batch_on_both_executors() {
+    let c = corpus("packed");
+    let cfg = config(&c);
+    let shard: Vec<u16> = shard_tokens(&c.dir.join("shards/fineweb_train_000000.bin"));
+    let first = shard.iter().position(|&t| t == 1).expect("the corpus's documents start with BOS");
+    let sets = [
+        "train.iterations=3",
+        "train.val_every=0",
+        "train.grad_accum_steps=2",
+        "stages.sampler.impl=packed_docs",
+        "model.document_attention=true",
+        "model.document_max_len=32",
+        "stages.train.step_trace=true",
+    ];
+    let mut losses: Vec<Vec<f64>> = Vec::new();
+    for executor in ["candle", "engine"] {
+        let out = c.dir.join(executor);
+        let impl_set = format!("stages.train.impl={executor}");
+        let mut all: Vec<&str> = sets.to_vec();
+        all.push(&impl_set);
+        let (_, o) = train_ok(&cfg, &out, &all);
+        let trace = out.join("step_trace");
+        let meta: Value = serde_json::from_str(&std::fs::read_to_string(trace.join("trace.json")).unwrap()).unwrap();
+        assert_eq!((meta["rows"].as_u64(), meta["seq_len"].as_u64()), (Some(1), Some(128)), "{executor}: {meta}\n{}", text(&o));
+        let bytes = std::fs::read(trace.join("batches.u16")).unwrap();
+        let tokens: Vec<u16> = bytes.chunks(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+        assert_eq!(tokens.len(), 6 * 2 * 128, "{executor}");
+        for (k, mb) in tokens.chunks(2 * 128).enumerate() {
+            let at = first + k * 129;
+            assert_eq!(&mb[..128], &shard[at..at + 128], "{executor}: micro-batch {k}'s inputs");
+            assert_eq!(&mb[128..], &shard[at + 1..at + 129], "{executor}: micro-batch {k}'s targets");
+        }
+        let steps = std::fs::read_to_string(trace.join("steps.tsv")).unwrap();
+        losses.push(steps.lines().skip(1).map(|l| l.split('\t').nth(1).unwrap().parse().unwrap()).collect());
+    }
+    for (a, b) in losses[0].iter().zip(&losses[1]) {
+        assert!((a - b).abs() <= 1e-4 * a.abs(), "candle {:?} vs engine {:?}", losses[0], losses[1]);
+    }
+    let o = run_limited(&cfg, &c.dir.join("uncut"), &["train.iterations=1", "stages.sampler.impl=packed_docs", "model.document_attention=true"]);
+    assert_fails(&o, &["model.document_max_len", "packed_docs"]);
+}
