@@ -633,6 +633,20 @@ fn artifact_gptq_on_saved_weights() {
     assert!(out.join("final_model.int6.brotli.pgqz").is_file());
 }
 
+/// Trains `cfg` with `sets` on `executor`, traced: its output, the trace's directory, its
+/// trace.json and the tokens of its batches.
+fn traced(cfg: &Path, out: &Path, sets: &[&str], executor: &str) -> (Output, std::path::PathBuf, Value, Vec<u16>) {
+    let impl_set = format!("stages.train.impl={executor}");
+    let mut all: Vec<&str> = sets.to_vec();
+    all.push(&impl_set);
+    let (_, o) = train_ok(cfg, out, &all);
+    let trace = out.join("step_trace");
+    let meta: Value = serde_json::from_str(&std::fs::read_to_string(trace.join("trace.json")).unwrap()).unwrap();
+    let bytes = std::fs::read(trace.join("batches.u16")).unwrap();
+    let tokens = bytes.chunks(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+    (o, trace, meta, tokens)
+}
+
 /// `step_trace = true` writes what another trainer needs to take the same steps and compare
 /// (scripts/compare-record.py): the initial weights, every micro-batch as trained (targets the
 /// inputs shifted by one, windows of the training shards), a row per step whose losses are the
@@ -654,16 +668,9 @@ fn the_trace_holds_the_initial_weights_every_batch_and_every_step() {
             "stages.train.step_trace_weights_at=[2]",
             "train.save_weights=true",
         ];
-        let impl_set = format!("stages.train.impl={executor}");
-        let mut all: Vec<&str> = sets.to_vec();
-        all.push(&impl_set);
-        let (_, o) = train_ok(&cfg, &out, &all);
-        let trace = out.join("step_trace");
-        let meta: Value = serde_json::from_str(&std::fs::read_to_string(trace.join("trace.json")).unwrap()).unwrap();
+        let (o, trace, meta, tokens) = traced(&cfg, &out, &sets, executor);
         let (rows, seq, micro) = (meta["rows"].as_u64().unwrap() as usize, meta["seq_len"].as_u64().unwrap() as usize, 2usize);
         assert_eq!((rows * seq * micro, meta["micro_steps"].as_u64()), (256, Some(2)), "{meta}");
-        let bytes = std::fs::read(trace.join("batches.u16")).unwrap();
-        let tokens: Vec<u16> = bytes.chunks(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
         assert_eq!(tokens.len(), 3 * micro * 2 * rows * seq, "{executor}");
         for mb in tokens.chunks(2 * rows * seq) {
             let (x, y) = mb.split_at(rows * seq);
@@ -721,15 +728,8 @@ fn packed_docs_trains_one_row_a_micro_batch_on_both_executors() {
     let mut losses: Vec<Vec<f64>> = Vec::new();
     for executor in ["candle", "engine"] {
         let out = c.dir.join(executor);
-        let impl_set = format!("stages.train.impl={executor}");
-        let mut all: Vec<&str> = sets.to_vec();
-        all.push(&impl_set);
-        let (_, o) = train_ok(&cfg, &out, &all);
-        let trace = out.join("step_trace");
-        let meta: Value = serde_json::from_str(&std::fs::read_to_string(trace.join("trace.json")).unwrap()).unwrap();
+        let (o, trace, meta, tokens) = traced(&cfg, &out, &sets, executor);
         assert_eq!((meta["rows"].as_u64(), meta["seq_len"].as_u64()), (Some(1), Some(128)), "{executor}: {meta}\n{}", text(&o));
-        let bytes = std::fs::read(trace.join("batches.u16")).unwrap();
-        let tokens: Vec<u16> = bytes.chunks(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
         assert_eq!(tokens.len(), 6 * 2 * 128, "{executor}");
         for (k, mb) in tokens.chunks(2 * 128).enumerate() {
             let at = first + k * 129;

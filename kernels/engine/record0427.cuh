@@ -270,9 +270,21 @@ extern "C" __global__ void eng_lanes_finish(const float* sc, int count, float* d
 // with d the document start (the last position at or before p whose id is bos, else 0),
 // d + floor((p - d) / max_len) max_len (max_len = 0: d), as DocRule::start. Warp per row, 32
 // positions at a time: a ballot of the BOS positions, each lane taking the highest at or below
-// it (or the carry).
+// it (or the carry): doc_start_at.
 __device__ __forceinline__ unsigned segment_start(unsigned doc, int p, int max_len) {
     return max_len > 0 ? doc + ((unsigned)p - doc) / (unsigned)max_len * (unsigned)max_len : doc;
+}
+
+// The document start of position p0 + lane of row r (a warp on the 32 positions from p0): the
+// last BOS at or before it in the chunk, else *carry (the last one before p0), which becomes
+// the chunk's last BOS for the next.
+__device__ __forceinline__ unsigned doc_start_at(const unsigned* ids, long r, int t, int bos, int p0, int lane, unsigned* carry) {
+    const int p = p0 + lane;
+    const unsigned mask = __ballot_sync(0xffffffffu, p < t && ids[r * t + p] == (unsigned)bos);
+    const unsigned upto = mask & (0xffffffffu >> (31 - lane));
+    const unsigned doc = upto ? (unsigned)(p0 + 31 - __clz(upto)) : *carry;
+    if (mask) *carry = (unsigned)(p0 + 31 - __clz(mask));
+    return doc;
 }
 
 extern "C" __global__ void eng_doc_starts(const unsigned* ids, unsigned* starts, long rows, int t, int bos, int max_len) {
@@ -282,11 +294,8 @@ extern "C" __global__ void eng_doc_starts(const unsigned* ids, unsigned* starts,
     unsigned carry = 0;
     for (int p0 = 0; p0 < t; p0 += 32) {
         const int p = p0 + lane;
-        const unsigned mask = __ballot_sync(0xffffffffu, p < t && ids[r * t + p] == (unsigned)bos);
-        const unsigned upto = mask & (0xffffffffu >> (31 - lane));
-        const unsigned doc = upto ? (unsigned)(p0 + 31 - __clz(upto)) : carry;
+        const unsigned doc = doc_start_at(ids, r, t, bos, p0, lane, &carry);
         if (p < t) starts[r * t + p] = segment_start(doc, p, max_len);
-        if (mask) carry = (unsigned)(p0 + 31 - __clz(mask));
     }
 }
 
@@ -310,11 +319,8 @@ extern "C" __global__ void eng_doc_slots(const unsigned* ids, unsigned* pos_len,
     unsigned carry = 0;
     for (int p0 = 0; p0 < t; p0 += 32) {
         const int p = p0 + lane;
-        const unsigned mask = __ballot_sync(0xffffffffu, p < t && ids[r * t + p] == (unsigned)bos);
-        const unsigned upto = mask & (0xffffffffu >> (31 - lane));
-        const unsigned doc = upto ? (unsigned)(p0 + 31 - __clz(upto)) : carry;
+        const unsigned doc = doc_start_at(ids, r, t, bos, p0, lane, &carry);
         if (p < t) pos_len[r * t + p] = segment_start(doc, p, max_len) == (unsigned)p ? 1u : 0u;
-        if (mask) carry = (unsigned)(p0 + 31 - __clz(mask));
     }
     __syncwarp();
     int next = t;
