@@ -31,7 +31,8 @@
 #       arena, and peak GPU memory (nvidia-smi sampled every 200 ms); if it runs out of memory
 #       at the record's 8 micro-batches of 48 x 2048, again with 16 of 24 x 2048;
 #   (f) pipelines/record-0427.toml on the engine for RECORD0427_STEPS (default 8) steps at its own
-#       8 micro-batches of 48 x 2048 (16 of 24 if refused or out of memory), EMA on, validation
+#       8 micro-batches, each one packed row of 98,304 tokens (`packed_docs`; 16 of 49,152 if
+#       refused or out of memory), EMA on, validation
 #       on the engine: ms/step, the arena, graph and mirror counts, and the device phases of
 #       steps 1-3 and the last from steps.tsv (step 1 runs op by op, step 2 captures the graphs);
 #       its per-op table is (a)'s `engine-check --timing record-0427` (engine-check-record.*);

@@ -44,9 +44,10 @@ pub enum TimingShape {
     /// 64 x 1024 tokens (524,288 tokens a step in 8).
     Baseline,
     /// The 04-27 record's model ([`ModelConfig::record_0427`]: 11 blocks with 3..=5 looped
-    /// into 17, vocabulary 8192, every 04-27 element) on micro-batches of 24 x 2048 tokens (the
-    /// record's 48 x 2048 halved, so that the check's arena fits one 80 GB GPU beside the rest;
-    /// `--rows 48` for the record's own), timing the looped pass that most of its steps run.
+    /// into 17, vocabulary 8192, every 04-27 element) on micro-batches packed as its loader packs
+    /// them (`window_sampler/packed_docs`): one row of 24 x 2048 tokens, documents cut every 2048
+    /// (the record's 48 x 2048 halved, so that the check's arena fits one 80 GB GPU beside the
+    /// rest; `--rows 48` for the record's own), timing the looped pass that most of its steps run.
     Record0427,
     /// A small model (2 layers, width 128, 2 heads of 64) on 2 x 128 tokens: a check of the
     /// plumbing, not a measurement (`SMOKE=1`, CI).
@@ -323,8 +324,8 @@ fn timing_model(shape: TimingShape, rows: Option<usize>) -> (ModelConfig, usize,
         }
         TimingShape::Record0427 => {
             let cfg = ModelConfig::record_0427();
-            let looped = cfg.recurrent();
-            (cfg, rows.unwrap_or(24), 2048, looped)
+            let (looped, t) = (cfg.recurrent(), rows.unwrap_or(24) * cfg.document_max_len);
+            (cfg, 1, t, looped)
         }
         _ => (ModelConfig::default(), rows.unwrap_or(64), 1024, false),
     }
@@ -589,14 +590,14 @@ mod tests {
         assert!((450.0..750.0).contains(&mean), "documents of {mean} tokens on average");
     }
 
-    /// `--timing record-0427` times the record's own model, looped, at 24 x 2048 tokens unless
-    /// asked for other rows.
+    /// `--timing record-0427` times the record's own model, looped, on one packed row of
+    /// 24 x 2048 tokens (its documents cut every 2048) unless asked for other rows.
     #[test]
     fn the_record_timing_shape_is_the_records_looped_model() {
         let (cfg, rows, t, looped) = timing_model(TimingShape::Record0427, None);
-        assert_eq!((cfg.vocab_size, cfg.num_layers, rows, t), (8192, 11, 24, 2048));
+        assert_eq!((cfg.vocab_size, cfg.num_layers, rows, t, cfg.document_max_len), (8192, 11, 1, 24 * 2048, 2048));
         assert!(looped && cfg.layer_sequence(true).len() == 17 && cfg.smear_gate && cfg.document_attention && cfg.attn_gate);
-        assert_eq!(timing_model(TimingShape::Record0427, Some(48)).1, 48);
+        assert_eq!(timing_model(TimingShape::Record0427, Some(48)).2, 48 * 2048);
         let (base, rows, t, looped) = timing_model(TimingShape::Baseline, None);
         assert_eq!((base.num_layers, rows, t, looped), (9, 64, 1024, false));
     }
