@@ -139,18 +139,31 @@ impl Executor for EngineTrainer {
     }
 
     /// Validation scored by the engine's own forward passes ([`Engine::score`]) in its arena:
-    /// no mirror sync, no second model's activations. Sequences of another length than the
-    /// engine's go to the mirror.
+    /// no mirror sync, no second model's activations. Sequences shorter than the engine's (the
+    /// validation's rows under `packed_docs`, whose one training row holds many) are scored in
+    /// the same arena viewed at as many of them as it holds ([`Engine::reshape`]), then the
+    /// training shape is restored; other lengths (longer, or not a multiple of 64 on a GPU) go
+    /// to the mirror.
     fn score(&mut self, x: &[u32], y: &[u32], rows: usize) -> anyhow::Result<f64> {
         anyhow::ensure!(self.micro_done == 0, "validation inside a step ({} of {} micro-batches done)", self.micro_done, self.micro_steps);
-        if x.len() != rows * self.engine.seq_len() {
+        let (train_rows, train_t) = (self.engine.rows(), self.engine.seq_len());
+        let t = x.len() / rows.max(1);
+        let takes = self.engine.device_name().starts_with("cpu") || t.is_multiple_of(crate::engine::step::GPU_SEQ_MULTIPLE);
+        if t < train_t && t * rows == x.len() && takes {
+            let looping = self.mirror.looping();
+            self.engine.reshape(train_rows * train_t / t, t)?;
+            let scored = self.engine.score(x, y, looping);
+            self.engine.reshape(train_rows, train_t)?;
+            return scored;
+        }
+        if x.len() != rows * train_t {
             #[cfg(feature = "candle")]
             return crate::eval::validation::nll_sum(self.synced_model()?, x, y, rows);
             #[cfg(not(feature = "candle"))]
             anyhow::bail!(
                 "validation rows of {} tokens, the engine's are {}: the candle executor scores other lengths",
-                x.len() / rows.max(1),
-                self.engine.seq_len()
+                t,
+                train_t
             );
         }
         self.engine.score(x, y, self.mirror.looping())
@@ -396,6 +409,38 @@ mod tests {
             let err = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
             assert!(err < 1e-9, "{name}: max difference {err:e}");
         }
+    }
+
+    /// Trained on one packed row (`packed_docs`: 1 x 24 here, documents cut every 4), the engine
+    /// scores validation's shorter rows in its own arena (5 rows of 6: two views of 4 rows, the
+    /// last padded), as the candle model scores them, and trains on as before: the step after
+    /// it equals the candle executor's.
+    #[test]
+    fn a_packed_engine_scores_shorter_rows_in_its_arena() {
+        let mcfg = crate::model::ModelConfig { document_attention: true, document_max_len: 4, bos_id: 3, ..crate::engine::tests::record_0427_small() };
+        let cfg = TrainConfig { max_wallclock_seconds: 0.0, ..TrainConfig::default() };
+        let model = || Gpt::new(&mcfg, 5, DType::F64, &Device::Cpu).unwrap();
+        let (rows, t) = (1, 24);
+        let mut candle = Trainer::new(model(), &cfg, 1).unwrap();
+        let mut engine = EngineTrainer::new(model(), &cfg, 1, (rows, t), EngineOptions::default()).unwrap();
+        let vocab = mcfg.vocab_size as u32;
+        for e in [&mut candle as &mut dyn Executor, &mut engine] {
+            let (x, y) = batch(1, rows, t, vocab);
+            e.micro_step(&x, &y).unwrap();
+            e.finish_step(0.0).unwrap();
+        }
+        let (x, y) = batch(2, 5, 6, vocab);
+        let (x, y) = (x.flatten_all().unwrap().to_vec1::<u32>().unwrap(), y.flatten_all().unwrap().to_vec1::<u32>().unwrap());
+        let (sa, sb) = (candle.score(&x, &y, 5).unwrap(), engine.score(&x, &y, 5).unwrap());
+        assert!((sa - sb).abs() < 1e-7 * sa, "validation sums {sa} vs {sb}");
+        assert_eq!(engine.mirror_syncs(), 0, "scored by the engine, not by the mirror");
+        let mut outs = Vec::new();
+        for e in [&mut candle as &mut dyn Executor, &mut engine] {
+            let (x, y) = batch(3, rows, t, vocab);
+            e.micro_step(&x, &y).unwrap();
+            outs.push(e.finish_step(0.0).unwrap());
+        }
+        assert!((outs[0].train_loss - outs[1].train_loss).abs() < 1e-9 * outs[0].train_loss, "the step after: {outs:?}");
     }
 
     /// The mirror is synced only when something reads the weights: three steps leave it
