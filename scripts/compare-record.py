@@ -35,10 +35,11 @@ run's weights, on the same batches: the figure to set beside ours over seeds. Th
 The 04-27 record (`records/track_10min_16mb/2026-04-27_SP8192_LQER_SparseGate_BOSSmearFix_9HpStack_1.0611/
 train_gpt.py`) on a run of pipelines/record-0427-mini.toml: besides the above, Triton is a
 stand-in whose kernels are never called (its unfused MLP and cross-entropy run), its auxiliary
-CUDA stream is inert, FlashAttention-3's varlen call is exact attention in f32 over each segment
-of `cu_seqlens` (causal within it), and its validation scores rows of EVAL_SEQ_LEN (the dense
-call, kept inside documents at BOS by the exact attention: its flat row would also smear across
-the rows' edges). The byte counts its CaseOps sidecar gives come from the tokenizer's tables, as
+CUDA stream is inert, and FlashAttention-3's varlen call is exact attention in f32 over each
+segment of `cu_seqlens` (causal within it). Its validation (`eval_val`: each batch one flat row)
+runs as written when the run validates so too (`train.val_packed = true`, record-0427-mini's);
+for a run that validates in rows it scores rows of EVAL_SEQ_LEN instead (the dense call, kept
+inside documents at BOS by the exact attention), a patch named "validation in rows". The byte counts its CaseOps sidecar gives come from the tokenizer's tables, as
 the 04-09 record counts them. Its batches depend on the run's sampler:
 
 - packed (`stages.<sampler>.impl = "packed_docs"`, record-0427-mini's default: one flat row a
@@ -130,9 +131,12 @@ PATCHES = {
         ("f32 weights", "base_model = GPT(h).to(device).bfloat16()", "base_model = GPT(h).to(device)"),
         # The fused MLP is a Triton kernel (GPU only); its unfused form is the same maths.
         ("the unfused MLP", "self.use_fused = True", "self.use_fused = False"),
-        # Validation as our rows: sequences of EVAL_SEQ_LEN, attention kept inside documents
-        # by the attention shim (the record's varlen call takes one flat row, whose SmearGate
-        # would also cross the rows' edges).
+    ],
+    # Validation in rows, for a run that validates in rows (`train.val_packed = false`): sequences
+    # of EVAL_SEQ_LEN, attention kept inside documents by the attention shim (the record's
+    # eval_val takes each batch as one flat row, whose SmearGate would also cross the rows'
+    # edges: what `train.val_packed = true` does, with no patch).
+    "record0427_val_rows": [
         (
             "validation in rows",
             "logits = run_forward_logits(\n                    x[None], cu_seqlens=cu_seqlens, max_seqlen=max_seqlen\n                ).detach()",
@@ -872,7 +876,7 @@ def install_gpu_stubs():
     torch.cuda.stream = lambda s: contextlib.nullcontext()
 
 
-def load_record(src, kind, env, path, packed=False):
+def load_record(src, kind, env, path, packed=False, val_rows=True):
     import torch
 
     os.environ.update(env)
@@ -890,6 +894,8 @@ def load_record(src, kind, env, path, packed=False):
     mod = types.ModuleType("record_train_gpt")
     mod.__file__ = os.path.abspath(path)  # the baseline reads its own code for its size line
     src = patched(src, kind)
+    if kind == "record0427" and val_rows:
+        src = patched(src, "record0427_val_rows")
     if packed:
         src = patched(src, "record0427_packed")
     if sys.version_info < (3, 12):
@@ -1049,9 +1055,12 @@ def main():
     src = record_source(args.record)
     kind = flavour(src)
     packed = packed_run(cfg, kind, meta)
+    val_packed = bool(cfg["train"].get("val_packed", False))
+    if val_packed and kind != "record0427":
+        fail("the run validates packed (train.val_packed = true), as only the 04-27 record's eval_val does: trace a run with --set train.val_packed=false")
     env = env_for(cfg, kind, meta)
     env["SEED"] = str(args.seed)  # the baseline's main() seeds torch itself
-    mod = load_record(src, kind, env, args.record, packed)
+    mod = load_record(src, kind, env, args.record, packed, val_rows=not val_packed)
     if args.export_init:
         torch.manual_seed(args.seed)
         model = mod.GPT(mod.Hyperparameters()) if kind in ("record", "record0427") else None

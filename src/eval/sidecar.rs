@@ -127,6 +127,7 @@ mod tests {
             val_batch_tokens: 64,
             val_max_tokens: 0,
             vocab,
+            packed: false,
         };
         (dir, model, settings)
     }

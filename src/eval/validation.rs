@@ -39,6 +39,8 @@ pub struct ValSettings {
     pub val_max_tokens: usize,
     /// The model's vocabulary (`model.vocab_size`).
     pub vocab: usize,
+    /// Each batch scored as one row of all its tokens (`train.val_packed`).
+    pub packed: bool,
 }
 
 /// Training tokens read (at most) to count unigram frequencies.
@@ -51,6 +53,8 @@ pub struct Validator {
     seq_len: usize,
     /// Sequences per forward pass.
     batch_rows: usize,
+    /// Each pass one row of its `batch_rows` sequences (`train.val_packed`).
+    packed: bool,
     /// This rank's sequences, `[first, end)`.
     first: usize,
     end: usize,
@@ -134,7 +138,7 @@ impl Validator {
         let seqs = (data.tokens.len() - 1) / t.seq_len;
         let batch_rows = tokens_per_pass(settings, ranks.world(), micro_steps) / t.seq_len;
         let mine = crate::dist::share::share(seqs, ranks.rank(), ranks.world());
-        Ok(Self { data, seq_len: t.seq_len, batch_rows, first: mine.start, end: mine.end, pattern, ranks })
+        Ok(Self { data, seq_len: t.seq_len, batch_rows, packed: t.packed, first: mine.start, end: mine.end, pattern, ranks })
     }
 }
 
@@ -215,6 +219,12 @@ impl Validator {
         &self.data.tokens
     }
 
+    /// The `(rows, t)` of a scorer's passes: `rows x t` of the training rows' length, or
+    /// packed one row of a whole batch's tokens.
+    pub fn pass_shape(&self, rows: usize) -> (usize, usize) {
+        if self.packed { (1, self.batch_rows * self.seq_len) } else { (rows, self.seq_len) }
+    }
+
     /// Targets scored by a full pass over all ranks.
     pub fn targets(&self) -> usize {
         self.data.tokens.len() - 1
@@ -249,13 +259,15 @@ impl Validator {
     /// on its own device, [`crate::train::executor::Executor::score`]), in batches of a
     /// multiple of `rows_multiple` sequences (the scorer's own pass: `train.val_batch_tokens`
     /// rounded up to it, so that a scorer of fixed rows pads at most each rank's last batch).
+    /// Packed (`train.val_packed`), each batch of `train.val_batch_tokens / (W · A)` tokens goes
+    /// to `score` as one row (`rows` 1), a rank's last one shorter.
     pub fn run_with(
         &self,
         score: &mut ScoreFn<'_>,
         rows_multiple: usize,
         keep_going: impl Fn() -> bool,
     ) -> anyhow::Result<Option<BpbAccumulator>> {
-        let batch_rows = self.batch_rows.next_multiple_of(rows_multiple.max(1));
+        let batch_rows = if self.packed { self.batch_rows } else { self.batch_rows.next_multiple_of(rows_multiple.max(1)) };
         let mut acc = BpbAccumulator::new(self.data.tables.clone());
         let tokens = &self.data.tokens;
         let t = self.seq_len;
@@ -271,7 +283,7 @@ impl Validator {
             let rows = batch_rows.min(self.end - s);
             let x = &tokens[s * t..(s + rows) * t];
             let y = &tokens[s * t + 1..(s + rows) * t + 1];
-            acc.add_sum(s * t, x, y, score(x, y, rows)?);
+            acc.add_sum(s * t, x, y, score(x, y, if self.packed { 1 } else { rows })?);
             s += rows;
         }
         Ok(Some(acc.all_reduced(self.ranks.as_ref())?))
@@ -360,6 +372,7 @@ mod tests {
             val_batch_tokens: 524_288,
             val_max_tokens: 0,
             vocab,
+            packed: false,
         };
         (c, dir)
     }
@@ -388,6 +401,35 @@ mod tests {
             .unwrap();
         assert_eq!((calls, seen), (vec![4, 4, 2], 160));
         let plain = v.run_with(&mut |x, y, _| Ok(loss(x, y)), 1, || true).unwrap().unwrap();
+        assert_eq!((acc.nll_sum(), acc.tokens(), acc.bytes()), (plain.nll_sum(), plain.tokens(), plain.bytes()));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// Packed (`train.val_packed`): each batch of 3 sequences comes as one row of their 48
+    /// tokens, the last one of the 1 left, whatever the scorer's rows; the sums are the rows'.
+    #[test]
+    fn packed_batches_are_one_row_each() {
+        let (mut c, dir) = setup("packed", 16 * 10 + 1);
+        c.val_batch_tokens = 48;
+        let rows = Validator::load(&c, 1).unwrap();
+        c.packed = true;
+        let v = Validator::load(&c, 1).unwrap();
+        assert_eq!((v.pass_shape(4), rows.pass_shape(4)), ((1, 48), (4, 16)));
+        let loss = |x: &[u32], y: &[u32]| x.iter().zip(y).map(|(&a, &b)| f64::from(a * 3 + b) / 100.0).sum::<f64>();
+        let mut calls = Vec::new();
+        let acc = v
+            .run_with(
+                &mut |x, y, r| {
+                    calls.push((r, x.len(), y.len()));
+                    Ok(loss(x, y))
+                },
+                4,
+                || true,
+            )
+            .unwrap()
+            .unwrap();
+        assert_eq!(calls, [(1, 48, 48), (1, 48, 48), (1, 48, 48), (1, 16, 16)]);
+        let plain = rows.run_with(&mut |x, y, _| Ok(loss(x, y)), 1, || true).unwrap().unwrap();
         assert_eq!((acc.nll_sum(), acc.tokens(), acc.bytes()), (plain.nll_sum(), plain.tokens(), plain.bytes()));
         let _ = std::fs::remove_dir_all(dir);
     }

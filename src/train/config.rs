@@ -119,6 +119,11 @@ pub struct TrainConfig {
     /// Score only the first this many validation targets (rounded down to whole sequences);
     /// 0: the whole split, as the challenge does. For quick CPU runs; the log says when it applies.
     pub val_max_tokens: usize,
+    /// Score each validation batch as one row of all its tokens, as the 04-27 record's
+    /// `eval_val` does: its documents kept apart by `model.document_attention` and cut every
+    /// `model.document_max_len`, so that a document reads past the rows' edges, SmearGate too.
+    /// false: rows of `seq_len`, each on its own (the baseline's and the 04-09 record's).
+    pub val_packed: bool,
     /// Log the training loss at steps 1 to 10 and every this many steps [TRAIN_LOG_EVERY].
     pub log_every: u64,
     /// Log the time breakdown (input wait, H2D, forward, backward, optimizer, validation) every
@@ -171,6 +176,7 @@ impl Default for TrainConfig {
             val_every: 1_000,
             val_batch_tokens: 524_288,
             val_max_tokens: 0,
+            val_packed: false,
             log_every: 200,
             timing_every: 200,
             save_weights: true,
@@ -289,6 +295,7 @@ impl Config {
             val_batch_tokens: self.train.val_batch_tokens,
             val_max_tokens: self.train.val_max_tokens,
             vocab: self.model.vocab_size,
+            packed: self.train.val_packed,
         }
     }
 

@@ -201,6 +201,26 @@ fn token_losses_of_any_rows_equal_candle() {
     }
 }
 
+/// Packed validation's rows (`train.val_packed`): an engine of one row of 24 scores rows of 24
+/// and a last, shorter one of 12 in the same arena (then 24 again), documents cut every 4 as
+/// the model says; every position's loss equals the candle model's.
+#[test]
+fn shorter_rows_than_the_engines_are_scored_in_its_arena() {
+    let cfg = crate::model::ModelConfig { document_attention: true, document_max_len: 4, bos_id: 3, ..crate::engine::tests::record_0427_small() };
+    let (c, e) = pair(&cfg, DType::F64);
+    let mut engine = EngineModel::new(e, 1, 24).unwrap();
+    let mut candle = CandleModel::new(&c);
+    for (seed, t) in [(1, 24), (2, 12), (3, 24)] {
+        let x = crate::engine::tests::tokens(seed, t, cfg.vocab_size as u32);
+        let y = crate::engine::tests::tokens(seed + 50, t, cfg.vocab_size as u32);
+        let (a, b) = (candle.token_losses(&x, &y, t).unwrap(), engine.token_losses(&x, &y, t).unwrap());
+        assert_eq!(a.len(), b.len());
+        for (k, (p, q)) in a.iter().zip(&b).enumerate() {
+            assert!((p - q).abs() < 1e-6, "a row of {t}, position {k}: candle {p}, engine {q}");
+        }
+    }
+}
+
 /// On a GPU the engine's attention takes heads 64 wide: a model of narrower heads is refused
 /// before the run, naming the reason and how to ask for candle; candle takes it.
 #[test]

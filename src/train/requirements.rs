@@ -90,7 +90,9 @@ fn stores_probs(p: &SessionParams, on_cpu: bool) -> bool {
 /// The activations of one validation pass of the candle model.
 fn validation_pass_bytes(p: &SessionParams, c: &Config, shape: BatchShape, on_cpu: bool) -> u64 {
     let tokens = crate::eval::validation::tokens_per_pass(&c.validation(), shape.world_size, shape.micro_steps);
-    crate::model::memory::forward_bytes(&c.model, tokens, shape.seq_len, stores_probs(p, on_cpu), elem_bytes(p.dtype).1)
+    // Packed (`train.val_packed`), a pass is one row of all its tokens.
+    let t = if c.train.val_packed { tokens } else { shape.seq_len };
+    crate::model::memory::forward_bytes(&c.model, tokens, t, stores_probs(p, on_cpu), elem_bytes(p.dtype).1)
 }
 
 /// The validation split, read whole (u16) and kept as u32 ids.

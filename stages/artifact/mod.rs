@@ -113,10 +113,17 @@ impl ArtifactStage {
         }
         if (p.eval || gptq) && p.executor == EvalExecutor::Engine {
             // The round trip's scores and GPTQ's calibration on an engine of the training
-            // micro-batch's rows (one after the other).
+            // micro-batch's rows (one after the other); packed scores on one row of a
+            // validation batch.
             let shape = c.batch_shape()?;
-            let arena = crate::train::engine_eval::EngineModel::arena_bytes(&c.model, shape.rows, shape.seq_len, &c.run.device);
+            let engine_bytes = |rows, t| crate::train::engine_eval::EngineModel::arena_bytes(&c.model, rows, t, &c.run.device);
+            let mut arena = engine_bytes(shape.rows, shape.seq_len);
             let mut keys = vec!["train.batch_tokens"];
+            if p.eval && c.train.val_packed {
+                let pass = crate::eval::validation::tokens_per_pass(&c.validation(), c.run.world_size, shape.micro_steps);
+                arena = arena.max(engine_bytes(1, pass));
+                keys.extend(["train.val_batch_tokens", "train.val_packed"]);
+            }
             keys.extend(MODEL_KEYS);
             needs.push(
                 crate::runtime::memory::Need::device(
@@ -348,15 +355,15 @@ impl ArtifactStage {
     }
 
     /// Scores `weights` with a model of `[model]` on the run's device, on the stage's executor
-    /// (the engine on the training micro-batch's rows).
+    /// (the engine on the training micro-batch's rows; under `train.val_packed` on one row of a
+    /// validation batch's tokens).
     fn score(&self, v: &Validator, weights: &[(String, candle_core::Tensor)], ctx: &mut Ctx) -> anyhow::Result<Option<BpbAccumulator>> {
         let t0 = Instant::now();
-        let shape = self.config.batch_shape()?;
-        let (rows, t) = (shape.rows, shape.seq_len);
+        let (rows, t) = v.pass_shape(self.config.batch_shape()?.rows);
         let mut model = crate::train::engine_eval::open(model_from(&self.config, weights)?, self.p.executor, rows, t)
             .with_context(|| format!("stage `artifact`: building the round trip's {} model", self.p.executor.name()))?;
-        let mut score = |x: &[u32], y: &[u32], _rows: usize| -> anyhow::Result<f64> {
-            Ok(model.token_losses(x, y, t)?.iter().map(|&l| f64::from(l)).sum())
+        let mut score = |x: &[u32], y: &[u32], rows: usize| -> anyhow::Result<f64> {
+            Ok(model.token_losses(x, y, x.len() / rows.max(1))?.iter().map(|&l| f64::from(l)).sum())
         };
         let acc = v.run_with(&mut score, rows, || !ctx.aborted())?;
         ctx.record("eval", t0.elapsed().as_nanos() as u64);
