@@ -708,7 +708,8 @@ fn the_trace_holds_the_initial_weights_every_batch_and_every_step() {
 /// `window_sampler/packed_docs` through the binary, on both executors: each micro-batch is one
 /// row of all its tokens (the trace's rows 1 x 128), read straight through the shard from its
 /// first BOS, one token (a target only) between micro-batches, as the 04-27 record's loader
-/// reads; both executors take the same steps on them (documents cut every 32); and with
+/// reads; both executors take the same steps on them (documents cut every 32) and validate
+/// alike in packed batches (`train.val_packed`); and with
 /// `model.document_max_len = 0` the sampler refuses to start, naming the key.
 #[test]
 fn packed_docs_trains_one_row_a_micro_batch_on_both_executors() {
@@ -723,13 +724,15 @@ fn packed_docs_trains_one_row_a_micro_batch_on_both_executors() {
         "stages.sampler.impl=packed_docs",
         "model.document_attention=true",
         "model.document_max_len=32",
+        "train.val_packed=true",
         "stages.train.step_trace=true",
     ];
-    let mut losses: Vec<Vec<f64>> = Vec::new();
+    let (mut losses, mut vals): (Vec<Vec<f64>>, Vec<f64>) = (Vec::new(), Vec::new());
     for executor in ["candle", "engine"] {
         let out = c.dir.join(executor);
         let (o, trace, meta, tokens) = traced(&cfg, &out, &sets, executor);
         assert_eq!((meta["rows"].as_u64(), meta["seq_len"].as_u64()), (Some(1), Some(128)), "{executor}: {meta}\n{}", text(&o));
+        vals.push(report(&out).train["val_loss"].as_f64().unwrap());
         assert_eq!(tokens.len(), 6 * 2 * 128, "{executor}");
         for (k, mb) in tokens.chunks(2 * 128).enumerate() {
             let at = first + k * 129;
@@ -742,6 +745,7 @@ fn packed_docs_trains_one_row_a_micro_batch_on_both_executors() {
     for (a, b) in losses[0].iter().zip(&losses[1]) {
         assert!((a - b).abs() <= 1e-4 * a.abs(), "candle {:?} vs engine {:?}", losses[0], losses[1]);
     }
+    assert!((vals[0] - vals[1]).abs() <= 1e-4 * vals[0], "packed validation: candle {} vs engine {}", vals[0], vals[1]);
     let o = run_limited(&cfg, &c.dir.join("uncut"), &["train.iterations=1", "stages.sampler.impl=packed_docs", "model.document_attention=true"]);
     assert_fails(&o, &["model.document_max_len", "packed_docs"]);
 }
