@@ -120,10 +120,16 @@ impl Sampler for PackedSampler {
         let n = self.shape.tokens();
         let span = n as u64 + 1;
         let global = self.shape.world_size as u64 * span;
-        // A shard too short for a whole micro-batch is passed over (at most once around: `new`
-        // checked that one is long enough).
+        // A shard too short for a whole micro-batch after its first BOS is passed over; once
+        // around every shard without one is an error, not a loop.
+        let mut passed = 0;
         while self.cursor + global > self.shards[self.shard].tokens {
+            anyhow::ensure!(
+                passed < self.shards.len(),
+                "no training shard holds a micro-batch of all ranks, world_size x (tokens + 1) = {global} tokens, after its first BOS: the packed_docs sampler cannot go on"
+            );
             self.advance()?;
+            passed += 1;
         }
         let start = self.cursor + self.shape.rank as u64 * span;
         let file = self.shards[self.shard].clone();
@@ -268,9 +274,17 @@ mod tests {
         let mut toks = vec![1u16; 300];
         toks[70] = 999;
         write_shard(&path, &toks).unwrap();
-        let files = ShardFile::open_all(&[path], AccessMode::Mmap).unwrap();
+        let files = ShardFile::open_all(std::slice::from_ref(&path), AccessMode::Mmap).unwrap();
         let mut s = PackedSampler::new(files, BatchShape { seq_len: 100, ..shape }, Some(50), 1, None).unwrap();
         let e = s.fill(&mut vec![0; 200]).unwrap_err().to_string();
         assert!(e.contains("999") && e.contains("train_000000.bin"), "{e}");
+        // Long enough, but not after its first BOS: an error, not a loop.
+        let mut late = vec![5u16; 300];
+        late[250] = 1;
+        write_shard(&path, &late).unwrap();
+        let files = ShardFile::open_all(&[path], AccessMode::Mmap).unwrap();
+        let mut s = PackedSampler::new(files, BatchShape { seq_len: 100, ..shape }, None, 1, None).unwrap();
+        let e = s.fill(&mut vec![0; 200]).unwrap_err().to_string();
+        assert!(e.contains("no training shard holds a micro-batch"), "{e}");
     }
 }
