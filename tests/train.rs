@@ -746,6 +746,10 @@ fn packed_docs_trains_one_row_a_micro_batch_on_both_executors() {
         assert!((a - b).abs() <= 1e-4 * a.abs(), "candle {:?} vs engine {:?}", losses[0], losses[1]);
     }
     assert!((vals[0] - vals[1]).abs() <= 1e-4 * vals[0], "packed validation: candle {} vs engine {}", vals[0], vals[1]);
-    let o = run_limited(&cfg, &c.dir.join("uncut"), &["train.iterations=1", "stages.sampler.impl=packed_docs", "model.document_attention=true"]);
+    let o = run_limited(
+        &cfg,
+        &c.dir.join("uncut"),
+        &["train.iterations=1", "stages.sampler.impl=packed_docs", "model.document_attention=true"],
+    );
     assert_fails(&o, &["model.document_max_len", "packed_docs"]);
 }

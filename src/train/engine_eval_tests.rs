@@ -206,7 +206,8 @@ fn token_losses_of_any_rows_equal_candle() {
 /// the model says; every position's loss equals the candle model's.
 #[test]
 fn shorter_rows_than_the_engines_are_scored_in_its_arena() {
-    let cfg = crate::model::ModelConfig { document_attention: true, document_max_len: 4, bos_id: 3, ..crate::engine::tests::record_0427_small() };
+    let cfg =
+        crate::model::ModelConfig { document_attention: true, document_max_len: 4, bos_id: 3, ..crate::engine::tests::record_0427_small() };
     let (c, e) = pair(&cfg, DType::F64);
     let mut engine = EngineModel::new(e, 1, 24).unwrap();
     let mut candle = CandleModel::new(&c);

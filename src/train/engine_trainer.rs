@@ -160,11 +160,7 @@ impl Executor for EngineTrainer {
             #[cfg(feature = "candle")]
             return crate::eval::validation::nll_sum(self.synced_model()?, x, y, rows);
             #[cfg(not(feature = "candle"))]
-            anyhow::bail!(
-                "validation rows of {} tokens, the engine's are {}: the candle executor scores other lengths",
-                t,
-                train_t
-            );
+            anyhow::bail!("validation rows of {} tokens, the engine's are {}: the candle executor scores other lengths", t, train_t);
         }
         self.engine.score(x, y, self.mirror.looping())
     }
@@ -417,7 +413,12 @@ mod tests {
     /// it equals the candle executor's.
     #[test]
     fn a_packed_engine_scores_shorter_rows_in_its_arena() {
-        let mcfg = crate::model::ModelConfig { document_attention: true, document_max_len: 4, bos_id: 3, ..crate::engine::tests::record_0427_small() };
+        let mcfg = crate::model::ModelConfig {
+            document_attention: true,
+            document_max_len: 4,
+            bos_id: 3,
+            ..crate::engine::tests::record_0427_small()
+        };
         let cfg = TrainConfig { max_wallclock_seconds: 0.0, ..TrainConfig::default() };
         let model = || Gpt::new(&mcfg, 5, DType::F64, &Device::Cpu).unwrap();
         let (rows, t) = (1, 24);

@@ -217,7 +217,12 @@ impl<D: Device> KernelBackend<D> {
         assert!(s.batch * s.t <= t.n, "attention within documents over {} x {} positions, {} ids", s.batch, s.t, t.n);
         let (ids, starts) = (Arg::Ptr(Space::Tokens, t.x()), Arg::Ptr(Space::Tokens, t.starts()));
         if self.starts_for != Some(key) {
-            self.launch(k::eng_doc_starts, warps(s.batch), BLOCK, vec![ids, starts, l(s.batch), i(s.t), i(key.0.bos as usize), i(key.0.max_len as usize)]);
+            self.launch(
+                k::eng_doc_starts,
+                warps(s.batch),
+                BLOCK,
+                vec![ids, starts, l(s.batch), i(s.t), i(key.0.bos as usize), i(key.0.max_len as usize)],
+            );
             self.starts_for = Some(key);
         }
         Some(starts)

@@ -285,7 +285,16 @@ impl<D: Device> KernelBackend<D> {
         assert!(s.batch * s.t <= t.n, "attention within documents over {} x {} positions, {} ids", s.batch, s.t, t.n);
         let p = |off| super::Arg::Ptr(Space::Tokens, off);
         if self.cudnn.lens_for != Some(key) {
-            let args = vec![p(t.x()), p(t.ragged()), p(t.slot_len()), p(t.slot_start()), l(s.batch), i(s.t), i(rule.bos as usize), i(rule.max_len as usize)];
+            let args = vec![
+                p(t.x()),
+                p(t.ragged()),
+                p(t.slot_len()),
+                p(t.slot_start()),
+                l(s.batch),
+                i(s.t),
+                i(rule.bos as usize),
+                i(rule.max_len as usize),
+            ];
             self.launch(k::eng_doc_slots, warps(s.batch), BLOCK, args);
             self.cudnn.lens_for = Some(key);
             // The offsets follow the slots' starts: each is written again at its first use.
