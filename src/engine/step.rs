@@ -577,6 +577,14 @@ impl Engine {
         self.schedule.layout.rows
     }
 
+    /// How many rows of `t` tokens an arena of `base` (`rows x t`) micro-batches holds when
+    /// viewed at them ([`Engine::reshape`]), for rows shorter than the base's that its attention
+    /// takes (on a GPU a multiple of [`GPU_SEQ_MULTIPLE`]); `None` for any other length.
+    pub fn shorter_rows(&self, t: usize, (rows, base_t): (usize, usize)) -> Option<usize> {
+        let takes = self.device_name() == "cpu" || t.is_multiple_of(GPU_SEQ_MULTIPLE);
+        (t >= 1 && t < base_t && takes).then(|| rows * base_t / t)
+    }
+
     /// How the backend ran its units of work (`None`: op by op, the CPU backends).
     pub fn graph_counts(&self) -> Option<GraphCounts> {
         self.be.graph_counts()

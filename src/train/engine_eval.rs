@@ -211,11 +211,10 @@ impl EvalModel for EngineModel {
     fn token_losses(&mut self, x: &[u32], y: &[u32], t: usize) -> anyhow::Result<Vec<f32>> {
         anyhow::ensure!(x.len() == y.len() && x.len().is_multiple_of(t), "{} ids and {} targets in rows of {t}", x.len(), y.len());
         self.at_base()?;
-        let (base_rows, base_t) = self.base;
-        if t < base_t && (!self.on_gpu() || t.is_multiple_of(crate::engine::step::GPU_SEQ_MULTIPLE)) {
+        if let Some(view) = self.engine.shorter_rows(t, self.base) {
             // Shorter rows (a packed validation's last, partial batch): the arena viewed at as
             // many of them as it holds; the next call goes back to the base shape.
-            self.engine.reshape(base_rows * base_t / t, t)?;
+            self.engine.reshape(view, t)?;
         }
         anyhow::ensure!(
             t == self.engine.seq_len(),

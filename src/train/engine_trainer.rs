@@ -148,10 +148,9 @@ impl Executor for EngineTrainer {
         anyhow::ensure!(self.micro_done == 0, "validation inside a step ({} of {} micro-batches done)", self.micro_done, self.micro_steps);
         let (train_rows, train_t) = (self.engine.rows(), self.engine.seq_len());
         let t = x.len() / rows.max(1);
-        let takes = self.engine.device_name().starts_with("cpu") || t.is_multiple_of(crate::engine::step::GPU_SEQ_MULTIPLE);
-        if t < train_t && t * rows == x.len() && takes {
+        if let Some(view) = self.engine.shorter_rows(t, (train_rows, train_t)).filter(|_| t * rows == x.len()) {
             let looping = self.mirror.looping();
-            self.engine.reshape(train_rows * train_t / t, t)?;
+            self.engine.reshape(view, t)?;
             let scored = self.engine.score(x, y, looping);
             self.engine.reshape(train_rows, train_t)?;
             return scored;
