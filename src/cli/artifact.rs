@@ -86,9 +86,7 @@ pub fn command(weights: PathBuf, path: PathBuf, o: Options) -> i32 {
 /// The parameters and implementation of the config's `artifact` stage (the defaults and no
 /// implementation when it has none); errors name the bad key.
 fn stage_params(loaded: &config::Loaded<Config>) -> anyhow::Result<(ArtifactParams, Option<String>)> {
-    let stages = loaded.config.stages();
-    let found = stages.iter().find(|(_, d)| d.get("kind").and_then(|k| k.as_str()) == Some("artifact"));
-    let Some((name, dict)) = found else { return Ok((ArtifactParams::default(), None)) };
+    let Some((name, dict)) = loaded.config.stage_of_kind("artifact") else { return Ok((ArtifactParams::default(), None)) };
     let implementation = dict.get("impl").and_then(|v| v.as_str()).map(String::from);
     let mut params = dict.clone();
     for k in RESERVED_KEYS {

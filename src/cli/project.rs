@@ -134,9 +134,7 @@ pub fn build(run_dir: &Path, o: &Options) -> anyhow::Result<ProjectionReport> {
     let c = &loaded.config;
     let shape = c.batch_shape().with_context(|| cfg_path.display().to_string())?;
     let stage = c
-        .stages()
-        .iter()
-        .find(|(_, d)| d.get("kind").and_then(|k| k.as_str()) == Some("step_executor"))
+        .stage_of_kind("step_executor")
         .map(|(_, d)| d.clone())
         .with_context(|| format!("{} has no `step_executor` stage", cfg_path.display()))?;
     let executor = stage.get("impl").and_then(|v| v.as_str()).unwrap_or("candle").to_string();

@@ -100,6 +100,11 @@ pub trait Tables: DeserializeOwned + Default {
     fn run(&self) -> &RunConfig;
     /// `[stages.NAME]`, raw until the planner resolves them.
     fn stages(&self) -> &BTreeMap<String, Dict>;
+
+    /// The first stage (by name) of kind `kind`: its name and raw table.
+    fn stage_of_kind(&self, kind: &str) -> Option<(&String, &Dict)> {
+        self.stages().iter().find(|(_, d)| d.get("kind").and_then(|k| k.as_str()) == Some(kind))
+    }
 }
 
 /// The runtime's own config: `[run]` and the stage tables, nothing else (graphs of synthetic
