@@ -5,8 +5,8 @@
 //!   `#[cfg(test)]`, and any `cfg` that needs `test` or a feature the build lacks, or lacks
 //!   one it has: `#[cfg(feature = "candle")]` in the lean record build) are removed,
 //!   `#[cfg_attr(..)]`s that do not apply too,
-//!   and the tokens are printed one space apart, one top-level item per line: the same program
-//!   to rustc, with no indentation.
+//!   and the tokens are printed with a space only where two would otherwise lex as one, one
+//!   top-level item per line: the same program to rustc, with no indentation.
 //! - **C, C++ and CUDA** go through a lexer that knows string and character literals (a `//`
 //!   inside a string stays): comments out, lines trimmed, blank lines dropped; preprocessor
 //!   lines stay lines.
@@ -34,39 +34,84 @@ pub fn file(path: &str, bytes: &[u8], features: &[String]) -> Result<Vec<u8>> {
 /// A Rust file as the compiler reads it outside tests in a build with `features`, without
 /// comments or indentation.
 pub fn rust(src: &str, features: &[String]) -> Result<String> {
-    let mut file = syn::parse_file(src).map_err(|e| {
-        let at = e.span().start();
-        anyhow::anyhow!("{e} (line {}, column {})", at.line, at.column)
-    })?;
-    Strip { features }.visit_file_mut(&mut file);
     let mut out = String::new();
-    for attr in &file.attrs {
-        let kept = without_docs(attr.to_token_stream(), features);
-        if !kept.is_empty() {
-            print(kept, &mut out);
-            out.push('\n');
-        }
-    }
-    for item in &file.items {
-        print(without_docs(item.to_token_stream(), features), &mut out);
+    for line in kept_tokens(src, features)? {
+        print(line, &mut out);
         out.push('\n');
     }
     Ok(out)
 }
 
-/// Prints tokens as rustc reads them back: one space between two tokens, none where a
-/// delimiter, `,` or `;` stands between them (no token continues across those), none after a
-/// punctuation joined to the next (`->`, `::`, `'a`).
+/// The tokens of a Rust file that a build with `features` compiles, one stream per line of
+/// [`rust`]'s output: the file's inner attributes, then each top-level item.
+fn kept_tokens(src: &str, features: &[String]) -> Result<Vec<proc_macro2::TokenStream>> {
+    let mut file = syn::parse_file(src).map_err(|e| {
+        let at = e.span().start();
+        anyhow::anyhow!("{e} (line {}, column {})", at.line, at.column)
+    })?;
+    Strip { features }.visit_file_mut(&mut file);
+    let attrs = file.attrs.iter().map(|a| without_docs(a.to_token_stream(), features)).filter(|t| !t.is_empty());
+    Ok(attrs.chain(file.items.iter().map(|i| without_docs(i.to_token_stream(), features))).collect())
+}
+
+/// The last token printed, as far as the next one's spacing cares.
+#[derive(Clone, Copy, PartialEq)]
+enum Last {
+    /// Nothing, an opening or closing delimiter, or a punctuation joined to the next token
+    /// (`-` of `->`, `'` of `'a`): the next token follows with no space.
+    Open,
+    /// An identifier or keyword.
+    Ident,
+    /// A literal.
+    Literal,
+    /// A punctuation standing alone.
+    Punct(char),
+}
+
+/// Pairs of characters that open or continue a multi-character token or a comment: a
+/// punctuation standing alone is printed apart from the next one only when the two form one of
+/// these (`a / *b`, `& &x`, `.. =` of `..=`), or one that rustc warns of (`- -b`, not `--b`).
+const JOINING: [&str; 27] = [
+    "--", "++", "&&", "||", "<<", ">>", "+=", "-=", "*=", "/=", "%=", "^=", "&=", "|=", "==", "!=", ">=", "<=", "->", "=>", "::", "..",
+    ".=", "<-", "//", "/*", "*/",
+];
+
+/// Whether punctuation `a` standing alone and `b` after it would lex as something else printed
+/// together.
+fn joins(a: char, b: char) -> bool {
+    JOINING.iter().any(|p| p.chars().eq([a, b]))
+}
+
+/// Prints tokens as rustc reads them back, with a space only where two tokens would otherwise
+/// lex as one or as something else:
+/// - two words (identifiers, keywords, literals): `let x`, `1 as`, `r "s"` (`r"s"` is a raw
+///   string);
+/// - two punctuations that would join ([`JOINING`]): `- -x`, `a / *b` (`/*` opens a comment),
+///   `& &x`; `Spacing::Joint` marks the ones that do form one operator (`->`, `::`, `'a`),
+///   printed together;
+/// - a literal and a `.` (`1 .max(2)`: `1.` is a float);
+/// - an identifier and `#` or `'` (`r#`, `b'` start raw and byte literals; `break 'outer`).
+///
+/// Everything else is printed together: `let x=a+b;`, `f(x)`, `a.b()`.
 fn print(tokens: proc_macro2::TokenStream, out: &mut String) {
+    print_after(tokens, out, Last::Open);
+}
+
+/// [`print`], after a token of kind `last`; returns the kind of the last token it printed.
+fn print_after(tokens: proc_macro2::TokenStream, out: &mut String, mut last: Last) -> Last {
     use proc_macro2::{Delimiter, Spacing, TokenTree};
-    // Whether the last thing printed lets the next token follow with no space.
-    let mut glued = true;
     for t in tokens {
-        let separator = |t: &TokenTree| matches!(t, TokenTree::Punct(p) if matches!(p.as_char(), ',' | ';'));
-        if !glued && !matches!(t, TokenTree::Group(_)) && !separator(&t) {
+        let space = match (&t, last) {
+            (_, Last::Open) | (TokenTree::Group(_), _) => false,
+            (TokenTree::Ident(_) | TokenTree::Literal(_), l) => !matches!(l, Last::Punct(_)),
+            (TokenTree::Punct(p), Last::Punct(a)) => joins(a, p.as_char()),
+            (TokenTree::Punct(p), Last::Literal) => p.as_char() == '.',
+            (TokenTree::Punct(p), Last::Ident) => matches!(p.as_char(), '#' | '\''),
+        };
+        if space {
             out.push(' ');
         }
-        match &t {
+        last = match &t {
             TokenTree::Group(g) => {
                 let (open, close) = match g.delimiter() {
                     Delimiter::Parenthesis => ("(", ")"),
@@ -75,25 +120,26 @@ fn print(tokens: proc_macro2::TokenStream, out: &mut String) {
                     Delimiter::None => ("", ""),
                 };
                 out.push_str(open);
-                print(g.stream(), out);
+                let inner = print_after(g.stream(), out, if open.is_empty() { last } else { Last::Open });
                 out.push_str(close);
                 // An invisible group's last token may still join the next one.
-                glued = g.delimiter() != Delimiter::None;
+                if open.is_empty() { inner } else { Last::Open }
             }
             TokenTree::Punct(p) => {
                 out.push(p.as_char());
-                glued = p.spacing() == Spacing::Joint || separator(&t);
+                if p.spacing() == Spacing::Joint || matches!(p.as_char(), ',' | ';') { Last::Open } else { Last::Punct(p.as_char()) }
             }
             TokenTree::Ident(i) => {
                 out.push_str(&i.to_string());
-                glued = false;
+                Last::Ident
             }
             TokenTree::Literal(l) => {
                 out.push_str(&l.to_string());
-                glued = false;
+                Last::Literal
             }
-        }
+        };
     }
+    last
 }
 
 /// `tokens` without doc attributes (`#[doc = ..]`, `#![doc = ..]`, macro bodies' too) and
@@ -432,14 +478,78 @@ impl A {
         }
     }
 
-    /// Every Rust file of this crate parses, and loses at least its comments.
+    /// Tokens flattened to (kind and text, joined to the next), groups as their delimiters:
+    /// what the compiler reads, whatever the spacing.
+    fn flat(tokens: proc_macro2::TokenStream, into: &mut Vec<(String, bool)>) {
+        use proc_macro2::TokenTree;
+        for t in tokens {
+            match t {
+                TokenTree::Group(g) => {
+                    into.push((format!("open {:?}", g.delimiter()), false));
+                    flat(g.stream(), into);
+                    into.push((format!("close {:?}", g.delimiter()), false));
+                }
+                TokenTree::Ident(i) => into.push((format!("ident {i}"), false)),
+                TokenTree::Punct(p) => into.push((format!("punct {}", p.as_char()), p.spacing() == proc_macro2::Spacing::Joint)),
+                TokenTree::Literal(l) => into.push((format!("literal {l}"), false)),
+            }
+        }
+    }
+
+    /// `printed` lexes back to the tokens `src` keeps, and two punctuations that would form
+    /// another token ([`JOINING`]) touch only where they did in the source: the same program
+    /// to rustc.
+    fn lexes_back(src: &str, printed: &str, features: &[String]) -> std::result::Result<(), String> {
+        let (mut want, mut got) = (Vec::new(), Vec::new());
+        for line in kept_tokens(src, features).unwrap() {
+            flat(line, &mut want);
+        }
+        flat(printed.parse().map_err(|e| format!("does not lex: {e}"))?, &mut got);
+        if let Some(i) = (0..want.len().max(got.len())).find(|&i| want.get(i).map(|w| &w.0) != got.get(i).map(|g| &g.0)) {
+            return Err(format!("token {i}: {:?} printed as {:?}", want.get(i), got.get(i)));
+        }
+        let punct = |t: &(String, bool)| t.0.strip_prefix("punct ").and_then(|c| c.chars().next());
+        for (i, pair) in got.windows(2).enumerate() {
+            if let (Some(a), Some(b)) = (punct(&pair[0]), punct(&pair[1]))
+                && pair[0].1
+                && !want[i].1
+                && joins(a, b)
+            {
+                return Err(format!("token {i}: `{a}` and `{b}` touch in the printed text, not in the source"));
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn tokens_are_printed_apart_only_where_they_would_join() {
+        let src = "fn f<'a>(x: &'a [u8], y: i32) -> i32 { let z = - -y; let w = 1 .max(2) + 1.0f32 as i32; \
+                   let p = & &x; let q = y / *&y; let r = r\"raw\"; let s = b'x'; 'outer: loop { break 'outer; } \
+                   let t = 0..=3; let u = ..; let v = x.len() >> 1; if y <= -1 && !(y == 2) || y != 3 { return w } z }";
+        let out = rust(src, &[]).unwrap();
+        for kept in ["- -y", "1 .max(2)", "& &x", "/ *&y", "r\"raw\"", "b'x'", "break 'outer", "0 ..=3", "let z=", "x:&'a[u8]", "->i32{"] {
+            assert!(out.contains(kept), "{kept:?} is missing from:\n{out}");
+        }
+        lexes_back(src, &out, &[]).unwrap();
+        // The check itself fails on a printing that joins what must stay apart.
+        assert!(lexes_back(src, &out.replace("/ *&y", "/*&y"), &[]).is_err());
+        assert!(lexes_back(src, &out.replace("& &x", "&&x"), &[]).is_err());
+    }
+
+    /// Every Rust file of this crate parses, loses at least its comments, and prints back to
+    /// the tokens it kept.
     #[test]
     fn every_source_file_of_the_crate_strips() {
         let s = super::super::sources::of_this_binary().unwrap();
+        let features = crate::runtime::build_info::BuildInfo::this().features;
         for f in &s.files {
             let bytes = std::fs::read(s.root.join(f)).unwrap();
-            let out = file(f, &bytes, &crate::runtime::build_info::BuildInfo::this().features).unwrap_or_else(|e| panic!("{f}: {e:#}"));
+            let out = file(f, &bytes, &features).unwrap_or_else(|e| panic!("{f}: {e:#}"));
             assert!(out.len() < bytes.len(), "{f}: {} -> {}", bytes.len(), out.len());
+            if f.ends_with(".rs") {
+                let src = std::str::from_utf8(&bytes).unwrap();
+                lexes_back(src, std::str::from_utf8(&out).unwrap(), &features).unwrap_or_else(|e| panic!("{f}: {e}"));
+            }
         }
     }
 }
