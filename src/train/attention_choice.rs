@@ -10,15 +10,22 @@
 //! trial cannot run at all, the incumbent is taken as it was before the trial existed; so in the
 //! lean record build, which has no trial command, and says so.
 
+#[cfg(feature = "tools")]
 use std::io::Read;
 use std::path::{Path, PathBuf};
+#[cfg(feature = "tools")]
 use std::process::{Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+#[cfg(feature = "tools")]
+use std::time::Instant;
 
 use crate::model::flash_attn::FlashKernels;
-use crate::train::attention_trial::{AttentionShape, Outcome, TrialSettings, choose, summary};
+#[cfg(feature = "tools")]
+use crate::train::attention_trial::choose;
+use crate::train::attention_trial::{AttentionShape, Outcome, TrialSettings, summary};
 
 /// How much faster a challenger must be to replace the incumbent (a fraction of its time).
+#[cfg(feature = "tools")]
 pub const MARGIN: f64 = 0.05;
 /// How long one implementation's trial process may take (device start-up included).
 pub const TIMEOUT: Duration = Duration::from_secs(180);
@@ -57,11 +64,20 @@ fn kernels_name<S: serde::Serializer>(k: &FlashKernels, s: S) -> Result<S::Ok, S
 /// naming every reason, where the trials ran and no implementation passed.
 pub fn choose_flash(exe: &Path, device: &str, shape: AttentionShape, timeout: Duration, kinds: &[FlashKernels]) -> anyhow::Result<Choice> {
     anyhow::ensure!(!kinds.is_empty(), "no attention implementation to try");
-    if !cfg!(feature = "tools") {
-        // The lean record build has no `attention-trial` command (the trial runs the candle
-        // flash ops): the incumbent, said so, rather than child processes that cannot start.
-        return Ok(untried(kinds, shape, "this build has no attention trial (`pipeline attention-trial` is the full build's)"));
+    // The lean record build has no `attention-trial` command (the trial runs the candle flash
+    // ops): the incumbent, said so, and none of the trial processes' code compiled.
+    #[cfg(not(feature = "tools"))]
+    {
+        let _ = (exe, device, timeout);
+        Ok(untried(kinds, shape, "this build has no attention trial (`pipeline attention-trial` is the full build's)"))
     }
+    #[cfg(feature = "tools")]
+    trials(exe, device, shape, timeout, kinds)
+}
+
+/// [`choose_flash`] in a build with the trial command: each implementation's trial process.
+#[cfg(feature = "tools")]
+fn trials(exe: &Path, device: &str, shape: AttentionShape, timeout: Duration, kinds: &[FlashKernels]) -> anyhow::Result<Choice> {
     let started = Instant::now();
     let results: Vec<TrialResult> =
         kinds.iter().map(|&k| outcome_of(k.name(), run(&mut trial_command(exe, device, k, shape), timeout))).collect();
@@ -120,6 +136,7 @@ pub fn this_binary() -> anyhow::Result<PathBuf> {
 }
 
 /// `exe attention-trial ...` for one implementation at `shape`, printing its outcome as JSON.
+#[cfg(feature = "tools")]
 fn trial_command(exe: &Path, device: &str, kernels: FlashKernels, shape: AttentionShape) -> Command {
     let mut cmd = Command::new(exe);
     cmd.arg("attention-trial").args(["--device", device, "--kernels", kernels.name(), "--json"]);
@@ -136,6 +153,7 @@ fn trial_command(exe: &Path, device: &str, kernels: FlashKernels, shape: Attenti
 }
 
 /// A child process's end: how it exited and what it printed.
+#[cfg(feature = "tools")]
 #[derive(Debug)]
 pub struct Finished {
     /// Its exit status.
@@ -148,6 +166,7 @@ pub struct Finished {
 
 /// Runs `cmd` to its end or for `timeout` (then kills it). `Err` says why there is no end: it
 /// could not start, or ran out of time.
+#[cfg(feature = "tools")]
 pub fn run(cmd: &mut Command, timeout: Duration) -> Result<Finished, String> {
     let mut child =
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().map_err(|e| format!("could not start: {e}"))?;
@@ -184,6 +203,7 @@ pub fn run(cmd: &mut Command, timeout: Duration) -> Result<Finished, String> {
 }
 
 /// What one trial process gave.
+#[cfg(feature = "tools")]
 #[derive(Clone, Debug, PartialEq)]
 pub enum TrialResult {
     /// The trial judged the implementation: its outcome, a rejection included (a disagreement,
@@ -196,6 +216,7 @@ pub enum TrialResult {
 
 /// What a trial process of implementation `name` gave: its printed outcome (the last line of
 /// its output), or why it has none, with the telling line of its standard error.
+#[cfg(feature = "tools")]
 pub fn outcome_of(name: &str, run: Result<Finished, String>) -> TrialResult {
     let f = match run {
         Ok(f) => f,
@@ -224,6 +245,7 @@ pub fn outcome_of(name: &str, run: Result<Finished, String>) -> TrialResult {
 
 /// The line of a child's standard error that says what went wrong: its last `error:` line, a
 /// panic's location and message, or else its last line that is not a `note:`.
+#[cfg(feature = "tools")]
 fn telling_line(stderr: &str) -> String {
     let lines: Vec<&str> = stderr.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
     if let Some(e) = lines.iter().rev().find(|l| l.starts_with("error:")) {
