@@ -106,6 +106,7 @@ fn trials(exe: &Path, device: &str, shape: AttentionShape, timeout: Duration, ki
 }
 
 /// The incumbent (`kinds[0]`) without a trial, every implementation left out for `why`.
+#[cfg(any(test, not(feature = "tools")))]
 fn untried(kinds: &[FlashKernels], shape: AttentionShape, why: &str) -> Choice {
     let outcomes: Vec<Outcome> = kinds.iter().map(|k| Outcome::left_out(k.name(), why.to_string())).collect();
     let line = format!("{}; {} taken without a trial", summary(&outcomes, shape, TrialSettings::flash()), kinds[0].name());
